@@ -1,0 +1,332 @@
+"""The contract every attention backend implements.
+
+Names follow vLLM's v1 attention contract where one exists (``CommonAttentionMetadata``,
+``query_start_loc``, ``seq_lens``, ``slot_mapping``, ``CGSupport``), so a backend author finds
+what they already know.
+
+Conventions shared by every backend and the harness:
+
+* Slots: ``slot = physical_block * block_size + offset``. ``slot_mapping == -1`` means
+  "write nothing" (graph padding rows).
+* Block 0 is reserved: no real request ever owns it. Graph padding rows point their block-table
+  rows at it, so whatever a padded row reads is harmless.
+* MHA/GQA: ``key``/``value`` are ``[T, num_kv_heads, head_dim]``; ``query`` ``[T, num_heads, head_dim]``.
+* MLA (absorbed): ``key`` is the latent entry ``[T, kv_lora_rank + rope_dim]``, ``value`` is None;
+  ``query`` is ``[T, num_heads, kv_lora_rank + rope_dim]``; output ``[T, num_heads, kv_lora_rank]``.
+* Token ``i`` of request ``r`` sits at position ``seq_lens[r] - query_len[r] + i`` and attends
+  causally to every earlier position of its own request (within the sliding window, if any).
+"""
+from __future__ import annotations
+
+import abc
+import enum
+import importlib.util
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp32": torch.float32,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in DTYPE_NAMES.items():
+        if value == dtype:
+            return name
+    return str(dtype).removeprefix("torch.")
+
+
+class CGSupport(enum.IntEnum):
+    """How much of a step a backend lets an engine capture in a CUDA graph (vLLM's names)."""
+
+    NEVER = 0
+    UNIFORM_SINGLE_TOKEN_DECODE = 1  # every request has query length 1
+    UNIFORM_BATCH = 2  # every request has the same query length (decode, spec-verify 1+k)
+    ALWAYS = 3  # any batch, mixed prefill + decode included
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one attention layer asks of a backend."""
+
+    kind: str  # "mha" (covers GQA/MQA) or "mla"
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # MHA: per-head dim. MLA: kv_lora_rank + rope_dim.
+    dtype: torch.dtype
+    block_size: int = 16
+    kv_cache_dtype: torch.dtype | None = None  # None: same as dtype
+    sliding_window: int | None = None  # a token sees itself and the sliding_window - 1 before it
+    logits_soft_cap: float | None = None  # scores become cap * tanh(scores / cap)
+    scale: float | None = None  # None: 1 / sqrt(qk head dim)
+    kv_lora_rank: int = 0  # MLA only
+    rope_dim: int = 0  # MLA only
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("mha", "mla"):
+            raise ValueError(f"kind must be 'mha' or 'mla', not {self.kind!r}")
+        if self.kind == "mla":
+            if self.num_kv_heads != 1:
+                raise ValueError("MLA has one latent KV head (num_kv_heads=1)")
+            if self.head_dim != self.kv_lora_rank + self.rope_dim or self.kv_lora_rank <= 0:
+                raise ValueError("MLA head_dim must equal kv_lora_rank + rope_dim")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+
+    @property
+    def effective_kv_cache_dtype(self) -> torch.dtype:
+        return self.kv_cache_dtype or self.dtype
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.kv_lora_rank if self.kind == "mla" else self.head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def query_group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class BackendLimits:
+    """Static sizes a backend may allocate persistent buffers for, once, in ``__init__``."""
+
+    max_num_reqs: int
+    max_num_tokens: int
+    max_model_len: int
+
+    def max_blocks_per_req(self, block_size: int) -> int:
+        return -(-self.max_model_len // block_size)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The device a backend would run on, reduced to what claims are checked against."""
+
+    type: str  # "cpu" or "cuda"
+    name: str = ""
+    compute_capability: tuple[int, int] | None = None
+
+    @staticmethod
+    def of(device: "torch.device | str | DeviceInfo") -> "DeviceInfo":
+        if isinstance(device, DeviceInfo):
+            return device
+        device = torch.device(device)
+        if device.type != "cuda":
+            return DeviceInfo(type=device.type, name=device.type)
+        if not torch.cuda.is_available():
+            return DeviceInfo(type="cuda", name="(no CUDA device)")
+        return DeviceInfo(
+            type="cuda",
+            name=torch.cuda.get_device_name(device),
+            compute_capability=tuple(torch.cuda.get_device_capability(device)),
+        )
+
+    @property
+    def sm(self) -> str:
+        if self.compute_capability is None:
+            return "no compute capability"
+        major, minor = self.compute_capability
+        return f"SM{major}{minor}"
+
+
+def _format_set(values) -> str:
+    return ", ".join(sorted(str(v) for v in values))
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend claims. Every claim is verified by a check; claim only what passes."""
+
+    kinds: frozenset[str] = frozenset({"mha"})
+    dtypes: frozenset[torch.dtype] = frozenset({torch.float16, torch.bfloat16})
+    head_dims: frozenset[int] | None = None  # None: any
+    block_sizes: frozenset[int] | None = None  # None: any
+    num_heads: frozenset[int] | None = None  # None: any (MLA kernels often fix a few)
+    max_query_len: int | None = None  # None: prefill too; 1: decode only; k: spec-verify up to k
+    sliding_window: bool = False
+    logits_soft_cap: bool = False
+    cuda_graphs: CGSupport = CGSupport.NEVER
+    needs_cpu_seq_lens: bool = True  # False promises zero host syncs when host lengths are absent
+    draft_step_update: bool = False  # update_for_draft_step can advance metadata in place
+    devices: frozenset[str] = frozenset({"cuda"})
+    compute_capabilities: frozenset[tuple[int, int]] | None = None  # None: any
+    required_modules: tuple[str, ...] = ()
+    install_hint: str = ""  # the command that installs required_modules
+
+    def availability_reason(self, device: "torch.device | str | DeviceInfo") -> str | None:
+        """Why this backend cannot run at all on ``device``; None when it can."""
+        info = DeviceInfo.of(device)
+        missing = [m for m in self.required_modules if importlib.util.find_spec(m.split(".")[0]) is None]
+        if missing:
+            hint = f": {self.install_hint}" if self.install_hint else ""
+            return f"missing Python package {', '.join(missing)}{hint}"
+        if info.type not in self.devices:
+            return f"runs on {_format_set(self.devices)}, not {info.type}"
+        if info.type == "cuda" and info.compute_capability is None:
+            return "no CUDA device is visible"
+        if self.compute_capabilities is not None and info.compute_capability not in self.compute_capabilities:
+            wanted = ", ".join(f"SM{a}{b}" for a, b in sorted(self.compute_capabilities))
+            return f"needs compute capability {wanted}; this GPU ({info.name}) is {info.sm}"
+        return None
+
+    def unsupported_reason(self, spec: AttentionSpec, device: "torch.device | str | DeviceInfo") -> str | None:
+        """The human reason this backend cannot run ``spec`` on ``device``; None when it can."""
+        reason = self.availability_reason(device)
+        if reason:
+            return reason
+        if spec.kind not in self.kinds:
+            return f"{spec.kind.upper()} not supported (supports {_format_set(self.kinds)})"
+        if spec.dtype not in self.dtypes:
+            return f"dtype {dtype_name(spec.dtype)} not supported (supports {_format_set(map(dtype_name, self.dtypes))})"
+        if spec.effective_kv_cache_dtype != spec.dtype:
+            return "a KV-cache dtype different from the compute dtype is not supported"
+        if self.head_dims is not None and spec.head_dim not in self.head_dims:
+            return f"head_dim {spec.head_dim} not supported (supports {_format_set(self.head_dims)})"
+        if self.block_sizes is not None and spec.block_size not in self.block_sizes:
+            return f"block size {spec.block_size} not supported (supports {_format_set(self.block_sizes)})"
+        if self.num_heads is not None and spec.num_heads not in self.num_heads:
+            return f"{spec.num_heads} query heads not supported (supports {_format_set(self.num_heads)})"
+        if spec.sliding_window is not None and not self.sliding_window:
+            return "sliding window not supported"
+        if spec.logits_soft_cap is not None and not self.logits_soft_cap:
+            return "logits soft cap not supported"
+        return None
+
+    def query_len_reason(self, max_query_len: int) -> str | None:
+        if self.max_query_len is not None and max_query_len > self.max_query_len:
+            return f"query length {max_query_len} exceeds the claimed maximum {self.max_query_len}"
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        def listed(values):
+            return None if values is None else sorted(values)
+
+        return {
+            "kinds": sorted(self.kinds),
+            "dtypes": sorted(dtype_name(d) for d in self.dtypes),
+            "head_dims": listed(self.head_dims),
+            "block_sizes": listed(self.block_sizes),
+            "num_heads": listed(self.num_heads),
+            "max_query_len": self.max_query_len,
+            "sliding_window": self.sliding_window,
+            "logits_soft_cap": self.logits_soft_cap,
+            "cuda_graphs": self.cuda_graphs.name,
+            "needs_cpu_seq_lens": self.needs_cpu_seq_lens,
+            "draft_step_update": self.draft_step_update,
+            "devices": sorted(self.devices),
+            "compute_capabilities": None
+            if self.compute_capabilities is None
+            else [f"SM{a}{b}" for a, b in sorted(self.compute_capabilities)],
+            "required_modules": list(self.required_modules),
+        }
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """One step's batch. Device tensors are the truth; host values are what the producer knew.
+
+    ``max_seq_len`` is an UPPER BOUND: under async spec decode the host assumes every draft was
+    accepted. ``max_query_len`` is exact. Host lengths are optional: a producer that does not know
+    them (async scheduling) leaves ``seq_lens_cpu`` unset, and reading the property then copies
+    from the device, a host sync that is recorded in ``device_to_host_copies`` (and that the
+    host-sync detector sees).
+    """
+
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, device
+    seq_lens: torch.Tensor  # [num_reqs] int32, device: context + this step's query
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, device
+    slot_mapping: torch.Tensor  # [num_actual_tokens] int64, device (-1: write nothing)
+    query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] int32, host
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    host_seq_lens: torch.Tensor | None = None  # [num_reqs] int32, host, when the producer knew them
+    device_to_host_copies: list[str] = field(default_factory=list)
+
+    @property
+    def has_host_seq_lens(self) -> bool:
+        return self.host_seq_lens is not None
+
+    @property
+    def seq_lens_cpu(self) -> torch.Tensor:
+        if self.host_seq_lens is None:
+            # The producer did not know the lengths: fetching them stalls the host on the device.
+            self.device_to_host_copies.append("seq_lens")
+            self.host_seq_lens = self.seq_lens.to("cpu")
+        return self.host_seq_lens
+
+    @property
+    def query_lens_cpu(self) -> torch.Tensor:
+        return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.seq_lens.device
+
+
+class AttentionBackend(abc.ABC):
+    """One attention backend. Subclasses set ``name`` and ``capabilities``.
+
+    ``__init__`` allocates every persistent buffer once, sized by ``limits``, so that ``build``
+    and ``forward`` can run inside a CUDA graph capture without allocating.
+    """
+
+    name: ClassVar[str] = ""
+    capabilities: ClassVar[Capabilities] = Capabilities()
+
+    def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
+        self.spec = spec
+        self.limits = limits
+        self.device = torch.device(device)
+
+    @classmethod
+    def availability_reason(cls, device: "torch.device | str | DeviceInfo") -> str | None:
+        return cls.capabilities.availability_reason(device)
+
+    @classmethod
+    def unsupported_reason(cls, spec: AttentionSpec, device: "torch.device | str | DeviceInfo") -> str | None:
+        return cls.capabilities.unsupported_reason(spec, device)
+
+    @abc.abstractmethod
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of the paged cache for ``num_blocks`` blocks (block 0 included)."""
+
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        return torch.zeros(
+            self.kv_cache_shape(num_blocks), dtype=self.spec.effective_kv_cache_dtype, device=self.device
+        )
+
+    @abc.abstractmethod
+    def write_kv(
+        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None, slot_mapping: torch.Tensor
+    ) -> None:
+        """Store ``key``/``value`` rows at ``slot_mapping``; a slot of -1 writes nothing."""
+
+    @abc.abstractmethod
+    def build(self, common: CommonAttentionMetadata) -> Any:
+        """Backend metadata for one step. Runs on the host before every forward or graph replay."""
+
+    def build_for_capture(self, common: CommonAttentionMetadata) -> Any:
+        """Metadata for a CUDA-graph capture; by default the same as ``build``."""
+        return self.build(common)
+
+    def update_for_draft_step(self, metadata: Any, common: CommonAttentionMetadata) -> Any:
+        """Advance ``metadata`` in place, on device, after every request gained one token.
+
+        Only backends claiming ``draft_step_update`` implement it.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not claim draft_step_update")
+
+    @abc.abstractmethod
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor) -> None:
+        """Attention for the first ``num_actual_tokens`` rows of ``query``, written into ``out``."""

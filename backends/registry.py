@@ -1,0 +1,72 @@
+"""Backend names → classes: built-ins, the ``conformance.backends`` entry-point group, and
+``pkg.module:Class`` given directly (a backend under development needs no packaging)."""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from dataclasses import dataclass
+
+from backends.base import AttentionBackend
+
+ENTRY_POINT_GROUP = "conformance.backends"
+
+# Built-ins import lazily: a vendor adapter's module may need a package that is not installed.
+BUILTIN_BACKENDS: dict[str, str] = {
+    "torch_naive": "backends.torch_naive:TorchNaiveBackend",
+}
+
+
+class BackendLookupError(LookupError):
+    """A backend name that names nothing loadable; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class BackendRef:
+    """Where a backend comes from, before it is imported."""
+
+    name: str
+    target: str  # "pkg.module:Class"
+    origin: str  # "builtin", "entry point", or "module:Class"
+
+
+def _entry_points() -> dict[str, str]:
+    return {ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def known_backends() -> list[BackendRef]:
+    refs = [BackendRef(name, target, "builtin") for name, target in BUILTIN_BACKENDS.items()]
+    refs += [
+        BackendRef(name, target, "entry point")
+        for name, target in sorted(_entry_points().items())
+        if name not in BUILTIN_BACKENDS
+    ]
+    return refs
+
+
+def resolve(name: str) -> BackendRef:
+    if name in BUILTIN_BACKENDS:
+        return BackendRef(name, BUILTIN_BACKENDS[name], "builtin")
+    entry_points = _entry_points()
+    if name in entry_points:
+        return BackendRef(name, entry_points[name], "entry point")
+    if ":" in name:
+        return BackendRef(name, name, "module:Class")
+    choices = ", ".join(ref.name for ref in known_backends())
+    raise BackendLookupError(f"unknown backend {name!r} (known: {choices}; or give pkg.module:Class)")
+
+
+def load(ref: BackendRef | str) -> type[AttentionBackend]:
+    """Import the backend class. Raises BackendLookupError with a one-line reason."""
+    if isinstance(ref, str):
+        ref = resolve(ref)
+    module_name, _, class_name = ref.target.partition(":")
+    if not module_name or not class_name:
+        raise BackendLookupError(f"{ref.target!r} is not of the form pkg.module:Class")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise BackendLookupError(f"cannot import {module_name} for backend {ref.name!r}: {error}") from error
+    backend_cls = getattr(module, class_name, None)
+    if not (isinstance(backend_cls, type) and issubclass(backend_cls, AttentionBackend)):
+        raise BackendLookupError(f"{ref.target} is not an AttentionBackend subclass")
+    return backend_cls

@@ -1,0 +1,116 @@
+"""Plain PyTorch attention over the paged cache: the readable baseline, on CPU and CUDA.
+
+One request at a time, in float32, from host lengths: easy to check by eye, slow, and honest
+about it (needs host lengths, no CUDA graphs). Small hooks (``softmax_scale``, ``visible``,
+``gather``) keep each piece of the math in one place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backends.base import (
+    AttentionBackend,
+    Capabilities,
+    CGSupport,
+    CommonAttentionMetadata,
+)
+
+
+@dataclass
+class NaiveMetadata:
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_table: torch.Tensor
+
+
+class TorchNaiveBackend(AttentionBackend):
+    name = "torch_naive"
+    capabilities = Capabilities(
+        kinds=frozenset({"mha", "mla"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        max_query_len=None,
+        sliding_window=True,
+        logits_soft_cap=True,
+        cuda_graphs=CGSupport.NEVER,
+        needs_cpu_seq_lens=True,
+        draft_step_update=False,
+        devices=frozenset({"cpu", "cuda"}),
+    )
+
+    # Layout: MHA [2, num_blocks, block_size, kv_heads, head_dim] so that K and V each view as
+    # [num_slots, kv_heads, head_dim]; MLA [num_blocks, block_size, kv_lora_rank + rope_dim].
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        spec = self.spec
+        if spec.kind == "mla":
+            return (num_blocks, spec.block_size, spec.head_dim)
+        return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+
+    def slot_planes(self, kv_cache: torch.Tensor) -> list[torch.Tensor]:
+        """The cache as per-slot views: [K, V] for MHA, [latent] for MLA."""
+        if self.spec.kind == "mla":
+            return [kv_cache.view(-1, 1, self.spec.head_dim)]
+        return [plane.view(-1, self.spec.num_kv_heads, self.spec.head_dim) for plane in kv_cache]
+
+    def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
+        rows_per_plane = [key.view(key.shape[0], 1, -1)] if self.spec.kind == "mla" else [key, value]
+        valid = slot_mapping >= 0
+        # Rows with slot -1 are parked on slot 0 and rewrite what it already holds: block 0 is
+        # reserved and never owned by a request, so no real row targets it, and masking on the
+        # host instead would need a device-to-host sync.
+        slots = torch.where(valid, slot_mapping, torch.zeros_like(slot_mapping))
+        for plane, rows in zip(self.slot_planes(kv_cache), rows_per_plane):
+            parked = plane[0].expand_as(rows)
+            plane.index_copy_(0, slots, torch.where(valid[:, None, None], rows.to(plane.dtype), parked))
+
+    def build(self, common: CommonAttentionMetadata) -> NaiveMetadata:
+        return NaiveMetadata(
+            query_start_loc=common.query_start_loc_cpu.tolist(),
+            seq_lens=common.seq_lens_cpu.tolist(),  # copies from the device when the host lacks them
+            block_table=common.block_table,
+        )
+
+    def forward(self, query, kv_cache, metadata: NaiveMetadata, out) -> None:
+        planes = self.slot_planes(kv_cache)
+        for request, seq_len in enumerate(metadata.seq_lens):
+            start, end = metadata.query_start_loc[request], metadata.query_start_loc[request + 1]
+            if end == start:
+                continue
+            kv = [self.gather(plane, metadata.block_table[request], seq_len) for plane in planes]
+            key, value = (kv[0], kv[0][..., : self.spec.v_head_dim]) if self.spec.kind == "mla" else kv
+            context_len = seq_len - (end - start)
+            out[start:end] = self.attend(query[start:end], key, value, context_len).to(out.dtype)
+
+    def gather(self, plane: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """The first ``seq_len`` cached rows of one request, in position order."""
+        block_size = self.spec.block_size
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_table_row[:num_blocks].long()
+        offsets = torch.arange(block_size, device=plane.device)
+        slots = (blocks[:, None] * block_size + offsets[None, :]).reshape(-1)[:seq_len]
+        return plane[slots]
+
+    def softmax_scale(self) -> float:
+        return self.spec.softmax_scale
+
+    def visible(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        """[q, k] mask: causal, and within the sliding window when there is one."""
+        seen = key_positions[None, :] <= query_positions[:, None]
+        if self.spec.sliding_window is not None:
+            seen &= query_positions[:, None] - key_positions[None, :] < self.spec.sliding_window
+        return seen
+
+    def attend(self, query, key, value, context_len: int) -> torch.Tensor:
+        """query [q, H, Dk], key [s, Hkv, Dk], value [s, Hkv, Dv] → [q, H, Dv], in float32."""
+        group = self.spec.query_group_size
+        key = key.float().repeat_interleave(group, dim=1)
+        value = value.float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query.float(), key) * self.softmax_scale()
+        if self.spec.logits_soft_cap is not None:
+            cap = self.spec.logits_soft_cap
+            scores = cap * torch.tanh(scores / cap)
+        query_positions = context_len + torch.arange(query.shape[0], device=query.device)
+        key_positions = torch.arange(key.shape[0], device=query.device)
+        scores = scores.masked_fill(~self.visible(query_positions, key_positions), float("-inf"))
+        return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), value)

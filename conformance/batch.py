@@ -1,0 +1,194 @@
+"""A case made real: random queries and KV per request, a paged block layout, and the
+``CommonAttentionMetadata`` an engine would hand a backend for the step.
+
+Data is drawn on the CPU from a generator seeded by the case id, then moved to the device, so a
+failure seen on a GPU reproduces bit for bit on any machine.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from backends.base import BackendLimits, CommonAttentionMetadata
+from conformance.cases import Case
+from conformance.oracle import attention_reference, mla_reference
+
+NUM_PADDING_TOKENS = 3  # rows with slot -1 appended to every step's KV write
+
+
+@dataclass
+class PagedBatch:
+    case: Case
+    device: torch.device
+    query: torch.Tensor  # [num_tokens, H, Dk], every request's new tokens, concatenated
+    keys: list[torch.Tensor]  # per request [seq_len, Hkv, Dk] (MLA: [seq_len, latent + rope])
+    values: list[torch.Tensor | None]  # per request [seq_len, Hkv, Dv]; None for MLA
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32, host
+    num_blocks: int  # block 0 (reserved) included
+
+    @property
+    def spec(self):
+        return self.case.spec
+
+    @property
+    def query_start_loc(self) -> list[int]:
+        starts = [0]
+        for _, query_len in self.case.batch:
+            starts.append(starts[-1] + query_len)
+        return starts
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [context + query for context, query in self.case.batch]
+
+    def limits(self, padding: int = NUM_PADDING_TOKENS) -> BackendLimits:
+        spec = self.spec
+        max_model_len = self.block_table.shape[1] * spec.block_size
+        return BackendLimits(self.case.num_reqs, self.case.num_tokens + padding, max_model_len)
+
+    def slots(self, request: int, positions: range) -> torch.Tensor:
+        block_size = self.spec.block_size
+        positions = torch.arange(positions.start, positions.stop, dtype=torch.int64)
+        blocks = self.block_table[request].long()[positions // block_size]
+        return blocks * block_size + positions % block_size
+
+    def reference_output(self) -> torch.Tensor:
+        """The oracle's answer for every new token: [num_tokens, H, Dv] float64, on the device."""
+        spec = self.spec
+        outputs = []
+        for request, (context_len, _) in enumerate(self.case.batch):
+            start, end = self.query_start_loc[request], self.query_start_loc[request + 1]
+            if spec.kind == "mla":
+                outputs.append(
+                    mla_reference(
+                        self.query[start:end], self.keys[request], kv_lora_rank=spec.kv_lora_rank,
+                        context_len=context_len, scale=spec.softmax_scale,
+                    )
+                )
+            else:
+                outputs.append(
+                    attention_reference(
+                        self.query[start:end], self.keys[request], self.values[request], context_len=context_len,
+                        scale=spec.softmax_scale, sliding_window=spec.sliding_window,
+                        logits_soft_cap=spec.logits_soft_cap,
+                    )
+                )
+        return torch.cat(outputs)
+
+    def _rows(self, positions_of) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        keys, values, slots = [], [], []
+        for request, (context_len, query_len) in enumerate(self.case.batch):
+            positions = positions_of(context_len, query_len)
+            keys.append(self.keys[request][positions.start : positions.stop])
+            if self.values[request] is not None:
+                values.append(self.values[request][positions.start : positions.stop])
+            slots.append(self.slots(request, positions))
+        key = torch.cat(keys)
+        value = torch.cat(values) if values else None
+        return key, value, torch.cat(slots).to(self.device)
+
+    def history_rows(self):
+        """(key, value, slot_mapping) for every cached (context) token: what earlier steps wrote."""
+        return self._rows(lambda context_len, query_len: range(0, context_len))
+
+    def step_rows(self, padding: int = NUM_PADDING_TOKENS):
+        """(key, value, slot_mapping) for this step's new tokens, plus ``padding`` rows with slot -1."""
+        key, value, slots = self._rows(lambda context_len, query_len: range(context_len, context_len + query_len))
+        if padding:
+            # Garbage, not zeros: a backend that writes padding rows anywhere must show it.
+            key = torch.cat([key, torch.full((padding, *key.shape[1:]), 7.0, dtype=key.dtype, device=key.device)])
+            if value is not None:
+                value = torch.cat([value, torch.full((padding, *value.shape[1:]), -7.0, dtype=value.dtype, device=value.device)])
+            slots = torch.cat([slots, torch.full((padding,), -1, dtype=torch.int64, device=slots.device)])
+        return key, value, slots
+
+    def common_metadata(self, *, with_host_lengths: bool = True) -> CommonAttentionMetadata:
+        query_start_loc = torch.tensor(self.query_start_loc, dtype=torch.int32)
+        seq_lens = torch.tensor(self.seq_lens, dtype=torch.int32)
+        _, _, slot_mapping = self._rows(lambda context_len, query_len: range(context_len, context_len + query_len))
+        return CommonAttentionMetadata(
+            query_start_loc=query_start_loc.to(self.device),
+            seq_lens=seq_lens.to(self.device),
+            block_table=self.block_table.to(self.device),
+            slot_mapping=slot_mapping,
+            query_start_loc_cpu=query_start_loc,
+            num_reqs=self.case.num_reqs,
+            num_actual_tokens=self.case.num_tokens,
+            max_query_len=self.case.max_query_len,
+            max_seq_len=self.case.max_seq_len,
+            host_seq_lens=seq_lens if with_host_lengths else None,
+        )
+
+
+def case_generator(case: Case) -> torch.Generator:
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(zlib.crc32(case.id.encode()) & 0x7FFFFFFF)
+    return generator
+
+
+def assign_blocks(case: Case, generator: torch.Generator) -> tuple[torch.Tensor, int]:
+    """Block table [num_reqs, max_blocks] and the pool size (block 0 reserved, never assigned).
+
+    Shared-prefix requests reuse request 0's first blocks. Physical ids are permuted unless the
+    case says ``linear``. The pool's last block is given to a block that is full of cached
+    tokens, when one exists, so that a write to slot -1 (Python's "last slot") corrupts data a
+    request reads.
+    """
+    block_size = case.spec.block_size
+    blocks_needed = [-(-(context + query) // block_size) for context, query in case.batch]
+    shared = case.shared_prefix_blocks
+    owned = [blocks_needed[0]] + [count - shared for count in blocks_needed[1:]]
+    total = sum(owned)
+    physical = torch.arange(1, total + 1)
+    if case.permute_blocks:
+        physical = physical[torch.randperm(total, generator=generator)]
+
+    # Logical (request, block index) in allocation order, and which of them are full of context.
+    logical = []
+    for request, count in enumerate(owned):
+        first = 0 if request == 0 else shared
+        logical += [(request, first + index) for index in range(count)]
+    full_of_context = [
+        i for i, (request, index) in enumerate(logical) if (index + 1) * block_size <= case.batch[request][0]
+    ]
+    if full_of_context:
+        last_block_position = int((physical == total).nonzero()[0, 0])
+        target = full_of_context[-1]
+        physical[last_block_position], physical[target] = physical[target].clone(), physical[last_block_position].clone()
+
+    table = torch.zeros(case.num_reqs, max(blocks_needed), dtype=torch.int32)
+    for (request, index), block in zip(logical, physical.tolist()):
+        table[request, index] = block
+    for request in range(1, case.num_reqs):
+        table[request, :shared] = table[0, :shared]
+    return table, total + 1
+
+
+def materialize(case: Case, device: torch.device | str) -> PagedBatch:
+    device = torch.device(device)
+    spec = case.spec
+    generator = case_generator(case)
+    block_table, num_blocks = assign_blocks(case, generator)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(spec.dtype).to(device)
+
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor | None] = []
+    shared_tokens = case.shared_prefix_blocks * spec.block_size
+    for request, (context_len, query_len) in enumerate(case.batch):
+        seq_len = context_len + query_len
+        if spec.kind == "mla":
+            key, value = normal(seq_len, spec.head_dim), None
+        else:
+            key, value = normal(seq_len, spec.num_kv_heads, spec.head_dim), normal(seq_len, spec.num_kv_heads, spec.head_dim)
+        if request and shared_tokens:
+            key[:shared_tokens] = keys[0][:shared_tokens]
+            if value is not None:
+                value[:shared_tokens] = values[0][:shared_tokens]
+        keys.append(key)
+        values.append(value)
+    query = normal(case.num_tokens, spec.num_heads, spec.head_dim)
+    return PagedBatch(case, device, query, keys, values, block_table, num_blocks)

@@ -1,0 +1,343 @@
+"""Cases: a layer spec, a batch of (context_len, query_len) requests, and a seed.
+
+A case's id is its whole definition, in the same compact grammar ``--case`` accepts:
+
+    LAYER ":" BATCH ["@" SEED]
+
+    LAYER  = KIND ("-" ATTR)*             KIND: gqa | mha | mla
+      hQ/KV or hQ   query / KV heads; hQ alone is MHA (default h32/8; MLA: h16, one latent KV head)
+      dN            head dim               (default d128; MLA: d512+64, latent + rope)
+      fp16|bf16|fp32 dtype                 (default bf16)
+      pN            KV block (page) size   (default p16; MLA default p64)
+      wN            sliding window         (a token sees itself and the N-1 before it)
+      capX          logits soft cap
+      scaleX        softmax scale          (default 1/sqrt(head dim))
+      shareN        the first N blocks of every request are one shared prefix
+      linear        blocks in order (default: physical blocks randomly permuted)
+    BATCH  = ITEM ("," ITEM)*
+    ITEM   = CTX "+" Q ["x" N]             N requests with CTX cached tokens and Q new ones;
+                                           numbers take a k suffix (4k = 4096)
+
+Examples:
+    4k+1x64                                 64 decodes over 4096 cached tokens (default layer)
+    gqa-h32/8-d128-bf16-p16:4096+4x8        spec-verify, 1 + 3 drafts, batch 8
+    mha-h16-d64-fp16-p32:1000+24,0+300,17+1 chunked prefill, prefill and a decode in one batch
+    gqa-h8/2-d128-w256:2000+8@7             sliding window 256, seed 7
+    mla-h128-d512+64-bf16-p64:4096+1x64     DeepSeek-style absorbed MLA decode
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from backends.base import DTYPE_NAMES, AttentionSpec, dtype_name
+
+
+class CaseSyntaxError(ValueError):
+    """A --case string that does not parse; the message says what was wrong and what is expected."""
+
+
+@dataclass(frozen=True)
+class Case:
+    spec: AttentionSpec
+    batch: tuple[tuple[int, int], ...]  # (context_len, query_len) per request
+    seed: int = 0
+    shared_prefix_blocks: int = 0
+    permute_blocks: bool = True
+    tag: str = field(default="", compare=False)  # a human label ("decode"), not part of the id
+
+    def __post_init__(self) -> None:
+        if not self.batch:
+            raise CaseSyntaxError("a batch needs at least one request")
+        for context_len, query_len in self.batch:
+            if context_len < 0 or query_len < 1:
+                raise CaseSyntaxError(f"request {context_len}+{query_len}: context must be >= 0 and query >= 1")
+        if self.shared_prefix_blocks:
+            needed = self.shared_prefix_blocks * self.spec.block_size
+            if min(context for context, _ in self.batch) < needed:
+                raise CaseSyntaxError(
+                    f"share{self.shared_prefix_blocks} needs every context >= {needed} tokens "
+                    f"({self.shared_prefix_blocks} blocks of {self.spec.block_size})"
+                )
+
+    @property
+    def id(self) -> str:
+        return format_case(self)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.batch)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(query for _, query in self.batch)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(query for _, query in self.batch)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(context + query for context, query in self.batch)
+
+
+# --- grammar -----------------------------------------------------------------------------------
+
+_GRAMMAR_HINT = "expected LAYER:BATCH[@SEED], e.g. gqa-h32/8-d128-bf16-p16:4096+1x64 (see `conformance run --help`)"
+
+
+def _number(text: str, what: str) -> int:
+    match = re.fullmatch(r"(\d+)(k?)", text)
+    if not match:
+        raise CaseSyntaxError(f"{what} {text!r} is not a number; {_GRAMMAR_HINT}")
+    return int(match.group(1)) * (1024 if match.group(2) else 1)
+
+
+def _float(text: str, what: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise CaseSyntaxError(f"{what} {text!r} is not a number") from None
+
+
+def parse_batch(text: str) -> tuple[tuple[int, int], ...]:
+    requests: list[tuple[int, int]] = []
+    for item in text.split(","):
+        match = re.fullmatch(r"\s*(\d+k?)\+(\d+k?)(?:x(\d+))?\s*", item)
+        if not match:
+            raise CaseSyntaxError(f"batch item {item!r} is not CTX+Q[xN]; {_GRAMMAR_HINT}")
+        context = _number(match.group(1), "context length")
+        query = _number(match.group(2), "query length")
+        count = _number(match.group(3), "repeat count") if match.group(3) else 1
+        requests += [(context, query)] * count
+    return tuple(requests)
+
+
+def parse_layer(text: str) -> tuple[AttentionSpec, int, bool]:
+    """Returns (spec, shared_prefix_blocks, permute_blocks)."""
+    kind_name, *attrs = text.split("-")
+    if kind_name not in ("gqa", "mha", "mla"):
+        raise CaseSyntaxError(f"layer kind {kind_name!r} is not gqa, mha or mla; {_GRAMMAR_HINT}")
+    is_mla = kind_name == "mla"
+    num_heads, num_kv_heads = (16, 1) if is_mla else (32, 8)
+    head_dim, kv_lora_rank, rope_dim = 128, 512, 64
+    dtype, block_size = torch.bfloat16, 64 if is_mla else 16
+    window = cap = scale = None
+    share, permute = 0, True
+    kv_heads_given = False
+    for attr in attrs:
+        if attr in DTYPE_NAMES:
+            dtype = DTYPE_NAMES[attr]
+        elif attr == "linear":
+            permute = False
+        elif match := re.fullmatch(r"h(\d+)(?:/(\d+))?", attr):
+            num_heads = int(match.group(1))
+            if match.group(2):
+                if is_mla:
+                    raise CaseSyntaxError("MLA has one latent KV head: write hQ, not hQ/KV")
+                num_kv_heads, kv_heads_given = int(match.group(2)), True
+        elif is_mla and (match := re.fullmatch(r"d(\d+)\+(\d+)", attr)):
+            kv_lora_rank, rope_dim = int(match.group(1)), int(match.group(2))
+        elif not is_mla and (match := re.fullmatch(r"d(\d+)", attr)):
+            head_dim = int(match.group(1))
+        elif match := re.fullmatch(r"p(\d+)", attr):
+            block_size = int(match.group(1))
+        elif match := re.fullmatch(r"w(\d+)", attr):
+            window = int(match.group(1))
+        elif match := re.fullmatch(r"cap(.+)", attr):
+            cap = _float(match.group(1), "soft cap")
+        elif match := re.fullmatch(r"scale(.+)", attr):
+            scale = _float(match.group(1), "scale")
+        elif match := re.fullmatch(r"share(\d+)", attr):
+            share = int(match.group(1))
+        else:
+            raise CaseSyntaxError(f"layer attribute {attr!r} not understood in {text!r}; {_GRAMMAR_HINT}")
+    if not is_mla and not kv_heads_given and any(a.startswith("h") for a in attrs):
+        num_kv_heads = num_heads  # hQ alone: one KV head per query head
+    if not is_mla and num_kv_heads and num_heads % num_kv_heads:
+        raise CaseSyntaxError(f"{num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
+    if block_size < 1 or num_heads < 1:
+        raise CaseSyntaxError("block size and head counts must be positive")
+    try:
+        if is_mla:
+            spec = AttentionSpec(
+                kind="mla", num_heads=num_heads, num_kv_heads=1, head_dim=kv_lora_rank + rope_dim, dtype=dtype,
+                block_size=block_size, sliding_window=window, logits_soft_cap=cap, scale=scale,
+                kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
+            )
+        else:
+            spec = AttentionSpec(
+                kind="mha", num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                block_size=block_size, sliding_window=window, logits_soft_cap=cap, scale=scale,
+            )
+    except ValueError as error:
+        raise CaseSyntaxError(str(error)) from None
+    return spec, share, permute
+
+
+def parse_case(text: str, default_seed: int = 0) -> Case:
+    """Parse ``LAYER:BATCH[@SEED]``; a bare ``BATCH`` uses the default layer (Llama-3-8B GQA)."""
+    text = text.strip()
+    body, _, seed_text = text.partition("@")
+    seed = _number(seed_text, "seed") if seed_text else default_seed
+    layer_text, _, batch_text = body.rpartition(":")
+    spec, share, permute = parse_layer(layer_text or "gqa")
+    return Case(spec, parse_batch(batch_text), seed, share, permute)
+
+
+def _format_number(value: float) -> str:
+    return f"{value:g}"
+
+
+def format_layer(spec: AttentionSpec, shared_prefix_blocks: int = 0, permute_blocks: bool = True) -> str:
+    if spec.kind == "mla":
+        parts = ["mla", f"h{spec.num_heads}", f"d{spec.kv_lora_rank}+{spec.rope_dim}"]
+    else:
+        kind = "mha" if spec.num_kv_heads == spec.num_heads else "gqa"
+        parts = [kind, f"h{spec.num_heads}/{spec.num_kv_heads}", f"d{spec.head_dim}"]
+    parts += [dtype_name(spec.dtype), f"p{spec.block_size}"]
+    if spec.sliding_window is not None:
+        parts.append(f"w{spec.sliding_window}")
+    if spec.logits_soft_cap is not None:
+        parts.append(f"cap{_format_number(spec.logits_soft_cap)}")
+    if spec.scale is not None:
+        parts.append(f"scale{_format_number(spec.scale)}")
+    if shared_prefix_blocks:
+        parts.append(f"share{shared_prefix_blocks}")
+    if not permute_blocks:
+        parts.append("linear")
+    return "-".join(parts)
+
+
+def format_batch(batch: tuple[tuple[int, int], ...]) -> str:
+    items: list[str] = []
+    index = 0
+    while index < len(batch):
+        run = 1
+        while index + run < len(batch) and batch[index + run] == batch[index]:
+            run += 1
+        context, query = batch[index]
+        items.append(f"{context}+{query}" + (f"x{run}" if run > 1 else ""))
+        index += run
+    return ",".join(items)
+
+
+def format_case(case: Case) -> str:
+    layer = format_layer(case.spec, case.shared_prefix_blocks, case.permute_blocks)
+    return f"{layer}:{format_batch(case.batch)}@{case.seed}"
+
+
+# --- suites ------------------------------------------------------------------------------------
+
+LLAMA3_8B = "gqa-h32/8-d128-bf16-p16"
+
+
+def _boundary_batch(block_size: int, query_len: int) -> str:
+    """Sequence lengths at, just below and just above one and two block boundaries."""
+    items = []
+    for boundary in (block_size, 2 * block_size):
+        for seq_len in (boundary - 1, boundary, boundary + 1):
+            items.append(f"{max(seq_len - query_len, 0)}+{min(query_len, seq_len)}")
+    return ",".join(items)
+
+
+def _mha_batches(block_size: int, *, rich: bool) -> list[tuple[str, str]]:
+    batches = [
+        ("decode", "1+1,15+1,16+1,100+1,511+1,1000+1,2047+1,3000+1"),
+        ("spec-verify k=1", "200+2,1500+2,33+2,4000+2"),
+        ("spec-verify k=3", "300+4,1200+4,63+4,2900+4"),
+        ("spec-verify k=7", "100+8,2000+8,47+8,777+8"),
+        ("chunked prefill with context", "1024+256,300+100"),
+        ("mixed prefill + decode", "0+200,700+64,3000+1x6,50+4x3"),
+        ("block boundaries decode", _boundary_batch(block_size, 1)),
+        ("block boundaries verify", _boundary_batch(block_size, 4)),
+        ("length 1", "0+1"),
+    ]
+    if rich:
+        batches += [
+            ("prefill", "0+512"),
+            ("decode batch 1", "4096+1"),
+            ("decode batch 128", "64+1x32,500+1x32,1100+1x32,2100+1x32"),
+            ("spec-verify batch 128", "180+4x64,1000+4x64"),
+            ("long context", "8192+1x2,8190+4"),
+        ]
+    return batches
+
+
+def _mla_batches(block_size: int, *, rich: bool) -> list[tuple[str, str]]:
+    batches = [
+        ("decode", "1+1,63+1,64+1,65+1,700+1,2500+1"),
+        ("spec-verify k=1", "100+2,1000+2,2000+2"),
+        ("spec-verify k=3", "64+4,900+4,3000+4"),
+        ("spec-verify k=7", "50+8,640+8,1800+8"),
+        ("block boundaries decode", _boundary_batch(block_size, 1)),
+        ("mixed prefill + decode", "0+100,500+40,2000+1x4"),
+    ]
+    if rich:
+        batches += [("decode batch 1", "4096+1"), ("decode batch 128", "200+1x64,1500+1x64")]
+    return batches
+
+
+def _cases(layer: str, batches: list[tuple[str, str]]) -> list[Case]:
+    return [replace(parse_case(f"{layer}:{batch}"), tag=tag) for tag, batch in batches]
+
+
+def smoke_suite() -> list[Case]:
+    """Seconds on a CPU: one of each kind of batch on small layers."""
+    return _cases(
+        "gqa-h4/2-d64-fp32-p16",
+        [
+            ("decode", "1+1,15+1,16+1,40+1"),
+            ("spec-verify k=3", "20+4,33+4"),
+            ("mixed prefill + decode", "0+24,30+8,17+1x2"),
+        ],
+    ) + _cases("gqa-h4/1-d64-bf16-p16-w24-cap20", [("sliding window, soft cap", "0+40,50+4,3+1")]) + _cases(
+        "gqa-h4/2-d64-fp16-p16-share2", [("prefix sharing", "40+1,32+4,60+1")]
+    ) + _cases("mla-h4-d64+16-bf16-p16", [("decode", "1+1,40+1"), ("spec-verify k=3", "30+4")])
+
+
+def standard_suite() -> list[Case]:
+    """The default: every kind of batch on the layers engines ship."""
+    cases = _cases(LLAMA3_8B, _mha_batches(16, rich=True))
+    cases += _cases(LLAMA3_8B + "-share4", [("prefix sharing", "64+1,100+4,200+1x2,70+8")])
+    cases += _cases(LLAMA3_8B + "-linear", [("blocks in order", "1000+1,300+4")])
+    cases += _cases("gqa-h32/8-d128-fp16-p32", _mha_batches(32, rich=False))
+    cases += _cases("gqa-h16/4-d128-bf16-p64", _mha_batches(64, rich=False)[:4])
+    cases += _cases("mha-h16/16-d64-fp16-p16", _mha_batches(16, rich=False)[:6])
+    cases += _cases("gqa-h8/2-d256-bf16-p16", _mha_batches(16, rich=False)[:6])
+    cases += _cases("gqa-h8/2-d128-fp32-p16", _mha_batches(16, rich=False)[:6])
+    cases += _cases("gqa-h8/2-d128-bf16-p16-w256", [("decode", "1000+1,200+1,255+1,256+1"), ("spec-verify k=3", "600+4,2000+4"), ("mixed prefill + decode", "0+300,700+64,3000+1")])
+    cases += _cases("gqa-h8/2-d128-bf16-p16-cap30", [("decode", "1000+1,20+1"), ("spec-verify k=3", "600+4"), ("mixed prefill + decode", "0+200,500+1")])
+    cases += _cases("mla-h16-d512+64-bf16-p64", _mla_batches(64, rich=True))
+    cases += _cases("mla-h128-d512+64-bf16-p64", _mla_batches(64, rich=False))
+    cases += _cases("mla-h16-d512+64-fp16-p16", _mla_batches(16, rich=False)[:3])
+    return cases
+
+
+def full_suite() -> list[Case]:
+    """Standard plus long contexts (32k), batch 256 and more layer variants."""
+    cases = standard_suite()
+    cases += _cases(
+        LLAMA3_8B,
+        [
+            ("long context decode", "32k+1x4,31k+1x4"),
+            ("long context spec-verify", "32k+4x2,32760+8"),
+            ("decode batch 256", "1000+1x128,3000+1x128"),
+            ("long prefill with context", "16k+2048"),
+        ],
+    )
+    cases += _cases("mla-h128-d512+64-bf16-p64", [("long context decode", "32k+1x4"), ("decode batch 256", "1000+1x256")])
+    for layer in ("gqa-h32/8-d64-bf16-p16", "gqa-h32/8-d256-fp16-p64", "mha-h32/32-d128-bf16-p32", "gqa-h32/4-d128-fp16-p16-w1024-cap50"):
+        cases += _cases(layer, _mha_batches(16, rich=False))
+    return cases
+
+
+SUITES = {"smoke": smoke_suite, "standard": standard_suite, "full": full_suite}
+
+
+def suite(name: str) -> list[Case]:
+    if name not in SUITES:
+        raise CaseSyntaxError(f"unknown suite {name!r} (choose from {', '.join(SUITES)})")
+    return SUITES[name]()

@@ -1,0 +1,43 @@
+"""What every check is: a question asked of one backend, case by case.
+
+Checks are per case so that the isolated child can stream each result as it lands and a crash
+loses nothing but the case that was running.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar
+
+import torch
+
+from backends.base import AttentionBackend
+from conformance.cases import Case
+from conformance.results import CaseResult, Verdict, worst
+
+
+class Check(abc.ABC):
+    name: ClassVar[str]
+    question: ClassVar[str]
+
+    def skip_reason(self, backend_cls: type[AttentionBackend]) -> str | None:
+        """Why the whole check does not apply to this backend (a claim it does not make)."""
+        return None
+
+    def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
+        return backend_cls.unsupported_reason(case.spec, device) or backend_cls.capabilities.query_len_reason(
+            case.max_query_len
+        )
+
+    @abc.abstractmethod
+    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
+        """Run one case; raise only for a backend error (reported as ERROR)."""
+
+    def details(self) -> dict[str, Any]:
+        """Check-wide facts the report should state (tolerances, strategy)."""
+        return {}
+
+    def summarize(self, cases: list[CaseResult]) -> tuple[Verdict, str]:
+        verdict = worst(case.verdict for case in cases)
+        counts = {v: sum(1 for case in cases if case.verdict == v) for v in Verdict}
+        summary = ", ".join(f"{count} {v.value}" for v, count in counts.items() if count)
+        return verdict, summary or "no cases"

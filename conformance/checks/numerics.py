@@ -1,0 +1,95 @@
+"""numerics: is the backend's output equal to the float64 oracle on every case it supports?
+
+An element passes when |out - ref| <= atol + rtol * |ref| (numpy's ``isclose``), with atol/rtol
+chosen by dtype. Inputs are rounded to the dtype before the oracle sees them, so the tolerance
+covers only what a kernel does: low-precision products and accumulation, softmax in fp32, and
+the final rounding of the output. fp32 allows TF32 matmuls.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from backends.base import AttentionBackend, dtype_name
+from conformance.cases import Case
+from conformance.checks.base import Check
+from conformance.harness import prepare, run_step
+from conformance.results import CaseResult, Verdict
+
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {  # dtype: (atol, rtol)
+    torch.float32: (1e-3, 1e-3),
+    torch.float16: (4e-3, 4e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+
+
+def compare_with_oracle(
+    out: torch.Tensor, reference: torch.Tensor, query_start_loc: list[int], atol: float, rtol: float
+) -> tuple[bool, dict[str, Any], dict[str, Any]]:
+    """(passed, metrics, evidence) for backend output ``out`` against the oracle's ``reference``."""
+    out = out.double()
+    reference = reference.to(out.device)
+    diff = (out - reference).abs()
+    non_finite = ~torch.isfinite(out)
+    allowed = atol + rtol * reference.abs()
+    # NaN compares false with everything: count it as a mismatch explicitly.
+    mismatched = (diff > allowed) | non_finite
+    excess = torch.where(non_finite, torch.full_like(diff, float("inf")), diff - allowed)
+    finite_diff = torch.where(non_finite, torch.zeros_like(diff), diff)
+    significant = reference.abs() > atol
+
+    worst_flat = int(excess.flatten().argmax())
+    token, head, channel = (int(i) for i in torch.unravel_index(torch.tensor(worst_flat), excess.shape))
+    request = max(r for r in range(len(query_start_loc) - 1) if query_start_loc[r] <= token)
+    metrics = {
+        "max_abs_error": float(finite_diff.max()),
+        "max_rel_error": float((finite_diff / reference.abs()).masked_fill(~significant, 0).max()),
+        "mismatch_fraction": float(mismatched.double().mean()),
+        "mismatched": int(mismatched.sum()),
+        "elements": out.numel(),
+        "non_finite": int(non_finite.sum()),
+    }
+    evidence = {
+        "worst": {
+            "request": request,
+            "token": token - query_start_loc[request],
+            "head": head,
+            "channel": channel,
+            "got": float(out[token, head, channel]),
+            "expected": float(reference[token, head, channel]),
+        }
+    }
+    return not bool(mismatched.any()), metrics, evidence
+
+
+class NumericsCheck(Check):
+    name = "numerics"
+    question = "equal to the float64 oracle on every supported case?"
+
+    def details(self) -> dict[str, Any]:
+        return {
+            "tolerance": "|out - ref| <= atol + rtol * |ref|",
+            "tolerances": {dtype_name(dtype): {"atol": a, "rtol": r} for dtype, (a, r) in TOLERANCES.items()},
+        }
+
+    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
+        prepared = prepare(backend_cls, case, device)
+        out = run_step(prepared, with_host_lengths=True)
+        reference = prepared.batch.reference_output()
+        atol, rtol = TOLERANCES[case.spec.dtype]
+        passed, metrics, evidence = compare_with_oracle(out, reference, prepared.batch.query_start_loc, atol, rtol)
+        metrics.update(atol=atol, rtol=rtol)
+        if passed:
+            return CaseResult(case.id, Verdict.PASS, tag=case.tag, metrics=metrics)
+        worst = evidence["worst"]
+        if metrics["non_finite"]:
+            what = f"{metrics['non_finite']} NaN/Inf outputs (unwritten rows stay NaN)"
+        else:
+            what = f"{metrics['mismatched']} of {metrics['elements']} elements beyond tolerance"
+        reason = (
+            f"{what}; max abs error {metrics['max_abs_error']:.3g} (atol {atol:g}, rtol {rtol:g}); worst at "
+            f"request {worst['request']} token {worst['token']} head {worst['head']}: "
+            f"got {worst['got']:.4g}, expected {worst['expected']:.4g}"
+        )
+        return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics, evidence=evidence)

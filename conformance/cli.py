@@ -1,0 +1,188 @@
+"""The ``conformance`` command.
+
+Exit codes:
+  0  every check that ran passed
+  1  any FAIL, ERROR or CRASH
+  2  usage error (unknown backend, check or suite; bad --case; bad option)
+  3  nothing could run here (every backend unavailable on this machine, or every case skipped)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from backends import registry
+from backends.base import DeviceInfo
+from conformance.cases import CaseSyntaxError, __doc__ as CASE_GRAMMAR, parse_case, suite
+from conformance.checks import CHECKS, DEFAULT_CHECKS
+from conformance.runner import RunOptions, run
+from conformance.terminal import RichProgress, print_report
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOTHING_RAN = 0, 1, 2, 3
+
+
+class UsageError(Exception):
+    """A mistake in the command line: reported as one line, exit status 2."""
+
+
+class NothingToRun(Exception):
+    """Nothing can run on this machine: one line, exit status 3."""
+
+
+def _split(values: list[str]) -> list[str]:
+    return [item.strip() for value in values for item in value.split(",") if item.strip()]
+
+
+def _device(text: str | None) -> torch.device:
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise UsageError(f"--device {text!r} is not a device (cpu, cuda, cuda:1)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise NothingToRun(f"--device {text}: no CUDA device is visible on this machine")
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {text!r}: only cpu and cuda are supported")
+    return device
+
+
+def _backend_names(values: list[str]) -> list[str]:
+    names = _split(values)
+    if not names:
+        raise UsageError("--backend needs at least one name")
+    for name in names:
+        try:
+            registry.load(registry.resolve(name))
+        except registry.BackendLookupError as error:
+            raise UsageError(str(error)) from None
+    return names
+
+
+def _cases(args: argparse.Namespace):
+    try:
+        if args.case:
+            return [parse_case(text, default_seed=args.seed) for text in args.case]
+        return suite(args.suite)
+    except CaseSyntaxError as error:
+        raise UsageError(str(error)) from None
+
+
+def _checks(values: list[str] | None) -> list[str]:
+    names = _split(values) if values else list(DEFAULT_CHECKS)
+    unknown = [name for name in names if name not in CHECKS]
+    if unknown:
+        raise UsageError(f"unknown check {unknown[0]!r} (choose from {', '.join(CHECKS)})")
+    return names
+
+
+def command_list(args: argparse.Namespace, console: Console) -> int:
+    device = DeviceInfo.of(_device(args.device))
+    table = Table(title=f"backends (here: {device.name}{', ' + device.sm if device.compute_capability else ''})", title_justify="left")
+    for column in ("backend", "origin", "here", "kinds", "max query", "graphs", "host lengths", "draft update"):
+        table.add_column(column)
+    for ref in registry.known_backends():
+        try:
+            backend_cls = registry.load(ref)
+        except registry.BackendLookupError as error:
+            table.add_row(ref.name, ref.origin, f"[red]cannot load: {error}[/]", "", "", "", "", "")
+            continue
+        claims = backend_cls.capabilities
+        reason = backend_cls.availability_reason(device)
+        table.add_row(
+            ref.name, ref.origin, "[green]available[/]" if reason is None else f"[yellow]{reason}[/]",
+            ",".join(sorted(claims.kinds)), "any" if claims.max_query_len is None else str(claims.max_query_len),
+            claims.cuda_graphs.name, "needed" if claims.needs_cpu_seq_lens else "not needed",
+            "yes" if claims.draft_step_update else "no",
+        )
+    console.print(table)
+    return EXIT_OK
+
+
+def command_run(args: argparse.Namespace, console: Console) -> int:
+    names = _backend_names(args.backend)
+    checks = _checks(args.check)
+    cases = _cases(args)
+    device = _device(args.device)
+    if args.timeout <= 0:
+        raise UsageError("--timeout must be positive")
+    options = RunOptions(
+        backends=names, checks=checks, cases=cases, device=device,
+        suite="custom" if args.case else args.suite, timeout_s=args.timeout, in_process=args.in_process,
+    )
+    json_path = Path(args.json) if args.json else Path(args.out) / "results.json"
+    progress_console = Console(stderr=True, quiet=args.quiet)
+    with RichProgress(progress_console) as progress:
+        result = run(options, progress)
+    result.save(json_path)
+
+    if not any(backend.available for backend in result.backends):
+        # Decided from the claims before any kernel ran: one line, as CI logs want it.
+        raise NothingToRun("; ".join(f"{b.name}: {b.reason}" for b in result.backends))
+    print_report(console, result)
+    console.print(f"\nresults: {json_path}", highlight=False)
+    if result.any_failure():
+        return EXIT_FAILED
+    if not result.ran_anything():
+        console.print("nothing could run here: every case was skipped", highlight=False)
+        return EXIT_NOTHING_RAN
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="conformance",
+        description="Conformance and benchmark suite for attention backends under async speculative decoding.",
+        epilog=__doc__.split("\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    listing = commands.add_parser("list", help="every backend, and whether it can run here (or exactly why not)")
+    listing.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda when visible, else cpu)")
+
+    running = commands.add_parser(
+        "run", help="run checks on backends", epilog="--case grammar:\n" + CASE_GRAMMAR,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    running.add_argument("--backend", action="append", default=[], required=True,
+                         help="NAME[,NAME...]: a built-in, an entry point of group conformance.backends, or pkg.module:Class")
+    running.add_argument("--suite", default="standard", help="smoke | standard | full (default: standard)")
+    running.add_argument("--check", action="append", help=f"CHECK[,CHECK...] of: {', '.join(CHECKS)} (default: all)")
+    running.add_argument("--case", action="append", help="an ad-hoc case, instead of the suite (repeatable; grammar below)")
+    running.add_argument("--seed", type=int, default=0, help="seed for --case cases without @SEED (default 0)")
+    running.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda when visible, else cpu)")
+    running.add_argument("--out", default="conformance-out", help="directory for results.json (default: conformance-out)")
+    running.add_argument("--json", help="write the JSON results to this file instead")
+    running.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per backend (default 3600)")
+    running.add_argument("--in-process", action="store_true", help="no child process (for a debugger); a crash ends the run")
+    running.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    console = Console()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "list":
+            return command_list(args, console)
+        return command_run(args, console)
+    except UsageError as error:
+        print(f"conformance: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except NothingToRun as error:
+        print(f"conformance: {error}", file=sys.stderr)
+        return EXIT_NOTHING_RAN
+    except KeyboardInterrupt:
+        print("conformance: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Runs checks over cases for one backend and reports each step as an event.
+
+The same loop serves the isolated child (``conformance.worker``, events to a JSON-lines file)
+and ``--in-process`` runs (events to a callback). Events:
+
+    {"event": "check_skipped", "check", "reason"}
+    {"event": "start", "check", "case"}
+    {"event": "result", "check", "result": CaseResult}
+    {"event": "fatal", "check", "case", "result"}   the process must not go on (sticky CUDA error)
+"""
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+
+from backends import registry
+from conformance.cases import Case, parse_case
+from conformance.checks import make_check
+from conformance.results import CaseResult, Verdict
+
+Emit = Callable[[dict[str, Any]], None]
+
+# Errors after which the CUDA context is unusable: the process must end and a fresh one go on.
+_STICKY_CUDA_ERRORS = ("illegal memory access", "device-side assert", "unspecified launch failure", "misaligned address")
+
+
+@dataclass
+class Job:
+    backend: str  # a registry name or pkg.module:Class
+    device: str
+    checks: list[str]
+    cases: list[dict[str, str]]  # [{"id", "tag"}]
+    done: list[tuple[str, str]] = field(default_factory=list)  # (check, case id) already reported
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"backend": self.backend, "device": self.device, "checks": self.checks, "cases": self.cases, "done": self.done}
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> "Job":
+        return Job(data["backend"], data["device"], data["checks"], data["cases"], [tuple(d) for d in data.get("done", [])])
+
+
+def job_cases(job: Job) -> list[Case]:
+    return [replace(parse_case(item["id"]), tag=item.get("tag", "")) for item in job.cases]
+
+
+def _error_result(case: Case, error: BaseException, verdict: Verdict) -> CaseResult:
+    summary = f"{type(error).__name__}: {error}".strip().splitlines()[0][:400]
+    return CaseResult(
+        case.id, verdict, summary, tag=case.tag, evidence={"traceback": traceback.format_exc()[-4000:]}
+    )
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def execute(job: Job, emit: Emit) -> bool:
+    """Run the job; returns False when it stopped early on a fatal error."""
+    backend_cls = registry.load(job.backend)
+    device = torch.device(job.device)
+    done = set(job.done)
+    cases = job_cases(job)
+    for check_name in job.checks:
+        check = make_check(check_name)
+        reason = check.skip_reason(backend_cls)
+        if reason:
+            emit({"event": "check_skipped", "check": check_name, "reason": reason})
+            continue
+        for case in cases:
+            if (check_name, case.id) in done:
+                continue
+            emit({"event": "start", "check": check_name, "case": case.id})
+            skip = check.case_skip_reason(backend_cls, case, device)
+            if skip:
+                result = CaseResult(case.id, Verdict.SKIP, skip, tag=case.tag)
+            else:
+                try:
+                    result = check.run_case(backend_cls, case, device)
+                    _synchronize(device)  # an asynchronous kernel fault belongs to this case
+                except Exception as error:  # noqa: BLE001 - a backend error is a result, not our crash
+                    if any(marker in str(error) for marker in _STICKY_CUDA_ERRORS):
+                        emit({"event": "fatal", "check": check_name, "case": case.id,
+                              "result": _error_result(case, error, Verdict.CRASH).to_dict()})
+                        return False
+                    result = _error_result(case, error, Verdict.ERROR)
+            emit({"event": "result", "check": check_name, "result": result.to_dict()})
+    return True

@@ -1,0 +1,176 @@
+"""The results document: versioned JSON that every report writer and ``compare`` reads.
+
+    {schema_version, environment, suite, checks, backends: [
+        {name, origin, available, reason, claims, checks: [
+            {name, verdict, summary, cases: [{case, tag, verdict, reason, metrics, evidence}]}]}]}
+"""
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+class Verdict(str, enum.Enum):
+    PASS = "PASS"
+    FAIL = "FAIL"
+    SKIP = "SKIP"  # claim not made, or not available here; the reason says which
+    ERROR = "ERROR"  # the backend raised
+    CRASH = "CRASH"  # the isolated child died (or hung past its time limit)
+
+    @property
+    def is_failure(self) -> bool:
+        return self in (Verdict.FAIL, Verdict.ERROR, Verdict.CRASH)
+
+
+# Worst first: a check's verdict is the worst of its cases'.
+_SEVERITY = [Verdict.CRASH, Verdict.ERROR, Verdict.FAIL, Verdict.PASS, Verdict.SKIP]
+
+
+def worst(verdicts) -> Verdict:
+    verdicts = set(verdicts)
+    for verdict in _SEVERITY:
+        if verdict in verdicts:
+            return verdict
+    return Verdict.SKIP
+
+
+@dataclass
+class CaseResult:
+    case: str  # the case id (reproduces the case: `conformance run --case ID`)
+    verdict: Verdict
+    reason: str = ""  # one line: why it failed, skipped or crashed
+    tag: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)  # numbers (errors, timings)
+    evidence: dict[str, Any] = field(default_factory=dict)  # where it went wrong (worst location, stderr)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["verdict"] = self.verdict.value
+        return data
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> "CaseResult":
+        return CaseResult(**{**data, "verdict": Verdict(data["verdict"])})
+
+
+@dataclass
+class CheckResult:
+    name: str
+    verdict: Verdict
+    summary: str = ""
+    cases: list[CaseResult] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)  # check-wide facts (tolerances, strategy)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "verdict": self.verdict.value,
+            "summary": self.summary,
+            "details": self.details,
+            "cases": [case.to_dict() for case in self.cases],
+        }
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> "CheckResult":
+        return CheckResult(
+            name=data["name"],
+            verdict=Verdict(data["verdict"]),
+            summary=data.get("summary", ""),
+            details=data.get("details", {}),
+            cases=[CaseResult.from_dict(case) for case in data.get("cases", [])],
+        )
+
+    def counts(self) -> dict[str, int]:
+        counts = {verdict.value: 0 for verdict in Verdict}
+        for case in self.cases:
+            counts[case.verdict.value] += 1
+        return counts
+
+
+@dataclass
+class BackendResult:
+    name: str
+    available: bool
+    reason: str = ""  # why not available (or empty)
+    origin: str = "builtin"
+    claims: dict[str, Any] = field(default_factory=dict)
+    checks: list[CheckResult] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "origin": self.origin,
+            "available": self.available,
+            "reason": self.reason,
+            "claims": self.claims,
+            "wall_s": round(self.wall_s, 3),
+            "checks": [check.to_dict() for check in self.checks],
+        }
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> "BackendResult":
+        return BackendResult(
+            name=data["name"],
+            available=data["available"],
+            reason=data.get("reason", ""),
+            origin=data.get("origin", "builtin"),
+            claims=data.get("claims", {}),
+            wall_s=data.get("wall_s", 0.0),
+            checks=[CheckResult.from_dict(check) for check in data.get("checks", [])],
+        )
+
+    def check(self, name: str) -> CheckResult | None:
+        return next((check for check in self.checks if check.name == name), None)
+
+
+@dataclass
+class RunResult:
+    environment: dict[str, Any]
+    backends: list[BackendResult]
+    suite: str = ""
+    checks: list[str] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "environment": self.environment,
+            "suite": self.suite,
+            "checks": self.checks,
+            "backends": [backend.to_dict() for backend in self.backends],
+        }
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> "RunResult":
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"results schema_version {version!r}; this version of the suite reads {SCHEMA_VERSION}")
+        return RunResult(
+            environment=data.get("environment", {}),
+            backends=[BackendResult.from_dict(backend) for backend in data["backends"]],
+            suite=data.get("suite", ""),
+            checks=data.get("checks", []),
+            schema_version=version,
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @staticmethod
+    def load(path: str | Path) -> "RunResult":
+        return RunResult.from_dict(json.loads(Path(path).read_text()))
+
+    def ran_anything(self) -> bool:
+        return any(
+            case.verdict != Verdict.SKIP for backend in self.backends for check in backend.checks for case in check.cases
+        )
+
+    def any_failure(self) -> bool:
+        return any(check.verdict.is_failure for backend in self.backends for check in backend.checks)

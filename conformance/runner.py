@@ -1,0 +1,91 @@
+"""A run: every requested backend through every requested check, each backend isolated."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from backends import registry
+from backends.base import DeviceInfo
+from conformance.cases import Case
+from conformance.checks import make_check
+from conformance.environment import collect_environment
+from conformance.execution import Job
+from conformance.isolation import BackendEvents, run_in_process, run_isolated
+from conformance.results import BackendResult, CheckResult, RunResult, Verdict
+
+
+@dataclass
+class RunOptions:
+    backends: list[str]
+    checks: list[str]
+    cases: list[Case]
+    device: torch.device
+    suite: str = ""
+    timeout_s: float = 3600.0
+    in_process: bool = False
+
+
+class Progress:
+    """What a run tells its caller as it goes (the CLI draws a progress bar from it)."""
+
+    def backend_started(self, name: str, num_checks: int, num_cases: int) -> None: ...
+
+    def event(self, name: str, event: dict[str, Any]) -> None: ...
+
+    def backend_finished(self, result: BackendResult) -> None: ...
+
+
+def _assemble(checks: list[str], cases: list[Case], events: BackendEvents) -> list[CheckResult]:
+    results = []
+    for check_name in checks:
+        check = make_check(check_name)
+        if check_name in events.skipped_checks:
+            reason = events.skipped_checks[check_name]
+            results.append(CheckResult(check_name, Verdict.SKIP, reason, details=check.details()))
+            continue
+        case_results = [events.results[(check_name, case.id)] for case in cases if (check_name, case.id) in events.results]
+        verdict, summary = check.summarize(case_results)
+        results.append(CheckResult(check_name, verdict, summary, case_results, details=check.details()))
+    return results
+
+
+def run_backend(name: str, options: RunOptions, progress: Progress) -> BackendResult:
+    ref = registry.resolve(name)
+    backend_cls = registry.load(ref)
+    claims = backend_cls.capabilities.to_dict()
+    reason = backend_cls.availability_reason(DeviceInfo.of(options.device))
+    if reason:
+        checks = [CheckResult(check, Verdict.SKIP, f"backend unavailable: {reason}") for check in options.checks]
+        result = BackendResult(name, False, reason, ref.origin, claims, checks)
+        progress.backend_finished(result)
+        return result
+    job = Job(
+        backend=ref.target, device=str(options.device), checks=list(options.checks),
+        cases=[{"id": case.id, "tag": case.tag} for case in options.cases],
+    )
+    progress.backend_started(name, len(options.checks), len(options.cases))
+    started = time.monotonic()
+
+    def on_event(event: dict[str, Any]) -> None:
+        progress.event(name, event)
+
+    if options.in_process:
+        events = run_in_process(job, on_event)
+    else:
+        events = run_isolated(job, on_event, timeout_s=options.timeout_s)
+    result = BackendResult(
+        name, True, "", ref.origin, claims, _assemble(options.checks, options.cases, events),
+        wall_s=time.monotonic() - started,
+    )
+    progress.backend_finished(result)
+    return result
+
+
+def run(options: RunOptions, progress: Progress | None = None) -> RunResult:
+    progress = progress or Progress()
+    backends = [run_backend(name, options, progress) for name in options.backends]
+    return RunResult(collect_environment(options.device), backends, options.suite, list(options.checks))
+

@@ -1,0 +1,122 @@
+"""Terminal output with rich: a progress bar while running, then a backend x check table, then
+each failure with its evidence."""
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from conformance.results import BackendResult, CaseResult, RunResult, Verdict
+from conformance.runner import Progress as RunProgress
+
+VERDICT_STYLES = {
+    Verdict.PASS: "bold green",
+    Verdict.FAIL: "bold red",
+    Verdict.ERROR: "bold magenta",
+    Verdict.CRASH: "bold white on red",
+    Verdict.SKIP: "yellow",
+}
+MAX_FAILURES_SHOWN = 8
+
+
+def verdict_text(verdict: Verdict) -> Text:
+    return Text(verdict.value, style=VERDICT_STYLES[verdict])
+
+
+class RichProgress(RunProgress):
+    """One progress bar per backend; the case being run is shown beside it."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.bar = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("[dim]{task.fields[current]}"), console=console, transient=False,
+        )
+        self.tasks: dict[str, Any] = {}
+
+    def __enter__(self) -> "RichProgress":
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.__exit__(*exc)
+
+    def backend_started(self, name: str, num_checks: int, num_cases: int) -> None:
+        self.tasks[name] = self.bar.add_task(name, total=num_checks * num_cases, current="")
+        self.cases_per_check = num_cases
+
+    def event(self, name: str, event: dict[str, Any]) -> None:
+        task = self.tasks[name]
+        if event["event"] == "start":
+            self.bar.update(task, current=f"{event['check']} {event['case'][:70]}")
+        elif event["event"] in ("result", "fatal"):
+            self.bar.advance(task)
+        elif event["event"] == "check_skipped":
+            self.bar.advance(task, self.cases_per_check)
+
+    def backend_finished(self, result: BackendResult) -> None:
+        if result.name in self.tasks:
+            task = self.tasks[result.name]
+            self.bar.update(task, completed=self.bar.tasks[task].total, current=f"done in {result.wall_s:.1f} s")
+        else:
+            self.console.print(f"[yellow]{result.name}[/]: unavailable here: {result.reason}")
+
+
+def summary_table(run: RunResult) -> Table:
+    table = Table(title="conformance results", title_justify="left")
+    table.add_column("backend", style="bold")
+    for check in run.checks:
+        table.add_column(check)
+    for backend in run.backends:
+        cells: list[Any] = [backend.name]
+        for check_name in run.checks:
+            check = backend.check(check_name)
+            if check is None:
+                cells.append("")
+                continue
+            cell = verdict_text(check.verdict)
+            counts = check.counts()
+            ran = sum(counts.values()) - counts["SKIP"]
+            if check.cases:
+                cell.append(f"  {counts['PASS']}/{ran} pass" + (f", {counts['SKIP']} skip" if counts["SKIP"] else ""), style="dim")
+            elif check.summary:
+                cell.append(f"  {check.summary}", style="dim")
+            cells.append(cell)
+        table.add_row(*cells)
+    return table
+
+
+def _evidence_lines(case: CaseResult) -> list[str]:
+    lines = []
+    tail = case.evidence.get("stderr_tail") or case.evidence.get("traceback")
+    if tail:
+        lines += ["    " + line for line in tail.strip().splitlines()[-12:]]
+    return lines
+
+
+def print_failures(console: Console, run: RunResult) -> None:
+    for backend in run.backends:
+        for check in backend.checks:
+            failures = [case for case in check.cases if case.verdict.is_failure]
+            if not failures:
+                continue
+            console.print(f"\n[bold]{backend.name} / {check.name}[/]: {check.summary}")
+            for case in failures[:MAX_FAILURES_SHOWN]:
+                console.print(Text("  ").append(verdict_text(case.verdict)).append(f" {case.case}").append(
+                    f"  ({case.tag})" if case.tag else "", style="dim"))
+                console.print(f"    {case.reason}", markup=False, highlight=False)
+                for line in _evidence_lines(case):
+                    console.print(line, markup=False, highlight=False, style="dim")
+            if len(failures) > MAX_FAILURES_SHOWN:
+                console.print(f"  … and {len(failures) - MAX_FAILURES_SHOWN} more in the JSON results")
+
+
+def print_report(console: Console, run: RunResult) -> None:
+    console.print(summary_table(run))
+    for backend in run.backends:
+        if not backend.available:
+            console.print(f"[yellow]{backend.name}[/] not run here: {backend.reason}", highlight=False)
+    print_failures(console, run)

@@ -1,0 +1,112 @@
+"""Deliberately broken backends. Each check must FAIL (or CRASH) on the defect it exists to catch.
+
+Each is torch_naive with one realistic bug, so the defect is the only difference.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+
+from backends.base import Capabilities, CGSupport
+from backends.torch_naive import TorchNaiveBackend
+
+
+class CausalOffByOne(TorchNaiveBackend):
+    """Lets each token see the next one: `<=` where `<` was meant, on the shifted index."""
+
+    name = "planted_causal_off_by_one"
+
+    def visible(self, query_positions, key_positions):
+        return key_positions[None, :] <= query_positions[:, None] + 1
+
+
+class FirstBlockOnly(TorchNaiveBackend):
+    """Reads the request's first block for every logical block (ignores the rest of the table)."""
+
+    name = "planted_first_block_only"
+
+    def gather(self, plane, block_table_row, seq_len):
+        num_blocks = -(-seq_len // self.spec.block_size)
+        return super().gather(plane, block_table_row[:1].expand(num_blocks), seq_len)
+
+
+class WrongScale(TorchNaiveBackend):
+    """1/head_dim instead of 1/sqrt(head_dim)."""
+
+    name = "planted_wrong_scale"
+
+    def softmax_scale(self):
+        return 1.0 / self.spec.head_dim
+
+
+class WritesSlotMinusOne(TorchNaiveBackend):
+    """Indexes the cache with the raw slot mapping: slot -1 lands on the pool's last slot."""
+
+    name = "planted_writes_slot_minus_one"
+
+    def write_kv(self, kv_cache, key, value, slot_mapping):
+        rows_per_plane = [key.view(key.shape[0], 1, -1)] if self.spec.kind == "mla" else [key, value]
+        for plane, rows in zip(self.slot_planes(kv_cache), rows_per_plane):
+            plane[slot_mapping] = rows.to(plane.dtype)
+
+
+class ForgetsLastToken(TorchNaiveBackend):
+    """Never writes the batch's last output row (caught by the NaN-poisoned output buffer)."""
+
+    name = "planted_forgets_last_token"
+
+    def forward(self, query, kv_cache, metadata, out):
+        scratch = out.clone()
+        super().forward(query, kv_cache, metadata, scratch)
+        last = metadata.query_start_loc[-1] - 1
+        out[:last] = scratch[:last]
+
+
+class RaisesInBuild(TorchNaiveBackend):
+    name = "planted_raises_in_build"
+
+    def build(self, common):
+        raise ValueError("planted: build() refuses")
+
+
+class CrashesOnLargeBatch(TorchNaiveBackend):
+    """Kills its own process (SIGSEGV) on any batch of more than 3 requests."""
+
+    name = "planted_crashes"
+
+    def forward(self, query, kv_cache, metadata, out):
+        if len(metadata.seq_lens) > 3:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        super().forward(query, kv_cache, metadata, out)
+
+
+class Hangs(TorchNaiveBackend):
+    name = "planted_hangs"
+
+    def forward(self, query, kv_cache, metadata, out):
+        time.sleep(3600)
+
+
+class NeedsBlackwell(TorchNaiveBackend):
+    """Claims what trtllm-gen MLA kernels need: a CUDA device of compute capability 10.x."""
+
+    name = "planted_needs_blackwell"
+    capabilities = Capabilities(
+        kinds=frozenset({"mla"}), dtypes=frozenset({torch.bfloat16}), devices=frozenset({"cuda"}),
+        compute_capabilities=frozenset({(10, 0), (10, 3)}), cuda_graphs=CGSupport.NEVER,
+    )
+
+
+class NeedsMissingPackage(TorchNaiveBackend):
+    name = "planted_needs_missing_package"
+    capabilities = Capabilities(
+        devices=frozenset({"cpu", "cuda"}), required_modules=("no_such_vendor_package",),
+        install_hint="pip install 'specdec-conformance[no_such_extra]'",
+    )
+
+
+class NotABackend:
+    """Registry tests: a class that does not implement the contract."""
