@@ -24,6 +24,7 @@ from conformance.runner import RunOptions, run
 from conformance.terminal import RichProgress, print_report
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOTHING_RAN = 0, 1, 2, 3
+DEFAULT_BACKEND = "torch_naive"
 
 
 class UsageError(Exception):
@@ -53,7 +54,7 @@ def _device(text: str | None) -> torch.device:
 
 
 def _backend_names(values: list[str]) -> list[str]:
-    names = _split(values)
+    names = _split(values) if values else [DEFAULT_BACKEND]
     if not names:
         raise UsageError("--backend needs at least one name")
     for name in names:
@@ -150,8 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="run checks on backends", epilog="--case grammar:\n" + CASE_GRAMMAR,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    running.add_argument("--backend", action="append", default=[], required=True,
-                         help="NAME[,NAME...]: a built-in, an entry point of group conformance.backends, or pkg.module:Class")
+    running.add_argument("--backend", action="append", default=[],
+                         help="NAME[,NAME...]: a built-in, an entry point of group conformance.backends, or "
+                         f"pkg.module:Class (default: {DEFAULT_BACKEND})")
     running.add_argument("--suite", default="standard", help="smoke | standard | full (default: standard)")
     running.add_argument("--check", action="append", help=f"CHECK[,CHECK...] of: {', '.join(CHECKS)} (default: all)")
     running.add_argument("--case", action="append", help="an ad-hoc case, instead of the suite (repeatable; grammar below)")
@@ -167,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     console = Console()
+    if not console.is_terminal:  # CI logs and pipes: wide enough that ids and reasons stay whole
+        console = Console(width=160)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

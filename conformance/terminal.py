@@ -58,11 +58,9 @@ class RichProgress(RunProgress):
             self.bar.advance(task, self.cases_per_check)
 
     def backend_finished(self, result: BackendResult) -> None:
-        if result.name in self.tasks:
+        if result.name in self.tasks:  # an unavailable backend never started: the report says why
             task = self.tasks[result.name]
             self.bar.update(task, completed=self.bar.tasks[task].total, current=f"done in {result.wall_s:.1f} s")
-        else:
-            self.console.print(f"[yellow]{result.name}[/]: unavailable here: {result.reason}")
 
 
 def summary_table(run: RunResult) -> Table:

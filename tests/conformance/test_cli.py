@@ -1,0 +1,92 @@
+"""The conformance command end to end, as a user runs it."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conformance.results import RunResult, Verdict
+
+
+def conformance(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "conformance.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+
+
+def test_smoke_run_passes_and_writes_json(tmp_path):
+    completed = conformance("run", "--backend", "torch_naive", "--suite", "smoke", "--device", "cpu", "--out", str(tmp_path))
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert "torch_naive" in completed.stdout and "PASS" in completed.stdout
+    result = RunResult.load(tmp_path / "results.json")
+    assert result.environment["device"] == "cpu" and result.environment["command"].startswith("conformance run")
+    numerics = result.backends[0].check("numerics")
+    assert numerics.verdict == Verdict.PASS and len(numerics.cases) == 7
+    assert numerics.details["tolerances"]["bf16"] == {"atol": 2e-2, "rtol": 2e-2}
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["run", "--backend", "no_such"], "unknown backend 'no_such'"),
+        (["run", "--backend", "torch_naive", "--case", "gqa:12"], "batch item '12' is not CTX+Q"),
+        (["run", "--backend", "torch_naive", "--suite", "huge"], "unknown suite 'huge'"),
+        (["run", "--backend", "torch_naive", "--check", "speed"], "unknown check 'speed'"),
+        (["run", "--backend", "torch_naive", "--device", "tpu:0"], "--device"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(args, message):
+    completed = conformance(*args)
+    assert completed.returncode == 2
+    assert completed.stderr.count("\n") == 1 and message in completed.stderr
+    assert "Traceback" not in completed.stderr + completed.stdout
+
+
+def test_planted_defect_exits_1_and_shows_its_evidence(tmp_path):
+    completed = conformance(
+        "run", "--backend", "tests.planted.defects:WrongScale,torch_naive", "--case", "gqa-h4/2-d32-fp32:30+2",
+        "--device", "cpu", "--json", str(tmp_path / "r.json"),
+    )
+    assert completed.returncode == 1
+    assert "worst at request 0" in completed.stdout
+    document = json.loads((tmp_path / "r.json").read_text())
+    verdicts = {b["name"]: b["checks"][0]["verdict"] for b in document["backends"]}
+    assert verdicts == {"tests.planted.defects:WrongScale": "FAIL", "torch_naive": "PASS"}
+
+
+def test_nothing_runnable_here_exits_3_with_one_line(tmp_path):
+    completed = conformance("run", "--backend", "tests.planted.defects:NeedsBlackwell", "--device", "cpu", "--out", str(tmp_path))
+    assert completed.returncode == 3
+    assert completed.stderr.strip() == "conformance: tests.planted.defects:NeedsBlackwell: runs on cuda, not cpu"
+    assert RunResult.load(tmp_path / "results.json").backends[0].available is False
+
+
+def test_missing_package_exits_3_with_the_install_command(tmp_path):
+    completed = conformance("run", "--backend", "tests.planted.defects:NeedsMissingPackage", "--out", str(tmp_path))
+    assert completed.returncode == 3 and "pip install 'specdec-conformance[no_such_extra]'" in completed.stderr
+
+
+def test_cuda_requested_without_a_gpu_exits_3():
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    completed = conformance("run", "--backend", "torch_naive", "--device", "cuda")
+    assert completed.returncode == 3 and "no CUDA device" in completed.stderr
+
+
+def test_all_cases_skipped_exits_3(tmp_path):
+    completed = conformance(
+        "run", "--backend", "tests.planted.defects:NeedsMissingPackage,torch_naive", "--case", "mla:10+1", "--out", str(tmp_path)
+    )
+    # torch_naive runs MLA, so something ran: this must not be exit 3.
+    assert completed.returncode == 0, completed.stdout
+
+
+def test_list_shows_every_backend():
+    completed = conformance("list", "--device", "cpu")
+    assert completed.returncode == 0 and "torch_naive" in completed.stdout
+
+
+def test_help_documents_the_case_grammar_and_exit_codes():
+    assert "LAYER" in conformance("run", "--help").stdout
+    assert "nothing could run here" in conformance("--help").stdout

@@ -1,0 +1,72 @@
+"""The numerics check passes the baseline and fails every planted defect."""
+import pytest
+import torch
+
+from backends.torch_naive import TorchNaiveBackend
+from conformance.cases import parse_case, suite
+from conformance.checks.numerics import NumericsCheck, compare_with_oracle
+from conformance.results import Verdict
+from tests.planted import defects
+
+CPU = torch.device("cpu")
+
+
+def run_suite(backend_cls, cases):
+    check = NumericsCheck()
+    results = [check.run_case(backend_cls, case, CPU) for case in cases if not check.case_skip_reason(backend_cls, case, CPU)]
+    return check.summarize(results)[0], results
+
+
+def test_torch_naive_passes_the_smoke_suite():
+    verdict, results = run_suite(TorchNaiveBackend, suite("smoke"))
+    assert verdict == Verdict.PASS and len(results) == len(suite("smoke"))
+    assert all(result.metrics["max_abs_error"] < 1e-2 for result in results)
+
+
+@pytest.mark.parametrize(
+    "defect,case_text",
+    [
+        (defects.CausalOffByOne, "gqa-h4/2-d32-fp32-p16:10+4,0+6"),
+        (defects.FirstBlockOnly, "gqa-h4/2-d32-fp32-p16:40+1,20+2"),
+        (defects.WrongScale, "gqa-h4/2-d32-fp32-p16:30+1"),
+        (defects.WritesSlotMinusOne, "gqa-h4/2-d32-fp32-p16:40+1,20+2"),
+        (defects.ForgetsLastToken, "gqa-h4/2-d32-fp32-p16:40+1,20+2"),
+        (defects.WrongScale, "mla-h4-d32+8-bf16-p16:30+2"),
+        (defects.WritesSlotMinusOne, "mla-h4-d32+8-bf16-p16:40+1,20+2"),
+    ],
+)
+def test_each_planted_defect_fails(defect, case_text):
+    case = parse_case(case_text)
+    assert NumericsCheck().run_case(TorchNaiveBackend, case, CPU).verdict == Verdict.PASS
+    result = NumericsCheck().run_case(defect, case, CPU)
+    assert result.verdict == Verdict.FAIL, result
+    assert "worst at request" in result.reason and result.metrics["mismatched"] > 0
+
+
+@pytest.mark.parametrize(
+    "defect", [defects.CausalOffByOne, defects.FirstBlockOnly, defects.WrongScale, defects.WritesSlotMinusOne]
+)
+def test_each_planted_defect_fails_the_smoke_suite(defect):
+    verdict, _ = run_suite(defect, suite("smoke"))
+    assert verdict == Verdict.FAIL
+
+
+def test_off_by_one_is_invisible_to_pure_decode_and_caught_by_spec_verify():
+    """Why the suite has spec-verify cases: a decode token has no future to leak."""
+    decode = NumericsCheck().run_case(defects.CausalOffByOne, parse_case("gqa-h4/2-d32-fp32:10+1,30+1"), CPU)
+    verify = NumericsCheck().run_case(defects.CausalOffByOne, parse_case("gqa-h4/2-d32-fp32:10+4,30+4"), CPU)
+    assert decode.verdict == Verdict.PASS and verify.verdict == Verdict.FAIL
+
+
+def test_unwritten_rows_are_reported_as_non_finite():
+    result = NumericsCheck().run_case(defects.ForgetsLastToken, parse_case("gqa-h4/2-d32-fp32:10+2"), CPU)
+    assert result.metrics["non_finite"] == 4 * 32 and "NaN" in result.reason
+
+
+def test_compare_locates_the_worst_element():
+    reference = torch.zeros(5, 2, 3, dtype=torch.float64)
+    out = reference.clone()
+    out[3, 1, 2] = 0.5
+    passed, metrics, evidence = compare_with_oracle(out, reference, [0, 2, 5], atol=1e-3, rtol=1e-3)
+    assert not passed and metrics["mismatched"] == 1
+    assert evidence["worst"] == {"request": 1, "token": 1, "head": 1, "channel": 2, "got": 0.5, "expected": 0.0}
