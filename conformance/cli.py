@@ -115,6 +115,7 @@ def command_run(args: argparse.Namespace, console: Console) -> int:
     options = RunOptions(
         backends=names, checks=checks, cases=cases, device=device,
         suite="custom" if args.case else args.suite, timeout_s=args.timeout, in_process=args.in_process,
+        check_options={"sync_detector": args.sync_detector},
     )
     json_path = Path(args.json) if args.json else Path(args.out) / "results.json"
     progress_console = Console(stderr=True, quiet=args.quiet)
@@ -162,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     running.add_argument("--out", default="conformance-out", help="directory for results.json (default: conformance-out)")
     running.add_argument("--json", help="write the JSON results to this file instead")
     running.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per backend (default 3600)")
+    running.add_argument("--sync-detector", default="auto", choices=["auto", "cupti", "torch"],
+                         help="host-sync detector for the syncs check (default auto: cupti when installed, else torch)")
     running.add_argument("--in-process", action="store_true", help="no child process (for a debugger); a crash ends the run")
     running.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser

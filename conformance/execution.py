@@ -33,14 +33,21 @@ class Job:
     device: str
     checks: list[str]
     cases: list[dict[str, str]]  # [{"id", "tag"}]
+    options: dict[str, Any] = field(default_factory=dict)  # check options (e.g. sync_detector)
     done: list[tuple[str, str]] = field(default_factory=list)  # (check, case id) already reported
 
     def to_dict(self) -> dict[str, Any]:
-        return {"backend": self.backend, "device": self.device, "checks": self.checks, "cases": self.cases, "done": self.done}
+        return {
+            "backend": self.backend, "device": self.device, "checks": self.checks, "cases": self.cases,
+            "options": self.options, "done": self.done,
+        }
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> "Job":
-        return Job(data["backend"], data["device"], data["checks"], data["cases"], [tuple(d) for d in data.get("done", [])])
+        return Job(
+            data["backend"], data["device"], data["checks"], data["cases"], data.get("options", {}),
+            [tuple(d) for d in data.get("done", [])],
+        )
 
 
 def job_cases(job: Job) -> list[Case]:
@@ -66,8 +73,8 @@ def execute(job: Job, emit: Emit) -> bool:
     done = set(job.done)
     cases = job_cases(job)
     for check_name in job.checks:
-        check = make_check(check_name)
-        reason = check.skip_reason(backend_cls)
+        check = make_check(check_name, job.options)
+        reason = check.skip_reason(backend_cls, device)
         if reason:
             emit({"event": "check_skipped", "check": check_name, "reason": reason})
             continue

@@ -6,7 +6,9 @@ NaN-poisoned output, so rows a backend forgets to write cannot pass.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Callable, ContextManager
 
 import torch
 
@@ -38,14 +40,30 @@ def poisoned_output(batch: PagedBatch, padding: int = NUM_PADDING_TOKENS) -> tor
     return torch.full(shape, float("nan"), dtype=spec.dtype, device=batch.device)
 
 
-def run_step(prepared: PreparedCase, *, with_host_lengths: bool = True) -> torch.Tensor:
-    """One engine step; returns the output rows of the real tokens."""
+def _no_phase(name: str) -> ContextManager[None]:
+    return contextlib.nullcontext()
+
+
+def run_step(
+    prepared: PreparedCase,
+    *,
+    with_host_lengths: bool = True,
+    phase: Callable[[str], ContextManager[None]] = _no_phase,
+) -> torch.Tensor:
+    """One engine step; returns the output rows of the real tokens.
+
+    ``phase(name)`` wraps each backend call ("build", "write_kv", "forward") and nothing else, so
+    a sync detector sees only what the backend does, not the harness's own input preparation.
+    """
     batch, backend = prepared.batch, prepared.backend
     common = batch.common_metadata(with_host_lengths=with_host_lengths)
-    metadata = backend.build(common)
     key, value, slots = batch.step_rows()
-    backend.write_kv(prepared.kv_cache, key, value, slots)
     query = torch.cat([batch.query, torch.zeros_like(batch.query[:NUM_PADDING_TOKENS])])
     out = poisoned_output(batch)
-    backend.forward(query, prepared.kv_cache, metadata, out)
+    with phase("build"):
+        metadata = backend.build(common)
+    with phase("write_kv"):
+        backend.write_kv(prepared.kv_cache, key, value, slots)
+    with phase("forward"):
+        backend.forward(query, prepared.kv_cache, metadata, out)
     return out[: batch.case.num_tokens]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ class RunOptions:
     suite: str = ""
     timeout_s: float = 3600.0
     in_process: bool = False
+    check_options: dict[str, Any] = field(default_factory=dict)
 
 
 class Progress:
@@ -38,17 +39,18 @@ class Progress:
     def backend_finished(self, result: BackendResult) -> None: ...
 
 
-def _assemble(checks: list[str], cases: list[Case], events: BackendEvents) -> list[CheckResult]:
+def _assemble(checks: list[str], cases: list[Case], events: BackendEvents, options: dict[str, Any]) -> list[CheckResult]:
     results = []
     for check_name in checks:
-        check = make_check(check_name)
+        check = make_check(check_name, options)
         if check_name in events.skipped_checks:
             reason = events.skipped_checks[check_name]
-            results.append(CheckResult(check_name, Verdict.SKIP, reason, details=check.details()))
+            results.append(CheckResult(check_name, Verdict.SKIP, reason))
             continue
         case_results = [events.results[(check_name, case.id)] for case in cases if (check_name, case.id) in events.results]
         verdict, summary = check.summarize(case_results)
-        results.append(CheckResult(check_name, verdict, summary, case_results, details=check.details()))
+        details = {**check.details(), **check.aggregate(case_results)}
+        results.append(CheckResult(check_name, verdict, summary, case_results, details=details))
     return results
 
 
@@ -64,7 +66,7 @@ def run_backend(name: str, options: RunOptions, progress: Progress) -> BackendRe
         return result
     job = Job(
         backend=ref.target, device=str(options.device), checks=list(options.checks),
-        cases=[{"id": case.id, "tag": case.tag} for case in options.cases],
+        cases=[{"id": case.id, "tag": case.tag} for case in options.cases], options=options.check_options,
     )
     progress.backend_started(name, len(options.checks), len(options.cases))
     started = time.monotonic()
@@ -77,7 +79,7 @@ def run_backend(name: str, options: RunOptions, progress: Progress) -> BackendRe
     else:
         events = run_isolated(job, on_event, timeout_s=options.timeout_s)
     result = BackendResult(
-        name, True, "", ref.origin, claims, _assemble(options.checks, options.cases, events),
+        name, True, "", ref.origin, claims, _assemble(options.checks, options.cases, events, options.check_options),
         wall_s=time.monotonic() - started,
     )
     progress.backend_finished(result)

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 from conformance.checks.base import Check
 from conformance.checks.numerics import NumericsCheck
+from conformance.checks.syncs import SyncsCheck
 
 CHECKS: dict[str, type[Check]] = {
     NumericsCheck.name: NumericsCheck,
+    SyncsCheck.name: SyncsCheck,
 }
 
 DEFAULT_CHECKS = list(CHECKS)
 
 
-def make_check(name: str) -> Check:
-    return CHECKS[name]()
+def make_check(name: str, options: dict | None = None) -> Check:
+    return CHECKS[name](options)

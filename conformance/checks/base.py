@@ -19,8 +19,11 @@ class Check(abc.ABC):
     name: ClassVar[str]
     question: ClassVar[str]
 
-    def skip_reason(self, backend_cls: type[AttentionBackend]) -> str | None:
-        """Why the whole check does not apply to this backend (a claim it does not make)."""
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
+        self.options = options or {}
+
+    def skip_reason(self, backend_cls: type[AttentionBackend], device: torch.device) -> str | None:
+        """Why the whole check does not apply here (a claim the backend does not make, a CPU run)."""
         return None
 
     def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
@@ -34,6 +37,10 @@ class Check(abc.ABC):
 
     def details(self) -> dict[str, Any]:
         """Check-wide facts the report should state (tolerances, strategy)."""
+        return {}
+
+    def aggregate(self, cases: list[CaseResult]) -> dict[str, Any]:
+        """Check-wide figures computed from the case results (added to ``details``)."""
         return {}
 
     def summarize(self, cases: list[CaseResult]) -> tuple[Verdict, str]:

@@ -1,0 +1,70 @@
+"""Measures what the detector costs: ``python -m conformance.host_syncs.overhead [--strategy S]``.
+
+(1) per intercepted call: many cudaStreamSynchronize on an idle stream, with and without it;
+(2) a launch-heavy loop (small kernels, none intercepted), with and without it. Prints JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from conformance.host_syncs.detector import detect_host_syncs
+
+
+def _median_seconds(function, repeats: int = 7) -> float:
+    samples = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        function()
+        torch.cuda.synchronize()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def measure(strategy: str, calls: int = 2000, launches: int = 5000) -> dict:
+    stream = torch.cuda.current_stream()
+    x = torch.ones(256, device="cuda")
+
+    def syncs() -> None:
+        for _ in range(calls):
+            stream.synchronize()
+
+    def kernels() -> None:
+        for _ in range(launches):
+            x.add_(1.0)
+
+    syncs(), kernels()  # warm-up
+    plain_sync, plain_launch = _median_seconds(syncs), _median_seconds(kernels)
+    with detect_host_syncs(strategy) as detector:
+        watched_sync = _median_seconds(syncs)
+        with detector.paused():  # count the callbacks, not the stack capture of recorded events
+            paused_sync = _median_seconds(syncs)
+        watched_launch = _median_seconds(kernels)
+    return {
+        "strategy": detector.strategy_name,
+        "gpu": torch.cuda.get_device_name(),
+        "intercepted_call_us_plain": plain_sync / calls * 1e6,
+        "intercepted_call_us_recorded": watched_sync / calls * 1e6,
+        "intercepted_call_us_callback_only": paused_sync / calls * 1e6,
+        "overhead_per_recorded_call_us": (watched_sync - plain_sync) / calls * 1e6,
+        "overhead_per_callback_us": (paused_sync - plain_sync) / calls * 1e6,
+        "launch_loop_us_per_launch_plain": plain_launch / launches * 1e6,
+        "launch_loop_us_per_launch_watched": watched_launch / launches * 1e6,
+        "launch_loop_overhead_percent": (watched_launch / plain_launch - 1) * 100,
+        "events_recorded": len(detector.events),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--strategy", default="cupti", choices=["cupti", "torch"])
+    print(json.dumps(measure(parser.parse_args().strategy), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""PyTorch's own sync-debug mode: warns on synchronizing operations made through PyTorch.
+
+Blind to anything that is not a PyTorch operator: a C++ extension's copies (FlashInfer's plan()),
+raw CUDA calls through ctypes, Triton's launcher. Used when cupti-python is missing.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from conformance.host_syncs.events import SYNC, EventRecorder, SyncEvent
+
+_MESSAGE = "called a synchronizing CUDA operation"
+
+
+class TorchSyncDebugStrategy:
+    name = "torch"
+    blind_spots = (
+        "sees only synchronizations made by PyTorch operators; misses C++ extensions (e.g. FlashInfer "
+        "plan()), raw CUDA calls (ctypes cudaMemcpy) and explicit torch.cuda.synchronize()"
+    )
+
+    def __init__(self, recorder: EventRecorder) -> None:
+        self.recorder = recorder
+        self._catcher = None
+        self._previous_mode = 0
+
+    def start(self) -> None:
+        self._catcher = warnings.catch_warnings()
+        self._catcher.__enter__()
+        warnings.simplefilter("always")
+        original = warnings.showwarning
+
+        def showwarning(message, category, filename, lineno, file=None, line=None):
+            if _MESSAGE not in str(message):
+                return original(message, category, filename, lineno, file, line)
+            if not self.recorder.recording:
+                return None
+            stack, source = self.recorder.capture_stack()
+            self.recorder.events.append(
+                SyncEvent(kind=SYNC, api="torch sync-debug", blocking=True, phase=self.recorder.phase, source=source, stack=stack)
+            )
+            return None
+
+        warnings.showwarning = showwarning
+        self._previous_mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(self) -> None:
+        torch.cuda.set_sync_debug_mode(self._previous_mode)
+        if self._catcher is not None:
+            self._catcher.__exit__(None, None, None)
+            self._catcher = None
