@@ -13,6 +13,7 @@ ENTRY_POINT_GROUP = "conformance.backends"
 # Built-ins import lazily: a vendor adapter's module may need a package that is not installed.
 BUILTIN_BACKENDS: dict[str, str] = {
     "torch_naive": "backends.torch_naive:TorchNaiveBackend",
+    "triton": "backends.triton.backend:TritonAttentionBackend",
 }
 
 

@@ -79,13 +79,22 @@ class CuptiStrategy:
             (cupti.CallbackDomain.RUNTIME_API, cupti.RuntimeApiTraceCbid),
             (cupti.CallbackDomain.DRIVER_API, cupti.DriverApiTraceCbid),
         )
+        self.unsupported_ids: list[str] = []
         for domain, cbids in domains:
             for cbid in cbids:
-                if base_api_name(cbid.name) in WATCHED_APIS:
-                    key = (int(domain), int(cbid))
-                    self._names[key] = cbid.name
-                    self._params[key] = getattr(cupti, _params_class_name(cbid.name), None)
+                if base_api_name(cbid.name) not in WATCHED_APIS:
+                    continue
+                try:
                     cupti.enable_callback(1, self.subscriber, domain, cbid)
+                except Exception:  # noqa: BLE001 - ids this CUPTI build lists but does not trace
+                    self.unsupported_ids.append(cbid.name)
+                    continue
+                key = (int(domain), int(cbid))
+                self._names[key] = cbid.name
+                self._params[key] = getattr(cupti, _params_class_name(cbid.name), None)
+        if not self._names:
+            self.stop()
+            raise CuptiUnavailable("CUPTI accepted none of the synchronize/memcpy callback ids")
 
     def stop(self) -> None:
         if self.subscriber is not None:

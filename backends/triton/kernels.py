@@ -1,0 +1,259 @@
+"""Triton kernels for paged attention over any batch, with no host lengths.
+
+Every grid is sized from static limits (max requests, max tokens, split count); a program whose
+request, query block or KV split does not exist in this batch returns at once. Requests are
+served by one of two kernels, decided on the device from each request's query length:
+
+* ``decode_split_kernel``: requests with at most DECODE_Q new tokens (decode, spec-verify). One
+  program per (request, KV head, KV split): all the request's new tokens times the query heads
+  of one KV group form the rows of one tile, so each KV block is read once per group. Partial
+  results (normalised output and log-sum-exp per split) are merged by ``merge_splits_kernel``
+  (flash-decoding).
+* ``prefill_kernel``: requests with more than DECODE_Q new tokens. One program per (query block,
+  KV head); the query block → request map is a binary search over ``query_start_loc``, so the
+  grid never depends on the batch.
+
+Softmax runs in fp32 with exp2; products are fp16/bf16 with fp32 accumulation.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634
+
+
+@triton.jit
+def _soft_cap(scores, cap):
+    # cap * tanh(scores / cap), with tanh written through the sigmoid so the interpreter runs it too.
+    return cap * (2.0 * tl.sigmoid(2.0 * scores / cap) - 1.0)
+
+
+@triton.jit
+def write_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_key_token, stride_key_head, stride_value_token, stride_value_head,
+    stride_cache_block, stride_cache_head, stride_cache_token,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_VALUE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot < 0:  # graph padding: write nothing
+        return
+    block = slot // PAGE_SIZE
+    offset = slot % PAGE_SIZE
+    heads = tl.arange(0, BLOCK_HEADS)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+    destination = block * stride_cache_block + heads * stride_cache_head + offset * stride_cache_token + dims
+    key = tl.load(key_ptr + token * stride_key_token + heads * stride_key_head + dims, mask=mask)
+    tl.store(k_cache_ptr + destination, key, mask=mask)
+    if HAS_VALUE:
+        value = tl.load(value_ptr + token * stride_value_token + heads * stride_value_head + dims, mask=mask)
+        tl.store(v_cache_ptr + destination, value, mask=mask)
+
+
+@triton.jit
+def _attend_tile(
+    q, acc, row_max, row_sum, request, kv_head, start, end, query_positions, row_valid,
+    k_cache_ptr, v_cache_ptr, block_table_ptr, stride_block_table,
+    stride_cache_block, stride_cache_head, stride_cache_token,
+    scale_log2, soft_cap, window,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """Online softmax of the rows in ``q`` over KV positions [start, end) of one request.
+
+    UPCAST_DOT (Triton's CPU interpreter only, whose bf16 tl.dot is wrong): products in fp32.
+    """
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    for tile_start in range(start, end, BLOCK_N):
+        positions = tile_start + tl.arange(0, BLOCK_N)
+        in_range = positions < end
+        blocks = tl.load(block_table_ptr + request * stride_block_table + positions // PAGE_SIZE, mask=in_range, other=0)
+        rows = blocks.to(tl.int64) * stride_cache_block + kv_head * stride_cache_head + (positions % PAGE_SIZE) * stride_cache_token
+        kv_mask = in_range[:, None] & dim_mask[None, :]
+        key = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        value = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if UPCAST_DOT:
+            key = key.to(tl.float32)
+            value = value.to(tl.float32)
+        scores = tl.dot(q, tl.trans(key))
+        if USE_SOFT_CAP:  # the cap applies to natural-log scores; the softmax runs in base 2
+            scores = _soft_cap(scores * (scale_log2 / LOG2E), soft_cap) * LOG2E
+        else:
+            scores = scores * scale_log2
+        visible = (positions[None, :] <= query_positions[:, None]) & in_range[None, :] & row_valid[:, None]
+        if USE_WINDOW:
+            visible = visible & (query_positions[:, None] - positions[None, :] < window)
+        scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        probabilities = tl.exp2(scores - safe_max[:, None])
+        rescale = tl.exp2(row_max - safe_max)
+        row_sum = row_sum * rescale + tl.sum(probabilities, axis=1)
+        acc = acc * rescale[:, None] + tl.dot(probabilities.to(value.dtype), value)
+        row_max = new_max
+    return acc, row_max, row_sum
+
+
+@triton.jit
+def decode_split_kernel(
+    query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
+    partial_out_ptr, partial_lse_ptr,
+    num_reqs, scale_log2, soft_cap, window,
+    stride_query_token, stride_query_head, stride_block_table,
+    stride_cache_block, stride_cache_head, stride_cache_token,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, DECODE_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    request = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if request >= num_reqs:
+        return
+    query_start = tl.load(query_start_loc_ptr + request)
+    query_len = tl.load(query_start_loc_ptr + request + 1) - query_start
+    if (query_len > DECODE_Q) | (query_len == 0):
+        return  # a prefill request: prefill_kernel serves it
+    seq_len = tl.load(seq_lens_ptr + request)
+    context_len = seq_len - query_len
+
+    rows = tl.arange(0, BLOCK_M)
+    token = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (token < query_len) & (rows < DECODE_Q * GROUP)
+    query_positions = context_len + token
+    dims = tl.arange(0, BLOCK_D)
+    q = tl.load(
+        query_ptr + (query_start + token)[:, None] * stride_query_token + head[:, None] * stride_query_head + dims[None, :],
+        mask=row_valid[:, None] & (dims[None, :] < HEAD_DIM), other=0.0,
+    )
+
+    low = 0
+    if USE_WINDOW:
+        low = tl.maximum(context_len - window + 1, 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len - low, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = low + split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, row_max, row_sum = _attend_tile(
+        q, acc, row_max, row_sum, request, kv_head, start, end, query_positions, row_valid,
+        k_cache_ptr, v_cache_ptr, block_table_ptr, stride_block_table,
+        stride_cache_block, stride_cache_head, stride_cache_token, scale_log2, soft_cap, window,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW, USE_SOFT_CAP, UPCAST_DOT,
+    )
+    seen = row_sum > 0
+    out = acc / tl.where(seen, row_sum, 1.0)[:, None]
+    lse = tl.where(seen, row_max + tl.log2(tl.where(seen, row_sum, 1.0)), float("-inf"))
+    partial_row = (request * DECODE_Q + token) * NUM_HEADS + head  # [rows, heads] flattened
+    tl.store(partial_lse_ptr + partial_row * NUM_SPLITS + split, lse, mask=row_valid)
+    tl.store(
+        partial_out_ptr + (partial_row * NUM_SPLITS + split)[:, None] * HEAD_DIM + dims[None, :],
+        out, mask=row_valid[:, None] & (dims[None, :] < HEAD_DIM),
+    )
+
+
+@triton.jit
+def merge_splits_kernel(
+    partial_out_ptr, partial_lse_ptr, out_ptr, query_start_loc_ptr, num_reqs,
+    stride_out_token, stride_out_head,
+    NUM_HEADS: tl.constexpr, DECODE_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    request = row // DECODE_Q
+    token = row % DECODE_Q
+    if request >= num_reqs:
+        return
+    query_start = tl.load(query_start_loc_ptr + request)
+    query_len = tl.load(query_start_loc_ptr + request + 1) - query_start
+    if (query_len > DECODE_Q) | (token >= query_len):
+        return
+    splits = tl.arange(0, BLOCK_SPLITS)
+    partial_row = row * NUM_HEADS + head
+    lse = tl.load(partial_lse_ptr + partial_row * NUM_SPLITS + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
+    weights = tl.exp2(lse - tl.max(lse, axis=0))
+    weights = weights / tl.sum(weights, axis=0)
+    dims = tl.arange(0, BLOCK_D)
+    partial = tl.load(
+        partial_out_ptr + (partial_row * NUM_SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :],
+        mask=(splits[:, None] < NUM_SPLITS) & (dims[None, :] < HEAD_DIM), other=0.0,
+    )
+    out = tl.sum(partial * weights[:, None], axis=0)
+    tl.store(out_ptr + (query_start + token) * stride_out_token + head * stride_out_head + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+@triton.jit
+def prefill_kernel(
+    query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    num_reqs, scale_log2, soft_cap, window,
+    stride_query_token, stride_query_head, stride_out_token, stride_out_head, stride_block_table,
+    stride_cache_block, stride_cache_head, stride_cache_token,
+    GROUP: tl.constexpr, DECODE_Q: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    program = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # Request r owns query blocks [qsl[r] // BLOCK_Q + r, ... + cdiv(len_r, BLOCK_Q)): monotone in
+    # r and non-overlapping, so the largest r whose first block is <= program is the owner.
+    low = 0
+    high = num_reqs
+    while low < high:
+        middle = (low + high) // 2
+        if tl.load(query_start_loc_ptr + middle) // BLOCK_Q + middle <= program:
+            low = middle + 1
+        else:
+            high = middle
+    request = low - 1
+    query_start = tl.load(query_start_loc_ptr + request)
+    query_len = tl.load(query_start_loc_ptr + request + 1) - query_start
+    query_block = program - (query_start // BLOCK_Q + request)
+    if (query_len <= DECODE_Q) | (query_block * BLOCK_Q >= query_len):
+        return
+    seq_len = tl.load(seq_lens_ptr + request)
+    context_len = seq_len - query_len
+
+    rows = tl.arange(0, BLOCK_M)
+    token = query_block * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (token < query_len) & (rows < BLOCK_Q * GROUP)
+    query_positions = context_len + token
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims[None, :] < HEAD_DIM
+    q = tl.load(
+        query_ptr + (query_start + token)[:, None] * stride_query_token + head[:, None] * stride_query_head + dims[None, :],
+        mask=row_valid[:, None] & dim_mask, other=0.0,
+    )
+    first_position = context_len + query_block * BLOCK_Q
+    last_position = tl.minimum(first_position + BLOCK_Q, seq_len)  # exclusive: causal
+    start = 0
+    if USE_WINDOW:
+        start = tl.maximum(first_position - window + 1, 0)
+    start = (start // BLOCK_N) * BLOCK_N
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, row_max, row_sum = _attend_tile(
+        q, acc, row_max, row_sum, request, kv_head, start, last_position, query_positions, row_valid,
+        k_cache_ptr, v_cache_ptr, block_table_ptr, stride_block_table,
+        stride_cache_block, stride_cache_head, stride_cache_token, scale_log2, soft_cap, window,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW, USE_SOFT_CAP, UPCAST_DOT,
+    )
+    out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+    tl.store(
+        out_ptr + (query_start + token)[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_mask,
+    )
