@@ -14,6 +14,7 @@ ENTRY_POINT_GROUP = "conformance.backends"
 BUILTIN_BACKENDS: dict[str, str] = {
     "torch_naive": "backends.torch_naive:TorchNaiveBackend",
     "triton": "backends.triton.backend:TritonAttentionBackend",
+    "triton_mla": "backends.triton.mla_backend:TritonMLABackend",
 }
 
 

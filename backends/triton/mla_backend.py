@@ -1,0 +1,103 @@
+"""``triton_mla``: absorbed MLA decode and spec-verify (query length up to 8) over the latent
+paged cache, split-KV with a merge kernel; graph-safe, needing no host lengths (as ``triton``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
+from backends.triton import kernels, mla_kernels
+from backends.triton.backend import (
+    DECODE_VARIANTS,
+    LOG2E,
+    TritonMetadata,
+    decode_variant,
+    interpreter_devices,
+    interpreting,
+    num_kv_splits,
+)
+
+ROWS_PER_PROGRAM = 32  # tokens x heads per tile: the [rows, kv_lora_rank] fp32 accumulator lives in registers
+
+
+@dataclass
+class _Tiling:
+    heads_per_program: int
+    block_m: int
+
+
+def tiling(num_heads: int, decode_q: int) -> _Tiling:
+    heads = max(1, min(triton.next_power_of_2(num_heads), ROWS_PER_PROGRAM // decode_q))
+    return _Tiling(heads, max(16, triton.next_power_of_2(heads * decode_q)))
+
+
+class TritonMLABackend(AttentionBackend):
+    name = "triton_mla"
+    capabilities = Capabilities(
+        kinds=frozenset({"mla"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        block_sizes=frozenset({16, 32, 64}),
+        max_query_len=DECODE_VARIANTS[-1],
+        cuda_graphs=CGSupport.ALWAYS,
+        needs_cpu_seq_lens=False,
+        draft_step_update=True,
+        devices=interpreter_devices(),
+        required_modules=("triton",),
+    )
+
+    def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
+        super().__init__(spec, limits, device)
+        self.upcast_dot = interpreting() and spec.dtype == torch.bfloat16
+        partial_rows = limits.max_num_reqs * DECODE_VARIANTS[-1] * spec.num_heads
+        self.num_splits = num_kv_splits(limits, partial_rows * spec.kv_lora_rank * 4)
+        self.partial_out = torch.empty(partial_rows * self.num_splits * spec.kv_lora_rank, dtype=torch.float32, device=self.device)
+        self.partial_lse = torch.empty(partial_rows * self.num_splits, dtype=torch.float32, device=self.device)
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.spec.block_size, self.spec.head_dim)
+
+    def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
+        kernels.write_kv_kernel[(slot_mapping.shape[0],)](
+            key, key, kv_cache, kv_cache, slot_mapping,
+            key.stride(0), 0, key.stride(0), 0,
+            kv_cache.stride(0), 0, kv_cache.stride(1),
+            NUM_KV_HEADS=1, HEAD_DIM=self.spec.head_dim, PAGE_SIZE=self.spec.block_size,
+            BLOCK_HEADS=1, BLOCK_D=triton.next_power_of_2(self.spec.head_dim), HAS_VALUE=False,
+        )
+
+    def build(self, common: CommonAttentionMetadata) -> TritonMetadata:
+        return TritonMetadata(
+            query_start_loc=common.query_start_loc, seq_lens=common.seq_lens, block_table=common.block_table,
+            num_reqs=common.num_reqs, max_query_len=common.max_query_len, decode_q=decode_variant(common.max_query_len),
+        )
+
+    def update_for_draft_step(self, metadata: TritonMetadata, common: CommonAttentionMetadata) -> TritonMetadata:
+        metadata.query_start_loc, metadata.seq_lens, metadata.block_table = (
+            common.query_start_loc, common.seq_lens, common.block_table,
+        )
+        return metadata
+
+    def forward(self, query, kv_cache, metadata: TritonMetadata, out) -> None:
+        spec, limits = self.spec, self.limits
+        decode_q = metadata.decode_q
+        tiles = tiling(spec.num_heads, decode_q)
+        grid = (triton.cdiv(spec.num_heads, tiles.heads_per_program), limits.max_num_reqs, self.num_splits)
+        mla_kernels.mla_decode_split_kernel[grid](
+            query, kv_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
+            self.partial_out, self.partial_lse, metadata.num_reqs, spec.softmax_scale * LOG2E,
+            query.stride(0), query.stride(1), metadata.block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+            NUM_HEADS=spec.num_heads, HEADS_PER_PROGRAM=tiles.heads_per_program, DECODE_Q=decode_q,
+            BLOCK_M=tiles.block_m, LATENT=spec.kv_lora_rank, ROPE=spec.rope_dim,
+            BLOCK_L=triton.next_power_of_2(spec.kv_lora_rank), BLOCK_R=max(16, triton.next_power_of_2(spec.rope_dim)),
+            BLOCK_N=32, PAGE_SIZE=spec.block_size, NUM_SPLITS=self.num_splits, UPCAST_DOT=self.upcast_dot,
+            num_warps=8 if spec.kv_lora_rank >= 256 else 4,
+        )
+        kernels.merge_splits_kernel[(limits.max_num_reqs * decode_q, spec.num_heads)](
+            self.partial_out, self.partial_lse, out, metadata.query_start_loc, metadata.num_reqs,
+            out.stride(0), out.stride(1),
+            NUM_HEADS=spec.num_heads, DECODE_Q=decode_q, HEAD_DIM=spec.kv_lora_rank,
+            BLOCK_D=triton.next_power_of_2(spec.kv_lora_rank), NUM_SPLITS=self.num_splits,
+            BLOCK_SPLITS=triton.next_power_of_2(self.num_splits),
+        )

@@ -1,0 +1,86 @@
+"""Triton split-KV kernel for absorbed MLA decode and spec-verify (DeepSeek-style latent cache).
+
+Every head reads the same latent entry per token ([kv_lora_rank | rope_dim]), so one program
+serves a block of heads for all of a request's new tokens (rows = tokens x heads) over one KV
+split. The head block is the fastest grid dimension: programs that share a request's latent
+tiles run together and the tiles come from L2 after the first read. Partial results are merged
+by ``kernels.merge_splits_kernel``.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def mla_decode_split_kernel(
+    query_ptr, cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
+    partial_out_ptr, partial_lse_ptr,
+    num_reqs, scale_log2,
+    stride_query_token, stride_query_head, stride_block_table, stride_cache_block, stride_cache_token,
+    NUM_HEADS: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, DECODE_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    head_block = tl.program_id(0)
+    request = tl.program_id(1)
+    split = tl.program_id(2)
+    if request >= num_reqs:
+        return
+    query_start = tl.load(query_start_loc_ptr + request)
+    query_len = tl.load(query_start_loc_ptr + request + 1) - query_start
+    if (query_len > DECODE_Q) | (query_len == 0):
+        return
+    seq_len = tl.load(seq_lens_ptr + request)
+    context_len = seq_len - query_len
+
+    rows = tl.arange(0, BLOCK_M)
+    token = rows // HEADS_PER_PROGRAM
+    head = head_block * HEADS_PER_PROGRAM + rows % HEADS_PER_PROGRAM
+    row_valid = (token < query_len) & (rows < DECODE_Q * HEADS_PER_PROGRAM) & (head < NUM_HEADS)
+    query_positions = context_len + token
+    latent_dims = tl.arange(0, BLOCK_L)
+    rope_dims = tl.arange(0, BLOCK_R)
+    query_rows = query_ptr + (query_start + token)[:, None] * stride_query_token + head[:, None] * stride_query_head
+    q_latent = tl.load(query_rows + latent_dims[None, :], mask=row_valid[:, None] & (latent_dims[None, :] < LATENT), other=0.0)
+    q_rope = tl.load(query_rows + LATENT + rope_dims[None, :], mask=row_valid[:, None] & (rope_dims[None, :] < ROPE), other=0.0)
+    if UPCAST_DOT:
+        q_latent = q_latent.to(tl.float32)
+        q_rope = q_rope.to(tl.float32)
+
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+    acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        positions = tile_start + tl.arange(0, BLOCK_N)
+        in_range = positions < end
+        blocks = tl.load(block_table_ptr + request * stride_block_table + positions // PAGE_SIZE, mask=in_range, other=0)
+        entries = cache_ptr + blocks.to(tl.int64) * stride_cache_block + (positions % PAGE_SIZE) * stride_cache_token
+        c_latent = tl.load(entries[:, None] + latent_dims[None, :], mask=in_range[:, None] & (latent_dims[None, :] < LATENT), other=0.0)
+        c_rope = tl.load(entries[:, None] + LATENT + rope_dims[None, :], mask=in_range[:, None] & (rope_dims[None, :] < ROPE), other=0.0)
+        if UPCAST_DOT:
+            c_latent = c_latent.to(tl.float32)
+            c_rope = c_rope.to(tl.float32)
+        scores = (tl.dot(q_latent, tl.trans(c_latent)) + tl.dot(q_rope, tl.trans(c_rope))) * scale_log2
+        visible = (positions[None, :] <= query_positions[:, None]) & in_range[None, :] & row_valid[:, None]
+        scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        probabilities = tl.exp2(scores - safe_max[:, None])
+        rescale = tl.exp2(row_max - safe_max)
+        row_sum = row_sum * rescale + tl.sum(probabilities, axis=1)
+        acc = acc * rescale[:, None] + tl.dot(probabilities.to(c_latent.dtype), c_latent)
+        row_max = new_max
+
+    seen = row_sum > 0
+    out = acc / tl.where(seen, row_sum, 1.0)[:, None]
+    lse = tl.where(seen, row_max + tl.log2(tl.where(seen, row_sum, 1.0)), float("-inf"))
+    partial_row = (request * DECODE_Q + token) * NUM_HEADS + head
+    tl.store(partial_lse_ptr + partial_row * NUM_SPLITS + split, lse, mask=row_valid)
+    tl.store(
+        partial_out_ptr + (partial_row * NUM_SPLITS + split)[:, None] * LATENT + latent_dims[None, :],
+        out, mask=row_valid[:, None] & (latent_dims[None, :] < LATENT),
+    )
