@@ -39,12 +39,18 @@ def measure(strategy: str, calls: int = 2000, launches: int = 5000) -> dict:
             x.add_(1.0)
 
     syncs(), kernels()  # warm-up
-    plain_sync, plain_launch = _median_seconds(syncs), _median_seconds(kernels)
-    with detect_host_syncs(strategy) as detector:
-        watched_sync = _median_seconds(syncs)
-        with detector.paused():  # count the callbacks, not the stack capture of recorded events
-            paused_sync = _median_seconds(syncs)
-        watched_launch = _median_seconds(kernels)
+    samples: dict[str, list[float]] = {key: [] for key in ("plain_sync", "plain_launch", "watched_sync", "paused_sync", "watched_launch")}
+    for _ in range(5):  # interleaved rounds, so clock drift hits both sides alike
+        samples["plain_sync"].append(_median_seconds(syncs, 3))
+        samples["plain_launch"].append(_median_seconds(kernels, 3))
+        with detect_host_syncs(strategy) as detector:
+            samples["watched_sync"].append(_median_seconds(syncs, 3))
+            with detector.paused():  # the callbacks alone, without recording events and their stacks
+                samples["paused_sync"].append(_median_seconds(syncs, 3))
+            samples["watched_launch"].append(_median_seconds(kernels, 3))
+    plain_sync, plain_launch, watched_sync, paused_sync, watched_launch = (
+        statistics.median(samples[key]) for key in ("plain_sync", "plain_launch", "watched_sync", "paused_sync", "watched_launch")
+    )
     return {
         "strategy": detector.strategy_name,
         "gpu": torch.cuda.get_device_name(),

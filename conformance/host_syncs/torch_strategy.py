@@ -1,7 +1,8 @@
 """PyTorch's own sync-debug mode: warns on synchronizing operations made through PyTorch.
 
-Blind to anything that is not a PyTorch operator: a C++ extension's copies (FlashInfer's plan()),
-raw CUDA calls through ctypes, Triton's launcher. Used when cupti-python is missing.
+Measured on an H200: it catches .item(), .cpu() and .tolist(), and misses torch.cuda.synchronize(),
+Event.synchronize(), a raw ctypes cudaMemcpy and cudaStreamSynchronize, and anything a C++
+extension does (FlashInfer's plan()). Used when cupti-python is missing.
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ _MESSAGE = "called a synchronizing CUDA operation"
 class TorchSyncDebugStrategy:
     name = "torch"
     blind_spots = (
-        "sees only synchronizations made by PyTorch operators; misses C++ extensions (e.g. FlashInfer "
-        "plan()), raw CUDA calls (ctypes cudaMemcpy) and explicit torch.cuda.synchronize()"
+        "sees only synchronizing PyTorch operators (.item(), .cpu(), .tolist(), blocking copies); misses "
+        "torch.cuda.synchronize(), Event.synchronize(), C++ extensions (e.g. FlashInfer plan()) and raw CUDA "
+        "calls (ctypes cudaMemcpy / cudaStreamSynchronize)"
     )
 
     def __init__(self, recorder: EventRecorder) -> None:
