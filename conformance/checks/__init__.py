@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 from conformance.checks.base import Check
+from conformance.checks.draft_loop import DraftLoopCheck
+from conformance.checks.graphs import GraphsCheck
 from conformance.checks.numerics import NumericsCheck
 from conformance.checks.syncs import SyncsCheck
 
 CHECKS: dict[str, type[Check]] = {
     NumericsCheck.name: NumericsCheck,
     SyncsCheck.name: SyncsCheck,
+    GraphsCheck.name: GraphsCheck,
+    DraftLoopCheck.name: DraftLoopCheck,
 }
 
 DEFAULT_CHECKS = list(CHECKS)

@@ -1,0 +1,193 @@
+"""draft-loop: k EAGLE-style draft steps, each appending one token per request, under CUDA graphs.
+
+Positions, ``seq_lens``, ``slot_mapping`` and the step's query/KV rows are advanced on the device
+by captured kernels indexed by a device step counter, never by the host. A backend claiming
+``draft_step_update`` gets all k steps in ONE graph, its ``update_for_draft_step`` running
+inside it between steps; any other backend gets a captured advance and a captured one-step
+graph, with its ``build`` called on the host between them (as vLLM's EAGLE proposer does). Every
+step's output is compared with the oracle; the first failing step is named. Stale
+position-dependent metadata (DeepSeek-V4 with MTP > 2) fails here at step 2 or later.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from backends.base import AttentionBackend, CGSupport, CommonAttentionMetadata
+from conformance.batch import materialize
+from conformance.cases import Case
+from conformance.checks.base import Check
+from conformance.checks.numerics import TOLERANCES, compare_with_oracle
+from conformance.graph_batches import GraphShape
+from conformance.graph_harness import GraphBuffers, warm_up
+from conformance.results import CaseResult, Verdict
+
+DRAFT_STEPS = (2, 4, 7)
+
+
+class DraftLoop:
+    """The buffers, device-side advance and per-step bookkeeping of one k-step draft loop."""
+
+    def __init__(self, backend_cls: type[AttentionBackend], case: Case, num_steps: int, device: torch.device):
+        self.num_steps = num_steps
+        self.num_real = case.num_reqs
+        self.drafted = materialize(replace(case, batch=tuple((context, num_steps) for context, _ in case.batch)), device)
+        contexts = [context for context, _ in case.batch]
+        self.contexts = contexts
+        block = case.spec.block_size
+        shape = GraphShape(
+            num_reqs=case.num_reqs + 1, num_tokens=case.num_reqs + 1, padding_query_len=1,
+            max_model_len=-(-(max(contexts) + num_steps) // block) * block, uniform=True,
+        )
+        self.buffers = GraphBuffers(backend_cls, shape, [self.drafted.case], device)
+        self.host_lengths = backend_cls.capabilities.needs_cpu_seq_lens
+        buffers, drafted, n = self.buffers, self.drafted, self.num_real
+
+        key, value, slots = drafted.history_rows()
+        if slots.numel():
+            buffers.backend.write_kv(buffers.kv_cache, key, value, slots)
+        # Per-step banks: the query row, KV row and slot of request r at draft step s.
+        self.query_bank = drafted.query.view(n, num_steps, *drafted.query.shape[1:])
+        self.key_bank = torch.stack([drafted.keys[r][c : c + num_steps] for r, c in enumerate(contexts)])
+        self.value_bank = None if drafted.values[0] is None else torch.stack(
+            [drafted.values[r][c : c + num_steps] for r, c in enumerate(contexts)]
+        )
+        self.slot_bank = torch.stack([drafted.slots(r, range(c, c + num_steps)) for r, c in enumerate(contexts)]).to(device)
+        self.context_lens = torch.tensor(contexts, dtype=torch.int32, device=device)
+        self.rows = torch.arange(n, device=device)
+        self.step = torch.zeros((), dtype=torch.int64, device=device)
+        self.out_bank = torch.full((n, num_steps, *buffers.out.shape[1:]), float("nan"), dtype=buffers.out.dtype, device=device)
+
+        buffers.query_start_loc.copy_(torch.arange(n + 2, dtype=torch.int32))
+        buffers.seq_lens.fill_(1)  # the padding row keeps seq_len = query_len = 1
+        buffers.block_table.zero_()
+        buffers.block_table[:n, : drafted.block_table.shape[1]].copy_(drafted.block_table)
+        buffers.slot_mapping.fill_(-1)
+        buffers.query.zero_()
+        buffers.key.fill_(7.0)
+        if buffers.value is not None:
+            buffers.value.fill_(-7.0)
+        self.advance()
+
+    def advance(self) -> None:
+        """Device-only: lengths, slots and inputs of draft step ``self.step`` (captured as kernels)."""
+        buffers, n, step = self.buffers, self.num_real, self.step.view(1)
+        buffers.seq_lens[:n].copy_(self.context_lens + self.step.to(torch.int32) + 1)
+        buffers.slot_mapping[:n].copy_(self.slot_bank.index_select(1, step).view(n))
+        buffers.query[:n].copy_(self.query_bank.index_select(1, step).squeeze(1))
+        buffers.key[:n].copy_(self.key_bank.index_select(1, step).squeeze(1))
+        if buffers.value is not None:
+            buffers.value[:n].copy_(self.value_bank.index_select(1, step).squeeze(1))
+
+    def finish_step(self) -> None:
+        n = self.num_real
+        self.out_bank.index_copy_(1, self.step.view(1), self.buffers.out[:n].unsqueeze(1))
+        self.step.add_(1)
+
+    def common(self, step: int) -> CommonAttentionMetadata:
+        """What the host knows at draft step ``step``: every request gained exactly one token."""
+        seq_lens = [c + step + 1 for c in self.contexts] + [1]
+        buffers = self.buffers
+        return CommonAttentionMetadata(
+            query_start_loc=buffers.query_start_loc, seq_lens=buffers.seq_lens, block_table=buffers.block_table,
+            slot_mapping=buffers.slot_mapping, query_start_loc_cpu=torch.arange(self.num_real + 2, dtype=torch.int32),
+            num_reqs=self.num_real + 1, num_actual_tokens=self.num_real + 1, max_query_len=1, max_seq_len=max(seq_lens),
+            host_seq_lens=torch.tensor(seq_lens, dtype=torch.int32) if self.host_lengths else None,
+        )
+
+    def first_failing_step(self, atol: float, rtol: float) -> tuple[int | None, dict[str, Any]]:
+        reference = self.drafted.reference_output().view(self.num_real, self.num_steps, *self.out_bank.shape[2:])
+        starts = list(range(self.num_real + 1))
+        for step in range(self.num_steps):
+            passed, metrics, evidence = compare_with_oracle(self.out_bank[:, step], reference[:, step], starts, atol, rtol)
+            if not passed:
+                return step, {**metrics, **evidence}
+        return None, {}
+
+
+def run_one_graph_loop(loop: DraftLoop) -> None:
+    """All k steps in one graph; update_for_draft_step runs inside it."""
+    backend, buffers = loop.buffers.backend, loop.buffers
+
+    def steps(metadata) -> None:
+        for step in range(loop.num_steps):
+            loop.advance()
+            if step:
+                metadata = backend.update_for_draft_step(metadata, loop.common(step))
+            buffers.step(metadata)
+            loop.finish_step()
+
+    warm_up(lambda: (loop.step.zero_(), steps(backend.build(loop.common(0)))), iterations=1)
+    loop.step.zero_()
+    loop.advance()
+    metadata = backend.build_for_capture(loop.common(0))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        steps(metadata)
+    loop.step.zero_()
+    loop.out_bank.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+
+
+def run_rebuilt_loop(loop: DraftLoop) -> None:
+    """A captured advance and a captured one-step graph; the host rebuilds metadata between."""
+    backend, buffers = loop.buffers.backend, loop.buffers
+
+    def one_step(metadata) -> None:
+        buffers.step(metadata)
+        loop.finish_step()
+
+    warm_up(lambda: (loop.step.zero_(), loop.advance(), one_step(backend.build(loop.common(0)))), iterations=1)
+    loop.step.zero_()
+    loop.advance()
+    advance_graph, step_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(advance_graph):
+        loop.advance()
+    metadata = backend.build_for_capture(loop.common(0))
+    with torch.cuda.graph(step_graph):
+        one_step(metadata)
+    loop.step.zero_()
+    loop.out_bank.fill_(float("nan"))
+    for step in range(loop.num_steps):
+        advance_graph.replay()
+        backend.build(loop.common(step))
+        step_graph.replay()
+    torch.cuda.synchronize()
+
+
+class DraftLoopCheck(Check):
+    name = "draft-loop"
+    question = "k draft steps under CUDA graphs, positions advanced on device: every step right?"
+
+    def skip_reason(self, backend_cls: type[AttentionBackend], device: torch.device) -> str | None:
+        if backend_cls.capabilities.cuda_graphs == CGSupport.NEVER:
+            return "claims cuda_graphs=NEVER (the draft loop runs under CUDA graphs)"
+        if device.type != "cuda":
+            return "CUDA graphs need a CUDA device (run with --device cuda)"
+        return None
+
+    def case_skip_reason(self, backend_cls, case: Case, device) -> str | None:
+        if any(query != 1 for _, query in case.batch):
+            return "the draft loop starts from decode batches (query length 1)"
+        return super().case_skip_reason(backend_cls, case, device)
+
+    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
+        one_graph = backend_cls.capabilities.draft_step_update
+        mode = "one graph for all k steps (draft_step_update)" if one_graph else "one-step graph, metadata rebuilt on the host"
+        atol, rtol = TOLERANCES[case.spec.dtype]
+        metrics: dict[str, Any] = {"mode": mode}
+        for num_steps in DRAFT_STEPS:
+            loop = DraftLoop(backend_cls, case, num_steps, device)
+            (run_one_graph_loop if one_graph else run_rebuilt_loop)(loop)
+            failing, details = loop.first_failing_step(atol, rtol)
+            if failing is not None:
+                reason = (f"k={num_steps}: draft step {failing + 1} of {num_steps} differs from the oracle "
+                          f"({details['mismatched']} elements, max abs error {details['max_abs_error']:.3g}) — {mode}")
+                return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag,
+                                  metrics={**metrics, "k": num_steps, "first_failing_step": failing + 1},
+                                  evidence={"worst": details.get("worst")})
+        return CaseResult(case.id, Verdict.PASS, f"k in {DRAFT_STEPS}: every step equal to the oracle — {mode}",
+                          tag=case.tag, metrics=metrics)

@@ -1,0 +1,88 @@
+"""What a CUDA-graph check captures and what it replays: pure planning, testable on a CPU.
+
+A graph is captured for batch A at a padded shape (A's requests plus one padding row) and
+replayed for batches B1..Bn of the same padded shape, each chosen to change a host-visible
+quantity a backend might have frozen at capture time: context lengths (so max_seq_len, block
+counts and split heuristics change), the number of real requests (more padding rows), the block
+table contents, and — where the backend claims any batch — the query lengths.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from backends.base import CGSupport
+from conformance.cases import Case
+
+
+def graph_class_reason(support: CGSupport, case: Case) -> str | None:
+    """Why ``case`` is not a batch the claimed graph level covers; None when it is."""
+    query_lens = {query for _, query in case.batch}
+    if support == CGSupport.NEVER:
+        return "claims cuda_graphs=NEVER"
+    if support == CGSupport.UNIFORM_SINGLE_TOKEN_DECODE and query_lens != {1}:
+        return "not a single-token decode batch (claimed: UNIFORM_SINGLE_TOKEN_DECODE)"
+    if support == CGSupport.UNIFORM_BATCH and len(query_lens) != 1:
+        return "query lengths differ (claimed: UNIFORM_BATCH)"
+    return None
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    num_reqs: int  # padded: real requests + padding rows
+    num_tokens: int  # padded
+    padding_query_len: int  # query length of each padding row
+    max_model_len: int
+    uniform: bool  # every row, padding included, has the same query length
+
+
+@dataclass(frozen=True)
+class Replay:
+    description: str  # what this batch changes, for the report
+    case: Case
+
+
+def _uniform_query_len(case: Case) -> int | None:
+    query_lens = {query for _, query in case.batch}
+    return query_lens.pop() if len(query_lens) == 1 else None
+
+
+def replay_batches(case: Case, support: CGSupport) -> list[Replay]:
+    block = case.spec.block_size
+    batch = case.batch
+    replays = [
+        Replay("longer contexts (max_seq_len, block counts and split heuristics change)",
+               replace(case, batch=tuple((context * 4 + 3 * block + 5, query) for context, query in batch), tag="")),
+        Replay("shorter contexts",
+               replace(case, batch=tuple((context // 16, query) for context, query in batch), tag="")),
+        Replay("new block-table contents (same lengths, other blocks)", replace(case, seed=case.seed + 1, tag="")),
+    ]
+    if len(batch) > 1:
+        replays.append(Replay("fewer real requests, more padding rows", replace(case, batch=batch[: len(batch) // 2], tag="")))
+    if support == CGSupport.ALWAYS and _uniform_query_len(case) is None:
+        query_lens = [query for _, query in batch][::-1]
+        replays.append(Replay("query lengths moved between requests",
+                              replace(case, batch=tuple((c, q) for (c, _), q in zip(batch, query_lens)), tag="")))
+    return [r for r in replays if r.case.batch != case.batch or r.case.seed != case.seed]
+
+
+def graph_shape(case: Case, replays: list[Replay]) -> GraphShape:
+    cases = [case] + [replay.case for replay in replays]
+    uniform_query_len = _uniform_query_len(case)
+    padding_query_len = uniform_query_len or 1
+    num_reqs = case.num_reqs + 1
+    if uniform_query_len is not None:
+        num_tokens = num_reqs * uniform_query_len
+    else:  # every batch's tokens, plus at least one token for each padding row it needs
+        num_tokens = max(c.num_tokens + (num_reqs - c.num_reqs) for c in cases)
+    block = case.spec.block_size
+    longest = max(max(c.max_seq_len for c in cases), padding_query_len)
+    return GraphShape(num_reqs, num_tokens, padding_query_len, -(-longest // block) * block, uniform_query_len is not None)
+
+
+def padding_rows(shape: GraphShape, case: Case) -> list[int]:
+    """Query lengths of the padding rows that bring ``case`` to the graph's padded shape."""
+    rows = shape.num_reqs - case.num_reqs
+    if shape.uniform:
+        return [shape.padding_query_len] * rows
+    spare = shape.num_tokens - case.num_tokens
+    return [1] * (rows - 1) + [spare - (rows - 1)]

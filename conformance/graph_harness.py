@@ -1,0 +1,115 @@
+"""Persistent, padded step buffers that a CUDA graph is captured over, and the loading of any
+batch into them (real rows first, then padding rows: query_len as planned, seq_len = query_len,
+slot -1, block-table row → reserved block 0), as an engine does before each replay."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from backends.base import AttentionBackend, BackendLimits, CommonAttentionMetadata
+from conformance.batch import PagedBatch, materialize
+from conformance.cases import Case
+from conformance.graph_batches import GraphShape, padding_rows
+
+PADDING_KEY_VALUE = 7.0  # garbage that padding rows carry: it must land nowhere
+
+
+@dataclass
+class LoadedBatch:
+    batch: PagedBatch
+    common: CommonAttentionMetadata
+    real_tokens: int
+    real_slots: torch.Tensor  # the step's own slots (the only cache entries a replay may change)
+
+
+class GraphBuffers:
+    def __init__(self, backend_cls: type[AttentionBackend], shape: GraphShape, cases: list[Case], device: torch.device):
+        spec = cases[0].spec
+        self.spec, self.shape, self.device = spec, shape, device
+        self.backend = backend_cls(spec, BackendLimits(shape.num_reqs, shape.num_tokens, shape.max_model_len), device)
+        num_blocks = max(materialize(case, "cpu").num_blocks for case in cases)
+        self.kv_cache = self.backend.allocate_kv_cache(num_blocks)
+        max_blocks = shape.max_model_len // spec.block_size
+        int32 = dict(dtype=torch.int32, device=device)
+        self.query_start_loc = torch.zeros(shape.num_reqs + 1, **int32)
+        self.seq_lens = torch.zeros(shape.num_reqs, **int32)
+        self.block_table = torch.zeros(shape.num_reqs, max_blocks, **int32)
+        self.slot_mapping = torch.full((shape.num_tokens,), -1, dtype=torch.int64, device=device)
+        self.query = torch.zeros(shape.num_tokens, spec.num_heads, spec.head_dim, dtype=spec.dtype, device=device)
+        kv_shape = (shape.num_tokens, spec.head_dim) if spec.kind == "mla" else (shape.num_tokens, spec.num_kv_heads, spec.head_dim)
+        self.key = torch.zeros(kv_shape, dtype=spec.dtype, device=device)
+        self.value = None if spec.kind == "mla" else torch.zeros(kv_shape, dtype=spec.dtype, device=device)
+        self.out = torch.zeros(shape.num_tokens, spec.num_heads, spec.v_head_dim, dtype=spec.dtype, device=device)
+
+    def load(self, case: Case, *, with_host_lengths: bool) -> LoadedBatch:
+        """Write ``case`` (its history through the backend's eager write_kv) into the buffers."""
+        batch = materialize(case, self.device)
+        key, value, slots = batch.history_rows()
+        if slots.numel():
+            self.backend.write_kv(self.kv_cache, key, value, slots)
+        padding = padding_rows(self.shape, case)
+        query_lens = [query for _, query in case.batch] + padding
+        seq_lens = batch.seq_lens + padding
+        starts = [0]
+        for query_len in query_lens:
+            starts.append(starts[-1] + query_len)
+        real = case.num_tokens
+        step_key, step_value, step_slots = batch.step_rows(padding=0)
+
+        self.query_start_loc.copy_(torch.tensor(starts, dtype=torch.int32))
+        self.seq_lens.copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        self.block_table.zero_()
+        self.block_table[: case.num_reqs, : batch.block_table.shape[1]].copy_(batch.block_table)
+        self.slot_mapping.fill_(-1)
+        self.slot_mapping[:real].copy_(step_slots)
+        self.query.zero_()
+        self.query[:real].copy_(batch.query)
+        self.key.fill_(PADDING_KEY_VALUE)
+        self.key[:real].copy_(step_key)
+        if self.value is not None:
+            self.value.fill_(-PADDING_KEY_VALUE)
+            self.value[:real].copy_(step_value)
+        common = CommonAttentionMetadata(
+            query_start_loc=self.query_start_loc, seq_lens=self.seq_lens, block_table=self.block_table,
+            slot_mapping=self.slot_mapping, query_start_loc_cpu=torch.tensor(starts, dtype=torch.int32),
+            num_reqs=self.shape.num_reqs, num_actual_tokens=self.shape.num_tokens,
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            host_seq_lens=torch.tensor(seq_lens, dtype=torch.int32) if with_host_lengths else None,
+        )
+        return LoadedBatch(batch, common, real, step_slots)
+
+    def step(self, metadata) -> None:
+        """What the graph holds: the step's KV write and the attention."""
+        self.backend.write_kv(self.kv_cache, self.key, self.value, self.slot_mapping)
+        self.backend.forward(self.query, self.kv_cache, metadata, self.out)
+
+    def expected_cache_after(self, before: torch.Tensor, loaded: LoadedBatch) -> torch.Tensor:
+        """The cache as it must be after a step: ``before`` plus the real rows, written eagerly."""
+        expected = before.clone()
+        real = loaded.real_tokens
+        self.backend.write_kv(expected, self.key[:real], None if self.value is None else self.value[:real], loaded.real_slots)
+        return expected
+
+
+def warm_up(function, iterations: int = 2) -> None:
+    """Eager runs on a side stream before capture, as torch.cuda.graphs recommends."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(iterations):
+            function()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def memory_growth() -> "contextlib.Generator[dict, None, None]":
+    """Bytes the CUDA caching allocator reserved inside the block: the graph's private pool."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    result: dict = {}
+    yield result
+    torch.cuda.synchronize()
+    result["bytes"] = torch.cuda.memory_reserved() - before

@@ -1,0 +1,63 @@
+"""graphs and draft-loop on a real GPU: a graph-safe backend passes; each planted defect fails
+for its own reason."""
+import pytest
+import torch
+
+from backends.torch_naive import TorchNaiveBackend
+from conformance.cases import parse_case
+from conformance.checks.draft_loop import DraftLoopCheck
+from conformance.checks.graphs import GraphsCheck
+from conformance.results import Verdict
+from tests.planted import graph_backends as planted
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+DECODE = parse_case("gqa-h8/2-d64-fp16-p16:100+1,30+1,250+1")
+VERIFY = parse_case("gqa-h8/2-d64-fp16-p16:100+4,30+4")
+MIXED = parse_case("gqa-h8/2-d64-fp16-p16:0+40,100+4,30+1")
+
+
+def marker_line(text: str) -> int:
+    with open(planted.__file__.removesuffix("c")) as source:
+        return next(number for number, line in enumerate(source, 1) if text in line)
+
+
+@pytest.mark.parametrize("case", [DECODE, VERIFY, MIXED], ids=["decode", "verify", "mixed"])
+def test_graph_safe_backend_passes(case):
+    result = GraphsCheck().run_case(planted.TorchGraphSafe, case, CUDA)
+    assert result.verdict == Verdict.PASS, result.reason
+    assert result.metrics["replays"] >= 4 and result.metrics["graph_pool_bytes"] >= 0
+
+
+def test_graph_safe_backend_passes_the_draft_loop():
+    result = DraftLoopCheck().run_case(planted.TorchGraphSafe, DECODE, CUDA)
+    assert result.verdict == Verdict.PASS, result.reason and "one graph" in result.reason
+
+
+def test_baked_max_seq_len_fails_on_longer_contexts():
+    result = GraphsCheck().run_case(planted.BakesMaxSeqLen, DECODE, CUDA)
+    assert result.verdict == Verdict.FAIL and "longer contexts" in result.reason, result.reason
+
+
+def test_host_lengths_in_forward_fail_capture_naming_the_sync():
+    result = GraphsCheck().run_case(planted.HostLengthsInForward, DECODE, CUDA)
+    assert result.verdict == Verdict.FAIL and result.reason.startswith("capture failed"), result.reason
+    assert f"graph_backends.py:{marker_line('metadata.seq_lens.max().item()')}" in result.reason
+
+
+def test_stale_draft_positions_fail_at_step_two_or_later():
+    result = DraftLoopCheck().run_case(planted.StaleDraftPositions, DECODE, CUDA)
+    assert result.verdict == Verdict.FAIL, result.reason
+    assert result.metrics["first_failing_step"] >= 2
+
+
+def test_padding_written_into_block_zero_is_caught_by_cache_isolation():
+    result = GraphsCheck().run_case(planted.WritesPaddingIntoBlockZero, DECODE, CUDA)
+    assert result.verdict == Verdict.FAIL and "outside the batch's own slots" in result.reason, result.reason
+
+
+def test_torch_naive_is_skipped():
+    for check in (GraphsCheck(), DraftLoopCheck()):
+        assert check.skip_reason(TorchNaiveBackend, CUDA) == "claims cuda_graphs=NEVER" or "NEVER" in check.skip_reason(
+            TorchNaiveBackend, CUDA
+        )

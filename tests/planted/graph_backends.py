@@ -1,0 +1,113 @@
+"""A small graph-safe backend in plain PyTorch, and planted graph/draft-loop defects built on it.
+
+``TorchGraphSafe`` reads every length from the device and sizes everything from the static
+limits, so one capture serves any batch of its padded shape. Each defect adds one realistic bug.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backends.base import Capabilities, CGSupport
+from backends.torch_naive import TorchNaiveBackend
+
+
+@dataclass
+class GraphSafeMetadata:
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    num_tokens: int
+    max_blocks: int  # how many blocks per request the gather reads
+
+
+class TorchGraphSafe(TorchNaiveBackend):
+    name = "test_graph_safe"
+    capabilities = Capabilities(
+        kinds=frozenset({"mha"}), dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        sliding_window=True, logits_soft_cap=True, cuda_graphs=CGSupport.ALWAYS, needs_cpu_seq_lens=False,
+        draft_step_update=True, devices=frozenset({"cuda"}),
+    )
+
+    def build(self, common) -> GraphSafeMetadata:
+        return GraphSafeMetadata(
+            common.query_start_loc, common.seq_lens, common.block_table, common.num_actual_tokens,
+            self.limits.max_blocks_per_req(self.spec.block_size),
+        )
+
+    def update_for_draft_step(self, metadata, common):
+        return metadata  # nothing position-dependent is cached: the device tensors were advanced in place
+
+    def token_lengths(self, metadata):
+        """Per token: (request, position, seq_len), all from device tensors."""
+        tokens = torch.arange(metadata.num_tokens, device=self.device)
+        request = torch.searchsorted(metadata.query_start_loc[1:], tokens, right=True)
+        request = request.clamp(max=metadata.seq_lens.shape[0] - 1)
+        seq_len = metadata.seq_lens[request].long()
+        query_len = (metadata.query_start_loc[request + 1] - metadata.query_start_loc[request]).long()
+        position = seq_len - query_len + (tokens - metadata.query_start_loc[request])
+        return request, position, seq_len
+
+    def forward(self, query, kv_cache, metadata, out) -> None:
+        spec = self.spec
+        request, position, seq_len = self.token_lengths(metadata)
+        block_size = spec.block_size
+        key_positions = torch.arange(metadata.max_blocks * block_size, device=self.device)
+        blocks = metadata.block_table[request][:, : metadata.max_blocks].long()  # [T, max_blocks]
+        slots = (blocks[:, :, None] * block_size + torch.arange(block_size, device=self.device)).flatten(1)
+        planes = self.slot_planes(kv_cache)
+        keys, values = planes[0][slots].float(), planes[1][slots].float()  # [T, S, Hkv, D]
+        group = spec.query_group_size
+        keys, values = keys.repeat_interleave(group, dim=2), values.repeat_interleave(group, dim=2)
+        scores = torch.einsum("thd,tshd->ths", query[: metadata.num_tokens].float(), keys) * self.softmax_scale()
+        if spec.logits_soft_cap is not None:
+            scores = spec.logits_soft_cap * torch.tanh(scores / spec.logits_soft_cap)
+        visible = (key_positions[None, :] <= position[:, None]) & (key_positions[None, :] < seq_len[:, None])
+        if spec.sliding_window is not None:
+            visible &= position[:, None] - key_positions[None, :] < spec.sliding_window
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+        out[: metadata.num_tokens] = torch.einsum("ths,tshd->thd", scores.softmax(-1), values).to(out.dtype)
+
+
+class BakesMaxSeqLen(TorchGraphSafe):
+    """Sizes its gather from the host's max_seq_len at build time: frozen into the graph."""
+
+    name = "planted_bakes_max_seq_len"
+
+    def build(self, common):
+        metadata = super().build(common)
+        metadata.max_blocks = -(-common.max_seq_len // self.spec.block_size)
+        return metadata
+
+
+class HostLengthsInForward(TorchGraphSafe):
+    """Reads the lengths on the host inside forward: a sync, illegal during capture."""
+
+    name = "planted_host_lengths_in_forward"
+
+    def forward(self, query, kv_cache, metadata, out) -> None:
+        metadata.max_blocks = min(metadata.max_blocks, -(-int(metadata.seq_lens.max().item()) // self.spec.block_size))
+        super().forward(query, kv_cache, metadata, out)
+
+
+class StaleDraftPositions(TorchGraphSafe):
+    """Snapshots seq_lens in build() and never refreshes them in update_for_draft_step()."""
+
+    name = "planted_stale_draft_positions"
+
+    def build(self, common):
+        metadata = super().build(common)
+        metadata.seq_lens = common.seq_lens.clone()
+        return metadata
+
+
+class WritesPaddingIntoBlockZero(TorchGraphSafe):
+    """Clamps slot -1 to 0, so padding rows overwrite the reserved block."""
+
+    name = "planted_writes_padding_into_block_zero"
+
+    def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
+        slots = slot_mapping.clamp(min=0)
+        for plane, rows in zip(self.slot_planes(kv_cache), (key, value)):
+            plane.index_copy_(0, slots, rows.to(plane.dtype))
