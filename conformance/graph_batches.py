@@ -49,11 +49,12 @@ def _uniform_query_len(case: Case) -> int | None:
 def replay_batches(case: Case, support: CGSupport) -> list[Replay]:
     block = case.spec.block_size
     batch = case.batch
+    shared = case.shared_prefix_blocks * block  # a shared prefix must stay whole
     replays = [
         Replay("longer contexts (max_seq_len, block counts and split heuristics change)",
                replace(case, batch=tuple((context * 4 + 3 * block + 5, query) for context, query in batch), tag="")),
         Replay("shorter contexts",
-               replace(case, batch=tuple((context // 16, query) for context, query in batch), tag="")),
+               replace(case, batch=tuple((max(context // 16, shared), query) for context, query in batch), tag="")),
         Replay("new block-table contents (same lengths, other blocks)", replace(case, seed=case.seed + 1, tag="")),
     ]
     if len(batch) > 1:

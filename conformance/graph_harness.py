@@ -3,7 +3,6 @@ batch into them (real rows first, then padding rows: query_len as planned, seq_l
 slot -1, block-table row → reserved block 0), as an engine does before each replay."""
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -104,12 +103,11 @@ def warm_up(function, iterations: int = 2) -> None:
     torch.cuda.synchronize()
 
 
-@contextlib.contextmanager
-def memory_growth() -> "contextlib.Generator[dict, None, None]":
-    """Bytes the CUDA caching allocator reserved inside the block: the graph's private pool."""
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_reserved()
-    result: dict = {}
-    yield result
-    torch.cuda.synchronize()
-    result["bytes"] = torch.cuda.memory_reserved() - before
+def graph_pool_bytes(graph: torch.cuda.CUDAGraph) -> int | None:
+    """Bytes in the segments of the graph's private memory pool (None if PyTorch hides them)."""
+    try:
+        pool = tuple(graph.pool())
+        segments = torch.cuda.memory_snapshot()
+    except (AttributeError, RuntimeError):
+        return None
+    return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == pool)
