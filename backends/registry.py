@@ -15,6 +15,10 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "torch_naive": "backends.torch_naive:TorchNaiveBackend",
     "triton": "backends.triton.backend:TritonAttentionBackend",
     "triton_mla": "backends.triton.mla_backend:TritonMLABackend",
+    "flashinfer": "backends.flashinfer.gqa:FlashInferBackend",
+    "trtllm": "backends.flashinfer.trtllm:TrtllmBackend",
+    "trtllm_mla": "backends.flashinfer.trtllm_mla:TrtllmMLABackend",
+    "flashmla": "backends.flashmla:FlashMLABackend",
 }
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from backends.paged_write import write_paged_rows
 from backends.base import (
     AttentionBackend,
     Capabilities,
@@ -54,15 +55,11 @@ class TorchNaiveBackend(AttentionBackend):
         return [plane.view(-1, self.spec.num_kv_heads, self.spec.head_dim) for plane in kv_cache]
 
     def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
-        rows_per_plane = [key.view(key.shape[0], 1, -1)] if self.spec.kind == "mla" else [key, value]
-        valid = slot_mapping >= 0
-        # Rows with slot -1 are parked on slot 0 and rewrite what it already holds: block 0 is
-        # reserved and never owned by a request, so no real row targets it, and masking on the
-        # host instead would need a device-to-host sync.
-        slots = torch.where(valid, slot_mapping, torch.zeros_like(slot_mapping))
-        for plane, rows in zip(self.slot_planes(kv_cache), rows_per_plane):
-            parked = plane[0].expand_as(rows)
-            plane.index_copy_(0, slots, torch.where(valid[:, None, None], rows.to(plane.dtype), parked))
+        if self.spec.kind == "mla":
+            write_paged_rows(kv_cache, key, slot_mapping, self.spec.block_size)
+            return
+        for plane, rows in zip(kv_cache, (key, value)):
+            write_paged_rows(plane, rows, slot_mapping, self.spec.block_size)
 
     def build(self, common: CommonAttentionMetadata) -> NaiveMetadata:
         return NaiveMetadata(

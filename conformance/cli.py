@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from backends import registry
@@ -91,12 +92,12 @@ def command_list(args: argparse.Namespace, console: Console) -> int:
         try:
             backend_cls = registry.load(ref)
         except registry.BackendLookupError as error:
-            table.add_row(ref.name, ref.origin, f"[red]cannot load: {error}[/]", "", "", "", "", "")
+            table.add_row(ref.name, ref.origin, f"[red]cannot load: {escape(str(error))}[/]", "", "", "", "", "")
             continue
         claims = backend_cls.capabilities
         reason = backend_cls.availability_reason(device)
         table.add_row(
-            ref.name, ref.origin, "[green]available[/]" if reason is None else f"[yellow]{reason}[/]",
+            ref.name, ref.origin, "[green]available[/]" if reason is None else f"[yellow]{escape(reason)}[/]",
             ",".join(sorted(claims.kinds)), "any" if claims.max_query_len is None else str(claims.max_query_len),
             claims.cuda_graphs.name, "needed" if claims.needs_cpu_seq_lens else "not needed",
             "yes" if claims.draft_step_update else "no",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
@@ -101,7 +102,7 @@ def print_failures(console: Console, run: RunResult) -> None:
             failures = [case for case in check.cases if case.verdict.is_failure]
             if not failures:
                 continue
-            console.print(f"\n[bold]{backend.name} / {check.name}[/]: {check.summary}")
+            console.print(f"\n[bold]{escape(backend.name)} / {check.name}[/]: {escape(check.summary)}")
             for case in failures[:MAX_FAILURES_SHOWN]:
                 console.print(Text("  ").append(verdict_text(case.verdict)).append(f" {case.case}").append(
                     f"  ({case.tag})" if case.tag else "", style="dim"))
@@ -116,5 +117,5 @@ def print_report(console: Console, run: RunResult) -> None:
     console.print(summary_table(run))
     for backend in run.backends:
         if not backend.available:
-            console.print(f"[yellow]{backend.name}[/] not run here: {backend.reason}", highlight=False)
+            console.print(f"[yellow]{escape(backend.name)}[/] not run here: {escape(backend.reason)}", highlight=False)
     print_failures(console, run)

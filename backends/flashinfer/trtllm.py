@@ -1,0 +1,69 @@
+"""``trtllm``: FlashInfer's trtllm_batch_decode_with_kv_cache — every input on the device
+(trtllm-gen kernels on SM100, XQA kernels on SM90). ``max_seq_len`` is the host's upper bound."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
+from backends.flashinfer import INSTALL_HINT, WORKSPACE_BYTES
+from backends.paged_write import write_paged_rows
+
+
+@dataclass
+class TrtllmMetadata:
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    max_seq_len: int
+    num_tokens: int
+
+
+class TrtllmBackend(AttentionBackend):
+    name = "trtllm"
+    capabilities = Capabilities(
+        kinds=frozenset({"mha"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        head_dims=frozenset({128}),
+        block_sizes=frozenset({16, 32, 64}),
+        max_query_len=1,
+        cuda_graphs=CGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
+        needs_cpu_seq_lens=False,
+        draft_step_update=True,
+        devices=frozenset({"cuda"}),
+        compute_capabilities=frozenset({(9, 0), (10, 0), (10, 3)}),
+        required_modules=("flashinfer",),
+        install_hint=INSTALL_HINT,
+    )
+
+    def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
+        super().__init__(spec, limits, device)
+        from flashinfer.decode import trtllm_batch_decode_with_kv_cache  # noqa: PLC0415 - optional dependency
+
+        self.kernel = trtllm_batch_decode_with_kv_cache
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)  # must start zeroed
+
+    # HND: [num_blocks, 2, kv_heads, block_size, head_dim]
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        spec = self.spec
+        return (num_blocks, 2, spec.num_kv_heads, spec.block_size, spec.head_dim)
+
+    def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
+        write_paged_rows(kv_cache[:, 0].transpose(1, 2), key, slot_mapping, self.spec.block_size)
+        write_paged_rows(kv_cache[:, 1].transpose(1, 2), value, slot_mapping, self.spec.block_size)
+
+    def build(self, common: CommonAttentionMetadata) -> TrtllmMetadata:
+        # The upper bound is what the kernel is given: the true lengths are read on the device.
+        return TrtllmMetadata(common.block_table, common.seq_lens, self.limits.max_model_len, common.num_actual_tokens)
+
+    def update_for_draft_step(self, metadata: TrtllmMetadata, common: CommonAttentionMetadata) -> TrtllmMetadata:
+        metadata.block_table, metadata.seq_lens = common.block_table, common.seq_lens
+        return metadata
+
+    def forward(self, query, kv_cache, metadata: TrtllmMetadata, out) -> None:
+        tokens = metadata.num_tokens
+        self.kernel(
+            query=query[:tokens], kv_cache=kv_cache, workspace_buffer=self.workspace, block_tables=metadata.block_table,
+            seq_lens=metadata.seq_lens, max_seq_len=metadata.max_seq_len, bmm1_scale=self.spec.softmax_scale,
+            bmm2_scale=1.0, out=out[:tokens], kv_layout="HND",
+        )

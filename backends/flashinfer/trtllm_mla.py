@@ -1,0 +1,88 @@
+"""``trtllm_mla``: FlashInfer's trtllm_batch_decode_with_kv_cache_mla (trtllm-gen kernels on
+SM100/SM103, XQA on SM120). On Hopper it is unavailable, decided from the claims before any kernel
+is called. The argument construction is a pure function so it is tested where it cannot run."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
+from backends.flashinfer import INSTALL_HINT, WORKSPACE_BYTES
+from backends.paged_write import write_paged_rows
+
+QK_NOPE_HEAD_DIM = 128  # DeepSeek-V3's per-head non-rope query dim, which FlashInfer still asks for
+
+
+@dataclass
+class TrtllmMLAMetadata:
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    num_reqs: int
+    query_len: int
+
+
+def kernel_arguments(spec: AttentionSpec, limits: BackendLimits, query, kv_cache, workspace, metadata: TrtllmMLAMetadata, out) -> dict[str, Any]:
+    """Keyword arguments for trtllm_batch_decode_with_kv_cache_mla, shapes as FlashInfer wants them:
+    query [batch, query_len, heads, 576], cache [blocks, 1, block_size, 576], out [batch, query_len, heads, 512]."""
+    tokens = metadata.num_reqs * metadata.query_len
+    return dict(
+        query=query[:tokens].view(metadata.num_reqs, metadata.query_len, spec.num_heads, spec.head_dim),
+        kv_cache=kv_cache.unsqueeze(1),
+        workspace_buffer=workspace,
+        qk_nope_head_dim=QK_NOPE_HEAD_DIM,
+        kv_lora_rank=spec.kv_lora_rank,
+        qk_rope_head_dim=spec.rope_dim,
+        block_tables=metadata.block_table,
+        seq_lens=metadata.seq_lens,
+        max_seq_len=limits.max_model_len,
+        out=out[:tokens].view(metadata.num_reqs, metadata.query_len, spec.num_heads, spec.kv_lora_rank),
+        bmm1_scale=spec.softmax_scale,
+        bmm2_scale=1.0,
+    )
+
+
+class TrtllmMLABackend(AttentionBackend):
+    name = "trtllm_mla"
+    capabilities = Capabilities(
+        kinds=frozenset({"mla"}),
+        dtypes=frozenset({torch.bfloat16}),
+        head_dims=frozenset({576}),
+        block_sizes=frozenset({32, 64}),
+        max_query_len=8,
+        cuda_graphs=CGSupport.UNIFORM_BATCH,
+        needs_cpu_seq_lens=False,
+        draft_step_update=True,
+        devices=frozenset({"cuda"}),
+        compute_capabilities=frozenset({(10, 0), (10, 3), (12, 0)}),
+        required_modules=("flashinfer",),
+        install_hint=INSTALL_HINT,
+    )
+
+    def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
+        super().__init__(spec, limits, device)
+        from flashinfer.mla import trtllm_batch_decode_with_kv_cache_mla  # noqa: PLC0415 - optional dependency
+
+        self.kernel = trtllm_batch_decode_with_kv_cache_mla
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+
+    # [num_blocks, block_size, kv_lora_rank + rope_dim]
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.spec.block_size, self.spec.head_dim)
+
+    def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
+        write_paged_rows(kv_cache, key, slot_mapping, self.spec.block_size)
+
+    def build(self, common: CommonAttentionMetadata) -> TrtllmMLAMetadata:
+        query_len = common.num_actual_tokens // common.num_reqs
+        if query_len * common.num_reqs != common.num_actual_tokens or query_len != common.max_query_len:
+            raise ValueError("trtllm_mla needs the same query length for every request of a batch")
+        return TrtllmMLAMetadata(common.block_table, common.seq_lens, common.num_reqs, query_len)
+
+    def update_for_draft_step(self, metadata: TrtllmMLAMetadata, common: CommonAttentionMetadata) -> TrtllmMLAMetadata:
+        metadata.block_table, metadata.seq_lens = common.block_table, common.seq_lens
+        return metadata
+
+    def forward(self, query, kv_cache, metadata: TrtllmMLAMetadata, out) -> None:
+        self.kernel(**kernel_arguments(self.spec, self.limits, query, kv_cache, self.workspace, metadata, out))
