@@ -166,14 +166,23 @@ def assign_blocks(case: Case, generator: torch.Generator) -> tuple[torch.Tensor,
     return table, total + 1
 
 
-def materialize(case: Case, device: torch.device | str) -> PagedBatch:
+def materialize(case: Case, device: torch.device | str, *, random_on_device: bool = False) -> PagedBatch:
+    """``random_on_device``: draw the data with the device's generator (fast for the benchmark's
+    large batches; reproducible on the same kind of device only)."""
     device = torch.device(device)
     spec = case.spec
     generator = case_generator(case)
     block_table, num_blocks = assign_blocks(case, generator)
+    if random_on_device and device.type == "cuda":
+        device_generator = torch.Generator(device=device)
+        device_generator.manual_seed(int(torch.randint(2**31, (1,), generator=generator)))
 
-    def normal(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator).to(spec.dtype).to(device)
+        def normal(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=device_generator, device=device, dtype=torch.float32).to(spec.dtype)
+    else:
+
+        def normal(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=generator).to(spec.dtype).to(device)
 
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor | None] = []

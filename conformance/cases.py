@@ -334,7 +334,28 @@ def full_suite() -> list[Case]:
     return cases
 
 
-SUITES = {"smoke": smoke_suite, "standard": standard_suite, "full": full_suite}
+BENCH_MAX_KV_TOKENS = 2 * 1024 * 1024  # batch x context beyond this is left out (host and GPU memory)
+
+
+def bench_suite() -> list[Case]:
+    """Shapes that matter for speed: decode and spec-verify (query 1, 2, 4, 8) at batch 1 / 8 / 64 /
+    256 and context 512 / 4k / 32k (up to 2M cached tokens), GQA 32/8x128 and MLA 128 heads,
+    plus a mixed prefill + decode batch."""
+    cases = []
+    for layer in (LLAMA3_8B, "mla-h128-d512+64-bf16-p64"):
+        batches = []
+        for query in (1, 2, 4, 8):
+            for batch in (1, 8, 64, 256):
+                for context in (512, 4096, 32768):
+                    if batch * context <= BENCH_MAX_KV_TOKENS:
+                        kind = "decode" if query == 1 else f"verify q={query}"
+                        batches.append((f"{kind} b{batch} ctx{context}", f"{context}+{query}x{batch}"))
+        cases += _cases(layer, batches)
+    cases += _cases(LLAMA3_8B, [("mixed prefill + decode", "0+512,2000+1x32,4000+4x16")])
+    return cases
+
+
+SUITES = {"smoke": smoke_suite, "standard": standard_suite, "full": full_suite, "bench": bench_suite}
 
 
 def suite(name: str) -> list[Case]:

@@ -137,6 +137,23 @@ def command_run(args: argparse.Namespace, console: Console) -> int:
     return EXIT_OK
 
 
+def _add_run_arguments(parser: argparse.ArgumentParser, default_suite: str) -> None:
+    parser.add_argument("--backend", action="append", default=[],
+                        help="NAME[,NAME...]: a built-in, an entry point of group conformance.backends, or "
+                        f"pkg.module:Class (default: {DEFAULT_BACKEND})")
+    parser.add_argument("--suite", default=default_suite, help=f"smoke | standard | full | bench (default: {default_suite})")
+    parser.add_argument("--case", action="append", help="an ad-hoc case, instead of the suite (repeatable; grammar below)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for --case cases without @SEED (default 0)")
+    parser.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda when visible, else cpu)")
+    parser.add_argument("--out", default="conformance-out", help="directory for results.json (default: conformance-out)")
+    parser.add_argument("--json", help="write the JSON results to this file instead")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per backend (default 3600)")
+    parser.add_argument("--sync-detector", default="auto", choices=["auto", "cupti", "torch"],
+                        help="host-sync detector for the syncs check (default auto: cupti when installed, else torch)")
+    parser.add_argument("--in-process", action="store_true", help="no child process (for a debugger); a crash ends the run")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="conformance",
@@ -153,21 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="run checks on backends", epilog="--case grammar:\n" + CASE_GRAMMAR,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    running.add_argument("--backend", action="append", default=[],
-                         help="NAME[,NAME...]: a built-in, an entry point of group conformance.backends, or "
-                         f"pkg.module:Class (default: {DEFAULT_BACKEND})")
-    running.add_argument("--suite", default="standard", help="smoke | standard | full (default: standard)")
-    running.add_argument("--check", action="append", help=f"CHECK[,CHECK...] of: {', '.join(CHECKS)} (default: all)")
-    running.add_argument("--case", action="append", help="an ad-hoc case, instead of the suite (repeatable; grammar below)")
-    running.add_argument("--seed", type=int, default=0, help="seed for --case cases without @SEED (default 0)")
-    running.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda when visible, else cpu)")
-    running.add_argument("--out", default="conformance-out", help="directory for results.json (default: conformance-out)")
-    running.add_argument("--json", help="write the JSON results to this file instead")
-    running.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per backend (default 3600)")
-    running.add_argument("--sync-detector", default="auto", choices=["auto", "cupti", "torch"],
-                         help="host-sync detector for the syncs check (default auto: cupti when installed, else torch)")
-    running.add_argument("--in-process", action="store_true", help="no child process (for a debugger); a crash ends the run")
-    running.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_run_arguments(running, default_suite="standard")
+    running.add_argument("--check", action="append",
+                         help=f"CHECK[,CHECK...] of: {', '.join(CHECKS)} (default: {', '.join(DEFAULT_CHECKS)})")
+    benching = commands.add_parser(
+        "bench", help="benchmark backends side by side (the bench check over the bench suite)",
+        epilog="--case grammar:\n" + CASE_GRAMMAR, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_run_arguments(benching, default_suite="bench")
     return parser
 
 
@@ -180,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "list":
             return command_list(args, console)
+        if args.command == "bench":
+            args.check = ["bench"]
         return command_run(args, console)
     except UsageError as error:
         print(f"conformance: error: {error}", file=sys.stderr)

@@ -24,8 +24,10 @@ class PreparedCase:
     kv_cache: torch.Tensor
 
 
-def prepare(backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> PreparedCase:
-    batch = materialize(case, device)
+def prepare(
+    backend_cls: type[AttentionBackend], case: Case, device: torch.device, *, random_on_device: bool = False
+) -> PreparedCase:
+    batch = materialize(case, device, random_on_device=random_on_device)
     backend = backend_cls(case.spec, batch.limits(), torch.device(device))
     kv_cache = backend.allocate_kv_cache(batch.num_blocks)
     key, value, slots = batch.history_rows()

@@ -86,8 +86,23 @@ def run_backend(name: str, options: RunOptions, progress: Progress) -> BackendRe
     return result
 
 
+def annotate_bench_ratios(backends: list[BackendResult]) -> None:
+    """Each bench case's forward time over the fastest backend's on the same case, in this run."""
+    timings: dict[str, list] = {}
+    for backend in backends:
+        bench = backend.check("bench")
+        for case in bench.cases if bench else []:
+            if case.metrics.get("forward_us"):
+                timings.setdefault(case.case, []).append(case)
+    for cases in timings.values():
+        fastest = min(case.metrics["forward_us"] for case in cases)
+        for case in cases:
+            case.metrics["ratio_to_fastest"] = case.metrics["forward_us"] / fastest
+
+
 def run(options: RunOptions, progress: Progress | None = None) -> RunResult:
     progress = progress or Progress()
     backends = [run_backend(name, options, progress) for name in options.backends]
+    annotate_bench_ratios(backends)
     return RunResult(collect_environment(options.device), backends, options.suite, list(options.checks))
 

@@ -113,8 +113,43 @@ def print_failures(console: Console, run: RunResult) -> None:
                 console.print(f"  … and {len(failures) - MAX_FAILURES_SHOWN} more in the JSON results")
 
 
+def bench_table(run: RunResult) -> Table | None:
+    """Per shape: each backend's forward µs (× the fastest), GB/s and roofline fraction."""
+    benched = [(backend.name, backend.check("bench")) for backend in run.backends if backend.check("bench")]
+    rows: dict[str, dict[str, Any]] = {}
+    for name, check in benched:
+        for case in check.cases:
+            if case.metrics.get("forward_us"):
+                rows.setdefault(case.case, {"tag": case.tag})[name] = case.metrics
+    if not rows:
+        return None
+    table = Table(title="bench: forward µs (× fastest) · GB/s · roofline", title_justify="left")
+    table.add_column("case")
+    names = [name for name, _ in benched]
+    for name in names:
+        table.add_column(name, justify="right")
+    for case_id, row in rows.items():
+        cells = [f"{row['tag'] or case_id}\n[dim]{escape(case_id.split(':')[0])}[/]"]
+        for name in names:
+            metrics = row.get(name)
+            if metrics is None:
+                cells.append("")
+                continue
+            ratio = metrics.get("ratio_to_fastest", 1.0)
+            style = "bold green" if ratio <= 1.0001 else ""
+            replay = f" · graph {metrics['replay_us']:.0f}" if metrics.get("replay_us") else ""
+            cells.append(Text(f"{metrics['forward_us']:.1f} µs (×{ratio:.2f})", style=style).append(
+                f"\n{metrics['GBps']:.0f} GB/s · {100 * metrics['roofline_fraction']:.0f}%{replay} · build {metrics['build_us']:.0f} µs",
+                style="dim"))
+        table.add_row(*cells)
+    return table
+
+
 def print_report(console: Console, run: RunResult) -> None:
     console.print(summary_table(run))
+    table = bench_table(run)
+    if table is not None:
+        console.print(table)
     for backend in run.backends:
         if not backend.available:
             console.print(f"[yellow]{escape(backend.name)}[/] not run here: {escape(backend.reason)}", highlight=False)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from conformance.checks.base import Check
+from conformance.checks.bench import BenchCheck
 from conformance.checks.draft_loop import DraftLoopCheck
 from conformance.checks.graphs import GraphsCheck
 from conformance.checks.numerics import NumericsCheck
@@ -12,9 +13,11 @@ CHECKS: dict[str, type[Check]] = {
     SyncsCheck.name: SyncsCheck,
     GraphsCheck.name: GraphsCheck,
     DraftLoopCheck.name: DraftLoopCheck,
+    BenchCheck.name: BenchCheck,
 }
 
-DEFAULT_CHECKS = list(CHECKS)
+# `conformance run` checks correctness; `conformance bench` (or --check bench) measures speed.
+DEFAULT_CHECKS = [name for name in CHECKS if name != BenchCheck.name]
 
 
 def make_check(name: str, options: dict | None = None) -> Check:

@@ -1,0 +1,136 @@
+"""bench: how fast — ``build()`` on the CPU, ``forward()`` on the GPU, graph replay — against
+ceilings measured in the same process (a large device copy; a large bf16 matmul).
+
+forward() is timed with CUDA events around each call, the L2 cache flushed before every call (a
+write over twice its size), median of many; build() with the host clock, median of many calls
+after warm-up. Data is drawn on the device (the oracle is not needed), never zeros.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from backends.base import AttentionBackend, CGSupport
+from conformance.batch import NUM_PADDING_TOKENS
+from conformance.cases import Case
+from conformance.checks.base import Check
+from conformance.graph_batches import graph_class_reason
+from conformance.harness import poisoned_output, prepare
+from conformance.results import CaseResult, Verdict
+
+BUILD_CALLS = 200
+TIMED_CALLS = 30
+TIME_BUDGET_S = 0.3  # per measurement: slow backends get fewer calls
+
+
+def _l2_flusher(device: torch.device) -> Callable[[], None]:
+    size = 2 * torch.cuda.get_device_properties(device).L2_cache_size
+    scratch = torch.empty(size, dtype=torch.uint8, device=device)
+    return lambda: scratch.fill_(1)
+
+
+def time_gpu(function: Callable[[], None], flush: Callable[[], None]) -> float:
+    """Median µs of ``function`` by CUDA events, L2 flushed before each call."""
+    function()
+    torch.cuda.synchronize()
+    samples: list[float] = []
+    started = time.perf_counter()
+    while len(samples) < TIMED_CALLS and (len(samples) < 3 or time.perf_counter() - started < TIME_BUDGET_S):
+        flush()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        function()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(samples)
+
+
+def time_cpu(function: Callable[[], Any]) -> float:
+    """Median µs of ``function`` on the host clock."""
+    for _ in range(5):
+        function()
+    samples: list[float] = []
+    started = time.perf_counter()
+    while len(samples) < BUILD_CALLS and (len(samples) < 5 or time.perf_counter() - started < TIME_BUDGET_S):
+        begin = time.perf_counter()
+        function()
+        samples.append((time.perf_counter() - begin) * 1e6)
+    return statistics.median(samples)
+
+
+def measure_ceilings(device: torch.device) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written) and bf16 matmul rate on this GPU, now."""
+    source = torch.empty(2**30, dtype=torch.uint8, device=device).fill_(3)
+    target = torch.empty_like(source)
+    copy_us = time_gpu(lambda: target.copy_(source), lambda: None)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    matmul_us = time_gpu(lambda: a @ b, lambda: None)
+    return {"copy_GBps": 2 * source.numel() / copy_us / 1e3, "bf16_TFLOPs": 2 * 8192**3 / matmul_us / 1e6}
+
+
+def traffic(case: Case) -> tuple[float, float]:
+    """(bytes, FLOPs) the step must move and compute at the least: KV read once, Q read, O written."""
+    spec = case.spec
+    element = torch.finfo(spec.dtype).bits // 8
+    kv_bytes_per_token = (spec.head_dim if spec.kind == "mla" else 2 * spec.num_kv_heads * spec.head_dim) * element
+    kv_bytes = sum(context + query for context, query in case.batch) * kv_bytes_per_token
+    io_bytes = case.num_tokens * spec.num_heads * (spec.head_dim + spec.v_head_dim) * element
+    flops = sum(
+        2 * query * (context + (query + 1) / 2) * spec.num_heads * (spec.head_dim + spec.v_head_dim)
+        for context, query in case.batch
+    )
+    return kv_bytes + io_bytes, flops
+
+
+class BenchCheck(Check):
+    name = "bench"
+    question = "build µs (CPU), forward µs (GPU), graph replay µs, achieved bandwidth vs measured peak"
+
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
+        super().__init__(options)
+        self._ceilings: dict[str, float] | None = None
+        self._flush: Callable[[], None] | None = None
+
+    def skip_reason(self, backend_cls: type[AttentionBackend], device: torch.device) -> str | None:
+        return None if device.type == "cuda" else "benchmarks need a CUDA device"
+
+    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
+        if self._ceilings is None:
+            self._ceilings = measure_ceilings(device)
+            self._flush = _l2_flusher(device)
+        prepared = prepare(backend_cls, case, device, random_on_device=True)
+        batch, backend = prepared.batch, prepared.backend
+        common = batch.common_metadata(with_host_lengths=True)
+        key, value, slots = batch.step_rows()
+        query = torch.cat([batch.query, torch.zeros_like(batch.query[:NUM_PADDING_TOKENS])])
+        out = poisoned_output(batch)
+        backend.write_kv(prepared.kv_cache, key, value, slots)
+        metadata = backend.build(common)
+
+        build_us = time_cpu(lambda: backend.build(common))
+        metadata = backend.build(common)
+        forward_us = time_gpu(lambda: backend.forward(query, prepared.kv_cache, metadata, out), self._flush)
+        replay_us = None
+        claims = backend_cls.capabilities.cuda_graphs
+        if claims != CGSupport.NEVER and graph_class_reason(claims, case) is None:
+            graph = torch.cuda.CUDAGraph()
+            capture_metadata = backend.build_for_capture(common)
+            with torch.cuda.graph(graph):
+                backend.forward(query, prepared.kv_cache, capture_metadata, out)
+            replay_us = time_gpu(graph.replay, self._flush)
+        moved, flops = traffic(case)
+        bandwidth = moved / forward_us / 1e3
+        rate = flops / forward_us / 1e6
+        metrics = {
+            "build_us": build_us, "forward_us": forward_us, "replay_us": replay_us,
+            "bytes": moved, "flops": flops, "GBps": bandwidth, "TFLOPs": rate,
+            "roofline_fraction": max(bandwidth / self._ceilings["copy_GBps"], rate / self._ceilings["bf16_TFLOPs"]),
+            **self._ceilings,
+        }
+        summary = f"forward {forward_us:.1f} µs ({bandwidth:.0f} GB/s), build {build_us:.1f} µs"
+        return CaseResult(case.id, Verdict.PASS, summary, tag=case.tag, metrics=metrics)
