@@ -12,7 +12,8 @@ from conformance.batch import PagedBatch, materialize
 from conformance.cases import Case
 from conformance.graph_batches import GraphShape, padding_rows
 
-PADDING_KEY_VALUE = 7.0  # garbage that padding rows carry: it must land nowhere
+PADDING_KEY_VALUE = 7.0  # garbage that padding rows carry: it must land nowhere. Each load adds
+# its index, so a stray write of one replay differs from what an earlier one left behind.
 
 
 @dataclass
@@ -41,6 +42,7 @@ class GraphBuffers:
         self.key = torch.zeros(kv_shape, dtype=spec.dtype, device=device)
         self.value = None if spec.kind == "mla" else torch.zeros(kv_shape, dtype=spec.dtype, device=device)
         self.out = torch.zeros(shape.num_tokens, spec.num_heads, spec.v_head_dim, dtype=spec.dtype, device=device)
+        self.loads = 0
 
     def load(self, case: Case, *, with_host_lengths: bool) -> LoadedBatch:
         """Write ``case`` (its history through the backend's eager write_kv) into the buffers."""
@@ -65,10 +67,11 @@ class GraphBuffers:
         self.slot_mapping[:real].copy_(step_slots)
         self.query.zero_()
         self.query[:real].copy_(batch.query)
-        self.key.fill_(PADDING_KEY_VALUE)
+        self.loads += 1
+        self.key.fill_(PADDING_KEY_VALUE + self.loads)
         self.key[:real].copy_(step_key)
         if self.value is not None:
-            self.value.fill_(-PADDING_KEY_VALUE)
+            self.value.fill_(-PADDING_KEY_VALUE - self.loads)
             self.value[:real].copy_(step_value)
         common = CommonAttentionMetadata(
             query_start_loc=self.query_start_loc, seq_lens=self.seq_lens, block_table=self.block_table,

@@ -20,6 +20,9 @@ from backends.triton.backend import (
 )
 
 ROWS_PER_PROGRAM = 32  # tokens x heads per tile: the [rows, kv_lora_rank] fp32 accumulator lives in registers
+BLOCK_N = 32  # KV positions per tile
+NUM_WARPS = 8
+NUM_STAGES = 2
 
 
 @dataclass
@@ -91,8 +94,8 @@ class TritonMLABackend(AttentionBackend):
             NUM_HEADS=spec.num_heads, HEADS_PER_PROGRAM=tiles.heads_per_program, DECODE_Q=decode_q,
             BLOCK_M=tiles.block_m, LATENT=spec.kv_lora_rank, ROPE=spec.rope_dim,
             BLOCK_L=triton.next_power_of_2(spec.kv_lora_rank), BLOCK_R=max(16, triton.next_power_of_2(spec.rope_dim)),
-            BLOCK_N=32, PAGE_SIZE=spec.block_size, NUM_SPLITS=self.num_splits, UPCAST_DOT=self.upcast_dot,
-            num_warps=8 if spec.kv_lora_rank >= 256 else 4,
+            BLOCK_N=BLOCK_N, PAGE_SIZE=spec.block_size, NUM_SPLITS=self.num_splits, UPCAST_DOT=self.upcast_dot,
+            num_warps=NUM_WARPS if spec.kv_lora_rank >= 256 else 4, num_stages=NUM_STAGES,
         )
         kernels.merge_splits_kernel[(limits.max_num_reqs * decode_q, spec.num_heads)](
             self.partial_out, self.partial_lse, out, metadata.query_start_loc, metadata.num_reqs,

@@ -65,8 +65,9 @@ class GraphsCheck(Check):
         detector = None
         try:
             metadata = buffers.backend.build_for_capture(loaded.common)
-            with detect_host_syncs("auto") as detector:
-                with torch.cuda.graph(graph):
+            # Only the backend's calls are watched: torch.cuda.graph synchronizes around a capture.
+            with detect_host_syncs("auto", only_in_phases=True) as detector:
+                with torch.cuda.graph(graph), detector.phase("capture"):
                     buffers.step(metadata)
         except Exception as error:  # noqa: BLE001 - a capture failure is the finding
             torch.cuda.synchronize()
