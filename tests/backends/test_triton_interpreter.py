@@ -54,6 +54,6 @@ def test_decode_variants_and_split_counts():
     assert num_kv_splits(BackendLimits(64, 256, 4096), 1) == 16
     assert num_kv_splits(BackendLimits(64, 256, 300), 1) == 2
     assert num_kv_splits(BackendLimits(64, 256, 4096), 200 * 2**20) == 1  # memory cap wins
-    assert (tiling(128, 1).heads_per_program, tiling(128, 1).block_m) == (32, 32)
-    assert (tiling(128, 8).heads_per_program, tiling(128, 8).block_m) == (4, 32)
+    assert (tiling(128, 1).heads_per_program, tiling(128, 1).block_m) == (64, 64)
+    assert (tiling(128, 8).heads_per_program, tiling(128, 8).block_m) == (8, 64)
     assert (tiling(4, 1).heads_per_program, tiling(4, 1).block_m) == (4, 16)
