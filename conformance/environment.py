@@ -33,8 +33,9 @@ def _command_output(command: list[str], cwd: Path | None = None) -> str | None:
 
 def git_sha() -> str | None:
     # A checkout copied without .git (a GPU runner) can be told its commit.
-    if os.environ.get("CONFORMANCE_GIT_SHA"):
-        return os.environ["CONFORMANCE_GIT_SHA"]
+    given = os.environ.get("CONFORMANCE_GIT_SHA", "").strip()
+    if given:
+        return given
     sha = _command_output(["git", "rev-parse", "HEAD"], cwd=PROJECT_ROOT)
     if sha and _command_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=PROJECT_ROOT):
         sha += "-dirty"

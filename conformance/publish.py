@@ -1,0 +1,98 @@
+"""Publish real GPU results into ``reports/``: one JSON per backend (each with the environment
+block of the run it came from) and a ``reports/README.md`` table of verdicts and headline bench
+numbers.
+
+    python -m conformance.publish RESULTS.json [RESULTS.json ...] [--bench BENCH.json] [--out reports]
+
+Later files win for a backend that appears twice. Nothing is computed here that a run did not
+measure.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from conformance.results import RunResult
+
+HEADLINE_SHAPES = ("decode b64 ctx4096", "verify q=4 b64 ctx4096", "decode b256 ctx4096", "decode b1 ctx32768")
+
+
+def split_by_backend(results: list[RunResult]) -> dict[str, RunResult]:
+    per_backend: dict[str, RunResult] = {}
+    for result in results:
+        for backend in result.backends:
+            per_backend[backend.name] = RunResult(result.environment, [backend], result.suite, result.checks)
+    return per_backend
+
+
+def verdict_table(per_backend: dict[str, RunResult]) -> list[str]:
+    checks = ["numerics", "syncs", "graphs", "draft-loop"]
+    lines = ["| backend | GPU | " + " | ".join(checks) + " |", "|---" * (len(checks) + 2) + "|"]
+    for name, result in per_backend.items():
+        backend = result.backends[0]
+        gpu = result.environment.get("gpu", result.environment.get("device", ""))
+        if not backend.available:
+            lines.append(f"| {name} | {gpu} | " + " | ".join([f"not available: {backend.reason}"] + [""] * (len(checks) - 1)) + " |")
+            continue
+        cells = []
+        for check_name in checks:
+            check = backend.check(check_name)
+            if check is None:
+                cells.append("not run")
+            elif check.cases:
+                counts = check.counts()
+                ran = sum(counts.values()) - counts["SKIP"]
+                cells.append(f"{check.verdict.value} {counts['PASS']}/{ran}")
+            else:
+                cells.append(f"{check.verdict.value} ({check.summary})")
+        lines.append(f"| {name} | {gpu} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def bench_table(bench: RunResult) -> list[str]:
+    names = [backend.name for backend in bench.backends]
+    lines = ["| shape | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for shape in HEADLINE_SHAPES:
+        for layer in ("gqa", "mla"):
+            cells, any_value = [], False
+            for backend in bench.backends:
+                check = backend.check("bench")
+                case = next((c for c in (check.cases if check else []) if c.tag == shape and c.case.startswith(layer)), None)
+                if case is None or not case.metrics.get("forward_us"):
+                    cells.append("")
+                    continue
+                any_value = True
+                cells.append(f"{case.metrics['forward_us']:.0f} µs ({case.metrics['GBps']:.0f} GB/s)")
+            if any_value:
+                lines.append(f"| {layer.upper()} {shape} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="+")
+    parser.add_argument("--bench")
+    parser.add_argument("--out", default="reports")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    per_backend = split_by_backend([RunResult.load(path) for path in args.results])
+    for name, result in per_backend.items():
+        result.save(out / f"{name}.json")
+    lines = ["# Published results", "", "Real GPU runs of the built-in backends, one JSON per backend with the environment",
+             "block of its run. Regenerate with the command in the top-level README (\"Published results\").", "",
+             "## Verdicts (standard suite)", "", *verdict_table(per_backend)]
+    if args.bench:
+        bench = RunResult.load(args.bench)
+        bench.save(out / "bench.json")
+        ceilings = next((c.metrics for b in bench.backends for ch in b.checks for c in ch.cases if c.metrics.get("copy_GBps")), {})
+        lines += ["", f"## Headline bench numbers (`conformance bench`, {bench.environment.get('gpu', '')})", "",
+                  f"Forward time, CUDA events, L2 flushed, median. Ceilings measured in the same run: copy "
+                  f"{ceilings.get('copy_GBps', 0):.0f} GB/s (read + write), bf16 matmul {ceilings.get('bf16_TFLOPs', 0):.0f} TFLOP/s.",
+                  "", *bench_table(bench)]
+    (out / "README.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {len(per_backend)} backend files and README.md to {out}")
+
+
+if __name__ == "__main__":
+    main()
