@@ -21,6 +21,11 @@ from backends import registry
 from backends.base import DeviceInfo
 from conformance.cases import CaseSyntaxError, __doc__ as CASE_GRAMMAR, parse_case, suite
 from conformance.checks import CHECKS, DEFAULT_CHECKS
+from conformance.compare import compare
+from conformance.report_html import write_html
+from conformance.report_junit import write_junit
+from conformance.report_markdown import write_markdown
+from conformance.results import RunResult
 from conformance.runner import RunOptions, run
 from conformance.terminal import RichProgress, print_report
 
@@ -123,6 +128,7 @@ def command_run(args: argparse.Namespace, console: Console) -> int:
     with RichProgress(progress_console) as progress:
         result = run(options, progress)
     result.save(json_path)
+    write_reports(result, html=args.html, junit=args.junit, markdown=args.markdown)
 
     if not any(backend.available for backend in result.backends):
         # Decided from the claims before any kernel ran: one line, as CI logs want it.
@@ -147,11 +153,56 @@ def _add_run_arguments(parser: argparse.ArgumentParser, default_suite: str) -> N
     parser.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda when visible, else cpu)")
     parser.add_argument("--out", default="conformance-out", help="directory for results.json (default: conformance-out)")
     parser.add_argument("--json", help="write the JSON results to this file instead")
+    parser.add_argument("--html", help="also write a self-contained HTML report to this file")
+    parser.add_argument("--junit", help="also write JUnit XML (one testcase per backend x check x case)")
+    parser.add_argument("--markdown", help="also write a Markdown summary (pull-request comment, CI step summary)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per backend (default 3600)")
     parser.add_argument("--sync-detector", default="auto", choices=["auto", "cupti", "torch"],
                         help="host-sync detector for the syncs check (default auto: cupti when installed, else torch)")
     parser.add_argument("--in-process", action="store_true", help="no child process (for a debugger); a crash ends the run")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def write_reports(result: RunResult, *, html: str | None, junit: str | None, markdown: str | None) -> None:
+    for path, writer in ((html, write_html), (junit, write_junit), (markdown, write_markdown)):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            writer(result, path)
+
+
+def _load_results(path: str) -> RunResult:
+    try:
+        return RunResult.load(path)
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such file") from None
+    except (ValueError, KeyError) as error:
+        raise UsageError(f"{path}: not a conformance results file ({error})") from None
+
+
+def command_report(args: argparse.Namespace, console: Console) -> int:
+    result = _load_results(args.results)
+    if not (args.output or args.junit or args.markdown):
+        raise UsageError("report needs -o FILE.html, --junit FILE or --markdown FILE")
+    write_reports(result, html=args.output, junit=args.junit, markdown=args.markdown)
+    for path in (args.output, args.junit, args.markdown):
+        if path:
+            console.print(f"wrote {path}", highlight=False)
+    return EXIT_OK
+
+
+def command_compare(args: argparse.Namespace, console: Console) -> int:
+    findings = compare(_load_results(args.base), _load_results(args.new), error_growth=args.error_growth,
+                       bench_threshold=args.bench_threshold)
+    regressions = [finding for finding in findings if finding.regression]
+    table = Table(title=f"compare: {len(regressions)} regression(s), {len(findings) - len(regressions)} improvement(s)",
+                  title_justify="left")
+    for column in ("", "backend", "check", "case", "what"):
+        table.add_column(column)
+    for finding in findings:
+        table.add_row("[red]regression[/]" if finding.regression else "[green]improvement[/]", escape(finding.backend),
+                      escape(finding.check), escape(finding.case), escape(finding.what))
+    console.print(table)
+    return EXIT_FAILED if regressions else EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,6 +229,20 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="--case grammar:\n" + CASE_GRAMMAR, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_run_arguments(benching, default_suite="bench")
+
+    reporting = commands.add_parser("report", help="write HTML / JUnit / Markdown from a results JSON")
+    reporting.add_argument("results", help="a results JSON written by run or bench")
+    reporting.add_argument("-o", "--output", help="HTML file to write")
+    reporting.add_argument("--junit", help="JUnit XML file to write")
+    reporting.add_argument("--markdown", help="Markdown file to write")
+
+    comparing = commands.add_parser("compare", help="the CI gate: exit 1 if NEW regressed against BASE")
+    comparing.add_argument("base", help="baseline results JSON")
+    comparing.add_argument("new", help="new results JSON")
+    comparing.add_argument("--error-growth", type=float, default=2.0,
+                           help="numerics: fail when a case's max abs error grows more than this factor (default 2)")
+    comparing.add_argument("--bench-threshold", type=float, default=0.10,
+                           help="bench: fail when a case's forward time grows more than this fraction (default 0.10)")
     return parser
 
 
@@ -190,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "list":
             return command_list(args, console)
+        if args.command == "report":
+            return command_report(args, console)
+        if args.command == "compare":
+            return command_compare(args, console)
         if args.command == "bench":
             args.check = ["bench"]
         return command_run(args, console)

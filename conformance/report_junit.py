@@ -1,0 +1,63 @@
+"""JUnit XML: one testcase per backend x check x case (CI systems render these natively).
+
+FAIL → <failure>, ERROR and CRASH → <error>, SKIP → <skipped>; an unavailable backend or a
+skipped check is one skipped testcase carrying the reason.
+"""
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ElementTree
+
+from conformance.results import CaseResult, RunResult, Verdict
+
+
+def _evidence_text(case: CaseResult) -> str:
+    tail = case.evidence.get("stderr_tail") or case.evidence.get("traceback")
+    body = {k: v for k, v in case.evidence.items() if k not in ("stderr_tail", "traceback")}
+    parts = [case.reason]
+    if body:
+        parts.append(json.dumps(body, indent=1, default=str))
+    if tail:
+        parts.append(tail)
+    return "\n".join(parts)
+
+
+def _testcase(suite: ElementTree.Element, classname: str, name: str, verdict: Verdict, message: str, text: str = "") -> None:
+    testcase = ElementTree.SubElement(suite, "testcase", classname=classname, name=name, time="0")
+    if verdict == Verdict.FAIL:
+        ElementTree.SubElement(testcase, "failure", message=message[:1000], type="FAIL").text = text
+    elif verdict in (Verdict.ERROR, Verdict.CRASH):
+        ElementTree.SubElement(testcase, "error", message=message[:1000], type=verdict.value).text = text
+    elif verdict == Verdict.SKIP:
+        ElementTree.SubElement(testcase, "skipped", message=message[:1000])
+
+
+def render(run: RunResult) -> str:
+    root = ElementTree.Element("testsuites", name="conformance")
+    totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    for backend in run.backends:
+        for check in backend.checks:
+            suite = ElementTree.SubElement(root, "testsuite", name=f"{backend.name}/{check.name}")
+            classname = f"conformance.{backend.name}.{check.name}"
+            if not check.cases:
+                _testcase(suite, classname, check.name, check.verdict if check.verdict != Verdict.PASS else Verdict.SKIP, check.summary)
+            for case in check.cases:
+                _testcase(suite, classname, case.case, case.verdict, case.reason, _evidence_text(case))
+            counts = {
+                "tests": len(suite),
+                "failures": len(suite.findall("testcase/failure")),
+                "errors": len(suite.findall("testcase/error")),
+                "skipped": len(suite.findall("testcase/skipped")),
+            }
+            for key, value in counts.items():
+                suite.set(key, str(value))
+                totals[key] += value
+    for key, value in totals.items():
+        root.set(key, str(value))
+    ElementTree.indent(root)
+    return ElementTree.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def write_junit(run: RunResult, path) -> None:
+    with open(path, "w", encoding="utf-8") as file:
+        file.write(render(run))

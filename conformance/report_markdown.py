@@ -1,0 +1,43 @@
+"""A Markdown summary for a pull-request comment or a CI step summary ($GITHUB_STEP_SUMMARY)."""
+from __future__ import annotations
+
+from conformance.results import RunResult
+
+MAX_FAILURES = 20
+ICONS = {"PASS": "✅", "FAIL": "❌", "ERROR": "⚠️", "CRASH": "💥", "SKIP": "⏭️"}
+
+
+def render(run: RunResult) -> str:
+    gpu = run.environment.get("gpu") or run.environment.get("device", "")
+    lines = [f"### conformance: {run.suite} suite on {gpu}", "", "| backend | " + " | ".join(run.checks) + " |",
+             "|---" * (len(run.checks) + 1) + "|"]
+    for backend in run.backends:
+        cells = []
+        for name in run.checks:
+            check = backend.check(name)
+            if check is None:
+                cells.append("")
+                continue
+            counts = check.counts()
+            ran = sum(counts.values()) - counts["SKIP"]
+            detail = f" {counts['PASS']}/{ran}" if check.cases else ""
+            cells.append(f"{ICONS[check.verdict.value]} {check.verdict.value}{detail}")
+        label = backend.name if backend.available else f"{backend.name} (not available: {backend.reason})"
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    failures = [
+        (backend.name, check.name, case)
+        for backend in run.backends for check in backend.checks for case in check.cases if case.verdict.is_failure
+    ]
+    if failures:
+        lines += ["", f"#### Failures ({len(failures)})", ""]
+        for backend, check, case in failures[:MAX_FAILURES]:
+            lines.append(f"- **{case.verdict.value}** `{backend}` / {check} `{case.case}`: {case.reason}")
+        if len(failures) > MAX_FAILURES:
+            lines.append(f"- … and {len(failures) - MAX_FAILURES} more in the JSON results")
+    lines += ["", f"<sub>{run.environment.get('command', '')} · {run.environment.get('git_sha') or ''}</sub>", ""]
+    return "\n".join(lines)
+
+
+def write_markdown(run: RunResult, path) -> None:
+    with open(path, "w", encoding="utf-8") as file:
+        file.write(render(run))

@@ -1,0 +1,167 @@
+"""HTML, JUnit and Markdown writers, compare, and the HTML report in a real browser."""
+import json
+import re
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+
+import pytest
+
+from conformance import report_html, report_junit, report_markdown
+from conformance.compare import compare
+from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
+
+SYNC_EVENT = {"kind": "sync", "api": "cudaStreamSynchronize", "blocking": True, "num_bytes": None, "direction": None,
+              "nested": [], "phase": "build", "source": "mypkg/attn.py:42 in build: lens = seq_lens.cpu()",
+              "stack": ["harness.py:10 in run_step", "mypkg/attn.py:42 in build"]}
+
+
+def crafted() -> RunResult:
+    numerics = CheckResult("numerics", Verdict.FAIL, "1 PASS, 1 FAIL", [
+        CaseResult("gqa:1+1@0", Verdict.PASS, metrics={"max_abs_error": 1e-3}),
+        CaseResult("gqa:9+4@0", Verdict.FAIL, "12 of 64 elements beyond tolerance", tag="spec-verify",
+                   metrics={"max_abs_error": 0.4}, evidence={"worst": {"request": 0, "token": 2, "head": 1}}),
+    ])
+    syncs = CheckResult("syncs", Verdict.FAIL, "1 FAIL", [
+        CaseResult("gqa:9+1@0", Verdict.FAIL, "1 host sync(s) although host lengths were given",
+                   evidence={"with_host_lengths": [SYNC_EVENT]}),
+    ])
+    graphs = CheckResult("graphs", Verdict.CRASH, "1 CRASH", [
+        CaseResult("gqa:5+1@0", Verdict.CRASH, "backend process killed by signal SIGSEGV while running this case",
+                   evidence={"stderr_tail": "Fatal Python error: Segmentation fault", "failing_batch": "gqa:80+1@1"}),
+    ])
+    draft = CheckResult("draft-loop", Verdict.ERROR, "1 ERROR", [
+        CaseResult("gqa:5+1@0", Verdict.ERROR, "ValueError: no", evidence={"traceback": "Traceback ...\nValueError: no"}),
+    ])
+    bench = CheckResult("bench", Verdict.PASS, "1 PASS", [
+        CaseResult("gqa:4096+1x64@0", Verdict.PASS, tag="decode b64 ctx4096", metrics={
+            "forward_us": 300.0, "build_us": 1.0, "replay_us": 290.0, "GBps": 3500.0, "roofline_fraction": 0.83, "ratio_to_fastest": 1.0}),
+    ])
+    mine = BackendResult("mine", True, checks=[numerics, syncs, graphs, draft, bench])
+    other = BackendResult("vendor", False, "needs compute capability SM100; this GPU (NVIDIA H200) is SM90",
+                          checks=[CheckResult(c, Verdict.SKIP, "backend unavailable") for c in ("numerics", "syncs", "graphs", "draft-loop", "bench")])
+    return RunResult({"gpu": "NVIDIA H200", "command": "conformance run", "time": "now"}, [mine, other], "standard",
+                     ["numerics", "syncs", "graphs", "draft-loop", "bench"])
+
+
+def test_html_has_every_backend_and_check_and_the_evidence():
+    html = report_html.render(crafted())
+    summary = html.split("<table id='summary'>")[1].split("</table>")[0]
+    for name in ("mine", "vendor", "numerics", "syncs", "graphs", "draft-loop", "bench"):
+        assert name in summary
+    assert "request 0, token 2, head 1" in html  # worst location
+    assert "mypkg/attn.py:42 in build" in html  # sync source line and stack
+    assert "gqa:80+1@1" in html  # the graph batch that broke a replay
+    assert "Segmentation fault" in html and "ValueError: no" in html  # crash stderr, traceback
+    assert "<svg" in html and "µs" in html  # bench chart
+    assert "NVIDIA H200" in html  # environment
+
+
+def test_html_is_self_contained():
+    html = report_html.render(crafted())
+    assert not re.search(r"(src|href)\s*=\s*['\"]?(https?:)?//", html)
+    assert "<script" not in html and "<link" not in html and "@import" not in html
+
+
+def test_junit_structure():
+    root = ElementTree.fromstring(report_junit.render(crafted()).encode())
+    assert root.tag == "testsuites"
+    suites = root.findall("testsuite")
+    assert len(suites) == 10  # 2 backends x 5 checks
+    cases = root.findall("testsuite/testcase")
+    assert len(cases) == int(root.get("tests")) == 6 + 5
+    for suite in suites:
+        assert int(suite.get("tests")) == len(suite.findall("testcase"))
+        for testcase in suite.findall("testcase"):
+            assert testcase.get("classname", "").startswith("conformance.") and testcase.get("name")
+    assert int(root.get("failures")) == 2 and int(root.get("errors")) == 2 and int(root.get("skipped")) == 5
+    crash = root.find("testsuite[@name='mine/graphs']/testcase/error")
+    assert crash.get("type") == "CRASH" and "Segmentation fault" in crash.text
+
+
+def test_markdown_summary():
+    markdown = report_markdown.render(crafted())
+    assert "| mine |" in markdown and "❌ FAIL 1/2" in markdown and "💥 CRASH" in markdown
+    assert "Failures (4)" in markdown and "not available: needs compute capability SM100" in markdown
+
+
+def _with(result: RunResult, backend: int, check: str, case: int, **changes) -> RunResult:
+    data = json.loads(json.dumps(result.to_dict()))
+    target = next(c for c in data["backends"][backend]["checks"] if c["name"] == check)["cases"][case]
+    for key, value in changes.items():
+        if key in ("max_abs_error", "forward_us"):
+            target["metrics"][key] = value
+        else:
+            target[key] = value
+    return RunResult.from_dict(data)
+
+
+def test_compare_finds_regressions_and_improvements():
+    base = crafted()
+    assert compare(base, base) == []
+    worse = _with(base, 0, "numerics", 0, verdict="FAIL", reason="now wrong")
+    assert any(f.regression and "new FAIL" in f.what for f in compare(base, worse))
+    grown = _with(base, 0, "numerics", 0, max_abs_error=5e-3)
+    assert any(f.regression and "grew" in f.what for f in compare(base, grown))
+    assert not compare(base, grown, error_growth=10.0)
+    slower = _with(base, 0, "bench", 0, forward_us=400.0)
+    assert any(f.regression and "+33%" in f.what for f in compare(base, slower))
+    assert not any(f.regression for f in compare(base, slower, bench_threshold=0.5))
+    faster = _with(base, 0, "bench", 0, forward_us=200.0)
+    assert [f.regression for f in compare(base, faster)] == [False]
+    fixed = _with(base, 0, "numerics", 1, verdict="PASS")
+    assert not any(f.regression for f in compare(base, fixed))
+
+
+def test_compare_cli_exit_codes(tmp_path):
+    base = crafted()
+    base.save(tmp_path / "base.json")
+    _with(base, 0, "bench", 0, forward_us=400.0).save(tmp_path / "slower.json")
+    _with(base, 0, "bench", 0, forward_us=200.0).save(tmp_path / "faster.json")
+
+    def gate(new):
+        return subprocess.run([sys.executable, "-m", "conformance.cli", "compare", str(tmp_path / "base.json"), str(tmp_path / new)],
+                              capture_output=True, text=True).returncode
+
+    assert gate("slower.json") == 1 and gate("faster.json") == 0 and gate("base.json") == 0
+    missing = subprocess.run([sys.executable, "-m", "conformance.cli", "compare", str(tmp_path / "base.json"), "nope.json"],
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and "no such file" in missing.stderr
+
+
+def test_report_command_writes_all_three(tmp_path):
+    crafted().save(tmp_path / "r.json")
+    completed = subprocess.run(
+        [sys.executable, "-m", "conformance.cli", "report", str(tmp_path / "r.json"), "-o", str(tmp_path / "r.html"),
+         "--junit", str(tmp_path / "r.xml"), "--markdown", str(tmp_path / "r.md")], capture_output=True, text=True)
+    assert completed.returncode == 0, completed.stderr
+    assert all((tmp_path / name).stat().st_size > 0 for name in ("r.html", "r.xml", "r.md"))
+
+
+def _chromium() -> str | None:
+    return next((shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome") if shutil.which(name)), None)
+
+
+def test_report_renders_in_a_real_browser(tmp_path):
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("no headless Chromium on this machine (.ci/run installs Debian's chromium)")
+    import numpy
+    from PIL import Image
+
+    report = tmp_path / "report.html"
+    report_html.write_html(crafted(), report)
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars"]
+    dom = subprocess.run([browser, *flags, "--dump-dom", report.as_uri()], capture_output=True, text=True, timeout=120)
+    assert "id=\"summary\"" in dom.stdout and dom.stdout.count("class=\"verdict") >= 10
+    screenshot = tmp_path / "report.png"
+    subprocess.run([browser, *flags, f"--screenshot={screenshot}", "--window-size=1200,900", report.as_uri()],
+                   capture_output=True, timeout=120)
+    image = Image.open(screenshot).convert("RGB")
+    colours = {tuple(pixel) for pixel in numpy.asarray(image).reshape(-1, 3).tolist()}
+    # The summary matrix is the first thing on the page: its verdict colours must be on screen.
+    for verdict in (Verdict.PASS, Verdict.FAIL, Verdict.CRASH):
+        hex_colour = report_html.VERDICT_COLOURS[verdict].lstrip("#")
+        rgb = tuple(int(hex_colour[i : i + 2], 16) for i in (0, 2, 4))
+        assert rgb in colours, f"{verdict.value} cell colour not rendered"
