@@ -1,6 +1,6 @@
-"""Publish real GPU results into ``reports/``: one JSON per backend (each with the environment
-block of the run it came from) and a ``reports/README.md`` table of verdicts and headline bench
-numbers.
+"""Publish real GPU results into ``reports/``: one JSON and one HTML report per backend (each with
+the environment block of the run it came from), the bench run's JSON and HTML, and a
+``reports/README.md`` table of verdicts and headline bench numbers.
 
     python -m conformance.publish RESULTS.json [RESULTS.json ...] [--bench BENCH.json] [--out reports]
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from conformance.report_html import write_html
 from conformance.results import RunResult
 
 HEADLINE_SHAPES = ("decode b64 ctx4096", "verify q=4 b64 ctx4096", "decode b256 ctx4096", "decode b1 ctx32768")
@@ -79,12 +80,15 @@ def main() -> None:
     per_backend = split_by_backend([RunResult.load(path) for path in args.results])
     for name, result in per_backend.items():
         result.save(out / f"{name}.json")
-    lines = ["# Published results", "", "Real GPU runs of the built-in backends, one JSON per backend with the environment",
-             "block of its run. Regenerate with the command in the top-level README (\"Published results\").", "",
+        write_html(result, out / f"{name}.html")
+    lines = ["# Published results", "", "Real GPU runs of the built-in backends: per backend a JSON (with the environment block",
+             "of its run) and a self-contained HTML report; `bench.json` / `bench.html` for the benchmark run.",
+             "Regenerate with the command in the top-level README (\"Published results\").", "",
              "## Verdicts (standard suite)", "", *verdict_table(per_backend)]
     if args.bench:
         bench = RunResult.load(args.bench)
         bench.save(out / "bench.json")
+        write_html(bench, out / "bench.html")
         ceilings = next((c.metrics for b in bench.backends for ch in b.checks for c in ch.cases if c.metrics.get("copy_GBps")), {})
         lines += ["", f"## Headline bench numbers (`conformance bench`, {bench.environment.get('gpu', '')})", "",
                   f"Forward time, CUDA events, L2 flushed, median. Ceilings measured in the same run: copy "
