@@ -16,6 +16,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "triton": "backends.triton.backend:TritonAttentionBackend",
     "triton_mla": "backends.triton.mla_backend:TritonMLABackend",
     "flashinfer": "backends.flashinfer.gqa:FlashInferBackend",
+    "flashinfer_mla": "backends.flashinfer.mla:FlashInferMLABackend",
     "trtllm": "backends.flashinfer.trtllm:TrtllmBackend",
     "trtllm_mla": "backends.flashinfer.trtllm_mla:TrtllmMLABackend",
     "flashmla": "backends.flashmla:FlashMLABackend",

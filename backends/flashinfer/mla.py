@@ -1,0 +1,70 @@
+"""``flashinfer_mla``: BatchMLAPagedAttentionWrapper (FA3 on SM90, FA2 elsewhere; FlashInfer's
+``auto``) through the non-deprecated plan/run API of 0.7.x: ``MLAPlanMetadata.csr`` planned from
+host lengths, packed query [T, H, latent + rope] and packed cache [blocks, block_size, latent + rope]
+— exactly this suite's MLA contract, so nothing is copied."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
+from backends.flashinfer import INSTALL_HINT, WORKSPACE_BYTES
+from backends.flashinfer.paged_layout import paged_layout
+from backends.paged_write import write_paged_rows
+
+
+@dataclass
+class FlashInferMLAMetadata:
+    num_tokens: int
+
+
+def plan_arguments(spec: AttentionSpec, common: CommonAttentionMetadata, metadata_class) -> dict[str, Any]:
+    """Keyword arguments of BatchMLAPagedAttentionWrapper.plan, CSR metadata from host lengths."""
+    layout = paged_layout(common, spec.block_size)
+    return dict(
+        metadata=metadata_class.csr(common.query_start_loc_cpu, layout.kv_indptr, layout.kv_indices, layout.seq_lens),
+        num_heads=spec.num_heads, head_dim_ckv=spec.kv_lora_rank, head_dim_kpe=spec.rope_dim, page_size=spec.block_size,
+        causal=True, sm_scale=spec.softmax_scale, q_data_type=spec.dtype, kv_data_type=spec.dtype,
+        query_layout="packed", kv_cache_layout="packed",
+    )
+
+
+class FlashInferMLABackend(AttentionBackend):
+    name = "flashinfer_mla"
+    capabilities = Capabilities(
+        kinds=frozenset({"mla"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        head_dims=frozenset({576}),
+        block_sizes=frozenset({16, 32, 64}),
+        max_query_len=8,
+        cuda_graphs=CGSupport.NEVER,
+        needs_cpu_seq_lens=True,
+        draft_step_update=False,
+        devices=frozenset({"cuda"}),
+        compute_capabilities=frozenset({(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (10, 3), (12, 0)}),
+        required_modules=("flashinfer",),
+        install_hint=INSTALL_HINT,
+    )
+
+    def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
+        super().__init__(spec, limits, device)
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata  # noqa: PLC0415 - optional dependency
+
+        self.metadata_class = MLAPlanMetadata
+        self.wrapper = BatchMLAPagedAttentionWrapper(torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device))
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.spec.block_size, self.spec.head_dim)
+
+    def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
+        write_paged_rows(kv_cache, key, slot_mapping, self.spec.block_size)
+
+    def build(self, common: CommonAttentionMetadata) -> FlashInferMLAMetadata:
+        self.wrapper.plan(**plan_arguments(self.spec, common, self.metadata_class))
+        return FlashInferMLAMetadata(common.num_actual_tokens)
+
+    def forward(self, query, kv_cache, metadata: FlashInferMLAMetadata, out) -> None:
+        tokens = metadata.num_tokens
+        self.wrapper.run(query=query[:tokens], kv_cache=kv_cache, out=out[:tokens])

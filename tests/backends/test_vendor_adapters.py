@@ -1,0 +1,100 @@
+"""Adapter logic of the vendor backends that runs without their packages or GPUs: claims and
+availability, cache layouts and writes, CSR page layouts, and the exact kernel arguments."""
+import dataclasses
+
+import torch
+
+from backends.base import BackendLimits, DeviceInfo
+from backends.flashinfer.gqa import FlashInferBackend, window_left
+from backends.flashinfer.mla import FlashInferMLABackend, plan_arguments
+from backends.flashinfer.paged_layout import host_page_counts, paged_layout
+from backends.flashinfer.trtllm import TrtllmBackend
+from backends.flashinfer.trtllm_mla import QK_NOPE_HEAD_DIM, TrtllmMLABackend, TrtllmMLAMetadata, kernel_arguments
+from backends.flashmla import FlashMLABackend
+from backends.paged_write import write_paged_rows
+from conformance.batch import materialize
+from conformance.cases import parse_case
+
+H200 = DeviceInfo("cuda", "NVIDIA H200", (9, 0))
+B200 = DeviceInfo("cuda", "NVIDIA B200", (10, 0))
+
+
+def test_trtllm_mla_is_unavailable_on_hopper_before_any_kernel_runs():
+    # As on a GPU machine with flashinfer installed: only the compute capability decides.
+    claims = dataclasses.replace(TrtllmMLABackend.capabilities, required_modules=())
+    assert claims.availability_reason(H200) == "needs compute capability SM100, SM103, SM120; this GPU (NVIDIA H200) is SM90"
+    assert claims.availability_reason(B200) is None
+
+
+def test_missing_flashinfer_gives_the_install_command():
+    import importlib.util
+
+    if importlib.util.find_spec("flashinfer") is not None:
+        return
+    for backend in (FlashInferBackend, FlashInferMLABackend, TrtllmBackend, TrtllmMLABackend):
+        assert "pip install 'specdec-conformance[flashinfer]'" in backend.availability_reason(H200)
+    assert "pip install 'specdec-conformance[flashmla]'" in FlashMLABackend.availability_reason(H200)
+
+
+def test_host_page_counts():
+    pages, indptr, last = host_page_counts(torch.tensor([1, 16, 17, 40], dtype=torch.int32), 16)
+    assert pages.tolist() == [1, 1, 2, 3] and indptr.tolist() == [0, 1, 2, 4, 7] and last.tolist() == [1, 16, 1, 8]
+
+
+def test_paged_layout_gathers_page_ids_from_the_block_table_without_host_lengths_copy():
+    batch = materialize(parse_case("gqa-h4/2-d16-p16:30+2,0+5,40+1"), "cpu")
+    common = batch.common_metadata(with_host_lengths=True)
+    layout = paged_layout(common, 16)
+    assert common.device_to_host_copies == []
+    expected = [int(batch.block_table[r, j]) for r, n in enumerate([2, 1, 3]) for j in range(n)]
+    assert layout.kv_indices.tolist() == expected and layout.kv_indptr.tolist() == [0, 2, 3, 6]
+    assert layout.last_page_len.tolist() == [16, 5, 9]
+    without = batch.common_metadata(with_host_lengths=False)
+    paged_layout(without, 16)
+    assert without.device_to_host_copies == ["seq_lens"]  # what the syncs check sees on a GPU
+
+
+def test_window_left_excludes_the_token_itself():
+    assert window_left(parse_case("gqa-w256:1+1").spec) == 255 and window_left(parse_case("gqa:1+1").spec) == -1
+
+
+def test_paged_writes_into_nhd_hnd_and_mla_layouts_skip_slot_minus_one():
+    slots = torch.tensor([17, -1, 3, 40])
+    rows = torch.randn(4, 2, 8)
+    nhd = torch.zeros(4, 2, 16, 2, 8)  # [blocks, K/V, page, heads, dim]
+    write_paged_rows(nhd[:, 0], rows, slots, 16)
+    hnd = torch.zeros(4, 2, 2, 16, 8)  # [blocks, K/V, heads, page, dim]
+    write_paged_rows(hnd[:, 0].transpose(1, 2), rows, slots, 16)
+    for layout in (nhd[:, 0], hnd[:, 0].transpose(1, 2)):
+        assert torch.equal(layout[1, 1], rows[0]) and torch.equal(layout[0, 3], rows[2]) and torch.equal(layout[2, 8], rows[3])
+        assert layout.abs().sum() == rows[[0, 2, 3]].abs().sum()  # the slot -1 row landed nowhere
+    assert nhd[:, 1].abs().sum() == 0 and hnd[:, 1].abs().sum() == 0  # V planes untouched
+
+
+def test_trtllm_mla_kernel_arguments():
+    spec = parse_case("mla-h16-d512+64-bf16-p64:100+2").spec
+    limits = BackendLimits(4, 8, 4096)
+    query = torch.zeros(8 + 3, 16, 576)
+    cache = torch.zeros(10, 64, 576)
+    out = torch.zeros(8 + 3, 16, 512)
+    metadata = TrtllmMLAMetadata(torch.zeros(4, 64, dtype=torch.int32), torch.ones(4, dtype=torch.int32), 4, 2)
+    arguments = kernel_arguments(spec, limits, query, cache, torch.zeros(1), metadata, out)
+    assert arguments["query"].shape == (4, 2, 16, 576) and arguments["kv_cache"].shape == (10, 1, 64, 576)
+    assert arguments["out"].shape == (4, 2, 16, 512) and arguments["out"].data_ptr() == out.data_ptr()
+    assert (arguments["kv_lora_rank"], arguments["qk_rope_head_dim"], arguments["qk_nope_head_dim"]) == (512, 64, QK_NOPE_HEAD_DIM)
+    assert arguments["max_seq_len"] == 4096  # the static bound, never the batch's host value
+    assert arguments["bmm1_scale"] == spec.softmax_scale and arguments["bmm2_scale"] == 1.0
+
+
+def test_flashinfer_mla_plan_arguments():
+    class FakeMetadata:
+        @staticmethod
+        def csr(*tensors):
+            return tensors
+
+    batch = materialize(parse_case("mla-h16-d512+64-bf16-p64:100+2,10+2"), "cpu")
+    arguments = plan_arguments(batch.spec, batch.common_metadata(), FakeMetadata)
+    qo_indptr, kv_indptr, kv_indices, kv_lens = arguments["metadata"]
+    assert qo_indptr.tolist() == [0, 2, 4] and kv_indptr.tolist() == [0, 2, 3] and kv_lens.tolist() == [102, 12]
+    assert (arguments["head_dim_ckv"], arguments["head_dim_kpe"], arguments["page_size"]) == (512, 64, 64)
+    assert arguments["causal"] and arguments["query_layout"] == arguments["kv_cache_layout"] == "packed"
