@@ -57,7 +57,27 @@ class TritonMetadata:
     decode_q: int
 
 
-class TritonAttentionBackend(AttentionBackend):
+class DeviceMetadataBuilder(AttentionBackend):
+    """``build`` and ``update_for_draft_step`` of backends whose kernels read every length from the
+    device: the metadata only references the step's device tensors."""
+
+    def build(self, common: CommonAttentionMetadata) -> TritonMetadata:
+        return TritonMetadata(
+            query_start_loc=common.query_start_loc, seq_lens=common.seq_lens, block_table=common.block_table,
+            num_reqs=common.num_reqs, max_query_len=common.max_query_len, decode_q=decode_variant(common.max_query_len),
+        )
+
+    def update_for_draft_step(self, metadata: TritonMetadata, common: CommonAttentionMetadata) -> TritonMetadata:
+        # Nothing position-dependent lives in the metadata: the kernels read seq_lens and
+        # query_start_loc from the device, where the draft loop advanced them. Re-point in case
+        # the caller handed new tensors.
+        metadata.query_start_loc, metadata.seq_lens, metadata.block_table = (
+            common.query_start_loc, common.seq_lens, common.block_table,
+        )
+        return metadata
+
+
+class TritonAttentionBackend(DeviceMetadataBuilder):
     name = "triton"
     capabilities = Capabilities(
         kinds=frozenset({"mha"}),
@@ -101,21 +121,6 @@ class TritonAttentionBackend(AttentionBackend):
             NUM_KV_HEADS=self.spec.num_kv_heads, HEAD_DIM=self.spec.head_dim, PAGE_SIZE=self.spec.block_size,
             BLOCK_HEADS=triton.next_power_of_2(self.spec.num_kv_heads), BLOCK_D=self.block_d, HAS_VALUE=True,
         )
-
-    def build(self, common: CommonAttentionMetadata) -> TritonMetadata:
-        return TritonMetadata(
-            query_start_loc=common.query_start_loc, seq_lens=common.seq_lens, block_table=common.block_table,
-            num_reqs=common.num_reqs, max_query_len=common.max_query_len, decode_q=decode_variant(common.max_query_len),
-        )
-
-    def update_for_draft_step(self, metadata: TritonMetadata, common: CommonAttentionMetadata) -> TritonMetadata:
-        # Nothing position-dependent lives in the metadata: the kernels read seq_lens and
-        # query_start_loc from the device, where the draft loop advanced them. Re-point in case
-        # the caller handed new tensors.
-        metadata.query_start_loc, metadata.seq_lens, metadata.block_table = (
-            common.query_start_loc, common.seq_lens, common.block_table,
-        )
-        return metadata
 
     def forward(self, query, kv_cache, metadata: TritonMetadata, out) -> None:
         spec, limits = self.spec, self.limits

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
+from backends.base import AttentionSpec, BackendLimits, Capabilities, CGSupport
 from backends.triton import kernels, mla_kernels
 from backends.triton.backend import (
     DECODE_VARIANTS,
     LOG2E,
+    DeviceMetadataBuilder,
     TritonMetadata,
-    decode_variant,
     interpreter_devices,
     interpreting,
     num_kv_splits,
@@ -36,7 +36,7 @@ def tiling(num_heads: int, decode_q: int) -> _Tiling:
     return _Tiling(heads, max(16, triton.next_power_of_2(heads * decode_q)))
 
 
-class TritonMLABackend(AttentionBackend):
+class TritonMLABackend(DeviceMetadataBuilder):
     name = "triton_mla"
     capabilities = Capabilities(
         kinds=frozenset({"mla"}),
@@ -69,18 +69,6 @@ class TritonMLABackend(AttentionBackend):
             NUM_KV_HEADS=1, HEAD_DIM=self.spec.head_dim, PAGE_SIZE=self.spec.block_size,
             BLOCK_HEADS=1, BLOCK_D=triton.next_power_of_2(self.spec.head_dim), HAS_VALUE=False,
         )
-
-    def build(self, common: CommonAttentionMetadata) -> TritonMetadata:
-        return TritonMetadata(
-            query_start_loc=common.query_start_loc, seq_lens=common.seq_lens, block_table=common.block_table,
-            num_reqs=common.num_reqs, max_query_len=common.max_query_len, decode_q=decode_variant(common.max_query_len),
-        )
-
-    def update_for_draft_step(self, metadata: TritonMetadata, common: CommonAttentionMetadata) -> TritonMetadata:
-        metadata.query_start_loc, metadata.seq_lens, metadata.block_table = (
-            common.query_start_loc, common.seq_lens, common.block_table,
-        )
-        return metadata
 
     def forward(self, query, kv_cache, metadata: TritonMetadata, out) -> None:
         spec, limits = self.spec, self.limits
