@@ -251,6 +251,7 @@ def _mha_batches(block_size: int, *, rich: bool) -> list[tuple[str, str]]:
         ("spec-verify k=7", "100+8,2000+8,47+8,777+8"),
         ("chunked prefill with context", "1024+256,300+100"),
         ("mixed prefill + decode", "0+200,700+64,3000+1x6,50+4x3"),
+        ("mixed, decodes first", "3000+1x4,100+1,0+200,700+64,50+4x2"),
         ("block boundaries decode", _boundary_batch(block_size, 1)),
         ("block boundaries verify", _boundary_batch(block_size, 4)),
         ("length 1", "0+1"),

@@ -1,10 +1,15 @@
 """``flashinfer``: decode through BatchDecodeWithPagedKVCacheWrapper (tensor cores), prefill and
 spec-verify through BatchPrefillWithPagedKVCacheWrapper (FA2), planned from host metadata.
 
-A batch whose every request has one new token is a decode batch; any other batch (spec-verify,
-chunked prefill, mixed) goes through the prefill wrapper, which handles single-token rows too.
-FA2 rather than FA3 for the prefill wrapper: on an H200 FlashInfer's FA2 ran spec-verify q=4 at
-batch 64 / context 4096 in 259 µs against FA3's 1133 µs.
+A mixed batch whose single-token requests come first (as vLLM orders them) is split: the decodes
+go to the decode wrapper, the rest to the prefill wrapper. Any other batch that is not pure decode
+goes through the prefill wrapper whole, which handles single-token rows too. FA2 rather than FA3
+for the prefill wrapper: on an H200 FlashInfer's FA2 ran spec-verify q=4 at batch 64 / context
+4096 in 259 µs against FA3's 1133 µs.
+
+CUDA graphs: a pure-decode batch of exactly ``limits.max_num_reqs`` requests (the padded size an
+engine captures) uses a ``use_cuda_graph`` decode wrapper whose indptr / indices / last-page
+buffers are persistent and sized by the limits; ``build()`` re-plans it before every replay.
 """
 from __future__ import annotations
 
@@ -20,9 +25,37 @@ from backends.paged_write import write_paged_rows
 
 
 @dataclass
-class FlashInferMetadata:
+class WrapperCall:
     wrapper: Any
-    num_tokens: int
+    token_start: int
+    token_end: int
+
+
+@dataclass
+class FlashInferMetadata:
+    calls: list[WrapperCall]
+
+
+def leading_decodes(query_lens: list[int]) -> int:
+    """How many single-token requests open the batch (the decode part of a decodes-first batch)."""
+    count = 0
+    while count < len(query_lens) and query_lens[count] == 1:
+        count += 1
+    return count
+
+
+def sub_batch(common: CommonAttentionMetadata, first: int, last: int) -> CommonAttentionMetadata:
+    """Requests [first, last) of ``common`` as a batch of their own (views, no copies)."""
+    token_start = int(common.query_start_loc_cpu[first])
+    query_start_loc_cpu = common.query_start_loc_cpu[first : last + 1] - token_start
+    host = common.seq_lens_cpu[first:last]
+    return CommonAttentionMetadata(
+        query_start_loc=common.query_start_loc[first : last + 1] - token_start, seq_lens=common.seq_lens[first:last],
+        block_table=common.block_table[first:last], slot_mapping=common.slot_mapping,
+        query_start_loc_cpu=query_start_loc_cpu, num_reqs=last - first,
+        num_actual_tokens=int(query_start_loc_cpu[-1]), max_query_len=int((query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).max()),
+        max_seq_len=common.max_seq_len, host_seq_lens=host,
+    )
 
 
 def window_left(spec: AttentionSpec) -> int:
@@ -40,7 +73,7 @@ class FlashInferBackend(AttentionBackend):
         max_query_len=None,
         sliding_window=True,
         logits_soft_cap=True,
-        cuda_graphs=CGSupport.NEVER,
+        cuda_graphs=CGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
         needs_cpu_seq_lens=True,
         draft_step_update=False,
         devices=frozenset({"cuda"}),
@@ -53,10 +86,19 @@ class FlashInferBackend(AttentionBackend):
         super().__init__(spec, limits, device)
         import flashinfer  # noqa: PLC0415 - optional dependency
 
-        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
-        prefill_workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(prefill_workspace, "NHD", backend="fa2")
+        def workspace() -> torch.Tensor:
+            return torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD", use_tensor_cores=True)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD", backend="fa2")
+        max_reqs = limits.max_num_reqs
+        int32 = dict(dtype=torch.int32, device=self.device)
+        self.graph_decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace(), "NHD", use_cuda_graph=True, use_tensor_cores=True,
+            paged_kv_indptr_buffer=torch.zeros(max_reqs + 1, **int32),
+            paged_kv_indices_buffer=torch.zeros(max_reqs * limits.max_blocks_per_req(spec.block_size), **int32),
+            paged_kv_last_page_len_buffer=torch.zeros(max_reqs, **int32),
+        )
 
     # NHD: [num_blocks, 2, block_size, kv_heads, head_dim]
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -67,25 +109,39 @@ class FlashInferBackend(AttentionBackend):
         write_paged_rows(kv_cache[:, 0], key, slot_mapping, self.spec.block_size)
         write_paged_rows(kv_cache[:, 1], value, slot_mapping, self.spec.block_size)
 
-    def build(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
+    def _plan_decode(self, wrapper, common: CommonAttentionMetadata) -> None:
         spec = self.spec
         layout = paged_layout(common, spec.block_size)
-        options = dict(
-            window_left=window_left(spec), logits_soft_cap=spec.logits_soft_cap, sm_scale=spec.softmax_scale,
-            q_data_type=spec.dtype, kv_data_type=spec.dtype,
+        wrapper.plan(
+            layout.kv_indptr, layout.kv_indices, layout.last_page_len, spec.num_heads, spec.num_kv_heads,
+            spec.head_dim, spec.block_size, window_left=window_left(spec), logits_soft_cap=spec.logits_soft_cap,
+            sm_scale=spec.softmax_scale, q_data_type=spec.dtype, kv_data_type=spec.dtype,
         )
-        if common.max_query_len == 1:
-            self.decode.plan(
-                layout.kv_indptr, layout.kv_indices, layout.last_page_len, spec.num_heads, spec.num_kv_heads,
-                spec.head_dim, spec.block_size, **options,
-            )
-            return FlashInferMetadata(self.decode, common.num_actual_tokens)
+
+    def _plan_prefill(self, common: CommonAttentionMetadata) -> None:
+        spec = self.spec
+        layout = paged_layout(common, spec.block_size)
         self.prefill.plan(
             common.query_start_loc_cpu, layout.kv_indptr, layout.kv_indices, layout.last_page_len, spec.num_heads,
-            spec.num_kv_heads, spec.head_dim, spec.block_size, causal=True, **options,
+            spec.num_kv_heads, spec.head_dim, spec.block_size, causal=True, window_left=window_left(spec),
+            logits_soft_cap=spec.logits_soft_cap, sm_scale=spec.softmax_scale, q_data_type=spec.dtype,
+            kv_data_type=spec.dtype,
         )
-        return FlashInferMetadata(self.prefill, common.num_actual_tokens)
+
+    def build(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
+        tokens = common.num_actual_tokens
+        if common.max_query_len == 1:
+            wrapper = self.graph_decode if common.num_reqs == self.limits.max_num_reqs else self.decode
+            self._plan_decode(wrapper, common)
+            return FlashInferMetadata([WrapperCall(wrapper, 0, tokens)])
+        decodes = leading_decodes(common.query_lens_cpu.tolist())
+        if decodes == 0:
+            self._plan_prefill(common)
+            return FlashInferMetadata([WrapperCall(self.prefill, 0, tokens)])
+        self._plan_decode(self.decode, sub_batch(common, 0, decodes))
+        self._plan_prefill(sub_batch(common, decodes, common.num_reqs))
+        return FlashInferMetadata([WrapperCall(self.decode, 0, decodes), WrapperCall(self.prefill, decodes, tokens)])
 
     def forward(self, query, kv_cache, metadata: FlashInferMetadata, out) -> None:
-        tokens = metadata.num_tokens
-        metadata.wrapper.run(query[:tokens], kv_cache, out=out[:tokens])
+        for call in metadata.calls:
+            call.wrapper.run(query[call.token_start : call.token_end], kv_cache, out=out[call.token_start : call.token_end])

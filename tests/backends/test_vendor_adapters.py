@@ -99,3 +99,15 @@ def test_flashinfer_mla_plan_arguments():
     assert qo_indptr.tolist() == [0, 2, 4] and kv_indptr.tolist() == [0, 2, 3] and kv_lens.tolist() == [102, 12]
     assert (arguments["head_dim_ckv"], arguments["head_dim_kpe"], arguments["page_size"]) == (512, 64, 64)
     assert arguments["causal"] and arguments["query_layout"] == arguments["kv_cache_layout"] == "packed"
+
+
+def test_decodes_first_split_for_flashinfer():
+    from backends.flashinfer.gqa import leading_decodes, sub_batch
+
+    assert leading_decodes([1, 1, 1, 200, 64]) == 3 and leading_decodes([200, 1]) == 0 and leading_decodes([1, 1]) == 2
+    batch = materialize(parse_case("gqa-h4/2-d16-p16:3000+1x2,0+200,700+64"), "cpu")
+    common = batch.common_metadata()
+    decodes, rest = sub_batch(common, 0, 2), sub_batch(common, 2, 4)
+    assert decodes.query_start_loc_cpu.tolist() == [0, 1, 2] and decodes.max_query_len == 1 and decodes.num_actual_tokens == 2
+    assert rest.query_start_loc_cpu.tolist() == [0, 200, 264] and rest.query_start_loc.tolist() == [0, 200, 264]
+    assert rest.seq_lens_cpu.tolist() == [200, 764] and rest.block_table.shape[0] == 2 and rest.max_query_len == 200
