@@ -27,7 +27,7 @@ def test_crash_names_the_case_and_a_fresh_child_resumes():
 
 
 def test_a_hang_becomes_a_result_at_the_time_limit():
-    result = run_isolated(job("tests.planted.defects:Hangs", [SMALL, OTHER]), lambda e: None, timeout_s=8)
+    result = run_isolated(job("tests.planted.defects:Hangs", [SMALL, OTHER]), lambda e: None, timeout_s=20)
     first, second = (result.results[("numerics", parse_case(t).id)] for t in (SMALL, OTHER))
     assert first.verdict == Verdict.CRASH and "time limit" in first.reason
     assert second.verdict == Verdict.ERROR and "not run" in second.reason
