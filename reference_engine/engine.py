@@ -1,0 +1,264 @@
+"""The reference engine, part 1: a synchronous step loop with speculative decoding.
+
+Each step: schedule (continuous batching, chunked prefill, preemption) → draft k tokens for every
+decoding request → one target forward over prefill chunks and [last token, drafts] rows, through
+the attention backend with a ``CommonAttentionMetadata`` built like an engine builds it (host
+lengths given: this loop knows them) → rejection sampling → bookkeeping and stop checks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backends import registry
+from backends.base import BackendLimits, CommonAttentionMetadata
+from reference_engine.drafters import AcceptancePattern, LayerSkipDrafter, OracleDrafter
+from reference_engine.kv_cache import BlockManager
+from reference_engine.model import LlamaModel, ModelConfig, StepInputs
+from reference_engine.rejection import greedy_rejection, probabilistic_rejection
+from reference_engine.request import Request
+from reference_engine.sampling import SamplingParams, filtered_probabilities, sample
+from reference_engine.scheduler import Scheduled, Scheduler
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = ModelConfig()
+    backend: str = "torch_naive"
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    block_size: int = 16
+    num_blocks: int = 256
+    max_num_reqs: int = 16
+    max_num_tokens: int = 256
+    num_spec_tokens: int = 0
+    drafter: str = "none"  # none | oracle:PATTERN | layer-skip[:N]
+    seed: int = 0
+
+
+@dataclass
+class GenerationOutput:
+    request_id: int
+    prompt: list[int]
+    tokens: list[int]
+    steps: int
+    decode_steps: int
+    drafted: int
+    accepted: int
+    preemptions: int
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per decode step (1 + accepted drafts on average)."""
+        return (len(self.tokens) - 1) / self.decode_steps if self.decode_steps else 0.0
+
+
+@dataclass
+class _Row:
+    scheduled: Scheduled
+    token_ids: list[int]
+    start: int  # position of the first token
+    decoding: bool = False
+    drafts: torch.Tensor | None = None
+    draft_probabilities: torch.Tensor | None = None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model: LlamaModel | None = None) -> None:
+        if config.num_spec_tokens < 0:
+            raise ValueError("the number of speculative tokens must be >= 0")
+        if config.num_spec_tokens and config.drafter == "none":
+            raise ValueError("speculative decoding needs a drafter (oracle:PATTERN or layer-skip)")
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model = model or LlamaModel.random(config.model, config.seed, config.dtype, self.device)
+        spec = config.model.attention_spec(config.dtype, config.block_size)
+        backend_cls = registry.load(config.backend)
+        reason = backend_cls.unsupported_reason(spec, self.device)
+        if reason:
+            raise ValueError(f"backend {config.backend} cannot run this model here: {reason}")
+        limits = BackendLimits(config.max_num_reqs, config.max_num_tokens, config.model.max_model_len)
+        self.backend = backend_cls(spec, limits, self.device)
+        self.kv_caches = [self.backend.allocate_kv_cache(config.num_blocks) for _ in range(config.model.num_layers)]
+        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.blocks, max_num_reqs=config.max_num_reqs, max_num_tokens=config.max_num_tokens,
+            num_spec_tokens=config.num_spec_tokens, max_model_len=config.model.max_model_len,
+        )
+        self.drafter = self._make_drafter(config.drafter) if config.num_spec_tokens else None
+        self._generators: dict[int, torch.Generator] = {}
+
+    def _make_drafter(self, name: str):
+        if name.startswith("oracle:"):
+            return AcceptancePattern.parse(name.removeprefix("oracle:"))  # scripted per generate() call
+        if name == "layer-skip" or name.startswith("layer-skip:"):
+            layers = int(name.partition(":")[2] or max(1, self.config.model.num_layers // 4))
+            if not 1 <= layers < self.config.model.num_layers:
+                raise ValueError(f"layer-skip needs 1 <= layers < {self.config.model.num_layers}")
+            return LayerSkipDrafter(layers, self._draft_logits, lambda request: self._generators.get(request.request_id))
+        raise ValueError(f"unknown drafter {name!r} (none, oracle:PATTERN, layer-skip[:N])")
+
+    # --- public API -----------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[GenerationOutput]:
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("one SamplingParams per prompt, or one for all")
+        model = self.config.model
+        for prompt in prompts:
+            if not prompt:
+                raise ValueError("empty prompt")
+            if len(prompt) >= model.max_model_len:
+                raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_model_len {model.max_model_len}")
+            if any(not 0 <= token < model.vocab_size for token in prompt):
+                raise ValueError(f"prompt token ids must be in [0, {model.vocab_size})")
+        if isinstance(self.drafter, AcceptancePattern):
+            if not all(p.greedy for p in params_list):
+                raise ValueError("the oracle drafter scripts greedy runs only")
+            plain = Engine(EngineConfig(**{**self.config.__dict__, "num_spec_tokens": 0, "drafter": "none"}), self.model)
+            reference = {index: out.tokens for index, out in enumerate(plain.generate(prompts, params_list))}
+            drafter = OracleDrafter(reference, self.drafter, model.vocab_size, self.config.seed)
+        else:
+            drafter = self.drafter
+        requests = [Request(index, list(prompt), p) for index, (prompt, p) in enumerate(zip(prompts, params_list))]
+        for request in requests:
+            if request.params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(request.params.seed)
+                self._generators[request.request_id] = generator
+            self.scheduler.add(request)
+        decode_steps = {request.request_id: 0 for request in requests}
+        while not self.scheduler.idle:
+            for request_id in self.step(drafter):
+                decode_steps[request_id] += 1
+        self.blocks.assert_all_free()
+        return [
+            GenerationOutput(r.request_id, r.prompt, r.output, r.steps, decode_steps[r.request_id], r.drafted, r.accepted, r.preemptions)
+            for r in requests
+        ]
+
+    def score(self, prompt: list[int]) -> torch.Tensor:
+        """Next-token logits after every prefix of ``prompt`` [len, V] (one prefill, nothing kept)."""
+        request = Request(-1, list(prompt), SamplingParams())
+        self.blocks.allocate(request.block_ids, len(prompt))
+        try:
+            hidden, _ = self._forward([(request, request.prompt, 0)], None)
+            return self.model.logits(hidden)
+        finally:
+            self.blocks.free(request.block_ids)
+
+    # --- one step ---------------------------------------------------------------------------------
+
+    def step(self, drafter) -> list[int]:
+        """Run one engine step; returns the ids of requests that decoded in it."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            if not self.scheduler.running:
+                raise RuntimeError("the KV pool cannot hold even one waiting request: raise num_blocks")
+            self.scheduler._preempt(self.scheduler.running[-1])  # everyone is stuck: make room
+            return []
+        rows = []
+        decoding = [s for s in scheduled if not s.request.in_prefill]
+        proposals = drafter.propose([(s.request, s.num_drafts) for s in decoding], self.device) if drafter and decoding else []
+        drafts_of = {id(s): p for s, p in zip(decoding, proposals)}
+        for item in scheduled:
+            request = item.request
+            if id(item) in drafts_of or not request.in_prefill:
+                drafts, draft_probabilities = drafts_of.get(id(item), (None, None))
+                draft_ids = drafts.tolist() if drafts is not None and item.num_drafts else []
+                rows.append(_Row(item, [request.tokens[-1]] + draft_ids, request.num_computed, True, drafts, draft_probabilities))
+            else:
+                start = request.num_computed
+                rows.append(_Row(item, request.tokens[start : start + item.num_tokens], start))
+        hidden, starts = self._forward([(row.scheduled.request, row.token_ids, row.start) for row in rows], None)
+        decoded = []
+        for row, start in zip(rows, starts):
+            request = row.scheduled.request
+            request.steps += 1
+            if row.decoding:
+                logits = self.model.logits(hidden[start : start + len(row.token_ids)])
+                self._finish_decode(row, logits)
+                decoded.append(request.request_id)
+            else:
+                request.num_computed += len(row.token_ids)
+                if not request.in_prefill and not request.output:
+                    logits = self.model.logits(hidden[start + len(row.token_ids) - 1 : start + len(row.token_ids)])
+                    self._emit(request, [int(self._sample(request, logits)[0])])
+        return decoded
+
+    def _sample(self, request: Request, logits: torch.Tensor) -> torch.Tensor:
+        params = request.params
+        if params.greedy:
+            return logits.argmax(dim=-1)
+        probabilities = filtered_probabilities(logits, params.temperature, params.top_k, params.top_p)
+        return sample(probabilities, self._generators.get(request.request_id))
+
+    def _finish_decode(self, row: _Row, logits: torch.Tensor) -> None:
+        request, num_drafts = row.scheduled.request, row.scheduled.num_drafts
+        if num_drafts == 0:
+            self._emit(request, [int(self._sample(request, logits)[0])])
+            request.num_computed += 1
+            return
+        params = request.params
+        drafts = row.drafts[None, :]
+        count = torch.tensor([num_drafts], device=self.device)
+        if params.greedy:
+            tokens, emitted = greedy_rejection(drafts, logits.softmax(dim=-1)[None], count)
+        else:
+            target = filtered_probabilities(logits, params.temperature, params.top_k, params.top_p)[None]
+            tokens, emitted = probabilistic_rejection(drafts, row.draft_probabilities[None], target, count,
+                                                      self._generators.get(request.request_id))
+        new_tokens = tokens[0, : int(emitted[0])].tolist()
+        request.drafted += num_drafts
+        request.accepted += len(new_tokens) - 1
+        # The KV of the last token and of every accepted draft is now valid; rejected slots are
+        # simply overwritten later (seq_len never covers them).
+        request.num_computed += len(new_tokens)
+        self._emit(request, new_tokens)
+
+    def _emit(self, request: Request, new_tokens: list[int]) -> None:
+        params = request.params
+        for token in new_tokens:
+            request.output.append(token)
+            eos = params.eos_token_id is not None and token == params.eos_token_id and not params.ignore_eos
+            if eos or len(request.output) >= params.max_tokens or len(request.tokens) >= self.config.model.max_model_len:
+                self.scheduler.finish(request)
+                return
+
+    # --- forwards ---------------------------------------------------------------------------------
+
+    def _forward(self, rows: list[tuple[Request, list[int], int]], num_layers: int | None):
+        """One batch through the model. rows: (request, token ids, first position). Returns the
+        hidden states [T, hidden] and each row's first token index."""
+        token_ids, positions, slots, starts, seq_lens = [], [], [], [0], []
+        block_size = self.config.block_size
+        for request, ids, start in rows:
+            token_ids += ids
+            for offset in range(len(ids)):
+                position = start + offset
+                positions.append(position)
+                slots.append(request.block_ids[position // block_size] * block_size + position % block_size)
+            starts.append(starts[-1] + len(ids))
+            seq_lens.append(start + len(ids))
+        width = max(len(request.block_ids) for request, _, _ in rows)
+        block_table = torch.zeros(len(rows), width, dtype=torch.int32)
+        for index, (request, _, _) in enumerate(rows):
+            block_table[index, : len(request.block_ids)] = torch.tensor(request.block_ids, dtype=torch.int32)
+        query_start_loc = torch.tensor(starts, dtype=torch.int32)
+        host_seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        common = CommonAttentionMetadata(
+            query_start_loc=query_start_loc.to(self.device), seq_lens=host_seq_lens.to(self.device),
+            block_table=block_table.to(self.device), slot_mapping=slot_mapping, query_start_loc_cpu=query_start_loc,
+            num_reqs=len(rows), num_actual_tokens=starts[-1], max_query_len=max(len(ids) for _, ids, _ in rows),
+            max_seq_len=max(seq_lens), host_seq_lens=host_seq_lens,
+        )
+        step = StepInputs(self.backend, self.backend.build(common), self.kv_caches, slot_mapping)
+        hidden = self.model(torch.tensor(token_ids, device=self.device), torch.tensor(positions, device=self.device), step, num_layers)
+        return hidden, starts[:-1]
+
+    def _draft_logits(self, inputs: list[tuple[Request, int, int]], num_layers: int) -> torch.Tensor:
+        """The layer-skip drafter's step: one token per request through the first layers."""
+        hidden, _ = self._forward([(request, [token], position) for request, token, position in inputs], num_layers)
+        return self.model.logits(hidden)

@@ -1,0 +1,38 @@
+"""One generation request and its host-side bookkeeping."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from reference_engine.sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the cache
+    block_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens whose KV must exist before decoding: all but the last sampled one."""
+        return len(self.tokens) - 1 if self.output else len(self.prompt)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.prefill_target
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - len(self.output)

@@ -1,0 +1,86 @@
+"""Continuous batching with chunked prefill under a token budget, speculative tokens counted in
+the budget and in block allocation, and preemption by recompute when blocks run out."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from reference_engine.kv_cache import BlockManager
+from reference_engine.request import Request
+
+
+@dataclass
+class Scheduled:
+    request: Request
+    num_tokens: int  # prefill chunk length, or 1 + drafts for a decode
+    num_drafts: int = 0
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, *, max_num_reqs: int, max_num_tokens: int, num_spec_tokens: int, max_model_len: int) -> None:
+        self.blocks = blocks
+        self.max_num_reqs, self.max_num_tokens = max_num_reqs, max_num_tokens
+        self.num_spec_tokens, self.max_model_len = num_spec_tokens, max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute later: drop its KV, keep its tokens."""
+        self.running.remove(request)
+        self.blocks.free(request.block_ids)
+        request.num_computed = 0
+        request.preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _drafts_for(self, request: Request) -> int:
+        # Never draft past max_tokens or past the model's length.
+        room = self.max_model_len - len(request.tokens) - 1
+        return max(0, min(self.num_spec_tokens, request.remaining - 1, room))
+
+    def schedule(self) -> list[Scheduled]:
+        budget = self.max_num_tokens
+        scheduled: list[Scheduled] = []
+        for request in list(self.running):
+            if request not in self.running or request.in_prefill:
+                continue
+            drafts = self._drafts_for(request)
+            if 1 + drafts > budget:
+                continue
+            while not self.blocks.can_allocate(request.block_ids, request.num_computed + 1 + drafts):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request not in self.running:
+                continue
+            self.blocks.allocate(request.block_ids, request.num_computed + 1 + drafts)
+            scheduled.append(Scheduled(request, 1 + drafts, drafts))
+            budget -= 1 + drafts
+        prefilling = [r for r in self.running if r.in_prefill]
+        for request in prefilling + list(self.waiting):
+            if budget <= 0:
+                break
+            if request in self.waiting and len(self.running) >= self.max_num_reqs:
+                break
+            chunk = min(request.prefill_target - request.num_computed, budget)
+            if not self.blocks.can_allocate(request.block_ids, request.num_computed + chunk):
+                break
+            self.blocks.allocate(request.block_ids, request.num_computed + chunk)
+            if request in self.waiting:
+                self.waiting.remove(request)
+                self.running.append(request)
+            scheduled.append(Scheduled(request, chunk))
+            budget -= chunk
+        return scheduled
+
+    def finish(self, request: Request) -> None:
+        request.finished = True
+        self.running.remove(request)
+        self.blocks.free(request.block_ids)

@@ -1,0 +1,99 @@
+"""The reference engine on a CPU with torch_naive in fp32: greedy speculative decoding produces
+exactly the tokens of greedy decoding without it, for every drafter and acceptance pattern, with
+chunked prefill and with preemption; no KV block leaks; bad input is refused clearly."""
+import math
+
+import pytest
+import torch
+
+from reference_engine.engine import Engine, EngineConfig
+from reference_engine.kv_cache import BlockManager, OutOfBlocks
+from reference_engine.sampling import SamplingParams
+
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40)), [7, 7, 7], list(range(100, 117))]
+GREEDY = SamplingParams(max_tokens=14)
+
+
+@pytest.fixture(scope="module")
+def plain_tokens():
+    return [out.tokens for out in Engine(EngineConfig()).generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+@pytest.mark.parametrize("drafter", ["oracle:all", "oracle:none", "oracle:first:1", "oracle:random:0.6", "layer-skip:1"])
+def test_greedy_speculative_equals_greedy_plain(plain_tokens, k, drafter):
+    outputs = Engine(EngineConfig(num_spec_tokens=k, drafter=drafter)).generate(PROMPTS, GREEDY)
+    assert [out.tokens for out in outputs] == plain_tokens
+    if drafter == "oracle:all":
+        assert all(out.accepted == out.drafted for out in outputs)
+        assert all(out.acceptance_length > 1.5 for out in outputs)
+    if drafter == "oracle:none":
+        assert all(out.accepted == 0 and out.drafted > 0 for out in outputs)
+
+
+def test_chunked_prefill_and_a_tight_budget_change_nothing(plain_tokens):
+    outputs = Engine(EngineConfig(max_num_tokens=8, num_spec_tokens=3, drafter="oracle:random:0.5")).generate(PROMPTS, GREEDY)
+    assert [out.tokens for out in outputs] == plain_tokens
+
+
+def test_preemption_by_recompute_changes_nothing(plain_tokens):
+    engine = Engine(EngineConfig(num_blocks=6, block_size=16, num_spec_tokens=2, drafter="oracle:first:1"))
+    outputs = engine.generate(PROMPTS, GREEDY)
+    assert [out.tokens for out in outputs] == plain_tokens
+    assert sum(out.preemptions for out in outputs) > 0  # the pool really was too small for all at once
+    engine.blocks.assert_all_free()
+
+
+def test_block_manager_reserves_block_zero_and_detects_leaks():
+    blocks = BlockManager(4, 16)
+    owned: list[int] = []
+    blocks.allocate(owned, 40)
+    assert owned == [1, 2, 3] and 0 not in owned
+    with pytest.raises(OutOfBlocks):
+        blocks.allocate(owned, 70)
+    with pytest.raises(AssertionError, match="3 KV blocks still allocated"):
+        blocks.assert_all_free()
+    blocks.free(owned)
+    blocks.assert_all_free()
+
+
+def test_stop_on_eos_and_max_tokens(plain_tokens):
+    eos = plain_tokens[0][3]
+    outputs = Engine(EngineConfig(num_spec_tokens=3, drafter="oracle:all")).generate(
+        PROMPTS[:1], SamplingParams(max_tokens=14, eos_token_id=eos)
+    )
+    assert outputs[0].tokens == plain_tokens[0][: plain_tokens[0].index(eos) + 1]
+
+
+def test_seeded_sampling_is_reproducible_and_temperature_changes_tokens(plain_tokens):
+    params = SamplingParams(temperature=1.0, top_k=50, seed=7, max_tokens=14)
+    first = Engine(EngineConfig(num_spec_tokens=2, drafter="layer-skip:1")).generate(PROMPTS, params)
+    again = Engine(EngineConfig(num_spec_tokens=2, drafter="layer-skip:1")).generate(PROMPTS, params)
+    assert [o.tokens for o in first] == [o.tokens for o in again]
+    assert [o.tokens for o in first] != plain_tokens
+
+
+def test_random_weights_give_non_degenerate_distributions():
+    engine = Engine(EngineConfig())
+    probabilities = engine.score(list(range(3, 40))).softmax(dim=-1)
+    entropy = -(probabilities * probabilities.clamp(min=1e-30).log()).sum(dim=-1).mean().item()
+    assert 1.0 < entropy < math.log(engine.config.model.vocab_size) - 1.0
+
+
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda: Engine(EngineConfig()).generate([[]], GREEDY), "empty prompt"),
+        (lambda: Engine(EngineConfig()).generate([[1] * 2000], GREEDY), "does not fit max_model_len"),
+        (lambda: Engine(EngineConfig()).generate([[9999]], GREEDY), "token ids must be in"),
+        (lambda: Engine(EngineConfig(num_spec_tokens=-1, drafter="oracle:all")), ">= 0"),
+        (lambda: Engine(EngineConfig(num_spec_tokens=2, drafter="medusa")), "unknown drafter"),
+        (lambda: Engine(EngineConfig(num_spec_tokens=2)), "needs a drafter"),
+        (lambda: Engine(EngineConfig(num_spec_tokens=2, drafter="oracle:sometimes")), "acceptance pattern"),
+        (lambda: Engine(EngineConfig(backend="triton")), "cannot run this model here"),
+        (lambda: Engine(EngineConfig(num_blocks=2)).generate([list(range(40))], GREEDY), "raise num_blocks"),
+    ],
+)
+def test_bad_input_is_refused_clearly(make, message):
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        make()
