@@ -3,6 +3,8 @@
 * ``OracleDrafter`` — scripted from a reference (non-speculative greedy) run with a chosen
   acceptance pattern: ``all``, ``none``, ``first:J`` (the first J drafts right), ``random:R``
   (each right with probability R, seeded). For tests and controlled benchmarks.
+* ``EagleDrafter`` — an EAGLE-style head (see ``model.EagleHead``): k steps, each feeding its own
+  predicted feature and draft token back in, through the attention backend over its own cache.
 * ``LayerSkipDrafter`` — the target's first n layers + its final norm and head: realistic
   acceptance with random weights. Its KV for those layers is the target's own (the same inputs
   give the same keys and values), so it drafts through the attention backend into the target's
@@ -87,16 +89,46 @@ class LayerSkipDrafter:
             inputs = [(request, last[request.request_id], request.num_computed + step) for request, step in stepping]
             logits = self.run_layers(inputs, self.num_layers)
             for (request, _), row in zip(stepping, logits):
-                probabilities = torch.softmax(row / max(request.params.temperature, 1e-6), dim=-1) if not request.params.greedy \
-                    else torch.nn.functional.one_hot(row.argmax(), row.shape[-1]).float()
-                token = row.argmax() if request.params.greedy else sample(probabilities[None], self.generator_of(request))[0]
+                token, probabilities = _choose(request, row, self.generator_of(request))
                 drafts[request.request_id].append(token)
                 distributions[request.request_id].append(probabilities)
                 last[request.request_id] = int(token)  # the next draft step's input (host: the drafter's own loop)
-        results = []
-        for request, num in requests:
-            if num == 0:
-                results.append((torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, 1, device=device)))
-                continue
-            results.append((torch.stack(drafts[request.request_id]), torch.stack(distributions[request.request_id])))
-        return results
+        return [_stack(drafts[r.request_id], distributions[r.request_id], device) for r, _ in requests]
+
+
+def _choose(request: Request, logits: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft token and the distribution it was drawn from (one-hot for greedy requests)."""
+    if request.params.greedy:
+        token = logits.argmax()
+        return token, torch.nn.functional.one_hot(token, logits.shape[-1]).float()
+    probabilities = torch.softmax(logits / request.params.temperature, dim=-1)
+    return sample(probabilities[None], generator)[0], probabilities
+
+
+def _stack(tokens: list[torch.Tensor], distributions: list[torch.Tensor], device: torch.device):
+    if not tokens:
+        return torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, 1, device=device)
+    return torch.stack(tokens), torch.stack(distributions)
+
+
+class EagleDrafter:
+    def __init__(self, run_head: Callable, generator_of: Callable) -> None:
+        """``run_head(inputs) -> (logits [n, V], features [n, hidden])`` runs the head one position per
+        request; inputs are (request, token, feature, position)."""
+        self.run_head, self.generator_of = run_head, generator_of
+        self.last_features: dict[int, torch.Tensor] = {}  # the target feature before each request's last token
+
+    def propose(self, requests: list[tuple[Request, int]], device: torch.device):
+        state = {request.request_id: (request.tokens[-1], self.last_features[request.request_id]) for request, _ in requests}
+        drafts = {request.request_id: [] for request, _ in requests}
+        distributions = {request.request_id: [] for request, _ in requests}
+        for step in range(max((num for _, num in requests), default=0)):
+            stepping = [request for request, num in requests if step < num]
+            inputs = [(r, state[r.request_id][0], state[r.request_id][1], r.num_computed + step) for r in stepping]
+            logits, features = self.run_head(inputs)
+            for request, row, feature in zip(stepping, logits, features):
+                token, probabilities = _choose(request, row, self.generator_of(request))
+                drafts[request.request_id].append(token)
+                distributions[request.request_id].append(probabilities)
+                state[request.request_id] = (int(token), feature)
+        return [_stack(drafts[r.request_id], distributions[r.request_id], device) for r, _ in requests]

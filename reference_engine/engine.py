@@ -13,9 +13,9 @@ import torch
 
 from backends import registry
 from backends.base import BackendLimits, CommonAttentionMetadata
-from reference_engine.drafters import AcceptancePattern, LayerSkipDrafter, OracleDrafter
+from reference_engine.drafters import AcceptancePattern, EagleDrafter, LayerSkipDrafter, OracleDrafter
 from reference_engine.kv_cache import BlockManager
-from reference_engine.model import LlamaModel, ModelConfig, StepInputs
+from reference_engine.model import EagleHead, LlamaModel, ModelConfig, StepInputs
 from reference_engine.rejection import greedy_rejection, probabilistic_rejection
 from reference_engine.request import Request
 from reference_engine.sampling import SamplingParams, filtered_probabilities, sample
@@ -33,7 +33,7 @@ class EngineConfig:
     max_num_reqs: int = 16
     max_num_tokens: int = 256
     num_spec_tokens: int = 0
-    drafter: str = "none"  # none | oracle:PATTERN | layer-skip[:N]
+    drafter: str = "none"  # none | eagle | oracle:PATTERN | layer-skip[:N]
     seed: int = 0
 
 
@@ -92,12 +92,16 @@ class Engine:
     def _make_drafter(self, name: str):
         if name.startswith("oracle:"):
             return AcceptancePattern.parse(name.removeprefix("oracle:"))  # scripted per generate() call
+        if name == "eagle":
+            self.eagle = EagleHead.random(self.config.model, self.config.seed, self.config.dtype, self.device)
+            self.eagle_cache = self.backend.allocate_kv_cache(self.config.num_blocks)
+            return EagleDrafter(self._eagle_step, lambda request: self._generators.get(request.request_id))
         if name == "layer-skip" or name.startswith("layer-skip:"):
             layers = int(name.partition(":")[2] or max(1, self.config.model.num_layers // 4))
             if not 1 <= layers < self.config.model.num_layers:
                 raise ValueError(f"layer-skip needs 1 <= layers < {self.config.model.num_layers}")
             return LayerSkipDrafter(layers, self._draft_logits, lambda request: self._generators.get(request.request_id))
-        raise ValueError(f"unknown drafter {name!r} (none, oracle:PATTERN, layer-skip[:N])")
+        raise ValueError(f"unknown drafter {name!r} (none, eagle, oracle:PATTERN, layer-skip[:N])")
 
     # --- public API -----------------------------------------------------------------------------
 
@@ -143,7 +147,7 @@ class Engine:
         request = Request(-1, list(prompt), SamplingParams())
         self.blocks.allocate(request.block_ids, len(prompt))
         try:
-            hidden, _ = self._forward([(request, request.prompt, 0)], None)
+            hidden, _ = self._forward([(request, request.prompt, 0)], self._target())
             return self.model.logits(hidden)
         finally:
             self.blocks.free(request.block_ids)
@@ -171,20 +175,25 @@ class Engine:
             else:
                 start = request.num_computed
                 rows.append(_Row(item, request.tokens[start : start + item.num_tokens], start))
-        hidden, starts = self._forward([(row.scheduled.request, row.token_ids, row.start) for row in rows], None)
-        decoded = []
+        hidden, starts = self._forward([(row.scheduled.request, row.token_ids, row.start) for row in rows], self._target())
+        decoded, newly_computed = [], []
         for row, start in zip(rows, starts):
             request = row.scheduled.request
             request.steps += 1
             if row.decoding:
                 logits = self.model.logits(hidden[start : start + len(row.token_ids)])
-                self._finish_decode(row, logits)
+                valid = self._finish_decode(row, logits)
                 decoded.append(request.request_id)
             else:
-                request.num_computed += len(row.token_ids)
+                valid = len(row.token_ids)
+                request.num_computed += valid
                 if not request.in_prefill and not request.output:
-                    logits = self.model.logits(hidden[start + len(row.token_ids) - 1 : start + len(row.token_ids)])
+                    logits = self.model.logits(hidden[start + valid - 1 : start + valid])
                     self._emit(request, [int(self._sample(request, logits)[0])])
+            if not request.finished:
+                newly_computed.append((request, row.token_ids[:valid], row.start, hidden[start : start + valid]))
+        if isinstance(drafter, EagleDrafter) and newly_computed:
+            self._eagle_prefill(drafter, newly_computed)
         return decoded
 
     def _sample(self, request: Request, logits: torch.Tensor) -> torch.Tensor:
@@ -194,12 +203,13 @@ class Engine:
         probabilities = filtered_probabilities(logits, params.temperature, params.top_k, params.top_p)
         return sample(probabilities, self._generators.get(request.request_id))
 
-    def _finish_decode(self, row: _Row, logits: torch.Tensor) -> None:
+    def _finish_decode(self, row: _Row, logits: torch.Tensor) -> int:
+        """Accept or reject the drafts; returns how many of the row's positions now hold valid KV."""
         request, num_drafts = row.scheduled.request, row.scheduled.num_drafts
         if num_drafts == 0:
-            self._emit(request, [int(self._sample(request, logits)[0])])
             request.num_computed += 1
-            return
+            self._emit(request, [int(self._sample(request, logits)[0])])
+            return 1
         params = request.params
         drafts = row.drafts[None, :]
         count = torch.tensor([num_drafts], device=self.device)
@@ -216,6 +226,7 @@ class Engine:
         # simply overwritten later (seq_len never covers them).
         request.num_computed += len(new_tokens)
         self._emit(request, new_tokens)
+        return len(new_tokens)
 
     def _emit(self, request: Request, new_tokens: list[int]) -> None:
         params = request.params
@@ -228,9 +239,16 @@ class Engine:
 
     # --- forwards ---------------------------------------------------------------------------------
 
-    def _forward(self, rows: list[tuple[Request, list[int], int]], num_layers: int | None):
-        """One batch through the model. rows: (request, token ids, first position). Returns the
-        hidden states [T, hidden] and each row's first token index."""
+    def _target(self, num_layers: int | None = None):
+        def run(input_ids, positions, common):
+            step = StepInputs(self.backend, self.backend.build(common), self.kv_caches, common.slot_mapping)
+            return self.model(input_ids, positions, step, num_layers)
+
+        return run
+
+    def _forward(self, rows: list[tuple[Request, list[int], int]], run):
+        """One batch through ``run(input_ids, positions, common)``. rows: (request, token ids, first
+        position). Returns the hidden states [T, hidden] and each row's first token index."""
         token_ids, positions, slots, starts, seq_lens = [], [], [], [0], []
         block_size = self.config.block_size
         for request, ids, start in rows:
@@ -254,11 +272,35 @@ class Engine:
             num_reqs=len(rows), num_actual_tokens=starts[-1], max_query_len=max(len(ids) for _, ids, _ in rows),
             max_seq_len=max(seq_lens), host_seq_lens=host_seq_lens,
         )
-        step = StepInputs(self.backend, self.backend.build(common), self.kv_caches, slot_mapping)
-        hidden = self.model(torch.tensor(token_ids, device=self.device), torch.tensor(positions, device=self.device), step, num_layers)
+        hidden = run(torch.tensor(token_ids, device=self.device), torch.tensor(positions, device=self.device), common)
         return hidden, starts[:-1]
 
     def _draft_logits(self, inputs: list[tuple[Request, int, int]], num_layers: int) -> torch.Tensor:
         """The layer-skip drafter's step: one token per request through the first layers."""
-        hidden, _ = self._forward([(request, [token], position) for request, token, position in inputs], num_layers)
+        hidden, _ = self._forward([(request, [token], position) for request, token, position in inputs], self._target(num_layers))
         return self.model.logits(hidden)
+
+    def _eagle_run(self, features: torch.Tensor):
+        def run(input_ids, positions, common):
+            step = StepInputs(self.backend, self.backend.build(common), [self.eagle_cache], common.slot_mapping)
+            return self.eagle(self.model, input_ids, features, positions, step)
+
+        return run
+
+    def _eagle_prefill(self, drafter: EagleDrafter, segments) -> None:
+        """Fill the head's cache for the positions the target just computed: position p reads
+        token p and the target feature of position p - 1 (zeros before the first)."""
+        features = []
+        for request, _, start, hidden in segments:
+            previous = drafter.last_features.get(request.request_id) if start else None
+            if previous is None:
+                previous = torch.zeros_like(hidden[0])
+            features.append(torch.cat([previous[None], hidden[:-1]]))
+            drafter.last_features[request.request_id] = hidden[-1]
+        self._forward([(request, ids, start) for request, ids, start, _ in segments], self._eagle_run(torch.cat(features)))
+
+    def _eagle_step(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft position per request: (request, token, feature, position) → (logits, features)."""
+        features = torch.stack([feature for _, _, feature, _ in inputs])
+        predicted, _ = self._forward([(request, [token], position) for request, token, _, position in inputs], self._eagle_run(features))
+        return self.model.logits(predicted), predicted

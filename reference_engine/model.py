@@ -131,3 +131,32 @@ class LlamaModel(torch.nn.Module):
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+
+class EagleHead(torch.nn.Module):
+    """EAGLE-style draft head: one decoder layer over fc([embed(token); target feature]), reading
+    the target's embedding, final norm and LM head. Its attention has a KV cache of its own
+    (filled for every position the target computed, from the true tokens and features)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.layer = DecoderLayer(config)
+
+    @staticmethod
+    def random(config: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device) -> "EagleHead":
+        generator = torch.Generator().manual_seed(seed + 1)
+        head = EagleHead(config)
+        with torch.no_grad():
+            for name, parameter in head.named_parameters():
+                if "norm" not in name:
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) / math.sqrt(parameter.shape[-1]))
+        return head.to(device=device, dtype=dtype).eval()
+
+    @torch.no_grad()
+    def forward(self, target: LlamaModel, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                step: StepInputs) -> torch.Tensor:
+        """Predicted next features [T, hidden] (normed like the target's, ready for its LM head)."""
+        hidden = self.fc(torch.cat([target.embed(input_ids), features], dim=-1))
+        hidden = self.layer(hidden, positions, step, 0)
+        return rms_norm(hidden, target.final_norm, target.config.rms_norm_eps)

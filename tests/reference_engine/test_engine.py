@@ -20,7 +20,7 @@ def plain_tokens():
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
-@pytest.mark.parametrize("drafter", ["oracle:all", "oracle:none", "oracle:first:1", "oracle:random:0.6", "layer-skip:1"])
+@pytest.mark.parametrize("drafter", ["oracle:all", "oracle:none", "oracle:first:1", "oracle:random:0.6", "layer-skip:1", "eagle"])
 def test_greedy_speculative_equals_greedy_plain(plain_tokens, k, drafter):
     outputs = Engine(EngineConfig(num_spec_tokens=k, drafter=drafter)).generate(PROMPTS, GREEDY)
     assert [out.tokens for out in outputs] == plain_tokens
@@ -97,3 +97,10 @@ def test_random_weights_give_non_degenerate_distributions():
 def test_bad_input_is_refused_clearly(make, message):
     with pytest.raises((ValueError, RuntimeError), match=message):
         make()
+
+
+def test_eagle_with_chunked_prefill_and_preemption(plain_tokens):
+    engine = Engine(EngineConfig(num_blocks=6, max_num_tokens=8, num_spec_tokens=3, drafter="eagle"))
+    outputs = engine.generate(PROMPTS, GREEDY)
+    assert [out.tokens for out in outputs] == plain_tokens
+    assert sum(out.preemptions for out in outputs) > 0
