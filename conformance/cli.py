@@ -26,6 +26,7 @@ from conformance.report_html import write_html
 from conformance.report_junit import write_junit
 from conformance.report_markdown import write_markdown
 from conformance.results import RunResult
+from reference_engine.cli import add_engine_parser, run_engine
 from conformance.runner import RunOptions, run
 from conformance.terminal import RichProgress, print_report
 
@@ -236,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     reporting.add_argument("--junit", help="JUnit XML file to write")
     reporting.add_argument("--markdown", help="Markdown file to write")
 
+    add_engine_parser(commands)
+
     comparing = commands.add_parser("compare", help="the CI gate: exit 1 if NEW regressed against BASE")
     comparing.add_argument("base", help="baseline results JSON")
     comparing.add_argument("new", help="new results JSON")
@@ -259,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
             return command_report(args, console)
         if args.command == "compare":
             return command_compare(args, console)
+        if args.command == "engine":
+            return run_engine(args, console, UsageError)
         if args.command == "bench":
             args.check = ["bench"]
         return command_run(args, console)

@@ -7,6 +7,7 @@ lengths given: this loop knows them) → rejection sampling → bookkeeping and 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,13 @@ class GenerationOutput:
     drafted: int
     accepted: int
     preemptions: int
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token after the first."""
+        return (self.latency_s - self.ttft_s) / (len(self.tokens) - 1) if len(self.tokens) > 1 else 0.0
 
     @property
     def acceptance_length(self) -> float:
@@ -65,7 +73,7 @@ class _Row:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model: LlamaModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: LlamaModel | None = None, eagle_head: EagleHead | None = None) -> None:
         if config.num_spec_tokens < 0:
             raise ValueError("the number of speculative tokens must be >= 0")
         if config.num_spec_tokens and config.drafter == "none":
@@ -86,6 +94,7 @@ class Engine:
             self.blocks, max_num_reqs=config.max_num_reqs, max_num_tokens=config.max_num_tokens,
             num_spec_tokens=config.num_spec_tokens, max_model_len=config.model.max_model_len,
         )
+        self.eagle = eagle_head
         self.drafter = self._make_drafter(config.drafter) if config.num_spec_tokens else None
         self._generators: dict[int, torch.Generator] = {}
 
@@ -93,7 +102,8 @@ class Engine:
         if name.startswith("oracle:"):
             return AcceptancePattern.parse(name.removeprefix("oracle:"))  # scripted per generate() call
         if name == "eagle":
-            self.eagle = EagleHead.random(self.config.model, self.config.seed, self.config.dtype, self.device)
+            if self.eagle is None:
+                self.eagle = EagleHead.random(self.config.model, self.config.seed, self.config.dtype, self.device)
             self.eagle_cache = self.backend.allocate_kv_cache(self.config.num_blocks)
             return EagleDrafter(self._eagle_step, lambda request: self._generators.get(request.request_id))
         if name == "layer-skip" or name.startswith("layer-skip:"):
@@ -105,7 +115,8 @@ class Engine:
 
     # --- public API -----------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[GenerationOutput]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], on_step=None) -> list[GenerationOutput]:
+        """Run every prompt to completion. ``on_step(tokens generated so far)`` after each step."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or one for all")
@@ -133,12 +144,18 @@ class Engine:
                 self._generators[request.request_id] = generator
             self.scheduler.add(request)
         decode_steps = {request.request_id: 0 for request in requests}
+        started = time.perf_counter()
+        for request in requests:
+            request.arrival_time = started
         while not self.scheduler.idle:
             for request_id in self.step(drafter):
                 decode_steps[request_id] += 1
+            if on_step is not None:
+                on_step(sum(len(request.output) for request in requests))
         self.blocks.assert_all_free()
         return [
-            GenerationOutput(r.request_id, r.prompt, r.output, r.steps, decode_steps[r.request_id], r.drafted, r.accepted, r.preemptions)
+            GenerationOutput(r.request_id, r.prompt, r.output, r.steps, decode_steps[r.request_id], r.drafted, r.accepted,
+                             r.preemptions, r.first_token_time - r.arrival_time, r.finish_time - r.arrival_time)
             for r in requests
         ]
 
@@ -230,10 +247,13 @@ class Engine:
 
     def _emit(self, request: Request, new_tokens: list[int]) -> None:
         params = request.params
+        if not request.output:
+            request.first_token_time = time.perf_counter()
         for token in new_tokens:
             request.output.append(token)
             eos = params.eos_token_id is not None and token == params.eos_token_id and not params.ignore_eos
             if eos or len(request.output) >= params.max_tokens or len(request.tokens) >= self.config.model.max_model_len:
+                request.finish_time = time.perf_counter()
                 self.scheduler.finish(request)
                 return
 

@@ -24,6 +24,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     max_model_len: int = 1024
     logit_scale: float = 4.0  # sharpens the random LM head into non-degenerate distributions
+    qkv_bias: bool = False  # Qwen2 has q/k/v biases
 
     def attention_spec(self, dtype: torch.dtype, block_size: int) -> AttentionSpec:
         return AttentionSpec(kind="mha", num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
@@ -61,7 +62,7 @@ class DecoderLayer(torch.nn.Module):
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.config = config
         self.input_norm = torch.nn.Parameter(torch.ones(config.hidden_size))
-        self.qkv = torch.nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=False)
+        self.qkv = torch.nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
         self.o_proj = torch.nn.Linear(q_size, config.hidden_size, bias=False)
         self.post_norm = torch.nn.Parameter(torch.ones(config.hidden_size))
         self.gate_up = torch.nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
@@ -109,7 +110,7 @@ class LlamaModel(torch.nn.Module):
         model = LlamaModel(config)
         with torch.no_grad():
             for name, parameter in model.named_parameters():
-                if "norm" in name:
+                if "norm" in name or name.endswith("bias"):
                     continue
                 fan_in = parameter.shape[-1] if parameter.dim() > 1 else 1
                 scale = 1.0 if name == "embed.weight" else 1.0 / math.sqrt(fan_in)

@@ -19,6 +19,9 @@ class Request:
     drafted: int = 0
     accepted: int = 0
     preemptions: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float = 0.0
+    finish_time: float = 0.0
 
     @property
     def tokens(self) -> list[int]:
