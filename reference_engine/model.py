@@ -25,14 +25,27 @@ class ModelConfig:
     max_model_len: int = 1024
     logit_scale: float = 4.0  # sharpens the random LM head into non-degenerate distributions
     qkv_bias: bool = False  # Qwen2 has q/k/v biases
+    # MLA (DeepSeek-style latent KV): attention == "mla" uses these instead of the K/V heads.
+    attention: str = "mha"
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
 
     def attention_spec(self, dtype: torch.dtype, block_size: int) -> AttentionSpec:
+        if self.attention == "mla":
+            return AttentionSpec(
+                kind="mla", num_heads=self.num_heads, num_kv_heads=1, head_dim=self.kv_lora_rank + self.qk_rope_dim,
+                dtype=dtype, block_size=block_size, kv_lora_rank=self.kv_lora_rank, rope_dim=self.qk_rope_dim,
+                scale=1.0 / math.sqrt(self.qk_nope_dim + self.qk_rope_dim),
+            )
         return AttentionSpec(kind="mha", num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                              head_dim=self.head_dim, dtype=dtype, block_size=block_size)
 
 
 PRESETS = {
     "tiny": ModelConfig(),
+    "tiny-mla": ModelConfig(attention="mla", num_heads=4, kv_lora_rank=64, qk_nope_dim=32, qk_rope_dim=16, v_head_dim=32),
     "small": ModelConfig(vocab_size=4096, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, head_dim=64,
                          intermediate_size=1408, max_model_len=4096),
     # ~1B parameters in the shape of Llama-3.2-1B (vocabulary trimmed to keep random weights small).
@@ -59,30 +72,70 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.
 class DecoderLayer(torch.nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.config = config
         self.input_norm = torch.nn.Parameter(torch.ones(config.hidden_size))
-        self.qkv = torch.nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
-        self.o_proj = torch.nn.Linear(q_size, config.hidden_size, bias=False)
+        if config.attention == "mla":
+            self.mla = LatentAttention(config)
+        else:
+            q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+            self.qkv = torch.nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
+            self.o_proj = torch.nn.Linear(q_size, config.hidden_size, bias=False)
         self.post_norm = torch.nn.Parameter(torch.ones(config.hidden_size))
         self.gate_up = torch.nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down = torch.nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, step: "StepInputs", layer: int) -> torch.Tensor:
+    def attention(self, normed: torch.Tensor, positions: torch.Tensor, step: "StepInputs", layer: int) -> torch.Tensor:
         config = self.config
-        tokens = hidden.shape[0]
+        tokens = normed.shape[0]
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        qkv = self.qkv(rms_norm(hidden, self.input_norm, config.rms_norm_eps))
+        qkv = self.qkv(normed)
         query = qkv[:, :q_size].view(tokens, config.num_heads, config.head_dim)
         key = qkv[:, q_size : q_size + kv_size].view(tokens, config.num_kv_heads, config.head_dim)
         value = qkv[:, q_size + kv_size :].view(tokens, config.num_kv_heads, config.head_dim).contiguous()
         query, key = apply_rope(query, positions, config.rope_theta), apply_rope(key, positions, config.rope_theta)
         step.backend.write_kv(step.kv_caches[layer], key, value, step.slot_mapping)
-        attention = torch.empty(tokens, config.num_heads, config.head_dim, dtype=hidden.dtype, device=hidden.device)
-        step.backend.forward(query, step.kv_caches[layer], step.metadata, attention)
-        hidden = hidden + self.o_proj(attention.view(tokens, q_size))
+        out = torch.empty(tokens, config.num_heads, config.head_dim, dtype=normed.dtype, device=normed.device)
+        step.backend.forward(query, step.kv_caches[layer], step.metadata, out)
+        return self.o_proj(out.view(tokens, q_size))
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, step: "StepInputs", layer: int) -> torch.Tensor:
+        config = self.config
+        normed = rms_norm(hidden, self.input_norm, config.rms_norm_eps)
+        attend = self.mla if config.attention == "mla" else self.attention
+        hidden = hidden + attend(normed, positions, step, layer)
         gate, up = self.gate_up(rms_norm(hidden, self.post_norm, config.rms_norm_eps)).chunk(2, dim=-1)
         return hidden + self.down(torch.nn.functional.silu(gate) * up)
+
+
+class LatentAttention(torch.nn.Module):
+    """DeepSeek-style MLA, absorbed: the cache holds one latent entry [c_kv | rope(k_pe)] per token;
+    each head's query is moved into the latent space (q_nope · W_uk) so attention runs over the
+    latents directly, and the latent output is lifted per head by W_uv."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        heads, nope, rope, rank = config.num_heads, config.qk_nope_dim, config.qk_rope_dim, config.kv_lora_rank
+        self.config = config
+        self.q_proj = torch.nn.Linear(config.hidden_size, heads * (nope + rope), bias=False)
+        self.kv_down = torch.nn.Linear(config.hidden_size, rank + rope, bias=False)  # [c_kv | k_pe]
+        self.kv_norm = torch.nn.Parameter(torch.ones(rank))
+        self.w_uk = torch.nn.Parameter(torch.empty(heads, nope, rank))  # latent → per-head key (nope part)
+        self.w_uv = torch.nn.Parameter(torch.empty(heads, rank, config.v_head_dim))  # latent → per-head value
+        self.o_proj = torch.nn.Linear(heads * config.v_head_dim, config.hidden_size, bias=False)
+
+    def forward(self, normed: torch.Tensor, positions: torch.Tensor, step: "StepInputs", layer: int) -> torch.Tensor:
+        config = self.config
+        tokens, heads, nope, rank = normed.shape[0], config.num_heads, config.qk_nope_dim, config.kv_lora_rank
+        query = self.q_proj(normed).view(tokens, heads, nope + config.qk_rope_dim)
+        q_nope, q_pe = query[..., :nope], apply_rope(query[..., nope:], positions, config.rope_theta)
+        down = self.kv_down(normed)
+        latent = rms_norm(down[:, :rank], self.kv_norm, config.rms_norm_eps)
+        k_pe = apply_rope(down[:, None, rank:], positions, config.rope_theta)[:, 0]
+        step.backend.write_kv(step.kv_caches[layer], torch.cat([latent, k_pe], dim=-1).contiguous(), None, step.slot_mapping)
+        absorbed = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)
+        out = torch.empty(tokens, heads, rank, dtype=normed.dtype, device=normed.device)
+        step.backend.forward(torch.cat([absorbed, q_pe], dim=-1).contiguous(), step.kv_caches[layer], step.metadata, out)
+        return self.o_proj(torch.einsum("thr,hrv->thv", out, self.w_uv).reshape(tokens, -1))
 
 
 @dataclass
@@ -112,11 +165,11 @@ class LlamaModel(torch.nn.Module):
             for name, parameter in model.named_parameters():
                 if "norm" in name or name.endswith("bias"):
                     continue
-                fan_in = parameter.shape[-1] if parameter.dim() > 1 else 1
+                fan_in = parameter.shape[-2] if name.endswith(("w_uk", "w_uv")) else parameter.shape[-1]
                 scale = 1.0 if name == "embed.weight" else 1.0 / math.sqrt(fan_in)
                 if name == "lm_head.weight":
                     scale *= config.logit_scale
-                elif name.endswith(("o_proj.weight", "down.weight")):
+                elif name.endswith(("o_proj.weight", "down.weight", "w_uv")):
                     scale /= math.sqrt(2 * config.num_layers)  # residual branches: keep the stream O(1)
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
         return model.to(device=device, dtype=dtype).eval()
@@ -151,7 +204,8 @@ class EagleHead(torch.nn.Module):
         with torch.no_grad():
             for name, parameter in head.named_parameters():
                 if "norm" not in name:
-                    parameter.copy_(torch.randn(parameter.shape, generator=generator) / math.sqrt(parameter.shape[-1]))
+                    fan_in = parameter.shape[-2] if name.endswith(("w_uk", "w_uv")) else parameter.shape[-1]
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) / math.sqrt(fan_in))
         return head.to(device=device, dtype=dtype).eval()
 
     @torch.no_grad()
