@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.base import AttentionBackend, BackendLimits, CommonAttentionMetadata
+from backends.base import AttentionBackend, BackendLimits, CGSupport, CommonAttentionMetadata
 from conformance.batch import PagedBatch, materialize
 from conformance.cases import Case
 from conformance.graph_batches import GraphShape, padding_rows
@@ -93,6 +93,15 @@ class GraphBuffers:
         real = loaded.real_tokens
         self.backend.write_kv(expected, self.key[:real], None if self.value is None else self.value[:real], loaded.real_slots)
         return expected
+
+
+def cuda_graph_skip_reason(backend_cls: type[AttentionBackend], device: torch.device, what: str = "") -> str | None:
+    """Why a check that captures CUDA graphs cannot run: the claim is NEVER, or no CUDA device."""
+    if backend_cls.capabilities.cuda_graphs == CGSupport.NEVER:
+        return "claims cuda_graphs=NEVER" + (f" ({what})" if what else "")
+    if device.type != "cuda":
+        return "CUDA graphs need a CUDA device (run with --device cuda)"
+    return None
 
 
 def warm_up(function, iterations: int = 2) -> None:

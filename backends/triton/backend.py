@@ -59,7 +59,14 @@ class TritonMetadata:
 
 class DeviceMetadataBuilder(AttentionBackend):
     """``build`` and ``update_for_draft_step`` of backends whose kernels read every length from the
-    device: the metadata only references the step's device tensors."""
+    device: the metadata only references the step's device tensors. Also the split-KV scratch."""
+
+    def allocate_split_buffers(self, value_dim: int) -> None:
+        """Partial outputs and log-sum-exps for every (request, decode token, head, split), once."""
+        partial_rows = self.limits.max_num_reqs * DECODE_VARIANTS[-1] * self.spec.num_heads
+        self.num_splits = num_kv_splits(self.limits, partial_rows * value_dim * 4)
+        self.partial_out = torch.empty(partial_rows * self.num_splits * value_dim, dtype=torch.float32, device=self.device)
+        self.partial_lse = torch.empty(partial_rows * self.num_splits, dtype=torch.float32, device=self.device)
 
     def build(self, common: CommonAttentionMetadata) -> TritonMetadata:
         return TritonMetadata(
@@ -102,10 +109,7 @@ class TritonAttentionBackend(DeviceMetadataBuilder):
         self.block_n = 32 if spec.head_dim > 128 else 64
         self.prefill_block_m = 64
         self.prefill_block_q = max(1, self.prefill_block_m // self.group)
-        partial_rows = limits.max_num_reqs * DECODE_VARIANTS[-1] * spec.num_heads
-        self.num_splits = num_kv_splits(limits, partial_rows * spec.head_dim * 4)
-        self.partial_out = torch.empty(partial_rows * self.num_splits * spec.head_dim, dtype=torch.float32, device=self.device)
-        self.partial_lse = torch.empty(partial_rows * self.num_splits, dtype=torch.float32, device=self.device)
+        self.allocate_split_buffers(spec.head_dim)
 
     # Layout [2, num_blocks, kv_heads, block_size, head_dim]: one head's page is contiguous.
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:

@@ -16,7 +16,6 @@ from backends.triton.backend import (
     TritonMetadata,
     interpreter_devices,
     interpreting,
-    num_kv_splits,
 )
 
 ROWS_PER_PROGRAM = 64  # tokens x heads per tile; 64 x 512 fp32 accumulator (swept on an H200: best of 16/32/64)
@@ -53,10 +52,7 @@ class TritonMLABackend(DeviceMetadataBuilder):
     def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
         super().__init__(spec, limits, device)
         self.upcast_dot = interpreting() and spec.dtype == torch.bfloat16
-        partial_rows = limits.max_num_reqs * DECODE_VARIANTS[-1] * spec.num_heads
-        self.num_splits = num_kv_splits(limits, partial_rows * spec.kv_lora_rank * 4)
-        self.partial_out = torch.empty(partial_rows * self.num_splits * spec.kv_lora_rank, dtype=torch.float32, device=self.device)
-        self.partial_lse = torch.empty(partial_rows * self.num_splits, dtype=torch.float32, device=self.device)
+        self.allocate_split_buffers(spec.kv_lora_rank)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.spec.block_size, self.spec.head_dim)

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from backends.base import AttentionBackend, CGSupport, CommonAttentionMetadata
+from backends.base import AttentionBackend, CommonAttentionMetadata
 from conformance.batch import materialize
 from conformance.cases import Case
 from conformance.checks.base import Check
 from conformance.checks.numerics import TOLERANCES, compare_with_oracle
 from conformance.graph_batches import GraphShape
-from conformance.graph_harness import GraphBuffers, warm_up
+from conformance.graph_harness import GraphBuffers, cuda_graph_skip_reason, warm_up
 from conformance.results import CaseResult, Verdict
 
 DRAFT_STEPS = (2, 4, 7)
@@ -163,11 +163,7 @@ class DraftLoopCheck(Check):
     question = "k draft steps under CUDA graphs, positions advanced on device: every step right?"
 
     def skip_reason(self, backend_cls: type[AttentionBackend], device: torch.device) -> str | None:
-        if backend_cls.capabilities.cuda_graphs == CGSupport.NEVER:
-            return "claims cuda_graphs=NEVER (the draft loop runs under CUDA graphs)"
-        if device.type != "cuda":
-            return "CUDA graphs need a CUDA device (run with --device cuda)"
-        return None
+        return cuda_graph_skip_reason(backend_cls, device, "the draft loop runs under CUDA graphs")
 
     def case_skip_reason(self, backend_cls, case: Case, device) -> str | None:
         if any(query != 1 for _, query in case.batch):

@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from backends.base import AttentionBackend, CGSupport
+from backends.base import AttentionBackend
 from conformance.cases import Case
 from conformance.checks.base import Check
 from conformance.checks.numerics import TOLERANCES, compare_with_oracle
 from conformance.graph_batches import graph_class_reason, graph_shape, replay_batches
-from conformance.graph_harness import GraphBuffers, graph_pool_bytes, warm_up
+from conformance.graph_harness import GraphBuffers, cuda_graph_skip_reason, graph_pool_bytes, warm_up
 from conformance.host_syncs.detector import detect_host_syncs
 from conformance.results import CaseResult, Verdict
 
@@ -37,11 +37,7 @@ class GraphsCheck(Check):
     question = "capture with batch A, replay with B1..Bn: equal to eager and to the oracle?"
 
     def skip_reason(self, backend_cls: type[AttentionBackend], device: torch.device) -> str | None:
-        if backend_cls.capabilities.cuda_graphs == CGSupport.NEVER:
-            return "claims cuda_graphs=NEVER"
-        if device.type != "cuda":
-            return "CUDA graphs need a CUDA device (run with --device cuda)"
-        return None
+        return cuda_graph_skip_reason(backend_cls, device)
 
     def case_skip_reason(self, backend_cls, case: Case, device) -> str | None:
         return super().case_skip_reason(backend_cls, case, device) or graph_class_reason(

@@ -4,7 +4,6 @@ chunked prefill and with preemption; no KV block leaks; bad input is refused cle
 import math
 
 import pytest
-import torch
 
 from reference_engine.engine import Engine, EngineConfig
 from reference_engine.kv_cache import BlockManager, OutOfBlocks
