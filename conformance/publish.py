@@ -83,7 +83,7 @@ def main() -> None:
         write_html(result, out / f"{name}.html")
     lines = ["# Published results", "", "Real GPU runs of the built-in backends: per backend a JSON (with the environment block",
              "of its run) and a self-contained HTML report; `bench.json` / `bench.html` for the benchmark run.",
-             "Regenerate with the command in the top-level README (\"Published results\").", "",
+             "Regenerate on a GPU machine with `bash reports/regenerate.sh`.", "",
              "## Verdicts (standard suite)", "", *verdict_table(per_backend)]
     if args.bench:
         bench = RunResult.load(args.bench)
