@@ -14,6 +14,7 @@ import torch
 
 from backends import registry
 from backends.base import BackendLimits, CommonAttentionMetadata
+from reference_engine.device_state import DeviceState
 from reference_engine.drafters import AcceptancePattern, EagleDrafter, LayerSkipDrafter, OracleDrafter
 from reference_engine.kv_cache import BlockManager
 from reference_engine.model import EagleHead, LlamaModel, ModelConfig, StepInputs
@@ -36,6 +37,7 @@ class EngineConfig:
     num_spec_tokens: int = 0
     drafter: str = "none"  # none | eagle | oracle:PATTERN | layer-skip[:N]
     seed: int = 0
+    check_device_state: bool = False  # compare the device state with the host mirror after every step
 
 
 @dataclass
@@ -94,6 +96,8 @@ class Engine:
             self.blocks, max_num_reqs=config.max_num_reqs, max_num_tokens=config.max_num_tokens,
             num_spec_tokens=config.num_spec_tokens, max_model_len=config.model.max_model_len,
         )
+        self.state = DeviceState(config.max_num_reqs, self.device)
+        self.scheduler.on_preempt = lambda request: self.state.reset(request.request_id)
         self.eagle = eagle_head
         self.drafter = self._make_drafter(config.drafter) if config.num_spec_tokens else None
         self._generators: dict[int, torch.Generator] = {}
@@ -192,7 +196,7 @@ class Engine:
             else:
                 start = request.num_computed
                 rows.append(_Row(item, request.tokens[start : start + item.num_tokens], start))
-        hidden, starts = self._forward([(row.scheduled.request, row.token_ids, row.start) for row in rows], self._target())
+        hidden, starts = self._forward([(row.scheduled.request, self._row_inputs(row), row.start) for row in rows], self._target())
         decoded, newly_computed = [], []
         for row, start in zip(rows, starts):
             request = row.scheduled.request
@@ -204,14 +208,36 @@ class Engine:
             else:
                 valid = len(row.token_ids)
                 request.num_computed += valid
+                self.state.add_computed(request.request_id, valid)
                 if not request.in_prefill and not request.output:
                     logits = self.model.logits(hidden[start + valid - 1 : start + valid])
-                    self._emit(request, [int(self._sample(request, logits)[0])])
+                    token = self._sample(request, logits)
+                    self.state.set_last_token(request.request_id, token)
+                    self._emit(request, [int(token[0])])
+                elif not request.in_prefill:  # recomputed after a preemption: the input is the last output
+                    self.state.set_last_token(request.request_id, torch.tensor(request.output[-1], device=self.device))
             if not request.finished:
                 newly_computed.append((request, row.token_ids[:valid], row.start, hidden[start : start + valid]))
         if isinstance(drafter, EagleDrafter) and newly_computed:
             self._eagle_prefill(drafter, newly_computed)
+        if self.config.check_device_state:
+            for row in rows:
+                request = row.scheduled.request
+                if not request.finished and not request.in_prefill:
+                    self.state.check(request.request_id, request.num_computed, request.tokens[-1])
+        for row in rows:
+            if row.scheduled.request.finished:
+                self.state.release(row.scheduled.request.request_id)
         return decoded
+
+    def _row_inputs(self, row: _Row) -> torch.Tensor:
+        """A row's input ids on the device: a decode row starts from the device's last token."""
+        request = row.scheduled.request
+        if not row.decoding:
+            return torch.tensor(row.token_ids, dtype=torch.long, device=self.device)
+        slot = self.state.slot(request.request_id)
+        first = self.state.last_token[slot : slot + 1]
+        return torch.cat([first, row.drafts[: row.scheduled.num_drafts]]) if row.scheduled.num_drafts else first
 
     def _sample(self, request: Request, logits: torch.Tensor) -> torch.Tensor:
         params = request.params
@@ -224,8 +250,10 @@ class Engine:
         """Accept or reject the drafts; returns how many of the row's positions now hold valid KV."""
         request, num_drafts = row.scheduled.request, row.scheduled.num_drafts
         if num_drafts == 0:
+            token = self._sample(request, logits)
+            self.state.commit(request.request_id, token, torch.ones(1, dtype=torch.long, device=self.device))
             request.num_computed += 1
-            self._emit(request, [int(self._sample(request, logits)[0])])
+            self._emit(request, [int(token[0])])
             return 1
         params = request.params
         drafts = row.drafts[None, :]
@@ -236,7 +264,8 @@ class Engine:
             target = filtered_probabilities(logits, params.temperature, params.top_k, params.top_p)[None]
             tokens, emitted = probabilistic_rejection(drafts, row.draft_probabilities[None], target, count,
                                                       self._generators.get(request.request_id))
-        new_tokens = tokens[0, : int(emitted[0])].tolist()
+        self.state.commit(request.request_id, tokens[0], emitted)
+        new_tokens = tokens[0, : int(emitted[0])].tolist()  # the host mirror, one step's outputs
         request.drafted += num_drafts
         request.accepted += len(new_tokens) - 1
         # The KV of the last token and of every accepted draft is now valid; rejected slots are
@@ -272,7 +301,7 @@ class Engine:
         token_ids, positions, slots, starts, seq_lens = [], [], [], [0], []
         block_size = self.config.block_size
         for request, ids, start in rows:
-            token_ids += ids
+            token_ids.append(ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long, device=self.device))
             for offset in range(len(ids)):
                 position = start + offset
                 positions.append(position)
@@ -292,7 +321,7 @@ class Engine:
             num_reqs=len(rows), num_actual_tokens=starts[-1], max_query_len=max(len(ids) for _, ids, _ in rows),
             max_seq_len=max(seq_lens), host_seq_lens=host_seq_lens,
         )
-        hidden = run(torch.tensor(token_ids, device=self.device), torch.tensor(positions, device=self.device), common)
+        hidden = run(torch.cat(token_ids), torch.tensor(positions, device=self.device), common)
         return hidden, starts[:-1]
 
     def _draft_logits(self, inputs: list[tuple[Request, int, int]], num_layers: int) -> torch.Tensor:

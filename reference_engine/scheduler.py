@@ -23,6 +23,7 @@ class Scheduler:
         self.num_spec_tokens, self.max_model_len = num_spec_tokens, max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.on_preempt = lambda request: None  # the engine resets the request's device state
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -37,6 +38,7 @@ class Scheduler:
         self.blocks.free(request.block_ids)
         request.num_computed = 0
         request.preemptions += 1
+        self.on_preempt(request)
         self.waiting.appendleft(request)
 
     def _drafts_for(self, request: Request) -> int:

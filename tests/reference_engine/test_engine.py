@@ -36,7 +36,7 @@ def test_chunked_prefill_and_a_tight_budget_change_nothing(plain_tokens):
 
 
 def test_preemption_by_recompute_changes_nothing(plain_tokens):
-    engine = Engine(EngineConfig(num_blocks=6, block_size=16, num_spec_tokens=2, drafter="oracle:first:1"))
+    engine = Engine(EngineConfig(num_blocks=6, block_size=16, num_spec_tokens=2, drafter="oracle:first:1", check_device_state=True))
     outputs = engine.generate(PROMPTS, GREEDY)
     assert [out.tokens for out in outputs] == plain_tokens
     assert sum(out.preemptions for out in outputs) > 0  # the pool really was too small for all at once
@@ -103,3 +103,13 @@ def test_eagle_with_chunked_prefill_and_preemption(plain_tokens):
     outputs = engine.generate(PROMPTS, GREEDY)
     assert [out.tokens for out in outputs] == plain_tokens
     assert sum(out.preemptions for out in outputs) > 0
+
+
+@pytest.mark.parametrize("drafter", ["oracle:random:0.5", "layer-skip:1", "eagle"])
+def test_device_state_is_the_truth_the_host_mirrors(plain_tokens, drafter):
+    """Decode rows take their first input token from the device state; after every step the
+    device's computed count and last token equal the host's mirror, and all slots are free at the end."""
+    engine = Engine(EngineConfig(num_spec_tokens=3, drafter=drafter, max_num_tokens=16, check_device_state=True))
+    assert [out.tokens for out in engine.generate(PROMPTS, GREEDY)] == plain_tokens
+    engine.blocks.assert_all_free()
+    assert sorted(engine.state.free_slots) == list(range(engine.config.max_num_reqs))
