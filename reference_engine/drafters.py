@@ -72,16 +72,18 @@ class OracleDrafter:
 
 
 class LayerSkipDrafter:
-    def __init__(self, num_layers: int, run_layers: Callable, generator_of: Callable) -> None:
-        """``run_layers(requests_with_tokens, num_layers) -> logits [num_requests, V]`` runs one
-        decode token per request through the first ``num_layers`` layers; ``generator_of(request)``
-        gives the request's seeded generator (both provided by the engine)."""
+    def __init__(self, num_layers: int, run_layers: Callable, generator_of: Callable, first_token: Callable) -> None:
+        """``run_layers(inputs, num_layers) -> logits [num_requests, V]`` runs one decode token per
+        request through the first ``num_layers`` layers; ``generator_of(request)`` gives the
+        request's seeded generator; ``first_token(request)`` its last sampled token, a [1] device
+        tensor (all provided by the engine). Drafts stay on the device from step to step."""
         self.num_layers, self.run_layers, self.generator_of = num_layers, run_layers, generator_of
+        self.first_token = first_token
 
     def propose(self, requests: list[tuple[Request, int]], device: torch.device):
         longest = max((num for _, num in requests), default=0)
         active = [(request, num) for request, num in requests]
-        last = {request.request_id: request.tokens[-1] for request, _ in requests}
+        last = {request.request_id: self.first_token(request) for request, _ in requests}
         drafts: dict[int, list[torch.Tensor]] = {request.request_id: [] for request, _ in requests}
         distributions: dict[int, list[torch.Tensor]] = {request.request_id: [] for request, _ in requests}
         for step in range(longest):
@@ -92,7 +94,7 @@ class LayerSkipDrafter:
                 token, probabilities = _choose(request, row, self.generator_of(request))
                 drafts[request.request_id].append(token)
                 distributions[request.request_id].append(probabilities)
-                last[request.request_id] = int(token)  # the next draft step's input (host: the drafter's own loop)
+                last[request.request_id] = token.reshape(1)  # the next draft step's input
         return [_stack(drafts[r.request_id], distributions[r.request_id], device) for r, _ in requests]
 
 
@@ -112,14 +114,14 @@ def _stack(tokens: list[torch.Tensor], distributions: list[torch.Tensor], device
 
 
 class EagleDrafter:
-    def __init__(self, run_head: Callable, generator_of: Callable) -> None:
+    def __init__(self, run_head: Callable, generator_of: Callable, first_token: Callable) -> None:
         """``run_head(inputs) -> (logits [n, V], features [n, hidden])`` runs the head one position per
-        request; inputs are (request, token, feature, position)."""
-        self.run_head, self.generator_of = run_head, generator_of
+        request; inputs are (request, token [1] device tensor, feature, position)."""
+        self.run_head, self.generator_of, self.first_token = run_head, generator_of, first_token
         self.last_features: dict[int, torch.Tensor] = {}  # the target feature before each request's last token
 
     def propose(self, requests: list[tuple[Request, int]], device: torch.device):
-        state = {request.request_id: (request.tokens[-1], self.last_features[request.request_id]) for request, _ in requests}
+        state = {request.request_id: (self.first_token(request), self.last_features[request.request_id]) for request, _ in requests}
         drafts = {request.request_id: [] for request, _ in requests}
         distributions = {request.request_id: [] for request, _ in requests}
         for step in range(max((num for _, num in requests), default=0)):
@@ -130,5 +132,5 @@ class EagleDrafter:
                 token, probabilities = _choose(request, row, self.generator_of(request))
                 drafts[request.request_id].append(token)
                 distributions[request.request_id].append(probabilities)
-                state[request.request_id] = (int(token), feature)
+                state[request.request_id] = (token.reshape(1), feature)
         return [_stack(drafts[r.request_id], distributions[r.request_id], device) for r, _ in requests]

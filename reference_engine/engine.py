@@ -109,12 +109,12 @@ class Engine:
             if self.eagle is None:
                 self.eagle = EagleHead.random(self.config.model, self.config.seed, self.config.dtype, self.device)
             self.eagle_cache = self.backend.allocate_kv_cache(self.config.num_blocks)
-            return EagleDrafter(self._eagle_step, lambda request: self._generators.get(request.request_id))
+            return EagleDrafter(self._eagle_step, lambda request: self._generators.get(request.request_id), self._last_token)
         if name == "layer-skip" or name.startswith("layer-skip:"):
             layers = int(name.partition(":")[2] or max(1, self.config.model.num_layers // 4))
             if not 1 <= layers < self.config.model.num_layers:
                 raise ValueError(f"layer-skip needs 1 <= layers < {self.config.model.num_layers}")
-            return LayerSkipDrafter(layers, self._draft_logits, lambda request: self._generators.get(request.request_id))
+            return LayerSkipDrafter(layers, self._draft_logits, lambda request: self._generators.get(request.request_id), self._last_token)
         raise ValueError(f"unknown drafter {name!r} (none, eagle, oracle:PATTERN, layer-skip[:N])")
 
     # --- public API -----------------------------------------------------------------------------
@@ -230,13 +230,17 @@ class Engine:
                 self.state.release(row.scheduled.request.request_id)
         return decoded
 
+    def _last_token(self, request: Request) -> torch.Tensor:
+        """The request's last sampled token as the device holds it: [1]."""
+        slot = self.state.slot(request.request_id)
+        return self.state.last_token[slot : slot + 1]
+
     def _row_inputs(self, row: _Row) -> torch.Tensor:
         """A row's input ids on the device: a decode row starts from the device's last token."""
         request = row.scheduled.request
         if not row.decoding:
             return torch.tensor(row.token_ids, dtype=torch.long, device=self.device)
-        slot = self.state.slot(request.request_id)
-        first = self.state.last_token[slot : slot + 1]
+        first = self._last_token(request)
         return torch.cat([first, row.drafts[: row.scheduled.num_drafts]]) if row.scheduled.num_drafts else first
 
     def _sample(self, request: Request, logits: torch.Tensor) -> torch.Tensor:
@@ -326,7 +330,7 @@ class Engine:
 
     def _draft_logits(self, inputs: list[tuple[Request, int, int]], num_layers: int) -> torch.Tensor:
         """The layer-skip drafter's step: one token per request through the first layers."""
-        hidden, _ = self._forward([(request, [token], position) for request, token, position in inputs], self._target(num_layers))
+        hidden, _ = self._forward([(request, token, position) for request, token, position in inputs], self._target(num_layers))
         return self.model.logits(hidden)
 
     def _eagle_run(self, features: torch.Tensor):
@@ -351,5 +355,5 @@ class Engine:
     def _eagle_step(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft position per request: (request, token, feature, position) → (logits, features)."""
         features = torch.stack([feature for _, _, feature, _ in inputs])
-        predicted, _ = self._forward([(request, [token], position) for request, token, _, position in inputs], self._eagle_run(features))
+        predicted, _ = self._forward([(request, token, position) for request, token, _, position in inputs], self._eagle_run(features))
         return self.model.logits(predicted), predicted
