@@ -1,0 +1,71 @@
+"""CPU coverage for code whose real inputs come from GPU runs: publishing results, the bench
+check's traffic model, the bench ratio annotation and the terminal bench table."""
+import json
+import subprocess
+import sys
+
+from rich.console import Console
+
+from conformance.cases import parse_case, suite
+from conformance.checks.bench import traffic
+from conformance.publish import split_by_backend
+from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
+from conformance.runner import annotate_bench_ratios
+from conformance.terminal import bench_table
+
+
+def bench_result(name: str, forward_us: float) -> BackendResult:
+    metrics = {"forward_us": forward_us, "build_us": 1.0, "replay_us": None, "GBps": 1000.0, "roofline_fraction": 0.5,
+               "copy_GBps": 4000.0, "bf16_TFLOPs": 700.0}
+    case = CaseResult("gqa:4096+1x64@0", Verdict.PASS, tag="decode b64 ctx4096", metrics=metrics)
+    return BackendResult(name, True, checks=[CheckResult("bench", Verdict.PASS, "1 PASS", [case])])
+
+
+def test_traffic_counts_kv_once_plus_queries_and_outputs():
+    case = parse_case("gqa-h32/8-d128-bf16-p16:4096+1x64")
+    moved, flops = traffic(case)
+    kv = 64 * 4097 * 2 * 8 * 128 * 2
+    io = 64 * 32 * (128 + 128) * 2
+    assert moved == kv + io
+    assert flops == 64 * 2 * 1 * (4096 + 1) * 32 * 256
+    mla_moved, _ = traffic(parse_case("mla-h128-d512+64-bf16-p64:4096+1x64"))
+    assert mla_moved == 64 * 4097 * 576 * 2 + 64 * 128 * (576 + 512) * 2
+
+
+def test_bench_ratios_and_table():
+    backends = [bench_result("fast", 100.0), bench_result("slow", 250.0)]
+    annotate_bench_ratios(backends)
+    ratios = [b.checks[0].cases[0].metrics["ratio_to_fastest"] for b in backends]
+    assert ratios == [1.0, 2.5]
+    console = Console(record=True, width=200)
+    console.print(bench_table(RunResult({}, backends, "bench", ["bench"])))
+    text = console.export_text()
+    assert "100.0 µs (×1.00)" in text and "250.0 µs (×2.50)" in text
+
+
+def test_bench_suite_shapes():
+    cases = suite("bench")
+    assert len({case.id for case in cases}) == len(cases)
+    assert {q for case in cases for _, q in case.batch} == {1, 2, 4, 8, 512}
+    assert all(case.num_reqs * max(context for context, _ in case.batch) <= 2 * 1024 * 1024 for case in cases)
+    assert {case.num_reqs for case in cases} >= {1, 8, 64, 256}
+
+
+def test_publish_writes_one_json_and_html_per_backend_and_a_table(tmp_path):
+    run = RunResult({"gpu": "NVIDIA H200"}, [
+        BackendResult("a", True, checks=[CheckResult("numerics", Verdict.PASS, "", [CaseResult("gqa:1+1@0", Verdict.PASS)])]),
+        BackendResult("b", False, "needs SM100"),
+    ], "standard", ["numerics"])
+    run.save(tmp_path / "all.json")
+    bench = RunResult({"gpu": "NVIDIA H200"}, [bench_result("a", 100.0)], "bench", ["bench"])
+    bench.save(tmp_path / "bench.json")
+    completed = subprocess.run([sys.executable, "-m", "conformance.publish", str(tmp_path / "all.json"), "--bench",
+                                str(tmp_path / "bench.json"), "--out", str(tmp_path / "reports")], capture_output=True, text=True)
+    assert completed.returncode == 0, completed.stderr
+    out = tmp_path / "reports"
+    assert {p.name for p in out.iterdir()} == {"a.json", "a.html", "b.json", "b.html", "bench.json", "bench.html", "README.md"}
+    assert json.loads((out / "a.json").read_text())["environment"]["gpu"] == "NVIDIA H200"
+    readme = (out / "README.md").read_text()
+    assert "| a | NVIDIA H200 | PASS 1/1 |" in readme and "not available: needs SM100" in readme
+    assert "GQA decode b64 ctx4096 | 100 µs (1000 GB/s)" in readme
+    assert set(split_by_backend([run])) == {"a", "b"}
