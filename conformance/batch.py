@@ -107,7 +107,11 @@ class PagedBatch:
     def common_metadata(self, *, with_host_lengths: bool = True) -> CommonAttentionMetadata:
         query_start_loc = torch.tensor(self.query_start_loc, dtype=torch.int32)
         seq_lens = torch.tensor(self.seq_lens, dtype=torch.int32)
-        _, _, slot_mapping = self._rows(lambda context_len, query_len: range(context_len, context_len + query_len))
+        # Only the slots: the step's key/value rows are not needed for the metadata.
+        slot_mapping = torch.cat([
+            self.slots(request, range(context_len, context_len + query_len))
+            for request, (context_len, query_len) in enumerate(self.case.batch)
+        ]).to(self.device)
         return CommonAttentionMetadata(
             query_start_loc=query_start_loc.to(self.device),
             seq_lens=seq_lens.to(self.device),

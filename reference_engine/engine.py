@@ -7,6 +7,7 @@ lengths given: this loop knows them) → rejection sampling → bookkeeping and 
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -135,7 +136,7 @@ class Engine:
         if isinstance(self.drafter, AcceptancePattern):
             if not all(p.greedy for p in params_list):
                 raise ValueError("the oracle drafter scripts greedy runs only")
-            plain = Engine(EngineConfig(**{**self.config.__dict__, "num_spec_tokens": 0, "drafter": "none"}), self.model)
+            plain = Engine(dataclasses.replace(self.config, num_spec_tokens=0, drafter="none"), self.model)
             reference = {index: out.tokens for index, out in enumerate(plain.generate(prompts, params_list))}
             drafter = OracleDrafter(reference, self.drafter, model.vocab_size, self.config.seed)
         else:
@@ -181,7 +182,7 @@ class Engine:
         if not scheduled:
             if not self.scheduler.running:
                 raise RuntimeError("the KV pool cannot hold even one waiting request: raise num_blocks")
-            self.scheduler._preempt(self.scheduler.running[-1])  # everyone is stuck: make room
+            self.scheduler.preempt(self.scheduler.running[-1])  # everyone is stuck: make room
             return []
         rows = []
         decoding = [s for s in scheduled if not s.request.in_prefill]

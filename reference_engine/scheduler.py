@@ -32,7 +32,7 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def _preempt(self, request: Request) -> None:
+    def preempt(self, request: Request) -> None:
         """Recompute later: drop its KV, keep its tokens."""
         self.running.remove(request)
         self.blocks.free(request.block_ids)
@@ -57,7 +57,7 @@ class Scheduler:
                 continue
             while not self.blocks.can_allocate(request.block_ids, request.num_computed + 1 + drafts):
                 victim = self.running[-1]
-                self._preempt(victim)
+                self.preempt(victim)
                 if victim is request:
                     break
             if request not in self.running:
