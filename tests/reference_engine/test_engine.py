@@ -113,3 +113,17 @@ def test_device_state_is_the_truth_the_host_mirrors(plain_tokens, drafter):
     assert [out.tokens for out in engine.generate(PROMPTS, GREEDY)] == plain_tokens
     engine.blocks.assert_all_free()
     assert sorted(engine.state.free_slots) == list(range(engine.config.max_num_reqs))
+
+
+def test_equality_tool_finds_and_explains_a_divergence():
+    from reference_engine.equality import explain, first_divergence
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    engine = Engine(EngineConfig())
+    prompt = [1, 2, 3, 4, 5]
+    logits = engine.score(prompt)[-1]
+    top, second = logits.topk(2).indices.tolist()
+    margin, rank_top, rank_second = explain(engine, prompt[:-1], prompt[-1:], top, second)
+    assert (rank_top, rank_second) == (0, 1)
+    assert margin == pytest.approx(float(logits[top] - logits[second]), rel=1e-5)

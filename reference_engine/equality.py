@@ -1,0 +1,119 @@
+"""Greedy speculative decoding must emit exactly the tokens of greedy decoding without it.
+
+On a GPU in bf16 the verify pass scores a position in a batch of k + 1 query rows while plain
+decoding scores it as one row: different tiles, different rounding. Where the two argmaxes
+disagree, this tool shows why: it re-scores the diverging position with an fp32 copy of the same
+weights and reports the margin between the two candidate tokens (a near-tie explains a flip).
+
+    python -m reference_engine.equality --backend triton --dtype bf16 --model small --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+
+from backends.base import DTYPE_NAMES
+from reference_engine.engine import Engine, EngineConfig
+from reference_engine.model import PRESETS, LlamaModel
+from reference_engine.sampling import SamplingParams
+
+DRAFTERS = ("oracle:all", "oracle:none", "oracle:random:0.7", "layer-skip", "eagle")
+
+
+@dataclass
+class Divergence:
+    prompt: int
+    index: int  # first output position where the runs differ
+    plain_token: int
+    spec_token: int
+    fp32_margin: float  # fp32 logit(top) - logit(other of the two); small: a near-tie
+    fp32_rank_of_plain: int
+    fp32_rank_of_spec: int
+
+
+@dataclass
+class Comparison:
+    drafter: str
+    k: int
+    equal: bool
+    tokens_compared: int
+    divergences: list[Divergence]
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for index, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return index
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def explain(reference: Engine, prompt: list[int], prefix: list[int], plain: int, spec: int) -> tuple[float, int, int]:
+    """fp32 logits after ``prompt + prefix``: the margin between the two tokens and their ranks."""
+    logits = reference.score(prompt + prefix)[-1].double()
+    order = logits.argsort(descending=True).tolist()
+    return abs(float(logits[plain] - logits[spec])), order.index(plain), order.index(spec)
+
+
+def compare(backend: str, dtype: torch.dtype, model_name: str, device: torch.device, prompts: list[list[int]],
+            max_tokens: int, drafters: tuple[str, ...], ks: tuple[int, ...]) -> list[Comparison]:
+    config = EngineConfig(model=PRESETS[model_name], backend=backend, device=str(device), dtype=dtype,
+                          max_num_reqs=len(prompts), num_blocks=512)
+    model = LlamaModel.random(config.model, config.seed, dtype, device)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    plain = [out.tokens for out in Engine(config, model).generate(prompts, params)]
+    fp32_model = copy.deepcopy(model).float()
+    reference = Engine(EngineConfig(model=config.model, backend="torch_naive", device=str(device), dtype=torch.float32,
+                                    num_blocks=512), fp32_model)
+    results = []
+    for drafter in drafters:
+        for k in ks:
+            engine = Engine(dataclasses.replace(config, num_spec_tokens=k, drafter=drafter), model)
+            spec = [out.tokens for out in engine.generate(prompts, params)]
+            divergences = []
+            for index, (a, b) in enumerate(zip(plain, spec)):
+                at = first_divergence(a, b)
+                if at is not None and at < min(len(a), len(b)):
+                    margin, rank_a, rank_b = explain(reference, prompts[index], a[:at], a[at], b[at])
+                    divergences.append(Divergence(index, at, a[at], b[at], margin, rank_a, rank_b))
+            results.append(Comparison(drafter, k, spec == plain, sum(map(len, plain)), divergences))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="torch_naive")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPE_NAMES))
+    parser.add_argument("--model", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--k", default="1,3,5")
+    parser.add_argument("--drafters", default=",".join(DRAFTERS))
+    parser.add_argument("--json", help="write the comparisons here")
+    args = parser.parse_args(argv)
+    generator = torch.Generator().manual_seed(1)
+    vocab = PRESETS[args.model].vocab_size
+    prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=generator).tolist() for _ in range(args.num_prompts)]
+    results = compare(args.backend, DTYPE_NAMES[args.dtype], args.model, torch.device(args.device), prompts,
+                      args.max_tokens, tuple(args.drafters.split(",")), tuple(int(k) for k in args.k.split(",")))
+    for result in results:
+        detail = "; ".join(f"prompt {d.prompt} @{d.index}: {d.plain_token} vs {d.spec_token}, fp32 margin "
+                           f"{d.fp32_margin:.4f} (ranks {d.fp32_rank_of_plain}, {d.fp32_rank_of_spec})" for d in result.divergences)
+        print(f"{args.backend} {args.dtype} {result.drafter:18} k={result.k}: {'EQUAL' if result.equal else 'DIFFER'} {detail}")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"backend": args.backend, "dtype": args.dtype, "model": args.model,
+                       "results": [asdict(r) for r in results]}, handle, indent=1)
+    return 0 if all(r.equal or all(d.fp32_rank_of_plain <= 1 and d.fp32_rank_of_spec <= 1 for d in r.divergences)
+                    for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
