@@ -9,9 +9,13 @@ import torch
 
 
 class DeviceState:
-    def __init__(self, max_num_reqs: int, device: torch.device) -> None:
+    def __init__(self, max_num_reqs: int, device: torch.device, num_spec_tokens: int = 0) -> None:
         self.num_computed = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self.last_token = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+        # Used by the batched engine: output tokens so far (the oracle's script index) and the
+        # drafts proposed for the next verify, so the host never needs to see either.
+        self.num_output = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        self.drafts = torch.zeros(max_num_reqs, max(num_spec_tokens, 1), dtype=torch.int64, device=device)
         self.free_slots = list(range(max_num_reqs))
         self.slot_of: dict[int, int] = {}
 
@@ -20,6 +24,7 @@ class DeviceState:
             if not self.free_slots:
                 raise RuntimeError("more running requests than device state slots")
             slot = self.free_slots.pop(0)
+            # Enqueued after any in-flight step that still commits into the slot's old owner.
             self.num_computed[slot] = 0
             self.slot_of[request_id] = slot
         return self.slot_of[request_id]

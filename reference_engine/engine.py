@@ -39,6 +39,10 @@ class EngineConfig:
     drafter: str = "none"  # none | eagle | oracle:PATTERN | layer-skip[:N]
     seed: int = 0
     check_device_state: bool = False  # compare the device state with the host mirror after every step
+    # The batched engine (part 2) only:
+    async_scheduling: bool = True  # schedule step N + 1 before step N's results are known
+    cuda_graphs: bool = False  # capture uniform decode / verify steps at padded batch sizes
+    check_inputs: bool = False  # debug: count placeholder inputs and inconsistent positions on device
 
 
 @dataclass
@@ -122,6 +126,20 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], on_step=None) -> list[GenerationOutput]:
         """Run every prompt to completion. ``on_step(tokens generated so far)`` after each step."""
+        params_list = self._validate(prompts, params)
+        drafter = self.drafter
+        if isinstance(self.drafter, AcceptancePattern):
+            drafter = OracleDrafter(self._oracle_script(prompts, params_list), self.drafter, self.config.model.vocab_size, self.config.seed)
+        requests = self._admit(prompts, params_list)
+        decode_steps = {request.request_id: 0 for request in requests}
+        while not self.scheduler.idle:
+            for request_id in self.step(drafter):
+                decode_steps[request_id] += 1
+            if on_step is not None:
+                on_step(sum(len(request.output) for request in requests))
+        return self._outputs(requests, decode_steps)
+
+    def _validate(self, prompts: list[list[int]], params) -> list[SamplingParams]:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or one for all")
@@ -133,30 +151,28 @@ class Engine:
                 raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_model_len {model.max_model_len}")
             if any(not 0 <= token < model.vocab_size for token in prompt):
                 raise ValueError(f"prompt token ids must be in [0, {model.vocab_size})")
-        if isinstance(self.drafter, AcceptancePattern):
-            if not all(p.greedy for p in params_list):
-                raise ValueError("the oracle drafter scripts greedy runs only")
-            plain = Engine(dataclasses.replace(self.config, num_spec_tokens=0, drafter="none"), self.model)
-            reference = {index: out.tokens for index, out in enumerate(plain.generate(prompts, params_list))}
-            drafter = OracleDrafter(reference, self.drafter, model.vocab_size, self.config.seed)
-        else:
-            drafter = self.drafter
+        if isinstance(self.drafter, AcceptancePattern) and not all(p.greedy for p in params_list):
+            raise ValueError("the oracle drafter scripts greedy runs only")
+        return params_list
+
+    def _oracle_script(self, prompts: list[list[int]], params_list: list[SamplingParams]) -> dict[int, list[int]]:
+        """The reference run the oracle drafter is scripted from: the same engine, no speculation."""
+        plain = type(self)(dataclasses.replace(self.config, num_spec_tokens=0, drafter="none"), self.model)
+        return {index: out.tokens for index, out in enumerate(plain.generate(prompts, params_list))}
+
+    def _admit(self, prompts: list[list[int]], params_list: list[SamplingParams]) -> list[Request]:
         requests = [Request(index, list(prompt), p) for index, (prompt, p) in enumerate(zip(prompts, params_list))]
+        started = time.perf_counter()
         for request in requests:
             if request.params.seed is not None:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(request.params.seed)
                 self._generators[request.request_id] = generator
-            self.scheduler.add(request)
-        decode_steps = {request.request_id: 0 for request in requests}
-        started = time.perf_counter()
-        for request in requests:
             request.arrival_time = started
-        while not self.scheduler.idle:
-            for request_id in self.step(drafter):
-                decode_steps[request_id] += 1
-            if on_step is not None:
-                on_step(sum(len(request.output) for request in requests))
+            self.scheduler.add(request)
+        return requests
+
+    def _outputs(self, requests: list[Request], decode_steps: dict[int, int]) -> list[GenerationOutput]:
         self.blocks.assert_all_free()
         return [
             GenerationOutput(r.request_id, r.prompt, r.output, r.steps, decode_steps[r.request_id], r.drafted, r.accepted,

@@ -35,6 +35,12 @@ class BlockManager:
             raise OutOfBlocks(f"need {needed} blocks, {self.num_free} free")
         block_ids.extend(self.free_blocks.popleft() for _ in range(needed))
 
+    def trim(self, block_ids: list[int], num_tokens: int) -> None:
+        """Return the blocks past ``num_tokens`` (an optimistic allocation that proved too large)."""
+        keep = -(-num_tokens // self.block_size)
+        self.free_blocks.extend(block_ids[keep:])
+        del block_ids[keep:]
+
     def free(self, block_ids: list[int]) -> None:
         self.free_blocks.extend(block_ids)
         block_ids.clear()

@@ -11,7 +11,8 @@ class Request:
     request_id: int
     prompt: list[int]
     params: SamplingParams
-    output: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)  # async: confirmed tokens, then placeholders in flight
+    num_confirmed: int = 0  # async: output tokens the host has seen (the rest are placeholders)
     num_computed: int = 0  # tokens whose KV is in the cache
     block_ids: list[int] = field(default_factory=list)
     finished: bool = False

@@ -24,6 +24,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.on_preempt = lambda request: None  # the engine resets the request's device state
+        # The async engine learns results one step late: before it recomputes a request from its
+        # tokens, the step in flight must land (its placeholders become real tokens).
+        self.before_preempt = lambda: None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -34,12 +37,19 @@ class Scheduler:
 
     def preempt(self, request: Request) -> None:
         """Recompute later: drop its KV, keep its tokens."""
+        self.before_preempt()
+        if request not in self.running:  # it finished when the step in flight landed
+            return
         self.running.remove(request)
         self.blocks.free(request.block_ids)
         request.num_computed = 0
         request.preemptions += 1
         self.on_preempt(request)
         self.waiting.appendleft(request)
+
+    def _awaiting_results(self, request: Request) -> bool:
+        """Optimistically done (async): nothing to schedule until the step in flight lands."""
+        return request.remaining <= 0 or len(request.tokens) >= self.max_model_len
 
     def _drafts_for(self, request: Request) -> int:
         # Never draft past max_tokens or past the model's length.
@@ -50,18 +60,17 @@ class Scheduler:
         budget = self.max_num_tokens
         scheduled: list[Scheduled] = []
         for request in list(self.running):
-            if request not in self.running or request.in_prefill:
+            if request not in self.running or request.in_prefill or self._awaiting_results(request):
+                continue
+            if 1 + self._drafts_for(request) > budget:
+                continue
+            while request in self.running and not self.blocks.can_allocate(
+                request.block_ids, request.num_computed + 1 + self._drafts_for(request)
+            ):
+                self.preempt(self.running[-1])  # may land the step in flight first (async)
+            if request not in self.running or self._awaiting_results(request):
                 continue
             drafts = self._drafts_for(request)
-            if 1 + drafts > budget:
-                continue
-            while not self.blocks.can_allocate(request.block_ids, request.num_computed + 1 + drafts):
-                victim = self.running[-1]
-                self.preempt(victim)
-                if victim is request:
-                    break
-            if request not in self.running:
-                continue
             self.blocks.allocate(request.block_ids, request.num_computed + 1 + drafts)
             scheduled.append(Scheduled(request, 1 + drafts, drafts))
             budget -= 1 + drafts

@@ -1,0 +1,146 @@
+"""A step's model inputs, computed on the device from the device state.
+
+Under async scheduling the host does not know how many drafts the previous step accepted, so it
+cannot write positions, slots or decode input ids. It uploads only what it does know: each row's
+state slot, query length, whether the row decodes (inputs from the device state) or prefills
+(token ids from the host), and the block table. Everything else is derived here:
+
+    start      = num_computed[slot] + step           (step: the draft-loop index, 0 for a target forward)
+    position   = start + offset                      (offset: the token's index within its row)
+    input id   = decode row: [last_token, drafts...][step + offset]; prefill row: the host id
+    slot       = block_table[row, position // B] * B + position % B, or -1 past the row's valid tokens
+    seq_len    = start + query_len
+
+Two implementations compute the same thing: one Triton kernel per step on CUDA (one program per
+token), and a torch version for CPUs and for checking the kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from reference_engine.rejection import PLACEHOLDER
+
+
+@dataclass
+class RowLayout:
+    """What the host knows about a batch, already on the device."""
+
+    slots: torch.Tensor  # [B] int64: each row's device-state slot
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    token_row: torch.Tensor  # [T] int64: the row of each token
+    host_ids: torch.Tensor  # [T] int64: prefill token ids (ignored for decode rows)
+    is_decode: torch.Tensor  # [B] int64: 1 where inputs come from the device state
+    num_valid: torch.Tensor  # [B] int64: tokens of the row that write KV (draft steps: the row's drafts)
+    block_table: torch.Tensor  # [B, M] int32
+
+
+@dataclass
+class StepTensors:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    seq_lens: torch.Tensor  # [B] int32
+
+
+def prepare_torch(starts: torch.Tensor, last_token: torch.Tensor, drafts: torch.Tensor, layout: RowLayout,
+                  step: int, block_size: int) -> StepTensors:
+    """``starts`` [B]: the rows' committed lengths (num_computed of their slots)."""
+    rows = layout.token_row
+    offsets = torch.arange(rows.numel(), device=rows.device) - layout.query_start_loc.long()[rows]
+    index = offsets + step  # into the decode sequence [last_token, drafts...]
+    slot_of_token = layout.slots[rows]
+    positions = starts.long()[rows] + index
+    from_state = torch.where(index == 0, last_token[slot_of_token],
+                             drafts[slot_of_token, (index - 1).clamp(0, drafts.shape[1] - 1)])
+    input_ids = torch.where(layout.is_decode[rows].bool(), from_state, layout.host_ids)
+    block_index = (positions // block_size).clamp(max=layout.block_table.shape[1] - 1)
+    blocks = layout.block_table.long()[rows, block_index]
+    valid = index < layout.num_valid[rows]
+    slot_mapping = torch.where(valid, blocks * block_size + positions % block_size, -1)
+    query_lens = layout.query_start_loc[1:] - layout.query_start_loc[:-1]
+    seq_lens = (starts + step + query_lens).to(torch.int32)
+    return StepTensors(input_ids, positions, slot_mapping, seq_lens)
+
+
+@triton.jit
+def _prepare_kernel(starts, last_token, drafts, drafts_stride, slots, query_start_loc, token_row, host_ids,
+                    is_decode, num_valid, block_table, block_table_stride, max_blocks, step, block_size,
+                    input_ids_out, positions_out, slot_mapping_out, seq_lens_out, num_tokens):
+    token = tl.program_id(0)
+    row = tl.load(token_row + token)
+    row_start = tl.load(query_start_loc + row)
+    offset = token - row_start
+    index = offset + step
+    slot = tl.load(slots + row)
+    decode = tl.load(is_decode + row)
+    position = tl.load(starts + row).to(tl.int64) + index
+    draft = tl.load(drafts + slot * drafts_stride + tl.maximum(index - 1, 0), mask=index > 0, other=0)
+    from_state = tl.where(index == 0, tl.load(last_token + slot), draft)
+    input_id = tl.where(decode != 0, from_state, tl.load(host_ids + token))
+    block_index = tl.minimum(position // block_size, max_blocks - 1)
+    block = tl.load(block_table + row * block_table_stride + block_index).to(tl.int64)
+    valid = index < tl.load(num_valid + row)
+    tl.store(input_ids_out + token, input_id)
+    tl.store(positions_out + token, position)
+    tl.store(slot_mapping_out + token, tl.where(valid, block * block_size + position % block_size, -1))
+    if offset == 0:  # one program per row writes its seq_len
+        row_end = tl.load(query_start_loc + row + 1)
+        tl.store(seq_lens_out + row, (tl.load(starts + row) + step + row_end - row_start).to(tl.int32))
+
+
+def prepare_triton(starts: torch.Tensor, last_token: torch.Tensor, drafts: torch.Tensor, layout: RowLayout,
+                   step: int, block_size: int) -> StepTensors:
+    num_tokens = layout.token_row.numel()
+    device = layout.token_row.device
+    out = StepTensors(
+        input_ids=torch.empty(num_tokens, dtype=torch.int64, device=device),
+        positions=torch.empty(num_tokens, dtype=torch.int64, device=device),
+        slot_mapping=torch.empty(num_tokens, dtype=torch.int64, device=device),
+        seq_lens=torch.empty(layout.slots.numel(), dtype=torch.int32, device=device),
+    )
+    if num_tokens:
+        _prepare_kernel[(num_tokens,)](
+            starts, last_token, drafts, drafts.stride(0), layout.slots, layout.query_start_loc, layout.token_row,
+            layout.host_ids, layout.is_decode, layout.num_valid, layout.block_table, layout.block_table.stride(0),
+            layout.block_table.shape[1], step, block_size, out.input_ids, out.positions, out.slot_mapping, out.seq_lens,
+            num_tokens,
+        )
+    return out
+
+
+def prepare(starts, last_token, drafts, layout: RowLayout, step: int, block_size: int) -> StepTensors:
+    """The Triton kernel on CUDA, the torch version elsewhere (same results; tested)."""
+    implementation = prepare_triton if layout.token_row.is_cuda else prepare_torch
+    return implementation(starts, last_token, drafts, layout, step, block_size)
+
+
+def input_violations(step: StepTensors, layout: RowLayout, committed: torch.Tensor, host_start: torch.Tensor,
+                     capacity: torch.Tensor, vocab_size: int, block_size: int, step_index: int = 0) -> torch.Tensor:
+    """The debug mode's device-side checks, counted without a host sync. [4] int64:
+    0 placeholder or out-of-range input id; 1 a prefill row whose device start differs from the
+    host's exact one, or a decode row past the host's optimistic bound; 2 a position not equal to
+    committed + offset; 3 a written slot outside the row's allocated blocks (or in the null block).
+    ``committed`` [B]: num_computed of each row's slot; ``host_start`` [B]: the host's start (exact
+    for prefill rows, optimistic for decode rows); ``capacity`` [B]: the row's allocated tokens."""
+    rows = layout.token_row
+    offsets = torch.arange(rows.numel(), device=rows.device) - layout.query_start_loc.long()[rows]
+    decode = layout.is_decode.bool()
+    bad_id = ((step.input_ids == PLACEHOLDER) | (step.input_ids < 0) | (step.input_ids >= vocab_size)).sum()
+    committed = committed.long()
+    bad_start = torch.where(decode, committed > host_start, committed != host_start).sum()
+    bad_position = (step.positions != committed[rows] + step_index + offsets).sum()
+    written = step.slot_mapping >= 0
+    bad_slot = (written & ((step.positions >= capacity[rows]) | (step.slot_mapping // block_size == 0))).sum()
+    return torch.stack([bad_id, bad_start, bad_position, bad_slot])
+
+
+VIOLATION_NAMES = (
+    "a placeholder or out-of-range token id reached the model",
+    "a row's device length disagrees with the host's (stale or optimistic length used)",
+    "a position is not the committed length plus the token's offset",
+    "a KV slot lies outside the request's allocated blocks",
+)
