@@ -124,10 +124,10 @@ class BatchedEngine(Engine):
                 scheduled = self.scheduler.schedule()
             scheduled = [item for item in scheduled if not item.request.finished]  # landed while scheduling
             launched = self._launch(scheduled, started) if scheduled else None
-            landed = self.pending is not None
+            previous, self.pending = self.pending, launched
+            landed = previous is not None
             if landed:
-                self._land(self.pending)  # step N's results, while step N + 1 runs
-            self.pending = launched
+                self._land(previous)  # step N's results, while step N + 1 runs
             if not self.config.async_scheduling and self.pending is not None:
                 self._land_pending()
             if not scheduled and not landed:
@@ -144,7 +144,7 @@ class BatchedEngine(Engine):
         config, k = self.config, self.config.num_spec_tokens
         bs = config.block_size
         fields = {name: [] for name in ("slots", "query_start_loc", "token_row", "host_ids", "is_decode", "num_valid",
-                                        "num_drafts", "logits_index", "produces", "host_last_token", "host_start",
+                                        "num_drafts", "logits_index", "produces", "decode", "host_last_token", "host_start",
                                         "capacity")}
         fields["query_start_loc"].append(0)
         rows, host_seq_lens = [], []
@@ -163,7 +163,8 @@ class BatchedEngine(Engine):
             fields["query_start_loc"].append(begin + count)
             fields["token_row"] += [index] * count
             if decode:
-                fields["host_ids"] += [0] * count
+                source, host_ids = self._decode_inputs(request, count)
+                fields["host_ids"] += host_ids
                 logits_rows = [begin + min(j, count - 1) for j in range(k + 1)]
                 placeholders, host_last = count, -1
             else:
@@ -174,7 +175,8 @@ class BatchedEngine(Engine):
                 # A request recomputed after a preemption resumes from its last output token.
                 host_last = request.output[-1] if completes and request.output else -1
             fields["slots"].append(slot)
-            fields["is_decode"].append(int(decode))
+            fields["is_decode"].append(source if decode else 0)
+            fields["decode"].append(int(decode))
             fields["num_valid"].append(count)
             fields["num_drafts"].append(item.num_drafts)
             fields["logits_index"] += logits_rows
@@ -243,6 +245,11 @@ class BatchedEngine(Engine):
         if self._script is not None:
             self._script_row[slot] = request.request_id
 
+    def _decode_inputs(self, request: Request, count: int) -> tuple[int, list[int]]:
+        """A decoding row's input ids come from the device state (source 1): under async
+        scheduling the host's last token is a placeholder for the step still in flight."""
+        return 1, [0] * count
+
     def _starts(self, up: dict[str, torch.Tensor]) -> torch.Tensor:
         """Each row's committed length, read on the device (never the host's optimistic guess)."""
         return self.state.num_computed[up["slots"]]
@@ -251,7 +258,7 @@ class BatchedEngine(Engine):
         """The device state after this step: lengths, the next input token, the output count."""
         slots = up["slots"]
         query_lens = (layout.query_start_loc[1:] - layout.query_start_loc[:-1]).long()
-        advance = torch.where(up["is_decode"].bool(), emitted, query_lens)
+        advance = torch.where(up["decode"].bool(), emitted, query_lens)
         self.state.num_computed[slots] += advance.to(torch.int32)
         last_emitted = tokens.gather(1, (emitted - 1).clamp(min=0)[:, None]).squeeze(1)
         host_last = up["host_last_token"]
@@ -279,7 +286,7 @@ class BatchedEngine(Engine):
         draft_layout = RowLayout(
             slots=slots, query_start_loc=torch.arange(num_decodes + 1, dtype=torch.int32, device=self.device),
             token_row=torch.arange(num_decodes, device=self.device), host_ids=torch.zeros(num_decodes, dtype=torch.int64, device=self.device),
-            is_decode=up["is_decode"][:num_decodes], num_valid=up["num_drafts"][:num_decodes],
+            is_decode=torch.ones(num_decodes, dtype=torch.int64, device=self.device), num_valid=up["num_drafts"][:num_decodes],
             block_table=layout.block_table[:num_decodes],
         )
         starts = self.state.num_computed[slots]

@@ -67,7 +67,7 @@ def prepare_torch(starts: torch.Tensor, last_token: torch.Tensor, drafts: torch.
 
 
 @triton.jit
-def _prepare_kernel(starts, last_token, drafts, drafts_stride, slots, query_start_loc, token_row, host_ids,
+def _prepare_kernel(starts, last_token, drafts, drafts_stride, drafts_width, slots, query_start_loc, token_row, host_ids,
                     is_decode, num_valid, block_table, block_table_stride, max_blocks, step, block_size,
                     input_ids_out, positions_out, slot_mapping_out, seq_lens_out, num_tokens):
     token = tl.program_id(0)
@@ -78,7 +78,8 @@ def _prepare_kernel(starts, last_token, drafts, drafts_stride, slots, query_star
     slot = tl.load(slots + row)
     decode = tl.load(is_decode + row)
     position = tl.load(starts + row).to(tl.int64) + index
-    draft = tl.load(drafts + slot * drafts_stride + tl.maximum(index - 1, 0), mask=index > 0, other=0)
+    draft_index = tl.minimum(tl.maximum(index - 1, 0), drafts_width - 1)  # past a row's drafts: unused
+    draft = tl.load(drafts + slot * drafts_stride + draft_index, mask=index > 0, other=0)
     from_state = tl.where(index == 0, tl.load(last_token + slot), draft)
     input_id = tl.where(decode != 0, from_state, tl.load(host_ids + token))
     block_index = tl.minimum(position // block_size, max_blocks - 1)
@@ -104,7 +105,7 @@ def prepare_triton(starts: torch.Tensor, last_token: torch.Tensor, drafts: torch
     )
     if num_tokens:
         _prepare_kernel[(num_tokens,)](
-            starts, last_token, drafts, drafts.stride(0), layout.slots, layout.query_start_loc, layout.token_row,
+            starts, last_token, drafts, drafts.stride(0), drafts.shape[1], layout.slots, layout.query_start_loc, layout.token_row,
             layout.host_ids, layout.is_decode, layout.num_valid, layout.block_table, layout.block_table.stride(0),
             layout.block_table.shape[1], step, block_size, out.input_ids, out.positions, out.slot_mapping, out.seq_lens,
             num_tokens,

@@ -1,0 +1,19 @@
+"""Deliberately broken batched engines: each plants one async-scheduling bug that the engine's
+tests (and its debug input checks) must catch."""
+from reference_engine.batched_engine import BatchedEngine
+
+
+class OptimisticStartEngine(BatchedEngine):
+    """Positions start at the host's optimistic length (every draft assumed accepted) where the
+    committed length on the device is needed: after a rejection the row skips ahead."""
+
+    def _starts(self, up):
+        return up["host_start"].to(self.state.num_computed.dtype)
+
+
+class HostLastTokenEngine(BatchedEngine):
+    """A decoding row takes its input from the host's last token, as a synchronous engine may.
+    Under async scheduling that token is still a placeholder (-1) for the step in flight."""
+
+    def _decode_inputs(self, request, count):
+        return 0, request.tokens[-count:]

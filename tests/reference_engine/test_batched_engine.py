@@ -1,0 +1,157 @@
+"""The batched engine (part 2) on a CPU, torch_naive, fp32: async scheduling produces exactly the
+tokens of sync scheduling and of plain greedy decoding, for every oracle pattern and k in {1, 3, 5},
+with chunked prefill and with preemption; the host's optimistic bookkeeping is corrected exactly;
+planted async bugs are caught."""
+import pytest
+import torch
+
+from reference_engine.batched_engine import BatchedEngine, InputCheckFailed
+from reference_engine.engine import Engine, EngineConfig
+from reference_engine.rejection import PLACEHOLDER
+from reference_engine.sampling import SamplingParams
+from tests.planted.engines import HostLastTokenEngine, OptimisticStartEngine
+
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40)), [7, 7, 7], list(range(100, 117))]
+GREEDY = SamplingParams(max_tokens=14)
+PATTERNS = ["oracle:all", "oracle:none", "oracle:first:1", "oracle:random:0.6", "layer-skip:1"]
+
+
+@pytest.fixture(scope="module")
+def plain_tokens():
+    return [out.tokens for out in Engine(EngineConfig()).generate(PROMPTS, GREEDY)]
+
+
+def run(engine_cls=BatchedEngine, prompts=PROMPTS, params=GREEDY, **config):
+    engine = engine_cls(EngineConfig(check_inputs=config.pop("check_inputs", True), **config))
+    return engine, engine.generate(prompts, params)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("drafter", PATTERNS)
+def test_async_equals_sync_equals_plain(plain_tokens, k, drafter):
+    _, sync = run(num_spec_tokens=k, drafter=drafter, async_scheduling=False)
+    _, overlapped = run(num_spec_tokens=k, drafter=drafter, async_scheduling=True)
+    assert [out.tokens for out in sync] == plain_tokens
+    assert [out.tokens for out in overlapped] == plain_tokens
+    if drafter == "oracle:all":
+        assert all(out.accepted == out.drafted > 0 for out in overlapped)
+    if drafter == "oracle:none":
+        assert all(out.accepted == 0 < out.drafted for out in overlapped)
+
+
+@pytest.mark.parametrize("scheduling", [False, True])
+def test_chunked_prefill_and_preemption(plain_tokens, scheduling):
+    _, chunked = run(max_num_tokens=8, num_spec_tokens=3, drafter="oracle:random:0.5", async_scheduling=scheduling)
+    assert [out.tokens for out in chunked] == plain_tokens
+    engine, tight = run(num_blocks=6, num_spec_tokens=3, drafter="oracle:first:1", async_scheduling=scheduling)
+    assert [out.tokens for out in tight] == plain_tokens
+    assert sum(out.preemptions for out in tight) > 0
+    engine.blocks.assert_all_free()
+
+
+class MirrorCheckingEngine(BatchedEngine):
+    """After every landing: the host's corrected lengths, outputs and blocks match the device."""
+
+    landings = 0
+
+    def _land(self, launched):
+        super()._land(launched)
+        # On a CPU the step in flight has already run: the device is one step ahead of the host.
+        width = self.config.num_spec_tokens + 2
+        in_flight = {}
+        if self.pending:
+            values = self.pending.result.wait().tolist()
+            for index, row in enumerate(self.pending.rows):
+                advance = values[index * width] if row.decode else row.num_tokens
+                in_flight[id(row.request)] = (row, advance)
+        for request in self.scheduler.running:
+            row, advance = in_flight.get(id(request), (None, 0))
+            assumed = row.num_tokens if row else 0  # what the step in flight added optimistically
+            slot = self.state.slot_of.get(request.request_id)
+            if slot is None:
+                continue
+            assert int(self.state.num_computed[slot]) == request.num_computed - assumed + advance
+            confirmed = request.output[: request.num_confirmed]
+            assert PLACEHOLDER not in confirmed
+            assert request.output[request.num_confirmed :] == [PLACEHOLDER] * (row.placeholders if row else 0)
+            assert len(request.block_ids) == -(-request.num_computed // self.config.block_size)
+            MirrorCheckingEngine.landings += 1
+
+
+@pytest.mark.parametrize("drafter", ["oracle:random:0.5", "layer-skip:1"])
+def test_optimistic_bookkeeping_is_corrected_exactly(plain_tokens, drafter):
+    MirrorCheckingEngine.landings = 0
+    _, outputs = run(MirrorCheckingEngine, num_spec_tokens=3, drafter=drafter, max_num_tokens=16)
+    assert [out.tokens for out in outputs] == plain_tokens
+    assert MirrorCheckingEngine.landings > 20
+    assert any(out.accepted < out.drafted for out in outputs)  # rejections really were corrected
+
+
+def test_eos_and_max_tokens_cut_what_the_step_in_flight_produced(plain_tokens):
+    eos = plain_tokens[0][3]
+    _, outputs = run(prompts=PROMPTS[:1], params=SamplingParams(max_tokens=14, eos_token_id=eos), num_spec_tokens=3, drafter="oracle:all")
+    assert outputs[0].tokens == plain_tokens[0][: plain_tokens[0].index(eos) + 1]
+
+
+def test_planted_optimistic_length_is_caught(plain_tokens):
+    with pytest.raises(InputCheckFailed, match="stale or optimistic length|committed length plus"):
+        run(OptimisticStartEngine, num_spec_tokens=3, drafter="oracle:none")
+    # Without the debug checks the same bug silently changes the tokens.
+    _, outputs = run(OptimisticStartEngine, num_spec_tokens=3, drafter="oracle:none", check_inputs=False)
+    assert [out.tokens for out in outputs] != plain_tokens
+
+
+def test_planted_placeholder_input_is_caught_only_under_async(plain_tokens):
+    _, sync = run(HostLastTokenEngine, async_scheduling=False)
+    assert [out.tokens for out in sync] == plain_tokens  # synchronously the host's token is real
+    with pytest.raises(InputCheckFailed, match="placeholder"):
+        run(HostLastTokenEngine, async_scheduling=True)
+
+
+def test_batched_engine_refuses_what_it_does_not_do():
+    with pytest.raises(ValueError, match="EAGLE runs in the per-request engine"):
+        BatchedEngine(EngineConfig(num_spec_tokens=2, drafter="eagle"))
+    with pytest.raises(ValueError, match="samples greedily"):
+        BatchedEngine(EngineConfig()).generate(PROMPTS, SamplingParams(temperature=1.0))
+
+
+def test_step_inputs_torch_and_triton_agree_under_the_interpreter():
+    import subprocess
+    import sys
+    import os
+
+    script = (
+        "import torch\n"
+        "from reference_engine.step_inputs import RowLayout, prepare_torch, prepare_triton\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "layout = RowLayout(slots=torch.tensor([2, 0, 1]), query_start_loc=torch.tensor([0, 4, 5, 8], dtype=torch.int32),\n"
+        "    token_row=torch.tensor([0, 0, 0, 0, 1, 2, 2, 2]), host_ids=torch.tensor([0, 0, 0, 0, 0, 11, 12, 13]),\n"
+        "    is_decode=torch.tensor([1, 1, 0]), num_valid=torch.tensor([3, 1, 3]),\n"
+        "    block_table=torch.randint(1, 50, (3, 6), generator=g, dtype=torch.int32))\n"
+        "starts = torch.tensor([37, 5, 16], dtype=torch.int32)\n"
+        "last = torch.tensor([101, 102, 103]); drafts = torch.randint(0, 99, (3, 4), generator=g)\n"
+        "for step in (0, 2):\n"
+        "    a = prepare_torch(starts, last, drafts, layout, step, 16); b = prepare_triton(starts, last, drafts, layout, step, 16)\n"
+        "    for name in ('input_ids', 'positions', 'slot_mapping', 'seq_lens'):\n"
+        "        assert torch.equal(getattr(a, name), getattr(b, name)), (step, name, getattr(a, name), getattr(b, name))\n"
+        "print('agree', a.slot_mapping.tolist())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "agree" in result.stdout
+
+
+def test_step_inputs_follow_the_device_state():
+    from reference_engine.step_inputs import RowLayout, prepare_torch
+
+    layout = RowLayout(slots=torch.tensor([1, 0]), query_start_loc=torch.tensor([0, 3, 5], dtype=torch.int32),
+                       token_row=torch.tensor([0, 0, 0, 1, 1]), host_ids=torch.tensor([0, 0, 0, 8, 9]),
+                       is_decode=torch.tensor([1, 0]), num_valid=torch.tensor([3, 2]),
+                       block_table=torch.tensor([[4, 5], [6, 7]], dtype=torch.int32))
+    drafts = torch.tensor([[70, 71], [80, 81]])
+    step = prepare_torch(torch.tensor([15, 3], dtype=torch.int32), torch.tensor([50, 60]), drafts, layout, 0, 16)
+    assert step.input_ids.tolist() == [60, 80, 81, 8, 9]  # slot 1: last token then its drafts
+    assert step.positions.tolist() == [15, 16, 17, 3, 4]
+    assert step.slot_mapping.tolist() == [4 * 16 + 15, 5 * 16 + 0, 5 * 16 + 1, 6 * 16 + 3, 6 * 16 + 4]
+    assert step.seq_lens.tolist() == [18, 5]
