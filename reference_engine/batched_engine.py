@@ -21,7 +21,7 @@ blocks; the host raises when the counts arrive.
 """
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -33,6 +33,7 @@ from reference_engine.device_state import DeviceState
 from reference_engine.drafters import AcceptancePattern
 from reference_engine.engine import Engine, EngineConfig, GenerationOutput
 from reference_engine.handoff import Download, Downloader, Uploader
+from reference_engine.metrics import StepTimer
 from reference_engine.model import StepInputs
 from reference_engine.rejection import PLACEHOLDER, greedy_rejection
 from reference_engine.request import Request
@@ -66,9 +67,11 @@ class StepRecord:
     """Per-step host timings: the metrics module turns these into TPOT and overlap figures."""
 
     index: int
+    iteration: int  # the loop iteration that launched it (the host-sync detector's phase)
     num_reqs: int
     num_tokens: int
     uniform_decode: bool
+    captured: bool  # a CUDA graph was captured for it (a one-time cost, not steady state)
     host_schedule_s: float
     host_launch_s: float
 
@@ -90,6 +93,9 @@ class BatchedEngine(Engine):
         self._script: torch.Tensor | None = None  # oracle: reference outputs [requests, L]
         self._script_row = torch.zeros(reqs, dtype=torch.int64, device=self.device)
         self._draft_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.timer = StepTimer(self.device.type == "cuda")
+        self.sync_detector = None  # metrics.measure attaches one: a phase per loop iteration
+        self.iteration = 0
         self.graphs = None
         if config.cuda_graphs:
             from reference_engine.graphs import StepGraphs
@@ -119,24 +125,31 @@ class BatchedEngine(Engine):
         self._decode_steps = {request.request_id: 0 for request in requests}
         self.steps = []
         while not self.scheduler.idle or self.pending:
-            started = time.perf_counter()
-            with nvtx.range("schedule"):
-                scheduled = self.scheduler.schedule()
-            scheduled = [item for item in scheduled if not item.request.finished]  # landed while scheduling
-            launched = self._launch(scheduled, started) if scheduled else None
-            previous, self.pending = self.pending, launched
-            landed = previous is not None
-            if landed:
-                self._land(previous)  # step N's results, while step N + 1 runs
-            if not self.config.async_scheduling and self.pending is not None:
-                self._land_pending()
-            if not scheduled and not landed:
-                if not self.scheduler.running:
-                    raise RuntimeError("the KV pool cannot hold even one waiting request: raise num_blocks")
-                self.scheduler.preempt(self.scheduler.running[-1])  # nobody fits: make room
-            if on_step is not None:
-                on_step(sum(request.num_confirmed for request in requests))
+            detector = self.sync_detector
+            with detector.phase(f"iteration {self.iteration}") if detector else contextlib.nullcontext():
+                self._iterate(requests, on_step)
+            self.iteration += 1
         return self._outputs(requests, self._decode_steps)
+
+    def _iterate(self, requests: list[Request], on_step) -> None:
+        """Schedule and launch step N + 1, then land step N (async); or launch and land (sync)."""
+        started = time.perf_counter()
+        with nvtx.range("schedule"):
+            scheduled = self.scheduler.schedule()
+        scheduled = [item for item in scheduled if not item.request.finished]  # landed while scheduling
+        launched = self._launch(scheduled, started) if scheduled else None
+        previous, self.pending = self.pending, launched
+        landed = previous is not None
+        if landed:
+            self._land(previous)  # step N's results, while step N + 1 runs
+        if not self.config.async_scheduling and self.pending is not None:
+            self._land_pending()
+        if not scheduled and not landed:
+            if not self.scheduler.running:
+                raise RuntimeError("the KV pool cannot hold even one waiting request: raise num_blocks")
+            self.scheduler.preempt(self.scheduler.running[-1])  # nobody fits: make room
+        if on_step is not None:
+            on_step(sum(request.num_confirmed for request in requests))
 
     # --- launching a step -------------------------------------------------------------------------
 
@@ -192,6 +205,8 @@ class BatchedEngine(Engine):
             request.output += [PLACEHOLDER] * placeholders
             request.steps += 1
         fields["block_table"] = block_rows
+        captures = self.graphs.captures if self.graphs else 0
+        self.timer.begin()
         with nvtx.range("prepare"):
             up = self.uploads.upload(fields)
         num_tokens = fields["query_start_loc"][-1]
@@ -234,9 +249,11 @@ class BatchedEngine(Engine):
             payload = torch.cat([torch.cat(results, dim=1).reshape(-1)]
                                 + ([violations] if violations is not None else []))
             download = self.downloads.download(payload)
+        self.timer.end()
         launched = _Launched(len(self.steps), rows, download)
-        self.steps.append(StepRecord(len(self.steps), num_reqs, num_tokens, uniform, prepared - started,
-                                     time.perf_counter() - prepared))
+        captured = (self.graphs.captures if self.graphs else 0) != captures
+        self.steps.append(StepRecord(len(self.steps), self.iteration, num_reqs, num_tokens, uniform, captured,
+                                     prepared - started, time.perf_counter() - prepared))
         return launched
 
     def _on_new_slot(self, request: Request, slot: int) -> None:

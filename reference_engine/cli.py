@@ -1,99 +1,197 @@
-"""``conformance engine run``: the reference engine end to end, with a progress bar, printing
-throughput, TTFT, TPOT and mean acceptance length.
+"""``conformance engine run``: the reference engine end to end, printing throughput, TTFT, TPOT,
+mean acceptance length, GPU idle time between steps and host syncs per steady-state step.
+``conformance engine bench``: the async and the sync loop on the same prompts, side by side.
 
-    conformance engine run --backend torch_naive --spec-tokens 3 --drafter layer-skip --model tiny
+    conformance engine run --backend triton --model 1b --spec-tokens 3 --drafter layer-skip
+    conformance engine bench --backend triton --model tiny --spec-tokens 3 --detect-syncs
 """
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import json
 from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from backends.base import DTYPE_NAMES
 from reference_engine.checkpoint import CheckpointError, load_eagle_head, load_model
+from reference_engine.batched_engine import BatchedEngine
 from reference_engine.engine import Engine, EngineConfig
+from reference_engine.metrics import measure
 from reference_engine.model import PRESETS, LlamaModel
 from reference_engine.sampling import SamplingParams
+
+
+LOOPS = ("async", "sync", "simple")
 
 
 def add_engine_parser(commands) -> None:
     engine = commands.add_parser("engine", help="the reference async spec-decode engine")
     engine_commands = engine.add_subparsers(dest="engine_command", required=True)
     run = engine_commands.add_parser("run", help="generate with the reference engine and report speed")
-    run.add_argument("--backend", default="torch_naive", help="attention backend (default torch_naive)")
-    run.add_argument("--model", default="tiny", help=f"{' | '.join(PRESETS)} (seeded random weights) or a local Llama/Qwen2 checkpoint directory")
-    run.add_argument("--eagle", help="a local EAGLE head checkpoint directory (with --drafter eagle)")
-    run.add_argument("--spec-tokens", type=int, default=0, help="draft tokens per step, k (default 0: no speculation)")
+    bench = engine_commands.add_parser("bench", help="async vs sync on the same prompts, side by side")
+    for parser in (run, bench):
+        parser.add_argument("--backend", default="torch_naive", help="attention backend (default torch_naive)")
+        parser.add_argument("--model", default="tiny", help=f"{' | '.join(PRESETS)} (seeded random weights) or a local Llama/Qwen2 checkpoint directory")
+        parser.add_argument("--spec-tokens", type=int, default=0, help="draft tokens per step, k (default 0: no speculation)")
+        parser.add_argument("--num-prompts", type=int, default=8)
+        parser.add_argument("--prompt-len", type=int, default=64)
+        parser.add_argument("--max-tokens", type=int, default=64)
+        parser.add_argument("--device", help="cpu or cuda (default: cuda when visible)")
+        parser.add_argument("--dtype", default=None, help="fp32 | fp16 | bf16 (default: fp32 on cpu, bf16 on cuda)")
+        parser.add_argument("--num-blocks", type=int, default=1024)
+        parser.add_argument("--max-num-tokens", type=int, default=512, help="token budget per step")
+        parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                            help="replay uniform steps from CUDA graphs where the backend claims it (default on)")
+        parser.add_argument("--detect-syncs", action="store_true", help="count host-blocking syncs per steady-state step (CUDA)")
+        parser.add_argument("--json", help="write the measured metrics here")
+        parser.add_argument("--seed", type=int, default=0)
     run.add_argument("--drafter", default="none", help="eagle | layer-skip[:N] | oracle:PATTERN (all, none, first:J, random:R)")
-    run.add_argument("--num-prompts", type=int, default=8)
-    run.add_argument("--prompt-len", type=int, default=64)
-    run.add_argument("--max-tokens", type=int, default=64)
+    run.add_argument("--eagle", help="a local EAGLE head checkpoint directory (with --drafter eagle)")
     run.add_argument("--temperature", type=float, default=0.0)
-    run.add_argument("--device", help="cpu or cuda (default: cuda when visible)")
-    run.add_argument("--dtype", default=None, help="fp32 | fp16 | bf16 (default: fp32 on cpu, bf16 on cuda)")
-    run.add_argument("--num-blocks", type=int, default=1024)
-    run.add_argument("--max-num-tokens", type=int, default=512, help="token budget per step")
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--loop", default="async", choices=LOOPS,
+                     help="async: zero-bubble batched loop; sync: the same step, waiting for each; "
+                          "simple: the per-request loop of part 1 (EAGLE and temperature sampling)")
+    run.add_argument("--check-inputs", action="store_true", help="debug: count placeholder inputs and stale positions on device")
+    bench.add_argument("--drafters", default="oracle:random:0.7,layer-skip", help="comma-separated drafters to compare")
 
 
-def run_engine(args: argparse.Namespace, console: Console, usage_error) -> int:
+def _device_and_dtype(args, usage_error):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype_name = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     if dtype_name not in DTYPE_NAMES:
         raise usage_error(f"--dtype {dtype_name!r}: choose fp32, fp16 or bf16")
-    dtype = DTYPE_NAMES[dtype_name]
     for name in ("spec_tokens", "num_prompts", "prompt_len", "max_tokens"):
         if getattr(args, name) < (0 if name == "spec_tokens" else 1):
             raise usage_error(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'spec_tokens' else '>= 1'}")
+    return device, dtype_name
+
+
+def _load_model(args, dtype, device, usage_error):
     try:
         if args.model in PRESETS:
-            model = LlamaModel.random(PRESETS[args.model], args.seed, dtype, device)
-        elif Path(args.model).is_dir():
-            model = load_model(args.model, dtype, device)
-        else:
-            raise usage_error(f"--model {args.model!r}: not one of {', '.join(PRESETS)} and not a directory")
-        eagle = load_eagle_head(args.eagle, model.config, dtype, device) if args.eagle else None
-        engine = Engine(EngineConfig(
-            model=model.config, backend=args.backend, device=str(device), dtype=dtype, num_blocks=args.num_blocks,
-            max_num_tokens=args.max_num_tokens, max_num_reqs=max(args.num_prompts, 1), num_spec_tokens=args.spec_tokens,
-            drafter=args.drafter, seed=args.seed,
-        ), model, eagle)
-    except (ValueError, CheckpointError) as error:
+            return LlamaModel.random(PRESETS[args.model], args.seed, dtype, device)
+        if Path(args.model).is_dir():
+            return load_model(args.model, dtype, device)
+    except CheckpointError as error:
         raise usage_error(str(error)) from None
+    raise usage_error(f"--model {args.model!r}: not one of {', '.join(PRESETS)} and not a directory")
+
+
+def _make_engine(args, model, eagle, dtype, device, loop: str, drafter: str, usage_error):
+    config = EngineConfig(
+        model=model.config, backend=args.backend, device=str(device), dtype=dtype, num_blocks=args.num_blocks,
+        max_num_tokens=args.max_num_tokens, max_num_reqs=max(args.num_prompts, 1), num_spec_tokens=args.spec_tokens,
+        drafter=drafter, seed=args.seed, async_scheduling=loop == "async", cuda_graphs=args.cuda_graphs and device.type == "cuda",
+        check_inputs=getattr(args, "check_inputs", False),
+    )
+    try:
+        return (Engine if loop == "simple" else BatchedEngine)(config, model, eagle)
+    except ValueError as error:
+        raise usage_error(str(error)) from None
+
+
+def _prompts(args, vocab_size: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(args.seed)
-    prompts = [torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=generator).tolist() for _ in range(args.num_prompts)]
-    params = SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens, ignore_eos=True)
-    total = args.num_prompts * args.max_tokens
-    with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
-        task = bar.add_task("tokens", total=total)
-        started = time.perf_counter()
-        try:
-            outputs = engine.generate(prompts, params, on_step=lambda done: bar.update(task, completed=done))
-        except ValueError as error:
-            raise usage_error(str(error)) from None
-        wall = time.perf_counter() - started
-    generated = sum(len(out.tokens) for out in outputs)
-    table = Table(title=f"reference engine — {args.model}, {args.backend}, {dtype_name}, {device.type}", title_justify="left")
+    return [torch.randint(0, vocab_size, (args.prompt_len,), generator=generator).tolist() for _ in range(args.num_prompts)]
+
+
+def _measure(engine, prompts, params, args, usage_error, warm_up: bool = True):
+    """A short warm-up generate first (Triton JIT, graph captures, cuBLAS), then the measured run."""
+    try:
+        if warm_up:
+            engine.generate(prompts[:1], SamplingParams(temperature=params.temperature, seed=params.seed, max_tokens=4, ignore_eos=True))
+        return measure(engine, prompts, params, detect_syncs=args.detect_syncs)
+    except ValueError as error:
+        raise usage_error(str(error)) from None
+
+
+def _metric_rows(metrics) -> list[tuple[str, str]]:
+    def optional(value, text):
+        return "n/a" if value is None else text.format(value)
+
+    return [
+        ("throughput", f"{metrics.tokens_per_s:.1f} tokens/s"),
+        ("TTFT (median)", f"{metrics.ttft_ms:.1f} ms"),
+        ("TPOT (median)", f"{metrics.tpot_ms:.2f} ms"),
+        ("mean acceptance length", f"{metrics.acceptance_length:.2f} tokens/step"),
+        ("draft acceptance", optional(metrics.draft_acceptance, "{:.1%}")),
+        ("GPU idle between steps", optional(metrics.gpu_idle_fraction, "{:.1%}")),
+        ("host syncs / steady step", optional(metrics.host_syncs_per_steady_step, "{:.2f}")),
+        ("graph replays", str(metrics.graph_replays)),
+    ]
+
+
+def run_engine(args: argparse.Namespace, console: Console, usage_error) -> int:
+    if args.engine_command == "bench":
+        return bench_engine(args, console, usage_error)
+    device, dtype_name = _device_and_dtype(args, usage_error)
+    dtype = DTYPE_NAMES[dtype_name]
+    model = _load_model(args, dtype, device, usage_error)
+    try:
+        eagle = load_eagle_head(args.eagle, model.config, dtype, device) if args.eagle else None
+    except CheckpointError as error:
+        raise usage_error(str(error)) from None
+    engine = _make_engine(args, model, eagle, dtype, device, args.loop, args.drafter, usage_error)
+    prompts = _prompts(args, model.config.vocab_size)
+    try:
+        params = SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens, ignore_eos=True)
+    except ValueError as error:
+        raise usage_error(str(error)) from None
+    with Progress(TextColumn("generating"), BarColumn(), TimeElapsedColumn(), console=console, transient=True) as bar:
+        bar.add_task("tokens", total=None)
+        outputs, metrics = _measure(engine, prompts, params, args, usage_error)
+    table = Table(title=f"reference engine — {args.model}, {args.backend}, {dtype_name}, {device.type}, {args.loop} loop",
+                  title_justify="left")
     for column in ("metric", "value"):
         table.add_column(column)
-    drafted = sum(out.drafted for out in outputs)
     rows = [
         ("requests x tokens", f"{args.num_prompts} x {args.max_tokens} (prompt {args.prompt_len})"),
         ("speculation", f"k={args.spec_tokens}, drafter {args.drafter}" if args.spec_tokens else "off"),
-        ("throughput", f"{generated / wall:.1f} tokens/s"),
-        ("TTFT (median)", f"{1e3 * statistics.median(out.ttft_s for out in outputs):.1f} ms"),
-        ("TPOT (median)", f"{1e3 * statistics.median(out.tpot_s for out in outputs):.2f} ms"),
-        ("mean acceptance length", f"{statistics.mean(out.acceptance_length for out in outputs):.2f} tokens/step"),
-        ("draft acceptance", f"{sum(out.accepted for out in outputs) / drafted:.1%}" if drafted else "n/a"),
+        *_metric_rows(metrics),
         ("preemptions", str(sum(out.preemptions for out in outputs))),
     ]
     for row in rows:
         table.add_row(*row)
     console.print(table)
+    for source in metrics.host_sync_sources:
+        console.print(f"  host sync: {source}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "metrics": metrics.to_dict()}, indent=1, default=str))
     return 0
+
+
+def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int:
+    """Async vs sync, same prompts and engine settings, for each drafter; tokens checked equal."""
+    device, dtype_name = _device_and_dtype(args, usage_error)
+    dtype = DTYPE_NAMES[dtype_name]
+    model = _load_model(args, dtype, device, usage_error)
+    prompts = _prompts(args, model.config.vocab_size)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    table = Table(title=f"async vs sync — {args.model}, {args.backend}, {dtype_name}, k={args.spec_tokens}", title_justify="left")
+    for column in ("drafter", "loop", "tokens/s", "TPOT ms", "accept len", "GPU idle", "syncs/step", "async/sync TPOT"):
+        table.add_column(column)
+    results = []
+    for drafter in (args.drafters.split(",") if args.spec_tokens else ["none"]):
+        measured = {}
+        for loop in ("sync", "async"):
+            engine = _make_engine(args, model, None, dtype, device, loop, drafter, usage_error)
+            outputs, metrics = _measure(engine, prompts, params, args, usage_error)
+            measured[loop] = (outputs, metrics)
+        same = [o.tokens for o in measured["sync"][0]] == [o.tokens for o in measured["async"][0]]
+        ratio = measured["async"][1].tpot_ms / measured["sync"][1].tpot_ms if measured["sync"][1].tpot_ms else None
+        for loop in ("sync", "async"):
+            m = measured[loop][1]
+            table.add_row(drafter, loop, f"{m.tokens_per_s:.0f}", f"{m.tpot_ms:.3f}", f"{m.acceptance_length:.2f}",
+                          "n/a" if m.gpu_idle_fraction is None else f"{m.gpu_idle_fraction:.1%}",
+                          "n/a" if m.host_syncs_per_steady_step is None else f"{m.host_syncs_per_steady_step:.2f}",
+                          "" if loop == "sync" or ratio is None else f"{ratio:.2f}x" + ("" if same else " (TOKENS DIFFER)"))
+        results.append({"drafter": drafter, "same_tokens": same, "async_over_sync_tpot": ratio,
+                        **{loop: measured[loop][1].to_dict() for loop in measured}})
+    console.print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1, default=str))
+    return 0 if all(result["same_tokens"] for result in results) else 1

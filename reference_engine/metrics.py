@@ -1,0 +1,121 @@
+"""What an engine run measured: tokens/s, TTFT, TPOT, mean acceptance length, host-blocking syncs
+per steady-state step, and GPU idle time between steps.
+
+GPU idle comes from CUDA events: each step records one event before its first GPU work and one
+after its last. When the host queued step N + 1 while step N ran, N + 1's start event completes the
+moment N's end event does and the gap is ~0; when the host was late (a sync, slow scheduling), the
+gap is the bubble. Idle fraction = sum of gaps / (last end − first start). The events are read once,
+after the run.
+
+Host syncs come from the detector (``conformance.host_syncs``), one phase per loop iteration. A
+steady-state iteration launches a uniform decode step that captured no graph and is neither the
+first decode step nor one where requests join or leave.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+class StepTimer:
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._start = None
+
+    def begin(self) -> None:
+        if self.enabled:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+
+    def end(self) -> None:
+        if self.enabled:
+            finish = torch.cuda.Event(enable_timing=True)
+            finish.record()
+            self.pairs.append((self._start, finish))
+
+    def gaps_ms(self) -> tuple[list[float], float]:
+        """(idle gap before each step after the first, total span); synchronizes: call after the run."""
+        if not self.pairs:
+            return [], 0.0
+        self.pairs[-1][1].synchronize()
+        gaps = [max(0.0, previous_end.elapsed_time(start)) for (_, previous_end), (start, _) in zip(self.pairs, self.pairs[1:])]
+        return gaps, self.pairs[0][0].elapsed_time(self.pairs[-1][1])
+
+
+@dataclass
+class EngineMetrics:
+    requests: int
+    tokens: int
+    wall_s: float
+    tokens_per_s: float
+    ttft_ms: float  # median
+    tpot_ms: float  # median over requests
+    acceptance_length: float  # mean tokens per decode step
+    draft_acceptance: float | None
+    steps: int
+    gpu_idle_fraction: float | None = None
+    gpu_idle_ms_per_step: float | None = None
+    steady_steps: int = 0
+    host_syncs_per_steady_step: float | None = None
+    host_sync_sources: list[str] = field(default_factory=list)
+    graph_replays: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def steady_iterations(engine) -> list[int]:
+    """Loop iterations whose launched step is steady-state decode (see the module docstring)."""
+    records = engine.steps
+    steady = []
+    for previous, record in zip(records, records[1:]):
+        if record.uniform_decode and previous.uniform_decode and record.num_reqs == previous.num_reqs and not record.captured:
+            steady.append(record.iteration)
+    return steady
+
+
+def measure(engine, prompts, params, *, detect_syncs: bool = False, strategy: str = "auto"):
+    """Run ``engine.generate`` and measure it. Returns (outputs, EngineMetrics)."""
+    detector = None
+    if detect_syncs and engine.device.type == "cuda":
+        from conformance.host_syncs.detector import detect_host_syncs
+
+        detector = detect_host_syncs(strategy, only_in_phases=True)
+    engine.sync_detector = detector
+    started = time.perf_counter()
+    with detector if detector is not None else contextlib.nullcontext():
+        outputs = engine.generate(prompts, params)
+    wall = time.perf_counter() - started
+    engine.sync_detector = None
+    tokens = sum(len(out.tokens) for out in outputs)
+    drafted = sum(out.drafted for out in outputs)
+    latency = max(out.latency_s for out in outputs)  # arrival → last token (excludes an oracle's scripting run)
+    metrics = EngineMetrics(
+        requests=len(outputs), tokens=tokens, wall_s=wall, tokens_per_s=tokens / latency if latency else 0.0,
+        ttft_ms=1e3 * statistics.median(out.ttft_s for out in outputs),
+        tpot_ms=1e3 * statistics.median(out.tpot_s for out in outputs),
+        acceptance_length=statistics.mean(out.acceptance_length for out in outputs),
+        draft_acceptance=sum(out.accepted for out in outputs) / drafted if drafted else None,
+        steps=len(getattr(engine, "steps", [])),
+    )
+    timer = getattr(engine, "timer", None)
+    if timer is not None and timer.enabled:
+        gaps, span = timer.gaps_ms()
+        if span > 0:
+            metrics.gpu_idle_fraction = sum(gaps) / span
+            metrics.gpu_idle_ms_per_step = sum(gaps) / max(len(gaps), 1)
+    graphs = getattr(engine, "graphs", None)
+    metrics.graph_replays = graphs.replays if graphs is not None else 0
+    if detector is not None:
+        steady = steady_iterations(engine)
+        names = {f"iteration {index}" for index in steady}
+        blocking = [event for event in detector.blocking_events if event.phase in names]
+        metrics.steady_steps = len(steady)
+        metrics.host_syncs_per_steady_step = len(blocking) / len(steady) if steady else None
+        metrics.host_sync_sources = sorted({event.describe() for event in blocking})[:8]
+    return outputs, metrics
