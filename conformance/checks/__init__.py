@@ -4,6 +4,7 @@ from __future__ import annotations
 from conformance.checks.base import Check
 from conformance.checks.bench import BenchCheck
 from conformance.checks.draft_loop import DraftLoopCheck
+from conformance.checks.engine import EngineCheck
 from conformance.checks.graphs import GraphsCheck
 from conformance.checks.numerics import NumericsCheck
 from conformance.checks.syncs import SyncsCheck
@@ -13,6 +14,7 @@ CHECKS: dict[str, type[Check]] = {
     SyncsCheck.name: SyncsCheck,
     GraphsCheck.name: GraphsCheck,
     DraftLoopCheck.name: DraftLoopCheck,
+    EngineCheck.name: EngineCheck,
     BenchCheck.name: BenchCheck,
 }
 

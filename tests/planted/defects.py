@@ -4,6 +4,7 @@ Each is torch_naive with one realistic bug, so the defect is the only difference
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -110,3 +111,21 @@ class NeedsMissingPackage(TorchNaiveBackend):
 
 class NotABackend:
     """Registry tests: a class that does not implement the contract."""
+
+
+class GuessesSeqLens(TorchNaiveBackend):
+    """Avoids the host sync when host lengths are absent by carrying each row's length from its
+    previous build forward by this step's query length: it assumes every token it attended to was
+    kept. Exact in every attention case (one build each) and in a synchronous engine (host lengths
+    given); under async speculative decoding a rejected draft leaves every later length too long."""
+
+    name = "planted_guesses_seq_lens"
+
+    def build(self, common):
+        guessed = getattr(self, "_guessed", None)
+        if common.has_host_seq_lens or guessed is None or len(guessed) != common.num_reqs:
+            metadata = super().build(common)
+        else:
+            metadata = super().build(dataclasses.replace(common, host_seq_lens=torch.tensor(guessed, dtype=torch.int32)))
+        self._guessed = [length + query for length, query in zip(metadata.seq_lens, common.query_lens_cpu.tolist())]
+        return metadata

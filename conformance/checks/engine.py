@@ -1,0 +1,143 @@
+"""engine: the reference engine end to end with the backend under test, sync and async.
+
+For each attention kind and dtype (the first case of each in the suite gives the head shape and
+block size) a small model of that layout runs four prompts, greedy:
+
+1. plain decoding (no speculation), the reference;
+2. speculative decoding, k = 3, oracle drafter at 50 % acceptance (a rejection in most steps), synchronous loop: must equal 1;
+3. the same, asynchronous loop with the debug input checks on: must equal 2 token for token, and no
+   placeholder, stale length or foreign slot may reach the model;
+4. on CUDA, the async loop again, measured: CUDA graphs where the backend claims them, host-blocking
+   syncs per steady-state step (must be 0 for a backend claiming ``needs_cpu_seq_lens=False``), TPOT
+   and GPU idle fraction (reported).
+
+A reduced-precision run may flip an argmax where two logits tie within rounding; a difference is
+accepted only when an fp32 re-score of the same weights shows the two tokens as the top two within
+``NEAR_TIE`` logits, and the report names it.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+
+from backends.base import AttentionBackend
+from conformance.cases import Case
+from conformance.checks.base import Check
+from conformance.results import CaseResult, Verdict
+
+NEAR_TIE = 0.1  # logits; the random models' logits have a standard deviation of about 4
+SPEC_TOKENS = 3
+DRAFTER = "oracle:random:0.5"
+
+
+def layout_key(case: Case) -> tuple:
+    """One engine scenario per attention kind and dtype: the first such case's shapes stand in."""
+    return (case.spec.kind, case.spec.dtype)
+
+
+def model_for(case: Case):
+    from reference_engine.model import ModelConfig
+
+    spec = case.spec
+    common = dict(vocab_size=512, hidden_size=256, num_layers=2, intermediate_size=512, max_model_len=512)
+    if spec.kind == "mla":
+        return ModelConfig(attention="mla", num_heads=spec.num_heads, kv_lora_rank=spec.kv_lora_rank,
+                           qk_rope_dim=spec.rope_dim, qk_nope_dim=64, v_head_dim=64, **common)
+    return ModelConfig(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, **common)
+
+
+class EngineCheck(Check):
+    name = "engine"
+    question = "Does the reference engine, async and sync, produce the same tokens through this backend, with no host syncs?"
+
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
+        super().__init__(options)
+        self.covered: dict[tuple, str] = {}
+
+    def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
+        key = layout_key(case)
+        if key in self.covered:
+            return f"layout covered by {self.covered[key]}"
+        reason = backend_cls.unsupported_reason(model_for(case).attention_spec(case.spec.dtype, case.spec.block_size), device)
+        if reason:
+            return reason
+        self.covered[key] = case.id
+        return None
+
+    def details(self) -> dict[str, Any]:
+        return {"spec_tokens": SPEC_TOKENS, "drafter": DRAFTER, "near_tie_logits": NEAR_TIE,
+                "sync_detector": self.options.get("sync_detector", "auto")}
+
+    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
+        from reference_engine.batched_engine import BatchedEngine, InputCheckFailed
+        from reference_engine.engine import EngineConfig
+        from reference_engine.metrics import measure
+        from reference_engine.model import LlamaModel
+        from reference_engine.sampling import SamplingParams
+
+        spec = case.spec
+        model_config = model_for(case)
+        model = LlamaModel.random(model_config, case.seed, spec.dtype, device)
+        generator = torch.Generator().manual_seed(case.seed)
+        prompts = [torch.randint(0, model_config.vocab_size, (length,), generator=generator).tolist() for length in (5, 23, 40, 64)]
+        params = SamplingParams(max_tokens=32, ignore_eos=True)
+        backend_ref = f"{backend_cls.__module__}:{backend_cls.__qualname__}"  # the class under test, however it was named
+        base = EngineConfig(model=model_config, backend=backend_ref, device=str(device), dtype=spec.dtype,
+                            block_size=spec.block_size, num_blocks=64, max_num_reqs=4, max_num_tokens=128)
+
+        def run(**changes):
+            return BatchedEngine(dataclasses.replace(base, **changes), model).generate(prompts, params)
+
+        plain = [out.tokens for out in run(num_spec_tokens=0, drafter="none", async_scheduling=False)]
+        sync = [out.tokens for out in run(num_spec_tokens=SPEC_TOKENS, drafter=DRAFTER, async_scheduling=False)]
+        try:
+            overlapped = [out.tokens for out in run(num_spec_tokens=SPEC_TOKENS, drafter=DRAFTER, check_inputs=True)]
+        except InputCheckFailed as error:
+            return CaseResult(case.id, Verdict.FAIL, f"async loop: {error}", tag=case.tag)
+        metrics: dict[str, Any] = {}
+        evidence: dict[str, Any] = {}
+        for label, got, expected in (("spec (sync) vs plain", sync, plain), ("async vs sync", overlapped, sync)):
+            problem = self._difference(label, got, expected, prompts, model, base, device, evidence)
+            if problem:
+                return CaseResult(case.id, Verdict.FAIL, problem, tag=case.tag, evidence=evidence)
+        if device.type == "cuda":
+            engine = BatchedEngine(dataclasses.replace(base, num_spec_tokens=SPEC_TOKENS, drafter=DRAFTER, cuda_graphs=True), model)
+            engine.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up: JIT, graphs
+            _, measured = measure(engine, prompts, params, detect_syncs=True, strategy=self.options.get("sync_detector", "auto"))
+            metrics = {key: measured.to_dict()[key] for key in ("tpot_ms", "gpu_idle_fraction", "host_syncs_per_steady_step",
+                                                                 "steady_steps", "acceptance_length", "graph_replays")}
+            evidence["host_sync_sources"] = measured.host_sync_sources
+            syncs = measured.host_syncs_per_steady_step
+            if not backend_cls.capabilities.needs_cpu_seq_lens and syncs:
+                return CaseResult(case.id, Verdict.FAIL, f"{syncs:.2f} host syncs per steady-state async step while claiming "
+                                  f"needs_cpu_seq_lens=False: {'; '.join(measured.host_sync_sources[:2])}",
+                                  tag=case.tag, metrics=metrics, evidence=evidence)
+        reason = "async == sync == plain" + (f"; {len(evidence['near_ties'])} near-tie flip(s)" if evidence.get("near_ties") else "")
+        if metrics.get("host_syncs_per_steady_step") is not None:
+            reason += f"; {metrics['host_syncs_per_steady_step']:.2f} syncs/step, GPU idle {metrics['gpu_idle_fraction']:.1%}"
+        return CaseResult(case.id, Verdict.PASS, reason, tag=case.tag, metrics=metrics, evidence=evidence)
+
+    def _difference(self, label, got, expected, prompts, model, base, device, evidence) -> str | None:
+        """None when equal or every difference is an explained near-tie; else the failure reason."""
+        from reference_engine.engine import Engine, EngineConfig
+        from reference_engine.equality import explain, first_divergence
+
+        reference = None
+        for index, (a, b) in enumerate(zip(expected, got)):
+            at = first_divergence(a, b)
+            if at is None:
+                continue
+            if at >= min(len(a), len(b)):
+                return f"{label}: prompt {index} has {len(b)} tokens, expected {len(a)}"
+            if reference is None:
+                reference = Engine(EngineConfig(model=base.model, backend="torch_naive", device=str(device),
+                                                dtype=torch.float32, block_size=base.block_size), copy.deepcopy(model).float())
+            margin, rank_a, rank_b = explain(reference, prompts[index], a[:at], a[at], b[at])
+            where = f"{label}: prompt {index}, output token {at}: {b[at]} instead of {a[at]} (fp32 margin {margin:.4f})"
+            if base.dtype == torch.float32 or max(rank_a, rank_b) > 1 or margin > NEAR_TIE:
+                return where
+            evidence.setdefault("near_ties", []).append(where)
+        return None
