@@ -45,6 +45,8 @@ class ModelConfig:
 
 PRESETS = {
     "tiny": ModelConfig(),
+    # head_dim 128: the shape whose FlashInfer kernels the GPU bundle ships prebuilt.
+    "tiny-d128": ModelConfig(hidden_size=512, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=1024),
     "tiny-mla": ModelConfig(attention="mla", num_heads=4, kv_lora_rank=64, qk_nope_dim=32, qk_rope_dim=16, v_head_dim=32),
     "small": ModelConfig(vocab_size=4096, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, head_dim=64,
                          intermediate_size=1408, max_model_len=4096),
