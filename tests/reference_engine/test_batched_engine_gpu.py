@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("drafter", ["oracle:random:0.7", "layer-skip"])
 def test_triton_async_equals_sync_with_graphs_and_no_syncs(drafter):
     device = torch.device("cuda")
-    config = EngineConfig(model=PRESETS["tiny"], backend="triton", device="cuda", dtype=torch.bfloat16, num_spec_tokens=3,
+    config = EngineConfig(model=PRESETS["tiny-d128"], backend="triton", device="cuda", dtype=torch.bfloat16, num_spec_tokens=3,
                           drafter=drafter, max_num_reqs=8, num_blocks=256, cuda_graphs=True, check_inputs=True)
     model = LlamaModel.random(config.model, 0, torch.bfloat16, device)
     generator = torch.Generator().manual_seed(0)
