@@ -74,6 +74,8 @@ class StepRecord:
     captured: bool  # a CUDA graph was captured for it (a one-time cost, not steady state)
     host_schedule_s: float
     host_launch_s: float
+    host_wait_s: float = 0.0  # polling for the results to land
+    host_land_s: float = 0.0  # applying them
 
 
 class BatchedEngine(Engine):
@@ -342,6 +344,14 @@ class BatchedEngine(Engine):
     def _land(self, launched: _Launched) -> None:
         """Step N's results reach the host: placeholders become tokens, lengths and blocks shrink
         by what was rejected, stop conditions apply."""
+        waited = time.perf_counter()
+        launched.result.wait()
+        landed = time.perf_counter()
+        self.steps[launched.index].host_wait_s = landed - waited
+        self._apply(launched)
+        self.steps[launched.index].host_land_s = time.perf_counter() - landed
+
+    def _apply(self, launched: _Launched) -> None:
         with nvtx.range("output processing"):
             k = self.config.num_spec_tokens
             values = launched.result.wait().tolist()
