@@ -94,12 +94,16 @@ class Engine:
         if reason:
             raise ValueError(f"backend {config.backend} cannot run this model here: {reason}")
         limits = BackendLimits(config.max_num_reqs, config.max_num_tokens, config.model.max_model_len)
+        max_query_len = backend_cls.capabilities.max_query_len
+        if max_query_len is not None and config.num_spec_tokens + 1 > max_query_len:
+            raise ValueError(f"backend {config.backend} verifies at most {max_query_len} tokens per request: "
+                             f"k={config.num_spec_tokens} needs {config.num_spec_tokens + 1}")
         self.backend = backend_cls(spec, limits, self.device)
         self.kv_caches = [self.backend.allocate_kv_cache(config.num_blocks) for _ in range(config.model.num_layers)]
         self.blocks = BlockManager(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.blocks, max_num_reqs=config.max_num_reqs, max_num_tokens=config.max_num_tokens,
-            num_spec_tokens=config.num_spec_tokens, max_model_len=config.model.max_model_len,
+            num_spec_tokens=config.num_spec_tokens, max_model_len=config.model.max_model_len, max_query_len=max_query_len,
         )
         self.state = DeviceState(config.max_num_reqs, self.device)
         self.scheduler.on_preempt = lambda request: self.state.reset(request.request_id)
@@ -182,6 +186,9 @@ class Engine:
 
     def score(self, prompt: list[int]) -> torch.Tensor:
         """Next-token logits after every prefix of ``prompt`` [len, V] (one prefill, nothing kept)."""
+        limit = self.scheduler.max_query_len
+        if limit is not None and len(prompt) > limit:
+            raise ValueError(f"score() prefills in one pass; backend {self.config.backend} takes at most {limit} tokens")
         request = Request(-1, list(prompt), SamplingParams())
         self.blocks.allocate(request.block_ids, len(prompt))
         try:

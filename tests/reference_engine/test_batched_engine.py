@@ -2,8 +2,12 @@
 tokens of sync scheduling and of plain greedy decoding, for every oracle pattern and k in {1, 3, 5},
 with chunked prefill and with preemption; the host's optimistic bookkeeping is corrected exactly;
 planted async bugs are caught."""
+import dataclasses
+
 import pytest
 import torch
+
+from backends.torch_naive import TorchNaiveBackend
 
 from reference_engine.batched_engine import BatchedEngine, InputCheckFailed
 from reference_engine.engine import Engine, EngineConfig
@@ -155,3 +159,30 @@ def test_step_inputs_follow_the_device_state():
     assert step.positions.tolist() == [15, 16, 17, 3, 4]
     assert step.slot_mapping.tolist() == [4 * 16 + 15, 5 * 16 + 0, 5 * 16 + 1, 6 * 16 + 3, 6 * 16 + 4]
     assert step.seq_lens.tolist() == [18, 5]
+
+
+
+class VerifyOnlyBackend(TorchNaiveBackend):
+    """torch_naive claiming what triton_mla claims, query length <= 4 (decode and spec-verify only),
+    and behaving like a decode kernel past it: queries beyond the 4th of a row get no attention."""
+
+    name = "verify_only"
+    capabilities = dataclasses.replace(TorchNaiveBackend.capabilities, max_query_len=4)
+
+    def forward(self, query, kv_cache, metadata, out) -> None:
+        super().forward(query, kv_cache, metadata, out)
+        starts = metadata.query_start_loc
+        for request in range(len(starts) - 1):
+            out[starts[request] + 4 : starts[request + 1]] = 0.0
+
+
+def test_prefill_is_chunked_to_the_backends_max_query_len(plain_tokens):
+    """The engine prefills in chunks of at most the backend's max_query_len (triton_mla's engine
+    check failed before it did): tokens equal plain decoding through a backend with no limit."""
+    backend = "tests.reference_engine.test_batched_engine:VerifyOnlyBackend"
+    for scheduling in (False, True):
+        _, outputs = run(backend=backend, num_spec_tokens=3, drafter="oracle:random:0.5", async_scheduling=scheduling)
+        assert [out.tokens for out in outputs] == plain_tokens
+    assert [out.tokens for out in Engine(EngineConfig(backend=backend)).generate(PROMPTS, GREEDY)] == plain_tokens
+    with pytest.raises(ValueError, match="verifies at most 4 tokens per request: k=4 needs 5"):
+        BatchedEngine(EngineConfig(backend=backend, num_spec_tokens=4, drafter="oracle:all"))
