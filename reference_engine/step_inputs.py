@@ -5,11 +5,16 @@ cannot write positions, slots or decode input ids. It uploads only what it does 
 state slot, query length, whether the row decodes (inputs from the device state) or prefills
 (token ids from the host), and the block table. Everything else is derived here:
 
-    start      = num_computed[slot] + step           (step: the draft-loop index, 0 for a target forward)
+    step'      = min(step, max(num_valid - 1, 0))   (step: the draft-loop index, 0 for a target forward)
+    start      = num_computed[slot] + step'
     position   = start + offset                      (offset: the token's index within its row)
-    input id   = decode row: [last_token, drafts...][step + offset]; prefill row: the host id
-    slot       = block_table[row, position // B] * B + position % B, or -1 past the row's valid tokens
+    input id   = decode row: [last_token, drafts...][step' + offset]; prefill row: the host id
+    slot       = block_table[row, position // B] * B + position % B, or -1 unless offset + step < num_valid
     seq_len    = start + query_len
+
+A draft row with fewer drafts than the loop has steps (a request near max_tokens) stops advancing
+at its last draft: its later steps write nothing and never reach past the blocks the host
+allocated for it (a backend that gathers pages from the block table would read out of bounds).
 
 Two implementations compute the same thing: one Triton kernel per step on CUDA (one program per
 token), and a torch version for CPUs and for checking the kernel.
@@ -51,7 +56,8 @@ def prepare_torch(starts: torch.Tensor, last_token: torch.Tensor, drafts: torch.
     """``starts`` [B]: the rows' committed lengths (num_computed of their slots)."""
     rows = layout.token_row
     offsets = torch.arange(rows.numel(), device=rows.device) - layout.query_start_loc.long()[rows]
-    index = offsets + step  # into the decode sequence [last_token, drafts...]
+    row_step = torch.minimum(torch.full_like(layout.num_valid, step), (layout.num_valid - 1).clamp(min=0))
+    index = offsets + row_step[rows]  # into the decode sequence [last_token, drafts...]
     slot_of_token = layout.slots[rows]
     positions = starts.long()[rows] + index
     from_state = torch.where(index == 0, last_token[slot_of_token],
@@ -59,10 +65,10 @@ def prepare_torch(starts: torch.Tensor, last_token: torch.Tensor, drafts: torch.
     input_ids = torch.where(layout.is_decode[rows].bool(), from_state, layout.host_ids)
     block_index = (positions // block_size).clamp(max=layout.block_table.shape[1] - 1)
     blocks = layout.block_table.long()[rows, block_index]
-    valid = index < layout.num_valid[rows]
+    valid = offsets + step < layout.num_valid[rows]
     slot_mapping = torch.where(valid, blocks * block_size + positions % block_size, -1)
     query_lens = layout.query_start_loc[1:] - layout.query_start_loc[:-1]
-    seq_lens = (starts + step + query_lens).to(torch.int32)
+    seq_lens = (starts + row_step + query_lens).to(torch.int32)
     return StepTensors(input_ids, positions, slot_mapping, seq_lens)
 
 
@@ -74,7 +80,9 @@ def _prepare_kernel(starts, last_token, drafts, drafts_stride, drafts_width, slo
     row = tl.load(token_row + token)
     row_start = tl.load(query_start_loc + row)
     offset = token - row_start
-    index = offset + step
+    num_valid_row = tl.load(num_valid + row)
+    row_step = tl.minimum(step, tl.maximum(num_valid_row - 1, 0))
+    index = offset + row_step
     slot = tl.load(slots + row)
     decode = tl.load(is_decode + row)
     position = tl.load(starts + row).to(tl.int64) + index
@@ -84,13 +92,13 @@ def _prepare_kernel(starts, last_token, drafts, drafts_stride, drafts_width, slo
     input_id = tl.where(decode != 0, from_state, tl.load(host_ids + token))
     block_index = tl.minimum(position // block_size, max_blocks - 1)
     block = tl.load(block_table + row * block_table_stride + block_index).to(tl.int64)
-    valid = index < tl.load(num_valid + row)
+    valid = offset + step < num_valid_row
     tl.store(input_ids_out + token, input_id)
     tl.store(positions_out + token, position)
     tl.store(slot_mapping_out + token, tl.where(valid, block * block_size + position % block_size, -1))
     if offset == 0:  # one program per row writes its seq_len
         row_end = tl.load(query_start_loc + row + 1)
-        tl.store(seq_lens_out + row, (tl.load(starts + row) + step + row_end - row_start).to(tl.int32))
+        tl.store(seq_lens_out + row, (tl.load(starts + row) + row_step + row_end - row_start).to(tl.int32))
 
 
 def prepare_triton(starts: torch.Tensor, last_token: torch.Tensor, drafts: torch.Tensor, layout: RowLayout,

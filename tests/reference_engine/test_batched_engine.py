@@ -130,11 +130,11 @@ def test_step_inputs_torch_and_triton_agree_under_the_interpreter():
         "g = torch.Generator().manual_seed(0)\n"
         "layout = RowLayout(slots=torch.tensor([2, 0, 1]), query_start_loc=torch.tensor([0, 4, 5, 8], dtype=torch.int32),\n"
         "    token_row=torch.tensor([0, 0, 0, 0, 1, 2, 2, 2]), host_ids=torch.tensor([0, 0, 0, 0, 0, 11, 12, 13]),\n"
-        "    is_decode=torch.tensor([1, 1, 0]), num_valid=torch.tensor([3, 1, 3]),\n"
+        "    is_decode=torch.tensor([1, 1, 0]), num_valid=torch.tensor([3, 0, 2]),\n"
         "    block_table=torch.randint(1, 50, (3, 6), generator=g, dtype=torch.int32))\n"
         "starts = torch.tensor([37, 5, 16], dtype=torch.int32)\n"
         "last = torch.tensor([101, 102, 103]); drafts = torch.randint(0, 99, (3, 4), generator=g)\n"
-        "for step in (0, 2):\n"
+        "for step in (0, 2, 3):\n"
         "    a = prepare_torch(starts, last, drafts, layout, step, 16); b = prepare_triton(starts, last, drafts, layout, step, 16)\n"
         "    for name in ('input_ids', 'positions', 'slot_mapping', 'seq_lens'):\n"
         "        assert torch.equal(getattr(a, name), getattr(b, name)), (step, name, getattr(a, name), getattr(b, name))\n"
@@ -159,6 +159,44 @@ def test_step_inputs_follow_the_device_state():
     assert step.positions.tolist() == [15, 16, 17, 3, 4]
     assert step.slot_mapping.tolist() == [4 * 16 + 15, 5 * 16 + 0, 5 * 16 + 1, 6 * 16 + 3, 6 * 16 + 4]
     assert step.seq_lens.tolist() == [18, 5]
+
+
+def test_a_draft_row_stops_at_its_last_draft():
+    """Draft step 2 of a loop of 3: the row with 1 draft stays at its step 0 and writes nothing."""
+    from reference_engine.step_inputs import RowLayout, prepare_torch
+
+    layout = RowLayout(slots=torch.tensor([0, 1]), query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
+                       token_row=torch.tensor([0, 1]), host_ids=torch.zeros(2, dtype=torch.long),
+                       is_decode=torch.tensor([1, 1]), num_valid=torch.tensor([3, 1]),
+                       block_table=torch.tensor([[4, 5], [6, 0]], dtype=torch.int32))
+    step = prepare_torch(torch.tensor([20, 16], dtype=torch.int32), torch.tensor([50, 60]),
+                         torch.tensor([[70, 71, 72], [80, 81, 82]]), layout, 2, 16)
+    assert step.positions.tolist() == [22, 16]
+    assert step.seq_lens.tolist() == [23, 17]  # 17 tokens fit the row's one block; 19 would not
+    assert step.slot_mapping.tolist() == [5 * 16 + 6, -1]
+
+
+class AllocationBoundBackend(TorchNaiveBackend):
+    """torch_naive that refuses to read a page the request does not own (block 0, or past its
+    block-table row), as a backend gathering pages from the block table would read out of bounds."""
+
+    name = "allocation_bound"
+
+    def forward(self, query, kv_cache, metadata, out) -> None:
+        for request, seq_len in enumerate(metadata.seq_lens):
+            pages = metadata.block_table[request, : -(-seq_len // self.spec.block_size)]
+            if pages.numel() * self.spec.block_size < seq_len or bool((pages == 0).any()):
+                raise AssertionError(f"request row {request}: seq_len {seq_len} reaches past its blocks {pages.tolist()}")
+        super().forward(query, kv_cache, metadata, out)
+
+
+@pytest.mark.parametrize("scheduling", [False, True])
+def test_draft_steps_stay_inside_the_allocation(plain_tokens, scheduling):
+    """Layer-skip drafting with requests near max_tokens (fewer drafts than k): no step reads past
+    the blocks the host allocated (FlashInfer's page gather went out of bounds on the GPU)."""
+    backend = "tests.reference_engine.test_batched_engine:AllocationBoundBackend"
+    _, outputs = run(backend=backend, num_spec_tokens=5, drafter="layer-skip:1", async_scheduling=scheduling)
+    assert [out.tokens for out in outputs] == plain_tokens
 
 
 
