@@ -1,6 +1,11 @@
 """Persistent, padded step buffers that a CUDA graph is captured over, and the loading of any
 batch into them (real rows first, then padding rows: query_len as planned, seq_len = query_len,
-slot -1, block-table row → reserved block 0), as an engine does before each replay."""
+slot -1, block-table row → reserved block 0), as an engine does before each replay.
+
+The backend's limits allow twice the padded batch: an engine captures several batch sizes (1, 2,
+4, …) under one ``max_num_reqs``, so a graph at a size below the limit is the common case (the
+flashinfer adapter once used its non-graph wrapper there, and the engine's replays read freed
+buffers)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,7 +33,8 @@ class GraphBuffers:
     def __init__(self, backend_cls: type[AttentionBackend], shape: GraphShape, cases: list[Case], device: torch.device):
         spec = cases[0].spec
         self.spec, self.shape, self.device = spec, shape, device
-        self.backend = backend_cls(spec, BackendLimits(shape.num_reqs, shape.num_tokens, shape.max_model_len), device)
+        limits = BackendLimits(2 * shape.num_reqs, 2 * shape.num_tokens, shape.max_model_len)
+        self.backend = backend_cls(spec, limits, device)
         num_blocks = max(materialize(case, "cpu").num_blocks for case in cases)
         self.kv_cache = self.backend.allocate_kv_cache(num_blocks)
         max_blocks = shape.max_model_len // spec.block_size

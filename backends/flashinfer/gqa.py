@@ -7,9 +7,13 @@ goes through the prefill wrapper whole, which handles single-token rows too. FA2
 for the prefill wrapper: on an H200 FlashInfer's FA2 ran spec-verify q=4 at batch 64 / context
 4096 in 259 µs against FA3's 1133 µs.
 
-CUDA graphs: a pure-decode batch of exactly ``limits.max_num_reqs`` requests (the padded size an
-engine captures) uses a ``use_cuda_graph`` decode wrapper whose indptr / indices / last-page
-buffers are persistent and sized by the limits; ``build()`` re-plans it before every replay.
+CUDA graphs: FlashInfer fixes a ``use_cuda_graph`` decode wrapper's batch size, so there is one
+per captured batch size (as vLLM keeps them): ``limits.max_num_reqs`` from the start, any other
+size made by ``build_for_capture`` (outside the capture). They share one float workspace and
+slices of persistent indptr / indices / last-page buffers sized by the limits; ``build()``
+re-plans the wrapper of the batch's size before every replay, and eager decodes of that size use
+it too. (An engine capturing at padded sizes 1, 2, 4, … once got the non-graph wrapper inside its
+graphs: its replay read freed plan buffers.)
 """
 from __future__ import annotations
 
@@ -93,12 +97,24 @@ class FlashInferBackend(AttentionBackend):
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD", backend="fa2")
         max_reqs = limits.max_num_reqs
         int32 = dict(dtype=torch.int32, device=self.device)
-        self.graph_decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace(), "NHD", use_cuda_graph=True, use_tensor_cores=True,
-            paged_kv_indptr_buffer=torch.zeros(max_reqs + 1, **int32),
-            paged_kv_indices_buffer=torch.zeros(max_reqs * limits.max_blocks_per_req(spec.block_size), **int32),
-            paged_kv_last_page_len_buffer=torch.zeros(max_reqs, **int32),
-        )
+        self.graph_workspace = workspace()
+        self.graph_indptr = torch.zeros(max_reqs + 1, **int32)
+        self.graph_indices = torch.zeros(max_reqs * limits.max_blocks_per_req(spec.block_size), **int32)
+        self.graph_last_page_len = torch.zeros(max_reqs, **int32)
+        self.graph_decode: dict[int, Any] = {}
+        self._graph_decode_wrapper(max_reqs)
+
+    def _graph_decode_wrapper(self, num_reqs: int):
+        """The ``use_cuda_graph`` decode wrapper of one batch size (made once, never during a capture)."""
+        if num_reqs not in self.graph_decode:
+            import flashinfer  # noqa: PLC0415 - optional dependency
+
+            self.graph_decode[num_reqs] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.graph_workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                paged_kv_indptr_buffer=self.graph_indptr[: num_reqs + 1], paged_kv_indices_buffer=self.graph_indices,
+                paged_kv_last_page_len_buffer=self.graph_last_page_len[:num_reqs],
+            )
+        return self.graph_decode[num_reqs]
 
     # NHD: [num_blocks, 2, block_size, kv_heads, head_dim]
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -128,10 +144,15 @@ class FlashInferBackend(AttentionBackend):
             kv_data_type=spec.dtype,
         )
 
+    def build_for_capture(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
+        if common.max_query_len == 1:
+            self._graph_decode_wrapper(common.num_reqs)
+        return self.build(common)
+
     def build(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
         tokens = common.num_actual_tokens
         if common.max_query_len == 1:
-            wrapper = self.graph_decode if common.num_reqs == self.limits.max_num_reqs else self.decode
+            wrapper = self.graph_decode.get(common.num_reqs, self.decode)
             self._plan_decode(wrapper, common)
             return FlashInferMetadata([WrapperCall(wrapper, 0, tokens)])
         decodes = leading_decodes(common.query_lens_cpu.tolist())

@@ -111,3 +111,35 @@ def test_decodes_first_split_for_flashinfer():
     assert decodes.query_start_loc_cpu.tolist() == [0, 1, 2] and decodes.max_query_len == 1 and decodes.num_actual_tokens == 2
     assert rest.query_start_loc_cpu.tolist() == [0, 200, 264] and rest.query_start_loc.tolist() == [0, 200, 264]
     assert rest.seq_lens_cpu.tolist() == [200, 764] and rest.block_table.shape[0] == 2 and rest.max_query_len == 200
+
+
+def test_flashinfer_keeps_one_graph_decode_wrapper_per_captured_batch_size(monkeypatch):
+    """FlashInfer fixes a graph wrapper's batch size: a capture at a size below max_num_reqs (as an
+    engine's padded sizes 1, 2, 4, … are) must get a graph wrapper of its own, never the eager one."""
+    import sys
+    import types
+
+    from backends.flashinfer import gqa
+
+    class FakeWrapper:
+        def __init__(self, workspace, layout, use_cuda_graph=False, use_tensor_cores=False, backend=None,
+                     paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None):
+            self.workspace, self.graph, self.indptr = workspace, use_cuda_graph, paged_kv_indptr_buffer
+
+        def plan(self, indptr, *args, **kwargs):
+            if self.graph:  # FlashInfer: "the batch size should be fixed in cudagraph mode"
+                assert len(indptr) == len(self.indptr), (len(indptr), len(self.indptr))
+
+    fake = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=FakeWrapper, BatchPrefillWithPagedKVCacheWrapper=FakeWrapper)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setattr(gqa, "WORKSPACE_BYTES", 64)
+    case = parse_case("gqa-h4/2-d128-bf16-p16:30+1,50+1")
+    backend = FlashInferBackend(case.spec, BackendLimits(8, 64, 256), torch.device("cpu"))
+    common = materialize(case, "cpu").common_metadata()
+    captured = backend.build_for_capture(common)
+    wrapper = captured.calls[0].wrapper
+    assert wrapper.graph and len(wrapper.indptr) == 3 and wrapper.workspace is backend.graph_workspace
+    assert backend.build(common).calls[0].wrapper is wrapper  # the replay re-plans the captured wrapper
+    three = materialize(parse_case("gqa-h4/2-d128-bf16-p16:30+1,50+1,9+1"), "cpu").common_metadata()
+    assert backend.build(three).calls[0].wrapper is backend.decode  # never captured: eager
+    assert sorted(backend.graph_decode) == [2, 8]
