@@ -1,9 +1,11 @@
 """The reference engine, part 2: one batched step, run synchronously or zero-bubble async.
 
 Per step, on the device, in stream order: upload what the host knows (one pinned copy) → draft k
-tokens for the decoding rows → compute input ids, positions, slots and seq_lens from the device
-state (``step_inputs``) → target forward → greedy rejection → commit into the device state →
-copy the results to pinned memory and record an event.
+tokens for the decoding rows (oracle script, layer-skip or EAGLE head) → compute input ids,
+positions, slots and seq_lens from the device state (``step_inputs``) → target forward →
+rejection (greedy, or probabilistic for requests with a temperature) → EAGLE's cache catch-up →
+commit into the device state → copy the results to pinned memory and record an event. Uniform
+steps run these as CUDA-graph segments (``graphs``).
 
 Async (``async_scheduling``): the host schedules and launches step N + 1 before it has seen step
 N's results. It assumes every draft of step N is accepted: a decoding request's host length grows
@@ -14,6 +16,10 @@ late), the host replaces the placeholders with the real tokens, takes back the r
 trims blocks it over-allocated, and applies stop conditions (truncating whatever the step in flight
 produced past a stop). Sync: the same step, with the host waiting for each step's results before
 scheduling the next (and then it knows exact host lengths, which it passes to the backend).
+
+Randomness (the oracle's random pattern, sampling with a temperature) comes from counters: a
+request's seed and output position hashed (``sampling.counter_uniform``), never a generator, so
+sync and async runs draw the same numbers and graphs replay them.
 
 A debug mode (``check_inputs``) counts on the device, without a sync, every input that is a
 placeholder, every position that is not committed + offset, every slot outside the request's
@@ -32,14 +38,24 @@ from reference_engine import nvtx
 from reference_engine.device_state import DeviceState
 from reference_engine.drafters import AcceptancePattern
 from reference_engine.engine import Engine, EngineConfig, GenerationOutput
-from reference_engine.handoff import Download, Downloader, Uploader
+from reference_engine.handoff import Download, Uploader, Downloader
 from reference_engine.metrics import StepTimer
 from reference_engine.model import StepInputs
-from reference_engine.rejection import PLACEHOLDER, greedy_rejection
+from reference_engine.rejection import PLACEHOLDER, greedy_rejection, rejection_with_noise
 from reference_engine.request import Request
-from reference_engine.sampling import SamplingParams
+from reference_engine.sampling import SamplingParams, batched_filtered_probabilities, counter_uniform, gumbel_argmax
 from reference_engine.scheduler import Scheduled
-from reference_engine.step_inputs import VIOLATION_NAMES, RowLayout, input_violations, prepare
+from reference_engine.step_inputs import (
+    VIOLATION_NAMES,
+    RowLayout,
+    StepTensors,
+    empty_step_tensors,
+    input_violations,
+    prepare,
+)
+
+# Lanes of the counter-based noise: one per use, so no two uses share numbers.
+ORACLE_LANE, DRAFT_LANE, ACCEPT_LANE, RECOVER_LANE, BONUS_LANE = range(5)
 
 
 class InputCheckFailed(AssertionError):
@@ -62,6 +78,30 @@ class _Launched:
     result: Download
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """A launched step's static sizes: with ``padded``, the key of its CUDA graphs."""
+
+    num_reqs: int  # rows, padding rows included
+    num_tokens: int
+    width: int  # block-table columns
+    num_decodes: int  # the leading decode rows (padding rows decode)
+    draft_steps: int  # draft-loop length: the most drafts of any row
+    padded: bool  # a uniform step on persistent buffers (graph segments)
+    sampling: bool  # some request of this generate() call has a temperature
+
+
+@dataclass
+class _HostView:
+    """What the host knows of the step beyond its shape (changes between replays)."""
+
+    query_start_loc: list[int]
+    seq_lens: list[int]  # exact in sync mode; optimistic (every draft accepted) under async
+    starts: list[int]
+    num_drafts: list[int]
+    max_query_len: int
+
+
 @dataclass
 class StepRecord:
     """Per-step host timings: the metrics module turns these into TPOT and overlap figures."""
@@ -78,23 +118,52 @@ class StepRecord:
     host_land_s: float = 0.0  # applying them
 
 
+class _Buffers:
+    """One step's device tensors beyond the upload; persistent per shape for padded steps."""
+
+    def __init__(self, shape: StepShape, up: dict[str, torch.Tensor], hidden_size: int, dtype, device) -> None:
+        reqs, decodes = shape.num_reqs, shape.num_decodes
+        self.query_start_loc = torch.empty(reqs + 1, dtype=torch.int32, device=device)
+        self.block_table = torch.empty(reqs, shape.width, dtype=torch.int32, device=device)
+        self.starts = torch.empty(reqs, dtype=torch.int32, device=device)
+        self.verify = empty_step_tensors(shape.num_tokens, reqs, device)
+        self.violations = torch.zeros(len(VIOLATION_NAMES), dtype=torch.int64, device=device)
+        self.layout = RowLayout(slots=up["slots"], query_start_loc=self.query_start_loc, token_row=up["token_row"],
+                                host_ids=up["host_ids"], is_decode=up["is_decode"], num_valid=up["num_valid"],
+                                block_table=self.block_table)
+        # The draft loop: one token per decoding row, inputs from the device state.
+        self.draft_layout = RowLayout(
+            slots=up["slots"][:decodes], query_start_loc=torch.arange(decodes + 1, dtype=torch.int32, device=device),
+            token_row=torch.arange(decodes, device=device), host_ids=torch.zeros(decodes, dtype=torch.int64, device=device),
+            is_decode=torch.ones(decodes, dtype=torch.int64, device=device), num_valid=up["num_drafts"][:decodes],
+            block_table=self.block_table[:decodes],
+        )
+        self.draft_starts = torch.empty(decodes, dtype=torch.int32, device=device)
+        self.draft = empty_step_tensors(decodes, decodes, device)
+        self.draft_features = torch.zeros(decodes, hidden_size, dtype=dtype, device=device)  # EAGLE's own feature
+
+
 class BatchedEngine(Engine):
     def __init__(self, config: EngineConfig, model=None, eagle_head=None) -> None:
         super().__init__(config, model, eagle_head)
-        k = config.num_spec_tokens
-        self.state = DeviceState(config.max_num_reqs, self.device, k)
+        k, reqs = config.num_spec_tokens, config.max_num_reqs
+        # One spare slot past max_num_reqs: graph padding rows decode from it and never commit.
+        self.state = DeviceState(reqs + 1, self.device, k)
+        self.spare_slot = self.state.free_slots.pop()
         self.scheduler.on_preempt = lambda request: self.state.reset(request.request_id)
         self.scheduler.before_preempt = self._land_pending
+        self._allocate_slot_state(k)
         max_blocks = -(-config.model.max_model_len // config.block_size)
-        reqs, tokens = config.max_num_reqs, config.max_num_tokens
-        self.uploads = Uploader(reqs * (max_blocks + 2 * k + 16) + 2 * tokens + 8, self.device)
-        self.downloads = Downloader(reqs * (k + 2) + 8, self.device)
+        self.max_blocks = max_blocks
+        tokens = config.max_num_tokens
+        self.uploads = Uploader(reqs * (max_blocks + 3 * k + 16) + 3 * tokens + 8, self.device)
+        self.downloads = Downloader(reqs * (k + 2) + len(VIOLATION_NAMES) + 8, self.device)
         self.pending: _Launched | None = None
         self.steps: list[StepRecord] = []
         self._decode_steps: dict[int, int] = {}
-        self._script: torch.Tensor | None = None  # oracle: reference outputs [requests, L]
-        self._script_row = torch.zeros(reqs, dtype=torch.int64, device=self.device)
-        self._draft_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self._script: torch.Tensor | None = None  # oracle: reference outputs [requests, L] of this generate()
+        self._sampling = False
+        self._buffers: dict[StepShape, _Buffers] = {}
         self.timer = StepTimer(self.device.type == "cuda")
         self.sync_detector = None  # metrics.measure attaches one: a phase per loop iteration
         self.iteration = 0
@@ -104,24 +173,45 @@ class BatchedEngine(Engine):
 
             self.graphs = StepGraphs(self)
 
+    def _allocate_slot_state(self, k: int) -> None:
+        """Per-slot device state of the batched engine beyond lengths and tokens."""
+        slots, device, config = self.state.num_computed.shape[0], self.device, self.config
+        self.slot_seed = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.slot_temperature = torch.zeros(slots, dtype=torch.float32, device=device)
+        self.slot_top_k = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.slot_top_p = torch.ones(slots, dtype=torch.float32, device=device)
+        self.draft_step = torch.zeros((), dtype=torch.int64, device=device)  # the draft loop's index
+        self.draft_probabilities = None  # [slots, k, V], allocated by the first sampling generate()
+        self.eagle_features = None
+        if self.drafter == "eagle":
+            # The target's feature before each request's next input token (EAGLE's input).
+            self.eagle_features = torch.zeros(slots, config.model.hidden_size, dtype=config.dtype, device=device)
+        self.script_by_slot = None
+        if isinstance(self.drafter, AcceptancePattern):
+            self.script_by_slot = torch.zeros(slots, config.model.max_model_len + k + 1, dtype=torch.int64, device=device)
+
     def _make_drafter(self, name: str):
-        if name == "eagle":
-            raise ValueError("the batched engine drafts with oracle:PATTERN or layer-skip[:N]; "
-                             "EAGLE runs in the per-request engine (--loop simple)")
         drafter = super()._make_drafter(name)
+        if name == "eagle":
+            return "eagle"  # the head (self.eagle) drafts over its own cache (self.eagle_cache)
         return drafter if isinstance(drafter, AcceptancePattern) else drafter.num_layers
+
+    @property
+    def drafts_with_attention(self) -> bool:
+        return self.drafter is not None and not isinstance(self.drafter, AcceptancePattern)
 
     # --- public API -----------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], on_step=None) -> list[GenerationOutput]:
         params_list = self._validate(prompts, params)
-        if not all(p.greedy for p in params_list):
-            raise ValueError("the batched engine samples greedily (temperature 0); "
-                             "sampling with temperature runs in the per-request engine (--loop simple)")
+        self._sampling = not all(p.greedy for p in params_list)
+        if self._sampling and self.draft_probabilities is None and self.config.num_spec_tokens:
+            self.draft_probabilities = torch.zeros(self.state.num_computed.shape[0], self.config.num_spec_tokens,
+                                                   self.config.model.vocab_size, device=self.device)
         if isinstance(self.drafter, AcceptancePattern):
             script = self._oracle_script(prompts, params_list)
-            width = max(map(len, script.values())) + self.config.num_spec_tokens + 1
-            rows = [tokens + [0] * (width - len(tokens)) for _, tokens in sorted(script.items())]
+            width = self.script_by_slot.shape[1]
+            rows = [(tokens + [0] * width)[:width] for _, tokens in sorted(script.items())]
             self._script = torch.tensor(rows, dtype=torch.int64, device=self.device)
         requests = self._admit(prompts, params_list)
         self._decode_steps = {request.request_id: 0 for request in requests}
@@ -156,16 +246,40 @@ class BatchedEngine(Engine):
     # --- launching a step -------------------------------------------------------------------------
 
     def _launch(self, scheduled: list[Scheduled], started: float) -> _Launched:
-        config, k = self.config, self.config.num_spec_tokens
-        bs = config.block_size
-        fields = {name: [] for name in ("slots", "query_start_loc", "token_row", "host_ids", "is_decode", "num_valid",
-                                        "num_drafts", "logits_index", "produces", "decode", "host_last_token", "host_start",
-                                        "capacity")}
-        fields["query_start_loc"].append(0)
-        rows, host_seq_lens = [], []
-        width = max(len(item.request.block_ids) for item in scheduled)
-        block_rows = []
         prepared = time.perf_counter()
+        fields, rows, shape, host = self._host_fields(scheduled)
+        captures = self.graphs.captures if self.graphs else 0
+        self.timer.begin()
+        with nvtx.range("prepare"):
+            up = self.uploads.upload(fields)
+            buffers = self._step_buffers(shape, up)
+            buffers.query_start_loc.copy_(up["query_start_loc"])
+            buffers.block_table.copy_(up["block_table"].view(shape.num_reqs, shape.width))
+        if self.drafter is not None and shape.num_decodes and shape.draft_steps:
+            with nvtx.range("draft"):
+                self._draft(shape, host, up, buffers)
+        payload = self._verify(shape, host, up, buffers)
+        download = self.downloads.download(payload)
+        self.timer.end()
+        launched = _Launched(len(self.steps), rows, download)
+        captured = (self.graphs.captures if self.graphs else 0) != captures
+        uniform = shape.num_decodes == shape.num_reqs and len({row.num_tokens for row in rows}) == 1
+        self.steps.append(StepRecord(len(self.steps), self.iteration, len(rows), sum(row.num_tokens for row in rows), uniform, captured,
+                                     prepared - started, time.perf_counter() - prepared))
+        return launched
+
+    def _host_fields(self, scheduled: list[Scheduled]):
+        """The host's view of the step, packed for the upload; optimistic bookkeeping applied."""
+        k, bs = self.config.num_spec_tokens, self.config.block_size
+        names = ("slots", "query_start_loc", "token_row", "host_ids", "is_decode", "num_valid", "num_drafts",
+                 "logits_index", "produces", "decode", "host_last_token", "host_start", "capacity", "block_table")
+        fields = {name: [] for name in names}
+        fields["query_start_loc"].append(0)
+        counts = {item.num_tokens for item in scheduled}
+        uniform = len(counts) == 1 and all(not item.request.in_prefill for item in scheduled)
+        size = self.graphs.size_for(len(scheduled), next(iter(counts))) if self.graphs and uniform else None
+        width = self.max_blocks if size else max(len(item.request.block_ids) for item in scheduled)
+        rows, host = [], _HostView([0], [], [], [], max(counts))
         for index, item in enumerate(scheduled):
             request = item.request
             first_time = request.request_id not in self.state.slot_of
@@ -174,95 +288,98 @@ class BatchedEngine(Engine):
                 self._on_new_slot(request, slot)
             decode = not request.in_prefill
             start, count = request.num_computed, item.num_tokens
-            begin = fields["query_start_loc"][-1]
-            fields["query_start_loc"].append(begin + count)
-            fields["token_row"] += [index] * count
             if decode:
                 source, host_ids = self._decode_inputs(request, count)
-                fields["host_ids"] += host_ids
-                logits_rows = [begin + min(j, count - 1) for j in range(k + 1)]
                 placeholders, host_last = count, -1
             else:
-                fields["host_ids"] += request.tokens[start : start + count]
+                source, host_ids = 0, request.tokens[start : start + count]
                 completes = start + count == request.prefill_target
-                logits_rows = [begin + count - 1] * (k + 1)
                 placeholders = 1 if completes and not request.output else 0
                 # A request recomputed after a preemption resumes from its last output token.
                 host_last = request.output[-1] if completes and request.output else -1
-            fields["slots"].append(slot)
-            fields["is_decode"].append(source if decode else 0)
-            fields["decode"].append(int(decode))
-            fields["num_valid"].append(count)
-            fields["num_drafts"].append(item.num_drafts)
-            fields["logits_index"] += logits_rows
-            fields["produces"].append(int(decode or placeholders > 0))
-            fields["host_last_token"].append(host_last)
-            fields["host_start"].append(start)
-            fields["capacity"].append(len(request.block_ids) * bs)
-            block_rows += request.block_ids + [0] * (width - len(request.block_ids))
-            host_seq_lens.append(start + count)
+            self._add_row(fields, index, slot, count, host_ids, source, decode, count, item.num_drafts,
+                          int(decode or placeholders > 0), host_last, start, len(request.block_ids) * bs,
+                          request.block_ids, width)
+            host.starts.append(start)
+            host.seq_lens.append(start + count)
+            host.num_drafts.append(item.num_drafts)
             rows.append(_Row(request, decode, count, item.num_drafts, placeholders))
             # Optimism: the host assumes every draft is accepted.
             request.num_computed += count
             request.output += [PLACEHOLDER] * placeholders
             request.steps += 1
-        fields["block_table"] = block_rows
-        captures = self.graphs.captures if self.graphs else 0
-        self.timer.begin()
-        with nvtx.range("prepare"):
-            up = self.uploads.upload(fields)
-        num_tokens = fields["query_start_loc"][-1]
-        num_reqs = len(rows)
-        layout = RowLayout(
-            slots=up["slots"], query_start_loc=up["query_start_loc"].to(torch.int32), token_row=up["token_row"],
-            host_ids=up["host_ids"], is_decode=up["is_decode"], num_valid=up["num_valid"],
-            block_table=up["block_table"].view(num_reqs, width).to(torch.int32),
+        count = next(iter(counts))
+        for index in range(len(scheduled), size or 0):  # graph padding: decode from the spare slot, write nothing
+            self._add_row(fields, index, self.spare_slot, count, [0] * count, 1, True, 0, 0, 0, -1, 0, 0, [], width)
+            host.starts.append(0)
+            host.seq_lens.append(count)
+            host.num_drafts.append(0)
+        host.query_start_loc = fields["query_start_loc"]
+        num_reqs = len(fields["slots"])
+        num_decodes = next((i for i, flag in enumerate(fields["decode"]) if not flag), num_reqs)
+        shape = StepShape(num_reqs, host.query_start_loc[-1], width, num_decodes,
+                          max(host.num_drafts[:num_decodes], default=0), size is not None, self._sampling)
+        return fields, rows, shape, host
+
+    def _add_row(self, fields, index, slot, count, host_ids, source, decode, num_valid, num_drafts, produces,
+                 host_last, start, capacity, block_ids, width) -> None:
+        k = self.config.num_spec_tokens
+        begin = fields["query_start_loc"][-1]
+        fields["query_start_loc"].append(begin + count)
+        fields["token_row"] += [index] * count
+        fields["host_ids"] += host_ids
+        fields["slots"].append(slot)
+        fields["is_decode"].append(source if decode else 0)
+        fields["decode"].append(int(decode))
+        fields["num_valid"].append(num_valid)
+        fields["num_drafts"].append(num_drafts)
+        # The logits rows rejection reads: a decode row's k + 1 positions, a prefill row's last.
+        fields["logits_index"] += [begin + min(j, count - 1) if decode else begin + count - 1 for j in range(k + 1)]
+        fields["produces"].append(produces)
+        fields["host_last_token"].append(host_last)
+        fields["host_start"].append(start)
+        fields["capacity"].append(capacity)
+        fields["block_table"] += block_ids + [0] * (width - len(block_ids))
+
+    def _step_buffers(self, shape: StepShape, up) -> _Buffers:
+        """Persistent per shape for padded steps (the upload's offsets are fixed by the shape too)."""
+        if not shape.padded:
+            return _Buffers(shape, up, self.config.model.hidden_size, self.config.dtype, self.device)
+        if shape not in self._buffers:
+            self._buffers[shape] = _Buffers(shape, up, self.config.model.hidden_size, self.config.dtype, self.device)
+        return self._buffers[shape]
+
+    def _segment(self, name: str, shape: StepShape, common: CommonAttentionMetadata | None, segment):
+        """A piece of the step: from a CUDA graph on a padded step, else eagerly."""
+        if shape.padded and self.graphs is not None:
+            return self.graphs.run((name, shape), common, segment)
+        return segment(self.backend.build(common) if common is not None else None)
+
+    def _common(self, layout: RowLayout, step: StepTensors, shape: StepShape, num_reqs: int, query_start_loc: list[int],
+                max_query_len: int, host_seq_lens: list[int]) -> CommonAttentionMetadata:
+        """The backend's view of a batch: host lengths only when the host knows them (sync)."""
+        exact = not self.config.async_scheduling
+        return CommonAttentionMetadata(
+            query_start_loc=layout.query_start_loc, seq_lens=step.seq_lens, block_table=layout.block_table,
+            slot_mapping=step.slot_mapping, query_start_loc_cpu=torch.tensor(query_start_loc, dtype=torch.int32),
+            num_reqs=num_reqs, num_actual_tokens=query_start_loc[-1], max_query_len=max_query_len,
+            # An upper bound: async assumes every draft accepted; a graph serves every length.
+            max_seq_len=self.config.model.max_model_len if shape.padded else max(host_seq_lens),
+            host_seq_lens=torch.tensor(host_seq_lens, dtype=torch.int32) if exact else None,
         )
-        num_decodes = sum(row.decode for row in rows)
-        if self.drafter is not None and num_decodes and k:
-            with nvtx.range("draft"):
-                self._draft(layout, up, num_decodes, max(fields["host_start"][:num_decodes]))
-        with nvtx.range("build metadata"):
-            starts = self._starts(up)
-            step = prepare(starts, self.state.last_token, self.state.drafts, layout, 0, bs)
-            violations = None
-            if config.check_inputs:
-                violations = input_violations(step, layout, self.state.num_computed[up["slots"]], up["host_start"],
-                                              up["capacity"], config.model.vocab_size, bs)
-                step.input_ids = step.input_ids.clamp(0, config.model.vocab_size - 1)  # keep running; report on landing
-            common = CommonAttentionMetadata(
-                query_start_loc=layout.query_start_loc, seq_lens=step.seq_lens, block_table=layout.block_table,
-                slot_mapping=step.slot_mapping,
-                query_start_loc_cpu=torch.tensor(fields["query_start_loc"], dtype=torch.int32),
-                num_reqs=num_reqs, num_actual_tokens=num_tokens, max_query_len=max(row.num_tokens for row in rows),
-                max_seq_len=max(host_seq_lens),  # an upper bound under async: drafts assumed accepted
-                host_seq_lens=None if config.async_scheduling else torch.tensor(host_seq_lens, dtype=torch.int32),
-            )
-        uniform = num_decodes == num_reqs and len({row.num_tokens for row in rows}) == 1
-        with nvtx.range("target forward"):
-            hidden = self._target_forward(step, common, uniform)
-        with nvtx.range("rejection"):
-            logits = self.model.logits(hidden[up["logits_index"]]).view(num_reqs, k + 1, -1)
-            drafts = self.state.drafts[up["slots"], :k]
-            tokens, emitted = greedy_rejection(drafts, logits, up["num_drafts"])
-            emitted = emitted * up["produces"]
-            self._commit(up, layout, tokens, emitted)
-            results = [emitted[:, None], tokens]
-            payload = torch.cat([torch.cat(results, dim=1).reshape(-1)]
-                                + ([violations] if violations is not None else []))
-            download = self.downloads.download(payload)
-        self.timer.end()
-        launched = _Launched(len(self.steps), rows, download)
-        captured = (self.graphs.captures if self.graphs else 0) != captures
-        self.steps.append(StepRecord(len(self.steps), self.iteration, num_reqs, num_tokens, uniform, captured,
-                                     prepared - started, time.perf_counter() - prepared))
-        return launched
 
     def _on_new_slot(self, request: Request, slot: int) -> None:
-        """A request (re)enters the device state: its output count, and its oracle script row."""
+        """A request (re)enters the device state: output count, sampling parameters, oracle script."""
+        params = request.params
         self.state.num_output[slot] = request.num_confirmed
+        self.slot_seed[slot] = params.seed if params.seed is not None else self.config.seed * 1_000_003 + request.request_id
+        self.slot_temperature[slot] = params.temperature
+        self.slot_top_k[slot] = params.top_k
+        self.slot_top_p[slot] = params.top_p
+        if self.eagle_features is not None:
+            self.eagle_features[slot] = 0.0
         if self._script is not None:
-            self._script_row[slot] = request.request_id
+            self.script_by_slot[slot] = self._script[request.request_id]
 
     def _decode_inputs(self, request: Request, count: int) -> tuple[int, list[int]]:
         """A decoding row's input ids come from the device state (source 1): under async
@@ -272,6 +389,59 @@ class BatchedEngine(Engine):
     def _starts(self, up: dict[str, torch.Tensor]) -> torch.Tensor:
         """Each row's committed length, read on the device (never the host's optimistic guess)."""
         return self.state.num_computed[up["slots"]]
+
+    # --- verify: target forward, rejection, commit --------------------------------------------------
+
+    def _verify(self, shape: StepShape, host: _HostView, up, buffers: _Buffers) -> torch.Tensor:
+        config = self.config
+        layout = buffers.layout
+        with nvtx.range("build metadata"):
+            buffers.starts.copy_(self._starts(up))
+            step = prepare(buffers.starts, self.state.last_token, self.state.drafts, layout, 0, config.block_size, buffers.verify)
+            if config.check_inputs:
+                buffers.violations.copy_(input_violations(step, layout, self.state.num_computed[up["slots"]], up["host_start"],
+                                                          up["capacity"], config.model.vocab_size, config.block_size))
+                step.input_ids.clamp_(0, config.model.vocab_size - 1)  # keep running; report on landing
+            common = self._common(layout, step, shape, shape.num_reqs, host.query_start_loc, host.max_query_len, host.seq_lens)
+        with nvtx.range("target forward, rejection, commit"):
+            return self._segment("verify", shape, common, lambda metadata: self._verify_segment(metadata, step, up, buffers, shape))
+
+    def _verify_segment(self, metadata, step: StepTensors, up, buffers: _Buffers, shape: StepShape) -> torch.Tensor:
+        k = self.config.num_spec_tokens
+        layout = buffers.layout
+        hidden = self.model(step.input_ids, step.positions, StepInputs(self.backend, metadata, self.kv_caches, step.slot_mapping))
+        logits = self.model.logits(hidden[up["logits_index"]]).view(shape.num_reqs, k + 1, -1)
+        tokens, emitted = self._reject(logits, up, shape)
+        emitted = emitted * up["produces"]
+        if self.eagle_features is not None:
+            self._eagle_catch_up(metadata, hidden, step, layout, up, emitted)
+        self._commit(up, layout, tokens, emitted)
+        results = torch.cat([emitted[:, None], tokens], dim=1).reshape(-1)
+        return torch.cat([results, buffers.violations]) if self.config.check_inputs else results
+
+    def _reject(self, logits: torch.Tensor, up, shape: StepShape):
+        """Greedy rows accept drafts equal to the argmax; rows with a temperature by rejection
+        sampling, their noise from (seed, output position) counters."""
+        slots = up["slots"]
+        drafts = self.state.drafts[slots, : self.config.num_spec_tokens]
+        tokens, emitted = greedy_rejection(drafts, logits, up["num_drafts"])
+        if not shape.sampling:
+            return tokens, emitted
+        temperature = self.slot_temperature[slots]
+        target = batched_filtered_probabilities(logits, temperature, self.slot_top_k[slots], self.slot_top_p[slots])
+        k = drafts.shape[1]
+        seed, position = self.slot_seed[slots][:, None], self.state.num_output[slots].long()[:, None]
+        offsets = torch.arange(k + 1, device=self.device)
+        vocab = (logits.shape[-1],)
+        draft_probabilities = self.draft_probabilities[slots] if k else target[:, :0]
+        sampled, sampled_emitted = rejection_with_noise(
+            drafts, draft_probabilities, target, up["num_drafts"],
+            counter_uniform(seed, position + offsets[:k], ACCEPT_LANE),
+            counter_uniform(seed, position + offsets[:k], RECOVER_LANE, vocab),
+            counter_uniform(seed, position + offsets, BONUS_LANE, vocab),
+        )
+        greedy = (temperature == 0)[:, None]
+        return torch.where(greedy, tokens, sampled), torch.where(greedy[:, 0], emitted, sampled_emitted)
 
     def _commit(self, up, layout: RowLayout, tokens: torch.Tensor, emitted: torch.Tensor) -> None:
         """The device state after this step: lengths, the next input token, the output count."""
@@ -285,50 +455,99 @@ class BatchedEngine(Engine):
         self.state.last_token[slots] = torch.where(emitted > 0, last_emitted, keep)
         self.state.num_output[slots] += emitted.to(torch.int32)
 
-    def _target_forward(self, step, common: CommonAttentionMetadata, uniform: bool) -> torch.Tensor:
-        if self.graphs is not None and uniform:
-            hidden = self.graphs.run(step, common)
-            if hidden is not None:
-                return hidden
-        inputs = StepInputs(self.backend, self.backend.build(common), self.kv_caches, step.slot_mapping)
-        return self.model(step.input_ids, step.positions, inputs)
+    def _eagle_catch_up(self, metadata, hidden, step: StepTensors, layout: RowLayout, up, emitted) -> None:
+        """EAGLE's cache for the positions this step made valid (a prefill chunk, or a decode row's
+        input and accepted drafts): position p reads token p and the target feature of p - 1.
+        The feature carried to the next draft is the target's at the last valid position."""
+        rows = layout.token_row
+        starts = layout.query_start_loc.long()
+        offsets = torch.arange(rows.numel(), device=self.device) - starts[rows]
+        slots = layout.slots
+        carried = torch.where((step.positions > 0)[:, None], self.eagle_features[slots[rows]], 0.0)
+        previous = torch.cat([hidden[:1] * 0, hidden[:-1]])
+        features = torch.where((offsets == 0)[:, None], carried, previous)
+        decode = up["decode"].bool()
+        query_lens = starts[1:] - starts[:-1]
+        valid_count = torch.where(decode, emitted, query_lens)
+        eagle_slots = torch.where(offsets < valid_count[rows], step.slot_mapping, -1)
+        inputs = StepInputs(self.backend, metadata, [self.eagle_cache], eagle_slots)
+        self.eagle(self.model, step.input_ids, features, step.positions, inputs)
+        last = (starts[:-1] + valid_count - 1).clamp(min=0)
+        self.eagle_features[slots] = torch.where((valid_count > 0)[:, None], hidden[last], self.eagle_features[slots])
 
     # --- drafting ---------------------------------------------------------------------------------
 
-    def _draft(self, layout: RowLayout, up, num_decodes: int, max_host_start: int) -> None:
+    def _draft(self, shape: StepShape, host: _HostView, up, buffers: _Buffers) -> None:
         """Fill ``state.drafts`` for the decoding rows (the first ``num_decodes``) on the device."""
-        k = self.config.num_spec_tokens
-        slots = up["slots"][:num_decodes]
+        slots = buffers.draft_layout.slots
         if isinstance(self.drafter, AcceptancePattern):
-            self._draft_oracle(slots, k)
+            self._segment("oracle", shape, None, lambda _: self._draft_oracle(slots))
             return
-        draft_layout = RowLayout(
-            slots=slots, query_start_loc=torch.arange(num_decodes + 1, dtype=torch.int32, device=self.device),
-            token_row=torch.arange(num_decodes, device=self.device), host_ids=torch.zeros(num_decodes, dtype=torch.int64, device=self.device),
-            is_decode=torch.ones(num_decodes, dtype=torch.int64, device=self.device), num_valid=up["num_drafts"][:num_decodes],
-            block_table=layout.block_table[:num_decodes],
-        )
-        starts = self.state.num_computed[slots]
-        for index in range(k):
-            step = prepare(starts, self.state.last_token, self.state.drafts, draft_layout, index, self.config.block_size)
-            common = CommonAttentionMetadata(
-                query_start_loc=draft_layout.query_start_loc, seq_lens=step.seq_lens, block_table=draft_layout.block_table,
-                slot_mapping=step.slot_mapping, query_start_loc_cpu=torch.arange(num_decodes + 1, dtype=torch.int32),
-                num_reqs=num_decodes, num_actual_tokens=num_decodes, max_query_len=1,
-                max_seq_len=max_host_start + index + 1,
-            )
-            inputs = StepInputs(self.backend, self.backend.build(common), self.kv_caches, step.slot_mapping)
-            hidden = self.model(step.input_ids, step.positions, inputs, self.drafter)
-            self.state.drafts[slots, index] = self.model.logits(hidden).argmax(dim=-1)
+        layout, bs = buffers.draft_layout, self.config.block_size
+        decodes = shape.num_decodes
+        buffers.draft_starts.copy_(self.state.num_computed[slots])
+        self.draft_step.zero_()
+        query_start_loc = list(range(decodes + 1))
 
-    def _draft_oracle(self, slots: torch.Tensor, k: int) -> None:
+        def common(index: int) -> CommonAttentionMetadata:
+            # Host lengths (sync): a row stops advancing at its last draft, as on the device.
+            lengths = [start + min(index, max(n - 1, 0)) + 1 for start, n in zip(host.starts, host.num_drafts[:decodes])]
+            return self._common(layout, buffers.draft, shape, decodes, query_start_loc, 1, lengths)
+
+        def prepare_step(index: int) -> StepTensors:
+            return prepare(buffers.draft_starts, self.state.last_token, self.state.drafts, layout, index, bs, buffers.draft)
+
+        prepare_step(0)
+        if self.graphs is not None and self.graphs.one_graph_draft_loop:
+            def loop(metadata) -> None:
+                for index in range(shape.draft_steps):
+                    if index:
+                        prepare_step(index)
+                        metadata = self.backend.update_for_draft_step(metadata, common(index))
+                    self._draft_forward(metadata, buffers, shape)
+
+            self._segment("draft loop", shape, common(0), loop)
+            return
+        for index in range(shape.draft_steps):  # one step's graph, replayed; metadata rebuilt between
+            if index:
+                prepare_step(index)
+            self._segment("draft step", shape, common(index), lambda metadata: self._draft_forward(metadata, buffers, shape))
+
+    def _draft_forward(self, metadata, buffers: _Buffers, shape: StepShape) -> None:
+        """One draft token per decoding row, into column ``draft_step`` of ``state.drafts``."""
+        step, slots = buffers.draft, buffers.draft_layout.slots
+        if self.drafter == "eagle":
+            features = torch.where(self.draft_step == 0, self.eagle_features[slots], buffers.draft_features)
+            inputs = StepInputs(self.backend, metadata, [self.eagle_cache], step.slot_mapping)
+            predicted = self.eagle(self.model, step.input_ids, features, step.positions, inputs)
+            buffers.draft_features.copy_(predicted)
+        else:  # layer-skip: the target's first layers, through the target's own cache
+            inputs = StepInputs(self.backend, metadata, self.kv_caches, step.slot_mapping)
+            predicted = self.model(step.input_ids, step.positions, inputs, self.drafter)
+        logits = self.model.logits(predicted)
+        column = self.draft_step.expand(slots.shape)
+        tokens = logits.argmax(dim=-1)
+        if shape.sampling:
+            temperature = self.slot_temperature[slots]
+            greedy = temperature == 0
+            probabilities = torch.softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
+            counter = self.state.num_output[slots].long() + self.draft_step
+            sampled = gumbel_argmax(probabilities, counter_uniform(self.slot_seed[slots], counter, DRAFT_LANE, (logits.shape[-1],)))
+            tokens = torch.where(greedy, tokens, sampled)
+            one_hot = torch.nn.functional.one_hot(tokens, logits.shape[-1]).float()
+            self.draft_probabilities.index_put_((slots, column), torch.where(greedy[:, None], one_hot, probabilities))
+        self.state.drafts.index_put_((slots, column), tokens)
+        self.draft_step.add_(1)
+
+    def _draft_oracle(self, slots: torch.Tensor) -> None:
         """Scripted drafts: the reference continuation where the pattern says right, +1 elsewhere."""
+        k = self.config.num_spec_tokens
         offsets = torch.arange(k, device=self.device)
-        index = (self.state.num_output[slots].long()[:, None] + offsets).clamp(max=self._script.shape[1] - 1)
-        right = self._script[self._script_row[slots]].gather(1, index)
+        index = (self.state.num_output[slots].long()[:, None] + offsets).clamp(max=self.script_by_slot.shape[1] - 1)
+        right = self.script_by_slot[slots].gather(1, index)
         pattern = self.drafter
         if pattern.kind == "random":
-            correct = torch.rand(right.shape, generator=self._draft_generator, device=self.device) < pattern.value
+            correct = counter_uniform(self.slot_seed[slots][:, None], index, ORACLE_LANE) < pattern.value
         else:
             limit = {"all": k, "none": 0}.get(pattern.kind, pattern.value)
             correct = (offsets < limit)[None, :].expand_as(right)
@@ -357,7 +576,7 @@ class BatchedEngine(Engine):
             values = launched.result.wait().tolist()
             width = k + 2
             if self.config.check_inputs:
-                counts = values[len(launched.rows) * width :]
+                counts = values[-len(VIOLATION_NAMES):]
                 if any(counts):
                     found = "; ".join(f"{name} ({count})" for name, count in zip(VIOLATION_NAMES, counts) if count)
                     raise InputCheckFailed(f"step {launched.index}: {found}")

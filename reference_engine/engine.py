@@ -162,7 +162,10 @@ class Engine:
     def _oracle_script(self, prompts: list[list[int]], params_list: list[SamplingParams]) -> dict[int, list[int]]:
         """The reference run the oracle drafter is scripted from: the same engine, no speculation."""
         plain = type(self)(dataclasses.replace(self.config, num_spec_tokens=0, drafter="none"), self.model)
-        return {index: out.tokens for index, out in enumerate(plain.generate(prompts, params_list))}
+        # k tokens past max_tokens: the last step drafts past the stop too (the scheduler does not
+        # cap drafts by max_tokens), and "all" must stay all.
+        extended = [dataclasses.replace(p, max_tokens=p.max_tokens + self.config.num_spec_tokens) for p in params_list]
+        return {index: out.tokens for index, out in enumerate(plain.generate(prompts, extended))}
 
     def _admit(self, prompts: list[list[int]], params_list: list[SamplingParams]) -> list[Request]:
         requests = [Request(index, list(prompt), p) for index, (prompt, p) in enumerate(zip(prompts, params_list))]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from reference_engine.sampling import sample
+from reference_engine.sampling import gumbel_argmax
 
 PLACEHOLDER = -1
 
@@ -48,18 +48,31 @@ def probabilistic_rejection(
     generator: torch.Generator | None = None,
 ):
     """drafts [B, k]; draft_probabilities [B, k, V]; target_probabilities [B, k + 1, V]."""
+    batch, k = drafts.shape
+    vocab = target_probabilities.shape[-1]
+
+    def uniform(*shape):
+        return torch.rand(shape, generator=generator, device=drafts.device)
+
+    return rejection_with_noise(drafts, draft_probabilities, target_probabilities, num_drafts,
+                                uniform(batch, k), uniform(batch, k, vocab), uniform(batch, k + 1, vocab))
+
+
+def rejection_with_noise(drafts, draft_probabilities, target_probabilities, num_drafts, accept_uniform: torch.Tensor,
+                         recover_uniform: torch.Tensor, bonus_uniform: torch.Tensor):
+    """``probabilistic_rejection`` with its uniforms given ([B, k], [B, k, V], [B, k + 1, V]): the
+    batched engine draws them from counters so a request's randomness ignores batching."""
     k = drafts.shape[1]
     p_of_draft = target_probabilities[:, :k].gather(2, drafts[:, :, None]).squeeze(2)
     q_of_draft = draft_probabilities.gather(2, drafts[:, :, None]).squeeze(2)
-    accepted = acceptance(p_of_draft, q_of_draft, generator)
-    recovered = sample(residual_distribution(target_probabilities[:, :k], draft_probabilities), generator)
-    bonus = sample(target_probabilities, generator)  # [B, k + 1]: bonus[n] follows n accepted drafts
+    accepted = acceptance(p_of_draft, q_of_draft, accept_uniform)
+    recovered = gumbel_argmax(residual_distribution(target_probabilities[:, :k], draft_probabilities), recover_uniform)
+    bonus = gumbel_argmax(target_probabilities, bonus_uniform)  # [B, k + 1]: bonus[n] follows n accepted drafts
     return _emit(drafts, accepted, final_tokens(recovered, bonus, num_drafts), num_drafts)
 
 
-def acceptance(p_of_draft: torch.Tensor, q_of_draft: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def acceptance(p_of_draft: torch.Tensor, q_of_draft: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Accept each draft with probability min(1, p(d) / q(d))."""
-    uniform = torch.rand(p_of_draft.shape, generator=generator, device=p_of_draft.device)
     return uniform * q_of_draft < p_of_draft  # u < p/q without dividing by a zero q
 
 

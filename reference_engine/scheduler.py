@@ -56,9 +56,12 @@ class Scheduler:
         return request.remaining <= 0 or len(request.tokens) >= self.max_model_len
 
     def _drafts_for(self, request: Request) -> int:
-        # Never draft past max_tokens or past the model's length.
+        # Never draft past the model's length. Drafting past max_tokens is allowed (the extra
+        # tokens are dropped at the stop): an async host only knows an optimistic remaining count,
+        # and capping by it would make async draft differently from sync, and, with sampling,
+        # emit different tokens.
         room = self.max_model_len - len(request.tokens) - 1
-        return max(0, min(self.num_spec_tokens, request.remaining - 1, room))
+        return max(0, min(self.num_spec_tokens, room))
 
     def schedule(self) -> list[Scheduled]:
         budget = self.max_num_tokens

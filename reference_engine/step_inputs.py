@@ -101,16 +101,16 @@ def _prepare_kernel(starts, last_token, drafts, drafts_stride, drafts_width, slo
         tl.store(seq_lens_out + row, (tl.load(starts + row) + row_step + row_end - row_start).to(tl.int32))
 
 
+def empty_step_tensors(num_tokens: int, num_reqs: int, device: torch.device) -> StepTensors:
+    int64 = dict(dtype=torch.int64, device=device)
+    return StepTensors(torch.empty(num_tokens, **int64), torch.empty(num_tokens, **int64), torch.empty(num_tokens, **int64),
+                       torch.empty(num_reqs, dtype=torch.int32, device=device))
+
+
 def prepare_triton(starts: torch.Tensor, last_token: torch.Tensor, drafts: torch.Tensor, layout: RowLayout,
-                   step: int, block_size: int) -> StepTensors:
+                   step: int, block_size: int, out: StepTensors | None = None) -> StepTensors:
     num_tokens = layout.token_row.numel()
-    device = layout.token_row.device
-    out = StepTensors(
-        input_ids=torch.empty(num_tokens, dtype=torch.int64, device=device),
-        positions=torch.empty(num_tokens, dtype=torch.int64, device=device),
-        slot_mapping=torch.empty(num_tokens, dtype=torch.int64, device=device),
-        seq_lens=torch.empty(layout.slots.numel(), dtype=torch.int32, device=device),
-    )
+    out = out or empty_step_tensors(num_tokens, layout.slots.numel(), layout.token_row.device)
     if num_tokens:
         _prepare_kernel[(num_tokens,)](
             starts, last_token, drafts, drafts.stride(0), drafts.shape[1], layout.slots, layout.query_start_loc, layout.token_row,
@@ -121,10 +121,18 @@ def prepare_triton(starts: torch.Tensor, last_token: torch.Tensor, drafts: torch
     return out
 
 
-def prepare(starts, last_token, drafts, layout: RowLayout, step: int, block_size: int) -> StepTensors:
-    """The Triton kernel on CUDA, the torch version elsewhere (same results; tested)."""
-    implementation = prepare_triton if layout.token_row.is_cuda else prepare_torch
-    return implementation(starts, last_token, drafts, layout, step, block_size)
+def prepare(starts, last_token, drafts, layout: RowLayout, step: int, block_size: int,
+            out: StepTensors | None = None) -> StepTensors:
+    """The Triton kernel on CUDA, the torch version elsewhere (same results; tested). ``out``: the
+    persistent buffers a CUDA graph reads (written in place), else new tensors."""
+    if layout.token_row.is_cuda:
+        return prepare_triton(starts, last_token, drafts, layout, step, block_size, out)
+    result = prepare_torch(starts, last_token, drafts, layout, step, block_size)
+    if out is None:
+        return result
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens"):
+        getattr(out, name).copy_(getattr(result, name))
+    return out
 
 
 def input_violations(step: StepTensors, layout: RowLayout, committed: torch.Tensor, host_start: torch.Tensor,

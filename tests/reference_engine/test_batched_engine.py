@@ -7,10 +7,12 @@ import dataclasses
 import pytest
 import torch
 
+from backends.base import CGSupport
 from backends.torch_naive import TorchNaiveBackend
 
 from reference_engine.batched_engine import BatchedEngine, InputCheckFailed
 from reference_engine.engine import Engine, EngineConfig
+from reference_engine.graphs import StepGraphs
 from reference_engine.rejection import PLACEHOLDER
 from reference_engine.sampling import SamplingParams
 from tests.planted.engines import HostLastTokenEngine, OptimisticStartEngine
@@ -112,11 +114,116 @@ def test_planted_placeholder_input_is_caught_only_under_async(plain_tokens):
         run(HostLastTokenEngine, async_scheduling=True)
 
 
-def test_batched_engine_refuses_what_it_does_not_do():
-    with pytest.raises(ValueError, match="EAGLE runs in the per-request engine"):
-        BatchedEngine(EngineConfig(num_spec_tokens=2, drafter="eagle"))
-    with pytest.raises(ValueError, match="samples greedily"):
-        BatchedEngine(EngineConfig()).generate(PROMPTS, SamplingParams(temperature=1.0))
+class DraftRecordingEngine(BatchedEngine):
+    """Records each decoding row's drafts by (request, committed length), read from the device."""
+
+    def _draft(self, shape, host, up, buffers):
+        super()._draft(shape, host, up, buffers)
+        ids = {slot: request_id for request_id, slot in self.state.slot_of.items()}
+        for row, slot in enumerate(buffers.draft_layout.slots.tolist()):
+            if slot in ids:
+                start, count = int(buffers.draft_starts[row]), int(buffers.draft_layout.num_valid[row])
+                self.recorded[(ids[slot], start)] = self.state.drafts[slot, :count].tolist()
+
+
+def test_eagle_drafts_what_the_per_request_engine_drafts(plain_tokens, monkeypatch):
+    """EAGLE in the batched engine (cache catch-up over the verified positions, features carried
+    on the device): greedy tokens equal plain decoding, sync and async, and at every (request,
+    committed length) both engines reached, its drafts equal the per-request loop's."""
+    from reference_engine.drafters import EagleDrafter
+
+    expected = {}
+    propose = EagleDrafter.propose
+
+    def recording(self, requests, device):
+        proposals = propose(self, requests, device)
+        for (request, _), (drafts, _) in zip(requests, proposals):
+            expected[(request.request_id, request.num_computed)] = drafts.tolist()
+        return proposals
+
+    monkeypatch.setattr(EagleDrafter, "propose", recording)
+    Engine(EngineConfig(num_spec_tokens=3, drafter="eagle")).generate(PROMPTS, GREEDY)
+    for scheduling in (False, True):
+        engine = DraftRecordingEngine(EngineConfig(num_spec_tokens=3, drafter="eagle", async_scheduling=scheduling, check_inputs=True))
+        engine.recorded = {}
+        assert [out.tokens for out in engine.generate(PROMPTS, GREEDY)] == plain_tokens
+        shared = expected.keys() & engine.recorded.keys()
+        assert len(shared) > 30
+        for key in shared:  # async may draft fewer near max_tokens (its remaining count is optimistic)
+            count = min(len(expected[key]), len(engine.recorded[key]))
+            assert engine.recorded[key][:count] == expected[key][:count], key
+
+
+def test_sampling_is_the_same_sync_and_async_and_follows_the_seed():
+    sampled = [SamplingParams(max_tokens=14, temperature=0.8, top_p=0.9, seed=seed) for seed in (1, 2, 3, 4)]
+    mixed = sampled[:3] + [GREEDY]  # a greedy request batched with sampled ones
+    for drafter in ("layer-skip:1", "eagle"):
+        _, sync = run(params=mixed, num_spec_tokens=3, drafter=drafter, async_scheduling=False)
+        _, overlapped = run(params=mixed, num_spec_tokens=3, drafter=drafter, async_scheduling=True)
+        assert [out.tokens for out in sync] == [out.tokens for out in overlapped]
+        assert drafter == "eagle" or sum(out.accepted for out in sync) > 0  # the random EAGLE head rarely hits
+    _, plain = run(params=mixed)
+    _, again = run(params=mixed)
+    assert [out.tokens for out in plain] == [out.tokens for out in again]
+    _, reseeded = run(params=[dataclasses.replace(p, seed=p.seed + 10) for p in sampled])
+    assert [out.tokens for out in reseeded][:3] != [out.tokens for out in plain][:3]
+
+
+def test_speculative_sampling_with_a_one_hot_target_emits_the_greedy_tokens(plain_tokens):
+    """top_k = 1 makes the target one-hot: rejection sampling must then accept exactly the drafts
+    equal to the argmax and recover the argmax, whatever the drafter's sampled proposals were."""
+    one_hot = SamplingParams(max_tokens=14, temperature=1.0, top_k=1, seed=5)
+    for scheduling in (False, True):
+        _, outputs = run(params=one_hot, num_spec_tokens=3, drafter="layer-skip:1", async_scheduling=scheduling)
+        assert [out.tokens for out in outputs] == plain_tokens
+        assert 0 < sum(out.accepted for out in outputs) < sum(out.drafted for out in outputs)
+
+
+def test_oracle_refuses_sampling():
+    with pytest.raises(ValueError, match="scripts greedy runs only"):
+        BatchedEngine(EngineConfig(num_spec_tokens=2, drafter="oracle:all")).generate(PROMPTS, SamplingParams(temperature=1.0))
+
+
+class PaddingOnlyGraphs(StepGraphs):
+    """The graph planning on a CPU: uniform steps padded onto persistent buffers, segments run
+    eagerly (what a replay computes), every key counted."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.enabled, self.support = True, CGSupport.ALWAYS
+        self.keys = []
+
+    def run(self, key, common, segment):
+        self.keys.append(key[0])
+        self.replays += 1
+        return segment(self.engine.backend.build(common) if common is not None else None)
+
+
+class DraftStepUpdateNaive(TorchNaiveBackend):
+    """torch_naive with ``draft_step_update``: on a CPU its update simply rebuilds the metadata."""
+
+    capabilities = dataclasses.replace(TorchNaiveBackend.capabilities, draft_step_update=True)
+
+    def update_for_draft_step(self, metadata, common):
+        return self.build(common)
+
+
+@pytest.mark.parametrize("drafter", ["oracle:random:0.5", "layer-skip:1", "eagle"])
+@pytest.mark.parametrize("one_graph_draft_loop", [False, True])
+def test_padded_uniform_steps_reuse_their_buffers_and_match_plain(plain_tokens, drafter, one_graph_draft_loop):
+    prompts = PROMPTS + [[3, 1, 4]]  # five requests: uniform steps pad to 8 rows
+    plain = [out.tokens for out in Engine(EngineConfig()).generate(prompts, GREEDY)]
+    for scheduling in (False, True):
+        backend = "tests.reference_engine.test_batched_engine:" + ("DraftStepUpdateNaive" if one_graph_draft_loop else "TorchNaiveBackend")
+        engine = BatchedEngine(EngineConfig(backend=backend, num_spec_tokens=3, drafter=drafter, async_scheduling=scheduling,
+                                            check_inputs=True))
+        engine.graphs = PaddingOnlyGraphs(engine)
+        assert [out.tokens for out in engine.generate(prompts, GREEDY)] == plain
+        assert "verify" in engine.graphs.keys and any(shape.padded and shape.num_reqs == 8 for shape in engine._buffers)
+        expected = "oracle" if drafter.startswith("oracle") else ("draft loop" if one_graph_draft_loop else "draft step")
+        assert expected in engine.graphs.keys
+        assert int(engine.state.num_computed[engine.spare_slot]) == 0  # padding rows never commit
+
 
 
 def test_step_inputs_torch_and_triton_agree_under_the_interpreter():

@@ -69,7 +69,7 @@ def test_planted_missing_bonus_token_fails(monkeypatch):
 
 def test_planted_deterministic_acceptance_fails(monkeypatch):
     """Accepting when p(d) >= q(d) instead of with probability min(1, p/q)."""
-    monkeypatch.setattr(rejection, "acceptance", lambda p, q, generator: p >= q)
+    monkeypatch.setattr(rejection, "acceptance", lambda p, q, uniform: p >= q)
     assert not lossless(*run()[:3])
 
 
