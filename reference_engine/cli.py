@@ -8,6 +8,7 @@ mean acceptance length, GPU idle time between steps and host syncs per steady-st
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -100,10 +101,14 @@ def _prompts(args, vocab_size: int) -> list[list[int]]:
 
 
 def _measure(engine, prompts, params, args, usage_error, warm_up: bool = True):
-    """A short warm-up generate first (Triton JIT, graph captures, cuBLAS), then the measured run."""
+    """A short warm-up generate first, then the measured run. The warm-up runs every prompt for a
+    few steps so that the batch sizes of the measured run have met the Triton JIT, cuBLAS and
+    their CUDA-graph captures (a segment is captured on its second use), as a server warms up
+    before taking traffic."""
     try:
         if warm_up:
-            engine.generate(prompts[:1], SamplingParams(temperature=params.temperature, seed=params.seed, max_tokens=4, ignore_eos=True))
+            steps = 2 * (args.spec_tokens + 1) + 2
+            engine.generate(prompts, dataclasses.replace(params, max_tokens=steps, ignore_eos=True))
         return measure(engine, prompts, params, detect_syncs=args.detect_syncs)
     except ValueError as error:
         raise usage_error(str(error)) from None

@@ -66,7 +66,7 @@ class EngineMetrics:
     host_syncs_per_steady_step: float | None = None
     host_sync_sources: list[str] = field(default_factory=list)
     graph_replays: int = 0
-    host_ms_per_step: dict = field(default_factory=dict)  # schedule / launch / wait / land, means
+    host_ms_per_step: dict = field(default_factory=dict)  # schedule / launch / wait / land, means over steps without a capture
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -108,8 +108,9 @@ def measure(engine, prompts, params, *, detect_syncs: bool = False, strategy: st
             metrics.gpu_idle_fraction = sum(gaps) / span
             metrics.gpu_idle_ms_per_step = sum(gaps) / max(len(gaps), 1)
     records = getattr(engine, "steps", [])
-    if records:
-        metrics.host_ms_per_step = {phase: 1e3 * statistics.mean(getattr(r, f"host_{phase}_s") for r in records)
+    steady_records = [r for r in records if not r.captured]  # a capture is a one-time cost
+    if steady_records:
+        metrics.host_ms_per_step = {phase: 1e3 * statistics.mean(getattr(r, f"host_{phase}_s") for r in steady_records)
                                     for phase in ("schedule", "launch", "wait", "land")}
     graphs = getattr(engine, "graphs", None)
     metrics.graph_replays = graphs.replays if graphs is not None else 0

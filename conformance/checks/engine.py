@@ -105,7 +105,7 @@ class EngineCheck(Check):
                 return CaseResult(case.id, Verdict.FAIL, problem, tag=case.tag, evidence=evidence)
         if device.type == "cuda":
             engine = BatchedEngine(dataclasses.replace(base, num_spec_tokens=SPEC_TOKENS, drafter=DRAFTER, cuda_graphs=True), model)
-            engine.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up: JIT, graphs
+            engine.generate(prompts, SamplingParams(max_tokens=2 * SPEC_TOKENS + 4, ignore_eos=True))  # warm-up: JIT, graph captures
             _, measured = measure(engine, prompts, params, detect_syncs=True, strategy=self.options.get("sync_detector", "auto"))
             metrics = {key: measured.to_dict()[key] for key in ("tpot_ms", "gpu_idle_fraction", "host_syncs_per_steady_step",
                                                                  "steady_steps", "acceptance_length", "graph_replays")}
