@@ -8,7 +8,6 @@ mean acceptance length, GPU idle time between steps and host syncs per steady-st
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
@@ -101,14 +100,13 @@ def _prompts(args, vocab_size: int) -> list[list[int]]:
 
 
 def _measure(engine, prompts, params, args, usage_error, warm_up: bool = True):
-    """A short warm-up generate first, then the measured run. The warm-up runs every prompt for a
-    few steps so that the batch sizes of the measured run have met the Triton JIT, cuBLAS and
-    their CUDA-graph captures (a segment is captured on its second use), as a server warms up
-    before taking traffic."""
+    """The workload once as a warm-up, then measured. Every shape of the measured run has then
+    met the Triton JIT (which specializes on argument values), cuBLAS and its CUDA-graph captures
+    (a segment is captured on its second use), as a server warms up before taking traffic; a
+    shorter warm-up left one-time compiles of over a second inside the measured steps."""
     try:
         if warm_up:
-            steps = 2 * (args.spec_tokens + 1) + 2
-            engine.generate(prompts, dataclasses.replace(params, max_tokens=steps, ignore_eos=True))
+            engine.generate(prompts, params)
         return measure(engine, prompts, params, detect_syncs=args.detect_syncs)
     except ValueError as error:
         raise usage_error(str(error)) from None
@@ -124,6 +122,8 @@ def _metric_rows(metrics) -> list[tuple[str, str]]:
         ("TPOT (median)", f"{metrics.tpot_ms:.2f} ms"),
         ("mean acceptance length", f"{metrics.acceptance_length:.2f} tokens/step"),
         ("draft acceptance", optional(metrics.draft_acceptance, "{:.1%}")),
+        ("host time per step", f"{sum(metrics.host_ms_per_step.get(p, 0.0) for p in ('schedule', 'launch', 'land')):.2f} ms"
+                               if metrics.host_ms_per_step else "n/a"),
         ("GPU idle between steps", optional(metrics.gpu_idle_fraction, "{:.1%}")),
         ("host syncs / steady step", optional(metrics.host_syncs_per_steady_step, "{:.2f}")),
         ("graph replays", str(metrics.graph_replays)),
@@ -177,7 +177,8 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
     prompts = _prompts(args, model.config.vocab_size)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     table = Table(title=f"async vs sync — {args.model}, {args.backend}, {dtype_name}, k={args.spec_tokens}", title_justify="left")
-    for column in ("drafter", "loop", "tokens/s", "TPOT ms", "accept len", "GPU idle", "syncs/step", "async/sync TPOT"):
+    for column in ("drafter", "loop", "tokens/s", "TPOT ms", "accept len", "host ms/step", "GPU idle", "syncs/step",
+                   "async/sync TPOT"):
         table.add_column(column)
     results = []
     for drafter in (args.drafters.split(",") if args.spec_tokens else ["none"]):
@@ -190,7 +191,8 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
         ratio = measured["async"][1].tpot_ms / measured["sync"][1].tpot_ms if measured["sync"][1].tpot_ms else None
         for loop in ("sync", "async"):
             m = measured[loop][1]
-            table.add_row(drafter, loop, f"{m.tokens_per_s:.0f}", f"{m.tpot_ms:.3f}", f"{m.acceptance_length:.2f}",
+            host_ms = sum(m.host_ms_per_step.get(phase, 0.0) for phase in ("schedule", "launch", "land"))
+            table.add_row(drafter, loop, f"{m.tokens_per_s:.0f}", f"{m.tpot_ms:.3f}", f"{m.acceptance_length:.2f}", f"{host_ms:.2f}",
                           "n/a" if m.gpu_idle_fraction is None else f"{m.gpu_idle_fraction:.1%}",
                           "n/a" if m.host_syncs_per_steady_step is None else f"{m.host_syncs_per_steady_step:.2f}",
                           "" if loop == "sync" or ratio is None else f"{ratio:.2f}x" + ("" if same else " (TOKENS DIFFER)"))
