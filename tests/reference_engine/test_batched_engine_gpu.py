@@ -1,10 +1,13 @@
 """The batched engine on a GPU with the Triton backend, CUDA graphs on: async == sync == plain
 (or differing only at fp32-confirmed near-ties), graphs replayed, no host-blocking sync in a
 steady-state async step, and the engine check passing."""
+import dataclasses
+
 import pytest
 import torch
 
 from backends import registry
+from backends.triton.backend import TritonAttentionBackend
 from conformance.cases import parse_case
 from conformance.checks.engine import EngineCheck
 from conformance.results import Verdict
@@ -29,8 +32,6 @@ def test_triton_async_equals_sync_with_graphs_and_no_syncs(drafter, temperature)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (5, 17, 33, 64, 9, 40, 21, 3)]
     params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=temperature, seed=3)
-    import dataclasses
-
     sync = BatchedEngine(dataclasses.replace(config, async_scheduling=False), model).generate(prompts, params)
     engine = BatchedEngine(config, model)
     engine.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -46,3 +47,29 @@ def test_engine_check_passes_triton():
     result = EngineCheck().run_case(registry.load("triton"), case, torch.device("cuda"))
     assert result.verdict == Verdict.PASS, result.reason
     assert result.metrics["host_syncs_per_steady_step"] == 0
+
+
+class TritonWithoutDraftStepUpdate(TritonAttentionBackend):
+    """triton claiming no ``draft_step_update``: the engine must capture ONE draft step and replay it
+    k times, rebuilding metadata on the host between replays (how flashinfer-like backends draft)."""
+
+    name = "triton_without_draft_step_update"
+    capabilities = dataclasses.replace(TritonAttentionBackend.capabilities, draft_step_update=False)
+
+
+@pytest.mark.parametrize("drafter", ["layer-skip", "eagle"])
+def test_one_draft_step_graph_replayed_k_times(drafter):
+    device = torch.device("cuda")
+    config = EngineConfig(model=PRESETS["tiny-d128"], backend=f"{__name__}:TritonWithoutDraftStepUpdate", device="cuda",
+                          dtype=torch.bfloat16, num_spec_tokens=3, drafter=drafter, max_num_reqs=8, num_blocks=256,
+                          cuda_graphs=True, check_inputs=True)
+    model = LlamaModel.random(config.model, 0, torch.bfloat16, device)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (12, 30, 7, 50)]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    sync = BatchedEngine(dataclasses.replace(config, async_scheduling=False), model).generate(prompts, params)
+    engine = BatchedEngine(config, model)
+    overlapped = engine.generate(prompts, params)
+    assert [o.tokens for o in overlapped] == [o.tokens for o in sync]
+    keys = {key[0] for key in engine.graphs.graphs}
+    assert "draft step" in keys and "draft loop" not in keys and "verify" in keys, keys
