@@ -161,7 +161,9 @@ class Engine:
 
     def _oracle_script(self, prompts: list[list[int]], params_list: list[SamplingParams]) -> dict[int, list[int]]:
         """The reference run the oracle drafter is scripted from: the same engine, no speculation."""
-        plain = type(self)(dataclasses.replace(self.config, num_spec_tokens=0, drafter="none"), self.model)
+        # Eager: graphs captured for a throwaway engine are freed by the garbage collector at an
+        # unpredictable moment, possibly while another graph is being captured (a CUDA error).
+        plain = type(self)(dataclasses.replace(self.config, num_spec_tokens=0, drafter="none", cuda_graphs=False), self.model)
         # k tokens past max_tokens: the last step drafts past the stop too (the scheduler does not
         # cap drafts by max_tokens), and "all" must stay all.
         extended = [dataclasses.replace(p, max_tokens=p.max_tokens + self.config.num_spec_tokens) for p in params_list]

@@ -22,6 +22,7 @@ Only what the backend claims is captured: ``UNIFORM_SINGLE_TOKEN_DECODE`` allows
 """
 from __future__ import annotations
 
+import gc
 from typing import Callable
 
 import torch
@@ -75,8 +76,14 @@ class StepGraphs:
         if entry is None:
             metadata = backend.build_for_capture(common) if common is not None else None
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                output = segment(metadata)
+            collecting = gc.isenabled()
+            gc.disable()  # a collection mid-capture could free another engine's graph: not allowed while capturing
+            try:
+                with torch.cuda.graph(graph, pool=self.pool):
+                    output = segment(metadata)
+            finally:
+                if collecting:
+                    gc.enable()
             entry = self.graphs[key] = (graph, output)
             self.captures += 1
         graph, output = entry
