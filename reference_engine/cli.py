@@ -54,7 +54,7 @@ def add_engine_parser(commands) -> None:
     run.add_argument("--temperature", type=float, default=0.0)
     run.add_argument("--loop", default="async", choices=LOOPS,
                      help="async: zero-bubble batched loop; sync: the same step, waiting for each; "
-                          "simple: the per-request loop of part 1 (EAGLE and temperature sampling)")
+                          "simple: the per-request loop of part 1")
     run.add_argument("--check-inputs", action="store_true", help="debug: count placeholder inputs and stale positions on device")
     bench.add_argument("--drafters", default="oracle:random:0.7,layer-skip", help="comma-separated drafters to compare")
 
