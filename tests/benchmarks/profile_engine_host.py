@@ -1,3 +1,9 @@
+"""Where the batched engine's host time per step goes (GPU machine): the tiny-d128 workload of
+``conformance engine bench`` through triton, warmed up, measured twice, the second run under
+cProfile. Used to find one-time compiles inside measured steps.
+
+    python tests/benchmarks/profile_engine_host.py oracle:random:0.7 async
+"""
 import cProfile, pstats, sys, io, json, time
 import torch
 from reference_engine.batched_engine import BatchedEngine

@@ -61,3 +61,13 @@ def test_torch_naive_is_skipped():
         assert check.skip_reason(TorchNaiveBackend, CUDA) == "claims cuda_graphs=NEVER" or "NEVER" in check.skip_reason(
             TorchNaiveBackend, CUDA
         )
+
+
+def test_flashinfer_graph_below_max_num_reqs_needs_its_own_wrapper():
+    pytest.importorskip("flashinfer")
+    from backends.flashinfer.gqa import FlashInferBackend
+
+    case = parse_case("gqa-h32/8-d128-bf16-p16:100+1,30+1,250+1")
+    assert GraphsCheck().run_case(FlashInferBackend, case, CUDA).verdict == Verdict.PASS
+    result = GraphsCheck().run_case(planted.flashinfer_with_one_graph_wrapper(), case, CUDA)
+    assert result.verdict == Verdict.FAIL and "differs from the oracle" in result.reason, result.reason

@@ -111,3 +111,18 @@ class WritesPaddingIntoBlockZero(TorchGraphSafe):
         slots = slot_mapping.clamp(min=0)
         for plane, rows in zip(self.slot_planes(kv_cache), (key, value)):
             plane.index_copy_(0, slots, rows.to(plane.dtype))
+
+
+def flashinfer_with_one_graph_wrapper():
+    """The flashinfer adapter as it was: a ``use_cuda_graph`` decode wrapper only at
+    ``max_num_reqs``, so a graph captured at a smaller batch holds the eager wrapper, whose replays
+    read plan buffers the next plan has replaced. (Built on demand: flashinfer is optional.)"""
+    from backends.flashinfer.gqa import FlashInferBackend
+
+    class OneGraphWrapper(FlashInferBackend):
+        name = "planted_flashinfer_one_graph_wrapper"
+
+        def build_for_capture(self, common):
+            return self.build(common)  # no wrapper for this batch size: the eager one is captured
+
+    return OneGraphWrapper
