@@ -270,7 +270,7 @@ class BatchedEngine(Engine):
 
     def _host_fields(self, scheduled: list[Scheduled]):
         """The host's view of the step, packed for the upload; optimistic bookkeeping applied."""
-        k, bs = self.config.num_spec_tokens, self.config.block_size
+        bs = self.config.block_size
         names = ("slots", "query_start_loc", "token_row", "host_ids", "is_decode", "num_valid", "num_drafts",
                  "logits_index", "produces", "decode", "host_last_token", "host_start", "capacity", "block_table")
         fields = {name: [] for name in names}

@@ -5,6 +5,7 @@ Everything stays on the device: a request's seed drives its own generator, and g
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +86,7 @@ def counter_uniform(seed: torch.Tensor, counter: torch.Tensor, lane: int, shape_
     x = _mix32((seed & _MASK32) * 0x2545F491 + lane)
     x = _mix32(x ^ (counter & _MASK32))
     if shape_tail:
-        index = torch.arange(int(torch.tensor(shape_tail).prod()), device=x.device).view(shape_tail)
+        index = torch.arange(math.prod(shape_tail), device=x.device).view(shape_tail)
         x = _mix32(x.reshape(*x.shape, *([1] * len(shape_tail))) ^ index)
     return ((x >> 8).to(torch.float32) + 0.5) / float(1 << 24)
 

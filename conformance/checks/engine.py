@@ -62,6 +62,7 @@ class EngineCheck(Check):
         if key in self.covered:
             return f"layout covered by {self.covered[key]}"
         reason = backend_cls.unsupported_reason(model_for(case).attention_spec(case.spec.dtype, case.spec.block_size), device)
+        reason = reason or backend_cls.capabilities.query_len_reason(SPEC_TOKENS + 1)  # the k + 1 verify rows
         if reason:
             return reason
         self.covered[key] = case.id

@@ -39,3 +39,15 @@ def test_engine_check_is_listed_and_runs_from_the_cli(tmp_path):
                                 "--check", "engine", "--device", "cpu", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "engine" in completed.stdout
+
+
+def test_engine_check_skips_a_backend_that_cannot_verify_k_plus_one_tokens():
+    import dataclasses
+
+    from backends.torch_naive import TorchNaiveBackend
+
+    class DecodeOnly(TorchNaiveBackend):
+        capabilities = dataclasses.replace(TorchNaiveBackend.capabilities, max_query_len=1)
+
+    reason = EngineCheck().case_skip_reason(DecodeOnly, CASE, torch.device("cpu"))
+    assert reason == "query length 4 exceeds the claimed maximum 1", reason
