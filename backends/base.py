@@ -157,6 +157,8 @@ class Capabilities:
     cuda_graphs: CGSupport = CGSupport.NEVER
     needs_cpu_seq_lens: bool = True  # False promises zero host syncs when host lengths are absent
     draft_step_update: bool = False  # update_for_draft_step can advance metadata in place
+    deterministic: bool = False  # bitwise-equal output for identical inputs, eager and graph replay
+    batch_invariant: bool = False  # a request's output bits do not depend on the rest of the batch
     devices: frozenset[str] = frozenset({"cuda"})
     compute_capabilities: frozenset[tuple[int, int]] | None = None  # None: any
     required_modules: tuple[str, ...] = ()
@@ -222,6 +224,8 @@ class Capabilities:
             "cuda_graphs": self.cuda_graphs.name,
             "needs_cpu_seq_lens": self.needs_cpu_seq_lens,
             "draft_step_update": self.draft_step_update,
+            "deterministic": self.deterministic,
+            "batch_invariant": self.batch_invariant,
             "devices": sorted(self.devices),
             "compute_capabilities": None
             if self.compute_capabilities is None

@@ -37,6 +37,8 @@ class TorchNaiveBackend(AttentionBackend):
         cuda_graphs=CGSupport.NEVER,
         needs_cpu_seq_lens=True,
         draft_step_update=False,
+        deterministic=True,  # one request at a time, fixed reduction order
+        batch_invariant=True,
         devices=frozenset({"cpu", "cuda"}),
     )
 

@@ -7,15 +7,14 @@ failure seen on a GPU reproduces bit for bit on any machine.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from backends.base import BackendLimits, CommonAttentionMetadata
+from conformance.case_data import apply_profile
 from conformance.cases import Case
 from conformance.oracle import attention_reference, mla_reference
-
-NUM_PADDING_TOKENS = 3  # rows with slot -1 appended to every step's KV write
 
 
 @dataclass
@@ -43,16 +42,27 @@ class PagedBatch:
     def seq_lens(self) -> list[int]:
         return [context + query for context, query in self.case.batch]
 
-    def limits(self, padding: int = NUM_PADDING_TOKENS) -> BackendLimits:
-        spec = self.spec
-        max_model_len = self.block_table.shape[1] * spec.block_size
-        return BackendLimits(self.case.num_reqs, self.case.num_tokens + padding, max_model_len)
+    def limits(self) -> BackendLimits:
+        max_model_len = self.block_table.shape[1] * self.spec.block_size
+        return BackendLimits(self.case.num_reqs, self.case.num_tokens + self.case.padding, max_model_len)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.spec.block_size
 
     def slots(self, request: int, positions: range) -> torch.Tensor:
         block_size = self.spec.block_size
         positions = torch.arange(positions.start, positions.stop, dtype=torch.int64)
         blocks = self.block_table[request].long()[positions // block_size]
         return blocks * block_size + positions % block_size
+
+    def reordered(self, order: list[int]) -> "PagedBatch":
+        """The same requests (same data, same blocks) as a batch of ``order``'s requests in that order."""
+        starts = self.query_start_loc
+        query = torch.cat([self.query[starts[r] : starts[r + 1]] for r in order])
+        case = replace(self.case, batch=tuple(self.case.batch[r] for r in order), shared_prefix_blocks=0)
+        return PagedBatch(case, self.device, query, [self.keys[r] for r in order], [self.values[r] for r in order],
+                          self.block_table[order], self.num_blocks)
 
     def reference_output(self) -> torch.Tensor:
         """The oracle's answer for every new token: [num_tokens, H, Dv] float64, on the device."""
@@ -93,8 +103,10 @@ class PagedBatch:
         """(key, value, slot_mapping) for every cached (context) token: what earlier steps wrote."""
         return self._rows(lambda context_len, query_len: range(0, context_len))
 
-    def step_rows(self, padding: int = NUM_PADDING_TOKENS):
-        """(key, value, slot_mapping) for this step's new tokens, plus ``padding`` rows with slot -1."""
+    def step_rows(self, padding: int | None = None):
+        """(key, value, slot_mapping) for this step's new tokens, plus ``padding`` rows with slot -1
+        (the case's padding when None)."""
+        padding = self.case.padding if padding is None else padding
         key, value, slots = self._rows(lambda context_len, query_len: range(context_len, context_len + query_len))
         if padding:
             # Garbage, not zeros: a backend that writes padding rows anywhere must show it.
@@ -182,26 +194,38 @@ def materialize(case: Case, device: torch.device | str, *, random_on_device: boo
         device_generator.manual_seed(int(torch.randint(2**31, (1,), generator=generator)))
 
         def normal(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=device_generator, device=device, dtype=torch.float32).to(spec.dtype)
+            return torch.randn(*shape, generator=device_generator, device=device, dtype=torch.float32)
+
+        profile = None  # the bench's data stays N(0, 1): its numbers are not checked
     else:
 
         def normal(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=generator).to(spec.dtype).to(device)
+            return torch.randn(*shape, generator=generator)
+
+        def profile(query: torch.Tensor, keys: list[torch.Tensor]) -> None:
+            apply_profile(spec, case.data, query, keys, case.batch)
 
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor | None] = []
-    shared_tokens = case.shared_prefix_blocks * spec.block_size
-    for request, (context_len, query_len) in enumerate(case.batch):
+    for context_len, query_len in case.batch:
         seq_len = context_len + query_len
         if spec.kind == "mla":
             key, value = normal(seq_len, spec.head_dim), None
         else:
             key, value = normal(seq_len, spec.num_kv_heads, spec.head_dim), normal(seq_len, spec.num_kv_heads, spec.head_dim)
-        if request and shared_tokens:
-            key[:shared_tokens] = keys[0][:shared_tokens]
-            if value is not None:
-                value[:shared_tokens] = values[0][:shared_tokens]
         keys.append(key)
         values.append(value)
     query = normal(case.num_tokens, spec.num_heads, spec.head_dim)
-    return PagedBatch(case, device, query, keys, values, block_table, num_blocks)
+    if profile is not None:
+        profile(query, keys)
+    shared_tokens = case.shared_prefix_blocks * spec.block_size
+    for request in range(1, case.num_reqs if shared_tokens else 1):  # one physical prefix: one content
+        keys[request][:shared_tokens] = keys[0][:shared_tokens]
+        if values[request] is not None:
+            values[request][:shared_tokens] = values[0][:shared_tokens]
+
+    def to_device(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor.to(spec.dtype).to(device)
+
+    return PagedBatch(case, device, to_device(query), [to_device(k) for k in keys], [to_device(v) for v in values],
+                      block_table, num_blocks)

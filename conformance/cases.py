@@ -14,6 +14,13 @@ A case's id is its whole definition, in the same compact grammar ``--case`` acce
       scaleX        softmax scale          (default 1/sqrt(head dim))
       shareN        the first N blocks of every request are one shared prefix
       linear        blocks in order (default: physical blocks randomly permuted)
+      strided       query, key and value are views into one fused QKV projection, the output a
+                    view into a wider buffer (non-contiguous rows, as engines hand them over)
+      padN          N padding rows (slot -1) after the real tokens (default 3; pad0: none)
+      sinks         large logits: an outlier channel shifts every logit by ~100+ and position 0
+                    is an attention sink (the data of trained models, near fp16's range)
+      edges         boundary-sensitive data: the key just past each causal edge and just
+                    outside each sliding window dominates, so an off-by-one fails widely
     BATCH  = ITEM ("," ITEM)*
     ITEM   = CTX "+" Q ["x" N]             N requests with CTX cached tokens and Q new ones;
                                            numbers take a k suffix (4k = 4096)
@@ -35,6 +42,11 @@ import torch
 from backends.base import DTYPE_NAMES, AttentionSpec, dtype_name
 
 
+DATA_PROFILES = ("normal", "sinks", "edges")
+DEFAULT_PADDING_TOKENS = 3
+MAX_PADDING_TOKENS = 1024
+
+
 class CaseSyntaxError(ValueError):
     """A --case string that does not parse; the message says what was wrong and what is expected."""
 
@@ -46,6 +58,9 @@ class Case:
     seed: int = 0
     shared_prefix_blocks: int = 0
     permute_blocks: bool = True
+    strided: bool = False  # inputs and output as views into larger buffers (see harness)
+    data: str = "normal"  # normal | sinks | edges (see conformance.batch)
+    padding: int = DEFAULT_PADDING_TOKENS  # rows with slot -1 after the step's real tokens
     tag: str = field(default="", compare=False)  # a human label ("decode"), not part of the id
 
     def __post_init__(self) -> None:
@@ -54,6 +69,10 @@ class Case:
         for context_len, query_len in self.batch:
             if context_len < 0 or query_len < 1:
                 raise CaseSyntaxError(f"request {context_len}+{query_len}: context must be >= 0 and query >= 1")
+        if self.data not in DATA_PROFILES:
+            raise CaseSyntaxError(f"data profile {self.data!r} is not one of {', '.join(DATA_PROFILES)}")
+        if not 0 <= self.padding <= MAX_PADDING_TOKENS:
+            raise CaseSyntaxError(f"pad{self.padding}: padding rows must be between 0 and {MAX_PADDING_TOKENS}")
         if self.shared_prefix_blocks:
             needed = self.shared_prefix_blocks * self.spec.block_size
             if min(context for context, _ in self.batch) < needed:
@@ -65,6 +84,10 @@ class Case:
     @property
     def id(self) -> str:
         return format_case(self)
+
+    @property
+    def layer_options(self) -> LayerOptions:
+        return LayerOptions(self.shared_prefix_blocks, self.permute_blocks, self.strided, self.data, self.padding)
 
     @property
     def num_reqs(self) -> int:
@@ -115,8 +138,18 @@ def parse_batch(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(requests)
 
 
-def parse_layer(text: str) -> tuple[AttentionSpec, int, bool]:
-    """Returns (spec, shared_prefix_blocks, permute_blocks)."""
+@dataclass(frozen=True)
+class LayerOptions:
+    """The parts of a LAYER that are not the AttentionSpec: how the harness lays out the data."""
+
+    shared_prefix_blocks: int = 0
+    permute_blocks: bool = True
+    strided: bool = False
+    data: str = "normal"
+    padding: int = DEFAULT_PADDING_TOKENS
+
+
+def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
     kind_name, *attrs = text.split("-")
     if kind_name not in ("gqa", "mha", "mla"):
         raise CaseSyntaxError(f"layer kind {kind_name!r} is not gqa, mha or mla; {_GRAMMAR_HINT}")
@@ -125,13 +158,21 @@ def parse_layer(text: str) -> tuple[AttentionSpec, int, bool]:
     head_dim, kv_lora_rank, rope_dim = 128, 512, 64
     dtype, block_size = torch.bfloat16, 64 if is_mla else 16
     window = cap = scale = None
-    share, permute = 0, True
+    share, permute, strided, data, padding = 0, True, False, "normal", DEFAULT_PADDING_TOKENS
     kv_heads_given = False
     for attr in attrs:
         if attr in DTYPE_NAMES:
             dtype = DTYPE_NAMES[attr]
         elif attr == "linear":
             permute = False
+        elif attr == "strided":
+            strided = True
+        elif attr in DATA_PROFILES[1:]:
+            if data != "normal":
+                raise CaseSyntaxError(f"two data profiles ({data}, {attr}) in {text!r}: choose one")
+            data = attr
+        elif match := re.fullmatch(r"pad(\d+)", attr):
+            padding = int(match.group(1))
         elif match := re.fullmatch(r"h(\d+)(?:/(\d+))?", attr):
             num_heads = int(match.group(1))
             if match.group(2):
@@ -174,7 +215,7 @@ def parse_layer(text: str) -> tuple[AttentionSpec, int, bool]:
             )
     except ValueError as error:
         raise CaseSyntaxError(str(error)) from None
-    return spec, share, permute
+    return spec, LayerOptions(share, permute, strided, data, padding)
 
 
 def parse_case(text: str, default_seed: int = 0) -> Case:
@@ -183,15 +224,16 @@ def parse_case(text: str, default_seed: int = 0) -> Case:
     body, _, seed_text = text.partition("@")
     seed = _number(seed_text, "seed") if seed_text else default_seed
     layer_text, _, batch_text = body.rpartition(":")
-    spec, share, permute = parse_layer(layer_text or "gqa")
-    return Case(spec, parse_batch(batch_text), seed, share, permute)
+    spec, options = parse_layer(layer_text or "gqa")
+    return Case(spec, parse_batch(batch_text), seed, options.shared_prefix_blocks, options.permute_blocks,
+                options.strided, options.data, options.padding)
 
 
 def _format_number(value: float) -> str:
     return f"{value:g}"
 
 
-def format_layer(spec: AttentionSpec, shared_prefix_blocks: int = 0, permute_blocks: bool = True) -> str:
+def format_layer(spec: AttentionSpec, options: LayerOptions = LayerOptions()) -> str:
     if spec.kind == "mla":
         parts = ["mla", f"h{spec.num_heads}", f"d{spec.kv_lora_rank}+{spec.rope_dim}"]
     else:
@@ -204,10 +246,16 @@ def format_layer(spec: AttentionSpec, shared_prefix_blocks: int = 0, permute_blo
         parts.append(f"cap{_format_number(spec.logits_soft_cap)}")
     if spec.scale is not None:
         parts.append(f"scale{_format_number(spec.scale)}")
-    if shared_prefix_blocks:
-        parts.append(f"share{shared_prefix_blocks}")
-    if not permute_blocks:
+    if options.shared_prefix_blocks:
+        parts.append(f"share{options.shared_prefix_blocks}")
+    if not options.permute_blocks:
         parts.append("linear")
+    if options.strided:
+        parts.append("strided")
+    if options.padding != DEFAULT_PADDING_TOKENS:
+        parts.append(f"pad{options.padding}")
+    if options.data != "normal":
+        parts.append(options.data)
     return "-".join(parts)
 
 
@@ -225,7 +273,7 @@ def format_batch(batch: tuple[tuple[int, int], ...]) -> str:
 
 
 def format_case(case: Case) -> str:
-    layer = format_layer(case.spec, case.shared_prefix_blocks, case.permute_blocks)
+    layer = format_layer(case.spec, case.layer_options)
     return f"{layer}:{format_batch(case.batch)}@{case.seed}"
 
 

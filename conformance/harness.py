@@ -1,8 +1,12 @@
 """Run one step of a case through a backend the way an engine would.
 
-History (the context tokens) is written through the backend's own ``write_kv``, then the step:
-``build`` → ``write_kv`` of the new tokens (plus slot -1 padding rows) → ``forward`` into a
-NaN-poisoned output, so rows a backend forgets to write cannot pass.
+The pool is first poisoned (``case_data``: every slot gets a dominant key and a loud value through
+the backend's own ``write_kv``), then the history (the context tokens) is written over it, then the
+step: ``build`` → ``write_kv`` of the new tokens (plus slot -1 padding rows) → ``forward`` into a
+NaN-poisoned output, so rows a backend forgets to write cannot pass. A ``strided`` case hands the
+backend what an engine hands it: query, key and value as views into one fused QKV projection
+(row stride larger than the row, key and value at a storage offset), the output as a view into a
+wider buffer whose other columns must stay untouched.
 """
 from __future__ import annotations
 
@@ -12,9 +16,13 @@ from typing import Callable, ContextManager
 
 import torch
 
-from backends.base import AttentionBackend
-from conformance.batch import NUM_PADDING_TOKENS, PagedBatch, materialize
+from backends.base import AttentionBackend, AttentionSpec
+from conformance.batch import PagedBatch, materialize
+from conformance.case_data import poison_key_value
 from conformance.cases import Case
+
+POISON_CHUNK_SLOTS = 1 << 16  # poison is written in chunks: a full-suite pool has ~1M slots
+OUTPUT_GUARD_COLUMNS = 64  # extra columns of a strided output's buffer; they must stay NaN
 
 
 @dataclass
@@ -24,26 +32,81 @@ class PreparedCase:
     kv_cache: torch.Tensor
 
 
+def write_poison(backend: AttentionBackend, kv_cache: torch.Tensor, batch: PagedBatch, keep: torch.Tensor) -> None:
+    """Poison every slot of the pool except ``keep`` (the slots whose contents must survive)."""
+    spec = batch.spec
+    poisoned = torch.ones(batch.num_slots, dtype=torch.bool)
+    poisoned[keep.cpu()] = False
+    slots = poisoned.nonzero().flatten()
+    key_row, value_row = poison_key_value(spec, batch.case.data, batch.case.max_seq_len)
+    for start in range(0, slots.numel(), POISON_CHUNK_SLOTS):
+        chunk = slots[start : start + POISON_CHUNK_SLOTS].to(batch.device)
+        count = chunk.numel()
+        key = key_row.to(spec.dtype).to(batch.device).expand(count, *key_row.shape).contiguous()
+        value = None if value_row is None else value_row.to(spec.dtype).to(batch.device).expand(count, *value_row.shape).contiguous()
+        backend.write_kv(kv_cache, key, value, chunk)
+
+
 def prepare(
-    backend_cls: type[AttentionBackend], case: Case, device: torch.device, *, random_on_device: bool = False
+    backend_cls: type[AttentionBackend], case: Case, device: torch.device, *, random_on_device: bool = False,
+    poison: bool = True,
 ) -> PreparedCase:
+    """``poison=False`` (the benchmark): the pool keeps whatever the allocator gave it."""
     batch = materialize(case, device, random_on_device=random_on_device)
     backend = backend_cls(case.spec, batch.limits(), torch.device(device))
     kv_cache = backend.allocate_kv_cache(batch.num_blocks)
     key, value, slots = batch.history_rows()
+    if poison:
+        write_poison(backend, kv_cache, batch, keep=slots)
     if slots.numel():
-        backend.write_kv(kv_cache, key, value, slots)
+        backend.write_kv(kv_cache, *engine_kv_views(case, key, value), slots)
     return PreparedCase(batch, backend, kv_cache)
 
 
-def poisoned_output(batch: PagedBatch, padding: int = NUM_PADDING_TOKENS) -> torch.Tensor:
+def engine_kv_views(case: Case, key: torch.Tensor, value: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``key``/``value`` as the case lays them out: contiguous, or views into a fused QKV buffer."""
+    if not case.strided:
+        return key, value
+    _, key, value = fused_qkv_views(case.spec, None, key, value)
+    return key, value
+
+
+def fused_qkv_views(spec: AttentionSpec, query: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor | None):
+    """Copies of query/key/value laid out as slices of one [T, q | k | v | spare] buffer, the way a
+    fused QKV projection's output is split (MLA: the latent entry slice of a wider projection)."""
+    tokens = key.shape[0]
+    parts = [tensor for tensor in (query, key, value) if tensor is not None]
+    widths = [tensor[0].numel() for tensor in parts]
+    fused = torch.full((tokens, sum(widths) + 16), float("nan"), dtype=key.dtype, device=key.device)
+    views, column = [], 0
+    for tensor, width in zip(parts, widths):
+        view = fused[:, column : column + width].view(tokens, *tensor.shape[1:])
+        view.copy_(tensor)
+        views.append(view)
+        column += width
+    it = iter(views)
+    return (next(it) if query is not None else None), next(it), (next(it) if value is not None else None)
+
+
+def output_buffer(batch: PagedBatch, padding: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, whole buffer): NaN everywhere. Strided cases get a view into a wider buffer."""
     spec = batch.spec
-    shape = (batch.case.num_tokens + padding, spec.num_heads, spec.v_head_dim)
-    return torch.full(shape, float("nan"), dtype=spec.dtype, device=batch.device)
+    rows, width = batch.case.num_tokens + padding, spec.num_heads * spec.v_head_dim
+    guard = OUTPUT_GUARD_COLUMNS if batch.case.strided else 0
+    whole = torch.full((rows, width + guard), float("nan"), dtype=spec.dtype, device=batch.device)
+    return whole[:, :width].view(rows, spec.num_heads, spec.v_head_dim), whole
+
+
+def poisoned_output(batch: PagedBatch, padding: int | None = None) -> torch.Tensor:
+    return output_buffer(batch, batch.case.padding if padding is None else padding)[0]
 
 
 def _no_phase(name: str) -> ContextManager[None]:
     return contextlib.nullcontext()
+
+
+class WroteOutsideOutput(AssertionError):
+    """forward wrote into the output buffer's memory outside the ``out`` view it was given."""
 
 
 def run_step(
@@ -56,16 +119,24 @@ def run_step(
 
     ``phase(name)`` wraps each backend call ("build", "write_kv", "forward") and nothing else, so
     a sync detector sees only what the backend does, not the harness's own input preparation.
+    Raises ``WroteOutsideOutput`` when a strided output's guard columns were written.
     """
-    batch, backend = prepared.batch, prepared.backend
+    batch, backend, case = prepared.batch, prepared.backend, prepared.batch.case
     common = batch.common_metadata(with_host_lengths=with_host_lengths)
     key, value, slots = batch.step_rows()
-    query = torch.cat([batch.query, torch.zeros_like(batch.query[:NUM_PADDING_TOKENS])])
-    out = poisoned_output(batch)
+    query = torch.cat([batch.query, batch.query.new_zeros(case.padding, *batch.query.shape[1:])])
+    if case.strided:
+        query, key, value = fused_qkv_views(batch.spec, query, key, value)
+    out, whole = output_buffer(batch, case.padding)
     with phase("build"):
         metadata = backend.build(common)
     with phase("write_kv"):
         backend.write_kv(prepared.kv_cache, key, value, slots)
     with phase("forward"):
         backend.forward(query, prepared.kv_cache, metadata, out)
-    return out[: batch.case.num_tokens]
+    guard = whole[:, out.shape[1] * out.shape[2] :]
+    if guard.numel() and not bool(torch.isnan(guard).all()):
+        written = int((~torch.isnan(guard)).sum())
+        raise WroteOutsideOutput(f"forward wrote {written} elements outside the strided output view it was given "
+                                 "(it assumed a contiguous output)")
+    return out[: case.num_tokens]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from conformance.checks.base import Check
 from conformance.checks.bench import BenchCheck
+from conformance.checks.determinism import DeterminismCheck
 from conformance.checks.draft_loop import DraftLoopCheck
 from conformance.checks.engine import EngineCheck
 from conformance.checks.graphs import GraphsCheck
@@ -14,6 +15,7 @@ CHECKS: dict[str, type[Check]] = {
     SyncsCheck.name: SyncsCheck,
     GraphsCheck.name: GraphsCheck,
     DraftLoopCheck.name: DraftLoopCheck,
+    DeterminismCheck.name: DeterminismCheck,
     EngineCheck.name: EngineCheck,
     BenchCheck.name: BenchCheck,
 }

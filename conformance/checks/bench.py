@@ -17,7 +17,6 @@ from typing import Any, Callable
 import torch
 
 from backends.base import AttentionBackend, CGSupport
-from conformance.batch import NUM_PADDING_TOKENS
 from conformance.cases import Case
 from conformance.checks.base import Check
 from conformance.graph_batches import graph_class_reason
@@ -108,11 +107,11 @@ class BenchCheck(Check):
         if self._ceilings is None:
             self._ceilings = measure_ceilings(device)
             self._flush = _l2_flusher(device)
-        prepared = prepare(backend_cls, case, device, random_on_device=True)
+        prepared = prepare(backend_cls, case, device, random_on_device=True, poison=False)
         batch, backend = prepared.batch, prepared.backend
         common = batch.common_metadata(with_host_lengths=True)
         key, value, slots = batch.step_rows()
-        query = torch.cat([batch.query, torch.zeros_like(batch.query[:NUM_PADDING_TOKENS])])
+        query = torch.cat([batch.query, batch.query.new_zeros(case.padding, *batch.query.shape[1:])])
         out = poisoned_output(batch)
         backend.write_kv(prepared.kv_cache, key, value, slots)
         metadata = backend.build(common)

@@ -14,7 +14,7 @@ import torch
 from backends.base import AttentionBackend, dtype_name
 from conformance.cases import Case
 from conformance.checks.base import Check
-from conformance.harness import prepare, run_step
+from conformance.harness import WroteOutsideOutput, prepare, run_step
 from conformance.results import CaseResult, Verdict
 
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {  # dtype: (atol, rtol)
@@ -49,6 +49,9 @@ def compare_with_oracle(
         "mismatched": int(mismatched.sum()),
         "elements": out.numel(),
         "non_finite": int(non_finite.sum()),
+        # How far past the tolerance the worst element is (1.0 = at the limit; inf for NaN/Inf):
+        # the margin by which a defect fails, or a correct backend passes.
+        "tolerance_ratio": float(torch.where(non_finite, torch.full_like(diff, float("inf")), diff / allowed).max()),
     }
     evidence = {
         "worst": {
@@ -75,7 +78,10 @@ class NumericsCheck(Check):
 
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
         prepared = prepare(backend_cls, case, device)
-        out = run_step(prepared, with_host_lengths=True)
+        try:
+            out = run_step(prepared, with_host_lengths=True)
+        except WroteOutsideOutput as error:
+            return CaseResult(case.id, Verdict.FAIL, str(error), tag=case.tag)
         reference = prepared.batch.reference_output()
         atol, rtol = TOLERANCES[case.spec.dtype]
         passed, metrics, evidence = compare_with_oracle(out, reference, prepared.batch.query_start_loc, atol, rtol)

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from conformance.batch import NUM_PADDING_TOKENS, materialize
+from conformance.batch import materialize
+from conformance.cases import DEFAULT_PADDING_TOKENS as NUM_PADDING_TOKENS
 from conformance.cases import CaseSyntaxError, __doc__ as GRAMMAR, parse_case, suite
 
 

@@ -1,0 +1,118 @@
+"""What the numbers in a case are, beyond N(0, 1): the probe channel, the data profiles, and the
+poison that fills every KV slot no request owns.
+
+Random N(0, 1) data makes every boundary soft: a key seen one position too early, or a slot read
+one past the end, moves the output by about 1/seq_len, which a long context hides inside the
+tolerance. So one query channel, the *probe* (the last query/key channel), carries a constant
+that makes chosen keys dominant:
+
+* **poison** (every case): every slot no request owns — the rest of a request's last block, the
+  reserved block 0, blocks nobody holds — is written, through the backend's own ``write_kv``,
+  with a key whose probe channel scores ``POISON_LOGIT`` above anything real and a value of
+  ``POISON_VALUE``. A backend that masks such a slot gives it weight exactly 0 (finite × 0 = 0),
+  so correct backends are unaffected; one that reads it unmasked (past the sequence end, a wrong
+  block, a stale length) returns about ``POISON_VALUE`` instead of an average of N(0, 1) values.
+* **sinks**: a second channel shifts every logit by ``SINK_SHIFT_LOGIT`` (an outlier channel of a
+  trained model: softmax without its max subtracted overflows fp32, scores kept in bf16/fp16 lose
+  several units) and position 0 of every request scores ``SINK_LOGIT`` more (an attention sink).
+* **edges**: the key just past each boundary dominates the query that must not see it. Causal
+  edge (cases without a window): the first ``EDGE_KEYS`` new tokens of a multi-token request score
+  ``edge_base + EDGE_STEP * j``, so each query's own key dominates what it may see and the next
+  token's key would dominate it more. Window edge: the ``EDGE_KEYS`` keys ending just outside the
+  last query's window score more the older they are, plus the key just inside it, so both a window
+  one too wide and one too narrow swap the dominant key for every such query.
+
+Every constant is an integer up to 256 or a power of two, so it is exact in fp16, bf16 and TF32
+and its products with the probe query are exact: a correct backend's only error is the one the
+tolerances already allow.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from backends.base import AttentionSpec
+
+POISON_LOGIT = 40.0  # above every real logit of the profile: e^40 outweighs any context
+POISON_VALUE = 16.0  # what an unmasked read of a poisoned slot pulls the output towards
+SINK_SHIFT_LOGIT = 256.0  # exp(88) already overflows fp32; a bf16 score near 256 is rounded by up to 1
+SINK_LOGIT = 6.0
+EDGE_STEP = 3.0  # logits between neighbouring edge keys: e^3 = 20x the weight
+EDGE_KEYS = 16
+EDGE_MARGIN = 4.0  # logits by which the edge keys together outweigh every other key
+
+
+def probe_query_value(spec: AttentionSpec) -> float:
+    """The probe channel's query value: a power of two near 1/scale, so probe logits are O(1) per unit."""
+    return float(2 ** min(6, max(-2, math.floor(math.log2(1.0 / spec.softmax_scale)))))
+
+
+def _key_units(spec: AttentionSpec, logit: float) -> float:
+    """The probe-channel key value that adds ``logit`` to the score of every query."""
+    return logit / (probe_query_value(spec) * spec.softmax_scale)
+
+
+def _exact_integer(value: float) -> float:
+    # Integers up to 256 are exact in bf16 and fp16: the poison's score must not depend on rounding.
+    return float(min(256, max(1, round(value))))
+
+
+def profile_max_logit(spec: AttentionSpec, data: str, max_seq_len: int) -> float:
+    """The largest logit a real key can reach above N(0, 1) data under ``data``."""
+    if data == "sinks":
+        return SINK_LOGIT  # the shift channel lifts poisoned slots as much as real ones
+    if data == "edges":
+        return edge_base(max_seq_len) + EDGE_STEP * (EDGE_KEYS + 1)
+    return 0.0
+
+
+def edge_base(seq_len: int) -> float:
+    """A logit at which EDGE_KEYS keys outweigh ``seq_len`` N(0, 1)-logit keys by e^EDGE_MARGIN."""
+    return math.log(max(seq_len, 2)) + EDGE_MARGIN
+
+
+def apply_profile(spec: AttentionSpec, data: str, query: torch.Tensor, keys: list[torch.Tensor],
+                  batch: tuple[tuple[int, int], ...]) -> None:
+    """Shape float32 CPU data in place: ``query`` [T, H, Dk], ``keys`` per request [s, Hkv, Dk]
+    (MLA: [s, Dk]). The probe channel of every query is set in every profile."""
+    probe = spec.head_dim - 1
+    query[..., probe] = probe_query_value(spec)
+    if data == "sinks":
+        shift = spec.head_dim - 2
+        query[..., shift] = 32.0
+        shift_key = _exact_integer(SINK_SHIFT_LOGIT / (32.0 * spec.softmax_scale))
+        for key in keys:
+            key[..., shift] = shift_key
+            key[0, ..., probe] = _exact_integer(_key_units(spec, SINK_LOGIT))
+    elif data == "edges":
+        for key, (context_len, query_len) in zip(keys, batch):
+            seq_len = context_len + query_len
+            base = edge_base(seq_len)
+            if spec.sliding_window is not None:
+                # Older band keys score higher: for each query the key just outside its window
+                # beats the one just inside by EDGE_STEP, and both beat the rest of the window.
+                newest_outside = seq_len - 1 - spec.sliding_window
+                for offset in range(-1, EDGE_KEYS):
+                    position = newest_outside - offset
+                    if 0 <= position < seq_len:
+                        key[position, ..., probe] = _exact_integer(_key_units(spec, base + EDGE_STEP * offset))
+            elif query_len > 1:
+                for j in range(min(query_len, EDGE_KEYS)):
+                    key[context_len + j, ..., probe] = _exact_integer(_key_units(spec, base + EDGE_STEP * j))
+
+
+def poison_key_value(spec: AttentionSpec, data: str, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One poisoned slot's key and value (float32, CPU): [Hkv, Dk] and [Hkv, Dv] (MLA: [Dk], None)."""
+    logit = POISON_LOGIT + profile_max_logit(spec, data, max_seq_len)
+    if spec.kind == "mla":
+        key = torch.zeros(spec.head_dim)
+        key[: spec.kv_lora_rank] = POISON_VALUE / 4  # the latent is the value too; its scores stay small
+        value = None
+    else:
+        key = torch.zeros(spec.num_kv_heads, spec.head_dim)
+        value = torch.full((spec.num_kv_heads, spec.head_dim), POISON_VALUE)
+    key[..., spec.head_dim - 1] = _exact_integer(_key_units(spec, logit))
+    if data == "sinks":
+        key[..., spec.head_dim - 2] = _exact_integer(SINK_SHIFT_LOGIT / (32.0 * spec.softmax_scale))
+    return key, value

@@ -1,0 +1,98 @@
+"""determinism: bitwise-equal output for identical inputs, and a request's output independent of
+the rest of its batch — verified where claimed, measured and reported everywhere.
+
+* ``deterministic``: the same step (same backend, cache and inputs) runs twice; the outputs must
+  be equal bit for bit. (The graphs check compares two replays of one state the same way.)
+* ``batch_invariant``: the batch runs whole, then reversed, then its first and its last request
+  alone, on the same backend and cache; every request's rows must equal its rows in the whole
+  batch bit for bit. A kernel whose split count, tile or reduction order follows the batch
+  (the number of requests, the longest length, the mix of query lengths) changes bits here.
+
+A backend that claims a property and breaks it FAILs; one that does not claim it PASSes with the
+measurement stated, so a report shows which backends could claim it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from backends.base import AttentionBackend
+from conformance.cases import Case
+from conformance.checks.base import Check
+from conformance.harness import PreparedCase, prepare, run_step
+from conformance.results import CaseResult, Verdict
+
+
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
+    differs = (a != b) & ~(torch.isnan(a) & torch.isnan(b))
+    index = tuple(int(i) for i in differs.nonzero()[0])
+    return f"{int(differs.sum())} elements differ, first at (token, head, channel) {index}: {float(a[index])!r} vs {float(b[index])!r}"
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+
+
+def rows_of(out: torch.Tensor, starts: list[int], request: int) -> torch.Tensor:
+    return out[starts[request] : starts[request + 1]]
+
+
+def batch_variants(num_reqs: int) -> list[tuple[str, list[int]]]:
+    variants = [("reversed order", list(range(num_reqs))[::-1]), ("first request alone", [0])]
+    if num_reqs > 1:
+        variants.append(("last request alone", [num_reqs - 1]))
+    return variants if num_reqs > 1 else []
+
+
+class DeterminismCheck(Check):
+    name = "determinism"
+    question = "bitwise-equal on identical inputs; a request's output independent of the rest of the batch?"
+
+    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
+        claims = backend_cls.capabilities
+        prepared = prepare(backend_cls, case, device)
+        host_lengths = claims.needs_cpu_seq_lens
+        first = run_step(prepared, with_host_lengths=host_lengths).clone()
+        second = run_step(prepared, with_host_lengths=host_lengths).clone()
+        metrics: dict[str, Any] = {"deterministic": bitwise_equal(first, second)}
+        evidence: dict[str, Any] = {}
+        if not metrics["deterministic"]:
+            evidence["deterministic"] = f"two runs of one step: {first_difference(first, second)}"
+
+        starts = prepared.batch.query_start_loc
+        variance = None
+        for label, order in batch_variants(case.num_reqs):
+            sub = PreparedCase(prepared.batch.reordered(order), prepared.backend, prepared.kv_cache)
+            out = run_step(sub, with_host_lengths=host_lengths)
+            sub_starts = sub.batch.query_start_loc
+            for position, request in enumerate(order):
+                mine, whole = rows_of(out, sub_starts, position), rows_of(first, starts, request)
+                if not bitwise_equal(mine, whole):
+                    variance = f"request {request}, {label}: {first_difference(mine, whole)}"
+                    break
+            if variance:
+                break
+        metrics["batch_invariant"] = variance is None if case.num_reqs > 1 else None
+        if variance:
+            evidence["batch_invariant"] = variance
+
+        broken = [name for name in ("deterministic", "batch_invariant") if getattr(claims, name) and metrics[name] is False]
+        if broken:
+            reason = "; ".join(f"claims {name} but {evidence[name]}" for name in broken)
+            return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics, evidence=evidence)
+        measured = ", ".join(
+            f"{name} {'yes' if value else 'no'}{'' if getattr(claims, name) else ' (not claimed)'}"
+            for name, value in metrics.items() if value is not None
+        )
+        return CaseResult(case.id, Verdict.PASS, f"measured: {measured}", tag=case.tag, metrics=metrics, evidence=evidence)
+
+    def aggregate(self, cases: list[CaseResult]) -> dict[str, Any]:
+        """Whether the measurements would support each claim over the whole run."""
+        summary = {}
+        for name in ("deterministic", "batch_invariant"):
+            values = [case.metrics.get(name) for case in cases if case.metrics.get(name) is not None]
+            if values:
+                summary[f"{name}_everywhere"] = all(values)
+                summary[f"{name}_cases"] = f"{sum(values)} of {len(values)}"
+        return summary

@@ -1,0 +1,188 @@
+"""Planted defects that hide behind a property the harness once held fixed: contiguous tensors,
+small logits, soft boundaries, identical runs, one batch composition. Each is torch_naive (or the
+graph-safe test backend) with one realistic bug, and each must fail its check by a wide margin.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from backends.base import Capabilities
+from backends.torch_naive import TorchNaiveBackend
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+class AssumesContiguousQuery(TorchNaiveBackend):
+    """Indexes the query as if it were packed [T, H, D] from its data pointer (a kernel that takes
+    ``q.data_ptr()`` and computes offsets as token * H * D): a slice of a fused QKV reads k and v."""
+
+    name = "planted_assumes_contiguous_query"
+
+    def forward(self, query, kv_cache, metadata, out):
+        packed = torch.as_strided(query, query.shape, contiguous_strides(query.shape), query.storage_offset())
+        super().forward(packed, kv_cache, metadata, out)
+
+
+class AssumesContiguousOutput(TorchNaiveBackend):
+    """Writes its result as a packed [T, H, D] block at ``out.data_ptr()``, whatever out's strides."""
+
+    name = "planted_assumes_contiguous_output"
+
+    def forward(self, query, kv_cache, metadata, out):
+        result = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        result.copy_(out)
+        super().forward(query, kv_cache, metadata, result)
+        packed = torch.as_strided(out, out.shape, contiguous_strides(out.shape), out.storage_offset())
+        packed.copy_(result)
+
+
+class SoftmaxWithoutMax(TorchNaiveBackend):
+    """exp(scores) / sum(exp(scores)) without subtracting the row maximum: exact for small logits,
+    inf / inf = NaN once a logit passes 88 (fp32's exp overflow)."""
+
+    name = "planted_softmax_without_max"
+
+    def attend(self, query, key, value, context_len):
+        group = self.spec.query_group_size
+        key = key.float().repeat_interleave(group, dim=1)
+        value = value.float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query.float(), key) * self.softmax_scale()
+        positions = context_len + torch.arange(query.shape[0], device=query.device)
+        visible = self.visible(positions, torch.arange(key.shape[0], device=query.device))
+        weights = torch.exp(scores).masked_fill(~visible, 0.0)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return torch.einsum("hqk,khd->qhd", weights, value)
+
+
+class ScoresInInputDtype(TorchNaiveBackend):
+    """Keeps the scores in the input dtype (bf16/fp16) before the softmax, as a kernel that stores
+    S = QK^T in half precision does: a unit in the last place is ~0.5 at a logit of 100."""
+
+    name = "planted_scores_in_input_dtype"
+
+    def attend(self, query, key, value, context_len):
+        group = self.spec.query_group_size
+        key = key.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query.float(), key.float()).to(query.dtype).float() * self.softmax_scale()
+        positions = context_len + torch.arange(query.shape[0], device=query.device)
+        visible = self.visible(positions, torch.arange(key.shape[0], device=query.device))
+        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        return torch.einsum("hqk,khd->qhd", weights, value.float().repeat_interleave(group, dim=1))
+
+
+class WindowOffByOne(TorchNaiveBackend):
+    """A sliding window one token too wide: ``<=`` where ``<`` was meant."""
+
+    name = "planted_window_off_by_one"
+
+    def visible(self, query_positions, key_positions):
+        seen = key_positions[None, :] <= query_positions[:, None]
+        if self.spec.sliding_window is not None:
+            seen &= query_positions[:, None] - key_positions[None, :] <= self.spec.sliding_window
+        return seen
+
+
+class DecodeReadsOnePastEnd(TorchNaiveBackend):
+    """A decode fast path that needs no causal mask (one query sees everything) and loops to
+    ``seq_len`` inclusive: it reads the slot after the last token, which no request owns."""
+
+    name = "planted_decode_reads_one_past_end"
+
+    def forward(self, query, kv_cache, metadata, out):
+        planes = self.slot_planes(kv_cache)
+        for request, seq_len in enumerate(metadata.seq_lens):
+            start, end = metadata.query_start_loc[request], metadata.query_start_loc[request + 1]
+            if end - start != 1:
+                continue
+            kv = [self.gather(plane, metadata.block_table[request], seq_len + 1) for plane in planes]
+            key, value = (kv[0], kv[0][..., : self.spec.v_head_dim]) if self.spec.kind == "mla" else kv
+            out[start:end] = self.attend(query[start:end], key, value, seq_len).to(out.dtype)
+        multi = [r for r in range(len(metadata.seq_lens))
+                 if metadata.query_start_loc[r + 1] - metadata.query_start_loc[r] != 1]
+        if multi:
+            scratch = out.clone()
+            super().forward(query, kv_cache, metadata, scratch)
+            for r in multi:
+                rows = slice(metadata.query_start_loc[r], metadata.query_start_loc[r + 1])
+                out[rows] = scratch[rows]
+
+    def gather(self, plane, block_table_row, seq_len):
+        block_size = self.spec.block_size
+        num_blocks = -(-seq_len // block_size)
+        row = block_table_row[:num_blocks].long()
+        if row.numel() < num_blocks:  # past the table: the padding entry (block 0)
+            row = torch.cat([row, row.new_zeros(num_blocks - row.numel())])
+        slots = (row[:, None] * block_size + torch.arange(block_size, device=plane.device)).reshape(-1)[:seq_len]
+        return plane[slots]
+
+    def visible(self, query_positions, key_positions):
+        return torch.ones(query_positions.shape[0], key_positions.shape[0], dtype=torch.bool, device=key_positions.device)
+
+
+class NondeterministicSplits(TorchNaiveBackend):
+    """Split-KV whose split point moves from call to call (as atomics-ordered partial sums do):
+    the math is right, the bits are not repeatable. Claims determinism anyway."""
+
+    name = "planted_nondeterministic_splits"
+    capabilities = dataclasses.replace(TorchNaiveBackend.capabilities, deterministic=True, batch_invariant=False)
+
+    def __init__(self, spec, limits, device):
+        super().__init__(spec, limits, device)
+        self.calls = 0
+
+    def forward(self, query, kv_cache, metadata, out):
+        self.calls += 1
+        super().forward(query, kv_cache, metadata, out)
+
+    def attend(self, query, key, value, context_len):
+        return split_kv_attend(self, query, key, value, context_len, splits=1 + self.calls % 3)
+
+
+class SplitsFollowTheBatch(TorchNaiveBackend):
+    """Split-KV with a split count chosen from the batch size (a heuristic that fills the GPU):
+    a request's bits depend on how many others share its batch. Claims batch invariance anyway."""
+
+    name = "planted_splits_follow_the_batch"
+    capabilities = dataclasses.replace(TorchNaiveBackend.capabilities, deterministic=True, batch_invariant=True)
+
+    def forward(self, query, kv_cache, metadata, out):
+        self.num_reqs = len(metadata.seq_lens)
+        super().forward(query, kv_cache, metadata, out)
+
+    def attend(self, query, key, value, context_len):
+        return split_kv_attend(self, query, key, value, context_len, splits=max(1, 8 // self.num_reqs))
+
+
+def split_kv_attend(backend, query, key, value, context_len, splits: int):
+    """Flash-decoding: attention over ``splits`` KV chunks, merged by their log-sum-exps."""
+    group = backend.spec.query_group_size
+    key = key.float().repeat_interleave(group, dim=1)
+    value = value.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.float(), key) * backend.softmax_scale()
+    if backend.spec.logits_soft_cap is not None:
+        cap = backend.spec.logits_soft_cap
+        scores = cap * torch.tanh(scores / cap)
+    positions = context_len + torch.arange(query.shape[0], device=query.device)
+    scores = scores.masked_fill(~backend.visible(positions, torch.arange(key.shape[0], device=query.device)), float("-inf"))
+    bounds = [round(i * key.shape[0] / splits) for i in range(splits + 1)]
+    partials, lses = [], []
+    for lo, hi in zip(bounds, bounds[1:]):
+        if hi == lo:
+            continue
+        chunk = scores[..., lo:hi]
+        lse = torch.logsumexp(chunk, dim=-1)  # -inf where the whole chunk is masked
+        weights = torch.exp(chunk - lse.nan_to_num(neginf=0.0)[..., None]).nan_to_num(0.0)
+        partials.append(torch.einsum("hqk,khd->hqd", weights, value[lo:hi]))
+        lses.append(lse)
+    lse = torch.stack(lses)  # [splits, h, q]
+    total = torch.logsumexp(lse, dim=0)
+    merged = sum(torch.exp(l - total)[..., None] * p for l, p in zip(lse, partials))
+    return merged.permute(1, 0, 2)
