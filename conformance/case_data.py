@@ -16,9 +16,9 @@ that makes chosen keys dominant:
   trained model: softmax without its max subtracted overflows fp32, scores kept in bf16/fp16 lose
   several units) and position 0 of every request scores ``SINK_LOGIT`` more (an attention sink).
 * **edges**: the key just past each boundary dominates the query that must not see it. Causal
-  edge (cases without a window): the first ``EDGE_KEYS`` new tokens of a multi-token request score
-  ``edge_base + EDGE_STEP * j``, so each query's own key dominates what it may see and the next
-  token's key would dominate it more. Window edge: the ``EDGE_KEYS`` keys ending just outside the
+  edge (cases without a window): the first ``EDGE_KEYS`` new tokens of a request score
+  ``edge_base + EDGE_STEP * j``, so each query's own key dominates what it may see, the next
+  token's key would dominate it more, and a length one short loses the dominant key. Window edge: the ``EDGE_KEYS`` keys ending just outside the
   last query's window score more the older they are, plus the key just inside it, so both a window
   one too wide and one too narrow swap the dominant key for every such query.
 
@@ -97,7 +97,7 @@ def apply_profile(spec: AttentionSpec, data: str, query: torch.Tensor, keys: lis
                     position = newest_outside - offset
                     if 0 <= position < seq_len:
                         key[position, ..., probe] = _exact_integer(_key_units(spec, base + EDGE_STEP * offset))
-            elif query_len > 1:
+            else:
                 for j in range(min(query_len, EDGE_KEYS)):
                     key[context_len + j, ..., probe] = _exact_integer(_key_units(spec, base + EDGE_STEP * j))
 

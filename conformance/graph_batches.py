@@ -46,6 +46,14 @@ def _uniform_query_len(case: Case) -> int | None:
     return query_lens.pop() if len(query_lens) == 1 else None
 
 
+NO_PADDING = "no padding rows (every row a real request)"
+
+
+def fits(shape: GraphShape, case: Case) -> bool:
+    """Whether ``case`` fills ``shape`` exactly when it needs no padding row."""
+    return case.num_reqs < shape.num_reqs or case.num_tokens == shape.num_tokens
+
+
 def replay_batches(case: Case, support: CGSupport) -> list[Replay]:
     block = case.spec.block_size
     batch = case.batch
@@ -59,6 +67,12 @@ def replay_batches(case: Case, support: CGSupport) -> list[Replay]:
     ]
     if len(batch) > 1:
         replays.append(Replay("fewer real requests, more padding rows", replace(case, batch=batch[: len(batch) // 2], tag="")))
+        replays.append(Replay("requests in reverse order (another request is last)", replace(case, batch=batch[::-1], tag="")))
+    # One more real request than A: the padding row becomes real, so the last row is a request.
+    # (In a mixed batch it has one token: A's padded shape has exactly one spare.)
+    context, query = batch[-1]
+    extra = (max(context * 2 + block + 3, shared), query if _uniform_query_len(case) else 1)
+    replays.append(Replay(NO_PADDING, replace(case, batch=batch + (extra,), tag="")))
     if support == CGSupport.ALWAYS and _uniform_query_len(case) is None:
         query_lens = [query for _, query in batch][::-1]
         replays.append(Replay("query lengths moved between requests",
@@ -66,7 +80,18 @@ def replay_batches(case: Case, support: CGSupport) -> list[Replay]:
     return [r for r in replays if r.case.batch != case.batch or r.case.seed != case.seed]
 
 
-def graph_shape(case: Case, replays: list[Replay]) -> GraphShape:
+def larger_batch(case: Case) -> Case:
+    """A batch the graph never sees: twice the requests (within the backend's 2x limits) at
+    longer contexts. Run eagerly after the capture, it makes a backend that sizes a workspace by
+    the batch grow it, and the graph must still be right afterwards."""
+    block = case.spec.block_size
+    grown = tuple((context * 2 + block + 1, query) for context, query in case.batch)
+    return replace(case, batch=grown + grown, tag="")
+
+
+def graph_shape(case: Case, replays: list[Replay], extra: tuple[Case, ...] = ()) -> GraphShape:
+    """The padded shape that holds A and every replay; ``extra`` cases (run eagerly, not in the
+    graph) only widen max_model_len."""
     cases = [case] + [replay.case for replay in replays]
     uniform_query_len = _uniform_query_len(case)
     padding_query_len = uniform_query_len or 1
@@ -76,13 +101,15 @@ def graph_shape(case: Case, replays: list[Replay]) -> GraphShape:
     else:  # every batch's tokens, plus at least one token for each padding row it needs
         num_tokens = max(c.num_tokens + (num_reqs - c.num_reqs) for c in cases)
     block = case.spec.block_size
-    longest = max(max(c.max_seq_len for c in cases), padding_query_len)
+    longest = max(max(c.max_seq_len for c in cases + list(extra)), padding_query_len)
     return GraphShape(num_reqs, num_tokens, padding_query_len, -(-longest // block) * block, uniform_query_len is not None)
 
 
 def padding_rows(shape: GraphShape, case: Case) -> list[int]:
     """Query lengths of the padding rows that bring ``case`` to the graph's padded shape."""
     rows = shape.num_reqs - case.num_reqs
+    if rows == 0:
+        return []
     if shape.uniform:
         return [shape.padding_query_len] * rows
     spare = shape.num_tokens - case.num_tokens

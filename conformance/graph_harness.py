@@ -16,6 +16,7 @@ from backends.base import AttentionBackend, BackendLimits, CGSupport, CommonAtte
 from conformance.batch import PagedBatch, materialize
 from conformance.cases import Case
 from conformance.graph_batches import GraphShape, padding_rows
+from conformance.harness import write_poison
 
 PADDING_KEY_VALUE = 7.0  # garbage that padding rows carry: it must land nowhere. Each load adds
 # its index, so a stray write of one replay differs from what an earlier one left behind.
@@ -35,8 +36,8 @@ class GraphBuffers:
         self.spec, self.shape, self.device = spec, shape, device
         limits = BackendLimits(2 * shape.num_reqs, 2 * shape.num_tokens, shape.max_model_len)
         self.backend = backend_cls(spec, limits, device)
-        num_blocks = max(materialize(case, "cpu").num_blocks for case in cases)
-        self.kv_cache = self.backend.allocate_kv_cache(num_blocks)
+        self.num_blocks = max(materialize(case, "cpu").num_blocks for case in cases)
+        self.kv_cache = self.backend.allocate_kv_cache(self.num_blocks)
         max_blocks = shape.max_model_len // spec.block_size
         int32 = dict(dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(shape.num_reqs + 1, **int32)
@@ -51,9 +52,11 @@ class GraphBuffers:
         self.loads = 0
 
     def load(self, case: Case, *, with_host_lengths: bool) -> LoadedBatch:
-        """Write ``case`` (its history through the backend's eager write_kv) into the buffers."""
+        """Write ``case`` (its history through the backend's eager write_kv, every other slot
+        poisoned) into the buffers."""
         batch = materialize(case, self.device)
         key, value, slots = batch.history_rows()
+        write_poison(self.backend, self.kv_cache, batch, keep=slots, num_blocks=self.num_blocks)
         if slots.numel():
             self.backend.write_kv(self.kv_cache, key, value, slots)
         padding = padding_rows(self.shape, case)
@@ -119,6 +122,34 @@ def warm_up(function, iterations: int = 2) -> None:
             function()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+
+
+FREED_MEMORY_FILL = 0xFF  # as fp16, bf16 and fp32: NaN. A graph that reads freed memory gets NaN.
+MAX_CANARY_BYTES = 8 << 30
+
+
+def fill_freed_memory(device: torch.device) -> list[torch.Tensor]:
+    """Take every free block the caching allocator holds (outside graph pools) and fill it with
+    NaN bytes: memory a backend freed after a capture (a workspace it grew) is now someone else's.
+    A graph that still reads it reads NaN; one that writes it changes these canaries."""
+    canaries, total = [], 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    free_sizes = sorted(
+        (block["size"] for segment in torch.cuda.memory_snapshot()
+         if segment.get("device") == index and tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0)
+         for block in segment["blocks"] if block["state"] == "inactive"),
+        reverse=True,
+    )
+    for size in free_sizes:
+        if total + size > MAX_CANARY_BYTES:
+            break
+        canaries.append(torch.full((size,), FREED_MEMORY_FILL, dtype=torch.uint8, device=device))
+        total += size
+    return canaries
+
+
+def canaries_written(canaries: list[torch.Tensor]) -> int:
+    return sum(int((canary != FREED_MEMORY_FILL).sum()) for canary in canaries)
 
 
 def graph_pool_bytes(graph: torch.cuda.CUDAGraph) -> int | None:

@@ -32,10 +32,11 @@ class PreparedCase:
     kv_cache: torch.Tensor
 
 
-def write_poison(backend: AttentionBackend, kv_cache: torch.Tensor, batch: PagedBatch, keep: torch.Tensor) -> None:
-    """Poison every slot of the pool except ``keep`` (the slots whose contents must survive)."""
+def write_poison(backend: AttentionBackend, kv_cache: torch.Tensor, batch: PagedBatch, keep: torch.Tensor,
+                 num_blocks: int | None = None) -> None:
+    """Poison every slot of the pool (``num_blocks``, default the batch's) except ``keep``."""
     spec = batch.spec
-    poisoned = torch.ones(batch.num_slots, dtype=torch.bool)
+    poisoned = torch.ones((num_blocks or batch.num_blocks) * spec.block_size, dtype=torch.bool)
     poisoned[keep.cpu()] = False
     slots = poisoned.nonzero().flatten()
     key_row, value_row = poison_key_value(spec, batch.case.data, batch.case.max_seq_len)

@@ -7,7 +7,13 @@ block size) a small model of that layout runs four prompts, greedy:
 2. speculative decoding, k = 3, oracle drafter at 50 % acceptance (a rejection in most steps), synchronous loop: must equal 1;
 3. the same, asynchronous loop with the debug input checks on: must equal 2 token for token, and no
    placeholder, stale length or foreign slot may reach the model;
-4. on CUDA, the async loop again, measured: CUDA graphs where the backend claims them, host-blocking
+4. speculative decoding, k = 3, drafting *through the backend under test* (``layer-skip``: the
+   target's first layer drafts k tokens, one attention step per draft token), sync and async, under
+   CUDA graphs on CUDA (the draft loop in one graph with ``update_for_draft_step`` when the backend
+   claims ``draft_step_update``, else one draft-step graph replayed k times with ``build`` between):
+   must equal 1. The batch holds as many prompts as ``max_num_reqs``, so the padded graph batch's
+   last row is often a real request;
+5. on CUDA, the async loop again, measured: CUDA graphs where the backend claims them, host-blocking
    syncs per steady-state step (must be 0 for a backend claiming ``needs_cpu_seq_lens=False``), TPOT
    and GPU idle fraction (reported).
 
@@ -31,6 +37,7 @@ from conformance.results import CaseResult, Verdict
 NEAR_TIE = 0.1  # logits; the random models' logits have a standard deviation of about 4
 SPEC_TOKENS = 3
 DRAFTER = "oracle:random:0.5"
+ATTENTION_DRAFTER = "layer-skip"  # drafts through the backend under test
 
 
 def layout_key(case: Case) -> tuple:
@@ -69,7 +76,7 @@ class EngineCheck(Check):
         return None
 
     def details(self) -> dict[str, Any]:
-        return {"spec_tokens": SPEC_TOKENS, "drafter": DRAFTER, "near_tie_logits": NEAR_TIE,
+        return {"spec_tokens": SPEC_TOKENS, "drafter": DRAFTER, "attention_drafter": ATTENTION_DRAFTER, "near_tie_logits": NEAR_TIE,
                 "sync_detector": self.options.get("sync_detector", "auto")}
 
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
@@ -94,13 +101,21 @@ class EngineCheck(Check):
 
         plain = [out.tokens for out in run(num_spec_tokens=0, drafter="none", async_scheduling=False)]
         sync = [out.tokens for out in run(num_spec_tokens=SPEC_TOKENS, drafter=DRAFTER, async_scheduling=False)]
+        graphs = device.type == "cuda"
         try:
             overlapped = [out.tokens for out in run(num_spec_tokens=SPEC_TOKENS, drafter=DRAFTER, check_inputs=True)]
+            drafted_sync = [out.tokens for out in run(num_spec_tokens=SPEC_TOKENS, drafter=ATTENTION_DRAFTER,
+                                                      async_scheduling=False, cuda_graphs=graphs)]
+            drafted_async = [out.tokens for out in run(num_spec_tokens=SPEC_TOKENS, drafter=ATTENTION_DRAFTER,
+                                                       cuda_graphs=graphs, check_inputs=True)]
         except InputCheckFailed as error:
             return CaseResult(case.id, Verdict.FAIL, f"async loop: {error}", tag=case.tag)
         metrics: dict[str, Any] = {}
         evidence: dict[str, Any] = {}
-        for label, got, expected in (("spec (sync) vs plain", sync, plain), ("async vs sync", overlapped, sync)):
+        drafting = f"{ATTENTION_DRAFTER} drafting{' under CUDA graphs' if graphs else ''}"
+        for label, got, expected in (("spec (sync) vs plain", sync, plain), ("async vs sync", overlapped, sync),
+                                     (f"{drafting}, sync vs plain", drafted_sync, plain),
+                                     (f"{drafting}, async vs plain", drafted_async, plain)):
             problem = self._difference(label, got, expected, prompts, model, base, device, evidence)
             if problem:
                 return CaseResult(case.id, Verdict.FAIL, problem, tag=case.tag, evidence=evidence)
@@ -116,7 +131,7 @@ class EngineCheck(Check):
                 return CaseResult(case.id, Verdict.FAIL, f"{syncs:.2f} host syncs per steady-state async step while claiming "
                                   f"needs_cpu_seq_lens=False: {'; '.join(measured.host_sync_sources[:2])}",
                                   tag=case.tag, metrics=metrics, evidence=evidence)
-        reason = "async == sync == plain" + (f"; {len(evidence['near_ties'])} near-tie flip(s)" if evidence.get("near_ties") else "")
+        reason = f"async == sync == plain, also with {drafting}" + (f"; {len(evidence['near_ties'])} near-tie flip(s)" if evidence.get("near_ties") else "")
         if metrics.get("host_syncs_per_steady_step") is not None:
             reason += f"; {metrics['host_syncs_per_steady_step']:.2f} syncs/step, GPU idle {metrics['gpu_idle_fraction']:.1%}"
         return CaseResult(case.id, Verdict.PASS, reason, tag=case.tag, metrics=metrics, evidence=evidence)

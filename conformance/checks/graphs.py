@@ -1,13 +1,28 @@
 """graphs: captured once for batch A, replayed for batches B1..Bn — still right?
 
-Driven by the claimed CGSupport (NEVER → SKIP). Eager warm-up, ``build_for_capture``, capture of
-``write_kv`` + ``forward``; then for each B: load it into the same buffers, ``build`` (as engines
-do before each replay), replay, and compare with the oracle and with an eager run. After each
-replay the cache must equal the cache before it plus the batch's own rows, bit for bit (padding
-rows write nothing), and two replays of one state are compared for determinism (information).
+Driven by the claimed CGSupport (NEVER → SKIP). Three captures per case, each a way engines
+really meet a backend:
+
+1. **Capture as the first call.** A fresh backend captures A before it has run anything: a backend
+   that initialises lazily on its first call (a host sync, a raw allocation, a workspace sized on
+   first use) does it inside the capture. A must then replay right.
+2. **Warm-up, capture, replays.** Eager warm-up, ``build_for_capture``, capture of ``write_kv`` +
+   ``forward``; then for each B — longer and shorter contexts, new block tables, fewer requests,
+   requests reversed (another one last), one more request so no padding row is left (the last row
+   real), query lengths moved — load it into the same buffers, ``build`` (as engines do before each
+   replay), replay, and compare with the oracle and with an eager run. After each replay the cache
+   must equal the cache before it plus the batch's own rows, bit for bit (padding rows write
+   nothing). Two replays of one state must be bitwise equal when the backend claims
+   ``deterministic`` (otherwise that is reported).
+3. **A new, larger shape after the capture.** An eager step at twice the requests and longer
+   contexts, never seen before; then every free block of the caching allocator is filled with NaN
+   bytes (whatever the backend freed is now someone else's) and the graph replays again: a
+   backend that grew a workspace and left the graph pointing at the old one fails here — by
+   reading NaN, by stale contents, or by writing into the canaries.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -16,8 +31,14 @@ from backends.base import AttentionBackend
 from conformance.cases import Case
 from conformance.checks.base import Check
 from conformance.checks.numerics import TOLERANCES, compare_with_oracle
-from conformance.graph_batches import graph_class_reason, graph_shape, replay_batches
-from conformance.graph_harness import GraphBuffers, cuda_graph_skip_reason, graph_pool_bytes, warm_up
+from conformance.graph_batches import (
+    Replay, fits, graph_class_reason, graph_shape, larger_batch, replay_batches,
+)
+from conformance.graph_harness import (
+    GraphBuffers, canaries_written, cuda_graph_skip_reason, fill_freed_memory, graph_pool_bytes, warm_up,
+)
+from conformance.harness import PreparedCase, run_step
+from conformance.batch import materialize
 from conformance.host_syncs.detector import detect_host_syncs
 from conformance.results import CaseResult, Verdict
 
@@ -32,9 +53,31 @@ def capture_failure_cause(error: BaseException, detector) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
 
 
+class CaptureFailed(Exception):
+    def __init__(self, cause: str, events: list[dict]):
+        super().__init__(cause)
+        self.events = events
+
+
+def capture(buffers: GraphBuffers, metadata) -> torch.cuda.CUDAGraph:
+    """Capture write_kv + forward, watching the backend's calls for syncs and raw allocations."""
+    graph = torch.cuda.CUDAGraph()
+    detector = None
+    try:
+        # Only the backend's calls are watched: torch.cuda.graph synchronizes around a capture.
+        with detect_host_syncs("auto", only_in_phases=True) as detector:
+            with torch.cuda.graph(graph), detector.phase("capture"):
+                buffers.step(metadata)
+    except Exception as error:  # noqa: BLE001 - a capture failure is the finding
+        torch.cuda.synchronize()
+        raise CaptureFailed(capture_failure_cause(error, detector),
+                            [e.to_dict() for e in (detector.events if detector else [])][:10]) from error
+    return graph
+
+
 class GraphsCheck(Check):
     name = "graphs"
-    question = "capture with batch A, replay with B1..Bn: equal to eager and to the oracle?"
+    question = "capture with batch A (also as the first call, and before a larger shape), replay with B1..Bn: equal to eager and to the oracle?"
 
     def skip_reason(self, backend_cls: type[AttentionBackend], device: torch.device) -> str | None:
         return cuda_graph_skip_reason(backend_cls, device)
@@ -46,73 +89,128 @@ class GraphsCheck(Check):
 
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
         support = backend_cls.capabilities.cuda_graphs
-        with_host_lengths = backend_cls.capabilities.needs_cpu_seq_lens
+        self.host_lengths = backend_cls.capabilities.needs_cpu_seq_lens
         replays = replay_batches(case, support)
-        shape = graph_shape(case, replays)
-        buffers = GraphBuffers(backend_cls, shape, [case] + [r.case for r in replays], device)
-        loaded = buffers.load(case, with_host_lengths=with_host_lengths)
-
-        def eager_step() -> None:
-            buffers.step(buffers.backend.build(loaded.common))
-
-        warm_up(eager_step)
-        graph = torch.cuda.CUDAGraph()
+        larger = larger_batch(case)
+        shape = graph_shape(case, replays, extra=(larger,))
+        replays = [r for r in replays if fits(shape, r.case)]
+        all_cases = [case, larger] + [r.case for r in replays]
         metrics: dict[str, Any] = {"padded_reqs": shape.num_reqs, "padded_tokens": shape.num_tokens, "replays": len(replays)}
-        detector = None
-        try:
-            metadata = buffers.backend.build_for_capture(loaded.common)
-            # Only the backend's calls are watched: torch.cuda.graph synchronizes around a capture.
-            with detect_host_syncs("auto", only_in_phases=True) as detector:
-                with torch.cuda.graph(graph), detector.phase("capture"):
-                    buffers.step(metadata)
-        except Exception as error:  # noqa: BLE001 - a capture failure is the finding
-            torch.cuda.synchronize()
-            cause = capture_failure_cause(error, detector)
-            return CaseResult(case.id, Verdict.FAIL, f"capture failed: {cause}", tag=case.tag, metrics=metrics,
-                              evidence={"capture_events": [e.to_dict() for e in (detector.events if detector else [])][:10]})
-        metrics["graph_pool_bytes"] = graph_pool_bytes(graph)
-
         atol, rtol = TOLERANCES[case.spec.dtype]
+        self.tolerance = (atol, rtol)
+
+        # 1. Capture as the very first call of a fresh backend.
+        first = GraphBuffers(backend_cls, shape, all_cases, device)
+        loaded = first.load(case, with_host_lengths=self.host_lengths)
+        try:
+            graph = capture(first, first.backend.build_for_capture(loaded.common))
+        except CaptureFailed as failure:
+            return CaseResult(case.id, Verdict.FAIL, f"capture as the first call after construction failed: {failure}",
+                              tag=case.tag, metrics=metrics, evidence={"capture_events": failure.events})
+        problem = self._replay(first, graph, case, "A, captured as the backend's first call")
+        if problem:
+            return self._fail(case, problem, metrics)
+        del graph, first
+
+        # 2. Warm-up, capture, replays.
+        buffers = GraphBuffers(backend_cls, shape, all_cases, device)
+        loaded = buffers.load(case, with_host_lengths=self.host_lengths)
+        warm_up(lambda: buffers.step(buffers.backend.build(loaded.common)))
+        try:
+            graph = capture(buffers, buffers.backend.build_for_capture(loaded.common))
+        except CaptureFailed as failure:
+            return CaseResult(case.id, Verdict.FAIL, f"capture failed: {failure}", tag=case.tag, metrics=metrics,
+                              evidence={"capture_events": failure.events})
+        metrics["graph_pool_bytes"] = graph_pool_bytes(graph)
         nondeterministic = []
         for index, replay in enumerate([None] + replays):
             replay_case = case if replay is None else replay.case
             what = "A itself" if replay is None else f"B{index} ({replay.description})"
-            loaded = buffers.load(replay_case, with_host_lengths=with_host_lengths)
-            buffers.backend.build(loaded.common)
-            before = buffers.kv_cache.clone()
-            graph.replay()
-            torch.cuda.synchronize()
-            replayed = buffers.out[: loaded.real_tokens].clone()
-            reference = loaded.batch.reference_output()
-            passed, errors, evidence = compare_with_oracle(replayed, reference, loaded.batch.query_start_loc, atol, rtol)
-            if not passed:
-                worst = evidence["worst"]
-                reason = (f"replay of {what} differs from the oracle: {errors['mismatched']} elements, max abs error "
-                          f"{errors['max_abs_error']:.3g}, worst at request {worst['request']} token {worst['token']} head {worst['head']}")
-                return self._fail(case, reason, metrics, replay_case, errors, evidence)
-            expected_cache = buffers.expected_cache_after(before, loaded)
-            stray = int((buffers.kv_cache != expected_cache).sum())
-            if stray:
-                reason = f"replay of {what} changed {stray} cache elements outside the batch's own slots (padding rows must write nothing)"
-                return self._fail(case, reason, metrics, replay_case, {}, {})
-            # Eager on the same state, and a second replay of it (determinism, information only).
-            buffers.step(buffers.backend.build(loaded.common))
-            torch.cuda.synchronize()
-            eager = buffers.out[: loaded.real_tokens].clone()
-            metrics.setdefault("max_abs_diff_replay_vs_eager", 0.0)
-            metrics["max_abs_diff_replay_vs_eager"] = max(
-                metrics["max_abs_diff_replay_vs_eager"], float((eager.float() - replayed.float()).abs().max())
-            )
-            graph.replay()
-            torch.cuda.synchronize()
-            if not torch.equal(buffers.out[: loaded.real_tokens], replayed):
-                nondeterministic.append(what)
+            problem = self._replay(buffers, graph, replay_case, what, metrics=metrics, nondeterministic=nondeterministic)
+            if problem:
+                return self._fail(case, problem, metrics)
         metrics["deterministic"] = not nondeterministic
-        reason = f"{len(replays)} replays equal to the oracle; cache untouched outside each batch's slots"
+        if nondeterministic and backend_cls.capabilities.deterministic:
+            return self._fail(case, (f"claims deterministic, but two replays of one state differ bitwise "
+                                     f"({nondeterministic[0]})", None, {}, {}), metrics)
+
+        # 3. An eager step at a larger shape never seen, freed memory taken by NaN canaries, replay.
+        problem = self._eager(buffers, larger, "an eager step at a larger, new shape after the capture")
+        if problem:
+            return self._fail(case, problem, metrics)
+        canaries = fill_freed_memory(device)
+        replay = replays[0] if replays else Replay("A", case)
+        problem = self._replay(buffers, graph, replay.case, f"{replay.description}, after an eager step at a larger shape")
+        written = canaries_written(canaries)
+        del canaries
+        if problem:
+            return self._fail(case, problem, metrics)
+        if written:
+            return self._fail(case, (f"the graph replayed after an eager step at a larger shape wrote {written} bytes "
+                                     "into memory the backend had freed (a workspace reallocated after the capture?)",
+                                     None, {}, {}), metrics)
+
+        reason = (f"{len(replays)} replays equal to the oracle (also captured as the first call, and replayed after a "
+                  "larger eager shape); cache untouched outside each batch's slots")
         if nondeterministic:
-            reason += f"; two replays of one state differ bitwise ({nondeterministic[0]})"
+            reason += f"; two replays of one state differ bitwise ({nondeterministic[0]}; determinism not claimed)"
         return CaseResult(case.id, Verdict.PASS, reason, tag=case.tag, metrics=metrics)
 
-    def _fail(self, case, reason, metrics, replay_case, errors, evidence) -> CaseResult:
-        return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics={**metrics, **errors},
-                          evidence={**evidence, "failing_batch": replay_case.id})
+    def _replay(self, buffers: GraphBuffers, graph, replay_case: Case, what: str, *, metrics=None,
+                nondeterministic=None):
+        """Load, build, replay, compare; None when right, else (reason, failing case, errors, evidence)."""
+        atol, rtol = self.tolerance
+        loaded = buffers.load(replay_case, with_host_lengths=self.host_lengths)
+        buffers.backend.build(loaded.common)
+        before = buffers.kv_cache.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = buffers.out[: loaded.real_tokens].clone()
+        reference = loaded.batch.reference_output()
+        passed, errors, evidence = compare_with_oracle(replayed, reference, loaded.batch.query_start_loc, atol, rtol)
+        if not passed:
+            worst = evidence["worst"]
+            return (f"replay of {what} differs from the oracle: {errors['mismatched']} elements, max abs error "
+                    f"{errors['max_abs_error']:.3g}, worst at request {worst['request']} token {worst['token']} head {worst['head']}",
+                    replay_case, errors, evidence)
+        expected_cache = buffers.expected_cache_after(before, loaded)
+        stray = int((buffers.kv_cache != expected_cache).sum())
+        if stray:
+            return (f"replay of {what} changed {stray} cache elements outside the batch's own slots (padding rows must write nothing)",
+                    replay_case, {}, {})
+        if metrics is None:
+            return None
+        # Eager on the same state, and a second replay of it (determinism).
+        buffers.step(buffers.backend.build(loaded.common))
+        torch.cuda.synchronize()
+        eager = buffers.out[: loaded.real_tokens].clone()
+        metrics["max_abs_diff_replay_vs_eager"] = max(
+            metrics.get("max_abs_diff_replay_vs_eager", 0.0), float((eager.float() - replayed.float()).abs().max())
+        )
+        graph.replay()
+        torch.cuda.synchronize()
+        if not torch.equal(buffers.out[: loaded.real_tokens], replayed):
+            nondeterministic.append(what)
+        return None
+
+    def _eager(self, buffers: GraphBuffers, larger: Case, what: str):
+        """One eager step of ``larger`` on the graph's backend and cache, checked against the oracle."""
+        atol, rtol = self.tolerance
+        batch = materialize(replace(larger, padding=0), buffers.device)
+        key, value, slots = batch.history_rows()
+        if slots.numel():
+            buffers.backend.write_kv(buffers.kv_cache, key, value, slots)
+        out = run_step(PreparedCase(batch, buffers.backend, buffers.kv_cache), with_host_lengths=self.host_lengths)
+        torch.cuda.synchronize()
+        passed, errors, evidence = compare_with_oracle(out, batch.reference_output(), batch.query_start_loc, atol, rtol)
+        if passed:
+            return None
+        return (f"{what} differs from the oracle: {errors['mismatched']} elements, max abs error {errors['max_abs_error']:.3g}",
+                batch.case, errors, evidence)
+
+    def _fail(self, case, problem, metrics) -> CaseResult:
+        reason, failing_case, errors, evidence = problem
+        evidence = dict(evidence)
+        if failing_case is not None:
+            evidence["failing_batch"] = failing_case.id
+        return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics={**metrics, **errors}, evidence=evidence)

@@ -4,7 +4,7 @@ import pytest
 from backends.base import CGSupport
 from conformance.batch import materialize
 from conformance.cases import parse_case
-from conformance.graph_batches import graph_class_reason, graph_shape, padding_rows, replay_batches
+from conformance.graph_batches import NO_PADDING, fits, graph_class_reason, graph_shape, padding_rows, replay_batches
 
 DECODE = parse_case("gqa-h4/2-d32-fp16-p16:100+1,30+1,7+1")
 VERIFY = parse_case("gqa-h4/2-d32-fp16-p16:100+4,30+4")
@@ -49,11 +49,19 @@ def test_every_replay_fits_the_padded_shape(case):
     support = CGSupport.ALWAYS if case is MIXED else CGSupport.UNIFORM_BATCH
     replays = replay_batches(case, support)
     shape = graph_shape(case, replays)
-    assert shape.num_reqs == case.num_reqs + 1  # at least one padding row, always
+    assert shape.num_reqs == case.num_reqs + 1  # A has one padding row
+    full = [r.case for r in replays if r.description == NO_PADDING]
+    assert len(full) == 1 and full[0].num_reqs == shape.num_reqs and fits(shape, full[0])  # one replay has none
     for candidate in [case] + [r.case for r in replays]:
         padding = padding_rows(shape, candidate)
         assert len(padding) + candidate.num_reqs == shape.num_reqs and all(q >= 1 for q in padding)
         assert candidate.num_tokens + sum(padding) == shape.num_tokens
         assert candidate.max_seq_len <= shape.max_model_len
-        if shape.uniform:
+        if shape.uniform and padding:
             assert set(padding) == {q for _, q in case.batch}
+
+
+def test_replays_put_another_request_last():
+    replays = {r.description: r.case for r in replay_batches(DECODE, CGSupport.UNIFORM_BATCH)}
+    reversed_case = next(c for d, c in replays.items() if d.startswith("requests in reverse order"))
+    assert reversed_case.batch[-1] == DECODE.batch[0]

@@ -6,6 +6,8 @@ import torch
 from backends.torch_naive import TorchNaiveBackend
 from conformance.cases import parse_case
 from conformance.checks.draft_loop import DraftLoopCheck
+from conformance.checks.determinism import DeterminismCheck
+from conformance.checks.engine import EngineCheck
 from conformance.checks.graphs import GraphsCheck
 from conformance.results import Verdict
 from tests.planted import graph_backends as planted
@@ -41,7 +43,7 @@ def test_baked_max_seq_len_fails_on_longer_contexts():
 
 def test_host_lengths_in_forward_fail_capture_naming_the_sync():
     result = GraphsCheck().run_case(planted.HostLengthsInForward, DECODE, CUDA)
-    assert result.verdict == Verdict.FAIL and result.reason.startswith("capture failed"), result.reason
+    assert result.verdict == Verdict.FAIL and "capture" in result.reason and "failed" in result.reason, result.reason
     assert f"graph_backends.py:{marker_line('metadata.seq_lens.max().item()')}" in result.reason
 
 
@@ -71,3 +73,39 @@ def test_flashinfer_graph_below_max_num_reqs_needs_its_own_wrapper():
     assert GraphsCheck().run_case(FlashInferBackend, case, CUDA).verdict == Verdict.PASS
     result = GraphsCheck().run_case(planted.flashinfer_with_one_graph_wrapper(), case, CUDA)
     assert result.verdict == Verdict.FAIL and "differs from the oracle" in result.reason, result.reason
+
+
+def test_forgotten_last_row_in_draft_update_fails_once_the_last_row_is_real():
+    result = DraftLoopCheck().run_case(planted.ForgetsLastRowInDraftUpdate, DECODE, CUDA)
+    assert result.verdict == Verdict.FAIL, result.reason
+    assert "no padding row" in result.reason and "request 2" in result.reason, result.reason
+
+
+def test_workspace_grown_at_a_new_shape_fails_the_replay_after_it():
+    result = GraphsCheck().run_case(planted.GrowsWorkspaceAtNewShape, DECODE, CUDA)
+    assert result.verdict == Verdict.FAIL, result.reason
+    assert "after an eager step at a larger shape" in result.reason, result.reason
+
+
+def test_autotuning_on_the_first_call_fails_the_first_call_capture_naming_the_sync():
+    result = GraphsCheck().run_case(planted.AutotunesOnFirstCall, DECODE, CUDA)
+    assert result.verdict == Verdict.FAIL, result.reason
+    assert result.reason.startswith("capture as the first call after construction failed"), result.reason
+    assert f"graph_backends.py:{marker_line('end.synchronize()')}" in result.reason, result.reason
+
+
+def test_nondeterministic_replays_fail_when_determinism_is_claimed():
+    case = parse_case("gqa-h8/2-d64-fp32-p16:100+1,30+1,250+1")
+    result = GraphsCheck().run_case(planted.NondeterministicReplays, case, CUDA)
+    assert result.verdict == Verdict.FAIL and "claims deterministic" in result.reason, result.reason
+    # Unclaimed, the same measurement is information.
+    assert GraphsCheck().run_case(planted.TorchGraphSafe, case, CUDA).verdict == Verdict.PASS
+    assert DeterminismCheck().run_case(planted.NondeterministicReplays, case, CUDA).verdict == Verdict.FAIL
+
+
+def test_engine_drafts_through_the_backend_under_graphs():
+    case = parse_case("gqa-h4/2-d64-bf16-p16:30+1")
+    result = EngineCheck().run_case(planted.TorchGraphSafe, case, CUDA)
+    assert result.verdict == Verdict.PASS and "layer-skip drafting under CUDA graphs" in result.reason, result.reason
+    result = EngineCheck().run_case(planted.ForgetsLastRowInDraftUpdate, case, CUDA)
+    assert result.verdict == Verdict.FAIL and "layer-skip" in result.reason, result.reason

@@ -5,6 +5,7 @@ limits, so one capture serves any batch of its padded shape. Each defect adds on
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -126,3 +127,81 @@ def flashinfer_with_one_graph_wrapper():
             return self.build(common)  # no wrapper for this batch size: the eager one is captured
 
     return OneGraphWrapper
+
+
+class ForgetsLastRowInDraftUpdate(TorchGraphSafe):
+    """Keeps its own seq_lens buffer (filled in ``build``) and advances it in
+    ``update_for_draft_step`` with one row too few, as a kernel launched on ``num_reqs - 1``
+    programs does. Invisible while a padding row is last; wrong for a real last row."""
+
+    name = "planted_forgets_last_row_in_draft_update"
+
+    def __init__(self, spec, limits, device):
+        super().__init__(spec, limits, device)
+        self.own_seq_lens = torch.zeros(limits.max_num_reqs, dtype=torch.int32, device=device)
+
+    def build(self, common):
+        metadata = super().build(common)
+        self.own_seq_lens[: common.num_reqs].copy_(common.seq_lens)
+        metadata.seq_lens = self.own_seq_lens[: common.num_reqs]
+        return metadata
+
+    def update_for_draft_step(self, metadata, common):
+        metadata.seq_lens[: common.num_reqs - 1] += 1
+        return metadata
+
+
+class GrowsWorkspaceAtNewShape(TorchGraphSafe):
+    """Copies the step's seq_lens into a workspace sized by the largest batch seen so far, and
+    reallocates it when a larger batch comes: a graph captured earlier keeps reading the old one."""
+
+    name = "planted_grows_workspace_at_new_shape"
+
+    def build(self, common):
+        metadata = super().build(common)
+        workspace = getattr(self, "workspace", None)
+        if workspace is None or workspace.numel() < common.num_reqs:
+            self.workspace = torch.zeros(common.num_reqs, dtype=torch.int32, device=self.device)
+        self.workspace[: common.num_reqs].copy_(common.seq_lens)
+        metadata.seq_lens = self.workspace[: common.num_reqs]
+        return metadata
+
+
+class AutotunesOnFirstCall(TorchGraphSafe):
+    """Times two variants with CUDA events on its first forward at each token count and keeps
+    the faster, as a lazy autotuner does: the event synchronize is illegal inside a capture."""
+
+    name = "planted_autotunes_on_first_call"
+
+    def forward(self, query, kv_cache, metadata, out) -> None:
+        tuned = self.__dict__.setdefault("tuned", set())
+        if metadata.num_tokens not in tuned:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            super().forward(query, kv_cache, metadata, out)
+            end.record()
+            end.synchronize()
+            tuned.add(metadata.num_tokens)
+        super().forward(query, kv_cache, metadata, out)
+
+
+class NondeterministicReplays(TorchGraphSafe):
+    """Splits the weighted sum over keys at a point that moves with a device counter (as an
+    atomics-ordered split-KV reduction does): right to rounding, never the same bits twice.
+    Claims determinism anyway."""
+
+    name = "planted_nondeterministic_replays"
+    capabilities = dataclasses.replace(TorchGraphSafe.capabilities, deterministic=True)
+
+    def __init__(self, spec, limits, device):
+        super().__init__(spec, limits, device)
+        self.calls = torch.zeros((), dtype=torch.int64, device=device)
+
+    def forward(self, query, kv_cache, metadata, out) -> None:
+        self.calls.add_(1)
+        scratch = torch.empty_like(out)
+        super().forward(query, kv_cache, metadata, scratch)
+        # Re-add the result in two halves whose boundary moves: different rounding each call.
+        split = (self.calls % 7 + 1).to(torch.float32) / 8
+        part = scratch[: metadata.num_tokens].float()
+        out[: metadata.num_tokens] = (part * split + part * (1 - split)).to(out.dtype)
