@@ -15,6 +15,7 @@ import torch
 
 from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
 from backends.paged_write import write_paged_rows
+from backends.vendor_layout import packed
 
 INSTALL_HINT = "pip install 'specdec-conformance[flashmla]'"
 
@@ -70,7 +71,7 @@ class FlashMLABackend(AttentionBackend):
         spec = self.spec
         tokens = metadata.num_reqs * metadata.query_len
         result, _ = self.flash_mla.flash_mla_with_kvcache(
-            query[:tokens].view(metadata.num_reqs, metadata.query_len, spec.num_heads, spec.head_dim),
+            packed(query[:tokens]).view(metadata.num_reqs, metadata.query_len, spec.num_heads, spec.head_dim),
             kv_cache, metadata.block_table, metadata.seq_lens, spec.kv_lora_rank, metadata.schedule,
             softmax_scale=spec.softmax_scale, causal=True, use_legacy=True,
         )

@@ -344,7 +344,53 @@ def smoke_suite() -> list[Case]:
         ],
     ) + _cases("gqa-h4/1-d64-bf16-p16-w24-cap20", [("sliding window, soft cap", "0+40,50+4,3+1")]) + _cases(
         "gqa-h4/2-d64-fp16-p16-share2", [("prefix sharing", "40+1,32+4,60+1")]
-    ) + _cases("mla-h4-d64+16-bf16-p16", [("decode", "1+1,40+1"), ("spec-verify k=3", "30+4")])
+    ) + _cases("mla-h4-d64+16-bf16-p16", [("decode", "1+1,40+1"), ("spec-verify k=3", "30+4")]) + _cases(
+        "gqa-h4/2-d64-bf16-p16-strided-sinks", [("strided views, large logits", "40+1,20+4,0+9")]
+    ) + _cases("gqa-h4/1-d64-fp16-p16-w24-pad0-edges", [("window edges, no padding", "50+4,3+1,100+1")])
+
+
+def _variant_cases() -> list[Case]:
+    """The properties a real engine varies and the base suite holds fixed: strided views, padding,
+    large logits, boundary-sensitive data and the softmax scale (see README, "What the harness
+    varies")."""
+    cases = _cases(LLAMA3_8B + "-strided", [
+        ("strided: decode", "1+1,100+1,1000+1,2047+1"),
+        ("strided: spec-verify k=3", "300+4,1200+4,63+4"),
+        ("strided: mixed prefill + decode", "0+200,700+64,3000+1x4"),
+    ])
+    cases += _cases(LLAMA3_8B + "-pad0", [("no padding rows: decode", "500+1,33+1,1000+1"),
+                                          ("no padding rows: mixed", "0+100,70+4,300+1")])
+    cases += _cases(LLAMA3_8B + "-pad64", [("64 padding rows: spec-verify", "300+4,70+4")])
+    cases += _cases(LLAMA3_8B + "-sinks", [
+        ("large logits: decode", "1+1,500+1,3000+1"),
+        ("large logits: spec-verify k=3", "300+4,1200+4"),
+        ("large logits: mixed", "0+200,700+64,3000+1x2"),
+    ])
+    cases += _cases("gqa-h32/8-d128-fp16-p32-sinks", [("large logits, fp16: decode", "1+1,500+1,3000+1"),
+                                                       ("large logits, fp16: spec-verify k=3", "300+4,1200+4")])
+    cases += _cases(LLAMA3_8B + "-edges", [
+        ("edges: decode at block ends", "1+1,15+1,16+1,31+1,100+1,1000+1,3000+1"),
+        ("edges: spec-verify k=3", "300+4,1200+4,12+4,60+4"),
+        ("edges: spec-verify k=7", "100+8,2000+8"),
+        ("edges: chunked prefill", "1024+256,300+100"),
+        ("edges: mixed", "0+200,700+64,3000+1x2,50+4"),
+    ])
+    cases += _cases("gqa-h32/8-d128-fp16-p32-edges", [("edges, fp16: spec-verify k=3", "300+4,1200+4,28+4")])
+    cases += _cases("gqa-h8/2-d128-bf16-p16-w256-edges", [
+        ("window edges: decode", "1000+1,200+1,255+1,256+1,257+1"),
+        ("window edges: spec-verify k=3", "600+4,2000+4,254+4"),
+        ("window edges: mixed", "0+300,700+64,3000+1"),
+    ])
+    cases += _cases("gqa-h8/2-d128-bf16-p16-scale0.25", [("scale 0.25: decode", "100+1,2000+1"),
+                                                          ("scale 0.25: spec-verify k=3", "500+4,30+4")])
+    cases += _cases("mla-h16-d512+64-bf16-p64-strided", [("strided: decode", "1+1,700+1,2500+1"),
+                                                         ("strided: spec-verify k=3", "64+4,900+4")])
+    cases += _cases("mla-h16-d512+64-bf16-p64-sinks", [("large logits: decode", "1+1,700+1,2500+1"),
+                                                       ("large logits: spec-verify k=3", "64+4,900+4")])
+    cases += _cases("mla-h16-d512+64-bf16-p64-edges", [("edges: decode at block ends", "63+1,64+1,127+1,700+1"),
+                                                       ("edges: spec-verify k=3", "60+4,900+4"),
+                                                       ("edges: spec-verify k=7", "57+8,640+8")])
+    return cases
 
 
 def standard_suite() -> list[Case]:
@@ -362,7 +408,7 @@ def standard_suite() -> list[Case]:
     cases += _cases("mla-h16-d512+64-bf16-p64", _mla_batches(64, rich=True))
     cases += _cases("mla-h128-d512+64-bf16-p64", _mla_batches(64, rich=False))
     cases += _cases("mla-h16-d512+64-fp16-p16", _mla_batches(16, rich=False)[:3])
-    return cases
+    return cases + _variant_cases()
 
 
 def full_suite() -> list[Case]:
@@ -380,6 +426,10 @@ def full_suite() -> list[Case]:
     cases += _cases("mla-h128-d512+64-bf16-p64", [("long context decode", "32k+1x4"), ("decode batch 256", "1000+1x256")])
     for layer in ("gqa-h32/8-d64-bf16-p16", "gqa-h32/8-d256-fp16-p64", "mha-h32/32-d128-bf16-p32", "gqa-h32/4-d128-fp16-p16-w1024-cap50"):
         cases += _cases(layer, _mha_batches(16, rich=False))
+    cases += _cases(LLAMA3_8B + "-edges", [("edges: long context", "32k+1x2,32760+4")])
+    cases += _cases(LLAMA3_8B + "-sinks-strided", [("large logits, strided: long context", "32k+4x2,16k+1")])
+    cases += _cases("gqa-h32/4-d128-fp16-p16-w1024-edges", [("window edges: long context", "8k+1,5000+4,1023+1")])
+    cases += _cases("mla-h128-d512+64-bf16-p64-edges", [("edges: decode", "63+1,64+1,2000+1x4"), ("edges: spec-verify k=3", "900+4x4")])
     return cases
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from conformance.checks import DEFAULT_CHECKS
 from conformance.report_html import write_html
 from conformance.results import RunResult
 
@@ -27,7 +28,7 @@ def split_by_backend(results: list[RunResult]) -> dict[str, RunResult]:
 
 
 def verdict_table(per_backend: dict[str, RunResult]) -> list[str]:
-    checks = ["numerics", "syncs", "graphs", "draft-loop"]
+    checks = [name for name in DEFAULT_CHECKS if name != "engine"]
     lines = ["| backend | GPU | " + " | ".join(checks) + " |", "|---" * (len(checks) + 2) + "|"]
     for name, result in per_backend.items():
         backend = result.backends[0]

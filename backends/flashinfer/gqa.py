@@ -24,6 +24,7 @@ import torch
 
 from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
 from backends.flashinfer import INSTALL_HINT, WORKSPACE_BYTES
+from backends.vendor_layout import packed, packed_output
 from backends.flashinfer.paged_layout import paged_layout
 from backends.paged_write import write_paged_rows
 
@@ -165,4 +166,6 @@ class FlashInferBackend(AttentionBackend):
 
     def forward(self, query, kv_cache, metadata: FlashInferMetadata, out) -> None:
         for call in metadata.calls:
-            call.wrapper.run(query[call.token_start : call.token_end], kv_cache, out=out[call.token_start : call.token_end])
+            target, land = packed_output(out[call.token_start : call.token_end])
+            call.wrapper.run(packed(query[call.token_start : call.token_end]), kv_cache, out=target)
+            land()

@@ -11,6 +11,7 @@ import torch
 
 from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
 from backends.flashinfer import INSTALL_HINT, WORKSPACE_BYTES
+from backends.vendor_layout import packed, packed_output
 from backends.flashinfer.paged_layout import paged_layout
 from backends.paged_write import write_paged_rows
 
@@ -67,4 +68,6 @@ class FlashInferMLABackend(AttentionBackend):
 
     def forward(self, query, kv_cache, metadata: FlashInferMLAMetadata, out) -> None:
         tokens = metadata.num_tokens
-        self.wrapper.run(query=query[:tokens], kv_cache=kv_cache, out=out[:tokens])
+        target, land = packed_output(out[:tokens])
+        self.wrapper.run(query=packed(query[:tokens]), kv_cache=kv_cache, out=target)
+        land()

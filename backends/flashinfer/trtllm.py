@@ -8,6 +8,7 @@ import torch
 
 from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
 from backends.flashinfer import INSTALL_HINT, WORKSPACE_BYTES
+from backends.vendor_layout import packed, packed_output
 from backends.paged_write import write_paged_rows
 
 
@@ -62,8 +63,10 @@ class TrtllmBackend(AttentionBackend):
 
     def forward(self, query, kv_cache, metadata: TrtllmMetadata, out) -> None:
         tokens = metadata.num_tokens
+        target, land = packed_output(out[:tokens])
         self.kernel(
-            query=query[:tokens], kv_cache=kv_cache, workspace_buffer=self.workspace, block_tables=metadata.block_table,
+            query=packed(query[:tokens]), kv_cache=kv_cache, workspace_buffer=self.workspace, block_tables=metadata.block_table,
             seq_lens=metadata.seq_lens, max_seq_len=metadata.max_seq_len, bmm1_scale=self.spec.softmax_scale,
-            bmm2_scale=1.0, out=out[:tokens], kv_layout="HND",
+            bmm2_scale=1.0, out=target, kv_layout="HND",
         )
+        land()

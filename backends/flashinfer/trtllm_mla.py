@@ -10,6 +10,7 @@ import torch
 
 from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
 from backends.flashinfer import INSTALL_HINT, WORKSPACE_BYTES
+from backends.vendor_layout import packed, packed_output
 from backends.paged_write import write_paged_rows
 
 QK_NOPE_HEAD_DIM = 128  # DeepSeek-V3's per-head non-rope query dim, which FlashInfer still asks for
@@ -28,7 +29,7 @@ def kernel_arguments(spec: AttentionSpec, limits: BackendLimits, query, kv_cache
     query [batch, query_len, heads, 576], cache [blocks, 1, block_size, 576], out [batch, query_len, heads, 512]."""
     tokens = metadata.num_reqs * metadata.query_len
     return dict(
-        query=query[:tokens].view(metadata.num_reqs, metadata.query_len, spec.num_heads, spec.head_dim),
+        query=packed(query[:tokens]).view(metadata.num_reqs, metadata.query_len, spec.num_heads, spec.head_dim),
         kv_cache=kv_cache.unsqueeze(1),
         workspace_buffer=workspace,
         qk_nope_head_dim=QK_NOPE_HEAD_DIM,
@@ -85,4 +86,6 @@ class TrtllmMLABackend(AttentionBackend):
         return metadata
 
     def forward(self, query, kv_cache, metadata: TrtllmMLAMetadata, out) -> None:
-        self.kernel(**kernel_arguments(self.spec, self.limits, query, kv_cache, self.workspace, metadata, out))
+        target, land = packed_output(out)
+        self.kernel(**kernel_arguments(self.spec, self.limits, query, kv_cache, self.workspace, metadata, target))
+        land()
