@@ -92,13 +92,13 @@ def _checks(values: list[str] | None) -> list[str]:
 def command_list(args: argparse.Namespace, console: Console) -> int:
     device = DeviceInfo.of(_device(args.device))
     table = Table(title=f"backends (here: {device.name}{', ' + device.sm if device.compute_capability else ''})", title_justify="left")
-    for column in ("backend", "origin", "here", "kinds", "max query", "graphs", "host lengths", "draft update"):
+    for column in ("backend", "origin", "here", "kinds", "max query", "graphs", "host lengths", "draft update", "deterministic", "batch-invariant"):
         table.add_column(column)
     for ref in registry.known_backends():
         try:
             backend_cls = registry.load(ref)
         except registry.BackendLookupError as error:
-            table.add_row(ref.name, ref.origin, f"[red]cannot load: {escape(str(error))}[/]", "", "", "", "", "")
+            table.add_row(ref.name, ref.origin, f"[red]cannot load: {escape(str(error))}[/]", "", "", "", "", "", "", "")
             continue
         claims = backend_cls.capabilities
         reason = backend_cls.availability_reason(device)
@@ -106,7 +106,8 @@ def command_list(args: argparse.Namespace, console: Console) -> int:
             ref.name, ref.origin, "[green]available[/]" if reason is None else f"[yellow]{escape(reason)}[/]",
             ",".join(sorted(claims.kinds)), "any" if claims.max_query_len is None else str(claims.max_query_len),
             claims.cuda_graphs.name, "needed" if claims.needs_cpu_seq_lens else "not needed",
-            "yes" if claims.draft_step_update else "no",
+            "yes" if claims.draft_step_update else "no", "claimed" if claims.deterministic else "no",
+            "claimed" if claims.batch_invariant else "no",
         )
     console.print(table)
     return EXIT_OK

@@ -32,7 +32,7 @@ def pytest_addoption(parser) -> None:
     group = parser.getgroup("conformance", "attention-backend conformance suite")
     group.addoption("--conformance-backend", help="backend to check: a built-in name, an entry point, or pkg.module:Class")
     group.addoption("--conformance-suite", default="smoke", help="smoke | standard | full (default smoke)")
-    group.addoption("--conformance-check", default="numerics,syncs,graphs,draft-loop", help="comma-separated checks")
+    group.addoption("--conformance-check", default="numerics,syncs,graphs,draft-loop,determinism", help="comma-separated checks")
     group.addoption("--conformance-device", default=None, help="cpu or cuda (default: cuda when visible)")
 
 

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from conformance.cases import suite
 from conformance.results import RunResult, Verdict
 
 
@@ -19,7 +20,7 @@ def test_smoke_run_passes_and_writes_json(tmp_path):
     result = RunResult.load(tmp_path / "results.json")
     assert result.environment["device"] == "cpu" and result.environment["command"].startswith("conformance run")
     numerics = result.backends[0].check("numerics")
-    assert numerics.verdict == Verdict.PASS and len(numerics.cases) == 7
+    assert numerics.verdict == Verdict.PASS and len(numerics.cases) == len(suite("smoke")) == 9
     assert numerics.details["tolerances"]["bf16"] == {"atol": 2e-2, "rtol": 2e-2}
 
 

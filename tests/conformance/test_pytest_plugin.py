@@ -9,7 +9,7 @@ def plugin_args() -> list[str]:
     return [] if installed else ["-p", "conformance.pytest_plugin"]
 
 
-@pytest.mark.parametrize("backend,failed,passed", [("tests.planted.defects:WrongScale", 7, 0), ("torch_naive", 0, 7)])
+@pytest.mark.parametrize("backend,failed,passed", [("tests.planted.defects:WrongScale", 9, 0), ("torch_naive", 0, 9)])
 def test_suite_items_pass_and_fail_with_evidence(pytester, backend, failed, passed):
     pytester.makepyfile("def test_own():\n    pass\n")
     result = pytester.runpytest(*plugin_args(), "--conformance-backend", backend, "--conformance-suite", "smoke",
