@@ -100,16 +100,18 @@ class TorchNaiveBackend(AttentionBackend):
             seen &= query_positions[:, None] - key_positions[None, :] < self.spec.sliding_window
         return seen
 
-    def attend(self, query, key, value, context_len: int) -> torch.Tensor:
-        """query [q, H, Dk], key [s, Hkv, Dk], value [s, Hkv, Dv] → [q, H, Dv], in float32."""
-        group = self.spec.query_group_size
-        key = key.float().repeat_interleave(group, dim=1)
-        value = value.float().repeat_interleave(group, dim=1)
+    def masked_scores(self, query, key, context_len: int) -> torch.Tensor:
+        """[H, q, s] float32 logits (soft-capped), -inf where a query may not look."""
+        key = key.float().repeat_interleave(self.spec.query_group_size, dim=1)
         scores = torch.einsum("qhd,khd->hqk", query.float(), key) * self.softmax_scale()
         if self.spec.logits_soft_cap is not None:
             cap = self.spec.logits_soft_cap
             scores = cap * torch.tanh(scores / cap)
         query_positions = context_len + torch.arange(query.shape[0], device=query.device)
         key_positions = torch.arange(key.shape[0], device=query.device)
-        scores = scores.masked_fill(~self.visible(query_positions, key_positions), float("-inf"))
-        return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), value)
+        return scores.masked_fill(~self.visible(query_positions, key_positions), float("-inf"))
+
+    def attend(self, query, key, value, context_len: int) -> torch.Tensor:
+        """query [q, H, Dk], key [s, Hkv, Dk], value [s, Hkv, Dv] → [q, H, Dv], in float32."""
+        value = value.float().repeat_interleave(self.spec.query_group_size, dim=1)
+        return torch.einsum("hqk,khd->qhd", self.masked_scores(query, key, context_len).softmax(dim=-1), value)

@@ -51,15 +51,9 @@ class SoftmaxWithoutMax(TorchNaiveBackend):
     name = "planted_softmax_without_max"
 
     def attend(self, query, key, value, context_len):
-        group = self.spec.query_group_size
-        key = key.float().repeat_interleave(group, dim=1)
-        value = value.float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", query.float(), key) * self.softmax_scale()
-        positions = context_len + torch.arange(query.shape[0], device=query.device)
-        visible = self.visible(positions, torch.arange(key.shape[0], device=query.device))
-        weights = torch.exp(scores).masked_fill(~visible, 0.0)
+        weights = torch.exp(self.masked_scores(query, key, context_len))  # exp(-inf) = 0; exp(>88) = inf
         weights = weights / weights.sum(dim=-1, keepdim=True)
-        return torch.einsum("hqk,khd->qhd", weights, value)
+        return torch.einsum("hqk,khd->qhd", weights, value.float().repeat_interleave(self.spec.query_group_size, dim=1))
 
 
 class ScoresInInputDtype(TorchNaiveBackend):
@@ -68,14 +62,13 @@ class ScoresInInputDtype(TorchNaiveBackend):
 
     name = "planted_scores_in_input_dtype"
 
+    def softmax_scale(self):
+        return 1.0  # the scale is applied after the scores were rounded, below
+
     def attend(self, query, key, value, context_len):
-        group = self.spec.query_group_size
-        key = key.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", query.float(), key.float()).to(query.dtype).float() * self.softmax_scale()
-        positions = context_len + torch.arange(query.shape[0], device=query.device)
-        visible = self.visible(positions, torch.arange(key.shape[0], device=query.device))
-        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        return torch.einsum("hqk,khd->qhd", weights, value.float().repeat_interleave(group, dim=1))
+        raw = self.masked_scores(query, key, context_len)  # unscaled QK^T, as the MMA produced it
+        scores = raw.to(query.dtype).float() * self.spec.softmax_scale
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), value.float().repeat_interleave(self.spec.query_group_size, dim=1))
 
 
 class WindowOffByOne(TorchNaiveBackend):
@@ -163,15 +156,8 @@ class SplitsFollowTheBatch(TorchNaiveBackend):
 
 def split_kv_attend(backend, query, key, value, context_len, splits: int):
     """Flash-decoding: attention over ``splits`` KV chunks, merged by their log-sum-exps."""
-    group = backend.spec.query_group_size
-    key = key.float().repeat_interleave(group, dim=1)
-    value = value.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", query.float(), key) * backend.softmax_scale()
-    if backend.spec.logits_soft_cap is not None:
-        cap = backend.spec.logits_soft_cap
-        scores = cap * torch.tanh(scores / cap)
-    positions = context_len + torch.arange(query.shape[0], device=query.device)
-    scores = scores.masked_fill(~backend.visible(positions, torch.arange(key.shape[0], device=query.device)), float("-inf"))
+    value = value.float().repeat_interleave(backend.spec.query_group_size, dim=1)
+    scores = backend.masked_scores(query, key, context_len)
     bounds = [round(i * key.shape[0] / splits) for i in range(splits + 1)]
     partials, lses = [], []
     for lo, hi in zip(bounds, bounds[1:]):
