@@ -122,3 +122,13 @@ def test_step_rows_end_with_padding_that_writes_nothing():
     assert slots[-NUM_PADDING_TOKENS:].tolist() == [-1] * NUM_PADDING_TOKENS
     common = batch.common_metadata(with_host_lengths=False)
     assert common.max_seq_len == 22 and common.max_query_len == 2 and not common.has_host_seq_lens
+
+
+def test_layout_and_data_attributes_round_trip_and_reject_nonsense():
+    case = parse_case("gqa-h4/2-d16-strided-pad0-edges:20+2")
+    assert case.strided and case.padding == 0 and case.data == "edges"
+    assert parse_case(case.id) == case and "strided-pad0-edges" in case.id
+    assert parse_case("gqa-h4/2-d16:20+2").id == "gqa-h4/2-d16-bf16-p16:20+2@0"  # defaults stay out of the id
+    for bad, message in (("gqa-sinks-edges:1+1", "two data profiles"), ("gqa-pad5000:1+1", "padding rows must be")):
+        with pytest.raises(CaseSyntaxError, match=message):
+            parse_case(bad)
