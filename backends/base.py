@@ -152,6 +152,7 @@ class Capabilities:
     block_sizes: frozenset[int] | None = None  # None: any
     num_heads: frozenset[int] | None = None  # None: any (MLA kernels often fix a few)
     max_query_len: int | None = None  # None: prefill too; 1: decode only; k: spec-verify up to k
+    uniform_query_len: bool = False  # True: every request of a batch has the same query length
     sliding_window: bool = False
     logits_soft_cap: bool = False
     cuda_graphs: CGSupport = CGSupport.NEVER
@@ -203,9 +204,11 @@ class Capabilities:
             return "logits soft cap not supported"
         return None
 
-    def query_len_reason(self, max_query_len: int) -> str | None:
+    def query_len_reason(self, max_query_len: int, query_lens: "list[int] | None" = None) -> str | None:
         if self.max_query_len is not None and max_query_len > self.max_query_len:
             return f"query length {max_query_len} exceeds the claimed maximum {self.max_query_len}"
+        if self.uniform_query_len and query_lens is not None and len(set(query_lens)) > 1:
+            return "mixed query lengths in one batch (the backend takes only uniform batches: decode, or spec-verify 1+k)"
         return None
 
     def to_dict(self) -> dict[str, Any]:
@@ -219,6 +222,7 @@ class Capabilities:
             "block_sizes": listed(self.block_sizes),
             "num_heads": listed(self.num_heads),
             "max_query_len": self.max_query_len,
+            "uniform_query_len": self.uniform_query_len,
             "sliding_window": self.sliding_window,
             "logits_soft_cap": self.logits_soft_cap,
             "cuda_graphs": self.cuda_graphs.name,

@@ -38,6 +38,7 @@ class FlashMLABackend(AttentionBackend):
         block_sizes=frozenset({64}),
         num_heads=frozenset({16, 32, 64, 128}),
         max_query_len=8,
+        uniform_query_len=True,
         cuda_graphs=CGSupport.UNIFORM_BATCH,
         needs_cpu_seq_lens=False,
         draft_step_update=False,

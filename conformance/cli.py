@@ -104,7 +104,8 @@ def command_list(args: argparse.Namespace, console: Console) -> int:
         reason = backend_cls.availability_reason(device)
         table.add_row(
             ref.name, ref.origin, "[green]available[/]" if reason is None else f"[yellow]{escape(reason)}[/]",
-            ",".join(sorted(claims.kinds)), "any" if claims.max_query_len is None else str(claims.max_query_len),
+            ",".join(sorted(claims.kinds)), ("any" if claims.max_query_len is None else str(claims.max_query_len))
+            + (", uniform" if claims.uniform_query_len else ""),
             claims.cuda_graphs.name, "needed" if claims.needs_cpu_seq_lens else "not needed",
             "yes" if claims.draft_step_update else "no", "claimed" if claims.deterministic else "no",
             "claimed" if claims.batch_invariant else "no",

@@ -10,6 +10,7 @@ and ``--in-process`` runs (events to a callback). Events:
 """
 from __future__ import annotations
 
+import time
 import traceback
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
@@ -86,6 +87,7 @@ def execute(job: Job, emit: Emit) -> bool:
             if skip:
                 result = CaseResult(case.id, Verdict.SKIP, skip, tag=case.tag)
             else:
+                started = time.perf_counter()
                 try:
                     result = check.run_case(backend_cls, case, device)
                     _synchronize(device)  # an asynchronous kernel fault belongs to this case
@@ -95,5 +97,6 @@ def execute(job: Job, emit: Emit) -> bool:
                               "result": _error_result(case, error, Verdict.CRASH).to_dict()})
                         return False
                     result = _error_result(case, error, Verdict.ERROR)
+                result.seconds = round(time.perf_counter() - started, 3)
             emit({"event": "result", "check": check_name, "result": result.to_dict()})
     return True

@@ -47,6 +47,7 @@ class CaseResult:
     tag: str = ""
     metrics: dict[str, Any] = field(default_factory=dict)  # numbers (errors, timings)
     evidence: dict[str, Any] = field(default_factory=dict)  # where it went wrong (worst location, stderr)
+    seconds: float | None = None  # wall time of the case in the worker (where the run's time goes)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

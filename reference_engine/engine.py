@@ -98,6 +98,9 @@ class Engine:
         if max_query_len is not None and config.num_spec_tokens + 1 > max_query_len:
             raise ValueError(f"backend {config.backend} verifies at most {max_query_len} tokens per request: "
                              f"k={config.num_spec_tokens} needs {config.num_spec_tokens + 1}")
+        if backend_cls.capabilities.uniform_query_len:
+            raise ValueError(f"backend {config.backend} takes only batches whose requests share one query length; "
+                             "the reference engine mixes prefill chunks and decodes in a step (no prefill/decode split yet)")
         self.backend = backend_cls(spec, limits, self.device)
         self.kv_caches = [self.backend.allocate_kv_cache(config.num_blocks) for _ in range(config.model.num_layers)]
         self.blocks = BlockManager(config.num_blocks, config.block_size)

@@ -52,6 +52,7 @@ class TrtllmMLABackend(AttentionBackend):
         head_dims=frozenset({576}),
         block_sizes=frozenset({32, 64}),
         max_query_len=8,
+        uniform_query_len=True,
         cuda_graphs=CGSupport.UNIFORM_BATCH,
         needs_cpu_seq_lens=False,
         draft_step_update=True,

@@ -28,7 +28,7 @@ class Check(abc.ABC):
 
     def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
         return backend_cls.unsupported_reason(case.spec, device) or backend_cls.capabilities.query_len_reason(
-            case.max_query_len
+            case.max_query_len, [query for _, query in case.batch]
         )
 
     @abc.abstractmethod

@@ -70,6 +70,9 @@ class EngineCheck(Check):
             return f"layout covered by {self.covered[key]}"
         reason = backend_cls.unsupported_reason(model_for(case).attention_spec(case.spec.dtype, case.spec.block_size), device)
         reason = reason or backend_cls.capabilities.query_len_reason(SPEC_TOKENS + 1)  # the k + 1 verify rows
+        if not reason and backend_cls.capabilities.uniform_query_len:
+            reason = ("takes only uniform batches (one query length per batch); the reference engine mixes prefill "
+                      "chunks and decodes in a step, and has no prefill/decode split yet")
         if reason:
             return reason
         self.covered[key] = case.id

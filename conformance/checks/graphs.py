@@ -3,10 +3,7 @@
 Driven by the claimed CGSupport (NEVER → SKIP). Three captures per case, each a way engines
 really meet a backend:
 
-1. **Capture as the first call.** A fresh backend captures A before it has run anything: a backend
-   that initialises lazily on its first call (a host sync, a raw allocation, a workspace sized on
-   first use) does it inside the capture. A must then replay right.
-2. **Warm-up, capture, replays.** Eager warm-up, ``build_for_capture``, capture of ``write_kv`` +
+1. **Warm-up, capture, replays.** Eager warm-up, ``build_for_capture``, capture of ``write_kv`` +
    ``forward``; then for each B — longer and shorter contexts, new block tables, fewer requests,
    requests reversed (another one last), one more request so no padding row is left (the last row
    real), query lengths moved — load it into the same buffers, ``build`` (as engines do before each
@@ -14,11 +11,17 @@ really meet a backend:
    must equal the cache before it plus the batch's own rows, bit for bit (padding rows write
    nothing). Two replays of one state must be bitwise equal when the backend claims
    ``deterministic`` (otherwise that is reported).
-3. **A new, larger shape after the capture.** An eager step at twice the requests and longer
+2. **A new, larger shape after the capture.** An eager step at twice the requests and longer
    contexts, never seen before; then every free block of the caching allocator is filled with NaN
    bytes (whatever the backend freed is now someone else's) and the graph replays again: a
    backend that grew a workspace and left the graph pointing at the old one fails here — by
    reading NaN, by stale contents, or by writing into the canaries.
+3. **Capture as the first call.** A fresh backend instance captures A before it has run anything:
+   a backend that initialises lazily on its first call (a host sync, an autotuning run, a
+   workspace sized on first use) does it inside the capture. A must then replay right. This comes
+   last on purpose: by then the *process* is warm (cuBLAS handles, kernels loaded and compiled),
+   as in an engine that captures after its profiling run, so only the instance's own laziness
+   is tested.
 """
 from __future__ import annotations
 
@@ -44,13 +47,17 @@ from conformance.results import CaseResult, Verdict
 
 
 def capture_failure_cause(error: BaseException, detector) -> str:
+    """The error, led by the host sync that caused it when one was seen. Device allocations are
+    named only as context: PyTorch's caching allocator legitimately calls cudaMalloc to grow a
+    graph's private pool during capture, so an allocation alone proves nothing."""
+    message = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
     blocking = detector.blocking_events if detector else []
     if blocking:
-        return f"{blocking[0].describe()} during capture ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+        return f"{blocking[0].describe()} during capture ({message[:200]})"
     allocations = [e for e in (detector.events if detector else []) if e.kind == "device-alloc"]
     if allocations:
-        return f"a raw device allocation during capture: {allocations[0].describe()}"
-    return f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        return f"{message} (a device allocation during capture: {allocations[0].describe()})"
+    return message
 
 
 class CaptureFailed(Exception):
@@ -99,20 +106,7 @@ class GraphsCheck(Check):
         atol, rtol = TOLERANCES[case.spec.dtype]
         self.tolerance = (atol, rtol)
 
-        # 1. Capture as the very first call of a fresh backend.
-        first = GraphBuffers(backend_cls, shape, all_cases, device)
-        loaded = first.load(case, with_host_lengths=self.host_lengths)
-        try:
-            graph = capture(first, first.backend.build_for_capture(loaded.common))
-        except CaptureFailed as failure:
-            return CaseResult(case.id, Verdict.FAIL, f"capture as the first call after construction failed: {failure}",
-                              tag=case.tag, metrics=metrics, evidence={"capture_events": failure.events})
-        problem = self._replay(first, graph, case, "A, captured as the backend's first call")
-        if problem:
-            return self._fail(case, problem, metrics)
-        del graph, first
-
-        # 2. Warm-up, capture, replays.
+        # 1. Warm-up, capture, replays.
         buffers = GraphBuffers(backend_cls, shape, all_cases, device)
         loaded = buffers.load(case, with_host_lengths=self.host_lengths)
         warm_up(lambda: buffers.step(buffers.backend.build(loaded.common)))
@@ -134,7 +128,7 @@ class GraphsCheck(Check):
             return self._fail(case, (f"claims deterministic, but two replays of one state differ bitwise "
                                      f"({nondeterministic[0]})", None, {}, {}), metrics)
 
-        # 3. An eager step at a larger shape never seen, freed memory taken by NaN canaries, replay.
+        # 2. An eager step at a larger shape never seen, freed memory taken by NaN canaries, replay.
         problem = self._eager(buffers, larger, "an eager step at a larger, new shape after the capture")
         if problem:
             return self._fail(case, problem, metrics)
@@ -149,6 +143,19 @@ class GraphsCheck(Check):
             return self._fail(case, (f"the graph replayed after an eager step at a larger shape wrote {written} bytes "
                                      "into memory the backend had freed (a workspace reallocated after the capture?)",
                                      None, {}, {}), metrics)
+
+        del graph, buffers
+        # 3. Capture as the very first call of a fresh backend instance (the process is warm now).
+        first = GraphBuffers(backend_cls, shape, all_cases, device)
+        loaded = first.load(case, with_host_lengths=self.host_lengths)
+        try:
+            graph = capture(first, first.backend.build_for_capture(loaded.common))
+        except CaptureFailed as failure:
+            return CaseResult(case.id, Verdict.FAIL, f"capture as the first call after construction failed: {failure}",
+                              tag=case.tag, metrics=metrics, evidence={"capture_events": failure.events})
+        problem = self._replay(first, graph, case, "A, captured as the backend's first call")
+        if problem:
+            return self._fail(case, problem, metrics)
 
         reason = (f"{len(replays)} replays equal to the oracle (also captured as the first call, and replayed after a "
                   "larger eager shape); cache untouched outside each batch's slots")

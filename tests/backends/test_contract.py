@@ -39,6 +39,25 @@ def test_unsupported_reason_names_what_is_missing():
     assert capabilities.query_len_reason(9) and capabilities.query_len_reason(8) is None
 
 
+def test_uniform_query_len_claim_skips_mixed_batches_and_the_engine():
+    import dataclasses
+
+    from backends.torch_naive import TorchNaiveBackend
+    from conformance.checks.engine import EngineCheck
+    from conformance.checks.numerics import NumericsCheck
+
+    class UniformOnly(TorchNaiveBackend):
+        capabilities = dataclasses.replace(TorchNaiveBackend.capabilities, uniform_query_len=True)
+
+    cpu = torch.device("cpu")
+    assert "mixed query lengths" in UniformOnly.capabilities.query_len_reason(4, [4, 1])
+    assert UniformOnly.capabilities.query_len_reason(4, [4, 4]) is None
+    assert "mixed query lengths" in NumericsCheck().case_skip_reason(UniformOnly, parse_case("gqa-fp32:30+4,10+1"), cpu)
+    assert NumericsCheck().case_skip_reason(UniformOnly, parse_case("gqa-fp32:30+4,10+4"), cpu) is None
+    assert "prefill/decode split" in EngineCheck().case_skip_reason(UniformOnly, parse_case("gqa-fp32:30+4"), cpu)
+    assert UniformOnly.capabilities.to_dict()["uniform_query_len"] is True
+
+
 def test_availability_reasons():
     assert NeedsBlackwell.availability_reason(H100) == (
         "needs compute capability SM100, SM103; this GPU (NVIDIA H100 80GB HBM3) is SM90"

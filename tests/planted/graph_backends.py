@@ -54,8 +54,10 @@ class TorchGraphSafe(TorchNaiveBackend):
         spec = self.spec
         request, position, seq_len = self.token_lengths(metadata)
         block_size = spec.block_size
-        key_positions = torch.arange(metadata.max_blocks * block_size, device=self.device)
-        blocks = metadata.block_table[request][:, : metadata.max_blocks].long()  # [T, max_blocks]
+        # An eager batch's block table may be narrower than the static limit: gather what is there.
+        max_blocks = min(metadata.max_blocks, metadata.block_table.shape[1])
+        key_positions = torch.arange(max_blocks * block_size, device=self.device)
+        blocks = metadata.block_table[request][:, :max_blocks].long()  # [T, max_blocks]
         slots = (blocks[:, :, None] * block_size + torch.arange(block_size, device=self.device)).flatten(1)
         planes = self.slot_planes(kv_cache)
         keys, values = planes[0][slots].float(), planes[1][slots].float()  # [T, S, Hkv, D]
