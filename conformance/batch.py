@@ -144,6 +144,19 @@ def case_generator(case: Case) -> torch.Generator:
     return generator
 
 
+def owned_blocks(case: Case) -> list[int]:
+    """Blocks each request allocates (a shared prefix belongs to request 0)."""
+    block_size = case.spec.block_size
+    blocks_needed = [-(-(context + query) // block_size) for context, query in case.batch]
+    return [blocks_needed[0]] + [count - case.shared_prefix_blocks for count in blocks_needed[1:]]
+
+
+def pool_size(case: Case) -> int:
+    """The case's block pool, block 0 (reserved) included: what ``materialize`` allocates,
+    computed without drawing any data."""
+    return sum(owned_blocks(case)) + 1
+
+
 def assign_blocks(case: Case, generator: torch.Generator) -> tuple[torch.Tensor, int]:
     """Block table [num_reqs, max_blocks] and the pool size (block 0 reserved, never assigned).
 
@@ -155,7 +168,7 @@ def assign_blocks(case: Case, generator: torch.Generator) -> tuple[torch.Tensor,
     block_size = case.spec.block_size
     blocks_needed = [-(-(context + query) // block_size) for context, query in case.batch]
     shared = case.shared_prefix_blocks
-    owned = [blocks_needed[0]] + [count - shared for count in blocks_needed[1:]]
+    owned = owned_blocks(case)
     total = sum(owned)
     physical = torch.arange(1, total + 1)
     if case.permute_blocks:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.base import AttentionBackend, BackendLimits, CGSupport, CommonAttentionMetadata
-from conformance.batch import PagedBatch, materialize
+from conformance.batch import PagedBatch, materialize, pool_size
 from conformance.cases import Case
 from conformance.graph_batches import GraphShape, padding_rows
 from conformance.harness import write_poison
@@ -36,7 +36,7 @@ class GraphBuffers:
         self.spec, self.shape, self.device = spec, shape, device
         limits = BackendLimits(2 * shape.num_reqs, 2 * shape.num_tokens, shape.max_model_len)
         self.backend = backend_cls(spec, limits, device)
-        self.num_blocks = max(materialize(case, "cpu").num_blocks for case in cases)
+        self.num_blocks = max(pool_size(case) for case in cases)
         self.kv_cache = self.backend.allocate_kv_cache(self.num_blocks)
         max_blocks = shape.max_model_len // spec.block_size
         int32 = dict(dtype=torch.int32, device=device)
@@ -148,8 +148,11 @@ def fill_freed_memory(device: torch.device) -> list[torch.Tensor]:
     return canaries
 
 
-def canaries_written(canaries: list[torch.Tensor]) -> int:
-    return sum(int((canary != FREED_MEMORY_FILL).sum()) for canary in canaries)
+def canaries_written(canaries: list[torch.Tensor], chunk_bytes: int = 256 << 20) -> int:
+    """Bytes that no longer hold the fill. Counted in chunks: a whole-canary comparison would
+    need as much memory again (and ``.sum()`` of it eight times that, in int64)."""
+    return sum(int(torch.count_nonzero(chunk != FREED_MEMORY_FILL))
+               for canary in canaries for chunk in canary.split(chunk_bytes))
 
 
 def graph_pool_bytes(graph: torch.cuda.CUDAGraph) -> int | None:

@@ -12,7 +12,9 @@ block size) a small model of that layout runs four prompts, greedy:
    CUDA graphs on CUDA (the draft loop in one graph with ``update_for_draft_step`` when the backend
    claims ``draft_step_update``, else one draft-step graph replayed k times with ``build`` between):
    must equal 1. The batch holds as many prompts as ``max_num_reqs``, so the padded graph batch's
-   last row is often a real request;
+   last row is often a real request. Drafts change only what is accepted, never the output, so
+   the drafts accepted per prompt under graphs must also equal those of the same backend's eager
+   draft steps (metadata rebuilt per step);
 5. on CUDA, the async loop again, measured: CUDA graphs where the backend claims them, host-blocking
    syncs per steady-state step (must be 0 for a backend claiming ``needs_cpu_seq_lens=False``), TPOT
    and GPU idle fraction (reported).
@@ -107,8 +109,9 @@ class EngineCheck(Check):
         graphs = device.type == "cuda"
         try:
             overlapped = [out.tokens for out in run(num_spec_tokens=SPEC_TOKENS, drafter=DRAFTER, check_inputs=True)]
-            drafted_sync = [out.tokens for out in run(num_spec_tokens=SPEC_TOKENS, drafter=ATTENTION_DRAFTER,
-                                                      async_scheduling=False, cuda_graphs=graphs)]
+            drafted_outputs = run(num_spec_tokens=SPEC_TOKENS, drafter=ATTENTION_DRAFTER, async_scheduling=False,
+                                  cuda_graphs=graphs)
+            drafted_sync = [out.tokens for out in drafted_outputs]
             drafted_async = [out.tokens for out in run(num_spec_tokens=SPEC_TOKENS, drafter=ATTENTION_DRAFTER,
                                                        cuda_graphs=graphs, check_inputs=True)]
         except InputCheckFailed as error:
@@ -122,6 +125,18 @@ class EngineCheck(Check):
             problem = self._difference(label, got, expected, prompts, model, base, device, evidence)
             if problem:
                 return CaseResult(case.id, Verdict.FAIL, problem, tag=case.tag, evidence=evidence)
+        if graphs:
+            # Drafts never change a lossless engine's output, only what is accepted: the draft
+            # steps under graphs (update_for_draft_step, or the replayed step graph) must accept
+            # exactly what the same backend's eager draft steps (metadata rebuilt) accept.
+            eager = run(num_spec_tokens=SPEC_TOKENS, drafter=ATTENTION_DRAFTER, async_scheduling=False, cuda_graphs=False)
+            accepted = [out.accepted for out in drafted_outputs]
+            expected = [out.accepted for out in eager]
+            evidence["accepted_drafts"] = {"under_graphs": accepted, "eager": expected}
+            if accepted != expected:
+                return CaseResult(case.id, Verdict.FAIL, f"{drafting}: accepted drafts per prompt {accepted}, but {expected} "
+                                  "with the same backend's eager draft steps: the draft steps under CUDA graphs attend "
+                                  "differently (update_for_draft_step?)", tag=case.tag, evidence=evidence)
         if device.type == "cuda":
             engine = BatchedEngine(dataclasses.replace(base, num_spec_tokens=SPEC_TOKENS, drafter=DRAFTER, cuda_graphs=True), model)
             engine.generate(prompts, SamplingParams(max_tokens=2 * SPEC_TOKENS + 4, ignore_eos=True))  # warm-up: JIT, graph captures
