@@ -157,6 +157,16 @@ def pool_size(case: Case) -> int:
     return sum(owned_blocks(case)) + 1
 
 
+def footprint_bytes(case: Case) -> tuple[int, int]:
+    """(host, device) bytes the case's data takes at least: every key/value row drawn in float32
+    on the host, and the block pool on the device. A case the machine cannot hold is refused
+    before it runs, instead of failing as a backend error."""
+    spec = case.spec
+    row = spec.head_dim if spec.kind == "mla" else 2 * spec.num_kv_heads * spec.head_dim
+    tokens = sum(context + query for context, query in case.batch)
+    return tokens * row * 4, pool_size(case) * spec.block_size * row * spec.dtype.itemsize
+
+
 def assign_blocks(case: Case, generator: torch.Generator) -> tuple[torch.Tensor, int]:
     """Block table [num_reqs, max_blocks] and the pool size (block 0 reserved, never assigned).
 

@@ -34,6 +34,7 @@ Examples:
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, replace
 
@@ -45,6 +46,9 @@ from backends.base import DTYPE_NAMES, AttentionSpec, dtype_name
 DATA_PROFILES = ("normal", "sinks", "edges")
 DEFAULT_PADDING_TOKENS = 3
 MAX_PADDING_TOKENS = 1024
+MAX_TOKENS_PER_REQUEST = 1 << 22  # 4M tokens: beyond any model's context, and beyond any device's memory here
+MAX_REQUESTS = 1 << 16
+MAX_SEED = 2**63 - 1
 
 
 class CaseSyntaxError(ValueError):
@@ -66,9 +70,15 @@ class Case:
     def __post_init__(self) -> None:
         if not self.batch:
             raise CaseSyntaxError("a batch needs at least one request")
+        if len(self.batch) > MAX_REQUESTS:
+            raise CaseSyntaxError(f"{len(self.batch)} requests: at most {MAX_REQUESTS} in one batch")
         for context_len, query_len in self.batch:
             if context_len < 0 or query_len < 1:
                 raise CaseSyntaxError(f"request {context_len}+{query_len}: context must be >= 0 and query >= 1")
+            if context_len + query_len > MAX_TOKENS_PER_REQUEST:
+                raise CaseSyntaxError(f"request {context_len}+{query_len}: at most {MAX_TOKENS_PER_REQUEST} tokens per request")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise CaseSyntaxError(f"seed {self.seed}: seeds are between 0 and {MAX_SEED}")
         if self.data not in DATA_PROFILES:
             raise CaseSyntaxError(f"data profile {self.data!r} is not one of {', '.join(DATA_PROFILES)}")
         if not 0 <= self.padding <= MAX_PADDING_TOKENS:
@@ -149,6 +159,21 @@ class LayerOptions:
     padding: int = DEFAULT_PADDING_TOKENS
 
 
+_ATTRIBUTE_KINDS = (
+    (r"fp16|bf16|fp32", "dtype"), (r"h\d+(/\d+)?", "heads"), (r"d\d+(\+\d+)?", "head dim"), (r"p\d+", "block size"),
+    (r"w\d+", "sliding window"), (r"cap.+", "soft cap"), (r"scale.+", "scale"), (r"share\d+", "shared prefix"),
+    (r"pad\d+", "padding"), (r"sinks|edges", "data profile"),
+)
+
+
+def _attribute_kind(attr: str) -> str:
+    """What a layer attribute sets (two attributes setting one thing contradict each other)."""
+    for pattern, kind in _ATTRIBUTE_KINDS:
+        if re.fullmatch(pattern, attr):
+            return kind
+    return attr  # linear, strided, or unknown (reported by the parser)
+
+
 def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
     kind_name, *attrs = text.split("-")
     if kind_name not in ("gqa", "mha", "mla"):
@@ -160,7 +185,14 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
     window = cap = scale = None
     share, permute, strided, data, padding = 0, True, False, "normal", DEFAULT_PADDING_TOKENS
     kv_heads_given = False
+    given: dict[str, str] = {}  # attribute kind -> the attribute that set it
     for attr in attrs:
+        kind = _attribute_kind(attr)
+        if kind in given:
+            if given[kind] == attr:
+                raise CaseSyntaxError(f"{attr} is given twice in {text!r}")
+            raise CaseSyntaxError(f"{given[kind]} and {attr} both set the {kind} in {text!r}: give it once")
+        given[kind] = attr
         if attr in DTYPE_NAMES:
             dtype = DTYPE_NAMES[attr]
         elif attr == "linear":
@@ -168,8 +200,6 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
         elif attr == "strided":
             strided = True
         elif attr in DATA_PROFILES[1:]:
-            if data != "normal":
-                raise CaseSyntaxError(f"two data profiles ({data}, {attr}) in {text!r}: choose one")
             data = attr
         elif match := re.fullmatch(r"pad(\d+)", attr):
             padding = int(match.group(1))
@@ -195,8 +225,16 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
             share = int(match.group(1))
         else:
             raise CaseSyntaxError(f"layer attribute {attr!r} not understood in {text!r}; {_GRAMMAR_HINT}")
-    if not is_mla and not kv_heads_given and any(a.startswith("h") for a in attrs):
-        num_kv_heads = num_heads  # hQ alone: one KV head per query head
+    if kind_name == "mha" and kv_heads_given and num_kv_heads != num_heads:
+        raise CaseSyntaxError(f"mha has one KV head per query head, but {text!r} gives {num_heads}/{num_kv_heads}: "
+                              "write gqa for grouped heads")
+    if not is_mla and not kv_heads_given and (kind_name == "mha" or "heads" in given):
+        num_kv_heads = num_heads  # mha, or hQ alone: one KV head per query head
+    if window is not None and window < 1:
+        raise CaseSyntaxError(f"w{window}: a sliding window holds at least 1 token")
+    for name, value in (("soft cap", cap), ("scale", scale)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise CaseSyntaxError(f"{name} {value:g}: must be a finite number above 0")
     if not is_mla and num_kv_heads and num_heads % num_kv_heads:
         raise CaseSyntaxError(f"{num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
     if block_size < 1 or num_heads < 1:

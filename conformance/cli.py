@@ -9,7 +9,9 @@ Exit codes:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,9 +21,11 @@ from rich.table import Table
 
 from backends import registry
 from backends.base import DeviceInfo
+from conformance.batch import footprint_bytes
 from conformance.cases import CaseSyntaxError, __doc__ as CASE_GRAMMAR, parse_case, suite
 from conformance.checks import CHECKS, DEFAULT_CHECKS
 from conformance.compare import compare
+from conformance.output_paths import OutputPathError, check_directory, check_distinct, check_writable
 from conformance.report_html import write_html
 from conformance.report_junit import write_junit
 from conformance.report_markdown import write_markdown
@@ -32,6 +36,7 @@ from conformance.terminal import RichProgress, print_report
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOTHING_RAN = 0, 1, 2, 3
 DEFAULT_BACKEND = "torch_naive"
+DEFAULT_OUT = "conformance-out"
 
 
 class UsageError(Exception):
@@ -75,14 +80,33 @@ def _backend_names(values: list[str]) -> list[str]:
 def _cases(args: argparse.Namespace):
     try:
         if args.case:
-            return [parse_case(text, default_seed=args.seed) for text in args.case]
-        return suite(args.suite)
+            return [parse_case(text, default_seed=0 if args.seed is None else args.seed) for text in args.case]
+        cases = suite(args.suite)
+        # --seed with a suite draws the suite's data anew (the ids say which seed).
+        return cases if args.seed is None else [replace(case, seed=args.seed) for case in cases]
     except CaseSyntaxError as error:
         raise UsageError(str(error)) from None
 
 
+def _check_case_sizes(cases, device: torch.device) -> None:
+    """Refuse, before any work, a case this machine cannot hold (it would otherwise run for a
+    while and then be reported as the backend's error)."""
+    host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    device_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host_memory
+    for case in cases:
+        host, on_device = footprint_bytes(case)
+        if device.type == "cpu":
+            host += on_device
+        for needed, available, where in ((host, host_memory, "host memory"), (on_device, device_memory, "GPU memory")):
+            if needed > available:
+                raise UsageError(f"case {case.id} needs at least {needed / 2**30:.1f} GiB of {where}; "
+                                 f"this machine has {available / 2**30:.1f} GiB")
+
+
 def _checks(values: list[str] | None) -> list[str]:
     names = _split(values) if values else list(DEFAULT_CHECKS)
+    if not names:
+        raise UsageError("--check needs at least one check name")
     unknown = [name for name in names if name not in CHECKS]
     if unknown:
         raise UsageError(f"unknown check {unknown[0]!r} (choose from {', '.join(CHECKS)})")
@@ -119,6 +143,7 @@ def command_run(args: argparse.Namespace, console: Console) -> int:
     checks = _checks(args.check)
     cases = _cases(args)
     device = _device(args.device)
+    _check_case_sizes(cases, device)
     if args.timeout <= 0:
         raise UsageError("--timeout must be positive")
     options = RunOptions(
@@ -126,7 +151,8 @@ def command_run(args: argparse.Namespace, console: Console) -> int:
         suite="custom" if args.case else args.suite, timeout_s=args.timeout, in_process=args.in_process,
         check_options={"sync_detector": args.sync_detector},
     )
-    json_path = Path(args.json) if args.json else Path(args.out) / "results.json"
+    json_path = _output_paths(args)
+    json_path.unlink(missing_ok=True)  # an interrupted run must not leave an older run's results looking current
     progress_console = Console(stderr=True, quiet=args.quiet)
     with RichProgress(progress_console) as progress:
         result = run(options, progress)
@@ -152,9 +178,10 @@ def _add_run_arguments(parser: argparse.ArgumentParser, default_suite: str) -> N
                         f"pkg.module:Class (default: {DEFAULT_BACKEND})")
     parser.add_argument("--suite", default=default_suite, help=f"smoke | standard | full | bench (default: {default_suite})")
     parser.add_argument("--case", action="append", help="an ad-hoc case, instead of the suite (repeatable; grammar below)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for --case cases without @SEED (default 0)")
+    parser.add_argument("--seed", type=int, help="seed for --case cases without @SEED, or for every case of the suite "
+                        "(default 0)")
     parser.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda when visible, else cpu)")
-    parser.add_argument("--out", default="conformance-out", help="directory for results.json (default: conformance-out)")
+    parser.add_argument("--out", help=f"directory for results.json (default: {DEFAULT_OUT})")
     parser.add_argument("--json", help="write the JSON results to this file instead")
     parser.add_argument("--html", help="also write a self-contained HTML report to this file")
     parser.add_argument("--junit", help="also write JUnit XML (one testcase per backend x check x case)")
@@ -166,6 +193,28 @@ def _add_run_arguments(parser: argparse.ArgumentParser, default_suite: str) -> N
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _checked(option: str, path: str) -> Path:
+    try:
+        return check_writable(option, path)
+    except OutputPathError as error:
+        raise UsageError(str(error)) from None
+
+
+def _output_paths(args: argparse.Namespace) -> Path:
+    """Every output path checked before any work starts (a bad one would lose a whole run's
+    results at the end); returns the results JSON's path."""
+    try:
+        if args.json and args.out is not None:
+            raise OutputPathError("--json names the results file and --out its directory: give one of them")
+        json_path = check_writable("--json", args.json) if args.json else check_directory("--out", args.out or DEFAULT_OUT) / "results.json"
+        reports = {option: check_writable(option, path) if path else None
+                   for option, path in (("--html", args.html), ("--junit", args.junit), ("--markdown", args.markdown))}
+        check_distinct({"--json" if args.json else "--out": json_path, **reports})
+    except OutputPathError as error:
+        raise UsageError(str(error)) from None
+    return json_path
+
+
 def write_reports(result: RunResult, *, html: str | None, junit: str | None, markdown: str | None) -> None:
     for path, writer in ((html, write_html), (junit, write_junit), (markdown, write_markdown)):
         if path:
@@ -174,18 +223,26 @@ def write_reports(result: RunResult, *, html: str | None, junit: str | None, mar
 
 
 def _load_results(path: str) -> RunResult:
+    if Path(path).is_dir():
+        raise UsageError(f"{path}: is a directory, not a results file")
     try:
         return RunResult.load(path)
     except FileNotFoundError:
         raise UsageError(f"{path}: no such file") from None
-    except (ValueError, KeyError) as error:
-        raise UsageError(f"{path}: not a conformance results file ({error})") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise UsageError(f"{path}: not a conformance results file ({type(error).__name__}: {error})") from None
 
 
 def command_report(args: argparse.Namespace, console: Console) -> int:
     result = _load_results(args.results)
     if not (args.output or args.junit or args.markdown):
         raise UsageError("report needs -o FILE.html, --junit FILE or --markdown FILE")
+    try:
+        paths = {option: check_writable(option, path) if path else None
+                 for option, path in (("-o", args.output), ("--junit", args.junit), ("--markdown", args.markdown))}
+        check_distinct(paths)
+    except OutputPathError as error:
+        raise UsageError(str(error)) from None
     write_reports(result, html=args.output, junit=args.junit, markdown=args.markdown)
     for path in (args.output, args.junit, args.markdown):
         if path:
@@ -265,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "compare":
             return command_compare(args, console)
         if args.command == "engine":
+            if getattr(args, "json", None):
+                _checked("--json", args.json)  # before the engine runs, not after
             return run_engine(args, console, UsageError)
         if args.command == "bench":
             args.check = ["bench"]

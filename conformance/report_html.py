@@ -13,6 +13,7 @@ from html import escape
 from typing import Any
 
 from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
+from conformance.output_paths import write_atomically
 
 VERDICT_COLOURS = {
     Verdict.PASS: "#2e7d32",
@@ -183,5 +184,4 @@ def render(run: RunResult) -> str:
 
 
 def write_html(run: RunResult, path) -> None:
-    with open(path, "w", encoding="utf-8") as file:
-        file.write(render(run))
+    write_atomically(path, render(run))

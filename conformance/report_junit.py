@@ -9,6 +9,7 @@ import json
 import xml.etree.ElementTree as ElementTree
 
 from conformance.results import CaseResult, RunResult, Verdict
+from conformance.output_paths import write_atomically
 
 
 def _evidence_text(case: CaseResult) -> str:
@@ -59,5 +60,4 @@ def render(run: RunResult) -> str:
 
 
 def write_junit(run: RunResult, path) -> None:
-    with open(path, "w", encoding="utf-8") as file:
-        file.write(render(run))
+    write_atomically(path, render(run))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from conformance.results import RunResult
+from conformance.output_paths import write_atomically
 
 MAX_FAILURES = 20
 ICONS = {"PASS": "✅", "FAIL": "❌", "ERROR": "⚠️", "CRASH": "💥", "SKIP": "⏭️"}
@@ -39,5 +40,4 @@ def render(run: RunResult) -> str:
 
 
 def write_markdown(run: RunResult, path) -> None:
-    with open(path, "w", encoding="utf-8") as file:
-        file.write(render(run))
+    write_atomically(path, render(run))

@@ -161,8 +161,9 @@ class RunResult:
         )
 
     def save(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        from conformance.output_paths import write_atomically
+
+        write_atomically(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
     @staticmethod
     def load(path: str | Path) -> "RunResult":

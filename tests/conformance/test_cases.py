@@ -51,11 +51,30 @@ def test_grammar_details():
         ("gqa-share2:10+1", "share2 needs every context"),
         ("gqa:1+1@x", "seed"),
         ("gqa:1+1x", r"CTX\+Q"),
+        # Contradictions, repeats and values that cannot mean anything: refused, never guessed.
+        ("mha-h32/8:10+1", "mha has one KV head per query head"),
+        ("gqa-fp16-bf16:10+1", "fp16 and bf16 both set the dtype"),
+        ("gqa-h32/8-h16:10+1", "both set the heads"),
+        ("gqa-strided-strided:10+1", "strided is given twice"),
+        ("gqa-w0:10+1", "w0: a sliding window holds at least 1 token"),
+        ("gqa-scalenan:10+1", "scale nan: must be a finite number above 0"),
+        ("gqa-scale0:10+1", "scale 0: must be"),
+        ("gqa-capinf:10+1", "soft cap inf: must be"),
+        ("gqa-cap-5:10+1", "not understood"),
+        ("99999999999999999999+1", "at most 4194304 tokens per request"),
+        ("1+1x100000", "at most 65536 in one batch"),
     ],
 )
 def test_bad_syntax_says_what_is_wrong(text, message):
     with pytest.raises(CaseSyntaxError, match=message):
         parse_case(text)
+
+
+def test_mha_means_one_kv_head_per_query_head_and_seeds_are_checked():
+    assert parse_case("mha:10+1").spec.num_kv_heads == parse_case("mha:10+1").spec.num_heads == 32
+    assert parse_case("mha-h16/16:10+1").id == parse_case("mha-h16:10+1").id
+    with pytest.raises(CaseSyntaxError, match="seed -1"):
+        parse_case("gqa:10+1", default_seed=-1)
 
 
 def test_unknown_suite():
@@ -129,6 +148,6 @@ def test_layout_and_data_attributes_round_trip_and_reject_nonsense():
     assert case.strided and case.padding == 0 and case.data == "edges"
     assert parse_case(case.id) == case and "strided-pad0-edges" in case.id
     assert parse_case("gqa-h4/2-d16:20+2").id == "gqa-h4/2-d16-bf16-p16:20+2@0"  # defaults stay out of the id
-    for bad, message in (("gqa-sinks-edges:1+1", "two data profiles"), ("gqa-pad5000:1+1", "padding rows must be")):
+    for bad, message in (("gqa-sinks-edges:1+1", "both set the data profile"), ("gqa-pad5000:1+1", "padding rows must be")):
         with pytest.raises(CaseSyntaxError, match=message):
             parse_case(bad)

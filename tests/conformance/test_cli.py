@@ -32,6 +32,11 @@ def test_smoke_run_passes_and_writes_json(tmp_path):
         (["run", "--backend", "torch_naive", "--suite", "huge"], "unknown suite 'huge'"),
         (["run", "--backend", "torch_naive", "--check", "speed"], "unknown check 'speed'"),
         (["run", "--backend", "torch_naive", "--device", "tpu:0"], "--device"),
+        (["run", "--check", ""], "--check needs at least one check name"),
+        (["run", "--case", "0+1", "--seed", "-1"], "seed -1: seeds are between 0"),
+        (["run", "--suite", "smoke", "--seed", "-3"], "seed -3"),
+        (["run", "--case", "gqa-scalenan:10+1"], "scale nan"),
+        (["run", "--case", "4000000+1x60000", "--device", "cpu"], "GiB of host memory; this machine has"),
     ],
 )
 def test_usage_errors_exit_2_with_one_line(args, message):
@@ -39,6 +44,45 @@ def test_usage_errors_exit_2_with_one_line(args, message):
     assert completed.returncode == 2
     assert completed.stderr.count("\n") == 1 and message in completed.stderr
     assert "Traceback" not in completed.stderr + completed.stdout
+
+
+@pytest.mark.parametrize("make_args,message", [
+    (lambda d: ["--json", str(d)], "is a directory; name a file"),
+    (lambda d: ["--json", "/proc/conformance/x.json"], "--json /proc/conformance/x.json: cannot write there"),
+    (lambda d: ["--out", str(d / "file")], "exists and is not a directory"),
+    (lambda d: ["--out", str(d / "o"), "--json", str(d / "r.json")], "give one of them"),
+    (lambda d: ["--html", str(d)], "--html"),
+    (lambda d: ["--junit", str(d)], "--junit"),
+    (lambda d: ["--json", str(d / "a.json"), "--markdown", str(d / "a.json")], "name the same file"),
+])
+def test_bad_output_paths_exit_2_before_any_work(tmp_path, make_args, message):
+    (tmp_path / "file").write_text("")
+    completed = conformance("run", "--suite", "smoke", "--device", "cpu", *make_args(tmp_path))
+    assert completed.returncode == 2, completed.stdout + completed.stderr
+    assert completed.stderr.count("\n") == 1 and message in completed.stderr
+    assert completed.stdout == ""  # nothing ran
+
+
+def test_engine_and_report_check_their_output_paths_first(tmp_path):
+    completed = conformance("engine", "run", "--json", str(tmp_path))
+    assert completed.returncode == 2 and "is a directory" in completed.stderr and completed.stderr.count("\n") == 1
+    (tmp_path / "list.json").write_text("[1, 2]")
+    for results, message in ((tmp_path, "is a directory, not a results file"), (tmp_path / "list.json", "not a conformance results file")):
+        completed = conformance("report", str(results), "-o", str(tmp_path / "r.html"))
+        assert completed.returncode == 2 and message in completed.stderr, completed.stderr
+
+
+def test_a_run_removes_the_previous_results_first_and_applies_seed_to_a_suite(tmp_path):
+    stale = tmp_path / "results.json"
+    stale.write_text("an older run")
+    completed = conformance("run", "--suite", "smoke", "--device", "cpu", "--check", "numerics", "--seed", "7",
+                            "--case", "gqa-h4/2-d16-fp32:no+1", "--json", str(stale))
+    assert completed.returncode == 2 and stale.exists()  # a usage error touches nothing
+    completed = conformance("run", "--suite", "smoke", "--device", "cpu", "--check", "numerics", "--seed", "7", "--json", str(stale))
+    assert completed.returncode == 0, completed.stderr
+    cases = RunResult.load(stale).backends[0].check("numerics").cases
+    assert cases and all(case.case.endswith("@7") for case in cases)
+    assert not list(tmp_path.glob(".*.tmp"))  # written under a temporary name and renamed
 
 
 def test_planted_defect_exits_1_and_shows_its_evidence(tmp_path):

@@ -1,0 +1,75 @@
+"""Output files are checked before any work starts, and written so that a reader never sees a
+half-written file or an older run's file posing as this one.
+
+A run takes minutes to hours on a GPU: finding at the end that ``--json`` names a directory, or a
+place nobody may write, loses the results. ``check_writable`` tries what the write will do
+(create the parent, create a file beside the target) and says in one line why it cannot.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+class OutputPathError(ValueError):
+    """An output path that cannot be written; the message names the option and the reason."""
+
+
+def check_writable(option: str, path: str | Path) -> Path:
+    """``path`` as a file that can be created or replaced; raises OutputPathError otherwise."""
+    path = Path(path)
+    if str(path) in ("", "."):
+        raise OutputPathError(f"{option}: an empty path")
+    if path.is_dir():
+        raise OutputPathError(f"{option} {path}: is a directory; name a file")
+    if path.exists() and not path.is_file():
+        raise OutputPathError(f"{option} {path}: exists and is not a regular file")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe"):
+            pass
+    except OSError as error:
+        raise OutputPathError(f"{option} {path}: cannot write there ({error.strerror or error})") from None
+    return path
+
+
+def check_directory(option: str, path: str | Path) -> Path:
+    """``path`` as a directory that exists or can be made, and can be written into."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputPathError(f"{option} {path}: exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".probe."):
+            pass
+    except OSError as error:
+        raise OutputPathError(f"{option} {path}: cannot write there ({error.strerror or error})") from None
+    return path
+
+
+def check_distinct(paths: dict[str, Path | None]) -> None:
+    """Two options naming one file would overwrite each other's output."""
+    seen: dict[Path, str] = {}
+    for option, path in paths.items():
+        if path is None:
+            continue
+        resolved = path.resolve()
+        if resolved in seen:
+            raise OutputPathError(f"{seen[resolved]} and {option} name the same file {path}")
+        seen[resolved] = option
+
+
+def write_atomically(path: str | Path, text: str) -> None:
+    """Write a sibling temporary file and rename it over ``path``: a reader sees the old file or
+    the whole new one, never a part."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as stream:
+            stream.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
