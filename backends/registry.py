@@ -71,8 +71,10 @@ def load(ref: BackendRef | str) -> type[AttentionBackend]:
         raise BackendLookupError(f"{ref.target!r} is not of the form pkg.module:Class")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise BackendLookupError(f"cannot import {module_name} for backend {ref.name!r}: {error}") from error
+    except Exception as error:  # noqa: BLE001 - any import failure of one backend is that backend's, not the command's
+        where = f"entry point {ref.name!r} ({ref.target})" if ref.origin == "entry point" else f"backend {ref.name!r}"
+        raise BackendLookupError(f"cannot import {module_name} for {where}: "
+                                 f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}") from error
     backend_cls = getattr(module, class_name, None)
     if not (isinstance(backend_cls, type) and issubclass(backend_cls, AttentionBackend)):
         raise BackendLookupError(f"{ref.target} is not an AttentionBackend subclass")

@@ -24,7 +24,7 @@ from backends.base import DeviceInfo
 from conformance.batch import footprint_bytes
 from conformance.cases import CaseSyntaxError, __doc__ as CASE_GRAMMAR, parse_case, suite
 from conformance.checks import CHECKS, DEFAULT_CHECKS
-from conformance.compare import compare
+from conformance.compare import ACCEPTABLE, CompareError, compare
 from conformance.output_paths import OutputPathError, check_directory, check_distinct, check_writable
 from conformance.report_html import write_html
 from conformance.report_junit import write_junit
@@ -251,15 +251,21 @@ def command_report(args: argparse.Namespace, console: Console) -> int:
 
 
 def command_compare(args: argparse.Namespace, console: Console) -> int:
-    findings = compare(_load_results(args.base), _load_results(args.new), error_growth=args.error_growth,
-                       bench_threshold=args.bench_threshold)
+    accept = [kind for kind in ACCEPTABLE if getattr(args, f"accept_{kind}")]
+    try:
+        findings = compare(_load_results(args.base), _load_results(args.new), error_growth=args.error_growth,
+                           bench_threshold=args.bench_threshold, accept=accept)
+    except CompareError as error:
+        raise UsageError(str(error)) from None
     regressions = [finding for finding in findings if finding.regression]
-    table = Table(title=f"compare: {len(regressions)} regression(s), {len(findings) - len(regressions)} improvement(s)",
-                  title_justify="left")
+    accepted = [finding for finding in findings if finding.accepted]
+    table = Table(title=f"compare: {len(regressions)} regression(s), {len(findings) - len(regressions) - len(accepted)} "
+                        f"improvement(s), {len(accepted)} accepted", title_justify="left")
     for column in ("", "backend", "check", "case", "what"):
         table.add_column(column)
     for finding in findings:
-        table.add_row("[red]regression[/]" if finding.regression else "[green]improvement[/]", escape(finding.backend),
+        label = "[red]regression[/]" if finding.regression else "[yellow]accepted[/]" if finding.accepted else "[green]improvement[/]"
+        table.add_row(label, escape(finding.backend),
                       escape(finding.check), escape(finding.case), escape(finding.what))
     console.print(table)
     return EXIT_FAILED if regressions else EXIT_OK
@@ -305,6 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help="numerics: fail when a case's max abs error grows more than this factor (default 2)")
     comparing.add_argument("--bench-threshold", type=float, default=0.10,
                            help="bench: fail when a case's forward time grows more than this fraction (default 0.10)")
+    comparing.add_argument("--accept-missing", action="store_true",
+                           help="do not fail on a backend, check or case of BASE that NEW lacks (listed still)")
+    comparing.add_argument("--accept-skips", action="store_true", help="do not fail on cases that went PASS → SKIP (listed still)")
+    comparing.add_argument("--accept-suite", action="store_true", help="do not fail when NEW ran a different suite (listed still)")
     return parser
 
 

@@ -127,6 +127,19 @@ def test_all_cases_skipped_exits_3(tmp_path):
     assert completed.returncode == 0, completed.stdout
 
 
+def test_a_backend_module_that_raises_at_import_is_one_line_not_a_crash(monkeypatch, capsys):
+    from backends import registry
+    from conformance.cli import main
+
+    monkeypatch.setattr(registry, "_entry_points", lambda: {"broken_one": "tests.planted.broken_module:Backend"})
+    assert main(["list", "--device", "cpu"]) == 0
+    listed = capsys.readouterr().out
+    assert "broken_one" in listed and "torch_naive" in listed and "RuntimeError" in listed
+    assert main(["run", "--backend", "broken_one", "--suite", "smoke", "--device", "cpu"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "entry point 'broken_one'" in error and "MY_BACKEND_HOME is not set" in error
+
+
 def test_list_shows_every_backend():
     completed = conformance("list", "--device", "cpu")
     assert completed.returncode == 0 and "torch_naive" in completed.stdout

@@ -9,7 +9,7 @@ import xml.etree.ElementTree as ElementTree
 import pytest
 
 from conformance import report_html, report_junit, report_markdown
-from conformance.compare import compare
+from conformance.compare import CompareError, compare
 from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
 
 SYNC_EVENT = {"kind": "sync", "api": "cudaStreamSynchronize", "blocking": True, "num_bytes": None, "direction": None,
@@ -114,6 +114,32 @@ def test_compare_finds_regressions_and_improvements():
     assert not any(f.regression for f in compare(base, fixed))
 
 
+def _without_case(run: RunResult, check: str, index: int) -> RunResult:
+    data = run.to_dict()
+    checks = {c["name"]: c for c in data["backends"][0]["checks"]}
+    del checks[check]["cases"][index]
+    return RunResult.from_dict(data)
+
+
+def test_compare_treats_lost_coverage_as_a_regression_unless_accepted():
+    base = crafted()
+    fewer = _without_case(base, "numerics", 0)
+    lost = compare(base, fewer)
+    assert [f.what.split(" (")[0] for f in lost if f.regression] == ["case missing from NEW"]
+    assert not any(f.regression for f in compare(base, fewer, accept=["missing"]))
+    assert [f.accepted for f in compare(base, fewer, accept=["missing"])] == [True]
+    skipped = _with(base, 0, "numerics", 0, verdict="SKIP", reason="not supported")
+    assert any(f.regression and "PASS → SKIP" in f.what for f in compare(base, skipped))
+    assert not any(f.regression for f in compare(base, skipped, accept=["skips"]))
+    smaller = RunResult.from_dict({**base.to_dict(), "suite": "smoke"})
+    assert any(f.regression and "suite" in f.what for f in compare(base, smaller))
+    no_backend = RunResult.from_dict({**base.to_dict(), "backends": []})
+    assert any(f.regression and "backend missing" in f.what for f in compare(base, no_backend))
+    for bad in ({"error_growth": -1}, {"error_growth": 0.5}, {"bench_threshold": -0.1}, {"accept": ["everything"]}):
+        with pytest.raises(CompareError):
+            compare(base, base, **bad)
+
+
 def test_compare_cli_exit_codes(tmp_path):
     base = crafted()
     base.save(tmp_path / "base.json")
@@ -128,6 +154,14 @@ def test_compare_cli_exit_codes(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "conformance.cli", "compare", str(tmp_path / "base.json"), "nope.json"],
                              capture_output=True, text=True)
     assert missing.returncode == 2 and "no such file" in missing.stderr
+    _without_case(base, "numerics", 0).save(tmp_path / "fewer.json")
+    assert gate("fewer.json") == 1
+    accepted = subprocess.run([sys.executable, "-m", "conformance.cli", "compare", str(tmp_path / "base.json"),
+                               str(tmp_path / "fewer.json"), "--accept-missing"], capture_output=True, text=True)
+    assert accepted.returncode == 0 and "1 accepted" in accepted.stdout, accepted.stdout
+    negative = subprocess.run([sys.executable, "-m", "conformance.cli", "compare", str(tmp_path / "base.json"),
+                               str(tmp_path / "base.json"), "--error-growth", "-1"], capture_output=True, text=True)
+    assert negative.returncode == 2 and "--error-growth -1" in negative.stderr
 
 
 def test_report_command_writes_all_three(tmp_path):
