@@ -9,6 +9,7 @@ Exit codes:
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import sys
 from dataclasses import replace
@@ -32,7 +33,7 @@ from conformance.report_markdown import write_markdown
 from conformance.results import RunResult
 from reference_engine.cli import add_engine_parser, run_engine
 from conformance.runner import RunOptions, run
-from conformance.terminal import RichProgress, print_report
+from conformance.terminal import LineProgress, RichProgress, print_report
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOTHING_RAN = 0, 1, 2, 3
 DEFAULT_BACKEND = "torch_naive"
@@ -154,7 +155,10 @@ def command_run(args: argparse.Namespace, console: Console) -> int:
     json_path = _output_paths(args)
     json_path.unlink(missing_ok=True)  # an interrupted run must not leave an older run's results looking current
     progress_console = Console(stderr=True, quiet=args.quiet)
-    with RichProgress(progress_console) as progress:
+    if not progress_console.is_terminal:  # CI logs: one line per event, wide enough to stay whole
+        progress_console = Console(stderr=True, quiet=args.quiet, width=160)
+    reporter = RichProgress if progress_console.is_terminal else LineProgress
+    with reporter(progress_console) as progress:
         result = run(options, progress)
     result.save(json_path)
     write_reports(result, html=args.html, junit=args.junit, markdown=args.markdown)
@@ -167,7 +171,7 @@ def command_run(args: argparse.Namespace, console: Console) -> int:
     if result.any_failure():
         return EXIT_FAILED
     if not result.ran_anything():
-        console.print("nothing could run here: every case was skipped", highlight=False)
+        print("conformance: nothing could run here: every case was skipped", file=sys.stderr)
         return EXIT_NOTHING_RAN
     return EXIT_OK
 
@@ -271,6 +275,13 @@ def command_compare(args: argparse.Namespace, console: Console) -> int:
     return EXIT_FAILED if regressions else EXIT_OK
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("specdec-conformance")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed: run from a checkout)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="conformance",
@@ -278,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     listing = commands.add_parser("list", help="every backend, and whether it can run here (or exactly why not)")

@@ -64,6 +64,43 @@ class RichProgress(RunProgress):
             self.bar.update(task, completed=self.bar.tasks[task].total, current=f"done in {result.wall_s:.1f} s")
 
 
+class LineProgress(RunProgress):
+    """Progress for CI logs (no terminal): one line per check as it finishes, per backend, so a
+    log shows life during a long GPU run instead of nothing until the end."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.cases_per_check = 0
+        self.counts: dict[tuple[str, str], dict[str, int]] = {}
+
+    def __enter__(self) -> "LineProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def backend_started(self, name: str, num_checks: int, num_cases: int) -> None:
+        self.cases_per_check = num_cases
+        self.console.print(f"{name}: {num_checks} check(s) x {num_cases} case(s)", highlight=False)
+
+    def event(self, name: str, event: dict[str, Any]) -> None:
+        if event["event"] == "check_skipped":
+            self.console.print(f"{name} / {event['check']}: SKIP ({event['reason']})", highlight=False)
+            return
+        if event["event"] not in ("result", "fatal"):
+            return
+        verdicts = self.counts.setdefault((name, event["check"]), {})
+        verdict = event["result"]["verdict"]
+        verdicts[verdict] = verdicts.get(verdict, 0) + 1
+        if sum(verdicts.values()) == self.cases_per_check or event["event"] == "fatal":
+            tally = ", ".join(f"{count} {verdict}" for verdict, count in sorted(verdicts.items()))
+            self.console.print(f"{name} / {event['check']}: {tally}", highlight=False)
+
+    def backend_finished(self, result: BackendResult) -> None:
+        if result.available:
+            self.console.print(f"{result.name}: done in {result.wall_s:.1f} s", highlight=False)
+
+
 def summary_table(run: RunResult) -> Table:
     table = Table(title="conformance results", title_justify="left")
     table.add_column("backend", style="bold")

@@ -60,7 +60,17 @@ def add_engine_parser(commands) -> None:
 
 
 def _device_and_dtype(args, usage_error):
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise usage_error(f"--device {args.device!r} is not a device (cpu, cuda, cuda:1)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise usage_error(f"--device {args.device!r}: only cpu and cuda are supported")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise usage_error(f"--device {args.device}: no CUDA device is visible on this machine")
+    drafter = getattr(args, "drafter", "none")
+    if drafter != "none" and args.spec_tokens == 0:
+        raise usage_error(f"--drafter {drafter} drafts nothing without --spec-tokens K (K >= 1)")
     dtype_name = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     if dtype_name not in DTYPE_NAMES:
         raise usage_error(f"--dtype {dtype_name!r}: choose fp32, fp16 or bf16")

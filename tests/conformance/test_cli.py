@@ -140,6 +140,34 @@ def test_a_backend_module_that_raises_at_import_is_one_line_not_a_crash(monkeypa
     assert error.count("\n") == 1 and "entry point 'broken_one'" in error and "MY_BACKEND_HOME is not set" in error
 
 
+def test_every_case_skipped_says_so_on_stderr(tmp_path):
+    # torch_naive claims no CUDA graphs: the graphs check alone runs nothing.
+    completed = conformance("run", "--check", "graphs", "--case", "gqa-fp32:10+1", "--device", "cpu", "--out", str(tmp_path))
+    assert completed.returncode == 3, completed.stdout + completed.stderr
+    assert "every case was skipped" in completed.stderr and "every case was skipped" not in completed.stdout
+
+
+def test_ci_logs_get_a_line_per_finished_check_and_version_is_printed(tmp_path):
+    completed = conformance("run", "--suite", "smoke", "--device", "cpu", "--check", "numerics,graphs", "--out", str(tmp_path))
+    assert completed.returncode == 0, completed.stderr
+    lines = completed.stderr.splitlines()  # not a terminal: plain lines, as a CI log shows them
+    assert "torch_naive: 2 check(s) x 9 case(s)" in lines and "torch_naive / numerics: 9 PASS" in lines
+    assert "torch_naive / graphs: SKIP (claims cuda_graphs=NEVER)" in lines
+    assert any(line.startswith("torch_naive: done in") for line in lines)
+    version = conformance("--version")
+    assert version.returncode == 0 and version.stdout.startswith("conformance ")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["engine", "run", "--device", "cuda:7"] if not __import__("torch").cuda.is_available() else ["engine", "run", "--device", "tpu"],
+     "--device"),
+    (["engine", "run", "--drafter", "layer-skip"], "drafts nothing without --spec-tokens"),
+])
+def test_engine_usage_errors_are_one_line(args, message):
+    completed = conformance(*args)
+    assert completed.returncode == 2 and completed.stderr.count("\n") == 1 and message in completed.stderr, completed.stderr
+
+
 def test_list_shows_every_backend():
     completed = conformance("list", "--device", "cpu")
     assert completed.returncode == 0 and "torch_naive" in completed.stdout
