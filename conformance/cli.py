@@ -26,7 +26,7 @@ from conformance.batch import footprint_bytes
 from conformance.cases import CaseSyntaxError, __doc__ as CASE_GRAMMAR, parse_case, suite
 from conformance.checks import CHECKS, DEFAULT_CHECKS
 from conformance.compare import ACCEPTABLE, CompareError, compare
-from conformance.output_paths import OutputPathError, check_directory, check_distinct, check_writable
+from conformance.output_paths import OutputPathError, check_directory, check_files
 from conformance.report_html import write_html
 from conformance.report_junit import write_junit
 from conformance.report_markdown import write_markdown
@@ -197,26 +197,15 @@ def _add_run_arguments(parser: argparse.ArgumentParser, default_suite: str) -> N
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _checked(option: str, path: str) -> Path:
-    try:
-        return check_writable(option, path)
-    except OutputPathError as error:
-        raise UsageError(str(error)) from None
-
-
 def _output_paths(args: argparse.Namespace) -> Path:
     """Every output path checked before any work starts (a bad one would lose a whole run's
     results at the end); returns the results JSON's path."""
-    try:
-        if args.json and args.out is not None:
-            raise OutputPathError("--json names the results file and --out its directory: give one of them")
-        json_path = check_writable("--json", args.json) if args.json else check_directory("--out", args.out or DEFAULT_OUT) / "results.json"
-        reports = {option: check_writable(option, path) if path else None
-                   for option, path in (("--html", args.html), ("--junit", args.junit), ("--markdown", args.markdown))}
-        check_distinct({"--json" if args.json else "--out": json_path, **reports})
-    except OutputPathError as error:
-        raise UsageError(str(error)) from None
-    return json_path
+    if args.json and args.out is not None:
+        raise UsageError("--json names the results file and --out its directory: give one of them")
+    results = args.json or check_directory("--out", args.out or DEFAULT_OUT) / "results.json"
+    files = check_files({"--json" if args.json else "--out": results, "--html": args.html, "--junit": args.junit,
+                         "--markdown": args.markdown})
+    return files["--json" if args.json else "--out"]
 
 
 def write_reports(result: RunResult, *, html: str | None, junit: str | None, markdown: str | None) -> None:
@@ -241,12 +230,7 @@ def command_report(args: argparse.Namespace, console: Console) -> int:
     result = _load_results(args.results)
     if not (args.output or args.junit or args.markdown):
         raise UsageError("report needs -o FILE.html, --junit FILE or --markdown FILE")
-    try:
-        paths = {option: check_writable(option, path) if path else None
-                 for option, path in (("-o", args.output), ("--junit", args.junit), ("--markdown", args.markdown))}
-        check_distinct(paths)
-    except OutputPathError as error:
-        raise UsageError(str(error)) from None
+    check_files({"-o": args.output, "--junit": args.junit, "--markdown": args.markdown})
     write_reports(result, html=args.output, junit=args.junit, markdown=args.markdown)
     for path in (args.output, args.junit, args.markdown):
         if path:
@@ -256,11 +240,8 @@ def command_report(args: argparse.Namespace, console: Console) -> int:
 
 def command_compare(args: argparse.Namespace, console: Console) -> int:
     accept = [kind for kind in ACCEPTABLE if getattr(args, f"accept_{kind}")]
-    try:
-        findings = compare(_load_results(args.base), _load_results(args.new), error_growth=args.error_growth,
-                           bench_threshold=args.bench_threshold, accept=accept)
-    except CompareError as error:
-        raise UsageError(str(error)) from None
+    findings = compare(_load_results(args.base), _load_results(args.new), error_growth=args.error_growth,
+                       bench_threshold=args.bench_threshold, accept=accept)
     regressions = [finding for finding in findings if finding.regression]
     accepted = [finding for finding in findings if finding.accepted]
     table = Table(title=f"compare: {len(regressions)} regression(s), {len(findings) - len(regressions) - len(accepted)} "
@@ -344,13 +325,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "compare":
             return command_compare(args, console)
         if args.command == "engine":
-            if getattr(args, "json", None):
-                _checked("--json", args.json)  # before the engine runs, not after
+            check_files({"--json": getattr(args, "json", None)})  # before the engine runs, not after
             return run_engine(args, console, UsageError)
         if args.command == "bench":
             args.check = ["bench"]
         return command_run(args, console)
-    except UsageError as error:
+    except (UsageError, OutputPathError, CompareError) as error:  # mistakes in the command line: one line
         print(f"conformance: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except NothingToRun as error:

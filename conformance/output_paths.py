@@ -60,6 +60,13 @@ def check_distinct(paths: dict[str, Path | None]) -> None:
         seen[resolved] = option
 
 
+def check_files(files: dict[str, str | Path | None]) -> dict[str, Path | None]:
+    """Each given file (option -> path, None when not asked for) writable, and no two the same."""
+    checked = {option: check_writable(option, path) if path else None for option, path in files.items()}
+    check_distinct(checked)
+    return checked
+
+
 def write_atomically(path: str | Path, text: str) -> None:
     """Write a sibling temporary file and rename it over ``path``: a reader sees the old file or
     the whole new one, never a part."""
