@@ -60,7 +60,7 @@ def replay_batches(case: Case, support: CGSupport) -> list[Replay]:
     shared = case.shared_prefix_blocks * block  # a shared prefix must stay whole
     replays = [
         Replay("longer contexts (max_seq_len, block counts and split heuristics change)",
-               replace(case, batch=tuple((context * 4 + 3 * block + 5, query) for context, query in batch), tag="")),
+               replace(case, batch=tuple((context * 2 + 3 * block + 5, query) for context, query in batch), tag="")),
         Replay("shorter contexts",
                replace(case, batch=tuple((max(context // 16, shared), query) for context, query in batch), tag="")),
         Replay("new block-table contents (same lengths, other blocks)", replace(case, seed=case.seed + 1, tag="")),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.base import AttentionBackend, BackendLimits, CGSupport, CommonAttentionMetadata
-from conformance.batch import PagedBatch, materialize, pool_size
+from conformance.batch import PagedBatch, pool_size
 from conformance.cases import Case
 from conformance.graph_batches import GraphShape, padding_rows
 from conformance.harness import write_poison
@@ -51,10 +51,10 @@ class GraphBuffers:
         self.out = torch.zeros(shape.num_tokens, spec.num_heads, spec.v_head_dim, dtype=spec.dtype, device=device)
         self.loads = 0
 
-    def load(self, case: Case, *, with_host_lengths: bool) -> LoadedBatch:
-        """Write ``case`` (its history through the backend's eager write_kv, every other slot
+    def load(self, batch: PagedBatch, *, with_host_lengths: bool) -> LoadedBatch:
+        """Write ``batch`` (its history through the backend's eager write_kv, every other slot
         poisoned) into the buffers."""
-        batch = materialize(case, self.device)
+        case = batch.case
         key, value, slots = batch.history_rows()
         write_poison(self.backend, self.kv_cache, batch, keep=slots, num_blocks=self.num_blocks)
         if slots.numel():

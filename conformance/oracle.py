@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-# Queries are processed in chunks so a long prefill does not build a [q, s] float64 matrix per
-# head all at once.
-_QUERY_CHUNK = 512
+# Queries are processed in chunks so that the float64 logits of all heads, [H, q, s], stay under
+# this many elements (256 MiB) however long the request.
+_LOGITS_ELEMENTS = 1 << 25
 
 
 def attention_reference(
@@ -30,32 +30,36 @@ def attention_reference(
     position and, with a sliding window W, when its position - j < W.
     Returns [q, H, Dv] float64.
     """
-    num_queries, num_heads, _ = query.shape
+    num_queries, num_heads, head_dim = query.shape
     seq_len, num_kv_heads, _ = key.shape
     if seq_len != context_len + num_queries:
         raise ValueError(f"key has {seq_len} rows; expected context {context_len} + {num_queries} queries")
     group_size = num_heads // num_kv_heads
-    query, key, value = query.double(), key.double(), value.double()
-    out = torch.empty(num_queries, num_heads, value.shape[-1], dtype=torch.float64, device=query.device)
+    # Heads as a batch dimension: query [Hkv, group, q, Dk], key [Hkv, s, Dk], value [Hkv, s, Dv].
+    # (One matmul per KV head group rather than a Python loop over heads: an MLA layer has 128.)
+    query = query.double().reshape(num_queries, num_kv_heads, group_size, head_dim).permute(1, 2, 0, 3)
+    key = key.double().permute(1, 0, 2)
+    value = value.double().permute(1, 0, 2)
+    out = torch.empty(num_kv_heads, group_size, num_queries, value.shape[-1], dtype=torch.float64, device=query.device)
 
     key_positions = torch.arange(seq_len, device=query.device)
-    for chunk_start in range(0, num_queries, _QUERY_CHUNK):
-        chunk = slice(chunk_start, min(chunk_start + _QUERY_CHUNK, num_queries))
+    chunk_len = max(1, _LOGITS_ELEMENTS // (num_heads * seq_len))
+    for chunk_start in range(0, num_queries, chunk_len):
+        chunk = slice(chunk_start, min(chunk_start + chunk_len, num_queries))
         query_positions = context_len + torch.arange(chunk.start, chunk.stop, device=query.device)
         distance = query_positions[:, None] - key_positions[None, :]  # [q, s]
         allowed = distance >= 0
         if sliding_window is not None:
             allowed &= distance < sliding_window
-        for head in range(num_heads):
-            kv_head = head // group_size
-            logits = (query[chunk, head, :] @ key[:, kv_head, :].T) * scale  # [q, s]
-            if logits_soft_cap is not None:
-                logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
-            logits = logits.masked_fill(~allowed, float("-inf"))
-            weights = torch.exp(logits - logits.max(dim=-1, keepdim=True).values)
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-            out[chunk, head, :] = weights @ value[:, kv_head, :]
-    return out
+        rows = query[:, :, chunk, :].reshape(num_kv_heads, -1, head_dim)  # [Hkv, group * q, Dk]
+        logits = (rows @ key.transpose(1, 2)).view(num_kv_heads, group_size, -1, seq_len) * scale
+        if logits_soft_cap is not None:
+            logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        weights = torch.exp(logits - logits.max(dim=-1, keepdim=True).values)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out[:, :, chunk, :] = (weights.view(num_kv_heads, -1, seq_len) @ value).view(num_kv_heads, group_size, -1, value.shape[-1])
+    return out.permute(2, 0, 1, 3).reshape(num_queries, num_heads, value.shape[-1])
 
 
 def mla_reference(

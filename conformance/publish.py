@@ -4,27 +4,50 @@ the environment block of the run it came from), the bench run's JSON and HTML, a
 
     python -m conformance.publish RESULTS.json [RESULTS.json ...] [--bench BENCH.json] [--out reports]
 
-Later files win for a backend that appears twice. Nothing is computed here that a run did not
-measure.
+A backend may come from several runs split by ``--check`` (so that backends can run side by side,
+each check in its own process): its checks are merged, a later file winning for a check that
+appears twice, and its wall time is the sum. All files must be of one suite. Nothing is
+computed here that a run did not measure.
 """
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
-from conformance.checks import DEFAULT_CHECKS
+from conformance.checks import CHECKS, DEFAULT_CHECKS
 from conformance.report_html import write_html
-from conformance.results import RunResult
+from conformance.results import BackendResult, RunResult
 
 HEADLINE_SHAPES = ("decode b64 ctx4096", "verify q=4 b64 ctx4096", "decode b256 ctx4096", "decode b1 ctx32768")
 
 
+class PublishError(ValueError):
+    pass
+
+
 def split_by_backend(results: list[RunResult]) -> dict[str, RunResult]:
+    suites = {result.suite for result in results}
+    if len(suites) > 1:
+        raise PublishError(f"results of different suites ({', '.join(sorted(suites))}): publish one suite at a time")
     per_backend: dict[str, RunResult] = {}
     for result in results:
         for backend in result.backends:
-            per_backend[backend.name] = RunResult(result.environment, [backend], result.suite, result.checks)
+            earlier = per_backend.get(backend.name)
+            if earlier is not None and earlier.backends[0].available and backend.available:
+                backend = merged(earlier.backends[0], backend)
+            checks = [check.name for check in backend.checks] or result.checks
+            per_backend[backend.name] = RunResult(result.environment, [backend], result.suite, checks)
     return per_backend
+
+
+def merged(earlier: BackendResult, later: BackendResult) -> BackendResult:
+    """One backend's checks from two runs; the later run wins for a check in both."""
+    names = {check.name for check in later.checks}
+    checks = [check for check in earlier.checks if check.name not in names] + later.checks
+    order = {name: index for index, name in enumerate(CHECKS)}
+    checks.sort(key=lambda check: order.get(check.name, len(order)))
+    return replace(later, checks=checks, wall_s=earlier.wall_s + later.wall_s)
 
 
 def verdict_table(per_backend: dict[str, RunResult]) -> list[str]:
@@ -78,7 +101,10 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    per_backend = split_by_backend([RunResult.load(path) for path in args.results])
+    try:
+        per_backend = split_by_backend([RunResult.load(path) for path in args.results])
+    except (PublishError, OSError, ValueError) as error:
+        parser.exit(2, f"conformance.publish: {error}\n")
     for name, result in per_backend.items():
         result.save(out / f"{name}.json")
         write_html(result, out / f"{name}.html")

@@ -1,10 +1,57 @@
 #!/usr/bin/env bash
-# Regenerates reports/ from fresh runs of every built-in backend. Run on a GPU machine from the
-# project root: bash reports/regenerate.sh
+# Regenerates reports/ from fresh runs of every built-in backend. On a GPU machine, from the
+# project root:
+#
+#   bash reports/regenerate.sh checks RUNS   # every backend's checks, side by side, into RUNS/
+#   bash reports/regenerate.sh bench RUNS    # the benchmark, alone on the GPU, into RUNS/
+#   bash reports/regenerate.sh publish RUNS  # reports/ from what RUNS/ holds
+#   bash reports/regenerate.sh all RUNS      # the three in turn
+#
+# One after another the backends take over 20 minutes on an H100, so they run side by side,
+# each backend's checks split over two processes (publish merges them back, summing the wall
+# time). The benchmark runs alone: its timings need the GPU to itself. SUITE=full runs the full
+# suite (reports/ publishes one suite: the standard one unless SUITE says otherwise); TIMEOUT is
+# each process's limit in seconds.
 set -uo pipefail
-work=$(mktemp -d)
-conformance run --backend torch_naive,triton,triton_mla,flashinfer,flashinfer_mla,trtllm,flashmla --quiet --json "$work/all.json"
-# Exits 3 where its GPU cannot run it (Hopper); the JSON still records why.
-conformance run --backend trtllm_mla --quiet --json "$work/trtllm_mla.json"
-conformance bench --backend triton,flashinfer,trtllm,triton_mla,flashmla,torch_naive --quiet --json "$work/bench.json"
-python -m conformance.publish "$work/all.json" "$work/trtllm_mla.json" --bench "$work/bench.json" --out reports
+phase=${1:?usage: regenerate.sh checks|bench|publish|all RUNS_DIR}
+runs=${2:?usage: regenerate.sh checks|bench|publish|all RUNS_DIR}
+suite=${SUITE:-standard}
+timeout=${TIMEOUT:-3600}
+backends=(torch_naive triton triton_mla flashinfer flashinfer_mla trtllm flashmla)
+check_groups=(numerics,syncs,determinism,engine graphs,draft-loop)
+mkdir -p "$runs"
+
+run_checks() {
+  # Side by side, CPU work (drawing data, compiling kernels) must not oversubscribe the cores.
+  export OMP_NUM_THREADS=1
+  local pids=()
+  for backend in "${backends[@]}"; do
+    for group in "${check_groups[@]}"; do
+      python -m conformance run --backend "$backend" --suite "$suite" --check "$group" --quiet \
+        --timeout "$timeout" --json "$runs/$suite-$backend-${group%%,*}.json" >"$runs/$suite-$backend-${group%%,*}.log" 2>&1 &
+      pids+=($!)
+    done
+  done
+  # Exits 3 where its GPU cannot run it (Hopper); the JSON still records why.
+  python -m conformance run --backend trtllm_mla --suite "$suite" --quiet --timeout "$timeout" \
+    --json "$runs/$suite-trtllm_mla.json" >"$runs/$suite-trtllm_mla.log" 2>&1 &
+  pids+=($!)
+  wait "${pids[@]}"
+}
+
+run_bench() {
+  python -m conformance bench --backend triton,flashinfer,trtllm,triton_mla,flashmla,torch_naive --quiet \
+    --json "$runs/bench.json" >"$runs/bench.log" 2>&1
+}
+
+publish() {
+  python -m conformance.publish "$runs/$suite"-*.json --bench "$runs/bench.json" --out reports
+}
+
+case "$phase" in
+  checks) run_checks ;;
+  bench) run_bench ;;
+  publish) publish ;;
+  all) run_checks; run_bench; publish ;;
+  *) echo "unknown phase $phase (checks, bench, publish or all)" >&2; exit 2 ;;
+esac

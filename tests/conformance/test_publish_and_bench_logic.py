@@ -69,3 +69,24 @@ def test_publish_writes_one_json_and_html_per_backend_and_a_table(tmp_path):
     assert "| a | NVIDIA H200 | PASS 1/1 |" in readme and "not available: needs SM100" in readme
     assert "GQA decode b64 ctx4096 | 100 µs (1000 GB/s)" in readme
     assert set(split_by_backend([run])) == {"a", "b"}
+
+
+def test_publish_merges_one_backends_runs_split_by_check():
+    def run(checks, wall_s, verdict=Verdict.PASS):
+        results = [CheckResult(name, verdict, "", [CaseResult("gqa:1+1@0", verdict)]) for name in checks]
+        return RunResult({"gpu": "H100"}, [BackendResult("a", True, checks=results, wall_s=wall_s)], "standard", checks)
+
+    merged = split_by_backend([run(["graphs", "draft-loop"], 10.0), run(["numerics", "graphs"], 5.0, Verdict.FAIL)])["a"]
+    backend = merged.backends[0]
+    assert [check.name for check in backend.checks] == ["numerics", "graphs", "draft-loop"]  # the run's order
+    assert backend.check("graphs").verdict == Verdict.FAIL  # the later file wins
+    assert backend.wall_s == 15.0 and merged.checks == ["numerics", "graphs", "draft-loop"]
+
+
+def test_publish_refuses_to_mix_suites(tmp_path):
+    for suite in ("standard", "full"):
+        RunResult({}, [BackendResult("a", True)], suite, []).save(tmp_path / f"{suite}.json")
+    completed = subprocess.run([sys.executable, "-m", "conformance.publish", str(tmp_path / "standard.json"),
+                                str(tmp_path / "full.json"), "--out", str(tmp_path / "reports")], capture_output=True, text=True)
+    assert completed.returncode == 2 and "different suites (full, standard)" in completed.stderr
+    assert "Traceback" not in completed.stderr
