@@ -67,6 +67,13 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _release_cached_memory(device: torch.device) -> None:
+    """Give the case's freed blocks back to the driver: runs of other backends side by side on
+    the GPU (reports/regenerate.sh) need them more than the next case does."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def execute(job: Job, emit: Emit) -> bool:
     """Run the job; returns False when it stopped early on a fatal error."""
     backend_cls = registry.load(job.backend)
@@ -98,5 +105,6 @@ def execute(job: Job, emit: Emit) -> bool:
                         return False
                     result = _error_result(case, error, Verdict.ERROR)
                 result.seconds = round(time.perf_counter() - started, 3)
+                _release_cached_memory(device)
             emit({"event": "result", "check": check_name, "result": result.to_dict()})
     return True

@@ -96,12 +96,11 @@ class GraphBuffers:
         self.backend.write_kv(self.kv_cache, self.key, self.value, self.slot_mapping)
         self.backend.forward(self.query, self.kv_cache, metadata, self.out)
 
-    def expected_cache_after(self, before: torch.Tensor, loaded: LoadedBatch) -> torch.Tensor:
-        """The cache as it must be after a step: ``before`` plus the real rows, written eagerly."""
-        expected = before.clone()
+    def add_step_rows(self, cache: torch.Tensor, loaded: LoadedBatch) -> None:
+        """Write the step's real rows into ``cache`` (a copy of the cache taken before the step),
+        eagerly: what the cache must be after the step. In place: a full-suite pool is 8 GiB."""
         real = loaded.real_tokens
-        self.backend.write_kv(expected, self.key[:real], None if self.value is None else self.value[:real], loaded.real_slots)
-        return expected
+        self.backend.write_kv(cache, self.key[:real], None if self.value is None else self.value[:real], loaded.real_slots)
 
 
 def cuda_graph_skip_reason(backend_cls: type[AttentionBackend], device: torch.device, what: str = "") -> str | None:
@@ -148,11 +147,22 @@ def fill_freed_memory(device: torch.device) -> list[torch.Tensor]:
     return canaries
 
 
-def canaries_written(canaries: list[torch.Tensor], chunk_bytes: int = 256 << 20) -> int:
-    """Bytes that no longer hold the fill. Counted in chunks: a whole-canary comparison would
-    need as much memory again (and ``.sum()`` of it eight times that, in int64)."""
-    return sum(int(torch.count_nonzero(chunk != FREED_MEMORY_FILL))
-               for canary in canaries for chunk in canary.split(chunk_bytes))
+def count_different(a: torch.Tensor, b: torch.Tensor | int, chunk_elements: int = 1 << 28) -> int:
+    """Elements of ``a`` unequal to ``b`` (a tensor of a's shape, or a scalar). Counted in chunks:
+    a whole comparison of a KV pool needs as much memory again (and ``.sum()`` of it eight times
+    that, in int64)."""
+    a = a.reshape(-1)
+    b = b.reshape(-1) if isinstance(b, torch.Tensor) else b
+    total = 0
+    for start in range(0, a.numel(), chunk_elements):
+        part = b[start : start + chunk_elements] if isinstance(b, torch.Tensor) else b
+        total += int(torch.count_nonzero(a[start : start + chunk_elements] != part))
+    return total
+
+
+def canaries_written(canaries: list[torch.Tensor]) -> int:
+    """Bytes that no longer hold the fill."""
+    return sum(count_different(canary, FREED_MEMORY_FILL) for canary in canaries)
 
 
 def graph_pool_bytes(graph: torch.cuda.CUDAGraph) -> int | None:
