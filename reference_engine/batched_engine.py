@@ -52,6 +52,7 @@ from reference_engine.step_inputs import (
     empty_step_tensors,
     input_violations,
     prepare,
+    verified_digest_terms,
 )
 
 # Lanes of the counter-based noise: one per use, so no two uses share numbers.
@@ -181,6 +182,9 @@ class BatchedEngine(Engine):
         self.slot_top_k = torch.zeros(slots, dtype=torch.int64, device=device)
         self.slot_top_p = torch.ones(slots, dtype=torch.float32, device=device)
         self.draft_step = torch.zeros((), dtype=torch.int64, device=device)  # the draft loop's index
+        # check_inputs: a digest of every (KV slot, token) the target verified; two runs verified
+        # the same drafts exactly when their digests are equal (read after generate: no sync).
+        self.verified = torch.zeros((), dtype=torch.int64, device=device)
         self.draft_probabilities = None  # [slots, k, V], allocated by the first sampling generate()
         self.eagle_features = None
         if self.drafter == "eagle":
@@ -199,6 +203,16 @@ class BatchedEngine(Engine):
     @property
     def drafts_with_attention(self) -> bool:
         return self.drafter is not None and not isinstance(self.drafter, AcceptancePattern)
+
+    @property
+    def draft_steps_update_metadata(self) -> bool:
+        """Draft steps after the first advance the backend's metadata with update_for_draft_step
+        (eagerly, or all k in one graph), as engines do for a backend that claims it."""
+        return type(self.backend).capabilities.draft_step_update and not self.config.rebuild_draft_metadata
+
+    def verified_digest(self) -> int:
+        """check_inputs: the digest of everything verified so far (see ``verified``)."""
+        return int(self.verified)
 
     # --- public API -----------------------------------------------------------------------------
 
@@ -410,6 +424,8 @@ class BatchedEngine(Engine):
         k = self.config.num_spec_tokens
         layout = buffers.layout
         hidden = self.model(step.input_ids, step.positions, StepInputs(self.backend, metadata, self.kv_caches, step.slot_mapping))
+        if self.config.check_inputs:
+            self.verified.add_(verified_digest_terms(step.slot_mapping, step.input_ids).sum())
         logits = self.model.logits(hidden[up["logits_index"]]).view(shape.num_reqs, k + 1, -1)
         tokens, emitted = self._reject(logits, up, shape)
         emitted = emitted * up["produces"]
@@ -498,7 +514,7 @@ class BatchedEngine(Engine):
             return prepare(buffers.draft_starts, self.state.last_token, self.state.drafts, layout, index, bs, buffers.draft)
 
         prepare_step(0)
-        if self.graphs is not None and self.graphs.one_graph_draft_loop:
+        if self.draft_steps_update_metadata:
             def loop(metadata) -> None:
                 for index in range(shape.draft_steps):
                     if index:

@@ -43,6 +43,9 @@ class EngineConfig:
     async_scheduling: bool = True  # schedule step N + 1 before step N's results are known
     cuda_graphs: bool = False  # capture uniform decode / verify steps at padded batch sizes
     check_inputs: bool = False  # debug: count placeholder inputs and inconsistent positions on device
+    # Build the backend's metadata afresh for every draft step even when it claims
+    # draft_step_update (the engine check's reference for the update path).
+    rebuild_draft_metadata: bool = False
 
 
 @dataclass

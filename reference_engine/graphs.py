@@ -42,7 +42,7 @@ class StepGraphs:
         self.engine = engine
         capabilities = type(engine.backend).capabilities
         self.support = capabilities.cuda_graphs
-        self.one_graph_draft_loop = capabilities.draft_step_update
+        self.one_graph_draft_loop = engine.draft_steps_update_metadata
         self.enabled = engine.device.type == "cuda" and self.support != CGSupport.NEVER
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.seen: set[tuple] = set()

@@ -155,6 +155,15 @@ def input_violations(step: StepTensors, layout: RowLayout, committed: torch.Tens
     return torch.stack([bad_id, bad_start, bad_position, bad_slot])
 
 
+def verified_digest_terms(slot_mapping: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Per token, a 64-bit mix of (KV slot, token id), 0 for padding tokens (slot -1). Their sum
+    over a run is a digest of every token verified that changes with any one of them (int64
+    arithmetic wraps, on the CPU and on CUDA alike)."""
+    x = slot_mapping.long() * 1_000_003 + input_ids.long()
+    mixed = (x * -7046029254386353131) ^ (x >> 17)  # the golden-ratio constant 0x9E3779B97F4A7C15, as int64
+    return torch.where(slot_mapping >= 0, mixed, torch.zeros_like(mixed))
+
+
 VIOLATION_NAMES = (
     "a placeholder or out-of-range token id reached the model",
     "a row's device length disagrees with the host's (stale or optimistic length used)",

@@ -14,7 +14,9 @@ block size) a small model of that layout runs four prompts, greedy:
    must equal 1. The batch holds as many prompts as ``max_num_reqs``, so the padded graph batch's
    last row is often a real request. Drafts change only what is accepted, never the output, so
    the drafts accepted per prompt under graphs must also equal those of the same backend's eager
-   draft steps (metadata rebuilt per step);
+   draft steps (metadata rebuilt per step); and a backend claiming ``draft_step_update`` must
+   draft exactly the tokens it drafts with its metadata built afresh for every draft step (on
+   the CPU too: the engine uses the update path eagerly);
 5. on CUDA, the async loop again, measured: CUDA graphs where the backend claims them, host-blocking
    syncs per steady-state step (must be 0 for a backend claiming ``needs_cpu_seq_lens=False``), TPOT
    and GPU idle fraction (reported).
@@ -104,6 +106,14 @@ class EngineCheck(Check):
         def run(**changes):
             return BatchedEngine(dataclasses.replace(base, **changes), model).generate(prompts, params)
 
+        def run_drafting(rebuild: bool) -> int:
+            """The digest of every token verified in a synchronous run drafting through the backend."""
+            engine = BatchedEngine(dataclasses.replace(base, num_spec_tokens=SPEC_TOKENS, drafter=ATTENTION_DRAFTER,
+                                                       async_scheduling=False, cuda_graphs=graphs, check_inputs=True,
+                                                       rebuild_draft_metadata=rebuild), model)
+            engine.generate(prompts, params)
+            return engine.verified_digest()
+
         plain = [out.tokens for out in run(num_spec_tokens=0, drafter="none", async_scheduling=False)]
         sync = [out.tokens for out in run(num_spec_tokens=SPEC_TOKENS, drafter=DRAFTER, async_scheduling=False)]
         graphs = device.type == "cuda"
@@ -123,6 +133,10 @@ class EngineCheck(Check):
                                      (f"{drafting}, sync vs plain", drafted_sync, plain),
                                      (f"{drafting}, async vs plain", drafted_async, plain)):
             problem = self._difference(label, got, expected, prompts, model, base, device, evidence)
+            if problem:
+                return CaseResult(case.id, Verdict.FAIL, problem, tag=case.tag, evidence=evidence)
+        if backend_cls.capabilities.draft_step_update:
+            problem = self._draft_update_problem(backend_cls, run_drafting, drafting, evidence)
             if problem:
                 return CaseResult(case.id, Verdict.FAIL, problem, tag=case.tag, evidence=evidence)
         if graphs:
@@ -153,6 +167,23 @@ class EngineCheck(Check):
         if metrics.get("host_syncs_per_steady_step") is not None:
             reason += f"; {metrics['host_syncs_per_steady_step']:.2f} syncs/step, GPU idle {metrics['gpu_idle_fraction']:.1%}"
         return CaseResult(case.id, Verdict.PASS, reason, tag=case.tag, metrics=metrics, evidence=evidence)
+
+    def _draft_update_problem(self, backend_cls, run_drafting, drafting: str, evidence: dict) -> str | None:
+        """A backend claiming draft_step_update must draft exactly what it drafts with its metadata
+        built afresh for every draft step. Compared on the drafts themselves (through a digest of
+        every verified token), not on what is accepted: a wrong draft is usually rejected anyway,
+        so a stale length in one row's draft step hides in the acceptance counts."""
+        updated, rebuilt = run_drafting(rebuild=False), run_drafting(rebuild=True)
+        evidence["verified_drafts_digest"] = {"update_for_draft_step": updated, "metadata_rebuilt": rebuilt}
+        if updated == rebuilt:
+            return None
+        if not backend_cls.capabilities.deterministic and run_drafting(rebuild=False) != updated:
+            evidence["verified_drafts_digest"]["note"] = ("two identical runs drafted differently (determinism not "
+                                                          "claimed): the update path could not be compared")
+            return None
+        return (f"{drafting}: update_for_draft_step drafts other tokens than the same steps with the metadata built "
+                "afresh for every draft step (a stale or wrongly advanced length, block table or plan in the draft "
+                "loop; the engine's output is still right because wrong drafts are rejected)")
 
     def _difference(self, label, got, expected, prompts, model, base, device, evidence) -> str | None:
         """None when equal or every difference is an explained near-tie; else the failure reason."""

@@ -1,5 +1,9 @@
 """The engine check on a CPU: torch_naive passes (async == sync == plain); a backend that trusts
-max_seq_len as exact passes the attention checks but fails here, under async scheduling only."""
+max_seq_len as exact passes the attention checks but fails here, under async scheduling only; a
+backend whose update_for_draft_step forgets the last row fails on its drafts, which its output
+and its acceptance counts do not show."""
+import dataclasses
+
 import torch
 
 from backends import registry
@@ -7,6 +11,7 @@ from conformance.cases import parse_case, suite
 from conformance.checks.engine import EngineCheck
 from conformance.checks.numerics import NumericsCheck
 from conformance.results import Verdict
+from tests.planted import graph_backends
 
 CASE = parse_case("gqa-h4/2-d32-fp32-p16:30+1,9+1@0")
 
@@ -51,3 +56,23 @@ def test_engine_check_skips_a_backend_that_cannot_verify_k_plus_one_tokens():
 
     reason = EngineCheck().case_skip_reason(DecodeOnly, CASE, torch.device("cpu"))
     assert reason == "query length 4 exceeds the claimed maximum 1", reason
+
+
+class GraphSafeOnCpu(graph_backends.TorchGraphSafe):
+    capabilities = dataclasses.replace(graph_backends.TorchGraphSafe.capabilities, devices=frozenset({"cpu", "cuda"}))
+
+
+class ForgetsLastRowOnCpu(graph_backends.ForgetsLastRowInDraftUpdate):
+    capabilities = GraphSafeOnCpu.capabilities
+
+
+def test_engine_check_compares_the_draft_update_path_with_rebuilt_metadata():
+    cpu = torch.device("cpu")
+    for dtype in ("fp32", "bf16"):
+        case = parse_case(f"gqa-h4/2-d64-{dtype}-p16:30+1")
+        result = EngineCheck().run_case(GraphSafeOnCpu, case, cpu)
+        assert result.verdict == Verdict.PASS, result.reason
+        digests = result.evidence["verified_drafts_digest"]
+        assert digests["update_for_draft_step"] == digests["metadata_rebuilt"]
+        result = EngineCheck().run_case(ForgetsLastRowOnCpu, case, cpu)
+        assert result.verdict == Verdict.FAIL and "update_for_draft_step drafts other tokens" in result.reason, result.reason
