@@ -5,12 +5,14 @@ Exit codes:
   1  any FAIL, ERROR or CRASH
   2  usage error (unknown backend, check or suite; bad --case; bad option)
   3  nothing could run here (every backend unavailable on this machine, or every case skipped)
+  130, 143  stopped by SIGINT / SIGTERM: the cases that finished are written, marked interrupted
 """
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
 import os
+import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -26,6 +28,8 @@ from conformance.batch import footprint_bytes
 from conformance.cases import CaseSyntaxError, __doc__ as CASE_GRAMMAR, parse_case, suite
 from conformance.checks import CHECKS, DEFAULT_CHECKS
 from conformance.compare import ACCEPTABLE, CompareError, compare
+from conformance.interrupts import Interrupted, stopping_on_signals
+from conformance.journal import Journal
 from conformance.output_paths import OutputPathError, check_directory, check_files
 from conformance.report_html import write_html
 from conformance.report_junit import write_junit
@@ -145,11 +149,13 @@ def command_run(args: argparse.Namespace, console: Console) -> int:
     cases = _cases(args)
     device = _device(args.device)
     _check_case_sizes(cases, device)
-    if args.timeout <= 0:
-        raise UsageError("--timeout must be positive")
+    for flag, seconds in (("--timeout", args.timeout), ("--backend-timeout", args.backend_timeout)):
+        if seconds is not None and not seconds > 0:
+            raise UsageError(f"{flag} must be a positive number of seconds")
     options = RunOptions(
         backends=names, checks=checks, cases=cases, device=device,
-        suite="custom" if args.case else args.suite, timeout_s=args.timeout, in_process=args.in_process,
+        suite="custom" if args.case else args.suite, case_timeout_s=args.timeout,
+        backend_timeout_s=args.backend_timeout, in_process=args.in_process,
         check_options={"sync_detector": args.sync_detector},
     )
     json_path = _output_paths(args)
@@ -158,9 +164,15 @@ def command_run(args: argparse.Namespace, console: Console) -> int:
     if not progress_console.is_terminal:  # CI logs: one line per event, wide enough to stay whole
         progress_console = Console(stderr=True, quiet=args.quiet, width=160)
     reporter = RichProgress if progress_console.is_terminal else LineProgress
-    with reporter(progress_console) as progress:
-        result = run(options, progress)
+    journal = None
+    try:
+        with stopping_on_signals(), reporter(progress_console) as progress:
+            journal = Journal(json_path, progress)
+            result = run(options, journal)
+    except Interrupted as interrupted:
+        return _stop_interrupted(interrupted, options, json_path, journal, console)
     result.save(json_path)
+    journal.remove()
     write_reports(result, html=args.html, junit=args.junit, markdown=args.markdown)
 
     if not any(backend.available for backend in result.backends):
@@ -174,6 +186,20 @@ def command_run(args: argparse.Namespace, console: Console) -> int:
         print("conformance: nothing could run here: every case was skipped", file=sys.stderr)
         return EXIT_NOTHING_RAN
     return EXIT_OK
+
+
+def _stop_interrupted(interrupted: Interrupted, options: RunOptions, json_path: Path, journal: Journal | None,
+                      console: Console) -> int:
+    """What finished, written marked ``"interrupted": true`` (the other reports are not written:
+    ``conformance report --allow-interrupted`` makes them from it), and the table of it."""
+    result = interrupted.partial or RunResult({}, [], options.suite, list(options.checks), interrupted=True)
+    result.save(json_path)
+    if journal is not None:
+        journal.remove()
+    print_report(console, result)
+    print(f"conformance: interrupted by {signal.Signals(interrupted.signum).name}: the cases that finished are in "
+          f"{json_path}, marked interrupted", file=sys.stderr)
+    return interrupted.exit_code
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser, default_suite: str) -> None:
@@ -190,7 +216,12 @@ def _add_run_arguments(parser: argparse.ArgumentParser, default_suite: str) -> N
     parser.add_argument("--html", help="also write a self-contained HTML report to this file")
     parser.add_argument("--junit", help="also write JUnit XML (one testcase per backend x check x case)")
     parser.add_argument("--markdown", help="also write a Markdown summary (pull-request comment, CI step summary)")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per backend (default 3600)")
+    parser.add_argument("--timeout", type=float, default=900.0,
+                        help="seconds one case may run: past it the case is CRASH (hung), its process is killed and a "
+                        "fresh one goes on with the next case (default 900)")
+    parser.add_argument("--backend-timeout", type=float,
+                        help="seconds all of one backend's cases may run: past it the running case is CRASH and the rest "
+                        "are not run (default: no limit)")
     parser.add_argument("--sync-detector", default="auto", choices=["auto", "cupti", "torch"],
                         help="host-sync detector for the syncs check (default auto: cupti when installed, else torch)")
     parser.add_argument("--in-process", action="store_true", help="no child process (for a debugger); a crash ends the run")
@@ -215,19 +246,23 @@ def write_reports(result: RunResult, *, html: str | None, junit: str | None, mar
             writer(result, path)
 
 
-def _load_results(path: str) -> RunResult:
+def _load_results(path: str, allow_interrupted: bool = False) -> RunResult:
     if Path(path).is_dir():
         raise UsageError(f"{path}: is a directory, not a results file")
     try:
-        return RunResult.load(path)
+        result = RunResult.load(path)
     except FileNotFoundError:
         raise UsageError(f"{path}: no such file") from None
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise UsageError(f"{path}: not a conformance results file ({type(error).__name__}: {error})") from None
+    if result.interrupted and not allow_interrupted:
+        raise UsageError(f"{path}: the partial results of an interrupted run (only the cases that finished); "
+                         "pass --allow-interrupted to use them anyway")
+    return result
 
 
 def command_report(args: argparse.Namespace, console: Console) -> int:
-    result = _load_results(args.results)
+    result = _load_results(args.results, args.allow_interrupted)
     if not (args.output or args.junit or args.markdown):
         raise UsageError("report needs -o FILE.html, --junit FILE or --markdown FILE")
     check_files({"-o": args.output, "--junit": args.junit, "--markdown": args.markdown})
@@ -240,7 +275,8 @@ def command_report(args: argparse.Namespace, console: Console) -> int:
 
 def command_compare(args: argparse.Namespace, console: Console) -> int:
     accept = [kind for kind in ACCEPTABLE if getattr(args, f"accept_{kind}")]
-    findings = compare(_load_results(args.base), _load_results(args.new), error_growth=args.error_growth,
+    findings = compare(_load_results(args.base, args.allow_interrupted), _load_results(args.new, args.allow_interrupted),
+                       error_growth=args.error_growth,
                        bench_threshold=args.bench_threshold, accept=accept)
     regressions = [finding for finding in findings if finding.regression]
     accepted = [finding for finding in findings if finding.accepted]
@@ -294,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     reporting.add_argument("-o", "--output", help="HTML file to write")
     reporting.add_argument("--junit", help="JUnit XML file to write")
     reporting.add_argument("--markdown", help="Markdown file to write")
+    reporting.add_argument("--allow-interrupted", action="store_true", help="accept an interrupted run's partial results")
 
     add_engine_parser(commands)
 
@@ -308,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="do not fail on a backend, check or case of BASE that NEW lacks (listed still)")
     comparing.add_argument("--accept-skips", action="store_true", help="do not fail on cases that went PASS → SKIP (listed still)")
     comparing.add_argument("--accept-suite", action="store_true", help="do not fail when NEW ran a different suite (listed still)")
+    comparing.add_argument("--allow-interrupted", action="store_true",
+                           help="accept an interrupted run's partial results (its missing cases still count as missing)")
     return parser
 
 

@@ -87,10 +87,12 @@ def execute(job: Job, emit: Emit) -> bool:
             emit({"event": "check_skipped", "check": check_name, "reason": reason})
             continue
         for case in cases:
+            # Asked for every case, reported ones too: some checks keep state (the engine check
+            # runs one case per layout), and a resumed child must decide as the first one did.
+            skip = check.case_skip_reason(backend_cls, case, device)
             if (check_name, case.id) in done:
                 continue
             emit({"event": "start", "check": check_name, "case": case.id})
-            skip = check.case_skip_reason(backend_cls, case, device)
             if skip:
                 result = CaseResult(case.id, Verdict.SKIP, skip, tag=case.tag)
             else:

@@ -1,8 +1,13 @@
-"""Each backend runs in a child process, so a segfault, an abort or an illegal memory access
-becomes a CRASH row naming the case it was running, and the run goes on.
+"""Each backend runs in a child process, so a segfault, an abort, an illegal memory access or a
+hang becomes a CRASH row naming the case it was running, and the run goes on.
 
-After a crash a fresh child resumes with the cases not yet reported (up to ``max_crashes``
-times); a backend that exceeds its time limit is killed and the case it was running is a CRASH.
+After a crash, or a case that runs past the per-case time limit (the child is killed), a fresh
+child resumes with the cases not yet reported (up to ``max_crashes`` times). Past the optional
+time limit for the whole backend, the running case is a CRASH and the rest are not run. Cases
+not run keep the SKIP they would have had on this device.
+
+The child runs in its own process group, which the parent kills whenever it stops early
+(an interrupt included); on Linux the child also dies with the parent (``PR_SET_PDEATHSIG``).
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conformance.execution import Emit, Job, execute
+from conformance.execution import Emit, Job, execute, job_cases
 from conformance.results import CaseResult, Verdict
 
 STDERR_TAIL_CHARS = 4000
@@ -64,18 +69,79 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: be killed when the parent dies, however it dies (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent's own clean-up is all there is
+
+
+def _kill_group(child: subprocess.Popen) -> None:
+    """The child and whatever it started (compilers, its own workers)."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    child.wait()
+
+
+def _not_run(job: Job, events: BackendEvents, reason: str) -> list[dict[str, Any]]:
+    """Result events for every case no child reported: SKIP where the check would have skipped
+    it on this device (decided here, as the child would have), else ERROR "not run"."""
+    try:
+        return _not_run_with_skips(job, events, reason)
+    except Exception:  # noqa: BLE001 - deciding a skip failed: every case left is simply not run
+        tags = {case["id"]: case.get("tag", "") for case in job.cases}
+        return [{"event": "result", "check": check, "result": CaseResult(
+                    case["id"], Verdict.ERROR, f"not run: {reason}", tag=tags[case["id"]]).to_dict()}
+                for check in job.checks if check not in events.skipped_checks
+                for case in job.cases if (check, case["id"]) not in events.results]
+
+
+def _not_run_with_skips(job: Job, events: BackendEvents, reason: str) -> list[dict[str, Any]]:
+    import torch
+
+    from backends import registry
+    from conformance.checks import make_check
+
+    backend_cls, device = registry.load(job.backend), torch.device(job.device)
+    cases = job_cases(job)
+    out = []
+    for check_name in job.checks:
+        if check_name in events.skipped_checks:
+            continue
+        check = make_check(check_name, job.options)
+        check_skip = check.skip_reason(backend_cls, device)
+        if check_skip:
+            out.append({"event": "check_skipped", "check": check_name, "reason": check_skip})
+            continue
+        for case in cases:
+            skip = check.case_skip_reason(backend_cls, case, device)  # every case, in order: some checks keep state
+            if (check_name, case.id) in events.results:
+                continue
+            result = CaseResult(case.id, Verdict.SKIP, skip, tag=case.tag) if skip else \
+                CaseResult(case.id, Verdict.ERROR, f"not run: {reason}", tag=case.tag)
+            out.append({"event": "result", "check": check_name, "result": result.to_dict()})
+    return out
+
+
 def run_isolated(
     job: Job,
     on_event: Emit,
     *,
-    timeout_s: float,
+    case_timeout_s: float,
+    backend_timeout_s: float | None = None,
     max_crashes: int = 3,
+    events: BackendEvents | None = None,
 ) -> BackendEvents:
-    """Run ``job`` in child processes; returns what they reported, CRASH rows included."""
-    events = BackendEvents()
-    deadline = time.monotonic() + timeout_s
+    """Run ``job`` in child processes; returns what they reported, CRASH rows included.
+    ``events``: where to record (the caller keeps what arrived if this raises, an interrupt)."""
+    events = events if events is not None else BackendEvents()
+    deadline = time.monotonic() + backend_timeout_s if backend_timeout_s else float("inf")
     crashes = 0
-    all_items = [(check, case["id"]) for check in job.checks for case in job.cases]
     tags = {case["id"]: case.get("tag", "") for case in job.cases}
 
     def record(event: dict[str, Any]) -> None:
@@ -88,10 +154,10 @@ def run_isolated(
         record({"event": "result", "check": check, "result": result.to_dict()})
 
     def mark_remaining(verdict: Verdict, reason: str) -> None:
-        for check, case_id in all_items:
-            if check not in events.skipped_checks and (check, case_id) not in events.results:
-                result = CaseResult(case_id, verdict, reason, tag=tags[case_id])
-                record({"event": "result", "check": check, "result": result.to_dict()})
+        for event in _not_run(job, events, reason):
+            if verdict == Verdict.CRASH and event["event"] == "result" and event["result"]["verdict"] == "ERROR":
+                event["result"].update(verdict=Verdict.CRASH.value, reason=reason)
+            record(event)
 
     with tempfile.TemporaryDirectory(prefix="conformance-") as workdir:
         for attempt in itertools.count():
@@ -101,55 +167,66 @@ def run_isolated(
             log_path = Path(workdir, f"stderr{attempt}.log")
             job_path.write_text(json.dumps(job.to_dict()))
             events_path.touch()
-            running, fatal_reported, timed_out, partial = None, False, False, ""
+            running, fatal_reported, hung, partial = None, False, None, ""
             with open(log_path, "w") as log, open(events_path) as reader:
                 child = subprocess.Popen(
                     [sys.executable, "-m", "conformance.worker", str(job_path), str(events_path)],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_child_env(),
+                    start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
                 )
-                while True:
-                    returncode = child.poll()
-                    lines = (partial + reader.read()).split("\n")
-                    partial = lines.pop()  # an event line still being written
-                    for line in filter(None, lines):
-                        event = json.loads(line)
-                        running = (event["check"], event["case"]) if event["event"] == "start" else None
-                        fatal_reported |= event["event"] == "fatal"
-                        record(event)
-                    if returncode is not None:
-                        break
-                    if time.monotonic() > deadline:
-                        child.kill()
-                        child.wait()
-                        timed_out = True
-                        break
-                    time.sleep(POLL_INTERVAL_S)
+                try:
+                    last_event = time.monotonic()  # a case's clock starts at its "start" event
+                    while True:
+                        returncode = child.poll()
+                        lines = (partial + reader.read()).split("\n")
+                        partial = lines.pop()  # an event line still being written
+                        for line in filter(None, lines):
+                            event = json.loads(line)
+                            running = (event["check"], event["case"]) if event["event"] == "start" else None
+                            fatal_reported |= event["event"] == "fatal"
+                            last_event = time.monotonic()
+                            record(event)
+                        if returncode is not None:
+                            break
+                        now = time.monotonic()
+                        if now - last_event > case_timeout_s:
+                            hung = f"the per-case time limit of {case_timeout_s:g} s (--timeout)"
+                        elif now > deadline:
+                            hung = f"the backend's time limit of {backend_timeout_s:g} s (--backend-timeout)"
+                        if hung:
+                            break
+                        time.sleep(POLL_INTERVAL_S)
+                finally:
+                    if child.poll() is None:  # hung, or the parent is stopping (an interrupt)
+                        _kill_group(child)
             stderr_tail = _tail(log_path)
-            if timed_out:
-                reason = f"time limit of {timeout_s:g} s reached"
+            if hung:
                 if running:
-                    blame(running, f"hung: {reason} while running this case", stderr_tail)
-                mark_remaining(Verdict.ERROR, f"not run: {reason}")
+                    blame(running, f"hung: ran past {hung}; the process was killed", stderr_tail)
+                if not running or now > deadline:
+                    mark_remaining(Verdict.ERROR, f"{hung} reached" + ("" if running else " outside any case"))
+                    break
+                crashes += 1
+            elif returncode == 0:
                 break
-            if returncode == 0:
-                break
-            crashes += 1
-            how = _describe_exit(returncode)
-            if running:
-                blame(running, f"backend process {how} while running this case", stderr_tail)
-            elif not fatal_reported:
-                # Died outside any case (an import error, a crash at start-up): nothing to resume.
-                mark_remaining(Verdict.CRASH, f"backend process {how} outside any case: {stderr_tail.strip()[-300:]}")
-                break
+            else:
+                crashes += 1
+                how = _describe_exit(returncode)
+                if running:
+                    blame(running, f"backend process {how} while running this case", stderr_tail)
+                elif not fatal_reported:
+                    # Died outside any case (an import error, a crash at start-up): nothing to resume.
+                    mark_remaining(Verdict.CRASH, f"backend process {how} outside any case: {stderr_tail.strip()[-300:]}")
+                    break
             if crashes > max_crashes:
-                mark_remaining(Verdict.ERROR, f"not run: the backend process crashed {crashes} times")
+                mark_remaining(Verdict.ERROR, f"the backend process crashed or hung {crashes} times")
                 break
     return events
 
 
-def run_in_process(job: Job, on_event: Emit) -> BackendEvents:
+def run_in_process(job: Job, on_event: Emit, *, events: BackendEvents | None = None) -> BackendEvents:
     """For debugging a backend (pdb, prints): no isolation, a crash ends the run."""
-    events = BackendEvents()
+    events = events if events is not None else BackendEvents()
 
     def record(event: dict[str, Any]) -> None:
         events.record(event)

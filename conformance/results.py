@@ -136,6 +136,7 @@ class RunResult:
     backends: list[BackendResult]
     suite: str = ""
     checks: list[str] = field(default_factory=list)
+    interrupted: bool = False  # stopped by SIGINT/SIGTERM: only what finished is here
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -144,6 +145,7 @@ class RunResult:
             "environment": self.environment,
             "suite": self.suite,
             "checks": self.checks,
+            "interrupted": self.interrupted,
             "backends": [backend.to_dict() for backend in self.backends],
         }
 
@@ -157,6 +159,7 @@ class RunResult:
             backends=[BackendResult.from_dict(backend) for backend in data["backends"]],
             suite=data.get("suite", ""),
             checks=data.get("checks", []),
+            interrupted=data.get("interrupted", False),
             schema_version=version,
         )
 

@@ -13,6 +13,7 @@ from conformance.cases import Case
 from conformance.checks import make_check
 from conformance.environment import collect_environment
 from conformance.execution import Job
+from conformance.interrupts import Interrupted
 from conformance.isolation import BackendEvents, run_in_process, run_isolated
 from conformance.results import BackendResult, CheckResult, RunResult, Verdict
 
@@ -24,7 +25,8 @@ class RunOptions:
     cases: list[Case]
     device: torch.device
     suite: str = ""
-    timeout_s: float = 3600.0
+    case_timeout_s: float = 900.0  # a case running longer is a hang: its child is killed, a fresh one goes on
+    backend_timeout_s: float | None = None  # all of one backend's cases
     in_process: bool = False
     check_options: dict[str, Any] = field(default_factory=dict)
 
@@ -74,14 +76,22 @@ def run_backend(name: str, options: RunOptions, progress: Progress) -> BackendRe
     def on_event(event: dict[str, Any]) -> None:
         progress.event(name, event)
 
-    if options.in_process:
-        events = run_in_process(job, on_event)
-    else:
-        events = run_isolated(job, on_event, timeout_s=options.timeout_s)
-    result = BackendResult(
-        name, True, "", ref.origin, claims, _assemble(options.checks, options.cases, events, options.check_options),
-        wall_s=time.monotonic() - started,
-    )
+    def finished(events: BackendEvents) -> BackendResult:
+        return BackendResult(name, True, "", ref.origin, claims,
+                             _assemble(options.checks, options.cases, events, options.check_options),
+                             wall_s=time.monotonic() - started)
+
+    events = BackendEvents()
+    try:
+        if options.in_process:
+            run_in_process(job, on_event, events=events)
+        else:
+            run_isolated(job, on_event, case_timeout_s=options.case_timeout_s,
+                         backend_timeout_s=options.backend_timeout_s, events=events)
+    except Interrupted as interrupted:
+        interrupted.partial = finished(events)  # what this backend finished; the rest is absent
+        raise
+    result = finished(events)
     progress.backend_finished(result)
     return result
 
@@ -101,8 +111,18 @@ def annotate_bench_ratios(backends: list[BackendResult]) -> None:
 
 
 def run(options: RunOptions, progress: Progress | None = None) -> RunResult:
+    """Every backend in turn. On ``Interrupted`` the exception leaves with ``partial``: a
+    RunResult (marked interrupted) of every backend finished and what the current one finished."""
     progress = progress or Progress()
-    backends = [run_backend(name, options, progress) for name in options.backends]
+    backends: list[BackendResult] = []
+    try:
+        for name in options.backends:
+            backends.append(run_backend(name, options, progress))
+    except Interrupted as interrupted:
+        backends += [interrupted.partial] if interrupted.partial is not None else []
+        interrupted.partial = RunResult(collect_environment(options.device), backends, options.suite,
+                                        list(options.checks), interrupted=True)
+        raise
     annotate_bench_ratios(backends)
     return RunResult(collect_environment(options.device), backends, options.suite, list(options.checks))
 

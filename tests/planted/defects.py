@@ -91,6 +91,17 @@ class Hangs(TorchNaiveBackend):
         time.sleep(3600)
 
 
+class HangsOnLongSequence(TorchNaiveBackend):
+    """Never returns (a kernel spinning on a flag no one sets) once a sequence passes 8 tokens."""
+
+    name = "planted_hangs_on_long_sequence"
+
+    def forward(self, query, kv_cache, metadata, out):
+        if max(metadata.seq_lens) > 8:
+            time.sleep(3600)
+        super().forward(query, kv_cache, metadata, out)
+
+
 class NeedsBlackwell(TorchNaiveBackend):
     """Claims what trtllm-gen MLA kernels need: a CUDA device of compute capability 10.x."""
 

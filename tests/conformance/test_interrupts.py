@@ -1,0 +1,86 @@
+"""A real SIGINT or SIGTERM to a running ``conformance run``: the worker is stopped, what finished
+is written marked interrupted, nothing is left behind, and the exit code says which signal."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conformance.cases import parse_case
+
+FINISHES = parse_case("gqa-h2/1-d16-fp32:5+1").id
+HANGS = parse_case("gqa-h2/1-d16-fp32:9+2").id  # HangsOnLongSequence never returns here
+
+
+def children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def start_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    results = tmp_path / "results.json"
+    results.write_text("{}")  # an older run's file: must not survive looking current
+    env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    command = [sys.executable, "-m", "conformance", "run", "--backend", "tests.planted.defects:HangsOnLongSequence",
+               "--case", FINISHES, "--case", HANGS, "--check", "numerics", "--device", "cpu", "--json", str(results)]
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                           start_new_session=True)  # its own group: killpg reaches it and no test runner
+    journal = results.with_name("results.json.journal")
+    deadline = time.monotonic() + 120
+    while not (journal.exists() and '"result"' in journal.read_text()):
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.2)
+    time.sleep(1.0)  # the worker is now inside the hanging case
+    return run, results
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from /proc (Linux)")
+@pytest.mark.parametrize("signum,to_group", [(signal.SIGTERM, False), (signal.SIGINT, True), (signal.SIGINT, False)])
+def test_a_signal_stops_the_run_and_keeps_what_finished(tmp_path, signum, to_group):
+    run, results = start_run(tmp_path)
+    workers = children(run.pid)
+    assert workers, "the run has a worker child"
+    if to_group:
+        os.killpg(run.pid, signum)  # Ctrl-C in a terminal: the whole foreground group
+    else:
+        os.kill(run.pid, signum)  # a CI runner or `kill`: the parent alone
+    stdout, stderr = run.communicate(timeout=60)
+    assert run.returncode == 128 + signum, stderr
+    assert "interrupted by " + signal.Signals(signum).name in stderr and "Traceback" not in stderr
+    data = json.loads(results.read_text())
+    assert data["interrupted"] is True
+    cases = {case["case"]: case["verdict"] for case in data["backends"][0]["checks"][0]["cases"]}
+    assert cases == {FINISHES: "PASS"}  # the hung case did not finish: absent, not a verdict
+    assert "planted_hangs" in stdout or "HangsOnLongSequence" in stdout  # the table of what finished
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in workers), "a worker survived the run"
+    assert not list((tmp_path / "tmp").iterdir()), "temporary directories left behind"
+    assert not results.with_name("results.json.journal").exists()
+
+
+def test_compare_and_report_refuse_interrupted_results_unless_allowed(tmp_path):
+    from conformance.results import BackendResult, RunResult
+
+    RunResult({}, [BackendResult("a", True)], "standard", [], interrupted=True).save(tmp_path / "partial.json")
+    RunResult({}, [BackendResult("a", True)], "standard", []).save(tmp_path / "base.json")
+    for command in (["compare", str(tmp_path / "base.json"), str(tmp_path / "partial.json")],
+                    ["report", str(tmp_path / "partial.json"), "-o", str(tmp_path / "r.html")]):
+        refused = subprocess.run([sys.executable, "-m", "conformance", *command], capture_output=True, text=True)
+        assert refused.returncode == 2 and "interrupted run" in refused.stderr and "--allow-interrupted" in refused.stderr
+        allowed = subprocess.run([sys.executable, "-m", "conformance", *command, "--allow-interrupted"],
+                                 capture_output=True, text=True)
+        assert allowed.returncode == 0, allowed.stderr
