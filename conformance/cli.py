@@ -23,7 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from backends import registry
-from backends.base import DeviceInfo
+from backends.base import DeviceError, DeviceInfo, resolve_device
 from conformance.batch import footprint_bytes
 from conformance.cases import CaseSyntaxError, __doc__ as CASE_GRAMMAR, parse_case, suite
 from conformance.checks import CHECKS, DEFAULT_CHECKS
@@ -57,17 +57,10 @@ def _split(values: list[str]) -> list[str]:
 
 
 def _device(text: str | None) -> torch.device:
-    if text is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise UsageError(f"--device {text!r} is not a device (cpu, cuda, cuda:1)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise NothingToRun(f"--device {text}: no CUDA device is visible on this machine")
-    if device.type not in ("cpu", "cuda"):
-        raise UsageError(f"--device {text!r}: only cpu and cuda are supported")
-    return device
+        return resolve_device(text)
+    except DeviceError as error:
+        raise (NothingToRun if error.absent else UsageError)(str(error)) from None
 
 
 def _backend_names(values: list[str]) -> list[str]:

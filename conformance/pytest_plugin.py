@@ -2,11 +2,16 @@
 author's own test run, and fixtures.
 
     pytest --conformance-backend mypkg.attn:MyBackend [--conformance-suite smoke]
-           [--conformance-check numerics,syncs] [--conformance-device cuda]
+           [--conformance-check numerics,syncs] [--conformance-device cuda] [--conformance-allow-skip]
 
 adds one test item per check x case (``conformance[numerics-gqa-h32/8-...]``): PASS passes, SKIP
-skips with the reason, FAIL / ERROR fail with the evidence. Items run in the pytest process (no
-crash isolation: use ``conformance run`` for that).
+skips with the reason, FAIL / ERROR fail with the evidence; a check that skips as a whole (CUDA
+graphs on a CPU) is one skipped item, not one per case. The checks default to the CLI's. Items
+run in the pytest process (no crash isolation: use ``conformance run`` for that).
+
+A green run must mean something ran: when the requested device is absent (``cuda`` without a
+GPU), the backend is unavailable on it, or every conformance item skipped, the items fail (or
+the session does) unless ``--conformance-allow-skip`` is given.
 
 ``forbid_host_syncs``: fails the test if its body makes a host-blocking CUDA call, listing each
 one with the Python line that made it::
@@ -32,8 +37,10 @@ def pytest_addoption(parser) -> None:
     group = parser.getgroup("conformance", "attention-backend conformance suite")
     group.addoption("--conformance-backend", help="backend to check: a built-in name, an entry point, or pkg.module:Class")
     group.addoption("--conformance-suite", default="smoke", help="smoke | standard | full (default smoke)")
-    group.addoption("--conformance-check", default="numerics,syncs,graphs,draft-loop,determinism", help="comma-separated checks")
+    group.addoption("--conformance-check", default=None, help="comma-separated checks (default: the CLI's)")
     group.addoption("--conformance-device", default=None, help="cpu or cuda (default: cuda when visible)")
+    group.addoption("--conformance-allow-skip", action="store_true",
+                    help="let an absent device, an unavailable backend or an all-skipped run skip instead of fail")
 
 
 class ConformanceFailure(Exception):
@@ -42,22 +49,32 @@ class ConformanceFailure(Exception):
         self.result = result
 
 
+_RAN_KEY = pytest.StashKey[list]()  # conformance items that ran a case (not skipped)
+
+
 class ConformanceItem(pytest.Item):
-    def __init__(self, *, backend_cls, check_name: str, case, device, **kwargs) -> None:
+    """One check on one case; or, with ``case=None``, a check that skips as a whole here, or
+    (``cannot_run``) a backend or device that cannot run at all."""
+
+    def __init__(self, *, backend_cls, check, case, device, cannot_run: str | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.backend_cls, self.check_name, self.case, self.device = backend_cls, check_name, case, device
+        self.backend_cls, self.check, self.case, self.device, self.cannot_run = backend_cls, check, case, device, cannot_run
 
     def runtest(self) -> None:
-        from conformance.checks import make_check
         from conformance.results import Verdict
 
-        check = make_check(self.check_name)
-        reason = check.skip_reason(self.backend_cls, self.device) or check.case_skip_reason(self.backend_cls, self.case, self.device)
+        if self.cannot_run:
+            if self.config.getoption("conformance_allow_skip"):
+                pytest.skip(self.cannot_run)
+            pytest.fail(f"{self.cannot_run} (--conformance-allow-skip to skip instead)", pytrace=False)
+        reason = self.check.skip_reason(self.backend_cls, self.device) or \
+            self.check.case_skip_reason(self.backend_cls, self.case, self.device)
         if reason:
             pytest.skip(reason)
-        result = check.run_case(self.backend_cls, self.case, self.device)
+        result = self.check.run_case(self.backend_cls, self.case, self.device)
         if result.verdict == Verdict.SKIP:
             pytest.skip(result.reason)
+        self.config.stash[_RAN_KEY].append(self.nodeid)
         if result.verdict != Verdict.PASS:
             raise ConformanceFailure(result)
 
@@ -69,7 +86,7 @@ class ConformanceItem(pytest.Item):
         return super().repr_failure(excinfo)
 
     def reportinfo(self):
-        return self.path, None, f"conformance {self.check_name} {self.case.id}"
+        return self.path, None, f"conformance {self.check.name} {self.case.id if self.case else ''}"
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
@@ -77,26 +94,58 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     if not target:
         return
     from backends import registry
+    from backends.base import DeviceError, DeviceInfo, resolve_device
     from conformance.cases import CaseSyntaxError, suite
-    from conformance.checks import CHECKS
+    from conformance.checks import CHECKS, DEFAULT_CHECKS, make_check
 
     try:
         backend_cls = registry.load(target)
         cases = suite(config.getoption("conformance_suite"))
     except (registry.BackendLookupError, CaseSyntaxError) as error:
         raise pytest.UsageError(str(error)) from None
-    checks = [name.strip() for name in config.getoption("conformance_check").split(",") if name.strip()]
+    option = config.getoption("conformance_check")
+    checks = list(DEFAULT_CHECKS) if option is None else [name.strip() for name in option.split(",") if name.strip()]
     unknown = [name for name in checks if name not in CHECKS]
-    if unknown:
-        raise pytest.UsageError(f"unknown check {unknown[0]!r} (choose from {', '.join(CHECKS)})")
-    device_name = config.getoption("conformance_device") or ("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device_name)
+    if unknown or not checks:
+        raise pytest.UsageError(f"unknown check {unknown[0]!r} (choose from {', '.join(CHECKS)})" if unknown
+                                else "--conformance-check names no check")
+    try:
+        device, cannot_run = resolve_device(config.getoption("conformance_device"), "--conformance-device"), None
+    except DeviceError as error:
+        if not error.absent:
+            raise pytest.UsageError(str(error)) from None
+        device, cannot_run = torch.device("cpu"), str(error)
+    if cannot_run is None:
+        unavailable = backend_cls.availability_reason(DeviceInfo.of(device))
+        cannot_run = f"{target} is not available on {device}: {unavailable}" if unavailable else None
+    config.stash[_RAN_KEY] = []
     for check_name in checks:
+        check = make_check(check_name)  # one instance per check, as a run has: some keep state across cases
+        whole = cannot_run or check.skip_reason(backend_cls, device)
+        if whole:  # one item, not one per case: the count says what really ran
+            items.append(ConformanceItem.from_parent(
+                session, name=f"conformance[{check_name}]", backend_cls=backend_cls, check=check, case=None,
+                device=device, cannot_run=cannot_run,
+            ))
+            continue
         for case in cases:
             items.append(ConformanceItem.from_parent(
-                session, name=f"conformance[{check_name}-{case.id}]", backend_cls=backend_cls, check_name=check_name,
+                session, name=f"conformance[{check_name}-{case.id}]", backend_cls=backend_cls, check=check,
                 case=case, device=device,
             ))
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Every conformance item skipped: nothing was checked, and that must not read as green."""
+    config = session.config
+    ran = config.stash.get(_RAN_KEY, None)
+    if ran is None or ran or config.getoption("conformance_allow_skip") or exitstatus != pytest.ExitCode.OK:
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("conformance: every conformance item was skipped, nothing was checked "
+                            "(--conformance-allow-skip to accept)", red=True)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture

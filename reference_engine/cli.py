@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from backends.base import DTYPE_NAMES
+from backends.base import DTYPE_NAMES, DeviceError, resolve_device
 from reference_engine.checkpoint import CheckpointError, load_eagle_head, load_model
 from reference_engine.batched_engine import BatchedEngine
 from reference_engine.engine import Engine, EngineConfig
@@ -61,13 +61,9 @@ def add_engine_parser(commands) -> None:
 
 def _device_and_dtype(args, usage_error):
     try:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError:
-        raise usage_error(f"--device {args.device!r} is not a device (cpu, cuda, cuda:1)") from None
-    if device.type not in ("cpu", "cuda"):
-        raise usage_error(f"--device {args.device!r}: only cpu and cuda are supported")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise usage_error(f"--device {args.device}: no CUDA device is visible on this machine")
+        device = resolve_device(args.device)
+    except DeviceError as error:
+        raise usage_error(str(error)) from None
     drafter = getattr(args, "drafter", "none")
     if drafter != "none" and args.spec_tokens == 0:
         raise usage_error(f"--drafter {drafter} drafts nothing without --spec-tokens K (K >= 1)")

@@ -10,14 +10,14 @@
 # One after another the backends take over 20 minutes on an H100, so they run side by side,
 # each backend's checks split over two processes (publish merges them back, summing the wall
 # time). The benchmark runs alone: its timings need the GPU to itself. SUITE=full runs the full
-# suite (reports/ publishes one suite: the standard one unless SUITE says otherwise); TIMEOUT is
-# each process's limit in seconds; JOBS how many run at once (default 15; the full suite's
+# suite (reports/ publishes one suite: the standard one unless SUITE says otherwise); TIMEOUT bounds
+# each process's time in seconds (--backend-timeout); JOBS how many run at once (default 15; the full suite's
 # 32k-context and batch-256 cases need fewer on an 80 GB GPU).
 set -uo pipefail
 phase=${1:?usage: regenerate.sh checks|bench|publish|all RUNS_DIR}
 runs=${2:?usage: regenerate.sh checks|bench|publish|all RUNS_DIR}
 suite=${SUITE:-standard}
-timeout=${TIMEOUT:-3600}
+limit=(${TIMEOUT:+--backend-timeout "$TIMEOUT"})  # a bound on each process; per case, --timeout's default holds
 backends=(torch_naive triton triton_mla flashinfer flashinfer_mla trtllm flashmla)
 check_groups=(graphs,draft-loop numerics,syncs,determinism,engine)  # the longer group first
 max_jobs=${JOBS:-15}
@@ -30,12 +30,12 @@ run_checks() {
     for backend in "${backends[@]}"; do
       while (( $(jobs -rp | wc -l) >= max_jobs )); do wait -n; done
       python -m conformance run --backend "$backend" --suite "$suite" --check "$group" --quiet \
-        --timeout "$timeout" --json "$runs/$suite-$backend-${group%%,*}.json" >"$runs/$suite-$backend-${group%%,*}.log" 2>&1 &
+        "${limit[@]}" --json "$runs/$suite-$backend-${group%%,*}.json" >"$runs/$suite-$backend-${group%%,*}.log" 2>&1 &
     done
   done
   # Exits 3 where its GPU cannot run it (Hopper); the JSON still records why.
   while (( $(jobs -rp | wc -l) >= max_jobs )); do wait -n; done
-  python -m conformance run --backend trtllm_mla --suite "$suite" --quiet --timeout "$timeout" \
+  python -m conformance run --backend trtllm_mla --suite "$suite" --quiet "${limit[@]}" \
     --json "$runs/$suite-trtllm_mla.json" >"$runs/$suite-trtllm_mla.log" 2>&1 &
   wait
 }

@@ -24,3 +24,52 @@ def test_bad_backend_is_a_usage_error(pytester):
     result = pytester.runpytest(*plugin_args(), "--conformance-backend", "no_such")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*unknown backend 'no_such'*"])
+
+
+def run_plugin(pytester, *args):
+    pytester.makepyfile("def test_own():\n    pass\n")
+    return pytester.runpytest(*plugin_args(), "--conformance-suite", "smoke", *args)
+
+
+def test_an_unusable_device_or_backend_fails_unless_skips_are_allowed(pytester):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    # Absent CUDA: one failing item per check (not a green run of skips).
+    result = run_plugin(pytester, "--conformance-backend", "torch_naive", "--conformance-check", "numerics,syncs",
+                        "--conformance-device", "cuda")
+    result.assert_outcomes(failed=2, passed=1)
+    result.stdout.fnmatch_lines(["*no CUDA device is visible*--conformance-allow-skip*"])
+    result = run_plugin(pytester, "--conformance-backend", "torch_naive", "--conformance-check", "numerics,syncs",
+                        "--conformance-device", "cuda", "--conformance-allow-skip")
+    result.assert_outcomes(skipped=2, passed=1)
+    # A backend that cannot run on this device (it needs Blackwell): the same.
+    result = run_plugin(pytester, "--conformance-backend", "tests.planted.defects:NeedsBlackwell", "--conformance-check",
+                        "numerics", "--conformance-device", "cpu")
+    result.assert_outcomes(failed=1, passed=1)
+
+
+def test_a_device_that_is_not_one_is_a_usage_error(pytester):
+    result = run_plugin(pytester, "--conformance-backend", "torch_naive", "--conformance-device", "tpu")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--conformance-device 'tpu' is not a device*"])
+
+
+def test_checks_that_skip_as_a_whole_are_one_item_and_all_skipped_fails(pytester):
+    # torch_naive claims no CUDA graphs: graphs and draft-loop are one skipped item each. The
+    # default checks are the CLI's (engine and determinism included).
+    result = run_plugin(pytester, "--conformance-backend", "torch_naive", "--conformance-device", "cpu",
+                        "--collect-only", "-q")
+    lines = result.stdout.str()
+    assert "conformance[graphs]" in lines and "conformance[draft-loop]" in lines
+    assert "conformance[engine-" in lines and "conformance[determinism-" in lines
+    # Nothing but skips is not green.
+    result = run_plugin(pytester, "--conformance-backend", "torch_naive", "--conformance-check", "graphs",
+                        "--conformance-device", "cpu")
+    result.assert_outcomes(skipped=1, passed=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*every conformance item was skipped*"])
+    result = run_plugin(pytester, "--conformance-backend", "torch_naive", "--conformance-check", "graphs",
+                        "--conformance-device", "cpu", "--conformance-allow-skip")
+    assert result.ret == pytest.ExitCode.OK
