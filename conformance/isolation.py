@@ -11,6 +11,7 @@ The child runs in its own process group, which the parent kills whenever it stop
 """
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import os
@@ -69,14 +70,19 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: be killed when the parent dies, however it dies (Linux)."""
+def _die_with_parent_hook():
+    """For the child, run between fork and exec: be killed when the parent dies, however it dies
+    (Linux ``PR_SET_PDEATHSIG``). Resolved here, in the parent, so the child imports nothing."""
+    if sys.platform != "linux":
+        return None
     try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except (OSError, AttributeError):
-        pass  # not Linux: the parent's own clean-up is all there is
+        return None
+    return lambda: prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
+_DIE_WITH_PARENT = _die_with_parent_hook()
 
 
 def _kill_group(child: subprocess.Popen) -> None:
@@ -88,20 +94,20 @@ def _kill_group(child: subprocess.Popen) -> None:
     child.wait()
 
 
-def _not_run(job: Job, events: BackendEvents, reason: str) -> list[dict[str, Any]]:
+def _not_run(job: Job, events: BackendEvents, verdict: Verdict, reason: str) -> list[dict[str, Any]]:
     """Result events for every case no child reported: SKIP where the check would have skipped
-    it on this device (decided here, as the child would have), else ERROR "not run"."""
+    it on this device (decided here, as the child would have), else ``verdict`` with ``reason``."""
     try:
-        return _not_run_with_skips(job, events, reason)
-    except Exception:  # noqa: BLE001 - deciding a skip failed: every case left is simply not run
+        return _not_run_with_skips(job, events, verdict, reason)
+    except Exception:  # noqa: BLE001 - deciding a skip failed: every case left simply gets the verdict
         tags = {case["id"]: case.get("tag", "") for case in job.cases}
-        return [{"event": "result", "check": check, "result": CaseResult(
-                    case["id"], Verdict.ERROR, f"not run: {reason}", tag=tags[case["id"]]).to_dict()}
+        return [{"event": "result", "check": check,
+                 "result": CaseResult(case["id"], verdict, reason, tag=tags[case["id"]]).to_dict()}
                 for check in job.checks if check not in events.skipped_checks
                 for case in job.cases if (check, case["id"]) not in events.results]
 
 
-def _not_run_with_skips(job: Job, events: BackendEvents, reason: str) -> list[dict[str, Any]]:
+def _not_run_with_skips(job: Job, events: BackendEvents, verdict: Verdict, reason: str) -> list[dict[str, Any]]:
     import torch
 
     from backends import registry
@@ -123,7 +129,7 @@ def _not_run_with_skips(job: Job, events: BackendEvents, reason: str) -> list[di
             if (check_name, case.id) in events.results:
                 continue
             result = CaseResult(case.id, Verdict.SKIP, skip, tag=case.tag) if skip else \
-                CaseResult(case.id, Verdict.ERROR, f"not run: {reason}", tag=case.tag)
+                CaseResult(case.id, verdict, reason, tag=case.tag)
             out.append({"event": "result", "check": check_name, "result": result.to_dict()})
     return out
 
@@ -154,9 +160,7 @@ def run_isolated(
         record({"event": "result", "check": check, "result": result.to_dict()})
 
     def mark_remaining(verdict: Verdict, reason: str) -> None:
-        for event in _not_run(job, events, reason):
-            if verdict == Verdict.CRASH and event["event"] == "result" and event["result"]["verdict"] == "ERROR":
-                event["result"].update(verdict=Verdict.CRASH.value, reason=reason)
+        for event in _not_run(job, events, verdict, reason):
             record(event)
 
     with tempfile.TemporaryDirectory(prefix="conformance-") as workdir:
@@ -172,10 +176,10 @@ def run_isolated(
                 child = subprocess.Popen(
                     [sys.executable, "-m", "conformance.worker", str(job_path), str(events_path)],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_child_env(),
-                    start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                    start_new_session=True, preexec_fn=_DIE_WITH_PARENT,
                 )
                 try:
-                    last_event = time.monotonic()  # a case's clock starts at its "start" event
+                    last_event = time.monotonic()  # the clock restarts at every event: a case's time (or the start-up's)
                     while True:
                         returncode = child.poll()
                         lines = (partial + reader.read()).split("\n")
@@ -204,7 +208,7 @@ def run_isolated(
                 if running:
                     blame(running, f"hung: ran past {hung}; the process was killed", stderr_tail)
                 if not running or now > deadline:
-                    mark_remaining(Verdict.ERROR, f"{hung} reached" + ("" if running else " outside any case"))
+                    mark_remaining(Verdict.ERROR, f"not run: {hung} reached" + ("" if running else " outside any case"))
                     break
                 crashes += 1
             elif returncode == 0:
@@ -219,7 +223,7 @@ def run_isolated(
                     mark_remaining(Verdict.CRASH, f"backend process {how} outside any case: {stderr_tail.strip()[-300:]}")
                     break
             if crashes > max_crashes:
-                mark_remaining(Verdict.ERROR, f"the backend process crashed or hung {crashes} times")
+                mark_remaining(Verdict.ERROR, f"not run: the backend process crashed or hung {crashes} times")
                 break
     return events
 
