@@ -23,6 +23,7 @@ import enum
 import importlib.util
 import math
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -284,6 +285,26 @@ class CommonAttentionMetadata:
     max_seq_len: int
     host_seq_lens: torch.Tensor | None = None  # [num_reqs] int32, host, when the producer knew them
     device_to_host_copies: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_lengths(
+        cls, *, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+        slot_mapping: torch.Tensor, query_starts: Sequence[int], host_seq_lens: Sequence[int],
+        lengths_known: bool = True, max_seq_len: int | None = None,
+    ) -> "CommonAttentionMetadata":
+        """The one way a step's metadata is made. The device tensors as given; the host values
+        from the host's lists: ``query_starts`` (always known on the host) and ``host_seq_lens``,
+        exact when ``lengths_known`` (then handed over as ``host_seq_lens``), else the host's upper
+        bound (async scheduling: only ``max_seq_len`` is taken from it). ``max_seq_len``
+        overrides the bound (a graph replayed for every length passes max_model_len)."""
+        starts = list(query_starts)
+        return cls(
+            query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table, slot_mapping=slot_mapping,
+            query_start_loc_cpu=torch.tensor(starts, dtype=torch.int32), num_reqs=len(starts) - 1,
+            num_actual_tokens=starts[-1], max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
+            max_seq_len=max(host_seq_lens) if max_seq_len is None else max_seq_len,
+            host_seq_lens=torch.tensor(list(host_seq_lens), dtype=torch.int32) if lengths_known else None,
+        )
 
     @property
     def has_host_seq_lens(self) -> bool:

@@ -131,17 +131,10 @@ class PagedBatch:
             self.slots(request, range(context_len, context_len + query_len))
             for request, (context_len, query_len) in enumerate(self.case.batch)
         ]).to(self.device)
-        return CommonAttentionMetadata(
-            query_start_loc=query_start_loc.to(self.device),
-            seq_lens=seq_lens.to(self.device),
-            block_table=self.block_table.to(self.device),
-            slot_mapping=slot_mapping,
-            query_start_loc_cpu=query_start_loc,
-            num_reqs=self.case.num_reqs,
-            num_actual_tokens=self.case.num_tokens,
-            max_query_len=self.case.max_query_len,
-            max_seq_len=self.case.max_seq_len,
-            host_seq_lens=seq_lens if with_host_lengths else None,
+        return CommonAttentionMetadata.from_lengths(
+            query_start_loc=query_start_loc.to(self.device), seq_lens=seq_lens.to(self.device),
+            block_table=self.block_table.to(self.device), slot_mapping=slot_mapping,
+            query_starts=self.query_start_loc, host_seq_lens=self.seq_lens, lengths_known=with_host_lengths,
         )
 
 

@@ -82,12 +82,9 @@ class GraphBuffers:
         if self.value is not None:
             self.value.fill_(-PADDING_KEY_VALUE - self.loads)
             self.value[:real].copy_(step_value)
-        common = CommonAttentionMetadata(
+        common = CommonAttentionMetadata.from_lengths(
             query_start_loc=self.query_start_loc, seq_lens=self.seq_lens, block_table=self.block_table,
-            slot_mapping=self.slot_mapping, query_start_loc_cpu=torch.tensor(starts, dtype=torch.int32),
-            num_reqs=self.shape.num_reqs, num_actual_tokens=self.shape.num_tokens,
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-            host_seq_lens=torch.tensor(seq_lens, dtype=torch.int32) if with_host_lengths else None,
+            slot_mapping=self.slot_mapping, query_starts=starts, host_seq_lens=seq_lens, lengths_known=with_host_lengths,
         )
         return LoadedBatch(batch, common, real, step_slots)
 

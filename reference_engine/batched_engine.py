@@ -369,17 +369,15 @@ class BatchedEngine(Engine):
             return self.graphs.run((name, shape), common, segment)
         return segment(self.backend.build(common) if common is not None else None)
 
-    def _common(self, layout: RowLayout, step: StepTensors, shape: StepShape, num_reqs: int, query_start_loc: list[int],
-                max_query_len: int, host_seq_lens: list[int]) -> CommonAttentionMetadata:
+    def _common(self, layout: RowLayout, step: StepTensors, shape: StepShape, query_start_loc: list[int],
+                host_seq_lens: list[int]) -> CommonAttentionMetadata:
         """The backend's view of a batch: host lengths only when the host knows them (sync)."""
-        exact = not self.config.async_scheduling
-        return CommonAttentionMetadata(
+        return CommonAttentionMetadata.from_lengths(
             query_start_loc=layout.query_start_loc, seq_lens=step.seq_lens, block_table=layout.block_table,
-            slot_mapping=step.slot_mapping, query_start_loc_cpu=torch.tensor(query_start_loc, dtype=torch.int32),
-            num_reqs=num_reqs, num_actual_tokens=query_start_loc[-1], max_query_len=max_query_len,
-            # An upper bound: async assumes every draft accepted; a graph serves every length.
-            max_seq_len=self.config.model.max_model_len if shape.padded else max(host_seq_lens),
-            host_seq_lens=torch.tensor(host_seq_lens, dtype=torch.int32) if exact else None,
+            slot_mapping=step.slot_mapping, query_starts=query_start_loc, host_seq_lens=host_seq_lens,
+            # Async: the host's lengths assume every draft accepted, an upper bound. A graph serves every length.
+            lengths_known=not self.config.async_scheduling,
+            max_seq_len=self.config.model.max_model_len if shape.padded else None,
         )
 
     def _on_new_slot(self, request: Request, slot: int) -> None:
@@ -416,7 +414,7 @@ class BatchedEngine(Engine):
                 buffers.violations.copy_(input_violations(step, layout, self.state.num_computed[up["slots"]], up["host_start"],
                                                           up["capacity"], config.model.vocab_size, config.block_size))
                 step.input_ids.clamp_(0, config.model.vocab_size - 1)  # keep running; report on landing
-            common = self._common(layout, step, shape, shape.num_reqs, host.query_start_loc, host.max_query_len, host.seq_lens)
+            common = self._common(layout, step, shape, host.query_start_loc, host.seq_lens)
         with nvtx.range("target forward, rejection, commit"):
             return self._segment("verify", shape, common, lambda metadata: self._verify_segment(metadata, step, up, buffers, shape))
 
@@ -508,7 +506,7 @@ class BatchedEngine(Engine):
         def common(index: int) -> CommonAttentionMetadata:
             # Host lengths (sync): a row stops advancing at its last draft, as on the device.
             lengths = [start + min(index, max(n - 1, 0)) + 1 for start, n in zip(host.starts, host.num_drafts[:decodes])]
-            return self._common(layout, buffers.draft, shape, decodes, query_start_loc, 1, lengths)
+            return self._common(layout, buffers.draft, shape, query_start_loc, lengths)
 
         def prepare_step(index: int) -> StepTensors:
             return prepare(buffers.draft_starts, self.state.last_token, self.state.drafts, layout, index, bs, buffers.draft)

@@ -354,11 +354,9 @@ class Engine:
         query_start_loc = torch.tensor(starts, dtype=torch.int32)
         host_seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        common = CommonAttentionMetadata(
+        common = CommonAttentionMetadata.from_lengths(
             query_start_loc=query_start_loc.to(self.device), seq_lens=host_seq_lens.to(self.device),
-            block_table=block_table.to(self.device), slot_mapping=slot_mapping, query_start_loc_cpu=query_start_loc,
-            num_reqs=len(rows), num_actual_tokens=starts[-1], max_query_len=max(len(ids) for _, ids, _ in rows),
-            max_seq_len=max(seq_lens), host_seq_lens=host_seq_lens,
+            block_table=block_table.to(self.device), slot_mapping=slot_mapping, query_starts=starts, host_seq_lens=seq_lens,
         )
         hidden = run(torch.cat(token_ids), torch.tensor(positions, device=self.device), common)
         return hidden, starts[:-1]

@@ -7,7 +7,7 @@ moment N's end event does and the gap is ~0; when the host was late (a sync, slo
 gap is the bubble. Idle fraction = sum of gaps / (last end − first start). The events are read once,
 after the run.
 
-Host syncs come from the detector (``conformance.host_syncs``), one phase per loop iteration. A
+Host syncs come from the detector (``host_syncs``), one phase per loop iteration. A
 steady-state iteration launches a uniform decode step that captured no graph and is neither the
 first decode step nor one where requests join or leave. The detector's CUPTI callbacks cost host
 time on every CUDA call (they tripled the host launch time per step on an H100), so it runs in a
@@ -115,7 +115,7 @@ def measure(engine, prompts, params, *, detect_syncs: bool = False, strategy: st
     graphs = getattr(engine, "graphs", None)
     metrics.graph_replays = graphs.replays if graphs is not None else 0
     if detect_syncs and engine.device.type == "cuda":
-        from conformance.host_syncs.detector import detect_host_syncs
+        from host_syncs.detector import detect_host_syncs
 
         detector = detect_host_syncs(strategy, only_in_phases=True)
         engine.sync_detector = detector

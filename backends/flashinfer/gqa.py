@@ -27,6 +27,7 @@ from backends.flashinfer import INSTALL_HINT, WORKSPACE_BYTES
 from backends.vendor_layout import packed, packed_output
 from backends.flashinfer.paged_layout import paged_layout
 from backends.paged_write import write_paged_rows
+from backends.utils import leading_decodes, sub_batch
 
 
 @dataclass
@@ -39,28 +40,6 @@ class WrapperCall:
 @dataclass
 class FlashInferMetadata:
     calls: list[WrapperCall]
-
-
-def leading_decodes(query_lens: list[int]) -> int:
-    """How many single-token requests open the batch (the decode part of a decodes-first batch)."""
-    count = 0
-    while count < len(query_lens) and query_lens[count] == 1:
-        count += 1
-    return count
-
-
-def sub_batch(common: CommonAttentionMetadata, first: int, last: int) -> CommonAttentionMetadata:
-    """Requests [first, last) of ``common`` as a batch of their own (views, no copies)."""
-    token_start = int(common.query_start_loc_cpu[first])
-    query_start_loc_cpu = common.query_start_loc_cpu[first : last + 1] - token_start
-    host = common.seq_lens_cpu[first:last]
-    return CommonAttentionMetadata(
-        query_start_loc=common.query_start_loc[first : last + 1] - token_start, seq_lens=common.seq_lens[first:last],
-        block_table=common.block_table[first:last], slot_mapping=common.slot_mapping,
-        query_start_loc_cpu=query_start_loc_cpu, num_reqs=last - first,
-        num_actual_tokens=int(query_start_loc_cpu[-1]), max_query_len=int((query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).max()),
-        max_seq_len=common.max_seq_len, host_seq_lens=host,
-    )
 
 
 def window_left(spec: AttentionSpec) -> int:

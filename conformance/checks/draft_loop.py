@@ -102,12 +102,11 @@ class DraftLoop:
     def common(self, step: int) -> CommonAttentionMetadata:
         """What the host knows at draft step ``step``: every request gained exactly one token."""
         seq_lens = [c + step + 1 for c in self.contexts] + [1] * self.padding_row
-        buffers, rows = self.buffers, len(seq_lens)
-        return CommonAttentionMetadata(
+        buffers = self.buffers
+        return CommonAttentionMetadata.from_lengths(
             query_start_loc=buffers.query_start_loc, seq_lens=buffers.seq_lens, block_table=buffers.block_table,
-            slot_mapping=buffers.slot_mapping, query_start_loc_cpu=torch.arange(rows + 1, dtype=torch.int32),
-            num_reqs=rows, num_actual_tokens=rows, max_query_len=1, max_seq_len=max(seq_lens),
-            host_seq_lens=torch.tensor(seq_lens, dtype=torch.int32) if self.host_lengths else None,
+            slot_mapping=buffers.slot_mapping, query_starts=range(len(seq_lens) + 1), host_seq_lens=seq_lens,
+            lengths_known=self.host_lengths,
         )
 
     def first_failing_step(self, atol: float, rtol: float) -> tuple[int | None, dict[str, Any]]:

@@ -42,7 +42,7 @@ from conformance.graph_harness import (
 )
 from conformance.harness import PreparedCase, run_step
 from conformance.batch import PagedBatch, materialize
-from conformance.host_syncs.detector import detect_host_syncs
+from host_syncs.detector import detect_host_syncs
 from conformance.results import CaseResult, Verdict
 
 

@@ -17,8 +17,8 @@ from backends.base import AttentionBackend
 from conformance.cases import Case
 from conformance.checks.base import Check
 from conformance.harness import prepare, run_step
-from conformance.host_syncs.detector import detect_host_syncs
-from conformance.host_syncs.events import SyncEvent
+from host_syncs.detector import detect_host_syncs
+from host_syncs.events import SyncEvent
 from conformance.results import CaseResult, Verdict
 
 PHASES = ("build", "write_kv", "forward")

@@ -99,3 +99,21 @@ def test_torch_naive_runs_without_host_lengths_too():
     prepared = prepare(TorchNaiveBackend, parse_case("gqa-h4/2-d16-fp32:9+3,4+1"), torch.device("cpu"))
     out = run_step(prepared, with_host_lengths=False)
     torch.testing.assert_close(out.double(), prepared.batch.reference_output(), atol=1e-5, rtol=1e-5)
+
+
+def test_common_metadata_from_lengths_derives_the_host_values():
+    import torch
+
+    from backends.base import CommonAttentionMetadata
+
+    device = dict(query_start_loc=torch.tensor([0, 1, 5, 6]), seq_lens=torch.tensor([9, 20, 3]),
+                  block_table=torch.zeros(3, 2, dtype=torch.int32), slot_mapping=torch.arange(6))
+    exact = CommonAttentionMetadata.from_lengths(**device, query_starts=[0, 1, 5, 6], host_seq_lens=[9, 20, 3])
+    assert (exact.num_reqs, exact.num_actual_tokens, exact.max_query_len, exact.max_seq_len) == (3, 6, 4, 20)
+    assert exact.query_start_loc_cpu.tolist() == [0, 1, 5, 6] and exact.host_seq_lens.tolist() == [9, 20, 3]
+    bound = CommonAttentionMetadata.from_lengths(**device, query_starts=[0, 1, 5, 6], host_seq_lens=[12, 23, 3],
+                                                 lengths_known=False)
+    assert bound.host_seq_lens is None and bound.max_seq_len == 23  # async: an upper bound only
+    graph = CommonAttentionMetadata.from_lengths(**device, query_starts=[0, 1, 5, 6], host_seq_lens=[9, 20, 3],
+                                                 max_seq_len=4096)
+    assert graph.max_seq_len == 4096

@@ -102,7 +102,7 @@ def test_flashinfer_mla_plan_arguments():
 
 
 def test_decodes_first_split_for_flashinfer():
-    from backends.flashinfer.gqa import leading_decodes, sub_batch
+    from backends.utils import leading_decodes, sub_batch
 
     assert leading_decodes([1, 1, 1, 200, 64]) == 3 and leading_decodes([200, 1]) == 0 and leading_decodes([1, 1]) == 2
     batch = materialize(parse_case("gqa-h4/2-d16-p16:3000+1x2,0+200,700+64"), "cpu")

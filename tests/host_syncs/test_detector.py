@@ -1,8 +1,8 @@
-"""The sync detector's logic on recorded callback sequences (CPU), and its check's verdicts."""
+"""The sync detector's logic on recorded callback sequences (CPU)."""
 import os
 
-from conformance.checks.syncs import phase_counts, syncs_verdict
-from conformance.host_syncs.events import (
+import conformance  # noqa: F401 - declares the harness and the contract's helpers as infrastructure
+from host_syncs.events import (
     ApiCall,
     CopyInfo,
     EventRecorder,
@@ -11,8 +11,7 @@ from conformance.host_syncs.events import (
     base_api_name,
     classify,
 )
-from conformance.host_syncs.frames import attribute, is_infrastructure
-from conformance.results import Verdict
+from host_syncs.frames import attribute, is_infrastructure
 
 
 def runtime(name, enter=True, copy=None, thread=1):
@@ -92,7 +91,6 @@ def test_phases_and_pausing():
     recorder.recording = False
     recorder.on_call(driver("cuCtxSynchronize"))
     assert [e.phase for e in recorder.events] == ["build"]
-    assert phase_counts(recorder.events) == {"build": 1, "write_kv": 0, "forward": 0}
 
 
 def test_stack_is_captured_only_for_events():
@@ -125,16 +123,3 @@ def test_attribution_skips_harness_contract_torch_and_stdlib():
     assert attribute(frames) == frames[1]
     assert is_infrastructure(frames[2].filename) and not is_infrastructure(here)
     assert attribute(frames[:1]) is None
-
-
-def test_verdicts():
-    sync = SyncEvent("sync", "cudaStreamSynchronize", True, phase="build")
-    alloc = SyncEvent("device-alloc", "cudaMalloc", False, phase="forward")
-    assert syncs_verdict(False, [], [])[0] == Verdict.PASS
-    assert syncs_verdict(True, [alloc], [alloc])[0] == Verdict.PASS  # information only
-    verdict, reason = syncs_verdict(True, [sync], [])
-    assert verdict == Verdict.FAIL and "although host lengths were given" in reason
-    verdict, reason = syncs_verdict(False, [], [sync])
-    assert verdict == Verdict.FAIL and "needs_cpu_seq_lens=False" in reason
-    verdict, reason = syncs_verdict(True, [], [sync])
-    assert verdict == Verdict.PASS and "allowed" in reason and "in build" in reason

@@ -4,7 +4,7 @@ import torch
 
 from conformance.cases import parse_case
 from conformance.checks.syncs import SyncsCheck
-from conformance.host_syncs import detect_host_syncs
+from host_syncs import detect_host_syncs
 from conformance.results import Verdict
 from tests.planted import syncs as planted
 
@@ -91,3 +91,20 @@ def test_forbid_host_syncs_fixture_fails_listing_the_line(pytester):
     result = pytester.runpytest_subprocess("-p", "conformance.pytest_plugin")
     result.assert_outcomes(failed=1, errors=0)
     result.stdout.fnmatch_lines(["*host-blocking CUDA call*", "*test_forbid_host_syncs_fixture_fails_listing_the_line.py:5*"])
+
+
+def test_forbid_host_syncs_imported_alone_fails_at_teardown(pytester):
+    # No conformance plugin: the fixture imported into a conftest, as an engine author would use it.
+    pytester.makeconftest("from host_syncs import forbid_host_syncs  # noqa: F401\n")
+    pytester.makepyfile(
+        """
+        import torch
+
+        def test_syncs(forbid_host_syncs):
+            x = torch.ones(4, device="cuda")
+            x.sum().item()
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:conformance")
+    result.assert_outcomes(passed=1, errors=1)  # the body ran; the fixture's teardown judged it
+    result.stdout.fnmatch_lines(["*host-blocking CUDA call*"])

@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from conformance.host_syncs.events import SYNC, EventRecorder, SyncEvent
+from host_syncs.events import SYNC, EventRecorder, SyncEvent
 
 _MESSAGE = "called a synchronizing CUDA operation"
 

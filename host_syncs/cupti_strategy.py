@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
-from conformance.host_syncs.events import WATCHED_APIS, ApiCall, CopyInfo, EventRecorder, base_api_name
+from host_syncs.events import WATCHED_APIS, ApiCall, CopyInfo, EventRecorder, base_api_name
 
 _RUNTIME_COPY_KINDS = {0: "h2h", 1: "h2d", 2: "d2h", 3: "d2d"}  # cudaMemcpyKind; 4 = default (by pointer)
 _CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2

@@ -18,10 +18,10 @@ from typing import Iterator
 
 import torch
 
-from conformance.host_syncs.cupti_strategy import CuptiStrategy, CuptiUnavailable
-from conformance.host_syncs.events import EventRecorder, SyncEvent
-from conformance.host_syncs.frames import capture_python_stack
-from conformance.host_syncs.torch_strategy import TorchSyncDebugStrategy
+from host_syncs.cupti_strategy import CuptiStrategy, CuptiUnavailable
+from host_syncs.events import EventRecorder, SyncEvent
+from host_syncs.frames import capture_python_stack
+from host_syncs.torch_strategy import TorchSyncDebugStrategy
 
 STRATEGIES = ("auto", "cupti", "torch")
 

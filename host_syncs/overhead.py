@@ -1,4 +1,4 @@
-"""Measures what the detector costs: ``python -m conformance.host_syncs.overhead [--strategy S]``.
+"""Measures what the detector costs: ``python -m host_syncs.overhead [--strategy S]``.
 
 (1) per intercepted call: many cudaStreamSynchronize on an idle stream, with and without it;
 (2) a launch-heavy loop (small kernels, none intercepted), with and without it. Prints JSON.
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from conformance.host_syncs.detector import detect_host_syncs
+from host_syncs.detector import detect_host_syncs
 
 
 def _median_seconds(function, repeats: int = 7) -> float:

@@ -1,6 +1,7 @@
-"""Which Python line caused a host sync: the first frame, innermost first, that is neither the
-harness, nor the contract's own helpers, nor torch, nor the standard library. That is the line a
-backend author must change."""
+"""Which Python line caused a host sync: the first frame, innermost first, that is not
+infrastructure — this package, torch, the standard library, or what a tool built on it declares
+(the conformance harness declares itself and the backend contract's helpers). That is the line a
+backend or engine author must change."""
 from __future__ import annotations
 
 import linecache
@@ -10,20 +11,29 @@ import sysconfig
 
 import torch
 
-from conformance.host_syncs.events import Frame
+from host_syncs.events import Frame
 
-_CONFORMANCE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"])
-# The contract's helpers (e.g. CommonAttentionMetadata.seq_lens_cpu) copy on behalf of the caller.
-_CONTRACT_FILE = os.path.join(os.path.dirname(_CONFORMANCE_DIR), "backends", "base.py")
+_INFRASTRUCTURE_DIRS = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__))]
+_INFRASTRUCTURE_FILES: set[str] = set()
 
 STACK_DEPTH = 16
 
 
+def treat_as_infrastructure(*paths: str) -> None:
+    """Frames in these directories or files are never blamed for a sync: a harness that calls the
+    code under test, or helpers that copy on its behalf."""
+    for path in map(os.path.abspath, paths):
+        if os.path.isdir(path):
+            if path not in _INFRASTRUCTURE_DIRS:
+                _INFRASTRUCTURE_DIRS.append(path)
+        else:
+            _INFRASTRUCTURE_FILES.add(path)
+
+
 def is_infrastructure(filename: str) -> bool:
     path = os.path.abspath(filename)
-    if path.startswith(_CONFORMANCE_DIR + os.sep) or path == _CONTRACT_FILE or path.startswith(_TORCH_DIR + os.sep):
+    if path in _INFRASTRUCTURE_FILES or any(path.startswith(directory + os.sep) for directory in _INFRASTRUCTURE_DIRS):
         return True
     in_site_packages = "site-packages" in path or "dist-packages" in path
     return (path.startswith(_STDLIB_DIR + os.sep) and not in_site_packages) or filename.startswith("<")
