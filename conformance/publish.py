@@ -65,9 +65,7 @@ def verdict_table(per_backend: dict[str, RunResult]) -> list[str]:
             if check is None:
                 cells.append("not run")
             elif check.cases:
-                counts = check.counts()
-                ran = sum(counts.values()) - counts["SKIP"]
-                cells.append(f"{check.verdict.value} {counts['PASS']}/{ran}")
+                cells.append(f"{check.verdict.value} {check.passed}/{check.ran}")
             else:
                 cells.append(f"{check.verdict.value} ({check.summary})")
         lines.append(f"| {name} | {gpu} | " + " | ".join(cells) + " |")
@@ -81,9 +79,8 @@ def bench_table(bench: RunResult) -> list[str]:
         for layer in ("gqa", "mla"):
             cells, any_value = [], False
             for backend in bench.backends:
-                check = backend.check("bench")
-                case = next((c for c in (check.cases if check else []) if c.tag == shape and c.case.startswith(layer)), None)
-                if case is None or not case.metrics.get("forward_us"):
+                case = next((c for c in backend.bench_cases() if c.tag == shape and c.case.startswith(layer)), None)
+                if case is None:
                     cells.append("")
                     continue
                 any_value = True

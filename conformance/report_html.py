@@ -48,9 +48,7 @@ def _verdict_cell(verdict: Verdict, detail: str = "") -> str:
 def _check_detail(check: CheckResult) -> str:
     if not check.cases:
         return check.summary
-    counts = check.counts()
-    ran = sum(counts.values()) - counts["SKIP"]
-    return f"{counts['PASS']}/{ran} pass" + (f", {counts['SKIP']} skip" if counts["SKIP"] else "")
+    return check.tally()
 
 
 def summary_matrix(run: RunResult) -> str:
@@ -136,10 +134,8 @@ def _bars(values: list[tuple[str, float]], unit: str, width: int = 420) -> str:
 def bench_section(run: RunResult) -> str:
     shapes: dict[str, dict[str, dict[str, Any]]] = {}
     for backend in run.backends:
-        bench = backend.check("bench")
-        for case in bench.cases if bench else []:
-            if case.metrics.get("forward_us"):
-                shapes.setdefault(case.case, {})[backend.name] = {**case.metrics, "tag": case.tag}
+        for case in backend.bench_cases():
+            shapes.setdefault(case.case, {})[backend.name] = {**case.metrics, "tag": case.tag}
     if not shapes:
         return ""
     rows = []

@@ -19,9 +19,7 @@ def render(run: RunResult) -> str:
             if check is None:
                 cells.append("")
                 continue
-            counts = check.counts()
-            ran = sum(counts.values()) - counts["SKIP"]
-            detail = f" {counts['PASS']}/{ran}" if check.cases else ""
+            detail = f" {check.passed}/{check.ran}" if check.cases else ""
             cells.append(f"{ICONS[check.verdict.value]} {check.verdict.value}{detail}")
         label = backend.name if backend.available else f"{backend.name} (not available: {backend.reason})"
         lines.append(f"| {label} | " + " | ".join(cells) + " |")

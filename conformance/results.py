@@ -67,6 +67,11 @@ class CheckResult:
     cases: list[CaseResult] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)  # check-wide facts (tolerances, strategy)
 
+    def bench_cases(self) -> list["CaseResult"]:
+        """The bench check's cases that have a forward time (those that ran)."""
+        bench = self.check("bench")
+        return [case for case in (bench.cases if bench else []) if case.metrics.get("forward_us")]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -86,11 +91,19 @@ class CheckResult:
             cases=[CaseResult.from_dict(case) for case in data.get("cases", [])],
         )
 
-    def counts(self) -> dict[str, int]:
-        counts = {verdict.value: 0 for verdict in Verdict}
-        for case in self.cases:
-            counts[case.verdict.value] += 1
-        return counts
+    @property
+    def ran(self) -> int:
+        """Cases that ran (every verdict but SKIP)."""
+        return sum(1 for case in self.cases if case.verdict != Verdict.SKIP)
+
+    @property
+    def passed(self) -> int:
+        return sum(1 for case in self.cases if case.verdict == Verdict.PASS)
+
+    def tally(self, *, skips: bool = True) -> str:
+        """"PASSED/RAN pass[, N skip]": what every report shows beside a check's verdict."""
+        skipped = len(self.cases) - self.ran
+        return f"{self.passed}/{self.ran} pass" + (f", {skipped} skip" if skips and skipped else "")
 
 
 @dataclass
@@ -102,6 +115,11 @@ class BackendResult:
     claims: dict[str, Any] = field(default_factory=dict)
     checks: list[CheckResult] = field(default_factory=list)
     wall_s: float = 0.0
+
+    def bench_cases(self) -> list["CaseResult"]:
+        """The bench check's cases that have a forward time (those that ran)."""
+        bench = self.check("bench")
+        return [case for case in (bench.cases if bench else []) if case.metrics.get("forward_us")]
 
     def to_dict(self) -> dict[str, Any]:
         return {

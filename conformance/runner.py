@@ -100,10 +100,8 @@ def annotate_bench_ratios(backends: list[BackendResult]) -> None:
     """Each bench case's forward time over the fastest backend's on the same case, in this run."""
     timings: dict[str, list] = {}
     for backend in backends:
-        bench = backend.check("bench")
-        for case in bench.cases if bench else []:
-            if case.metrics.get("forward_us"):
-                timings.setdefault(case.case, []).append(case)
+        for case in backend.bench_cases():
+            timings.setdefault(case.case, []).append(case)
     for cases in timings.values():
         fastest = min(case.metrics["forward_us"] for case in cases)
         for case in cases:

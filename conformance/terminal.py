@@ -114,10 +114,8 @@ def summary_table(run: RunResult) -> Table:
                 cells.append("")
                 continue
             cell = verdict_text(check.verdict)
-            counts = check.counts()
-            ran = sum(counts.values()) - counts["SKIP"]
             if check.cases:
-                cell.append(f"  {counts['PASS']}/{ran} pass" + (f", {counts['SKIP']} skip" if counts["SKIP"] else ""), style="dim")
+                cell.append(f"  {check.tally()}", style="dim")
             elif check.summary:
                 cell.append(f"  {check.summary}", style="dim")
             cells.append(cell)
@@ -154,10 +152,9 @@ def bench_table(run: RunResult) -> Table | None:
     """Per shape: each backend's forward µs (× the fastest), GB/s and roofline fraction."""
     benched = [(backend.name, backend.check("bench")) for backend in run.backends if backend.check("bench")]
     rows: dict[str, dict[str, Any]] = {}
-    for name, check in benched:
-        for case in check.cases:
-            if case.metrics.get("forward_us"):
-                rows.setdefault(case.case, {"tag": case.tag})[name] = case.metrics
+    for backend in run.backends:
+        for case in backend.bench_cases():
+            rows.setdefault(case.case, {"tag": case.tag})[backend.name] = case.metrics
     if not rows:
         return None
     table = Table(title="bench: forward µs (× fastest) · GB/s · roofline", title_justify="left")
