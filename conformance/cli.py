@@ -27,7 +27,7 @@ from backends.base import DeviceError, DeviceInfo, resolve_device
 from conformance.batch import footprint_bytes
 from conformance.cases import CaseSyntaxError, __doc__ as CASE_GRAMMAR, parse_case, suite
 from conformance.checks import CHECKS, DEFAULT_CHECKS
-from conformance.compare import ACCEPTABLE, CompareError, compare
+from conformance.compare import ACCEPTABLE, CompareError, compare_runs
 from conformance.interrupts import Interrupted, stopping_on_signals
 from conformance.journal import Journal
 from conformance.output_paths import OutputPathError, check_directory, check_files
@@ -268,7 +268,7 @@ def command_report(args: argparse.Namespace, console: Console) -> int:
 
 def command_compare(args: argparse.Namespace, console: Console) -> int:
     accept = [kind for kind in ACCEPTABLE if getattr(args, f"accept_{kind}")]
-    findings = compare(_load_results(args.base, args.allow_interrupted), _load_results(args.new, args.allow_interrupted),
+    findings = compare_runs(_load_results(args.base, args.allow_interrupted), _load_results(args.new, args.allow_interrupted),
                        error_growth=args.error_growth,
                        bench_threshold=args.bench_threshold, accept=accept)
     regressions = [finding for finding in findings if finding.regression]

@@ -35,7 +35,7 @@ class Finding:
     accepted: bool = False  # a coverage loss the user accepted knowingly (neither regression nor improvement)
 
 
-def compare(base: RunResult, new: RunResult, *, error_growth: float = 2.0, bench_threshold: float = 0.10,
+def compare_runs(base: RunResult, new: RunResult, *, error_growth: float = 2.0, bench_threshold: float = 0.10,
             accept: Collection[str] = ()) -> list[Finding]:
     if not error_growth >= 1:
         raise CompareError(f"--error-growth {error_growth:g}: a growth factor is at least 1")

@@ -48,7 +48,7 @@ def write_poison(backend: AttentionBackend, kv_cache: torch.Tensor, batch: Paged
         backend.write_kv(kv_cache, key, value, chunk)
 
 
-def prepare(
+def prepare_case(
     backend_cls: type[AttentionBackend], case: Case, device: torch.device, *, random_on_device: bool = False,
     poison: bool = True,
 ) -> PreparedCase:

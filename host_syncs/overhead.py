@@ -26,7 +26,7 @@ def _median_seconds(function, repeats: int = 7) -> float:
     return statistics.median(samples)
 
 
-def measure(strategy: str, calls: int = 2000, launches: int = 5000) -> dict:
+def measure_overhead(strategy: str, calls: int = 2000, launches: int = 5000) -> dict:
     stream = torch.cuda.current_stream()
     x = torch.ones(256, device="cuda")
 
@@ -69,7 +69,7 @@ def measure(strategy: str, calls: int = 2000, launches: int = 5000) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--strategy", default="cupti", choices=["cupti", "torch"])
-    print(json.dumps(measure(parser.parse_args().strategy), indent=1))
+    print(json.dumps(measure_overhead(parser.parse_args().strategy), indent=1))
 
 
 if __name__ == "__main__":

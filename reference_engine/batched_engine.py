@@ -51,7 +51,7 @@ from reference_engine.step_inputs import (
     StepTensors,
     empty_step_tensors,
     input_violations,
-    prepare,
+    prepare_step_inputs,
     verified_digest_terms,
 )
 
@@ -64,7 +64,7 @@ class InputCheckFailed(AssertionError):
 
 
 @dataclass
-class _Row:
+class _LaunchedRow:
     request: Request
     decode: bool
     num_tokens: int
@@ -75,7 +75,7 @@ class _Row:
 @dataclass
 class _Launched:
     index: int
-    rows: list[_Row]
+    rows: list[_LaunchedRow]
     result: Download
 
 
@@ -317,7 +317,7 @@ class BatchedEngine(Engine):
             host.starts.append(start)
             host.seq_lens.append(start + count)
             host.num_drafts.append(item.num_drafts)
-            rows.append(_Row(request, decode, count, item.num_drafts, placeholders))
+            rows.append(_LaunchedRow(request, decode, count, item.num_drafts, placeholders))
             # Optimism: the host assumes every draft is accepted.
             request.num_computed += count
             request.output += [PLACEHOLDER] * placeholders
@@ -409,7 +409,7 @@ class BatchedEngine(Engine):
         layout = buffers.layout
         with nvtx.range("build metadata"):
             buffers.starts.copy_(self._starts(up))
-            step = prepare(buffers.starts, self.state.last_token, self.state.drafts, layout, 0, config.block_size, buffers.verify)
+            step = prepare_step_inputs(buffers.starts, self.state.last_token, self.state.drafts, layout, 0, config.block_size, buffers.verify)
             if config.check_inputs:
                 buffers.violations.copy_(input_violations(step, layout, self.state.num_computed[up["slots"]], up["host_start"],
                                                           up["capacity"], config.model.vocab_size, config.block_size))
@@ -509,7 +509,7 @@ class BatchedEngine(Engine):
             return self._common(layout, buffers.draft, shape, query_start_loc, lengths)
 
         def prepare_step(index: int) -> StepTensors:
-            return prepare(buffers.draft_starts, self.state.last_token, self.state.drafts, layout, index, bs, buffers.draft)
+            return prepare_step_inputs(buffers.draft_starts, self.state.last_token, self.state.drafts, layout, index, bs, buffers.draft)
 
         prepare_step(0)
         if self.draft_steps_update_metadata:

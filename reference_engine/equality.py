@@ -60,8 +60,9 @@ def explain(reference: Engine, prompt: list[int], prefix: list[int], plain: int,
     return abs(float(logits[plain] - logits[spec])), order.index(plain), order.index(spec)
 
 
-def compare(backend: str, dtype: torch.dtype, model_name: str, device: torch.device, prompts: list[list[int]],
-            max_tokens: int, drafters: tuple[str, ...], ks: tuple[int, ...]) -> list[Comparison]:
+def compare_speculation_with_plain(backend: str, dtype: torch.dtype, model_name: str, device: torch.device,
+                                   prompts: list[list[int]], max_tokens: int, drafters: tuple[str, ...],
+                                   ks: tuple[int, ...]) -> list[Comparison]:
     config = EngineConfig(model=PRESETS[model_name], backend=backend, device=str(device), dtype=dtype,
                           max_num_reqs=len(prompts), num_blocks=512)
     model = LlamaModel.random(config.model, config.seed, dtype, device)
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     generator = torch.Generator().manual_seed(1)
     vocab = PRESETS[args.model].vocab_size
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=generator).tolist() for _ in range(args.num_prompts)]
-    results = compare(args.backend, DTYPE_NAMES[args.dtype], args.model, torch.device(args.device), prompts,
+    results = compare_speculation_with_plain(args.backend, DTYPE_NAMES[args.dtype], args.model, torch.device(args.device), prompts,
                       args.max_tokens, tuple(args.drafters.split(",")), tuple(int(k) for k in args.k.split(",")))
     for result in results:
         detail = "; ".join(f"prompt {d.prompt} @{d.index}: {d.plain_token} vs {d.spec_token}, fp32 margin "

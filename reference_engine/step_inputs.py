@@ -121,7 +121,7 @@ def prepare_triton(starts: torch.Tensor, last_token: torch.Tensor, drafts: torch
     return out
 
 
-def prepare(starts, last_token, drafts, layout: RowLayout, step: int, block_size: int,
+def prepare_step_inputs(starts, last_token, drafts, layout: RowLayout, step: int, block_size: int,
             out: StepTensors | None = None) -> StepTensors:
     """The Triton kernel on CUDA, the torch version elsewhere (same results; tested). ``out``: the
     persistent buffers a CUDA graph reads (written in place), else new tensors."""

@@ -20,7 +20,7 @@ from backends.base import AttentionBackend, CGSupport
 from conformance.cases import Case
 from conformance.checks.base import Check
 from conformance.graph_batches import graph_class_reason
-from conformance.harness import poisoned_output, prepare
+from conformance.harness import poisoned_output, prepare_case
 from conformance.results import CaseResult, Verdict
 
 BUILD_CALLS = 200
@@ -107,7 +107,7 @@ class BenchCheck(Check):
         if self._ceilings is None:
             self._ceilings = measure_ceilings(device)
             self._flush = _l2_flusher(device)
-        prepared = prepare(backend_cls, case, device, random_on_device=True, poison=False)
+        prepared = prepare_case(backend_cls, case, device, random_on_device=True, poison=False)
         batch, backend = prepared.batch, prepared.backend
         common = batch.common_metadata(with_host_lengths=True)
         key, value, slots = batch.step_rows()

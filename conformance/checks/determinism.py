@@ -20,7 +20,7 @@ import torch
 from backends.base import AttentionBackend
 from conformance.cases import Case
 from conformance.checks.base import Check
-from conformance.harness import PreparedCase, prepare, run_step
+from conformance.harness import PreparedCase, prepare_case, run_step
 from conformance.results import CaseResult, Verdict
 
 
@@ -52,7 +52,7 @@ class DeterminismCheck(Check):
 
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
         claims = backend_cls.capabilities
-        prepared = prepare(backend_cls, case, device)
+        prepared = prepare_case(backend_cls, case, device)
         host_lengths = claims.needs_cpu_seq_lens
         first = run_step(prepared, with_host_lengths=host_lengths).clone()
         second = run_step(prepared, with_host_lengths=host_lengths).clone()

@@ -14,7 +14,7 @@ import torch
 from backends.base import AttentionBackend, dtype_name
 from conformance.cases import Case
 from conformance.checks.base import Check
-from conformance.harness import WroteOutsideOutput, prepare, run_step
+from conformance.harness import WroteOutsideOutput, prepare_case, run_step
 from conformance.results import CaseResult, Verdict
 
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {  # dtype: (atol, rtol)
@@ -77,7 +77,7 @@ class NumericsCheck(Check):
         }
 
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
-        prepared = prepare(backend_cls, case, device)
+        prepared = prepare_case(backend_cls, case, device)
         try:
             out = run_step(prepared, with_host_lengths=True)
         except WroteOutsideOutput as error:

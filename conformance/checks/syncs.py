@@ -16,7 +16,7 @@ import torch
 from backends.base import AttentionBackend
 from conformance.cases import Case
 from conformance.checks.base import Check
-from conformance.harness import prepare, run_step
+from conformance.harness import prepare_case, run_step
 from host_syncs.detector import detect_host_syncs
 from host_syncs.events import SyncEvent
 from conformance.results import CaseResult, Verdict
@@ -74,7 +74,7 @@ class SyncsCheck(Check):
         return {"requested_strategy": self.strategy, "phases": list(PHASES)}
 
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
-        prepared = prepare(backend_cls, case, device)
+        prepared = prepare_case(backend_cls, case, device)
         events: dict[str, list[SyncEvent]] = {}
         strategy = blind_spots = fallback = ""
         for mode, with_host_lengths in MODES.items():

@@ -5,7 +5,7 @@ from backends.base import AttentionSpec, Capabilities, CGSupport, DeviceInfo
 from backends.torch_naive import TorchNaiveBackend
 from conformance.batch import materialize
 from conformance.cases import parse_case
-from conformance.harness import prepare, run_step
+from conformance.harness import prepare_case, run_step
 from tests.planted.defects import NeedsBlackwell, NeedsMissingPackage
 
 H100 = DeviceInfo("cuda", "NVIDIA H100 80GB HBM3", (9, 0))
@@ -96,7 +96,7 @@ def test_seq_lens_cpu_records_the_device_copy_when_the_host_lacks_lengths():
 
 
 def test_torch_naive_runs_without_host_lengths_too():
-    prepared = prepare(TorchNaiveBackend, parse_case("gqa-h4/2-d16-fp32:9+3,4+1"), torch.device("cpu"))
+    prepared = prepare_case(TorchNaiveBackend, parse_case("gqa-h4/2-d16-fp32:9+3,4+1"), torch.device("cpu"))
     out = run_step(prepared, with_host_lengths=False)
     torch.testing.assert_close(out.double(), prepared.batch.reference_output(), atol=1e-5, rtol=1e-5)
 

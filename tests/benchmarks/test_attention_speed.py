@@ -12,7 +12,7 @@ import torch
 from backends import registry
 from conformance.cases import parse_case
 from conformance.checks.bench import _l2_flusher, time_gpu
-from conformance.harness import poisoned_output, prepare
+from conformance.harness import poisoned_output, prepare_case
 
 pytestmark = pytest.mark.gpu
 
@@ -32,7 +32,7 @@ def test_forward_speed(benchmark, shape, backend):
     if reason:
         pytest.skip(reason)
     case = parse_case(SHAPES[shape][0])
-    prepared = prepare(backend_cls, case, device, random_on_device=True)
+    prepared = prepare_case(backend_cls, case, device, random_on_device=True)
     batch = prepared.batch
     key, value, slots = batch.step_rows()
     prepared.backend.write_kv(prepared.kv_cache, key, value, slots)

@@ -7,7 +7,7 @@ import torch
 from backends.triton import mla_backend
 from conformance.cases import parse_case
 from conformance.checks.bench import _l2_flusher, time_gpu, traffic
-from conformance.harness import poisoned_output, prepare
+from conformance.harness import poisoned_output, prepare_case
 
 CASES = {"decode b64 ctx4096": "mla-h128-d512+64-bf16-p64:4096+1x64", "verify q4 b64 ctx4096": "mla-h128-d512+64-bf16-p64:4096+4x64"}
 
@@ -18,7 +18,7 @@ def main() -> None:
     for (name, text), rows, block_n, warps, stages in itertools.product(CASES.items(), (16, 32, 64), (16, 32, 64), (4, 8), (1, 2, 3)):
         mla_backend.ROWS_PER_PROGRAM, mla_backend.BLOCK_N, mla_backend.NUM_WARPS, mla_backend.NUM_STAGES = rows, block_n, warps, stages
         case = parse_case(text)
-        prepared = prepare(mla_backend.TritonMLABackend, case, device, random_on_device=True)
+        prepared = prepare_case(mla_backend.TritonMLABackend, case, device, random_on_device=True)
         batch = prepared.batch
         key, _, slots = batch.step_rows()
         prepared.backend.write_kv(prepared.kv_cache, key, None, slots)

@@ -9,7 +9,7 @@ import xml.etree.ElementTree as ElementTree
 import pytest
 
 from conformance import report_html, report_junit, report_markdown
-from conformance.compare import CompareError, compare
+from conformance.compare import CompareError, compare_runs
 from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
 
 SYNC_EVENT = {"kind": "sync", "api": "cudaStreamSynchronize", "blocking": True, "num_bytes": None, "direction": None,
@@ -99,19 +99,19 @@ def _with(result: RunResult, backend: int, check: str, case: int, **changes) -> 
 
 def test_compare_finds_regressions_and_improvements():
     base = crafted()
-    assert compare(base, base) == []
+    assert compare_runs(base, base) == []
     worse = _with(base, 0, "numerics", 0, verdict="FAIL", reason="now wrong")
-    assert any(f.regression and "new FAIL" in f.what for f in compare(base, worse))
+    assert any(f.regression and "new FAIL" in f.what for f in compare_runs(base, worse))
     grown = _with(base, 0, "numerics", 0, max_abs_error=5e-3)
-    assert any(f.regression and "grew" in f.what for f in compare(base, grown))
-    assert not compare(base, grown, error_growth=10.0)
+    assert any(f.regression and "grew" in f.what for f in compare_runs(base, grown))
+    assert not compare_runs(base, grown, error_growth=10.0)
     slower = _with(base, 0, "bench", 0, forward_us=400.0)
-    assert any(f.regression and "+33%" in f.what for f in compare(base, slower))
-    assert not any(f.regression for f in compare(base, slower, bench_threshold=0.5))
+    assert any(f.regression and "+33%" in f.what for f in compare_runs(base, slower))
+    assert not any(f.regression for f in compare_runs(base, slower, bench_threshold=0.5))
     faster = _with(base, 0, "bench", 0, forward_us=200.0)
-    assert [f.regression for f in compare(base, faster)] == [False]
+    assert [f.regression for f in compare_runs(base, faster)] == [False]
     fixed = _with(base, 0, "numerics", 1, verdict="PASS")
-    assert not any(f.regression for f in compare(base, fixed))
+    assert not any(f.regression for f in compare_runs(base, fixed))
 
 
 def _without_case(run: RunResult, check: str, index: int) -> RunResult:
@@ -124,20 +124,20 @@ def _without_case(run: RunResult, check: str, index: int) -> RunResult:
 def test_compare_treats_lost_coverage_as_a_regression_unless_accepted():
     base = crafted()
     fewer = _without_case(base, "numerics", 0)
-    lost = compare(base, fewer)
+    lost = compare_runs(base, fewer)
     assert [f.what.split(" (")[0] for f in lost if f.regression] == ["case missing from NEW"]
-    assert not any(f.regression for f in compare(base, fewer, accept=["missing"]))
-    assert [f.accepted for f in compare(base, fewer, accept=["missing"])] == [True]
+    assert not any(f.regression for f in compare_runs(base, fewer, accept=["missing"]))
+    assert [f.accepted for f in compare_runs(base, fewer, accept=["missing"])] == [True]
     skipped = _with(base, 0, "numerics", 0, verdict="SKIP", reason="not supported")
-    assert any(f.regression and "PASS → SKIP" in f.what for f in compare(base, skipped))
-    assert not any(f.regression for f in compare(base, skipped, accept=["skips"]))
+    assert any(f.regression and "PASS → SKIP" in f.what for f in compare_runs(base, skipped))
+    assert not any(f.regression for f in compare_runs(base, skipped, accept=["skips"]))
     smaller = RunResult.from_dict({**base.to_dict(), "suite": "smoke"})
-    assert any(f.regression and "suite" in f.what for f in compare(base, smaller))
+    assert any(f.regression and "suite" in f.what for f in compare_runs(base, smaller))
     no_backend = RunResult.from_dict({**base.to_dict(), "backends": []})
-    assert any(f.regression and "backend missing" in f.what for f in compare(base, no_backend))
+    assert any(f.regression and "backend missing" in f.what for f in compare_runs(base, no_backend))
     for bad in ({"error_growth": -1}, {"error_growth": 0.5}, {"bench_threshold": -0.1}, {"accept": ["everything"]}):
         with pytest.raises(CompareError):
-            compare(base, base, **bad)
+            compare_runs(base, base, **bad)
 
 
 def test_compare_cli_exit_codes(tmp_path):
