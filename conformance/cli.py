@@ -268,9 +268,8 @@ def command_report(args: argparse.Namespace, console: Console) -> int:
 
 def command_compare(args: argparse.Namespace, console: Console) -> int:
     accept = [kind for kind in ACCEPTABLE if getattr(args, f"accept_{kind}")]
-    findings = compare_runs(_load_results(args.base, args.allow_interrupted), _load_results(args.new, args.allow_interrupted),
-                       error_growth=args.error_growth,
-                       bench_threshold=args.bench_threshold, accept=accept)
+    base, new = (_load_results(path, args.allow_interrupted) for path in (args.base, args.new))
+    findings = compare_runs(base, new, error_growth=args.error_growth, bench_threshold=args.bench_threshold, accept=accept)
     regressions = [finding for finding in findings if finding.regression]
     accepted = [finding for finding in findings if finding.accepted]
     table = Table(title=f"compare: {len(regressions)} regression(s), {len(findings) - len(regressions) - len(accepted)} "

@@ -26,14 +26,20 @@ class Interrupted(BaseException):
 
 @contextmanager
 def stopping_on_signals() -> Iterator[None]:
+    stopped = []
+
     def stop(signum, frame) -> None:
-        for other in SIGNALS:  # a second Ctrl-C while the run is stopping must not cut the clean-up short
+        # From here on both signals are ignored, to the end of the process: a second Ctrl-C must
+        # not cut short the writing of what finished.
+        for other in SIGNALS:
             signal.signal(other, signal.SIG_IGN)
+        stopped.append(signum)
         raise Interrupted(signum)
 
     previous = {signum: signal.signal(signum, stop) for signum in SIGNALS}
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        if not stopped:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
