@@ -27,6 +27,7 @@ BAR_COLOURS = ["#1565c0", "#ef6c00", "#2e7d32", "#6a1b9a", "#00838f", "#ad1457",
 STYLE = """
 body { font-family: system-ui, -apple-system, Segoe UI, sans-serif; margin: 2em; color: #212121; }
 h1 { margin-bottom: 0.2em; } h2 { margin-top: 1.6em; border-bottom: 1px solid #ddd; }
+.warn { color: #b45309; border: 1px solid #f59e0b; padding: 0.4em 0.8em; }
 table { border-collapse: collapse; margin: 0.6em 0; }
 th, td { border: 1px solid #ccc; padding: 4px 8px; text-align: left; vertical-align: top; font-size: 14px; }
 th { background: #f5f5f5; }
@@ -170,7 +171,8 @@ def render(run: RunResult) -> str:
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
         f"<title>{title}</title><style>{STYLE}</style></head><body>"
         f"<h1>{title}</h1><p class='dim'>{escape(str(run.environment.get('command', '')))} · {escape(str(run.environment.get('time', '')))}</p>"
-        f"<h2>Summary</h2>{summary_matrix(run)}"
+        + (f"<p class='warn'><b>{escape(run.INTERRUPTED_NOTE)}</b></p>" if run.interrupted else "")
+        + f"<h2>Summary</h2>{summary_matrix(run)}"
         + (f"<h2>Not run here</h2><ul>{unavailable}</ul>" if unavailable else "")
         + f"<h2>Checks</h2>{''.join(sections)}"
         + bench_section(run)

@@ -10,8 +10,10 @@ ICONS = {"PASS": "✅", "FAIL": "❌", "ERROR": "⚠️", "CRASH": "💥", "SKIP
 
 def render(run: RunResult) -> str:
     gpu = run.environment.get("gpu") or run.environment.get("device", "")
-    lines = [f"### conformance: {run.suite} suite on {gpu}", "", "| backend | " + " | ".join(run.checks) + " |",
-             "|---" * (len(run.checks) + 1) + "|"]
+    lines = [f"### conformance: {run.suite} suite on {gpu}", ""]
+    if run.interrupted:
+        lines += [f"**{run.INTERRUPTED_NOTE}**", ""]
+    lines += ["| backend | " + " | ".join(run.checks) + " |", "|---" * (len(run.checks) + 1) + "|"]
     for backend in run.backends:
         cells = []
         for name in run.checks:

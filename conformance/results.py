@@ -181,6 +181,8 @@ class RunResult:
             schema_version=version,
         )
 
+    INTERRUPTED_NOTE = "Interrupted (SIGINT/SIGTERM): only the cases that finished are here; the rest did not run."
+
     def save(self, path: str | Path) -> None:
         from conformance.output_paths import write_atomically
 

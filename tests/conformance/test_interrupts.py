@@ -84,3 +84,15 @@ def test_compare_and_report_refuse_interrupted_results_unless_allowed(tmp_path):
         allowed = subprocess.run([sys.executable, "-m", "conformance", *command, "--allow-interrupted"],
                                  capture_output=True, text=True)
         assert allowed.returncode == 0, allowed.stderr
+
+
+def test_reports_of_interrupted_results_say_so():
+    from conformance.report_html import render as render_html
+    from conformance.report_markdown import render as render_markdown
+    from conformance.results import BackendResult, RunResult
+
+    partial = RunResult({}, [BackendResult("a", True)], "standard", [], interrupted=True)
+    assert "only the cases that finished" in render_html(partial)
+    assert "only the cases that finished" in render_markdown(partial)
+    complete = RunResult({}, [BackendResult("a", True)], "standard", [])
+    assert "only the cases that finished" not in render_html(complete) + render_markdown(complete)
