@@ -1,7 +1,7 @@
 """The reference engine, part 2: one batched step, run synchronously or zero-bubble async.
 
 Per step, on the device, in stream order: upload what the host knows (one pinned copy) → draft k
-tokens for the decoding rows (oracle script, layer-skip or EAGLE head) → compute input ids,
+tokens for the decoding rows (scripted, layer-skip or EAGLE head) → compute input ids,
 positions, slots and seq_lens from the device state (``step_inputs``) → target forward →
 rejection (greedy, or probabilistic for requests with a temperature) → EAGLE's cache catch-up →
 commit into the device state → copy the results to pinned memory and record an event. Uniform
@@ -17,7 +17,7 @@ trims blocks it over-allocated, and applies stop conditions (truncating whatever
 produced past a stop). Sync: the same step, with the host waiting for each step's results before
 scheduling the next (and then it knows exact host lengths, which it passes to the backend).
 
-Randomness (the oracle's random pattern, sampling with a temperature) comes from counters: a
+Randomness (the scripted drafter's random pattern, sampling with a temperature) comes from counters: a
 request's seed and output position hashed (``sampling.counter_uniform``), never a generator, so
 sync and async runs draw the same numbers and graphs replay them.
 
@@ -56,7 +56,7 @@ from reference_engine.step_inputs import (
 )
 
 # Lanes of the counter-based noise: one per use, so no two uses share numbers.
-ORACLE_LANE, DRAFT_LANE, ACCEPT_LANE, RECOVER_LANE, BONUS_LANE = range(5)
+SCRIPT_LANE, DRAFT_LANE, ACCEPT_LANE, RECOVER_LANE, BONUS_LANE = range(5)
 
 
 class InputCheckFailed(AssertionError):
@@ -162,7 +162,7 @@ class BatchedEngine(Engine):
         self.pending: _Launched | None = None
         self.steps: list[StepRecord] = []
         self._decode_steps: dict[int, int] = {}
-        self._script: torch.Tensor | None = None  # oracle: reference outputs [requests, L] of this generate()
+        self._script: torch.Tensor | None = None  # scripted drafter: reference outputs [requests, L] of this generate()
         self._sampling = False
         self._buffers: dict[StepShape, _Buffers] = {}
         self.timer = StepTimer(self.device.type == "cuda")
@@ -223,7 +223,7 @@ class BatchedEngine(Engine):
             self.draft_probabilities = torch.zeros(self.state.num_computed.shape[0], self.config.num_spec_tokens,
                                                    self.config.model.vocab_size, device=self.device)
         if isinstance(self.drafter, AcceptancePattern):
-            script = self._oracle_script(prompts, params_list)
+            script = self._reference_script(prompts, params_list)
             width = self.script_by_slot.shape[1]
             rows = [(tokens + [0] * width)[:width] for _, tokens in sorted(script.items())]
             self._script = torch.tensor(rows, dtype=torch.int64, device=self.device)
@@ -381,7 +381,7 @@ class BatchedEngine(Engine):
         )
 
     def _on_new_slot(self, request: Request, slot: int) -> None:
-        """A request (re)enters the device state: output count, sampling parameters, oracle script."""
+        """A request (re)enters the device state: output count, sampling parameters, drafting script."""
         params = request.params
         self.state.num_output[slot] = request.num_confirmed
         self.slot_seed[slot] = params.seed if params.seed is not None else self.config.seed * 1_000_003 + request.request_id
@@ -495,7 +495,7 @@ class BatchedEngine(Engine):
         """Fill ``state.drafts`` for the decoding rows (the first ``num_decodes``) on the device."""
         slots = buffers.draft_layout.slots
         if isinstance(self.drafter, AcceptancePattern):
-            self._segment("oracle", shape, None, lambda _: self._draft_oracle(slots))
+            self._segment("scripted", shape, None, lambda _: self._draft_scripted(slots))
             return
         layout, bs = buffers.draft_layout, self.config.block_size
         decodes = shape.num_decodes
@@ -553,7 +553,7 @@ class BatchedEngine(Engine):
         self.state.drafts.index_put_((slots, column), tokens)
         self.draft_step.add_(1)
 
-    def _draft_oracle(self, slots: torch.Tensor) -> None:
+    def _draft_scripted(self, slots: torch.Tensor) -> None:
         """Scripted drafts: the reference continuation where the pattern says right, +1 elsewhere."""
         k = self.config.num_spec_tokens
         offsets = torch.arange(k, device=self.device)
@@ -561,7 +561,7 @@ class BatchedEngine(Engine):
         right = self.script_by_slot[slots].gather(1, index)
         pattern = self.drafter
         if pattern.kind == "random":
-            correct = counter_uniform(self.slot_seed[slots][:, None], index, ORACLE_LANE) < pattern.value
+            correct = counter_uniform(self.slot_seed[slots][:, None], index, SCRIPT_LANE) < pattern.value
         else:
             limit = {"all": k, "none": 0}.get(pattern.kind, pattern.value)
             correct = (offsets < limit)[None, :].expand_as(right)

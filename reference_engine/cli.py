@@ -49,14 +49,14 @@ def add_engine_parser(commands) -> None:
         parser.add_argument("--detect-syncs", action="store_true", help="count host-blocking syncs per steady-state step (CUDA)")
         parser.add_argument("--json", help="write the measured metrics here")
         parser.add_argument("--seed", type=int, default=0)
-    run.add_argument("--drafter", default="none", help="eagle | layer-skip[:N] | oracle:PATTERN (all, none, first:J, random:R)")
+    run.add_argument("--drafter", default="none", help="eagle | layer-skip[:N] | scripted:PATTERN (all, none, first:J, random:R; oracle:PATTERN is its old name)")
     run.add_argument("--eagle", help="a local EAGLE head checkpoint directory (with --drafter eagle)")
     run.add_argument("--temperature", type=float, default=0.0)
     run.add_argument("--loop", default="async", choices=LOOPS,
                      help="async: zero-bubble batched loop; sync: the same step, waiting for each; "
                           "simple: the per-request loop of part 1")
     run.add_argument("--check-inputs", action="store_true", help="debug: count placeholder inputs and stale positions on device")
-    bench.add_argument("--drafters", default="oracle:random:0.7,layer-skip", help="comma-separated drafters to compare")
+    bench.add_argument("--drafters", default="scripted:random:0.7,layer-skip", help="comma-separated drafters to compare")
 
 
 def _device_and_dtype(args, usage_error):

@@ -12,7 +12,7 @@ class DeviceState:
     def __init__(self, max_num_reqs: int, device: torch.device, num_spec_tokens: int = 0) -> None:
         self.num_computed = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self.last_token = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
-        # Used by the batched engine: output tokens so far (the oracle's script index) and the
+        # Used by the batched engine: output tokens so far (the scripted drafter's index) and the
         # drafts proposed for the next verify, so the host never needs to see either.
         self.num_output = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self.drafts = torch.zeros(max_num_reqs, max(num_spec_tokens, 1), dtype=torch.int64, device=device)

@@ -1,6 +1,6 @@
 """Drafters: propose k tokens per decoding request.
 
-* ``OracleDrafter`` — scripted from a reference (non-speculative greedy) run with a chosen
+* ``ScriptedDrafter`` — scripted from a reference (non-speculative greedy) run with a chosen
   acceptance pattern: ``all``, ``none``, ``first:J`` (the first J drafts right), ``random:R``
   (each right with probability R, seeded). For tests and controlled benchmarks.
 * ``EagleDrafter`` — an EAGLE-style head (see ``model.EagleHead``): k steps, each feeding its own
@@ -10,7 +10,7 @@
   give the same keys and values), so it drafts through the attention backend into the target's
   cache; the verify pass rewrites those slots with identical values.
 
-Each returns drafts [k] and the drafter's distributions [k, V] (one-hot for the oracle).
+Each returns drafts [k] and the drafter's distributions [k, V] (one-hot for the scripted drafter).
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ class AcceptancePattern:
         return rng.random() < self.value
 
 
-class OracleDrafter:
+class ScriptedDrafter:
     def __init__(self, reference: dict[int, list[int]], pattern: AcceptancePattern, vocab_size: int, seed: int = 0) -> None:
         self.reference, self.pattern, self.vocab_size = reference, pattern, vocab_size
         self.rng = random.Random(seed)

@@ -16,13 +16,18 @@ import torch
 from backends import registry
 from backends.base import BackendLimits, CommonAttentionMetadata
 from reference_engine.device_state import DeviceState
-from reference_engine.drafters import AcceptancePattern, EagleDrafter, LayerSkipDrafter, OracleDrafter
+from reference_engine.drafters import AcceptancePattern, EagleDrafter, LayerSkipDrafter, ScriptedDrafter
 from reference_engine.kv_cache import BlockManager
 from reference_engine.model import EagleHead, LlamaModel, ModelConfig, StepInputs
 from reference_engine.rejection import greedy_rejection, probabilistic_rejection
 from reference_engine.request import Request
 from reference_engine.sampling import SamplingParams, filtered_probabilities, sample
 from reference_engine.scheduler import Scheduled, Scheduler
+
+
+# A drafter that follows a reference run with a chosen acceptance pattern. "oracle:" is its former
+# name, still accepted.
+SCRIPTED_DRAFTER_PREFIXES = ("scripted:", "oracle:")
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,7 @@ class EngineConfig:
     max_num_reqs: int = 16
     max_num_tokens: int = 256
     num_spec_tokens: int = 0
-    drafter: str = "none"  # none | eagle | oracle:PATTERN | layer-skip[:N]
+    drafter: str = "none"  # none | eagle | scripted:PATTERN | layer-skip[:N]
     seed: int = 0
     check_device_state: bool = False  # compare the device state with the host mirror after every step
     # The batched engine (part 2) only:
@@ -87,7 +92,7 @@ class Engine:
         if config.num_spec_tokens < 0:
             raise ValueError("the number of speculative tokens must be >= 0")
         if config.num_spec_tokens and config.drafter == "none":
-            raise ValueError("speculative decoding needs a drafter (oracle:PATTERN or layer-skip)")
+            raise ValueError("speculative decoding needs a drafter (scripted:PATTERN or layer-skip)")
         self.config = config
         self.device = torch.device(config.device)
         self.model = model or LlamaModel.random(config.model, config.seed, config.dtype, self.device)
@@ -118,8 +123,9 @@ class Engine:
         self._generators: dict[int, torch.Generator] = {}
 
     def _make_drafter(self, name: str):
-        if name.startswith("oracle:"):
-            return AcceptancePattern.parse(name.removeprefix("oracle:"))  # scripted per generate() call
+        for prefix in SCRIPTED_DRAFTER_PREFIXES:
+            if name.startswith(prefix):
+                return AcceptancePattern.parse(name.removeprefix(prefix))  # scripted per generate() call
         if name == "eagle":
             if self.eagle is None:
                 self.eagle = EagleHead.random(self.config.model, self.config.seed, self.config.dtype, self.device)
@@ -130,7 +136,7 @@ class Engine:
             if not 1 <= layers < self.config.model.num_layers:
                 raise ValueError(f"layer-skip needs 1 <= layers < {self.config.model.num_layers}")
             return LayerSkipDrafter(layers, self._draft_logits, lambda request: self._generators.get(request.request_id), self._last_token)
-        raise ValueError(f"unknown drafter {name!r} (none, eagle, oracle:PATTERN, layer-skip[:N])")
+        raise ValueError(f"unknown drafter {name!r} (none, eagle, scripted:PATTERN, layer-skip[:N])")
 
     # --- public API -----------------------------------------------------------------------------
 
@@ -139,7 +145,7 @@ class Engine:
         params_list = self._validate(prompts, params)
         drafter = self.drafter
         if isinstance(self.drafter, AcceptancePattern):
-            drafter = OracleDrafter(self._oracle_script(prompts, params_list), self.drafter, self.config.model.vocab_size, self.config.seed)
+            drafter = ScriptedDrafter(self._reference_script(prompts, params_list), self.drafter, self.config.model.vocab_size, self.config.seed)
         requests = self._admit(prompts, params_list)
         decode_steps = {request.request_id: 0 for request in requests}
         while not self.scheduler.idle:
@@ -162,11 +168,11 @@ class Engine:
             if any(not 0 <= token < model.vocab_size for token in prompt):
                 raise ValueError(f"prompt token ids must be in [0, {model.vocab_size})")
         if isinstance(self.drafter, AcceptancePattern) and not all(p.greedy for p in params_list):
-            raise ValueError("the oracle drafter scripts greedy runs only")
+            raise ValueError("the scripted drafter scripts greedy runs only")
         return params_list
 
-    def _oracle_script(self, prompts: list[list[int]], params_list: list[SamplingParams]) -> dict[int, list[int]]:
-        """The reference run the oracle drafter is scripted from: the same engine, no speculation."""
+    def _reference_script(self, prompts: list[list[int]], params_list: list[SamplingParams]) -> dict[int, list[int]]:
+        """The reference run the scripted drafter follows: the same engine, no speculation."""
         # Eager: graphs captured for a throwaway engine are freed by the garbage collector at an
         # unpredictable moment, possibly while another graph is being captured (a CUDA error).
         plain = type(self)(dataclasses.replace(self.config, num_spec_tokens=0, drafter="none", cuda_graphs=False), self.model)

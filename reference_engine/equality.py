@@ -23,7 +23,7 @@ from reference_engine.engine import Engine, EngineConfig
 from reference_engine.model import PRESETS, LlamaModel
 from reference_engine.sampling import SamplingParams
 
-DRAFTERS = ("oracle:all", "oracle:none", "oracle:random:0.7", "layer-skip", "eagle")
+DRAFTERS = ("scripted:all", "scripted:none", "scripted:random:0.7", "layer-skip", "eagle")
 
 
 @dataclass

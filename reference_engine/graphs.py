@@ -4,7 +4,7 @@ A uniform step (every row decodes with the same query length: plain decode q = 1
 q = 1 + k) is padded to the next captured batch size (1, 2, 4, 8, … up to max_num_reqs), its host
 inputs uploaded at fixed offsets, and run as segments over persistent buffers of its size:
 
-* ``oracle``: the scripted drafts (no attention);
+* ``scripted``: the scripted drafter's drafts (no attention);
 * ``draft loop``: all k draft forwards in one graph, ``update_for_draft_step`` between them, when
   the backend claims ``draft_step_update``; otherwise ``draft step``: one draft forward captured
   once and replayed k times, the step index in a device scalar, the backend's ``build`` on the

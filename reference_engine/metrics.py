@@ -93,7 +93,7 @@ def measure(engine, prompts, params, *, detect_syncs: bool = False, strategy: st
     wall = time.perf_counter() - started
     tokens = sum(len(out.tokens) for out in outputs)
     drafted = sum(out.drafted for out in outputs)
-    latency = max(out.latency_s for out in outputs)  # arrival → last token (excludes an oracle's scripting run)
+    latency = max(out.latency_s for out in outputs)  # arrival → last token (excludes the scripted drafter's reference run)
     metrics = EngineMetrics(
         requests=len(outputs), tokens=tokens, wall_s=wall, tokens_per_s=tokens / latency if latency else 0.0,
         ttft_ms=1e3 * statistics.median(out.ttft_s for out in outputs),

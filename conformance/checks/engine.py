@@ -4,7 +4,7 @@ For each attention kind and dtype (the first case of each in the suite gives the
 block size) a small model of that layout runs four prompts, greedy:
 
 1. plain decoding (no speculation), the reference;
-2. speculative decoding, k = 3, oracle drafter at 50 % acceptance (a rejection in most steps), synchronous loop: must equal 1;
+2. speculative decoding, k = 3, scripted drafter at 50 % acceptance (a rejection in most steps), synchronous loop: must equal 1;
 3. the same, asynchronous loop with the debug input checks on: must equal 2 token for token, and no
    placeholder, stale length or foreign slot may reach the model;
 4. speculative decoding, k = 3, drafting *through the backend under test* (``layer-skip``: the
@@ -40,7 +40,7 @@ from conformance.results import CaseResult, Verdict
 
 NEAR_TIE = 0.1  # logits; the random models' logits have a standard deviation of about 4
 SPEC_TOKENS = 3
-DRAFTER = "oracle:random:0.5"
+DRAFTER = "scripted:random:0.5"
 ATTENTION_DRAFTER = "layer-skip"  # drafts through the backend under test
 
 

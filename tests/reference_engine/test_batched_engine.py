@@ -1,5 +1,5 @@
 """The batched engine (part 2) on a CPU, torch_naive, fp32: async scheduling produces exactly the
-tokens of sync scheduling and of plain greedy decoding, for every oracle pattern and k in {1, 3, 5},
+tokens of sync scheduling and of plain greedy decoding, for every scripted pattern and k in {1, 3, 5},
 with chunked prefill and with preemption; the host's optimistic bookkeeping is corrected exactly;
 planted async bugs are caught."""
 import dataclasses
@@ -19,7 +19,7 @@ from tests.planted.engines import HostLastTokenEngine, OptimisticStartEngine
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40)), [7, 7, 7], list(range(100, 117))]
 GREEDY = SamplingParams(max_tokens=14)
-PATTERNS = ["oracle:all", "oracle:none", "oracle:first:1", "oracle:random:0.6", "layer-skip:1"]
+PATTERNS = ["scripted:all", "scripted:none", "scripted:first:1", "scripted:random:0.6", "layer-skip:1"]
 
 
 @pytest.fixture(scope="module")
@@ -39,17 +39,17 @@ def test_async_equals_sync_equals_plain(plain_tokens, k, drafter):
     _, overlapped = run(num_spec_tokens=k, drafter=drafter, async_scheduling=True)
     assert [out.tokens for out in sync] == plain_tokens
     assert [out.tokens for out in overlapped] == plain_tokens
-    if drafter == "oracle:all":
+    if drafter == "scripted:all":
         assert all(out.accepted == out.drafted > 0 for out in overlapped)
-    if drafter == "oracle:none":
+    if drafter == "scripted:none":
         assert all(out.accepted == 0 < out.drafted for out in overlapped)
 
 
 @pytest.mark.parametrize("scheduling", [False, True])
 def test_chunked_prefill_and_preemption(plain_tokens, scheduling):
-    _, chunked = run(max_num_tokens=8, num_spec_tokens=3, drafter="oracle:random:0.5", async_scheduling=scheduling)
+    _, chunked = run(max_num_tokens=8, num_spec_tokens=3, drafter="scripted:random:0.5", async_scheduling=scheduling)
     assert [out.tokens for out in chunked] == plain_tokens
-    engine, tight = run(num_blocks=6, num_spec_tokens=3, drafter="oracle:first:1", async_scheduling=scheduling)
+    engine, tight = run(num_blocks=6, num_spec_tokens=3, drafter="scripted:first:1", async_scheduling=scheduling)
     assert [out.tokens for out in tight] == plain_tokens
     assert sum(out.preemptions for out in tight) > 0
     engine.blocks.assert_all_free()
@@ -84,7 +84,7 @@ class MirrorCheckingEngine(BatchedEngine):
             MirrorCheckingEngine.landings += 1
 
 
-@pytest.mark.parametrize("drafter", ["oracle:random:0.5", "layer-skip:1"])
+@pytest.mark.parametrize("drafter", ["scripted:random:0.5", "layer-skip:1"])
 def test_optimistic_bookkeeping_is_corrected_exactly(plain_tokens, drafter):
     MirrorCheckingEngine.landings = 0
     _, outputs = run(MirrorCheckingEngine, num_spec_tokens=3, drafter=drafter, max_num_tokens=16)
@@ -95,15 +95,15 @@ def test_optimistic_bookkeeping_is_corrected_exactly(plain_tokens, drafter):
 
 def test_eos_and_max_tokens_cut_what_the_step_in_flight_produced(plain_tokens):
     eos = plain_tokens[0][3]
-    _, outputs = run(prompts=PROMPTS[:1], params=SamplingParams(max_tokens=14, eos_token_id=eos), num_spec_tokens=3, drafter="oracle:all")
+    _, outputs = run(prompts=PROMPTS[:1], params=SamplingParams(max_tokens=14, eos_token_id=eos), num_spec_tokens=3, drafter="scripted:all")
     assert outputs[0].tokens == plain_tokens[0][: plain_tokens[0].index(eos) + 1]
 
 
 def test_planted_optimistic_length_is_caught(plain_tokens):
     with pytest.raises(InputCheckFailed, match="stale or optimistic length|committed length plus"):
-        run(OptimisticStartEngine, num_spec_tokens=3, drafter="oracle:none")
+        run(OptimisticStartEngine, num_spec_tokens=3, drafter="scripted:none")
     # Without the debug checks the same bug silently changes the tokens.
-    _, outputs = run(OptimisticStartEngine, num_spec_tokens=3, drafter="oracle:none", check_inputs=False)
+    _, outputs = run(OptimisticStartEngine, num_spec_tokens=3, drafter="scripted:none", check_inputs=False)
     assert [out.tokens for out in outputs] != plain_tokens
 
 
@@ -179,9 +179,9 @@ def test_speculative_sampling_with_a_one_hot_target_emits_the_greedy_tokens(plai
         assert 0 < sum(out.accepted for out in outputs) < sum(out.drafted for out in outputs)
 
 
-def test_oracle_refuses_sampling():
+def test_scripted_drafter_refuses_sampling():
     with pytest.raises(ValueError, match="scripts greedy runs only"):
-        BatchedEngine(EngineConfig(num_spec_tokens=2, drafter="oracle:all")).generate(PROMPTS, SamplingParams(temperature=1.0))
+        BatchedEngine(EngineConfig(num_spec_tokens=2, drafter="scripted:all")).generate(PROMPTS, SamplingParams(temperature=1.0))
 
 
 class PaddingOnlyGraphs(StepGraphs):
@@ -208,7 +208,7 @@ class DraftStepUpdateNaive(TorchNaiveBackend):
         return self.build(common)
 
 
-@pytest.mark.parametrize("drafter", ["oracle:random:0.5", "layer-skip:1", "eagle"])
+@pytest.mark.parametrize("drafter", ["scripted:random:0.5", "layer-skip:1", "eagle"])
 @pytest.mark.parametrize("one_graph_draft_loop", [False, True])
 def test_padded_uniform_steps_reuse_their_buffers_and_match_plain(plain_tokens, drafter, one_graph_draft_loop):
     prompts = PROMPTS + [[3, 1, 4]]  # five requests: uniform steps pad to 8 rows
@@ -220,7 +220,7 @@ def test_padded_uniform_steps_reuse_their_buffers_and_match_plain(plain_tokens, 
         engine.graphs = PaddingOnlyGraphs(engine)
         assert [out.tokens for out in engine.generate(prompts, GREEDY)] == plain
         assert "verify" in engine.graphs.keys and any(shape.padded and shape.num_reqs == 8 for shape in engine._buffers)
-        expected = "oracle" if drafter.startswith("oracle") else ("draft loop" if one_graph_draft_loop else "draft step")
+        expected = "scripted" if drafter.startswith("scripted") else ("draft loop" if one_graph_draft_loop else "draft step")
         assert expected in engine.graphs.keys
         assert int(engine.state.num_computed[engine.spare_slot]) == 0  # padding rows never commit
 
@@ -326,8 +326,8 @@ def test_prefill_is_chunked_to_the_backends_max_query_len(plain_tokens):
     check failed before it did): tokens equal plain decoding through a backend with no limit."""
     backend = "tests.reference_engine.test_batched_engine:VerifyOnlyBackend"
     for scheduling in (False, True):
-        _, outputs = run(backend=backend, num_spec_tokens=3, drafter="oracle:random:0.5", async_scheduling=scheduling)
+        _, outputs = run(backend=backend, num_spec_tokens=3, drafter="scripted:random:0.5", async_scheduling=scheduling)
         assert [out.tokens for out in outputs] == plain_tokens
     assert [out.tokens for out in Engine(EngineConfig(backend=backend)).generate(PROMPTS, GREEDY)] == plain_tokens
     with pytest.raises(ValueError, match="verifies at most 4 tokens per request: k=4 needs 5"):
-        BatchedEngine(EngineConfig(backend=backend, num_spec_tokens=4, drafter="oracle:all"))
+        BatchedEngine(EngineConfig(backend=backend, num_spec_tokens=4, drafter="scripted:all"))

@@ -19,24 +19,24 @@ def plain_tokens():
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
-@pytest.mark.parametrize("drafter", ["oracle:all", "oracle:none", "oracle:first:1", "oracle:random:0.6", "layer-skip:1", "eagle"])
+@pytest.mark.parametrize("drafter", ["scripted:all", "scripted:none", "scripted:first:1", "scripted:random:0.6", "layer-skip:1", "eagle"])
 def test_greedy_speculative_equals_greedy_plain(plain_tokens, k, drafter):
     outputs = Engine(EngineConfig(num_spec_tokens=k, drafter=drafter)).generate(PROMPTS, GREEDY)
     assert [out.tokens for out in outputs] == plain_tokens
-    if drafter == "oracle:all":
+    if drafter == "scripted:all":
         assert all(out.accepted == out.drafted for out in outputs)
         assert all(out.acceptance_length > 1.5 for out in outputs)
-    if drafter == "oracle:none":
+    if drafter == "scripted:none":
         assert all(out.accepted == 0 and out.drafted > 0 for out in outputs)
 
 
 def test_chunked_prefill_and_a_tight_budget_change_nothing(plain_tokens):
-    outputs = Engine(EngineConfig(max_num_tokens=8, num_spec_tokens=3, drafter="oracle:random:0.5")).generate(PROMPTS, GREEDY)
+    outputs = Engine(EngineConfig(max_num_tokens=8, num_spec_tokens=3, drafter="scripted:random:0.5")).generate(PROMPTS, GREEDY)
     assert [out.tokens for out in outputs] == plain_tokens
 
 
 def test_preemption_by_recompute_changes_nothing(plain_tokens):
-    engine = Engine(EngineConfig(num_blocks=6, block_size=16, num_spec_tokens=2, drafter="oracle:first:1", check_device_state=True))
+    engine = Engine(EngineConfig(num_blocks=6, block_size=16, num_spec_tokens=2, drafter="scripted:first:1", check_device_state=True))
     outputs = engine.generate(PROMPTS, GREEDY)
     assert [out.tokens for out in outputs] == plain_tokens
     assert sum(out.preemptions for out in outputs) > 0  # the pool really was too small for all at once
@@ -58,7 +58,7 @@ def test_block_manager_reserves_block_zero_and_detects_leaks():
 
 def test_stop_on_eos_and_max_tokens(plain_tokens):
     eos = plain_tokens[0][3]
-    outputs = Engine(EngineConfig(num_spec_tokens=3, drafter="oracle:all")).generate(
+    outputs = Engine(EngineConfig(num_spec_tokens=3, drafter="scripted:all")).generate(
         PROMPTS[:1], SamplingParams(max_tokens=14, eos_token_id=eos)
     )
     assert outputs[0].tokens == plain_tokens[0][: plain_tokens[0].index(eos) + 1]
@@ -85,10 +85,10 @@ def test_random_weights_give_non_degenerate_distributions():
         (lambda: Engine(EngineConfig()).generate([[]], GREEDY), "empty prompt"),
         (lambda: Engine(EngineConfig()).generate([[1] * 2000], GREEDY), "does not fit max_model_len"),
         (lambda: Engine(EngineConfig()).generate([[9999]], GREEDY), "token ids must be in"),
-        (lambda: Engine(EngineConfig(num_spec_tokens=-1, drafter="oracle:all")), ">= 0"),
+        (lambda: Engine(EngineConfig(num_spec_tokens=-1, drafter="scripted:all")), ">= 0"),
         (lambda: Engine(EngineConfig(num_spec_tokens=2, drafter="medusa")), "unknown drafter"),
         (lambda: Engine(EngineConfig(num_spec_tokens=2)), "needs a drafter"),
-        (lambda: Engine(EngineConfig(num_spec_tokens=2, drafter="oracle:sometimes")), "acceptance pattern"),
+        (lambda: Engine(EngineConfig(num_spec_tokens=2, drafter="scripted:sometimes")), "acceptance pattern"),
         (lambda: Engine(EngineConfig(backend="triton")), "cannot run this model here"),
         (lambda: Engine(EngineConfig(num_blocks=2)).generate([list(range(40))], GREEDY), "raise num_blocks"),
     ],
@@ -105,7 +105,7 @@ def test_eagle_with_chunked_prefill_and_preemption(plain_tokens):
     assert sum(out.preemptions for out in outputs) > 0
 
 
-@pytest.mark.parametrize("drafter", ["oracle:random:0.5", "layer-skip:1", "eagle"])
+@pytest.mark.parametrize("drafter", ["scripted:random:0.5", "layer-skip:1", "eagle"])
 def test_device_state_is_the_truth_the_host_mirrors(plain_tokens, drafter):
     """Decode rows take their first input token from the device state; after every step the
     device's computed count and last token equal the host's mirror, and all slots are free at the end."""
@@ -127,3 +127,11 @@ def test_equality_tool_finds_and_explains_a_divergence():
     margin, rank_top, rank_second = explain(engine, prompt[:-1], prompt[-1:], top, second)
     assert (rank_top, rank_second) == (0, 1)
     assert margin == pytest.approx(float(logits[top] - logits[second]), rel=1e-5)
+
+
+def test_the_scripted_drafter_keeps_its_old_name():
+    from reference_engine.drafters import AcceptancePattern
+
+    for name in ("scripted:first:2", "oracle:first:2"):
+        engine = Engine(EngineConfig(num_spec_tokens=3, drafter=name))
+        assert isinstance(engine.drafter, AcceptancePattern) and engine.drafter.kind == "first"

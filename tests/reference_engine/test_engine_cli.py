@@ -9,7 +9,7 @@ def engine(*args):
 
 
 def test_engine_run_prints_speed_and_acceptance():
-    completed = engine("--spec-tokens", "2", "--drafter", "oracle:random:0.7", "--num-prompts", "3", "--max-tokens", "12",
+    completed = engine("--spec-tokens", "2", "--drafter", "scripted:random:0.7", "--num-prompts", "3", "--max-tokens", "12",
                        "--prompt-len", "20", "--device", "cpu")
     assert completed.returncode == 0, completed.stderr
     for metric in ("throughput", "TPOT", "mean acceptance length", "draft acceptance"):

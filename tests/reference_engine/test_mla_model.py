@@ -51,7 +51,7 @@ def test_absorbed_mla_equals_the_non_absorbed_formula():
     torch.testing.assert_close(engine.score(prompt), non_absorbed_logits(engine.model, prompt), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("drafter", ["oracle:random:0.5", "layer-skip:1", "eagle"])
+@pytest.mark.parametrize("drafter", ["scripted:random:0.5", "layer-skip:1", "eagle"])
 def test_greedy_speculative_equals_plain_with_mla(drafter):
     config = PRESETS["tiny-mla"]
     prompts = [[1, 2, 3, 4, 5], list(range(10, 40))]
