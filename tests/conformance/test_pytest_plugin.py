@@ -73,3 +73,11 @@ def test_checks_that_skip_as_a_whole_are_one_item_and_all_skipped_fails(pytester
     result = run_plugin(pytester, "--conformance-backend", "torch_naive", "--conformance-check", "graphs",
                         "--conformance-device", "cpu", "--conformance-allow-skip")
     assert result.ret == pytest.ExitCode.OK
+
+
+def test_the_engine_check_runs_once_per_layout_under_the_plugin(pytester):
+    # One check instance per check, as in a run: its once-per-layout skip holds across items.
+    result = run_plugin(pytester, "--conformance-backend", "torch_naive", "--conformance-check", "engine",
+                        "--conformance-device", "cpu", "-rs")
+    result.assert_outcomes(passed=4 + 1, skipped=5)  # the smoke suite's four layouts, plus the author's own test
+    result.stdout.fnmatch_lines(["*layout covered by*"])
