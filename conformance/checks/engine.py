@@ -106,21 +106,20 @@ class EngineCheck(Check):
         def run(**changes):
             return BatchedEngine(dataclasses.replace(base, **changes), model).generate(prompts, params)
 
-        def run_drafting(rebuild: bool) -> int:
-            """The digest of every token verified in a synchronous run drafting through the backend."""
+        def run_drafting(rebuild: bool = False):
+            """A synchronous run drafting through the backend: its outputs, and the digest of every
+            token it verified (the drafts it proposed, as the target saw them)."""
             engine = BatchedEngine(dataclasses.replace(base, num_spec_tokens=SPEC_TOKENS, drafter=ATTENTION_DRAFTER,
                                                        async_scheduling=False, cuda_graphs=graphs, check_inputs=True,
                                                        rebuild_draft_metadata=rebuild), model)
-            engine.generate(prompts, params)
-            return engine.verified_digest()
+            return engine.generate(prompts, params), engine.verified_digest()
 
         plain = [out.tokens for out in run(num_spec_tokens=0, drafter="none", async_scheduling=False)]
         sync = [out.tokens for out in run(num_spec_tokens=SPEC_TOKENS, drafter=DRAFTER, async_scheduling=False)]
         graphs = device.type == "cuda"
         try:
             overlapped = [out.tokens for out in run(num_spec_tokens=SPEC_TOKENS, drafter=DRAFTER, check_inputs=True)]
-            drafted_outputs = run(num_spec_tokens=SPEC_TOKENS, drafter=ATTENTION_DRAFTER, async_scheduling=False,
-                                  cuda_graphs=graphs)
+            drafted_outputs, drafted_digest = run_drafting()
             drafted_sync = [out.tokens for out in drafted_outputs]
             drafted_async = [out.tokens for out in run(num_spec_tokens=SPEC_TOKENS, drafter=ATTENTION_DRAFTER,
                                                        cuda_graphs=graphs, check_inputs=True)]
@@ -136,7 +135,7 @@ class EngineCheck(Check):
             if problem:
                 return CaseResult(case.id, Verdict.FAIL, problem, tag=case.tag, evidence=evidence)
         if backend_cls.capabilities.draft_step_update:
-            problem = self._draft_update_problem(backend_cls, run_drafting, drafting, evidence)
+            problem = self._draft_update_problem(backend_cls, drafted_digest, run_drafting, drafting, evidence)
             if problem:
                 return CaseResult(case.id, Verdict.FAIL, problem, tag=case.tag, evidence=evidence)
         if graphs:
@@ -168,16 +167,16 @@ class EngineCheck(Check):
             reason += f"; {metrics['host_syncs_per_steady_step']:.2f} syncs/step, GPU idle {metrics['gpu_idle_fraction']:.1%}"
         return CaseResult(case.id, Verdict.PASS, reason, tag=case.tag, metrics=metrics, evidence=evidence)
 
-    def _draft_update_problem(self, backend_cls, run_drafting, drafting: str, evidence: dict) -> str | None:
+    def _draft_update_problem(self, backend_cls, updated: int, run_drafting, drafting: str, evidence: dict) -> str | None:
         """A backend claiming draft_step_update must draft exactly what it drafts with its metadata
         built afresh for every draft step. Compared on the drafts themselves (through a digest of
         every verified token), not on what is accepted: a wrong draft is usually rejected anyway,
         so a stale length in one row's draft step hides in the acceptance counts."""
-        updated, rebuilt = run_drafting(rebuild=False), run_drafting(rebuild=True)
+        _, rebuilt = run_drafting(rebuild=True)
         evidence["verified_drafts_digest"] = {"update_for_draft_step": updated, "metadata_rebuilt": rebuilt}
         if updated == rebuilt:
             return None
-        if not backend_cls.capabilities.deterministic and run_drafting(rebuild=False) != updated:
+        if not backend_cls.capabilities.deterministic and run_drafting()[1] != updated:
             evidence["verified_drafts_digest"]["note"] = ("two identical runs drafted differently (determinism not "
                                                           "claimed): the update path could not be compared")
             return None
