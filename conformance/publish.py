@@ -114,7 +114,8 @@ def main() -> None:
         bench.save(out / "bench.json")
         write_html(bench, out / "bench.html")
         ceilings = next((c.metrics for b in bench.backends for ch in b.checks for c in ch.cases if c.metrics.get("copy_GBps")), {})
-        lines += ["", f"## Headline bench numbers (`conformance bench`, {bench.environment.get('gpu', '')})", "",
+        lines += ["", f"## Bench numbers (one `conformance bench` run, {bench.environment.get('gpu', '')}; not repeated: "
+                  "read them as one measurement, not as headline figures)", "",
                   f"Forward time, CUDA events, L2 flushed, median. Ceilings measured in the same run: copy "
                   f"{ceilings.get('copy_GBps', 0):.0f} GB/s (read + write), bf16 matmul {ceilings.get('bf16_TFLOPs', 0):.0f} TFLOP/s.",
                   "", *bench_table(bench)]
