@@ -51,7 +51,7 @@ def merged(earlier: BackendResult, later: BackendResult) -> BackendResult:
 
 
 def verdict_table(per_backend: dict[str, RunResult]) -> list[str]:
-    checks = [name for name in DEFAULT_CHECKS if name != "engine"]
+    checks = list(DEFAULT_CHECKS)
     lines = ["| backend | GPU | " + " | ".join(checks) + " |", "|---" * (len(checks) + 2) + "|"]
     for name, result in per_backend.items():
         backend = result.backends[0]
