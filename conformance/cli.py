@@ -26,7 +26,7 @@ from backends import registry
 from backends.base import DeviceError, DeviceInfo, resolve_device
 from conformance.batch import footprint_bytes
 from conformance.cases import CaseSyntaxError, __doc__ as CASE_GRAMMAR, parse_case, suite
-from conformance.checks import CHECKS, DEFAULT_CHECKS
+from conformance.checks import CHECKS, default_checks
 from conformance.compare import ACCEPTABLE, CompareError, compare_runs
 from conformance.interrupts import Interrupted, stopping_on_signals
 from conformance.journal import Journal
@@ -102,7 +102,7 @@ def _check_case_sizes(cases, device: torch.device) -> None:
 
 
 def _checks(values: list[str] | None) -> list[str]:
-    names = _split(values) if values else list(DEFAULT_CHECKS)
+    names = _split(values) if values else default_checks()
     if not names:
         raise UsageError("--check needs at least one check name")
     unknown = [name for name in names if name not in CHECKS]
@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_run_arguments(running, default_suite="standard")
     running.add_argument("--check", action="append",
-                         help=f"CHECK[,CHECK...] of: {', '.join(CHECKS)} (default: {', '.join(DEFAULT_CHECKS)})")
+                         help=f"CHECK[,CHECK...] of: {', '.join(CHECKS)} (default: {', '.join(default_checks())})")
     benching = commands.add_parser(
         "bench", help="benchmark backends side by side (the bench check over the bench suite)",
         epilog="--case grammar:\n" + CASE_GRAMMAR, formatter_class=argparse.RawDescriptionHelpFormatter,

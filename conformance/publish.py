@@ -15,7 +15,7 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-from conformance.checks import CHECKS, DEFAULT_CHECKS
+from conformance.checks import CHECKS, default_checks
 from conformance.report_html import write_html
 from conformance.results import BackendResult, RunResult
 
@@ -51,7 +51,7 @@ def merged(earlier: BackendResult, later: BackendResult) -> BackendResult:
 
 
 def verdict_table(per_backend: dict[str, RunResult]) -> list[str]:
-    checks = list(DEFAULT_CHECKS)
+    checks = default_checks()
     lines = ["| backend | GPU | " + " | ".join(checks) + " |", "|---" * (len(checks) + 2) + "|"]
     for name, result in per_backend.items():
         backend = result.backends[0]

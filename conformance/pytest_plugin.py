@@ -17,7 +17,6 @@ It also brings ``host_syncs``'s ``forbid_host_syncs`` fixture (see ``host_syncs.
 """
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -72,9 +71,11 @@ class ConformanceItem(pytest.Item):
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, ConformanceFailure):
+            from conformance.checks.evidence import plain_lines
+
             result = excinfo.value.result
-            evidence = json.dumps(result.evidence, indent=1, default=str)[:4000] if result.evidence else ""
-            return f"{result.verdict.value}: {result.reason}\ncase: {result.case}\n{evidence}"
+            evidence = plain_lines(self.check.describe_evidence(result.evidence), block_lines=40)
+            return "\n".join([f"{result.verdict.value}: {result.reason}", f"case: {result.case}", *evidence])
         return super().repr_failure(excinfo)
 
     def reportinfo(self):
@@ -88,7 +89,7 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     from backends import registry
     from backends.base import DeviceError, DeviceInfo, resolve_device
     from conformance.cases import CaseSyntaxError, suite
-    from conformance.checks import CHECKS, DEFAULT_CHECKS, make_check
+    from conformance.checks import CHECKS, default_checks, make_check
 
     try:
         backend_cls = registry.load(target)
@@ -96,7 +97,7 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     except (registry.BackendLookupError, CaseSyntaxError) as error:
         raise pytest.UsageError(str(error)) from None
     option = config.getoption("conformance_check")
-    checks = list(DEFAULT_CHECKS) if option is None else [name.strip() for name in option.split(",") if name.strip()]
+    checks = default_checks() if option is None else [name.strip() for name in option.split(",") if name.strip()]
     unknown = [name for name in checks if name not in CHECKS]
     if unknown or not checks:
         raise pytest.UsageError(f"unknown check {unknown[0]!r} (choose from {', '.join(CHECKS)})" if unknown

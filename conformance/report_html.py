@@ -12,6 +12,7 @@ import json
 from html import escape
 from typing import Any
 
+from conformance.checks import check_class
 from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
 from conformance.output_paths import write_atomically
 
@@ -65,36 +66,21 @@ def summary_matrix(run: RunResult) -> str:
     return f"<table id='summary'><tr><th>backend</th>{head}</tr>{''.join(rows)}</table>"
 
 
-def _evidence(case: CaseResult) -> str:
+def _evidence(check_name: str, case: CaseResult) -> str:
     parts = []
-    worst = case.evidence.get("worst")
-    if worst:
-        parts.append("<p>worst element: " + escape(", ".join(f"{k} {v}" for k, v in worst.items())) + "</p>")
-    if case.evidence.get("failing_batch"):
-        parts.append(f"<p>failing replay batch: <code>{escape(case.evidence['failing_batch'])}</code></p>")
-    for mode in ("with_host_lengths", "without_host_lengths", "capture_events"):
-        events = case.evidence.get(mode) or []
-        if events:
-            items = "".join(
-                f"<li><b>{escape(e['kind'])}</b> {escape(e['api'])}"
-                + (f" {e['num_bytes']} B" if e.get("num_bytes") is not None else "")
-                + f" in <i>{escape(e.get('phase') or '')}</i> at <code>{escape(e.get('source') or 'unknown frame')}</code>"
-                + "<pre>" + escape("\n".join(e.get("stack", []))) + "</pre></li>"
-                for e in events
-            )
-            parts.append(f"<p>sync events {escape(mode.replace('_', ' '))}:</p><ul>{items}</ul>")
-    for key in ("stderr_tail", "traceback"):
-        if case.evidence.get(key):
-            parts.append(f"<p>{escape(key.replace('_', ' '))}:</p><pre>{escape(case.evidence[key])}</pre>")
+    for item in check_class(check_name).describe_evidence(case.evidence):
+        label = f"{escape(item.label)}:" if item.label else ""
+        parts.append(f"<p>{label}</p><pre>{escape(item.text)}</pre>" if item.block
+                     else f"<p>{label} <code>{escape(item.text)}</code></p>")
     if case.metrics:
         parts.append(f"<details><summary>metrics</summary><pre>{escape(json.dumps(case.metrics, indent=1))}</pre></details>")
     return "".join(parts)
 
 
-def _case_rows(cases: list[CaseResult], with_evidence: bool) -> str:
+def _case_rows(check_name: str, cases: list[CaseResult], with_evidence: bool) -> str:
     rows = []
     for case in cases:
-        evidence = _evidence(case) if with_evidence else ""
+        evidence = _evidence(check_name, case) if with_evidence else ""
         rows.append(
             f"<tr>{_verdict_cell(case.verdict)}<td><code>{escape(case.case)}</code><br><span class='dim'>{escape(case.tag)}</span></td>"
             f"<td>{escape(case.reason)}{evidence}</td></tr>"
@@ -108,9 +94,9 @@ def check_section(backend: BackendResult, check: CheckResult) -> str:
     parts = [f"<h3 id='{escape(backend.name)}-{escape(check.name)}'>{escape(backend.name)} / {escape(check.name)}: "
              f"{check.verdict.value}</h3><p>{escape(check.summary)}</p>{details}"]
     if failing:
-        parts.append(f"<table class='failures'><tr><th>verdict</th><th>case</th><th>evidence</th></tr>{_case_rows(failing, True)}</table>")
+        parts.append(f"<table class='failures'><tr><th>verdict</th><th>case</th><th>evidence</th></tr>{_case_rows(check.name, failing, True)}</table>")
     if check.cases:
-        parts.append(f"<details><summary>all {len(check.cases)} cases</summary><table>{_case_rows(check.cases, False)}</table></details>")
+        parts.append(f"<details><summary>all {len(check.cases)} cases</summary><table>{_case_rows(check.name, check.cases, False)}</table></details>")
     return "".join(parts)
 
 

@@ -5,22 +5,16 @@ skipped check is one skipped testcase carrying the reason.
 """
 from __future__ import annotations
 
-import json
 import xml.etree.ElementTree as ElementTree
 
+from conformance.checks import check_class
+from conformance.checks.evidence import plain_lines
 from conformance.results import CaseResult, RunResult, Verdict
 from conformance.output_paths import write_atomically
 
 
-def _evidence_text(case: CaseResult) -> str:
-    tail = case.evidence.get("stderr_tail") or case.evidence.get("traceback")
-    body = {k: v for k, v in case.evidence.items() if k not in ("stderr_tail", "traceback")}
-    parts = [case.reason]
-    if body:
-        parts.append(json.dumps(body, indent=1, default=str))
-    if tail:
-        parts.append(tail)
-    return "\n".join(parts)
+def _evidence_text(check_name: str, case: CaseResult) -> str:
+    return "\n".join([case.reason] + plain_lines(check_class(check_name).describe_evidence(case.evidence)))
 
 
 def _testcase(suite: ElementTree.Element, classname: str, name: str, verdict: Verdict, message: str, text: str = "") -> None:
@@ -43,7 +37,7 @@ def render(run: RunResult) -> str:
             if not check.cases:
                 _testcase(suite, classname, check.name, check.verdict if check.verdict != Verdict.PASS else Verdict.SKIP, check.summary)
             for case in check.cases:
-                _testcase(suite, classname, case.case, case.verdict, case.reason, _evidence_text(case))
+                _testcase(suite, classname, case.case, case.verdict, case.reason, _evidence_text(check.name, case))
             counts = {
                 "tests": len(suite),
                 "failures": len(suite.findall("testcase/failure")),

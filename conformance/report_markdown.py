@@ -1,10 +1,12 @@
 """A Markdown summary for a pull-request comment or a CI step summary ($GITHUB_STEP_SUMMARY)."""
 from __future__ import annotations
 
+from conformance.checks import check_class
 from conformance.results import RunResult
 from conformance.output_paths import write_atomically
 
 MAX_FAILURES = 20
+MAX_EVIDENCE_ITEMS = 3  # per failure
 ICONS = {"PASS": "✅", "FAIL": "❌", "ERROR": "⚠️", "CRASH": "💥", "SKIP": "⏭️"}
 
 
@@ -33,6 +35,10 @@ def render(run: RunResult) -> str:
         lines += ["", f"#### Failures ({len(failures)})", ""]
         for backend, check, case in failures[:MAX_FAILURES]:
             lines.append(f"- **{case.verdict.value}** `{backend}` / {check} `{case.case}`: {case.reason}")
+            # A block's label alone (a sync event's line to change): a stack or a traceback belongs in
+            # the HTML report, not in a pull-request comment.
+            items = check_class(check).describe_evidence(case.evidence)[:MAX_EVIDENCE_ITEMS]
+            lines += [f"  - {item.label}" if item.block else f"  - {item.label}: `{item.text}`" for item in items]
         if len(failures) > MAX_FAILURES:
             lines.append(f"- … and {len(failures) - MAX_FAILURES} more in the JSON results")
     lines += ["", f"<sub>{run.environment.get('command', '')} · {run.environment.get('git_sha') or ''}</sub>", ""]

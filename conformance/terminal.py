@@ -10,6 +10,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from conformance.checks import check_class
+from conformance.checks.evidence import plain_lines
 from conformance.results import BackendResult, CaseResult, RunResult, Verdict
 from conformance.runner import Progress as RunProgress
 
@@ -21,6 +23,7 @@ VERDICT_STYLES = {
     Verdict.SKIP: "yellow",
 }
 MAX_FAILURES_SHOWN = 8
+MAX_EVIDENCE_LINES = 24  # per case: the report stays readable with eight failures shown
 
 
 def verdict_text(verdict: Verdict) -> Text:
@@ -123,12 +126,11 @@ def summary_table(run: RunResult) -> Table:
     return table
 
 
-def _evidence_lines(case: CaseResult) -> list[str]:
-    lines = []
-    tail = case.evidence.get("stderr_tail") or case.evidence.get("traceback")
-    if tail:
-        lines += ["    " + line for line in tail.strip().splitlines()[-12:]]
-    return lines
+def _evidence_lines(check_name: str, case: CaseResult) -> list[str]:
+    lines = plain_lines(check_class(check_name).describe_evidence(case.evidence), block_lines=12)
+    if len(lines) > MAX_EVIDENCE_LINES:
+        lines = lines[:MAX_EVIDENCE_LINES] + ["… the rest in the JSON results and the HTML report"]
+    return ["    " + line for line in lines]
 
 
 def print_failures(console: Console, run: RunResult) -> None:
@@ -142,7 +144,7 @@ def print_failures(console: Console, run: RunResult) -> None:
                 console.print(Text("  ").append(verdict_text(case.verdict)).append(f" {case.case}").append(
                     f"  ({case.tag})" if case.tag else "", style="dim"))
                 console.print(f"    {case.reason}", markup=False, highlight=False)
-                for line in _evidence_lines(case):
+                for line in _evidence_lines(check.name, case):
                     console.print(line, markup=False, highlight=False, style="dim")
             if len(failures) > MAX_FAILURES_SHOWN:
                 console.print(f"  … and {len(failures) - MAX_FAILURES_SHOWN} more in the JSON results")

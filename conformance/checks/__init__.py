@@ -1,4 +1,9 @@
-"""The checks, by name, in the order a run performs them."""
+"""The check registry: the one list of checks, by name, in the order a run performs them.
+
+A new check is one module under ``conformance/checks/`` (a ``Check`` subclass that runs a case
+and describes its evidence) plus one line below; the CLI, the pytest plugin and every report
+take their checks from here.
+"""
 from __future__ import annotations
 
 from conformance.checks.base import Check
@@ -20,9 +25,17 @@ CHECKS: dict[str, type[Check]] = {
     BenchCheck.name: BenchCheck,
 }
 
-# `conformance run` checks correctness; `conformance bench` (or --check bench) measures speed.
-DEFAULT_CHECKS = [name for name in CHECKS if name != BenchCheck.name]
+
+def default_checks() -> list[str]:
+    """What `conformance run` checks: correctness; `conformance bench` (or --check bench) measures speed."""
+    return [name for name in CHECKS if name != BenchCheck.name]
 
 
 def make_check(name: str, options: dict | None = None) -> Check:
     return CHECKS[name](options)
+
+
+def check_class(name: str) -> type[Check]:
+    """The class that describes a result's evidence; the base for a check this version lacks
+    (a results file from another version), which shows every evidence key as it is."""
+    return CHECKS.get(name, Check)

@@ -12,6 +12,7 @@ import torch
 
 from backends.base import AttentionBackend
 from conformance.cases import Case
+from conformance.checks.evidence import EvidenceItem, labelled
 from conformance.results import CaseResult, Verdict, worst
 
 
@@ -34,6 +35,13 @@ class Check(abc.ABC):
     @abc.abstractmethod
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
         """Run one case; raise only for a backend error (reported as ERROR)."""
+
+    @classmethod
+    def describe_evidence(cls, evidence: dict[str, Any]) -> list[EvidenceItem]:
+        """What every report shows of one case's evidence. A check describes the keys it writes and
+        passes the rest here (``evidence.without``): a crashed child's stderr and an error's
+        traceback, which any check can have, and any key no check described, shown as it is."""
+        return [item for key, value in evidence.items() for item in labelled(key.replace("_", " "), value)]
 
     def details(self) -> dict[str, Any]:
         """Check-wide facts the report should state (tolerances, strategy)."""

@@ -19,6 +19,7 @@ from backends.base import AttentionBackend, CommonAttentionMetadata
 from conformance.batch import materialize
 from conformance.cases import Case
 from conformance.checks.base import Check
+from conformance.checks.evidence import EvidenceItem, without, worst_element
 from conformance.checks.numerics import TOLERANCES, compare_with_oracle
 from conformance.graph_batches import GraphShape
 from conformance.graph_harness import GraphBuffers, cuda_graph_skip_reason, warm_up
@@ -175,6 +176,10 @@ def run_rebuilt_loop(loop: DraftLoop, warm: bool = True) -> None:
 class DraftLoopCheck(Check):
     name = "draft-loop"
     question = "k draft steps under CUDA graphs, positions advanced on device: every step right?"
+
+    @classmethod
+    def describe_evidence(cls, evidence: dict[str, Any]) -> list[EvidenceItem]:
+        return worst_element(evidence.get("worst")) + super().describe_evidence(without(evidence, "worst"))
 
     def skip_reason(self, backend_cls: type[AttentionBackend], device: torch.device) -> str | None:
         return cuda_graph_skip_reason(backend_cls, device, "the draft loop runs under CUDA graphs")

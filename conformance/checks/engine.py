@@ -36,6 +36,7 @@ import torch
 from backends.base import AttentionBackend
 from conformance.cases import Case
 from conformance.checks.base import Check
+from conformance.checks.evidence import EvidenceItem, labelled, without
 from conformance.results import CaseResult, Verdict
 
 NEAR_TIE = 0.1  # logits; the random models' logits have a standard deviation of about 4
@@ -67,6 +68,15 @@ class EngineCheck(Check):
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         super().__init__(options)
         self.covered: dict[tuple, str] = {}
+
+    @classmethod
+    def describe_evidence(cls, evidence: dict[str, Any]) -> list[EvidenceItem]:
+        items = labelled("near-tie flips (explained, not failures)", evidence.get("near_ties"))
+        items += labelled("verified drafts' digest", evidence.get("verified_drafts_digest"))
+        items += labelled("accepted drafts per prompt", evidence.get("accepted_drafts"))
+        items += labelled("host syncs in the async loop", evidence.get("host_sync_sources"))
+        described = ("near_ties", "verified_drafts_digest", "accepted_drafts", "host_sync_sources")
+        return items + super().describe_evidence(without(evidence, *described))
 
     def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
         key = layout_key(case)

@@ -14,6 +14,7 @@ import torch
 from backends.base import AttentionBackend, dtype_name
 from conformance.cases import Case
 from conformance.checks.base import Check
+from conformance.checks.evidence import EvidenceItem, WorstElement, without, worst_element
 from conformance.harness import WroteOutsideOutput, prepare_case, run_step
 from conformance.results import CaseResult, Verdict
 
@@ -53,7 +54,7 @@ def compare_with_oracle(
         # the margin by which a defect fails, or a correct backend passes.
         "tolerance_ratio": float(torch.where(non_finite, torch.full_like(diff, float("inf")), diff / allowed).max()),
     }
-    evidence = {
+    evidence: dict[str, WorstElement] = {
         "worst": {
             "request": request,
             "token": token - query_start_loc[request],
@@ -69,6 +70,10 @@ def compare_with_oracle(
 class NumericsCheck(Check):
     name = "numerics"
     question = "equal to the float64 oracle on every supported case?"
+
+    @classmethod
+    def describe_evidence(cls, evidence: dict[str, Any]) -> list[EvidenceItem]:
+        return worst_element(evidence.get("worst")) + super().describe_evidence(without(evidence, "worst"))
 
     def details(self) -> dict[str, Any]:
         return {

@@ -16,6 +16,7 @@ import torch
 from backends.base import AttentionBackend
 from conformance.cases import Case
 from conformance.checks.base import Check
+from conformance.checks.evidence import EvidenceItem, labelled, sync_events, without
 from conformance.harness import prepare_case, run_step
 from host_syncs.detector import detect_host_syncs
 from host_syncs.events import SyncEvent
@@ -60,6 +61,13 @@ def source_counts(mode: str, events: list[SyncEvent]) -> dict[str, int]:
 class SyncsCheck(Check):
     name = "syncs"
     question = "host↔device syncs in build + write_kv + forward, with and without host lengths?"
+
+    @classmethod
+    def describe_evidence(cls, evidence: dict[str, Any]) -> list[EvidenceItem]:
+        items = [item for mode in MODES for item in sync_events(mode.replace("_", " "), evidence.get(mode))]
+        items += labelled("detector fell back (CUPTI unavailable)", evidence.get("cupti_unavailable"))
+        # blind_spots is the detector's standing caveat, the same for every case: the check's details say it.
+        return items + super().describe_evidence(without(evidence, *MODES, "cupti_unavailable", "blind_spots"))
 
     @property
     def strategy(self) -> str:

@@ -7,7 +7,7 @@ import sys
 from rich.console import Console
 
 from conformance.cases import parse_case, suite
-from conformance.checks import DEFAULT_CHECKS
+from conformance.checks import default_checks
 from conformance.checks.bench import traffic
 from conformance.publish import split_by_backend
 from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
@@ -68,7 +68,7 @@ def test_publish_writes_one_json_and_html_per_backend_and_a_table(tmp_path):
     assert json.loads((out / "a.json").read_text())["environment"]["gpu"] == "NVIDIA H200"
     readme = (out / "README.md").read_text()
     assert "| a | NVIDIA H200 | PASS 1/1 |" in readme and "not available: needs SM100" in readme
-    assert "| backend | GPU | " + " | ".join(DEFAULT_CHECKS) + " |" in readme  # every check a run makes, engine too
+    assert "| backend | GPU | " + " | ".join(default_checks()) + " |" in readme  # every check a run makes, engine too
     assert "GQA decode b64 ctx4096 | 100 µs (1000 GB/s)" in readme
     assert set(split_by_backend([run])) == {"a", "b"}
 

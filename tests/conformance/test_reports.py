@@ -8,9 +8,12 @@ import xml.etree.ElementTree as ElementTree
 
 import pytest
 
+from rich.console import Console
+
 from conformance import report_html, report_junit, report_markdown
 from conformance.compare import CompareError, compare_runs
 from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
+from conformance.terminal import print_report
 
 SYNC_EVENT = {"kind": "sync", "api": "cudaStreamSynchronize", "blocking": True, "num_bytes": None, "direction": None,
               "nested": [], "phase": "build", "source": "mypkg/attn.py:42 in build: lens = seq_lens.cpu()",
@@ -56,6 +59,18 @@ def test_html_has_every_backend_and_check_and_the_evidence():
     assert "Segmentation fault" in html and "ValueError: no" in html  # crash stderr, traceback
     assert "<svg" in html and "µs" in html  # bench chart
     assert "NVIDIA H200" in html  # environment
+
+
+def test_every_report_shows_the_evidence_each_check_describes():
+    run = crafted()
+    console = Console(record=True, width=200)
+    print_report(console, run)
+    texts = {"terminal": console.export_text(), "junit": report_junit.render(run), "markdown": report_markdown.render(run)}
+    for name, text in texts.items():
+        assert "request 0, token 2, head 1" in text, name  # numerics: the worst element
+        assert "mypkg/attn.py:42 in build" in text, name  # syncs: the line to change
+        assert "gqa:80+1@1" in text, name  # graphs: the replay batch that broke
+    assert "Segmentation fault" in texts["terminal"] and "ValueError: no" in texts["junit"]
 
 
 def test_html_is_self_contained():
