@@ -7,7 +7,6 @@ from host_syncs.events import (
     CopyInfo,
     EventRecorder,
     Frame,
-    SyncEvent,
     base_api_name,
     classify,
 )

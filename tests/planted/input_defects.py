@@ -8,7 +8,6 @@ import dataclasses
 
 import torch
 
-from backends.base import Capabilities
 from backends.torch_naive import TorchNaiveBackend
 
 
