@@ -2,15 +2,30 @@
 ``v1/attention/backends/utils.py``): views, never copies, of one ``CommonAttentionMetadata``."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from backends.base import CommonAttentionMetadata
 
 
-def leading_decodes(query_lens: list[int]) -> int:
-    """How many single-token requests open the batch (the decode part of a decodes-first batch)."""
-    count = 0
-    while count < len(query_lens) and query_lens[count] == 1:
-        count += 1
-    return count
+@dataclass(frozen=True)
+class DecodePrefillSplit:
+    """A decodes-first batch cut in two: requests [0, num_decodes) decode, the rest prefill."""
+
+    num_decodes: int
+    num_prefills: int
+    num_decode_tokens: int
+    num_prefill_tokens: int
+
+
+def split_decodes_and_prefills(common: CommonAttentionMetadata, decode_threshold: int = 1) -> DecodePrefillSplit:
+    """Where the leading requests of at most ``decode_threshold`` query tokens end (engines order
+    a step's decodes first). Reads host values only: no sync."""
+    query_lens = common.query_lens_cpu.tolist()
+    decodes = 0
+    while decodes < len(query_lens) and query_lens[decodes] <= decode_threshold:
+        decodes += 1
+    decode_tokens = int(common.query_start_loc_cpu[decodes])
+    return DecodePrefillSplit(decodes, len(query_lens) - decodes, decode_tokens, common.num_actual_tokens - decode_tokens)
 
 
 def sub_batch(common: CommonAttentionMetadata, first: int, last: int) -> CommonAttentionMetadata:

@@ -24,20 +24,20 @@ from rich.table import Table
 
 from backends import registry
 from backends.base import DeviceError, DeviceInfo, resolve_device
-from conformance.batch import footprint_bytes
-from conformance.cases import CaseSyntaxError, __doc__ as CASE_GRAMMAR, parse_case, suite
+from conformance.inputs.batch import footprint_bytes
+from conformance.inputs.cases import CaseSyntaxError, __doc__ as CASE_GRAMMAR, parse_case, suite
 from conformance.checks import CHECKS, default_checks
-from conformance.compare import ACCEPTABLE, CompareError, compare_runs
-from conformance.interrupts import Interrupted, stopping_on_signals
-from conformance.journal import Journal
-from conformance.output_paths import OutputPathError, check_directory, check_files
-from conformance.report_html import write_html
-from conformance.report_junit import write_junit
-from conformance.report_markdown import write_markdown
+from conformance.report.compare import ACCEPTABLE, CompareError, compare_runs
+from conformance.run.interrupts import Interrupted, stopping_on_signals
+from conformance.run.journal import Journal
+from conformance.report.output_paths import OutputPathError, check_directory, check_files
+from conformance.report.html import write_html
+from conformance.report.junit import write_junit
+from conformance.report.markdown import write_markdown
 from conformance.results import RunResult
 from reference_engine.cli import add_engine_parser, run_engine
-from conformance.runner import RunOptions, run
-from conformance.terminal import LineProgress, RichProgress, print_report
+from conformance.run.runner import RunOptions, run
+from conformance.report.terminal import LineProgress, RichProgress, print_report
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOTHING_RAN = 0, 1, 2, 3
 DEFAULT_BACKEND = "torch_naive"

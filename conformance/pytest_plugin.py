@@ -88,7 +88,7 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         return
     from backends import registry
     from backends.base import DeviceError, DeviceInfo, resolve_device
-    from conformance.cases import CaseSyntaxError, suite
+    from conformance.inputs.cases import CaseSyntaxError, suite
     from conformance.checks import CHECKS, default_checks, make_check
 
     try:

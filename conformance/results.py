@@ -184,7 +184,7 @@ class RunResult:
     INTERRUPTED_NOTE = "Interrupted (SIGINT/SIGTERM): only the cases that finished are here; the rest did not run."
 
     def save(self, path: str | Path) -> None:
-        from conformance.output_paths import write_atomically
+        from conformance.report.output_paths import write_atomically
 
         write_atomically(path, json.dumps(self.to_dict(), indent=1) + "\n")
 

@@ -53,7 +53,7 @@ run_bench() {
 }
 
 publish() {
-  python -m conformance.publish "$runs/$suite"-*.json --bench "$runs/bench.json" --out reports
+  python -m conformance.report.publish "$runs/$suite"-*.json --bench "$runs/bench.json" --out reports
 }
 
 case "$phase" in

@@ -27,7 +27,7 @@ from backends.flashinfer import INSTALL_HINT, WORKSPACE_BYTES
 from backends.vendor_layout import packed, packed_output
 from backends.flashinfer.paged_layout import paged_layout
 from backends.paged_write import write_paged_rows
-from backends.utils import leading_decodes, sub_batch
+from backends.utils import split_decodes_and_prefills, sub_batch
 
 
 @dataclass
@@ -135,7 +135,7 @@ class FlashInferBackend(AttentionBackend):
             wrapper = self.graph_decode.get(common.num_reqs, self.decode)
             self._plan_decode(wrapper, common)
             return FlashInferMetadata([WrapperCall(wrapper, 0, tokens)])
-        decodes = leading_decodes(common.query_lens_cpu.tolist())
+        decodes = split_decodes_and_prefills(common).num_decodes
         if decodes == 0:
             self._plan_prefill(common)
             return FlashInferMetadata([WrapperCall(self.prefill, 0, tokens)])

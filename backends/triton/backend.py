@@ -57,9 +57,10 @@ class TritonMetadata:
     decode_q: int
 
 
-class DeviceMetadataBuilder(AttentionBackend):
-    """``build`` and ``update_for_draft_step`` of backends whose kernels read every length from the
-    device: the metadata only references the step's device tensors. Also the split-KV scratch."""
+class DeviceLengthsBackend(AttentionBackend):
+    """The base of backends whose kernels read every length from the device, so that their
+    ``build`` and ``update_for_draft_step`` only reference the step's device tensors (no host
+    lengths, no copies). Also the split-KV scratch."""
 
     def allocate_split_buffers(self, value_dim: int) -> None:
         """Partial outputs and log-sum-exps for every (request, decode token, head, split), once."""
@@ -84,7 +85,7 @@ class DeviceMetadataBuilder(AttentionBackend):
         return metadata
 
 
-class TritonAttentionBackend(DeviceMetadataBuilder):
+class TritonAttentionBackend(DeviceLengthsBackend):
     name = "triton"
     capabilities = Capabilities(
         kinds=frozenset({"mha"}),

@@ -12,7 +12,7 @@ from backends.triton import kernels, mla_kernels
 from backends.triton.backend import (
     DECODE_VARIANTS,
     LOG2E,
-    DeviceMetadataBuilder,
+    DeviceLengthsBackend,
     TritonMetadata,
     interpreter_devices,
     interpreting,
@@ -35,7 +35,7 @@ def tiling(num_heads: int, decode_q: int) -> _Tiling:
     return _Tiling(heads, max(16, triton.next_power_of_2(heads * decode_q)))
 
 
-class TritonMLABackend(DeviceMetadataBuilder):
+class TritonMLABackend(DeviceLengthsBackend):
     name = "triton_mla"
     capabilities = Capabilities(
         kinds=frozenset({"mla"}),

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import torch
 
 from backends.base import AttentionBackend
-from conformance.cases import Case
+from conformance.inputs.cases import Case
 from conformance.checks.evidence import EvidenceItem, labelled
 from conformance.results import CaseResult, Verdict, worst
 

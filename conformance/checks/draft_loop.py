@@ -16,14 +16,14 @@ from typing import Any
 import torch
 
 from backends.base import AttentionBackend, CommonAttentionMetadata
-from conformance.batch import materialize
-from conformance.cases import Case
+from conformance.inputs.batch import materialize
+from conformance.inputs.cases import Case
 from conformance.checks.base import Check
 from conformance.checks.evidence import EvidenceItem, without, worst_element
 from conformance.checks.numerics import TOLERANCES, compare_with_oracle
-from conformance.graph_batches import GraphShape
-from conformance.graph_harness import GraphBuffers, cuda_graph_skip_reason, warm_up
-from conformance.harness import write_poison
+from conformance.inputs.graph_batches import GraphShape
+from conformance.inputs.graph_harness import GraphBuffers, cuda_graph_skip_reason, warm_up
+from conformance.inputs.harness import write_poison
 from conformance.results import CaseResult, Verdict
 
 # (k, a padding row after the real requests, warm-up before the capture). Without a padding row

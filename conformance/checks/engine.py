@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from backends.base import AttentionBackend
-from conformance.cases import Case
+from conformance.inputs.cases import Case
 from conformance.checks.base import Check
 from conformance.checks.evidence import EvidenceItem, labelled, without
 from conformance.results import CaseResult, Verdict

@@ -31,18 +31,18 @@ from typing import Any
 import torch
 
 from backends.base import AttentionBackend
-from conformance.cases import Case
+from conformance.inputs.cases import Case
 from conformance.checks.base import Check
 from conformance.checks.evidence import EvidenceItem, labelled, sync_events, without, worst_element
 from conformance.checks.numerics import TOLERANCES, compare_with_oracle
-from conformance.graph_batches import (
+from conformance.inputs.graph_batches import (
     Replay, fits, graph_class_reason, graph_shape, larger_batch, replay_batches,
 )
-from conformance.graph_harness import (
+from conformance.inputs.graph_harness import (
     GraphBuffers, canaries_written, count_different, cuda_graph_skip_reason, fill_freed_memory, graph_pool_bytes, warm_up,
 )
-from conformance.harness import PreparedCase, run_step
-from conformance.batch import PagedBatch, materialize
+from conformance.inputs.harness import PreparedCase, run_step
+from conformance.inputs.batch import PagedBatch, materialize
 from host_syncs.detector import detect_host_syncs
 from conformance.results import CaseResult, Verdict
 

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from backends.base import AttentionBackend, dtype_name
-from conformance.cases import Case
+from conformance.inputs.cases import Case
 from conformance.checks.base import Check
 from conformance.checks.evidence import EvidenceItem, WorstElement, without, worst_element
-from conformance.harness import WroteOutsideOutput, prepare_case, run_step
+from conformance.inputs.harness import WroteOutsideOutput, prepare_case, run_step
 from conformance.results import CaseResult, Verdict
 
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {  # dtype: (atol, rtol)

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from backends.base import AttentionBackend
-from conformance.cases import Case
+from conformance.inputs.cases import Case
 from conformance.checks.base import Check
 from conformance.checks.evidence import EvidenceItem, labelled, sync_events, without
-from conformance.harness import prepare_case, run_step
+from conformance.inputs.harness import prepare_case, run_step
 from host_syncs.detector import detect_host_syncs
 from host_syncs.events import SyncEvent
 from conformance.results import CaseResult, Verdict

@@ -12,8 +12,8 @@ from backends.flashinfer.trtllm import TrtllmBackend
 from backends.flashinfer.trtllm_mla import QK_NOPE_HEAD_DIM, TrtllmMLABackend, TrtllmMLAMetadata, kernel_arguments
 from backends.flashmla import FlashMLABackend
 from backends.paged_write import write_paged_rows
-from conformance.batch import materialize
-from conformance.cases import parse_case
+from conformance.inputs.batch import materialize
+from conformance.inputs.cases import parse_case
 
 H200 = DeviceInfo("cuda", "NVIDIA H200", (9, 0))
 B200 = DeviceInfo("cuda", "NVIDIA B200", (10, 0))
@@ -102,9 +102,14 @@ def test_flashinfer_mla_plan_arguments():
 
 
 def test_decodes_first_split_for_flashinfer():
-    from backends.utils import leading_decodes, sub_batch
+    from backends.utils import DecodePrefillSplit, split_decodes_and_prefills, sub_batch
 
-    assert leading_decodes([1, 1, 1, 200, 64]) == 3 and leading_decodes([200, 1]) == 0 and leading_decodes([1, 1]) == 2
+    def split(case: str, threshold: int = 1) -> DecodePrefillSplit:
+        return split_decodes_and_prefills(materialize(parse_case(f"gqa-h4/2-d16-p16:{case}"), "cpu").common_metadata(), threshold)
+
+    assert split("5+1x3,0+200,9+64") == DecodePrefillSplit(3, 2, 3, 264)
+    assert split("0+200,5+1") == DecodePrefillSplit(0, 2, 0, 201) and split("5+1,6+1") == DecodePrefillSplit(2, 0, 2, 0)
+    assert split("5+4x2,0+20", threshold=4) == DecodePrefillSplit(2, 1, 8, 20)  # spec-verify rows decode
     batch = materialize(parse_case("gqa-h4/2-d16-p16:3000+1x2,0+200,700+64"), "cpu")
     common = batch.common_metadata()
     decodes, rest = sub_batch(common, 0, 2), sub_batch(common, 2, 4)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from backends import registry
-from conformance.cases import parse_case
+from conformance.inputs.cases import parse_case
 from conformance.checks.bench import _l2_flusher, time_gpu
-from conformance.harness import poisoned_output, prepare_case
+from conformance.inputs.harness import poisoned_output, prepare_case
 
 pytestmark = pytest.mark.gpu
 

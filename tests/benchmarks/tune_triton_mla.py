@@ -5,9 +5,9 @@ import itertools
 import torch
 
 from backends.triton import mla_backend
-from conformance.cases import parse_case
+from conformance.inputs.cases import parse_case
 from conformance.checks.bench import _l2_flusher, time_gpu, traffic
-from conformance.harness import poisoned_output, prepare_case
+from conformance.inputs.harness import poisoned_output, prepare_case
 
 CASES = {"decode b64 ctx4096": "mla-h128-d512+64-bf16-p64:4096+1x64", "verify q4 b64 ctx4096": "mla-h128-d512+64-bf16-p64:4096+4x64"}
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from backends.torch_naive import TorchNaiveBackend
-from conformance.case_data import POISON_VALUE
-from conformance.cases import parse_case, suite
+from conformance.inputs.case_data import POISON_VALUE
+from conformance.inputs.cases import parse_case, suite
 from conformance.checks.determinism import DeterminismCheck
 from conformance.checks.numerics import NumericsCheck
 from conformance.results import Verdict

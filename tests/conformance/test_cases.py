@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from conformance.batch import materialize
-from conformance.cases import DEFAULT_PADDING_TOKENS as NUM_PADDING_TOKENS
-from conformance.cases import CaseSyntaxError, __doc__ as GRAMMAR, parse_case, suite
+from conformance.inputs.batch import materialize
+from conformance.inputs.cases import DEFAULT_PADDING_TOKENS as NUM_PADDING_TOKENS
+from conformance.inputs.cases import CaseSyntaxError, __doc__ as GRAMMAR, parse_case, suite
 
 
 @pytest.mark.parametrize("name", ["smoke", "standard", "full"])

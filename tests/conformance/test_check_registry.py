@@ -7,11 +7,11 @@ import pytest
 import torch
 from rich.console import Console
 
-from conformance import report_html, report_junit, report_markdown
-from conformance.cases import suite
+from conformance.report import html as report_html, junit as report_junit, markdown as report_markdown
+from conformance.inputs.cases import suite
 from conformance.checks import CHECKS, default_checks
-from conformance.runner import RunOptions, run
-from conformance.terminal import print_report
+from conformance.run.runner import RunOptions, run
+from conformance.report.terminal import print_report
 from tests.planted.extra_check import LongestQueryCheck
 
 EVIDENCE = "longest query: 4 tokens in request 0"

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conformance.cases import suite
+from conformance.inputs.cases import suite
 from conformance.results import RunResult, Verdict
 
 

@@ -1,7 +1,7 @@
 """The graph harness's memory-frugal comparisons (CPU-runnable)."""
 import torch
 
-from conformance.graph_harness import FREED_MEMORY_FILL, canaries_written, count_different
+from conformance.inputs.graph_harness import FREED_MEMORY_FILL, canaries_written, count_different
 
 
 def test_count_different_counts_across_chunk_boundaries():

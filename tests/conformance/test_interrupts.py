@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.cases import parse_case
+from conformance.inputs.cases import parse_case
 
 FINISHES = parse_case("gqa-h2/1-d16-fp32:5+1").id
 HANGS = parse_case("gqa-h2/1-d16-fp32:9+2").id  # HangsOnLongSequence never returns here
@@ -87,8 +87,8 @@ def test_compare_and_report_refuse_interrupted_results_unless_allowed(tmp_path):
 
 
 def test_reports_of_interrupted_results_say_so():
-    from conformance.report_html import render as render_html
-    from conformance.report_markdown import render as render_markdown
+    from conformance.report.html import render as render_html
+    from conformance.report.markdown import render as render_markdown
     from conformance.results import BackendResult, RunResult
 
     partial = RunResult({}, [BackendResult("a", True)], "standard", [], interrupted=True)

@@ -3,11 +3,11 @@ import time
 
 import torch
 
-from conformance.cases import parse_case
-from conformance.execution import Job
-from conformance.isolation import run_isolated
+from conformance.inputs.cases import parse_case
+from conformance.run.execution import Job
+from conformance.run.isolation import run_isolated
 from conformance.results import Verdict
-from conformance.runner import RunOptions, run
+from conformance.run.runner import RunOptions, run
 
 SMALL = "gqa-h2/1-d16-fp32:5+1"
 LARGE = "gqa-h2/1-d16-fp32:5+1x4"  # four requests: CrashesOnLargeBatch dies here

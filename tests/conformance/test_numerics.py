@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from backends.torch_naive import TorchNaiveBackend
-from conformance.cases import parse_case, suite
+from conformance.inputs.cases import parse_case, suite
 from conformance.checks.numerics import NumericsCheck, compare_with_oracle
 from conformance.results import Verdict
 from tests.planted import defects

@@ -6,13 +6,13 @@ import sys
 
 from rich.console import Console
 
-from conformance.cases import parse_case, suite
+from conformance.inputs.cases import parse_case, suite
 from conformance.checks import default_checks
 from conformance.checks.bench import traffic
-from conformance.publish import split_by_backend
+from conformance.report.publish import split_by_backend
 from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
-from conformance.runner import annotate_bench_ratios
-from conformance.terminal import bench_table
+from conformance.run.runner import annotate_bench_ratios
+from conformance.report.terminal import bench_table
 
 
 def bench_result(name: str, forward_us: float) -> BackendResult:
@@ -60,7 +60,7 @@ def test_publish_writes_one_json_and_html_per_backend_and_a_table(tmp_path):
     run.save(tmp_path / "all.json")
     bench = RunResult({"gpu": "NVIDIA H200"}, [bench_result("a", 100.0)], "bench", ["bench"])
     bench.save(tmp_path / "bench.json")
-    completed = subprocess.run([sys.executable, "-m", "conformance.publish", str(tmp_path / "all.json"), "--bench",
+    completed = subprocess.run([sys.executable, "-m", "conformance.report.publish", str(tmp_path / "all.json"), "--bench",
                                 str(tmp_path / "bench.json"), "--out", str(tmp_path / "reports")], capture_output=True, text=True)
     assert completed.returncode == 0, completed.stderr
     out = tmp_path / "reports"
@@ -88,7 +88,7 @@ def test_publish_merges_one_backends_runs_split_by_check():
 def test_publish_refuses_to_mix_suites(tmp_path):
     for suite in ("standard", "full"):
         RunResult({}, [BackendResult("a", True)], suite, []).save(tmp_path / f"{suite}.json")
-    completed = subprocess.run([sys.executable, "-m", "conformance.publish", str(tmp_path / "standard.json"),
+    completed = subprocess.run([sys.executable, "-m", "conformance.report.publish", str(tmp_path / "standard.json"),
                                 str(tmp_path / "full.json"), "--out", str(tmp_path / "reports")], capture_output=True, text=True)
     assert completed.returncode == 2 and "different suites (full, standard)" in completed.stderr
     assert "Traceback" not in completed.stderr

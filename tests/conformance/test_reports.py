@@ -10,10 +10,10 @@ import pytest
 
 from rich.console import Console
 
-from conformance import report_html, report_junit, report_markdown
-from conformance.compare import CompareError, compare_runs
+from conformance.report import html as report_html, junit as report_junit, markdown as report_markdown
+from conformance.report.compare import CompareError, compare_runs
 from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
-from conformance.terminal import print_report
+from conformance.report.terminal import print_report
 
 SYNC_EVENT = {"kind": "sync", "api": "cudaStreamSynchronize", "blocking": True, "num_bytes": None, "direction": None,
               "nested": [], "phase": "build", "source": "mypkg/attn.py:42 in build: lens = seq_lens.cpu()",

@@ -8,7 +8,7 @@ import torch
 
 from backends import registry
 from backends.triton.backend import TritonAttentionBackend
-from conformance.cases import parse_case
+from conformance.inputs.cases import parse_case
 from conformance.checks.engine import EngineCheck
 from conformance.results import Verdict
 from reference_engine.batched_engine import BatchedEngine

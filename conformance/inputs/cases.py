@@ -63,7 +63,7 @@ class Case:
     shared_prefix_blocks: int = 0
     permute_blocks: bool = True
     strided: bool = False  # inputs and output as views into larger buffers (see harness)
-    data: str = "normal"  # normal | sinks | edges (see conformance.batch)
+    data: str = "normal"  # normal | sinks | edges (see conformance.inputs.batch)
     padding: int = DEFAULT_PADDING_TOKENS  # rows with slot -1 after the step's real tokens
     tag: str = field(default="", compare=False)  # a human label ("decode"), not part of the id
 

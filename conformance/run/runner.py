@@ -9,12 +9,12 @@ import torch
 
 from backends import registry
 from backends.base import DeviceInfo
-from conformance.cases import Case
+from conformance.inputs.cases import Case
 from conformance.checks import make_check
-from conformance.environment import collect_environment
-from conformance.execution import Job
-from conformance.interrupts import Interrupted
-from conformance.isolation import BackendEvents, run_in_process, run_isolated
+from conformance.run.environment import collect_environment
+from conformance.run.execution import Job
+from conformance.run.interrupts import Interrupted
+from conformance.run.isolation import BackendEvents, run_in_process, run_isolated
 from conformance.results import BackendResult, CheckResult, RunResult, Verdict
 
 

@@ -1,4 +1,4 @@
-"""The isolated child: ``python -m conformance.worker JOB.json EVENTS.jsonl``.
+"""The isolated child: ``python -m conformance.run.worker JOB.json EVENTS.jsonl``.
 
 Each event is one flushed JSON line, so the parent keeps every result that landed before a crash.
 Exit status 0: finished; 70: stopped on a fatal CUDA error (the parent starts a fresh child).
@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-from conformance.execution import Job, execute
+from conformance.run.execution import Job, execute
 
 EXIT_FATAL = 70
 

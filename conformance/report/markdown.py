@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from conformance.checks import check_class
 from conformance.results import RunResult
-from conformance.output_paths import write_atomically
+from conformance.report.output_paths import write_atomically
 
 MAX_FAILURES = 20
 MAX_EVIDENCE_ITEMS = 3  # per failure

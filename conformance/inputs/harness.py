@@ -17,9 +17,9 @@ from typing import Callable, ContextManager
 import torch
 
 from backends.base import AttentionBackend, AttentionSpec
-from conformance.batch import PagedBatch, materialize
-from conformance.case_data import poison_key_value
-from conformance.cases import Case
+from conformance.inputs.batch import PagedBatch, materialize
+from conformance.inputs.case_data import poison_key_value
+from conformance.inputs.cases import Case
 
 POISON_CHUNK_SLOTS = 1 << 16  # poison is written in chunks: a full-suite pool has ~1M slots
 OUTPUT_GUARD_COLUMNS = 64  # extra columns of a strided output's buffer; they must stay NaN

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conformance.execution import Emit, Job, execute, job_cases
+from conformance.run.execution import Emit, Job, execute, job_cases
 from conformance.results import CaseResult, Verdict
 
 STDERR_TAIL_CHARS = 4000
@@ -174,7 +174,7 @@ def run_isolated(
             running, fatal_reported, hung, partial = None, False, None, ""
             with open(log_path, "w") as log, open(events_path) as reader:
                 child = subprocess.Popen(
-                    [sys.executable, "-m", "conformance.worker", str(job_path), str(events_path)],
+                    [sys.executable, "-m", "conformance.run.worker", str(job_path), str(events_path)],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_child_env(),
                     start_new_session=True, preexec_fn=_DIE_WITH_PARENT,
                 )

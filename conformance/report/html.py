@@ -14,7 +14,7 @@ from typing import Any
 
 from conformance.checks import check_class
 from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
-from conformance.output_paths import write_atomically
+from conformance.report.output_paths import write_atomically
 
 VERDICT_COLOURS = {
     Verdict.PASS: "#2e7d32",

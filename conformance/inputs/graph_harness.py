@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from backends.base import AttentionBackend, BackendLimits, CGSupport, CommonAttentionMetadata
-from conformance.batch import PagedBatch, pool_size
-from conformance.cases import Case
-from conformance.graph_batches import GraphShape, padding_rows
-from conformance.harness import write_poison
+from conformance.inputs.batch import PagedBatch, pool_size
+from conformance.inputs.cases import Case
+from conformance.inputs.graph_batches import GraphShape, padding_rows
+from conformance.inputs.harness import write_poison
 
 PADDING_KEY_VALUE = 7.0  # garbage that padding rows carry: it must land nowhere. Each load adds
 # its index, so a stray write of one replay differs from what an earlier one left behind.

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from conformance.results import BackendResult
-from conformance.runner import Progress
+from conformance.run.runner import Progress
 
 RECORDED_EVENTS = ("result", "fatal", "check_skipped")
 

@@ -10,7 +10,7 @@ import xml.etree.ElementTree as ElementTree
 from conformance.checks import check_class
 from conformance.checks.evidence import plain_lines
 from conformance.results import CaseResult, RunResult, Verdict
-from conformance.output_paths import write_atomically
+from conformance.report.output_paths import write_atomically
 
 
 def _evidence_text(check_name: str, case: CaseResult) -> str:

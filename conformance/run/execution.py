@@ -1,6 +1,6 @@
 """Runs checks over cases for one backend and reports each step as an event.
 
-The same loop serves the isolated child (``conformance.worker``, events to a JSON-lines file)
+The same loop serves the isolated child (``conformance.run.worker``, events to a JSON-lines file)
 and ``--in-process`` runs (events to a callback). Events:
 
     {"event": "check_skipped", "check", "reason"}
@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from backends import registry
-from conformance.cases import Case, parse_case
+from conformance.inputs.cases import Case, parse_case
 from conformance.checks import make_check
 from conformance.results import CaseResult, Verdict
 

@@ -13,7 +13,7 @@ from rich.text import Text
 from conformance.checks import check_class
 from conformance.checks.evidence import plain_lines
 from conformance.results import BackendResult, CaseResult, RunResult, Verdict
-from conformance.runner import Progress as RunProgress
+from conformance.run.runner import Progress as RunProgress
 
 VERDICT_STYLES = {
     Verdict.PASS: "bold green",

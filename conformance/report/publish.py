@@ -2,7 +2,7 @@
 the environment block of the run it came from), the bench run's JSON and HTML, and a
 ``reports/README.md`` table of verdicts and headline bench numbers.
 
-    python -m conformance.publish RESULTS.json [RESULTS.json ...] [--bench BENCH.json] [--out reports]
+    python -m conformance.report.publish RESULTS.json [RESULTS.json ...] [--bench BENCH.json] [--out reports]
 
 A backend may come from several runs split by ``--check`` (so that backends can run side by side,
 each check in its own process): its checks are merged, a later file winning for a check that
@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from conformance.checks import CHECKS, default_checks
-from conformance.report_html import write_html
+from conformance.report.html import write_html
 from conformance.results import BackendResult, RunResult
 
 HEADLINE_SHAPES = ("decode b64 ctx4096", "verify q=4 b64 ctx4096", "decode b256 ctx4096", "decode b1 ctx32768")
@@ -101,7 +101,7 @@ def main() -> None:
     try:
         per_backend = split_by_backend([RunResult.load(path) for path in args.results])
     except (PublishError, OSError, ValueError) as error:
-        parser.exit(2, f"conformance.publish: {error}\n")
+        parser.exit(2, f"conformance.report.publish: {error}\n")
     for name, result in per_backend.items():
         result.save(out / f"{name}.json")
         write_html(result, out / f"{name}.html")

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from backends.base import BackendLimits, CommonAttentionMetadata
-from conformance.case_data import apply_profile
-from conformance.cases import Case
-from conformance.oracle import attention_reference, mla_reference
+from conformance.inputs.case_data import apply_profile
+from conformance.inputs.cases import Case
+from conformance.inputs.oracle import attention_reference, mla_reference
 
 
 @dataclass
