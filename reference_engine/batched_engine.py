@@ -36,8 +36,8 @@ import torch
 from backends.base import CommonAttentionMetadata
 from reference_engine import nvtx
 from reference_engine.device_state import DeviceState
-from reference_engine.drafters import AcceptancePattern
-from reference_engine.engine import Engine, EngineConfig, GenerationOutput
+from reference_engine.core import EngineConfig, EngineCore, GenerationOutput
+from reference_engine.drafters import EagleDrafter, ScriptedDrafter
 from reference_engine.handoff import Download, Uploader, Downloader
 from reference_engine.metrics import StepTimer
 from reference_engine.model import StepInputs
@@ -144,7 +144,7 @@ class _Buffers:
         self.draft_features = torch.zeros(decodes, hidden_size, dtype=dtype, device=device)  # EAGLE's own feature
 
 
-class BatchedEngine(Engine):
+class BatchedEngine(EngineCore):
     def __init__(self, config: EngineConfig, model=None, eagle_head=None) -> None:
         super().__init__(config, model, eagle_head)
         k, reqs = config.num_spec_tokens, config.max_num_reqs
@@ -187,22 +187,16 @@ class BatchedEngine(Engine):
         self.verified = torch.zeros((), dtype=torch.int64, device=device)
         self.draft_probabilities = None  # [slots, k, V], allocated by the first sampling generate()
         self.eagle_features = None
-        if self.drafter == "eagle":
+        if isinstance(self.drafter, EagleDrafter):
             # The target's feature before each request's next input token (EAGLE's input).
             self.eagle_features = torch.zeros(slots, config.model.hidden_size, dtype=config.dtype, device=device)
         self.script_by_slot = None
-        if isinstance(self.drafter, AcceptancePattern):
+        if isinstance(self.drafter, ScriptedDrafter):
             self.script_by_slot = torch.zeros(slots, config.model.max_model_len + k + 1, dtype=torch.int64, device=device)
-
-    def _make_drafter(self, name: str):
-        drafter = super()._make_drafter(name)
-        if name == "eagle":
-            return "eagle"  # the head (self.eagle) drafts over its own cache (self.eagle_cache)
-        return drafter if isinstance(drafter, AcceptancePattern) else drafter.num_layers
 
     @property
     def drafts_with_attention(self) -> bool:
-        return self.drafter is not None and not isinstance(self.drafter, AcceptancePattern)
+        return self.drafter is not None and self.drafter.uses_attention
 
     @property
     def draft_steps_update_metadata(self) -> bool:
@@ -217,17 +211,17 @@ class BatchedEngine(Engine):
     # --- public API -----------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], on_step=None) -> list[GenerationOutput]:
-        params_list = self._validate(prompts, params)
+        params_list = self.validate(prompts, params)
         self._sampling = not all(p.greedy for p in params_list)
         if self._sampling and self.draft_probabilities is None and self.config.num_spec_tokens:
             self.draft_probabilities = torch.zeros(self.state.num_computed.shape[0], self.config.num_spec_tokens,
                                                    self.config.model.vocab_size, device=self.device)
-        if isinstance(self.drafter, AcceptancePattern):
-            script = self._reference_script(prompts, params_list)
+        if isinstance(self.drafter, ScriptedDrafter):
+            script = self.reference_script(prompts, params_list)
             width = self.script_by_slot.shape[1]
             rows = [(tokens + [0] * width)[:width] for _, tokens in sorted(script.items())]
             self._script = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        requests = self._admit(prompts, params_list)
+        requests = self.admit(prompts, params_list)
         self._decode_steps = {request.request_id: 0 for request in requests}
         self.steps = []
         while not self.scheduler.idle or self.pending:
@@ -235,7 +229,7 @@ class BatchedEngine(Engine):
             with detector.phase(f"iteration {self.iteration}") if detector else contextlib.nullcontext():
                 self._iterate(requests, on_step)
             self.iteration += 1
-        return self._outputs(requests, self._decode_steps)
+        return self.outputs(requests, self._decode_steps)
 
     def _iterate(self, requests: list[Request], on_step) -> None:
         """Schedule and launch step N + 1, then land step N (async); or launch and land (sync)."""
@@ -251,9 +245,7 @@ class BatchedEngine(Engine):
         if not self.config.async_scheduling and self.pending is not None:
             self._land_pending()
         if not scheduled and not landed:
-            if not self.scheduler.running:
-                raise RuntimeError("the KV pool cannot hold even one waiting request: raise num_blocks")
-            self.scheduler.preempt(self.scheduler.running[-1])  # nobody fits: make room
+            self.stuck()
         if on_step is not None:
             on_step(sum(request.num_confirmed for request in requests))
 
@@ -494,7 +486,7 @@ class BatchedEngine(Engine):
     def _draft(self, shape: StepShape, host: _HostView, up, buffers: _Buffers) -> None:
         """Fill ``state.drafts`` for the decoding rows (the first ``num_decodes``) on the device."""
         slots = buffers.draft_layout.slots
-        if isinstance(self.drafter, AcceptancePattern):
+        if isinstance(self.drafter, ScriptedDrafter):
             self._segment("scripted", shape, None, lambda _: self._draft_scripted(slots))
             return
         layout, bs = buffers.draft_layout, self.config.block_size
@@ -530,14 +522,14 @@ class BatchedEngine(Engine):
     def _draft_forward(self, metadata, buffers: _Buffers, shape: StepShape) -> None:
         """One draft token per decoding row, into column ``draft_step`` of ``state.drafts``."""
         step, slots = buffers.draft, buffers.draft_layout.slots
-        if self.drafter == "eagle":
+        if isinstance(self.drafter, EagleDrafter):
             features = torch.where(self.draft_step == 0, self.eagle_features[slots], buffers.draft_features)
             inputs = StepInputs(self.backend, metadata, [self.eagle_cache], step.slot_mapping)
             predicted = self.eagle(self.model, step.input_ids, features, step.positions, inputs)
             buffers.draft_features.copy_(predicted)
         else:  # layer-skip: the target's first layers, through the target's own cache
             inputs = StepInputs(self.backend, metadata, self.kv_caches, step.slot_mapping)
-            predicted = self.model(step.input_ids, step.positions, inputs, self.drafter)
+            predicted = self.model(step.input_ids, step.positions, inputs, self.drafter.num_layers)
         logits = self.model.logits(predicted)
         column = self.draft_step.expand(slots.shape)
         tokens = logits.argmax(dim=-1)
@@ -559,7 +551,7 @@ class BatchedEngine(Engine):
         offsets = torch.arange(k, device=self.device)
         index = (self.state.num_output[slots].long()[:, None] + offsets).clamp(max=self.script_by_slot.shape[1] - 1)
         right = self.script_by_slot[slots].gather(1, index)
-        pattern = self.drafter
+        pattern = self.drafter.pattern
         if pattern.kind == "random":
             correct = counter_uniform(self.slot_seed[slots][:, None], index, SCRIPT_LANE) < pattern.value
         else:

@@ -19,7 +19,8 @@ from rich.table import Table
 from backends.base import DTYPE_NAMES, DeviceError, resolve_device
 from reference_engine.checkpoint import CheckpointError, load_eagle_head, load_model
 from reference_engine.batched_engine import BatchedEngine
-from reference_engine.engine import Engine, EngineConfig
+from reference_engine.core import EngineConfig
+from reference_engine.engine import Engine
 from reference_engine.metrics import measure
 from reference_engine.model import PRESETS, LlamaModel
 from reference_engine.sampling import SamplingParams

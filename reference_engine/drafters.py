@@ -1,23 +1,31 @@
-"""Drafters: propose k tokens per decoding request.
+"""Drafters: what proposes k tokens per decoding request.
 
-* ``ScriptedDrafter`` — scripted from a reference (non-speculative greedy) run with a chosen
-  acceptance pattern: ``all``, ``none``, ``first:J`` (the first J drafts right), ``random:R``
-  (each right with probability R, seeded). For tests and controlled benchmarks.
-* ``EagleDrafter`` — an EAGLE-style head (see ``model.EagleHead``): k steps, each feeding its own
-  predicted feature and draft token back in, through the attention backend over its own cache.
-* ``LayerSkipDrafter`` — the target's first n layers + its final norm and head: realistic
-  acceptance with random weights. Its KV for those layers is the target's own (the same inputs
-  give the same keys and values), so it drafts through the attention backend into the target's
-  cache; the verify pass rewrites those slots with identical values.
+A ``Drafter`` is what an engine's configuration names (``parse_drafter``): one type, whichever
+loop runs it.
 
-Each returns drafts [k] and the drafter's distributions [k, V] (one-hot for the scripted drafter).
+* ``ScriptedDrafter`` (``scripted:PATTERN``) — scripted from a reference (non-speculative greedy)
+  run with a chosen acceptance pattern: ``all``, ``none``, ``first:J`` (the first J drafts right),
+  ``random:R`` (each right with probability R, seeded). For tests and controlled benchmarks; it
+  needs no attention.
+* ``EagleDrafter`` (``eagle``) — an EAGLE-style head (see ``model.EagleHead``): k steps, each
+  feeding its own predicted feature and draft token back in, through the attention backend over
+  its own cache.
+* ``LayerSkipDrafter`` (``layer-skip[:N]``) — the target's first N layers + its final norm and
+  head: realistic acceptance with random weights. Its KV for those layers is the target's own (the
+  same inputs give the same keys and values), so it drafts through the attention backend into the
+  target's cache; the verify pass rewrites those slots with identical values.
+
+The batched engine runs each on the device (``batched_engine``); the per-request reference loop
+runs each on the host with the proposers below (``ScriptedProposer``, ``LayerSkipProposer``,
+``EagleProposer``), which return drafts [k] and the distributions they were drawn from [k, V]
+(one-hot for the scripted drafter).
 """
 from __future__ import annotations
 
 import random
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar, Protocol
 
 import torch
 
@@ -52,7 +60,54 @@ class AcceptancePattern:
         return rng.random() < self.value
 
 
+class Drafter(Protocol):
+    name: ClassVar[str]
+    uses_attention: ClassVar[bool]  # drafts through the attention backend (draft steps, update_for_draft_step)
+
+
+@dataclass(frozen=True)
 class ScriptedDrafter:
+    pattern: AcceptancePattern
+    name: ClassVar[str] = "scripted"
+    uses_attention: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class LayerSkipDrafter:
+    num_layers: int  # of the target's layers, run for each draft token
+    name: ClassVar[str] = "layer-skip"
+    uses_attention: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class EagleDrafter:
+    name: ClassVar[str] = "eagle"
+    uses_attention: ClassVar[bool] = True
+
+
+# "oracle:" is the scripted drafter's former name, still accepted.
+SCRIPTED_PREFIXES = ("scripted:", "oracle:")
+DRAFTER_NAMES = "none, eagle, scripted:PATTERN, layer-skip[:N]"
+
+
+def parse_drafter(text: str, num_target_layers: int) -> Drafter | None:
+    """The drafter a configuration names; None for "none"."""
+    if text == "none":
+        return None
+    for prefix in SCRIPTED_PREFIXES:
+        if text.startswith(prefix):
+            return ScriptedDrafter(AcceptancePattern.parse(text.removeprefix(prefix)))
+    if text == "eagle":
+        return EagleDrafter()
+    if text == "layer-skip" or text.startswith("layer-skip:"):
+        layers = int(text.partition(":")[2] or max(1, num_target_layers // 4))
+        if not 1 <= layers < num_target_layers:
+            raise ValueError(f"layer-skip needs 1 <= layers < {num_target_layers}")
+        return LayerSkipDrafter(layers)
+    raise ValueError(f"unknown drafter {text!r} ({DRAFTER_NAMES})")
+
+
+class ScriptedProposer:
     def __init__(self, reference: dict[int, list[int]], pattern: AcceptancePattern, vocab_size: int, seed: int = 0) -> None:
         self.reference, self.pattern, self.vocab_size = reference, pattern, vocab_size
         self.rng = random.Random(seed)
@@ -71,7 +126,7 @@ class ScriptedDrafter:
         return results
 
 
-class LayerSkipDrafter:
+class LayerSkipProposer:
     def __init__(self, num_layers: int, run_layers: Callable, generator_of: Callable, first_token: Callable) -> None:
         """``run_layers(inputs, num_layers) -> logits [num_requests, V]`` runs one decode token per
         request through the first ``num_layers`` layers; ``generator_of(request)`` gives the
@@ -113,7 +168,7 @@ def _stack(tokens: list[torch.Tensor], distributions: list[torch.Tensor], device
     return torch.stack(tokens), torch.stack(distributions)
 
 
-class EagleDrafter:
+class EagleProposer:
     def __init__(self, run_head: Callable, generator_of: Callable, first_token: Callable) -> None:
         """``run_head(inputs) -> (logits [n, V], features [n, hidden])`` runs the head one position per
         request; inputs are (request, token [1] device tensor, feature, position)."""

@@ -1,81 +1,28 @@
-"""The reference engine, part 1: a synchronous step loop with speculative decoding.
+"""The reference engine's per-request loop: synchronous speculative decoding, written to be read.
 
 Each step: schedule (continuous batching, chunked prefill, preemption) → draft k tokens for every
-decoding request → one target forward over prefill chunks and [last token, drafts] rows, through
-the attention backend with a ``CommonAttentionMetadata`` built like an engine builds it (host
-lengths given: this loop knows them) → rejection sampling → bookkeeping and stop checks.
+decoding request (on the host, one request at a time: ``drafters.*Proposer``) → one target
+forward over prefill chunks and [last token, drafts] rows, through the attention backend with a
+``CommonAttentionMetadata`` built like an engine builds it (host lengths given: this loop knows
+them) → rejection sampling → bookkeeping and stop checks. What it shares with the batched loop
+(configuration, backend, KV pool, scheduler, admission, outputs) is ``core.EngineCore``.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 
 import torch
 
-from backends import registry
-from backends.base import BackendLimits, CommonAttentionMetadata
+from backends.base import CommonAttentionMetadata
+from reference_engine.core import EngineConfig, EngineCore, GenerationOutput
 from reference_engine.device_state import DeviceState
-from reference_engine.drafters import AcceptancePattern, EagleDrafter, LayerSkipDrafter, ScriptedDrafter
-from reference_engine.kv_cache import BlockManager
-from reference_engine.model import EagleHead, LlamaModel, ModelConfig, StepInputs
+from reference_engine.drafters import EagleDrafter, EagleProposer, LayerSkipDrafter, LayerSkipProposer, ScriptedDrafter, ScriptedProposer
+from reference_engine.model import EagleHead, LlamaModel, StepInputs
 from reference_engine.rejection import greedy_rejection, probabilistic_rejection
 from reference_engine.request import Request
 from reference_engine.sampling import SamplingParams, filtered_probabilities, sample
-from reference_engine.scheduler import Scheduled, Scheduler
-
-
-# A drafter that follows a reference run with a chosen acceptance pattern. "oracle:" is its former
-# name, still accepted.
-SCRIPTED_DRAFTER_PREFIXES = ("scripted:", "oracle:")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: ModelConfig = ModelConfig()
-    backend: str = "torch_naive"
-    device: str = "cpu"
-    dtype: torch.dtype = torch.float32
-    block_size: int = 16
-    num_blocks: int = 256
-    max_num_reqs: int = 16
-    max_num_tokens: int = 256
-    num_spec_tokens: int = 0
-    drafter: str = "none"  # none | eagle | scripted:PATTERN | layer-skip[:N]
-    seed: int = 0
-    check_device_state: bool = False  # compare the device state with the host mirror after every step
-    # The batched engine (part 2) only:
-    async_scheduling: bool = True  # schedule step N + 1 before step N's results are known
-    cuda_graphs: bool = False  # capture uniform decode / verify steps at padded batch sizes
-    check_inputs: bool = False  # debug: count placeholder inputs and inconsistent positions on device
-    # Build the backend's metadata afresh for every draft step even when it claims
-    # draft_step_update (the engine check's reference for the update path).
-    rebuild_draft_metadata: bool = False
-
-
-@dataclass
-class GenerationOutput:
-    request_id: int
-    prompt: list[int]
-    tokens: list[int]
-    steps: int
-    decode_steps: int
-    drafted: int
-    accepted: int
-    preemptions: int
-    ttft_s: float = 0.0
-    latency_s: float = 0.0
-
-    @property
-    def tpot_s(self) -> float:
-        """Time per output token after the first."""
-        return (self.latency_s - self.ttft_s) / (len(self.tokens) - 1) if len(self.tokens) > 1 else 0.0
-
-    @property
-    def acceptance_length(self) -> float:
-        """Tokens emitted per decode step (1 + accepted drafts on average)."""
-        return (len(self.tokens) - 1) / self.decode_steps if self.decode_steps else 0.0
-
+from reference_engine.scheduler import Scheduled
 
 @dataclass
 class _Row:
@@ -87,119 +34,34 @@ class _Row:
     draft_probabilities: torch.Tensor | None = None
 
 
-class Engine:
+class Engine(EngineCore):
     def __init__(self, config: EngineConfig, model: LlamaModel | None = None, eagle_head: EagleHead | None = None) -> None:
-        if config.num_spec_tokens < 0:
-            raise ValueError("the number of speculative tokens must be >= 0")
-        if config.num_spec_tokens and config.drafter == "none":
-            raise ValueError("speculative decoding needs a drafter (scripted:PATTERN or layer-skip)")
-        self.config = config
-        self.device = torch.device(config.device)
-        self.model = model or LlamaModel.random(config.model, config.seed, config.dtype, self.device)
-        spec = config.model.attention_spec(config.dtype, config.block_size)
-        backend_cls = registry.load(config.backend)
-        reason = backend_cls.unsupported_reason(spec, self.device)
-        if reason:
-            raise ValueError(f"backend {config.backend} cannot run this model here: {reason}")
-        limits = BackendLimits(config.max_num_reqs, config.max_num_tokens, config.model.max_model_len)
-        max_query_len = backend_cls.capabilities.max_query_len
-        if max_query_len is not None and config.num_spec_tokens + 1 > max_query_len:
-            raise ValueError(f"backend {config.backend} verifies at most {max_query_len} tokens per request: "
-                             f"k={config.num_spec_tokens} needs {config.num_spec_tokens + 1}")
-        if backend_cls.capabilities.uniform_query_len:
-            raise ValueError(f"backend {config.backend} takes only batches whose requests share one query length; "
-                             "the reference engine mixes prefill chunks and decodes in a step (no prefill/decode split yet)")
-        self.backend = backend_cls(spec, limits, self.device)
-        self.kv_caches = [self.backend.allocate_kv_cache(config.num_blocks) for _ in range(config.model.num_layers)]
-        self.blocks = BlockManager(config.num_blocks, config.block_size)
-        self.scheduler = Scheduler(
-            self.blocks, max_num_reqs=config.max_num_reqs, max_num_tokens=config.max_num_tokens,
-            num_spec_tokens=config.num_spec_tokens, max_model_len=config.model.max_model_len, max_query_len=max_query_len,
-        )
+        super().__init__(config, model, eagle_head)
         self.state = DeviceState(config.max_num_reqs, self.device)
         self.scheduler.on_preempt = lambda request: self.state.reset(request.request_id)
-        self.eagle = eagle_head
-        self.drafter = self._make_drafter(config.drafter) if config.num_spec_tokens else None
-        self._generators: dict[int, torch.Generator] = {}
-
-    def _make_drafter(self, name: str):
-        for prefix in SCRIPTED_DRAFTER_PREFIXES:
-            if name.startswith(prefix):
-                return AcceptancePattern.parse(name.removeprefix(prefix))  # scripted per generate() call
-        if name == "eagle":
-            if self.eagle is None:
-                self.eagle = EagleHead.random(self.config.model, self.config.seed, self.config.dtype, self.device)
-            self.eagle_cache = self.backend.allocate_kv_cache(self.config.num_blocks)
-            return EagleDrafter(self._eagle_step, lambda request: self._generators.get(request.request_id), self._last_token)
-        if name == "layer-skip" or name.startswith("layer-skip:"):
-            layers = int(name.partition(":")[2] or max(1, self.config.model.num_layers // 4))
-            if not 1 <= layers < self.config.model.num_layers:
-                raise ValueError(f"layer-skip needs 1 <= layers < {self.config.model.num_layers}")
-            return LayerSkipDrafter(layers, self._draft_logits, lambda request: self._generators.get(request.request_id), self._last_token)
-        raise ValueError(f"unknown drafter {name!r} (none, eagle, scripted:PATTERN, layer-skip[:N])")
+        self.proposer = None  # the drafter's host loop; the scripted one is made per generate() call
+        if isinstance(self.drafter, EagleDrafter):
+            self.proposer = EagleProposer(self._eagle_step, self.generator, self._last_token)
+        elif isinstance(self.drafter, LayerSkipDrafter):
+            self.proposer = LayerSkipProposer(self.drafter.num_layers, self._draft_logits, self.generator, self._last_token)
 
     # --- public API -----------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], on_step=None) -> list[GenerationOutput]:
         """Run every prompt to completion. ``on_step(tokens generated so far)`` after each step."""
-        params_list = self._validate(prompts, params)
-        drafter = self.drafter
-        if isinstance(self.drafter, AcceptancePattern):
-            drafter = ScriptedDrafter(self._reference_script(prompts, params_list), self.drafter, self.config.model.vocab_size, self.config.seed)
-        requests = self._admit(prompts, params_list)
+        params_list = self.validate(prompts, params)
+        proposer = self.proposer
+        if isinstance(self.drafter, ScriptedDrafter):
+            script = self.reference_script(prompts, params_list)
+            proposer = ScriptedProposer(script, self.drafter.pattern, self.config.model.vocab_size, self.config.seed)
+        requests = self.admit(prompts, params_list)
         decode_steps = {request.request_id: 0 for request in requests}
         while not self.scheduler.idle:
-            for request_id in self.step(drafter):
+            for request_id in self.step(proposer):
                 decode_steps[request_id] += 1
             if on_step is not None:
                 on_step(sum(len(request.output) for request in requests))
-        return self._outputs(requests, decode_steps)
-
-    def _validate(self, prompts: list[list[int]], params) -> list[SamplingParams]:
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError("one SamplingParams per prompt, or one for all")
-        model = self.config.model
-        for prompt in prompts:
-            if not prompt:
-                raise ValueError("empty prompt")
-            if len(prompt) >= model.max_model_len:
-                raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_model_len {model.max_model_len}")
-            if any(not 0 <= token < model.vocab_size for token in prompt):
-                raise ValueError(f"prompt token ids must be in [0, {model.vocab_size})")
-        if isinstance(self.drafter, AcceptancePattern) and not all(p.greedy for p in params_list):
-            raise ValueError("the scripted drafter scripts greedy runs only")
-        return params_list
-
-    def _reference_script(self, prompts: list[list[int]], params_list: list[SamplingParams]) -> dict[int, list[int]]:
-        """The reference run the scripted drafter follows: the same engine, no speculation."""
-        # Eager: graphs captured for a throwaway engine are freed by the garbage collector at an
-        # unpredictable moment, possibly while another graph is being captured (a CUDA error).
-        plain = type(self)(dataclasses.replace(self.config, num_spec_tokens=0, drafter="none", cuda_graphs=False), self.model)
-        # k tokens past max_tokens: the last step drafts past the stop too (the scheduler does not
-        # cap drafts by max_tokens), and "all" must stay all.
-        extended = [dataclasses.replace(p, max_tokens=p.max_tokens + self.config.num_spec_tokens) for p in params_list]
-        return {index: out.tokens for index, out in enumerate(plain.generate(prompts, extended))}
-
-    def _admit(self, prompts: list[list[int]], params_list: list[SamplingParams]) -> list[Request]:
-        requests = [Request(index, list(prompt), p) for index, (prompt, p) in enumerate(zip(prompts, params_list))]
-        started = time.perf_counter()
-        for request in requests:
-            if request.params.seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(request.params.seed)
-                self._generators[request.request_id] = generator
-            request.arrival_time = started
-            self.scheduler.add(request)
-        return requests
-
-    def _outputs(self, requests: list[Request], decode_steps: dict[int, int]) -> list[GenerationOutput]:
-        self.blocks.assert_all_free()
-        return [
-            GenerationOutput(r.request_id, r.prompt, r.output, r.steps, decode_steps[r.request_id], r.drafted, r.accepted,
-                             r.preemptions, r.first_token_time - r.arrival_time, r.finish_time - r.arrival_time)
-            for r in requests
-        ]
+        return self.outputs(requests, decode_steps)
 
     def score(self, prompt: list[int]) -> torch.Tensor:
         """Next-token logits after every prefix of ``prompt`` [len, V] (one prefill, nothing kept)."""
@@ -216,17 +78,15 @@ class Engine:
 
     # --- one step ---------------------------------------------------------------------------------
 
-    def step(self, drafter) -> list[int]:
+    def step(self, proposer) -> list[int]:
         """Run one engine step; returns the ids of requests that decoded in it."""
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            if not self.scheduler.running:
-                raise RuntimeError("the KV pool cannot hold even one waiting request: raise num_blocks")
-            self.scheduler.preempt(self.scheduler.running[-1])  # everyone is stuck: make room
+            self.stuck()
             return []
         rows = []
         decoding = [s for s in scheduled if not s.request.in_prefill]
-        proposals = drafter.propose([(s.request, s.num_drafts) for s in decoding], self.device) if drafter and decoding else []
+        proposals = proposer.propose([(s.request, s.num_drafts) for s in decoding], self.device) if proposer and decoding else []
         drafts_of = {id(s): p for s, p in zip(decoding, proposals)}
         for item in scheduled:
             request = item.request
@@ -259,8 +119,8 @@ class Engine:
                     self.state.set_last_token(request.request_id, torch.tensor(request.output[-1], device=self.device))
             if not request.finished:
                 newly_computed.append((request, row.token_ids[:valid], row.start, hidden[start : start + valid]))
-        if isinstance(drafter, EagleDrafter) and newly_computed:
-            self._eagle_prefill(drafter, newly_computed)
+        if isinstance(proposer, EagleProposer) and newly_computed:
+            self._eagle_prefill(proposer, newly_computed)
         if self.config.check_device_state:
             for row in rows:
                 request = row.scheduled.request
@@ -289,7 +149,7 @@ class Engine:
         if params.greedy:
             return logits.argmax(dim=-1)
         probabilities = filtered_probabilities(logits, params.temperature, params.top_k, params.top_p)
-        return sample(probabilities, self._generators.get(request.request_id))
+        return sample(probabilities, self.generator(request))
 
     def _finish_decode(self, row: _Row, logits: torch.Tensor) -> int:
         """Accept or reject the drafts; returns how many of the row's positions now hold valid KV."""
@@ -308,7 +168,7 @@ class Engine:
         else:
             target = filtered_probabilities(logits, params.temperature, params.top_k, params.top_p)[None]
             tokens, emitted = probabilistic_rejection(drafts, row.draft_probabilities[None], target, count,
-                                                      self._generators.get(request.request_id))
+                                                      self.generator(request))
         self.state.commit(request.request_id, tokens[0], emitted)
         new_tokens = tokens[0, : int(emitted[0])].tolist()  # the host mirror, one step's outputs
         request.drafted += num_drafts
@@ -379,16 +239,16 @@ class Engine:
 
         return run
 
-    def _eagle_prefill(self, drafter: EagleDrafter, segments) -> None:
+    def _eagle_prefill(self, proposer: EagleProposer, segments) -> None:
         """Fill the head's cache for the positions the target just computed: position p reads
         token p and the target feature of position p - 1 (zeros before the first)."""
         features = []
         for request, _, start, hidden in segments:
-            previous = drafter.last_features.get(request.request_id) if start else None
+            previous = proposer.last_features.get(request.request_id) if start else None
             if previous is None:
                 previous = torch.zeros_like(hidden[0])
             features.append(torch.cat([previous[None], hidden[:-1]]))
-            drafter.last_features[request.request_id] = hidden[-1]
+            proposer.last_features[request.request_id] = hidden[-1]
         self._forward([(request, ids, start) for request, ids, start, _ in segments], self._eagle_run(torch.cat(features)))
 
     def _eagle_step(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from backends.base import DTYPE_NAMES
-from reference_engine.engine import Engine, EngineConfig
+from reference_engine.core import EngineConfig
+from reference_engine.engine import Engine
 from reference_engine.model import PRESETS, LlamaModel
 from reference_engine.sampling import SamplingParams
 

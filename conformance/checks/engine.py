@@ -98,7 +98,7 @@ class EngineCheck(Check):
 
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
         from reference_engine.batched_engine import BatchedEngine, InputCheckFailed
-        from reference_engine.engine import EngineConfig
+        from reference_engine.core import EngineConfig
         from reference_engine.metrics import measure
         from reference_engine.model import LlamaModel
         from reference_engine.sampling import SamplingParams
@@ -196,7 +196,8 @@ class EngineCheck(Check):
 
     def _difference(self, label, got, expected, prompts, model, base, device, evidence) -> str | None:
         """None when equal or every difference is an explained near-tie; else the failure reason."""
-        from reference_engine.engine import Engine, EngineConfig
+        from reference_engine.core import EngineConfig
+        from reference_engine.engine import Engine
         from reference_engine.equality import explain, first_divergence
 
         reference = None

@@ -11,7 +11,8 @@ from backends.base import CGSupport
 from backends.torch_naive import TorchNaiveBackend
 
 from reference_engine.batched_engine import BatchedEngine, InputCheckFailed
-from reference_engine.engine import Engine, EngineConfig
+from reference_engine.core import EngineConfig
+from reference_engine.engine import Engine
 from reference_engine.graphs import StepGraphs
 from reference_engine.rejection import PLACEHOLDER
 from reference_engine.sampling import SamplingParams
@@ -130,10 +131,10 @@ def test_eagle_drafts_what_the_per_request_engine_drafts(plain_tokens, monkeypat
     """EAGLE in the batched engine (cache catch-up over the verified positions, features carried
     on the device): greedy tokens equal plain decoding, sync and async, and at every (request,
     committed length) both engines reached, its drafts equal the per-request loop's."""
-    from reference_engine.drafters import EagleDrafter
+    from reference_engine.drafters import EagleProposer
 
     expected = {}
-    propose = EagleDrafter.propose
+    propose = EagleProposer.propose
 
     def recording(self, requests, device):
         proposals = propose(self, requests, device)
@@ -141,7 +142,7 @@ def test_eagle_drafts_what_the_per_request_engine_drafts(plain_tokens, monkeypat
             expected[(request.request_id, request.num_computed)] = drafts.tolist()
         return proposals
 
-    monkeypatch.setattr(EagleDrafter, "propose", recording)
+    monkeypatch.setattr(EagleProposer, "propose", recording)
     Engine(EngineConfig(num_spec_tokens=3, drafter="eagle")).generate(PROMPTS, GREEDY)
     for scheduling in (False, True):
         engine = DraftRecordingEngine(EngineConfig(num_spec_tokens=3, drafter="eagle", async_scheduling=scheduling, check_inputs=True))

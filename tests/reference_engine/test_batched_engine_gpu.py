@@ -12,7 +12,7 @@ from conformance.inputs.cases import parse_case
 from conformance.checks.engine import EngineCheck
 from conformance.results import Verdict
 from reference_engine.batched_engine import BatchedEngine
-from reference_engine.engine import EngineConfig
+from reference_engine.core import EngineConfig
 from reference_engine.metrics import measure
 from reference_engine.model import PRESETS, LlamaModel
 from reference_engine.sampling import SamplingParams

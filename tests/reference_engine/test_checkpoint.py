@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 from reference_engine.checkpoint import CheckpointError, load_eagle_head, load_model
-from reference_engine.engine import Engine, EngineConfig
+from reference_engine.core import EngineConfig
+from reference_engine.engine import Engine
 
 CONFIG = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
           "intermediate_size": 48, "vocab_size": 64, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,

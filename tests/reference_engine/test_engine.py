@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from reference_engine.engine import Engine, EngineConfig
+from reference_engine.core import EngineConfig
+from reference_engine.engine import Engine
 from reference_engine.kv_cache import BlockManager, OutOfBlocks
 from reference_engine.sampling import SamplingParams
 
@@ -130,8 +131,8 @@ def test_equality_tool_finds_and_explains_a_divergence():
 
 
 def test_the_scripted_drafter_keeps_its_old_name():
-    from reference_engine.drafters import AcceptancePattern
+    from reference_engine.drafters import AcceptancePattern, ScriptedDrafter
 
     for name in ("scripted:first:2", "oracle:first:2"):
         engine = Engine(EngineConfig(num_spec_tokens=3, drafter=name))
-        assert isinstance(engine.drafter, AcceptancePattern) and engine.drafter.kind == "first"
+        assert engine.drafter == ScriptedDrafter(AcceptancePattern("first", 2.0))

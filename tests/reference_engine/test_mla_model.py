@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from reference_engine.engine import Engine, EngineConfig
+from reference_engine.core import EngineConfig
+from reference_engine.engine import Engine
 from reference_engine.model import PRESETS, rms_norm
 from reference_engine.sampling import SamplingParams
 

@@ -1,0 +1,167 @@
+"""What both engine loops share: the configuration, the model and the attention backend (checked
+against what the backend claims), the KV pool and the scheduler, the drafter, and the life of a
+``generate`` call around the loop: prompt validation, admission, the scripted drafter's reference
+run, the outputs.
+
+The loops over it: ``engine.Engine``, one request at a time and synchronous (the readable
+reference), and ``batched_engine.BatchedEngine``, one batched step, synchronous or zero-bubble
+async, optionally under CUDA graphs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from backends import registry
+from backends.base import BackendLimits
+from reference_engine.drafters import Drafter, EagleDrafter, ScriptedDrafter, parse_drafter
+from reference_engine.kv_cache import BlockManager
+from reference_engine.model import EagleHead, LlamaModel, ModelConfig
+from reference_engine.request import Request
+from reference_engine.sampling import SamplingParams
+from reference_engine.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = ModelConfig()
+    backend: str = "torch_naive"
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    block_size: int = 16
+    num_blocks: int = 256
+    max_num_reqs: int = 16
+    max_num_tokens: int = 256
+    num_spec_tokens: int = 0
+    drafter: str = "none"  # none | eagle | scripted:PATTERN | layer-skip[:N] (drafters.parse_drafter)
+    seed: int = 0
+    check_device_state: bool = False  # compare the device state with the host mirror after every step
+    # The batched engine only:
+    async_scheduling: bool = True  # schedule step N + 1 before step N's results are known
+    cuda_graphs: bool = False  # capture uniform decode / verify steps at padded batch sizes
+    check_inputs: bool = False  # debug: count placeholder inputs and inconsistent positions on device
+    # Build the backend's metadata afresh for every draft step even when it claims
+    # draft_step_update (the engine check's reference for the update path).
+    rebuild_draft_metadata: bool = False
+
+
+@dataclass
+class GenerationOutput:
+    request_id: int
+    prompt: list[int]
+    tokens: list[int]
+    steps: int
+    decode_steps: int
+    drafted: int
+    accepted: int
+    preemptions: int
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token after the first."""
+        return (self.latency_s - self.ttft_s) / (len(self.tokens) - 1) if len(self.tokens) > 1 else 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per decode step (1 + accepted drafts on average)."""
+        return (len(self.tokens) - 1) / self.decode_steps if self.decode_steps else 0.0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model: LlamaModel | None = None, eagle_head: EagleHead | None = None) -> None:
+        if config.num_spec_tokens < 0:
+            raise ValueError("the number of speculative tokens must be >= 0")
+        drafter = parse_drafter(config.drafter, config.model.num_layers) if config.num_spec_tokens else None
+        if config.num_spec_tokens and drafter is None:
+            raise ValueError("speculative decoding needs a drafter (scripted:PATTERN or layer-skip)")
+        self.config = config
+        self.drafter: Drafter | None = drafter
+        self.device = torch.device(config.device)
+        self.model = model or LlamaModel.random(config.model, config.seed, config.dtype, self.device)
+        spec = config.model.attention_spec(config.dtype, config.block_size)
+        backend_cls = registry.load(config.backend)
+        reason = backend_cls.unsupported_reason(spec, self.device)
+        if reason:
+            raise ValueError(f"backend {config.backend} cannot run this model here: {reason}")
+        max_query_len = backend_cls.capabilities.max_query_len
+        if max_query_len is not None and config.num_spec_tokens + 1 > max_query_len:
+            raise ValueError(f"backend {config.backend} verifies at most {max_query_len} tokens per request: "
+                             f"k={config.num_spec_tokens} needs {config.num_spec_tokens + 1}")
+        if backend_cls.capabilities.uniform_query_len:
+            raise ValueError(f"backend {config.backend} takes only batches whose requests share one query length; "
+                             "the reference engine mixes prefill chunks and decodes in a step (no prefill/decode split yet)")
+        limits = BackendLimits(config.max_num_reqs, config.max_num_tokens, config.model.max_model_len)
+        self.backend = backend_cls(spec, limits, self.device)
+        self.kv_caches = [self.backend.allocate_kv_cache(config.num_blocks) for _ in range(config.model.num_layers)]
+        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.blocks, max_num_reqs=config.max_num_reqs, max_num_tokens=config.max_num_tokens,
+            num_spec_tokens=config.num_spec_tokens, max_model_len=config.model.max_model_len, max_query_len=max_query_len,
+        )
+        self.eagle = eagle_head
+        if isinstance(drafter, EagleDrafter):
+            if self.eagle is None:
+                self.eagle = EagleHead.random(config.model, config.seed, config.dtype, self.device)
+            self.eagle_cache = self.backend.allocate_kv_cache(config.num_blocks)  # the head's own KV
+        self._generators: dict[int, torch.Generator] = {}
+
+    def generator(self, request: Request) -> torch.Generator | None:
+        """The request's seeded generator (None without a seed)."""
+        return self._generators.get(request.request_id)
+
+    def validate(self, prompts: list[list[int]], params) -> list[SamplingParams]:
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("one SamplingParams per prompt, or one for all")
+        model = self.config.model
+        for prompt in prompts:
+            if not prompt:
+                raise ValueError("empty prompt")
+            if len(prompt) >= model.max_model_len:
+                raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_model_len {model.max_model_len}")
+            if any(not 0 <= token < model.vocab_size for token in prompt):
+                raise ValueError(f"prompt token ids must be in [0, {model.vocab_size})")
+        if isinstance(self.drafter, ScriptedDrafter) and not all(p.greedy for p in params_list):
+            raise ValueError("the scripted drafter scripts greedy runs only")
+        return params_list
+
+    def reference_script(self, prompts: list[list[int]], params_list: list[SamplingParams]) -> dict[int, list[int]]:
+        """The reference run the scripted drafter follows: the same engine, no speculation."""
+        # Eager: graphs captured for a throwaway engine are freed by the garbage collector at an
+        # unpredictable moment, possibly while another graph is being captured (a CUDA error).
+        plain = type(self)(dataclasses.replace(self.config, num_spec_tokens=0, drafter="none", cuda_graphs=False), self.model)
+        # k tokens past max_tokens: the last step drafts past the stop too (the scheduler does not
+        # cap drafts by max_tokens), and "all" must stay all.
+        extended = [dataclasses.replace(p, max_tokens=p.max_tokens + self.config.num_spec_tokens) for p in params_list]
+        return {index: out.tokens for index, out in enumerate(plain.generate(prompts, extended))}
+
+    def admit(self, prompts: list[list[int]], params_list: list[SamplingParams]) -> list[Request]:
+        requests = [Request(index, list(prompt), p) for index, (prompt, p) in enumerate(zip(prompts, params_list))]
+        started = time.perf_counter()
+        for request in requests:
+            if request.params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(request.params.seed)
+                self._generators[request.request_id] = generator
+            request.arrival_time = started
+            self.scheduler.add(request)
+        return requests
+
+    def outputs(self, requests: list[Request], decode_steps: dict[int, int]) -> list[GenerationOutput]:
+        self.blocks.assert_all_free()
+        return [
+            GenerationOutput(r.request_id, r.prompt, r.output, r.steps, decode_steps[r.request_id], r.drafted, r.accepted,
+                             r.preemptions, r.first_token_time - r.arrival_time, r.finish_time - r.arrival_time)
+            for r in requests
+        ]
+
+    def stuck(self) -> None:
+        """No request could be scheduled: preempt the newest running one to make room."""
+        if not self.scheduler.running:
+            raise RuntimeError("the KV pool cannot hold even one waiting request: raise num_blocks")
+        self.scheduler.preempt(self.scheduler.running[-1])
