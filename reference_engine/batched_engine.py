@@ -1,6 +1,7 @@
 """The reference engine, part 2: one batched step, run synchronously or zero-bubble async.
 
-Per step, on the device, in stream order: upload what the host knows (one pinned copy) → draft k
+Per step, the host plans it row by row (``step_plan``: the rows the device reads, the lengths the
+host believes), then, on the device, in stream order: upload the rows (one pinned copy) → draft k
 tokens for the decoding rows (scripted, layer-skip or EAGLE head) → compute input ids,
 positions, slots and seq_lens from the device state (``step_inputs``) → target forward →
 rejection (greedy, or probabilistic for requests with a temperature) → EAGLE's cache catch-up →
@@ -45,6 +46,7 @@ from reference_engine.rejection import PLACEHOLDER, greedy_rejection, rejection_
 from reference_engine.request import Request
 from reference_engine.sampling import SamplingParams, batched_filtered_probabilities, counter_uniform, gumbel_argmax
 from reference_engine.scheduler import Scheduled
+from reference_engine.step_plan import HostLengths, StepRows
 from reference_engine.step_inputs import (
     VIOLATION_NAMES,
     RowLayout,
@@ -93,17 +95,6 @@ class StepShape:
 
 
 @dataclass
-class _HostView:
-    """What the host knows of the step beyond its shape (changes between replays)."""
-
-    query_start_loc: list[int]
-    seq_lens: list[int]  # exact in sync mode; optimistic (every draft accepted) under async
-    starts: list[int]
-    num_drafts: list[int]
-    max_query_len: int
-
-
-@dataclass
 class StepRecord:
     """Per-step host timings: the metrics module turns these into TPOT and overlap figures."""
 
@@ -122,21 +113,21 @@ class StepRecord:
 class _Buffers:
     """One step's device tensors beyond the upload; persistent per shape for padded steps."""
 
-    def __init__(self, shape: StepShape, up: dict[str, torch.Tensor], hidden_size: int, dtype, device) -> None:
+    def __init__(self, shape: StepShape, uploaded: StepRows[torch.Tensor], hidden_size: int, dtype, device) -> None:
         reqs, decodes = shape.num_reqs, shape.num_decodes
         self.query_start_loc = torch.empty(reqs + 1, dtype=torch.int32, device=device)
         self.block_table = torch.empty(reqs, shape.width, dtype=torch.int32, device=device)
         self.starts = torch.empty(reqs, dtype=torch.int32, device=device)
         self.verify = empty_step_tensors(shape.num_tokens, reqs, device)
         self.violations = torch.zeros(len(VIOLATION_NAMES), dtype=torch.int64, device=device)
-        self.layout = RowLayout(slots=up["slots"], query_start_loc=self.query_start_loc, token_row=up["token_row"],
-                                host_ids=up["host_ids"], is_decode=up["is_decode"], num_valid=up["num_valid"],
+        self.layout = RowLayout(slots=uploaded.slots, query_start_loc=self.query_start_loc, token_row=uploaded.token_row,
+                                host_ids=uploaded.host_ids, is_decode=uploaded.is_decode, num_valid=uploaded.num_valid,
                                 block_table=self.block_table)
         # The draft loop: one token per decoding row, inputs from the device state.
         self.draft_layout = RowLayout(
-            slots=up["slots"][:decodes], query_start_loc=torch.arange(decodes + 1, dtype=torch.int32, device=device),
+            slots=uploaded.slots[:decodes], query_start_loc=torch.arange(decodes + 1, dtype=torch.int32, device=device),
             token_row=torch.arange(decodes, device=device), host_ids=torch.zeros(decodes, dtype=torch.int64, device=device),
-            is_decode=torch.ones(decodes, dtype=torch.int64, device=device), num_valid=up["num_drafts"][:decodes],
+            is_decode=torch.ones(decodes, dtype=torch.int64, device=device), num_valid=uploaded.num_drafts[:decodes],
             block_table=self.block_table[:decodes],
         )
         self.draft_starts = torch.empty(decodes, dtype=torch.int32, device=device)
@@ -253,18 +244,18 @@ class BatchedEngine(EngineCore):
 
     def _launch(self, scheduled: list[Scheduled], started: float) -> _Launched:
         prepared = time.perf_counter()
-        fields, rows, shape, host = self._host_fields(scheduled)
+        planned, rows, shape, host = self._plan(scheduled)
         captures = self.graphs.captures if self.graphs else 0
         self.timer.begin()
         with nvtx.range("prepare"):
-            up = self.uploads.upload(fields)
-            buffers = self._step_buffers(shape, up)
-            buffers.query_start_loc.copy_(up["query_start_loc"])
-            buffers.block_table.copy_(up["block_table"].view(shape.num_reqs, shape.width))
+            uploaded = self.uploads.upload(planned)
+            buffers = self._step_buffers(shape, uploaded)
+            buffers.query_start_loc.copy_(uploaded.query_start_loc)
+            buffers.block_table.copy_(uploaded.block_table.view(shape.num_reqs, shape.width))
         if self.drafter is not None and shape.num_decodes and shape.draft_steps:
             with nvtx.range("draft"):
-                self._draft(shape, host, up, buffers)
-        payload = self._verify(shape, host, up, buffers)
+                self._draft(shape, host, buffers)
+        payload = self._verify(shape, host, uploaded, buffers)
         download = self.downloads.download(payload)
         self.timer.end()
         launched = _Launched(len(self.steps), rows, download)
@@ -274,19 +265,16 @@ class BatchedEngine(EngineCore):
                                      prepared - started, time.perf_counter() - prepared))
         return launched
 
-    def _host_fields(self, scheduled: list[Scheduled]):
-        """The host's view of the step, packed for the upload; optimistic bookkeeping applied."""
-        bs = self.config.block_size
-        names = ("slots", "query_start_loc", "token_row", "host_ids", "is_decode", "num_valid", "num_drafts",
-                 "logits_index", "produces", "decode", "host_last_token", "host_start", "capacity", "block_table")
-        fields = {name: [] for name in names}
-        fields["query_start_loc"].append(0)
+    def _plan(self, scheduled: list[Scheduled]) -> tuple[StepRows[list[int]], list[_LaunchedRow], StepShape, HostLengths]:
+        """The step row by row as the host sees it, padded for a graph where one serves it; the
+        host's optimistic bookkeeping (every draft accepted) applied."""
+        bs, k = self.config.block_size, self.config.num_spec_tokens
         counts = {item.num_tokens for item in scheduled}
         uniform = len(counts) == 1 and all(not item.request.in_prefill for item in scheduled)
         size = self.graphs.size_for(len(scheduled), next(iter(counts))) if self.graphs and uniform else None
         width = self.max_blocks if size else max(len(item.request.block_ids) for item in scheduled)
-        rows, host = [], _HostView([0], [], [], [], max(counts))
-        for index, item in enumerate(scheduled):
+        rows, launched, host = StepRows.empty(), [], HostLengths()
+        for item in scheduled:
             request = item.request
             first_time = request.request_id not in self.state.slot_of
             slot = self.state.slot(request.request_id)
@@ -295,64 +283,41 @@ class BatchedEngine(EngineCore):
             decode = not request.in_prefill
             start, count = request.num_computed, item.num_tokens
             if decode:
-                source, host_ids = self._decode_inputs(request, count)
+                from_device, host_ids = self._decode_inputs(request, count)
                 placeholders, host_last = count, -1
             else:
-                source, host_ids = 0, request.tokens[start : start + count]
+                from_device, host_ids = False, request.tokens[start : start + count]
                 completes = start + count == request.prefill_target
                 placeholders = 1 if completes and not request.output else 0
                 # A request recomputed after a preemption resumes from its last output token.
                 host_last = request.output[-1] if completes and request.output else -1
-            self._add_row(fields, index, slot, count, host_ids, source, decode, count, item.num_drafts,
-                          int(decode or placeholders > 0), host_last, start, len(request.block_ids) * bs,
-                          request.block_ids, width)
-            host.starts.append(start)
-            host.seq_lens.append(start + count)
-            host.num_drafts.append(item.num_drafts)
-            rows.append(_LaunchedRow(request, decode, count, item.num_drafts, placeholders))
+            rows.add_row(slot=slot, host_ids=host_ids, inputs_from_device=from_device, decode=decode, num_valid=count,
+                         num_drafts=item.num_drafts, produces=decode or placeholders > 0, host_last_token=host_last,
+                         host_start=start, capacity=len(request.block_ids) * bs, block_ids=request.block_ids,
+                         width=width, num_spec_tokens=k)
+            host.add_row(start, count, item.num_drafts)
+            launched.append(_LaunchedRow(request, decode, count, item.num_drafts, placeholders))
             # Optimism: the host assumes every draft is accepted.
             request.num_computed += count
             request.output += [PLACEHOLDER] * placeholders
             request.steps += 1
         count = next(iter(counts))
-        for index in range(len(scheduled), size or 0):  # graph padding: decode from the spare slot, write nothing
-            self._add_row(fields, index, self.spare_slot, count, [0] * count, 1, True, 0, 0, 0, -1, 0, 0, [], width)
-            host.starts.append(0)
-            host.seq_lens.append(count)
-            host.num_drafts.append(0)
-        host.query_start_loc = fields["query_start_loc"]
-        num_reqs = len(fields["slots"])
-        num_decodes = next((i for i, flag in enumerate(fields["decode"]) if not flag), num_reqs)
-        shape = StepShape(num_reqs, host.query_start_loc[-1], width, num_decodes,
+        for _ in range(len(scheduled), size or 0):  # graph padding: decode from the spare slot, write nothing
+            rows.add_row(slot=self.spare_slot, host_ids=[0] * count, inputs_from_device=True, decode=True, num_valid=0,
+                         num_drafts=0, produces=False, host_last_token=-1, host_start=0, capacity=0, block_ids=[],
+                         width=width, num_spec_tokens=k)
+            host.add_row(0, count, 0)
+        num_decodes = rows.num_decodes
+        shape = StepShape(len(rows.slots), host.query_start_loc[-1], width, num_decodes,
                           max(host.num_drafts[:num_decodes], default=0), size is not None, self._sampling)
-        return fields, rows, shape, host
+        return rows, launched, shape, host
 
-    def _add_row(self, fields, index, slot, count, host_ids, source, decode, num_valid, num_drafts, produces,
-                 host_last, start, capacity, block_ids, width) -> None:
-        k = self.config.num_spec_tokens
-        begin = fields["query_start_loc"][-1]
-        fields["query_start_loc"].append(begin + count)
-        fields["token_row"] += [index] * count
-        fields["host_ids"] += host_ids
-        fields["slots"].append(slot)
-        fields["is_decode"].append(source if decode else 0)
-        fields["decode"].append(int(decode))
-        fields["num_valid"].append(num_valid)
-        fields["num_drafts"].append(num_drafts)
-        # The logits rows rejection reads: a decode row's k + 1 positions, a prefill row's last.
-        fields["logits_index"] += [begin + min(j, count - 1) if decode else begin + count - 1 for j in range(k + 1)]
-        fields["produces"].append(produces)
-        fields["host_last_token"].append(host_last)
-        fields["host_start"].append(start)
-        fields["capacity"].append(capacity)
-        fields["block_table"] += block_ids + [0] * (width - len(block_ids))
-
-    def _step_buffers(self, shape: StepShape, up) -> _Buffers:
+    def _step_buffers(self, shape: StepShape, uploaded: StepRows[torch.Tensor]) -> _Buffers:
         """Persistent per shape for padded steps (the upload's offsets are fixed by the shape too)."""
         if not shape.padded:
-            return _Buffers(shape, up, self.config.model.hidden_size, self.config.dtype, self.device)
+            return _Buffers(shape, uploaded, self.config.model.hidden_size, self.config.dtype, self.device)
         if shape not in self._buffers:
-            self._buffers[shape] = _Buffers(shape, up, self.config.model.hidden_size, self.config.dtype, self.device)
+            self._buffers[shape] = _Buffers(shape, uploaded, self.config.model.hidden_size, self.config.dtype, self.device)
         return self._buffers[shape]
 
     def _segment(self, name: str, shape: StepShape, common: CommonAttentionMetadata | None, segment):
@@ -385,52 +350,52 @@ class BatchedEngine(EngineCore):
         if self._script is not None:
             self.script_by_slot[slot] = self._script[request.request_id]
 
-    def _decode_inputs(self, request: Request, count: int) -> tuple[int, list[int]]:
-        """A decoding row's input ids come from the device state (source 1): under async
-        scheduling the host's last token is a placeholder for the step still in flight."""
-        return 1, [0] * count
+    def _decode_inputs(self, request: Request, count: int) -> tuple[bool, list[int]]:
+        """A decoding row's input ids come from the device state (True): under async scheduling
+        the host's last token is a placeholder for the step still in flight."""
+        return True, [0] * count
 
-    def _starts(self, up: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _starts(self, uploaded: StepRows[torch.Tensor]) -> torch.Tensor:
         """Each row's committed length, read on the device (never the host's optimistic guess)."""
-        return self.state.num_computed[up["slots"]]
+        return self.state.num_computed[uploaded.slots]
 
     # --- verify: target forward, rejection, commit --------------------------------------------------
 
-    def _verify(self, shape: StepShape, host: _HostView, up, buffers: _Buffers) -> torch.Tensor:
+    def _verify(self, shape: StepShape, host: HostLengths, uploaded: StepRows[torch.Tensor], buffers: _Buffers) -> torch.Tensor:
         config = self.config
         layout = buffers.layout
         with nvtx.range("build metadata"):
-            buffers.starts.copy_(self._starts(up))
+            buffers.starts.copy_(self._starts(uploaded))
             step = prepare_step_inputs(buffers.starts, self.state.last_token, self.state.drafts, layout, 0, config.block_size, buffers.verify)
             if config.check_inputs:
-                buffers.violations.copy_(input_violations(step, layout, self.state.num_computed[up["slots"]], up["host_start"],
-                                                          up["capacity"], config.model.vocab_size, config.block_size))
+                buffers.violations.copy_(input_violations(step, layout, self.state.num_computed[uploaded.slots], uploaded.host_start,
+                                                          uploaded.capacity, config.model.vocab_size, config.block_size))
                 step.input_ids.clamp_(0, config.model.vocab_size - 1)  # keep running; report on landing
-            common = self._common(layout, step, shape, host.query_start_loc, host.seq_lens)
+            common = self._common(layout, step, shape, host.query_start_loc, host.seq_lens())
         with nvtx.range("target forward, rejection, commit"):
-            return self._segment("verify", shape, common, lambda metadata: self._verify_segment(metadata, step, up, buffers, shape))
+            return self._segment("verify", shape, common, lambda metadata: self._verify_segment(metadata, step, uploaded, buffers, shape))
 
-    def _verify_segment(self, metadata, step: StepTensors, up, buffers: _Buffers, shape: StepShape) -> torch.Tensor:
+    def _verify_segment(self, metadata, step: StepTensors, uploaded: StepRows[torch.Tensor], buffers: _Buffers, shape: StepShape) -> torch.Tensor:
         k = self.config.num_spec_tokens
         layout = buffers.layout
         hidden = self.model(step.input_ids, step.positions, StepInputs(self.backend, metadata, self.kv_caches, step.slot_mapping))
         if self.config.check_inputs:
             self.verified.add_(verified_digest_terms(step.slot_mapping, step.input_ids).sum())
-        logits = self.model.logits(hidden[up["logits_index"]]).view(shape.num_reqs, k + 1, -1)
-        tokens, emitted = self._reject(logits, up, shape)
-        emitted = emitted * up["produces"]
+        logits = self.model.logits(hidden[uploaded.logits_index]).view(shape.num_reqs, k + 1, -1)
+        tokens, emitted = self._reject(logits, uploaded, shape)
+        emitted = emitted * uploaded.produces
         if self.eagle_features is not None:
-            self._eagle_catch_up(metadata, hidden, step, layout, up, emitted)
-        self._commit(up, layout, tokens, emitted)
+            self._eagle_catch_up(metadata, hidden, step, layout, uploaded, emitted)
+        self._commit(uploaded, layout, tokens, emitted)
         results = torch.cat([emitted[:, None], tokens], dim=1).reshape(-1)
         return torch.cat([results, buffers.violations]) if self.config.check_inputs else results
 
-    def _reject(self, logits: torch.Tensor, up, shape: StepShape):
+    def _reject(self, logits: torch.Tensor, uploaded: StepRows[torch.Tensor], shape: StepShape):
         """Greedy rows accept drafts equal to the argmax; rows with a temperature by rejection
         sampling, their noise from (seed, output position) counters."""
-        slots = up["slots"]
+        slots = uploaded.slots
         drafts = self.state.drafts[slots, : self.config.num_spec_tokens]
-        tokens, emitted = greedy_rejection(drafts, logits, up["num_drafts"])
+        tokens, emitted = greedy_rejection(drafts, logits, uploaded.num_drafts)
         if not shape.sampling:
             return tokens, emitted
         temperature = self.slot_temperature[slots]
@@ -441,7 +406,7 @@ class BatchedEngine(EngineCore):
         vocab = (logits.shape[-1],)
         draft_probabilities = self.draft_probabilities[slots] if k else target[:, :0]
         sampled, sampled_emitted = rejection_with_noise(
-            drafts, draft_probabilities, target, up["num_drafts"],
+            drafts, draft_probabilities, target, uploaded.num_drafts,
             counter_uniform(seed, position + offsets[:k], ACCEPT_LANE),
             counter_uniform(seed, position + offsets[:k], RECOVER_LANE, vocab),
             counter_uniform(seed, position + offsets, BONUS_LANE, vocab),
@@ -449,19 +414,19 @@ class BatchedEngine(EngineCore):
         greedy = (temperature == 0)[:, None]
         return torch.where(greedy, tokens, sampled), torch.where(greedy[:, 0], emitted, sampled_emitted)
 
-    def _commit(self, up, layout: RowLayout, tokens: torch.Tensor, emitted: torch.Tensor) -> None:
+    def _commit(self, uploaded: StepRows[torch.Tensor], layout: RowLayout, tokens: torch.Tensor, emitted: torch.Tensor) -> None:
         """The device state after this step: lengths, the next input token, the output count."""
-        slots = up["slots"]
+        slots = uploaded.slots
         query_lens = (layout.query_start_loc[1:] - layout.query_start_loc[:-1]).long()
-        advance = torch.where(up["decode"].bool(), emitted, query_lens)
+        advance = torch.where(uploaded.decode.bool(), emitted, query_lens)
         self.state.num_computed[slots] += advance.to(torch.int32)
         last_emitted = tokens.gather(1, (emitted - 1).clamp(min=0)[:, None]).squeeze(1)
-        host_last = up["host_last_token"]
+        host_last = uploaded.host_last_token
         keep = torch.where(host_last >= 0, host_last, self.state.last_token[slots])
         self.state.last_token[slots] = torch.where(emitted > 0, last_emitted, keep)
         self.state.num_output[slots] += emitted.to(torch.int32)
 
-    def _eagle_catch_up(self, metadata, hidden, step: StepTensors, layout: RowLayout, up, emitted) -> None:
+    def _eagle_catch_up(self, metadata, hidden, step: StepTensors, layout: RowLayout, uploaded: StepRows[torch.Tensor], emitted) -> None:
         """EAGLE's cache for the positions this step made valid (a prefill chunk, or a decode row's
         input and accepted drafts): position p reads token p and the target feature of p - 1.
         The feature carried to the next draft is the target's at the last valid position."""
@@ -472,7 +437,7 @@ class BatchedEngine(EngineCore):
         carried = torch.where((step.positions > 0)[:, None], self.eagle_features[slots[rows]], 0.0)
         previous = torch.cat([hidden[:1] * 0, hidden[:-1]])
         features = torch.where((offsets == 0)[:, None], carried, previous)
-        decode = up["decode"].bool()
+        decode = uploaded.decode.bool()
         query_lens = starts[1:] - starts[:-1]
         valid_count = torch.where(decode, emitted, query_lens)
         eagle_slots = torch.where(offsets < valid_count[rows], step.slot_mapping, -1)
@@ -483,7 +448,7 @@ class BatchedEngine(EngineCore):
 
     # --- drafting ---------------------------------------------------------------------------------
 
-    def _draft(self, shape: StepShape, host: _HostView, up, buffers: _Buffers) -> None:
+    def _draft(self, shape: StepShape, host: HostLengths, buffers: _Buffers) -> None:
         """Fill ``state.drafts`` for the decoding rows (the first ``num_decodes``) on the device."""
         slots = buffers.draft_layout.slots
         if isinstance(self.drafter, ScriptedDrafter):
@@ -497,8 +462,7 @@ class BatchedEngine(EngineCore):
 
         def common(index: int) -> CommonAttentionMetadata:
             # Host lengths (sync): a row stops advancing at its last draft, as on the device.
-            lengths = [start + min(index, max(n - 1, 0)) + 1 for start, n in zip(host.starts, host.num_drafts[:decodes])]
-            return self._common(layout, buffers.draft, shape, query_start_loc, lengths)
+            return self._common(layout, buffers.draft, shape, query_start_loc, host.draft_seq_lens(index, decodes))
 
         def prepare_step(index: int) -> StepTensors:
             return prepare_step_inputs(buffers.draft_starts, self.state.last_token, self.state.drafts, layout, index, bs, buffers.draft)

@@ -14,8 +14,11 @@ blocking calls the host-sync detector counts.
 from __future__ import annotations
 
 import time
+from dataclasses import fields, replace
 
 import torch
+
+from reference_engine.step_plan import StepRows
 
 
 class Uploader:
@@ -25,20 +28,21 @@ class Uploader:
         self.device_buffer = torch.empty(capacity, dtype=torch.int64, device=device)
         self.turn = 0
 
-    def upload(self, fields: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-        """One copy for all fields; returns device views, int64, in the order given."""
+    def upload(self, rows: StepRows[list[int]]) -> StepRows[torch.Tensor]:
+        """One copy for every field; returns the same rows as int64 device views."""
         host = self.host[self.turn]
         self.turn ^= 1
+        values = {f.name: getattr(rows, f.name) for f in fields(rows)}
         offsets, total = {}, 0
-        for name, values in fields.items():
-            offsets[name] = (total, len(values))
-            total += len(values)
+        for name, column in values.items():
+            offsets[name] = (total, len(column))
+            total += len(column)
         if total > host.numel():
             raise RuntimeError(f"step upload of {total} integers exceeds the staging buffer ({host.numel()})")
-        flat = [value for values in fields.values() for value in values]
+        flat = [value for column in values.values() for value in column]
         host[:total] = torch.tensor(flat, dtype=torch.int64)
         self.device_buffer[:total].copy_(host[:total], non_blocking=True)
-        return {name: self.device_buffer[start : start + length] for name, (start, length) in offsets.items()}
+        return replace(rows, **{name: self.device_buffer[start : start + length] for name, (start, length) in offsets.items()})
 
 
 class Download:

@@ -7,8 +7,8 @@ class OptimisticStartEngine(BatchedEngine):
     """Positions start at the host's optimistic length (every draft assumed accepted) where the
     committed length on the device is needed: after a rejection the row skips ahead."""
 
-    def _starts(self, up):
-        return up["host_start"].to(self.state.num_computed.dtype)
+    def _starts(self, uploaded):
+        return uploaded.host_start.to(self.state.num_computed.dtype)
 
 
 class HostLastTokenEngine(BatchedEngine):
@@ -16,4 +16,4 @@ class HostLastTokenEngine(BatchedEngine):
     Under async scheduling that token is still a placeholder (-1) for the step in flight."""
 
     def _decode_inputs(self, request, count):
-        return 0, request.tokens[-count:]
+        return False, request.tokens[-count:]

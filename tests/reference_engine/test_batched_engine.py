@@ -118,8 +118,8 @@ def test_planted_placeholder_input_is_caught_only_under_async(plain_tokens):
 class DraftRecordingEngine(BatchedEngine):
     """Records each decoding row's drafts by (request, committed length), read from the device."""
 
-    def _draft(self, shape, host, up, buffers):
-        super()._draft(shape, host, up, buffers)
+    def _draft(self, shape, host, buffers):
+        super()._draft(shape, host, buffers)
         ids = {slot: request_id for request_id, slot in self.state.slot_of.items()}
         for row, slot in enumerate(buffers.draft_layout.slots.tolist()):
             if slot in ids:
