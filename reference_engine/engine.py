@@ -23,6 +23,7 @@ from reference_engine.rejection import greedy_rejection, probabilistic_rejection
 from reference_engine.request import Request
 from reference_engine.sampling import SamplingParams, filtered_probabilities, sample
 from reference_engine.scheduler import Scheduled
+from reference_engine.step_plan import HostLengths
 
 @dataclass
 class _Row:
@@ -203,7 +204,7 @@ class Engine(EngineCore):
     def _forward(self, rows: list[tuple[Request, list[int], int]], run):
         """One batch through ``run(input_ids, positions, common)``. rows: (request, token ids, first
         position). Returns the hidden states [T, hidden] and each row's first token index."""
-        token_ids, positions, slots, starts, seq_lens = [], [], [], [0], []
+        token_ids, positions, slots, host = [], [], [], HostLengths()
         block_size = self.config.block_size
         for request, ids, start in rows:
             token_ids.append(ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long, device=self.device))
@@ -211,21 +212,20 @@ class Engine(EngineCore):
                 position = start + offset
                 positions.append(position)
                 slots.append(request.block_ids[position // block_size] * block_size + position % block_size)
-            starts.append(starts[-1] + len(ids))
-            seq_lens.append(start + len(ids))
+            host.add_row(start, len(ids), 0)
         width = max(len(request.block_ids) for request, _, _ in rows)
         block_table = torch.zeros(len(rows), width, dtype=torch.int32)
         for index, (request, _, _) in enumerate(rows):
             block_table[index, : len(request.block_ids)] = torch.tensor(request.block_ids, dtype=torch.int32)
-        query_start_loc = torch.tensor(starts, dtype=torch.int32)
-        host_seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
-        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        seq_lens = host.seq_lens()
         common = CommonAttentionMetadata.from_lengths(
-            query_start_loc=query_start_loc.to(self.device), seq_lens=host_seq_lens.to(self.device),
-            block_table=block_table.to(self.device), slot_mapping=slot_mapping, query_starts=starts, host_seq_lens=seq_lens,
+            query_start_loc=torch.tensor(host.query_start_loc, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device), block_table=block_table.to(self.device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device), query_starts=host.query_start_loc,
+            host_seq_lens=seq_lens,
         )
         hidden = run(torch.cat(token_ids), torch.tensor(positions, device=self.device), common)
-        return hidden, starts[:-1]
+        return hidden, host.query_start_loc[:-1]
 
     def _draft_logits(self, inputs: list[tuple[Request, int, int]], num_layers: int) -> torch.Tensor:
         """The layer-skip drafter's step: one token per request through the first layers."""
