@@ -67,11 +67,6 @@ class CheckResult:
     cases: list[CaseResult] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)  # check-wide facts (tolerances, strategy)
 
-    def bench_cases(self) -> list["CaseResult"]:
-        """The bench check's cases that have a forward time (those that ran)."""
-        bench = self.check("bench")
-        return [case for case in (bench.cases if bench else []) if case.metrics.get("forward_us")]
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
