@@ -13,13 +13,13 @@ from __future__ import annotations
 import time
 import traceback
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from backends import registry
 from conformance.inputs.cases import Case, parse_case
-from conformance.checks import make_check
+from conformance.checks import Check, make_check
 from conformance.results import CaseResult, Verdict
 
 Emit = Callable[[dict[str, Any]], None]
@@ -55,6 +55,35 @@ def job_cases(job: Job) -> list[Case]:
     return [replace(parse_case(item["id"]), tag=item.get("tag", "")) for item in job.cases]
 
 
+@dataclass
+class Planned:
+    """One check's whole-check skip (``case`` None, ``skip`` the reason), or one of its cases with
+    its skip reason (None: it runs)."""
+
+    check_name: str
+    check: Check
+    case: Case | None
+    skip: str | None
+
+
+def plan(job: Job, backend_cls, device: torch.device, reported: set[tuple[str, str]]) -> Iterator[Planned]:
+    """What the job has left to do, check by check, in order; the child that runs it and the
+    parent that accounts for what no child ran decide skips the same way here. Every case is asked
+    for its skip reason, reported ones too: some checks keep state (the engine check runs one case
+    per layout), and a resumed child must decide as the first one did."""
+    cases = job_cases(job)
+    for check_name in job.checks:
+        check = make_check(check_name, job.options)
+        reason = check.skip_reason(backend_cls, device)
+        if reason:
+            yield Planned(check_name, check, None, reason)
+            continue
+        for case in cases:
+            skip = check.case_skip_reason(backend_cls, case, device)
+            if (check_name, case.id) not in reported:
+                yield Planned(check_name, check, case, skip)
+
+
 def _error_result(case: Case, error: BaseException, verdict: Verdict) -> CaseResult:
     summary = f"{type(error).__name__}: {error}".strip().splitlines()[0][:400]
     return CaseResult(
@@ -78,35 +107,26 @@ def execute(job: Job, emit: Emit) -> bool:
     """Run the job; returns False when it stopped early on a fatal error."""
     backend_cls = registry.load(job.backend)
     device = torch.device(job.device)
-    done = set(job.done)
-    cases = job_cases(job)
-    for check_name in job.checks:
-        check = make_check(check_name, job.options)
-        reason = check.skip_reason(backend_cls, device)
-        if reason:
-            emit({"event": "check_skipped", "check": check_name, "reason": reason})
+    for item in plan(job, backend_cls, device, set(job.done)):
+        check_name, check, case = item.check_name, item.check, item.case
+        if case is None:
+            emit({"event": "check_skipped", "check": check_name, "reason": item.skip})
             continue
-        for case in cases:
-            # Asked for every case, reported ones too: some checks keep state (the engine check
-            # runs one case per layout), and a resumed child must decide as the first one did.
-            skip = check.case_skip_reason(backend_cls, case, device)
-            if (check_name, case.id) in done:
-                continue
-            emit({"event": "start", "check": check_name, "case": case.id})
-            if skip:
-                result = CaseResult(case.id, Verdict.SKIP, skip, tag=case.tag)
-            else:
-                started = time.perf_counter()
-                try:
-                    result = check.run_case(backend_cls, case, device)
-                    _synchronize(device)  # an asynchronous kernel fault belongs to this case
-                except Exception as error:  # noqa: BLE001 - a backend error is a result, not our crash
-                    if any(marker in str(error) for marker in _STICKY_CUDA_ERRORS):
-                        emit({"event": "fatal", "check": check_name, "case": case.id,
-                              "result": _error_result(case, error, Verdict.CRASH).to_dict()})
-                        return False
-                    result = _error_result(case, error, Verdict.ERROR)
-                result.seconds = round(time.perf_counter() - started, 3)
-                _release_cached_memory(device)
-            emit({"event": "result", "check": check_name, "result": result.to_dict()})
+        emit({"event": "start", "check": check_name, "case": case.id})
+        if item.skip:
+            result = CaseResult(case.id, Verdict.SKIP, item.skip, tag=case.tag)
+        else:
+            started = time.perf_counter()
+            try:
+                result = check.run_case(backend_cls, case, device)
+                _synchronize(device)  # an asynchronous kernel fault belongs to this case
+            except Exception as error:  # noqa: BLE001 - a backend error is a result, not our crash
+                if any(marker in str(error) for marker in _STICKY_CUDA_ERRORS):
+                    emit({"event": "fatal", "check": check_name, "case": case.id,
+                          "result": _error_result(case, error, Verdict.CRASH).to_dict()})
+                    return False
+                result = _error_result(case, error, Verdict.ERROR)
+            result.seconds = round(time.perf_counter() - started, 3)
+            _release_cached_memory(device)
+        emit({"event": "result", "check": check_name, "result": result.to_dict()})
     return True

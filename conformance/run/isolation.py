@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conformance.run.execution import Emit, Job, execute, job_cases
+from conformance.run.execution import Emit, Job, execute, plan
 from conformance.results import CaseResult, Verdict
 
 STDERR_TAIL_CHARS = 4000
@@ -111,26 +111,17 @@ def _not_run_with_skips(job: Job, events: BackendEvents, verdict: Verdict, reaso
     import torch
 
     from backends import registry
-    from conformance.checks import make_check
 
-    backend_cls, device = registry.load(job.backend), torch.device(job.device)
-    cases = job_cases(job)
     out = []
-    for check_name in job.checks:
-        if check_name in events.skipped_checks:
+    for item in plan(job, registry.load(job.backend), torch.device(job.device), set(events.results)):
+        if item.check_name in events.skipped_checks:
             continue
-        check = make_check(check_name, job.options)
-        check_skip = check.skip_reason(backend_cls, device)
-        if check_skip:
-            out.append({"event": "check_skipped", "check": check_name, "reason": check_skip})
+        if item.case is None:
+            out.append({"event": "check_skipped", "check": item.check_name, "reason": item.skip})
             continue
-        for case in cases:
-            skip = check.case_skip_reason(backend_cls, case, device)  # every case, in order: some checks keep state
-            if (check_name, case.id) in events.results:
-                continue
-            result = CaseResult(case.id, Verdict.SKIP, skip, tag=case.tag) if skip else \
-                CaseResult(case.id, verdict, reason, tag=case.tag)
-            out.append({"event": "result", "check": check_name, "result": result.to_dict()})
+        result = CaseResult(item.case.id, Verdict.SKIP, item.skip, tag=item.case.tag) if item.skip else \
+            CaseResult(item.case.id, verdict, reason, tag=item.case.tag)
+        out.append({"event": "result", "check": item.check_name, "result": result.to_dict()})
     return out
 
 
