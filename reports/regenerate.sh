@@ -23,7 +23,11 @@ backends=(${BACKENDS:-$all_backends})
 for backend in "${backends[@]}"; do
   [[ " $all_backends " == *" $backend "* ]] || { echo "unknown backend $backend (one of: $all_backends)" >&2; exit 2; }
 done
-check_groups=(graphs,draft-loop numerics,syncs,determinism,engine)  # the longer group first
+# Two processes per backend: graphs + draft-loop (the longer), and every other check the registry
+# lists (so a check added there is published too).
+other_checks=$(python -c "from conformance.checks import default_checks
+print(','.join(c for c in default_checks() if c not in ('graphs', 'draft-loop')))") || exit 2
+check_groups=(graphs,draft-loop "$other_checks")
 max_jobs=${JOBS:-15}
 mkdir -p "$runs"
 
