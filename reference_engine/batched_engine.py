@@ -38,7 +38,7 @@ from backends.base import CommonAttentionMetadata
 from reference_engine import nvtx
 from reference_engine.device_state import DeviceState
 from reference_engine.core import EngineConfig, EngineCore, GenerationOutput
-from reference_engine.drafters import EagleDrafter, ScriptedDrafter
+from reference_engine.drafters import EagleDrafter, NgramDrafter, ScriptedDrafter, ngram_drafts_on_device
 from reference_engine.handoff import Download, Uploader, Downloader
 from reference_engine.metrics import StepTimer
 from reference_engine.model import StepInputs
@@ -142,7 +142,7 @@ class BatchedEngine(EngineCore):
         # One spare slot past max_num_reqs: graph padding rows decode from it and never commit.
         self.state = DeviceState(reqs + 1, self.device, k)
         self.spare_slot = self.state.free_slots.pop()
-        self.scheduler.on_preempt = lambda request: self.state.reset(request.request_id)
+        self.scheduler.on_preempt = self._on_preempt
         self.scheduler.before_preempt = self._land_pending
         self._allocate_slot_state(k)
         max_blocks = -(-config.model.max_model_len // config.block_size)
@@ -181,6 +181,12 @@ class BatchedEngine(EngineCore):
         if isinstance(self.drafter, EagleDrafter):
             # The target's feature before each request's next input token (EAGLE's input).
             self.eagle_features = torch.zeros(slots, config.model.hidden_size, dtype=config.dtype, device=device)
+        # The n-gram drafter: each slot's tokens (prompt and committed outputs; the last column
+        # takes the writes a row masks out), and per request of a generate() call, where a
+        # preempted request's tokens wait for its next slot.
+        self.token_history = self._history_by_request = None
+        if isinstance(self.drafter, NgramDrafter):
+            self.token_history = torch.zeros(slots, config.model.max_model_len + k + 2, dtype=torch.int64, device=device)
         self.script_by_slot = None
         if isinstance(self.drafter, ScriptedDrafter):
             self.script_by_slot = torch.zeros(slots, config.model.max_model_len + k + 1, dtype=torch.int64, device=device)
@@ -212,6 +218,10 @@ class BatchedEngine(EngineCore):
             width = self.script_by_slot.shape[1]
             rows = [(tokens + [0] * width)[:width] for _, tokens in sorted(script.items())]
             self._script = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        if self.token_history is not None:
+            width = self.token_history.shape[1]
+            self._history_by_request = torch.tensor([(prompt + [0] * width)[:width] for prompt in prompts],
+                                                    dtype=torch.int64, device=self.device)
         requests = self.admit(prompts, params_list)
         self._decode_steps = {request.request_id: 0 for request in requests}
         self.steps = []
@@ -349,6 +359,14 @@ class BatchedEngine(EngineCore):
             self.eagle_features[slot] = 0.0
         if self._script is not None:
             self.script_by_slot[slot] = self._script[request.request_id]
+        if self.token_history is not None:
+            self.token_history[slot] = self._history_by_request[request.request_id]
+
+    def _on_preempt(self, request: Request) -> None:
+        """The request leaves its slot (its results have landed: ``before_preempt``)."""
+        if self.token_history is not None:
+            self._history_by_request[request.request_id] = self.token_history[self.state.slot(request.request_id)]
+        self.state.reset(request.request_id)
 
     def _decode_inputs(self, request: Request, count: int) -> tuple[bool, list[int]]:
         """A decoding row's input ids come from the device state (True): under async scheduling
@@ -425,6 +443,14 @@ class BatchedEngine(EngineCore):
         keep = torch.where(host_last >= 0, host_last, self.state.last_token[slots])
         self.state.last_token[slots] = torch.where(emitted > 0, last_emitted, keep)
         self.state.num_output[slots] += emitted.to(torch.int32)
+        if self.token_history is not None:
+            # The emitted tokens stand at the positions after the previous last token: they end at
+            # the new committed length, where the next input token (last_token) sits.
+            offsets = torch.arange(tokens.shape[1], device=self.device)
+            positions = self.state.num_computed[slots].long()[:, None] - emitted[:, None] + 1 + offsets
+            trash = self.token_history.shape[1] - 1
+            keep = (offsets[None, :] < emitted[:, None]) & (positions < trash)
+            self.token_history[slots[:, None].expand_as(positions), torch.where(keep, positions, trash)] = tokens
 
     def _eagle_catch_up(self, metadata, hidden, step: StepTensors, layout: RowLayout, uploaded: StepRows[torch.Tensor], emitted) -> None:
         """EAGLE's cache for the positions this step made valid (a prefill chunk, or a decode row's
@@ -453,6 +479,9 @@ class BatchedEngine(EngineCore):
         slots = buffers.draft_layout.slots
         if isinstance(self.drafter, ScriptedDrafter):
             self._segment("scripted", shape, None, lambda _: self._draft_scripted(slots))
+            return
+        if isinstance(self.drafter, NgramDrafter):
+            self._segment("ngram", shape, None, lambda _: self._draft_ngram(slots, shape))
             return
         layout, bs = buffers.draft_layout, self.config.block_size
         decodes = shape.num_decodes
@@ -508,6 +537,15 @@ class BatchedEngine(EngineCore):
             self.draft_probabilities.index_put_((slots, column), torch.where(greedy[:, None], one_hot, probabilities))
         self.state.drafts.index_put_((slots, column), tokens)
         self.draft_step.add_(1)
+
+    def _draft_ngram(self, slots: torch.Tensor, shape: StepShape) -> None:
+        """Prompt lookup over each row's tokens on the device (``drafters.ngram_drafts``)."""
+        k = self.config.num_spec_tokens
+        lengths = self.state.num_computed[slots] + 1  # the committed tokens and the next input
+        drafts = ngram_drafts_on_device(self.token_history[slots, :-1], lengths, k, self.drafter.max_n)
+        self.state.drafts[slots, :k] = drafts
+        if shape.sampling:  # a drafted token had probability 1
+            self.draft_probabilities[slots] = torch.nn.functional.one_hot(drafts, self.config.model.vocab_size).float()
 
     def _draft_scripted(self, slots: torch.Tensor) -> None:
         """Scripted drafts: the reference continuation where the pattern says right, +1 elsewhere."""
@@ -566,8 +604,8 @@ class BatchedEngine(EngineCore):
                     request.accepted += emitted - 1
                     self._decode_steps[request.request_id] += 1
                 self._confirm(request, emitted)
-                if not request.finished:
-                    self.blocks.trim(request.block_ids, request.num_computed)
+                if not request.finished:  # keeping what a scheduling pass under way allocated for it
+                    self.blocks.trim(request.block_ids, request.num_computed + self.scheduler.reserved_tokens(request))
 
     def _confirm(self, request: Request, count: int) -> None:
         params = request.params

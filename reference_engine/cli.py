@@ -50,7 +50,7 @@ def add_engine_parser(commands) -> None:
         parser.add_argument("--detect-syncs", action="store_true", help="count host-blocking syncs per steady-state step (CUDA)")
         parser.add_argument("--json", help="write the measured metrics here")
         parser.add_argument("--seed", type=int, default=0)
-    run.add_argument("--drafter", default="none", help="eagle | layer-skip[:N] | scripted:PATTERN (all, none, first:J, random:R; oracle:PATTERN is its old name)")
+    run.add_argument("--drafter", default="none", help="eagle | layer-skip[:N] | ngram[:N] (prompt lookup, N = longest n-gram, default 3) | scripted:PATTERN (all, none, first:J, random:R; oracle:PATTERN is its old name)")
     run.add_argument("--eagle", help="a local EAGLE head checkpoint directory (with --drafter eagle)")
     run.add_argument("--temperature", type=float, default=0.0)
     run.add_argument("--loop", default="async", choices=LOOPS,

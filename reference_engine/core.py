@@ -17,7 +17,7 @@ import torch
 
 from backends import registry
 from backends.base import BackendLimits
-from reference_engine.drafters import Drafter, EagleDrafter, ScriptedDrafter, parse_drafter
+from reference_engine.drafters import DRAFTER_NAMES, Drafter, EagleDrafter, ScriptedDrafter, parse_drafter
 from reference_engine.kv_cache import BlockManager
 from reference_engine.model import EagleHead, LlamaModel, ModelConfig
 from reference_engine.request import Request
@@ -36,7 +36,7 @@ class EngineConfig:
     max_num_reqs: int = 16
     max_num_tokens: int = 256
     num_spec_tokens: int = 0
-    drafter: str = "none"  # none | eagle | scripted:PATTERN | layer-skip[:N] (drafters.parse_drafter)
+    drafter: str = "none"  # none | eagle | scripted:PATTERN | ngram[:N] | layer-skip[:N] (drafters.parse_drafter)
     seed: int = 0
     check_device_state: bool = False  # compare the device state with the host mirror after every step
     # The batched engine only:
@@ -78,7 +78,7 @@ class EngineCore:
             raise ValueError("the number of speculative tokens must be >= 0")
         drafter = parse_drafter(config.drafter, config.model.num_layers) if config.num_spec_tokens else None
         if config.num_spec_tokens and drafter is None:
-            raise ValueError("speculative decoding needs a drafter (scripted:PATTERN or layer-skip)")
+            raise ValueError(f"speculative decoding needs a drafter ({DRAFTER_NAMES.removeprefix('none, ')})")
         self.config = config
         self.drafter: Drafter | None = drafter
         self.device = torch.device(config.device)

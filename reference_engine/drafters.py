@@ -10,14 +10,17 @@ loop runs it.
 * ``EagleDrafter`` (``eagle``) — an EAGLE-style head (see ``model.EagleHead``): k steps, each
   feeding its own predicted feature and draft token back in, through the attention backend over
   its own cache.
+* ``NgramDrafter`` (``ngram[:N]``) — prompt lookup: the tokens that followed the most recent
+  earlier occurrence of the request's last n tokens (n from N, default 3, down to 1) in its own
+  prompt and output. No model, no attention; real text repeats itself, random models loop.
 * ``LayerSkipDrafter`` (``layer-skip[:N]``) — the target's first N layers + its final norm and
   head: realistic acceptance with random weights. Its KV for those layers is the target's own (the
   same inputs give the same keys and values), so it drafts through the attention backend into the
   target's cache; the verify pass rewrites those slots with identical values.
 
 The batched engine runs each on the device (``batched_engine``); the per-request reference loop
-runs each on the host with the proposers below (``ScriptedProposer``, ``LayerSkipProposer``,
-``EagleProposer``), which return drafts [k] and the distributions they were drawn from [k, V]
+runs each on the host with the proposers below (``ScriptedProposer``, ``NgramProposer``,
+``LayerSkipProposer``, ``EagleProposer``), which return drafts [k] and the distributions they were drawn from [k, V]
 (one-hot for the scripted drafter).
 """
 from __future__ import annotations
@@ -73,6 +76,13 @@ class ScriptedDrafter:
 
 
 @dataclass(frozen=True)
+class NgramDrafter:
+    max_n: int = 3  # the longest suffix looked up; down to 1
+    name: ClassVar[str] = "ngram"
+    uses_attention: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
 class LayerSkipDrafter:
     num_layers: int  # of the target's layers, run for each draft token
     name: ClassVar[str] = "layer-skip"
@@ -87,7 +97,7 @@ class EagleDrafter:
 
 # "oracle:" is the scripted drafter's former name, still accepted.
 SCRIPTED_PREFIXES = ("scripted:", "oracle:")
-DRAFTER_NAMES = "none, eagle, scripted:PATTERN, layer-skip[:N]"
+DRAFTER_NAMES = "none, eagle, scripted:PATTERN, ngram[:N], layer-skip[:N]"
 
 
 def parse_drafter(text: str, num_target_layers: int) -> Drafter | None:
@@ -99,6 +109,11 @@ def parse_drafter(text: str, num_target_layers: int) -> Drafter | None:
             return ScriptedDrafter(AcceptancePattern.parse(text.removeprefix(prefix)))
     if text == "eagle":
         return EagleDrafter()
+    if text == "ngram" or text.startswith("ngram:"):
+        max_n = text.partition(":")[2] or "3"
+        if not max_n.isdigit() or int(max_n) < 1:
+            raise ValueError(f"ngram:N needs a whole N >= 1, not {max_n!r}")
+        return NgramDrafter(int(max_n))
     if text == "layer-skip" or text.startswith("layer-skip:"):
         layers = int(text.partition(":")[2] or max(1, num_target_layers // 4))
         if not 1 <= layers < num_target_layers:
@@ -122,6 +137,57 @@ class ScriptedProposer:
                 right = script[start + index] if start + index < len(script) else 0
                 drafts.append(right if self.pattern.correct(index, self.rng) else (right + 1) % self.vocab_size)
             tensor = torch.tensor(drafts, dtype=torch.long, device=device)
+            results.append((tensor, torch.nn.functional.one_hot(tensor, self.vocab_size).float()))
+        return results
+
+
+def ngram_drafts(tokens: list[int], k: int, max_n: int) -> list[int]:
+    """The n-gram drafter's rule, written for reading (the batched engine's ``ngram_drafts_on_device``
+    must agree): for the longest n <= max_n whose last n tokens occur earlier in ``tokens``, the k
+    tokens after the most recent such occurrence; past the end of ``tokens``, and without any
+    match, the last token repeated."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), 0, -1):
+        suffix = tokens[length - n :]
+        starts = [s for s in range(length - n) if tokens[s : s + n] == suffix]
+        if starts:
+            follow = starts[-1] + n
+            return [tokens[follow + j] if follow + j < length else tokens[-1] for j in range(k)]
+    return [tokens[-1]] * k
+
+
+def ngram_drafts_on_device(history: torch.Tensor, lengths: torch.Tensor, k: int, max_n: int) -> torch.Tensor:
+    """``ngram_drafts`` for a batch, on the device, without a sync or a data-dependent shape (it
+    runs inside CUDA graphs): ``history`` [rows, W] holds each row's tokens, ``lengths`` [rows]
+    how many are valid. Returns drafts [rows, k]."""
+    rows, width = history.shape
+    lengths = lengths.long()[:, None]
+    starts = torch.arange(width, device=history.device)[None, :]
+    best_start = torch.full((rows, 1), -1, dtype=torch.long, device=history.device)
+    best_n = torch.zeros((rows, 1), dtype=torch.long, device=history.device)
+    for n in range(1, max_n + 1):  # a longer match found later wins
+        match = starts < lengths - n  # an occurrence strictly before the suffix itself
+        for i in range(n):
+            suffix = history.gather(1, (lengths - n + i).clamp(min=0))
+            shifted = torch.cat([history[:, i:], history[:, :i]], dim=1)  # shifted[:, s] = history[:, s + i]
+            match &= shifted == suffix
+        found = torch.where(match, starts, -1).amax(dim=1, keepdim=True)
+        best_start = torch.where(found >= 0, found, best_start)
+        best_n = torch.where(found >= 0, n, best_n)
+    last = history.gather(1, (lengths - 1).clamp(min=0))
+    follow = best_start + best_n + torch.arange(k, device=history.device)[None, :]
+    drafts = history.gather(1, follow.clamp(0, width - 1))
+    return torch.where((best_start >= 0) & (follow < lengths), drafts, last)
+
+
+class NgramProposer:
+    def __init__(self, max_n: int, vocab_size: int) -> None:
+        self.max_n, self.vocab_size = max_n, vocab_size
+
+    def propose(self, requests: list[tuple[Request, int]], device: torch.device):
+        results = []
+        for request, num_drafts in requests:
+            tensor = torch.tensor(ngram_drafts(request.tokens, num_drafts, self.max_n), dtype=torch.long, device=device)
             results.append((tensor, torch.nn.functional.one_hot(tensor, self.vocab_size).float()))
         return results
 

@@ -17,7 +17,16 @@ import torch
 from backends.base import CommonAttentionMetadata
 from reference_engine.core import EngineConfig, EngineCore, GenerationOutput
 from reference_engine.device_state import DeviceState
-from reference_engine.drafters import EagleDrafter, EagleProposer, LayerSkipDrafter, LayerSkipProposer, ScriptedDrafter, ScriptedProposer
+from reference_engine.drafters import (
+    EagleDrafter,
+    EagleProposer,
+    LayerSkipDrafter,
+    LayerSkipProposer,
+    NgramDrafter,
+    NgramProposer,
+    ScriptedDrafter,
+    ScriptedProposer,
+)
 from reference_engine.model import EagleHead, LlamaModel, StepInputs
 from reference_engine.rejection import greedy_rejection, probabilistic_rejection
 from reference_engine.request import Request
@@ -45,6 +54,8 @@ class Engine(EngineCore):
             self.proposer = EagleProposer(self._eagle_step, self.generator, self._last_token)
         elif isinstance(self.drafter, LayerSkipDrafter):
             self.proposer = LayerSkipProposer(self.drafter.num_layers, self._draft_logits, self.generator, self._last_token)
+        elif isinstance(self.drafter, NgramDrafter):
+            self.proposer = NgramProposer(self.drafter.max_n, config.model.vocab_size)
 
     # --- public API -----------------------------------------------------------------------------
 

@@ -31,6 +31,9 @@ class Scheduler:
         # The async engine learns results one step late: before it recomputes a request from its
         # tokens, the step in flight must land (its placeholders become real tokens).
         self.before_preempt = lambda: None
+        # Tokens allocated for requests already scheduled in the pass under way: a step that lands
+        # during the pass (before a preemption) must not trim the blocks just allocated for them.
+        self._this_pass: dict[int, int] = {}
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -63,7 +66,17 @@ class Scheduler:
         room = self.max_model_len - len(request.tokens) - 1
         return max(0, min(self.num_spec_tokens, room))
 
+    def reserved_tokens(self, request: Request) -> int:
+        """Tokens the scheduling pass under way allocated for ``request`` beyond ``num_computed``."""
+        return self._this_pass.get(request.request_id, 0)
+
     def schedule(self) -> list[Scheduled]:
+        try:
+            return self._schedule()
+        finally:
+            self._this_pass = {}  # the engine now counts them in num_computed
+
+    def _schedule(self) -> list[Scheduled]:
         budget = self.max_num_tokens
         scheduled: list[Scheduled] = []
         for request in list(self.running):
@@ -79,6 +92,7 @@ class Scheduler:
                 continue
             drafts = self._drafts_for(request)
             self.blocks.allocate(request.block_ids, request.num_computed + 1 + drafts)
+            self._this_pass[request.request_id] = 1 + drafts
             scheduled.append(Scheduled(request, 1 + drafts, drafts))
             budget -= 1 + drafts
         prefilling = [r for r in self.running if r.in_prefill]
@@ -91,6 +105,7 @@ class Scheduler:
             if not self.blocks.can_allocate(request.block_ids, request.num_computed + chunk):
                 break
             self.blocks.allocate(request.block_ids, request.num_computed + chunk)
+            self._this_pass[request.request_id] = chunk
             if request in self.waiting:
                 self.waiting.remove(request)
                 self.running.append(request)

@@ -20,7 +20,7 @@ from tests.planted.engines import HostLastTokenEngine, OptimisticStartEngine
 
 PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40)), [7, 7, 7], list(range(100, 117))]
 GREEDY = SamplingParams(max_tokens=14)
-PATTERNS = ["scripted:all", "scripted:none", "scripted:first:1", "scripted:random:0.6", "layer-skip:1"]
+PATTERNS = ["scripted:all", "scripted:none", "scripted:first:1", "scripted:random:0.6", "layer-skip:1", "ngram"]
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +53,21 @@ def test_chunked_prefill_and_preemption(plain_tokens, scheduling):
     engine, tight = run(num_blocks=6, num_spec_tokens=3, drafter="scripted:first:1", async_scheduling=scheduling)
     assert [out.tokens for out in tight] == plain_tokens
     assert sum(out.preemptions for out in tight) > 0
+    engine.blocks.assert_all_free()
+
+
+@pytest.mark.parametrize("max_tokens", [14, 40])
+def test_a_step_landing_while_scheduling_keeps_the_blocks_just_allocated(max_tokens):
+    """Async, tight KV pool: a preemption lands the step in flight in the middle of a scheduling
+    pass; its trim must keep the blocks the pass already allocated for other requests (it cut
+    them once, and those requests' steps wrote outside their blocks: caught by check_inputs)."""
+    prompts = PROMPTS + [[5, 6, 5, 6, 5, 6, 5]]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    plain = [out.tokens for out in Engine(EngineConfig()).generate(prompts, params)]
+    engine, outputs = run(prompts=prompts, params=params, num_blocks=6, num_spec_tokens=3, drafter="scripted:first:1",
+                          async_scheduling=True)
+    assert [out.tokens for out in outputs] == plain
+    assert sum(out.preemptions for out in outputs) > 0
     engine.blocks.assert_all_free()
 
 
@@ -123,7 +138,8 @@ class DraftRecordingEngine(BatchedEngine):
         ids = {slot: request_id for request_id, slot in self.state.slot_of.items()}
         for row, slot in enumerate(buffers.draft_layout.slots.tolist()):
             if slot in ids:
-                start, count = int(buffers.draft_starts[row]), int(buffers.draft_layout.num_valid[row])
+                # Drafting precedes the step's commit: the device's committed length is the row's start.
+                start, count = int(self.state.num_computed[slot]), int(buffers.draft_layout.num_valid[row])
                 self.recorded[(ids[slot], start)] = self.state.drafts[slot, :count].tolist()
 
 
@@ -148,6 +164,43 @@ def test_eagle_drafts_what_the_per_request_engine_drafts(plain_tokens, monkeypat
         engine = DraftRecordingEngine(EngineConfig(num_spec_tokens=3, drafter="eagle", async_scheduling=scheduling, check_inputs=True))
         engine.recorded = {}
         assert [out.tokens for out in engine.generate(PROMPTS, GREEDY)] == plain_tokens
+        shared = expected.keys() & engine.recorded.keys()
+        assert len(shared) > 30
+        for key in shared:  # async may draft fewer near max_tokens (its remaining count is optimistic)
+            count = min(len(expected[key]), len(engine.recorded[key]))
+            assert engine.recorded[key][:count] == expected[key][:count], key
+
+
+@pytest.mark.parametrize("num_blocks", [256, 6])  # 6: preemptions, the request's tokens wait outside its slot
+def test_ngram_drafts_what_the_per_request_engine_drafts(monkeypatch, num_blocks):
+    """Prompt lookup on the device (each slot's tokens kept there, appended at every commit) drafts
+    what the per-request loop's host rule drafts, at every (request, committed length) both
+    reached; tokens equal plain decoding, sync and async."""
+    from reference_engine.drafters import NgramProposer
+
+    prompts = PROMPTS + [[5, 6, 5, 6, 5, 6, 5]]  # repeats: the lookup finds matches from the start
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = [out.tokens for out in Engine(EngineConfig()).generate(prompts, params)]
+    expected = {}
+    propose = NgramProposer.propose
+
+    def recording(self, requests, device):
+        proposals = propose(self, requests, device)
+        for (request, _), (drafts, _) in zip(requests, proposals):
+            expected[(request.request_id, request.num_computed)] = drafts.tolist()
+        return proposals
+
+    monkeypatch.setattr(NgramProposer, "propose", recording)
+    assert [out.tokens for out in Engine(EngineConfig(num_spec_tokens=3, drafter="ngram")).generate(prompts, params)] == plain
+    for scheduling in (False, True):
+        engine = DraftRecordingEngine(EngineConfig(num_spec_tokens=3, drafter="ngram", async_scheduling=scheduling,
+                                                   num_blocks=num_blocks, check_inputs=True))
+        engine.recorded = {}
+        outputs = engine.generate(prompts, params)
+        assert [out.tokens for out in outputs] == plain
+        assert sum(out.accepted for out in outputs) > 0
+        if num_blocks == 6:
+            assert sum(out.preemptions for out in outputs) > 0
         shared = expected.keys() & engine.recorded.keys()
         assert len(shared) > 30
         for key in shared:  # async may draft fewer near max_tokens (its remaining count is optimistic)
@@ -209,7 +262,7 @@ class DraftStepUpdateNaive(TorchNaiveBackend):
         return self.build(common)
 
 
-@pytest.mark.parametrize("drafter", ["scripted:random:0.5", "layer-skip:1", "eagle"])
+@pytest.mark.parametrize("drafter", ["scripted:random:0.5", "layer-skip:1", "eagle", "ngram:2"])
 @pytest.mark.parametrize("one_graph_draft_loop", [False, True])
 def test_padded_uniform_steps_reuse_their_buffers_and_match_plain(plain_tokens, drafter, one_graph_draft_loop):
     prompts = PROMPTS + [[3, 1, 4]]  # five requests: uniform steps pad to 8 rows
@@ -221,7 +274,8 @@ def test_padded_uniform_steps_reuse_their_buffers_and_match_plain(plain_tokens, 
         engine.graphs = PaddingOnlyGraphs(engine)
         assert [out.tokens for out in engine.generate(prompts, GREEDY)] == plain
         assert "verify" in engine.graphs.keys and any(shape.padded and shape.num_reqs == 8 for shape in engine._buffers)
-        expected = "scripted" if drafter.startswith("scripted") else ("draft loop" if one_graph_draft_loop else "draft step")
+        expected = next((name for name in ("scripted", "ngram") if drafter.startswith(name)),
+                        "draft loop" if one_graph_draft_loop else "draft step")
         assert expected in engine.graphs.keys
         assert int(engine.state.num_computed[engine.spare_slot]) == 0  # padding rows never commit
 

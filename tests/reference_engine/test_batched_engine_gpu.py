@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-@pytest.mark.parametrize("drafter", ["scripted:random:0.7", "layer-skip", "eagle"])
+@pytest.mark.parametrize("drafter", ["scripted:random:0.7", "layer-skip", "eagle", "ngram"])
 def test_triton_async_equals_sync_with_graphs_and_no_syncs(drafter, temperature):
     if temperature and drafter.startswith("scripted"):
         pytest.skip("the scripted drafter follows greedy runs")

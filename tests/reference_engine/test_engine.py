@@ -4,6 +4,7 @@ chunked prefill and with preemption; no KV block leaks; bad input is refused cle
 import math
 
 import pytest
+import torch
 
 from reference_engine.core import EngineConfig
 from reference_engine.engine import Engine
@@ -20,7 +21,8 @@ def plain_tokens():
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
-@pytest.mark.parametrize("drafter", ["scripted:all", "scripted:none", "scripted:first:1", "scripted:random:0.6", "layer-skip:1", "eagle"])
+@pytest.mark.parametrize("drafter", ["scripted:all", "scripted:none", "scripted:first:1", "scripted:random:0.6", "layer-skip:1", "eagle",
+                                     "ngram", "ngram:1"])
 def test_greedy_speculative_equals_greedy_plain(plain_tokens, k, drafter):
     outputs = Engine(EngineConfig(num_spec_tokens=k, drafter=drafter)).generate(PROMPTS, GREEDY)
     assert [out.tokens for out in outputs] == plain_tokens
@@ -90,6 +92,7 @@ def test_random_weights_give_non_degenerate_distributions():
         (lambda: Engine(EngineConfig(num_spec_tokens=2, drafter="medusa")), "unknown drafter"),
         (lambda: Engine(EngineConfig(num_spec_tokens=2)), "needs a drafter"),
         (lambda: Engine(EngineConfig(num_spec_tokens=2, drafter="scripted:sometimes")), "acceptance pattern"),
+        (lambda: Engine(EngineConfig(num_spec_tokens=2, drafter="ngram:0")), "whole N >= 1"),
         (lambda: Engine(EngineConfig(backend="triton")), "cannot run this model here"),
         (lambda: Engine(EngineConfig(num_blocks=2)).generate([list(range(40))], GREEDY), "raise num_blocks"),
     ],
@@ -136,3 +139,24 @@ def test_the_scripted_drafter_keeps_its_old_name():
     for name in ("scripted:first:2", "oracle:first:2"):
         engine = Engine(EngineConfig(num_spec_tokens=3, drafter=name))
         assert engine.drafter == ScriptedDrafter(AcceptancePattern("first", 2.0))
+
+
+def test_ngram_rule_and_its_device_version_agree():
+    """Prompt lookup: the longest suffix (<= N) seen before, its most recent earlier occurrence, the
+    tokens after it (past the end: the last token); the device version agrees on random histories
+    with garbage past each row's length."""
+    import random
+
+    from reference_engine.drafters import ngram_drafts, ngram_drafts_on_device
+
+    assert ngram_drafts([1, 2, 3, 9, 1, 2, 3], 3, 3) == [9, 1, 2]  # "1 2 3" seen at 0
+    assert ngram_drafts([4, 2, 3, 5, 1, 2, 3, 6, 2, 3], 2, 3) == [6, 2]  # "2 3" most recently at 5; no "6 2 3" before
+    assert ngram_drafts([7, 8, 7, 8], 4, 2) == [7, 8, 8, 8]  # runs past the end: the last token
+    assert ngram_drafts([5, 6, 7], 2, 3) == [7, 7] and ngram_drafts([5], 2, 3) == [5, 5]  # no match
+    rng = random.Random(0)
+    for _ in range(100):
+        width, lengths = 20, [rng.randint(1, 20) for _ in range(6)]
+        history = [[rng.randint(0, 3) for _ in range(width)] for _ in lengths]
+        k, max_n = rng.randint(1, 5), rng.randint(1, 4)
+        on_device = ngram_drafts_on_device(torch.tensor(history), torch.tensor(lengths), k, max_n).tolist()
+        assert on_device == [ngram_drafts(row[:length], k, max_n) for row, length in zip(history, lengths)]
