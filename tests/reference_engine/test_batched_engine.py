@@ -143,14 +143,10 @@ class DraftRecordingEngine(BatchedEngine):
                 self.recorded[(ids[slot], start)] = self.state.drafts[slot, :count].tolist()
 
 
-def test_eagle_drafts_what_the_per_request_engine_drafts(plain_tokens, monkeypatch):
-    """EAGLE in the batched engine (cache catch-up over the verified positions, features carried
-    on the device): greedy tokens equal plain decoding, sync and async, and at every (request,
-    committed length) both engines reached, its drafts equal the per-request loop's."""
-    from reference_engine.drafters import EagleProposer
-
+def per_request_drafts(monkeypatch, proposer_cls, drafter: str, prompts, params) -> tuple[dict, list[list[int]]]:
+    """The per-request loop's drafts by (request, committed length), and its tokens."""
     expected = {}
-    propose = EagleProposer.propose
+    propose = proposer_cls.propose
 
     def recording(self, requests, device):
         proposals = propose(self, requests, device)
@@ -158,17 +154,31 @@ def test_eagle_drafts_what_the_per_request_engine_drafts(plain_tokens, monkeypat
             expected[(request.request_id, request.num_computed)] = drafts.tolist()
         return proposals
 
-    monkeypatch.setattr(EagleProposer, "propose", recording)
-    Engine(EngineConfig(num_spec_tokens=3, drafter="eagle")).generate(PROMPTS, GREEDY)
+    monkeypatch.setattr(proposer_cls, "propose", recording)
+    outputs = Engine(EngineConfig(num_spec_tokens=3, drafter=drafter)).generate(prompts, params)
+    return expected, [out.tokens for out in outputs]
+
+
+def assert_same_drafts(expected: dict, recorded: dict) -> None:
+    shared = expected.keys() & recorded.keys()
+    assert len(shared) > 30
+    for key in shared:  # async may draft fewer near max_tokens (its remaining count is optimistic)
+        count = min(len(expected[key]), len(recorded[key]))
+        assert recorded[key][:count] == expected[key][:count], key
+
+
+def test_eagle_drafts_what_the_per_request_engine_drafts(plain_tokens, monkeypatch):
+    """EAGLE in the batched engine (cache catch-up over the verified positions, features carried
+    on the device): greedy tokens equal plain decoding, sync and async, and at every (request,
+    committed length) both engines reached, its drafts equal the per-request loop's."""
+    from reference_engine.drafters import EagleProposer
+
+    expected, _ = per_request_drafts(monkeypatch, EagleProposer, "eagle", PROMPTS, GREEDY)
     for scheduling in (False, True):
         engine = DraftRecordingEngine(EngineConfig(num_spec_tokens=3, drafter="eagle", async_scheduling=scheduling, check_inputs=True))
         engine.recorded = {}
         assert [out.tokens for out in engine.generate(PROMPTS, GREEDY)] == plain_tokens
-        shared = expected.keys() & engine.recorded.keys()
-        assert len(shared) > 30
-        for key in shared:  # async may draft fewer near max_tokens (its remaining count is optimistic)
-            count = min(len(expected[key]), len(engine.recorded[key]))
-            assert engine.recorded[key][:count] == expected[key][:count], key
+        assert_same_drafts(expected, engine.recorded)
 
 
 @pytest.mark.parametrize("num_blocks", [256, 6])  # 6: preemptions, the request's tokens wait outside its slot
@@ -181,17 +191,8 @@ def test_ngram_drafts_what_the_per_request_engine_drafts(monkeypatch, num_blocks
     prompts = PROMPTS + [[5, 6, 5, 6, 5, 6, 5]]  # repeats: the lookup finds matches from the start
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     plain = [out.tokens for out in Engine(EngineConfig()).generate(prompts, params)]
-    expected = {}
-    propose = NgramProposer.propose
-
-    def recording(self, requests, device):
-        proposals = propose(self, requests, device)
-        for (request, _), (drafts, _) in zip(requests, proposals):
-            expected[(request.request_id, request.num_computed)] = drafts.tolist()
-        return proposals
-
-    monkeypatch.setattr(NgramProposer, "propose", recording)
-    assert [out.tokens for out in Engine(EngineConfig(num_spec_tokens=3, drafter="ngram")).generate(prompts, params)] == plain
+    expected, drafted = per_request_drafts(monkeypatch, NgramProposer, "ngram", prompts, params)
+    assert drafted == plain
     for scheduling in (False, True):
         engine = DraftRecordingEngine(EngineConfig(num_spec_tokens=3, drafter="ngram", async_scheduling=scheduling,
                                                    num_blocks=num_blocks, check_inputs=True))
@@ -201,11 +202,7 @@ def test_ngram_drafts_what_the_per_request_engine_drafts(monkeypatch, num_blocks
         assert sum(out.accepted for out in outputs) > 0
         if num_blocks == 6:
             assert sum(out.preemptions for out in outputs) > 0
-        shared = expected.keys() & engine.recorded.keys()
-        assert len(shared) > 30
-        for key in shared:  # async may draft fewer near max_tokens (its remaining count is optimistic)
-            count = min(len(expected[key]), len(engine.recorded[key]))
-            assert engine.recorded[key][:count] == expected[key][:count], key
+        assert_same_drafts(expected, engine.recorded)
 
 
 def test_sampling_is_the_same_sync_and_async_and_follows_the_seed():
