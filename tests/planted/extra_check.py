@@ -1,5 +1,5 @@
 """A check that is not built in: the one file a new check takes (it is registered by one line,
-in tests/conformance/test_check_registry.py). It fails every case with a query longer than one
+in tests/conformance/checks/test_check_registry.py). It fails every case with a query longer than one
 token, with evidence of its own, so every report must show its column and its evidence."""
 from __future__ import annotations
 
