@@ -364,8 +364,9 @@ class BatchedEngine(EngineCore):
 
     def _on_preempt(self, request: Request) -> None:
         """The request leaves its slot (its results have landed: ``before_preempt``)."""
-        if self.token_history is not None:
-            self._history_by_request[request.request_id] = self.token_history[self.state.slot(request.request_id)]
+        slot = self.state.slot_of.get(request.request_id)
+        if self.token_history is not None and slot is not None:
+            self._history_by_request[request.request_id] = self.token_history[slot]
         self.state.reset(request.request_id)
 
     def _decode_inputs(self, request: Request, count: int) -> tuple[bool, list[int]]:
