@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from typing import Any, Iterable, TypedDict
 
 
+SHORT_TEXT = 120  # characters: a structured value up to this long stays on one line
+
+
 @dataclass(frozen=True)
 class EvidenceItem:
     """A label and its text. ``block`` text is preformatted (a stack, a traceback): HTML shows it
@@ -73,7 +76,9 @@ def as_text(value: Any) -> EvidenceItem | None:
         return None
     if isinstance(value, str):
         return EvidenceItem("", value, block="\n" in value)
-    text = json.dumps(value, indent=1, default=str)
+    text = json.dumps(value, default=str)
+    if len(text) > SHORT_TEXT:  # too long for one line: indented, as a block
+        text = json.dumps(value, indent=1, default=str)
     return EvidenceItem("", text, block="\n" in text)
 
 

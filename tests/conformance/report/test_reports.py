@@ -73,6 +73,19 @@ def test_every_report_shows_the_evidence_each_check_describes():
     assert "Segmentation fault" in texts["terminal"] and "ValueError: no" in texts["junit"]
 
 
+def test_evidence_of_a_check_this_version_does_not_know_is_shown_as_it_is():
+    """A results file from another version may name a check missing here: its evidence keys are
+    shown as they are (the base description), never dropped."""
+    case = CaseResult("gqa:9+1@0", Verdict.FAIL, "wrong", evidence={"stale_rows": [3, 7], "trace": "line one\nline two"})
+    run = RunResult({}, [BackendResult("mine", True, checks=[CheckResult("retired-check", Verdict.FAIL, "1 FAIL", [case])])],
+                    "standard", ["retired-check"])
+    console = Console(record=True, width=200)
+    print_report(console, run)
+    for text in (console.export_text(), report_junit.render(run), report_html.render(run)):
+        assert "stale rows" in text and "line two" in text
+    assert "stale rows: `[3, 7]`" in report_markdown.render(run)
+
+
 def test_html_is_self_contained():
     html = report_html.render(crafted())
     assert not re.search(r"(src|href)\s*=\s*['\"]?(https?:)?//", html)
