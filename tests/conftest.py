@@ -1,6 +1,14 @@
 import pytest
 import torch
 
+# pytester's in-process runs (the plugin tests) put sys.modules back as they found it, so a module
+# first imported inside one is imported again afterwards; Triton's native module cannot be (nanobind
+# aborts the process: "refusing to add duplicate key"). Import it before any run.
+try:
+    import triton  # noqa: F401
+except ImportError:  # a machine without Triton runs the tests that do not need it
+    pass
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
