@@ -17,7 +17,7 @@ SHORT_TEXT = 120  # characters: a structured value up to this long stays on one 
 @dataclass(frozen=True)
 class EvidenceItem:
     """A label and its text. ``block`` text is preformatted (a stack, a traceback): HTML shows it
-    whole, the terminal its last lines; the Markdown summary leaves it out."""
+    whole, the terminal its last lines, the Markdown summary only its label."""
 
     label: str
     text: str
