@@ -17,7 +17,6 @@ It also brings ``host_syncs``'s ``forbid_host_syncs`` fixture (see ``host_syncs.
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -95,10 +95,10 @@ class CheckResult:
     def passed(self) -> int:
         return sum(1 for case in self.cases if case.verdict == Verdict.PASS)
 
-    def tally(self, *, skips: bool = True) -> str:
-        """"PASSED/RAN pass[, N skip]": what every report shows beside a check's verdict."""
+    def tally(self) -> str:
+        """"PASSED/RAN pass[, N skip]": what the terminal and HTML show beside a check's verdict."""
         skipped = len(self.cases) - self.ran
-        return f"{self.passed}/{self.ran} pass" + (f", {skipped} skip" if skips and skipped else "")
+        return f"{self.passed}/{self.ran} pass" + (f", {skipped} skip" if skipped else "")
 
 
 @dataclass

@@ -10,7 +10,6 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable, TypedDict
 
-
 SHORT_TEXT = 120  # characters: a structured value up to this long stays on one line
 
 
@@ -70,21 +69,15 @@ def sync_events(label: str, events: Iterable[SyncEventRecord] | None) -> list[Ev
     return items
 
 
-def as_text(value: Any) -> EvidenceItem | None:
-    """A value no check described, shown as it is (JSON when structured) so nothing is hidden."""
-    if value in (None, "", [], {}):
-        return None
-    if isinstance(value, str):
-        return EvidenceItem("", value, block="\n" in value)
-    text = json.dumps(value, default=str)
-    if len(text) > SHORT_TEXT:  # too long for one line: indented, as a block
-        text = json.dumps(value, indent=1, default=str)
-    return EvidenceItem("", text, block="\n" in text)
-
-
 def labelled(label: str, value: Any) -> list[EvidenceItem]:
-    item = as_text(value)
-    return [EvidenceItem(label, item.text, item.block)] if item else []
+    """``value`` under ``label``, as it is (JSON when structured: one line when short), so nothing a
+    check did not describe is hidden; nothing for an empty value."""
+    if value in (None, "", [], {}):
+        return []
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    if not isinstance(value, str) and len(text) > SHORT_TEXT:  # too long for one line: indented
+        text = json.dumps(value, indent=1, default=str)
+    return [EvidenceItem(label, text, block="\n" in text)]
 
 
 def plain_lines(items: Iterable[EvidenceItem], block_lines: int | None = None) -> list[str]:

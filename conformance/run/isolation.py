@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from backends import registry
 from conformance.run.execution import Emit, Job, execute, plan
 from conformance.results import CaseResult, Verdict
 
@@ -108,10 +111,6 @@ def _not_run(job: Job, events: BackendEvents, verdict: Verdict, reason: str) -> 
 
 
 def _not_run_with_skips(job: Job, events: BackendEvents, verdict: Verdict, reason: str) -> list[dict[str, Any]]:
-    import torch
-
-    from backends import registry
-
     out = []
     for item in plan(job, registry.load(job.backend), torch.device(job.device), set(events.results)):
         if item.check_name in events.skipped_checks:
