@@ -215,13 +215,9 @@ class BatchedEngine(EngineCore):
                                                    self.config.model.vocab_size, device=self.device)
         if isinstance(self.drafter, ScriptedDrafter):
             script = self.reference_script(prompts, params_list)
-            width = self.script_by_slot.shape[1]
-            rows = [(tokens + [0] * width)[:width] for _, tokens in sorted(script.items())]
-            self._script = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            self._script = self._token_rows([tokens for _, tokens in sorted(script.items())], self.script_by_slot.shape[1])
         if self.token_history is not None:
-            width = self.token_history.shape[1]
-            self._history_by_request = torch.tensor([(prompt + [0] * width)[:width] for prompt in prompts],
-                                                    dtype=torch.int64, device=self.device)
+            self._history_by_request = self._token_rows(prompts, self.token_history.shape[1])
         requests = self.admit(prompts, params_list)
         self._decode_steps = {request.request_id: 0 for request in requests}
         self.steps = []
@@ -231,6 +227,11 @@ class BatchedEngine(EngineCore):
                 self._iterate(requests, on_step)
             self.iteration += 1
         return self.outputs(requests, self._decode_steps)
+
+    def _token_rows(self, rows: list[list[int]], width: int) -> torch.Tensor:
+        """One row per request of this generate() call, zero-padded (or cut) to ``width``, on the
+        device, whence ``_on_new_slot`` copies a request's row into its slot (one upload per call)."""
+        return torch.tensor([(row + [0] * width)[:width] for row in rows], dtype=torch.int64, device=self.device)
 
     def _iterate(self, requests: list[Request], on_step) -> None:
         """Schedule and launch step N + 1, then land step N (async); or launch and land (sync)."""

@@ -86,10 +86,6 @@ class HostLengths:
         self.query_lens.append(query_len)
         self.num_drafts.append(num_drafts)
 
-    @property
-    def max_query_len(self) -> int:
-        return max(self.query_lens)
-
     def seq_lens(self) -> list[int]:
         """The verify step's: each row's start plus its query."""
         return [start + query for start, query in zip(self.starts, self.query_lens)]

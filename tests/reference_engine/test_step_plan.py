@@ -32,7 +32,7 @@ def test_host_lengths_of_the_verify_and_draft_steps():
     host.add_row(10, 3, 2)  # decode: last token + 2 drafts
     host.add_row(20, 1, 0)  # decode, no drafts this step
     host.add_row(0, 8, 0)  # prefill chunk
-    assert host.query_start_loc == [0, 3, 4, 12] and host.max_query_len == 8
+    assert host.query_start_loc == [0, 3, 4, 12]
     assert host.seq_lens() == [13, 21, 8]
     # Draft step i writes position start + i; a row stops advancing at its last draft.
     assert [host.draft_seq_lens(index, 2) for index in range(3)] == [[11, 21], [12, 21], [12, 21]]
