@@ -32,19 +32,11 @@ class FlashMLAMetadata:
 class FlashMLABackend(AttentionBackend):
     name = "flashmla"
     capabilities = Capabilities(
-        kinds=frozenset({"mla"}),
-        dtypes=frozenset({torch.bfloat16}),
-        head_dims=frozenset({576}),
-        block_sizes=frozenset({64}),
+        kinds=frozenset({"mla"}), dtypes=frozenset({torch.bfloat16}), head_dims=frozenset({576}), block_sizes=frozenset({64}),
         num_heads=frozenset({16, 32, 64, 128}),
-        max_query_len=8,
-        uniform_query_len=True,
-        cuda_graphs=CGSupport.UNIFORM_BATCH,
-        needs_cpu_seq_lens=False,
-        draft_step_update=False,
-        devices=frozenset({"cuda"}),
-        compute_capabilities=frozenset({(9, 0)}),
-        required_modules=("flash_mla",),
+        max_query_len=8, uniform_query_len=True,
+        cuda_graphs=CGSupport.UNIFORM_BATCH, needs_cpu_seq_lens=False, draft_step_update=False,
+        devices=frozenset({"cuda"}), compute_capabilities=frozenset({(9, 0)}), required_modules=("flash_mla",),
         install_hint=INSTALL_HINT,
     )
 

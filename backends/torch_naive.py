@@ -29,16 +29,10 @@ class NaiveMetadata:
 class TorchNaiveBackend(AttentionBackend):
     name = "torch_naive"
     capabilities = Capabilities(
-        kinds=frozenset({"mha", "mla"}),
-        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        max_query_len=None,
-        sliding_window=True,
-        logits_soft_cap=True,
-        cuda_graphs=CGSupport.NEVER,
-        needs_cpu_seq_lens=True,
-        draft_step_update=False,
-        deterministic=True,  # one request at a time, fixed reduction order
-        batch_invariant=True,
+        kinds=frozenset({"mha", "mla"}), dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        max_query_len=None, sliding_window=True, logits_soft_cap=True,
+        cuda_graphs=CGSupport.NEVER, needs_cpu_seq_lens=True, draft_step_update=False,
+        deterministic=True, batch_invariant=True,  # one request at a time, fixed reduction order
         devices=frozenset({"cpu", "cuda"}),
     )
 

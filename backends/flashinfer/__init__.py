@@ -3,3 +3,10 @@ without it lists the backend as unavailable with the install command instead of 
 
 INSTALL_HINT = "pip install 'specdec-conformance[flashinfer]'"
 WORKSPACE_BYTES = 128 * 2**20
+FA2_COMPUTE_CAPABILITIES = frozenset({(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (10, 3), (12, 0)})
+
+
+def runs_on(compute_capabilities: frozenset[tuple[int, int]]) -> dict:
+    """The Capabilities fields that say where a FlashInfer adapter runs (its kernels differ by GPU)."""
+    return dict(devices=frozenset({"cuda"}), compute_capabilities=compute_capabilities,
+                required_modules=("flashinfer",), install_hint=INSTALL_HINT)

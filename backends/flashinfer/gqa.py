@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
-from backends.flashinfer import INSTALL_HINT, WORKSPACE_BYTES
+from backends.flashinfer import FA2_COMPUTE_CAPABILITIES, WORKSPACE_BYTES, runs_on
 from backends.vendor_layout import packed, packed_output
 from backends.flashinfer.paged_layout import paged_layout
 from backends.paged_write import write_paged_rows
@@ -50,20 +50,10 @@ def window_left(spec: AttentionSpec) -> int:
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     capabilities = Capabilities(
-        kinds=frozenset({"mha"}),
-        dtypes=frozenset({torch.float16, torch.bfloat16}),
-        head_dims=frozenset({64, 128, 256}),
-        block_sizes=frozenset({16, 32, 64}),
-        max_query_len=None,
-        sliding_window=True,
-        logits_soft_cap=True,
-        cuda_graphs=CGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
-        needs_cpu_seq_lens=True,
-        draft_step_update=False,
-        devices=frozenset({"cuda"}),
-        compute_capabilities=frozenset({(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (10, 3), (12, 0)}),
-        required_modules=("flashinfer",),
-        install_hint=INSTALL_HINT,
+        kinds=frozenset({"mha"}), head_dims=frozenset({64, 128, 256}), block_sizes=frozenset({16, 32, 64}),
+        max_query_len=None, sliding_window=True, logits_soft_cap=True,
+        cuda_graphs=CGSupport.UNIFORM_SINGLE_TOKEN_DECODE, needs_cpu_seq_lens=True, draft_step_update=False,
+        **runs_on(FA2_COMPUTE_CAPABILITIES),
     )
 
     def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
-from backends.flashinfer import INSTALL_HINT, WORKSPACE_BYTES
+from backends.flashinfer import FA2_COMPUTE_CAPABILITIES, WORKSPACE_BYTES, runs_on
 from backends.vendor_layout import packed, packed_output
 from backends.flashinfer.paged_layout import paged_layout
 from backends.paged_write import write_paged_rows
@@ -35,18 +35,10 @@ def plan_arguments(spec: AttentionSpec, common: CommonAttentionMetadata, metadat
 class FlashInferMLABackend(AttentionBackend):
     name = "flashinfer_mla"
     capabilities = Capabilities(
-        kinds=frozenset({"mla"}),
-        dtypes=frozenset({torch.float16, torch.bfloat16}),
-        head_dims=frozenset({576}),
-        block_sizes=frozenset({16, 32, 64}),
+        kinds=frozenset({"mla"}), head_dims=frozenset({576}), block_sizes=frozenset({16, 32, 64}),
         max_query_len=8,
-        cuda_graphs=CGSupport.NEVER,
-        needs_cpu_seq_lens=True,
-        draft_step_update=False,
-        devices=frozenset({"cuda"}),
-        compute_capabilities=frozenset({(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (10, 3), (12, 0)}),
-        required_modules=("flashinfer",),
-        install_hint=INSTALL_HINT,
+        cuda_graphs=CGSupport.NEVER, needs_cpu_seq_lens=True, draft_step_update=False,
+        **runs_on(FA2_COMPUTE_CAPABILITIES),
     )
 
     def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
-from backends.flashinfer import INSTALL_HINT, WORKSPACE_BYTES
+from backends.flashinfer import WORKSPACE_BYTES, runs_on
 from backends.vendor_layout import packed, packed_output
 from backends.paged_write import write_paged_rows
 
@@ -23,18 +23,10 @@ class TrtllmMetadata:
 class TrtllmBackend(AttentionBackend):
     name = "trtllm"
     capabilities = Capabilities(
-        kinds=frozenset({"mha"}),
-        dtypes=frozenset({torch.float16, torch.bfloat16}),
-        head_dims=frozenset({128}),
-        block_sizes=frozenset({16, 32, 64}),
+        kinds=frozenset({"mha"}), head_dims=frozenset({128}), block_sizes=frozenset({16, 32, 64}),
         max_query_len=1,
-        cuda_graphs=CGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
-        needs_cpu_seq_lens=False,
-        draft_step_update=True,
-        devices=frozenset({"cuda"}),
-        compute_capabilities=frozenset({(9, 0), (10, 0), (10, 3)}),
-        required_modules=("flashinfer",),
-        install_hint=INSTALL_HINT,
+        cuda_graphs=CGSupport.UNIFORM_SINGLE_TOKEN_DECODE, needs_cpu_seq_lens=False, draft_step_update=True,
+        **runs_on(frozenset({(9, 0), (10, 0), (10, 3)})),  # XQA on SM90, trtllm-gen on SM100/SM103
     )
 
     def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
-from backends.flashinfer import INSTALL_HINT, WORKSPACE_BYTES
+from backends.flashinfer import WORKSPACE_BYTES, runs_on
 from backends.vendor_layout import packed, packed_output
 from backends.paged_write import write_paged_rows
 
@@ -47,19 +47,10 @@ def kernel_arguments(spec: AttentionSpec, limits: BackendLimits, query, kv_cache
 class TrtllmMLABackend(AttentionBackend):
     name = "trtllm_mla"
     capabilities = Capabilities(
-        kinds=frozenset({"mla"}),
-        dtypes=frozenset({torch.bfloat16}),
-        head_dims=frozenset({576}),
-        block_sizes=frozenset({32, 64}),
-        max_query_len=8,
-        uniform_query_len=True,
-        cuda_graphs=CGSupport.UNIFORM_BATCH,
-        needs_cpu_seq_lens=False,
-        draft_step_update=True,
-        devices=frozenset({"cuda"}),
-        compute_capabilities=frozenset({(10, 0), (10, 3), (12, 0)}),
-        required_modules=("flashinfer",),
-        install_hint=INSTALL_HINT,
+        kinds=frozenset({"mla"}), dtypes=frozenset({torch.bfloat16}), head_dims=frozenset({576}), block_sizes=frozenset({32, 64}),
+        max_query_len=8, uniform_query_len=True,
+        cuda_graphs=CGSupport.UNIFORM_BATCH, needs_cpu_seq_lens=False, draft_step_update=True,
+        **runs_on(frozenset({(10, 0), (10, 3), (12, 0)})),  # trtllm-gen on SM100/SM103, XQA on SM120
     )
 
     def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:

@@ -88,18 +88,10 @@ class DeviceLengthsBackend(AttentionBackend):
 class TritonAttentionBackend(DeviceLengthsBackend):
     name = "triton"
     capabilities = Capabilities(
-        kinds=frozenset({"mha"}),
-        dtypes=frozenset({torch.float16, torch.bfloat16}),
-        head_dims=frozenset({64, 128, 256}),
-        block_sizes=frozenset({16, 32, 64}),
-        max_query_len=None,
-        sliding_window=True,
-        logits_soft_cap=True,
-        cuda_graphs=CGSupport.ALWAYS,
-        needs_cpu_seq_lens=False,
-        draft_step_update=True,
-        devices=interpreter_devices(),
-        required_modules=("triton",),
+        kinds=frozenset({"mha"}), head_dims=frozenset({64, 128, 256}), block_sizes=frozenset({16, 32, 64}),
+        max_query_len=None, sliding_window=True, logits_soft_cap=True,
+        cuda_graphs=CGSupport.ALWAYS, needs_cpu_seq_lens=False, draft_step_update=True,
+        devices=interpreter_devices(), required_modules=("triton",),
     )
 
     def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:

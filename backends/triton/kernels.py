@@ -55,18 +55,76 @@ def write_kv_kernel(
 
 
 @triton.jit
-def _attend_tile(
-    q, acc, row_max, row_sum, request, kv_head, start, end, query_positions, row_valid,
+def decode_query(query_start_loc_ptr, request, num_reqs, DECODE_Q: tl.constexpr):
+    """A decode or spec-verify request's new tokens: (first token, how many).
+
+    How many is 0 for a program with nothing to serve: one past the batch (grids are sized from
+    static limits), or a request with more than DECODE_Q new tokens (``prefill_kernel`` serves it).
+    """
+    live = request < num_reqs
+    query_start = tl.load(query_start_loc_ptr + request, mask=live, other=0)
+    query_len = tl.load(query_start_loc_ptr + request + 1, mask=live, other=0) - query_start
+    return query_start, tl.where(query_len > DECODE_Q, 0, query_len)
+
+
+@triton.jit
+def decode_rows(query_len, first_head, HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, DECODE_Q: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """The rows of one decode tile: every new token of the request times HEADS query heads from
+    ``first_head`` — (token, head, valid) per row, padding rows invalid."""
+    rows = tl.arange(0, BLOCK_M)
+    token = rows // HEADS
+    head = first_head + rows % HEADS
+    return token, head, (token < query_len) & (rows < DECODE_Q * HEADS) & (head < NUM_HEADS)
+
+
+@triton.jit
+def online_softmax_step(scores, value, acc, row_max, row_sum):
+    """Fold one KV tile (base-2 scores, -inf where not visible; its value rows) into the running
+    output ``acc``, row maximum and row sum."""
+    new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with nothing visible yet
+    probabilities = tl.exp2(scores - safe_max[:, None])
+    rescale = tl.exp2(row_max - safe_max)
+    row_sum = row_sum * rescale + tl.sum(probabilities, axis=1)
+    acc = acc * rescale[:, None] + tl.dot(probabilities.to(value.dtype), value)
+    return acc, new_max, row_sum
+
+
+@triton.jit
+def store_split_partial(
+    acc, row_max, row_sum, partial_out_ptr, partial_lse_ptr, partial_row, split, dims, row_valid,
+    WIDTH: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """One KV split's normalised output and base-2 log-sum-exp per row, for ``merge_splits_kernel``;
+    a row that saw no key (an empty split) gets -inf and so no weight."""
+    seen = row_sum > 0
+    out = acc / tl.where(seen, row_sum, 1.0)[:, None]
+    lse = tl.where(seen, row_max + tl.log2(tl.where(seen, row_sum, 1.0)), float("-inf"))
+    tl.store(partial_lse_ptr + partial_row * NUM_SPLITS + split, lse, mask=row_valid)
+    tl.store(
+        partial_out_ptr + (partial_row * NUM_SPLITS + split)[:, None] * WIDTH + dims[None, :],
+        out, mask=row_valid[:, None] & (dims[None, :] < WIDTH),
+    )
+
+
+@triton.jit
+def _attend(
+    q, request, kv_head, start, end, query_positions, row_valid,
     k_cache_ptr, v_cache_ptr, block_table_ptr, stride_block_table,
     stride_cache_block, stride_cache_head, stride_cache_token,
     scale_log2, soft_cap, window,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """Online softmax of the rows in ``q`` over KV positions [start, end) of one request.
+    """Online softmax of the rows in ``q`` over KV positions [start, end) of one request:
+    (unnormalised output, row maximum, row sum).
 
     UPCAST_DOT (Triton's CPU interpreter only, whose bf16 tl.dot is wrong): products in fp32.
     """
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     if UPCAST_DOT:
         q = q.to(tl.float32)
     dims = tl.arange(0, BLOCK_D)
@@ -90,14 +148,7 @@ def _attend_tile(
         visible = (positions[None, :] <= query_positions[:, None]) & in_range[None, :] & row_valid[:, None]
         if USE_WINDOW:
             visible = visible & (query_positions[:, None] - positions[None, :] < window)
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        probabilities = tl.exp2(scores - safe_max[:, None])
-        rescale = tl.exp2(row_max - safe_max)
-        row_sum = row_sum * rescale + tl.sum(probabilities, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(probabilities.to(value.dtype), value)
-        row_max = new_max
+        acc, row_max, row_sum = online_softmax_step(tl.where(visible, scores, float("-inf")), value, acc, row_max, row_sum)
     return acc, row_max, row_sum
 
 
@@ -115,19 +166,13 @@ def decode_split_kernel(
     request = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if request >= num_reqs:
+    query_start, query_len = decode_query(query_start_loc_ptr, request, num_reqs, DECODE_Q)
+    if query_len == 0:
         return
-    query_start = tl.load(query_start_loc_ptr + request)
-    query_len = tl.load(query_start_loc_ptr + request + 1) - query_start
-    if (query_len > DECODE_Q) | (query_len == 0):
-        return  # a prefill request: prefill_kernel serves it
     seq_len = tl.load(seq_lens_ptr + request)
     context_len = seq_len - query_len
 
-    rows = tl.arange(0, BLOCK_M)
-    token = rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    row_valid = (token < query_len) & (rows < DECODE_Q * GROUP)
+    token, head, row_valid = decode_rows(query_len, kv_head * GROUP, GROUP, NUM_HEADS, DECODE_Q, BLOCK_M)
     query_positions = context_len + token
     dims = tl.arange(0, BLOCK_D)
     q = tl.load(
@@ -142,24 +187,15 @@ def decode_split_kernel(
     start = low + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, row_max, row_sum = _attend_tile(
-        q, acc, row_max, row_sum, request, kv_head, start, end, query_positions, row_valid,
+    acc, row_max, row_sum = _attend(
+        q, request, kv_head, start, end, query_positions, row_valid,
         k_cache_ptr, v_cache_ptr, block_table_ptr, stride_block_table,
         stride_cache_block, stride_cache_head, stride_cache_token, scale_log2, soft_cap, window,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW, USE_SOFT_CAP, UPCAST_DOT,
+        BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW, USE_SOFT_CAP, UPCAST_DOT,
     )
-    seen = row_sum > 0
-    out = acc / tl.where(seen, row_sum, 1.0)[:, None]
-    lse = tl.where(seen, row_max + tl.log2(tl.where(seen, row_sum, 1.0)), float("-inf"))
     partial_row = (request * DECODE_Q + token) * NUM_HEADS + head  # [rows, heads] flattened
-    tl.store(partial_lse_ptr + partial_row * NUM_SPLITS + split, lse, mask=row_valid)
-    tl.store(
-        partial_out_ptr + (partial_row * NUM_SPLITS + split)[:, None] * HEAD_DIM + dims[None, :],
-        out, mask=row_valid[:, None] & (dims[None, :] < HEAD_DIM),
-    )
+    store_split_partial(acc, row_max, row_sum, partial_out_ptr, partial_lse_ptr, partial_row, split, dims, row_valid,
+                        HEAD_DIM, NUM_SPLITS)
 
 
 @triton.jit
@@ -173,11 +209,8 @@ def merge_splits_kernel(
     head = tl.program_id(1)
     request = row // DECODE_Q
     token = row % DECODE_Q
-    if request >= num_reqs:
-        return
-    query_start = tl.load(query_start_loc_ptr + request)
-    query_len = tl.load(query_start_loc_ptr + request + 1) - query_start
-    if (query_len > DECODE_Q) | (token >= query_len):
+    query_start, query_len = decode_query(query_start_loc_ptr, request, num_reqs, DECODE_Q)
+    if token >= query_len:
         return
     splits = tl.arange(0, BLOCK_SPLITS)
     partial_row = row * NUM_HEADS + head
@@ -243,14 +276,11 @@ def prefill_kernel(
         start = tl.maximum(first_position - window + 1, 0)
     start = (start // BLOCK_N) * BLOCK_N
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, row_max, row_sum = _attend_tile(
-        q, acc, row_max, row_sum, request, kv_head, start, last_position, query_positions, row_valid,
+    acc, row_max, row_sum = _attend(
+        q, request, kv_head, start, last_position, query_positions, row_valid,
         k_cache_ptr, v_cache_ptr, block_table_ptr, stride_block_table,
         stride_cache_block, stride_cache_head, stride_cache_token, scale_log2, soft_cap, window,
-        HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW, USE_SOFT_CAP, UPCAST_DOT,
+        BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW, USE_SOFT_CAP, UPCAST_DOT,
     )
     out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
     tl.store(

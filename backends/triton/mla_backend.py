@@ -38,15 +38,10 @@ def tiling(num_heads: int, decode_q: int) -> _Tiling:
 class TritonMLABackend(DeviceLengthsBackend):
     name = "triton_mla"
     capabilities = Capabilities(
-        kinds=frozenset({"mla"}),
-        dtypes=frozenset({torch.float16, torch.bfloat16}),
-        block_sizes=frozenset({16, 32, 64}),
+        kinds=frozenset({"mla"}), block_sizes=frozenset({16, 32, 64}),
         max_query_len=DECODE_VARIANTS[-1],
-        cuda_graphs=CGSupport.ALWAYS,
-        needs_cpu_seq_lens=False,
-        draft_step_update=True,
-        devices=interpreter_devices(),
-        required_modules=("triton",),
+        cuda_graphs=CGSupport.ALWAYS, needs_cpu_seq_lens=False, draft_step_update=True,
+        devices=interpreter_devices(), required_modules=("triton",),
     )
 
     def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from backends.triton.kernels import decode_query, decode_rows, online_softmax_step, store_split_partial
+
 
 @triton.jit
 def mla_decode_split_kernel(
@@ -25,19 +27,13 @@ def mla_decode_split_kernel(
     head_block = tl.program_id(0)
     request = tl.program_id(1)
     split = tl.program_id(2)
-    if request >= num_reqs:
-        return
-    query_start = tl.load(query_start_loc_ptr + request)
-    query_len = tl.load(query_start_loc_ptr + request + 1) - query_start
-    if (query_len > DECODE_Q) | (query_len == 0):
+    query_start, query_len = decode_query(query_start_loc_ptr, request, num_reqs, DECODE_Q)
+    if query_len == 0:
         return
     seq_len = tl.load(seq_lens_ptr + request)
     context_len = seq_len - query_len
 
-    rows = tl.arange(0, BLOCK_M)
-    token = rows // HEADS_PER_PROGRAM
-    head = head_block * HEADS_PER_PROGRAM + rows % HEADS_PER_PROGRAM
-    row_valid = (token < query_len) & (rows < DECODE_Q * HEADS_PER_PROGRAM) & (head < NUM_HEADS)
+    token, head, row_valid = decode_rows(query_len, head_block * HEADS_PER_PROGRAM, HEADS_PER_PROGRAM, NUM_HEADS, DECODE_Q, BLOCK_M)
     query_positions = context_len + token
     latent_dims = tl.arange(0, BLOCK_L)
     rope_dims = tl.arange(0, BLOCK_R)
@@ -66,21 +62,8 @@ def mla_decode_split_kernel(
             c_rope = c_rope.to(tl.float32)
         scores = (tl.dot(q_latent, tl.trans(c_latent)) + tl.dot(q_rope, tl.trans(c_rope))) * scale_log2
         visible = (positions[None, :] <= query_positions[:, None]) & in_range[None, :] & row_valid[:, None]
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        probabilities = tl.exp2(scores - safe_max[:, None])
-        rescale = tl.exp2(row_max - safe_max)
-        row_sum = row_sum * rescale + tl.sum(probabilities, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(probabilities.to(c_latent.dtype), c_latent)
-        row_max = new_max
+        acc, row_max, row_sum = online_softmax_step(tl.where(visible, scores, float("-inf")), c_latent, acc, row_max, row_sum)
 
-    seen = row_sum > 0
-    out = acc / tl.where(seen, row_sum, 1.0)[:, None]
-    lse = tl.where(seen, row_max + tl.log2(tl.where(seen, row_sum, 1.0)), float("-inf"))
     partial_row = (request * DECODE_Q + token) * NUM_HEADS + head
-    tl.store(partial_lse_ptr + partial_row * NUM_SPLITS + split, lse, mask=row_valid)
-    tl.store(
-        partial_out_ptr + (partial_row * NUM_SPLITS + split)[:, None] * LATENT + latent_dims[None, :],
-        out, mask=row_valid[:, None] & (latent_dims[None, :] < LATENT),
-    )
+    store_split_partial(acc, row_max, row_sum, partial_out_ptr, partial_lse_ptr, partial_row, split, latent_dims, row_valid,
+                        LATENT, NUM_SPLITS)
