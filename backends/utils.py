@@ -29,11 +29,14 @@ def split_decodes_and_prefills(common: CommonAttentionMetadata, decode_threshold
 
 
 def sub_batch(common: CommonAttentionMetadata, first: int, last: int) -> CommonAttentionMetadata:
-    """Requests [first, last) of ``common`` as a batch of their own (views, no copies)."""
+    """Requests [first, last) of ``common`` as a batch of their own (device views, no copies, no
+    sync): host lengths where ``common`` has them; else none, and the same upper bound."""
     token_start = int(common.query_start_loc_cpu[first])
+    known = common.has_host_seq_lens
     return CommonAttentionMetadata.from_lengths(
         query_start_loc=common.query_start_loc[first : last + 1] - token_start, seq_lens=common.seq_lens[first:last],
-        block_table=common.block_table[first:last], slot_mapping=common.slot_mapping,
+        block_table=common.block_table[first:last], slot_mapping=common.slot_mapping[token_start:],
         query_starts=(common.query_start_loc_cpu[first : last + 1] - token_start).tolist(),
-        host_seq_lens=common.seq_lens_cpu[first:last].tolist(), max_seq_len=common.max_seq_len,
+        host_seq_lens=common.host_seq_lens[first:last].tolist() if known else [common.max_seq_len] * (last - first),
+        lengths_known=known, max_seq_len=common.max_seq_len,
     )

@@ -138,6 +138,8 @@ def command_list(args: argparse.Namespace, console: Console) -> int:
 
 def command_run(args: argparse.Namespace, console: Console) -> int:
     names = _backend_names(args.backend)
+    if args.prefill_backend != "auto":
+        _backend_names([args.prefill_backend])
     checks = _checks(args.check)
     cases = _cases(args)
     device = _device(args.device)
@@ -149,7 +151,7 @@ def command_run(args: argparse.Namespace, console: Console) -> int:
         backends=names, checks=checks, cases=cases, device=device,
         suite="custom" if args.case else args.suite, case_timeout_s=args.timeout,
         backend_timeout_s=args.backend_timeout, in_process=args.in_process,
-        check_options={"sync_detector": args.sync_detector},
+        check_options={"sync_detector": args.sync_detector, "prefill_backend": args.prefill_backend},
     )
     json_path = _output_paths(args)
     json_path.unlink(missing_ok=True)  # an interrupted run must not leave an older run's results looking current
@@ -217,6 +219,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser, default_suite: str) -> N
                         "are not run (default: no limit)")
     parser.add_argument("--sync-detector", default="auto", choices=["auto", "cupti", "torch"],
                         help="host-sync detector for the syncs check (default auto: cupti when installed, else torch)")
+    parser.add_argument("--prefill-backend", default="auto",
+                        help="the engine check's companion for a backend that serves only some batches (decode-only, "
+                        "uniform-only): it serves the prefill chunks; default auto: triton (MHA on CUDA), else torch_naive")
     parser.add_argument("--in-process", action="store_true", help="no child process (for a debugger); a crash ends the run")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 

@@ -199,7 +199,7 @@ class BatchedEngine(EngineCore):
     def draft_steps_update_metadata(self) -> bool:
         """Draft steps after the first advance the backend's metadata with update_for_draft_step
         (eagerly, or all k in one graph), as engines do for a backend that claims it."""
-        return type(self.backend).capabilities.draft_step_update and not self.config.rebuild_draft_metadata
+        return self.backend.capabilities.draft_step_update and not self.config.rebuild_draft_metadata
 
     def verified_digest(self) -> int:
         """check_inputs: the digest of everything verified so far (see ``verified``)."""

@@ -36,6 +36,9 @@ def add_engine_parser(commands) -> None:
     bench = engine_commands.add_parser("bench", help="async vs sync on the same prompts, side by side")
     for parser in (run, bench):
         parser.add_argument("--backend", default="torch_naive", help="attention backend (default torch_naive)")
+        parser.add_argument("--prefill-backend", default="auto",
+                            help="serves the batches --backend cannot (prefill chunks for a decode-only or uniform-only "
+                            "backend); default auto: triton (MHA on CUDA), else torch_naive")
         parser.add_argument("--model", default="tiny", help=f"{' | '.join(PRESETS)} (seeded random weights) or a local Llama/Qwen2 checkpoint directory")
         parser.add_argument("--spec-tokens", type=int, default=0, help="draft tokens per step, k (default 0: no speculation)")
         parser.add_argument("--num-prompts", type=int, default=8)
@@ -90,8 +93,8 @@ def _load_model(args, dtype, device, usage_error):
 
 def _make_engine(args, model, eagle, dtype, device, loop: str, drafter: str, usage_error):
     config = EngineConfig(
-        model=model.config, backend=args.backend, device=str(device), dtype=dtype, num_blocks=args.num_blocks,
-        max_num_tokens=args.max_num_tokens, max_num_reqs=max(args.num_prompts, 1), num_spec_tokens=args.spec_tokens,
+        model=model.config, backend=args.backend, prefill_backend=args.prefill_backend, device=str(device), dtype=dtype,
+        num_blocks=args.num_blocks, max_num_tokens=args.max_num_tokens, max_num_reqs=max(args.num_prompts, 1), num_spec_tokens=args.spec_tokens,
         drafter=drafter, seed=args.seed, async_scheduling=loop == "async", cuda_graphs=args.cuda_graphs and device.type == "cuda",
         check_inputs=getattr(args, "check_inputs", False),
     )

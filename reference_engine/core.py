@@ -17,6 +17,7 @@ import torch
 
 from backends import registry
 from backends.base import BackendLimits
+from reference_engine.attention_split import attention_for
 from reference_engine.drafters import DRAFTER_NAMES, Drafter, EagleDrafter, ScriptedDrafter, parse_drafter
 from reference_engine.kv_cache import BlockManager
 from reference_engine.model import EagleHead, LlamaModel, ModelConfig
@@ -29,6 +30,9 @@ from reference_engine.scheduler import Scheduler
 class EngineConfig:
     model: ModelConfig = ModelConfig()
     backend: str = "torch_naive"
+    # What serves the batches the backend cannot (prefill chunks for a decode-only or uniform-only
+    # backend): a backend name, or auto (attention_split.companion_candidates).
+    prefill_backend: str = "auto"
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     block_size: int = 16
@@ -88,20 +92,14 @@ class EngineCore:
         reason = backend_cls.unsupported_reason(spec, self.device)
         if reason:
             raise ValueError(f"backend {config.backend} cannot run this model here: {reason}")
-        max_query_len = backend_cls.capabilities.max_query_len
-        if max_query_len is not None and config.num_spec_tokens + 1 > max_query_len:
-            raise ValueError(f"backend {config.backend} verifies at most {max_query_len} tokens per request: "
-                             f"k={config.num_spec_tokens} needs {config.num_spec_tokens + 1}")
-        if backend_cls.capabilities.uniform_query_len:
-            raise ValueError(f"backend {config.backend} takes only batches whose requests share one query length; "
-                             "the reference engine mixes prefill chunks and decodes in a step (no prefill/decode split yet)")
         limits = BackendLimits(config.max_num_reqs, config.max_num_tokens, config.model.max_model_len)
-        self.backend = backend_cls(spec, limits, self.device)
+        # A backend that serves only some batches runs beside a companion that serves the rest.
+        self.backend = attention_for(backend_cls, spec, limits, self.device, config.prefill_backend)
         self.kv_caches = [self.backend.allocate_kv_cache(config.num_blocks) for _ in range(config.model.num_layers)]
         self.blocks = BlockManager(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.blocks, max_num_reqs=config.max_num_reqs, max_num_tokens=config.max_num_tokens,
-            num_spec_tokens=config.num_spec_tokens, max_model_len=config.model.max_model_len, max_query_len=max_query_len,
+            num_spec_tokens=config.num_spec_tokens, max_model_len=config.model.max_model_len,
         )
         self.eagle = eagle_head
         if isinstance(drafter, EagleDrafter):

@@ -77,9 +77,6 @@ class Engine(EngineCore):
 
     def score(self, prompt: list[int]) -> torch.Tensor:
         """Next-token logits after every prefix of ``prompt`` [len, V] (one prefill, nothing kept)."""
-        limit = self.scheduler.max_query_len
-        if limit is not None and len(prompt) > limit:
-            raise ValueError(f"score() prefills in one pass; backend {self.config.backend} takes at most {limit} tokens")
         request = Request(-1, list(prompt), SamplingParams())
         self.blocks.allocate(request.block_ids, len(prompt))
         try:

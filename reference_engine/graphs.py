@@ -40,7 +40,7 @@ def padded_size(num_reqs: int, max_num_reqs: int) -> int | None:
 class StepGraphs:
     def __init__(self, engine) -> None:
         self.engine = engine
-        capabilities = type(engine.backend).capabilities
+        capabilities = engine.backend.capabilities
         self.support = capabilities.cuda_graphs
         self.one_graph_draft_loop = engine.draft_steps_update_metadata
         self.enabled = engine.device.type == "cuda" and self.support != CGSupport.NEVER

@@ -17,13 +17,9 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, *, max_num_reqs: int, max_num_tokens: int, num_spec_tokens: int, max_model_len: int,
-                 max_query_len: int | None = None) -> None:
+    def __init__(self, blocks: BlockManager, *, max_num_reqs: int, max_num_tokens: int, num_spec_tokens: int, max_model_len: int) -> None:
         self.blocks = blocks
         self.max_num_reqs, self.max_num_tokens = max_num_reqs, max_num_tokens
-        # A decode/verify-only backend (triton_mla, flashmla: query length <= 8) attends correctly
-        # to at most this many new tokens per request: prefill goes in chunks of that size.
-        self.max_query_len = max_query_len
         self.num_spec_tokens, self.max_model_len = num_spec_tokens, max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -101,7 +97,7 @@ class Scheduler:
                 break
             if request in self.waiting and len(self.running) >= self.max_num_reqs:
                 break
-            chunk = min(request.prefill_target - request.num_computed, budget, self.max_query_len or budget)
+            chunk = min(request.prefill_target - request.num_computed, budget)
             if not self.blocks.can_allocate(request.block_ids, request.num_computed + chunk):
                 break
             self.blocks.allocate(request.block_ids, request.num_computed + chunk)

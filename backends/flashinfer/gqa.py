@@ -129,6 +129,7 @@ class FlashInferBackend(AttentionBackend):
         if decodes == 0:
             self._plan_prefill(common)
             return FlashInferMetadata([WrapperCall(self.prefill, 0, tokens)])
+        common.seq_lens_cpu  # noqa: B018 - one host copy (if any) for both halves, recorded on the step's metadata
         self._plan_decode(self.decode, sub_batch(common, 0, decodes))
         self._plan_prefill(sub_batch(common, decodes, common.num_reqs))
         return FlashInferMetadata([WrapperCall(self.decode, 0, decodes), WrapperCall(self.prefill, decodes, tokens)])

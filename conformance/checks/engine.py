@@ -19,7 +19,12 @@ block size) a small model of that layout runs four prompts, greedy:
    the CPU too: the engine uses the update path eagerly);
 5. on CUDA, the async loop again, measured: CUDA graphs where the backend claims them, host-blocking
    syncs per steady-state step (must be 0 for a backend claiming ``needs_cpu_seq_lens=False``), TPOT
-   and GPU idle fraction (reported).
+   and GPU idle fraction (reported); k = 0 for a backend that cannot verify k + 1 tokens, so that
+   the steady steps are its own.
+
+A backend that serves only some batches (decode-only, uniform-only) runs every engine beside a
+companion that serves the rest, prefill chunks above all (``reference_engine.attention_split``,
+``--prefill-backend``); the evidence counts the batches and tokens each one served.
 
 A reduced-precision run may flip an argmax where two logits tie within rounding; a difference is
 accepted only when an fp32 re-score of the same weights shows the two tokens as the top two within
@@ -38,6 +43,7 @@ from conformance.inputs.cases import Case
 from conformance.checks.base import Check
 from conformance.checks.evidence import EvidenceItem, labelled, without
 from conformance.results import CaseResult, Verdict
+from reference_engine.attention_split import AUTO, Routing, SplitAttention, resolve_companion
 
 NEAR_TIE = 0.1  # logits; the random models' logits have a standard deviation of about 4
 SPEC_TOKENS = 3
@@ -75,18 +81,21 @@ class EngineCheck(Check):
         items += labelled("verified drafts' digest", evidence.get("verified_drafts_digest"))
         items += labelled("accepted drafts per prompt", evidence.get("accepted_drafts"))
         items += labelled("host syncs in the async loop", evidence.get("host_sync_sources"))
-        described = ("near_ties", "verified_drafts_digest", "accepted_drafts", "host_sync_sources")
+        items += labelled("batches and tokens each backend served (prefill/decode split)", evidence.get("attention_routing"))
+        described = ("near_ties", "verified_drafts_digest", "accepted_drafts", "host_sync_sources", "attention_routing")
         return items + super().describe_evidence(without(evidence, *described))
 
     def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
         key = layout_key(case)
         if key in self.covered:
             return f"layout covered by {self.covered[key]}"
-        reason = backend_cls.unsupported_reason(model_for(case).attention_spec(case.spec.dtype, case.spec.block_size), device)
-        reason = reason or backend_cls.capabilities.query_len_reason(SPEC_TOKENS + 1)  # the k + 1 verify rows
-        if not reason and backend_cls.capabilities.uniform_query_len:
-            reason = ("takes only uniform batches (one query length per batch); the reference engine mixes prefill "
-                      "chunks and decodes in a step, and has no prefill/decode split yet")
+        spec = model_for(case).attention_spec(case.spec.dtype, case.spec.block_size)
+        reason = backend_cls.unsupported_reason(spec, device)
+        if not reason:
+            try:  # a backend serving only some batches (decode-only, uniform-only) needs a companion
+                resolve_companion(backend_cls, spec, device, self.options.get("prefill_backend", AUTO))
+            except ValueError as error:
+                reason = str(error)
         if reason:
             return reason
         self.covered[key] = case.id
@@ -97,6 +106,17 @@ class EngineCheck(Check):
                 "sync_detector": self.options.get("sync_detector", "auto")}
 
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
+        routings: list[Routing] = []  # a split backend's: which backend served the attention calls of each engine run
+        result = self._run_engines(backend_cls, case, device, routings)
+        if routings:
+            served = Routing.total(routings)
+            result.evidence["attention_routing"] = served.to_dict()
+            if result.verdict == Verdict.PASS:
+                result.reason += "; " + served.summary()
+        return result
+
+    def _run_engines(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device,
+                     routings: list[Routing]) -> CaseResult:
         from reference_engine.batched_engine import BatchedEngine, InputCheckFailed
         from reference_engine.core import EngineConfig
         from reference_engine.metrics import measure
@@ -113,15 +133,21 @@ class EngineCheck(Check):
         base = EngineConfig(model=model_config, backend=backend_ref, device=str(device), dtype=spec.dtype,
                             block_size=spec.block_size, num_blocks=64, max_num_reqs=4, max_num_tokens=128)
 
+        def engine_for(**changes):
+            engine = BatchedEngine(dataclasses.replace(base, prefill_backend=self.options.get("prefill_backend", AUTO),
+                                                       **changes), model)
+            if isinstance(engine.backend, SplitAttention):
+                routings.append(engine.backend.routing)
+            return engine
+
         def run(**changes):
-            return BatchedEngine(dataclasses.replace(base, **changes), model).generate(prompts, params)
+            return engine_for(**changes).generate(prompts, params)
 
         def run_drafting(rebuild: bool = False):
             """A synchronous run drafting through the backend: its outputs, and the digest of every
             token it verified (the drafts it proposed, as the target saw them)."""
-            engine = BatchedEngine(dataclasses.replace(base, num_spec_tokens=SPEC_TOKENS, drafter=ATTENTION_DRAFTER,
-                                                       async_scheduling=False, cuda_graphs=graphs, check_inputs=True,
-                                                       rebuild_draft_metadata=rebuild), model)
+            engine = engine_for(num_spec_tokens=SPEC_TOKENS, drafter=ATTENTION_DRAFTER, async_scheduling=False,
+                                cuda_graphs=graphs, check_inputs=True, rebuild_draft_metadata=rebuild)
             return engine.generate(prompts, params), engine.verified_digest()
 
         plain = [out.tokens for out in run(num_spec_tokens=0, drafter="none", async_scheduling=False)]
@@ -161,7 +187,11 @@ class EngineCheck(Check):
                                   "with the same backend's eager draft steps: the draft steps under CUDA graphs attend "
                                   "differently (update_for_draft_step?)", tag=case.tag, evidence=evidence)
         if device.type == "cuda":
-            engine = BatchedEngine(dataclasses.replace(base, num_spec_tokens=SPEC_TOKENS, drafter=DRAFTER, cuda_graphs=True), model)
+            # Steady-state steps must be the backend's own: a decode-only backend's k + 1 verify rows
+            # would go to the companion, so it is measured decoding plainly.
+            verifies = backend_cls.capabilities.query_len_reason(SPEC_TOKENS + 1) is None
+            engine = engine_for(num_spec_tokens=SPEC_TOKENS if verifies else 0, drafter=DRAFTER if verifies else "none",
+                                cuda_graphs=True)
             engine.generate(prompts, SamplingParams(max_tokens=2 * SPEC_TOKENS + 4, ignore_eos=True))  # warm-up: JIT, graph captures
             _, measured = measure(engine, prompts, params, detect_syncs=True, strategy=self.options.get("sync_detector", "auto"))
             metrics = {key: measured.to_dict()[key] for key in ("tpot_ms", "gpu_idle_fraction", "host_syncs_per_steady_step",

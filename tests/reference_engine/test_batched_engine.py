@@ -356,30 +356,3 @@ def test_draft_steps_stay_inside_the_allocation(plain_tokens, scheduling):
     backend = "tests.reference_engine.test_batched_engine:AllocationBoundBackend"
     _, outputs = run(backend=backend, num_spec_tokens=5, drafter="layer-skip:1", async_scheduling=scheduling)
     assert [out.tokens for out in outputs] == plain_tokens
-
-
-
-class VerifyOnlyBackend(TorchNaiveBackend):
-    """torch_naive claiming what triton_mla claims, query length <= 4 (decode and spec-verify only),
-    and behaving like a decode kernel past it: queries beyond the 4th of a row get no attention."""
-
-    name = "verify_only"
-    capabilities = dataclasses.replace(TorchNaiveBackend.capabilities, max_query_len=4)
-
-    def forward(self, query, kv_cache, metadata, out) -> None:
-        super().forward(query, kv_cache, metadata, out)
-        starts = metadata.query_start_loc
-        for request in range(len(starts) - 1):
-            out[starts[request] + 4 : starts[request + 1]] = 0.0
-
-
-def test_prefill_is_chunked_to_the_backends_max_query_len(plain_tokens):
-    """The engine prefills in chunks of at most the backend's max_query_len (triton_mla's engine
-    check failed before it did): tokens equal plain decoding through a backend with no limit."""
-    backend = "tests.reference_engine.test_batched_engine:VerifyOnlyBackend"
-    for scheduling in (False, True):
-        _, outputs = run(backend=backend, num_spec_tokens=3, drafter="scripted:random:0.5", async_scheduling=scheduling)
-        assert [out.tokens for out in outputs] == plain_tokens
-    assert [out.tokens for out in Engine(EngineConfig(backend=backend)).generate(PROMPTS, GREEDY)] == plain_tokens
-    with pytest.raises(ValueError, match="verifies at most 4 tokens per request: k=4 needs 5"):
-        BatchedEngine(EngineConfig(backend=backend, num_spec_tokens=4, drafter="scripted:all"))

@@ -46,18 +46,6 @@ def test_engine_check_is_listed_and_runs_from_the_cli(tmp_path):
     assert "engine" in completed.stdout
 
 
-def test_engine_check_skips_a_backend_that_cannot_verify_k_plus_one_tokens():
-    import dataclasses
-
-    from backends.torch_naive import TorchNaiveBackend
-
-    class DecodeOnly(TorchNaiveBackend):
-        capabilities = dataclasses.replace(TorchNaiveBackend.capabilities, max_query_len=1)
-
-    reason = EngineCheck().case_skip_reason(DecodeOnly, CASE, torch.device("cpu"))
-    assert reason == "query length 4 exceeds the claimed maximum 1", reason
-
-
 class GraphSafeOnCpu(graph_backends.TorchGraphSafe):
     capabilities = dataclasses.replace(graph_backends.TorchGraphSafe.capabilities, devices=frozenset({"cpu", "cuda"}))
 

@@ -1,0 +1,130 @@
+"""The prefill/decode split on a CPU: a backend serving only some batches (decode-only as trtllm,
+uniform-only as flashmla, verify-only as triton_mla) runs under both engine loops beside a
+companion; each sees only what it claims (the planted backends below refuse anything else, as
+their kernels would); tokens equal plain decoding through one backend; the engine check runs
+them, reports the routing, and still fails a defect in the backend under test."""
+import dataclasses
+
+import pytest
+import torch
+
+from backends.base import CommonAttentionMetadata
+from backends.torch_naive import TorchNaiveBackend
+from backends.utils import sub_batch
+from conformance.checks.engine import EngineCheck
+from conformance.inputs.cases import parse_case
+from conformance.results import Verdict
+from reference_engine.attention_split import Part, SplitAttention, plan_parts, resolve_companion
+from reference_engine.batched_engine import BatchedEngine
+from reference_engine.core import EngineConfig
+from reference_engine.engine import Engine
+from reference_engine.sampling import SamplingParams
+from tests.planted.defects import ForgetsLastToken
+
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 40)), [7, 7, 7], list(range(100, 117))]
+GREEDY = SamplingParams(max_tokens=14)
+CPU = torch.device("cpu")
+HERE = "tests.reference_engine.test_attention_split"
+
+
+class RefusesWhatItDoesNotClaim(TorchNaiveBackend):
+    """torch_naive whose build raises, like a decode kernel, on a batch outside its claims."""
+
+    def build(self, common: CommonAttentionMetadata):
+        reason = self.capabilities.query_len_reason(common.max_query_len, common.query_lens_cpu.tolist())
+        if reason:
+            raise ValueError(f"{self.name}: {reason}")
+        return super().build(common)
+
+
+class DecodeOnly(RefusesWhatItDoesNotClaim):  # trtllm's claim
+    name = "decode_only"
+    capabilities = dataclasses.replace(TorchNaiveBackend.capabilities, max_query_len=1)
+
+
+class UniformOnly(RefusesWhatItDoesNotClaim):  # flashmla's claim
+    name = "uniform_only"
+    capabilities = dataclasses.replace(TorchNaiveBackend.capabilities, max_query_len=8, uniform_query_len=True)
+
+
+class VerifyOnly(RefusesWhatItDoesNotClaim):  # triton_mla's claim
+    name = "verify_only"
+    capabilities = dataclasses.replace(TorchNaiveBackend.capabilities, max_query_len=4)
+
+
+class UniformForgetsLastToken(UniformOnly, ForgetsLastToken):
+    """A uniform-only backend with a real defect: the batch's last output row is never written."""
+
+    name = "uniform_forgets_last_token"
+
+
+@pytest.fixture(scope="module")
+def plain_tokens():
+    return [out.tokens for out in Engine(EngineConfig()).generate(PROMPTS, GREEDY)]
+
+
+def test_plan_parts_routes_by_what_the_backend_claims():
+    assert plan_parts([1, 1, 30, 4], DecodeOnly.capabilities) == [Part(0, 2, False), Part(2, 4, True)]
+    assert plan_parts([4, 4, 1, 4, 30], UniformOnly.capabilities) == [
+        Part(0, 2, False), Part(2, 3, False), Part(3, 4, False), Part(4, 5, True)]
+    assert plan_parts([4, 4, 4], UniformOnly.capabilities) == [Part(0, 3, False)]  # a uniform step: one part, whole
+    assert plan_parts([30, 9, 2, 4], VerifyOnly.capabilities) == [Part(0, 2, True), Part(2, 4, False)]
+
+
+@pytest.mark.parametrize("backend,k", [("DecodeOnly", 3), ("UniformOnly", 3), ("VerifyOnly", 3), ("VerifyOnly", 5)])
+def test_split_engines_equal_plain_decoding(plain_tokens, backend, k):
+    config = EngineConfig(backend=f"{HERE}:{backend}", num_spec_tokens=k, drafter="layer-skip:1", check_inputs=True)
+    for scheduling in (False, True):
+        engine = BatchedEngine(dataclasses.replace(config, async_scheduling=scheduling))
+        assert isinstance(engine.backend, SplitAttention) and engine.backend.companion.name == "torch_naive"
+        assert [out.tokens for out in engine.generate(PROMPTS, GREEDY)] == plain_tokens
+        served = engine.backend.routing.to_dict()
+        assert served[engine.backend.backend.name]["batches"] > 0 and served["torch_naive"]["batches"] > 0, served
+    sync_reference = Engine(dataclasses.replace(config, drafter="scripted:random:0.5"))
+    assert [out.tokens for out in sync_reference.generate(PROMPTS, GREEDY)] == plain_tokens
+
+
+def test_a_backend_serving_every_batch_runs_alone():
+    assert resolve_companion(TorchNaiveBackend, EngineConfig().model.attention_spec(torch.float32, 16), CPU) is None
+    assert not isinstance(BatchedEngine(EngineConfig()).backend, SplitAttention)
+
+
+def test_bad_prefill_backends_are_one_line_errors():
+    spec = EngineConfig().model.attention_spec(torch.float32, 16)
+    with pytest.raises(ValueError, match="prefill backend: .*no_such_backend"):
+        resolve_companion(DecodeOnly, spec, CPU, "no_such_backend")
+    with pytest.raises(ValueError, match="VerifyOnly: does not serve every query length itself"):
+        resolve_companion(DecodeOnly, spec, CPU, f"{HERE}:VerifyOnly")
+    with pytest.raises(ValueError, match="no prefill backend can serve the rest"):
+        BatchedEngine(EngineConfig(backend=f"{HERE}:DecodeOnly", prefill_backend=f"{HERE}:UniformOnly"))
+
+
+def test_sub_batch_keeps_unknown_host_lengths_unknown_and_syncs_nothing():
+    common = CommonAttentionMetadata.from_lengths(
+        query_start_loc=torch.tensor([0, 1, 5, 35], dtype=torch.int32), seq_lens=torch.tensor([9, 20, 30], dtype=torch.int32),
+        block_table=torch.zeros(3, 4, dtype=torch.int32), slot_mapping=torch.arange(35), query_starts=[0, 1, 5, 35],
+        host_seq_lens=[12, 23, 30], lengths_known=False)
+    part = sub_batch(common, 1, 3)
+    assert not part.has_host_seq_lens and part.max_seq_len == 30 and part.query_start_loc_cpu.tolist() == [0, 4, 34]
+    assert part.slot_mapping[0] == 1 and common.device_to_host_copies == [] and part.device_to_host_copies == []
+
+
+def test_engine_check_runs_decode_only_and_uniform_only_backends():
+    case = parse_case("gqa-h4/2-d32-fp32-p16:30+1@0")
+    for backend in (DecodeOnly, UniformOnly):
+        check = EngineCheck()
+        assert check.case_skip_reason(backend, case, CPU) is None
+        result = check.run_case(backend, case, CPU)
+        assert result.verdict == Verdict.PASS, result.reason
+        served = result.evidence["attention_routing"]
+        assert served[backend.name]["batches"] > 0 and served["torch_naive"]["batches"] > 0, served
+        assert f"{backend.name} served" in result.reason
+    result = EngineCheck().run_case(UniformForgetsLastToken, case, CPU)
+    assert result.verdict == Verdict.FAIL, result.reason
+    assert "attention_routing" in result.evidence
+
+
+def test_engine_check_skips_with_the_reason_when_no_companion_fits():
+    case = parse_case("gqa-h4/2-d32-fp32-p16:30+1@0")
+    reason = EngineCheck({"prefill_backend": f"{HERE}:VerifyOnly"}).case_skip_reason(DecodeOnly, case, CPU)
+    assert "does not serve every query length itself" in reason
