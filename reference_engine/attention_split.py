@@ -131,7 +131,7 @@ class SplitAttention(AttentionBackend):
         self.name = f"{backend.name}+{companion.name}"
         # Steps the engine captures or drafts in are uniform: one part, the backend under test's.
         self.capabilities = dataclasses.replace(backend.capabilities, max_query_len=None, uniform_query_len=False)
-        self.routing = Routing()
+        self.routing = Routing({backend.name: 0, companion.name: 0}, {backend.name: 0, companion.name: 0})  # in this order
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return self.backend.kv_cache_shape(num_blocks)

@@ -13,6 +13,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass
 
@@ -54,11 +55,22 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def explain(reference: Engine, prompt: list[int], prefix: list[int], plain: int, spec: int) -> tuple[float, int, int]:
-    """fp32 logits after ``prompt + prefix``: the margin between the two tokens and their ranks."""
+def explain(reference: Engine, prompt: list[int], prefix: list[int], plain: int, spec: int) -> tuple[float, int, int, float]:
+    """fp32 logits after ``prompt + prefix``: the margin between the two tokens, their ranks, and
+    the larger of their magnitudes (what a reduced-precision LM head rounds them at)."""
     logits = reference.score(prompt + prefix)[-1].double()
     order = logits.argsort(descending=True).tolist()
-    return abs(float(logits[plain] - logits[spec])), order.index(plain), order.index(spec)
+    magnitude = max(abs(float(logits[plain])), abs(float(logits[spec])))
+    return abs(float(logits[plain] - logits[spec])), order.index(plain), order.index(spec), magnitude
+
+
+def rounding_step(dtype: torch.dtype, magnitude: float) -> float:
+    """The spacing of ``dtype`` numbers around ``magnitude``: a logit computed in ``dtype`` is
+    rounded to it, so two logits closer than two steps can swap order from rounding alone
+    (bf16 at 8-16: 0.0625)."""
+    if magnitude <= 0:
+        return 0.0
+    return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(magnitude))
 
 
 def compare_speculation_with_plain(backend: str, dtype: torch.dtype, model_name: str, device: torch.device,
@@ -81,7 +93,7 @@ def compare_speculation_with_plain(backend: str, dtype: torch.dtype, model_name:
             for index, (a, b) in enumerate(zip(plain, spec)):
                 at = first_divergence(a, b)
                 if at is not None and at < min(len(a), len(b)):
-                    margin, rank_a, rank_b = explain(reference, prompts[index], a[:at], a[at], b[at])
+                    margin, rank_a, rank_b, _ = explain(reference, prompts[index], a[:at], a[at], b[at])
                     divergences.append(Divergence(index, at, a[at], b[at], margin, rank_a, rank_b))
             results.append(Comparison(drafter, k, spec == plain, sum(map(len, plain)), divergences))
     return results

@@ -128,8 +128,8 @@ def test_equality_tool_finds_and_explains_a_divergence():
     prompt = [1, 2, 3, 4, 5]
     logits = engine.score(prompt)[-1]
     top, second = logits.topk(2).indices.tolist()
-    margin, rank_top, rank_second = explain(engine, prompt[:-1], prompt[-1:], top, second)
-    assert (rank_top, rank_second) == (0, 1)
+    margin, rank_top, rank_second, magnitude = explain(engine, prompt[:-1], prompt[-1:], top, second)
+    assert (rank_top, rank_second) == (0, 1) and magnitude == pytest.approx(float(logits[[top, second]].abs().max()), rel=1e-5)
     assert margin == pytest.approx(float(logits[top] - logits[second]), rel=1e-5)
 
 
@@ -160,3 +160,11 @@ def test_ngram_rule_and_its_device_version_agree():
         k, max_n = rng.randint(1, 5), rng.randint(1, 4)
         on_device = ngram_drafts_on_device(torch.tensor(history), torch.tensor(lengths), k, max_n).tolist()
         assert on_device == [ngram_drafts(row[:length], k, max_n) for row, length in zip(history, lengths)]
+
+
+def test_rounding_step_is_the_dtype_spacing_at_the_magnitude():
+    from reference_engine.equality import rounding_step
+
+    assert rounding_step(torch.bfloat16, 8.0) == 0.0625 and rounding_step(torch.bfloat16, 15.9) == 0.0625
+    assert rounding_step(torch.float16, 8.0) == 2.0 ** -7 and rounding_step(torch.bfloat16, 0.0) == 0.0
+    assert float(torch.tensor(8.0 + 0.0625 / 2.1, dtype=torch.bfloat16)) == 8.0  # below half a step: rounds away
