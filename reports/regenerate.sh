@@ -18,7 +18,10 @@ phase=${1:?usage: regenerate.sh checks|bench|publish|all RUNS_DIR}
 runs=${2:?usage: regenerate.sh checks|bench|publish|all RUNS_DIR}
 suite=${SUITE:-standard}
 limit=(${TIMEOUT:+--backend-timeout "$TIMEOUT"})  # a bound on each process; per case, --timeout's default holds
-all_backends="torch_naive triton triton_mla flashinfer flashinfer_mla trtllm flashmla trtllm_mla"
+all_backends="torch_naive triton triton_mla flashinfer flashinfer_mla trtllm flashmla trtllm_mla flash_attn"
+# flash-attn-4 needs a CuTe DSL (nvidia-cutlass-dsl 4.5) that FlashInfer's own CuTe DSL kernels do
+# not import with: FLASH_ATTN_PATH (PYTHONPATH entries) is added for flash_attn's processes only.
+with_path() { if [[ $1 == flash_attn && -n ${FLASH_ATTN_PATH:-} ]]; then echo "PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$FLASH_ATTN_PATH"; else echo "PYTHONPATH=${PYTHONPATH:-}"; fi; }
 backends=(${BACKENDS:-$all_backends})
 for backend in "${backends[@]}"; do
   [[ " $all_backends " == *" $backend "* ]] || { echo "unknown backend $backend (one of: $all_backends)" >&2; exit 2; }
@@ -38,7 +41,7 @@ run_checks() {
     for backend in "${backends[@]}"; do
       [[ $backend == trtllm_mla ]] && continue  # below: one process
       while (( $(jobs -rp | wc -l) >= max_jobs )); do wait -n; done
-      python -m conformance run --backend "$backend" --suite "$suite" --check "$group" --quiet \
+      env "$(with_path "$backend")" python -m conformance run --backend "$backend" --suite "$suite" --check "$group" --quiet \
         "${limit[@]}" --json "$runs/$suite-$backend-${group%%,*}.json" >"$runs/$suite-$backend-${group%%,*}.log" 2>&1 &
     done
   done
@@ -54,10 +57,13 @@ run_checks() {
 run_bench() {
   python -m conformance bench --backend triton,flashinfer,trtllm,triton_mla,flashmla,torch_naive --quiet \
     --json "$runs/bench.json" >"$runs/bench.log" 2>&1
+  # Its own process (see FLASH_ATTN_PATH), right after, on the same GPU; published in one table.
+  env "$(with_path flash_attn)" python -m conformance bench --backend flash_attn --quiet \
+    --json "$runs/bench-flash_attn.json" >"$runs/bench-flash_attn.log" 2>&1
 }
 
 publish() {
-  python -m conformance.report.publish "$runs/$suite"-*.json --bench "$runs/bench.json" --out reports
+  python -m conformance.report.publish "$runs/$suite"-*.json --bench "$runs"/bench*.json --out reports
 }
 
 case "$phase" in

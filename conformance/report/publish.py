@@ -2,12 +2,14 @@
 the environment block of the run it came from), the bench run's JSON and HTML, and a
 ``reports/README.md`` table of verdicts and headline bench numbers.
 
-    python -m conformance.report.publish RESULTS.json [RESULTS.json ...] [--bench BENCH.json] [--out reports]
+    python -m conformance.report.publish RESULTS.json [RESULTS.json ...] [--bench BENCH.json ...] [--out reports]
 
 A backend may come from several runs split by ``--check`` (so that backends can run side by side,
 each check in its own process): its checks are merged, a later file winning for a check that
-appears twice, and its wall time is the sum. All files must be of one suite. Nothing is
-computed here that a run did not measure.
+appears twice, and its wall time is the sum. All files must be of one suite. Several bench files
+(backends that cannot share one process, such as FlashAttention's and FlashInfer's CuTe DSL
+versions) publish as one table, under the first file's environment. Nothing is computed here that
+a run did not measure.
 """
 from __future__ import annotations
 
@@ -93,7 +95,7 @@ def bench_table(bench: RunResult) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="+")
-    parser.add_argument("--bench")
+    parser.add_argument("--bench", nargs="+", help="bench results; several files are one table (their backends side by side)")
     parser.add_argument("--out", default="reports")
     args = parser.parse_args()
     out = Path(args.out)
@@ -110,7 +112,8 @@ def main() -> None:
              "Regenerate on a GPU machine with `bash reports/regenerate.sh`.", "",
              "## Verdicts (standard suite)", "", *verdict_table(per_backend)]
     if args.bench:
-        bench = RunResult.load(args.bench)
+        runs = [RunResult.load(path) for path in args.bench]
+        bench = replace(runs[0], backends=[backend for run in runs for backend in run.backends])
         bench.save(out / "bench.json")
         write_html(bench, out / "bench.html")
         ceilings = next((c.metrics for b in bench.backends for ch in b.checks for c in ch.cases if c.metrics.get("copy_GBps")), {})

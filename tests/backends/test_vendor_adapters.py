@@ -1,6 +1,7 @@
 """Adapter logic of the vendor backends that runs without their packages or GPUs: claims and
 availability, cache layouts and writes, CSR page layouts, and the exact kernel arguments."""
 import dataclasses
+import importlib.util
 
 import torch
 
@@ -148,3 +149,28 @@ def test_flashinfer_keeps_one_graph_decode_wrapper_per_captured_batch_size(monke
     three = materialize(parse_case("gqa-h4/2-d128-bf16-p16:30+1,50+1,9+1"), "cpu").common_metadata()
     assert backend.build(three).calls[0].wrapper is backend.decode  # never captured: eager
     assert sorted(backend.graph_decode) == [2, 8]
+
+
+def test_flash_attn_kernel_arguments_and_availability():
+    from backends import flash_attn
+    from backends.base import AttentionSpec
+    from backends.flash_attn import FlashAttnBackend, FlashAttnMetadata
+
+    claims = dataclasses.replace(FlashAttnBackend.capabilities, required_modules=())
+    assert claims.availability_reason(H200) is None
+    assert claims.availability_reason(B200) == "needs compute capability SM90; this GPU (NVIDIA B200) is SM100"
+    if importlib.util.find_spec("flash_attn") is None:
+        assert FlashAttnBackend.availability_reason("cpu").startswith("missing Python package flash_attn.cute: pip install")
+    spec = AttentionSpec("mha", num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, block_size=16,
+                         sliding_window=256, logits_soft_cap=30.0)
+    cache = torch.zeros(2, 10, 16, 2, 64)
+    query = torch.zeros(12, 8, 64)
+    metadata = FlashAttnMetadata(torch.tensor([0, 1, 5]), torch.tensor([40, 20]), torch.zeros(2, 3, dtype=torch.int32), 4, 5)
+    arguments = flash_attn.kernel_arguments(spec, query, cache, metadata)
+    assert arguments["q"].shape == (5, 8, 64) and arguments["k"].shape == arguments["v"].shape == (10, 16, 2, 64)
+    assert arguments["k"].data_ptr() == cache[0].data_ptr() and arguments["v"].data_ptr() == cache[1].data_ptr()
+    assert arguments["window_size"] == (255, 0) and arguments["softcap"] == 30.0 and arguments["causal"] is True
+    assert arguments["seqused_k"] is metadata.seq_lens and arguments["page_table"] is metadata.block_table
+    assert arguments["max_seqlen_q"] == 4 and arguments["softmax_scale"] == spec.softmax_scale
+    plain = flash_attn.kernel_arguments(dataclasses.replace(spec, sliding_window=None, logits_soft_cap=None), query, cache, metadata)
+    assert plain["window_size"] == (None, None) and plain["softcap"] == 0.0

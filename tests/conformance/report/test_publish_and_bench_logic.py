@@ -60,8 +60,11 @@ def test_publish_writes_one_json_and_html_per_backend_and_a_table(tmp_path):
     run.save(tmp_path / "all.json")
     bench = RunResult({"gpu": "NVIDIA H200"}, [bench_result("a", 100.0)], "bench", ["bench"])
     bench.save(tmp_path / "bench.json")
+    # A backend benched in a process of its own (flash_attn's CuTe DSL): one table with the rest.
+    RunResult({"gpu": "NVIDIA H200"}, [bench_result("c", 200.0)], "bench", ["bench"]).save(tmp_path / "bench-c.json")
     completed = subprocess.run([sys.executable, "-m", "conformance.report.publish", str(tmp_path / "all.json"), "--bench",
-                                str(tmp_path / "bench.json"), "--out", str(tmp_path / "reports")], capture_output=True, text=True)
+                                str(tmp_path / "bench.json"), str(tmp_path / "bench-c.json"), "--out", str(tmp_path / "reports")],
+                               capture_output=True, text=True)
     assert completed.returncode == 0, completed.stderr
     out = tmp_path / "reports"
     assert {p.name for p in out.iterdir()} == {"a.json", "a.html", "b.json", "b.html", "bench.json", "bench.html", "README.md"}
@@ -69,7 +72,8 @@ def test_publish_writes_one_json_and_html_per_backend_and_a_table(tmp_path):
     readme = (out / "README.md").read_text()
     assert "| a | NVIDIA H200 | PASS 1/1 |" in readme and "not available: needs SM100" in readme
     assert "| backend | GPU | " + " | ".join(default_checks()) + " |" in readme  # every check a run makes, engine too
-    assert "GQA decode b64 ctx4096 | 100 µs (1000 GB/s)" in readme
+    assert "GQA decode b64 ctx4096 | 100 µs (1000 GB/s) | 200 µs" in readme, readme
+    assert [b["name"] for b in json.loads((out / "bench.json").read_text())["backends"]] == ["a", "c"]
     assert set(split_by_backend([run])) == {"a", "b"}
 
 

@@ -1,0 +1,79 @@
+"""``flash_attn``: FlashAttention 4 (``flash-attn-4``, CuTe DSL) ``flash_attn_varlen_func`` over a
+paged cache — ``page_table`` for the block table, ``seqused_k`` for the lengths on the device, so
+the host passes none: only ``max_seqlen_q``, which it always knows exactly.
+
+FlashAttention aligns causal masks bottom-right (query i of a request sees the keys up to
+``seqused_k - query_len + i``), the contract's convention, and counts its left window without the
+token itself. Its MLA path (``qv``) is Blackwell-only in flash-attn-4, so there is no
+``flash_attn_mla`` on Hopper. The argument construction is a pure function, tested on the CPU."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from backends.base import AttentionBackend, AttentionSpec, Capabilities, CGSupport, CommonAttentionMetadata
+from backends.paged_write import write_paged_rows
+
+INSTALL_HINT = "pip install 'specdec-conformance[flash-attn]'"
+
+
+@dataclass
+class FlashAttnMetadata:
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    max_query_len: int
+    num_tokens: int
+
+
+def kernel_arguments(spec: AttentionSpec, query, kv_cache, metadata: FlashAttnMetadata) -> dict[str, Any]:
+    """Keyword arguments of ``flash_attn.cute.flash_attn_varlen_func``: query [tokens, heads, dim],
+    key and value pages [blocks, block_size, kv_heads, dim], one page-table row per request."""
+    window = (None, None) if spec.sliding_window is None else (spec.sliding_window - 1, 0)
+    return dict(
+        q=query[: metadata.num_tokens], k=kv_cache[0], v=kv_cache[1], cu_seqlens_q=metadata.query_start_loc,
+        seqused_k=metadata.seq_lens, max_seqlen_q=metadata.max_query_len, page_table=metadata.block_table,
+        softmax_scale=spec.softmax_scale, causal=True, window_size=window, softcap=spec.logits_soft_cap or 0.0,
+    )
+
+
+class FlashAttnBackend(AttentionBackend):
+    name = "flash_attn"
+    capabilities = Capabilities(
+        kinds=frozenset({"mha"}), head_dims=frozenset({64, 128}), block_sizes=frozenset({16, 32, 64}),  # 256: fails on SM90
+        max_query_len=None, sliding_window=True, logits_soft_cap=True,
+        cuda_graphs=CGSupport.ALWAYS, needs_cpu_seq_lens=False, draft_step_update=True,
+        devices=frozenset({"cuda"}), compute_capabilities=frozenset({(9, 0)}),  # measured on SM90 only
+        required_modules=("flash_attn.cute",), install_hint=INSTALL_HINT,
+    )
+
+    def __init__(self, spec: AttentionSpec, limits, device: torch.device) -> None:
+        super().__init__(spec, limits, device)
+        from flash_attn.cute import flash_attn_varlen_func  # noqa: PLC0415 - optional dependency
+
+        self.kernel = flash_attn_varlen_func
+
+    # [K | V, num_blocks, block_size, kv_heads, head_dim]: each plane is FlashAttention's paged layout
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        spec = self.spec
+        return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+
+    def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
+        write_paged_rows(kv_cache[0], key, slot_mapping, self.spec.block_size)
+        write_paged_rows(kv_cache[1], value, slot_mapping, self.spec.block_size)
+
+    def build(self, common: CommonAttentionMetadata) -> FlashAttnMetadata:
+        return FlashAttnMetadata(common.query_start_loc, common.seq_lens, common.block_table, common.max_query_len,
+                                 common.num_actual_tokens)
+
+    def update_for_draft_step(self, metadata: FlashAttnMetadata, common: CommonAttentionMetadata) -> FlashAttnMetadata:
+        # Lengths live on the device, where the draft loop advanced them; re-point in case of new tensors.
+        metadata.query_start_loc, metadata.seq_lens, metadata.block_table = (
+            common.query_start_loc, common.seq_lens, common.block_table)
+        return metadata
+
+    def forward(self, query, kv_cache, metadata: FlashAttnMetadata, out) -> None:
+        result, _ = self.kernel(**kernel_arguments(self.spec, query, kv_cache, metadata))
+        out[: metadata.num_tokens].copy_(result)
