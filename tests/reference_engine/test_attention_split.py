@@ -14,7 +14,7 @@ from backends.utils import sub_batch
 from conformance.checks.engine import EngineCheck
 from conformance.inputs.cases import parse_case
 from conformance.results import Verdict
-from reference_engine.attention_split import Part, SplitAttention, plan_parts, resolve_companion
+from reference_engine.attention_split import Part, SplitAttention, companion_candidates, plan_parts, resolve_companion
 from reference_engine.batched_engine import BatchedEngine
 from reference_engine.core import EngineConfig
 from reference_engine.engine import Engine
@@ -128,3 +128,15 @@ def test_engine_check_skips_with_the_reason_when_no_companion_fits():
     case = parse_case("gqa-h4/2-d32-fp32-p16:30+1@0")
     reason = EngineCheck({"prefill_backend": f"{HERE}:VerifyOnly"}).case_skip_reason(DecodeOnly, case, CPU)
     assert "does not serve every query length itself" in reason
+
+
+def test_trtllm_mla_claims_route_prefill_to_a_companion():
+    """trtllm_mla cannot run on Hopper; its engine path — the split its claims ask for — is checked here."""
+    from backends.flashinfer.trtllm_mla import TrtllmMLABackend
+    from conformance.checks.engine import model_for
+
+    claims = TrtllmMLABackend.capabilities
+    spec = model_for(parse_case("mla-h16-d512+64-bf16-p64:1+1@0")).attention_spec(torch.bfloat16, 64)
+    assert resolve_companion(TrtllmMLABackend, spec, CPU).name == "torch_naive"
+    assert companion_candidates(spec, torch.device("cuda")) == ["torch_naive"]  # no Triton MLA prefill kernel
+    assert plan_parts([4, 4, 4, 37, 1], claims) == [Part(0, 3, False), Part(3, 4, True), Part(4, 5, False)]
