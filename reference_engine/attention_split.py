@@ -128,10 +128,11 @@ class SplitAttention(AttentionBackend):
     def __init__(self, backend: AttentionBackend, companion: AttentionBackend) -> None:
         super().__init__(backend.spec, backend.limits, backend.device)
         self.backend, self.companion = backend, companion
-        self.name = f"{backend.name}+{companion.name}"
+        self.labels = {id(backend): backend.name or type(backend).__name__, id(companion): companion.name or type(companion).__name__}
+        self.name = "+".join(self.labels.values())
         # Steps the engine captures or drafts in are uniform: one part, the backend under test's.
         self.capabilities = dataclasses.replace(backend.capabilities, max_query_len=None, uniform_query_len=False)
-        self.routing = Routing({backend.name: 0, companion.name: 0}, {backend.name: 0, companion.name: 0})  # in this order
+        self.routing = Routing(dict.fromkeys(self.labels.values(), 0), dict.fromkeys(self.labels.values(), 0))  # in this order
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return self.backend.kv_cache_shape(num_blocks)
@@ -156,7 +157,7 @@ class SplitAttention(AttentionBackend):
             batch = common if whole else sub_batch(common, part.first, part.last)
             token_start, token_end = starts[part.first], starts[part.last]
             calls.append((part, token_start, token_end, getattr(serving, build_name)(batch)))
-            self.routing.add(serving.name, token_end - token_start)
+            self.routing.add(self.labels[id(serving)], token_end - token_start)
         return SplitMetadata(calls)
 
     def build(self, common: CommonAttentionMetadata) -> SplitMetadata:
