@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,31 @@ def worst(verdicts) -> Verdict:
     return Verdict.SKIP
 
 
+def _to_json(result) -> dict[str, Any]:
+    """A result's fields as JSON: a verdict by its name, nested results through their own ``to_dict``."""
+    data = {}
+    for name in (f.name for f in fields(result)):
+        value = getattr(result, name)
+        if isinstance(value, Verdict):
+            value = value.value
+        elif isinstance(value, list):
+            value = [item.to_dict() if hasattr(item, "to_dict") else item for item in value]
+        data[name] = value
+    return data
+
+
+def _from_json(result_class, data: dict[str, Any], **nested):
+    """The inverse of ``_to_json``: missing keys take the field's default, unknown keys are ignored
+    (a newer writer's extra field), ``nested`` names the list fields of results and their class."""
+    known = {f.name for f in fields(result_class)}
+    values = {name: value for name, value in data.items() if name in known}
+    if "verdict" in values:
+        values["verdict"] = Verdict(values["verdict"])
+    for name, item_class in nested.items():
+        values[name] = [item_class.from_dict(item) for item in values.get(name, [])]
+    return result_class(**values)
+
+
 @dataclass
 class CaseResult:
     case: str  # the case id (reproduces the case: `conformance run --case ID`)
@@ -50,13 +75,11 @@ class CaseResult:
     seconds: float | None = None  # wall time of the case in the worker (where the run's time goes)
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["verdict"] = self.verdict.value
-        return data
+        return _to_json(self)
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> "CaseResult":
-        return CaseResult(**{**data, "verdict": Verdict(data["verdict"])})
+        return _from_json(CaseResult, data)
 
 
 @dataclass
@@ -68,23 +91,11 @@ class CheckResult:
     details: dict[str, Any] = field(default_factory=dict)  # check-wide facts (tolerances, strategy)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "verdict": self.verdict.value,
-            "summary": self.summary,
-            "details": self.details,
-            "cases": [case.to_dict() for case in self.cases],
-        }
+        return _to_json(self)
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> "CheckResult":
-        return CheckResult(
-            name=data["name"],
-            verdict=Verdict(data["verdict"]),
-            summary=data.get("summary", ""),
-            details=data.get("details", {}),
-            cases=[CaseResult.from_dict(case) for case in data.get("cases", [])],
-        )
+        return _from_json(CheckResult, data, cases=CaseResult)
 
     @property
     def ran(self) -> int:
@@ -117,27 +128,11 @@ class BackendResult:
         return [case for case in (bench.cases if bench else []) if case.metrics.get("forward_us")]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "origin": self.origin,
-            "available": self.available,
-            "reason": self.reason,
-            "claims": self.claims,
-            "wall_s": round(self.wall_s, 3),
-            "checks": [check.to_dict() for check in self.checks],
-        }
+        return {**_to_json(self), "wall_s": round(self.wall_s, 3)}
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> "BackendResult":
-        return BackendResult(
-            name=data["name"],
-            available=data["available"],
-            reason=data.get("reason", ""),
-            origin=data.get("origin", "builtin"),
-            claims=data.get("claims", {}),
-            wall_s=data.get("wall_s", 0.0),
-            checks=[CheckResult.from_dict(check) for check in data.get("checks", [])],
-        )
+        return _from_json(BackendResult, data, checks=CheckResult)
 
     def check(self, name: str) -> CheckResult | None:
         return next((check for check in self.checks if check.name == name), None)
@@ -153,28 +148,14 @@ class RunResult:
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema_version": self.schema_version,
-            "environment": self.environment,
-            "suite": self.suite,
-            "checks": self.checks,
-            "interrupted": self.interrupted,
-            "backends": [backend.to_dict() for backend in self.backends],
-        }
+        return _to_json(self)
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> "RunResult":
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             raise ValueError(f"results schema_version {version!r}; this version of the suite reads {SCHEMA_VERSION}")
-        return RunResult(
-            environment=data.get("environment", {}),
-            backends=[BackendResult.from_dict(backend) for backend in data["backends"]],
-            suite=data.get("suite", ""),
-            checks=data.get("checks", []),
-            interrupted=data.get("interrupted", False),
-            schema_version=version,
-        )
+        return _from_json(RunResult, {"environment": {}, **data}, backends=BackendResult)
 
     INTERRUPTED_NOTE = "Interrupted (SIGINT/SIGTERM): only the cases that finished are here; the rest did not run."
 

@@ -311,7 +311,7 @@ class BatchedEngine(EngineCore):
             # Optimism: the host assumes every draft is accepted.
             request.num_computed += count
             request.output += [PLACEHOLDER] * placeholders
-            request.steps += 1
+            request.stats.steps += 1
         count = next(iter(counts))
         for _ in range(len(scheduled), size or 0):  # graph padding: decode from the spare slot, write nothing
             rows.add_row(slot=self.spare_slot, host_ids=[0] * count, inputs_from_device=True, decode=True, num_valid=0,
@@ -602,8 +602,8 @@ class BatchedEngine(EngineCore):
                 request.output[begin : begin + row.placeholders] = tokens
                 request.num_computed -= row.placeholders - emitted
                 if row.decode:
-                    request.drafted += row.num_drafts
-                    request.accepted += emitted - 1
+                    request.stats.drafted += row.num_drafts
+                    request.stats.accepted += emitted - 1
                     self._decode_steps[request.request_id] += 1
                 self._confirm(request, emitted)
                 if not request.finished:  # keeping what a scheduling pass under way allocated for it
@@ -612,7 +612,7 @@ class BatchedEngine(EngineCore):
     def _confirm(self, request: Request, count: int) -> None:
         params = request.params
         if request.num_confirmed == 0 and count:
-            request.first_token_time = time.perf_counter()
+            request.stats.first_token_time = time.perf_counter()
         for _ in range(count):
             token = request.output[request.num_confirmed]
             request.num_confirmed += 1
@@ -620,7 +620,7 @@ class BatchedEngine(EngineCore):
             too_long = len(request.prompt) + request.num_confirmed >= self.config.model.max_model_len
             if eos or request.num_confirmed >= params.max_tokens or too_long:
                 del request.output[request.num_confirmed :]  # whatever the step in flight adds is dropped
-                request.finish_time = time.perf_counter()
+                request.stats.finish_time = time.perf_counter()
                 self.scheduler.finish(request)
                 self.state.release(request.request_id)
                 return

@@ -146,16 +146,16 @@ class EngineCore:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(request.params.seed)
                 self._generators[request.request_id] = generator
-            request.arrival_time = started
+            request.stats.arrival_time = started
             self.scheduler.add(request)
         return requests
 
     def outputs(self, requests: list[Request], decode_steps: dict[int, int]) -> list[GenerationOutput]:
         self.blocks.assert_all_free()
         return [
-            GenerationOutput(r.request_id, r.prompt, r.output, r.steps, decode_steps[r.request_id], r.drafted, r.accepted,
-                             r.preemptions, r.first_token_time - r.arrival_time, r.finish_time - r.arrival_time)
-            for r in requests
+            GenerationOutput(r.request_id, r.prompt, r.output, s.steps, decode_steps[r.request_id], s.drafted, s.accepted,
+                             s.preemptions, s.first_token_time - s.arrival_time, s.finish_time - s.arrival_time)
+            for r, s in ((request, request.stats) for request in requests)
         ]
 
     def stuck(self) -> None:

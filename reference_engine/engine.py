@@ -110,7 +110,7 @@ class Engine(EngineCore):
         decoded, newly_computed = [], []
         for row, start in zip(rows, starts):
             request = row.scheduled.request
-            request.steps += 1
+            request.stats.steps += 1
             if row.decoding:
                 logits = self.model.logits(hidden[start : start + len(row.token_ids)])
                 valid = self._finish_decode(row, logits)
@@ -180,8 +180,8 @@ class Engine(EngineCore):
                                                       self.generator(request))
         self.state.commit(request.request_id, tokens[0], emitted)
         new_tokens = tokens[0, : int(emitted[0])].tolist()  # the host mirror, one step's outputs
-        request.drafted += num_drafts
-        request.accepted += len(new_tokens) - 1
+        request.stats.drafted += num_drafts
+        request.stats.accepted += len(new_tokens) - 1
         # The KV of the last token and of every accepted draft is now valid; rejected slots are
         # simply overwritten later (seq_len never covers them).
         request.num_computed += len(new_tokens)
@@ -191,12 +191,12 @@ class Engine(EngineCore):
     def _emit(self, request: Request, new_tokens: list[int]) -> None:
         params = request.params
         if not request.output:
-            request.first_token_time = time.perf_counter()
+            request.stats.first_token_time = time.perf_counter()
         for token in new_tokens:
             request.output.append(token)
             eos = params.eos_token_id is not None and token == params.eos_token_id and not params.ignore_eos
             if eos or len(request.output) >= params.max_tokens or len(request.tokens) >= self.config.model.max_model_len:
-                request.finish_time = time.perf_counter()
+                request.stats.finish_time = time.perf_counter()
                 self.scheduler.finish(request)
                 return
 

@@ -7,6 +7,18 @@ from reference_engine.sampling import SamplingParams
 
 
 @dataclass
+class RequestStats:
+    """What the engine counts about a request as it runs (the GenerationOutput is made from it)."""
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    preemptions: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float = 0.0
+    finish_time: float = 0.0
+
+
+@dataclass
 class Request:
     request_id: int
     prompt: list[int]
@@ -16,13 +28,7 @@ class Request:
     num_computed: int = 0  # tokens whose KV is in the cache
     block_ids: list[int] = field(default_factory=list)
     finished: bool = False
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    preemptions: int = 0
-    arrival_time: float = 0.0
-    first_token_time: float = 0.0
-    finish_time: float = 0.0
+    stats: RequestStats = field(default_factory=RequestStats)
 
     @property
     def tokens(self) -> list[int]:

@@ -46,7 +46,7 @@ class Scheduler:
         self.running.remove(request)
         self.blocks.free(request.block_ids)
         request.num_computed = 0
-        request.preemptions += 1
+        request.stats.preemptions += 1
         self.on_preempt(request)
         self.waiting.appendleft(request)
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
-from backends.flashinfer import FA2_COMPUTE_CAPABILITIES, WORKSPACE_BYTES, runs_on
+from backends.flashinfer import FA2_COMPUTE_CAPABILITIES, new_workspace, runs_on
 from backends.vendor_layout import packed, packed_output
 from backends.flashinfer.paged_layout import paged_layout
 from backends.paged_write import write_paged_rows
@@ -59,15 +59,11 @@ class FlashInferBackend(AttentionBackend):
     def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
         super().__init__(spec, limits, device)
         import flashinfer  # noqa: PLC0415 - optional dependency
-
-        def workspace() -> torch.Tensor:
-            return torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD", use_tensor_cores=True)
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD", backend="fa2")
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(new_workspace(self.device), "NHD", use_tensor_cores=True)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(new_workspace(self.device), "NHD", backend="fa2")
         max_reqs = limits.max_num_reqs
         int32 = dict(dtype=torch.int32, device=self.device)
-        self.graph_workspace = workspace()
+        self.graph_workspace = new_workspace(self.device)
         self.graph_indptr = torch.zeros(max_reqs + 1, **int32)
         self.graph_indices = torch.zeros(max_reqs * limits.max_blocks_per_req(spec.block_size), **int32)
         self.graph_last_page_len = torch.zeros(max_reqs, **int32)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
-from backends.flashinfer import FA2_COMPUTE_CAPABILITIES, WORKSPACE_BYTES, runs_on
+from backends.flashinfer import FA2_COMPUTE_CAPABILITIES, new_workspace, runs_on
 from backends.vendor_layout import packed, packed_output
 from backends.flashinfer.paged_layout import paged_layout
 from backends.paged_write import write_paged_rows
@@ -46,7 +46,7 @@ class FlashInferMLABackend(AttentionBackend):
         from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata  # noqa: PLC0415 - optional dependency
 
         self.metadata_class = MLAPlanMetadata
-        self.wrapper = BatchMLAPagedAttentionWrapper(torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device))
+        self.wrapper = BatchMLAPagedAttentionWrapper(new_workspace(self.device))
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.spec.block_size, self.spec.head_dim)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
-from backends.flashinfer import WORKSPACE_BYTES, runs_on
+from backends.flashinfer import new_workspace, runs_on
 from backends.vendor_layout import packed, packed_output
 from backends.paged_write import write_paged_rows
 
@@ -34,7 +34,7 @@ class TrtllmBackend(AttentionBackend):
         from flashinfer.decode import trtllm_batch_decode_with_kv_cache  # noqa: PLC0415 - optional dependency
 
         self.kernel = trtllm_batch_decode_with_kv_cache
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)  # must start zeroed
+        self.workspace = new_workspace(self.device)
 
     # HND: [num_blocks, 2, kv_heads, block_size, head_dim]
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
-from backends.flashinfer import WORKSPACE_BYTES, runs_on
+from backends.flashinfer import new_workspace, runs_on
 from backends.vendor_layout import packed, packed_output
 from backends.paged_write import write_paged_rows
 
@@ -58,7 +58,7 @@ class TrtllmMLABackend(AttentionBackend):
         from flashinfer.mla import trtllm_batch_decode_with_kv_cache_mla  # noqa: PLC0415 - optional dependency
 
         self.kernel = trtllm_batch_decode_with_kv_cache_mla
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.workspace = new_workspace(self.device)
 
     # [num_blocks, block_size, kv_lora_rank + rope_dim]
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:

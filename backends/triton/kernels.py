@@ -79,6 +79,25 @@ def decode_rows(query_len, first_head, HEADS: tl.constexpr, NUM_HEADS: tl.conste
 
 
 @triton.jit
+def decode_tile(query_start_loc_ptr, seq_lens_ptr, request, num_reqs, first_head, HEADS: tl.constexpr,
+                NUM_HEADS: tl.constexpr, DECODE_Q: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Everything a split-KV decode program knows before it reads the cache: the request's first
+    new token, how many (0: nothing to serve), its length, and the tile's rows with their positions."""
+    query_start, query_len = decode_query(query_start_loc_ptr, request, num_reqs, DECODE_Q)
+    seq_len = tl.load(seq_lens_ptr + request, mask=query_len > 0, other=0)
+    token, head, row_valid = decode_rows(query_len, first_head, HEADS, NUM_HEADS, DECODE_Q, BLOCK_M)
+    return query_start, query_len, seq_len, token, head, row_valid, seq_len - query_len + token
+
+
+@triton.jit
+def split_range(low, seq_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key positions [start, end) of one split: [low, seq_len) cut into NUM_SPLITS whole tiles."""
+    per_split = tl.cdiv(tl.cdiv(seq_len - low, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = low + split * per_split
+    return start, tl.minimum(start + per_split, seq_len)
+
+
+@triton.jit
 def online_softmax_step(scores, value, acc, row_max, row_sum):
     """Fold one KV tile (base-2 scores, -inf where not visible; its value rows) into the running
     output ``acc``, row maximum and row sum."""
@@ -163,17 +182,11 @@ def decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    request = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    query_start, query_len = decode_query(query_start_loc_ptr, request, num_reqs, DECODE_Q)
+    request, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # grid (requests, KV heads, splits)
+    query_start, query_len, seq_len, token, head, row_valid, query_positions = decode_tile(
+        query_start_loc_ptr, seq_lens_ptr, request, num_reqs, kv_head * GROUP, GROUP, NUM_HEADS, DECODE_Q, BLOCK_M)
     if query_len == 0:
         return
-    seq_len = tl.load(seq_lens_ptr + request)
-    context_len = seq_len - query_len
-
-    token, head, row_valid = decode_rows(query_len, kv_head * GROUP, GROUP, NUM_HEADS, DECODE_Q, BLOCK_M)
-    query_positions = context_len + token
     dims = tl.arange(0, BLOCK_D)
     q = tl.load(
         query_ptr + (query_start + token)[:, None] * stride_query_token + head[:, None] * stride_query_head + dims[None, :],
@@ -182,10 +195,8 @@ def decode_split_kernel(
 
     low = 0
     if USE_WINDOW:
-        low = tl.maximum(context_len - window + 1, 0)
-    per_split = tl.cdiv(tl.cdiv(seq_len - low, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = low + split * per_split
-    end = tl.minimum(start + per_split, seq_len)
+        low = tl.maximum(seq_len - query_len - window + 1, 0)
+    start, end = split_range(low, seq_len, split, NUM_SPLITS, BLOCK_N)
 
     acc, row_max, row_sum = _attend(
         q, request, kv_head, start, end, query_positions, row_valid,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from backends.triton.kernels import decode_query, decode_rows, online_softmax_step, store_split_partial
+from backends.triton.kernels import decode_tile, online_softmax_step, split_range, store_split_partial
 
 
 @triton.jit
@@ -24,17 +24,12 @@ def mla_decode_split_kernel(
     LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    head_block = tl.program_id(0)
-    request = tl.program_id(1)
-    split = tl.program_id(2)
-    query_start, query_len = decode_query(query_start_loc_ptr, request, num_reqs, DECODE_Q)
+    head_block, request, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # grid (head blocks, requests, splits)
+    query_start, query_len, seq_len, token, head, row_valid, query_positions = decode_tile(
+        query_start_loc_ptr, seq_lens_ptr, request, num_reqs, head_block * HEADS_PER_PROGRAM, HEADS_PER_PROGRAM,
+        NUM_HEADS, DECODE_Q, BLOCK_M)
     if query_len == 0:
         return
-    seq_len = tl.load(seq_lens_ptr + request)
-    context_len = seq_len - query_len
-
-    token, head, row_valid = decode_rows(query_len, head_block * HEADS_PER_PROGRAM, HEADS_PER_PROGRAM, NUM_HEADS, DECODE_Q, BLOCK_M)
-    query_positions = context_len + token
     latent_dims = tl.arange(0, BLOCK_L)
     rope_dims = tl.arange(0, BLOCK_R)
     query_rows = query_ptr + (query_start + token)[:, None] * stride_query_token + head[:, None] * stride_query_head
@@ -44,9 +39,7 @@ def mla_decode_split_kernel(
         q_latent = q_latent.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
 
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, seq_len)
+    start, end = split_range(0, seq_len, split, NUM_SPLITS, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -125,7 +125,7 @@ def test_flashinfer_keeps_one_graph_decode_wrapper_per_captured_batch_size(monke
     import sys
     import types
 
-    from backends.flashinfer import gqa
+    import backends.flashinfer as flashinfer_adapters
 
     class FakeWrapper:
         def __init__(self, workspace, layout, use_cuda_graph=False, use_tensor_cores=False, backend=None,
@@ -138,7 +138,7 @@ def test_flashinfer_keeps_one_graph_decode_wrapper_per_captured_batch_size(monke
 
     fake = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=FakeWrapper, BatchPrefillWithPagedKVCacheWrapper=FakeWrapper)
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    monkeypatch.setattr(gqa, "WORKSPACE_BYTES", 64)
+    monkeypatch.setattr(flashinfer_adapters, "WORKSPACE_BYTES", 64)
     case = parse_case("gqa-h4/2-d128-bf16-p16:30+1,50+1")
     backend = FlashInferBackend(case.spec, BackendLimits(8, 64, 256), torch.device("cpu"))
     common = materialize(case, "cpu").common_metadata()
