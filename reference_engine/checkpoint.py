@@ -86,7 +86,7 @@ def load_model(directory: str | Path, dtype: torch.dtype, device: torch.device) 
     for index in range(config.num_layers):
         state.update(_layer_state(tensors, f"model.layers.{index}.", f"layers.{index}."))
     model = LlamaModel(config)
-    _load_strict(model, state, directory)
+    load_strict(model, state, directory)
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -98,11 +98,11 @@ def load_eagle_head(directory: str | Path, config: ModelConfig, dtype: torch.dty
     state = {"fc.weight": tensors["fc.weight"], **_layer_state(tensors, "layers.0.", "layer.")}
     head = EagleHead(config)
     state.setdefault("layer.input_norm", torch.ones(config.hidden_size))
-    _load_strict(head, state, directory)
+    load_strict(head, state, directory)
     return head.to(device=device, dtype=dtype).eval()
 
 
-def _load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], directory: Path) -> None:
+def load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], directory: Path) -> None:
     expected = dict(module.state_dict())
     missing = sorted(set(expected) - set(state))
     if missing:

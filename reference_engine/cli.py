@@ -4,6 +4,8 @@ mean acceptance length, GPU idle time between steps and host syncs per steady-st
 
     conformance engine run --backend triton --model 1b --spec-tokens 3 --drafter layer-skip
     conformance engine bench --backend triton --model tiny --spec-tokens 3 --detect-syncs
+    conformance engine fetch-model smollm2-135m
+    conformance engine run --model smollm2-135m --drafter ngram --spec-tokens 3
 """
 from __future__ import annotations
 
@@ -23,7 +25,10 @@ from reference_engine.core import EngineConfig
 from reference_engine.engine import Engine
 from reference_engine.metrics import measure
 from reference_engine.model import PRESETS, LlamaModel
+from reference_engine.prompt_set import take
+from reference_engine.real_models import REAL_MODELS, ModelFetchError, fetch, load_real_model
 from reference_engine.sampling import SamplingParams
+from reference_engine.tokenizer import Tokenizer
 
 
 LOOPS = ("async", "sync", "simple")
@@ -34,15 +39,20 @@ def add_engine_parser(commands) -> None:
     engine_commands = engine.add_subparsers(dest="engine_command", required=True)
     run = engine_commands.add_parser("run", help="generate with the reference engine and report speed")
     bench = engine_commands.add_parser("bench", help="async vs sync on the same prompts, side by side")
+    fetch_model = engine_commands.add_parser("fetch-model", help="download a real model into the model cache")
+    fetch_model.add_argument("name", help=" | ".join(REAL_MODELS))
     for parser in (run, bench):
         parser.add_argument("--backend", default="torch_naive", help="attention backend (default torch_naive)")
         parser.add_argument("--prefill-backend", default="auto",
                             help="serves the batches --backend cannot (prefill chunks for a decode-only or uniform-only "
                             "backend); default auto: triton (MHA on CUDA), else torch_naive")
-        parser.add_argument("--model", default="tiny", help=f"{' | '.join(PRESETS)} (seeded random weights) or a local Llama/Qwen2 checkpoint directory")
+        parser.add_argument("--model", default="tiny",
+                            help=f"{' | '.join(PRESETS)} (seeded random weights), {' | '.join(REAL_MODELS)} (a real "
+                            "model: see fetch-model; prompts from the built-in prompt set, stops at its EOS) or a local "
+                            "Llama/Qwen2 checkpoint directory")
         parser.add_argument("--spec-tokens", type=int, default=0, help="draft tokens per step, k (default 0: no speculation)")
         parser.add_argument("--num-prompts", type=int, default=8)
-        parser.add_argument("--prompt-len", type=int, default=64)
+        parser.add_argument("--prompt-len", type=int, default=64, help="random prompts' length (a real model's prompts are text)")
         parser.add_argument("--max-tokens", type=int, default=64)
         parser.add_argument("--device", help="cpu or cuda (default: cuda when visible)")
         parser.add_argument("--dtype", default=None, help="fp32 | fp16 | bf16 (default: fp32 on cpu, bf16 on cuda)")
@@ -80,15 +90,18 @@ def _device_and_dtype(args, usage_error):
     return device, dtype_name
 
 
-def _load_model(args, dtype, device, usage_error):
+def _load_model(args, dtype, device, usage_error) -> tuple[LlamaModel, Tokenizer | None]:
+    """The model, and its tokenizer where it has one (a real model: its prompts are text)."""
     try:
         if args.model in PRESETS:
-            return LlamaModel.random(PRESETS[args.model], args.seed, dtype, device)
+            return LlamaModel.random(PRESETS[args.model], args.seed, dtype, device), None
+        if args.model in REAL_MODELS:
+            return load_real_model(args.model, dtype, device)
         if Path(args.model).is_dir():
-            return load_model(args.model, dtype, device)
+            return load_model(args.model, dtype, device), None
     except CheckpointError as error:
         raise usage_error(str(error)) from None
-    raise usage_error(f"--model {args.model!r}: not one of {', '.join(PRESETS)} and not a directory")
+    raise usage_error(f"--model {args.model!r}: not one of {', '.join([*PRESETS, *REAL_MODELS])} and not a directory")
 
 
 def _make_engine(args, model, eagle, dtype, device, loop: str, drafter: str, usage_error):
@@ -104,9 +117,26 @@ def _make_engine(args, model, eagle, dtype, device, loop: str, drafter: str, usa
         raise usage_error(str(error)) from None
 
 
-def _prompts(args, vocab_size: int) -> list[list[int]]:
+def _prompts(args, vocab_size: int, tokenizer: Tokenizer | None) -> list[list[int]]:
+    """Random token prompts; with a tokenizer, the prompt set's messages in the chat template."""
+    if tokenizer is not None:
+        return [tokenizer.encode(tokenizer.chat([{"role": "user", "content": prompt.message}]))
+                for prompt in take(args.num_prompts)]
     generator = torch.Generator().manual_seed(args.seed)
     return [torch.randint(0, vocab_size, (args.prompt_len,), generator=generator).tolist() for _ in range(args.num_prompts)]
+
+
+def _sampling(args, tokenizer: Tokenizer | None, **options) -> SamplingParams:
+    """A real model stops at its end of turn; random weights generate exactly --max-tokens."""
+    eos = dict(eos_token_id=tokenizer.eos_token_id) if tokenizer is not None else dict(ignore_eos=True)
+    return SamplingParams(max_tokens=args.max_tokens, **eos, **options)
+
+
+def _print_texts(console: Console, tokenizer: Tokenizer, outputs, num_prompts: int) -> None:
+    for prompt, output in zip(take(num_prompts), outputs):
+        console.rule(f"{prompt.name} ({prompt.kind}): {len(output.prompt)} prompt tokens, {len(output.tokens)} generated")
+        console.print(prompt.message, markup=False, highlight=False, style="dim")
+        console.print(tokenizer.decode(output.tokens), markup=False, highlight=False)
 
 
 def _measure(engine, prompts, params, args, usage_error, warm_up: bool = True):
@@ -140,20 +170,32 @@ def _metric_rows(metrics) -> list[tuple[str, str]]:
     ]
 
 
+def fetch_model(args: argparse.Namespace, console: Console, usage_error) -> int:
+    if args.name not in REAL_MODELS:
+        raise usage_error(f"fetch-model {args.name!r}: not one of {', '.join(REAL_MODELS)}")
+    try:
+        fetch(REAL_MODELS[args.name], log=lambda line: console.print(line, markup=False, highlight=False))
+    except ModelFetchError as error:
+        raise usage_error(str(error)) from None
+    return 0
+
+
 def run_engine(args: argparse.Namespace, console: Console, usage_error) -> int:
+    if args.engine_command == "fetch-model":
+        return fetch_model(args, console, usage_error)
     if args.engine_command == "bench":
         return bench_engine(args, console, usage_error)
     device, dtype_name = _device_and_dtype(args, usage_error)
     dtype = DTYPE_NAMES[dtype_name]
-    model = _load_model(args, dtype, device, usage_error)
+    model, tokenizer = _load_model(args, dtype, device, usage_error)
     try:
         eagle = load_eagle_head(args.eagle, model.config, dtype, device) if args.eagle else None
     except CheckpointError as error:
         raise usage_error(str(error)) from None
     engine = _make_engine(args, model, eagle, dtype, device, args.loop, args.drafter, usage_error)
-    prompts = _prompts(args, model.config.vocab_size)
+    prompts = _prompts(args, model.config.vocab_size, tokenizer)
     try:
-        params = SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens, ignore_eos=True)
+        params = _sampling(args, tokenizer, temperature=args.temperature, seed=args.seed)
     except ValueError as error:
         raise usage_error(str(error)) from None
     with Progress(TextColumn("generating"), BarColumn(), TimeElapsedColumn(), console=console, transient=True) as bar:
@@ -163,8 +205,12 @@ def run_engine(args: argparse.Namespace, console: Console, usage_error) -> int:
                   title_justify="left")
     for column in ("metric", "value"):
         table.add_column(column)
+    if tokenizer is not None:
+        _print_texts(console, tokenizer, outputs, args.num_prompts)
+    prompt_lens = sorted(len(prompt) for prompt in prompts)
     rows = [
-        ("requests x tokens", f"{args.num_prompts} x {args.max_tokens} (prompt {args.prompt_len})"),
+        ("requests x tokens", f"{args.num_prompts} x {args.max_tokens}" + (" (at most: stops at EOS)" if tokenizer else "")
+                              + f" (prompt {prompt_lens[0]}" + (f"-{prompt_lens[-1]})" if prompt_lens[-1] != prompt_lens[0] else ")")),
         ("speculation", f"k={args.spec_tokens}, drafter {args.drafter}" if args.spec_tokens else "off"),
         *_metric_rows(metrics),
         ("preemptions", str(sum(out.preemptions for out in outputs))),
@@ -183,9 +229,9 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
     """Async vs sync, same prompts and engine settings, for each drafter; tokens checked equal."""
     device, dtype_name = _device_and_dtype(args, usage_error)
     dtype = DTYPE_NAMES[dtype_name]
-    model = _load_model(args, dtype, device, usage_error)
-    prompts = _prompts(args, model.config.vocab_size)
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    model, tokenizer = _load_model(args, dtype, device, usage_error)
+    prompts = _prompts(args, model.config.vocab_size, tokenizer)
+    params = _sampling(args, tokenizer)
     table = Table(title=f"async vs sync — {args.model}, {args.backend}, {dtype_name}, k={args.spec_tokens}", title_justify="left")
     for column in ("drafter", "loop", "tokens/s", "TPOT ms", "accept len", "host ms/step", "GPU idle", "syncs/step",
                    "async/sync TPOT"):
