@@ -6,6 +6,9 @@ disagree, this tool shows why: it re-scores the diverging position with an fp32 
 weights and reports the margin between the two candidate tokens (a near-tie explains a flip).
 
     python -m reference_engine.equality --backend triton --dtype bf16 --model small --json out.json
+    python -m reference_engine.equality --backend triton --dtype bf16 --model smollm2-135m --drafters ngram,layer-skip --k 3
+
+A real model (``real_models``) runs on the prompt set's texts and stops at its end of turn.
 """
 from __future__ import annotations
 
@@ -23,9 +26,11 @@ from backends.base import DTYPE_NAMES
 from reference_engine.core import EngineConfig
 from reference_engine.engine import Engine
 from reference_engine.model import PRESETS, LlamaModel
+from reference_engine.prompt_set import take
+from reference_engine.real_models import REAL_MODELS, load_real_model
 from reference_engine.sampling import SamplingParams
 
-DRAFTERS = ("scripted:all", "scripted:none", "scripted:random:0.7", "layer-skip", "eagle")
+DRAFTERS = ("scripted:all", "scripted:none", "scripted:random:0.7", "layer-skip", "eagle", "ngram")
 
 
 @dataclass
@@ -73,17 +78,19 @@ def rounding_step(dtype: torch.dtype, magnitude: float) -> float:
     return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(magnitude))
 
 
-def compare_speculation_with_plain(backend: str, dtype: torch.dtype, model_name: str, device: torch.device,
-                                   prompts: list[list[int]], max_tokens: int, drafters: tuple[str, ...],
-                                   ks: tuple[int, ...]) -> list[Comparison]:
-    config = EngineConfig(model=PRESETS[model_name], backend=backend, device=str(device), dtype=dtype,
-                          max_num_reqs=len(prompts), num_blocks=512)
-    model = LlamaModel.random(config.model, config.seed, dtype, device)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+def compare_speculation_with_plain(backend: str, model: LlamaModel, prompts: list[list[int]], params: SamplingParams,
+                                   drafters: tuple[str, ...], ks: tuple[int, ...]) -> list[Comparison]:
+    """Each drafter at each k against plain greedy decoding, on ``model``'s device and dtype; a
+    divergence is explained by the fp32 margin at its position."""
+    weight = next(model.parameters())
+    device, dtype = weight.device, weight.dtype
+    num_blocks = 64 + sum(len(prompt) + params.max_tokens + max(ks) + 16 for prompt in prompts) // 16
+    config = EngineConfig(model=model.config, backend=backend, device=str(device), dtype=dtype,
+                          max_num_reqs=len(prompts), num_blocks=num_blocks, max_num_tokens=1024)
     plain = [out.tokens for out in Engine(config, model).generate(prompts, params)]
     fp32_model = copy.deepcopy(model).float()
     reference = Engine(EngineConfig(model=config.model, backend="torch_naive", device=str(device), dtype=torch.float32,
-                                    num_blocks=512), fp32_model)
+                                    num_blocks=num_blocks, max_num_tokens=1024), fp32_model)
     results = []
     for drafter in drafters:
         for k in ks:
@@ -103,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="torch_naive")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPE_NAMES))
-    parser.add_argument("--model", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument("--model", default="tiny", choices=sorted([*PRESETS, *REAL_MODELS]))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -112,11 +119,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drafters", default=",".join(DRAFTERS))
     parser.add_argument("--json", help="write the comparisons here")
     args = parser.parse_args(argv)
-    generator = torch.Generator().manual_seed(1)
-    vocab = PRESETS[args.model].vocab_size
-    prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=generator).tolist() for _ in range(args.num_prompts)]
-    results = compare_speculation_with_plain(args.backend, DTYPE_NAMES[args.dtype], args.model, torch.device(args.device), prompts,
-                      args.max_tokens, tuple(args.drafters.split(",")), tuple(int(k) for k in args.k.split(",")))
+    dtype, device = DTYPE_NAMES[args.dtype], torch.device(args.device)
+    if args.model in REAL_MODELS:
+        model, tokenizer = load_real_model(args.model, dtype, device)
+        prompts = [tokenizer.encode(tokenizer.chat([{"role": "user", "content": p.message}])) for p in take(args.num_prompts)]
+        params = SamplingParams(max_tokens=args.max_tokens, eos_token_id=tokenizer.eos_token_id)
+    else:
+        model = LlamaModel.random(PRESETS[args.model], 0, dtype, device)
+        generator = torch.Generator().manual_seed(1)
+        vocab = PRESETS[args.model].vocab_size
+        prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=generator).tolist() for _ in range(args.num_prompts)]
+        params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    results = compare_speculation_with_plain(args.backend, model, prompts, params, tuple(args.drafters.split(",")),
+                                             tuple(int(k) for k in args.k.split(",")))
     for result in results:
         detail = "; ".join(f"prompt {d.prompt} @{d.index}: {d.plain_token} vs {d.spec_token}, fp32 margin "
                            f"{d.fp32_margin:.4f} (ranks {d.fp32_rank_of_plain}, {d.fp32_rank_of_spec})" for d in result.divergences)
