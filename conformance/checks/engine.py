@@ -27,9 +27,10 @@ companion that serves the rest, prefill chunks above all (``reference_engine.att
 ``--prefill-backend``); the evidence counts the batches and tokens each one served.
 
 A reduced-precision run may flip an argmax where two logits tie within rounding; a difference is
-accepted only when an fp32 re-score of the same weights shows the two tokens as the top two within
-``NEAR_TIE`` logits plus two rounding steps of the run's dtype at their magnitude (the LM head
-rounds logits to it: bf16 at 8-16 logits, 0.0625 a step), and the report names it.
+accepted only when an fp32 re-score of the same weights puts both tokens within ``NEAR_TIE`` logits
+plus two rounding steps of the run's dtype at their magnitude (the LM head rounds logits to it:
+bf16 at 8-16 logits, 0.0625 a step) of the top logit (``equality.Explanation.is_near_tie``), and
+the report names it.
 """
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ from conformance.checks.base import Check
 from conformance.checks.evidence import EvidenceItem, labelled, without
 from conformance.results import CaseResult, Verdict
 from reference_engine.attention_split import AUTO, Routing, SplitAttention, resolve_companion
+from reference_engine.equality import NEAR_TIE
 
-NEAR_TIE = 0.1  # logits; the random models' logits have a standard deviation of about 4
 SPEC_TOKENS = 3
 DRAFTER = "scripted:random:0.5"
 ATTENTION_DRAFTER = "layer-skip"  # drafts through the backend under test
@@ -229,7 +230,7 @@ class EngineCheck(Check):
         """None when equal or every difference is an explained near-tie; else the failure reason."""
         from reference_engine.core import EngineConfig
         from reference_engine.engine import Engine
-        from reference_engine.equality import explain, first_divergence, rounding_step
+        from reference_engine.equality import explain, first_divergence
 
         reference = None
         for index, (a, b) in enumerate(zip(expected, got)):
@@ -241,11 +242,10 @@ class EngineCheck(Check):
             if reference is None:
                 reference = Engine(EngineConfig(model=base.model, backend="torch_naive", device=str(device),
                                                 dtype=torch.float32, block_size=base.block_size), copy.deepcopy(model).float())
-            margin, rank_a, rank_b, magnitude = explain(reference, prompts[index], a[:at], a[at], b[at])
-            tolerance = NEAR_TIE + 2 * rounding_step(base.dtype, magnitude)
-            where = (f"{label}: prompt {index}, output token {at}: {b[at]} instead of {a[at]} (fp32 margin {margin:.4f}, "
-                     f"near-tie tolerance {tolerance:.4f})")
-            if base.dtype == torch.float32 or max(rank_a, rank_b) > 1 or margin > tolerance:
+            why = explain(reference, prompts[index], a[:at], a[at], b[at])
+            where = (f"{label}: prompt {index}, output token {at}: {b[at]} instead of {a[at]} (fp32 margin {why.margin:.4f}, "
+                     f"{why.behind_top:.4f} below the top logit, near-tie tolerance {why.tolerance(base.dtype):.4f})")
+            if not why.is_near_tie(base.dtype):
                 return where
             evidence.setdefault("near_ties", []).append(where)
         return None

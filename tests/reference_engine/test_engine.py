@@ -128,9 +128,23 @@ def test_equality_tool_finds_and_explains_a_divergence():
     prompt = [1, 2, 3, 4, 5]
     logits = engine.score(prompt)[-1]
     top, second = logits.topk(2).indices.tolist()
-    margin, rank_top, rank_second, magnitude = explain(engine, prompt[:-1], prompt[-1:], top, second)
-    assert (rank_top, rank_second) == (0, 1) and magnitude == pytest.approx(float(logits[[top, second]].abs().max()), rel=1e-5)
-    assert margin == pytest.approx(float(logits[top] - logits[second]), rel=1e-5)
+    why = explain(engine, prompt[:-1], prompt[-1:], top, second)
+    assert (why.rank_of_plain, why.rank_of_spec) == (0, 1)
+    assert why.magnitude == pytest.approx(float(logits[[top, second]].abs().max()), rel=1e-5)
+    assert why.margin == pytest.approx(float(logits[top] - logits[second]), rel=1e-5) == pytest.approx(why.behind_top, rel=1e-5)
+    third = logits.topk(3).indices[2].item()  # two choices, neither the top: how far the further one is below it
+    assert explain(engine, prompt[:-1], prompt[-1:], second, third).behind_top == pytest.approx(float(logits[top] - logits[third]), rel=1e-5)
+
+
+def test_near_tie_rule():
+    from reference_engine.equality import Explanation
+
+    def explained(behind_top, dtype=torch.bfloat16, magnitude=12.0):
+        return Explanation(0.0, 1, 2, magnitude, behind_top).is_near_tie(dtype)
+
+    assert explained(0.1 + 2 * 0.0625) and not explained(0.1 + 2 * 0.0625 + 1e-3)  # bf16 at 8-16: 0.0625 a step
+    assert not explained(1e-6, torch.float32)  # fp32 runs have no rounding excuse
+    assert explained(0.2, torch.float16, 12.0) is False and explained(0.11, torch.float16, 12.0)
 
 
 def test_the_scripted_drafter_keeps_its_old_name():
