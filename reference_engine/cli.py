@@ -120,8 +120,7 @@ def _make_engine(args, model, eagle, dtype, device, loop: str, drafter: str, usa
 def _prompts(args, vocab_size: int, tokenizer: Tokenizer | None) -> list[list[int]]:
     """Random token prompts; with a tokenizer, the prompt set's messages in the chat template."""
     if tokenizer is not None:
-        return [tokenizer.encode(tokenizer.chat([{"role": "user", "content": prompt.message}]))
-                for prompt in take(args.num_prompts)]
+        return [tokenizer.user_turn(prompt.message) for prompt in take(args.num_prompts)]
     generator = torch.Generator().manual_seed(args.seed)
     return [torch.randint(0, vocab_size, (args.prompt_len,), generator=generator).tolist() for _ in range(args.num_prompts)]
 

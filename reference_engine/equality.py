@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype, device = DTYPE_NAMES[args.dtype], torch.device(args.device)
     if args.model in REAL_MODELS:
         model, tokenizer = load_real_model(args.model, dtype, device)
-        prompts = [tokenizer.encode(tokenizer.chat([{"role": "user", "content": p.message}])) for p in take(args.num_prompts)]
+        prompts = [tokenizer.user_turn(prompt.message) for prompt in take(args.num_prompts)]
         params = SamplingParams(max_tokens=args.max_tokens, eos_token_id=tokenizer.eos_token_id)
     else:
         model = LlamaModel.random(PRESETS[args.model], 0, dtype, device)

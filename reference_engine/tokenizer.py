@@ -16,7 +16,10 @@ from reference_engine.checkpoint import CheckpointError
 from reference_engine.gguf_checkpoint import INSTALL_HINT, GGUFFile
 
 CONTROL_TOKEN = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
+# llama.cpp's names for the splits before BPE that are built here; any other is refused rather
+# than tokenized with the wrong split.
 DIGIT_SPLITTING_PRE_TOKENIZERS = ("smollm", "starcoder", "refact", "codeshell")
+GPT2_PRE_TOKENIZERS = ("gpt2", "default")
 
 
 @dataclass
@@ -40,6 +43,9 @@ class Tokenizer:
         backend = HFTokenizer(models.BPE(vocab={token: index for index, token in enumerate(tokens)}, merges=merges))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         pre = file.metadata.get("tokenizer.ggml.pre", "gpt2")
+        if pre not in DIGIT_SPLITTING_PRE_TOKENIZERS + GPT2_PRE_TOKENIZERS:
+            raise CheckpointError(f"{file.path.name}: pre-tokenizer {pre!r} is not built here "
+                                  f"(known: {', '.join(DIGIT_SPLITTING_PRE_TOKENIZERS + GPT2_PRE_TOKENIZERS)})")
         backend.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
                                  if pre in DIGIT_SPLITTING_PRE_TOKENIZERS else byte_level)
         backend.decoder = decoders.ByteLevel()
@@ -62,3 +68,7 @@ class Tokenizer:
 
         template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(self.chat_template)
         return template.render(messages=messages, add_generation_prompt=True)
+
+    def user_turn(self, message: str) -> list[int]:
+        """The token ids of one user message in the chat template, ready for the assistant's reply."""
+        return self.encode(self.chat([{"role": "user", "content": message}]))

@@ -167,7 +167,16 @@ def test_gguf_tokenizer_and_chat_template(tmp_path):
     assert tokenizer.decode(tokenizer.encode("naïve — 3.14 ok")) == "naïve — 3.14 ok"  # bytes round-trip
     prompt = tokenizer.chat([{"role": "user", "content": "hi"}])
     assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    assert tokenizer.encode(prompt)[0] == 1
+    assert tokenizer.encode(prompt)[0] == 1 and tokenizer.user_turn("hi") == tokenizer.encode(prompt)
+
+
+def test_unknown_pre_tokenizer_is_refused(tmp_path, monkeypatch):
+    """A GGUF whose split before BPE is not built here must not be tokenized with the wrong one."""
+    write_tiny_gguf(tmp_path / "tiny.gguf", torch.Generator().manual_seed(3))
+    file = GGUFFile.open(tmp_path / "tiny.gguf")
+    file.metadata["tokenizer.ggml.pre"] = "llama-bpe"
+    with pytest.raises(CheckpointError, match="pre-tokenizer 'llama-bpe'"):
+        Tokenizer.from_gguf(file)
 
 
 def test_bad_gguf_files_are_refused_clearly(tmp_path):
@@ -241,10 +250,6 @@ def smollm():
     return real_models.load_real_model("smollm2-135m", torch.float32, CPU)
 
 
-def chat_ids(tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(tokenizer.chat([{"role": "user", "content": text}]))
-
-
 def test_smollm_logits_match_llama_cpp_convention(smollm):
     model, tokenizer = smollm
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog.")
@@ -255,7 +260,7 @@ def test_smollm_logits_match_llama_cpp_convention(smollm):
 def test_smollm_knows_a_capital(smollm):
     model, tokenizer = smollm
     engine = Engine(EngineConfig(model=model.config, num_blocks=64), model)
-    [out] = engine.generate([chat_ids(tokenizer, "What is the capital of France?")],
+    [out] = engine.generate([tokenizer.user_turn("What is the capital of France?")],
                             SamplingParams(max_tokens=12, eos_token_id=tokenizer.eos_token_id))
     assert "Paris" in tokenizer.decode(out.tokens)
 
@@ -267,7 +272,7 @@ def test_smollm_greedy_speculation_equals_plain(smollm, async_scheduling):
     from reference_engine.prompt_set import PROMPTS
 
     model, tokenizer = smollm
-    prompts = [chat_ids(tokenizer, prompt.message) for prompt in (PROMPTS[3], PROMPTS[4])]
+    prompts = [tokenizer.user_turn(prompt.message) for prompt in (PROMPTS[3], PROMPTS[4])]
     params = SamplingParams(max_tokens=32, eos_token_id=tokenizer.eos_token_id)
 
     def generate(drafter: str, k: int):
