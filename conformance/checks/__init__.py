@@ -12,6 +12,7 @@ from conformance.checks.determinism import DeterminismCheck
 from conformance.checks.draft_loop import DraftLoopCheck
 from conformance.checks.engine import EngineCheck
 from conformance.checks.graphs import GraphsCheck
+from conformance.checks.memory import MemoryCheck
 from conformance.checks.numerics import NumericsCheck
 from conformance.checks.syncs import SyncsCheck
 
@@ -22,13 +23,18 @@ CHECKS: dict[str, type[Check]] = {
     DraftLoopCheck.name: DraftLoopCheck,
     DeterminismCheck.name: DeterminismCheck,
     EngineCheck.name: EngineCheck,
+    MemoryCheck.name: MemoryCheck,
     BenchCheck.name: BenchCheck,
 }
 
 
+OPT_IN = (MemoryCheck.name, BenchCheck.name)  # minutes per backend, or a measurement: asked for by name
+
+
 def default_checks() -> list[str]:
-    """What `conformance run` checks: correctness; `conformance bench` (or --check bench) measures speed."""
-    return [name for name in CHECKS if name != BenchCheck.name]
+    """What `conformance run` checks: correctness, less the memory check (compute-sanitizer, about
+    two minutes a backend: `--check memory`); `conformance bench` (or --check bench) measures speed."""
+    return [name for name in CHECKS if name not in OPT_IN]
 
 
 def make_check(name: str, options: dict | None = None) -> Check:

@@ -23,7 +23,7 @@ from conformance.checks.evidence import EvidenceItem, without, worst_element
 from conformance.checks.numerics import TOLERANCES, compare_with_oracle
 from conformance.inputs.graph_batches import GraphShape
 from conformance.inputs.graph_harness import GraphBuffers, cuda_graph_skip_reason, warm_up
-from conformance.inputs.harness import write_poison
+from conformance.inputs.harness import PoolFill, write_poison
 from conformance.results import CaseResult, Verdict
 
 # (k, a padding row after the real requests, warm-up before the capture). Without a padding row
@@ -37,7 +37,7 @@ class DraftLoop:
     """The buffers, device-side advance and per-step bookkeeping of one k-step draft loop."""
 
     def __init__(self, backend_cls: type[AttentionBackend], case: Case, num_steps: int, device: torch.device,
-                 padding_row: bool = True):
+                 padding_row: bool = True, fill: PoolFill = PoolFill.LOUD):
         self.num_steps = num_steps
         self.num_real = case.num_reqs
         self.padding_row = padding_row
@@ -54,12 +54,12 @@ class DraftLoop:
             num_reqs=rows, num_tokens=rows, padding_query_len=1,
             max_model_len=-(-(max(contexts) + num_steps) // block) * block, uniform=True,
         )
-        self.buffers = GraphBuffers(backend_cls, shape, [self.drafted.case], device)
+        self.buffers = GraphBuffers(backend_cls, shape, [self.drafted.case], device, fill)
         self.host_lengths = backend_cls.capabilities.needs_cpu_seq_lens
         buffers, drafted, n = self.buffers, self.drafted, self.num_real
 
         key, value, slots = drafted.history_rows()
-        write_poison(buffers.backend, buffers.kv_cache, drafted, keep=slots, num_blocks=buffers.num_blocks)
+        write_poison(buffers.backend, buffers.kv_cache, drafted, keep=slots, num_blocks=buffers.num_blocks, fill=fill)
         if slots.numel():
             buffers.backend.write_kv(buffers.kv_cache, key, value, slots)
         # Per-step banks: the query row, KV row and slot of request r at draft step s.

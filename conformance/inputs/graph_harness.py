@@ -16,7 +16,7 @@ from backends.base import AttentionBackend, BackendLimits, CGSupport, CommonAtte
 from conformance.inputs.batch import PagedBatch, pool_size
 from conformance.inputs.cases import Case
 from conformance.inputs.graph_batches import GraphShape, padding_rows
-from conformance.inputs.harness import write_poison
+from conformance.inputs.harness import PoolFill, allocate_pool, write_poison
 
 PADDING_KEY_VALUE = 7.0  # garbage that padding rows carry: it must land nowhere. Each load adds
 # its index, so a stray write of one replay differs from what an earlier one left behind.
@@ -31,13 +31,15 @@ class LoadedBatch:
 
 
 class GraphBuffers:
-    def __init__(self, backend_cls: type[AttentionBackend], shape: GraphShape, cases: list[Case], device: torch.device):
+    def __init__(self, backend_cls: type[AttentionBackend], shape: GraphShape, cases: list[Case], device: torch.device,
+                 fill: PoolFill = PoolFill.LOUD):
         spec = cases[0].spec
+        self.fill = fill
         self.spec, self.shape, self.device = spec, shape, device
         limits = BackendLimits(2 * shape.num_reqs, 2 * shape.num_tokens, shape.max_model_len)
         self.backend = backend_cls(spec, limits, device)
         self.num_blocks = max(pool_size(case) for case in cases)
-        self.kv_cache = self.backend.allocate_kv_cache(self.num_blocks)
+        self.kv_cache = allocate_pool(self.backend, self.num_blocks, fill)
         max_blocks = shape.max_model_len // spec.block_size
         int32 = dict(dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(shape.num_reqs + 1, **int32)
@@ -56,7 +58,7 @@ class GraphBuffers:
         poisoned) into the buffers."""
         case = batch.case
         key, value, slots = batch.history_rows()
-        write_poison(self.backend, self.kv_cache, batch, keep=slots, num_blocks=self.num_blocks)
+        write_poison(self.backend, self.kv_cache, batch, keep=slots, num_blocks=self.num_blocks, fill=self.fill)
         if slots.numel():
             self.backend.write_kv(self.kv_cache, key, value, slots)
         padding = padding_rows(self.shape, case)

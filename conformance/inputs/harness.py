@@ -11,6 +11,7 @@ wider buffer whose other columns must stay untouched.
 from __future__ import annotations
 
 import contextlib
+import enum
 from dataclasses import dataclass
 from typing import Callable, ContextManager
 
@@ -25,6 +26,28 @@ POISON_CHUNK_SLOTS = 1 << 16  # poison is written in chunks: a full-suite pool h
 OUTPUT_GUARD_COLUMNS = 64  # extra columns of a strided output's buffer; they must stay NaN
 
 
+class PoolFill(str, enum.Enum):
+    """What every KV slot no request owns holds (the rest of each request's last block, block 0,
+    the pool's free blocks)."""
+
+    LOUD = "loud"  # a dominant key and a loud value: an unmasked read changes the output
+    NAN = "nan"  # NaN key and value: a read whose value is then multiplied by 0 still turns the output NaN
+    FRESH = "fresh"  # never written, fresh memory: compute-sanitizer's initcheck reports any read of it
+
+
+def allocate_pool(backend: AttentionBackend, num_blocks: int, fill: PoolFill = PoolFill.LOUD) -> torch.Tensor:
+    """The backend's KV pool; for ``FRESH`` a never-written tensor of the same shape, dtype and
+    strides (the backend's own is zeroed, so initcheck would see every slot as written)."""
+    cache = backend.allocate_kv_cache(num_blocks)
+    if fill != PoolFill.FRESH:
+        return cache
+    return torch.empty_strided(cache.shape, cache.stride(), dtype=cache.dtype, device=cache.device)
+
+
+def _no_record(name: str, tensor: torch.Tensor | None) -> None:
+    pass
+
+
 @dataclass
 class PreparedCase:
     batch: PagedBatch
@@ -33,13 +56,18 @@ class PreparedCase:
 
 
 def write_poison(backend: AttentionBackend, kv_cache: torch.Tensor, batch: PagedBatch, keep: torch.Tensor,
-                 num_blocks: int | None = None) -> None:
+                 num_blocks: int | None = None, fill: PoolFill = PoolFill.LOUD) -> None:
     """Poison every slot of the pool (``num_blocks``, default the batch's) except ``keep``."""
+    if fill == PoolFill.FRESH:
+        return
     spec = batch.spec
     poisoned = torch.ones((num_blocks or batch.num_blocks) * spec.block_size, dtype=torch.bool)
     poisoned[keep.cpu()] = False
     slots = poisoned.nonzero().flatten()
     key_row, value_row = poison_key_value(spec, batch.case.data, batch.case.max_seq_len)
+    if fill == PoolFill.NAN:
+        key_row = torch.full_like(key_row, float("nan"))
+        value_row = None if value_row is None else torch.full_like(value_row, float("nan"))
     for start in range(0, slots.numel(), POISON_CHUNK_SLOTS):
         chunk = slots[start : start + POISON_CHUNK_SLOTS].to(batch.device)
         count = chunk.numel()
@@ -50,17 +78,22 @@ def write_poison(backend: AttentionBackend, kv_cache: torch.Tensor, batch: Paged
 
 def prepare_case(
     backend_cls: type[AttentionBackend], case: Case, device: torch.device, *, random_on_device: bool = False,
-    poison: bool = True,
+    poison: bool = True, fill: PoolFill = PoolFill.LOUD,
+    record: Callable[[str, torch.Tensor | None], None] = _no_record,
 ) -> PreparedCase:
-    """``poison=False`` (the benchmark): the pool keeps whatever the allocator gave it."""
+    """``poison=False`` (the benchmark): the pool keeps whatever the allocator gave it.
+    ``record``: as for ``run_step``, the history rows handed to ``write_kv``."""
     batch = materialize(case, device, random_on_device=random_on_device)
     backend = backend_cls(case.spec, batch.limits(), torch.device(device))
-    kv_cache = backend.allocate_kv_cache(batch.num_blocks)
+    kv_cache = allocate_pool(backend, batch.num_blocks, fill)
     key, value, slots = batch.history_rows()
     if poison:
-        write_poison(backend, kv_cache, batch, keep=slots)
+        write_poison(backend, kv_cache, batch, keep=slots, fill=fill)
+    key, value = engine_kv_views(case, key, value)
+    for name, tensor in (("KV pool", kv_cache), ("history key", key), ("history value", value), ("history slot_mapping", slots)):
+        record(name, tensor)
     if slots.numel():
-        backend.write_kv(kv_cache, *engine_kv_views(case, key, value), slots)
+        backend.write_kv(kv_cache, key, value, slots)
     return PreparedCase(batch, backend, kv_cache)
 
 
@@ -115,12 +148,14 @@ def run_step(
     *,
     with_host_lengths: bool = True,
     phase: Callable[[str], ContextManager[None]] = _no_phase,
+    record: Callable[[str, torch.Tensor | None], None] = _no_record,
 ) -> torch.Tensor:
     """One engine step; returns the output rows of the real tokens.
 
     ``phase(name)`` wraps each backend call ("build", "write_kv", "forward") and nothing else, so
     a sync detector sees only what the backend does, not the harness's own input preparation.
-    Raises ``WroteOutsideOutput`` when a strided output's guard columns were written.
+    ``record(name, tensor)`` is told every device tensor the backend is handed (the memory check
+    maps a bad address to one of them). Raises ``WroteOutsideOutput`` when a strided output's guard columns were written.
     """
     batch, backend, case = prepared.batch, prepared.backend, prepared.batch.case
     common = batch.common_metadata(with_host_lengths=with_host_lengths)
@@ -129,6 +164,10 @@ def run_step(
     if case.strided:
         query, key, value = fused_qkv_views(batch.spec, query, key, value)
     out, whole = output_buffer(batch, case.padding)
+    for name, tensor in (("query", query), ("key", key), ("value", value), ("output", whole),
+                         ("query_start_loc", common.query_start_loc), ("seq_lens", common.seq_lens),
+                         ("block_table", common.block_table), ("slot_mapping", slots)):
+        record(name, tensor)
     with phase("build"):
         metadata = backend.build(common)
     with phase("write_kv"):

@@ -2,6 +2,9 @@
 availability, cache layouts and writes, CSR page layouts, and the exact kernel arguments."""
 import dataclasses
 import importlib.util
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -59,18 +62,38 @@ def test_window_left_excludes_the_token_itself():
     assert window_left(parse_case("gqa-w256:1+1").spec) == 255 and window_left(parse_case("gqa:1+1").spec) == -1
 
 
-def test_paged_writes_into_nhd_hnd_and_mla_layouts_skip_slot_minus_one():
+def check_paged_writes(write) -> None:
+    """``write`` (write_paged_rows or its CUDA kernel) into NHD, HND and MLA layouts, slot -1 skipped."""
     slots = torch.tensor([17, -1, 3, 40])
     rows = torch.randn(4, 2, 8)
     nhd = torch.zeros(4, 2, 16, 2, 8)  # [blocks, K/V, page, heads, dim]
-    write_paged_rows(nhd[:, 0], rows, slots, 16)
+    write(nhd[:, 0], rows, slots, 16)
     hnd = torch.zeros(4, 2, 2, 16, 8)  # [blocks, K/V, heads, page, dim]
-    write_paged_rows(hnd[:, 0].transpose(1, 2), rows, slots, 16)
+    write(hnd[:, 0].transpose(1, 2), rows, slots, 16)
     for layout in (nhd[:, 0], hnd[:, 0].transpose(1, 2)):
         assert torch.equal(layout[1, 1], rows[0]) and torch.equal(layout[0, 3], rows[2]) and torch.equal(layout[2, 8], rows[3])
         changed = (layout != 0).flatten(2).any(-1).nonzero().tolist()
         assert changed == [[0, 3], [1, 1], [2, 8]]  # the slot -1 row landed nowhere
     assert nhd[:, 1].abs().sum() == 0 and hnd[:, 1].abs().sum() == 0  # V planes untouched
+    mla = torch.zeros(4, 16, 24)  # [blocks, page, latent + rope]
+    latent_rows = torch.randn(4, 24)
+    write(mla, latent_rows, slots, 16)
+    assert torch.equal(mla[1, 1], latent_rows[0]) and torch.equal(mla[2, 8], latent_rows[3])
+    assert (mla != 0).any(-1).nonzero().tolist() == [[0, 3], [1, 1], [2, 8]]
+
+
+def test_paged_writes_into_nhd_hnd_and_mla_layouts_skip_slot_minus_one():
+    check_paged_writes(write_paged_rows)
+
+
+def test_paged_write_kernel_touches_no_memory_for_slot_minus_one():
+    """The CUDA path (our Triton write kernel, run here by Triton's CPU interpreter) writes the same
+    rows, and parks nothing on block 0: the pool's reserved block stays unread and unwritten."""
+    script = ("from tests.backends.test_vendor_adapters import check_paged_writes; "
+              "from backends.paged_write import _write_with_kernel; check_paged_writes(_write_with_kernel)")
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                               env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert completed.returncode == 0, completed.stderr[-3000:]
 
 
 def test_trtllm_mla_kernel_arguments():

@@ -1,0 +1,212 @@
+"""memory: does the backend read or write only what the step gives it?
+
+Three passes per case, each catching what the others cannot:
+
+1. **NaN poison** (in the worker): every KV slot no request owns (block 0, free blocks, each
+   request's slots past its length) holds NaN. A read whose value is then masked by a zero weight
+   still turns the output NaN (0 × NaN = NaN), where numerics' finite poison would vanish; and
+   after the step the pool must differ from before in exactly the step's own slots, so a write
+   outside the slot mapping that stays inside the pool is seen.
+2. **memcheck** (compute-sanitizer, a child process with PyTorch's caching allocator off, so each
+   tensor is its own allocation): reads and writes outside any allocation, such as one element
+   past the block table or one block past the end of the pool.
+3. **initcheck** (compute-sanitizer): the pool is fresh memory where only the owned slots were
+   written, so a read of any other slot is reported, however its value is used afterwards; and
+   so is a read of any other never-written memory (a workspace).
+
+What none of them sees: a read of *another request's written* slot whose value is masked out
+(initialized, finite, inside the pool). Numerics sees it where the value is used.
+
+The passes run on a subset (decode, spec-verify, mixed, block boundaries, for the first layout of
+each kind, plus a draft loop of k = 4 under CUDA graphs on the decode case); a case given with
+``--case`` always runs.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from backends.base import AttentionBackend
+from conformance.checks.base import Check
+from conformance.checks.evidence import EvidenceItem, without
+from conformance.checks.numerics import TOLERANCES, compare_with_oracle
+from conformance.inputs.allocation_map import AllocationMap
+from conformance.inputs.cases import Case, format_layer
+from conformance.inputs.graph_harness import cuda_graph_skip_reason
+from conformance.inputs.harness import PoolFill, WroteOutsideOutput, prepare_case, run_step
+from conformance.results import CaseResult, Verdict
+from conformance.run import sanitizer
+
+MEMORY_TAGS = ("decode", "spec-verify k=3", "mixed prefill + decode", "block boundaries decode", "block boundaries verify")
+CHILD_TIMEOUT_S = 600.0
+STRAY_WRITES_SHOWN = 4
+
+
+class MemoryCheck(Check):
+    name = "memory"
+    question = "no access outside its allocations, no read of a KV slot no request owns, no write outside the slot mapping?"
+
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
+        super().__init__(options)
+        self.layers: dict[str, str] = {}  # kind -> the layout the subset runs on
+
+    @classmethod
+    def describe_evidence(cls, evidence: dict[str, Any]) -> list[EvidenceItem]:
+        items = []
+        for finding in evidence.get("findings") or []:
+            count = f" ×{finding['count']}" if finding.get("count", 1) > 1 else ""
+            where = f"{finding.get('stage', '')}, {finding.get('phase') or 'no phase'}"
+            text = finding.get("place", "")
+            if finding.get("kernel"):
+                text = f"{finding['kernel']} → {text}"
+            items.append(EvidenceItem(f"{finding['tool']} ({where}): {finding['what']}{count}", text))
+            if finding.get("launch"):
+                items.append(EvidenceItem("launched from", "\n".join(finding["launch"]), block=True))
+        return items + super().describe_evidence(without(evidence, "findings"))
+
+    def skip_reason(self, backend_cls: type[AttentionBackend], device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return "needs a CUDA device: compute-sanitizer checks GPU memory accesses"
+        if sanitizer.find_tool() is None:
+            return "compute-sanitizer not found (it ships with the CUDA toolkit: put its bin/ on PATH or set CUDA_HOME)"
+        return None
+
+    def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
+        reason = super().case_skip_reason(backend_cls, case, device)
+        if reason or not case.tag:  # a case given with --case always runs
+            return reason
+        if case.tag not in MEMORY_TAGS:
+            return f"memory runs a subset: {', '.join(MEMORY_TAGS)}"
+        layer = format_layer(case.spec, case.layer_options)
+        first = self.layers.setdefault(case.spec.kind, layer)
+        return None if first == layer else f"memory runs a subset: the first {case.spec.kind} layout ({first})"
+
+    def details(self) -> dict[str, Any]:
+        return {"passes": ["nan-poison", *sanitizer.TOOLS], "subset": list(MEMORY_TAGS),
+                "draft_loop_steps": 4, "sanitizer": sanitizer.find_tool()}
+
+    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
+        findings, metrics = poison_pass(backend_cls, case, device)
+        unsupported = None
+        for stage in self.stages(backend_cls, case, device):
+            for tool in sanitizer.TOOLS:
+                started = time.perf_counter()
+                run, where = run_sanitized(backend_cls, case, stage, tool)
+                metrics[f"{tool} {stage} seconds"] = round(time.perf_counter() - started, 1)
+                metrics[f"{tool} {stage} errors"] = run.error_count
+                if run.unsupported:
+                    unsupported = run.unsupported
+                    break
+                found = sanitizer.findings(run.reports, where, tool, stage)
+                if not found and run.error_count:  # counted but not read back: never a pass
+                    found = [{"tool": tool, "stage": stage, "phase": "", "what": f"{run.error_count} errors",
+                              "place": "the tool's report (not understood here):\n" + run.output_tail}]
+                if not found and run.returncode != 0:
+                    raise RuntimeError(f"the sanitized child ({tool}, {stage}) exited with status {run.returncode} "
+                                       f"and no report:\n{run.output_tail}")
+                findings += found
+            if unsupported:
+                break
+        evidence = {"findings": findings} if findings else {}
+        if findings:
+            first = findings[0]
+            more = f" (and {len(findings) - 1} more)" if len(findings) > 1 else ""
+            kernel = f" in {first['kernel'][:80]}" if first.get("kernel") else ""
+            reason = f"{first['tool']}, {first['stage']}, {first['phase']}: {first['what']}{kernel} at {first['place']}{more}"
+            return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics, evidence=evidence)
+        if unsupported:
+            return CaseResult(case.id, Verdict.SKIP, f"NaN-poison pass clean; compute-sanitizer cannot check this device: "
+                              f"{unsupported}", tag=case.tag, metrics=metrics)
+        return CaseResult(case.id, Verdict.PASS, "clean under NaN poison, memcheck and initcheck ("
+                          + ", ".join(self.stages(backend_cls, case, device)) + ")", tag=case.tag, metrics=metrics)
+
+    @staticmethod
+    def stages(backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> list[str]:
+        """The step always; the draft loop (k = 4, CUDA graphs) from the decode case."""
+        draft_loop = (case.tag in ("decode", "") and all(query == 1 for _, query in case.batch)
+                      and cuda_graph_skip_reason(backend_cls, device) is None)
+        return ["step", "draft-loop"] if draft_loop else ["step"]
+
+
+def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as integers of the same width: NaN compares equal to itself."""
+    return tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
+
+
+def poison_pass(backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> tuple[list[dict], dict]:
+    """One step over a NaN-poisoned pool: (findings, metrics)."""
+    prepared = prepare_case(backend_cls, case, device, fill=PoolFill.NAN)
+    batch, pool = prepared.batch, prepared.kv_cache
+    before = pool.clone()
+    findings = []
+    try:
+        out = run_step(prepared)
+    except WroteOutsideOutput as error:
+        return [{"tool": "nan-poison", "stage": "step", "phase": "forward", "what": str(error), "place": "output"}], {}
+    atol, rtol = TOLERANCES[case.spec.dtype]
+    passed, errors, evidence = compare_with_oracle(out, batch.reference_output(), batch.query_start_loc, atol, rtol)
+    metrics = {"nan-poison non-finite outputs": errors["non_finite"], "nan-poison mismatched": errors["mismatched"]}
+    if not passed:
+        worst = evidence["worst"]
+        what = (f"{errors['non_finite']} NaN/Inf outputs" if errors["non_finite"] else
+                f"{errors['mismatched']} outputs beyond tolerance") + " with NaN in every slot no request owns"
+        findings.append({"tool": "nan-poison", "stage": "step", "phase": "forward", "what": what,
+                         "place": f"first at request {worst['request']} token {worst['token']} head {worst['head']}: "
+                                  f"got {worst['got']:.4g}, expected {worst['expected']:.4g} — a read of an unowned "
+                                  "slot whose value was masked by a zero weight, not skipped"})
+    stray, changed_slots = stray_writes(before, pool, batch)
+    metrics["nan-poison slots written"] = changed_slots
+    if stray:
+        findings.append({"tool": "nan-poison", "stage": "step", "phase": "write_kv", "count": len(stray),
+                         "what": f"the pool changed outside the step's {batch.case.num_tokens} slots",
+                         "place": "; ".join(stray[:STRAY_WRITES_SHOWN]) + ("; …" if len(stray) > STRAY_WRITES_SHOWN else "")})
+    return findings, metrics
+
+
+def stray_writes(before: torch.Tensor, after: torch.Tensor, batch) -> tuple[list[str], int]:
+    """(where the pool changed outside the step's slots, how many slots changed). Placed by the
+    pool's layout; where it is ambiguous, by count: a correct step changes exactly its own slots."""
+    changed = (_as_bits(before) != _as_bits(after)).nonzero().cpu()
+    where = AllocationMap()
+    where.add_pool(after, batch.block_table, batch.seq_lens, batch.spec.block_size, batch.num_blocks)
+    layout, block_size = where.pool, batch.spec.block_size
+    own = batch.step_rows(padding=0)[2].cpu()
+    block_dim = layout.block_dim()
+    token_dim = layout.token_dim()
+    if token_dim is None:  # an ambiguous layout: count changed elements instead
+        slot_elements = after.numel() // (batch.num_blocks * block_size)
+        count = changed.shape[0] // max(1, slot_elements)
+        return ([f"{count - own.numel()} slots' worth of elements beyond the step's own"] if count > own.numel() else []), count
+    slots = torch.unique(changed[:, block_dim] * block_size + changed[:, token_dim])
+    stray = slots[~torch.isin(slots, own)].tolist()
+    strides = layout.strides
+
+    def address(slot: int) -> int:
+        index = [0] * len(strides)
+        index[block_dim], index[token_dim] = divmod(slot, block_size)
+        return layout.start + sum(i * s for i, s in zip(index, strides)) * layout.element_size
+
+    return [layout.describe(address(slot)) for slot in stray], slots.numel()
+
+
+def run_sanitized(backend_cls: type[AttentionBackend], case: Case, stage: str, tool: str) -> tuple[sanitizer.SanitizerRun, AllocationMap]:
+    """One sanitized child, and the map of what it allocated."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)
+    if stage == "step":
+        env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
+    else:
+        env.pop("PYTORCH_NO_CUDA_MEMORY_CACHING", None)
+    backend = f"{backend_cls.__module__}:{backend_cls.__qualname__}"
+    with tempfile.TemporaryDirectory(prefix="conformance-memory-") as workdir:
+        map_path = Path(workdir, "map.json")
+        run = sanitizer.run(sanitizer.find_tool() or "compute-sanitizer", tool, [backend, case.id, stage, str(map_path)],
+                            env, CHILD_TIMEOUT_S)
+        where = AllocationMap.load(map_path) if map_path.exists() else AllocationMap()
+    return run, where

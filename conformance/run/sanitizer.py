@@ -1,0 +1,157 @@
+"""compute-sanitizer around one sanitized child, and its report read back as findings.
+
+The child (``conformance.run.sanitized_case``) prints ``@@phase NAME`` before each backend call
+and synchronizes after it, so every report the tool prints lands under the phase that launched
+the kernel. The tool's host backtrace carries the Python frames of the launch (``Host Frame: fn
+in file.py:line``); those are kept, the native frames dropped.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from conformance.inputs.allocation_map import AllocationMap
+
+TOOLS = ("memcheck", "initcheck")
+PHASE_MARKER = "@@phase "
+PREFIX = "========="
+PRINT_LIMIT = 200  # reports printed per run; the ERROR SUMMARY still counts them all
+# What the tool prints when it cannot run on this machine (gVisor refuses the device).
+UNSUPPORTED_MARKERS = ("Device not supported", "Unable to find injection library", "not supported on this platform")
+MAX_FINDINGS = 8
+# The tool's own notes among its records' first lines.
+NOTES = re.compile(r"^(COMPUTE-SANITIZER|Target application returned|ERROR SUMMARY|Warning:|\d+ errors were skipped)")
+# Triton's launch machinery: the frames above it say which backend call launched the kernel.
+LAUNCHER_FILES = ("driver.py", "jit.py", "autotuner.py")
+
+
+def find_tool() -> str | None:
+    """compute-sanitizer on PATH, else in the CUDA toolkit ($CUDA_HOME, /usr/local/cuda)."""
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and Path(root, "bin", "compute-sanitizer").is_file():
+            return str(Path(root, "bin", "compute-sanitizer"))
+    return None
+
+
+@dataclass
+class Report:
+    """One error the tool printed."""
+
+    what: str  # "Invalid __global__ read of size 4 bytes", "Uninitialized __global__ memory read of size 2 bytes"
+    phase: str = ""
+    kernel: str = ""
+    address: int | None = None
+    nearest: int | None = None  # memcheck: the start of the allocation nearest an out-of-bounds address
+    detail: str = ""  # memcheck's own words on where the address lies
+    frames: list[str] = field(default_factory=list)  # Python frames of the launch, outermost first
+
+    @property
+    def is_api_error(self) -> bool:
+        """A CUDA API call failing because of an earlier kernel fault: a consequence, not a finding."""
+        return self.what.startswith("Program hit")
+
+
+@dataclass
+class SanitizerRun:
+    tool: str
+    returncode: int
+    reports: list[Report]
+    error_count: int | None  # the tool's ERROR SUMMARY
+    unsupported: str | None = None  # the tool's reason when it could not check this device
+    output_tail: str = ""
+
+
+def parse(text: str) -> tuple[list[Report], int | None, str | None]:
+    """(reports, the ERROR SUMMARY count, why the tool could not run) from the combined output."""
+    reports: list[Report] = []
+    phase, current, error_count, unsupported = "", None, None, None
+    for raw in text.splitlines():
+        if raw.startswith(PHASE_MARKER):
+            phase, current = raw[len(PHASE_MARKER):].strip(), None
+            continue
+        if not raw.startswith(PREFIX):
+            continue
+        line = raw[len(PREFIX) + 1:]  # a record's first line follows one space, its details more
+        body = line.strip()
+        if any(marker in body for marker in UNSUPPORTED_MARKERS):
+            unsupported = unsupported or body
+        if not body:
+            current = None
+            continue
+        if not line.startswith(" "):  # a record's first line, or the tool's own notes
+            summary = re.fullmatch(r"ERROR SUMMARY: (\d+) errors?", body)  # not "... N errors were not printed"
+            if summary:
+                error_count = int(summary.group(1))
+                current = None
+            elif NOTES.match(body):
+                current = None
+            else:
+                current = Report(body, phase)
+                reports.append(current)
+            continue
+        if current is None:
+            continue
+        _read_detail(current, body)
+    return reports, error_count, unsupported
+
+
+def _read_detail(report: Report, body: str) -> None:
+    if body.startswith("at ") and not report.kernel:
+        report.kernel = re.sub(r"\+0x[0-9a-f]+", "", body[3:]).strip()
+    elif body.startswith(("Address ", "Access to ")):  # initcheck's words, memcheck's
+        match = re.match(r"(?:Address|Access to) (0x[0-9a-fA-F]+)\s*(.*)", body)
+        if match:
+            report.address = int(match.group(1), 16)
+            report.detail = match.group(2).strip()
+    elif "nearest allocation at" in body:
+        match = re.search(r"nearest allocation at (0x[0-9a-fA-F]+)", body)
+        report.nearest = int(match.group(1), 16) if match else None
+        report.detail = f"{report.detail} {body}".strip()
+    elif body.startswith("Host Frame:"):
+        frame = body[len("Host Frame:"):].strip()
+        match = re.fullmatch(r"\S+ in (\S+\.py):\d+", frame)
+        if match and match.group(1) not in LAUNCHER_FILES:
+            report.frames.insert(0, frame)  # the tool prints the innermost frame first
+
+
+def findings(reports: list[Report], where: AllocationMap, tool: str, stage: str) -> list[dict]:
+    """Reports grouped by what, kernel, phase and the kind of place they hit (numbers left out of
+    the grouping, so 6,000 reads of one reserved block are one finding with a count)."""
+    groups: dict[tuple, dict] = {}
+    for report in reports:
+        if report.is_api_error:
+            continue
+        place = where.describe(report.address, report.nearest) if report.address is not None else report.detail
+        kernel = report.kernel[:200]
+        key = (re.sub(r"\d+", "N", report.what), kernel, report.phase, re.sub(r"\d+", "N", place))
+        if key in groups:
+            groups[key]["count"] += 1
+            continue
+        groups[key] = {
+            "tool": tool, "stage": stage, "what": report.what, "kernel": kernel, "phase": report.phase,
+            "place": place, "address": None if report.address is None else hex(report.address),
+            "sanitizer_detail": report.detail, "launch": report.frames[-6:], "count": 1,
+        }
+    return list(groups.values())[:MAX_FINDINGS]
+
+
+def command(tool_path: str, tool: str, child_args: list[str]) -> list[str]:
+    return [tool_path, "--tool", tool, "--print-limit", str(PRINT_LIMIT), "--show-backtrace", "host",
+            sys.executable, "-m", "conformance.run.sanitized_case", *child_args]
+
+
+def run(tool_path: str, tool: str, child_args: list[str], env: dict[str, str], timeout_s: float) -> SanitizerRun:
+    """Run the sanitized child under ``tool``; its output is read whole (the reports and markers
+    interleave on one stream)."""
+    completed = subprocess.run(command(tool_path, tool, child_args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, env=env, timeout=timeout_s, text=True, errors="replace")
+    reports, error_count, unsupported = parse(completed.stdout)
+    return SanitizerRun(tool, completed.returncode, reports, error_count, unsupported, completed.stdout[-3000:])

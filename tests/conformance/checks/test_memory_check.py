@@ -1,0 +1,165 @@
+"""The memory check without a GPU: compute-sanitizer's output (real, recorded on an H100) read back
+as findings placed in the harness's tensors, the NaN-poison pass on planted CPU defects, the
+subset and the SKIP paths."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from backends.torch_naive import TorchNaiveBackend
+from conformance.checks import memory
+from conformance.checks.memory import MemoryCheck, poison_pass
+from conformance.checks.numerics import NumericsCheck
+from conformance.inputs.allocation_map import Allocation, AllocationMap, PoolLayout
+from conformance.inputs.cases import parse_case, standard_suite
+from conformance.results import Verdict
+from conformance.run import sanitizer
+from tests.planted.memory import ReadsWholeLastBlock, WritesNextSlot
+
+OUTPUT = Path(__file__).parent / "sanitizer_output"
+CPU = torch.device("cpu")
+CASE = parse_case("gqa-h4/2-d64-bf16-p16:1+1,15+1,16+1,40+4,0+20")
+MLA = parse_case("mla-h4-d64+16-bf16-p16:1+1,40+1,17+4")
+# Where the recorded memcheck run's block table was (its map was not kept).
+BLOCK_TABLE = Allocation("block_table", 0x7F620A887E00, 48)
+
+
+def test_memcheck_output_becomes_one_finding_placed_past_the_block_table():
+    reports, errors, unsupported = sanitizer.parse((OUTPUT / "memcheck-block-table-overread.txt").read_text())
+    assert errors == 130 and unsupported is None
+    real = [report for report in reports if not report.is_api_error]
+    assert len(real) == 2 and len(reports) == 3  # the failed cudaDeviceSynchronize is a consequence
+    first = real[0]
+    assert first.what == "Invalid __global__ read of size 4 bytes" and first.phase == "forward"
+    assert first.kernel == "masked_extra_read_kernel in memory.py:64"
+    assert first.address == 0x7F620A887E30 and first.nearest == BLOCK_TABLE.start
+    assert first.frames[-1] == "forward in memory.py:93"  # the backend call, not Triton's launcher
+    [finding] = sanitizer.findings(reports, AllocationMap([BLOCK_TABLE]), "memcheck", "step")
+    assert finding["place"] == "just past the end of block_table (48 bytes)" and finding["count"] == 2
+    assert finding["launch"][-1] == "forward in memory.py:93"
+
+
+def test_initcheck_output_is_placed_in_the_reserved_block():
+    reports, errors, _ = sanitizer.parse((OUTPUT / "initcheck-reserved-block.txt").read_text())
+    assert errors == 257 and len(reports) == 2
+    where = AllocationMap.load(OUTPUT / "initcheck-reserved-block.map.json")
+    [finding] = sanitizer.findings(reports, where, "initcheck", "step")
+    assert finding["what"] == "Uninitialized __global__ memory read of size 16 bytes"
+    assert finding["place"] == "KV pool block 0 slot 0 (block 0, reserved: no request owns it)"
+    assert finding["phase"] == "forward" and finding["count"] == 2
+
+
+def test_a_write_during_the_history_is_named_by_its_phase():
+    reports, _, _ = sanitizer.parse((OUTPUT / "memcheck-history-write.txt").read_text())
+    assert reports[0].phase == "history write_kv" and reports[0].what == "Invalid __global__ read of size 8 bytes"
+    assert reports[0].frames[-1] == "write_kv in memory.py:119"
+
+
+def test_a_device_the_tool_refuses_is_reported_as_such():
+    text = "========= COMPUTE-SANITIZER\n========= Error: Device not supported. Please refer to the documentation.\n"
+    assert sanitizer.parse(text)[2] == "Error: Device not supported. Please refer to the documentation."
+
+
+def test_pool_addresses_are_placed_by_block_slot_and_owner():
+    pool = torch.zeros(6, 2, 16, 2, 8)  # [blocks, K/V, page, heads, dim], FlashInfer's NHD
+    layout = PoolLayout(4096, list(pool.shape), list(pool.stride()), 2, 16, 6, {"3": [[1, 16, 20]]})
+
+    def address(block, plane, slot):
+        return 4096 + 2 * (block * pool.stride(0) + plane * pool.stride(1) + slot * pool.stride(2))
+
+    assert layout.describe(address(3, 1, 2)) == "KV pool block 3 slot 2 (request 1's position 18, within its length 20)"
+    assert layout.describe(address(3, 0, 4)) == "KV pool block 3 slot 4 (past request 1's length: position 20, length 20)"
+    assert layout.describe(address(5, 0, 0)) == "KV pool block 5 slot 0 (a block no request owns)"
+    ambiguous = PoolLayout(4096, [16, 16, 8], [128, 8, 1], 2, 16, 16)  # 16 blocks of 16 slots: which is which?
+    assert ambiguous.describe(4096 + 100) == "KV pool, byte 100"
+
+
+def test_allocation_map_round_trips_and_places_addresses_outside_the_pool(tmp_path):
+    where = AllocationMap([Allocation("seq_lens", 1000, 16)],
+                          PoolLayout(5000, [4, 16, 8], [128, 8, 1], 2, 16, 4, {"1": [[0, 0, 5]]}))
+    where.allocations.append(Allocation("KV pool", 5000, 4 * 128 * 2))
+    where.save(tmp_path / "map.json")
+    loaded = AllocationMap.load(tmp_path / "map.json")
+    assert loaded.describe(1004) == "seq_lens, byte 4 of 16"
+    assert loaded.describe(1020, nearest=1000) == "4 bytes past the end of seq_lens (16 bytes)"
+    assert loaded.describe(5000 + 2 * 128) == "KV pool block 1 slot 0 (request 0's position 0, within its length 5)"
+    assert loaded.describe(99).startswith("an allocation the harness did not make")
+
+
+@pytest.mark.parametrize("case", [CASE, MLA], ids=["gqa", "mla"])
+def test_nan_poison_pass_is_clean_on_a_correct_backend(case):
+    findings, metrics = poison_pass(TorchNaiveBackend, case, CPU)
+    assert findings == [] and metrics["nan-poison slots written"] == case.num_tokens
+
+
+@pytest.mark.parametrize("case", [CASE, MLA], ids=["gqa", "mla"])
+def test_a_masked_read_past_the_length_turns_nan_and_only_memory_sees_it(case):
+    assert NumericsCheck().run_case(ReadsWholeLastBlock, case, CPU).verdict == Verdict.PASS
+    [finding] = poison_pass(ReadsWholeLastBlock, case, CPU)[0]
+    assert "NaN/Inf outputs with NaN in every slot no request owns" in finding["what"]
+
+
+@pytest.mark.parametrize("case", [CASE, MLA], ids=["gqa", "mla"])
+def test_a_write_past_the_slot_mapping_inside_the_pool_is_placed(case):
+    assert NumericsCheck().run_case(WritesNextSlot, case, CPU).verdict == Verdict.PASS
+    [finding] = poison_pass(WritesNextSlot, case, CPU)[0]
+    assert finding["what"] == f"the pool changed outside the step's {case.num_tokens} slots"
+    assert "past request 0's length: position 2, length 2" in finding["place"]
+
+
+def test_skips_on_a_cpu_and_without_the_tool(monkeypatch):
+    check = MemoryCheck()
+    assert check.skip_reason(TorchNaiveBackend, CPU).startswith("needs a CUDA device")
+    monkeypatch.setattr(sanitizer, "find_tool", lambda: None)
+    assert check.skip_reason(TorchNaiveBackend, torch.device("cuda")).startswith("compute-sanitizer not found")
+
+
+def test_the_subset_is_the_first_layout_of_each_kind_and_a_given_case_always_runs():
+    check = MemoryCheck()
+    running = [case for case in standard_suite() if check.case_skip_reason(TorchNaiveBackend, case, CPU) is None]
+    assert sorted({case.spec.kind for case in running}) == ["mha", "mla"]
+    assert len({(case.spec.kind, case.spec.dtype, case.spec.block_size, case.strided) for case in running}) == 2
+    assert {case.tag for case in running} <= set(memory.MEMORY_TAGS) and len(running) >= 7
+    assert MemoryCheck().case_skip_reason(TorchNaiveBackend, parse_case("gqa-h4/2-d64-fp16:70+3"), CPU) is None
+
+
+def fake_run(output: str, where: AllocationMap, returncode: int = 1):
+    def run_sanitized(backend_cls, case, stage, tool):
+        reports, errors, unsupported = sanitizer.parse(output)
+        return sanitizer.SanitizerRun(tool, returncode, reports, errors, unsupported, output[-300:]), where
+    return run_sanitized
+
+
+def test_a_sanitizer_report_fails_the_case_with_evidence_every_report_shows(monkeypatch):
+    output = (OUTPUT / "memcheck-block-table-overread.txt").read_text()
+    monkeypatch.setattr(memory, "run_sanitized", fake_run(output, AllocationMap([BLOCK_TABLE])))
+    result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
+    assert result.verdict == Verdict.FAIL
+    assert result.reason.startswith("memcheck, step, forward: Invalid __global__ read of size 4 bytes in masked_extra_read_kernel")
+    assert "just past the end of block_table (48 bytes)" in result.reason
+    labels = [item.label for item in MemoryCheck.describe_evidence(result.evidence)]
+    assert labels[0] == "memcheck (step, forward): Invalid __global__ read of size 4 bytes ×2" and "launched from" in labels
+
+
+def test_counted_errors_that_cannot_be_read_still_fail(monkeypatch):
+    unread = "=========     a detail line of a record this parser does not know\n========= ERROR SUMMARY: 3 errors\n"
+    monkeypatch.setattr(memory, "run_sanitized", fake_run(unread, AllocationMap()))
+    result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
+    assert result.verdict == Verdict.FAIL and "3 errors" in result.reason
+
+
+def test_a_clean_run_passes_and_a_refusing_device_skips(monkeypatch):
+    monkeypatch.setattr(memory, "run_sanitized", fake_run("========= ERROR SUMMARY: 0 errors\n", AllocationMap(), 0))
+    result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
+    assert result.verdict == Verdict.PASS and result.metrics["memcheck step errors"] == 0
+    monkeypatch.setattr(memory, "run_sanitized", fake_run("========= Error: Device not supported\n", AllocationMap()))
+    result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
+    assert result.verdict == Verdict.SKIP and "cannot check this device: Error: Device not supported" in result.reason
+    result = MemoryCheck().run_case(WritesNextSlot, CASE, CPU)  # the poison pass still counts
+    assert result.verdict == Verdict.FAIL and result.reason.startswith("nan-poison, step, write_kv")
+
+
+def test_a_child_that_dies_without_a_report_is_an_error(monkeypatch):
+    monkeypatch.setattr(memory, "run_sanitized", fake_run("ImportError: no module\n", AllocationMap()))
+    with pytest.raises(RuntimeError, match="exited with status 1 and no report"):
+        MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
