@@ -23,6 +23,7 @@ each kind, plus a draft loop of k = 4 under CUDA graphs on the decode case); a c
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -92,12 +93,12 @@ class MemoryCheck(Check):
                 "draft_loop_steps": 4, "sanitizer": sanitizer.find_tool()}
 
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
-        findings, metrics = poison_pass(backend_cls, case, device)
+        findings, metrics = run_poison_pass(backend_cls, case)
         unsupported = None
         for stage in self.stages(backend_cls, case, device):
             for tool in sanitizer.TOOLS:
                 started = time.perf_counter()
-                run, where = run_sanitized(backend_cls, case, stage, tool)
+                run, where = run_child(backend_cls, case, stage, tool)
                 metrics[f"{tool} {stage} seconds"] = round(time.perf_counter() - started, 1)
                 metrics[f"{tool} {stage} errors"] = run.error_count
                 if run.unsupported:
@@ -113,13 +114,12 @@ class MemoryCheck(Check):
                 findings += found
             if unsupported:
                 break
-        evidence = {"findings": findings} if findings else {}
         if findings:
             first = findings[0]
             more = f" (and {len(findings) - 1} more)" if len(findings) > 1 else ""
             kernel = f" in {first['kernel'][:80]}" if first.get("kernel") else ""
             reason = f"{first['tool']}, {first['stage']}, {first['phase']}: {first['what']}{kernel} at {first['place']}{more}"
-            return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics, evidence=evidence)
+            return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics, evidence={"findings": findings})
         if unsupported:
             return CaseResult(case.id, Verdict.SKIP, f"NaN-poison pass clean; compute-sanitizer cannot check this device: "
                               f"{unsupported}", tag=case.tag, metrics=metrics)
@@ -195,18 +195,31 @@ def stray_writes(before: torch.Tensor, after: torch.Tensor, batch) -> tuple[list
     return [layout.describe(address(slot)) for slot in stray], slots.numel()
 
 
-def run_sanitized(backend_cls: type[AttentionBackend], case: Case, stage: str, tool: str) -> tuple[sanitizer.SanitizerRun, AllocationMap]:
-    """One sanitized child, and the map of what it allocated."""
+def run_child(backend_cls: type[AttentionBackend], case: Case, stage: str,
+              tool: str | None) -> tuple[sanitizer.SanitizerRun, AllocationMap]:
+    """One child (``conformance.run.sanitized_case``) under ``tool``, and the map of what it
+    allocated; the step under a tool runs with PyTorch's caching allocator off."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)
-    if stage == "step":
+    env.pop("PYTORCH_NO_CUDA_MEMORY_CACHING", None)
+    if stage == "step" and tool is not None:
         env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
-    else:
-        env.pop("PYTORCH_NO_CUDA_MEMORY_CACHING", None)
     backend = f"{backend_cls.__module__}:{backend_cls.__qualname__}"
+    tool_path = (sanitizer.find_tool() or "compute-sanitizer") if tool else None
     with tempfile.TemporaryDirectory(prefix="conformance-memory-") as workdir:
-        map_path = Path(workdir, "map.json")
-        run = sanitizer.run(sanitizer.find_tool() or "compute-sanitizer", tool, [backend, case.id, stage, str(map_path)],
-                            env, CHILD_TIMEOUT_S)
-        where = AllocationMap.load(map_path) if map_path.exists() else AllocationMap()
+        out_path = Path(workdir, "out.json")
+        run = sanitizer.run(tool_path, tool or stage, [backend, case.id, stage, str(out_path)], env, CHILD_TIMEOUT_S)
+        run.written = json.loads(out_path.read_text()) if out_path.exists() else None
+        where = AllocationMap.load(out_path) if out_path.exists() and tool else AllocationMap()
     return run, where
+
+
+def run_poison_pass(backend_cls: type[AttentionBackend], case: Case) -> tuple[list[dict], dict]:
+    """``poison_pass`` in a child process: a backend's wild access there ends the child, not the worker."""
+    from conformance.run.isolation import describe_exit  # the run package imports the checks
+
+    run, _ = run_child(backend_cls, case, "nan-poison", None)
+    if run.returncode == 0 and run.written is not None:
+        return run.written["findings"], run.written["metrics"]
+    return [{"tool": "nan-poison", "stage": "step", "phase": "", "what": f"the step's process {describe_exit(run.returncode)}",
+             "place": "its output:\n" + run.output_tail}], {}

@@ -56,7 +56,7 @@ def _tail(path: Path) -> str:
         return ""
 
 
-def _describe_exit(returncode: int) -> str:
+def describe_exit(returncode: int) -> str:
     if returncode < 0:
         try:
             return f"killed by signal {signal.Signals(-returncode).name}"
@@ -205,7 +205,7 @@ def run_isolated(
                 break
             else:
                 crashes += 1
-                how = _describe_exit(returncode)
+                how = describe_exit(returncode)
                 if running:
                     blame(running, f"backend process {how} while running this case", stderr_tail)
                 elif not fatal_reported:

@@ -1,12 +1,14 @@
 """The memory check's sanitized child: one stage of one case, run under compute-sanitizer.
 
-    python -m conformance.run.sanitized_case BACKEND CASE STAGE MAP.json
+    python -m conformance.run.sanitized_case BACKEND CASE STAGE OUT.json
 
-STAGE is ``step`` (one engine step, eager) or ``draft-loop`` (k = 4 draft steps under CUDA
-graphs, as the draft-loop check runs them). The pool is fresh, never-written memory except the
-slots the requests own and wrote (``PoolFill.FRESH``), so initcheck reports any read of a slot no
-request wrote. MAP.json says which tensor each device address belongs to; it is written before
-any backend call, because a memcheck fault ends the process.
+STAGE is ``step`` (one engine step, eager), ``draft-loop`` (k = 4 draft steps under CUDA graphs,
+as the draft-loop check runs them), or ``nan-poison`` (``memory.poison_pass``, run without the
+tool: OUT.json gets its findings and metrics). For the first two the pool is fresh, never-written
+memory except the slots the requests own and wrote (``PoolFill.FRESH``), so initcheck reports any
+read of a slot no request wrote, and OUT.json says which tensor each device address belongs to;
+it is written before any backend call, because a memcheck fault ends the process. Every stage
+runs here rather than in the worker, so a backend's wild access ends this process only.
 
 The step stage runs with PyTorch's caching allocator off (the parent sets
 PYTORCH_NO_CUDA_MEMORY_CACHING=1): each tensor is then its own allocation, and memcheck sees a
@@ -16,6 +18,7 @@ draft-loop stage runs with it on: memcheck sees there only accesses outside its 
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 from pathlib import Path
 
@@ -27,7 +30,7 @@ from conformance.inputs.cases import parse_case
 from conformance.inputs.harness import PoolFill, prepare_case, run_step
 from conformance.run.sanitizer import PHASE_MARKER
 
-STAGES = ("step", "draft-loop")
+STAGES = ("step", "draft-loop", "nan-poison")
 DRAFT_STEPS = 4
 
 
@@ -61,8 +64,14 @@ def run_draft_loop_stage(backend_cls, case, map_path: Path) -> None:
     with phase("draft-loop setup (history write_kv)"):
         loop = DraftLoop(backend_cls, case, DRAFT_STEPS, torch.device("cuda"), padding_row=True, fill=PoolFill.FRESH)
     buffers, drafted = loop.buffers, loop.drafted
+    # The graph batch's padding row has length 1 and a block-table row of zeros: it reads block 0
+    # slot 0, which the harness hands it, so that one slot is written; the rest of block 0 stays fresh.
+    reserved_slot = torch.zeros(1, dtype=torch.int64, device=buffers.kv_cache.device)
+    buffers.backend.write_kv(buffers.kv_cache, buffers.key[:1], None if buffers.value is None else buffers.value[:1],
+                             reserved_slot)
+    drafted_table = torch.cat([drafted.block_table, torch.zeros_like(drafted.block_table[:1])])
     where = AllocationMap()
-    where.add_pool(buffers.kv_cache, drafted.block_table, drafted.seq_lens, case.spec.block_size, buffers.num_blocks)
+    where.add_pool(buffers.kv_cache, drafted_table, drafted.seq_lens + [1], case.spec.block_size, buffers.num_blocks)
     for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "query", "key", "value", "out"):
         where.add(name, getattr(buffers, name))
     where.save(map_path)
@@ -71,10 +80,18 @@ def run_draft_loop_stage(backend_cls, case, map_path: Path) -> None:
         (run_one_graph_loop if one_graph else run_rebuilt_loop)(loop)
 
 
+def run_poison_stage(backend_cls, case, out_path: Path) -> None:
+    from conformance.checks.memory import poison_pass
+
+    findings, metrics = poison_pass(backend_cls, case, torch.device("cuda"))
+    out_path.write_text(json.dumps({"findings": findings, "metrics": metrics}))
+
+
 def main(argv: list[str]) -> int:
-    backend, case_id, stage, map_path = argv
+    backend, case_id, stage, out_path = argv
     backend_cls, case = registry.load(backend), parse_case(case_id)
-    (run_step_stage if stage == "step" else run_draft_loop_stage)(backend_cls, case, Path(map_path))
+    run = {"step": run_step_stage, "draft-loop": run_draft_loop_stage, "nan-poison": run_poison_stage}[stage]
+    run(backend_cls, case, Path(out_path))
     print(PHASE_MARKER + "done", flush=True)
     return 0
 

@@ -67,6 +67,7 @@ class SanitizerRun:
     error_count: int | None  # the tool's ERROR SUMMARY
     unsupported: str | None = None  # the tool's reason when it could not check this device
     output_tail: str = ""
+    written: dict | None = None  # what the child wrote to its OUT.json
 
 
 def parse(text: str) -> tuple[list[Report], int | None, str | None]:
@@ -143,15 +144,22 @@ def findings(reports: list[Report], where: AllocationMap, tool: str, stage: str)
     return list(groups.values())[:MAX_FINDINGS]
 
 
-def command(tool_path: str, tool: str, child_args: list[str]) -> list[str]:
-    return [tool_path, "--tool", tool, "--print-limit", str(PRINT_LIMIT), "--show-backtrace", "host",
-            sys.executable, "-m", "conformance.run.sanitized_case", *child_args]
+def command(tool_path: str | None, tool: str, child_args: list[str]) -> list[str]:
+    """The child's command line, under ``tool`` (no tool: the child alone)."""
+    child = [sys.executable, "-m", "conformance.run.sanitized_case", *child_args]
+    if tool_path is None:
+        return child
+    return [tool_path, "--tool", tool, "--print-limit", str(PRINT_LIMIT), "--show-backtrace", "host", *child]
 
 
-def run(tool_path: str, tool: str, child_args: list[str], env: dict[str, str], timeout_s: float) -> SanitizerRun:
-    """Run the sanitized child under ``tool``; its output is read whole (the reports and markers
-    interleave on one stream)."""
-    completed = subprocess.run(command(tool_path, tool, child_args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               stdin=subprocess.DEVNULL, env=env, timeout=timeout_s, text=True, errors="replace")
+def run(tool_path: str | None, tool: str, child_args: list[str], env: dict[str, str], timeout_s: float) -> SanitizerRun:
+    """Run the child under ``tool``; its output is read whole (the reports and markers interleave
+    on one stream). A child past ``timeout_s`` is killed and reported as such."""
+    try:
+        completed = subprocess.run(command(tool_path, tool, child_args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, env=env, timeout=timeout_s, text=True, errors="replace")
+    except subprocess.TimeoutExpired as expired:
+        output = expired.stdout if isinstance(expired.stdout, str) else (expired.stdout or b"").decode(errors="replace")
+        return SanitizerRun(tool, -9, parse(output)[0], None, None, f"killed after {timeout_s:g} s\n" + output[-3000:])
     reports, error_count, unsupported = parse(completed.stdout)
     return SanitizerRun(tool, completed.returncode, reports, error_count, unsupported, completed.stdout[-3000:])

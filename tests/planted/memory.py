@@ -49,7 +49,7 @@ def _triton_defects():
 
     @triton.jit
     def masked_extra_read_kernel(
-        v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr, zero,
+        v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr, zero, num_blocks,
         stride_table, stride_cache_block, stride_cache_token, stride_out_token,
         NEXT_ROW: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
@@ -62,6 +62,9 @@ def _triton_defects():
         else:  # the entry after the request's last block (a loop bound one too far)
             entry = request * stride_table + blocks
         block = tl.load(block_table_ptr + entry).to(tl.int64)
+        # A block id read past the table is replaced by block 0 when outside the pool, so that outside compute-sanitizer the
+        # defect reads garbage inside the pool rather than crashing the checks not looking for it.
+        block = tl.where((block >= 0) & (block < num_blocks), block, 0)
         tokens = tl.arange(0, PAGE_SIZE)
         dims = tl.arange(0, BLOCK_D)
         value = tl.load(v_cache_ptr + block * stride_cache_block + tokens[:, None] * stride_cache_token + dims[None, :],
@@ -91,7 +94,7 @@ def _triton_defects():
             super().forward(query, kv_cache, metadata, out)
             v_cache = kv_cache[1]  # [blocks, kv heads, page, dim]
             masked_extra_read_kernel[(metadata.num_reqs,)](
-                v_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens, out, 0.0,
+                v_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens, out, 0.0, v_cache.shape[0],
                 metadata.block_table.stride(0), v_cache.stride(0), v_cache.stride(2), out.stride(0),
                 NEXT_ROW=self.next_row, PAGE_SIZE=self.spec.block_size, HEAD_DIM=self.spec.head_dim,
                 BLOCK_D=self.block_d,

@@ -123,16 +123,23 @@ def test_the_subset_is_the_first_layout_of_each_kind_and_a_given_case_always_run
     assert MemoryCheck().case_skip_reason(TorchNaiveBackend, parse_case("gqa-h4/2-d64-fp16:70+3"), CPU) is None
 
 
+@pytest.fixture(autouse=True)
+def poison_pass_in_process(monkeypatch):
+    """The check runs the pass in a CUDA child; here it runs in this process, on the CPU."""
+    monkeypatch.setattr(memory, "run_poison_pass", lambda backend_cls, case: poison_pass(backend_cls, case, CPU))
+
+
 def fake_run(output: str, where: AllocationMap, returncode: int = 1):
-    def run_sanitized(backend_cls, case, stage, tool):
+    """``run_child`` as if compute-sanitizer had printed ``output``."""
+    def run_child(backend_cls, case, stage, tool):
         reports, errors, unsupported = sanitizer.parse(output)
         return sanitizer.SanitizerRun(tool, returncode, reports, errors, unsupported, output[-300:]), where
-    return run_sanitized
+    return run_child
 
 
 def test_a_sanitizer_report_fails_the_case_with_evidence_every_report_shows(monkeypatch):
     output = (OUTPUT / "memcheck-block-table-overread.txt").read_text()
-    monkeypatch.setattr(memory, "run_sanitized", fake_run(output, AllocationMap([BLOCK_TABLE])))
+    monkeypatch.setattr(memory, "run_child", fake_run(output, AllocationMap([BLOCK_TABLE])))
     result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
     assert result.verdict == Verdict.FAIL
     assert result.reason.startswith("memcheck, step, forward: Invalid __global__ read of size 4 bytes in masked_extra_read_kernel")
@@ -143,16 +150,16 @@ def test_a_sanitizer_report_fails_the_case_with_evidence_every_report_shows(monk
 
 def test_counted_errors_that_cannot_be_read_still_fail(monkeypatch):
     unread = "=========     a detail line of a record this parser does not know\n========= ERROR SUMMARY: 3 errors\n"
-    monkeypatch.setattr(memory, "run_sanitized", fake_run(unread, AllocationMap()))
+    monkeypatch.setattr(memory, "run_child", fake_run(unread, AllocationMap()))
     result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
     assert result.verdict == Verdict.FAIL and "3 errors" in result.reason
 
 
 def test_a_clean_run_passes_and_a_refusing_device_skips(monkeypatch):
-    monkeypatch.setattr(memory, "run_sanitized", fake_run("========= ERROR SUMMARY: 0 errors\n", AllocationMap(), 0))
+    monkeypatch.setattr(memory, "run_child", fake_run("========= ERROR SUMMARY: 0 errors\n", AllocationMap(), 0))
     result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
     assert result.verdict == Verdict.PASS and result.metrics["memcheck step errors"] == 0
-    monkeypatch.setattr(memory, "run_sanitized", fake_run("========= Error: Device not supported\n", AllocationMap()))
+    monkeypatch.setattr(memory, "run_child", fake_run("========= Error: Device not supported\n", AllocationMap()))
     result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
     assert result.verdict == Verdict.SKIP and "cannot check this device: Error: Device not supported" in result.reason
     result = MemoryCheck().run_case(WritesNextSlot, CASE, CPU)  # the poison pass still counts
@@ -160,6 +167,6 @@ def test_a_clean_run_passes_and_a_refusing_device_skips(monkeypatch):
 
 
 def test_a_child_that_dies_without_a_report_is_an_error(monkeypatch):
-    monkeypatch.setattr(memory, "run_sanitized", fake_run("ImportError: no module\n", AllocationMap()))
+    monkeypatch.setattr(memory, "run_child", fake_run("ImportError: no module\n", AllocationMap()))
     with pytest.raises(RuntimeError, match="exited with status 1 and no report"):
         MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)

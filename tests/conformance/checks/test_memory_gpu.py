@@ -1,0 +1,58 @@
+"""The memory check on a real GPU under compute-sanitizer: our Triton backend is clean; each
+planted defect passes numerics and fails memory, in the pass and the place it exists to show."""
+import pytest
+import torch
+
+from backends.triton.backend import TritonAttentionBackend
+from conformance.checks.memory import MemoryCheck
+from conformance.checks.numerics import NumericsCheck
+from conformance.inputs.cases import parse_case
+from conformance.results import Verdict
+from conformance.run import sanitizer
+from tests.planted import memory as planted
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(sanitizer.find_tool() is None, reason="needs compute-sanitizer")]
+CUDA = torch.device("cuda")
+DECODE = parse_case("gqa-h8/2-d128-bf16-p16:1+1,15+1,16+1,40+1")  # the widest request last
+VERIFY = parse_case("gqa-h8/2-d128-bf16-p16:30+4,17+4,0+20")
+
+
+def findings(backend_cls, case):
+    result = MemoryCheck().run_case(backend_cls, case, CUDA)
+    assert result.verdict == Verdict.FAIL, result.reason
+    return {(finding["tool"], finding["place"].split(" (")[0]): finding for finding in result.evidence["findings"]}
+
+
+def test_triton_is_clean_in_the_step_and_the_draft_loop():
+    result = MemoryCheck().run_case(TritonAttentionBackend, DECODE, CUDA)
+    assert result.verdict == Verdict.PASS, result.reason
+    assert result.metrics["memcheck draft-loop errors"] == 0 and result.metrics["initcheck step errors"] == 0
+    assert MemoryCheck().run_case(TritonAttentionBackend, VERIFY, CUDA).verdict == Verdict.PASS
+
+
+@pytest.mark.parametrize("name", planted.TRITON_DEFECTS)
+def test_planted_defects_pass_numerics(name):
+    for case in (DECODE, VERIFY):
+        assert NumericsCheck().run_case(getattr(planted, name), case, CUDA).verdict == Verdict.PASS
+
+
+def test_a_read_one_block_past_the_end_is_seen_three_ways():
+    found = findings(planted.ReadsBlockPastEnd, DECODE)
+    assert found[("memcheck", "just past the end of block_table")]["phase"] == "forward"
+    assert found[("initcheck", "KV pool block 0 slot 0")]["launch"][-1].startswith("forward in memory.py")
+    assert any(tool == "nan-poison" for tool, _ in found)
+
+
+def test_a_read_of_the_next_table_row_is_seen():
+    found = findings(planted.ReadsNextTableRow, DECODE)  # the last request's "next row" lies past the table
+    assert any(tool == "memcheck" and place.endswith("past the end of block_table") for tool, place in found), found
+
+
+def test_a_write_kv_grid_one_row_too_large_is_seen():
+    found = findings(planted.WritesRowPastSlotMapping, DECODE)
+    assert found[("memcheck", "just past the end of history slot_mapping")]["phase"] == "history write_kv"
+
+
+@pytest.mark.parametrize("defect", [planted.ReadsWholeLastBlock, planted.WritesNextSlot])
+def test_cpu_defects_fail_on_the_gpu_too(defect):
+    assert any(tool == "nan-poison" for tool, _ in findings(defect, VERIFY))
