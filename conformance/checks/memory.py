@@ -23,6 +23,7 @@ each kind, plus a draft loop of k = 4 under CUDA graphs on the decode case); a c
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -104,7 +105,7 @@ class MemoryCheck(Check):
                 if run.unsupported:
                     unsupported = run.unsupported
                     break
-                found = sanitizer.findings(run.reports, where, tool, stage)
+                found = sanitizer.findings(run.reports, where, tool, stage, Path(inspect.getfile(backend_cls)).name)
                 if not found and run.error_count:  # counted but not read back: never a pass
                     found = [{"tool": tool, "stage": stage, "phase": "", "what": f"{run.error_count} errors",
                               "place": "the tool's report (not understood here):\n" + run.output_tail}]

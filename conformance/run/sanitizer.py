@@ -54,6 +54,13 @@ class Report:
     frames: list[str] = field(default_factory=list)  # Python frames of the launch, outermost first
 
     @property
+    def is_host_api(self) -> bool:
+        return self.what.startswith("Host API")
+
+    def launched_from(self, file_name: str) -> bool:
+        return any(frame.rsplit(" in ", 1)[-1].startswith(file_name + ":") for frame in self.frames)
+
+    @property
     def is_api_error(self) -> bool:
         """A CUDA API call failing because of an earlier kernel fault: a consequence, not a finding."""
         return self.what.startswith("Program hit")
@@ -123,12 +130,16 @@ def _read_detail(report: Report, body: str) -> None:
             report.frames.insert(0, frame)  # the tool prints the innermost frame first
 
 
-def findings(reports: list[Report], where: AllocationMap, tool: str, stage: str) -> list[dict]:
+def findings(reports: list[Report], where: AllocationMap, tool: str, stage: str, backend_file: str | None = None) -> list[dict]:
     """Reports grouped by what, kernel, phase and the kind of place they hit (numbers left out of
-    the grouping, so 6,000 reads of one reserved block are one finding with a count)."""
+    the grouping, so 6,000 reads of one reserved block are one finding with a count).
+
+    A host API report (initcheck: a copy of never-written memory) counts only when a frame of the
+    launch is in ``backend_file``: the harness's own copies (a replayed graph's input copies,
+    whose order inside the graph initcheck does not follow) are not the backend's."""
     groups: dict[tuple, dict] = {}
     for report in reports:
-        if report.is_api_error:
+        if report.is_api_error or (report.is_host_api and backend_file and not report.launched_from(backend_file)):
             continue
         place = where.describe(report.address, report.nearest) if report.address is not None else report.detail
         kernel = report.kernel[:200]

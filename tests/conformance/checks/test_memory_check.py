@@ -170,3 +170,15 @@ def test_a_child_that_dies_without_a_report_is_an_error(monkeypatch):
     monkeypatch.setattr(memory, "run_child", fake_run("ImportError: no module\n", AllocationMap()))
     with pytest.raises(RuntimeError, match="exited with status 1 and no report"):
         MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
+
+
+def test_host_api_reports_count_only_when_the_backend_made_the_copy():
+    record = ("========= Host API memory access error at host access to 0x7f0000000000 of size 65,536 bytes\n"
+              "=========     Uninitialized access at 0x7f0000000000 on access by cudaMemcpyAsync source\n"
+              "=========     Saved host backtrace up to driver entry point at kernel launch time\n"
+              "=========         Host Frame: {frame}\n========= \n")
+    harness = sanitizer.parse(record.format(frame="replay in graphs.py:139"))[0]
+    backend = sanitizer.parse(record.format(frame="forward in flashmla.py:71"))[0]
+    assert sanitizer.findings(harness, AllocationMap(), "initcheck", "draft-loop", "flashmla.py") == []
+    [finding] = sanitizer.findings(backend, AllocationMap(), "initcheck", "draft-loop", "flashmla.py")
+    assert finding["launch"] == ["forward in flashmla.py:71"]
