@@ -6,6 +6,7 @@
 #   bash reports/regenerate.sh bench RUNS    # the benchmark, alone on the GPU, into RUNS/
 #   bash reports/regenerate.sh publish RUNS  # reports/ from what RUNS/ holds
 #   bash reports/regenerate.sh all RUNS      # the three in turn
+#   bash reports/regenerate.sh memory RUNS   # the memory check (compute-sanitizer), into reports/memory/
 #
 # One after another the backends take over 20 minutes on an H100, so they run side by side,
 # each backend's checks split over two processes (publish merges them back, summing the wall
@@ -54,6 +55,16 @@ run_checks() {
   wait
 }
 
+# The memory check, one backend after another (its cost per backend is part of what it reports),
+# published on its own into reports/memory/.
+run_memory() {
+  for backend in "${backends[@]}"; do
+    env "$(with_path "$backend")" python -m conformance run --backend "$backend" --suite "$suite" --check memory --quiet \
+      "${limit[@]}" --json "$runs/memory-$backend.json" >"$runs/memory-$backend.log" 2>&1
+  done
+  python -m conformance.report.publish "$runs"/memory-*.json --out reports/memory
+}
+
 run_bench() {
   python -m conformance bench --backend triton,flashinfer,trtllm,triton_mla,flashmla,torch_naive --quiet \
     --json "$runs/bench.json" >"$runs/bench.log" 2>&1
@@ -71,5 +82,6 @@ case "$phase" in
   bench) run_bench ;;
   publish) publish ;;
   all) run_checks; run_bench; publish ;;
-  *) echo "unknown phase $phase (checks, bench, publish or all)" >&2; exit 2 ;;
+  memory) run_memory ;;
+  *) echo "unknown phase $phase (checks, bench, publish, all or memory)" >&2; exit 2 ;;
 esac

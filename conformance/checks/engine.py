@@ -69,6 +69,20 @@ def model_for(case: Case):
     return ModelConfig(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, **common)
 
 
+def engine_skip_reason(backend_cls: type[AttentionBackend], case: Case, device: torch.device,
+                       prefill_backend: str = AUTO) -> str | None:
+    """Why the engine cannot run ``model_for(case)`` through this backend, or None."""
+    spec = model_for(case).attention_spec(case.spec.dtype, case.spec.block_size)
+    reason = backend_cls.unsupported_reason(spec, device)
+    if reason:
+        return reason
+    try:  # a backend serving only some batches (decode-only, uniform-only) needs a companion
+        resolve_companion(backend_cls, spec, device, prefill_backend)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 class EngineCheck(Check):
     name = "engine"
     question = "Does the reference engine, async and sync, produce the same tokens through this backend, with no host syncs?"
@@ -91,13 +105,7 @@ class EngineCheck(Check):
         key = layout_key(case)
         if key in self.covered:
             return f"layout covered by {self.covered[key]}"
-        spec = model_for(case).attention_spec(case.spec.dtype, case.spec.block_size)
-        reason = backend_cls.unsupported_reason(spec, device)
-        if not reason:
-            try:  # a backend serving only some batches (decode-only, uniform-only) needs a companion
-                resolve_companion(backend_cls, spec, device, self.options.get("prefill_backend", AUTO))
-            except ValueError as error:
-                reason = str(error)
+        reason = engine_skip_reason(backend_cls, case, device, self.options.get("prefill_backend", AUTO))
         if reason:
             return reason
         self.covered[key] = case.id

@@ -18,8 +18,9 @@ What none of them sees: a read of *another request's written* slot whose value i
 (initialized, finite, inside the pool). Numerics sees it where the value is used.
 
 The passes run on a subset (decode, spec-verify, mixed, block boundaries, for the first layout of
-each kind, plus a draft loop of k = 4 under CUDA graphs on the decode case); a case given with
-``--case`` always runs.
+each kind); from the decode case also a draft loop of k = 4 under CUDA graphs (memcheck and
+initcheck) and a few steps of the reference engine, async, drafting through the backend (memcheck:
+its pools are zeroed). A case given with ``--case`` always runs.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import torch
 
 from backends.base import AttentionBackend
 from conformance.checks.base import Check
+from conformance.checks.engine import engine_skip_reason
 from conformance.checks.evidence import EvidenceItem, without
 from conformance.checks.numerics import TOLERANCES, compare_with_oracle
 from conformance.inputs.allocation_map import AllocationMap
@@ -47,6 +49,8 @@ from conformance.run import sanitizer
 
 MEMORY_TAGS = ("decode", "spec-verify k=3", "mixed prefill + decode", "block boundaries decode", "block boundaries verify")
 CHILD_TIMEOUT_S = 600.0
+# The engine's pools are zeroed, so initcheck could not see a read of an unowned slot there.
+STAGE_TOOLS = {"engine": ("memcheck",)}
 STRAY_WRITES_SHOWN = 4
 
 
@@ -91,13 +95,13 @@ class MemoryCheck(Check):
 
     def details(self) -> dict[str, Any]:
         return {"passes": ["nan-poison", *sanitizer.TOOLS], "subset": list(MEMORY_TAGS),
-                "draft_loop_steps": 4, "sanitizer": sanitizer.find_tool()}
+                "draft_loop_steps": 4, "engine_stage_tools": list(STAGE_TOOLS["engine"]), "sanitizer": sanitizer.find_tool()}
 
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
         findings, metrics = run_poison_pass(backend_cls, case)
         unsupported = None
         for stage in self.stages(backend_cls, case, device):
-            for tool in sanitizer.TOOLS:
+            for tool in STAGE_TOOLS.get(stage, sanitizer.TOOLS):
                 started = time.perf_counter()
                 run, where = run_child(backend_cls, case, stage, tool)
                 metrics[f"{tool} {stage} seconds"] = round(time.perf_counter() - started, 1)
@@ -129,10 +133,14 @@ class MemoryCheck(Check):
 
     @staticmethod
     def stages(backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> list[str]:
-        """The step always; the draft loop (k = 4, CUDA graphs) from the decode case."""
-        draft_loop = (case.tag in ("decode", "") and all(query == 1 for _, query in case.batch)
-                      and cuda_graph_skip_reason(backend_cls, device) is None)
-        return ["step", "draft-loop"] if draft_loop else ["step"]
+        """The step always; from the decode case, the draft loop (k = 4, CUDA graphs) and the engine."""
+        stages = ["step"]
+        if case.tag in ("decode", "") and all(query == 1 for _, query in case.batch):
+            if cuda_graph_skip_reason(backend_cls, device) is None:
+                stages.append("draft-loop")
+            if engine_skip_reason(backend_cls, case, device) is None:
+                stages.append("engine")
+        return stages
 
 
 def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -199,11 +207,11 @@ def stray_writes(before: torch.Tensor, after: torch.Tensor, batch) -> tuple[list
 def run_child(backend_cls: type[AttentionBackend], case: Case, stage: str,
               tool: str | None) -> tuple[sanitizer.SanitizerRun, AllocationMap]:
     """One child (``conformance.run.sanitized_case``) under ``tool``, and the map of what it
-    allocated; the step under a tool runs with PyTorch's caching allocator off."""
+    allocated; the eager stages under a tool run with PyTorch's caching allocator off."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)
     env.pop("PYTORCH_NO_CUDA_MEMORY_CACHING", None)
-    if stage == "step" and tool is not None:
+    if stage in ("step", "engine") and tool is not None:
         env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
     backend = f"{backend_cls.__module__}:{backend_cls.__qualname__}"
     tool_path = (sanitizer.find_tool() or "compute-sanitizer") if tool else None

@@ -52,8 +52,16 @@ def merged(earlier: BackendResult, later: BackendResult) -> BackendResult:
     return replace(later, checks=checks, wall_s=earlier.wall_s + later.wall_s)
 
 
+def table_checks(per_backend: dict[str, RunResult]) -> list[str]:
+    """The table's columns: the default checks (one a backend lacks reads "not run") when the runs
+    made any, and every opt-in check they made (``--check memory`` publishes a table of its own)."""
+    ran = {check.name for result in per_backend.values() for check in result.backends[0].checks}
+    defaults = set(default_checks()) if ran & set(default_checks()) else set()
+    return [name for name in CHECKS if name in defaults or name in ran]
+
+
 def verdict_table(per_backend: dict[str, RunResult]) -> list[str]:
-    checks = default_checks()
+    checks = table_checks(per_backend)
     lines = ["| backend | GPU | " + " | ".join(checks) + " |", "|---" * (len(checks) + 2) + "|"]
     for name, result in per_backend.items():
         backend = result.backends[0]
@@ -107,10 +115,11 @@ def main() -> None:
     for name, result in per_backend.items():
         result.save(out / f"{name}.json")
         write_html(result, out / f"{name}.html")
+    suite = next(iter(per_backend.values())).suite if per_backend else ""
     lines = ["# Published results", "", "Real GPU runs of the built-in backends: per backend a JSON (with the environment block",
-             "of its run) and a self-contained HTML report; `bench.json` / `bench.html` for the benchmark run.",
+             "of its run) and a self-contained HTML report" + ("; `bench.json` / `bench.html` for the benchmark run." if args.bench else "."),
              "Regenerate on a GPU machine with `bash reports/regenerate.sh`.", "",
-             "## Verdicts (standard suite)", "", *verdict_table(per_backend)]
+             f"## Verdicts ({suite} suite)", "", *verdict_table(per_backend)]
     if args.bench:
         runs = [RunResult.load(path) for path in args.bench]
         bench = replace(runs[0], backends=[backend for run in runs for backend in run.backends])

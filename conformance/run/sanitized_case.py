@@ -3,17 +3,20 @@
     python -m conformance.run.sanitized_case BACKEND CASE STAGE OUT.json
 
 STAGE is ``step`` (one engine step, eager), ``draft-loop`` (k = 4 draft steps under CUDA graphs,
-as the draft-loop check runs them), or ``nan-poison`` (``memory.poison_pass``, run without the
-tool: OUT.json gets its findings and metrics). For the first two the pool is fresh, never-written
+as the draft-loop check runs them), ``engine`` (the reference engine: a few async steps of
+speculative decoding, k = 3, drafting through the backend, eager), or ``nan-poison``
+(``memory.poison_pass``, run without the tool: OUT.json gets its findings and metrics). For the
+first two the pool is fresh, never-written
 memory except the slots the requests own and wrote (``PoolFill.FRESH``), so initcheck reports any
 read of a slot no request wrote, and OUT.json says which tensor each device address belongs to;
 it is written before any backend call, because a memcheck fault ends the process. Every stage
 runs here rather than in the worker, so a backend's wild access ends this process only.
 
-The step stage runs with PyTorch's caching allocator off (the parent sets
+The step and engine stages run with PyTorch's caching allocator off (the parent sets
 PYTORCH_NO_CUDA_MEMORY_CACHING=1): each tensor is then its own allocation, and memcheck sees a
 read one element past any of them. CUDA graph capture needs the caching allocator, so the
-draft-loop stage runs with it on: memcheck sees there only accesses outside its segments.
+draft-loop stage runs with it on: memcheck sees there only accesses outside its segments. The
+engine's pools are zeroed (``allocate_kv_cache``), so only memcheck runs the engine stage.
 """
 from __future__ import annotations
 
@@ -30,8 +33,10 @@ from conformance.inputs.cases import parse_case
 from conformance.inputs.harness import PoolFill, prepare_case, run_step
 from conformance.run.sanitizer import PHASE_MARKER
 
-STAGES = ("step", "draft-loop", "nan-poison")
+STAGES = ("step", "draft-loop", "engine", "nan-poison")
 DRAFT_STEPS = 4
+ENGINE_PROMPTS = (5, 19, 33)  # prompt lengths: a prefill chunk beside decodes, blocks crossed while drafting
+ENGINE_TOKENS = 8
 
 
 @contextlib.contextmanager
@@ -80,6 +85,36 @@ def run_draft_loop_stage(backend_cls, case, map_path: Path) -> None:
         (run_one_graph_loop if one_graph else run_rebuilt_loop)(loop)
 
 
+def memory_engine(backend_cls, case, device: torch.device):
+    """The engine stage's engine (async, k = 3 drafted through the backend, eager) and its prompts."""
+    from conformance.checks.engine import ATTENTION_DRAFTER, SPEC_TOKENS, model_for
+    from reference_engine.batched_engine import BatchedEngine
+    from reference_engine.core import EngineConfig
+    from reference_engine.model import LlamaModel
+
+    config = model_for(case)
+    model = LlamaModel.random(config, case.seed, case.spec.dtype, device)
+    generator = torch.Generator().manual_seed(case.seed)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist() for n in ENGINE_PROMPTS]
+    engine = BatchedEngine(EngineConfig(
+        model=config, backend=f"{backend_cls.__module__}:{backend_cls.__qualname__}", device=str(device),
+        dtype=case.spec.dtype, block_size=case.spec.block_size, num_blocks=32, max_num_reqs=len(prompts),
+        max_num_tokens=64, num_spec_tokens=SPEC_TOKENS, drafter=ATTENTION_DRAFTER, cuda_graphs=False), model)
+    return engine, prompts
+
+
+def run_engine_stage(backend_cls, case, map_path: Path) -> None:
+    from reference_engine.sampling import SamplingParams
+
+    engine, prompts = memory_engine(backend_cls, case, torch.device("cuda"))
+    where = AllocationMap()
+    for layer, pool in enumerate(engine.kv_caches):
+        where.add(f"layer {layer} KV pool", pool)
+    where.save(map_path)
+    with phase(f"engine: async, k=3 drafted through the backend, {ENGINE_TOKENS} tokens for {len(prompts)} prompts"):
+        engine.generate(prompts, SamplingParams(max_tokens=ENGINE_TOKENS, ignore_eos=True))
+
+
 def run_poison_stage(backend_cls, case, out_path: Path) -> None:
     from conformance.checks.memory import poison_pass
 
@@ -90,7 +125,8 @@ def run_poison_stage(backend_cls, case, out_path: Path) -> None:
 def main(argv: list[str]) -> int:
     backend, case_id, stage, out_path = argv
     backend_cls, case = registry.load(backend), parse_case(case_id)
-    run = {"step": run_step_stage, "draft-loop": run_draft_loop_stage, "nan-poison": run_poison_stage}[stage]
+    run = {"step": run_step_stage, "draft-loop": run_draft_loop_stage, "engine": run_engine_stage,
+           "nan-poison": run_poison_stage}[stage]
     run(backend_cls, case, Path(out_path))
     print(PHASE_MARKER + "done", flush=True)
     return 0

@@ -182,3 +182,30 @@ def test_host_api_reports_count_only_when_the_backend_made_the_copy():
     assert sanitizer.findings(harness, AllocationMap(), "initcheck", "draft-loop", "flashmla.py") == []
     [finding] = sanitizer.findings(backend, AllocationMap(), "initcheck", "draft-loop", "flashmla.py")
     assert finding["launch"] == ["forward in flashmla.py:71"]
+
+
+def test_the_decode_case_adds_the_engine_stage_under_memcheck_only(monkeypatch):
+    ran = []
+
+    def run_child(backend_cls, case, stage, tool):
+        ran.append((stage, tool))
+        return sanitizer.SanitizerRun(tool, 0, [], 0, None, ""), AllocationMap()
+
+    monkeypatch.setattr(memory, "run_child", run_child)
+    decode = parse_case("gqa-h4/2-d64-bf16-p16:1+1,40+1")
+    result = MemoryCheck().run_case(TorchNaiveBackend, decode, CPU)
+    assert result.verdict == Verdict.PASS, result.reason
+    assert ran == [("step", "memcheck"), ("step", "initcheck"), ("engine", "memcheck")]  # no graphs on a CPU
+    ran.clear()
+    MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)  # verify rows: the step only
+    assert [stage for stage, _ in ran] == ["step", "step"]
+
+
+def test_the_engine_stage_drafts_through_the_backend_and_generates():
+    from conformance.run.sanitized_case import ENGINE_TOKENS, memory_engine
+    from reference_engine.sampling import SamplingParams
+
+    engine, prompts = memory_engine(TorchNaiveBackend, parse_case("gqa-h4/2-d64-fp32-p16:1+1,40+1"), CPU)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=ENGINE_TOKENS, ignore_eos=True))
+    assert [len(out.tokens) for out in outputs] == [ENGINE_TOKENS] * len(prompts)
+    assert sum(out.drafted for out in outputs) > 0

@@ -9,7 +9,7 @@ from rich.console import Console
 from conformance.inputs.cases import parse_case, suite
 from conformance.checks import default_checks
 from conformance.checks.bench import traffic
-from conformance.report.publish import split_by_backend
+from conformance.report.publish import split_by_backend, table_checks, verdict_table
 from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
 from conformance.run.runner import annotate_bench_ratios
 from conformance.report.terminal import bench_table
@@ -96,3 +96,13 @@ def test_publish_refuses_to_mix_suites(tmp_path):
                                 str(tmp_path / "full.json"), "--out", str(tmp_path / "reports")], capture_output=True, text=True)
     assert completed.returncode == 2 and "different suites (full, standard)" in completed.stderr
     assert "Traceback" not in completed.stderr
+
+
+def test_an_opt_in_check_published_alone_gets_a_table_of_its_own():
+    memory = CheckResult("memory", Verdict.FAIL, "", [CaseResult("mla:1+1@0", Verdict.FAIL)])
+    alone = split_by_backend([RunResult({"gpu": "H100"}, [BackendResult("a", True, checks=[memory])], "standard", ["memory"])])
+    assert table_checks(alone) == ["memory"]
+    numerics = CheckResult("numerics", Verdict.PASS, "", [CaseResult("gqa:1+1@0", Verdict.PASS)])
+    beside = split_by_backend([RunResult({}, [BackendResult("a", True, checks=[numerics, memory])], "standard", [])])
+    assert table_checks(beside) == [*default_checks(), "memory"]
+    assert verdict_table(alone)[2] == "| a | H100 | FAIL 0/1 |"
