@@ -109,7 +109,10 @@ def run_engine_stage(backend_cls, case, map_path: Path) -> None:
     engine, prompts = memory_engine(backend_cls, case, torch.device("cuda"))
     where = AllocationMap()
     for layer, pool in enumerate(engine.kv_caches):
-        where.add(f"layer {layer} KV pool", pool)
+        # A backend serving only some batches runs beside a companion: a pool for each.
+        pools = pool if isinstance(pool, tuple) else (pool,)
+        for name, tensor in zip((f"layer {layer} KV pool", f"layer {layer} companion's KV pool"), pools):
+            where.add(name, tensor)
     where.save(map_path)
     with phase(f"engine: async, k=3 drafted through the backend, {ENGINE_TOKENS} tokens for {len(prompts)} prompts"):
         engine.generate(prompts, SamplingParams(max_tokens=ENGINE_TOKENS, ignore_eos=True))

@@ -114,8 +114,8 @@ def parse(text: str) -> tuple[list[Report], int | None, str | None]:
 def _read_detail(report: Report, body: str) -> None:
     if body.startswith("at ") and not report.kernel:
         report.kernel = re.sub(r"\+0x[0-9a-f]+", "", body[3:]).strip()
-    elif body.startswith(("Address ", "Access to ")):  # initcheck's words, memcheck's
-        match = re.match(r"(?:Address|Access to) (0x[0-9a-fA-F]+)\s*(.*)", body)
+    elif body.startswith(("Address ", "Access to ", "Uninitialized access ")):  # initcheck's words, memcheck's, a host API's
+        match = re.match(r"(?:Address|Access to|Uninitialized access (?:at|to)) (0x[0-9a-fA-F]+)\s*(.*)", body)
         if match:
             report.address = int(match.group(1), 16)
             report.detail = match.group(2).strip()

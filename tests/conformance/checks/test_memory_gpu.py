@@ -17,16 +17,23 @@ DECODE = parse_case("gqa-h8/2-d128-bf16-p16:1+1,15+1,16+1,40+1")  # the widest r
 VERIFY = parse_case("gqa-h8/2-d128-bf16-p16:30+4,17+4,0+20")
 
 
+@pytest.fixture
+def step_stage_only(monkeypatch):
+    """A planted defect is in the step's kernels: the step stage shows it, at a third of the cost."""
+    monkeypatch.setattr(MemoryCheck, "stages", staticmethod(lambda backend_cls, case, device: ["step"]))
+
+
 def findings(backend_cls, case):
     result = MemoryCheck().run_case(backend_cls, case, CUDA)
     assert result.verdict == Verdict.FAIL, result.reason
     return {(finding["tool"], finding["place"].split(" (")[0]): finding for finding in result.evidence["findings"]}
 
 
-def test_triton_is_clean_in_the_step_and_the_draft_loop():
+def test_triton_is_clean_in_the_step_the_draft_loop_and_the_engine():
     result = MemoryCheck().run_case(TritonAttentionBackend, DECODE, CUDA)
     assert result.verdict == Verdict.PASS, result.reason
     assert result.metrics["memcheck draft-loop errors"] == 0 and result.metrics["initcheck step errors"] == 0
+    assert result.metrics["memcheck engine errors"] == 0
     assert MemoryCheck().run_case(TritonAttentionBackend, VERIFY, CUDA).verdict == Verdict.PASS
 
 
@@ -36,23 +43,33 @@ def test_planted_defects_pass_numerics(name):
         assert NumericsCheck().run_case(getattr(planted, name), case, CUDA).verdict == Verdict.PASS
 
 
-def test_a_read_one_block_past_the_end_is_seen_three_ways():
+def test_a_read_one_block_past_the_end_is_seen_three_ways(step_stage_only):
     found = findings(planted.ReadsBlockPastEnd, DECODE)
     assert found[("memcheck", "just past the end of block_table")]["phase"] == "forward"
     assert found[("initcheck", "KV pool block 0 slot 0")]["launch"][-1].startswith("forward in memory.py")
     assert any(tool == "nan-poison" for tool, _ in found)
 
 
-def test_a_read_of_the_next_table_row_is_seen():
+def test_a_read_of_the_next_table_row_is_seen(step_stage_only):
     found = findings(planted.ReadsNextTableRow, DECODE)  # the last request's "next row" lies past the table
     assert any(tool == "memcheck" and place.endswith("past the end of block_table") for tool, place in found), found
 
 
-def test_a_write_kv_grid_one_row_too_large_is_seen():
+def test_a_write_kv_grid_one_row_too_large_is_seen(step_stage_only):
     found = findings(planted.WritesRowPastSlotMapping, DECODE)
     assert found[("memcheck", "just past the end of history slot_mapping")]["phase"] == "history write_kv"
 
 
 @pytest.mark.parametrize("defect", [planted.ReadsWholeLastBlock, planted.WritesNextSlot])
-def test_cpu_defects_fail_on_the_gpu_too(defect):
+def test_cpu_defects_fail_on_the_gpu_too(defect, step_stage_only):
     assert any(tool == "nan-poison" for tool, _ in findings(defect, VERIFY))
+
+
+def test_a_backend_beside_its_companion_runs_the_engine_stage(monkeypatch):
+    """triton_mla verifies at most 8 tokens: the engine's prefill chunks go to its companion."""
+    from backends.triton.mla_backend import TritonMLABackend
+
+    monkeypatch.setattr(MemoryCheck, "stages", staticmethod(lambda backend_cls, case, device: ["engine"]))
+    result = MemoryCheck().run_case(TritonMLABackend, parse_case("mla-h16-d512+64-bf16-p64:1+1,700+1"), CUDA)
+    assert result.verdict == Verdict.PASS, result.reason
+    assert result.metrics["memcheck engine errors"] == 0
