@@ -7,6 +7,7 @@ in file.py:line``); those are kept, the native frames dropped.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -21,6 +22,7 @@ TOOLS = ("memcheck", "initcheck")
 PHASE_MARKER = "@@phase "
 PREFIX = "========="
 PRINT_LIMIT = 200  # reports printed per run; the ERROR SUMMARY still counts them all
+API_COPIES_OPTION = "--check-api-memory-access"
 # What the tool prints when it cannot run on this machine (gVisor refuses the device).
 UNSUPPORTED_MARKERS = ("Device not supported", "Unable to find injection library", "not supported on this platform")
 MAX_FINDINGS = 8
@@ -64,6 +66,11 @@ class Report:
     def is_api_error(self) -> bool:
         """A CUDA API call failing because of an earlier kernel fault: a consequence, not a finding."""
         return self.what.startswith("Program hit")
+
+    def is_set_aside(self, backend_file: str | None) -> bool:
+        """Not a finding: an API call failing after a fault, or a host API report (initcheck: a copy
+        of never-written memory) with no frame in ``backend_file`` — the harness's own copies."""
+        return self.is_api_error or bool(self.is_host_api and backend_file and not self.launched_from(backend_file))
 
 
 @dataclass
@@ -139,7 +146,7 @@ def findings(reports: list[Report], where: AllocationMap, tool: str, stage: str,
     whose order inside the graph initcheck does not follow) are not the backend's."""
     groups: dict[tuple, dict] = {}
     for report in reports:
-        if report.is_api_error or (report.is_host_api and backend_file and not report.launched_from(backend_file)):
+        if report.is_set_aside(backend_file):
             continue
         place = where.describe(report.address, report.nearest) if report.address is not None else report.detail
         kernel = report.kernel[:200]
@@ -155,19 +162,35 @@ def findings(reports: list[Report], where: AllocationMap, tool: str, stage: str,
     return list(groups.values())[:MAX_FINDINGS]
 
 
-def command(tool_path: str | None, tool: str, child_args: list[str]) -> list[str]:
-    """The child's command line, under ``tool`` (no tool: the child alone)."""
+@functools.cache
+def has_option(tool_path: str, option: str) -> bool:
+    """Whether this compute-sanitizer knows ``option`` (its --help lists it)."""
+    try:
+        listed = subprocess.run([tool_path, "--help"], capture_output=True, text=True, timeout=60, errors="replace").stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return option in listed
+
+
+def command(tool_path: str | None, tool: str, child_args: list[str], api_copies: bool = True) -> list[str]:
+    """The child's command line, under ``tool`` (no tool: the child alone). ``api_copies=False``
+    leaves cudaMemcpy/cudaMemset unchecked where the tool allows it: in a replayed graph their
+    launch has no Python frame to say whose copy it was."""
     child = [sys.executable, "-m", "conformance.run.sanitized_case", *child_args]
     if tool_path is None:
         return child
-    return [tool_path, "--tool", tool, "--print-limit", str(PRINT_LIMIT), "--show-backtrace", "host", *child]
+    options = ["--tool", tool, "--print-limit", str(PRINT_LIMIT), "--show-backtrace", "host"]
+    if not api_copies and has_option(tool_path, API_COPIES_OPTION):
+        options += [API_COPIES_OPTION, "no"]
+    return [tool_path, *options, *child]
 
 
-def run(tool_path: str | None, tool: str, child_args: list[str], env: dict[str, str], timeout_s: float) -> SanitizerRun:
+def run(tool_path: str | None, tool: str, child_args: list[str], env: dict[str, str], timeout_s: float,
+        api_copies: bool = True) -> SanitizerRun:
     """Run the child under ``tool``; its output is read whole (the reports and markers interleave
     on one stream). A child past ``timeout_s`` is killed and reported as such."""
     try:
-        completed = subprocess.run(command(tool_path, tool, child_args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        completed = subprocess.run(command(tool_path, tool, child_args, api_copies), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, env=env, timeout=timeout_s, text=True, errors="replace")
     except subprocess.TimeoutExpired as expired:
         output = expired.stdout if isinstance(expired.stdout, str) else (expired.stdout or b"").decode(errors="replace")

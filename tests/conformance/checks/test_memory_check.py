@@ -221,3 +221,20 @@ def test_an_uninitialized_copy_inside_a_graph_replay_is_the_harness_s_and_passes
     monkeypatch.setattr(memory, "run_child", fake_run(output, AllocationMap(), 0))
     result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
     assert result.verdict == Verdict.PASS, result.reason
+
+
+def test_errors_past_the_print_limit_behind_set_aside_reports_still_fail(monkeypatch):
+    output = (OUTPUT / "initcheck-graph-replay-copy.txt").read_text().replace("ERROR SUMMARY: 1 error", "ERROR SUMMARY: 2045 errors")
+    monkeypatch.setattr(memory, "run_child", fake_run(output, AllocationMap(), 0))
+    result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
+    assert result.verdict == Verdict.FAIL and "2044 errors not read back" in result.reason
+    assert result.metrics["memcheck step set aside"] == 1
+
+
+def test_the_draft_loop_leaves_api_copies_unchecked_where_the_tool_allows(monkeypatch):
+    monkeypatch.setattr(sanitizer, "has_option", lambda tool_path, option: option == sanitizer.API_COPIES_OPTION)
+    command = sanitizer.command("cs", "initcheck", ["b", "c", "draft-loop", "o"], api_copies=False)
+    assert command[command.index("--check-api-memory-access") + 1] == "no"
+    assert "--check-api-memory-access" not in sanitizer.command("cs", "initcheck", ["b", "c", "step", "o"])
+    monkeypatch.setattr(sanitizer, "has_option", lambda tool_path, option: False)  # an older tool: all checked
+    assert "--check-api-memory-access" not in sanitizer.command("cs", "initcheck", ["b"], api_copies=False)
