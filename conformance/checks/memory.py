@@ -12,7 +12,11 @@ Three passes per case, each catching what the others cannot:
    past the block table or one block past the end of the pool.
 3. **initcheck** (compute-sanitizer): the pool is fresh memory where only the owned slots were
    written, so a read of any other slot is reported, however its value is used afterwards; and
-   so is a read of any other never-written memory (a workspace).
+   so is a read of any other never-written memory (a workspace). A copy (host API report) counts
+   only when the backend copies memory the harness made (``sanitizer.Report.is_set_aside``); in
+   the draft loop's replayed graphs copies are not checked (no frame says whose they are).
+
+Errors the tool counted but did not print or this parser did not read fail the case.
 
 What none of them sees: a read of *another request's written* slot whose value is masked out
 (initialized, finite, inside the pool). Numerics sees it where the value is used.
@@ -111,7 +115,7 @@ class MemoryCheck(Check):
                     break
                 backend_file = Path(inspect.getfile(backend_cls)).name
                 found = sanitizer.findings(run.reports, where, tool, stage, backend_file)
-                set_aside = sum(report.is_set_aside(backend_file) for report in run.reports)
+                set_aside = sum(report.is_set_aside(where, backend_file) for report in run.reports)
                 if set_aside:
                     metrics[f"{tool} {stage} set aside"] = set_aside
                 # Counted but not read back (past the print limit, or not understood): never a pass.

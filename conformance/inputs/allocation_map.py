@@ -106,6 +106,10 @@ class AllocationMap:
         self.pool = PoolLayout(kv_cache.data_ptr(), list(kv_cache.shape), list(kv_cache.stride()), kv_cache.element_size(),
                                block_size, num_blocks, owners)
 
+    def holds(self, address: int) -> bool:
+        """Whether ``address`` lies in a tensor the harness made."""
+        return any(allocation.contains(address) for allocation in self.allocations)
+
     def describe(self, address: int, nearest: int | None = None) -> str:
         """What ``address`` is; ``nearest`` (the allocation start memcheck names for an address
         out of bounds) places an address outside every allocation relative to its neighbour."""

@@ -67,10 +67,19 @@ class Report:
         """A CUDA API call failing because of an earlier kernel fault: a consequence, not a finding."""
         return self.what.startswith("Program hit")
 
-    def is_set_aside(self, backend_file: str | None) -> bool:
+    def is_set_aside(self, where: AllocationMap, backend_file: str | None) -> bool:
         """Not a finding: an API call failing after a fault, or a host API report (initcheck: a copy
-        of never-written memory) with no frame in ``backend_file`` — the harness's own copies."""
-        return self.is_api_error or bool(self.is_host_api and backend_file and not self.launched_from(backend_file))
+        of never-written memory) that is not the backend copying the harness's memory. With no frame
+        in ``backend_file`` it is the harness's own copy; from the backend's own memory it is what
+        initcheck says of a vendor kernel's fresh output on Hopper (flash-attn-4's, which numerics
+        proves written, read as never written when the adapter copied it out: initcheck does not
+        appear to follow the kernel's bulk-async stores), and the output it feeds is numerics' to judge."""
+        if self.is_api_error:
+            return True
+        if not self.is_host_api:
+            return False
+        harness_copy = bool(backend_file) and not self.launched_from(backend_file)
+        return harness_copy or self.address is None or not where.holds(self.address)
 
 
 @dataclass
@@ -141,12 +150,11 @@ def findings(reports: list[Report], where: AllocationMap, tool: str, stage: str,
     """Reports grouped by what, kernel, phase and the kind of place they hit (numbers left out of
     the grouping, so 6,000 reads of one reserved block are one finding with a count).
 
-    A host API report (initcheck: a copy of never-written memory) counts only when a frame of the
-    launch is in ``backend_file``: the harness's own copies (a replayed graph's input copies,
-    whose order inside the graph initcheck does not follow) are not the backend's."""
+    Reports ``Report.is_set_aside`` names are left out: a host API report (initcheck: a copy of
+    never-written memory) counts only when the backend copied memory the harness made."""
     groups: dict[tuple, dict] = {}
     for report in reports:
-        if report.is_set_aside(backend_file):
+        if report.is_set_aside(where, backend_file):
             continue
         place = where.describe(report.address, report.nearest) if report.address is not None else report.detail
         kernel = report.kernel[:200]
