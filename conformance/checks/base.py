@@ -12,7 +12,7 @@ import torch
 
 from backends.base import AttentionBackend
 from conformance.inputs.cases import Case
-from conformance.checks.evidence import EvidenceItem, labelled
+from conformance.checks.evidence import EvidenceItem, labelled, without, worst_element
 from conformance.results import CaseResult, Verdict, worst
 
 
@@ -39,9 +39,11 @@ class Check(abc.ABC):
     @classmethod
     def describe_evidence(cls, evidence: dict[str, Any]) -> list[EvidenceItem]:
         """What every report shows of one case's evidence. A check describes the keys it writes and
-        passes the rest here (``evidence.without``): a crashed child's stderr and an error's
-        traceback, which any check can have, and any key no check described, shown as it is."""
-        return [item for key, value in evidence.items() for item in labelled(key.replace("_", " "), value)]
+        passes the rest here (``evidence.without``): the oracle comparison's worst element (numerics,
+        graphs and the draft loop write it), a crashed child's stderr and an error's traceback,
+        which any check can have, and any key no check described, shown as it is."""
+        rest = without(evidence, "worst")
+        return worst_element(evidence.get("worst")) + [item for key, value in rest.items() for item in labelled(key.replace("_", " "), value)]
 
     def details(self) -> dict[str, Any]:
         """Check-wide facts the report should state (tolerances, strategy)."""

@@ -19,7 +19,6 @@ from backends.base import AttentionBackend, CommonAttentionMetadata
 from conformance.inputs.batch import materialize
 from conformance.inputs.cases import Case
 from conformance.checks.base import Check
-from conformance.checks.evidence import EvidenceItem, without, worst_element
 from conformance.checks.numerics import TOLERANCES, compare_with_oracle
 from conformance.inputs.graph_batches import GraphShape
 from conformance.inputs.graph_harness import GraphBuffers, cuda_graph_skip_reason, warm_up
@@ -176,10 +175,6 @@ def run_rebuilt_loop(loop: DraftLoop, warm: bool = True) -> None:
 class DraftLoopCheck(Check):
     name = "draft-loop"
     question = "k draft steps under CUDA graphs, positions advanced on device: every step right?"
-
-    @classmethod
-    def describe_evidence(cls, evidence: dict[str, Any]) -> list[EvidenceItem]:
-        return worst_element(evidence.get("worst")) + super().describe_evidence(without(evidence, "worst"))
 
     def skip_reason(self, backend_cls: type[AttentionBackend], device: torch.device) -> str | None:
         return cuda_graph_skip_reason(backend_cls, device, "the draft loop runs under CUDA graphs")

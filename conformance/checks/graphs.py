@@ -33,7 +33,7 @@ import torch
 from backends.base import AttentionBackend
 from conformance.inputs.cases import Case
 from conformance.checks.base import Check
-from conformance.checks.evidence import EvidenceItem, labelled, sync_events, without, worst_element
+from conformance.checks.evidence import EvidenceItem, labelled, sync_events, without
 from conformance.checks.numerics import TOLERANCES, compare_with_oracle
 from conformance.inputs.graph_batches import (
     Replay, fits, graph_class_reason, graph_shape, larger_batch, replay_batches,
@@ -89,9 +89,9 @@ class GraphsCheck(Check):
 
     @classmethod
     def describe_evidence(cls, evidence: dict[str, Any]) -> list[EvidenceItem]:
-        items = labelled("failing replay batch", evidence.get("failing_batch")) + worst_element(evidence.get("worst"))
+        items = labelled("failing replay batch", evidence.get("failing_batch"))
         items += sync_events("during capture", evidence.get("capture_events"))
-        return items + super().describe_evidence(without(evidence, "failing_batch", "worst", "capture_events"))
+        return items + super().describe_evidence(without(evidence, "failing_batch", "capture_events"))
 
     def skip_reason(self, backend_cls: type[AttentionBackend], device: torch.device) -> str | None:
         return cuda_graph_skip_reason(backend_cls, device)
