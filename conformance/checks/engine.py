@@ -69,6 +69,16 @@ def model_for(case: Case):
     return ModelConfig(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, **common)
 
 
+def model_and_prompts(case: Case, device: torch.device, lengths: tuple[int, ...]):
+    """``model_for(case)`` with seeded random weights, and prompts of these lengths from the same seed."""
+    from reference_engine.model import LlamaModel
+
+    config = model_for(case)
+    model = LlamaModel.random(config, case.seed, case.spec.dtype, device)
+    generator = torch.Generator().manual_seed(case.seed)
+    return model, [torch.randint(0, config.vocab_size, (length,), generator=generator).tolist() for length in lengths]
+
+
 def engine_skip_reason(backend_cls: type[AttentionBackend], case: Case, device: torch.device,
                        prefill_backend: str = AUTO) -> str | None:
     """Why the engine cannot run ``model_for(case)`` through this backend, or None."""
@@ -130,14 +140,11 @@ class EngineCheck(Check):
         from reference_engine.batched_engine import BatchedEngine, InputCheckFailed
         from reference_engine.core import EngineConfig
         from reference_engine.metrics import measure
-        from reference_engine.model import LlamaModel
         from reference_engine.sampling import SamplingParams
 
         spec = case.spec
-        model_config = model_for(case)
-        model = LlamaModel.random(model_config, case.seed, spec.dtype, device)
-        generator = torch.Generator().manual_seed(case.seed)
-        prompts = [torch.randint(0, model_config.vocab_size, (length,), generator=generator).tolist() for length in (5, 23, 40, 64)]
+        model, prompts = model_and_prompts(case, device, (5, 23, 40, 64))
+        model_config = model.config
         params = SamplingParams(max_tokens=32, ignore_eos=True)
         backend_ref = f"{backend_cls.__module__}:{backend_cls.__qualname__}"  # the class under test, however it was named
         base = EngineConfig(model=model_config, backend=backend_ref, device=str(device), dtype=spec.dtype,

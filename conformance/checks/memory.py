@@ -34,6 +34,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +54,25 @@ from conformance.run import sanitizer
 
 MEMORY_TAGS = ("decode", "spec-verify k=3", "mixed prefill + decode", "block boundaries decode", "block boundaries verify")
 CHILD_TIMEOUT_S = 600.0
-# The engine's pools are zeroed, so initcheck could not see a read of an unowned slot there.
-STAGE_TOOLS = {"engine": ("memcheck",)}
 STRAY_WRITES_SHOWN = 4
+
+
+@dataclass(frozen=True)
+class Stage:
+    """How one sanitized stage runs (``conformance.run.sanitized_case`` runs it)."""
+
+    tools: tuple[str, ...] = sanitizer.TOOLS
+    # CUDA graph capture needs PyTorch's caching allocator (memcheck then sees only accesses
+    # outside its segments), and a copy node in a replayed graph has no Python frame to say whose
+    # it is (the harness's own input copies are there), so only kernels are checked in it.
+    replays_graphs: bool = False
+
+
+SANITIZED_STAGES = {
+    "step": Stage(),
+    "draft-loop": Stage(replays_graphs=True),
+    "engine": Stage(tools=("memcheck",)),  # the engine's pools are zeroed: initcheck could not see an unowned read
+}
 
 
 class MemoryCheck(Check):
@@ -99,13 +116,15 @@ class MemoryCheck(Check):
 
     def details(self) -> dict[str, Any]:
         return {"passes": ["nan-poison", *sanitizer.TOOLS], "subset": list(MEMORY_TAGS),
-                "draft_loop_steps": 4, "engine_stage_tools": list(STAGE_TOOLS["engine"]), "sanitizer": sanitizer.find_tool()}
+                "draft_loop_steps": 4, "engine_stage_tools": list(SANITIZED_STAGES["engine"].tools),
+                "sanitizer": sanitizer.find_tool()}
 
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
         findings, metrics = run_poison_pass(backend_cls, case)
+        backend_file = Path(inspect.getfile(backend_cls)).name
         unsupported = None
         for stage in self.stages(backend_cls, case, device):
-            for tool in STAGE_TOOLS.get(stage, sanitizer.TOOLS):
+            for tool in SANITIZED_STAGES[stage].tools:
                 started = time.perf_counter()
                 run, where = run_child(backend_cls, case, stage, tool)
                 metrics[f"{tool} {stage} seconds"] = round(time.perf_counter() - started, 1)
@@ -113,7 +132,6 @@ class MemoryCheck(Check):
                 if run.unsupported:
                     unsupported = run.unsupported
                     break
-                backend_file = Path(inspect.getfile(backend_cls)).name
                 found = sanitizer.findings(run.reports, where, tool, stage, backend_file)
                 set_aside = sum(report.is_set_aside(where, backend_file) for report in run.reports)
                 if set_aside:
@@ -217,21 +235,20 @@ def stray_writes(before: torch.Tensor, after: torch.Tensor, batch) -> tuple[list
 def run_child(backend_cls: type[AttentionBackend], case: Case, stage: str,
               tool: str | None) -> tuple[sanitizer.SanitizerRun, AllocationMap]:
     """One child (``conformance.run.sanitized_case``) under ``tool``, and the map of what it
-    allocated; the eager stages under a tool run with PyTorch's caching allocator off."""
+    allocated. An eager stage under a tool runs with PyTorch's caching allocator off: each tensor
+    is then its own allocation, and memcheck sees a read one element past any of them."""
+    replays_graphs = stage in SANITIZED_STAGES and SANITIZED_STAGES[stage].replays_graphs
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)
     env.pop("PYTORCH_NO_CUDA_MEMORY_CACHING", None)
-    if stage in ("step", "engine") and tool is not None:
+    if tool is not None and not replays_graphs:
         env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
     backend = f"{backend_cls.__module__}:{backend_cls.__qualname__}"
     tool_path = (sanitizer.find_tool() or "compute-sanitizer") if tool else None
     with tempfile.TemporaryDirectory(prefix="conformance-memory-") as workdir:
         out_path = Path(workdir, "out.json")
-        # The draft loop replays graphs: a copy there has no Python frame to say whose it is, and
-        # the harness's own input copies are in them, so only kernels are checked; the eager step
-        # checks the backend's copies.
         run = sanitizer.run(tool_path, tool or stage, [backend, case.id, stage, str(out_path)], env, CHILD_TIMEOUT_S,
-                            api_copies=stage != "draft-loop")
+                            api_copies=not replays_graphs)
         run.written = json.loads(out_path.read_text()) if out_path.exists() else None
         where = AllocationMap.load(out_path) if out_path.exists() and tool else AllocationMap()
     return run, where

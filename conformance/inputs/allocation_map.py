@@ -8,7 +8,6 @@ block 0 (reserved: no request owns it)".
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -83,10 +82,14 @@ class PoolLayout:
         return where + f" (past request {request}'s length: position {first_position + slot}, length {length})"
 
 
+HARNESS_UNMAPPED = "an allocation the harness did not make (the backend's own: workspace, metadata, temporaries)"
+
+
 @dataclass
 class AllocationMap:
     allocations: list[Allocation] = field(default_factory=list)
     pool: PoolLayout | None = None
+    unmapped: str = HARNESS_UNMAPPED  # what an address outside every allocation here is
 
     def add(self, name: str, tensor: torch.Tensor | None) -> None:
         if tensor is None or tensor.device.type != "cuda":
@@ -126,14 +129,15 @@ class AllocationMap:
                         past = "just past" if address == end else f"{address - end} bytes past"
                         return f"{past} the end of {allocation.name} ({allocation.size} bytes)"
                     return f"{allocation.start - address} bytes before {allocation.name}"
-        return "an allocation the harness did not make (the backend's own: workspace, metadata, temporaries)"
+        return self.unmapped
 
     def save(self, path: Path) -> None:
-        data = {"allocations": [asdict(a) for a in self.allocations], "pool": None if self.pool is None else asdict(self.pool)}
+        data = {"allocations": [asdict(a) for a in self.allocations], "pool": None if self.pool is None else asdict(self.pool),
+                "unmapped": self.unmapped}
         Path(path).write_text(json.dumps(data))
 
     @staticmethod
     def load(path: Path) -> "AllocationMap":
         data = json.loads(Path(path).read_text())
         pool = PoolLayout(**data["pool"]) if data.get("pool") else None
-        return AllocationMap([Allocation(**a) for a in data.get("allocations", [])], pool)
+        return AllocationMap([Allocation(**a) for a in data.get("allocations", [])], pool, data.get("unmapped", HARNESS_UNMAPPED))

@@ -87,17 +87,13 @@ def run_draft_loop_stage(backend_cls, case, map_path: Path) -> None:
 
 def memory_engine(backend_cls, case, device: torch.device):
     """The engine stage's engine (async, k = 3 drafted through the backend, eager) and its prompts."""
-    from conformance.checks.engine import ATTENTION_DRAFTER, SPEC_TOKENS, model_for
+    from conformance.checks.engine import ATTENTION_DRAFTER, SPEC_TOKENS, model_and_prompts
     from reference_engine.batched_engine import BatchedEngine
     from reference_engine.core import EngineConfig
-    from reference_engine.model import LlamaModel
 
-    config = model_for(case)
-    model = LlamaModel.random(config, case.seed, case.spec.dtype, device)
-    generator = torch.Generator().manual_seed(case.seed)
-    prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist() for n in ENGINE_PROMPTS]
+    model, prompts = model_and_prompts(case, device, ENGINE_PROMPTS)
     engine = BatchedEngine(EngineConfig(
-        model=config, backend=f"{backend_cls.__module__}:{backend_cls.__qualname__}", device=str(device),
+        model=model.config, backend=f"{backend_cls.__module__}:{backend_cls.__qualname__}", device=str(device),
         dtype=case.spec.dtype, block_size=case.spec.block_size, num_blocks=32, max_num_reqs=len(prompts),
         max_num_tokens=64, num_spec_tokens=SPEC_TOKENS, drafter=ATTENTION_DRAFTER, cuda_graphs=False), model)
     return engine, prompts
@@ -107,7 +103,7 @@ def run_engine_stage(backend_cls, case, map_path: Path) -> None:
     from reference_engine.sampling import SamplingParams
 
     engine, prompts = memory_engine(backend_cls, case, torch.device("cuda"))
-    where = AllocationMap()
+    where = AllocationMap(unmapped="an allocation outside the KV pools (the engine's inputs and state, or the backend's own)")
     for layer, pool in enumerate(engine.kv_caches):
         # A backend serving only some batches runs beside a companion: a pool for each.
         pools = pool if isinstance(pool, tuple) else (pool,)

@@ -84,6 +84,8 @@ def test_allocation_map_round_trips_and_places_addresses_outside_the_pool(tmp_pa
     assert loaded.describe(1020, nearest=1000) == "4 bytes past the end of seq_lens (16 bytes)"
     assert loaded.describe(5000 + 2 * 128) == "KV pool block 1 slot 0 (request 0's position 0, within its length 5)"
     assert loaded.describe(99).startswith("an allocation the harness did not make")
+    AllocationMap(unmapped="outside the engine's pools").save(tmp_path / "engine.json")  # the engine stage's map
+    assert AllocationMap.load(tmp_path / "engine.json").describe(99) == "outside the engine's pools"
 
 
 @pytest.mark.parametrize("case", [CASE, MLA], ids=["gqa", "mla"])
@@ -241,3 +243,36 @@ def test_the_draft_loop_leaves_api_copies_unchecked_where_the_tool_allows(monkey
     assert "--check-api-memory-access" not in sanitizer.command("cs", "initcheck", ["b", "c", "step", "o"])
     monkeypatch.setattr(sanitizer, "has_option", lambda tool_path, option: False)  # an older tool: all checked
     assert "--check-api-memory-access" not in sanitizer.command("cs", "initcheck", ["b"], api_copies=False)
+
+
+def test_each_stage_runs_with_the_allocator_and_copy_checks_its_execution_allows(monkeypatch):
+    """Eager stages: caching allocator off (each tensor its own allocation), copies checked. The
+    draft loop replays graphs: allocator on (capture needs it), copies unchecked."""
+    seen = {}
+
+    def run(tool_path, tool, child_args, env, timeout_s, api_copies=True):
+        seen[(child_args[2], tool)] = (env.get("PYTORCH_NO_CUDA_MEMORY_CACHING"), api_copies)
+        return sanitizer.SanitizerRun(tool, 0, [], 0)
+
+    monkeypatch.setattr(sanitizer, "run", run)
+    for stage, tool in (("step", "initcheck"), ("engine", "memcheck"), ("draft-loop", "initcheck"), ("nan-poison", None)):
+        memory.run_child(TorchNaiveBackend, CASE, stage, tool)
+    assert seen == {("step", "initcheck"): ("1", True), ("engine", "memcheck"): ("1", True),
+                    ("draft-loop", "initcheck"): (None, False), ("nan-poison", "nan-poison"): (None, True)}
+
+
+def test_a_report_in_the_engine_stage_fails_the_case_under_its_stage(monkeypatch):
+    """The engine stage's findings reach the verdict like the step's (plumbing: on the CPU the
+    engine stage's child is not run under the tool; no planted defect has been run through it on
+    a GPU yet)."""
+    output = (OUTPUT / "memcheck-block-table-overread.txt").read_text()
+    clean = "========= ERROR SUMMARY: 0 errors\n"
+
+    def run_child(backend_cls, case, stage, tool):
+        text = output if stage == "engine" else clean
+        reports, errors, unsupported = sanitizer.parse(text)
+        return sanitizer.SanitizerRun(tool, 0, reports, errors, unsupported, text[-300:]), AllocationMap(unmapped="outside")
+
+    monkeypatch.setattr(memory, "run_child", run_child)
+    result = MemoryCheck().run_case(TorchNaiveBackend, parse_case("gqa-h4/2-d64-bf16-p16:1+1,40+1"), CPU)
+    assert result.verdict == Verdict.FAIL and result.reason.startswith("memcheck, engine, forward: Invalid __global__ read")
