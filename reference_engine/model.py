@@ -13,6 +13,8 @@ from backends.base import AttentionBackend, AttentionSpec
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """A model's shape. The defaults are the tiny seeded model the CPU tests run; ``PRESETS`` below
+    names the larger seeded ones, and a checkpoint's or GGUF file's metadata gives a real model's."""
     vocab_size: int = 512
     hidden_size: int = 128
     num_layers: int = 4

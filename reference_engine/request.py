@@ -13,6 +13,7 @@ class RequestStats:
     drafted: int = 0
     accepted: int = 0
     preemptions: int = 0
+    # time.perf_counter() seconds; the output reports the first token's and the finish's latency from arrival
     arrival_time: float = 0.0
     first_token_time: float = 0.0
     finish_time: float = 0.0

@@ -1,7 +1,11 @@
 """Adapters over flashinfer-python. Each imports flashinfer lazily (in ``__init__``), so a machine
 without it lists the backend as unavailable with the install command instead of failing."""
 
+import importlib
+
 import torch
+
+from backends.base import AttentionBackend, AttentionSpec, BackendLimits, CommonAttentionMetadata
 
 INSTALL_HINT = "pip install 'specdec-conformance[flashinfer]'"
 WORKSPACE_BYTES = 128 * 2**20
@@ -17,3 +21,20 @@ def runs_on(compute_capabilities: frozenset[tuple[int, int]]) -> dict:
     """The Capabilities fields that say where a FlashInfer adapter runs (its kernels differ by GPU)."""
     return dict(devices=frozenset({"cuda"}), compute_capabilities=compute_capabilities,
                 required_modules=("flashinfer",), install_hint=INSTALL_HINT)
+
+
+class DeviceLengthsEntryPoint(AttentionBackend):
+    """A FlashInfer function that reads every length on the device (``trtllm``, ``trtllm_mla``): the
+    function, imported when the backend is made, its zeroed workspace, and a draft-step update that
+    only re-points the metadata at the step's device tensors (nothing is planned on the host)."""
+    entry_point: tuple[str, str]  # (module, function)
+
+    def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
+        super().__init__(spec, limits, device)
+        module, function = self.entry_point
+        self.kernel = getattr(importlib.import_module(module), function)
+        self.workspace = new_workspace(self.device)
+
+    def update_for_draft_step(self, metadata, common: CommonAttentionMetadata):
+        metadata.block_table, metadata.seq_lens = common.block_table, common.seq_lens
+        return metadata

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
-from backends.flashinfer import new_workspace, runs_on
+from backends.base import Capabilities, CGSupport, CommonAttentionMetadata
+from backends.flashinfer import DeviceLengthsEntryPoint, runs_on
 from backends.vendor_layout import packed, packed_output
 from backends.paged_write import write_paged_rows
 
@@ -20,7 +20,7 @@ class TrtllmMetadata:
     num_tokens: int
 
 
-class TrtllmBackend(AttentionBackend):
+class TrtllmBackend(DeviceLengthsEntryPoint):
     name = "trtllm"
     capabilities = Capabilities(
         kinds=frozenset({"mha"}), head_dims=frozenset({128}), block_sizes=frozenset({16, 32, 64}),
@@ -28,13 +28,7 @@ class TrtllmBackend(AttentionBackend):
         cuda_graphs=CGSupport.UNIFORM_SINGLE_TOKEN_DECODE, needs_cpu_seq_lens=False, draft_step_update=True,
         **runs_on(frozenset({(9, 0), (10, 0), (10, 3)})),  # XQA on SM90, trtllm-gen on SM100/SM103
     )
-
-    def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
-        super().__init__(spec, limits, device)
-        from flashinfer.decode import trtllm_batch_decode_with_kv_cache  # noqa: PLC0415 - optional dependency
-
-        self.kernel = trtllm_batch_decode_with_kv_cache
-        self.workspace = new_workspace(self.device)
+    entry_point = ("flashinfer.decode", "trtllm_batch_decode_with_kv_cache")
 
     # HND: [num_blocks, 2, kv_heads, block_size, head_dim]
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -48,10 +42,6 @@ class TrtllmBackend(AttentionBackend):
     def build(self, common: CommonAttentionMetadata) -> TrtllmMetadata:
         # The upper bound is what the kernel is given: the true lengths are read on the device.
         return TrtllmMetadata(common.block_table, common.seq_lens, self.limits.max_model_len, common.num_actual_tokens)
-
-    def update_for_draft_step(self, metadata: TrtllmMetadata, common: CommonAttentionMetadata) -> TrtllmMetadata:
-        metadata.block_table, metadata.seq_lens = common.block_table, common.seq_lens
-        return metadata
 
     def forward(self, query, kv_cache, metadata: TrtllmMetadata, out) -> None:
         tokens = metadata.num_tokens

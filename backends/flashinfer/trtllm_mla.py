@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
-from backends.flashinfer import new_workspace, runs_on
+from backends.base import AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
+from backends.flashinfer import DeviceLengthsEntryPoint, runs_on
 from backends.vendor_layout import packed, packed_output
 from backends.paged_write import write_paged_rows
 
@@ -44,7 +44,7 @@ def kernel_arguments(spec: AttentionSpec, limits: BackendLimits, query, kv_cache
     )
 
 
-class TrtllmMLABackend(AttentionBackend):
+class TrtllmMLABackend(DeviceLengthsEntryPoint):
     name = "trtllm_mla"
     capabilities = Capabilities(
         kinds=frozenset({"mla"}), dtypes=frozenset({torch.bfloat16}), head_dims=frozenset({576}), block_sizes=frozenset({32, 64}),
@@ -52,13 +52,7 @@ class TrtllmMLABackend(AttentionBackend):
         cuda_graphs=CGSupport.UNIFORM_BATCH, needs_cpu_seq_lens=False, draft_step_update=True,
         **runs_on(frozenset({(10, 0), (10, 3), (12, 0)})),  # trtllm-gen on SM100/SM103, XQA on SM120
     )
-
-    def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
-        super().__init__(spec, limits, device)
-        from flashinfer.mla import trtllm_batch_decode_with_kv_cache_mla  # noqa: PLC0415 - optional dependency
-
-        self.kernel = trtllm_batch_decode_with_kv_cache_mla
-        self.workspace = new_workspace(self.device)
+    entry_point = ("flashinfer.mla", "trtllm_batch_decode_with_kv_cache_mla")
 
     # [num_blocks, block_size, kv_lora_rank + rope_dim]
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -72,10 +66,6 @@ class TrtllmMLABackend(AttentionBackend):
         if query_len * common.num_reqs != common.num_actual_tokens or query_len != common.max_query_len:
             raise ValueError("trtllm_mla needs the same query length for every request of a batch")
         return TrtllmMLAMetadata(common.block_table, common.seq_lens, common.num_reqs, query_len)
-
-    def update_for_draft_step(self, metadata: TrtllmMLAMetadata, common: CommonAttentionMetadata) -> TrtllmMLAMetadata:
-        metadata.block_table, metadata.seq_lens = common.block_table, common.seq_lens
-        return metadata
 
     def forward(self, query, kv_cache, metadata: TrtllmMLAMetadata, out) -> None:
         target, land = packed_output(out)

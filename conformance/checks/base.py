@@ -12,13 +12,18 @@ import torch
 
 from backends.base import AttentionBackend
 from conformance.inputs.cases import Case
-from conformance.checks.evidence import EvidenceItem, labelled, without, worst_element
+from conformance.checks.evidence import EvidenceItem, labelled, sync_events, without, worst_element
 from conformance.results import CaseResult, Verdict, worst
 
 
 class Check(abc.ABC):
     name: ClassVar[str]
     question: ClassVar[str]
+    # The evidence keys this check writes whose value is shown as it is, and the label every report
+    # gives each (in this order); a key that needs more than a label is described by an override.
+    evidence_labels: ClassVar[dict[str, str]] = {}
+    # The evidence keys that hold host-sync events (``SyncEventRecord`` lists), with their labels.
+    sync_event_labels: ClassVar[dict[str, str]] = {}
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         self.options = options or {}
@@ -38,12 +43,17 @@ class Check(abc.ABC):
 
     @classmethod
     def describe_evidence(cls, evidence: dict[str, Any]) -> list[EvidenceItem]:
-        """What every report shows of one case's evidence. A check describes the keys it writes and
-        passes the rest here (``evidence.without``): the oracle comparison's worst element (numerics,
-        graphs and the draft loop write it), a crashed child's stderr and an error's traceback,
-        which any check can have, and any key no check described, shown as it is."""
-        rest = without(evidence, "worst")
-        return worst_element(evidence.get("worst")) + [item for key, value in rest.items() for item in labelled(key.replace("_", " "), value)]
+        """What every report shows of one case's evidence: the keys of ``sync_event_labels`` (an item per
+        event) and of ``evidence_labels`` under their labels, the oracle comparison's worst element (numerics, graphs and the draft loop write
+        it), then a crashed child's stderr, an error's traceback (any check can have them) and any
+        key no check described, shown as it is. An override describes its own keys and passes the
+        rest here (``evidence.without``)."""
+        events = [item for key, label in cls.sync_event_labels.items() for item in sync_events(label, evidence.get(key))]
+        labelled_items = [item for key, label in cls.evidence_labels.items() for item in labelled(label, evidence.get(key))]
+        rest = without(evidence, "worst", *cls.sync_event_labels, *cls.evidence_labels)
+        return events + labelled_items + worst_element(evidence.get("worst")) + [
+            item for key, value in rest.items() for item in labelled(key.replace("_", " "), value)
+        ]
 
     def details(self) -> dict[str, Any]:
         """Check-wide facts the report should state (tolerances, strategy)."""

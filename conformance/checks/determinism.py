@@ -20,7 +20,6 @@ import torch
 from backends.base import AttentionBackend
 from conformance.inputs.cases import Case
 from conformance.checks.base import Check
-from conformance.checks.evidence import EvidenceItem, labelled, without
 from conformance.inputs.harness import PreparedCase, prepare_case, run_step
 from conformance.results import CaseResult, Verdict
 
@@ -50,12 +49,7 @@ def batch_variants(num_reqs: int) -> list[tuple[str, list[int]]]:
 class DeterminismCheck(Check):
     name = "determinism"
     question = "bitwise-equal on identical inputs; a request's output independent of the rest of the batch?"
-
-    @classmethod
-    def describe_evidence(cls, evidence: dict[str, Any]) -> list[EvidenceItem]:
-        items = labelled("not deterministic", evidence.get("deterministic"))
-        items += labelled("not batch-invariant", evidence.get("batch_invariant"))
-        return items + super().describe_evidence(without(evidence, "deterministic", "batch_invariant"))
+    evidence_labels = {"deterministic": "not deterministic", "batch_invariant": "not batch-invariant"}
 
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
         claims = backend_cls.capabilities

@@ -43,7 +43,6 @@ import torch
 from backends.base import AttentionBackend
 from conformance.inputs.cases import Case
 from conformance.checks.base import Check
-from conformance.checks.evidence import EvidenceItem, labelled, without
 from conformance.results import CaseResult, Verdict
 from reference_engine.attention_split import AUTO, Routing, SplitAttention, resolve_companion
 from reference_engine.equality import NEAR_TIE
@@ -96,20 +95,17 @@ def engine_skip_reason(backend_cls: type[AttentionBackend], case: Case, device: 
 class EngineCheck(Check):
     name = "engine"
     question = "Does the reference engine, async and sync, produce the same tokens through this backend, with no host syncs?"
+    evidence_labels = {
+        "near_ties": "near-tie flips (explained, not failures)",
+        "verified_drafts_digest": "verified drafts' digest",
+        "accepted_drafts": "accepted drafts per prompt",
+        "host_sync_sources": "host syncs in the async loop",
+        "attention_routing": "batches and tokens each backend served (prefill/decode split)",
+    }
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         super().__init__(options)
         self.covered: dict[tuple, str] = {}
-
-    @classmethod
-    def describe_evidence(cls, evidence: dict[str, Any]) -> list[EvidenceItem]:
-        items = labelled("near-tie flips (explained, not failures)", evidence.get("near_ties"))
-        items += labelled("verified drafts' digest", evidence.get("verified_drafts_digest"))
-        items += labelled("accepted drafts per prompt", evidence.get("accepted_drafts"))
-        items += labelled("host syncs in the async loop", evidence.get("host_sync_sources"))
-        items += labelled("batches and tokens each backend served (prefill/decode split)", evidence.get("attention_routing"))
-        described = ("near_ties", "verified_drafts_digest", "accepted_drafts", "host_sync_sources", "attention_routing")
-        return items + super().describe_evidence(without(evidence, *described))
 
     def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
         key = layout_key(case)

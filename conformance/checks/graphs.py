@@ -33,7 +33,6 @@ import torch
 from backends.base import AttentionBackend
 from conformance.inputs.cases import Case
 from conformance.checks.base import Check
-from conformance.checks.evidence import EvidenceItem, labelled, sync_events, without
 from conformance.checks.numerics import TOLERANCES, compare_with_oracle
 from conformance.inputs.graph_batches import (
     Replay, fits, graph_class_reason, graph_shape, larger_batch, replay_batches,
@@ -87,11 +86,8 @@ class GraphsCheck(Check):
     name = "graphs"
     question = "capture with batch A (also as the first call, and before a larger shape), replay with B1..Bn: equal to eager and to the oracle?"
 
-    @classmethod
-    def describe_evidence(cls, evidence: dict[str, Any]) -> list[EvidenceItem]:
-        items = labelled("failing replay batch", evidence.get("failing_batch"))
-        items += sync_events("during capture", evidence.get("capture_events"))
-        return items + super().describe_evidence(without(evidence, "failing_batch", "capture_events"))
+    evidence_labels = {"failing_batch": "failing replay batch"}
+    sync_event_labels = {"capture_events": "during capture"}
 
     def skip_reason(self, backend_cls: type[AttentionBackend], device: torch.device) -> str | None:
         return cuda_graph_skip_reason(backend_cls, device)

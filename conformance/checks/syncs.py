@@ -16,7 +16,6 @@ import torch
 from backends.base import AttentionBackend
 from conformance.inputs.cases import Case
 from conformance.checks.base import Check
-from conformance.checks.evidence import EvidenceItem, labelled, sync_events, without
 from conformance.inputs.harness import prepare_case, run_step
 from host_syncs.detector import detect_host_syncs
 from host_syncs.events import SyncEvent
@@ -62,12 +61,8 @@ class SyncsCheck(Check):
     name = "syncs"
     question = "host↔device syncs in build + write_kv + forward, with and without host lengths?"
 
-    @classmethod
-    def describe_evidence(cls, evidence: dict[str, Any]) -> list[EvidenceItem]:
-        items = [item for mode in MODES for item in sync_events(mode.replace("_", " "), evidence.get(mode))]
-        items += labelled("detector fell back (CUPTI unavailable)", evidence.get("cupti_unavailable"))
-        # blind_spots is the detector's standing caveat, the same for every case: the check's details say it.
-        return items + super().describe_evidence(without(evidence, *MODES, "cupti_unavailable", "blind_spots"))
+    evidence_labels = {"cupti_unavailable": "detector fell back (CUPTI unavailable)"}
+    sync_event_labels = {mode: mode.replace("_", " ") for mode in MODES}
 
     @property
     def strategy(self) -> str:
@@ -98,6 +93,7 @@ class SyncsCheck(Check):
         )
         metrics = {
             "strategy": strategy,
+            "blind_spots": blind_spots,  # the detector's standing caveat, the same for every case: the details say it
             **{f"{mode}_blocking": phase_counts(mode_events) for mode, mode_events in events.items()},
             **{f"{mode}_info": sum(1 for e in mode_events if not e.blocking) for mode, mode_events in events.items()},
             "sources": {k: v for mode, mode_events in events.items() for k, v in source_counts(mode, mode_events).items()},
@@ -105,7 +101,6 @@ class SyncsCheck(Check):
         evidence = {
             mode: [event.to_dict() for event in mode_events[:MAX_EVENTS_KEPT]] for mode, mode_events in events.items()
         }
-        evidence["blind_spots"] = blind_spots
         if fallback:
             evidence["cupti_unavailable"] = fallback
         return CaseResult(case.id, verdict, reason, tag=case.tag, metrics=metrics, evidence=evidence)
@@ -123,7 +118,7 @@ class SyncsCheck(Check):
             sources.update(case.metrics["sources"])
         return {
             "strategy": ran[0].metrics["strategy"],
-            "blind_spots": ran[0].evidence.get("blind_spots", ""),
+            "blind_spots": ran[0].metrics.get("blind_spots", ""),
             "blocking_events_per_call": per_call,
             "sources": dict(sources.most_common()),
         }
