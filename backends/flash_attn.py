@@ -8,6 +8,7 @@ token itself. Its MLA path (``qv``) is Blackwell-only in flash-attn-4, so there 
 ``flash_attn_mla`` on Hopper. The argument construction is a pure function, tested on the CPU."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,11 @@ from backends.base import AttentionBackend, AttentionSpec, Capabilities, CGSuppo
 from backends.paged_write import write_paged_rows
 
 INSTALL_HINT = "pip install 'specdec-conformance[flash-attn]'"
+# flash-attn-4 compiles each kernel variant (CuTe DSL) in every process, 10-50 s under
+# compute-sanitizer, and the suite runs many processes; its own on-disk cache, keyed by a
+# fingerprint of its sources and of the DSL's version, compiles each once. Read when flash_attn.cute
+# is first imported, so it is set here, before; a user's own setting (0 included) wins.
+os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
 
 
 @dataclass
