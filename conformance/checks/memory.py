@@ -24,7 +24,8 @@ What none of them sees: a read of *another request's written* slot whose value i
 The passes run on a subset (decode, spec-verify, mixed, block boundaries, for the first layout of
 each kind); from the decode case also a draft loop of k = 4 under CUDA graphs (memcheck and
 initcheck) and a few steps of the reference engine, async, drafting through the backend (memcheck:
-its pools are zeroed). A case given with ``--case`` always runs.
+its pools are zeroed). A case given with ``--case`` always runs. A case's children run side by
+side: each is mostly compute-sanitizer's start-up and JIT compiles under it, CPU work.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import os
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,14 +122,19 @@ class MemoryCheck(Check):
                 "sanitizer": sanitizer.find_tool()}
 
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
-        findings, metrics = run_poison_pass(backend_cls, case)
         backend_file = Path(inspect.getfile(backend_cls)).name
+        stages = self.stages(backend_cls, case, device)
+        children = [(stage, tool) for stage in stages for tool in SANITIZED_STAGES[stage].tools]
+        with ThreadPoolExecutor(max_workers=min(len(children) + 1, os.cpu_count() or 1)) as pool:
+            poisoned = pool.submit(run_poison_pass, backend_cls, case)
+            runs = [pool.submit(timed_child, backend_cls, case, stage, tool) for stage, tool in children]
+            findings, metrics = poisoned.result()
+            runs = [run.result() for run in runs]
         unsupported = None
-        for stage in self.stages(backend_cls, case, device):
+        for stage in stages:
             for tool in SANITIZED_STAGES[stage].tools:
-                started = time.perf_counter()
-                run, where = run_child(backend_cls, case, stage, tool)
-                metrics[f"{tool} {stage} seconds"] = round(time.perf_counter() - started, 1)
+                run, where, seconds = runs[children.index((stage, tool))]
+                metrics[f"{tool} {stage} seconds"] = seconds
                 metrics[f"{tool} {stage} errors"] = run.error_count
                 if run.unsupported:
                     unsupported = run.unsupported
@@ -252,6 +259,14 @@ def run_child(backend_cls: type[AttentionBackend], case: Case, stage: str,
         run.written = json.loads(out_path.read_text()) if out_path.exists() else None
         where = AllocationMap.load(out_path) if out_path.exists() and tool else AllocationMap()
     return run, where
+
+
+def timed_child(backend_cls: type[AttentionBackend], case: Case, stage: str,
+                tool: str) -> tuple[sanitizer.SanitizerRun, AllocationMap, float]:
+    """``run_child``, and its wall time in seconds (with the case's other children beside it)."""
+    started = time.perf_counter()
+    run, where = run_child(backend_cls, case, stage, tool)
+    return run, where, round(time.perf_counter() - started, 1)
 
 
 def run_poison_pass(backend_cls: type[AttentionBackend], case: Case) -> tuple[list[dict], dict]:
