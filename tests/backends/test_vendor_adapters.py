@@ -197,3 +197,31 @@ def test_flash_attn_kernel_arguments_and_availability():
     assert arguments["max_seqlen_q"] == 4 and arguments["softmax_scale"] == spec.softmax_scale
     plain = flash_attn.kernel_arguments(dataclasses.replace(spec, sliding_window=None, logits_soft_cap=None), query, cache, metadata)
     assert plain["window_size"] == (None, None) and plain["softcap"] == 0.0
+
+
+def test_trtllm_backends_import_their_entry_point_and_re_point_draft_steps(monkeypatch):
+    """trtllm and trtllm_mla (``DeviceLengthsEntryPoint``): the named FlashInfer function, a zeroed
+    workspace, and a draft-step update that takes the step's device tensors (no host planning)."""
+    import types
+
+    import backends.flashinfer as flashinfer_adapters
+
+    def decode(**kwargs):
+        return "decode"
+
+    def mla(**kwargs):
+        return "mla"
+
+    monkeypatch.setitem(sys.modules, "flashinfer.decode", types.SimpleNamespace(trtllm_batch_decode_with_kv_cache=decode))
+    monkeypatch.setitem(sys.modules, "flashinfer.mla", types.SimpleNamespace(trtllm_batch_decode_with_kv_cache_mla=mla))
+    monkeypatch.setattr(flashinfer_adapters, "WORKSPACE_BYTES", 64)
+    for backend_cls, case, kernel in [(TrtllmBackend, "gqa-h4/2-d128-bf16-p16:30+1,50+1", decode),
+                                      (TrtllmMLABackend, "mla-h16-d512+64-bf16-p64:30+1,50+1", mla)]:
+        parsed = parse_case(case)
+        backend = backend_cls(parsed.spec, BackendLimits(8, 64, 256), torch.device("cpu"))
+        assert backend.kernel is kernel and backend.workspace.shape == (64,) and not backend.workspace.any()
+        common = materialize(parsed, "cpu").common_metadata()
+        metadata = backend.build(common)
+        advanced = dataclasses.replace(common, seq_lens=common.seq_lens + 1, block_table=common.block_table.clone())
+        assert backend.update_for_draft_step(metadata, advanced) is metadata
+        assert metadata.seq_lens is advanced.seq_lens and metadata.block_table is advanced.block_table
