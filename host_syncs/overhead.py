@@ -1,7 +1,9 @@
 """Measures what the detector costs: ``python -m host_syncs.overhead [--strategy S]``.
 
 (1) per intercepted call: many cudaStreamSynchronize on an idle stream, with and without it;
-(2) a launch-heavy loop (small kernels, none intercepted), with and without it. Prints JSON.
+(2) a launch-heavy loop (small kernels, none intercepted), with and without it; (3) both again
+before the process's first detector pass and after its passes ended: whatever a pass leaves
+behind (a subscription that outlives it) shows there. Prints JSON.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ def measure_overhead(strategy: str, calls: int = 2000, launches: int = 5000) -> 
             x.add_(1.0)
 
     syncs(), kernels()  # warm-up
+    before_sync, before_launch = _median_seconds(syncs, 5), _median_seconds(kernels, 5)  # no detector yet
     samples: dict[str, list[float]] = {key: [] for key in ("plain_sync", "plain_launch", "watched_sync", "paused_sync", "watched_launch")}
     for _ in range(5):  # interleaved rounds, so clock drift hits both sides alike
         samples["plain_sync"].append(_median_seconds(syncs, 3))
@@ -48,6 +51,7 @@ def measure_overhead(strategy: str, calls: int = 2000, launches: int = 5000) -> 
             with detector.paused():  # the callbacks alone, without recording events and their stacks
                 samples["paused_sync"].append(_median_seconds(syncs, 3))
             samples["watched_launch"].append(_median_seconds(kernels, 3))
+    after_sync, after_launch = _median_seconds(syncs, 5), _median_seconds(kernels, 5)  # every pass has ended
     plain_sync, plain_launch, watched_sync, paused_sync, watched_launch = (
         statistics.median(samples[key]) for key in ("plain_sync", "plain_launch", "watched_sync", "paused_sync", "watched_launch")
     )
@@ -63,6 +67,10 @@ def measure_overhead(strategy: str, calls: int = 2000, launches: int = 5000) -> 
         "launch_loop_us_per_launch_watched": watched_launch / launches * 1e6,
         "launch_loop_overhead_percent": (watched_launch / plain_launch - 1) * 100,
         "events_recorded": len(detector.events),
+        "intercepted_call_us_before_any_pass": before_sync / calls * 1e6,
+        "intercepted_call_us_after_the_passes": after_sync / calls * 1e6,
+        "launch_loop_us_per_launch_before_any_pass": before_launch / launches * 1e6,
+        "launch_loop_us_per_launch_after_the_passes": after_launch / launches * 1e6,
     }
 
 

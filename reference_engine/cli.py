@@ -23,7 +23,7 @@ from reference_engine.checkpoint import CheckpointError, load_eagle_head, load_m
 from reference_engine.batched_engine import BatchedEngine
 from reference_engine.core import EngineConfig
 from reference_engine.engine import Engine
-from reference_engine.metrics import measure
+from reference_engine.metrics import count_host_syncs, measure
 from reference_engine.model import PRESETS, LlamaModel
 from reference_engine.prompt_set import take
 from reference_engine.real_models import REAL_MODELS, ModelFetchError, fetch, load_real_model
@@ -138,7 +138,7 @@ def _print_texts(console: Console, tokenizer: Tokenizer, outputs, num_prompts: i
         console.print(tokenizer.decode(output.tokens), markup=False, highlight=False)
 
 
-def _measure(engine, prompts, params, args, usage_error, warm_up: bool = True):
+def _measure(engine, prompts, params, usage_error, *, detect_syncs: bool, warm_up: bool = True):
     """The workload once as a warm-up, then measured. Every shape of the measured run has then
     met the Triton JIT (which specializes on argument values), cuBLAS and its CUDA-graph captures
     (a segment is captured on its second use), as a server warms up before taking traffic; a
@@ -146,7 +146,7 @@ def _measure(engine, prompts, params, args, usage_error, warm_up: bool = True):
     try:
         if warm_up:
             engine.generate(prompts, params)
-        return measure(engine, prompts, params, detect_syncs=args.detect_syncs)
+        return measure(engine, prompts, params, detect_syncs=detect_syncs)
     except ValueError as error:
         raise usage_error(str(error)) from None
 
@@ -199,7 +199,7 @@ def run_engine(args: argparse.Namespace, console: Console, usage_error) -> int:
         raise usage_error(str(error)) from None
     with Progress(TextColumn("generating"), BarColumn(), TimeElapsedColumn(), console=console, transient=True) as bar:
         bar.add_task("tokens", total=None)
-        outputs, metrics = _measure(engine, prompts, params, args, usage_error)
+        outputs, metrics = _measure(engine, prompts, params, usage_error, detect_syncs=args.detect_syncs)
     table = Table(title=f"reference engine — {args.model}, {args.backend}, {dtype_name}, {device.type}, {args.loop} loop",
                   title_justify="left")
     for column in ("metric", "value"):
@@ -235,13 +235,23 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
     for column in ("drafter", "loop", "tokens/s", "TPOT ms", "accept len", "host ms/step", "GPU idle", "syncs/step",
                    "async/sync TPOT"):
         table.add_column(column)
-    results = []
-    for drafter in (args.drafters.split(",") if args.spec_tokens else ["none"]):
-        measured = {}
+    drafters = args.drafters.split(",") if args.spec_tokens else ["none"]
+    # Every engine is timed before any host-sync count, so that no timed run follows a detector's
+    # pass: with the counts made engine by engine, turning --detect-syncs on changed the async
+    # loop's timed figures (issue #20), which the detector's own pass is never part of.
+    kept, timed = {}, {}  # the engines whose syncs are counted after every timed run
+    for drafter in drafters:
         for loop in ("sync", "async"):
             engine = _make_engine(args, model, None, dtype, device, loop, drafter, usage_error)
-            outputs, metrics = _measure(engine, prompts, params, args, usage_error)
-            measured[loop] = (outputs, metrics)
+            timed[drafter, loop] = _measure(engine, prompts, params, usage_error, detect_syncs=False)
+            if args.detect_syncs:
+                kept[drafter, loop] = engine
+    for key, engine in kept.items():
+        count_host_syncs(engine, prompts, params, timed[key][1])
+    kept.clear()
+    results = []
+    for drafter in drafters:
+        measured = {loop: timed[drafter, loop] for loop in ("sync", "async")}
         same = [o.tokens for o in measured["sync"][0]] == [o.tokens for o in measured["async"][0]]
         ratio = measured["async"][1].tpot_ms / measured["sync"][1].tpot_ms if measured["sync"][1].tpot_ms else None
         for loop in ("sync", "async"):

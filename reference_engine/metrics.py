@@ -84,7 +84,9 @@ def steady_iterations(engine) -> list[int]:
 
 def measure(engine, prompts, params, *, detect_syncs: bool = False, strategy: str = "auto"):
     """Run ``engine.generate`` and measure it (and once more under the host-sync detector, when
-    asked). Returns (outputs of the timed run, EngineMetrics)."""
+    asked: ``count_host_syncs``). Returns (outputs of the timed run, EngineMetrics). Comparing
+    engines, time them all before counting any one's syncs (``engine bench`` does), so that no
+    timed run follows a detector's pass."""
     timer = getattr(engine, "timer", None)
     if timer is not None:
         timer.pairs.clear()
@@ -114,20 +116,29 @@ def measure(engine, prompts, params, *, detect_syncs: bool = False, strategy: st
                                     for phase in ("schedule", "launch", "wait", "land")}
     graphs = getattr(engine, "graphs", None)
     metrics.graph_replays = graphs.replays if graphs is not None else 0
-    if detect_syncs and engine.device.type == "cuda":
-        from host_syncs.detector import detect_host_syncs
-
-        detector = detect_host_syncs(strategy, only_in_phases=True)
-        engine.sync_detector = detector
-        try:
-            with detector:
-                engine.generate(prompts, params)
-        finally:
-            engine.sync_detector = None
-        steady = steady_iterations(engine)
-        names = {f"iteration {index}" for index in steady}
-        blocking = [event for event in detector.blocking_events if event.phase in names]
-        metrics.steady_steps = len(steady)
-        metrics.host_syncs_per_steady_step = len(blocking) / len(steady) if steady else None
-        metrics.host_sync_sources = sorted({event.describe() for event in blocking})[:8]
+    if detect_syncs:
+        count_host_syncs(engine, prompts, params, metrics, strategy)
     return outputs, metrics
+
+
+def count_host_syncs(engine, prompts, params, metrics: EngineMetrics, strategy: str = "auto") -> None:
+    """One more ``generate`` under the host-sync detector (CUDA only), its steady steps' blocking
+    syncs written into ``metrics``. Its own pass, never timed: the detector's callbacks cost host
+    time on every call they watch."""
+    if engine.device.type != "cuda":
+        return
+    from host_syncs.detector import detect_host_syncs
+
+    detector = detect_host_syncs(strategy, only_in_phases=True)
+    engine.sync_detector = detector
+    try:
+        with detector:
+            engine.generate(prompts, params)
+    finally:
+        engine.sync_detector = None
+    steady = steady_iterations(engine)
+    names = {f"iteration {index}" for index in steady}
+    blocking = [event for event in detector.blocking_events if event.phase in names]
+    metrics.steady_steps = len(steady)
+    metrics.host_syncs_per_steady_step = len(blocking) / len(steady) if steady else None
+    metrics.host_sync_sources = sorted({event.describe() for event in blocking})[:8]

@@ -122,3 +122,57 @@ def test_attribution_skips_harness_contract_torch_and_stdlib():
     assert attribute(frames) == frames[1]
     assert is_infrastructure(frames[2].filename) and not is_infrastructure(here)
     assert attribute(frames[:1]) is None
+
+
+def test_the_cupti_strategy_leaves_no_subscriber_after_its_pass(monkeypatch):
+    """CUPTI allows one subscriber a process, and a callback left enabled costs every later call it
+    watches (timed runs included): stop() must unsubscribe, and a failed start must not leak one."""
+    import enum
+    import types
+
+    from host_syncs import cupti_strategy
+
+    class Domain(enum.IntEnum):
+        RUNTIME_API = 1
+        DRIVER_API = 2
+
+    Runtime = enum.IntEnum("Runtime", {"cudaStreamSynchronize_v3020": 1, "cudaLaunchKernel_v7000": 2})
+    Driver = enum.IntEnum("Driver", {"cuCtxSynchronize": 1})
+
+    class FakeCupti(types.SimpleNamespace):
+        def __init__(self, accepts: bool):
+            super().__init__(CallbackDomain=Domain, RuntimeApiTraceCbid=Runtime, DriverApiTraceCbid=Driver)
+            self.accepts, self.subscribers, self.enabled = accepts, set(), set()
+
+        def subscribe(self, callback, userdata):
+            if self.subscribers:
+                raise RuntimeError("CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED")
+            self.subscribers.add("handle")
+            return "handle"
+
+        def enable_callback(self, enable, subscriber, domain, cbid):
+            if not self.accepts:
+                raise RuntimeError("CUPTI_ERROR_INVALID_PARAMETER")
+            self.enabled.add((domain, int(cbid)))
+
+        def unsubscribe(self, subscriber):
+            self.subscribers.discard(subscriber)
+            self.enabled.clear()  # cuptiUnsubscribe disables every callback of the subscriber
+
+    monkeypatch.setattr(cupti_strategy, "PointerTypes", lambda: None)
+    for accepts in (True, False):
+        fake = FakeCupti(accepts)
+        monkeypatch.setattr(cupti_strategy, "_import_cupti", lambda: fake)
+        strategy = cupti_strategy.CuptiStrategy(EventRecorder())
+        if accepts:
+            strategy.start()
+            assert fake.subscribers and (Domain.RUNTIME_API, 1) in fake.enabled and (Domain.RUNTIME_API, 2) not in fake.enabled
+            strategy.stop()
+        else:
+            try:
+                strategy.start()
+            except cupti_strategy.CuptiUnavailable:
+                pass
+        assert not fake.subscribers and not fake.enabled
+    fake.accepts = True
+    cupti_strategy.CuptiStrategy(EventRecorder()).start()  # the next pass can subscribe again

@@ -108,3 +108,14 @@ def test_forbid_host_syncs_imported_alone_fails_at_teardown(pytester):
     result = pytester.runpytest_subprocess("-p", "no:conformance")
     result.assert_outcomes(passed=1, errors=1)  # the body ran; the fixture's teardown judged it
     result.stdout.fnmatch_lines(["*host-blocking CUDA call*"])
+
+
+def test_no_cupti_subscriber_outlives_the_detector_s_pass(x):
+    """CUPTI refuses a second subscriber while one is attached: a fresh subscribe after the pass
+    succeeds only if the detector let go (a callback left on would tax every later timed run)."""
+    cupti = pytest.importorskip("cupti").cupti
+    with detect_host_syncs("cupti") as detector:
+        torch.cuda.synchronize()
+    assert detector.strategy_name == "cupti" and detector.blocking_events
+    handle = cupti.subscribe(lambda *args: None, None)  # raises CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED if not
+    cupti.unsubscribe(handle)

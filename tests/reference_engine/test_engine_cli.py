@@ -28,3 +28,36 @@ def test_engine_run_prints_speed_and_acceptance():
 def test_engine_usage_errors(args, message):
     completed = engine(*args, "--device", "cpu")
     assert completed.returncode == 2 and message in completed.stderr and "Traceback" not in completed.stderr
+
+
+def test_engine_bench_times_every_engine_before_counting_any_syncs(monkeypatch, tmp_path):
+    """A detector's pass must not precede a timed run (issue #20: --detect-syncs changed the timed
+    figures): every engine's timed run comes first, then each engine's sync count."""
+    import json
+
+    from conformance import cli as conformance_cli
+    from reference_engine import cli, metrics
+
+    calls = []
+
+    def timed(engine, prompts, params, *, detect_syncs=False, **kwargs):
+        assert not detect_syncs  # the count is its own pass, after every timed one
+        calls.append(("timed", engine.config.async_scheduling, engine.config.drafter))
+        return metrics.measure(engine, prompts, params, **kwargs)
+
+    def counted(engine, prompts, params, measured, strategy="auto"):
+        calls.append(("counted", engine.config.async_scheduling, engine.config.drafter))
+        measured.host_syncs_per_steady_step = 0.0
+
+    monkeypatch.setattr(cli, "measure", timed)
+    monkeypatch.setattr(cli, "count_host_syncs", counted)
+    out = tmp_path / "bench.json"
+    code = conformance_cli.main(["engine", "bench", "--device", "cpu", "--spec-tokens", "2", "--num-prompts", "2",
+                                 "--max-tokens", "6", "--prompt-len", "8", "--detect-syncs", "--json", str(out),
+                                 "--drafters", "scripted:random:0.7,layer-skip"])
+    assert code == 0
+    kinds = [kind for kind, *_ in calls]
+    assert kinds == ["timed"] * 4 + ["counted"] * 4, calls
+    assert sorted(calls[:4], key=str) == sorted([("timed", *key) for key in {call[1:] for call in calls[4:]}], key=str)
+    results = json.loads(out.read_text())["results"]
+    assert all(result[loop]["host_syncs_per_steady_step"] == 0.0 for result in results for loop in ("sync", "async"))
