@@ -140,7 +140,7 @@ class MemoryCheck(Check):
                     unsupported = run.unsupported
                     break
                 found = sanitizer.findings(run.reports, where, tool, stage, backend_file)
-                set_aside = sum(report.is_set_aside(where, backend_file) for report in run.reports)
+                set_aside = sum(report.is_set_aside(where, backend_file, tool) for report in run.reports)
                 if set_aside:
                     metrics[f"{tool} {stage} set aside"] = set_aside
                 # Counted but not read back (past the print limit, or not understood): never a pass.

@@ -70,19 +70,23 @@ class Report:
         """A CUDA API call failing because of an earlier kernel fault: a consequence, not a finding."""
         return self.what.startswith("Program hit")
 
-    def is_set_aside(self, where: AllocationMap, backend_file: str | None) -> bool:
-        """Not a finding: an API call failing after a fault, or a host API report (initcheck: a copy
-        of never-written memory) that is not the backend copying the harness's memory. With no frame
-        in ``backend_file`` it is the harness's own copy; from the backend's own memory it is what
-        initcheck says of a vendor kernel's fresh output on Hopper (flash-attn-4's, which numerics
-        proves written, read as never written when the adapter copied it out: initcheck does not
-        appear to follow the kernel's bulk-async stores), and the output it feeds is numerics' to judge."""
+    def is_set_aside(self, where: AllocationMap, backend_file: str | None, tool: str) -> bool:
+        """Not a finding: an API call failing after a fault, the harness's own copy (a host API
+        report with no frame in ``backend_file``), or, under initcheck, the backend copying out of
+        its *own* memory: that is what initcheck says of a vendor kernel's fresh output on Hopper
+        (flash-attn-4's, which numerics proves written, read as never written when the adapter
+        copied it out: initcheck does not appear to follow the kernel's bulk-async stores), and the
+        output it feeds is numerics' to judge. A memcheck report of the backend's copy (out of
+        bounds) always counts, whoever's memory it started in."""
         if self.is_api_error:
             return True
         if not self.is_host_api:
             return False
-        harness_copy = bool(backend_file) and not self.launched_from(backend_file)
-        return harness_copy or self.address is None or not where.holds(self.address)
+        if bool(backend_file) and not self.launched_from(backend_file):
+            return True
+        if tool != "initcheck":
+            return False
+        return self.address is None or not where.holds(self.address)
 
 
 @dataclass
@@ -157,7 +161,7 @@ def findings(reports: list[Report], where: AllocationMap, tool: str, stage: str,
     never-written memory) counts only when the backend copied memory the harness made."""
     groups: dict[tuple, dict] = {}
     for report in reports:
-        if report.is_set_aside(where, backend_file):
+        if report.is_set_aside(where, backend_file, tool):
             continue
         place = where.describe(report.address, report.nearest) if report.address is not None else report.detail
         kernel = report.kernel[:200]

@@ -187,6 +187,10 @@ def test_host_api_reports_count_only_when_the_backend_copies_the_harness_s_memor
     assert finding["launch"] == ["forward in flashmla.py:71"] and finding["place"].startswith("KV pool, byte 64")
     # A copy out of the backend's own memory (a vendor kernel's output initcheck did not see written).
     assert sanitizer.findings(backend, AllocationMap(), "initcheck", "step", "flashmla.py") == []
+    # memcheck: the backend's copy past an allocation's end counts, whoever's memory it began in.
+    [out_of_bounds] = sanitizer.findings(backend, AllocationMap(), "memcheck", "step", "flashmla.py")
+    assert out_of_bounds["tool"] == "memcheck" and out_of_bounds["launch"] == ["forward in flashmla.py:71"]
+    assert sanitizer.findings(harness, AllocationMap(), "memcheck", "step", "flashmla.py") == []
 
 
 def test_the_decode_case_adds_the_engine_stage_under_memcheck_only(monkeypatch):
