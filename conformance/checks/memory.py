@@ -32,9 +32,11 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import sys
 import tempfile
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,9 +142,12 @@ class MemoryCheck(Check):
                     unsupported = run.unsupported
                     break
                 found = sanitizer.findings(run.reports, where, tool, stage, backend_file)
-                set_aside = sum(report.is_set_aside(where, backend_file, tool) for report in run.reports)
+                set_aside = [report for report in run.reports if report.is_set_aside(where, backend_file, tool)]
                 if set_aside:
-                    metrics[f"{tool} {stage} set aside"] = set_aside
+                    metrics[f"{tool} {stage} set aside"] = len(set_aside)
+                    # What they were, so that a reader can tell a failing API call from a copy.
+                    kinds = Counter(re.sub(r"0x[0-9a-f]+|\d+", "N", report.what)[:160] for report in set_aside)
+                    metrics[f"{tool} {stage} set aside kinds"] = dict(kinds.most_common(3))
                 # Counted but not read back (past the print limit, or not understood): never a pass.
                 unread = (run.error_count or 0) - len(run.reports)
                 if not found and unread > 0:

@@ -280,3 +280,15 @@ def test_a_report_in_the_engine_stage_fails_the_case_under_its_stage(monkeypatch
     monkeypatch.setattr(memory, "run_child", run_child)
     result = MemoryCheck().run_case(TorchNaiveBackend, parse_case("gqa-h4/2-d64-bf16-p16:1+1,40+1"), CPU)
     assert result.verdict == Verdict.FAIL and result.reason.startswith("memcheck, engine, forward: Invalid __global__ read")
+
+
+def test_set_aside_reports_are_counted_by_kind_and_do_not_fail(monkeypatch):
+    api_error = ('========= Program hit CUDA_ERROR_NOT_FOUND (error 500) due to "named symbol not found" on CUDA API call '
+                 'to cuGetProcAddress.\n=========     Saved host backtrace up to driver entry point at error\n'
+                 '=========         Host Frame: forward in torch_naive.py:40\n========= \n')
+    monkeypatch.setattr(memory, "run_child", fake_run(api_error * 3 + "========= ERROR SUMMARY: 3 errors\n", AllocationMap(), 0))
+    result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
+    assert result.verdict == Verdict.PASS, result.reason
+    assert result.metrics["memcheck step set aside"] == 3
+    [(kind, count)] = result.metrics["memcheck step set aside kinds"].items()
+    assert count == 3 and kind.startswith("Program hit CUDA_ERROR_NOT_FOUND (error N)")
