@@ -248,7 +248,6 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
                 kept[drafter, loop] = engine
     for key, engine in kept.items():
         count_host_syncs(engine, prompts, params, timed[key][1])
-    kept.clear()
     results = []
     for drafter in drafters:
         measured = {loop: timed[drafter, loop] for loop in ("sync", "async")}

@@ -43,11 +43,11 @@ class Check(abc.ABC):
 
     @classmethod
     def describe_evidence(cls, evidence: dict[str, Any]) -> list[EvidenceItem]:
-        """What every report shows of one case's evidence: the keys of ``sync_event_labels`` (an item per
-        event) and of ``evidence_labels`` under their labels, the oracle comparison's worst element (numerics, graphs and the draft loop write
-        it), then a crashed child's stderr, an error's traceback (any check can have them) and any
-        key no check described, shown as it is. An override describes its own keys and passes the
-        rest here (``evidence.without``)."""
+        """What every report shows of one case's evidence: the keys of ``sync_event_labels`` (an item
+        per event) and of ``evidence_labels`` under their labels, the oracle comparison's worst
+        element (numerics, graphs and the draft loop write it), then a crashed child's stderr, an
+        error's traceback (any check can have them) and any key no check described, shown as it is.
+        An override describes its own keys and passes the rest here (``evidence.without``)."""
         events = [item for key, label in cls.sync_event_labels.items() for item in sync_events(label, evidence.get(key))]
         labelled_items = [item for key, label in cls.evidence_labels.items() for item in labelled(label, evidence.get(key))]
         rest = without(evidence, "worst", *cls.sync_event_labels, *cls.evidence_labels)

@@ -129,9 +129,9 @@ class MemoryCheck(Check):
         children = [(stage, tool) for stage in stages for tool in SANITIZED_STAGES[stage].tools]
         with ThreadPoolExecutor(max_workers=min(len(children) + 1, os.cpu_count() or 1)) as pool:
             poisoned = pool.submit(run_poison_pass, backend_cls, case)
-            runs = [pool.submit(timed_child, backend_cls, case, stage, tool) for stage, tool in children]
+            pending = [pool.submit(timed_child, backend_cls, case, stage, tool) for stage, tool in children]
             findings, metrics = poisoned.result()
-            runs = [run.result() for run in runs]
+            runs = [child.result() for child in pending]
         unsupported = None
         for stage in stages:
             for tool in SANITIZED_STAGES[stage].tools:

@@ -157,8 +157,8 @@ def findings(reports: list[Report], where: AllocationMap, tool: str, stage: str,
     """Reports grouped by what, kernel, phase and the kind of place they hit (numbers left out of
     the grouping, so 6,000 reads of one reserved block are one finding with a count).
 
-    Reports ``Report.is_set_aside`` names are left out: a host API report (initcheck: a copy of
-    never-written memory) counts only when the backend copied memory the harness made."""
+    Reports ``Report.is_set_aside`` names are left out: failing API calls, the harness's own copies,
+    and initcheck's reports of a backend copying out of its own memory."""
     groups: dict[tuple, dict] = {}
     for report in reports:
         if report.is_set_aside(where, backend_file, tool):
