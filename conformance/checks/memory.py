@@ -21,8 +21,8 @@ Errors the tool counted but did not print or this parser did not read fail the c
 What none of them sees: a read of *another request's written* slot whose value is masked out
 (initialized, finite, inside the pool). Numerics sees it where the value is used.
 
-The passes run on a subset (decode, spec-verify, mixed, block boundaries, for the first layout of
-each kind); from the decode case also a draft loop of k = 4 under CUDA graphs (memcheck and
+The passes run on a subset (decode, spec-verify, a small mixed batch, block boundaries, for the
+first layout of each kind); from the decode case also a draft loop of k = 4 under CUDA graphs (memcheck and
 initcheck) and a few steps of the reference engine, async, drafting through the backend (memcheck:
 its pools are zeroed). A case given with ``--case`` always runs. A case's children run side by
 side: each is mostly compute-sanitizer's start-up and JIT compiles under it, CPU work.
@@ -56,7 +56,10 @@ from conformance.inputs.harness import PoolFill, WroteOutsideOutput, prepare_cas
 from conformance.results import CaseResult, Verdict
 from conformance.run import sanitizer
 
-MEMORY_TAGS = ("decode", "spec-verify k=3", "mixed prefill + decode", "block boundaries decode", "block boundaries verify")
+# The mixed case is the small one (43 query tokens): initcheck prints a report per 32 bytes of a
+# copy it thinks never written, and each costs the child time (flash-attn-4's output copy: 256 a
+# query token, 6,144 took 110 s on an H100), so the suite's 282-token mixed case did not finish.
+MEMORY_TAGS = ("decode", "spec-verify k=3", "mixed, small", "block boundaries decode", "block boundaries verify")
 CHILD_TIMEOUT_S = 600.0
 STRAY_WRITES_SHOWN = 4
 
