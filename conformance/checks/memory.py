@@ -22,9 +22,9 @@ What none of them sees: a read of *another request's written* slot whose value i
 (initialized, finite, inside the pool). Numerics sees it where the value is used.
 
 The passes run on a subset (decode, spec-verify, a small mixed batch, block boundaries, for the
-first layout of each kind); from the decode case also a draft loop of k = 4 under CUDA graphs (memcheck and
-initcheck) and a few steps of the reference engine, async, drafting through the backend (memcheck:
-its pools are zeroed). A case given with ``--case`` always runs. A case's children run side by
+first layout of each kind); from the decode case also a draft loop of k = 4 under CUDA graphs
+(memcheck and initcheck) and a few steps of the reference engine, async, drafting through the
+backend (memcheck: its pools are zeroed). A case given with ``--case`` always runs. A case's children run side by
 side: each is mostly compute-sanitizer's start-up and JIT compiles under it, CPU work.
 """
 from __future__ import annotations
