@@ -154,7 +154,7 @@ class EngineCore:
         self.blocks.assert_all_free()
         return [
             GenerationOutput(r.request_id, r.prompt, r.output, s.steps, decode_steps[r.request_id], s.drafted, s.accepted,
-                             s.preemptions, s.first_token_time - s.arrival_time, s.finish_time - s.arrival_time)
+                             s.preemptions, s.since_arrival(s.first_token_time), s.since_arrival(s.finish_time))
             for r, s in ((request, request.stats) for request in requests)
         ]
 

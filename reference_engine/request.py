@@ -13,10 +13,14 @@ class RequestStats:
     drafted: int = 0
     accepted: int = 0
     preemptions: int = 0
-    # time.perf_counter() seconds; the output reports the first token's and the finish's latency from arrival
+    # time.perf_counter() seconds; the output reports the first token's and the finish's latency from
+    # arrival. None until it happens, so a latency is never computed from a stamp that was not taken.
     arrival_time: float = 0.0
-    first_token_time: float = 0.0
-    finish_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def since_arrival(self, stamp: float | None) -> float:
+        return float("nan") if stamp is None else stamp - self.arrival_time
 
 
 @dataclass
