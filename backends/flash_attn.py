@@ -1,6 +1,12 @@
-"""``flash_attn``: FlashAttention 4 (``flash-attn-4``, CuTe DSL) ``flash_attn_varlen_func`` over a
-paged cache — ``page_table`` for the block table, ``seqused_k`` for the lengths on the device, so
-the host passes none: only ``max_seqlen_q``, which it always knows exactly.
+"""``flash_attn``: FlashAttention 4 (``flash-attn-4``, CuTe DSL) over a paged cache —
+``page_table`` for the block table, ``seqused_k`` for the lengths on the device, so the host passes
+none: only ``max_seqlen_q``, which it always knows exactly.
+
+The entry point is ``flash_attn.cute.interface._flash_attn_fwd``, the function under the public
+``flash_attn_varlen_func`` (an autograd wrapper that always allocates its output): it takes
+``out``, so the kernel writes the caller's buffer as vLLM's FlashAttention backends do, with no
+copy. That copy also cost the memory check minutes: initcheck does not see the kernel's
+bulk-async (TMA) stores, so copying its fresh output printed a report per 32 bytes.
 
 FlashAttention aligns causal masks bottom-right (query i of a request sees the keys up to
 ``seqused_k - query_len + i``), the contract's convention, and counts its left window without the
@@ -34,14 +40,18 @@ class FlashAttnMetadata:
     num_tokens: int
 
 
-def kernel_arguments(spec: AttentionSpec, query, kv_cache, metadata: FlashAttnMetadata) -> dict[str, Any]:
-    """Keyword arguments of ``flash_attn.cute.flash_attn_varlen_func``: query [tokens, heads, dim],
-    key and value pages [blocks, block_size, kv_heads, dim], one page-table row per request."""
-    window = (None, None) if spec.sliding_window is None else (spec.sliding_window - 1, 0)
+def kernel_arguments(spec: AttentionSpec, query, kv_cache, metadata: FlashAttnMetadata, out) -> dict[str, Any]:
+    """Keyword arguments of ``flash_attn.cute.interface._flash_attn_fwd``: query [tokens, heads,
+    dim], key and value pages [blocks, block_size, kv_heads, dim], one page-table row per request,
+    and the output rows when they are contiguous (a strided view: None, the kernel allocates)."""
+    window_left = None if spec.sliding_window is None else spec.sliding_window - 1
+    rows = out[: metadata.num_tokens]
     return dict(
         q=query[: metadata.num_tokens], k=kv_cache[0], v=kv_cache[1], cu_seqlens_q=metadata.query_start_loc,
         seqused_k=metadata.seq_lens, max_seqlen_q=metadata.max_query_len, page_table=metadata.block_table,
-        softmax_scale=spec.softmax_scale, causal=True, window_size=window, softcap=spec.logits_soft_cap or 0.0,
+        softmax_scale=spec.softmax_scale, causal=True, window_size_left=window_left,
+        window_size_right=None if window_left is None else 0, softcap=spec.logits_soft_cap or 0.0,
+        out=rows if rows.is_contiguous() else None,
     )
 
 
@@ -57,9 +67,9 @@ class FlashAttnBackend(AttentionBackend):
 
     def __init__(self, spec: AttentionSpec, limits, device: torch.device) -> None:
         super().__init__(spec, limits, device)
-        from flash_attn.cute import flash_attn_varlen_func  # noqa: PLC0415 - optional dependency
+        from flash_attn.cute.interface import _flash_attn_fwd  # noqa: PLC0415 - optional dependency
 
-        self.kernel = flash_attn_varlen_func
+        self.kernel = _flash_attn_fwd
 
     # [K | V, num_blocks, block_size, kv_heads, head_dim]: each plane is FlashAttention's paged layout
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -81,5 +91,7 @@ class FlashAttnBackend(AttentionBackend):
         return metadata
 
     def forward(self, query, kv_cache, metadata: FlashAttnMetadata, out) -> None:
-        result, _ = self.kernel(**kernel_arguments(self.spec, query, kv_cache, metadata))
-        out[: metadata.num_tokens].copy_(result)
+        arguments = kernel_arguments(self.spec, query, kv_cache, metadata, out)
+        result, _ = self.kernel(**arguments)
+        if arguments["out"] is None:  # a strided output: the kernel wrote a buffer of its own
+            out[: metadata.num_tokens].copy_(result)

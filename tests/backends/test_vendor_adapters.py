@@ -189,14 +189,22 @@ def test_flash_attn_kernel_arguments_and_availability():
     cache = torch.zeros(2, 10, 16, 2, 64)
     query = torch.zeros(12, 8, 64)
     metadata = FlashAttnMetadata(torch.tensor([0, 1, 5]), torch.tensor([40, 20]), torch.zeros(2, 3, dtype=torch.int32), 4, 5)
-    arguments = flash_attn.kernel_arguments(spec, query, cache, metadata)
+    out = torch.zeros(12, 8, 64)
+    arguments = flash_attn.kernel_arguments(spec, query, cache, metadata, out)
     assert arguments["q"].shape == (5, 8, 64) and arguments["k"].shape == arguments["v"].shape == (10, 16, 2, 64)
     assert arguments["k"].data_ptr() == cache[0].data_ptr() and arguments["v"].data_ptr() == cache[1].data_ptr()
-    assert arguments["window_size"] == (255, 0) and arguments["softcap"] == 30.0 and arguments["causal"] is True
+    assert (arguments["window_size_left"], arguments["window_size_right"]) == (255, 0)
+    assert arguments["softcap"] == 30.0 and arguments["causal"] is True
     assert arguments["seqused_k"] is metadata.seq_lens and arguments["page_table"] is metadata.block_table
     assert arguments["max_seqlen_q"] == 4 and arguments["softmax_scale"] == spec.softmax_scale
-    plain = flash_attn.kernel_arguments(dataclasses.replace(spec, sliding_window=None, logits_soft_cap=None), query, cache, metadata)
-    assert plain["window_size"] == (None, None) and plain["softcap"] == 0.0
+    # The kernel writes the caller's rows (no copy) where they are contiguous; a strided view is not
+    # handed over (the adapter copies the kernel's own output into it).
+    assert arguments["out"].shape == (5, 8, 64) and arguments["out"].data_ptr() == out.data_ptr()
+    strided = torch.zeros(12, 8 * 64 + 64)[:, : 8 * 64].view(12, 8, 64)
+    assert flash_attn.kernel_arguments(spec, query, cache, metadata, strided)["out"] is None
+    plain = flash_attn.kernel_arguments(dataclasses.replace(spec, sliding_window=None, logits_soft_cap=None), query, cache,
+                                        metadata, out)
+    assert (plain["window_size_left"], plain["window_size_right"]) == (None, None) and plain["softcap"] == 0.0
 
 
 def test_trtllm_backends_import_their_entry_point_and_re_point_draft_steps(monkeypatch):
