@@ -57,8 +57,9 @@ from conformance.results import CaseResult, Verdict
 from conformance.run import sanitizer
 
 # The mixed case is the small one (43 query tokens): initcheck prints a report per 32 bytes of a
-# copy it thinks never written, and each costs the child time (flash-attn-4's output copy: 256 a
-# query token, 6,144 took 110 s on an H100), so the suite's 282-token mixed case did not finish.
+# copy it thinks never written, and each costs the child time (a copy of flash-attn-4's output:
+# 256 a query token, 6,144 took 110 s on an H100), so with such a copy the suite's 282-token mixed
+# case did not finish.
 MEMORY_TAGS = ("decode", "spec-verify k=3", "mixed, small", "block boundaries decode", "block boundaries verify")
 CHILD_TIMEOUT_S = 600.0
 STRAY_WRITES_SHOWN = 4

@@ -22,8 +22,9 @@ TOOLS = ("memcheck", "initcheck")
 PHASE_MARKER = "@@phase "
 PREFIX = "========="
 # Reports printed per run (the ERROR SUMMARY counts them all). A report not read back fails the case,
-# and initcheck prints a host copy of never-written memory once per 32 bytes (4,096 for the
-# 128 KiB output flash-attn-4 hands back): the limit must hold what a clean run sets aside.
+# and initcheck prints a host copy of never-written memory once per 32 bytes (4,096 for a backend
+# copying a 128 KiB output that a TMA-storing kernel wrote): the limit must hold what a clean run
+# sets aside.
 PRINT_LIMIT = 20_000
 API_COPIES_OPTION = "--check-api-memory-access"
 # What the tool prints when it cannot run on this machine (gVisor refuses the device).
@@ -67,14 +68,16 @@ class Report:
 
     @property
     def is_api_error(self) -> bool:
-        """A CUDA API call failing because of an earlier kernel fault: a consequence, not a finding."""
+        """A CUDA API call that returned an error: after a kernel fault, a consequence (the fault is
+        its own report); otherwise a call its library expects may fail (flash-attn-4's CuTe DSL
+        runtime probing ``cuGetProcAddress``). An error that matters raises in the backend."""
         return self.what.startswith("Program hit")
 
     def is_set_aside(self, where: AllocationMap, backend_file: str | None, tool: str) -> bool:
-        """Not a finding: an API call failing after a fault, the harness's own copy (a host API
-        report with no frame in ``backend_file``), or, under initcheck, the backend copying out of
-        its *own* memory: that is what initcheck says of a vendor kernel's fresh output on Hopper
-        (flash-attn-4's, which numerics proves written, read as never written when the adapter
+        """Not a finding: an API call returning an error, the harness's own copy (a host API report
+        with no frame in ``backend_file``), or, under initcheck, the backend copying out of its
+        *own* memory: that is what initcheck says of a vendor kernel's fresh output on Hopper
+        (flash-attn-4's, which numerics proves written, read as never written when its adapter
         copied it out: initcheck does not appear to follow the kernel's bulk-async stores), and the
         output it feeds is numerics' to judge. A memcheck report of the backend's copy (out of
         bounds) always counts, whoever's memory it started in."""
