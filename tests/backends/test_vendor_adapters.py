@@ -207,6 +207,34 @@ def test_flash_attn_kernel_arguments_and_availability():
     assert (plain["window_size_left"], plain["window_size_right"]) == (None, None) and plain["softcap"] == 0.0
 
 
+def test_flash_attn_forward_has_the_kernel_write_the_callers_rows():
+    """A contiguous output is handed to the kernel (no copy after it); a strided one gets the
+    kernel's own buffer copied in, and the rows past the step's tokens are never touched."""
+    from backends.base import AttentionSpec
+    from backends.flash_attn import FlashAttnBackend, FlashAttnMetadata
+
+    calls = []
+
+    def kernel(**arguments):
+        calls.append(arguments["out"])
+        result = torch.full(arguments["q"].shape, 3.0) if arguments["out"] is None else arguments["out"].fill_(2.0)
+        return result, None
+
+    backend = object.__new__(FlashAttnBackend)  # no flash-attn-4 here: only forward's own logic runs
+    backend.spec = AttentionSpec("mha", num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float32, block_size=16)
+    backend.kernel = kernel
+    metadata = FlashAttnMetadata(torch.tensor([0, 1, 5]), torch.tensor([40, 20]), torch.zeros(2, 3, dtype=torch.int32), 4, 5)
+    query, cache = torch.zeros(12, 8, 64), torch.zeros(2, 10, 16, 2, 64)
+    out = torch.full((12, 8, 64), float("nan"))
+    backend.forward(query, cache, metadata, out)
+    assert calls[-1].data_ptr() == out.data_ptr() and bool((out[:5] == 2.0).all()) and bool(out[5:].isnan().all())
+    wide = torch.full((12, 8 * 64 + 64), float("nan"))
+    strided = wide[:, : 8 * 64].view(12, 8, 64)
+    backend.forward(query, cache, metadata, strided)
+    assert calls[-1] is None and bool((strided[:5] == 3.0).all()) and bool(strided[5:].isnan().all())
+    assert bool(wide[:, 8 * 64 :].isnan().all())
+
+
 def test_trtllm_backends_import_their_entry_point_and_re_point_draft_steps(monkeypatch):
     """trtllm and trtllm_mla (``DeviceLengthsEntryPoint``): the named FlashInfer function, a zeroed
     workspace, and a draft-step update that takes the step's device tensors (no host planning)."""
