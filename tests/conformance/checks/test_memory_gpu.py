@@ -46,7 +46,7 @@ def test_planted_defects_pass_numerics(name):
 def test_a_read_one_block_past_the_end_is_seen_three_ways(step_stage_only):
     found = findings(planted.ReadsBlockPastEnd, DECODE)
     assert found[("memcheck", "just past the end of block_table")]["phase"] == "forward"
-    # Which of block 0's slots the tool prints first is up to the order the threads ran in.
+    # Which of block 0's slots the tool prints first can depend on the order the threads ran in.
     in_block_0 = [finding for (tool, place), finding in found.items()
                   if tool == "initcheck" and place.startswith("KV pool block 0 slot ")]
     assert in_block_0 and in_block_0[0]["launch"][-1].startswith("forward in memory.py"), list(found)
