@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from reference_engine.checkpoint import CheckpointError, load_eagle_head, load_m
 from reference_engine.batched_engine import BatchedEngine
 from reference_engine.core import EngineConfig
 from reference_engine.engine import Engine
-from reference_engine.metrics import count_host_syncs, measure
+from reference_engine.metrics import count_host_syncs, measure, median_run
 from reference_engine.model import PRESETS, LlamaModel
 from reference_engine.prompt_set import take
 from reference_engine.real_models import REAL_MODELS, ModelFetchError, fetch, load_real_model
@@ -71,6 +72,9 @@ def add_engine_parser(commands) -> None:
                           "simple: the per-request loop of part 1")
     run.add_argument("--check-inputs", action="store_true", help="debug: count placeholder inputs and stale positions on device")
     bench.add_argument("--drafters", default="scripted:random:0.7,layer-skip", help="comma-separated drafters to compare")
+    bench.add_argument("--repeats", type=int, default=1,
+                       help="timed runs of each engine, round by round after one warm-up; the table shows the run of "
+                            "median TPOT and the median async/sync ratio with its range (default 1)")
 
 
 def _device_and_dtype(args, usage_error):
@@ -226,6 +230,8 @@ def run_engine(args: argparse.Namespace, console: Console, usage_error) -> int:
 
 def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int:
     """Async vs sync, same prompts and engine settings, for each drafter; tokens checked equal."""
+    if args.repeats < 1:
+        raise usage_error("--repeats must be >= 1")
     device, dtype_name = _device_and_dtype(args, usage_error)
     dtype = DTYPE_NAMES[dtype_name]
     model, tokenizer = _load_model(args, dtype, device, usage_error)
@@ -238,30 +244,39 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
     drafters = args.drafters.split(",") if args.spec_tokens else ["none"]
     # Every engine is timed before any host-sync count, so that no timed run follows a detector's
     # pass: with the counts made engine by engine, turning --detect-syncs on changed the async
-    # loop's timed figures (issue #20), which the detector's own pass is never part of.
-    kept, timed = {}, {}  # the engines whose syncs are counted after every timed run
-    for drafter in drafters:
-        for loop in ("sync", "async"):
-            engine = _make_engine(args, model, None, dtype, device, loop, drafter, usage_error)
-            timed[drafter, loop] = _measure(engine, prompts, params, usage_error, detect_syncs=False)
-            if args.detect_syncs:
-                kept[drafter, loop] = engine
-    for key, engine in kept.items():
-        count_host_syncs(engine, prompts, params, timed[key][1])
+    # loop's timed figures (issue #20), which the detector's own pass is never part of. Repeats run
+    # round by round (each engine once a round, warmed up in the first), so that drift in the
+    # machine's state reaches sync and async alike.
+    keys = [(drafter, loop) for drafter in drafters for loop in ("sync", "async")]
+    engines, runs = {}, {key: [] for key in keys}
+    for repeat in range(args.repeats):
+        for key in keys:
+            engine = engines.pop(key, None) or _make_engine(args, model, None, dtype, device, key[1], key[0], usage_error)
+            runs[key].append(_measure(engine, prompts, params, usage_error, detect_syncs=False, warm_up=repeat == 0))
+            if repeat + 1 < args.repeats or args.detect_syncs:
+                engines[key] = engine  # timed again, or its syncs counted after every timed run
+    shown = {key: median_run(runs[key]) for key in keys}
+    for key, engine in engines.items():
+        count_host_syncs(engine, prompts, params, shown[key][1])
     results = []
     for drafter in drafters:
-        measured = {loop: timed[drafter, loop] for loop in ("sync", "async")}
-        same = [o.tokens for o in measured["sync"][0]] == [o.tokens for o in measured["async"][0]]
-        ratio = measured["async"][1].tpot_ms / measured["sync"][1].tpot_ms if measured["sync"][1].tpot_ms else None
+        sync_runs, async_runs = runs[drafter, "sync"], runs[drafter, "async"]
+        same = all([o.tokens for o in synced] == [o.tokens for o in other]
+                   for synced, _ in sync_runs[:1] for other, _ in sync_runs + async_runs)
+        ratios = [a.tpot_ms / s.tpot_ms for (_, s), (_, a) in zip(sync_runs, async_runs) if s.tpot_ms]
+        ratio = statistics.median(ratios) if ratios else None
+        spread = f" ({min(ratios):.2f}–{max(ratios):.2f})" if len(ratios) > 1 else ""
         for loop in ("sync", "async"):
-            m = measured[loop][1]
+            m = shown[drafter, loop][1]
             host_ms = sum(m.host_ms_per_step.get(phase, 0.0) for phase in ("schedule", "launch", "land"))
             table.add_row(drafter, loop, f"{m.tokens_per_s:.0f}", f"{m.tpot_ms:.3f}", f"{m.acceptance_length:.2f}", f"{host_ms:.2f}",
                           "n/a" if m.gpu_idle_fraction is None else f"{m.gpu_idle_fraction:.1%}",
                           "n/a" if m.host_syncs_per_steady_step is None else f"{m.host_syncs_per_steady_step:.2f}",
-                          "" if loop == "sync" or ratio is None else f"{ratio:.2f}x" + ("" if same else " (TOKENS DIFFER)"))
+                          "" if loop == "sync" or ratio is None else f"{ratio:.2f}x{spread}" + ("" if same else " (TOKENS DIFFER)"))
         results.append({"drafter": drafter, "same_tokens": same, "async_over_sync_tpot": ratio,
-                        **{loop: measured[loop][1].to_dict() for loop in measured}})
+                        "async_over_sync_tpot_runs": ratios,
+                        **{loop: {**shown[drafter, loop][1].to_dict(), "tpot_ms_runs": [m.tpot_ms for _, m in runs[drafter, loop]]}
+                           for loop in ("sync", "async")}})
     console.print(table)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1, default=str))

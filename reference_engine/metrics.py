@@ -121,6 +121,12 @@ def measure(engine, prompts, params, *, detect_syncs: bool = False, strategy: st
     return outputs, metrics
 
 
+def median_run(runs: list[tuple[list, EngineMetrics]]) -> tuple[list, EngineMetrics]:
+    """Of repeated timed runs of one engine, the one of median TPOT (the lower of the middle two):
+    a whole run's figures, each from the same run, rather than medians of each figure apart."""
+    return sorted(runs, key=lambda run: run[1].tpot_ms)[(len(runs) - 1) // 2]
+
+
 def count_host_syncs(engine, prompts, params, metrics: EngineMetrics, strategy: str = "auto") -> None:
     """One more ``generate`` under the host-sync detector (CUDA only), its steady steps' blocking
     syncs written into ``metrics``. Its own pass, never timed: the detector's callbacks cost host

@@ -61,3 +61,51 @@ def test_engine_bench_times_every_engine_before_counting_any_syncs(monkeypatch, 
     assert sorted(calls[:4], key=str) == sorted([("timed", *key) for key in {call[1:] for call in calls[4:]}], key=str)
     results = json.loads(out.read_text())["results"]
     assert all(result[loop]["host_syncs_per_steady_step"] == 0.0 for result in results for loop in ("sync", "async"))
+
+
+def test_engine_bench_repeats_time_each_engine_round_by_round(monkeypatch, tmp_path):
+    """--repeats N: N timed runs of each engine, one round after another (the same engine, warmed
+    up once), the syncs counted after all of them; the table's run is the one of median TPOT and
+    the ratio the median of the rounds' ratios."""
+    import json
+    import statistics
+
+    from conformance import cli as conformance_cli
+    from reference_engine import cli, metrics
+
+    calls, warm_ups = [], []
+    tpots = iter([4.0, 2.0, 1.0, 3.0, 2.0, 1.5])  # (sync, async) per round, one drafter, three rounds
+
+    def timed(engine, prompts, params, *, detect_syncs=False, **kwargs):
+        calls.append(("timed", engine))  # the object itself: no id reused after a free
+        outputs, measured = metrics.measure(engine, prompts, params, **kwargs)
+        measured.tpot_ms = next(tpots)
+        return outputs, measured
+
+    def counted(engine, prompts, params, measured, strategy="auto"):
+        calls.append(("counted", engine))
+
+    original_generate = cli.BatchedEngine.generate
+
+    def generate(engine, prompts, params):
+        warm_ups.append(engine)
+        return original_generate(engine, prompts, params)
+
+    monkeypatch.setattr(cli, "measure", timed)
+    monkeypatch.setattr(cli, "count_host_syncs", counted)
+    monkeypatch.setattr(cli.BatchedEngine, "generate", generate)
+    out = tmp_path / "bench.json"
+    code = conformance_cli.main(["engine", "bench", "--device", "cpu", "--spec-tokens", "2", "--num-prompts", "2",
+                                 "--max-tokens", "6", "--prompt-len", "8", "--detect-syncs", "--repeats", "3",
+                                 "--json", str(out), "--drafters", "scripted:random:0.7"])
+    assert code == 0
+    assert [kind for kind, _ in calls] == ["timed"] * 6 + ["counted"] * 2
+    sync_engine, async_engine = calls[0][1], calls[1][1]
+    assert all(engine is expected for (_, engine), expected in zip(calls, [sync_engine, async_engine] * 4))  # the same two
+    assert sum(engine is sync_engine for engine in warm_ups) == 4  # one warm-up, three timed runs
+    assert sum(engine is async_engine for engine in warm_ups) == 4
+    result = json.loads(out.read_text())["results"][0]
+    assert result["sync"]["tpot_ms_runs"] == [4.0, 1.0, 2.0] and result["async"]["tpot_ms_runs"] == [2.0, 3.0, 1.5]
+    assert result["sync"]["tpot_ms"] == 2.0 and result["async"]["tpot_ms"] == 2.0  # the median run of each
+    assert result["async_over_sync_tpot_runs"] == [0.5, 3.0, 0.75]  # paired by round
+    assert result["async_over_sync_tpot"] == statistics.median([0.5, 3.0, 0.75])
