@@ -146,7 +146,7 @@ class MemoryCheck(Check):
                     unsupported = run.unsupported
                     break
                 found = sanitizer.findings(run.reports, where, tool, stage, backend_file)
-                set_aside = [report for report in run.reports if report.is_set_aside(where, backend_file, tool)]
+                set_aside = sanitizer.partition(run.reports, where, tool, backend_file)[1]
                 if set_aside:
                     metrics[f"{tool} {stage} set aside"] = len(set_aside)
                     # What they were, so that a reader can tell a failing API call from a copy.

@@ -68,21 +68,31 @@ class Report:
 
     @property
     def is_api_error(self) -> bool:
-        """A CUDA API call that returned an error: after a kernel fault, a consequence (the fault is
-        its own report); otherwise a call its library expects may fail (flash-attn-4's CuTe DSL
-        runtime probing ``cuGetProcAddress``). An error that matters raises in the backend."""
+        """A CUDA API call that returned an error."""
         return self.what.startswith("Program hit")
 
-    def is_set_aside(self, where: AllocationMap, backend_file: str | None, tool: str) -> bool:
-        """Not a finding: an API call returning an error, the harness's own copy (a host API report
-        with no frame in ``backend_file``), or, under initcheck, the backend copying out of its
-        *own* memory: that is what initcheck says of a vendor kernel's fresh output on Hopper
+    @property
+    def is_entry_point_probe(self) -> bool:
+        """A failed driver entry-point lookup: libraries ask ``cuGetProcAddress`` for symbols the
+        driver may not have and handle the answer (flash-attn-4's CuTe DSL runtime: 34 a process)."""
+        return self.is_api_error and "cuGetProcAddress" in self.what
+
+    @property
+    def is_kernel_fault(self) -> bool:
+        return not (self.is_api_error or self.is_host_api)
+
+    def is_set_aside(self, where: AllocationMap, backend_file: str | None, tool: str, after_fault: bool = False) -> bool:
+        """Not a finding: an API error that follows a kernel fault (``after_fault``: a consequence,
+        the fault is its own report) or is an entry-point probe; the harness's own copy (a host API
+        report with no frame in ``backend_file``); or, under initcheck, the backend copying out of
+        its *own* memory: that is what initcheck says of a vendor kernel's fresh output on Hopper
         (flash-attn-4's, which numerics proves written, read as never written when its adapter
         copied it out: initcheck does not appear to follow the kernel's bulk-async stores), and the
-        output it feeds is numerics' to judge. A memcheck report of the backend's copy (out of
-        bounds) always counts, whoever's memory it started in."""
+        output it feeds is numerics' to judge. Any other failing API call counts (a library that
+        ignores its own failed call), and so does a memcheck report of the backend's copy (out of
+        bounds), whoever's memory it started in."""
         if self.is_api_error:
-            return True
+            return after_fault or self.is_entry_point_probe
         if not self.is_host_api:
             return False
         if bool(backend_file) and not self.launched_from(backend_file):
@@ -156,16 +166,25 @@ def _read_detail(report: Report, body: str) -> None:
             report.frames.insert(0, frame)  # the tool prints the innermost frame first
 
 
-def findings(reports: list[Report], where: AllocationMap, tool: str, stage: str, backend_file: str | None = None) -> list[dict]:
-    """Reports grouped by what, kernel, phase and the kind of place they hit (numbers left out of
-    the grouping, so 6,000 reads of one reserved block are one finding with a count).
-
-    Reports ``Report.is_set_aside`` names are left out: failing API calls, the harness's own copies,
-    and initcheck's reports of a backend copying out of its own memory."""
-    groups: dict[tuple, dict] = {}
+def partition(reports: list[Report], where: AllocationMap, tool: str,
+              backend_file: str | None = None) -> tuple[list[Report], list[Report]]:
+    """(reports that are findings, reports ``Report.is_set_aside`` names), read in the tool's order
+    so that an API error counts as a consequence only after a kernel fault printed before it."""
+    kept: list[Report] = []
+    set_aside: list[Report] = []
+    faulted = False
     for report in reports:
-        if report.is_set_aside(where, backend_file, tool):
-            continue
+        (set_aside if report.is_set_aside(where, backend_file, tool, after_fault=faulted) else kept).append(report)
+        faulted = faulted or report.is_kernel_fault
+    return kept, set_aside
+
+
+def findings(reports: list[Report], where: AllocationMap, tool: str, stage: str, backend_file: str | None = None) -> list[dict]:
+    """The reports ``partition`` keeps, grouped by what, kernel, phase and the kind of place they
+    hit (numbers left out of the grouping, so 6,000 reads of one reserved block are one finding
+    with a count)."""
+    groups: dict[tuple, dict] = {}
+    for report in partition(reports, where, tool, backend_file)[0]:
         place = where.describe(report.address, report.nearest) if report.address is not None else report.detail
         kernel = report.kernel[:200]
         key = (re.sub(r"\d+", "N", report.what), kernel, report.phase, re.sub(r"\d+", "N", place))

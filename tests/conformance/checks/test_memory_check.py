@@ -292,3 +292,22 @@ def test_set_aside_reports_are_counted_by_kind_and_do_not_fail(monkeypatch):
     assert result.metrics["memcheck step set aside"] == 3
     [(kind, count)] = result.metrics["memcheck step set aside kinds"].items()
     assert count == 3 and kind.startswith("Program hit CUDA_ERROR_NOT_FOUND (error N)")
+
+
+def test_a_failing_api_call_counts_unless_it_follows_a_fault_or_probes_an_entry_point(monkeypatch):
+    """A library that ignores its own failed CUDA call fails the case; the same report after a
+    kernel fault is that fault's consequence, and a cuGetProcAddress miss is a probe."""
+    failed_copy = ('========= Program hit cudaErrorInvalidValue (error 1) due to "invalid argument" on CUDA API call to '
+                   'cudaMemcpyAsync.\n=========     Saved host backtrace up to driver entry point at error\n'
+                   '=========         Host Frame: forward in torch_naive.py:40\n========= \n')
+    monkeypatch.setattr(memory, "run_child", fake_run(failed_copy + "========= ERROR SUMMARY: 1 error\n", AllocationMap(), 0))
+    result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
+    assert result.verdict == Verdict.FAIL and "cudaMemcpyAsync" in result.reason, result.reason
+
+    reports, _, _ = sanitizer.parse((OUTPUT / "memcheck-block-table-overread.txt").read_text())
+    consequence = reports[-1]
+    assert consequence.is_api_error and "cudaDeviceSynchronize" in consequence.what
+    kept, set_aside = sanitizer.partition(reports, AllocationMap([BLOCK_TABLE]), "memcheck")
+    assert set_aside == [consequence] and len(kept) == 2
+    kept, set_aside = sanitizer.partition([consequence], AllocationMap([BLOCK_TABLE]), "memcheck")
+    assert kept == [consequence]  # with no fault before it, the same failed call is a finding
