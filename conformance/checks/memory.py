@@ -145,8 +145,8 @@ class MemoryCheck(Check):
                 if run.unsupported:
                     unsupported = run.unsupported
                     break
-                found = sanitizer.findings(run.reports, where, tool, stage, backend_file)
-                set_aside = sanitizer.partition(run.reports, where, tool, backend_file)[1]
+                kept, set_aside = sanitizer.partition(run.reports, where, tool, backend_file)
+                found = sanitizer.grouped(kept, where, tool, stage)
                 if set_aside:
                     metrics[f"{tool} {stage} set aside"] = len(set_aside)
                     # What they were, so that a reader can tell a failing API call from a copy.

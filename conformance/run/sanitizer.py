@@ -180,11 +180,15 @@ def partition(reports: list[Report], where: AllocationMap, tool: str,
 
 
 def findings(reports: list[Report], where: AllocationMap, tool: str, stage: str, backend_file: str | None = None) -> list[dict]:
-    """The reports ``partition`` keeps, grouped by what, kernel, phase and the kind of place they
-    hit (numbers left out of the grouping, so 6,000 reads of one reserved block are one finding
-    with a count)."""
+    """The reports ``partition`` keeps, as ``grouped`` findings."""
+    return grouped(partition(reports, where, tool, backend_file)[0], where, tool, stage)
+
+
+def grouped(kept: list[Report], where: AllocationMap, tool: str, stage: str) -> list[dict]:
+    """Reports grouped by what, kernel, phase and the kind of place they hit (numbers left out of
+    the grouping, so 6,000 reads of one reserved block are one finding with a count)."""
     groups: dict[tuple, dict] = {}
-    for report in partition(reports, where, tool, backend_file)[0]:
+    for report in kept:
         place = where.describe(report.address, report.nearest) if report.address is not None else report.detail
         kernel = report.kernel[:200]
         key = (re.sub(r"\d+", "N", report.what), kernel, report.phase, re.sub(r"\d+", "N", place))
