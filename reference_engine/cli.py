@@ -24,7 +24,7 @@ from reference_engine.checkpoint import CheckpointError, load_eagle_head, load_m
 from reference_engine.batched_engine import BatchedEngine
 from reference_engine.core import EngineConfig
 from reference_engine.engine import Engine
-from reference_engine.metrics import count_host_syncs, measure, median_run
+from reference_engine.metrics import count_host_syncs, measure, measure_in_step_idle, median_run
 from reference_engine.model import PRESETS, LlamaModel
 from reference_engine.prompt_set import take
 from reference_engine.real_models import REAL_MODELS, ModelFetchError, fetch, load_real_model
@@ -62,6 +62,8 @@ def add_engine_parser(commands) -> None:
         parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                             help="replay uniform steps from CUDA graphs where the backend claims it (default on)")
         parser.add_argument("--detect-syncs", action="store_true", help="count host-blocking syncs per steady-state step (CUDA)")
+        parser.add_argument("--step-idle", action="store_true",
+                            help="measure GPU idle inside steps in one more pass under torch.profiler (CUDA)")
         parser.add_argument("--json", help="write the measured metrics here")
         parser.add_argument("--seed", type=int, default=0)
     run.add_argument("--drafter", default="none", help="eagle | layer-skip[:N] | ngram[:N] (prompt lookup, N = longest n-gram, default 3) | scripted:PATTERN (all, none, first:J, random:R; oracle:PATTERN is its old name)")
@@ -142,7 +144,7 @@ def _print_texts(console: Console, tokenizer: Tokenizer, outputs, num_prompts: i
         console.print(tokenizer.decode(output.tokens), markup=False, highlight=False)
 
 
-def _measure(engine, prompts, params, usage_error, *, detect_syncs: bool, warm_up: bool = True):
+def _measure(engine, prompts, params, usage_error, *, detect_syncs: bool, step_idle: bool = False, warm_up: bool = True):
     """The workload once as a warm-up, then measured. Every shape of the measured run has then
     met the Triton JIT (which specializes on argument values), cuBLAS and its CUDA-graph captures
     (a segment is captured on its second use), as a server warms up before taking traffic; a
@@ -150,7 +152,7 @@ def _measure(engine, prompts, params, usage_error, *, detect_syncs: bool, warm_u
     try:
         if warm_up:
             engine.generate(prompts, params)
-        return measure(engine, prompts, params, detect_syncs=detect_syncs)
+        return measure(engine, prompts, params, detect_syncs=detect_syncs, step_idle=step_idle)
     except ValueError as error:
         raise usage_error(str(error)) from None
 
@@ -168,6 +170,9 @@ def _metric_rows(metrics) -> list[tuple[str, str]]:
         ("host time per step", f"{sum(metrics.host_ms_per_step.get(p, 0.0) for p in ('schedule', 'launch', 'land')):.2f} ms"
                                if metrics.host_ms_per_step else "n/a"),
         ("GPU idle between steps", optional(metrics.gpu_idle_fraction, "{:.1%}")),
+        ("GPU idle inside steps", "n/a" if metrics.gpu_idle_in_step_fraction is None else
+                                  f"{metrics.gpu_idle_in_step_fraction:.1%} ({metrics.gpu_idle_in_step_ms:.3f} ms of "
+                                  f"{metrics.gpu_busy_ms_per_step:.3f} ms busy per step; profiled pass)"),
         ("host syncs / steady step", optional(metrics.host_syncs_per_steady_step, "{:.2f}")),
         ("graph replays", str(metrics.graph_replays)),
     ]
@@ -203,7 +208,8 @@ def run_engine(args: argparse.Namespace, console: Console, usage_error) -> int:
         raise usage_error(str(error)) from None
     with Progress(TextColumn("generating"), BarColumn(), TimeElapsedColumn(), console=console, transient=True) as bar:
         bar.add_task("tokens", total=None)
-        outputs, metrics = _measure(engine, prompts, params, usage_error, detect_syncs=args.detect_syncs)
+        outputs, metrics = _measure(engine, prompts, params, usage_error, detect_syncs=args.detect_syncs,
+                                    step_idle=args.step_idle)
     table = Table(title=f"reference engine — {args.model}, {args.backend}, {dtype_name}, {device.type}, {args.loop} loop",
                   title_justify="left")
     for column in ("metric", "value"):
@@ -238,8 +244,8 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
     prompts = _prompts(args, model.config.vocab_size, tokenizer)
     params = _sampling(args, tokenizer)
     table = Table(title=f"async vs sync — {args.model}, {args.backend}, {dtype_name}, k={args.spec_tokens}", title_justify="left")
-    for column in ("drafter", "loop", "tokens/s", "TPOT ms", "accept len", "host ms/step", "GPU idle", "syncs/step",
-                   "async/sync TPOT"):
+    for column in ("drafter", "loop", "tokens/s", "TPOT ms", "accept len", "host ms/step", "GPU idle", "idle in step",
+                   "syncs/step", "async/sync TPOT"):
         table.add_column(column)
     drafters = args.drafters.split(",") if args.spec_tokens else ["none"]
     # Every engine is timed before any host-sync count, so that no timed run follows a detector's
@@ -253,11 +259,14 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
         for key in keys:
             engine = engines.pop(key, None) or _make_engine(args, model, None, dtype, device, key[1], key[0], usage_error)
             runs[key].append(_measure(engine, prompts, params, usage_error, detect_syncs=False, warm_up=repeat == 0))
-            if repeat + 1 < args.repeats or args.detect_syncs:
-                engines[key] = engine  # timed again, or its syncs counted after every timed run
+            if repeat + 1 < args.repeats or args.detect_syncs or args.step_idle:
+                engines[key] = engine  # timed again, or measured by an untimed pass after every timed run
     shown = {key: median_run(runs[key]) for key in keys}
     for key, engine in engines.items():
-        count_host_syncs(engine, prompts, params, shown[key][1])
+        if args.detect_syncs:
+            count_host_syncs(engine, prompts, params, shown[key][1])
+        if args.step_idle:
+            measure_in_step_idle(engine, prompts, params, shown[key][1])
     results = []
     for drafter in drafters:
         sync_runs, async_runs = runs[drafter, "sync"], runs[drafter, "async"]
@@ -271,6 +280,7 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
             host_ms = sum(m.host_ms_per_step.get(phase, 0.0) for phase in ("schedule", "launch", "land"))
             table.add_row(drafter, loop, f"{m.tokens_per_s:.0f}", f"{m.tpot_ms:.3f}", f"{m.acceptance_length:.2f}", f"{host_ms:.2f}",
                           "n/a" if m.gpu_idle_fraction is None else f"{m.gpu_idle_fraction:.1%}",
+                          "n/a" if m.gpu_idle_in_step_fraction is None else f"{m.gpu_idle_in_step_fraction:.1%}",
                           "n/a" if m.host_syncs_per_steady_step is None else f"{m.host_syncs_per_steady_step:.2f}",
                           "" if loop == "sync" or ratio is None else f"{ratio:.2f}x{spread}" + ("" if same else " (TOKENS DIFFER)"))
         results.append({"drafter": drafter, "same_tokens": same, "async_over_sync_tpot": ratio,

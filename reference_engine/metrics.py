@@ -1,5 +1,6 @@
 """What an engine run measured: tokens/s, TTFT, TPOT, mean acceptance length, host-blocking syncs
-per steady-state step, and GPU idle time between steps.
+per steady-state step, and GPU idle time between steps (and, from ``gpu_timeline``'s profiled
+pass, inside them).
 
 GPU idle comes from CUDA events: each step records one event before its first GPU work and one
 after its last. When the host queued step N + 1 while step N ran, N + 1's start event completes the
@@ -24,12 +25,22 @@ import torch
 
 
 class StepTimer:
+    """CUDA events around each step's launches; and, while ``label_steps`` is set (the profiled
+    pass of ``gpu_timeline``), a profiler range around them."""
+
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
+        self.label_steps = False
         self.pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._start = None
+        self._range = None
 
     def begin(self) -> None:
+        if self.label_steps:
+            from reference_engine.gpu_timeline import STEP_RANGE
+
+            self._range = torch.profiler.record_function(STEP_RANGE)
+            self._range.__enter__()
         if self.enabled:
             self._start = torch.cuda.Event(enable_timing=True)
             self._start.record()
@@ -39,6 +50,9 @@ class StepTimer:
             finish = torch.cuda.Event(enable_timing=True)
             finish.record()
             self.pairs.append((self._start, finish))
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
 
     def gaps_ms(self) -> tuple[list[float], float]:
         """(idle gap before each step after the first, total span); synchronizes: call after the run."""
@@ -60,8 +74,11 @@ class EngineMetrics:
     acceptance_length: float  # mean tokens per decode step
     draft_acceptance: float | None
     steps: int
-    gpu_idle_fraction: float | None = None
+    gpu_idle_fraction: float | None = None  # between steps (CUDA events, timed pass)
     gpu_idle_ms_per_step: float | None = None
+    gpu_idle_in_step_fraction: float | None = None  # inside steps (gpu_timeline's profiled pass)
+    gpu_idle_in_step_ms: float | None = None
+    gpu_busy_ms_per_step: float | None = None
     steady_steps: int = 0
     host_syncs_per_steady_step: float | None = None
     host_sync_sources: list[str] = field(default_factory=list)
@@ -82,11 +99,11 @@ def steady_iterations(engine) -> list[int]:
     return steady
 
 
-def measure(engine, prompts, params, *, detect_syncs: bool = False, strategy: str = "auto"):
+def measure(engine, prompts, params, *, detect_syncs: bool = False, strategy: str = "auto", step_idle: bool = False):
     """Run ``engine.generate`` and measure it (and once more under the host-sync detector, when
-    asked: ``count_host_syncs``). Returns (outputs of the timed run, EngineMetrics). Comparing
-    engines, time them all before counting any one's syncs (``engine bench`` does), so that no
-    timed run follows a detector's pass."""
+    asked: ``count_host_syncs``; once more under the profiler for ``step_idle``). Returns
+    (outputs of the timed run, EngineMetrics). Comparing engines, time them all before counting
+    any one's syncs (``engine bench`` does), so that no timed run follows an untimed pass."""
     timer = getattr(engine, "timer", None)
     if timer is not None:
         timer.pairs.clear()
@@ -118,7 +135,20 @@ def measure(engine, prompts, params, *, detect_syncs: bool = False, strategy: st
     metrics.graph_replays = graphs.replays if graphs is not None else 0
     if detect_syncs:
         count_host_syncs(engine, prompts, params, metrics, strategy)
+    if step_idle:
+        measure_in_step_idle(engine, prompts, params, metrics)
     return outputs, metrics
+
+
+def measure_in_step_idle(engine, prompts, params, metrics: EngineMetrics) -> None:
+    """GPU idle inside steps from ``gpu_timeline``'s profiled pass, written into ``metrics``."""
+    from reference_engine.gpu_timeline import profile_in_step_idle
+
+    idle = profile_in_step_idle(engine, prompts, params)
+    if idle is not None:
+        metrics.gpu_idle_in_step_fraction = idle.fraction
+        metrics.gpu_idle_in_step_ms = idle.idle_ms_per_step
+        metrics.gpu_busy_ms_per_step = idle.busy_ms_per_step
 
 
 def median_run(runs: list[tuple[list, EngineMetrics]]) -> tuple[list, EngineMetrics]:

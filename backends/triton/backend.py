@@ -21,7 +21,11 @@ from backends.triton import kernels
 DECODE_VARIANTS = (1, 2, 4, 8)  # query lengths served by the split (flash-decoding) kernel
 PARTIAL_BUFFER_BYTES = 256 * 2**20  # cap on split-KV scratch; the split count shrinks to fit
 MAX_SPLITS = 16
+BLOCK_SPLITS = 16  # the merge kernel's tile over splits: one compiled variant for every split count
 LOG2E = 1.4426950408889634
+# The interpreter has no multiprocessors; this stand-in and a short minimum split make the CPU
+# tests run one split (output written directly) and several (merged) on small cases.
+INTERPRETER_MULTIPROCESSORS = 4
 
 
 def interpreting() -> bool:
@@ -37,10 +41,22 @@ def decode_variant(max_query_len: int) -> int:
     return next((q for q in DECODE_VARIANTS if q >= max_query_len), DECODE_VARIANTS[-1])
 
 
+def min_split_tokens() -> int:
+    return 16 if interpreting() else 256
+
+
 def num_kv_splits(limits: BackendLimits, bytes_per_split: int) -> int:
-    by_length = triton.cdiv(limits.max_model_len, 256)
+    """The most KV splits a step may use: at least ``min_split_tokens()`` keys each at the longest
+    context, and scratch within PARTIAL_BUFFER_BYTES at ``bytes_per_split``."""
+    by_length = triton.cdiv(limits.max_model_len, min_split_tokens())
     by_memory = max(1, PARTIAL_BUFFER_BYTES // max(1, bytes_per_split))
     return max(1, min(MAX_SPLITS, by_length, by_memory))
+
+
+def multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_MULTIPROCESSORS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def is_capturing(device: torch.device) -> bool:
@@ -62,12 +78,35 @@ class DeviceLengthsBackend(AttentionBackend):
     ``build`` and ``update_for_draft_step`` only reference the step's device tensors (no host
     lengths, no copies). Also the split-KV scratch."""
 
-    def allocate_split_buffers(self, value_dim: int) -> None:
-        """Partial outputs and log-sum-exps for every (request, decode token, head, split), once."""
+    def allocate_split_buffers(self, value_dim: int, programs_per_multiprocessor: int) -> None:
+        """Partial outputs and log-sum-exps for every (request, decode token, head, split) of the
+        longest decode variant, once; shorter variants fit more splits in the same scratch."""
         partial_rows = self.limits.max_num_reqs * DECODE_VARIANTS[-1] * self.spec.num_heads
-        self.num_splits = num_kv_splits(self.limits, partial_rows * value_dim * 4)
-        self.partial_out = torch.empty(partial_rows * self.num_splits * value_dim, dtype=torch.float32, device=self.device)
-        self.partial_lse = torch.empty(partial_rows * self.num_splits, dtype=torch.float32, device=self.device)
+        self.partial_row_capacity = partial_rows * num_kv_splits(self.limits, partial_rows * value_dim * 4)
+        self.max_splits = num_kv_splits(self.limits, 1)
+        self.wanted_programs = programs_per_multiprocessor * multiprocessors(self.device)
+        self.partial_out = torch.empty(self.partial_row_capacity * value_dim, dtype=torch.float32, device=self.device)
+        self.partial_lse = torch.empty(self.partial_row_capacity, dtype=torch.float32, device=self.device)
+
+    def splits_for(self, num_reqs: int, decode_q: int, programs_per_request: int) -> int:
+        """This step's KV split count, from host ints only: as many programs as fill the GPU
+        (``wanted_programs``) and no more, because every extra split writes and merges partial
+        rows. A request's output bits therefore depend on how many requests share its batch."""
+        by_memory = self.partial_row_capacity // (self.limits.max_num_reqs * decode_q * self.spec.num_heads)
+        # Rounded down: a batch that fills the GPU once unsplit is not split into a second wave.
+        wanted = self.wanted_programs // (max(1, num_reqs) * programs_per_request)
+        return max(1, min(self.max_splits, by_memory, wanted))
+
+    def merge_splits(self, out, metadata: TritonMetadata, num_splits: int, value_dim: int) -> None:
+        """Fold the partial results of a step that used more than one split into ``out``."""
+        if num_splits == 1:
+            return  # the split kernel wrote the output itself
+        kernels.merge_splits_kernel[(self.limits.max_num_reqs * metadata.decode_q, self.spec.num_heads)](
+            self.partial_out, self.partial_lse, out, metadata.query_start_loc, metadata.num_reqs, num_splits,
+            out.stride(0), out.stride(1),
+            NUM_HEADS=self.spec.num_heads, DECODE_Q=metadata.decode_q, HEAD_DIM=value_dim,
+            BLOCK_D=triton.next_power_of_2(value_dim), BLOCK_SPLITS=BLOCK_SPLITS,
+        )
 
     def build(self, common: CommonAttentionMetadata) -> TritonMetadata:
         return TritonMetadata(
@@ -85,6 +124,14 @@ class DeviceLengthsBackend(AttentionBackend):
         return metadata
 
 
+# The split kernel's launch, swept on an H100 by tests/benchmarks/tune_triton.py (decode and
+# spec-verify, batch 1 to 256): 4 warps, 3 stages and 128-key tiles were best or within 1.3% of
+# the best on every shape. Head dim 256 keeps 32-key tiles (shared memory).
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 3
+DECODE_PROGRAMS_PER_MULTIPROCESSOR = 4
+
+
 class TritonAttentionBackend(DeviceLengthsBackend):
     name = "triton"
     capabilities = Capabilities(
@@ -99,10 +146,11 @@ class TritonAttentionBackend(DeviceLengthsBackend):
         self.group = spec.query_group_size
         self.upcast_dot = interpreting() and spec.dtype == torch.bfloat16
         self.block_d = triton.next_power_of_2(spec.head_dim)
-        self.block_n = 32 if spec.head_dim > 128 else 64
+        self.block_n = 32 if spec.head_dim > 128 else 64  # the prefill kernel's key tile
+        self.decode_block_n = 32 if spec.head_dim > 128 else 128
         self.prefill_block_m = 64
         self.prefill_block_q = max(1, self.prefill_block_m // self.group)
-        self.allocate_split_buffers(spec.head_dim)
+        self.allocate_split_buffers(spec.head_dim, DECODE_PROGRAMS_PER_MULTIPROCESSOR)
 
     # Layout [2, num_blocks, kv_heads, block_size, head_dim]: one head's page is contiguous.
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -126,25 +174,22 @@ class TritonAttentionBackend(DeviceLengthsBackend):
         soft_cap = spec.logits_soft_cap or 0.0
         window = spec.sliding_window or 0
         common_args = dict(
-            GROUP=self.group, HEAD_DIM=spec.head_dim, BLOCK_D=self.block_d, BLOCK_N=self.block_n,
+            GROUP=self.group, HEAD_DIM=spec.head_dim, BLOCK_D=self.block_d,
             PAGE_SIZE=spec.block_size, USE_WINDOW=spec.sliding_window is not None,
             USE_SOFT_CAP=spec.logits_soft_cap is not None, UPCAST_DOT=self.upcast_dot,
         )
         decode_q = metadata.decode_q
         block_m = max(16, triton.next_power_of_2(decode_q * self.group))
-        kernels.decode_split_kernel[(limits.max_num_reqs, spec.num_kv_heads, self.num_splits)](
+        num_splits = self.splits_for(metadata.num_reqs, decode_q, spec.num_kv_heads)
+        kernels.decode_split_kernel[(limits.max_num_reqs, spec.num_kv_heads, num_splits)](
             query, k_cache, v_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
-            self.partial_out, self.partial_lse, metadata.num_reqs, scale_log2, soft_cap, window,
-            query.stride(0), query.stride(1), metadata.block_table.stride(0),
+            self.partial_out, self.partial_lse, out, metadata.num_reqs, num_splits, scale_log2, soft_cap, window,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1), metadata.block_table.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            NUM_HEADS=spec.num_heads, DECODE_Q=decode_q, BLOCK_M=block_m, NUM_SPLITS=self.num_splits, **common_args,
+            NUM_HEADS=spec.num_heads, DECODE_Q=decode_q, BLOCK_M=block_m, BLOCK_N=self.decode_block_n, **common_args,
+            num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
         )
-        kernels.merge_splits_kernel[(limits.max_num_reqs * decode_q, spec.num_heads)](
-            self.partial_out, self.partial_lse, out, metadata.query_start_loc, metadata.num_reqs,
-            out.stride(0), out.stride(1),
-            NUM_HEADS=spec.num_heads, DECODE_Q=decode_q, HEAD_DIM=spec.head_dim, BLOCK_D=self.block_d,
-            NUM_SPLITS=self.num_splits, BLOCK_SPLITS=triton.next_power_of_2(self.num_splits),
-        )
+        self.merge_splits(out, metadata, num_splits, spec.head_dim)
         if metadata.max_query_len > decode_q or is_capturing(self.device):
             num_query_blocks = triton.cdiv(limits.max_num_tokens, self.prefill_block_q) + limits.max_num_reqs
             kernels.prefill_kernel[(num_query_blocks, spec.num_kv_heads)](
@@ -152,5 +197,6 @@ class TritonAttentionBackend(DeviceLengthsBackend):
                 metadata.num_reqs, scale_log2, soft_cap, window,
                 query.stride(0), query.stride(1), out.stride(0), out.stride(1), metadata.block_table.stride(0),
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                DECODE_Q=decode_q, BLOCK_Q=self.prefill_block_q, BLOCK_M=self.prefill_block_m, **common_args,
+                DECODE_Q=decode_q, BLOCK_Q=self.prefill_block_q, BLOCK_M=self.prefill_block_m, BLOCK_N=self.block_n,
+                **common_args,
             )

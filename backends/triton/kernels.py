@@ -6,9 +6,11 @@ served by one of two kernels, decided on the device from each request's query le
 
 * ``decode_split_kernel``: requests with at most DECODE_Q new tokens (decode, spec-verify). One
   program per (request, KV head, KV split): all the request's new tokens times the query heads
-  of one KV group form the rows of one tile, so each KV block is read once per group. Partial
-  results (normalised output and log-sum-exp per split) are merged by ``merge_splits_kernel``
-  (flash-decoding).
+  of one KV group form the rows of one tile, so each KV block is read once per group. The host
+  picks the split count per step from the number of requests (enough programs to fill the GPU,
+  no more); with one split the program writes the output itself, otherwise the partial results
+  (normalised output and log-sum-exp per split) are merged by ``merge_splits_kernel``
+  (flash-decoding). The split count is a runtime argument, so it adds no compiled variant.
 * ``prefill_kernel``: requests with more than DECODE_Q new tokens. One program per (query block,
   KV head); the query block → request map is a binary search over ``query_start_loc``, so the
   grid never depends on the batch.
@@ -90,9 +92,9 @@ def decode_tile(query_start_loc_ptr, seq_lens_ptr, request, num_reqs, first_head
 
 
 @triton.jit
-def split_range(low, seq_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The key positions [start, end) of one split: [low, seq_len) cut into NUM_SPLITS whole tiles."""
-    per_split = tl.cdiv(tl.cdiv(seq_len - low, NUM_SPLITS), BLOCK_N) * BLOCK_N
+def split_range(low, seq_len, split, num_splits, BLOCK_N: tl.constexpr):
+    """The key positions [start, end) of one split: [low, seq_len) cut into num_splits whole tiles."""
+    per_split = tl.cdiv(tl.cdiv(seq_len - low, num_splits), BLOCK_N) * BLOCK_N
     start = low + split * per_split
     return start, tl.minimum(start + per_split, seq_len)
 
@@ -111,20 +113,39 @@ def online_softmax_step(scores, value, acc, row_max, row_sum):
 
 
 @triton.jit
-def store_split_partial(
-    acc, row_max, row_sum, partial_out_ptr, partial_lse_ptr, partial_row, split, dims, row_valid,
-    WIDTH: tl.constexpr, NUM_SPLITS: tl.constexpr,
-):
-    """One KV split's normalised output and base-2 log-sum-exp per row, for ``merge_splits_kernel``;
-    a row that saw no key (an empty split) gets -inf and so no weight."""
-    seen = row_sum > 0
-    out = acc / tl.where(seen, row_sum, 1.0)[:, None]
-    lse = tl.where(seen, row_max + tl.log2(tl.where(seen, row_sum, 1.0)), float("-inf"))
-    tl.store(partial_lse_ptr + partial_row * NUM_SPLITS + split, lse, mask=row_valid)
+def store_output(acc, row_sum, out_ptr, token_index, head, dims, row_valid, stride_out_token, stride_out_head,
+                 WIDTH: tl.constexpr):
+    """The normalised output rows of a tile that saw every key of its rows, in the output dtype."""
+    out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
     tl.store(
-        partial_out_ptr + (partial_row * NUM_SPLITS + split)[:, None] * WIDTH + dims[None, :],
-        out, mask=row_valid[:, None] & (dims[None, :] < WIDTH),
+        out_ptr + token_index[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & (dims[None, :] < WIDTH),
     )
+
+
+@triton.jit
+def store_split_result(
+    acc, row_max, row_sum, partial_out_ptr, partial_lse_ptr, out_ptr, query_start, token, head, request, split,
+    num_splits, dims, row_valid, stride_out_token, stride_out_head,
+    NUM_HEADS: tl.constexpr, DECODE_Q: tl.constexpr, WIDTH: tl.constexpr,
+):
+    """A split-KV program's result. With one split it is the whole answer and goes straight to
+    ``out`` (no merge is launched). Otherwise: the split's normalised output and base-2
+    log-sum-exp per row, for ``merge_splits_kernel``; a row that saw no key (an empty split) gets
+    -inf and so no weight."""
+    if num_splits == 1:
+        store_output(acc, row_sum, out_ptr, query_start + token, head, dims, row_valid, stride_out_token,
+                     stride_out_head, WIDTH)
+    else:
+        partial_row = (request * DECODE_Q + token) * NUM_HEADS + head  # [rows, heads] flattened
+        seen = row_sum > 0
+        out = acc / tl.where(seen, row_sum, 1.0)[:, None]
+        lse = tl.where(seen, row_max + tl.log2(tl.where(seen, row_sum, 1.0)), float("-inf"))
+        tl.store(partial_lse_ptr + partial_row * num_splits + split, lse, mask=row_valid)
+        tl.store(
+            partial_out_ptr + (partial_row * num_splits + split)[:, None] * WIDTH + dims[None, :],
+            out, mask=row_valid[:, None] & (dims[None, :] < WIDTH),
+        )
 
 
 @triton.jit
@@ -174,13 +195,13 @@ def _attend(
 @triton.jit
 def decode_split_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
-    partial_out_ptr, partial_lse_ptr,
-    num_reqs, scale_log2, soft_cap, window,
-    stride_query_token, stride_query_head, stride_block_table,
+    partial_out_ptr, partial_lse_ptr, out_ptr,
+    num_reqs, num_splits, scale_log2, soft_cap, window,
+    stride_query_token, stride_query_head, stride_out_token, stride_out_head, stride_block_table,
     stride_cache_block, stride_cache_head, stride_cache_token,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, DECODE_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     request, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # grid (requests, KV heads, splits)
     query_start, query_len, seq_len, token, head, row_valid, query_positions = decode_tile(
@@ -196,7 +217,7 @@ def decode_split_kernel(
     low = 0
     if USE_WINDOW:
         low = tl.maximum(seq_len - query_len - window + 1, 0)
-    start, end = split_range(low, seq_len, split, NUM_SPLITS, BLOCK_N)
+    start, end = split_range(low, seq_len, split, num_splits, BLOCK_N)
 
     acc, row_max, row_sum = _attend(
         q, request, kv_head, start, end, query_positions, row_valid,
@@ -204,17 +225,17 @@ def decode_split_kernel(
         stride_cache_block, stride_cache_head, stride_cache_token, scale_log2, soft_cap, window,
         BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW, USE_SOFT_CAP, UPCAST_DOT,
     )
-    partial_row = (request * DECODE_Q + token) * NUM_HEADS + head  # [rows, heads] flattened
-    store_split_partial(acc, row_max, row_sum, partial_out_ptr, partial_lse_ptr, partial_row, split, dims, row_valid,
-                        HEAD_DIM, NUM_SPLITS)
+    store_split_result(acc, row_max, row_sum, partial_out_ptr, partial_lse_ptr, out_ptr, query_start, token, head,
+                       request, split, num_splits, dims, row_valid, stride_out_token, stride_out_head,
+                       NUM_HEADS, DECODE_Q, HEAD_DIM)
 
 
 @triton.jit
 def merge_splits_kernel(
-    partial_out_ptr, partial_lse_ptr, out_ptr, query_start_loc_ptr, num_reqs,
+    partial_out_ptr, partial_lse_ptr, out_ptr, query_start_loc_ptr, num_reqs, num_splits,
     stride_out_token, stride_out_head,
     NUM_HEADS: tl.constexpr, DECODE_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -225,13 +246,13 @@ def merge_splits_kernel(
         return
     splits = tl.arange(0, BLOCK_SPLITS)
     partial_row = row * NUM_HEADS + head
-    lse = tl.load(partial_lse_ptr + partial_row * NUM_SPLITS + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
+    lse = tl.load(partial_lse_ptr + partial_row * num_splits + splits, mask=splits < num_splits, other=float("-inf"))
     weights = tl.exp2(lse - tl.max(lse, axis=0))
     weights = weights / tl.sum(weights, axis=0)
     dims = tl.arange(0, BLOCK_D)
     partial = tl.load(
-        partial_out_ptr + (partial_row * NUM_SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :],
-        mask=(splits[:, None] < NUM_SPLITS) & (dims[None, :] < HEAD_DIM), other=0.0,
+        partial_out_ptr + (partial_row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
+        mask=(splits[:, None] < num_splits) & (dims[None, :] < HEAD_DIM), other=0.0,
     )
     out = tl.sum(partial * weights[:, None], axis=0)
     tl.store(out_ptr + (query_start + token) * stride_out_token + head * stride_out_head + dims,
@@ -293,8 +314,5 @@ def prefill_kernel(
         stride_cache_block, stride_cache_head, stride_cache_token, scale_log2, soft_cap, window,
         BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW, USE_SOFT_CAP, UPCAST_DOT,
     )
-    out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
-    tl.store(
-        out_ptr + (query_start + token)[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
-        out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_mask,
-    )
+    store_output(acc, row_sum, out_ptr, query_start + token, head, dims, row_valid, stride_out_token, stride_out_head,
+                 HEAD_DIM)

@@ -22,6 +22,7 @@ ROWS_PER_PROGRAM = 64  # tokens x heads per tile; 64 x 512 fp32 accumulator (swe
 BLOCK_N = 64  # KV positions per tile
 NUM_WARPS = 8
 NUM_STAGES = 3
+PROGRAMS_PER_MULTIPROCESSOR = 2  # swept on an H100 (tests/benchmarks/tune_triton_mla.py)
 
 
 @dataclass
@@ -47,7 +48,7 @@ class TritonMLABackend(DeviceLengthsBackend):
     def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
         super().__init__(spec, limits, device)
         self.upcast_dot = interpreting() and spec.dtype == torch.bfloat16
-        self.allocate_split_buffers(spec.kv_lora_rank)
+        self.allocate_split_buffers(spec.kv_lora_rank, PROGRAMS_PER_MULTIPROCESSOR)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.spec.block_size, self.spec.head_dim)
@@ -65,21 +66,17 @@ class TritonMLABackend(DeviceLengthsBackend):
         spec, limits = self.spec, self.limits
         decode_q = metadata.decode_q
         tiles = tiling(spec.num_heads, decode_q)
-        grid = (triton.cdiv(spec.num_heads, tiles.heads_per_program), limits.max_num_reqs, self.num_splits)
-        mla_kernels.mla_decode_split_kernel[grid](
+        head_blocks = triton.cdiv(spec.num_heads, tiles.heads_per_program)
+        num_splits = self.splits_for(metadata.num_reqs, decode_q, head_blocks)
+        mla_kernels.mla_decode_split_kernel[(head_blocks, limits.max_num_reqs, num_splits)](
             query, kv_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
-            self.partial_out, self.partial_lse, metadata.num_reqs, spec.softmax_scale * LOG2E,
-            query.stride(0), query.stride(1), metadata.block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+            self.partial_out, self.partial_lse, out, metadata.num_reqs, num_splits, spec.softmax_scale * LOG2E,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1), metadata.block_table.stride(0),
+            kv_cache.stride(0), kv_cache.stride(1),
             NUM_HEADS=spec.num_heads, HEADS_PER_PROGRAM=tiles.heads_per_program, DECODE_Q=decode_q,
             BLOCK_M=tiles.block_m, LATENT=spec.kv_lora_rank, ROPE=spec.rope_dim,
             BLOCK_L=triton.next_power_of_2(spec.kv_lora_rank), BLOCK_R=max(16, triton.next_power_of_2(spec.rope_dim)),
-            BLOCK_N=BLOCK_N, PAGE_SIZE=spec.block_size, NUM_SPLITS=self.num_splits, UPCAST_DOT=self.upcast_dot,
+            BLOCK_N=BLOCK_N, PAGE_SIZE=spec.block_size, UPCAST_DOT=self.upcast_dot,
             num_warps=NUM_WARPS if spec.kv_lora_rank >= 256 else 4, num_stages=NUM_STAGES,
         )
-        kernels.merge_splits_kernel[(limits.max_num_reqs * decode_q, spec.num_heads)](
-            self.partial_out, self.partial_lse, out, metadata.query_start_loc, metadata.num_reqs,
-            out.stride(0), out.stride(1),
-            NUM_HEADS=spec.num_heads, DECODE_Q=decode_q, HEAD_DIM=spec.kv_lora_rank,
-            BLOCK_D=triton.next_power_of_2(spec.kv_lora_rank), NUM_SPLITS=self.num_splits,
-            BLOCK_SPLITS=triton.next_power_of_2(self.num_splits),
-        )
+        self.merge_splits(out, metadata, num_splits, spec.kv_lora_rank)

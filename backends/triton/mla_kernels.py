@@ -4,25 +4,26 @@ Every head reads the same latent entry per token ([kv_lora_rank | rope_dim]), so
 serves a block of heads for all of a request's new tokens (rows = tokens x heads) over one KV
 split. The head block is the fastest grid dimension: programs that share a request's latent
 tiles run together and the tiles come from L2 after the first read. Partial results are merged
-by ``kernels.merge_splits_kernel``.
+by ``kernels.merge_splits_kernel`` (or, with one split, written by the program itself).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from backends.triton.kernels import decode_tile, online_softmax_step, split_range, store_split_partial
+from backends.triton.kernels import decode_tile, online_softmax_step, split_range, store_split_result
 
 
 @triton.jit
 def mla_decode_split_kernel(
     query_ptr, cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
-    partial_out_ptr, partial_lse_ptr,
-    num_reqs, scale_log2,
-    stride_query_token, stride_query_head, stride_block_table, stride_cache_block, stride_cache_token,
+    partial_out_ptr, partial_lse_ptr, out_ptr,
+    num_reqs, num_splits, scale_log2,
+    stride_query_token, stride_query_head, stride_out_token, stride_out_head, stride_block_table,
+    stride_cache_block, stride_cache_token,
     NUM_HEADS: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, DECODE_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
     head_block, request, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # grid (head blocks, requests, splits)
     query_start, query_len, seq_len, token, head, row_valid, query_positions = decode_tile(
@@ -39,7 +40,7 @@ def mla_decode_split_kernel(
         q_latent = q_latent.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
 
-    start, end = split_range(0, seq_len, split, NUM_SPLITS, BLOCK_N)
+    start, end = split_range(0, seq_len, split, num_splits, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -57,6 +58,6 @@ def mla_decode_split_kernel(
         visible = (positions[None, :] <= query_positions[:, None]) & in_range[None, :] & row_valid[:, None]
         acc, row_max, row_sum = online_softmax_step(tl.where(visible, scores, float("-inf")), c_latent, acc, row_max, row_sum)
 
-    partial_row = (request * DECODE_Q + token) * NUM_HEADS + head
-    store_split_partial(acc, row_max, row_sum, partial_out_ptr, partial_lse_ptr, partial_row, split, latent_dims, row_valid,
-                        LATENT, NUM_SPLITS)
+    store_split_result(acc, row_max, row_sum, partial_out_ptr, partial_lse_ptr, out_ptr, query_start, token, head,
+                       request, split, num_splits, latent_dims, row_valid, stride_out_token, stride_out_head,
+                       NUM_HEADS, DECODE_Q, LATENT)

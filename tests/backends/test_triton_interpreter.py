@@ -20,6 +20,7 @@ CASES = {
         "gqa-h4/2-d64-fp16-p16-sinks:30+1,20+4,0+9",  # logits shifted by ~256, a sink at position 0
         "gqa-h4/2-d64-bf16-p16-edges:15+1,16+1,20+4,0+20",  # dominant keys at every causal edge
         "gqa-h4/1-d64-bf16-p16-w24-edges:50+4,3+1,100+1",  # dominant keys at every window edge
+        "gqa-h8/4-d64-fp16-p16:30+1x8,50+2",  # enough requests for one split: no merge, output written directly
     ],
     "triton_mla": [
         "mla-h4-d64+16-bf16-p16:1+1,40+1,17+1",
@@ -52,8 +53,10 @@ def test_without_the_interpreter_the_cpu_is_not_claimed():
 
 
 def test_decode_variants_and_split_counts():
-    from backends.base import BackendLimits
-    from backends.triton.backend import decode_variant, num_kv_splits
+    import torch
+
+    from backends.base import AttentionSpec, BackendLimits
+    from backends.triton.backend import TritonAttentionBackend, decode_variant, num_kv_splits
     from backends.triton.mla_backend import tiling
 
     assert [decode_variant(q) for q in (1, 2, 3, 4, 5, 8, 100)] == [1, 2, 4, 4, 8, 8, 8]
@@ -63,3 +66,16 @@ def test_decode_variants_and_split_counts():
     assert (tiling(128, 1).heads_per_program, tiling(128, 1).block_m) == (64, 64)
     assert (tiling(128, 8).heads_per_program, tiling(128, 8).block_m) == (8, 64)
     assert (tiling(4, 1).heads_per_program, tiling(4, 1).block_m) == (4, 16)
+
+    # A step's split count: enough programs for the GPU (wanted_programs), within the scratch and
+    # the longest context. 32 programs wanted; 8 KV heads per request.
+    spec = AttentionSpec(kind="mha", num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
+    backend = TritonAttentionBackend(spec, BackendLimits(64, 512, 4096), torch.device("cpu"))
+    backend.wanted_programs = 512
+    assert backend.max_splits == 16
+    assert [backend.splits_for(n, 1, 8) for n in (1, 4, 16, 64)] == [16, 16, 4, 1]
+    # The scratch holds 16 splits of the longest variant (q=8) at 64 requests, so a bigger batch
+    # limit leaves q=8 fewer splits and q=1 eight times as many as q=8.
+    assert backend.partial_row_capacity == 64 * 8 * 32 * 16
+    backend.limits = BackendLimits(512, 4096, 4096)
+    assert backend.splits_for(1, 8, 8) == 2 and backend.splits_for(1, 1, 8) == 16

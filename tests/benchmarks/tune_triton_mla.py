@@ -1,38 +1,45 @@
 """Sweep triton_mla's tiling on the GPU: ``python tests/benchmarks/tune_triton_mla.py``.
-Prints forward µs (CUDA events, L2 flushed) per setting for decode and spec-verify q=4."""
-import itertools
+
+For each MLA (128 heads, 512 + 64) decode / spec-verify shape: FlashMLA's time, then ours for each
+tiling (rows per program, BLOCK_N, warps, stages) and split target (programs wanted per SM).
+Prints forward µs (CUDA events, L2 flushed) and the ratio to FlashMLA in the same run."""
+import sys
 
 import torch
 
 from backends.triton import mla_backend
-from conformance.inputs.cases import parse_case
-from conformance.checks.bench import _l2_flusher, time_gpu, traffic
-from conformance.inputs.harness import poisoned_output, prepare_case
+from tests.benchmarks.tuning import TimedCase, sweep_line
 
-CASES = {"decode b64 ctx4096": "mla-h128-d512+64-bf16-p64:4096+1x64", "verify q4 b64 ctx4096": "mla-h128-d512+64-bf16-p64:4096+4x64"}
+CASES = {
+    "decode b64 ctx4096": "mla-h128-d512+64-bf16-p64:4096+1x64",
+    "verify q4 b64 ctx4096": "mla-h128-d512+64-bf16-p64:4096+4x64",
+    "decode b256 ctx4096": "mla-h128-d512+64-bf16-p64:4096+1x256",
+    "verify q8 b64 ctx4096": "mla-h128-d512+64-bf16-p64:4096+8x64",
+}
+TILINGS = [(64, 64, 8, 3), (64, 32, 8, 3), (64, 64, 8, 2), (32, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 3)]  # rows, BLOCK_N, warps, stages
+PROGRAMS_PER_SM = (1, 2, 4, 8)
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
     device = torch.device("cuda")
-    flush = _l2_flusher(device)
-    for (name, text), rows, block_n, warps, stages in itertools.product(CASES.items(), (16, 32, 64), (16, 32, 64), (4, 8), (1, 2, 3)):
-        mla_backend.ROWS_PER_PROGRAM, mla_backend.BLOCK_N, mla_backend.NUM_WARPS, mla_backend.NUM_STAGES = rows, block_n, warps, stages
-        case = parse_case(text)
-        prepared = prepare_case(mla_backend.TritonMLABackend, case, device, random_on_device=True)
-        batch = prepared.batch
-        key, _, slots = batch.step_rows()
-        prepared.backend.write_kv(prepared.kv_cache, key, None, slots)
-        metadata = prepared.backend.build(batch.common_metadata())
-        query = torch.cat([batch.query, torch.zeros_like(batch.query[:3])])
-        out = poisoned_output(batch)
-        try:
-            micros = time_gpu(lambda: prepared.backend.forward(query, prepared.kv_cache, metadata, out), flush)
-        except Exception as error:  # noqa: BLE001 - out of resources for a setting is a result here
-            print(f"{name:24s} rows={rows:3d} block_n={block_n:3d} warps={warps} stages={stages}: {type(error).__name__}")
-            continue
-        print(f"{name:24s} rows={rows:3d} block_n={block_n:3d} warps={warps} stages={stages}: {micros:8.1f} µs "
-              f"{traffic(case)[0] / micros / 1e3:6.0f} GB/s", flush=True)
+    multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
+    for name in names or CASES:
+        vendor = TimedCase("flashmla", CASES[name], device)
+        vendor_micros = vendor.micros()
+        print(f"{name:24s} flashmla: {vendor_micros:8.1f} µs", flush=True)
+        reference = vendor.forward().float().clone()
+        del vendor
+        timed = TimedCase("triton_mla", CASES[name], device)
+        for (rows, block_n, warps, stages), per_sm in [(tiling, per_sm) for tiling in TILINGS for per_sm in PROGRAMS_PER_SM]:
+            mla_backend.ROWS_PER_PROGRAM, mla_backend.BLOCK_N, mla_backend.NUM_WARPS, mla_backend.NUM_STAGES = rows, block_n, warps, stages
+            timed.backend.wanted_programs = per_sm * multiprocessors
+            tiles = mla_backend.tiling(128, timed.metadata.decode_q)
+            splits = timed.backend.splits_for(timed.metadata.num_reqs, timed.metadata.decode_q, 128 // tiles.heads_per_program)
+            print(sweep_line(name, f"rows={rows:3d} block_n={block_n:3d} warps={warps} stages={stages} per_sm={per_sm} splits={splits:2d}",
+                             timed, vendor_micros, reference), flush=True)
+        del timed
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -109,3 +109,39 @@ def test_engine_bench_repeats_time_each_engine_round_by_round(monkeypatch, tmp_p
     assert result["sync"]["tpot_ms"] == 2.0 and result["async"]["tpot_ms"] == 2.0  # the median run of each
     assert result["async_over_sync_tpot_runs"] == [0.5, 3.0, 0.75]  # paired by round
     assert result["async_over_sync_tpot"] == statistics.median([0.5, 3.0, 0.75])
+
+
+def test_engine_bench_measures_idle_inside_steps_after_every_timed_run(monkeypatch, tmp_path):
+    """--step-idle: the profiled pass is untimed like the detector's, so it too follows every
+    engine's timed run; its figures reach the table's run and the JSON."""
+    import json
+
+    from conformance import cli as conformance_cli
+    from reference_engine import cli, metrics
+
+    calls = []
+
+    def timed(engine, prompts, params, **kwargs):
+        calls.append("timed")
+        return metrics.measure(engine, prompts, params, **kwargs)
+
+    def profiled(engine, prompts, params, measured):
+        calls.append("profiled")
+        measured.gpu_idle_in_step_fraction, measured.gpu_idle_in_step_ms, measured.gpu_busy_ms_per_step = 0.25, 0.1, 0.3
+
+    monkeypatch.setattr(cli, "measure", timed)
+    monkeypatch.setattr(cli, "measure_in_step_idle", profiled)
+    out = tmp_path / "bench.json"
+    code = conformance_cli.main(["engine", "bench", "--device", "cpu", "--spec-tokens", "2", "--num-prompts", "2",
+                                 "--max-tokens", "6", "--prompt-len", "8", "--step-idle", "--json", str(out),
+                                 "--drafters", "scripted:random:0.7"])
+    assert code == 0
+    assert calls == ["timed", "timed", "profiled", "profiled"]
+    result = json.loads(out.read_text())["results"][0]
+    assert result["async"]["gpu_idle_in_step_fraction"] == 0.25 and result["sync"]["gpu_busy_ms_per_step"] == 0.3
+
+
+def test_engine_run_step_idle_off_cuda_says_not_measured():
+    completed = engine("--num-prompts", "2", "--max-tokens", "4", "--prompt-len", "8", "--device", "cpu", "--step-idle")
+    assert completed.returncode == 0, completed.stderr
+    assert "GPU idle inside steps" in completed.stdout and "n/a" in completed.stdout

@@ -1,0 +1,65 @@
+"""Sweep triton's split-KV decode launch on the GPU:
+``python -m tests.benchmarks.tune_triton [--splits-only] [CASE NAME ...]``.
+
+For each decode / spec-verify shape of the issue's table: FlashInfer's time, then ours for every
+(warps, stages, BLOCK_N) at the default split target, then every split target (programs wanted
+per SM) at the best of those (``--splits-only``: at the backend's own launch). Prints forward µs
+(CUDA events, L2 flushed) and the ratio to FlashInfer in the same run."""
+import itertools
+import sys
+
+import torch
+
+from backends.triton import backend as triton_backend
+from tests.benchmarks.tuning import TimedCase, sweep_line
+
+CASES = {
+    "decode b64 ctx4096": "gqa-h32/8-d128-bf16-p16:4096+1x64",
+    "decode b256 ctx4096": "gqa-h32/8-d128-bf16-p16:4096+1x256",
+    "verify q2 b256 ctx4096": "gqa-h32/8-d128-bf16-p16:4096+2x256",
+    "verify q4 b64 ctx4096": "gqa-h32/8-d128-bf16-p16:4096+4x64",
+    "verify q8 b256 ctx4096": "gqa-h32/8-d128-bf16-p16:4096+8x256",
+    "decode b8 ctx4096": "gqa-h32/8-d128-bf16-p16:4096+1x8",
+    "decode b1 ctx32k": "gqa-h32/8-d128-bf16-p16:32768+1",
+}
+LAUNCHES = list(itertools.product((4, 8), (2, 3, 4), (32, 64, 128)))  # warps, stages, BLOCK_N
+PROGRAMS_PER_SM = (1, 2, 4, 8, 16, 32)
+
+
+def set_launch(timed: TimedCase, warps: int, stages: int, block_n: int, programs_per_sm: int) -> None:
+    triton_backend.DECODE_NUM_WARPS, triton_backend.DECODE_NUM_STAGES = warps, stages
+    timed.backend.decode_block_n = block_n
+    timed.backend.wanted_programs = programs_per_sm * torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def main(arguments: list[str]) -> None:
+    device = torch.device("cuda")
+    splits_only = "--splits-only" in arguments
+    names = [argument for argument in arguments if argument != "--splits-only"]
+    for name in names or CASES:
+        vendor = TimedCase("flashinfer", CASES[name], device)
+        vendor_micros = vendor.micros()
+        print(f"{name:24s} flashinfer: {vendor_micros:8.1f} µs", flush=True)
+        reference = vendor.forward().float().clone()
+        del vendor
+        timed = TimedCase("triton", CASES[name], device)
+        results = {}
+        own = (triton_backend.DECODE_NUM_WARPS, triton_backend.DECODE_NUM_STAGES, timed.backend.decode_block_n)
+        for warps, stages, block_n in [own] if splits_only else LAUNCHES:
+            set_launch(timed, warps, stages, block_n, triton_backend.DECODE_PROGRAMS_PER_MULTIPROCESSOR)
+            line = sweep_line(name, f"warps={warps} stages={stages} block_n={block_n:3d} per_sm=default", timed, vendor_micros, reference)
+            print(line, flush=True)
+            if " µs " in line:
+                results[(warps, stages, block_n)] = float(line.split(":")[1].split("µs")[0])
+        best = min(results, key=results.get)
+        for per_sm in PROGRAMS_PER_SM:
+            set_launch(timed, *best, per_sm)
+            splits = timed.backend.splits_for(timed.metadata.num_reqs, timed.metadata.decode_q, timed.backend.spec.num_kv_heads)
+            print(sweep_line(name, f"warps={best[0]} stages={best[1]} block_n={best[2]:3d} per_sm={per_sm:2d} splits={splits}",
+                             timed, vendor_micros, reference), flush=True)
+        del timed
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
