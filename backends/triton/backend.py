@@ -78,23 +78,24 @@ class DeviceLengthsBackend(AttentionBackend):
     ``build`` and ``update_for_draft_step`` only reference the step's device tensors (no host
     lengths, no copies). Also the split-KV scratch."""
 
-    def allocate_split_buffers(self, value_dim: int, programs_per_multiprocessor: int) -> None:
+    def allocate_split_buffers(self, value_dim: int) -> None:
         """Partial outputs and log-sum-exps for every (request, decode token, head, split) of the
         longest decode variant, once; shorter variants fit more splits in the same scratch."""
         partial_rows = self.limits.max_num_reqs * DECODE_VARIANTS[-1] * self.spec.num_heads
         self.partial_row_capacity = partial_rows * num_kv_splits(self.limits, partial_rows * value_dim * 4)
         self.max_splits = num_kv_splits(self.limits, 1)
-        self.wanted_programs = programs_per_multiprocessor * multiprocessors(self.device)
+        self.multiprocessors = multiprocessors(self.device)
         self.partial_out = torch.empty(self.partial_row_capacity * value_dim, dtype=torch.float32, device=self.device)
         self.partial_lse = torch.empty(self.partial_row_capacity, dtype=torch.float32, device=self.device)
 
-    def splits_for(self, num_reqs: int, decode_q: int, programs_per_request: int) -> int:
+    def splits_for(self, num_reqs: int, decode_q: int, programs_per_request: int, programs_per_multiprocessor: int) -> int:
         """This step's KV split count, from host ints only: as many programs as fill the GPU
-        (``wanted_programs``) and no more, because every extra split writes and merges partial
-        rows. A request's output bits therefore depend on how many requests share its batch."""
+        (``programs_per_multiprocessor`` on each SM) and no more, because every extra split writes
+        and merges partial rows. A request's output bits therefore depend on how many requests
+        share its batch."""
         by_memory = self.partial_row_capacity // (self.limits.max_num_reqs * decode_q * self.spec.num_heads)
         # Rounded down: a batch that fills the GPU once unsplit is not split into a second wave.
-        wanted = self.wanted_programs // (max(1, num_reqs) * programs_per_request)
+        wanted = programs_per_multiprocessor * self.multiprocessors // (max(1, num_reqs) * programs_per_request)
         return max(1, min(self.max_splits, by_memory, wanted))
 
     def merge_splits(self, out, metadata: TritonMetadata, num_splits: int, value_dim: int) -> None:
@@ -126,10 +127,12 @@ class DeviceLengthsBackend(AttentionBackend):
 
 # The split kernel's launch, swept on an H100 by tests/benchmarks/tune_triton.py (decode and
 # spec-verify, batch 1 to 256): 4 warps, 3 stages and 128-key tiles were best or within 1.3% of
-# the best on every shape. Head dim 256 keeps 32-key tiles (shared memory).
+# the best on every shape. Head dim 256 keeps 32-key tiles (shared memory). Programs wanted per
+# SM, by decode variant: decode (q = 1) was fastest split into up to 8 per SM (batch 64: 2 splits,
+# 388 µs against 410 unsplit), spec-verify into up to 4 (q = 4, batch 64: unsplit, 373 against 407).
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
-DECODE_PROGRAMS_PER_MULTIPROCESSOR = 4
+DECODE_PROGRAMS_PER_MULTIPROCESSOR = {1: 8, 2: 4, 4: 4, 8: 4}
 
 
 class TritonAttentionBackend(DeviceLengthsBackend):
@@ -150,7 +153,7 @@ class TritonAttentionBackend(DeviceLengthsBackend):
         self.decode_block_n = 32 if spec.head_dim > 128 else 128
         self.prefill_block_m = 64
         self.prefill_block_q = max(1, self.prefill_block_m // self.group)
-        self.allocate_split_buffers(spec.head_dim, DECODE_PROGRAMS_PER_MULTIPROCESSOR)
+        self.allocate_split_buffers(spec.head_dim)
 
     # Layout [2, num_blocks, kv_heads, block_size, head_dim]: one head's page is contiguous.
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -180,7 +183,7 @@ class TritonAttentionBackend(DeviceLengthsBackend):
         )
         decode_q = metadata.decode_q
         block_m = max(16, triton.next_power_of_2(decode_q * self.group))
-        num_splits = self.splits_for(metadata.num_reqs, decode_q, spec.num_kv_heads)
+        num_splits = self.splits_for(metadata.num_reqs, decode_q, spec.num_kv_heads, DECODE_PROGRAMS_PER_MULTIPROCESSOR[decode_q])
         kernels.decode_split_kernel[(limits.max_num_reqs, spec.num_kv_heads, num_splits)](
             query, k_cache, v_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
             self.partial_out, self.partial_lse, out, metadata.num_reqs, num_splits, scale_log2, soft_cap, window,

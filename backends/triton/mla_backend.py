@@ -48,7 +48,7 @@ class TritonMLABackend(DeviceLengthsBackend):
     def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
         super().__init__(spec, limits, device)
         self.upcast_dot = interpreting() and spec.dtype == torch.bfloat16
-        self.allocate_split_buffers(spec.kv_lora_rank, PROGRAMS_PER_MULTIPROCESSOR)
+        self.allocate_split_buffers(spec.kv_lora_rank)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.spec.block_size, self.spec.head_dim)
@@ -67,7 +67,7 @@ class TritonMLABackend(DeviceLengthsBackend):
         decode_q = metadata.decode_q
         tiles = tiling(spec.num_heads, decode_q)
         head_blocks = triton.cdiv(spec.num_heads, tiles.heads_per_program)
-        num_splits = self.splits_for(metadata.num_reqs, decode_q, head_blocks)
+        num_splits = self.splits_for(metadata.num_reqs, decode_q, head_blocks, PROGRAMS_PER_MULTIPROCESSOR)
         mla_kernels.mla_decode_split_kernel[(head_blocks, limits.max_num_reqs, num_splits)](
             query, kv_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
             self.partial_out, self.partial_lse, out, metadata.num_reqs, num_splits, spec.softmax_scale * LOG2E,

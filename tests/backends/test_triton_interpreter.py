@@ -67,15 +67,16 @@ def test_decode_variants_and_split_counts():
     assert (tiling(128, 8).heads_per_program, tiling(128, 8).block_m) == (8, 64)
     assert (tiling(4, 1).heads_per_program, tiling(4, 1).block_m) == (4, 16)
 
-    # A step's split count: enough programs for the GPU (wanted_programs), within the scratch and
-    # the longest context. 32 programs wanted; 8 KV heads per request.
+    # A step's split count: as many programs as fill the GPU, within the scratch and the longest
+    # context; 8 KV heads per request.
     spec = AttentionSpec(kind="mha", num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
     backend = TritonAttentionBackend(spec, BackendLimits(64, 512, 4096), torch.device("cpu"))
-    backend.wanted_programs = 512
+    backend.multiprocessors = 128
     assert backend.max_splits == 16
-    assert [backend.splits_for(n, 1, 8) for n in (1, 4, 16, 64)] == [16, 16, 4, 1]
+    assert [backend.splits_for(n, 1, 8, 4) for n in (1, 4, 16, 64)] == [16, 16, 4, 1]  # 512 programs wanted
+    assert [backend.splits_for(n, 1, 8, 8) for n in (16, 64, 128, 256)] == [8, 2, 1, 1]  # rounded down, never 0
     # The scratch holds 16 splits of the longest variant (q=8) at 64 requests, so a bigger batch
     # limit leaves q=8 fewer splits and q=1 eight times as many as q=8.
     assert backend.partial_row_capacity == 64 * 8 * 32 * 16
     backend.limits = BackendLimits(512, 4096, 4096)
-    assert backend.splits_for(1, 8, 8) == 2 and backend.splits_for(1, 1, 8) == 16
+    assert backend.splits_for(1, 8, 8, 4) == 2 and backend.splits_for(1, 1, 8, 4) == 16

@@ -26,10 +26,15 @@ LAUNCHES = list(itertools.product((4, 8), (2, 3, 4), (32, 64, 128)))  # warps, s
 PROGRAMS_PER_SM = (1, 2, 4, 8, 16, 32)
 
 
-def set_launch(timed: TimedCase, warps: int, stages: int, block_n: int, programs_per_sm: int) -> None:
+OWN_PROGRAMS_PER_SM = dict(triton_backend.DECODE_PROGRAMS_PER_MULTIPROCESSOR)
+
+
+def set_launch(timed: TimedCase, warps: int, stages: int, block_n: int, programs_per_sm: int | None) -> None:
+    """None: the backend's own programs per SM."""
     triton_backend.DECODE_NUM_WARPS, triton_backend.DECODE_NUM_STAGES = warps, stages
     timed.backend.decode_block_n = block_n
-    timed.backend.wanted_programs = programs_per_sm * torch.cuda.get_device_properties(0).multi_processor_count
+    triton_backend.DECODE_PROGRAMS_PER_MULTIPROCESSOR = (
+        OWN_PROGRAMS_PER_SM if programs_per_sm is None else dict.fromkeys(OWN_PROGRAMS_PER_SM, programs_per_sm))
 
 
 def main(arguments: list[str]) -> None:
@@ -46,7 +51,7 @@ def main(arguments: list[str]) -> None:
         results = {}
         own = (triton_backend.DECODE_NUM_WARPS, triton_backend.DECODE_NUM_STAGES, timed.backend.decode_block_n)
         for warps, stages, block_n in [own] if splits_only else LAUNCHES:
-            set_launch(timed, warps, stages, block_n, triton_backend.DECODE_PROGRAMS_PER_MULTIPROCESSOR)
+            set_launch(timed, warps, stages, block_n, None)
             line = sweep_line(name, f"warps={warps} stages={stages} block_n={block_n:3d} per_sm=default", timed, vendor_micros, reference)
             print(line, flush=True)
             if " µs " in line:
@@ -54,7 +59,7 @@ def main(arguments: list[str]) -> None:
         best = min(results, key=results.get)
         for per_sm in PROGRAMS_PER_SM:
             set_launch(timed, *best, per_sm)
-            splits = timed.backend.splits_for(timed.metadata.num_reqs, timed.metadata.decode_q, timed.backend.spec.num_kv_heads)
+            splits = timed.backend.splits_for(timed.metadata.num_reqs, timed.metadata.decode_q, timed.backend.spec.num_kv_heads, per_sm)
             print(sweep_line(name, f"warps={best[0]} stages={best[1]} block_n={best[2]:3d} per_sm={per_sm:2d} splits={splits}",
                              timed, vendor_micros, reference), flush=True)
         del timed

@@ -22,7 +22,6 @@ PROGRAMS_PER_SM = (1, 2, 4, 8)
 
 def main(names: list[str]) -> None:
     device = torch.device("cuda")
-    multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
     for name in names or CASES:
         vendor = TimedCase("flashmla", CASES[name], device)
         vendor_micros = vendor.micros()
@@ -32,9 +31,9 @@ def main(names: list[str]) -> None:
         timed = TimedCase("triton_mla", CASES[name], device)
         for (rows, block_n, warps, stages), per_sm in [(tiling, per_sm) for tiling in TILINGS for per_sm in PROGRAMS_PER_SM]:
             mla_backend.ROWS_PER_PROGRAM, mla_backend.BLOCK_N, mla_backend.NUM_WARPS, mla_backend.NUM_STAGES = rows, block_n, warps, stages
-            timed.backend.wanted_programs = per_sm * multiprocessors
+            mla_backend.PROGRAMS_PER_MULTIPROCESSOR = per_sm
             tiles = mla_backend.tiling(128, timed.metadata.decode_q)
-            splits = timed.backend.splits_for(timed.metadata.num_reqs, timed.metadata.decode_q, 128 // tiles.heads_per_program)
+            splits = timed.backend.splits_for(timed.metadata.num_reqs, timed.metadata.decode_q, 128 // tiles.heads_per_program, per_sm)
             print(sweep_line(name, f"rows={rows:3d} block_n={block_n:3d} warps={warps} stages={stages} per_sm={per_sm} splits={splits:2d}",
                              timed, vendor_micros, reference), flush=True)
         del timed
