@@ -10,7 +10,8 @@ served by one of two kernels, decided on the device from each request's query le
   picks the split count per step from the number of requests (enough programs to fill the GPU,
   no more); with one split the program writes the output itself, otherwise the partial results
   (normalised output and log-sum-exp per split) are merged by ``merge_splits_kernel``
-  (flash-decoding). The split count is a runtime argument, so it adds no compiled variant.
+  (flash-decoding). The split count is a runtime argument: Triton compiles apart only the
+  values it specializes on (1, and multiples of 16), not one kernel per count.
 * ``prefill_kernel``: requests with more than DECODE_Q new tokens. One program per (query block,
   KV head); the query block → request map is a binary search over ``query_start_loc``, so the
   grid never depends on the batch.

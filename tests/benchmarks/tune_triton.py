@@ -11,7 +11,7 @@ import sys
 import torch
 
 from backends.triton import backend as triton_backend
-from tests.benchmarks.tuning import TimedCase, sweep_line
+from tests.benchmarks.tuning import TimedCase, Sweep
 
 CASES = {
     "decode b64 ctx4096": "gqa-h32/8-d128-bf16-p16:4096+1x64",
@@ -42,29 +42,23 @@ def main(arguments: list[str]) -> None:
     splits_only = "--splits-only" in arguments
     names = [argument for argument in arguments if argument != "--splits-only"]
     for name in names or CASES:
-        vendor = TimedCase("flashinfer", CASES[name], device)
-        vendor_micros = vendor.micros()
-        print(f"{name:24s} flashinfer: {vendor_micros:8.1f} µs", flush=True)
-        reference = vendor.forward().float().clone()
-        del vendor
-        timed = TimedCase("triton", CASES[name], device)
+        sweep = Sweep(name, CASES[name], "flashinfer", "triton", device)
         results = {}
-        own = (triton_backend.DECODE_NUM_WARPS, triton_backend.DECODE_NUM_STAGES, timed.backend.decode_block_n)
+        own = (triton_backend.DECODE_NUM_WARPS, triton_backend.DECODE_NUM_STAGES, sweep.timed.backend.decode_block_n)
         for warps, stages, block_n in [own] if splits_only else LAUNCHES:
-            set_launch(timed, warps, stages, block_n, None)
-            line = sweep_line(name, f"warps={warps} stages={stages} block_n={block_n:3d} per_sm=default", timed, vendor_micros, reference)
+            set_launch(sweep.timed, warps, stages, block_n, None)
+            line = sweep.line(f"warps={warps} stages={stages} block_n={block_n:3d} per_sm=default")
             print(line, flush=True)
             if " µs " in line:
                 results[(warps, stages, block_n)] = float(line.split(":")[1].split("µs")[0])
         best = min(results, key=results.get)
+        metadata = sweep.timed.metadata
         for per_sm in PROGRAMS_PER_SM:
-            set_launch(timed, *best, per_sm)
-            splits = timed.backend.splits_for(timed.metadata.num_reqs, timed.metadata.decode_q, timed.backend.spec.num_kv_heads, per_sm)
-            print(sweep_line(name, f"warps={best[0]} stages={best[1]} block_n={best[2]:3d} per_sm={per_sm:2d} splits={splits}",
-                             timed, vendor_micros, reference), flush=True)
-        del timed
+            set_launch(sweep.timed, *best, per_sm)
+            splits = sweep.timed.backend.splits_for(metadata.num_reqs, metadata.decode_q, sweep.timed.backend.spec.num_kv_heads, per_sm)
+            print(sweep.line(f"warps={best[0]} stages={best[1]} block_n={best[2]:3d} per_sm={per_sm:2d} splits={splits}"), flush=True)
+        del sweep
         torch.cuda.empty_cache()
-
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -8,7 +8,7 @@ import sys
 import torch
 
 from backends.triton import mla_backend
-from tests.benchmarks.tuning import TimedCase, sweep_line
+from tests.benchmarks.tuning import Sweep
 
 CASES = {
     "decode b64 ctx4096": "mla-h128-d512+64-bf16-p64:4096+1x64",
@@ -23,22 +23,17 @@ PROGRAMS_PER_SM = (1, 2, 4, 8)
 def main(names: list[str]) -> None:
     device = torch.device("cuda")
     for name in names or CASES:
-        vendor = TimedCase("flashmla", CASES[name], device)
-        vendor_micros = vendor.micros()
-        print(f"{name:24s} flashmla: {vendor_micros:8.1f} µs", flush=True)
-        reference = vendor.forward().float().clone()
-        del vendor
-        timed = TimedCase("triton_mla", CASES[name], device)
+        sweep = Sweep(name, CASES[name], "flashmla", "triton_mla", device)
+        metadata = sweep.timed.metadata
         for (rows, block_n, warps, stages), per_sm in [(tiling, per_sm) for tiling in TILINGS for per_sm in PROGRAMS_PER_SM]:
             mla_backend.ROWS_PER_PROGRAM, mla_backend.BLOCK_N, mla_backend.NUM_WARPS, mla_backend.NUM_STAGES = rows, block_n, warps, stages
             mla_backend.PROGRAMS_PER_MULTIPROCESSOR = per_sm
-            tiles = mla_backend.tiling(128, timed.metadata.decode_q)
-            splits = timed.backend.splits_for(timed.metadata.num_reqs, timed.metadata.decode_q, 128 // tiles.heads_per_program, per_sm)
-            print(sweep_line(name, f"rows={rows:3d} block_n={block_n:3d} warps={warps} stages={stages} per_sm={per_sm} splits={splits:2d}",
-                             timed, vendor_micros, reference), flush=True)
-        del timed
+            tiles = mla_backend.tiling(128, metadata.decode_q)
+            splits = sweep.timed.backend.splits_for(metadata.num_reqs, metadata.decode_q, 128 // tiles.heads_per_program, per_sm)
+            print(sweep.line(f"rows={rows:3d} block_n={block_n:3d} warps={warps} stages={stages} per_sm={per_sm} splits={splits:2d}"),
+                  flush=True)
+        del sweep
         torch.cuda.empty_cache()
-
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -1,5 +1,6 @@
-"""Shared by the tiling sweeps (tune_triton.py, tune_triton_mla.py): one case prepared once on the
-GPU, its forward timed as ``conformance bench`` times it (CUDA events, L2 flushed, median)."""
+"""Shared by the tiling sweeps (tune_triton.py, tune_triton_mla.py): one shape prepared once on the
+GPU for the vendor and for ours, forwards timed as ``conformance bench`` times them (CUDA events,
+L2 flushed, median)."""
 from __future__ import annotations
 
 import torch
@@ -34,14 +35,28 @@ class TimedCase:
         return traffic(self.case)[0] / micros / 1e3
 
 
-def sweep_line(name: str, setting: str, timed: TimedCase, vendor_micros: float, reference: torch.Tensor | None) -> str:
-    """One sweep result: µs, GB/s, the ratio to the vendor's time, and the largest difference from
-    the first setting's output (a setting that changes the answer is not a tiling to keep)."""
-    try:
-        micros = timed.micros()
-    except Exception as error:  # noqa: BLE001 - out of resources for a setting is a result here
-        return f"{name:24s} {setting}: {type(error).__name__}: {str(error)[:80]}"
-    rows = timed.case.num_tokens  # the rows after them are padding, left poisoned
-    drift = "" if reference is None else f" maxdiff {float((timed.out[:rows].float() - reference[:rows]).abs().max()):.2e}"
-    return (f"{name:24s} {setting}: {micros:8.1f} µs {timed.gigabytes_per_second(micros):6.0f} GB/s "
-            f"x{micros / vendor_micros:5.2f} of vendor{drift}")
+class Sweep:
+    """One shape's sweep: the vendor's time and output first (printed), then ours, prepared once,
+    timed per setting by ``line``."""
+
+    def __init__(self, name: str, case_text: str, vendor: str, ours: str, device: torch.device) -> None:
+        vendor_case = TimedCase(vendor, case_text, device)
+        self.vendor_micros = vendor_case.micros()
+        print(f"{name:24s} {vendor}: {self.vendor_micros:8.1f} µs", flush=True)
+        self.reference = vendor_case.forward().float().clone()
+        del vendor_case
+        self.name = name
+        self.timed = TimedCase(ours, case_text, device)
+
+    def line(self, setting: str) -> str:
+        """µs, GB/s, the ratio to the vendor's time, and the largest difference from the vendor's
+        output (a setting that changes the answer is not a tiling to keep)."""
+        timed = self.timed
+        try:
+            micros = timed.micros()
+        except Exception as error:  # noqa: BLE001 - out of resources for a setting is a result here
+            return f"{self.name:24s} {setting}: {type(error).__name__}: {str(error)[:80]}"
+        rows = timed.case.num_tokens  # the rows after them are padding, left poisoned
+        drift = float((timed.out[:rows].float() - self.reference[:rows]).abs().max())
+        return (f"{self.name:24s} {setting}: {micros:8.1f} µs {timed.gigabytes_per_second(micros):6.0f} GB/s "
+                f"x{micros / self.vendor_micros:5.2f} of vendor maxdiff {drift:.2e}")
