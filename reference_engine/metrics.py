@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from reference_engine.gpu_timeline import STEP_RANGE, profile_in_step_idle
+
 
 class StepTimer:
     """CUDA events around each step's launches; and, while ``label_steps`` is set (the profiled
@@ -37,8 +39,6 @@ class StepTimer:
 
     def begin(self) -> None:
         if self.label_steps:
-            from reference_engine.gpu_timeline import STEP_RANGE
-
             self._range = torch.profiler.record_function(STEP_RANGE)
             self._range.__enter__()
         if self.enabled:
@@ -142,8 +142,6 @@ def measure(engine, prompts, params, *, detect_syncs: bool = False, strategy: st
 
 def measure_in_step_idle(engine, prompts, params, metrics: EngineMetrics) -> None:
     """GPU idle inside steps from ``gpu_timeline``'s profiled pass, written into ``metrics``."""
-    from reference_engine.gpu_timeline import profile_in_step_idle
-
     idle = profile_in_step_idle(engine, prompts, params)
     if idle is not None:
         metrics.gpu_idle_in_step_fraction = idle.fraction

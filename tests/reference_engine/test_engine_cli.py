@@ -30,12 +30,22 @@ def test_engine_usage_errors(args, message):
     assert completed.returncode == 2 and message in completed.stderr and "Traceback" not in completed.stderr
 
 
-def test_engine_bench_times_every_engine_before_counting_any_syncs(monkeypatch, tmp_path):
-    """A detector's pass must not precede a timed run (issue #20: --detect-syncs changed the timed
-    figures): every engine's timed run comes first, then each engine's sync count."""
+def bench(tmp_path, *args, drafters="scripted:random:0.7"):
+    """``engine bench`` on the CPU in this process (so monkeypatches reach it), a small workload:
+    (exit code, the JSON's results)."""
     import json
 
     from conformance import cli as conformance_cli
+
+    out = tmp_path / "bench.json"
+    code = conformance_cli.main(["engine", "bench", "--device", "cpu", "--spec-tokens", "2", "--num-prompts", "2",
+                                 "--max-tokens", "6", "--prompt-len", "8", "--json", str(out), "--drafters", drafters, *args])
+    return code, json.loads(out.read_text())["results"] if out.exists() else None
+
+
+def test_engine_bench_times_every_engine_before_counting_any_syncs(monkeypatch, tmp_path):
+    """A detector's pass must not precede a timed run (issue #20: --detect-syncs changed the timed
+    figures): every engine's timed run comes first, then each engine's sync count."""
     from reference_engine import cli, metrics
 
     calls = []
@@ -51,15 +61,11 @@ def test_engine_bench_times_every_engine_before_counting_any_syncs(monkeypatch, 
 
     monkeypatch.setattr(cli, "measure", timed)
     monkeypatch.setattr(cli, "count_host_syncs", counted)
-    out = tmp_path / "bench.json"
-    code = conformance_cli.main(["engine", "bench", "--device", "cpu", "--spec-tokens", "2", "--num-prompts", "2",
-                                 "--max-tokens", "6", "--prompt-len", "8", "--detect-syncs", "--json", str(out),
-                                 "--drafters", "scripted:random:0.7,layer-skip"])
+    code, results = bench(tmp_path, "--detect-syncs", drafters="scripted:random:0.7,layer-skip")
     assert code == 0
     kinds = [kind for kind, *_ in calls]
     assert kinds == ["timed"] * 4 + ["counted"] * 4, calls
     assert sorted(calls[:4], key=str) == sorted([("timed", *key) for key in {call[1:] for call in calls[4:]}], key=str)
-    results = json.loads(out.read_text())["results"]
     assert all(result[loop]["host_syncs_per_steady_step"] == 0.0 for result in results for loop in ("sync", "async"))
 
 
@@ -67,10 +73,8 @@ def test_engine_bench_repeats_time_each_engine_round_by_round(monkeypatch, tmp_p
     """--repeats N: N timed runs of each engine, one round after another (the same engine, warmed
     up once), the syncs counted after all of them; the table's run is the one of median TPOT and
     the ratio the median of the rounds' ratios."""
-    import json
     import statistics
 
-    from conformance import cli as conformance_cli
     from reference_engine import cli, metrics
 
     calls, warm_ups = [], []
@@ -94,17 +98,14 @@ def test_engine_bench_repeats_time_each_engine_round_by_round(monkeypatch, tmp_p
     monkeypatch.setattr(cli, "measure", timed)
     monkeypatch.setattr(cli, "count_host_syncs", counted)
     monkeypatch.setattr(cli.BatchedEngine, "generate", generate)
-    out = tmp_path / "bench.json"
-    code = conformance_cli.main(["engine", "bench", "--device", "cpu", "--spec-tokens", "2", "--num-prompts", "2",
-                                 "--max-tokens", "6", "--prompt-len", "8", "--detect-syncs", "--repeats", "3",
-                                 "--json", str(out), "--drafters", "scripted:random:0.7"])
+    code, results = bench(tmp_path, "--detect-syncs", "--repeats", "3")
     assert code == 0
     assert [kind for kind, _ in calls] == ["timed"] * 6 + ["counted"] * 2
     sync_engine, async_engine = calls[0][1], calls[1][1]
     assert all(engine is expected for (_, engine), expected in zip(calls, [sync_engine, async_engine] * 4))  # the same two
     assert sum(engine is sync_engine for engine in warm_ups) == 4  # one warm-up, three timed runs
     assert sum(engine is async_engine for engine in warm_ups) == 4
-    result = json.loads(out.read_text())["results"][0]
+    result = results[0]
     assert result["sync"]["tpot_ms_runs"] == [4.0, 1.0, 2.0] and result["async"]["tpot_ms_runs"] == [2.0, 3.0, 1.5]
     assert result["sync"]["tpot_ms"] == 2.0 and result["async"]["tpot_ms"] == 2.0  # the median run of each
     assert result["async_over_sync_tpot_runs"] == [0.5, 3.0, 0.75]  # paired by round
@@ -114,9 +115,6 @@ def test_engine_bench_repeats_time_each_engine_round_by_round(monkeypatch, tmp_p
 def test_engine_bench_measures_idle_inside_steps_after_every_timed_run(monkeypatch, tmp_path):
     """--step-idle: the profiled pass is untimed like the detector's, so it too follows every
     engine's timed run; its figures reach the table's run and the JSON."""
-    import json
-
-    from conformance import cli as conformance_cli
     from reference_engine import cli, metrics
 
     calls = []
@@ -131,13 +129,10 @@ def test_engine_bench_measures_idle_inside_steps_after_every_timed_run(monkeypat
 
     monkeypatch.setattr(cli, "measure", timed)
     monkeypatch.setattr(cli, "measure_in_step_idle", profiled)
-    out = tmp_path / "bench.json"
-    code = conformance_cli.main(["engine", "bench", "--device", "cpu", "--spec-tokens", "2", "--num-prompts", "2",
-                                 "--max-tokens", "6", "--prompt-len", "8", "--step-idle", "--json", str(out),
-                                 "--drafters", "scripted:random:0.7"])
+    code, results = bench(tmp_path, "--step-idle")
     assert code == 0
     assert calls == ["timed", "timed", "profiled", "profiled"]
-    result = json.loads(out.read_text())["results"][0]
+    result = results[0]
     assert result["async"]["gpu_idle_in_step_fraction"] == 0.25 and result["sync"]["gpu_busy_ms_per_step"] == 0.3
 
 
