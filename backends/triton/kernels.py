@@ -10,18 +10,30 @@ served by one of two kernels, decided on the device from each request's query le
   picks the split count per step from the number of requests (enough programs to fill the GPU,
   no more); with one split the program writes the output itself, otherwise the partial results
   (normalised output and log-sum-exp per split) are merged by ``merge_splits_kernel``
-  (flash-decoding). The split count is a runtime argument: Triton compiles apart only the
-  values it specializes on (1, and multiples of 16), not one kernel per count.
+  (flash-decoding). The split count is a runtime argument, and one kernel serves every count.
 * ``prefill_kernel``: requests with more than DECODE_Q new tokens. One program per (query block,
   KV head); the query block → request map is a binary search over ``query_start_loc``, so the
   grid never depends on the batch.
 
 Softmax runs in fp32 with exp2; products are fp16/bf16 with fp32 accumulation.
+
+Integer arguments that change from batch to batch (request count, split count, window, block
+table width) are ``do_not_specialize``: Triton would otherwise compile a kernel apart for each of
+their classes (1, multiples of 16, the rest), which multiplied a suite's compiles without making
+any kernel faster (they bound loops and index small tables).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+BATCH_VARYING = ("num_reqs", "num_splits", "window", "stride_block_table")
+
+
+def batch_kernel(fn):
+    """``triton.jit`` that leaves the batch-varying integer arguments fn has unspecialized."""
+    names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
+    return triton.jit(fn, do_not_specialize=[name for name in BATCH_VARYING if name in names])
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -193,7 +205,7 @@ def _attend(
     return acc, row_max, row_sum
 
 
-@triton.jit
+@batch_kernel
 def decode_split_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
     partial_out_ptr, partial_lse_ptr, out_ptr,
@@ -231,7 +243,7 @@ def decode_split_kernel(
                        NUM_HEADS, DECODE_Q, HEAD_DIM)
 
 
-@triton.jit
+@batch_kernel
 def merge_splits_kernel(
     partial_out_ptr, partial_lse_ptr, out_ptr, query_start_loc_ptr, num_reqs, num_splits,
     stride_out_token, stride_out_head,
@@ -260,7 +272,7 @@ def merge_splits_kernel(
              out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-@triton.jit
+@batch_kernel
 def prefill_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     num_reqs, scale_log2, soft_cap, window,

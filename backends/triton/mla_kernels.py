@@ -11,10 +11,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from backends.triton.kernels import decode_tile, online_softmax_step, split_range, store_split_result
+from backends.triton.kernels import batch_kernel, decode_tile, online_softmax_step, split_range, store_split_result
 
 
-@triton.jit
+@batch_kernel
 def mla_decode_split_kernel(
     query_ptr, cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
     partial_out_ptr, partial_lse_ptr, out_ptr,

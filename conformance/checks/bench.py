@@ -107,7 +107,7 @@ class BenchCheck(Check):
         if self._ceilings is None:
             self._ceilings = measure_ceilings(device)
             self._flush = _l2_flusher(device)
-        prepared = prepare_case(backend_cls, case, device, random_on_device=True, poison=False)
+        prepared = prepare_case(backend_cls, case, device, poison=False)
         batch, backend = prepared.batch, prepared.backend
         common = batch.common_metadata(with_host_lengths=True)
         key, value, slots = batch.step_rows()

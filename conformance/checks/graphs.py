@@ -115,8 +115,7 @@ class GraphsCheck(Check):
         atol, rtol = TOLERANCES[case.spec.dtype]
         self.tolerance = (atol, rtol)
 
-        # A and the first replay are loaded more than once: each is drawn (CPU randn, the slow part
-        # of a large case) and solved by the oracle once.
+        # A and the first replay are loaded more than once: each is drawn and solved by the oracle once.
         self.drawn = {c: materialize(c, device) for c in {case, *(r.case for r in replays[:1])}}
 
         # 1. Warm-up, capture, replays.

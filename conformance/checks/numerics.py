@@ -41,7 +41,10 @@ def compare_with_oracle(
     significant = reference.abs() > atol
 
     worst_flat = int(excess.flatten().argmax())
-    token, head, channel = (int(i) for i in torch.unravel_index(torch.tensor(worst_flat), excess.shape))
+    # divmod, not torch.unravel_index: its first call imports sympy (3 s of every process).
+    heads, channels = excess.shape[1:]
+    token, within = divmod(worst_flat, heads * channels)
+    head, channel = divmod(within, channels)
     request = max(r for r in range(len(query_start_loc) - 1) if query_start_loc[r] <= token)
     metrics = {
         "max_abs_error": float(finite_diff.max()),

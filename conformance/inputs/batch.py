@@ -1,8 +1,8 @@
 """A case made real: random queries and KV per request, a paged block layout, and the
 ``CommonAttentionMetadata`` an engine would hand a backend for the step.
 
-Data is drawn on the CPU from a generator seeded by the case id, then moved to the device, so a
-failure seen on a GPU reproduces bit for bit on any machine.
+Data is drawn on the device from a counter-based generator (``random_data``) seeded by the case
+id, so a failure seen on a GPU reproduces bit for bit on any machine, a CPU included.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from backends.base import BackendLimits, CommonAttentionMetadata
 from conformance.inputs.case_data import apply_profile
 from conformance.inputs.cases import Case
 from conformance.inputs.oracle import attention_reference, mla_reference
+from conformance.inputs.random_data import CaseRandom
 
 
 @dataclass
@@ -205,28 +206,12 @@ def assign_blocks(case: Case, generator: torch.Generator) -> tuple[torch.Tensor,
     return table, total + 1
 
 
-def materialize(case: Case, device: torch.device | str, *, random_on_device: bool = False) -> PagedBatch:
-    """``random_on_device``: draw the data with the device's generator (fast for the benchmark's
-    large batches; reproducible on the same kind of device only)."""
+def materialize(case: Case, device: torch.device | str) -> PagedBatch:
     device = torch.device(device)
     spec = case.spec
     generator = case_generator(case)
     block_table, num_blocks = assign_blocks(case, generator)
-    if random_on_device and device.type == "cuda":
-        device_generator = torch.Generator(device=device)
-        device_generator.manual_seed(int(torch.randint(2**31, (1,), generator=generator)))
-
-        def normal(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=device_generator, device=device, dtype=torch.float32)
-
-        profile = None  # the bench's data stays N(0, 1): its numbers are not checked
-    else:
-
-        def normal(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=generator)
-
-        def profile(query: torch.Tensor, keys: list[torch.Tensor]) -> None:
-            apply_profile(spec, case.data, query, keys, case.batch)
+    normal = CaseRandom(int(torch.randint(2**31, (1,), generator=generator)), device).normal
 
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor | None] = []
@@ -239,16 +224,14 @@ def materialize(case: Case, device: torch.device | str, *, random_on_device: boo
         keys.append(key)
         values.append(value)
     query = normal(case.num_tokens, spec.num_heads, spec.head_dim)
-    if profile is not None:
-        profile(query, keys)
+    apply_profile(spec, case.data, query, keys, case.batch)
     shared_tokens = case.shared_prefix_blocks * spec.block_size
     for request in range(1, case.num_reqs if shared_tokens else 1):  # one physical prefix: one content
         keys[request][:shared_tokens] = keys[0][:shared_tokens]
         if values[request] is not None:
             values[request][:shared_tokens] = values[0][:shared_tokens]
 
-    def to_device(tensor: torch.Tensor | None) -> torch.Tensor | None:
-        return None if tensor is None else tensor.to(spec.dtype).to(device)
+    def cast(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor.to(spec.dtype)
 
-    return PagedBatch(case, device, to_device(query), [to_device(k) for k in keys], [to_device(v) for v in values],
-                      block_table, num_blocks)
+    return PagedBatch(case, device, cast(query), [cast(k) for k in keys], [cast(v) for v in values], block_table, num_blocks)

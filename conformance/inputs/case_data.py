@@ -74,7 +74,7 @@ def edge_base(seq_len: int) -> float:
 
 def apply_profile(spec: AttentionSpec, data: str, query: torch.Tensor, keys: list[torch.Tensor],
                   batch: tuple[tuple[int, int], ...]) -> None:
-    """Shape float32 CPU data in place: ``query`` [T, H, Dk], ``keys`` per request [s, Hkv, Dk]
+    """Shape float32 data in place: ``query`` [T, H, Dk], ``keys`` per request [s, Hkv, Dk]
     (MLA: [s, Dk]). The probe channel of every query is set in every profile."""
     probe = spec.head_dim - 1
     query[..., probe] = probe_query_value(spec)

@@ -77,13 +77,12 @@ def write_poison(backend: AttentionBackend, kv_cache: torch.Tensor, batch: Paged
 
 
 def prepare_case(
-    backend_cls: type[AttentionBackend], case: Case, device: torch.device, *, random_on_device: bool = False,
-    poison: bool = True, fill: PoolFill = PoolFill.LOUD,
+    backend_cls: type[AttentionBackend], case: Case, device: torch.device, *, poison: bool = True, fill: PoolFill = PoolFill.LOUD,
     record: Callable[[str, torch.Tensor | None], None] = _no_record,
 ) -> PreparedCase:
     """``poison=False`` (the benchmark): the pool keeps whatever the allocator gave it.
     ``record``: as for ``run_step``, the history rows handed to ``write_kv``."""
-    batch = materialize(case, device, random_on_device=random_on_device)
+    batch = materialize(case, device)
     backend = backend_cls(case.spec, batch.limits(), torch.device(device))
     kv_cache = allocate_pool(backend, batch.num_blocks, fill)
     key, value, slots = batch.history_rows()

@@ -32,7 +32,7 @@ def test_forward_speed(benchmark, shape, backend):
     if reason:
         pytest.skip(reason)
     case = parse_case(SHAPES[shape][0])
-    prepared = prepare_case(backend_cls, case, device, random_on_device=True)
+    prepared = prepare_case(backend_cls, case, device)
     batch = prepared.batch
     key, value, slots = batch.step_rows()
     prepared.backend.write_kv(prepared.kv_cache, key, value, slots)

@@ -14,7 +14,7 @@ from conformance.inputs.harness import poisoned_output, prepare_case
 class TimedCase:
     def __init__(self, backend_name: str, case_text: str, device: torch.device) -> None:
         self.case = parse_case(case_text)
-        self.prepared = prepare_case(registry.load(backend_name), self.case, device, random_on_device=True)
+        self.prepared = prepare_case(registry.load(backend_name), self.case, device)
         batch = self.prepared.batch
         key, value, slots = batch.step_rows()
         self.backend = self.prepared.backend
