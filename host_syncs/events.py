@@ -7,6 +7,7 @@ call's event. A driver call made directly (C++ extensions often do) is an event 
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -41,6 +42,7 @@ _ALLOC_APIS = {"cudaMalloc", "cudaMallocAsync", "cuMemAlloc", "cuMemAllocAsync",
 WATCHED_APIS = _SYNC_APIS | _SYNC_COPY_APIS | _ASYNC_COPY_APIS | _ALLOC_APIS
 
 
+@functools.lru_cache(maxsize=None)  # a few dozen names, met hundreds of thousands of times a run
 def base_api_name(name: str) -> str:
     """cudaMemcpyAsync_v3020 → cudaMemcpyAsync; cuMemcpyDtoHAsync_v2 → cuMemcpyDtoHAsync."""
     name = re.sub(r"(_v\d+)?(_ptsz|_ptds)?(_v\d+)?$", "", name)

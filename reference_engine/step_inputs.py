@@ -72,7 +72,10 @@ def prepare_torch(starts: torch.Tensor, last_token: torch.Tensor, drafts: torch.
     return StepTensors(input_ids, positions, slot_mapping, seq_lens)
 
 
-@triton.jit
+# Every integer argument changes with the step or the batch: specialized (1, multiples of 16), they
+# made 22 compiled variants of this one small kernel in a suite run.
+@triton.jit(do_not_specialize=["drafts_stride", "drafts_width", "block_table_stride", "max_blocks", "step", "block_size",
+                               "num_tokens"])
 def _prepare_kernel(starts, last_token, drafts, drafts_stride, drafts_width, slots, query_start_loc, token_row, host_ids,
                     is_decode, num_valid, block_table, block_table_stride, max_blocks, step, block_size,
                     input_ids_out, positions_out, slot_mapping_out, seq_lens_out, num_tokens):

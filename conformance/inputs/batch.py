@@ -15,7 +15,7 @@ from backends.base import BackendLimits, CommonAttentionMetadata
 from conformance.inputs.case_data import apply_profile
 from conformance.inputs.cases import Case
 from conformance.inputs.oracle import attention_reference, mla_reference
-from conformance.inputs.random_data import CaseRandom
+from conformance.inputs.random_data import normal_tensors
 
 
 @dataclass
@@ -199,8 +199,9 @@ def assign_blocks(case: Case, generator: torch.Generator) -> tuple[torch.Tensor,
         physical[last_block_position], physical[target] = physical[target].clone(), physical[last_block_position].clone()
 
     table = torch.zeros(case.num_reqs, max(blocks_needed), dtype=torch.int32)
-    for (request, index), block in zip(logical, physical.tolist()):
-        table[request, index] = block
+    if logical:
+        requests, indices = zip(*logical)
+        table[list(requests), list(indices)] = physical.to(torch.int32)
     for request in range(1, case.num_reqs):
         table[request, :shared] = table[0, :shared]
     return table, total + 1
@@ -211,19 +212,15 @@ def materialize(case: Case, device: torch.device | str) -> PagedBatch:
     spec = case.spec
     generator = case_generator(case)
     block_table, num_blocks = assign_blocks(case, generator)
-    normal = CaseRandom(int(torch.randint(2**31, (1,), generator=generator)), device).normal
-
-    keys: list[torch.Tensor] = []
-    values: list[torch.Tensor | None] = []
+    seed = int(torch.randint(2**31, (1,), generator=generator))
+    shapes = []  # per request its keys (and values), then every request's new tokens' queries
+    row = (spec.head_dim,) if spec.kind == "mla" else (spec.num_kv_heads, spec.head_dim)
     for context_len, query_len in case.batch:
-        seq_len = context_len + query_len
-        if spec.kind == "mla":
-            key, value = normal(seq_len, spec.head_dim), None
-        else:
-            key, value = normal(seq_len, spec.num_kv_heads, spec.head_dim), normal(seq_len, spec.num_kv_heads, spec.head_dim)
-        keys.append(key)
-        values.append(value)
-    query = normal(case.num_tokens, spec.num_heads, spec.head_dim)
+        shapes += [(context_len + query_len, *row)] * (1 if spec.kind == "mla" else 2)
+    shapes.append((case.num_tokens, spec.num_heads, spec.head_dim))
+    *history, query = normal_tensors(seed, shapes, device)
+    keys: list[torch.Tensor] = history if spec.kind == "mla" else history[0::2]
+    values: list[torch.Tensor | None] = [None] * len(keys) if spec.kind == "mla" else history[1::2]
     apply_profile(spec, case.data, query, keys, case.batch)
     shared_tokens = case.shared_prefix_blocks * spec.block_size
     for request in range(1, case.num_reqs if shared_tokens else 1):  # one physical prefix: one content

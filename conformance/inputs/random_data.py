@@ -21,6 +21,7 @@ fp32's mantissa: a backend that rounds fp32 inputs to bf16 or TF32 still shows i
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -30,7 +31,7 @@ STREAM_SALT = 0x3C6EF372  # separates the keys of streams that share a seed
 HALF_MASK = 0xFFFF
 SUM_MEAN = 2 * HALF_MASK  # of four uniform 16-bit integers
 UNIT_VARIANCE_SCALE = 1.0 / math.sqrt(4 * ((HALF_MASK + 1) ** 2 - 1) / 12.0)
-CHUNK_NUMBERS = 1 << 24  # numbers drawn per pass: bounds the int32 temporaries at ~0.5 GiB
+CHUNK_NUMBERS = 1 << 24  # numbers drawn per pass: bounds the temporaries at about 1 GiB
 
 
 def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -48,32 +49,31 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _stream_key(seed: int, stream: int) -> int:
-    """A 31-bit key per (seed, stream), mixed on the host with the same function as the data."""
-    key = torch.tensor([(seed ^ (stream * STREAM_SALT)) & 0x7FFFFFFF], dtype=torch.int32)
-    return int(mix32(key)[0])
+def stream_keys(seed: int, streams: int) -> torch.Tensor:
+    """A 32-bit key per stream of ``seed`` (int32, CPU), mixed with the same function as the data."""
+    salted = [(seed ^ (stream * STREAM_SALT)) & 0x7FFFFFFF for stream in range(streams)]
+    return mix32(torch.tensor(salted, dtype=torch.int32))
 
 
-class CaseRandom:
-    """Successive streams of unit-variance numbers for one seed; ``normal`` draws the next one."""
-
-    def __init__(self, seed: int, device: torch.device | str):
-        self.seed, self.device = seed, torch.device(device)
-        self.streams = 0
-
-    def normal(self, *shape: int) -> torch.Tensor:
-        """A float32 tensor of ``shape`` on the device: the next stream's first numbers."""
-        key = _stream_key(self.seed, self.streams)
-        self.streams += 1
-        count = math.prod(shape)
-        if 2 * count >= 2**31:
-            raise ValueError(f"{count} numbers in one tensor: the counters are int32 (draw it in parts)")
-        out = torch.empty(count, dtype=torch.float32, device=self.device)
-        for start in range(0, count, CHUNK_NUMBERS):
-            end = min(count, start + CHUNK_NUMBERS)
-            # Two 32-bit hashes per number, at counters 2i and 2i + 1.
-            bits = mix32(mix32(torch.arange(2 * start, 2 * end, dtype=torch.int32, device=self.device)) ^ key)
-            halves = (bits & HALF_MASK) + _shift_right(bits, 16)
-            total = halves.view(-1, 2).sum(dim=1, dtype=torch.int32) - SUM_MEAN
-            out[start:end] = total.to(torch.float32).mul_(UNIT_VARIANCE_SCALE)
-        return out.view(shape)
+def normal_tensors(seed: int, shapes: list[tuple[int, ...]], device: torch.device | str) -> list[torch.Tensor]:
+    """Float32 tensors of ``shapes`` on ``device``: tensor ``t`` holds the first numbers of stream
+    ``t`` of ``seed``. All of them are drawn together, a chunk of their concatenation at a time, so
+    a case of a thousand small tensors costs a few dozen kernel launches, not thousands."""
+    device = torch.device(device)
+    counts = [math.prod(shape) for shape in shapes]
+    if counts and max(counts) >= 2**30:
+        raise ValueError(f"{max(counts)} numbers in one tensor: its counters are int32 (draw it in parts)")
+    starts = torch.tensor([0] + list(itertools.accumulate(counts))[:-1], dtype=torch.int64, device=device)
+    keys = stream_keys(seed, len(shapes)).to(device)
+    total = sum(counts)
+    out = torch.empty(total, dtype=torch.float32, device=device)
+    for first in range(0, total, CHUNK_NUMBERS):
+        position = torch.arange(first, min(total, first + CHUNK_NUMBERS), dtype=torch.int64, device=device)
+        stream = torch.searchsorted(starts, position, right=True) - 1
+        index = (position - starts[stream]).to(torch.int32)
+        counters = torch.stack([2 * index, 2 * index + 1], dim=1)  # two 32-bit hashes per number
+        bits = mix32(mix32(counters) ^ keys[stream].unsqueeze(1))
+        halves = (bits & HALF_MASK) + _shift_right(bits, 16)
+        centred = halves.sum(dim=1, dtype=torch.int32) - SUM_MEAN
+        out[first : first + position.numel()] = centred.to(torch.float32).mul_(UNIT_VARIANCE_SCALE)
+    return [part.view(shape) for part, shape in zip(out.split(counts), shapes)]

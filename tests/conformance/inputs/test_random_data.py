@@ -4,7 +4,7 @@ import torch
 from conformance.inputs import random_data
 from conformance.inputs.batch import materialize
 from conformance.inputs.cases import parse_case
-from conformance.inputs.random_data import CaseRandom, mix32
+from conformance.inputs.random_data import mix32, normal_tensors
 
 
 
@@ -35,27 +35,29 @@ def reference_number(seed: int, stream: int, index: int) -> float:
 PINNED_FIRST_NUMBERS = [-2.3401026725769043, -0.3807361423969269, -0.24978046119213104, 0.9022595286369324]
 
 
+def draw(seed: int, *shapes: tuple[int, ...], device: str = "cpu") -> list[torch.Tensor]:
+    return normal_tensors(seed, list(shapes), device)
+
+
 def test_the_numbers_follow_their_definition_and_are_pinned():
     assert [reference_number(12345, 0, i) for i in range(4)] == PINNED_FIRST_NUMBERS
-    assert CaseRandom(12345, "cpu").normal(4).tolist() == PINNED_FIRST_NUMBERS
-    draw = CaseRandom(2**31 - 1, "cpu")
-    draw.normal(1)
-    later = draw.normal(5000)  # stream 1, and counters past 2^13
+    assert draw(12345, (4,))[0].tolist() == PINNED_FIRST_NUMBERS
+    _, later, last = draw(2**31 - 1, (1,), (5000,), (2, 3))  # streams 1 and 2, counters past 2^13
     assert [float(later[i]) for i in (0, 1234, 4999)] == [reference_number(2**31 - 1, 1, i) for i in (0, 1234, 4999)]
+    assert last.flatten().tolist() == [reference_number(2**31 - 1, 2, i) for i in range(6)]
 
 
 def test_streams_and_seeds_are_reproducible_and_independent():
-    a = CaseRandom(7, "cpu")
-    first, second = a.normal(1000), a.normal(1000)
-    b = CaseRandom(7, "cpu")
-    assert torch.equal(b.normal(1000), first) and torch.equal(b.normal(1000), second)
-    other_seed = CaseRandom(8, "cpu").normal(1000)
+    first, second = draw(7, (1000,), (1000,))
+    again = draw(7, (1000,), (10, 100))
+    assert torch.equal(again[0], first) and torch.equal(again[1].flatten(), second)
+    (other_seed,) = draw(8, (1000,))
     for x, y in ((first, second), (first, other_seed)):
         assert abs(float(torch.corrcoef(torch.stack([x, y]))[0, 1])) < 0.1
 
 
 def test_the_distribution_has_unit_variance_and_no_neighbour_correlation():
-    x = CaseRandom(3, "cpu").normal(1 << 20)
+    (x,) = draw(3, (1 << 20,))
     assert abs(float(x.mean())) < 0.005 and abs(float(x.var()) - 1.0) < 0.01
     assert float(x.abs().max()) < 3.47
     assert x.unique().numel() > 100_000  # not a coarse lattice
@@ -66,9 +68,11 @@ def test_the_distribution_has_unit_variance_and_no_neighbour_correlation():
 
 
 def test_drawing_in_chunks_draws_the_same_numbers(monkeypatch):
-    whole = CaseRandom(11, "cpu").normal(3, 1000)
-    monkeypatch.setattr(random_data, "CHUNK_NUMBERS", 999)
-    assert torch.equal(CaseRandom(11, "cpu").normal(3, 1000), whole)
+    shapes = [(3, 1000), (5,), (0,), (2, 700)]
+    whole = draw(11, *shapes)
+    assert [t.shape for t in whole] == [torch.Size(s) for s in shapes]
+    monkeypatch.setattr(random_data, "CHUNK_NUMBERS", 999)  # chunks that start inside tensors
+    assert all(torch.equal(a, b) for a, b in zip(draw(11, *shapes), whole))
 
 
 def test_mix32_is_a_bijection_on_a_sample_and_wraps_like_uint32():
@@ -80,11 +84,9 @@ def test_mix32_is_a_bijection_on_a_sample_and_wraps_like_uint32():
 
 @pytest.mark.gpu
 def test_cpu_and_gpu_draw_the_same_bits():
-    for shape in ((5,), (3, 8, 128), (random_data.CHUNK_NUMBERS + 77,)):
-        cpu = CaseRandom(99, "cpu")
-        gpu = CaseRandom(99, "cuda")
-        for _ in range(2):
-            assert torch.equal(cpu.normal(*shape), gpu.normal(*shape).cpu())
+    shapes = [(5,), (3, 8, 128), (random_data.CHUNK_NUMBERS + 77,), (1000,)]
+    for cpu, gpu in zip(draw(99, *shapes), draw(99, *shapes, device="cuda")):
+        assert torch.equal(cpu, gpu.cpu())
     # A whole case, its data profiles applied on each device.
     for case_id in ("gqa-h8/2-d64-sinks:300+1,40+4", "gqa-h8/2-d64-w32-edges:100+3", "mla-h16-d512+64-fp16:200+2",
                     "mha-h4-d128-fp32-share1:50+1,70+2"):
