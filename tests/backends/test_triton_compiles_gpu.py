@@ -1,0 +1,45 @@
+"""How many kernels the Triton backends compile: one per layer variant, not one per batch.
+
+Triton specializes integer arguments by value class (1, multiples of 16, the rest) unless told not
+to; for the request count, the split count and the block-table width that multiplied a suite's
+compiles (a cold standard run of the triton backend compiled for minutes) without a faster kernel.
+"""
+import pytest
+import torch
+
+from backends.triton import kernels
+from backends.triton.backend import DECODE_PROGRAMS_PER_MULTIPROCESSOR, TritonAttentionBackend
+from conformance.inputs.cases import parse_case
+from conformance.inputs.harness import prepare_case, run_step
+
+# A layer no other test uses, so every kernel it needs is compiled here. Contexts of 4000 allow up
+# to 16 splits; 200 allows one (no merge). Widths of the block table: 63 and 4 blocks of 64.
+LAYER = "gqa-h24/8-d64-fp16-p64"
+BATCHES = ["4000+1", "4000+1x3", "4000+1x16", "4000+1x17", "4000+1x48", "200+1x5"]
+
+
+def compiled(kernel) -> int:
+    """Kernels compiled so far for the current device (Triton keeps one cache per device)."""
+    return sum(len(caches[0]) for caches in kernel.device_caches.values())
+
+
+@pytest.mark.gpu
+def test_one_decode_and_one_merge_kernel_serve_every_request_and_split_count():
+    device = torch.device("cuda")
+    watched = {"decode": kernels.decode_split_kernel, "merge": kernels.merge_splits_kernel}
+    before = {name: compiled(kernel) for name, kernel in watched.items()}
+    splits, requests = set(), set()
+    for batch in BATCHES:
+        case = parse_case(f"{LAYER}:{batch}")
+        prepared = prepare_case(TritonAttentionBackend, case, device)
+        backend = prepared.backend
+        splits.add(backend.splits_for(case.num_reqs, 1, backend.spec.num_kv_heads, DECODE_PROGRAMS_PER_MULTIPROCESSOR[1]))
+        requests.add(case.num_reqs)
+        out = run_step(prepared)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+    # The batches did reach every class Triton would specialize on.
+    assert 1 in splits and 16 in splits and splits - {1, 16}, splits
+    assert 1 in requests and 16 in requests and 48 in requests and requests - {1, 16, 48}, requests
+    added = {name: compiled(kernel) - before[name] for name, kernel in watched.items()}
+    assert added == {"decode": 1, "merge": 1}, added
