@@ -189,7 +189,8 @@ class TritonAttentionBackend(DeviceLengthsBackend):
             self.partial_out, self.partial_lse, out, metadata.num_reqs, num_splits, scale_log2, soft_cap, window,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), metadata.block_table.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            NUM_HEADS=spec.num_heads, DECODE_Q=decode_q, BLOCK_M=block_m, BLOCK_N=self.decode_block_n, **common_args,
+            NUM_HEADS=spec.num_heads, DECODE_Q=decode_q, BLOCK_M=block_m, BLOCK_N=self.decode_block_n,
+            ONE_SPLIT=num_splits == 1, **common_args,
             num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
         )
         self.merge_splits(out, metadata, num_splits, spec.head_dim)

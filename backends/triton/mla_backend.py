@@ -76,7 +76,7 @@ class TritonMLABackend(DeviceLengthsBackend):
             NUM_HEADS=spec.num_heads, HEADS_PER_PROGRAM=tiles.heads_per_program, DECODE_Q=decode_q,
             BLOCK_M=tiles.block_m, LATENT=spec.kv_lora_rank, ROPE=spec.rope_dim,
             BLOCK_L=triton.next_power_of_2(spec.kv_lora_rank), BLOCK_R=max(16, triton.next_power_of_2(spec.rope_dim)),
-            BLOCK_N=BLOCK_N, PAGE_SIZE=spec.block_size, UPCAST_DOT=self.upcast_dot,
+            BLOCK_N=BLOCK_N, PAGE_SIZE=spec.block_size, UPCAST_DOT=self.upcast_dot, ONE_SPLIT=num_splits == 1,
             num_warps=NUM_WARPS if spec.kv_lora_rank >= 256 else 4, num_stages=NUM_STAGES,
         )
         self.merge_splits(out, metadata, num_splits, spec.kv_lora_rank)

@@ -23,7 +23,7 @@ def mla_decode_split_kernel(
     stride_cache_block, stride_cache_token,
     NUM_HEADS: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, DECODE_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, UPCAST_DOT: tl.constexpr, ONE_SPLIT: tl.constexpr,
 ):
     head_block, request, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # grid (head blocks, requests, splits)
     query_start, query_len, seq_len, token, head, row_valid, query_positions = decode_tile(
@@ -40,7 +40,7 @@ def mla_decode_split_kernel(
         q_latent = q_latent.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
 
-    start, end = split_range(0, seq_len, split, num_splits, BLOCK_N)
+    start, end = split_range(0, seq_len, split, num_splits, BLOCK_N, ONE_SPLIT)
     acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -60,4 +60,4 @@ def mla_decode_split_kernel(
 
     store_split_result(acc, row_max, row_sum, partial_out_ptr, partial_lse_ptr, out_ptr, query_start, token, head,
                        request, split, num_splits, latent_dims, row_valid, stride_out_token, stride_out_head,
-                       NUM_HEADS, DECODE_Q, LATENT)
+                       NUM_HEADS, DECODE_Q, LATENT, ONE_SPLIT)
