@@ -9,8 +9,8 @@ not reproduce on another, nor on a CPU.
 So the numbers are a counter-based hash computed with integer tensor ops, which every device
 computes exactly: element ``i`` of stream ``s`` depends on ``(seed, s, i)`` alone, and is drawn on
 the device that will hold it (no host-to-device copy). The hash is two rounds of a 32-bit
-multiply-xorshift mixer (Wellons' ``lowbias32`` form; int32 tensors, whose multiply wraps on
-every device PyTorch runs on).
+multiply-xorshift mixer (Wellons' ``lowbias32`` form) on int32 tensors, whose multiply wraps on the
+CPU and on CUDA alike (``test_random_data`` compares the two, and both with a Python definition).
 
 Distribution: the sum of four independent uniform 16-bit integers, centred and scaled to unit
 variance (Irwin-Hall, n = 4): mean 0, variance 1, |x| < 3.47, kurtosis 2.7 where a normal's is
