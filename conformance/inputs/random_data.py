@@ -32,6 +32,7 @@ HALF_MASK = 0xFFFF
 SUM_MEAN = 2 * HALF_MASK  # of four uniform 16-bit integers
 UNIT_VARIANCE_SCALE = 1.0 / math.sqrt(4 * ((HALF_MASK + 1) ** 2 - 1) / 12.0)
 CHUNK_NUMBERS = 1 << 24  # numbers drawn per pass: bounds the temporaries at about 1 GiB
+SEGMENT_NUMBERS = 1 << 30  # numbers per key: counters 2i and 2i + 1 stay below 2^31
 
 
 def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -55,24 +56,35 @@ def stream_keys(seed: int, streams: int) -> torch.Tensor:
     return mix32(torch.tensor(salted, dtype=torch.int32))
 
 
+def segments(seed: int, counts: list[int]) -> tuple[list[int], list[int]]:
+    """The key and length of each segment of the streams, in order. A stream's counters are int32,
+    so it runs SEGMENT_NUMBERS numbers per key; past that (a context of a million tokens) it goes
+    on under a key derived from its own and the segment's index."""
+    keys, lengths = [], []
+    for key, count in zip(stream_keys(seed, len(counts)).tolist(), counts):
+        for part, first in enumerate(range(0, count, SEGMENT_NUMBERS)):
+            keys.append(key if part == 0 else int(stream_keys(key & 0x7FFFFFFF, part + 1)[part]))
+            lengths.append(min(SEGMENT_NUMBERS, count - first))
+    return keys, lengths
+
+
 def normal_tensors(seed: int, shapes: list[tuple[int, ...]], device: torch.device | str) -> list[torch.Tensor]:
     """Float32 tensors of ``shapes`` on ``device``: tensor ``t`` holds the first numbers of stream
     ``t`` of ``seed``. All of them are drawn together, a chunk of their concatenation at a time, so
     a case of a thousand small tensors costs a few dozen kernel launches, not thousands."""
     device = torch.device(device)
     counts = [math.prod(shape) for shape in shapes]
-    if counts and max(counts) >= 2**30:
-        raise ValueError(f"{max(counts)} numbers in one tensor: its counters are int32 (draw it in parts)")
-    starts = torch.tensor([0] + list(itertools.accumulate(counts))[:-1], dtype=torch.int64, device=device)
-    keys = stream_keys(seed, len(shapes)).to(device)
+    keys, lengths = segments(seed, counts)
+    starts = torch.tensor([0] + list(itertools.accumulate(lengths))[:-1], dtype=torch.int64, device=device)
+    keys = torch.tensor(keys, dtype=torch.int32, device=device)
     total = sum(counts)
     out = torch.empty(total, dtype=torch.float32, device=device)
     for first in range(0, total, CHUNK_NUMBERS):
         position = torch.arange(first, min(total, first + CHUNK_NUMBERS), dtype=torch.int64, device=device)
-        stream = torch.searchsorted(starts, position, right=True) - 1
-        index = (position - starts[stream]).to(torch.int32)
+        segment = torch.searchsorted(starts, position, right=True) - 1
+        index = (position - starts[segment]).to(torch.int32)
         counters = torch.stack([2 * index, 2 * index + 1], dim=1)  # two 32-bit hashes per number
-        bits = mix32(mix32(counters) ^ keys[stream].unsqueeze(1))
+        bits = mix32(mix32(counters) ^ keys[segment].unsqueeze(1))
         halves = (bits & HALF_MASK) + _shift_right(bits, 16)
         centred = halves.sum(dim=1, dtype=torch.int32) - SUM_MEAN
         out[first : first + position.numel()] = centred.to(torch.float32).mul_(UNIT_VARIANCE_SCALE)

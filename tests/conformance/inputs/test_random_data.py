@@ -75,6 +75,21 @@ def test_drawing_in_chunks_draws_the_same_numbers(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(draw(11, *shapes), whole))
 
 
+def test_a_stream_past_one_key_goes_on_under_derived_keys(monkeypatch):
+    """Past SEGMENT_NUMBERS a stream's counters would overflow int32: segment j of stream s is
+    stream j of a seed equal to s's key, and nothing else moves."""
+    whole = draw(5, (250,), (30,))
+    monkeypatch.setattr(random_data, "SEGMENT_NUMBERS", 100)
+    monkeypatch.setattr(random_data, "CHUNK_NUMBERS", 64)  # chunks that cross segment boundaries
+    long, short = draw(5, (250,), (30,))
+    assert torch.equal(long[:100], whole[0][:100]) and torch.equal(short, whole[1])
+    key = reference_mix32((5 ^ (0 * random_data.STREAM_SALT)) & 0x7FFFFFFF) & 0x7FFFFFFF
+    for part in (1, 2):
+        expected = [reference_number(key, part, i) for i in range(min(100, 250 - 100 * part))]
+        assert long[100 * part : 100 * part + len(expected)].tolist() == expected
+    assert not torch.equal(long[100:200], long[:100])
+
+
 def test_mix32_is_a_bijection_on_a_sample_and_wraps_like_uint32():
     x = torch.arange(-(1 << 16), 1 << 16, dtype=torch.int32)
     assert mix32(x.clone()).unique().numel() == x.numel()
