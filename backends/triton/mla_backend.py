@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from backends.base import AttentionSpec, BackendLimits, Capabilities, CGSupport
 from backends.triton import kernels, mla_kernels
@@ -21,8 +22,14 @@ from backends.triton.backend import (
 ROWS_PER_PROGRAM = 64  # tokens x heads per tile; 64 x 512 fp32 accumulator (swept on an H200: best of 16/32/64)
 BLOCK_N = 64  # KV positions per tile
 NUM_WARPS = 8
-NUM_STAGES = 3
-PROGRAMS_PER_MULTIPROCESSOR = 2  # swept on an H100 (tests/benchmarks/tune_triton_mla.py)
+GATHER, PAGE, TMA = mla_kernels.GATHER.value, mla_kernels.PAGE.value, mla_kernels.TMA.value  # ways to read a tile
+# Per way of reading a tile: pipeline stages, and programs wanted per SM when picking the split
+# count. Swept on an H100 (tests/benchmarks/tune_triton_mla.py).
+NUM_STAGES = {GATHER: 3, PAGE: 2, TMA: 2}
+PROGRAMS_PER_MULTIPROCESSOR = {GATHER: 2, PAGE: 2, TMA: 1}
+# Tiles of fewer rows read faster with masked loads than by TMA (16 heads decode: 130 against
+# 152 µs, H100), so TMA serves only the full 64-row tiles.
+TMA_MIN_ROWS = 64
 
 
 @dataclass
@@ -34,6 +41,26 @@ class _Tiling:
 def tiling(num_heads: int, decode_q: int) -> _Tiling:
     heads = max(1, min(triton.next_power_of_2(num_heads), ROWS_PER_PROGRAM // decode_q))
     return _Tiling(heads, max(16, triton.next_power_of_2(heads * decode_q)))
+
+
+def tma_reads(spec: AttentionSpec, kv_cache: torch.Tensor) -> bool:
+    """Whether the cache's tiles can be copied by TMA: a Hopper-class GPU (or the interpreter),
+    a tile inside one page, latent and rope widths equal to the kernel's (powers of two, at least
+    16), so that no copy reaches into the next entry, and rows at 16-byte multiples."""
+    if kv_cache.device.type == "cuda" and torch.cuda.get_device_capability(kv_cache.device)[0] < 9:
+        return False
+    widths = (spec.kv_lora_rank, spec.rope_dim)
+    row_bytes = kv_cache.stride(1) * kv_cache.element_size()
+    return (spec.block_size % BLOCK_N == 0 and kv_cache.is_contiguous() and row_bytes % 16 == 0
+            and kv_cache.data_ptr() % 16 == 0
+            and all(w >= 16 and w == triton.next_power_of_2(w) for w in widths))
+
+
+def tile_read(spec: AttentionSpec, block_m: int, kv_cache: torch.Tensor) -> int:
+    """How the kernel reads a KV tile: GATHER, PAGE or TMA (``mla_kernels`` says what each is)."""
+    if spec.block_size % BLOCK_N:
+        return GATHER
+    return TMA if block_m >= TMA_MIN_ROWS and tma_reads(spec, kv_cache) else PAGE
 
 
 class TritonMLABackend(DeviceLengthsBackend):
@@ -49,6 +76,16 @@ class TritonMLABackend(DeviceLengthsBackend):
         super().__init__(spec, limits, device)
         self.upcast_dot = interpreting() and spec.dtype == torch.bfloat16
         self.allocate_split_buffers(spec.kv_lora_rank)
+        self._descriptors: tuple[tuple, TensorDescriptor, TensorDescriptor] | None = None
+
+    def descriptors(self, kv_cache: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor]:
+        """TMA descriptors of the latent and rope columns of the cache's rows, made once per pool."""
+        key = (kv_cache.data_ptr(), kv_cache.shape, BLOCK_N)
+        if self._descriptors is None or self._descriptors[0] != key:
+            rows, rank = kv_cache.view(-1, kv_cache.shape[-1]), self.spec.kv_lora_rank
+            self._descriptors = (key, TensorDescriptor.from_tensor(rows[:, :rank], [BLOCK_N, rank]),
+                                 TensorDescriptor.from_tensor(rows[:, rank:], [BLOCK_N, self.spec.rope_dim]))
+        return self._descriptors[1:]
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.spec.block_size, self.spec.head_dim)
@@ -67,16 +104,19 @@ class TritonMLABackend(DeviceLengthsBackend):
         decode_q = metadata.decode_q
         tiles = tiling(spec.num_heads, decode_q)
         head_blocks = triton.cdiv(spec.num_heads, tiles.heads_per_program)
-        num_splits = self.splits_for(metadata.num_reqs, decode_q, head_blocks, PROGRAMS_PER_MULTIPROCESSOR)
+        read = tile_read(spec, tiles.block_m, kv_cache)
+        num_splits = self.splits_for(metadata.num_reqs, decode_q, head_blocks, PROGRAMS_PER_MULTIPROCESSOR[read])
+        # Without TMA the descriptor arguments go unused; the cache stands in for them.
+        latent_desc, rope_desc = self.descriptors(kv_cache) if read == TMA else (kv_cache, kv_cache)
         mla_kernels.mla_decode_split_kernel[(head_blocks, limits.max_num_reqs, num_splits)](
-            query, kv_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
+            query, kv_cache, latent_desc, rope_desc, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
             self.partial_out, self.partial_lse, out, metadata.num_reqs, num_splits, spec.softmax_scale * LOG2E,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), metadata.block_table.stride(0),
             kv_cache.stride(0), kv_cache.stride(1),
             NUM_HEADS=spec.num_heads, HEADS_PER_PROGRAM=tiles.heads_per_program, DECODE_Q=decode_q,
             BLOCK_M=tiles.block_m, LATENT=spec.kv_lora_rank, ROPE=spec.rope_dim,
             BLOCK_L=triton.next_power_of_2(spec.kv_lora_rank), BLOCK_R=max(16, triton.next_power_of_2(spec.rope_dim)),
-            BLOCK_N=BLOCK_N, PAGE_SIZE=spec.block_size, UPCAST_DOT=self.upcast_dot, ONE_SPLIT=num_splits == 1,
-            num_warps=NUM_WARPS if spec.kv_lora_rank >= 256 else 4, num_stages=NUM_STAGES,
+            BLOCK_N=BLOCK_N, PAGE_SIZE=spec.block_size, TILE_READ=read, UPCAST_DOT=self.upcast_dot,
+            ONE_SPLIT=num_splits == 1, num_warps=NUM_WARPS if spec.kv_lora_rank >= 256 else 4, num_stages=NUM_STAGES[read],
         )
         self.merge_splits(out, metadata, num_splits, spec.kv_lora_rank)

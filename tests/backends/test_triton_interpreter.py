@@ -27,6 +27,10 @@ CASES = {
         "mla-h20-d64+16-fp16-p32:70+8,5+1,100+3",
         "mla-h4-d64+16-bf16-p16-strided-sinks:40+1,17+4",
         "mla-h4-d64+16-fp16-p16-edges:15+1,16+1,30+4",
+        # Pages of one tile: 64-row tiles by TMA with a masked last tile, 16-row tiles by masked loads.
+        "mla-h20-d64+16-fp16-p64:70+8,5+1,100+3",
+        "mla-h16-d64+16-bf16-p64-edges:64+4,63+1,200+2",
+        "mla-h4-d64+16-bf16-p64:1+1,40+1,130+1",
     ],
 }
 
@@ -80,3 +84,40 @@ def test_decode_variants_and_split_counts():
     assert backend.partial_row_capacity == 64 * 8 * 32 * 16
     backend.limits = BackendLimits(512, 4096, 4096)
     assert backend.splits_for(1, 8, 8, 4) == 2 and backend.splits_for(1, 1, 8, 4) == 16
+
+
+def test_mla_tile_reads():
+    """How triton_mla reads a KV tile, from the layer and the tile's rows (the cases above take each)."""
+    import torch
+
+    from backends.triton.mla_backend import GATHER, PAGE, TMA, tile_read
+    from conformance.inputs.cases import parse_case
+
+    def read(layer: str, block_m: int, cache: torch.Tensor | None = None) -> int:
+        spec = parse_case(layer + ":10+1").spec
+        if cache is None:
+            cache = torch.zeros(4, spec.block_size, spec.head_dim, dtype=spec.dtype)
+        return tile_read(spec, block_m, cache)
+
+    assert read("mla-h4-d64+16-fp16-p16", 64) == GATHER  # a tile spans pages
+    assert read("mla-h20-d64+16-fp16-p64", 64) == TMA
+    assert read("mla-h4-d64+16-bf16-p64", 16) == PAGE  # too few rows for TMA to pay
+    assert read("mla-h16-d64+8-bf16-p64", 64) == PAGE  # rope narrower than the kernel's 16 columns
+    assert read("mla-h16-d48+16-bf16-p64", 64) == PAGE  # latent not a power of two
+    strided = torch.zeros(4, 64, 2 * 80, dtype=torch.bfloat16)[..., :80]
+    assert read("mla-h16-d64+16-bf16-p64", 64, strided) == PAGE  # rows of the pool not contiguous
+
+
+def test_mla_tma_reads_no_slot_past_the_sequence():
+    """TMA copies whole tiles without a mask, so the last, partial tile of a split must be read
+    with masked loads: with NaN in every slot no request owns, the output stays exact (reading
+    the whole last tile by TMA turns it NaN, since 0 x NaN = NaN)."""
+    script = (
+        "import torch; from conformance.inputs.cases import parse_case; "
+        "from conformance.checks.memory import poison_pass; from backends.triton.mla_backend import TritonMLABackend; "
+        "print(poison_pass(TritonMLABackend, parse_case('mla-h16-d64+16-bf16-p64:64+4,63+1,200+2'), torch.device('cpu')))"
+    )
+    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                               env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.startswith("([], {'nan-poison non-finite outputs': 0, 'nan-poison mismatched': 0"), completed.stdout
