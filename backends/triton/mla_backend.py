@@ -43,12 +43,15 @@ def tiling(num_heads: int, decode_q: int) -> _Tiling:
     return _Tiling(heads, max(16, triton.next_power_of_2(heads * decode_q)))
 
 
+def has_tma(device: torch.device) -> bool:
+    """A Hopper-class GPU, or the interpreter (which runs descriptor loads as plain loads)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def tma_reads(spec: AttentionSpec, kv_cache: torch.Tensor) -> bool:
-    """Whether the cache's tiles can be copied by TMA: a Hopper-class GPU (or the interpreter),
-    a tile inside one page, latent and rope widths equal to the kernel's (powers of two, at least
-    16), so that no copy reaches into the next entry, and rows at 16-byte multiples."""
-    if kv_cache.device.type == "cuda" and torch.cuda.get_device_capability(kv_cache.device)[0] < 9:
-        return False
+    """Whether the cache's tiles can be copied by TMA: a tile inside one page, latent and rope
+    widths equal to the kernel's (powers of two, at least 16), so that no copy reaches into the
+    next entry, and rows at 16-byte multiples."""
     widths = (spec.kv_lora_rank, spec.rope_dim)
     row_bytes = kv_cache.stride(1) * kv_cache.element_size()
     return (spec.block_size % BLOCK_N == 0 and kv_cache.is_contiguous() and row_bytes % 16 == 0
@@ -56,11 +59,12 @@ def tma_reads(spec: AttentionSpec, kv_cache: torch.Tensor) -> bool:
             and all(w >= 16 and w == triton.next_power_of_2(w) for w in widths))
 
 
-def tile_read(spec: AttentionSpec, block_m: int, kv_cache: torch.Tensor) -> int:
-    """How the kernel reads a KV tile: GATHER, PAGE or TMA (``mla_kernels`` says what each is)."""
+def tile_read(spec: AttentionSpec, block_m: int, kv_cache: torch.Tensor, tma: bool) -> int:
+    """How the kernel reads a KV tile: GATHER, PAGE or TMA (``mla_kernels`` says what each is);
+    ``tma``: the device has it (``has_tma``)."""
     if spec.block_size % BLOCK_N:
         return GATHER
-    return TMA if block_m >= TMA_MIN_ROWS and tma_reads(spec, kv_cache) else PAGE
+    return TMA if tma and block_m >= TMA_MIN_ROWS and tma_reads(spec, kv_cache) else PAGE
 
 
 class TritonMLABackend(DeviceLengthsBackend):
@@ -76,6 +80,7 @@ class TritonMLABackend(DeviceLengthsBackend):
         super().__init__(spec, limits, device)
         self.upcast_dot = interpreting() and spec.dtype == torch.bfloat16
         self.allocate_split_buffers(spec.kv_lora_rank)
+        self.tma = has_tma(self.device)  # asked once: forward runs every step
         self._descriptors: tuple[tuple, TensorDescriptor, TensorDescriptor] | None = None
 
     def descriptors(self, kv_cache: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor]:
@@ -104,7 +109,7 @@ class TritonMLABackend(DeviceLengthsBackend):
         decode_q = metadata.decode_q
         tiles = tiling(spec.num_heads, decode_q)
         head_blocks = triton.cdiv(spec.num_heads, tiles.heads_per_program)
-        read = tile_read(spec, tiles.block_m, kv_cache)
+        read = tile_read(spec, tiles.block_m, kv_cache, self.tma)
         num_splits = self.splits_for(metadata.num_reqs, decode_q, head_blocks, PROGRAMS_PER_MULTIPROCESSOR[read])
         # Without TMA the descriptor arguments go unused; the cache stands in for them.
         latent_desc, rope_desc = self.descriptors(kv_cache) if read == TMA else (kv_cache, kv_cache)

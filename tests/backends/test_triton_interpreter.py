@@ -90,17 +90,19 @@ def test_mla_tile_reads():
     """How triton_mla reads a KV tile, from the layer and the tile's rows (the cases above take each)."""
     import torch
 
-    from backends.triton.mla_backend import GATHER, PAGE, TMA, tile_read
+    from backends.triton.mla_backend import GATHER, PAGE, TMA, has_tma, tile_read
     from conformance.inputs.cases import parse_case
 
-    def read(layer: str, block_m: int, cache: torch.Tensor | None = None) -> int:
+    def read(layer: str, block_m: int, cache: torch.Tensor | None = None, tma: bool = True) -> int:
         spec = parse_case(layer + ":10+1").spec
         if cache is None:
             cache = torch.zeros(4, spec.block_size, spec.head_dim, dtype=spec.dtype)
-        return tile_read(spec, block_m, cache)
+        return tile_read(spec, block_m, cache, tma)
 
+    assert has_tma(torch.device("cpu"))  # the interpreter
     assert read("mla-h4-d64+16-fp16-p16", 64) == GATHER  # a tile spans pages
     assert read("mla-h20-d64+16-fp16-p64", 64) == TMA
+    assert read("mla-h20-d64+16-fp16-p64", 64, tma=False) == PAGE  # a GPU older than Hopper
     assert read("mla-h4-d64+16-bf16-p64", 16) == PAGE  # too few rows for TMA to pay
     assert read("mla-h16-d64+8-bf16-p64", 64) == PAGE  # rope narrower than the kernel's 16 columns
     assert read("mla-h16-d48+16-bf16-p64", 64) == PAGE  # latent not a power of two

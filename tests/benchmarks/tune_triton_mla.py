@@ -38,7 +38,7 @@ def main(names: list[str]) -> None:
             tiles = mla_backend.tiling(heads, metadata.decode_q)
             if READS[read] == mla_backend.TMA and tiles.block_m < mla_backend.TMA_MIN_ROWS:
                 continue
-            mla_backend.tile_read = lambda spec, block_m, cache, chosen=READS[read]: chosen
+            mla_backend.tile_read = lambda *args, chosen=READS[read]: chosen
             splits = sweep.timed.backend.splits_for(metadata.num_reqs, metadata.decode_q, heads // tiles.heads_per_program, per_sm)
             print(sweep.line(f"{read:4s} rows={rows:3d} block_n={block_n:3d} warps={warps} stages={stages} per_sm={per_sm} "
                              f"splits={splits:2d}"), flush=True)
