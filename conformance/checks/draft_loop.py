@@ -19,17 +19,19 @@ from backends.base import AttentionBackend, CommonAttentionMetadata
 from conformance.inputs.batch import materialize
 from conformance.inputs.cases import Case
 from conformance.checks.base import Check
-from conformance.checks.numerics import TOLERANCES, compare_with_oracle
+from conformance.checks.comparison import TOLERANCES, compare_with_oracle
 from conformance.inputs.graph_batches import GraphShape
 from conformance.inputs.graph_harness import GraphBuffers, cuda_graph_skip_reason, warm_up
 from conformance.inputs.harness import PoolFill, write_poison
 from conformance.results import CaseResult, Verdict
 
-# (k, a padding row after the real requests, warm-up before the capture). Without a padding row
-# the last row is a real request (a backend that mishandles the last row hides behind padding);
-# without a warm-up the capture is the backend's first call at this shape.
-DRAFT_RUNS = ((2, True, True), (4, False, False), (7, True, True))
-DRAFT_STEPS = tuple(k for k, _, _ in DRAFT_RUNS)
+# (k, a padding row after the real requests, warm-up before the capture, what unowned slots hold).
+# Without a padding row the last row is a real request (a backend that mishandles the last row
+# hides behind padding); without a warm-up the capture is the backend's first call at this shape.
+# The longest loop runs over NaN: a slot a step reads and weights by zero (a draft position not yet
+# written, the tail of a page) turns its output NaN, where the loud poison would vanish.
+DRAFT_RUNS = ((2, True, True, PoolFill.LOUD), (4, False, False, PoolFill.LOUD), (7, True, True, PoolFill.NAN))
+DRAFT_STEPS = tuple(run[0] for run in DRAFT_RUNS)
 
 
 class DraftLoop:
@@ -189,13 +191,14 @@ class DraftLoopCheck(Check):
         mode = "one graph for all k steps (draft_step_update)" if one_graph else "one-step graph, metadata rebuilt on the host"
         atol, rtol = TOLERANCES[case.spec.dtype]
         metrics: dict[str, Any] = {"mode": mode}
-        for num_steps, padding_row, warm in DRAFT_RUNS:
-            loop = DraftLoop(backend_cls, case, num_steps, device, padding_row=padding_row)
+        for num_steps, padding_row, warm, fill in DRAFT_RUNS:
+            loop = DraftLoop(backend_cls, case, num_steps, device, padding_row=padding_row, fill=fill)
             (run_one_graph_loop if one_graph else run_rebuilt_loop)(loop, warm=warm)
             failing, details = loop.first_failing_step(atol, rtol)
             if failing is not None:
                 layout = "a padding row last" if padding_row else "no padding row (the last row a real request)"
                 layout += "" if warm else ", captured without warm-up"
+                layout += ", NaN in every unowned slot" if fill == PoolFill.NAN else ""
                 worst = details["worst"]
                 reason = (f"k={num_steps} ({layout}): draft step {failing + 1} of {num_steps} differs from the oracle "
                           f"({details['mismatched']} elements, max abs error {details['max_abs_error']:.3g}, worst at "
@@ -204,5 +207,5 @@ class DraftLoopCheck(Check):
                                   metrics={**metrics, "k": num_steps, "first_failing_step": failing + 1},
                                   evidence={"worst": details.get("worst")})
         return CaseResult(case.id, Verdict.PASS, f"k in {DRAFT_STEPS} (with and without a padding row, captured with and "
-                          f"without warm-up): every step equal to the oracle — {mode}",
+                          f"without warm-up, unowned slots loud and NaN): every step equal to the oracle — {mode}",
                           tag=case.tag, metrics=metrics)

@@ -7,7 +7,9 @@ really meet a backend:
    ``forward``; then for each B — longer and shorter contexts, new block tables, fewer requests,
    requests reversed (another one last), one more request so no padding row is left (the last row
    real), query lengths moved — load it into the same buffers, ``build`` (as engines do before each
-   replay), replay, and compare with the oracle and with an eager run. After each replay the cache
+   replay), replay, and compare with the oracle and with an eager run. Every other replay (B1,
+   B3, …) runs with NaN in every slot no request owns: a captured kernel that reads such a slot
+   and weights it by zero (a tile count or bound frozen at capture) turns its output NaN. After each replay the cache
    must equal the cache before it plus the batch's own rows, bit for bit (padding rows write
    nothing). Two replays of one state must be bitwise equal when the backend claims
    ``deterministic`` (otherwise that is reported).
@@ -33,14 +35,14 @@ import torch
 from backends.base import AttentionBackend
 from conformance.inputs.cases import Case
 from conformance.checks.base import Check
-from conformance.checks.numerics import TOLERANCES, compare_with_oracle
+from conformance.checks.comparison import TOLERANCES, compare_with_oracle
 from conformance.inputs.graph_batches import (
     Replay, fits, graph_class_reason, graph_shape, larger_batch, replay_batches,
 )
 from conformance.inputs.graph_harness import (
     GraphBuffers, canaries_written, count_different, cuda_graph_skip_reason, fill_freed_memory, graph_pool_bytes, warm_up,
 )
-from conformance.inputs.harness import PreparedCase, run_step
+from conformance.inputs.harness import PoolFill, PreparedCase, run_step
 from conformance.inputs.batch import PagedBatch, materialize
 from host_syncs.detector import detect_host_syncs
 from conformance.results import CaseResult, Verdict
@@ -132,9 +134,13 @@ class GraphsCheck(Check):
         for index, replay in enumerate([None] + replays):
             replay_case = case if replay is None else replay.case
             what = "A itself" if replay is None else f"B{index} ({replay.description})"
+            # Every other replay over NaN: a slot it reads and weights by zero turns its output NaN.
+            buffers.fill = PoolFill.NAN if index % 2 else PoolFill.LOUD
+            what += ", NaN in every unowned slot" if buffers.fill == PoolFill.NAN else ""
             problem = self._replay(buffers, graph, replay_case, what, metrics=metrics, nondeterministic=nondeterministic)
             if problem:
                 return self._fail(case, problem, metrics)
+        buffers.fill = PoolFill.LOUD
         metrics["deterministic"] = not nondeterministic
         if nondeterministic and backend_cls.capabilities.deterministic:
             return self._fail(case, (f"claims deterministic, but two replays of one state differ bitwise "

@@ -48,11 +48,11 @@ from backends.base import AttentionBackend
 from conformance.checks.base import Check
 from conformance.checks.engine import engine_skip_reason
 from conformance.checks.evidence import EvidenceItem, without
-from conformance.checks.numerics import TOLERANCES, compare_with_oracle
+from conformance.checks.nan_poison import nan_poison_pass
 from conformance.inputs.allocation_map import AllocationMap
 from conformance.inputs.cases import Case, format_layer
 from conformance.inputs.graph_harness import cuda_graph_skip_reason
-from conformance.inputs.harness import PoolFill, WroteOutsideOutput, prepare_case, run_step
+from conformance.inputs.harness import prepare_case
 from conformance.results import CaseResult, Verdict
 from conformance.run import sanitizer
 
@@ -62,7 +62,6 @@ from conformance.run import sanitizer
 # case did not finish.
 MEMORY_TAGS = ("decode", "spec-verify k=3", "mixed, small", "block boundaries decode", "block boundaries verify")
 CHILD_TIMEOUT_S = 600.0
-STRAY_WRITES_SHOWN = 4
 
 
 @dataclass(frozen=True)
@@ -187,65 +186,9 @@ class MemoryCheck(Check):
         return stages
 
 
-def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's elements as integers of the same width: NaN compares equal to itself."""
-    return tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
-
-
 def poison_pass(backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> tuple[list[dict], dict]:
-    """One step over a NaN-poisoned pool: (findings, metrics)."""
-    prepared = prepare_case(backend_cls, case, device, fill=PoolFill.NAN)
-    batch, pool = prepared.batch, prepared.kv_cache
-    before = pool.clone()
-    findings = []
-    try:
-        out = run_step(prepared)
-    except WroteOutsideOutput as error:
-        return [{"tool": "nan-poison", "stage": "step", "phase": "forward", "what": str(error), "place": "output"}], {}
-    atol, rtol = TOLERANCES[case.spec.dtype]
-    passed, errors, evidence = compare_with_oracle(out, batch.reference_output(), batch.query_start_loc, atol, rtol)
-    metrics = {"nan-poison non-finite outputs": errors["non_finite"], "nan-poison mismatched": errors["mismatched"]}
-    if not passed:
-        worst = evidence["worst"]
-        what = (f"{errors['non_finite']} NaN/Inf outputs" if errors["non_finite"] else
-                f"{errors['mismatched']} outputs beyond tolerance") + " with NaN in every slot no request owns"
-        findings.append({"tool": "nan-poison", "stage": "step", "phase": "forward", "what": what,
-                         "place": f"first at request {worst['request']} token {worst['token']} head {worst['head']}: "
-                                  f"got {worst['got']:.4g}, expected {worst['expected']:.4g} — a read of an unowned "
-                                  "slot whose value was masked by a zero weight, not skipped"})
-    stray, changed_slots = stray_writes(before, pool, batch)
-    metrics["nan-poison slots written"] = changed_slots
-    if stray:
-        findings.append({"tool": "nan-poison", "stage": "step", "phase": "write_kv", "count": len(stray),
-                         "what": f"the pool changed outside the step's {batch.case.num_tokens} slots",
-                         "place": "; ".join(stray[:STRAY_WRITES_SHOWN]) + ("; …" if len(stray) > STRAY_WRITES_SHOWN else "")})
-    return findings, metrics
-
-
-def stray_writes(before: torch.Tensor, after: torch.Tensor, batch) -> tuple[list[str], int]:
-    """(where the pool changed outside the step's slots, how many slots changed). Placed by the
-    pool's layout; where it is ambiguous, by count: a correct step changes exactly its own slots."""
-    changed = (_as_bits(before) != _as_bits(after)).nonzero().cpu()
-    where = AllocationMap()
-    where.add_pool(after, batch.block_table, batch.seq_lens, batch.spec.block_size, batch.num_blocks)
-    layout, block_size = where.pool, batch.spec.block_size
-    own = batch.step_rows(padding=0)[2].cpu()
-    block_dim = layout.block_dim()
-    token_dim = layout.token_dim()
-    if token_dim is None:  # an ambiguous layout: count changed elements instead
-        slot_elements = after.numel() // (batch.num_blocks * block_size)
-        count = changed.shape[0] // max(1, slot_elements)
-        return ([f"{count - own.numel()} slots' worth of elements beyond the step's own"] if count > own.numel() else []), count
-    slots = torch.unique(changed[:, block_dim] * block_size + changed[:, token_dim])
-    stray = slots[~torch.isin(slots, own)].tolist()
-    strides = layout.strides
-
-    def address(slot: int) -> int:
-        index = [0] * len(strides)
-        index[block_dim], index[token_dim] = divmod(slot, block_size)
-        return layout.start + sum(i * s for i, s in zip(index, strides)) * layout.element_size
-
-    return [layout.describe(address(slot)) for slot in stray], slots.numel()
+    """One step over a NaN-poisoned pool (``nan_poison``): (findings, metrics)."""
+    return nan_poison_pass(prepare_case(backend_cls, case, device, poison=False))
 
 
 def run_child(backend_cls: type[AttentionBackend], case: Case, stage: str,

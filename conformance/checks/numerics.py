@@ -1,9 +1,12 @@
 """numerics: is the backend's output equal to the float64 oracle on every case it supports?
 
-An element passes when |out - ref| <= atol + rtol * |ref| (numpy's ``isclose``), with atol/rtol
-chosen by dtype. Inputs are rounded to the dtype before the oracle sees them, so the tolerance
-covers only what a kernel does: low-precision products and accumulation, softmax in fp32, and
-the final rounding of the output. fp32 allows TF32 matmuls.
+Each case is stepped twice over the same batch (``comparison`` says what "equal" means):
+
+1. **Loud poison**: every slot no request owns holds a dominant key and a loud value, so a read
+   of one whose value is used pulls the output far off.
+2. **NaN poison** (``nan_poison``): those slots hold NaN, so a read of one whose value is then
+   multiplied by a zero weight turns the output NaN where the loud pass saw nothing; and the pool
+   must change in the step's own slots only.
 """
 from __future__ import annotations
 
@@ -12,67 +15,17 @@ from typing import Any
 import torch
 
 from backends.base import AttentionBackend, dtype_name
-from conformance.inputs.cases import Case
 from conformance.checks.base import Check
-from conformance.checks.evidence import WorstElement
-from conformance.inputs.harness import WroteOutsideOutput, prepare_case, run_step
+from conformance.checks.comparison import TOLERANCES, compare_with_oracle
+from conformance.checks.nan_poison import nan_poison_pass
+from conformance.inputs.cases import Case
+from conformance.inputs.harness import PreparedCase, WroteOutsideOutput, prepare_case, run_step
 from conformance.results import CaseResult, Verdict
-
-TOLERANCES: dict[torch.dtype, tuple[float, float]] = {  # dtype: (atol, rtol)
-    torch.float32: (1e-3, 1e-3),
-    torch.float16: (4e-3, 4e-3),
-    torch.bfloat16: (2e-2, 2e-2),
-}
-
-
-def compare_with_oracle(
-    out: torch.Tensor, reference: torch.Tensor, query_start_loc: list[int], atol: float, rtol: float
-) -> tuple[bool, dict[str, Any], dict[str, Any]]:
-    """(passed, metrics, evidence) for backend output ``out`` against the oracle's ``reference``."""
-    out = out.double()
-    reference = reference.to(out.device)
-    diff = (out - reference).abs()
-    non_finite = ~torch.isfinite(out)
-    allowed = atol + rtol * reference.abs()
-    # NaN compares false with everything: count it as a mismatch explicitly.
-    mismatched = (diff > allowed) | non_finite
-    excess = torch.where(non_finite, torch.full_like(diff, float("inf")), diff - allowed)
-    finite_diff = torch.where(non_finite, torch.zeros_like(diff), diff)
-    significant = reference.abs() > atol
-
-    worst_flat = int(excess.flatten().argmax())
-    # divmod, not torch.unravel_index: its first call imports sympy (3 s of every process).
-    heads, channels = excess.shape[1:]
-    token, within = divmod(worst_flat, heads * channels)
-    head, channel = divmod(within, channels)
-    request = max(r for r in range(len(query_start_loc) - 1) if query_start_loc[r] <= token)
-    metrics = {
-        "max_abs_error": float(finite_diff.max()),
-        "max_rel_error": float((finite_diff / reference.abs()).masked_fill(~significant, 0).max()),
-        "mismatch_fraction": float(mismatched.double().mean()),
-        "mismatched": int(mismatched.sum()),
-        "elements": out.numel(),
-        "non_finite": int(non_finite.sum()),
-        # How far past the tolerance the worst element is (1.0 = at the limit; inf for NaN/Inf):
-        # the margin by which a defect fails, or a correct backend passes.
-        "tolerance_ratio": float(torch.where(non_finite, torch.full_like(diff, float("inf")), diff / allowed).max()),
-    }
-    evidence: dict[str, WorstElement] = {
-        "worst": {
-            "request": request,
-            "token": token - query_start_loc[request],
-            "head": head,
-            "channel": channel,
-            "got": float(out[token, head, channel]),
-            "expected": float(reference[token, head, channel]),
-        }
-    }
-    return not bool(mismatched.any()), metrics, evidence
 
 
 class NumericsCheck(Check):
     name = "numerics"
-    question = "equal to the float64 oracle on every supported case?"
+    question = "equal to the float64 oracle on every supported case, whether unowned KV slots hold loud values or NaN?"
 
     def details(self) -> dict[str, Any]:
         return {
@@ -91,7 +44,7 @@ class NumericsCheck(Check):
         passed, metrics, evidence = compare_with_oracle(out, reference, prepared.batch.query_start_loc, atol, rtol)
         metrics.update(atol=atol, rtol=rtol)
         if passed:
-            return CaseResult(case.id, Verdict.PASS, tag=case.tag, metrics=metrics)
+            return self._nan_poison(prepared, metrics)
         worst = evidence["worst"]
         if metrics["non_finite"]:
             what = f"{metrics['non_finite']} NaN/Inf outputs (unwritten rows stay NaN)"
@@ -102,4 +55,21 @@ class NumericsCheck(Check):
             f"request {worst['request']} token {worst['token']} head {worst['head']}: "
             f"got {worst['got']:.4g}, expected {worst['expected']:.4g}"
         )
+        return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics, evidence=evidence)
+
+    @staticmethod
+    def _nan_poison(prepared: PreparedCase, metrics: dict[str, Any]) -> CaseResult:
+        """The second pass, on the batch the loud pass just passed (its oracle answer is reused)."""
+        case = prepared.batch.case
+        findings, poison_metrics = nan_poison_pass(prepared)
+        metrics.update(poison_metrics)
+        if not findings:
+            return CaseResult(case.id, Verdict.PASS, tag=case.tag, metrics=metrics)
+        reason = "; ".join(f"{finding['what']} (the loud-poison pass was within tolerance): {finding['place']}"
+                           for finding in findings)
+        evidence = {"pass": "NaN poison: every KV slot no request owns holds NaN",
+                    "findings": [f"{finding['phase']}: {finding['what']}" for finding in findings]}
+        worst = next((finding["worst"] for finding in findings if "worst" in finding), None)
+        if worst:
+            evidence["worst"] = worst
         return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics, evidence=evidence)

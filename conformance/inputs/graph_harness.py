@@ -16,7 +16,7 @@ from backends.base import AttentionBackend, BackendLimits, CGSupport, CommonAtte
 from conformance.inputs.batch import PagedBatch, pool_size
 from conformance.inputs.cases import Case
 from conformance.inputs.graph_batches import GraphShape, padding_rows
-from conformance.inputs.harness import PoolFill, allocate_pool, write_poison
+from conformance.inputs.harness import PoolFill, allocate_pool, as_bits, write_poison
 
 PADDING_KEY_VALUE = 7.0  # garbage that padding rows carry: it must land nowhere. Each load adds
 # its index, so a stray write of one replay differs from what an earlier one left behind.
@@ -147,11 +147,12 @@ def fill_freed_memory(device: torch.device) -> list[torch.Tensor]:
 
 
 def count_different(a: torch.Tensor, b: torch.Tensor | int, chunk_elements: int = 1 << 28) -> int:
-    """Elements of ``a`` unequal to ``b`` (a tensor of a's shape, or a scalar). Counted in chunks:
-    a whole comparison of a KV pool needs as much memory again (and ``.sum()`` of it eight times
-    that, in int64)."""
+    """Elements of ``a`` unequal to ``b`` (a tensor of a's shape and dtype, compared bit for bit so
+    that NaN poison equals itself; or a scalar). Counted in chunks: a whole comparison of a KV pool
+    needs as much memory again (and ``.sum()`` of it eight times that, in int64)."""
+    if isinstance(b, torch.Tensor):
+        a, b = as_bits(a), as_bits(b).reshape(-1)
     a = a.reshape(-1)
-    b = b.reshape(-1) if isinstance(b, torch.Tensor) else b
     total = 0
     for start in range(0, a.numel(), chunk_elements):
         part = b[start : start + chunk_elements] if isinstance(b, torch.Tensor) else b

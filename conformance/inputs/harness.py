@@ -55,6 +55,11 @@ class PreparedCase:
     kv_cache: torch.Tensor
 
 
+def as_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as integers of the same width: NaN compares equal to itself."""
+    return tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
+
+
 def write_poison(backend: AttentionBackend, kv_cache: torch.Tensor, batch: PagedBatch, keep: torch.Tensor,
                  num_blocks: int | None = None, fill: PoolFill = PoolFill.LOUD) -> None:
     """Poison every slot of the pool (``num_blocks``, default the batch's) except ``keep``."""

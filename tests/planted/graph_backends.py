@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.base import Capabilities, CGSupport
-from backends.torch_naive import TorchNaiveBackend
+from backends.torch_naive import NaiveMetadata, TorchNaiveBackend
 
 
 @dataclass
@@ -30,6 +30,8 @@ class TorchGraphSafe(TorchNaiveBackend):
         sliding_window=True, logits_soft_cap=True, cuda_graphs=CGSupport.ALWAYS, needs_cpu_seq_lens=False,
         draft_step_update=True, devices=frozenset({"cuda"}),
     )
+
+    zero_unowned_values = True
 
     def build(self, common) -> GraphSafeMetadata:
         return GraphSafeMetadata(
@@ -70,6 +72,8 @@ class TorchGraphSafe(TorchNaiveBackend):
         if spec.sliding_window is not None:
             visible &= position[:, None] - key_positions[None, :] < spec.sliding_window
         scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+        if self.zero_unowned_values:  # a zero weight does not cancel what the slot holds: 0 × NaN = NaN
+            values = values.masked_fill(~visible[:, :, None, None], 0.0)
         out[: metadata.num_tokens] = torch.einsum("ths,tshd->thd", scores.softmax(-1), values).to(out.dtype)
 
 
@@ -82,6 +86,28 @@ class BakesMaxSeqLen(TorchGraphSafe):
         metadata = super().build(common)
         metadata.max_blocks = -(-common.max_seq_len // self.spec.block_size)
         return metadata
+
+
+class MasksOnlyScoresUnderCapture(TorchGraphSafe):
+    """Eager, gathers each request's own slots exactly (torch_naive's path); under capture, reads
+    every block the static limit allows and hides the slots past each length by their scores
+    alone (weight 0), so their values still reach the sum. Over a finite pool every output is
+    right; a NaN in an unowned slot turns it NaN (the way whole-tile TMA loads go wrong)."""
+
+    name = "planted_masks_only_scores_under_capture"
+    zero_unowned_values = False
+
+    def build(self, common):
+        return TorchNaiveBackend.build(self, common)
+
+    def build_for_capture(self, common):
+        return TorchGraphSafe.build(self, common)
+
+    def forward(self, query, kv_cache, metadata, out) -> None:
+        if isinstance(metadata, NaiveMetadata):
+            TorchNaiveBackend.forward(self, query, kv_cache, metadata, out)
+        else:
+            super().forward(query, kv_cache, metadata, out)
 
 
 class HostLengthsInForward(TorchGraphSafe):

@@ -41,6 +41,17 @@ def test_baked_max_seq_len_fails_on_longer_contexts():
     assert result.verdict == Verdict.FAIL and "longer contexts" in result.reason, result.reason
 
 
+def test_a_masked_read_only_under_capture_fails_the_nan_replays_and_the_nan_draft_loop():
+    from conformance.checks.numerics import NumericsCheck
+
+    defect = planted.MasksOnlyScoresUnderCapture
+    assert NumericsCheck().run_case(defect, DECODE, CUDA).verdict == Verdict.PASS  # eager, it reads exactly
+    result = GraphsCheck().run_case(defect, DECODE, CUDA)
+    assert result.verdict == Verdict.FAIL and "B1" in result.reason and "NaN in every unowned slot" in result.reason, result.reason
+    result = DraftLoopCheck().run_case(defect, DECODE, CUDA)
+    assert result.verdict == Verdict.FAIL and "k=7" in result.reason and "NaN in every unowned slot" in result.reason, result.reason
+
+
 def test_host_lengths_in_forward_fail_capture_naming_the_sync():
     result = GraphsCheck().run_case(planted.HostLengthsInForward, DECODE, CUDA)
     assert result.verdict == Verdict.FAIL and "capture" in result.reason and "failed" in result.reason, result.reason

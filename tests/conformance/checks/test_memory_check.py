@@ -95,18 +95,22 @@ def test_nan_poison_pass_is_clean_on_a_correct_backend(case):
 
 
 @pytest.mark.parametrize("case", [CASE, MLA], ids=["gqa", "mla"])
-def test_a_masked_read_past_the_length_turns_nan_and_only_memory_sees_it(case):
-    assert NumericsCheck().run_case(ReadsWholeLastBlock, case, CPU).verdict == Verdict.PASS
+def test_a_masked_read_past_the_length_turns_nan_in_memory_and_in_numerics(case):
     [finding] = poison_pass(ReadsWholeLastBlock, case, CPU)[0]
     assert "NaN/Inf outputs with NaN in every slot no request owns" in finding["what"]
+    result = NumericsCheck().run_case(ReadsWholeLastBlock, case, CPU)  # its loud pass alone passes this
+    assert result.verdict == Verdict.FAIL and "with NaN in every slot no request owns" in result.reason
+    assert result.metrics["mismatched"] == 0 and result.metrics["nan-poison non-finite outputs"] > 0
 
 
 @pytest.mark.parametrize("case", [CASE, MLA], ids=["gqa", "mla"])
 def test_a_write_past_the_slot_mapping_inside_the_pool_is_placed(case):
-    assert NumericsCheck().run_case(WritesNextSlot, case, CPU).verdict == Verdict.PASS
     [finding] = poison_pass(WritesNextSlot, case, CPU)[0]
     assert finding["what"] == f"the pool changed outside the step's {case.num_tokens} slots"
     assert "past request 0's length: position 2, length 2" in finding["place"]
+    result = NumericsCheck().run_case(WritesNextSlot, case, CPU)
+    assert result.verdict == Verdict.FAIL and "past request 0's length" in result.reason
+    assert result.metrics["mismatched"] == 0  # every output right: only the pool shows the write
 
 
 def test_skips_on_a_cpu_and_without_the_tool(monkeypatch):

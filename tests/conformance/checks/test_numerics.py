@@ -4,7 +4,8 @@ import torch
 
 from backends.torch_naive import TorchNaiveBackend
 from conformance.inputs.cases import parse_case, suite
-from conformance.checks.numerics import NumericsCheck, compare_with_oracle
+from conformance.checks.comparison import compare_with_oracle
+from conformance.checks.numerics import NumericsCheck
 from conformance.results import Verdict
 from tests.planted import defects
 
@@ -21,6 +22,9 @@ def test_torch_naive_passes_the_smoke_suite():
     verdict, results = run_suite(TorchNaiveBackend, suite("smoke"))
     assert verdict == Verdict.PASS and len(results) == len(suite("smoke"))
     assert all(result.metrics["max_abs_error"] < 1e-2 for result in results)
+    # The NaN-poison pass ran on every case, and the step wrote exactly its own slots.
+    cases = {case.id: case for case in suite("smoke")}
+    assert all(result.metrics["nan-poison slots written"] == cases[result.case].num_tokens for result in results)
 
 
 # Each planted defect and the cases it must fail (and torch_naive must pass).
