@@ -12,6 +12,7 @@ import torch
 
 from backends.base import AttentionBackend
 from conformance.inputs.cases import Case
+from conformance.inputs.batch import big_pool_skip_reason
 from conformance.checks.evidence import EvidenceItem, labelled, sync_events, without, worst_element
 from conformance.results import CaseResult, Verdict, worst
 
@@ -35,7 +36,7 @@ class Check(abc.ABC):
     def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
         return backend_cls.unsupported_reason(case.spec, device) or backend_cls.capabilities.query_len_reason(
             case.max_query_len, [query for _, query in case.batch]
-        )
+        ) or big_pool_skip_reason(case, device)
 
     @abc.abstractmethod
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:

@@ -17,6 +17,9 @@ from conformance.inputs.cases import Case
 from conformance.inputs.oracle import attention_reference, mla_reference
 from conformance.inputs.random_data import normal_tensors
 
+BIG_POOL_ELEMENTS = 2**31  # a bigpool case's owned blocks start past this many elements of their plane
+BIG_POOL_MEMORY_FACTOR = 3  # the pool, a copy of it (the NaN pass, graph replays) and their comparison
+
 
 @dataclass
 class PagedBatch:
@@ -152,10 +155,21 @@ def owned_blocks(case: Case) -> list[int]:
     return [blocks_needed[0]] + [count - case.shared_prefix_blocks for count in blocks_needed[1:]]
 
 
+def filler_blocks(case: Case) -> int:
+    """Unowned blocks between block 0 and the owned ones: none, or for a ``bigpool`` case enough
+    that every owned block starts past ``BIG_POOL_ELEMENTS`` elements of its plane (K or V; MLA's
+    one), where an offset computed in 32 bits (block id × block stride) has wrapped."""
+    if not case.big_pool:
+        return 0
+    spec = case.spec
+    row = spec.head_dim if spec.kind == "mla" else spec.num_kv_heads * spec.head_dim
+    return -(-BIG_POOL_ELEMENTS // (row * spec.block_size))
+
+
 def pool_size(case: Case) -> int:
-    """The case's block pool, block 0 (reserved) included: what ``materialize`` allocates,
-    computed without drawing any data."""
-    return sum(owned_blocks(case)) + 1
+    """The case's block pool, block 0 (reserved) and any filler included: what ``materialize``
+    allocates, computed without drawing any data."""
+    return sum(owned_blocks(case)) + 1 + filler_blocks(case)
 
 
 def footprint_bytes(case: Case) -> tuple[int, int]:
@@ -166,6 +180,21 @@ def footprint_bytes(case: Case) -> tuple[int, int]:
     row = spec.head_dim if spec.kind == "mla" else 2 * spec.num_kv_heads * spec.head_dim
     tokens = sum(context + query for context, query in case.batch)
     return tokens * row * 4, pool_size(case) * spec.block_size * row * spec.dtype.itemsize
+
+
+def big_pool_skip_reason(case: Case, device: torch.device) -> str | None:
+    """Why a ``bigpool`` case cannot run here: not a GPU (32-bit offsets are a GPU kernel's bug,
+    and the pool would take the host's memory), or a GPU without room for it."""
+    if not case.big_pool:
+        return None
+    pool = footprint_bytes(case)[1]
+    if device.type != "cuda":
+        return f"bigpool runs on a GPU (its pool is {pool / 2**30:.1f} GiB, past 2**31 elements a plane)"
+    needed, available = BIG_POOL_MEMORY_FACTOR * pool, torch.cuda.get_device_properties(device).total_memory
+    if needed > available:
+        return (f"bigpool needs {needed / 2**30:.1f} GiB of GPU memory (its {pool / 2**30:.1f} GiB pool, a copy and their "
+                f"comparison); this GPU has {available / 2**30:.1f} GiB")
+    return None
 
 
 def assign_blocks(case: Case, generator: torch.Generator) -> tuple[torch.Tensor, int]:
@@ -181,7 +210,8 @@ def assign_blocks(case: Case, generator: torch.Generator) -> tuple[torch.Tensor,
     shared = case.shared_prefix_blocks
     owned = owned_blocks(case)
     total = sum(owned)
-    physical = torch.arange(1, total + 1)
+    lowest = 1 + filler_blocks(case)  # the lowest physical id a request gets
+    physical = torch.arange(lowest, lowest + total)
     if case.permute_blocks:
         physical = physical[torch.randperm(total, generator=generator)]
 
@@ -194,7 +224,7 @@ def assign_blocks(case: Case, generator: torch.Generator) -> tuple[torch.Tensor,
         i for i, (request, index) in enumerate(logical) if (index + 1) * block_size <= case.batch[request][0]
     ]
     if full_of_context:
-        last_block_position = int((physical == total).nonzero()[0, 0])
+        last_block_position = int((physical == lowest + total - 1).nonzero()[0, 0])
         target = full_of_context[-1]
         physical[last_block_position], physical[target] = physical[target].clone(), physical[last_block_position].clone()
 
@@ -204,7 +234,7 @@ def assign_blocks(case: Case, generator: torch.Generator) -> tuple[torch.Tensor,
         table[list(requests), list(indices)] = physical.to(torch.int32)
     for request in range(1, case.num_reqs):
         table[request, :shared] = table[0, :shared]
-    return table, total + 1
+    return table, lowest + total
 
 
 def materialize(case: Case, device: torch.device | str) -> PagedBatch:

@@ -21,6 +21,8 @@ A case's id is its whole definition, in the same compact grammar ``--case`` acce
                     is an attention sink (the data of trained models, near fp16's range)
       edges         boundary-sensitive data: the key just past each causal edge and just
                     outside each sliding window dominates, so an off-by-one fails widely
+      bigpool       a pool past 2**31 elements per K (V) plane, the requests' blocks at its top:
+                    an offset into it computed in 32 bits wraps (a GPU with room for it only)
     BATCH  = ITEM ("," ITEM)*
     ITEM   = CTX "+" Q ["x" N]             N requests with CTX cached tokens and Q new ones;
                                            numbers take a k suffix (4k = 4096)
@@ -65,6 +67,7 @@ class Case:
     strided: bool = False  # inputs and output as views into larger buffers (see harness)
     data: str = "normal"  # normal | sinks | edges (see conformance.inputs.batch)
     padding: int = DEFAULT_PADDING_TOKENS  # rows with slot -1 after the step's real tokens
+    big_pool: bool = False  # the pool past 2**31 elements a plane, owned blocks at its top (see batch)
     tag: str = field(default="", compare=False)  # a human label ("decode"), not part of the id
 
     def __post_init__(self) -> None:
@@ -97,7 +100,8 @@ class Case:
 
     @property
     def layer_options(self) -> LayerOptions:
-        return LayerOptions(self.shared_prefix_blocks, self.permute_blocks, self.strided, self.data, self.padding)
+        return LayerOptions(self.shared_prefix_blocks, self.permute_blocks, self.strided, self.data, self.padding,
+                            self.big_pool)
 
     @property
     def num_reqs(self) -> int:
@@ -157,6 +161,7 @@ class LayerOptions:
     strided: bool = False
     data: str = "normal"
     padding: int = DEFAULT_PADDING_TOKENS
+    big_pool: bool = False
 
 
 _ATTRIBUTE_KINDS = (
@@ -171,7 +176,7 @@ def _attribute_kind(attr: str) -> str:
     for pattern, kind in _ATTRIBUTE_KINDS:
         if re.fullmatch(pattern, attr):
             return kind
-    return attr  # linear, strided, or unknown (reported by the parser)
+    return attr  # linear, strided, bigpool, or unknown (reported by the parser)
 
 
 def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
@@ -183,7 +188,7 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
     head_dim, kv_lora_rank, rope_dim = 128, 512, 64
     dtype, block_size = torch.bfloat16, 64 if is_mla else 16
     window = cap = scale = None
-    share, permute, strided, data, padding = 0, True, False, "normal", DEFAULT_PADDING_TOKENS
+    share, permute, strided, data, padding, big_pool = 0, True, False, "normal", DEFAULT_PADDING_TOKENS, False
     kv_heads_given = False
     given: dict[str, str] = {}  # attribute kind -> the attribute that set it
     for attr in attrs:
@@ -199,6 +204,8 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
             permute = False
         elif attr == "strided":
             strided = True
+        elif attr == "bigpool":
+            big_pool = True
         elif attr in DATA_PROFILES[1:]:
             data = attr
         elif match := re.fullmatch(r"pad(\d+)", attr):
@@ -253,7 +260,7 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
             )
     except ValueError as error:
         raise CaseSyntaxError(str(error)) from None
-    return spec, LayerOptions(share, permute, strided, data, padding)
+    return spec, LayerOptions(share, permute, strided, data, padding, big_pool)
 
 
 def parse_case(text: str, default_seed: int = 0) -> Case:
@@ -264,7 +271,7 @@ def parse_case(text: str, default_seed: int = 0) -> Case:
     layer_text, _, batch_text = body.rpartition(":")
     spec, options = parse_layer(layer_text or "gqa")
     return Case(spec, parse_batch(batch_text), seed, options.shared_prefix_blocks, options.permute_blocks,
-                options.strided, options.data, options.padding)
+                options.strided, options.data, options.padding, options.big_pool)
 
 
 def _format_number(value: float) -> str:
@@ -294,6 +301,8 @@ def format_layer(spec: AttentionSpec, options: LayerOptions = LayerOptions()) ->
         parts.append(f"pad{options.padding}")
     if options.data != "normal":
         parts.append(options.data)
+    if options.big_pool:
+        parts.append("bigpool")
     return "-".join(parts)
 
 
@@ -432,6 +441,11 @@ def _variant_cases() -> list[Case]:
     cases += _cases("mla-h16-d512+64-bf16-p64-edges", [("edges: decode at block ends", "63+1,64+1,127+1,700+1"),
                                                        ("edges: spec-verify k=3", "60+4,900+4"),
                                                        ("edges: spec-verify k=7", "57+8,640+8")])
+    # Engines' pools are tens of GiB: an offset computed in 32 bits wraps past 2**31 elements.
+    cases += _cases(LLAMA3_8B + "-bigpool", [("big pool: decode", "1+1,700+1,3000+1"),
+                                             ("big pool: spec-verify k=3", "63+4,1200+4")])
+    cases += _cases("mla-h16-d512+64-bf16-p64-bigpool", [("big pool: decode", "1+1,700+1,2500+1"),
+                                                         ("big pool: spec-verify k=3", "64+4,900+4")])
     return cases
 
 

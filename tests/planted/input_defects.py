@@ -171,3 +171,22 @@ def split_kv_attend(backend, query, key, value, context_len, splits: int):
     total = torch.logsumexp(lse, dim=0)
     merged = sum(torch.exp(l - total)[..., None] * p for l, p in zip(lse, partials))
     return merged.permute(1, 0, 2)
+
+
+class Int32ElementOffsets(TorchNaiveBackend):
+    """Computes each cached row's element offset (block id × block stride + …) in signed 32-bit
+    arithmetic, as a kernel does that multiplies the int32 block id by the stride without widening
+    it: past 2**31 elements of a plane the offset wraps and the read lands elsewhere (vLLM's Triton
+    MLA decode kernel did this until mid-2026). Right on every pool smaller than that."""
+
+    name = "planted_int32_element_offsets"
+    offset_limit = 2**31  # where a signed 32-bit offset wraps (a CPU test lowers it with the big pool's size)
+
+    def gather(self, plane, block_table_row, seq_len):
+        block_size = self.spec.block_size
+        blocks = block_table_row[: -(-seq_len // block_size)].long()
+        slots = (blocks[:, None] * block_size + torch.arange(block_size, device=plane.device)).reshape(-1)[:seq_len]
+        row_elements = plane[0].numel()
+        limit = self.offset_limit
+        wrapped = (slots * row_elements + limit) % (2 * limit) - limit  # two's complement, 32 bits
+        return plane[wrapped.div(row_elements, rounding_mode="floor")]  # a negative row reads from the end

@@ -109,3 +109,18 @@ def test_poison_leaves_a_correct_backend_exact():
     the poisoned pool as it would without it."""
     result = numerics(TorchNaiveBackend, "gqa-h4/2-d32-fp32-p16-edges:15+1,16+1,17+4,0+33")
     assert result.verdict == Verdict.PASS and result.metrics["max_abs_error"] < 1e-5
+
+
+@pytest.mark.parametrize("layer", ["gqa-h4/2-d32-bf16-p16", "mla-h4-d32+8-bf16-p16"])
+def test_offsets_in_32_bits_pass_a_small_pool_and_fail_a_big_one(layer, monkeypatch):
+    """``bigpool`` at a scale a CPU holds: the pool's threshold and the defect's wrap both at 2**16
+    elements, where the real ones (2**31) need a GPU with 24 GiB (test_big_pool_gpu.py)."""
+    from conformance.inputs import batch
+
+    monkeypatch.setattr(batch, "BIG_POOL_ELEMENTS", 2**16)
+    monkeypatch.setattr(input_defects.Int32ElementOffsets, "offset_limit", 2**16)
+    small, big = f"{layer}:300+1,40+4", f"{layer}-bigpool:300+1,40+4"
+    assert numerics(input_defects.Int32ElementOffsets, small).verdict == Verdict.PASS
+    assert numerics(TorchNaiveBackend, big).verdict == Verdict.PASS
+    result = numerics(input_defects.Int32ElementOffsets, big)
+    assert result.verdict == Verdict.FAIL and result.metrics["tolerance_ratio"] >= WIDE_MARGIN, result.reason

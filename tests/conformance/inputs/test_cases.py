@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -151,3 +153,20 @@ def test_layout_and_data_attributes_round_trip_and_reject_nonsense():
     for bad, message in (("gqa-sinks-edges:1+1", "both set the data profile"), ("gqa-pad5000:1+1", "padding rows must be")):
         with pytest.raises(CaseSyntaxError, match=message):
             parse_case(bad)
+
+
+def test_a_big_pool_puts_every_owned_block_past_two_to_the_31_elements_of_its_plane():
+    from conformance.inputs.batch import BIG_POOL_ELEMENTS, assign_blocks, big_pool_skip_reason, case_generator, pool_size
+
+    big = [case for case in suite("standard") if case.big_pool]
+    assert {case.spec.kind for case in big} == {"mha", "mla"} and parse_case(big[0].id) == big[0]
+    for case in big:
+        spec = case.spec
+        plane_block = spec.block_size * (spec.head_dim if spec.kind == "mla" else spec.num_kv_heads * spec.head_dim)
+        table, num_blocks = assign_blocks(case, case_generator(case))
+        owned = table[table > 0]
+        assert int(owned.min()) * plane_block >= BIG_POOL_ELEMENTS and num_blocks == pool_size(case) == int(owned.max()) + 1
+        small = replace(case, big_pool=False)
+        assert pool_size(small) * plane_block < BIG_POOL_ELEMENTS // 16  # the other cases' pools stay far below
+        assert big_pool_skip_reason(case, torch.device("cpu")).startswith("bigpool runs on a GPU")
+        assert big_pool_skip_reason(small, torch.device("cpu")) is None
