@@ -52,6 +52,7 @@ class ConformanceItem(pytest.Item):
 
     def runtest(self) -> None:
         from conformance.results import Verdict
+        from conformance.run.gpu_turns import big_pool_turn
 
         if self.cannot_run:
             if self.config.getoption("conformance_allow_skip"):
@@ -61,7 +62,8 @@ class ConformanceItem(pytest.Item):
             self.check.case_skip_reason(self.backend_cls, self.case, self.device)
         if reason:
             pytest.skip(reason)
-        result = self.check.run_case(self.backend_cls, self.case, self.device)
+        with big_pool_turn(self.case, self.device):
+            result = self.check.run_case(self.backend_cls, self.case, self.device)
         if result.verdict == Verdict.SKIP:
             pytest.skip(result.reason)
         self.config.stash[_RAN_KEY].append(self.nodeid)

@@ -21,6 +21,7 @@ from backends import registry
 from conformance.inputs.cases import Case, parse_case
 from conformance.checks import Check, make_check
 from conformance.results import CaseResult, Verdict
+from conformance.run.gpu_turns import big_pool_turn
 
 Emit = Callable[[dict[str, Any]], None]
 
@@ -118,8 +119,9 @@ def execute(job: Job, emit: Emit) -> bool:
         else:
             started = time.perf_counter()
             try:
-                result = check.run_case(backend_cls, case, device)
-                _synchronize(device)  # an asynchronous kernel fault belongs to this case
+                with big_pool_turn(case, device):
+                    result = check.run_case(backend_cls, case, device)
+                    _synchronize(device)  # an asynchronous kernel fault belongs to this case
             except Exception as error:  # noqa: BLE001 - a backend error is a result, not our crash
                 if any(marker in str(error) for marker in _STICKY_CUDA_ERRORS):
                     emit({"event": "fatal", "check": check_name, "case": case.id,
