@@ -7,6 +7,12 @@ Each case is stepped twice over the same batch (``comparison`` says what "equal"
 2. **NaN poison** (``nan_poison``): those slots hold NaN, so a read of one whose value is then
    multiplied by a zero weight turns the output NaN where the loud pass saw nothing; and the pool
    must change in the step's own slots only.
+3. **A second layer**: engines build a step's metadata once and call ``write_kv`` + ``forward``
+   for every layer, each with its own pool. So the step runs once more with the metadata the last
+   pass built (no ``build``), on a new pool holding the first one negated, with the query, key and
+   value negated: the scores are the same, the output must be the first layer's negated. A
+   backend that keeps something of the first pool (a view, a descriptor, a pointer cached by
+   shape) or that changes the metadata inside ``forward`` fails here.
 """
 from __future__ import annotations
 
@@ -64,7 +70,7 @@ class NumericsCheck(Check):
         findings, poison_metrics = nan_poison_pass(prepared)
         metrics.update(poison_metrics)
         if not findings:
-            return CaseResult(case.id, Verdict.PASS, tag=case.tag, metrics=metrics)
+            return NumericsCheck._second_layer(prepared, metrics)
         reason = "; ".join(f"{finding['what']} (the loud-poison pass was within tolerance): {finding['place']}"
                            for finding in findings)
         evidence = {"pass": "NaN poison: every KV slot no request owns holds NaN"}
@@ -72,3 +78,26 @@ class NumericsCheck(Check):
         if worst:
             evidence["worst"] = worst
         return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics, evidence=evidence)
+
+    @staticmethod
+    def _second_layer(prepared: PreparedCase, metrics: dict[str, Any]) -> CaseResult:
+        """The third pass: another layer of the same step (see the module docstring)."""
+        batch = prepared.batch
+        case = batch.case
+        layer = PreparedCase(batch, prepared.backend, prepared.kv_cache.neg())
+        try:
+            out = run_step(layer, metadata=prepared.metadata, negated=True)
+        except WroteOutsideOutput as error:
+            return CaseResult(case.id, Verdict.FAIL, f"a second layer's forward: {error}", tag=case.tag, metrics=metrics)
+        atol, rtol = TOLERANCES[case.spec.dtype]
+        passed, errors, evidence = compare_with_oracle(out.neg(), batch.reference_output(), batch.query_start_loc, atol, rtol)
+        metrics["second layer max abs error"] = errors["max_abs_error"]
+        if passed:
+            return CaseResult(case.id, Verdict.PASS, tag=case.tag, metrics=metrics)
+        worst = evidence["worst"]
+        reason = (f"a second layer (this step's metadata, no build; its own pool; query, key and value negated) is not the "
+                  f"first layer's output negated: {errors['mismatched']} of {errors['elements']} elements beyond tolerance, "
+                  f"worst at request {worst['request']} token {worst['token']} head {worst['head']}: got {worst['got']:.4g} "
+                  f"(negated back), expected {worst['expected']:.4g} — state kept from the first layer's pool or forward")
+        return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics,
+                          evidence={"pass": "a second layer: the step's metadata reused, a new pool", "worst": worst})

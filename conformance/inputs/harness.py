@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import enum
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -53,6 +53,7 @@ class PreparedCase:
     batch: PagedBatch
     backend: AttentionBackend
     kv_cache: torch.Tensor
+    metadata: Any = None  # what the last step's ``build`` returned (a second layer's forward reuses it)
 
 
 def as_bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -153,8 +154,14 @@ def run_step(
     with_host_lengths: bool = True,
     phase: Callable[[str], ContextManager[None]] = _no_phase,
     record: Callable[[str, torch.Tensor | None], None] = _no_record,
+    metadata: Any = None,
+    negated: bool = False,
 ) -> torch.Tensor:
     """One engine step; returns the output rows of the real tokens.
+
+    ``metadata``: the step's metadata from an earlier ``build`` (another layer of the same step:
+    no build, as engines build once per step for every layer). ``negated``: the step's query, key
+    and value rows negated (a layer whose output is the first one's, negated; see numerics).
 
     ``phase(name)`` wraps each backend call ("build", "write_kv", "forward") and nothing else, so
     a sync detector sees only what the backend does, not the harness's own input preparation.
@@ -165,6 +172,8 @@ def run_step(
     common = batch.common_metadata(with_host_lengths=with_host_lengths)
     key, value, slots = batch.step_rows()
     query = torch.cat([batch.query, batch.query.new_zeros(case.padding, *batch.query.shape[1:])])
+    if negated:
+        query, key, value = -query, -key, None if value is None else -value
     if case.strided:
         query, key, value = fused_qkv_views(batch.spec, query, key, value)
     out, whole = output_buffer(batch, case.padding)
@@ -172,8 +181,10 @@ def run_step(
                          ("query_start_loc", common.query_start_loc), ("seq_lens", common.seq_lens),
                          ("block_table", common.block_table), ("slot_mapping", slots)):
         record(name, tensor)
-    with phase("build"):
-        metadata = backend.build(common)
+    if metadata is None:
+        with phase("build"):
+            metadata = backend.build(common)
+    prepared.metadata = metadata
     with phase("write_kv"):
         backend.write_kv(prepared.kv_cache, key, value, slots)
     with phase("forward"):

@@ -190,3 +190,17 @@ class Int32ElementOffsets(TorchNaiveBackend):
         limit = self.offset_limit
         wrapped = (slots * row_elements + limit) % (2 * limit) - limit  # two's complement, 32 bits
         return plane[wrapped.div(row_elements, rounding_mode="floor")]  # a negative row reads from the end
+
+
+class CachesPoolViewsByShape(TorchNaiveBackend):
+    """Builds its per-slot views of the KV pool once and caches them by the pool's shape, as a TMA
+    descriptor cache keyed without the data pointer would: every later layer, whose pool has the
+    same shape, reads the first layer's pool. One pool per instance (one layer) is always right."""
+
+    name = "planted_caches_pool_views_by_shape"
+
+    def slot_planes(self, kv_cache):
+        cache = self.__dict__.setdefault("_planes", {})
+        if tuple(kv_cache.shape) not in cache:
+            cache[tuple(kv_cache.shape)] = super().slot_planes(kv_cache)
+        return cache[tuple(kv_cache.shape)]

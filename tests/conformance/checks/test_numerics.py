@@ -73,3 +73,16 @@ def test_compare_locates_the_worst_element():
     passed, metrics, evidence = compare_with_oracle(out, reference, [0, 2, 5], atol=1e-3, rtol=1e-3)
     assert not passed and metrics["mismatched"] == 1
     assert evidence["worst"] == {"request": 1, "token": 1, "head": 1, "channel": 2, "got": 0.5, "expected": 0.0}
+
+
+@pytest.mark.parametrize("case_text", ["gqa-h4/2-d32-bf16-p16:40+1,20+4", "mla-h4-d32+8-bf16-p16:40+1,20+4",
+                                       "gqa-h4/2-d32-bf16-p16-strided:40+1,20+4"])
+def test_a_second_layer_with_the_same_metadata_and_another_pool(case_text):
+    from tests.planted.input_defects import CachesPoolViewsByShape
+
+    case = parse_case(case_text)
+    passed = NumericsCheck().run_case(TorchNaiveBackend, case, CPU)
+    assert passed.verdict == Verdict.PASS and passed.metrics["second layer max abs error"] < 0.1
+    result = NumericsCheck().run_case(CachesPoolViewsByShape, case, CPU)
+    assert result.verdict == Verdict.FAIL and result.reason.startswith("a second layer"), result.reason
+    assert result.metrics["mismatched"] == 0 and result.metrics["nan-poison mismatched"] == 0  # one pool: right
