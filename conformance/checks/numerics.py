@@ -12,7 +12,9 @@ Each case is stepped twice over the same batch (``comparison`` says what "equal"
    pass built (no ``build``), on a new pool holding the first one negated, with the query, key and
    value negated: the scores are the same, the output must be the first layer's negated. A
    backend that keeps something of the first pool (a view, a descriptor, a pointer cached by
-   shape) or that changes the metadata inside ``forward`` fails here.
+   shape) or that changes the metadata inside ``forward`` fails here. On a GPU this pass runs on
+   a side stream kept busy first (``harness.on_a_busy_stream``), where its pool and inputs are
+   made: a backend that launches on another stream than the current one reads them unready.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from conformance.checks.base import Check
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle
 from conformance.checks.nan_poison import nan_poison_pass
 from conformance.inputs.cases import Case
-from conformance.inputs.harness import PreparedCase, WroteOutsideOutput, prepare_case, run_step
+from conformance.inputs.harness import PreparedCase, WroteOutsideOutput, on_a_busy_stream, prepare_case, run_step
 from conformance.results import CaseResult, Verdict
 
 
@@ -84,9 +86,10 @@ class NumericsCheck(Check):
         """The third pass: another layer of the same step (see the module docstring)."""
         batch = prepared.batch
         case = batch.case
-        layer = PreparedCase(batch, prepared.backend, prepared.kv_cache.neg())
         try:
-            out = run_step(layer, metadata=prepared.metadata, negated=True)
+            with on_a_busy_stream(batch.device):  # its pool and inputs are made there, after the spin
+                layer = PreparedCase(batch, prepared.backend, prepared.kv_cache.neg())
+                out = run_step(layer, metadata=prepared.metadata, negated=True)
         except WroteOutsideOutput as error:
             return CaseResult(case.id, Verdict.FAIL, f"a second layer's forward: {error}", tag=case.tag, metrics=metrics)
         atol, rtol = TOLERANCES[case.spec.dtype]
@@ -98,6 +101,7 @@ class NumericsCheck(Check):
         reason = (f"a second layer (this step's metadata, no build; its own pool; query, key and value negated) is not the "
                   f"first layer's output negated: {errors['mismatched']} of {errors['elements']} elements beyond tolerance, "
                   f"worst at request {worst['request']} token {worst['token']} head {worst['head']}: got {worst['got']:.4g} "
-                  f"(negated back), expected {worst['expected']:.4g} — state kept from the first layer's pool or forward")
+                  f"(negated back), expected {worst['expected']:.4g} — state kept from the first layer's pool or forward, or "
+                  "(on a GPU) work launched on another stream than the current one")
         return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics,
                           evidence={"pass": "a second layer: the step's metadata reused, a new pool", "worst": worst})

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
@@ -54,6 +54,28 @@ class PreparedCase:
     backend: AttentionBackend
     kv_cache: torch.Tensor
     metadata: Any = None  # what the last step's ``build`` returned (a second layer's forward reuses it)
+
+
+BUSY_STREAM_CYCLES = 50_000_000  # GPU clocks, ~30 ms: longer than a backend's host work for one layer
+
+
+@contextlib.contextmanager
+def on_a_busy_stream(device: torch.device) -> Iterator[None]:
+    """The block runs on a side stream that first spins for a while, as an engine's stream is
+    still busy with earlier layers when the host launches the next. Whatever the block makes on
+    that stream (inputs, a pool) is ready only after the spin; a backend that launches on another
+    stream than the current one (the default stream, a stream of its own without waiting) reads it
+    before it is. On the CPU, the block runs as it is."""
+    if device.type != "cuda":
+        yield
+        return
+    main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(BUSY_STREAM_CYCLES)
+        yield
+    main.wait_stream(side)
+    torch.cuda.synchronize(device)
 
 
 def as_bits(tensor: torch.Tensor) -> torch.Tensor:

@@ -204,3 +204,15 @@ class CachesPoolViewsByShape(TorchNaiveBackend):
         if tuple(kv_cache.shape) not in cache:
             cache[tuple(kv_cache.shape)] = super().slot_planes(kv_cache)
         return cache[tuple(kv_cache.shape)]
+
+
+class LaunchesOnTheDefaultStream(TorchNaiveBackend):
+    """Runs its forward on the default stream whatever stream is current (a C++ extension that
+    launches on stream 0): right while the caller also uses the default stream, reading inputs
+    before they are ready when the caller's stream is another, busy one."""
+
+    name = "planted_launches_on_the_default_stream"
+
+    def forward(self, query, kv_cache, metadata, out):
+        with torch.cuda.stream(torch.cuda.default_stream(query.device)):
+            super().forward(query, kv_cache, metadata, out)

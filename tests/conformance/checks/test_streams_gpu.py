@@ -1,0 +1,26 @@
+"""numerics' second layer runs on a busy side stream: a backend that launches on the default
+stream instead of the current one reads that layer's pool and inputs before they exist."""
+import pytest
+import torch
+
+from backends.torch_naive import TorchNaiveBackend
+from backends.triton.backend import TritonAttentionBackend
+from conformance.checks.numerics import NumericsCheck
+from conformance.inputs.cases import parse_case
+from conformance.results import Verdict
+from tests.planted.input_defects import LaunchesOnTheDefaultStream
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+CASE = parse_case("gqa-h8/2-d128-bf16-p16:700+1,3000+4,1+1")
+
+
+@pytest.mark.parametrize("backend", [TorchNaiveBackend, TritonAttentionBackend], ids=["torch_naive", "triton"])
+def test_backends_on_the_current_stream_pass(backend):
+    assert NumericsCheck().run_case(backend, CASE, CUDA).verdict == Verdict.PASS
+
+
+def test_a_forward_on_the_default_stream_fails_the_second_layer():
+    result = NumericsCheck().run_case(LaunchesOnTheDefaultStream, CASE, CUDA)
+    assert result.verdict == Verdict.FAIL and result.reason.startswith("a second layer"), result.reason
+    assert result.metrics["mismatched"] == 0  # the first two passes, on the default stream themselves, are right
