@@ -14,7 +14,7 @@ Each case is stepped twice over the same batch (``comparison`` says what "equal"
    backend that keeps something of the first pool (a view, a descriptor, a pointer cached by
    shape) or that changes the metadata inside ``forward`` fails here. On a GPU this pass runs on
    a side stream kept busy first (``harness.on_a_busy_stream``), where its pool and inputs are
-   made: a backend that launches on another stream than the current one reads them unready.
+   negated: a backend that launches on another stream than the current one reads them unready.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from conformance.checks.base import Check
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle
 from conformance.checks.nan_poison import nan_poison_pass
 from conformance.inputs.cases import Case
-from conformance.inputs.harness import PreparedCase, WroteOutsideOutput, on_a_busy_stream, prepare_case, run_step
+from conformance.inputs.harness import PreparedCase, WroteOutsideOutput, prepare_case, run_step
 from conformance.results import CaseResult, Verdict
 
 
@@ -86,10 +86,9 @@ class NumericsCheck(Check):
         """The third pass: another layer of the same step (see the module docstring)."""
         batch = prepared.batch
         case = batch.case
-        try:
-            with on_a_busy_stream(batch.device):  # its pool and inputs are made there, after the spin
-                layer = PreparedCase(batch, prepared.backend, prepared.kv_cache.neg())
-                out = run_step(layer, metadata=prepared.metadata, negated=True)
+        try:  # its pool, a copy of the first, and its inputs are negated in run_step
+            layer = PreparedCase(batch, prepared.backend, prepared.kv_cache.clone())
+            out = run_step(layer, metadata=prepared.metadata, negated=True)
         except WroteOutsideOutput as error:
             return CaseResult(case.id, Verdict.FAIL, f"a second layer's forward: {error}", tag=case.tag, metrics=metrics)
         atol, rtol = TOLERANCES[case.spec.dtype]

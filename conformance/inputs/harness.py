@@ -182,8 +182,12 @@ def run_step(
     """One engine step; returns the output rows of the real tokens.
 
     ``metadata``: the step's metadata from an earlier ``build`` (another layer of the same step:
-    no build, as engines build once per step for every layer). ``negated``: the step's query, key
-    and value rows negated (a layer whose output is the first one's, negated; see numerics).
+    no build, as engines build once per step for every layer). ``negated``: another layer whose
+    output is this one's negated (see numerics): the pool (``prepared.kv_cache``, the caller's
+    copy) and the step's query, key and value are negated in place, on a GPU on a busy side stream
+    (``on_a_busy_stream``), after its spin and right before the backend's calls, so that they are
+    not ready for a backend that launches on another stream. Every host-to-device copy is made
+    before: a copy from pageable memory would wait for the spin on the host.
 
     ``phase(name)`` wraps each backend call ("build", "write_kv", "forward") and nothing else, so
     a sync detector sees only what the backend does, not the harness's own input preparation.
@@ -194,8 +198,6 @@ def run_step(
     common = batch.common_metadata(with_host_lengths=with_host_lengths)
     key, value, slots = batch.step_rows()
     query = torch.cat([batch.query, batch.query.new_zeros(case.padding, *batch.query.shape[1:])])
-    if negated:
-        query, key, value = -query, -key, None if value is None else -value
     if case.strided:
         query, key, value = fused_qkv_views(batch.spec, query, key, value)
     out, whole = output_buffer(batch, case.padding)
@@ -203,14 +205,19 @@ def run_step(
                          ("query_start_loc", common.query_start_loc), ("seq_lens", common.seq_lens),
                          ("block_table", common.block_table), ("slot_mapping", slots)):
         record(name, tensor)
-    if metadata is None:
-        with phase("build"):
-            metadata = backend.build(common)
-    prepared.metadata = metadata
-    with phase("write_kv"):
-        backend.write_kv(prepared.kv_cache, key, value, slots)
-    with phase("forward"):
-        backend.forward(query, prepared.kv_cache, metadata, out)
+    with on_a_busy_stream(batch.device) if negated else contextlib.nullcontext():
+        if negated:
+            for tensor in (prepared.kv_cache, query, key, value):
+                if tensor is not None:
+                    tensor.neg_()
+        if metadata is None:
+            with phase("build"):
+                metadata = backend.build(common)
+        prepared.metadata = metadata
+        with phase("write_kv"):
+            backend.write_kv(prepared.kv_cache, key, value, slots)
+        with phase("forward"):
+            backend.forward(query, prepared.kv_cache, metadata, out)
     guard = whole[:, out.shape[1] * out.shape[2] :]
     if guard.numel() and not bool(torch.isnan(guard).all()):
         written = int((~torch.isnan(guard)).sum())
