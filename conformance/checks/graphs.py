@@ -9,9 +9,9 @@ really meet a backend:
    real), query lengths moved — load it into the same buffers, ``build`` (as engines do before each
    replay), replay, and compare with the oracle and with an eager run. Every other replay (B1,
    B3, …) runs with NaN in every slot no request owns: a captured kernel that reads such a slot
-   and weights it by zero (a tile count or bound frozen at capture) turns its output NaN. After each replay the cache
-   must equal the cache before it plus the batch's own rows, bit for bit (padding rows write
-   nothing). Two replays of one state must be bitwise equal when the backend claims
+   and weights it by zero (a tile count or bound frozen at capture) turns its output NaN. After
+   each replay the cache must equal the cache before it plus the batch's own rows, bit for bit
+   (padding rows write nothing). Two replays of one state must be bitwise equal when the backend claims
    ``deterministic`` (otherwise that is reported).
 2. **A new, larger shape after the capture.** An eager step at twice the requests and longer
    contexts, never seen before; then every free block of the caching allocator is filled with NaN

@@ -1,6 +1,6 @@
 """numerics: is the backend's output equal to the float64 oracle on every case it supports?
 
-Each case is stepped twice over the same batch (``comparison`` says what "equal" means):
+Each case is stepped three times over the same batch (``comparison`` says what "equal" means):
 
 1. **Loud poison**: every slot no request owns holds a dominant key and a loud value, so a read
    of one whose value is used pulls the output far off.
@@ -33,7 +33,7 @@ from conformance.results import CaseResult, Verdict
 
 class NumericsCheck(Check):
     name = "numerics"
-    question = "equal to the float64 oracle on every supported case, whether unowned KV slots hold loud values or NaN?"
+    question = "equal to the float64 oracle on every supported case: unowned KV slots loud or NaN, and as a second layer?"
 
     def details(self) -> dict[str, Any]:
         return {
