@@ -135,12 +135,12 @@ class GraphsCheck(Check):
             replay_case = case if replay is None else replay.case
             what = "A itself" if replay is None else f"B{index} ({replay.description})"
             # Every other replay over NaN: a slot it reads and weights by zero turns its output NaN.
-            buffers.fill = PoolFill.NAN if index % 2 else PoolFill.LOUD
-            what += ", NaN in every unowned slot" if buffers.fill == PoolFill.NAN else ""
-            problem = self._replay(buffers, graph, replay_case, what, metrics=metrics, nondeterministic=nondeterministic)
+            fill = PoolFill.NAN if index % 2 else PoolFill.LOUD
+            what += ", NaN in every unowned slot" if fill == PoolFill.NAN else ""
+            problem = self._replay(buffers, graph, replay_case, what, metrics=metrics, nondeterministic=nondeterministic,
+                                   fill=fill)
             if problem:
                 return self._fail(case, problem, metrics)
-        buffers.fill = PoolFill.LOUD
         metrics["deterministic"] = not nondeterministic
         if nondeterministic and backend_cls.capabilities.deterministic:
             return self._fail(case, (f"claims deterministic, but two replays of one state differ bitwise "
@@ -182,10 +182,10 @@ class GraphsCheck(Check):
         return CaseResult(case.id, Verdict.PASS, reason, tag=case.tag, metrics=metrics)
 
     def _replay(self, buffers: GraphBuffers, graph, replay_case: Case, what: str, *, metrics=None,
-                nondeterministic=None):
+                nondeterministic=None, fill: PoolFill | None = None):
         """Load, build, replay, compare; None when right, else (reason, failing case, errors, evidence)."""
         atol, rtol = self.tolerance
-        loaded = buffers.load(self._batch(replay_case, buffers.device), with_host_lengths=self.host_lengths)
+        loaded = buffers.load(self._batch(replay_case, buffers.device), with_host_lengths=self.host_lengths, fill=fill)
         buffers.backend.build(loaded.common)
         expected_cache = buffers.kv_cache.clone()  # the cache before the replay; its own rows are added below
         graph.replay()

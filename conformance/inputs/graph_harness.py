@@ -53,12 +53,12 @@ class GraphBuffers:
         self.out = torch.zeros(shape.num_tokens, spec.num_heads, spec.v_head_dim, dtype=spec.dtype, device=device)
         self.loads = 0
 
-    def load(self, batch: PagedBatch, *, with_host_lengths: bool) -> LoadedBatch:
+    def load(self, batch: PagedBatch, *, with_host_lengths: bool, fill: PoolFill | None = None) -> LoadedBatch:
         """Write ``batch`` (its history through the backend's eager write_kv, every other slot
-        poisoned) into the buffers."""
+        poisoned with ``fill``, by default the buffers' own) into the buffers."""
         case = batch.case
         key, value, slots = batch.history_rows()
-        write_poison(self.backend, self.kv_cache, batch, keep=slots, num_blocks=self.num_blocks, fill=self.fill)
+        write_poison(self.backend, self.kv_cache, batch, keep=slots, num_blocks=self.num_blocks, fill=fill or self.fill)
         if slots.numel():
             self.backend.write_kv(self.kv_cache, key, value, slots)
         padding = padding_rows(self.shape, case)
