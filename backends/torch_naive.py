@@ -94,9 +94,13 @@ class TorchNaiveBackend(AttentionBackend):
             seen &= query_positions[:, None] - key_positions[None, :] < self.spec.sliding_window
         return seen
 
+    def per_query_head(self, rows: torch.Tensor) -> torch.Tensor:
+        """[s, Hkv, D] → [s, H, D] float32: each query head's KV head (query head h reads KV head h // group)."""
+        return rows.float().repeat_interleave(self.spec.query_group_size, dim=1)
+
     def masked_scores(self, query, key, context_len: int) -> torch.Tensor:
         """[H, q, s] float32 logits (soft-capped), -inf where a query may not look."""
-        key = key.float().repeat_interleave(self.spec.query_group_size, dim=1)
+        key = self.per_query_head(key)
         scores = torch.einsum("qhd,khd->hqk", query.float(), key) * self.softmax_scale()
         if self.spec.logits_soft_cap is not None:
             cap = self.spec.logits_soft_cap
@@ -107,5 +111,5 @@ class TorchNaiveBackend(AttentionBackend):
 
     def attend(self, query, key, value, context_len: int) -> torch.Tensor:
         """query [q, H, Dk], key [s, Hkv, Dk], value [s, Hkv, Dv] → [q, H, Dv], in float32."""
-        value = value.float().repeat_interleave(self.spec.query_group_size, dim=1)
+        value = self.per_query_head(value)
         return torch.einsum("hqk,khd->qhd", self.masked_scores(query, key, context_len).softmax(dim=-1), value)

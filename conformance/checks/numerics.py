@@ -1,6 +1,6 @@
 """numerics: is the backend's output equal to the float64 oracle on every case it supports?
 
-Each case is stepped three times over the same batch (``comparison`` says what "equal" means):
+Each case is stepped four times over the same batch (``comparison`` says what "equal" means):
 
 1. **Loud poison**: every slot no request owns holds a dominant key and a loud value, so a read
    of one whose value is used pulls the output far off.
@@ -15,6 +15,16 @@ Each case is stepped three times over the same batch (``comparison`` says what "
    shape) or that changes the metadata inside ``forward`` fails here. On a GPU this pass runs on
    a side stream kept busy first (``harness.on_a_busy_stream``), where its pool and inputs are
    negated: a backend that launches on another stream than the current one reads them unready.
+4. **Two steps in flight**: an async scheduler builds step N+1 while step N is still queued on the
+   GPU. So the step is launched again, then the same requests in reverse order are built and
+   launched behind it, both on a busy stream (``harness.run_steps_in_flight``): the second build
+   runs on the host before anything of the first step has run on the device, its copies from the
+   host included. Both must equal the oracle. A backend that stages its metadata in one pinned
+   host buffer copied with ``non_blocking=True`` lets the second build overwrite the first step's
+   bytes before they are copied (FlashInfer's ``plan`` under an overlap scheduler: mini-sglang
+   #103; vLLM #32799, Megatron-LM #5715, TensorRT-LLM #16088); one that reuses a plan cached by
+   the batch's shape (its number of requests and tokens) gives the second step the first one's
+   lengths. Every other pass builds once per backend, so neither could show there.
 """
 from __future__ import annotations
 
@@ -27,7 +37,7 @@ from conformance.checks.base import Check
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle
 from conformance.checks.nan_poison import nan_poison_pass
 from conformance.inputs.cases import Case
-from conformance.inputs.harness import PreparedCase, WroteOutsideOutput, prepare_case, run_step
+from conformance.inputs.harness import PreparedCase, WroteOutsideOutput, prepare_case, run_step, run_steps_in_flight
 from conformance.results import CaseResult, Verdict
 
 
@@ -53,7 +63,7 @@ class NumericsCheck(Check):
         metrics.update(atol=atol, rtol=rtol)
         if passed:
             # The later passes reuse this batch (its oracle answer too); each returns its failure or None.
-            for later_pass in (self._nan_poison, self._second_layer):
+            for later_pass in (self._nan_poison, self._second_layer, self._steps_in_flight):
                 failed = later_pass(prepared, metrics)
                 if failed:
                     return failed
@@ -109,3 +119,41 @@ class NumericsCheck(Check):
                   "(on a GPU) work launched on another stream than the current one")
         return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics,
                           evidence={"pass": "a second layer: the step's metadata reused, a new pool", "worst": worst})
+
+    @staticmethod
+    def _steps_in_flight(prepared: PreparedCase, metrics: dict[str, Any]) -> CaseResult | None:
+        """The fourth pass: the next step built while this one is queued (see the module docstring)."""
+        batch = prepared.batch
+        case = batch.case
+        order = list(range(case.num_reqs))[::-1]
+        later = PreparedCase(batch.reordered(order), prepared.backend, prepared.kv_cache)
+        reference, starts = batch.reference_output(), batch.query_start_loc
+        later_reference = torch.cat([reference[starts[request] : starts[request + 1]] for request in order])
+        try:
+            outputs = run_steps_in_flight([prepared, later])
+        except WroteOutsideOutput as error:
+            return CaseResult(case.id, Verdict.FAIL, f"two steps in flight: {error}", tag=case.tag, metrics=metrics)
+        atol, rtol = TOLERANCES[case.spec.dtype]
+        worst_error = 0.0
+        for label, out, expected, step, requests in (
+            ("this step, with the next one built before it ran", outputs[0], reference, batch, list(range(case.num_reqs))),
+            ("the next step (the same requests in reverse order), built while this one was queued", outputs[1],
+             later_reference, later.batch, order),
+        ):
+            passed, errors, evidence = compare_with_oracle(out, expected, step.query_start_loc, atol, rtol)
+            worst_error = max(worst_error, errors["max_abs_error"])
+            if passed:
+                continue
+            worst = evidence["worst"]
+            worst["request"] = requests[worst["request"]]  # numbered as in the case
+            described = (f"{errors['non_finite']} NaN/Inf outputs" if errors["non_finite"]
+                         else f"{errors['mismatched']} of {errors['elements']} elements beyond tolerance")
+            reason = (f"two steps in flight: {label} is wrong: {described}, worst at request {worst['request']} token "
+                      f"{worst['token']} head {worst['head']}: got {worst['got']:.4g}, expected {worst['expected']:.4g} — "
+                      "a build that overwrites what a queued step still reads (a pinned host buffer copied with "
+                      "non_blocking=True, a workspace), or a plan reused for a batch of the same shape")
+            metrics["in-flight max abs error"] = errors["max_abs_error"]
+            return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics,
+                              evidence={"pass": "two steps in flight: the next step built before this one ran", "worst": worst})
+        metrics["in-flight max abs error"] = worst_error
+        return None

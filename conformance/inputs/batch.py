@@ -18,6 +18,7 @@ from conformance.inputs.oracle import attention_reference, mla_reference
 from conformance.inputs.random_data import normal_tensors
 
 BIG_POOL_ELEMENTS = 2**31  # a bigpool case's owned blocks start past this many elements of their plane
+BIG_POOL_BLOCK_IDS = 2**16  # ... and at block ids past this, where a block id kept in 16 bits has wrapped
 BIG_POOL_MEMORY_FACTOR = 3  # the pool, a copy of it (the NaN pass, graph replays) and their comparison
 
 
@@ -158,12 +159,14 @@ def owned_blocks(case: Case) -> list[int]:
 def filler_blocks(case: Case) -> int:
     """Unowned blocks between block 0 and the owned ones: none, or for a ``bigpool`` case enough
     that every owned block starts past ``BIG_POOL_ELEMENTS`` elements of its plane (K or V; MLA's
-    one), where an offset computed in 32 bits (block id × block stride) has wrapped."""
+    one), where an offset computed in 32 bits (block id × block stride) has wrapped, and has an id
+    past ``BIG_POOL_BLOCK_IDS`` (MLA's 36,864-element blocks pass 2**31 elements at id 58,255,
+    still inside 16 bits)."""
     if not case.big_pool:
         return 0
     spec = case.spec
     row = spec.head_dim if spec.kind == "mla" else spec.num_kv_heads * spec.head_dim
-    return -(-BIG_POOL_ELEMENTS // (row * spec.block_size))
+    return max(-(-BIG_POOL_ELEMENTS // (row * spec.block_size)), BIG_POOL_BLOCK_IDS)
 
 
 def pool_size(case: Case) -> int:

@@ -459,6 +459,13 @@ def standard_suite() -> list[Case]:
     cases += _cases("mha-h16/16-d64-fp16-p16", _mha_batches(16, rich=False)[:6])
     cases += _cases("gqa-h8/2-d256-bf16-p16", _mha_batches(16, rich=False)[:6])
     cases += _cases("gqa-h8/2-d128-fp32-p16", _mha_batches(16, rich=False)[:6])
+    # Groups that are not a power of two (Qwen2.5-7B: 28 query heads over 4 KV heads) and wider
+    # than a small tile (Qwen3-235B-A22B: 64 over 4): a padded or fixed-width group reads the wrong heads.
+    cases += _cases("gqa-h28/4-d128-bf16-p16", [("group of 7: decode", "1+1,100+1,1000+1,3000+1"),
+                                                ("group of 7: spec-verify k=3", "300+4,1200+4,63+4"),
+                                                ("group of 7: mixed prefill + decode", "0+200,700+64,3000+1x2,50+4")])
+    cases += _cases("gqa-h64/4-d128-bf16-p16", [("group of 16: decode", "1+1,1000+1,3000+1"),
+                                                ("group of 16: spec-verify k=3", "300+4,1200+4")])
     cases += _cases("gqa-h8/2-d128-bf16-p16-w256", [("decode", "1000+1,200+1,255+1,256+1"), ("spec-verify k=3", "600+4,2000+4"), ("mixed prefill + decode", "0+300,700+64,3000+1")])
     cases += _cases("gqa-h8/2-d128-bf16-p16-cap30", [("decode", "1000+1,20+1"), ("spec-verify k=3", "600+4"), ("mixed prefill + decode", "0+200,500+1")])
     cases += _cases("mla-h16-d512+64-bf16-p64", _mla_batches(64, rich=True))

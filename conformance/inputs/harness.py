@@ -17,7 +17,7 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
-from backends.base import AttentionBackend, AttentionSpec
+from backends.base import AttentionBackend, AttentionSpec, CommonAttentionMetadata
 from conformance.inputs.batch import PagedBatch, materialize
 from conformance.inputs.case_data import poison_key_value
 from conformance.inputs.cases import Case
@@ -170,6 +170,69 @@ class WroteOutsideOutput(AssertionError):
     """forward wrote into the output buffer's memory outside the ``out`` view it was given."""
 
 
+@dataclass
+class StagedStep:
+    """One step's inputs, all on the device before any backend call: a host-to-device copy from
+    pageable memory made between the backend's launches would wait for the stream on the host."""
+
+    prepared: PreparedCase
+    common: CommonAttentionMetadata
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor | None
+    slots: torch.Tensor
+    out: torch.Tensor  # the view the backend writes
+    whole: torch.Tensor  # the buffer behind it, guard columns included
+
+
+def stage_step(prepared: PreparedCase, *, with_host_lengths: bool = True,
+               record: Callable[[str, torch.Tensor | None], None] = _no_record) -> StagedStep:
+    """The step's metadata, rows and NaN output (see ``run_step``)."""
+    batch, case = prepared.batch, prepared.batch.case
+    common = batch.common_metadata(with_host_lengths=with_host_lengths)
+    key, value, slots = batch.step_rows()
+    query = torch.cat([batch.query, batch.query.new_zeros(case.padding, *batch.query.shape[1:])])
+    if case.strided:
+        query, key, value = fused_qkv_views(batch.spec, query, key, value)
+    out, whole = output_buffer(batch, case.padding)
+    for name, tensor in (("query", query), ("key", key), ("value", value), ("output", whole),
+                         ("query_start_loc", common.query_start_loc), ("seq_lens", common.seq_lens),
+                         ("block_table", common.block_table), ("slot_mapping", slots)):
+        record(name, tensor)
+    return StagedStep(prepared, common, query, key, value, slots, out, whole)
+
+
+def launch_step(step: StagedStep, *, phase: Callable[[str], ContextManager[None]] = _no_phase, metadata: Any = None,
+                negated: bool = False) -> None:
+    """The backend's calls for one staged step: ``build`` (unless given ``metadata``), ``write_kv``, ``forward``."""
+    prepared = step.prepared
+    backend = prepared.backend
+    if negated:
+        for tensor in (prepared.kv_cache, step.query, step.key, step.value):
+            if tensor is not None:
+                tensor.neg_()
+    if metadata is None:
+        with phase("build"):
+            metadata = backend.build(step.common)
+    prepared.metadata = metadata
+    with phase("write_kv"):
+        backend.write_kv(prepared.kv_cache, step.key, step.value, step.slots)
+    with phase("forward"):
+        backend.forward(step.query, prepared.kv_cache, metadata, step.out)
+
+
+def step_output(step: StagedStep) -> torch.Tensor:
+    """The output rows of the real tokens; raises ``WroteOutsideOutput`` when a strided output's
+    guard columns were written."""
+    whole, out = step.whole, step.out
+    guard = whole[:, out.shape[1] * out.shape[2] :]
+    if guard.numel() and not bool(torch.isnan(guard).all()):
+        written = int((~torch.isnan(guard)).sum())
+        raise WroteOutsideOutput(f"forward wrote {written} elements outside the strided output view it was given "
+                                 "(it assumed a contiguous output)")
+    return out[: step.prepared.batch.case.num_tokens]
+
+
 def run_step(
     prepared: PreparedCase,
     *,
@@ -187,40 +250,26 @@ def run_step(
     copy) and the step's query, key and value are negated in place, on a GPU on a busy side stream
     (``on_a_busy_stream``), after its spin and right before the backend's calls, so that they are
     not ready for a backend that launches on another stream. Every host-to-device copy is made
-    before: a copy from pageable memory would wait for the spin on the host.
+    before (``stage_step``).
 
     ``phase(name)`` wraps each backend call ("build", "write_kv", "forward") and nothing else, so
     a sync detector sees only what the backend does, not the harness's own input preparation.
     ``record(name, tensor)`` is told every device tensor the backend is handed (the memory check
     maps a bad address to one of them). Raises ``WroteOutsideOutput`` when a strided output's guard columns were written.
     """
-    batch, backend, case = prepared.batch, prepared.backend, prepared.batch.case
-    common = batch.common_metadata(with_host_lengths=with_host_lengths)
-    key, value, slots = batch.step_rows()
-    query = torch.cat([batch.query, batch.query.new_zeros(case.padding, *batch.query.shape[1:])])
-    if case.strided:
-        query, key, value = fused_qkv_views(batch.spec, query, key, value)
-    out, whole = output_buffer(batch, case.padding)
-    for name, tensor in (("query", query), ("key", key), ("value", value), ("output", whole),
-                         ("query_start_loc", common.query_start_loc), ("seq_lens", common.seq_lens),
-                         ("block_table", common.block_table), ("slot_mapping", slots)):
-        record(name, tensor)
-    with on_a_busy_stream(batch.device) if negated else contextlib.nullcontext():
-        if negated:
-            for tensor in (prepared.kv_cache, query, key, value):
-                if tensor is not None:
-                    tensor.neg_()
-        if metadata is None:
-            with phase("build"):
-                metadata = backend.build(common)
-        prepared.metadata = metadata
-        with phase("write_kv"):
-            backend.write_kv(prepared.kv_cache, key, value, slots)
-        with phase("forward"):
-            backend.forward(query, prepared.kv_cache, metadata, out)
-    guard = whole[:, out.shape[1] * out.shape[2] :]
-    if guard.numel() and not bool(torch.isnan(guard).all()):
-        written = int((~torch.isnan(guard)).sum())
-        raise WroteOutsideOutput(f"forward wrote {written} elements outside the strided output view it was given "
-                                 "(it assumed a contiguous output)")
-    return out[: case.num_tokens]
+    step = stage_step(prepared, with_host_lengths=with_host_lengths, record=record)
+    with on_a_busy_stream(prepared.batch.device) if negated else contextlib.nullcontext():
+        launch_step(step, phase=phase, metadata=metadata, negated=negated)
+    return step_output(step)
+
+
+def run_steps_in_flight(steps: list[PreparedCase]) -> list[torch.Tensor]:
+    """Several engine steps, each built and launched while the ones before it are still queued,
+    as an async scheduler does: on a GPU they all go onto a busy side stream (``on_a_busy_stream``),
+    so not one of them has run (its copies from the host included) when the host builds the next.
+    Returns each step's output rows; the CPU runs them one after another."""
+    staged = [stage_step(prepared) for prepared in steps]
+    with on_a_busy_stream(steps[0].batch.device):
+        for step in staged:
+            launch_step(step)
+    return [step_output(step) for step in staged]

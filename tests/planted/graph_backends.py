@@ -77,6 +77,29 @@ class TorchGraphSafe(TorchNaiveBackend):
         out[: metadata.num_tokens] = torch.einsum("ths,tshd->thd", scores.softmax(-1), values).to(out.dtype)
 
 
+class StagesLengthsInOnePinnedBuffer(TorchGraphSafe):
+    """Stages each step's lengths in one pinned host buffer and copies them to the device with
+    ``non_blocking=True``: the copy reads the buffer when the stream reaches it, so when the host
+    builds the next step before this one has run (an async scheduler), this step gets the next
+    one's lengths (FlashInfer's ``plan`` under an overlap scheduler: mini-sglang #103; vLLM
+    #32799). Right whenever each step has run before the next is built."""
+
+    name = "planted_stages_lengths_in_one_pinned_buffer"
+
+    def __init__(self, spec, limits, device):
+        super().__init__(spec, limits, device)
+        self.staging = torch.empty(limits.max_num_reqs, dtype=torch.int32, pin_memory=True)
+        self.device_lengths = torch.empty(limits.max_num_reqs, dtype=torch.int32, device=device)
+
+    def build(self, common):
+        metadata = super().build(common)
+        num_reqs = common.num_reqs
+        self.staging[:num_reqs].copy_(common.seq_lens_cpu)
+        self.device_lengths[:num_reqs].copy_(self.staging[:num_reqs], non_blocking=True)
+        metadata.seq_lens = self.device_lengths[:num_reqs]
+        return metadata
+
+
 class BakesMaxSeqLen(TorchGraphSafe):
     """Sizes its gather from the host's max_seq_len at build time: frozen into the graph."""
 

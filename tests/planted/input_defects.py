@@ -192,6 +192,47 @@ class Int32ElementOffsets(TorchNaiveBackend):
         return plane[wrapped.div(row_elements, rounding_mode="floor")]  # a negative row reads from the end
 
 
+class BlockIdsIn16Bits(TorchNaiveBackend):
+    """Keeps block ids in 16 bits (a packed page-table entry, a uint16 index array): past block id
+    65,535 they wrap to the pool's bottom. Right on every pool of fewer blocks, including MLA's
+    pools just past 2**31 elements (58,255 blocks of 64 × 576)."""
+
+    name = "planted_block_ids_in_16_bits"
+
+    def gather(self, plane, block_table_row, seq_len):
+        return super().gather(plane, block_table_row & 0xFFFF, seq_len)
+
+
+class ReusesPlanForSameShape(TorchNaiveBackend):
+    """Caches its metadata by the batch's shape (the number of requests and of tokens) and hands it
+    to every later batch of that shape, as a cache of scheduler metadata keyed without the lengths
+    would (FlashMLA's tile-scheduler metadata and FlashInfer's plan both follow every length).
+    Right for the first batch of each shape, so right whenever one backend serves one step."""
+
+    name = "planted_reuses_plan_for_same_shape"
+
+    def build(self, common):
+        plans = self.__dict__.setdefault("_plans", {})
+        key = (common.num_reqs, common.num_actual_tokens)
+        if key not in plans:
+            plans[key] = super().build(common)
+        return plans[key]
+
+
+class RoundsGroupUpToAPowerOfTwo(TorchNaiveBackend):
+    """Maps query head h to KV head h // G', G' the group size rounded up to a power of two (the
+    padded group a kernel's tile holds), where it must be h // G: right for every group size that
+    is a power of two (Llama-3's 4, 8, 16), wrong for Qwen2.5-7B's 28 query heads over 4 KV heads."""
+
+    name = "planted_rounds_group_up_to_a_power_of_two"
+
+    def per_query_head(self, rows):
+        spec = self.spec
+        padded = 1 << (spec.query_group_size - 1).bit_length()
+        kv_head = (torch.arange(spec.num_heads, device=rows.device) // padded).clamp(max=spec.num_kv_heads - 1)
+        return rows.float()[:, kv_head]
+
+
 class CachesPoolViewsByShape(TorchNaiveBackend):
     """Builds its per-slot views of the KV pool once and caches them by the pool's shape, as a TMA
     descriptor cache keyed without the data pointer would: every later layer, whose pool has the

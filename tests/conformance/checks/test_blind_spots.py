@@ -124,3 +124,31 @@ def test_offsets_in_32_bits_pass_a_small_pool_and_fail_a_big_one(layer, monkeypa
     assert numerics(TorchNaiveBackend, big).verdict == Verdict.PASS
     result = numerics(input_defects.Int32ElementOffsets, big)
     assert result.verdict == Verdict.FAIL and result.metrics["tolerance_ratio"] >= WIDE_MARGIN, result.reason
+
+
+def test_block_ids_in_16_bits_pass_a_small_pool_and_fail_a_big_mla_one(monkeypatch):
+    """MLA's blocks are so large that 2**31 elements come at block 58,255, inside 16 bits: the big
+    pool also puts every owned block past id 2**16. The real id floor, a small layer (84 MB)."""
+    from conformance.inputs import batch
+
+    monkeypatch.setattr(batch, "BIG_POOL_ELEMENTS", 2**16)
+    layer = "mla-h4-d32+8-bf16-p16"
+    assert numerics(input_defects.BlockIdsIn16Bits, f"{layer}:300+1,40+4").verdict == Verdict.PASS
+    result = numerics(input_defects.BlockIdsIn16Bits, f"{layer}-bigpool:300+1,40+4")
+    assert result.verdict == Verdict.FAIL and result.metrics["tolerance_ratio"] >= WIDE_MARGIN, result.reason
+
+
+def test_a_group_rounded_up_to_a_power_of_two_passes_those_groups_and_fails_a_group_of_seven():
+    defect = input_defects.RoundsGroupUpToAPowerOfTwo
+    for layer in ("gqa-h16/4-d32-bf16-p16", "gqa-h16/2-d32-bf16-p16", "gqa-h16/1-d32-bf16-p16"):  # groups 4, 8, 16
+        assert numerics(defect, f"{layer}:300+1,40+4").verdict == Verdict.PASS
+    for seed in SEEDS:
+        case_id = f"gqa-h28/4-d32-bf16-p16:300+1,40+4@{seed}"
+        assert numerics(TorchNaiveBackend, case_id).verdict == Verdict.PASS
+        result = numerics(defect, case_id)
+        assert result.verdict == Verdict.FAIL and result.metrics["tolerance_ratio"] >= WIDE_MARGIN, (seed, result.reason)
+
+
+def test_the_standard_suite_has_a_group_that_is_not_a_power_of_two_and_one_of_sixteen():
+    groups = {case.spec.query_group_size for case in suite("standard") if case.spec.kind == "mha"}
+    assert 7 in groups and 16 in groups and {1, 4} <= groups

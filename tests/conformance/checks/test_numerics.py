@@ -86,3 +86,17 @@ def test_a_second_layer_with_the_same_metadata_and_another_pool(case_text):
     result = NumericsCheck().run_case(CachesPoolViewsByShape, case, CPU)
     assert result.verdict == Verdict.FAIL and result.reason.startswith("a second layer"), result.reason
     assert result.metrics["mismatched"] == 0 and result.metrics["nan-poison mismatched"] == 0  # one pool: right
+
+
+@pytest.mark.parametrize("case_text", ["gqa-h4/2-d32-bf16-p16:40+1,20+4,300+1", "mla-h4-d32+8-bf16-p16:40+1,20+4",
+                                       "gqa-h4/2-d32-bf16-p16:100+1x3,7+1"])
+def test_two_steps_in_flight_fail_a_plan_reused_for_a_batch_of_the_same_shape(case_text):
+    """Every other pass builds once per backend, so a plan cached by shape is always the right one there."""
+    from tests.planted.input_defects import ReusesPlanForSameShape
+
+    case = parse_case(case_text)
+    passed = NumericsCheck().run_case(TorchNaiveBackend, case, CPU)
+    assert passed.verdict == Verdict.PASS and passed.metrics["in-flight max abs error"] < 0.1
+    result = NumericsCheck().run_case(ReusesPlanForSameShape, case, CPU)
+    assert result.verdict == Verdict.FAIL and result.reason.startswith("two steps in flight: the next step"), result.reason
+    assert result.metrics["mismatched"] == 0 and result.metrics["second layer max abs error"] < 0.1

@@ -1,5 +1,7 @@
 """numerics' second layer runs on a busy side stream: a backend that launches on the default
-stream instead of the current one reads that layer's pool and inputs before they exist."""
+stream instead of the current one reads that layer's pool and inputs before they exist. Its two
+steps in flight run there too: a backend whose next build overwrites a pinned buffer that the
+queued step's copy has not read yet gets the next step's lengths."""
 import pytest
 import torch
 
@@ -8,6 +10,7 @@ from backends.triton.backend import TritonAttentionBackend
 from conformance.checks.numerics import NumericsCheck
 from conformance.inputs.cases import parse_case
 from conformance.results import Verdict
+from tests.planted.graph_backends import StagesLengthsInOnePinnedBuffer, TorchGraphSafe
 from tests.planted.input_defects import LaunchesOnTheDefaultStream
 
 pytestmark = pytest.mark.gpu
@@ -24,3 +27,11 @@ def test_a_forward_on_the_default_stream_fails_the_second_layer():
     result = NumericsCheck().run_case(LaunchesOnTheDefaultStream, CASE, CUDA)
     assert result.verdict == Verdict.FAIL and result.reason.startswith("a second layer"), result.reason
     assert result.metrics["mismatched"] == 0  # the first two passes, on the default stream themselves, are right
+
+
+def test_a_build_that_overwrites_a_queued_steps_pinned_lengths_fails_two_steps_in_flight():
+    assert NumericsCheck().run_case(TorchGraphSafe, CASE, CUDA).verdict == Verdict.PASS
+    result = NumericsCheck().run_case(StagesLengthsInOnePinnedBuffer, CASE, CUDA)
+    assert result.verdict == Verdict.FAIL, result.reason
+    assert result.reason.startswith("two steps in flight: this step, with the next one built before it ran"), result.reason
+    assert result.metrics["mismatched"] == 0 and result.metrics["second layer max abs error"] < 0.1

@@ -155,8 +155,8 @@ def test_layout_and_data_attributes_round_trip_and_reject_nonsense():
             parse_case(bad)
 
 
-def test_a_big_pool_puts_every_owned_block_past_two_to_the_31_elements_of_its_plane():
-    from conformance.inputs.batch import BIG_POOL_ELEMENTS, assign_blocks, big_pool_skip_reason, case_generator, pool_size
+def test_a_big_pool_puts_every_owned_block_past_two_to_the_31_elements_of_its_plane_and_id_two_to_the_16():
+    from conformance.inputs.batch import BIG_POOL_BLOCK_IDS, BIG_POOL_ELEMENTS, assign_blocks, big_pool_skip_reason, case_generator, pool_size
 
     big = [case for case in suite("standard") if case.big_pool]
     assert {case.spec.kind for case in big} == {"mha", "mla"} and parse_case(big[0].id) == big[0]
@@ -165,6 +165,7 @@ def test_a_big_pool_puts_every_owned_block_past_two_to_the_31_elements_of_its_pl
         plane_block = spec.block_size * (spec.head_dim if spec.kind == "mla" else spec.num_kv_heads * spec.head_dim)
         table, num_blocks = assign_blocks(case, case_generator(case))
         owned = table[table > 0]
+        assert int(owned.min()) >= BIG_POOL_BLOCK_IDS == 2**16
         assert int(owned.min()) * plane_block >= BIG_POOL_ELEMENTS and num_blocks == pool_size(case) == int(owned.max()) + 1
         small = replace(case, big_pool=False)
         assert pool_size(small) * plane_block < BIG_POOL_ELEMENTS // 16  # the other cases' pools stay far below
