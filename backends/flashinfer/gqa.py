@@ -14,6 +14,10 @@ slices of persistent indptr / indices / last-page buffers sized by the limits; `
 re-plans the wrapper of the batch's size before every replay, and eager decodes of that size use
 it too. (An engine capturing at padded sizes 1, 2, 4, … once got the non-graph wrapper inside its
 graphs: its replay read freed plan buffers.)
+
+Every plan goes through ``plan_staging``: a wrapper's plan is copied to the device from one
+page-locked buffer when the stream reaches the copy, so a plan made while the last step is still
+queued (an async scheduler) would overwrite it first.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabi
 from backends.flashinfer import FA2_COMPUTE_CAPABILITIES, new_workspace, runs_on
 from backends.vendor_layout import packed, packed_output
 from backends.flashinfer.paged_layout import paged_layout
+from backends.flashinfer.plan_staging import PlanStaging
 from backends.paged_write import write_paged_rows
 from backends.utils import split_decodes_and_prefills, sub_batch
 
@@ -68,6 +73,7 @@ class FlashInferBackend(AttentionBackend):
         self.graph_indices = torch.zeros(max_reqs * limits.max_blocks_per_req(spec.block_size), **int32)
         self.graph_last_page_len = torch.zeros(max_reqs, **int32)
         self.graph_decode: dict[int, Any] = {}
+        self.staging = {id(wrapper): PlanStaging(wrapper, self.device) for wrapper in (self.decode, self.prefill)}
         self._graph_decode_wrapper(max_reqs)
 
     def _graph_decode_wrapper(self, num_reqs: int):
@@ -80,6 +86,7 @@ class FlashInferBackend(AttentionBackend):
                 paged_kv_indptr_buffer=self.graph_indptr[: num_reqs + 1], paged_kv_indices_buffer=self.graph_indices,
                 paged_kv_last_page_len_buffer=self.graph_last_page_len[:num_reqs],
             )
+            self.staging[id(self.graph_decode[num_reqs])] = PlanStaging(self.graph_decode[num_reqs], self.device)
         return self.graph_decode[num_reqs]
 
     # NHD: [num_blocks, 2, block_size, kv_heads, head_dim]
@@ -94,7 +101,7 @@ class FlashInferBackend(AttentionBackend):
     def _plan_decode(self, wrapper, common: CommonAttentionMetadata) -> None:
         spec = self.spec
         layout = paged_layout(common, spec.block_size)
-        wrapper.plan(
+        self.staging[id(wrapper)].plan(
             layout.kv_indptr, layout.kv_indices, layout.last_page_len, spec.num_heads, spec.num_kv_heads,
             spec.head_dim, spec.block_size, window_left=window_left(spec), logits_soft_cap=spec.logits_soft_cap,
             sm_scale=spec.softmax_scale, q_data_type=spec.dtype, kv_data_type=spec.dtype,
@@ -103,7 +110,7 @@ class FlashInferBackend(AttentionBackend):
     def _plan_prefill(self, common: CommonAttentionMetadata) -> None:
         spec = self.spec
         layout = paged_layout(common, spec.block_size)
-        self.prefill.plan(
+        self.staging[id(self.prefill)].plan(
             common.query_start_loc_cpu, layout.kv_indptr, layout.kv_indices, layout.last_page_len, spec.num_heads,
             spec.num_kv_heads, spec.head_dim, spec.block_size, causal=True, window_left=window_left(spec),
             logits_soft_cap=spec.logits_soft_cap, sm_scale=spec.softmax_scale, q_data_type=spec.dtype,

@@ -136,8 +136,8 @@ class NumericsCheck(Check):
         atol, rtol = TOLERANCES[case.spec.dtype]
         worst_error = 0.0
         for label, out, expected, step, requests in (
-            ("this step, with the next one built before it ran", outputs[0], reference, batch, list(range(case.num_reqs))),
-            ("the next step (the same requests in reverse order), built while this one was queued", outputs[1],
+            ("this step (the next one built before it ran)", outputs[0], reference, batch, list(range(case.num_reqs))),
+            ("the next step (the same requests reversed, built while this one was queued)", outputs[1],
              later_reference, later.batch, order),
         ):
             passed, errors, evidence = compare_with_oracle(out, expected, step.query_start_loc, atol, rtol)

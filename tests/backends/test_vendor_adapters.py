@@ -154,6 +154,7 @@ def test_flashinfer_keeps_one_graph_decode_wrapper_per_captured_batch_size(monke
         def __init__(self, workspace, layout, use_cuda_graph=False, use_tensor_cores=False, backend=None,
                      paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None):
             self.workspace, self.graph, self.indptr = workspace, use_cuda_graph, paged_kv_indptr_buffer
+            self._pin_memory_int_workspace_buffer = torch.zeros(8, dtype=torch.uint8)  # what plan_staging swaps
 
         def plan(self, indptr, *args, **kwargs):
             if self.graph:  # FlashInfer: "the batch size should be fixed in cudagraph mode"

@@ -33,5 +33,5 @@ def test_a_build_that_overwrites_a_queued_steps_pinned_lengths_fails_two_steps_i
     assert NumericsCheck().run_case(TorchGraphSafe, CASE, CUDA).verdict == Verdict.PASS
     result = NumericsCheck().run_case(StagesLengthsInOnePinnedBuffer, CASE, CUDA)
     assert result.verdict == Verdict.FAIL, result.reason
-    assert result.reason.startswith("two steps in flight: this step, with the next one built before it ran"), result.reason
+    assert result.reason.startswith("two steps in flight: this step (the next one built before it ran) is wrong"), result.reason
     assert result.metrics["mismatched"] == 0 and result.metrics["second layer max abs error"] < 0.1
