@@ -43,7 +43,8 @@ from conformance.results import CaseResult, Verdict
 
 class NumericsCheck(Check):
     name = "numerics"
-    question = "equal to the float64 oracle on every supported case: unowned KV slots loud or NaN, and as a second layer?"
+    question = ("equal to the float64 oracle on every supported case: unowned KV slots loud or NaN, as a second layer, "
+                "and with the next step built while it is queued?")
 
     def details(self) -> dict[str, Any]:
         return {
