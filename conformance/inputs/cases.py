@@ -471,6 +471,9 @@ def standard_suite() -> list[Case]:
     cases += _cases("mla-h16-d512+64-bf16-p64", _mla_batches(64, rich=True))
     cases += _cases("mla-h128-d512+64-bf16-p64", _mla_batches(64, rich=False))
     cases += _cases("mla-h16-d512+64-fp16-p16", _mla_batches(16, rich=False)[:3])
+    # Fewer heads than a 16-head tile (Kimi-K2's 64 heads at tensor parallel 8; DeepSeek-V3's 128
+    # at 16): a tile's rows past the head count must be masked.
+    cases += _cases("mla-h8-d512+64-bf16-p64", [("8 heads: decode", "1+1,700+1,2500+1"), ("8 heads: spec-verify k=3", "64+4,900+4")])
     return cases + _variant_cases()
 
 

@@ -233,6 +233,33 @@ class RoundsGroupUpToAPowerOfTwo(TorchNaiveBackend):
         return rows.float()[:, kv_head]
 
 
+class HeadTileWithoutHeadMask(TorchNaiveBackend):
+    """Attends in tiles of 16 query heads, each token's heads in a row of the flat [tokens × heads]
+    query, and masks a tile's rows by the tile, not by the head count (an MLA decode kernel's
+    BLOCK_H = 16 without ``head < num_heads``): with a head count that is not a multiple of 16, a
+    token's last tile runs on into the next token's first heads, reads them as its own (this
+    token's request, this token's position) and writes them over the next token's output. Programs
+    run in any order; here the stray rows land last. Right for 16, 32, 64 and 128 heads."""
+
+    name = "planted_head_tile_without_head_mask"
+    tile = 16
+
+    def forward(self, query, kv_cache, metadata, out):
+        super().forward(query, kv_cache, metadata, out)
+        heads = self.spec.num_heads
+        stray = -heads % self.tile
+        planes = self.slot_planes(kv_cache)
+        for request, seq_len in enumerate(metadata.seq_lens):
+            start, end = metadata.query_start_loc[request], metadata.query_start_loc[request + 1]
+            kv = [self.gather(plane, metadata.block_table[request], seq_len) for plane in planes]
+            key, value = (kv[0], kv[0][..., : self.spec.v_head_dim]) if self.spec.kind == "mla" else kv
+            for token in range(start, min(end, query.shape[0] - 1)):
+                position = seq_len - (end - token)
+                rows = torch.zeros_like(query[token : token + 1])
+                rows[:, :stray] = query[token + 1, :stray]  # the next token's first heads, taken as this token's
+                out[token + 1, :stray] = self.attend(rows, key[: position + 1], value[: position + 1], position)[0, :stray]
+
+
 class CachesPoolViewsByShape(TorchNaiveBackend):
     """Builds its per-slot views of the KV pool once and caches them by the pool's shape, as a TMA
     descriptor cache keyed without the data pointer would: every later layer, whose pool has the

@@ -152,3 +152,14 @@ def test_a_group_rounded_up_to_a_power_of_two_passes_those_groups_and_fails_a_gr
 def test_the_standard_suite_has_a_group_that_is_not_a_power_of_two_and_one_of_sixteen():
     groups = {case.spec.query_group_size for case in suite("standard") if case.spec.kind == "mha"}
     assert 7 in groups and 16 in groups and {1, 4} <= groups
+
+
+def test_a_head_tile_without_a_head_mask_passes_multiples_of_sixteen_and_fails_eight_heads():
+    defect = input_defects.HeadTileWithoutHeadMask
+    assert numerics(defect, "mla-h16-d32+8-bf16-p16:300+1,700+1,40+4").verdict == Verdict.PASS
+    for seed in SEEDS:
+        case_id = f"mla-h8-d32+8-bf16-p16:300+1,700+1,40+4@{seed}"
+        assert numerics(TorchNaiveBackend, case_id).verdict == Verdict.PASS
+        result = numerics(defect, case_id)
+        assert result.verdict == Verdict.FAIL and result.metrics["tolerance_ratio"] >= WIDE_MARGIN, (seed, result.reason)
+    assert 8 in {case.spec.num_heads for case in suite("standard") if case.spec.kind == "mla"}
