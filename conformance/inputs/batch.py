@@ -20,6 +20,7 @@ from conformance.inputs.random_data import normal_tensors
 BIG_POOL_ELEMENTS = 2**31  # a bigpool case's owned blocks start past this many elements of their plane
 BIG_POOL_BLOCK_IDS = 2**16  # ... and at block ids past this, where a block id kept in 16 bits has wrapped
 BIG_POOL_MEMORY_FACTOR = 3  # the pool, a copy of it (the NaN pass, graph replays) and their comparison
+TABLE_GUARD_COLUMNS = 5  # a strided case's block table is a column slice of a table this much wider
 
 
 @dataclass
@@ -128,6 +129,17 @@ class PagedBatch:
             slots = torch.cat([slots, torch.full((padding,), -1, dtype=torch.int64, device=slots.device)])
         return key, value, slots
 
+    def device_block_table(self) -> torch.Tensor:
+        """The block table as the backend gets it. A ``strided`` case's is a column slice of a
+        wider table (engines pass ``block_table[:, :max_blocks]``), whose other columns name block
+        0 (reserved, poisoned): a kernel that takes the row stride to be the width reads them."""
+        table = self.block_table.to(self.device)
+        if not self.case.strided:
+            return table
+        wide = torch.zeros(table.shape[0], table.shape[1] + TABLE_GUARD_COLUMNS, dtype=table.dtype, device=self.device)
+        wide[:, : table.shape[1]] = table
+        return wide[:, : table.shape[1]]
+
     def common_metadata(self, *, with_host_lengths: bool = True) -> CommonAttentionMetadata:
         query_start_loc = torch.tensor(self.query_start_loc, dtype=torch.int32)
         seq_lens = torch.tensor(self.seq_lens, dtype=torch.int32)
@@ -138,7 +150,7 @@ class PagedBatch:
         ]).to(self.device)
         return CommonAttentionMetadata.from_lengths(
             query_start_loc=query_start_loc.to(self.device), seq_lens=seq_lens.to(self.device),
-            block_table=self.block_table.to(self.device), slot_mapping=slot_mapping,
+            block_table=self.device_block_table(), slot_mapping=slot_mapping,
             query_starts=self.query_start_loc, host_seq_lens=self.seq_lens, lengths_known=with_host_lengths,
         )
 

@@ -15,7 +15,8 @@ A case's id is its whole definition, in the same compact grammar ``--case`` acce
       shareN        the first N blocks of every request are one shared prefix
       linear        blocks in order (default: physical blocks randomly permuted)
       strided       query, key and value are views into one fused QKV projection, the output a
-                    view into a wider buffer (non-contiguous rows, as engines hand them over)
+                    view into a wider buffer, the block table a column slice of a wider table
+                    (non-contiguous rows, as engines hand them over)
       padN          N padding rows (slot -1) after the real tokens (default 3; pad0: none)
       sinks         large logits: an outlier channel shifts every logit by ~100+ and position 0
                     is an attention sink (the data of trained models, near fp16's range)

@@ -260,6 +260,19 @@ class HeadTileWithoutHeadMask(TorchNaiveBackend):
                 out[token + 1, :stray] = self.attend(rows, key[: position + 1], value[: position + 1], position)[0, :stray]
 
 
+class AssumesContiguousBlockTable(TorchNaiveBackend):
+    """Takes the block table's row stride to be its width (a kernel handed ``block_table.data_ptr()``
+    and ``shape[1]``, not ``stride(0)``): right for a table of its own, wrong for the column slice
+    of a wider table that engines pass (``block_table[:, :max_blocks]``)."""
+
+    name = "planted_assumes_contiguous_block_table"
+
+    def build(self, common):
+        table = common.block_table
+        packed = torch.as_strided(table, table.shape, contiguous_strides(table.shape), table.storage_offset())
+        return super().build(dataclasses.replace(common, block_table=packed))
+
+
 class CachesPoolViewsByShape(TorchNaiveBackend):
     """Builds its per-slot views of the KV pool once and caches them by the pool's shape, as a TMA
     descriptor cache keyed without the data pointer would: every later layer, whose pool has the

@@ -163,3 +163,14 @@ def test_a_head_tile_without_a_head_mask_passes_multiples_of_sixteen_and_fails_e
         result = numerics(defect, case_id)
         assert result.verdict == Verdict.FAIL and result.metrics["tolerance_ratio"] >= WIDE_MARGIN, (seed, result.reason)
     assert 8 in {case.spec.num_heads for case in suite("standard") if case.spec.kind == "mla"}
+
+
+@pytest.mark.parametrize("layer", ["gqa-h4/2-d32-bf16-p16", "mla-h4-d32+8-bf16-p16"])
+def test_a_block_table_taken_as_contiguous_passes_a_table_of_its_own_and_fails_a_column_slice(layer):
+    defect = input_defects.AssumesContiguousBlockTable
+    assert numerics(defect, f"{layer}:300+1,40+4,100+1").verdict == Verdict.PASS
+    for seed in SEEDS:
+        case_id = f"{layer}-strided:300+1,40+4,100+1@{seed}"
+        assert numerics(TorchNaiveBackend, case_id).verdict == Verdict.PASS
+        result = numerics(defect, case_id)
+        assert result.verdict == Verdict.FAIL and result.metrics["tolerance_ratio"] >= WIDE_MARGIN, (seed, result.reason)
