@@ -23,6 +23,15 @@ def runs_on(compute_capabilities: frozenset[tuple[int, int]]) -> dict:
                 required_modules=("flashinfer",), install_hint=INSTALL_HINT)
 
 
+def packed_rows(block_table: torch.Tensor) -> torch.Tensor:
+    """The block table with rows packed: the trtllm entry points read row r at r × width, not at
+    its row stride (a column slice of a wider table, as engines pass, returned other blocks'
+    data: H200, XQA; trtllm_mla's trtllm-gen kernels are given the same, unmeasured). A copy only
+    when the rows are not packed already, so a captured graph keeps reading the engine's own
+    persistent table."""
+    return block_table.contiguous()
+
+
 class DeviceLengthsEntryPoint(AttentionBackend):
     """A FlashInfer function that reads every length on the device (``trtllm``, ``trtllm_mla``): the
     function, imported when the backend is made, its zeroed workspace, and a draft-step update that
@@ -36,5 +45,5 @@ class DeviceLengthsEntryPoint(AttentionBackend):
         self.workspace = new_workspace(self.device)
 
     def update_for_draft_step(self, metadata, common: CommonAttentionMetadata):
-        metadata.block_table, metadata.seq_lens = common.block_table, common.seq_lens
+        metadata.block_table, metadata.seq_lens = packed_rows(common.block_table), common.seq_lens
         return metadata

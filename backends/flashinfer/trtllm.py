@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.base import Capabilities, CGSupport, CommonAttentionMetadata
-from backends.flashinfer import DeviceLengthsEntryPoint, runs_on
+from backends.flashinfer import DeviceLengthsEntryPoint, packed_rows, runs_on
 from backends.vendor_layout import packed, packed_output
 from backends.paged_write import write_paged_rows
 
@@ -41,7 +41,7 @@ class TrtllmBackend(DeviceLengthsEntryPoint):
 
     def build(self, common: CommonAttentionMetadata) -> TrtllmMetadata:
         # The upper bound is what the kernel is given: the true lengths are read on the device.
-        return TrtllmMetadata(common.block_table, common.seq_lens, self.limits.max_model_len, common.num_actual_tokens)
+        return TrtllmMetadata(packed_rows(common.block_table), common.seq_lens, self.limits.max_model_len, common.num_actual_tokens)
 
     def forward(self, query, kv_cache, metadata: TrtllmMetadata, out) -> None:
         tokens = metadata.num_tokens

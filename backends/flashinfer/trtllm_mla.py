@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from backends.base import AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
-from backends.flashinfer import DeviceLengthsEntryPoint, runs_on
+from backends.flashinfer import DeviceLengthsEntryPoint, packed_rows, runs_on
 from backends.vendor_layout import packed, packed_output
 from backends.paged_write import write_paged_rows
 
@@ -65,7 +65,7 @@ class TrtllmMLABackend(DeviceLengthsEntryPoint):
         query_len = common.num_actual_tokens // common.num_reqs
         if query_len * common.num_reqs != common.num_actual_tokens or query_len != common.max_query_len:
             raise ValueError("trtllm_mla needs the same query length for every request of a batch")
-        return TrtllmMLAMetadata(common.block_table, common.seq_lens, common.num_reqs, query_len)
+        return TrtllmMLAMetadata(packed_rows(common.block_table), common.seq_lens, common.num_reqs, query_len)
 
     def forward(self, query, kv_cache, metadata: TrtllmMLAMetadata, out) -> None:
         target, land = packed_output(out)

@@ -262,3 +262,8 @@ def test_trtllm_backends_import_their_entry_point_and_re_point_draft_steps(monke
         advanced = dataclasses.replace(common, seq_lens=common.seq_lens + 1, block_table=common.block_table.clone())
         assert backend.update_for_draft_step(metadata, advanced) is metadata
         assert metadata.seq_lens is advanced.seq_lens and metadata.block_table is advanced.block_table
+        # A column slice of a wider table (strided cases) reaches the kernel with its rows packed.
+        strided = materialize(parse_case(case.replace(":", "-strided:")), "cpu").common_metadata()
+        table = backend.build(strided).block_table
+        assert not strided.block_table.is_contiguous() and table.is_contiguous() and torch.equal(table, strided.block_table)
+        assert backend.update_for_draft_step(metadata, strided).block_table.is_contiguous()
