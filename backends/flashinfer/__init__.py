@@ -26,9 +26,10 @@ def runs_on(compute_capabilities: frozenset[tuple[int, int]]) -> dict:
 def packed_rows(block_table: torch.Tensor) -> torch.Tensor:
     """The block table with rows packed: the trtllm entry points read row r at r × width, not at
     its row stride (a column slice of a wider table, as engines pass, returned other blocks'
-    data: H200, XQA; trtllm_mla's trtllm-gen kernels are given the same, unmeasured). A copy only
-    when the rows are not packed already, so a captured graph keeps reading the engine's own
-    persistent table."""
+    data: H200, XQA; trtllm_mla's trtllm-gen kernels are given the same, unmeasured). Called in
+    ``forward``, never ``build``: under a CUDA graph the copy is captured and re-reads the
+    engine's persistent table on every replay (a copy made in ``build`` would be frozen into the
+    graph). No copy when the rows are packed already."""
     return block_table.contiguous()
 
 
@@ -45,5 +46,5 @@ class DeviceLengthsEntryPoint(AttentionBackend):
         self.workspace = new_workspace(self.device)
 
     def update_for_draft_step(self, metadata, common: CommonAttentionMetadata):
-        metadata.block_table, metadata.seq_lens = packed_rows(common.block_table), common.seq_lens
+        metadata.block_table, metadata.seq_lens = common.block_table, common.seq_lens
         return metadata

@@ -41,13 +41,13 @@ class TrtllmBackend(DeviceLengthsEntryPoint):
 
     def build(self, common: CommonAttentionMetadata) -> TrtllmMetadata:
         # The upper bound is what the kernel is given: the true lengths are read on the device.
-        return TrtllmMetadata(packed_rows(common.block_table), common.seq_lens, self.limits.max_model_len, common.num_actual_tokens)
+        return TrtllmMetadata(common.block_table, common.seq_lens, self.limits.max_model_len, common.num_actual_tokens)
 
     def forward(self, query, kv_cache, metadata: TrtllmMetadata, out) -> None:
         tokens = metadata.num_tokens
         target, land = packed_output(out[:tokens])
         self.kernel(
-            query=packed(query[:tokens]), kv_cache=kv_cache, workspace_buffer=self.workspace, block_tables=metadata.block_table,
+            query=packed(query[:tokens]), kv_cache=kv_cache, workspace_buffer=self.workspace, block_tables=packed_rows(metadata.block_table),
             seq_lens=metadata.seq_lens, max_seq_len=metadata.max_seq_len, bmm1_scale=self.spec.softmax_scale,
             bmm2_scale=1.0, out=target, kv_layout="HND",
         )

@@ -35,7 +35,7 @@ def kernel_arguments(spec: AttentionSpec, limits: BackendLimits, query, kv_cache
         qk_nope_head_dim=QK_NOPE_HEAD_DIM,
         kv_lora_rank=spec.kv_lora_rank,
         qk_rope_head_dim=spec.rope_dim,
-        block_tables=metadata.block_table,
+        block_tables=packed_rows(metadata.block_table),
         seq_lens=metadata.seq_lens,
         max_seq_len=limits.max_model_len,
         out=out[:tokens].view(metadata.num_reqs, metadata.query_len, spec.num_heads, spec.kv_lora_rank),
@@ -65,7 +65,7 @@ class TrtllmMLABackend(DeviceLengthsEntryPoint):
         query_len = common.num_actual_tokens // common.num_reqs
         if query_len * common.num_reqs != common.num_actual_tokens or query_len != common.max_query_len:
             raise ValueError("trtllm_mla needs the same query length for every request of a batch")
-        return TrtllmMLAMetadata(packed_rows(common.block_table), common.seq_lens, common.num_reqs, query_len)
+        return TrtllmMLAMetadata(common.block_table, common.seq_lens, common.num_reqs, query_len)
 
     def forward(self, query, kv_cache, metadata: TrtllmMLAMetadata, out) -> None:
         target, land = packed_output(out)
