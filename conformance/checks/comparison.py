@@ -63,3 +63,16 @@ def compare_with_oracle(
         }
     }
     return not bool(mismatched.any()), metrics, evidence
+
+
+def how_far_off(errors: dict[str, Any]) -> str:
+    """A failed comparison in words: how many outputs are not finite, or else beyond tolerance."""
+    if errors["non_finite"]:
+        return f"{errors['non_finite']} NaN/Inf outputs"
+    return f"{errors['mismatched']} of {errors['elements']} elements beyond tolerance"
+
+
+def worst_place(worst: WorstElement) -> str:
+    """Where the worst element is, and its two values."""
+    return (f"request {worst['request']} token {worst['token']} head {worst['head']}: "
+            f"got {worst['got']:.4g}, expected {worst['expected']:.4g}")

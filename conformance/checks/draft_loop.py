@@ -19,7 +19,7 @@ from backends.base import AttentionBackend, CommonAttentionMetadata
 from conformance.inputs.batch import materialize
 from conformance.inputs.cases import Case
 from conformance.checks.base import Check
-from conformance.checks.comparison import TOLERANCES, compare_with_oracle
+from conformance.checks.comparison import TOLERANCES, compare_with_oracle, worst_place
 from conformance.inputs.graph_batches import GraphShape
 from conformance.inputs.graph_harness import GraphBuffers, cuda_graph_skip_reason, warm_up
 from conformance.inputs.harness import PoolFill, write_poison
@@ -199,10 +199,9 @@ class DraftLoopCheck(Check):
                 layout = "a padding row last" if padding_row else "no padding row (the last row a real request)"
                 layout += "" if warm else ", captured without warm-up"
                 layout += ", NaN in every unowned slot" if fill == PoolFill.NAN else ""
-                worst = details["worst"]
                 reason = (f"k={num_steps} ({layout}): draft step {failing + 1} of {num_steps} differs from the oracle "
                           f"({details['mismatched']} elements, max abs error {details['max_abs_error']:.3g}, worst at "
-                          f"request {worst['request']}) — {mode}")
+                          f"{worst_place(details['worst'])}) — {mode}")
                 return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag,
                                   metrics={**metrics, "k": num_steps, "first_failing_step": failing + 1},
                                   evidence={"worst": details.get("worst")})

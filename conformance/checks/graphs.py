@@ -35,7 +35,7 @@ import torch
 from backends.base import AttentionBackend
 from conformance.inputs.cases import Case
 from conformance.checks.base import Check
-from conformance.checks.comparison import TOLERANCES, compare_with_oracle
+from conformance.checks.comparison import TOLERANCES, compare_with_oracle, worst_place
 from conformance.inputs.graph_batches import (
     Replay, fits, graph_class_reason, graph_shape, larger_batch, replay_batches,
 )
@@ -194,9 +194,8 @@ class GraphsCheck(Check):
         reference = loaded.batch.reference_output()
         passed, errors, evidence = compare_with_oracle(replayed, reference, loaded.batch.query_start_loc, atol, rtol)
         if not passed:
-            worst = evidence["worst"]
             return (f"replay of {what} differs from the oracle: {errors['mismatched']} elements, max abs error "
-                    f"{errors['max_abs_error']:.3g}, worst at request {worst['request']} token {worst['token']} head {worst['head']}",
+                    f"{errors['max_abs_error']:.3g}, worst at {worst_place(evidence['worst'])}",
                     replay_case, errors, evidence)
         buffers.add_step_rows(expected_cache, loaded)
         stray = count_different(buffers.kv_cache, expected_cache)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from conformance.checks.comparison import TOLERANCES, compare_with_oracle
+from conformance.checks.comparison import TOLERANCES, compare_with_oracle, how_far_off, worst_place
 from conformance.inputs.allocation_map import AllocationMap
 from conformance.inputs.batch import PagedBatch
 from conformance.inputs.harness import PoolFill, PreparedCase, WroteOutsideOutput, as_bits, run_step, write_poison
@@ -43,12 +43,10 @@ def nan_poison_pass(prepared: PreparedCase) -> tuple[list[dict], dict]:
     findings = []
     if not passed:
         worst = evidence["worst"]
-        what = (f"{errors['non_finite']} NaN/Inf outputs" if errors["non_finite"] else
-                f"{errors['mismatched']} outputs beyond tolerance") + " with NaN in every slot no request owns"
+        what = how_far_off(errors) + " with NaN in every slot no request owns"
         findings.append({"tool": TOOL, "stage": "step", "phase": "forward", "what": what, "worst": worst,
-                         "place": f"first at request {worst['request']} token {worst['token']} head {worst['head']}: "
-                                  f"got {worst['got']:.4g}, expected {worst['expected']:.4g} — a read of an unowned "
-                                  "slot whose value was masked by a zero weight, not skipped"})
+                         "place": f"first at {worst_place(worst)} — a read of an unowned slot whose value was masked "
+                                  "by a zero weight, not skipped"})
     stray, changed_slots = stray_writes(before, pool, batch)
     metrics["nan-poison slots written"] = changed_slots
     if stray:

@@ -34,7 +34,7 @@ import torch
 
 from backends.base import AttentionBackend, dtype_name
 from conformance.checks.base import Check
-from conformance.checks.comparison import TOLERANCES, compare_with_oracle
+from conformance.checks.comparison import TOLERANCES, compare_with_oracle, how_far_off, worst_place
 from conformance.checks.nan_poison import nan_poison_pass
 from conformance.inputs.cases import Case
 from conformance.inputs.harness import PreparedCase, WroteOutsideOutput, prepare_case, run_step, run_steps_in_flight
@@ -69,16 +69,9 @@ class NumericsCheck(Check):
                 if failed:
                     return failed
             return CaseResult(case.id, Verdict.PASS, tag=case.tag, metrics=metrics)
-        worst = evidence["worst"]
-        if metrics["non_finite"]:
-            what = f"{metrics['non_finite']} NaN/Inf outputs (unwritten rows stay NaN)"
-        else:
-            what = f"{metrics['mismatched']} of {metrics['elements']} elements beyond tolerance"
-        reason = (
-            f"{what}; max abs error {metrics['max_abs_error']:.3g} (atol {atol:g}, rtol {rtol:g}); worst at "
-            f"request {worst['request']} token {worst['token']} head {worst['head']}: "
-            f"got {worst['got']:.4g}, expected {worst['expected']:.4g}"
-        )
+        what = how_far_off(metrics) + (" (unwritten rows stay NaN)" if metrics["non_finite"] else "")
+        reason = (f"{what}; max abs error {metrics['max_abs_error']:.3g} (atol {atol:g}, rtol {rtol:g}); worst at "
+                  f"{worst_place(evidence['worst'])}")
         return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics, evidence=evidence)
 
     @staticmethod
@@ -114,10 +107,9 @@ class NumericsCheck(Check):
             return None
         worst = evidence["worst"]
         reason = (f"a second layer (this step's metadata, no build; its own pool; query, key and value negated) is not the "
-                  f"first layer's output negated: {errors['mismatched']} of {errors['elements']} elements beyond tolerance, "
-                  f"worst at request {worst['request']} token {worst['token']} head {worst['head']}: got {worst['got']:.4g} "
-                  f"(negated back), expected {worst['expected']:.4g} — state kept from the first layer's pool or forward, or "
-                  "(on a GPU) work launched on another stream than the current one")
+                  f"first layer's output negated: {how_far_off(errors)}, worst (negated back) at {worst_place(worst)} — "
+                  "state kept from the first layer's pool or forward, or (on a GPU) work launched on another stream than "
+                  "the current one")
         return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics,
                           evidence={"pass": "a second layer: the step's metadata reused, a new pool", "worst": worst})
 
@@ -147,10 +139,7 @@ class NumericsCheck(Check):
                 continue
             worst = evidence["worst"]
             worst["request"] = requests[worst["request"]]  # numbered as in the case
-            described = (f"{errors['non_finite']} NaN/Inf outputs" if errors["non_finite"]
-                         else f"{errors['mismatched']} of {errors['elements']} elements beyond tolerance")
-            reason = (f"two steps in flight: {label} is wrong: {described}, worst at request {worst['request']} token "
-                      f"{worst['token']} head {worst['head']}: got {worst['got']:.4g}, expected {worst['expected']:.4g} — "
+            reason = (f"two steps in flight: {label} is wrong: {how_far_off(errors)}, worst at {worst_place(worst)} — "
                       "a build that overwrites what a queued step still reads (a pinned host buffer copied with "
                       "non_blocking=True, a workspace), or a plan reused for a batch of the same shape")
             metrics["in-flight max abs error"] = errors["max_abs_error"]

@@ -7,7 +7,7 @@ from conformance.inputs.cases import parse_case, suite
 from conformance.checks.comparison import compare_with_oracle
 from conformance.checks.numerics import NumericsCheck
 from conformance.results import Verdict
-from tests.planted import defects
+from tests.planted import defects, input_defects
 
 CPU = torch.device("cpu")
 
@@ -75,28 +75,24 @@ def test_compare_locates_the_worst_element():
     assert evidence["worst"] == {"request": 1, "token": 1, "head": 1, "channel": 2, "got": 0.5, "expected": 0.0}
 
 
-@pytest.mark.parametrize("case_text", ["gqa-h4/2-d32-bf16-p16:40+1,20+4", "mla-h4-d32+8-bf16-p16:40+1,20+4",
-                                       "gqa-h4/2-d32-bf16-p16-strided:40+1,20+4"])
-def test_a_second_layer_with_the_same_metadata_and_another_pool(case_text):
-    from tests.planted.input_defects import CachesPoolViewsByShape
+# The later passes, in order: each one's planted defect, the reason it fails with, its error
+# metric, and the cases (the earlier passes must be right on all of them).
+LATER_PASSES = [
+    (input_defects.CachesPoolViewsByShape, "a second layer", "second layer max abs error",
+     ["gqa-h4/2-d32-bf16-p16:40+1,20+4", "mla-h4-d32+8-bf16-p16:40+1,20+4", "gqa-h4/2-d32-bf16-p16-strided:40+1,20+4"]),
+    # Every other pass builds once per backend, so a plan cached by shape is always the right one there.
+    (input_defects.ReusesPlanForSameShape, "two steps in flight: the next step (", "in-flight max abs error",
+     ["gqa-h4/2-d32-bf16-p16:40+1,20+4,300+1", "mla-h4-d32+8-bf16-p16:40+1,20+4", "gqa-h4/2-d32-bf16-p16:100+1x3,7+1"]),
+]
 
+
+@pytest.mark.parametrize("index,case_text", [(i, case) for i, (*_, cases) in enumerate(LATER_PASSES) for case in cases])
+def test_each_later_pass_fails_its_defect_after_the_earlier_passes_were_right(index, case_text):
+    defect, reason, metric, _ = LATER_PASSES[index]
     case = parse_case(case_text)
     passed = NumericsCheck().run_case(TorchNaiveBackend, case, CPU)
-    assert passed.verdict == Verdict.PASS and passed.metrics["second layer max abs error"] < 0.1
-    result = NumericsCheck().run_case(CachesPoolViewsByShape, case, CPU)
-    assert result.verdict == Verdict.FAIL and result.reason.startswith("a second layer"), result.reason
-    assert result.metrics["mismatched"] == 0 and result.metrics["nan-poison mismatched"] == 0  # one pool: right
-
-
-@pytest.mark.parametrize("case_text", ["gqa-h4/2-d32-bf16-p16:40+1,20+4,300+1", "mla-h4-d32+8-bf16-p16:40+1,20+4",
-                                       "gqa-h4/2-d32-bf16-p16:100+1x3,7+1"])
-def test_two_steps_in_flight_fail_a_plan_reused_for_a_batch_of_the_same_shape(case_text):
-    """Every other pass builds once per backend, so a plan cached by shape is always the right one there."""
-    from tests.planted.input_defects import ReusesPlanForSameShape
-
-    case = parse_case(case_text)
-    passed = NumericsCheck().run_case(TorchNaiveBackend, case, CPU)
-    assert passed.verdict == Verdict.PASS and passed.metrics["in-flight max abs error"] < 0.1
-    result = NumericsCheck().run_case(ReusesPlanForSameShape, case, CPU)
-    assert result.verdict == Verdict.FAIL and result.reason.startswith("two steps in flight: the next step ("), result.reason
-    assert result.metrics["mismatched"] == 0 and result.metrics["second layer max abs error"] < 0.1
+    assert passed.verdict == Verdict.PASS and passed.metrics[metric] < 0.1
+    result = NumericsCheck().run_case(defect, case, CPU)
+    assert result.verdict == Verdict.FAIL and result.reason.startswith(reason), result.reason
+    assert result.metrics["mismatched"] == 0 and result.metrics["nan-poison mismatched"] == 0
+    assert all(result.metrics[earlier] < 0.1 for _, _, earlier, _ in LATER_PASSES[:index])
