@@ -170,6 +170,9 @@ def _metric_rows(metrics) -> list[tuple[str, str]]:
         ("host time per step", f"{sum(metrics.host_ms_per_step.get(p, 0.0) for p in ('schedule', 'launch', 'land')):.2f} ms"
                                if metrics.host_ms_per_step else "n/a"),
         ("GPU idle between steps", optional(metrics.gpu_idle_fraction, "{:.1%}")),
+        ("steps launched after the GPU ran dry", optional(metrics.gpu_drained_fraction, "{:.1%}")),
+        ("decode step: loop period / GPU alone", "n/a" if metrics.decode_step_ms is None else
+                                                  f"{metrics.decode_step_ms:.3f} / " + optional(metrics.gpu_ms_per_fed_step, "{:.3f} ms")),
         ("GPU idle inside steps", "n/a" if metrics.gpu_idle_in_step_fraction is None else
                                   f"{metrics.gpu_idle_in_step_fraction:.1%} ({metrics.gpu_idle_in_step_ms:.3f} ms of "
                                   f"{metrics.gpu_busy_ms_per_step:.3f} ms busy per step; profiled pass)"),
@@ -245,7 +248,7 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
     params = _sampling(args, tokenizer)
     table = Table(title=f"async vs sync — {args.model}, {args.backend}, {dtype_name}, k={args.spec_tokens}", title_justify="left")
     for column in ("drafter", "loop", "tokens/s", "TPOT ms", "accept len", "host ms/step", "GPU idle", "idle in step",
-                   "syncs/step", "async/sync TPOT"):
+                   "ran dry", "step ms / GPU alone", "syncs/step", "async/sync TPOT"):
         table.add_column(column)
     drafters = args.drafters.split(",") if args.spec_tokens else ["none"]
     # Every engine is timed before any host-sync count, so that no timed run follows a detector's
@@ -281,6 +284,9 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
             table.add_row(drafter, loop, f"{m.tokens_per_s:.0f}", f"{m.tpot_ms:.3f}", f"{m.acceptance_length:.2f}", f"{host_ms:.2f}",
                           "n/a" if m.gpu_idle_fraction is None else f"{m.gpu_idle_fraction:.1%}",
                           "n/a" if m.gpu_idle_in_step_fraction is None else f"{m.gpu_idle_in_step_fraction:.1%}",
+                          "n/a" if m.gpu_drained_fraction is None else f"{m.gpu_drained_fraction:.0%}",
+                          "n/a" if m.decode_step_ms is None else
+                          f"{m.decode_step_ms:.2f} / " + ("n/a" if m.gpu_ms_per_fed_step is None else f"{m.gpu_ms_per_fed_step:.2f}"),
                           "n/a" if m.host_syncs_per_steady_step is None else f"{m.host_syncs_per_steady_step:.2f}",
                           "" if loop == "sync" or ratio is None else f"{ratio:.2f}x{spread}" + ("" if same else " (TOKENS DIFFER)"))
         results.append({"drafter": drafter, "same_tokens": same, "async_over_sync_tpot": ratio,

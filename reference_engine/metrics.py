@@ -8,6 +8,15 @@ moment N's end event does and the gap is ~0; when the host was late (a sync, slo
 gap is the bubble. Idle fraction = sum of gaps / (last end − first start). The events are read once,
 after the run.
 
+Whether the host kept the GPU fed, without a profiler: the moment the host has made a step's last
+launch, it queries the previous step's end event (``cudaEventQuery``, no wait). Completed means
+the GPU ran out of earlier work before this step was wholly queued: it was *drained*, and may have
+waited for the host inside the step. Sync drains every step by design; a zero-bubble loop should
+drain none in steady state. A decode step that was not drained was queued whole before the GPU
+reached it, so its start-to-end events time the GPU alone, with no host in the way: the *fed* step
+time, what a step costs when the loop is GPU-bound. The profiler's busy time is not that figure:
+it leaves out the gaps between a graph's kernels, which are the GPU's own cost.
+
 Host syncs come from the detector (``host_syncs``), one phase per loop iteration. A
 steady-state iteration launches a uniform decode step that captured no graph and is neither the
 first decode step nor one where requests join or leave. The detector's CUPTI callbacks cost host
@@ -34,6 +43,7 @@ class StepTimer:
         self.enabled = enabled
         self.label_steps = False
         self.pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.drained: list[bool] = []  # for each step after the first (see the module docstring)
         self._start = None
         self._range = None
 
@@ -45,8 +55,14 @@ class StepTimer:
             self._start = torch.cuda.Event(enable_timing=True)
             self._start.record()
 
+    def reset(self) -> None:
+        self.pairs.clear()
+        self.drained.clear()
+
     def end(self) -> None:
         if self.enabled:
+            if self.pairs:
+                self.drained.append(self.pairs[-1][1].query())  # this step's launches are all made
             finish = torch.cuda.Event(enable_timing=True)
             finish.record()
             self.pairs.append((self._start, finish))
@@ -61,6 +77,25 @@ class StepTimer:
         self.pairs[-1][1].synchronize()
         gaps = [max(0.0, previous_end.elapsed_time(start)) for (_, previous_end), (start, _) in zip(self.pairs, self.pairs[1:])]
         return gaps, self.pairs[0][0].elapsed_time(self.pairs[-1][1])
+
+    def step_ms(self) -> list[float]:
+        """Each step's first GPU work to its last (ms); after ``gaps_ms``, which synchronizes."""
+        return [start.elapsed_time(finish) for start, finish in self.pairs]
+
+
+def feeding(records, drained: list[bool], step_ms: list[float]) -> tuple[float | None, float | None, float | None]:
+    """(drained fraction, fed decode step ms, decode step period ms) over the steps that captured
+    no graph; the last two are medians over uniform decode steps. ``drained[i]`` is step i + 1's.
+    The period is one loop iteration's host time, waiting included: schedule and launch of a step,
+    wait and land of it (one iteration later under async, the same period in steady state)."""
+    later = [(record, late, ms) for record, late, ms in zip(records[1:], drained, step_ms[1:]) if not record.captured]
+    if not later:
+        return None, None, None
+    fed = [ms for record, late, ms in later if record.uniform_decode and not late]
+    periods = [record.host_schedule_s + record.host_launch_s + record.host_wait_s + record.host_land_s
+               for record, _, _ in later if record.uniform_decode]
+    return (sum(late for _, late, _ in later) / len(later), statistics.median(fed) if fed else None,
+            1e3 * statistics.median(periods) if periods else None)
 
 
 @dataclass
@@ -79,6 +114,9 @@ class EngineMetrics:
     gpu_idle_in_step_fraction: float | None = None  # inside steps (gpu_timeline's profiled pass)
     gpu_idle_in_step_ms: float | None = None
     gpu_busy_ms_per_step: float | None = None
+    gpu_drained_fraction: float | None = None  # steps launched after the GPU ran out of work (timed pass)
+    gpu_ms_per_fed_step: float | None = None  # a decode step queued whole before the GPU reached it
+    decode_step_ms: float | None = None  # one loop iteration of uniform decode, waiting included
     steady_steps: int = 0
     host_syncs_per_steady_step: float | None = None
     host_sync_sources: list[str] = field(default_factory=list)
@@ -106,7 +144,7 @@ def measure(engine, prompts, params, *, detect_syncs: bool = False, strategy: st
     any one's syncs (``engine bench`` does), so that no timed run follows an untimed pass."""
     timer = getattr(engine, "timer", None)
     if timer is not None:
-        timer.pairs.clear()
+        timer.reset()
     started = time.perf_counter()
     outputs = engine.generate(prompts, params)
     wall = time.perf_counter() - started
@@ -126,6 +164,8 @@ def measure(engine, prompts, params, *, detect_syncs: bool = False, strategy: st
         if span > 0:
             metrics.gpu_idle_fraction = sum(gaps) / span
             metrics.gpu_idle_ms_per_step = sum(gaps) / max(len(gaps), 1)
+        metrics.gpu_drained_fraction, metrics.gpu_ms_per_fed_step, metrics.decode_step_ms = feeding(
+            engine.steps, timer.drained, timer.step_ms())
     records = getattr(engine, "steps", [])
     steady_records = [r for r in records if not r.captured]  # a capture is a one-time cost
     if steady_records:
