@@ -157,6 +157,11 @@ def _measure(engine, prompts, params, usage_error, *, detect_syncs: bool, step_i
         raise usage_error(str(error)) from None
 
 
+def _device_name(device: torch.device) -> str:
+    """What the figures were measured on, for the JSON (a GPU's name, or the device type)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
 def _metric_rows(metrics) -> list[tuple[str, str]]:
     def optional(value, text):
         return "n/a" if value is None else text.format(value)
@@ -233,7 +238,8 @@ def run_engine(args: argparse.Namespace, console: Console, usage_error) -> int:
     for source in metrics.host_sync_sources:
         console.print(f"  host sync: {source}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "metrics": metrics.to_dict()}, indent=1, default=str))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "device": _device_name(device), "metrics": metrics.to_dict()},
+                                              indent=1, default=str))
     return 0
 
 
@@ -295,5 +301,6 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
                            for loop in ("sync", "async")}})
     console.print(table)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1, default=str))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "device": _device_name(device), "results": results},
+                                              indent=1, default=str))
     return 0 if all(result["same_tokens"] for result in results) else 1

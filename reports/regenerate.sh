@@ -7,6 +7,7 @@
 #   bash reports/regenerate.sh publish RUNS  # reports/ from what RUNS/ holds
 #   bash reports/regenerate.sh all RUNS      # the three in turn
 #   bash reports/regenerate.sh memory RUNS   # the memory check (compute-sanitizer), into reports/memory/
+#   bash reports/regenerate.sh engine RUNS   # the README's async-vs-sync table, into reports/engine/
 #
 # One after another the backends take over 20 minutes on an H100, so they run side by side,
 # each backend's checks split over two processes (publish merges them back, summing the wall
@@ -73,6 +74,19 @@ run_bench() {
     --json "$runs/bench-flash_attn.json" >"$runs/bench-flash_attn.log" 2>&1
 }
 
+# The README's async-vs-sync table (triton, k = 3, both drafters, tiny-d128 and 1b), alone on the
+# GPU like the benchmark: reports/engine/async_vs_sync_<gpu>_<model>.json.
+run_engine() {
+  local gpu
+  gpu=$(python -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())") || exit 2
+  for model in tiny-d128 1b; do
+    python -m conformance engine bench --backend triton --model "$model" --spec-tokens 3 --num-prompts 8 --prompt-len 128 \
+      --max-tokens 128 --drafters oracle:random:0.7,layer-skip --detect-syncs --step-idle --repeats 3 \
+      --json "$runs/async_vs_sync_${gpu}_$model.json" >"$runs/async_vs_sync_${gpu}_$model.log" 2>&1
+    cp "$runs/async_vs_sync_${gpu}_$model.json" reports/engine/
+  done
+}
+
 publish() {
   python -m conformance.report.publish "$runs/$suite"-*.json --bench "$runs"/bench*.json --out reports
 }
@@ -83,5 +97,6 @@ case "$phase" in
   publish) publish ;;
   all) run_checks; run_bench; publish ;;
   memory) run_memory ;;
-  *) echo "unknown phase $phase (checks, bench, publish, all or memory)" >&2; exit 2 ;;
+  engine) run_engine ;;
+  *) echo "unknown phase $phase (checks, bench, publish, all, memory or engine)" >&2; exit 2 ;;
 esac

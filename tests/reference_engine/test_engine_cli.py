@@ -140,3 +140,17 @@ def test_engine_run_step_idle_off_cuda_says_not_measured():
     completed = engine("--num-prompts", "2", "--max-tokens", "4", "--prompt-len", "8", "--device", "cpu", "--step-idle")
     assert completed.returncode == 0, completed.stderr
     assert "GPU idle inside steps" in completed.stdout and "n/a" in completed.stdout
+
+
+def test_engine_bench_json_names_its_device_and_leaves_gpu_only_figures_empty_off_cuda(tmp_path):
+    import json
+
+    from conformance import cli as conformance_cli
+
+    out = tmp_path / "bench.json"
+    assert conformance_cli.main(["engine", "bench", "--device", "cpu", "--spec-tokens", "1", "--num-prompts", "1",
+                                 "--max-tokens", "3", "--prompt-len", "4", "--json", str(out), "--drafters", "layer-skip"]) == 0
+    written = json.loads(out.read_text())
+    assert written["device"] == "cpu"
+    measured = written["results"][0]["async"]
+    assert measured["gpu_drained_fraction"] is None and measured["gpu_ms_per_fed_step"] is None
