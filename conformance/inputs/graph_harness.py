@@ -5,7 +5,12 @@ slot -1, block-table row → reserved block 0), as an engine does before each re
 The backend's limits allow twice the padded batch: an engine captures several batch sizes (1, 2,
 4, …) under one ``max_num_reqs``, so a graph at a size below the limit is the common case (the
 flashinfer adapter once used its non-graph wrapper there, and the engine's replays read freed
-buffers)."""
+buffers).
+
+The persistent block table is a column slice of a table ``TABLE_GUARD_COLUMNS`` wider (the extra
+columns name block 0), as an engine's is when it hands kernels ``block_table[:, :max_blocks]`` of a
+wider persistent table: a backend that packs the rows in ``build`` (``.contiguous()`` copies only
+then) freezes the capture's copy into the graph, and every replay reads the capture's block ids."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.base import AttentionBackend, BackendLimits, CGSupport, CommonAttentionMetadata
-from conformance.inputs.batch import PagedBatch, pool_size
+from conformance.inputs.batch import TABLE_GUARD_COLUMNS, PagedBatch, pool_size
 from conformance.inputs.cases import Case
 from conformance.inputs.graph_batches import GraphShape, padding_rows
 from conformance.inputs.harness import PoolFill, allocate_pool, as_bits, write_poison
@@ -44,7 +49,7 @@ class GraphBuffers:
         int32 = dict(dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(shape.num_reqs + 1, **int32)
         self.seq_lens = torch.zeros(shape.num_reqs, **int32)
-        self.block_table = torch.zeros(shape.num_reqs, max_blocks, **int32)
+        self.block_table = torch.zeros(shape.num_reqs, max_blocks + TABLE_GUARD_COLUMNS, **int32)[:, :max_blocks]
         self.slot_mapping = torch.full((shape.num_tokens,), -1, dtype=torch.int64, device=device)
         self.query = torch.zeros(shape.num_tokens, spec.num_heads, spec.head_dim, dtype=spec.dtype, device=device)
         kv_shape = (shape.num_tokens, spec.head_dim) if spec.kind == "mla" else (shape.num_tokens, spec.num_kv_heads, spec.head_dim)

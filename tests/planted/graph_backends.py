@@ -154,6 +154,20 @@ class StaleDraftPositions(TorchGraphSafe):
         return metadata
 
 
+class PacksBlockTableInBuild(TorchGraphSafe):
+    """Hands its kernel a packed copy of the block table, made in build(): right eagerly and on a
+    packed table (``.contiguous()`` is then the table itself), but under a graph the capture's
+    copy is frozen in, so a replay reads the capture's block ids whenever the engine's table is a
+    column slice of a wider one (the trtllm adapter's first fix for XQA's row stride did this)."""
+
+    name = "planted_packs_block_table_in_build"
+
+    def build(self, common):
+        metadata = super().build(common)
+        metadata.block_table = common.block_table.contiguous()
+        return metadata
+
+
 class WritesPaddingIntoBlockZero(TorchGraphSafe):
     """Clamps slot -1 to 0, so padding rows overwrite the reserved block."""
 

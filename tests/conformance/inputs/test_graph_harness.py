@@ -18,3 +18,26 @@ def test_canaries_written_counts_bytes_that_lost_the_fill():
     assert canaries_written(canaries) == 0
     canaries[1][[0, 99]] = 0
     assert canaries_written(canaries) == 2
+
+
+def test_the_persistent_block_table_is_a_column_slice_of_a_wider_table():
+    """Engines hand kernels ``block_table[:, :max_blocks]`` of a wider persistent table: a backend
+    that packs the rows in build() would freeze the capture's copy into the graph."""
+    from backends.base import CGSupport
+    from backends.torch_naive import TorchNaiveBackend
+    from conformance.inputs.batch import TABLE_GUARD_COLUMNS, materialize
+    from conformance.inputs.cases import parse_case
+    from conformance.inputs.graph_batches import graph_shape, replay_batches
+    from conformance.inputs.graph_harness import GraphBuffers
+
+    case = parse_case("gqa-h4/2-d64-fp32-p16:40+1,20+1")
+    shape = graph_shape(case, replay_batches(case, CGSupport.ALWAYS))
+    buffers = GraphBuffers(TorchNaiveBackend, shape, [case], torch.device("cpu"))
+    width = buffers.block_table.shape[1]
+    assert not buffers.block_table.is_contiguous() and buffers.block_table.stride(0) == width + TABLE_GUARD_COLUMNS
+    batch = materialize(case, "cpu")
+    loaded = buffers.load(batch, with_host_lengths=True)
+    assert loaded.common.block_table is buffers.block_table
+    assert torch.equal(buffers.block_table[: case.num_reqs, : batch.block_table.shape[1]], batch.block_table)
+    guards = buffers.block_table.as_strided((shape.num_reqs, TABLE_GUARD_COLUMNS), (width + TABLE_GUARD_COLUMNS, 1), width)
+    assert torch.count_nonzero(guards) == 0  # the guard columns name block 0
