@@ -158,13 +158,20 @@ class PacksBlockTableInBuild(TorchGraphSafe):
     """Hands its kernel a packed copy of the block table, made in build(): right eagerly and on a
     packed table (``.contiguous()`` is then the table itself), but under a graph the capture's
     copy is frozen in, so a replay reads the capture's block ids whenever the engine's table is a
-    column slice of a wider one (the trtllm adapter's first fix for XQA's row stride did this)."""
+    column slice of a wider one (the trtllm adapter's first fix for XQA's row stride did this).
+    Every copy is kept (as a backend that caches its metadata would keep it), so the replays read
+    valid, stale block ids rather than freed memory, and get wrong values, not a crash."""
 
     name = "planted_packs_block_table_in_build"
+
+    def __init__(self, spec, limits, device):
+        super().__init__(spec, limits, device)
+        self.copies = []
 
     def build(self, common):
         metadata = super().build(common)
         metadata.block_table = common.block_table.contiguous()
+        self.copies.append(metadata.block_table)
         return metadata
 
 
