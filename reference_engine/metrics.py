@@ -88,13 +88,13 @@ def feeding(records, drained: list[bool], step_ms: list[float]) -> tuple[float |
     no graph; the last two are medians over uniform decode steps. ``drained[i]`` is step i + 1's.
     The period is one loop iteration's host time, waiting included: schedule and launch of a step,
     wait and land of it (one iteration later under async, the same period in steady state)."""
-    later = [(record, late, ms) for record, late, ms in zip(records[1:], drained, step_ms[1:]) if not record.captured]
+    later = [(record, ran_dry, ms) for record, ran_dry, ms in zip(records[1:], drained, step_ms[1:]) if not record.captured]
     if not later:
         return None, None, None
-    fed = [ms for record, late, ms in later if record.uniform_decode and not late]
+    fed = [ms for record, ran_dry, ms in later if record.uniform_decode and not ran_dry]
     periods = [record.host_schedule_s + record.host_launch_s + record.host_wait_s + record.host_land_s
                for record, _, _ in later if record.uniform_decode]
-    return (sum(late for _, late, _ in later) / len(later), statistics.median(fed) if fed else None,
+    return (sum(ran_dry for _, ran_dry, _ in later) / len(later), statistics.median(fed) if fed else None,
             1e3 * statistics.median(periods) if periods else None)
 
 
