@@ -157,6 +157,11 @@ def _measure(engine, prompts, params, usage_error, *, detect_syncs: bool, step_i
         raise usage_error(str(error)) from None
 
 
+def host_ms_per_step(metrics) -> float:
+    """The host's own time per step: schedule + launch + land, the waiting left out."""
+    return sum(metrics.host_ms_per_step.get(phase, 0.0) for phase in ("schedule", "launch", "land"))
+
+
 def _device_name(device: torch.device) -> str:
     """What the figures were measured on, for the JSON (a GPU's name, or the device type)."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
@@ -172,8 +177,7 @@ def _metric_rows(metrics) -> list[tuple[str, str]]:
         ("TPOT (median)", f"{metrics.tpot_ms:.2f} ms"),
         ("mean acceptance length", f"{metrics.acceptance_length:.2f} tokens/step"),
         ("draft acceptance", optional(metrics.draft_acceptance, "{:.1%}")),
-        ("host time per step", f"{sum(metrics.host_ms_per_step.get(p, 0.0) for p in ('schedule', 'launch', 'land')):.2f} ms"
-                               if metrics.host_ms_per_step else "n/a"),
+        ("host time per step", f"{host_ms_per_step(metrics):.2f} ms" if metrics.host_ms_per_step else "n/a"),
         ("GPU idle between steps", optional(metrics.gpu_idle_fraction, "{:.1%}")),
         ("steps launched after the GPU ran dry", optional(metrics.gpu_drained_fraction, "{:.1%}")),
         ("decode step: loop period / GPU alone", "n/a" if metrics.decode_step_ms is None else
@@ -286,7 +290,7 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
         spread = f" ({min(ratios):.2f}–{max(ratios):.2f})" if len(ratios) > 1 else ""
         for loop in ("sync", "async"):
             m = shown[drafter, loop][1]
-            host_ms = sum(m.host_ms_per_step.get(phase, 0.0) for phase in ("schedule", "launch", "land"))
+            host_ms = host_ms_per_step(m)
             table.add_row(drafter, loop, f"{m.tokens_per_s:.0f}", f"{m.tpot_ms:.3f}", f"{m.acceptance_length:.2f}", f"{host_ms:.2f}",
                           "n/a" if m.gpu_idle_fraction is None else f"{m.gpu_idle_fraction:.1%}",
                           "n/a" if m.gpu_idle_in_step_fraction is None else f"{m.gpu_idle_in_step_fraction:.1%}",
@@ -297,7 +301,8 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
                           "" if loop == "sync" or ratio is None else f"{ratio:.2f}x{spread}" + ("" if same else " (TOKENS DIFFER)"))
         results.append({"drafter": drafter, "same_tokens": same, "async_over_sync_tpot": ratio,
                         "async_over_sync_tpot_runs": ratios,
-                        **{loop: {**shown[drafter, loop][1].to_dict(), "tpot_ms_runs": [m.tpot_ms for _, m in runs[drafter, loop]]}
+                        **{loop: {**shown[drafter, loop][1].to_dict(), "tpot_ms_runs": [m.tpot_ms for _, m in runs[drafter, loop]],
+                                  "host_ms_per_step_runs": [host_ms_per_step(m) for _, m in runs[drafter, loop]]}
                            for loop in ("sync", "async")}})
     console.print(table)
     if args.json:

@@ -108,6 +108,7 @@ def test_engine_bench_repeats_time_each_engine_round_by_round(monkeypatch, tmp_p
     result = results[0]
     assert result["sync"]["tpot_ms_runs"] == [4.0, 1.0, 2.0] and result["async"]["tpot_ms_runs"] == [2.0, 3.0, 1.5]
     assert result["sync"]["tpot_ms"] == 2.0 and result["async"]["tpot_ms"] == 2.0  # the median run of each
+    assert len(result["sync"]["host_ms_per_step_runs"]) == 3 and all(ms > 0 for ms in result["async"]["host_ms_per_step_runs"])
     assert result["async_over_sync_tpot_runs"] == [0.5, 3.0, 0.75]  # paired by round
     assert result["async_over_sync_tpot"] == statistics.median([0.5, 3.0, 0.75])
 
