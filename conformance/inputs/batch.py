@@ -136,9 +136,7 @@ class PagedBatch:
         table = self.block_table.to(self.device)
         if not self.case.strided:
             return table
-        wide = torch.zeros(table.shape[0], table.shape[1] + TABLE_GUARD_COLUMNS, dtype=table.dtype, device=self.device)
-        wide[:, : table.shape[1]] = table
-        return wide[:, : table.shape[1]]
+        return guarded_block_table(*table.shape, self.device).copy_(table)
 
     def common_metadata(self, *, with_host_lengths: bool = True) -> CommonAttentionMetadata:
         query_start_loc = torch.tensor(self.query_start_loc, dtype=torch.int32)
@@ -153,6 +151,13 @@ class PagedBatch:
             block_table=self.device_block_table(), slot_mapping=slot_mapping,
             query_starts=self.query_start_loc, host_seq_lens=self.seq_lens, lengths_known=with_host_lengths,
         )
+
+
+def guarded_block_table(num_rows: int, width: int, device: torch.device | str) -> torch.Tensor:
+    """A zeroed int32 [num_rows, width] block table that is a column slice of one
+    ``TABLE_GUARD_COLUMNS`` wider, as an engine's ``block_table[:, :max_blocks]`` is: its rows are
+    not packed, and the columns past ``width`` name block 0."""
+    return torch.zeros(num_rows, width + TABLE_GUARD_COLUMNS, dtype=torch.int32, device=device)[:, :width]
 
 
 def case_generator(case: Case) -> torch.Generator:

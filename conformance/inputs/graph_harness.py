@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.base import AttentionBackend, BackendLimits, CGSupport, CommonAttentionMetadata
-from conformance.inputs.batch import TABLE_GUARD_COLUMNS, PagedBatch, pool_size
+from conformance.inputs.batch import PagedBatch, guarded_block_table, pool_size
 from conformance.inputs.cases import Case
 from conformance.inputs.graph_batches import GraphShape, padding_rows
 from conformance.inputs.harness import PoolFill, allocate_pool, as_bits, write_poison
@@ -49,7 +49,7 @@ class GraphBuffers:
         int32 = dict(dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(shape.num_reqs + 1, **int32)
         self.seq_lens = torch.zeros(shape.num_reqs, **int32)
-        self.block_table = torch.zeros(shape.num_reqs, max_blocks + TABLE_GUARD_COLUMNS, **int32)[:, :max_blocks]
+        self.block_table = guarded_block_table(shape.num_reqs, max_blocks, device)
         self.slot_mapping = torch.full((shape.num_tokens,), -1, dtype=torch.int64, device=device)
         self.query = torch.zeros(shape.num_tokens, spec.num_heads, spec.head_dim, dtype=spec.dtype, device=device)
         kv_shape = (shape.num_tokens, spec.head_dim) if spec.kind == "mla" else (shape.num_tokens, spec.num_kv_heads, spec.head_dim)
