@@ -1,12 +1,19 @@
 """Runs checks over cases for one backend and reports each step as an event.
 
-The same loop serves the isolated child (``conformance.run.worker``, events to a JSON-lines file)
+The same loop serves the isolated child (``conformance.run.worker``, events to a signed channel)
 and ``--in-process`` runs (events to a callback). Events:
 
+    {"event": "plan", "checks": {check: reason | null}, "cases": {check: {case: skip reason | null}}}
+        first: what every check and case will be (a parent that never imports the backend accounts
+        for what no child ran from it)
     {"event": "check_skipped", "check", "reason"}
     {"event": "start", "check", "case"}
     {"event": "result", "check", "result": CaseResult}
     {"event": "fatal", "check", "case", "result"}   the process must not go on (sticky CUDA error)
+    {"event": "done"}   last: every case given was reported (an exit without it is a crash)
+
+The harness state is sealed before the backend is imported and checked after every case
+(``seal.py``): a change is the case's ERROR, and is put back.
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ from conformance.inputs.cases import Case, parse_case
 from conformance.checks import Check, make_check
 from conformance.results import CaseResult, Verdict
 from conformance.run.gpu_turns import big_pool_turn
+from conformance.run.seal import Seal
 
 Emit = Callable[[dict[str, Any]], None]
 
@@ -67,11 +75,10 @@ class Planned:
     skip: str | None
 
 
-def plan(job: Job, backend_cls, device: torch.device, reported: set[tuple[str, str]]) -> Iterator[Planned]:
-    """What the job has left to do, check by check, in order; the child that runs it and the
-    parent that accounts for what no child ran decide skips the same way here. Every case is asked
-    for its skip reason, reported ones too: some checks keep state (the engine check runs one case
-    per layout), and a resumed child must decide as the first one did."""
+def plan(job: Job, backend_cls, device: torch.device) -> Iterator[Planned]:
+    """Every check and case of the job, in order, with its skip reason. A resumed child plans the
+    whole job again, reported cases too: some checks keep state (the engine check runs one case
+    per layout), and it must decide as the first child did."""
     cases = job_cases(job)
     for check_name in job.checks:
         check = make_check(check_name, job.options)
@@ -80,9 +87,7 @@ def plan(job: Job, backend_cls, device: torch.device, reported: set[tuple[str, s
             yield Planned(check_name, check, None, reason)
             continue
         for case in cases:
-            skip = check.case_skip_reason(backend_cls, case, device)
-            if (check_name, case.id) not in reported:
-                yield Planned(check_name, check, case, skip)
+            yield Planned(check_name, check, case, check.case_skip_reason(backend_cls, case, device))
 
 
 def _error_result(case: Case, error: BaseException, verdict: Verdict) -> CaseResult:
@@ -104,14 +109,42 @@ def _release_cached_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def plan_event(items: list[Planned]) -> dict[str, Any]:
+    checks: dict[str, str | None] = {}
+    cases: dict[str, dict[str, str | None]] = {}
+    for item in items:
+        if item.case is None:
+            checks[item.check_name] = item.skip
+        else:
+            checks.setdefault(item.check_name, None)
+            cases.setdefault(item.check_name, {})[item.case.id] = item.skip
+    return {"event": "plan", "checks": checks, "cases": cases}
+
+
+def tampered(result: CaseResult, changes: list[str]) -> CaseResult:
+    """The case's result when the harness's own state changed while it ran."""
+    return CaseResult(
+        result.case, Verdict.ERROR,
+        f"the backend changed the harness's state: {'; '.join(changes)} (put back; the case's own verdict was "
+        f"{result.verdict.value})", tag=result.tag, metrics=result.metrics,
+        evidence={**result.evidence, "harness_state_changed": changes}, seconds=result.seconds,
+    )
+
+
 def execute(job: Job, emit: Emit) -> bool:
     """Run the job; returns False when it stopped early on a fatal error."""
+    seal = Seal.take()  # before the backend is imported: what the harness loaded is the harness's
     backend_cls = registry.load(job.backend)
     device = torch.device(job.device)
-    for item in plan(job, backend_cls, device, set(job.done)):
+    items = list(plan(job, backend_cls, device))  # every case, reported ones too: the same skips as a fresh run
+    emit(plan_event(items))
+    done = set(job.done)
+    for item in items:
         check_name, check, case = item.check_name, item.check, item.case
         if case is None:
             emit({"event": "check_skipped", "check": check_name, "reason": item.skip})
+            continue
+        if (check_name, case.id) in done:
             continue
         emit({"event": "start", "check": check_name, "case": case.id})
         if item.skip:
@@ -130,5 +163,9 @@ def execute(job: Job, emit: Emit) -> bool:
                 result = _error_result(case, error, Verdict.ERROR)
             result.seconds = round(time.perf_counter() - started, 3)
             _release_cached_memory(device)
+        changes = seal.changes()  # also what the import or the plan changed, on the first case
+        if changes:
+            result = tampered(result, changes)
         emit({"event": "result", "check": check_name, "result": result.to_dict()})
+    emit({"event": "done"})
     return True

@@ -20,6 +20,11 @@ class Interrupted(BaseException):
         self.partial = None  # the RunResult of what finished, set by the runner
 
     @property
+    def not_run(self) -> str:
+        """The reason every case that did not finish carries."""
+        return f"not run: the run was interrupted by {signal.Signals(self.signum).name}"
+
+    @property
     def exit_code(self) -> int:
         return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
 

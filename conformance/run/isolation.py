@@ -6,8 +6,14 @@ child resumes with the cases not yet reported (up to ``max_crashes`` times). Pas
 time limit for the whole backend, the running case is a CRASH and the rest are not run. Cases
 not run keep the SKIP they would have had on this device.
 
-The child runs in its own process group, which the parent kills whenever it stops early
-(an interrupt included); on Linux the child also dies with the parent (``PR_SET_PDEATHSIG``).
+A child is finished only when it reported every case and then ``done`` on the signed events
+channel (``channel.py``): any exit before that, status 0 included, is a crash of the running case.
+The parent never imports the backend: what a check or case would have been (SKIP on this device,
+or run) comes from the plan the first child announces.
+
+The child runs in its own process group, which the parent kills whenever a child ends, early or
+not (``reaper.py``: also the processes that left the group, and the groups of a run that died);
+on Linux the child also dies with the parent (``PR_SET_PDEATHSIG``).
 """
 from __future__ import annotations
 
@@ -24,10 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from backends import registry
-from conformance.run.execution import Emit, Job, execute, plan
+from conformance.run.channel import TAMPERING, ChannelReader, new_key
+from conformance.run.execution import Emit, Job, execute
+from conformance.run.reaper import Reaper, exited
 from conformance.results import CaseResult, Verdict
 
 STDERR_TAIL_CHARS = 4000
@@ -36,17 +41,26 @@ POLL_INTERVAL_S = 0.1
 
 @dataclass
 class BackendEvents:
-    """Everything the children of one backend reported, in arrival order."""
+    """Everything the children of one backend reported, in arrival order, and the plan the first
+    one announced (what each check and case would be: the parent never imports the backend)."""
 
     results: dict[tuple[str, str], CaseResult] = field(default_factory=dict)
     skipped_checks: dict[str, str] = field(default_factory=dict)
+    planned_checks: dict[str, str | None] | None = None  # check -> its whole-check skip reason
+    planned_cases: dict[str, dict[str, str | None]] = field(default_factory=dict)  # check -> case -> skip reason
+    finished: bool = False  # a child reported "done"
 
     def record(self, event: dict[str, Any]) -> None:
-        if event["event"] in ("result", "fatal"):
+        kind = event["event"]
+        if kind in ("result", "fatal"):
             result = CaseResult.from_dict(event["result"])
             self.results[(event["check"], result.case)] = result
-        elif event["event"] == "check_skipped":
+        elif kind == "check_skipped":
             self.skipped_checks[event["check"]] = event["reason"]
+        elif kind == "plan" and self.planned_checks is None:
+            self.planned_checks, self.planned_cases = event["checks"], event["cases"]
+        elif kind == "done":
+            self.finished = True
 
 
 def _tail(path: Path) -> str:
@@ -88,40 +102,44 @@ def _die_with_parent_hook():
 _DIE_WITH_PARENT = _die_with_parent_hook()
 
 
-def _kill_group(child: subprocess.Popen) -> None:
-    """The child and whatever it started (compilers, its own workers)."""
-    try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    child.wait()
-
-
-def _not_run(job: Job, events: BackendEvents, verdict: Verdict, reason: str) -> list[dict[str, Any]]:
-    """Result events for every case no child reported: SKIP where the check would have skipped
-    it on this device (decided here, as the child would have), else ``verdict`` with ``reason``."""
-    try:
-        return _not_run_with_skips(job, events, verdict, reason)
-    except Exception:  # noqa: BLE001 - deciding a skip failed: every case left simply gets the verdict
-        tags = {case["id"]: case.get("tag", "") for case in job.cases}
-        return [{"event": "result", "check": check,
-                 "result": CaseResult(case["id"], verdict, reason, tag=tags[case["id"]]).to_dict()}
-                for check in job.checks if check not in events.skipped_checks
-                for case in job.cases if (check, case["id"]) not in events.results]
-
-
-def _not_run_with_skips(job: Job, events: BackendEvents, verdict: Verdict, reason: str) -> list[dict[str, Any]]:
-    out = []
-    for item in plan(job, registry.load(job.backend), torch.device(job.device), set(events.results)):
-        if item.check_name in events.skipped_checks:
+def not_run(job: Job, events: BackendEvents, verdict: Verdict, reason: str) -> list[dict[str, Any]]:
+    """Result events for every case no child reported: SKIP where the plan the first child
+    announced says it would have skipped on this device, else ``verdict`` with ``reason`` (also
+    for every case when no child lived long enough to announce a plan)."""
+    out: list[dict[str, Any]] = []
+    for check in job.checks:
+        if check in events.skipped_checks:
             continue
-        if item.case is None:
-            out.append({"event": "check_skipped", "check": item.check_name, "reason": item.skip})
+        whole_skip = (events.planned_checks or {}).get(check)
+        if whole_skip:
+            out.append({"event": "check_skipped", "check": check, "reason": whole_skip})
             continue
-        result = CaseResult(item.case.id, Verdict.SKIP, item.skip, tag=item.case.tag) if item.skip else \
-            CaseResult(item.case.id, verdict, reason, tag=item.case.tag)
-        out.append({"event": "result", "check": item.check_name, "result": result.to_dict()})
+        skips = events.planned_cases.get(check, {})
+        for case in job.cases:
+            if (check, case["id"]) in events.results:
+                continue
+            skip = skips.get(case["id"])
+            result = CaseResult(case["id"], Verdict.SKIP, skip, tag=case.get("tag", "")) if skip else \
+                CaseResult(case["id"], verdict, reason, tag=case.get("tag", ""))
+            out.append({"event": "result", "check": check, "result": result.to_dict()})
     return out
+
+
+def _start_worker(job_path: Path, events_path: Path, log, key: bytes) -> subprocess.Popen:
+    child = subprocess.Popen(
+        [sys.executable, "-m", "conformance.run.worker", str(job_path), str(events_path)],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE, env=_child_env(),
+        start_new_session=True, preexec_fn=_DIE_WITH_PARENT,
+    )
+    try:
+        child.stdin.write(key.hex().encode() + b"\n")
+        child.stdin.close()
+    except OSError:  # it died at once: its exit status says how
+        pass
+    return child
+
+
+DONE_GRACE_S = 10.0  # after "done", how long a worker may take to exit (atexit hooks) before it is killed
 
 
 def run_isolated(
@@ -139,8 +157,13 @@ def run_isolated(
     deadline = time.monotonic() + backend_timeout_s if backend_timeout_s else float("inf")
     crashes = 0
     tags = {case["id"]: case.get("tag", "") for case in job.cases}
+    key = new_key()
+    forged: list[str] = []  # tampering seen on the channel, not yet charged to a case
 
     def record(event: dict[str, Any]) -> None:
+        if forged and event["event"] in ("result", "fatal"):
+            event = _charged_with_tampering(event, forged)
+            forged.clear()
         events.record(event)
         on_event(event)
 
@@ -150,72 +173,104 @@ def run_isolated(
         record({"event": "result", "check": check, "result": result.to_dict()})
 
     def mark_remaining(verdict: Verdict, reason: str) -> None:
-        for event in _not_run(job, events, verdict, reason):
+        for event in not_run(job, events, verdict, reason):
             record(event)
 
-    with tempfile.TemporaryDirectory(prefix="conformance-") as workdir:
-        for attempt in itertools.count():
-            job.done = list(events.results)
-            job_path = Path(workdir, f"job{attempt}.json")
-            events_path = Path(workdir, f"events{attempt}.jsonl")
-            log_path = Path(workdir, f"stderr{attempt}.log")
-            job_path.write_text(json.dumps(job.to_dict()))
-            events_path.touch()
-            running, fatal_reported, hung, partial = None, False, None, ""
-            with open(log_path, "w") as log, open(events_path) as reader:
-                child = subprocess.Popen(
-                    [sys.executable, "-m", "conformance.run.worker", str(job_path), str(events_path)],
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_child_env(),
-                    start_new_session=True, preexec_fn=_DIE_WITH_PARENT,
-                )
-                try:
-                    last_event = time.monotonic()  # the clock restarts at every event: a case's time (or the start-up's)
-                    while True:
-                        returncode = child.poll()
-                        lines = (partial + reader.read()).split("\n")
-                        partial = lines.pop()  # an event line still being written
-                        for line in filter(None, lines):
-                            event = json.loads(line)
-                            running = (event["check"], event["case"]) if event["event"] == "start" else None
-                            fatal_reported |= event["event"] == "fatal"
-                            last_event = time.monotonic()
-                            record(event)
-                        if returncode is not None:
-                            break
-                        now = time.monotonic()
-                        if now - last_event > case_timeout_s:
-                            hung = f"the per-case time limit of {case_timeout_s:g} s (--timeout)"
-                        elif now > deadline:
-                            hung = f"the backend's time limit of {backend_timeout_s:g} s (--backend-timeout)"
-                        if hung:
-                            break
-                        time.sleep(POLL_INTERVAL_S)
-                finally:
-                    if child.poll() is None:  # hung, or the parent is stopping (an interrupt)
-                        _kill_group(child)
-            stderr_tail = _tail(log_path)
-            if hung:
-                if running:
-                    blame(running, f"hung: ran past {hung}; the process was killed", stderr_tail)
-                if not running or now > deadline:
-                    mark_remaining(Verdict.ERROR, f"not run: {hung} reached" + ("" if running else " outside any case"))
+    reaper = Reaper()
+    try:
+        with tempfile.TemporaryDirectory(prefix="conformance-") as workdir:
+            for attempt in itertools.count():
+                job.done = list(events.results)
+                job_path = Path(workdir, f"job{attempt}.json")
+                events_path = Path(workdir, f"events{attempt}.jsonl")
+                log_path = Path(workdir, f"stderr{attempt}.log")
+                job_path.write_text(json.dumps(job.to_dict()))
+                events_path.touch()
+                running, fatal_reported, hung, finished_at = None, False, None, None
+                with open(log_path, "w") as log, open(events_path) as stream:
+                    reader = ChannelReader(stream, key)
+                    child = _start_worker(job_path, events_path, log, key)
+                    reaper.watch(child)
+                    try:
+                        last_event = time.monotonic()  # the clock restarts at every event: a case's time (or the start-up's)
+                        while True:
+                            gone = exited(child)
+                            for event in reader.read():
+                                if event["event"] == TAMPERING:
+                                    forged.append(event["what"])
+                                    continue
+                                running = (event["check"], event["case"]) if event["event"] == "start" else None
+                                fatal_reported |= event["event"] == "fatal"
+                                if event["event"] == "done":
+                                    finished_at = time.monotonic()
+                                last_event = time.monotonic()
+                                record(event)
+                            if gone:
+                                break
+                            now = time.monotonic()
+                            if finished_at is not None:
+                                if now - finished_at > DONE_GRACE_S:
+                                    break  # reported everything; whatever keeps it alive is killed below
+                            elif now - last_event > case_timeout_s:
+                                hung = f"the per-case time limit of {case_timeout_s:g} s (--timeout)"
+                            elif now > deadline:
+                                hung = f"the backend's time limit of {backend_timeout_s:g} s (--backend-timeout)"
+                            if hung:
+                                break
+                            time.sleep(POLL_INTERVAL_S)
+                    finally:
+                        returncode = reaper.finish(child)  # its group too, whatever stopped the loop (an interrupt)
+                stderr_tail = _tail(log_path)
+                if finished_at is not None:
+                    if forged:  # after the last case: charged to the last result reported
+                        _charge_last(events, forged, on_event)
                     break
-                crashes += 1
-            elif returncode == 0:
-                break
-            else:
-                crashes += 1
-                how = describe_exit(returncode)
-                if running:
-                    blame(running, f"backend process {how} while running this case", stderr_tail)
-                elif not fatal_reported:
-                    # Died outside any case (an import error, a crash at start-up): nothing to resume.
-                    mark_remaining(Verdict.CRASH, f"backend process {how} outside any case: {stderr_tail.strip()[-300:]}")
+                if hung:
+                    if running:
+                        blame(running, f"hung: ran past {hung}; the process was killed", stderr_tail)
+                    if not running or now > deadline:
+                        mark_remaining(Verdict.ERROR, f"not run: {hung} reached" + ("" if running else " outside any case"))
+                        break
+                    crashes += 1
+                else:
+                    crashes += 1
+                    how = describe_exit(returncode)
+                    if returncode == 0:
+                        how += " before finishing (a backend that calls exit() or raises SystemExit)"
+                    if running:
+                        blame(running, f"backend process {how} while running this case", stderr_tail)
+                    elif not fatal_reported:
+                        # Died outside any case (an import error, a crash at start-up): nothing to resume.
+                        mark_remaining(Verdict.CRASH, f"backend process {how} outside any case: {stderr_tail.strip()[-300:]}")
+                        break
+                if crashes > max_crashes:
+                    mark_remaining(Verdict.ERROR, f"not run: the backend process crashed or hung {crashes} times")
                     break
-            if crashes > max_crashes:
-                mark_remaining(Verdict.ERROR, f"not run: the backend process crashed or hung {crashes} times")
-                break
+    finally:
+        reaper.close()
     return events
+
+
+def _charged_with_tampering(event: dict[str, Any], forged: list[str]) -> dict[str, Any]:
+    """A result event turned ERROR because the channel carried lines the harness did not write
+    while its case ran."""
+    result = CaseResult.from_dict(event["result"])
+    result = CaseResult(result.case, Verdict.ERROR,
+                        f"the events channel was tampered with while this case ran: {forged[0]}"
+                        + (f" (and {len(forged) - 1} more)" if len(forged) > 1 else "")
+                        + f"; the case's own verdict was {result.verdict.value}",
+                        tag=result.tag, metrics=result.metrics,
+                        evidence={**result.evidence, "channel_tampering": list(forged)}, seconds=result.seconds)
+    return {**event, "result": result.to_dict()}
+
+
+def _charge_last(events: BackendEvents, forged: list[str], on_event: Emit) -> None:
+    if not events.results:
+        return
+    (check, _), last = next(reversed(events.results.items()))
+    event = _charged_with_tampering({"event": "result", "check": check, "result": last.to_dict()}, forged)
+    events.record(event)
+    on_event(event)
 
 
 def run_in_process(job: Job, on_event: Emit, *, events: BackendEvents | None = None) -> BackendEvents:

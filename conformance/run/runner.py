@@ -8,14 +8,14 @@ from typing import Any
 import torch
 
 from backends import registry
-from backends.base import DeviceInfo
 from conformance.inputs.cases import Case
 from conformance.checks import make_check
 from conformance.run.environment import collect_environment
 from conformance.run.execution import Job
 from conformance.run.interrupts import Interrupted
 from conformance.run.isolation import BackendEvents, run_in_process, run_isolated
-from conformance.results import BackendResult, CheckResult, RunResult, Verdict
+from conformance.run.probe import Probe, probe_backends, probe_in_process
+from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
 
 
 @dataclass
@@ -29,6 +29,7 @@ class RunOptions:
     backend_timeout_s: float | None = None  # all of one backend's cases
     in_process: bool = False
     check_options: dict[str, Any] = field(default_factory=dict)
+    probes: dict[str, Probe] | None = None  # asked already (the CLI asks before it touches any file)
 
 
 class Progress:
@@ -41,27 +42,46 @@ class Progress:
     def backend_finished(self, result: BackendResult) -> None: ...
 
 
-def _assemble(checks: list[str], cases: list[Case], events: BackendEvents, options: dict[str, Any]) -> list[CheckResult]:
+def _assemble(checks: list[str], cases: list[Case], events: BackendEvents, options: dict[str, Any],
+              not_run: str) -> list[CheckResult]:
+    """Each check's result from what the children reported. A case no child reported keeps the
+    SKIP the plan gave it on this device, or else is ERROR ``not_run``: never silently absent, and a
+    check with nothing reported did not run (never "SKIP no cases")."""
     results = []
     for check_name in checks:
         check = make_check(check_name, options)
-        if check_name in events.skipped_checks:
-            reason = events.skipped_checks[check_name]
-            results.append(CheckResult(check_name, Verdict.SKIP, reason))
+        whole_skip = events.skipped_checks.get(check_name) or (events.planned_checks or {}).get(check_name)
+        if whole_skip:
+            results.append(CheckResult(check_name, Verdict.SKIP, whole_skip))
             continue
-        case_results = [events.results[(check_name, case.id)] for case in cases if (check_name, case.id) in events.results]
+        planned = events.planned_cases.get(check_name, {})
+
+        def unreported(case: Case) -> CaseResult:
+            skip = planned.get(case.id)
+            return CaseResult(case.id, Verdict.SKIP if skip else Verdict.ERROR, skip or not_run, tag=case.tag)
+
+        case_results = [events.results.get((check_name, case.id)) or unreported(case) for case in cases]
         verdict, summary = check.summarize(case_results)
         details = {**check.details(), **check.aggregate(case_results)}
         results.append(CheckResult(check_name, verdict, summary, case_results, details=details))
     return results
 
 
-def run_backend(name: str, options: RunOptions, progress: Progress) -> BackendResult:
-    ref = registry.resolve(name)
-    backend_cls = registry.load(ref)
-    claims = backend_cls.capabilities.to_dict()
-    reason = backend_cls.availability_reason(DeviceInfo.of(options.device))
-    if reason:
+def _failed_to_load(name: str, probe: Probe, options: RunOptions) -> BackendResult:
+    """A backend whose import raised, crashed or hung: every check carries why, as a failure."""
+    checks = [CheckResult(check, probe.failure_verdict, probe.failure or "") for check in options.checks]
+    return BackendResult(name, True, "", probe.ref.origin, {}, checks)
+
+
+def run_backend(name: str, probe: Probe, options: RunOptions, progress: Progress) -> BackendResult:
+    ref = probe.ref
+    if probe.failure:
+        result = _failed_to_load(name, probe, options)
+        progress.backend_finished(result)
+        return result
+    claims = probe.claims
+    if probe.unavailable:
+        reason = probe.unavailable
         checks = [CheckResult(check, Verdict.SKIP, f"backend unavailable: {reason}") for check in options.checks]
         result = BackendResult(name, False, reason, ref.origin, claims, checks)
         progress.backend_finished(result)
@@ -76,9 +96,9 @@ def run_backend(name: str, options: RunOptions, progress: Progress) -> BackendRe
     def on_event(event: dict[str, Any]) -> None:
         progress.event(name, event)
 
-    def finished(events: BackendEvents) -> BackendResult:
+    def finished(events: BackendEvents, not_run: str) -> BackendResult:
         return BackendResult(name, True, "", ref.origin, claims,
-                             _assemble(options.checks, options.cases, events, options.check_options),
+                             _assemble(options.checks, options.cases, events, options.check_options, not_run),
                              wall_s=time.monotonic() - started)
 
     events = BackendEvents()
@@ -89,11 +109,20 @@ def run_backend(name: str, options: RunOptions, progress: Progress) -> BackendRe
             run_isolated(job, on_event, case_timeout_s=options.case_timeout_s,
                          backend_timeout_s=options.backend_timeout_s, events=events)
     except Interrupted as interrupted:
-        interrupted.partial = finished(events)  # what this backend finished; the rest is absent
+        interrupted.partial = finished(events, interrupted.not_run)  # what this backend finished; the rest is "not run"
         raise
-    result = finished(events)
+    result = finished(events, "not run: no worker reported this case")
     progress.backend_finished(result)
     return result
+
+
+def probe(options: RunOptions) -> dict[str, Probe]:
+    """Every backend's claims and availability, asked before the run (in a child process unless
+    ``--in-process``)."""
+    refs = [registry.resolve(name) for name in options.backends]
+    if options.in_process:
+        return probe_in_process(refs, str(options.device))
+    return probe_backends(refs, str(options.device), options.case_timeout_s)
 
 
 def annotate_bench_ratios(backends: list[BackendResult]) -> None:
@@ -110,17 +139,29 @@ def annotate_bench_ratios(backends: list[BackendResult]) -> None:
 
 def run(options: RunOptions, progress: Progress | None = None) -> RunResult:
     """Every backend in turn. On ``Interrupted`` the exception leaves with ``partial``: a
-    RunResult (marked interrupted) of every backend finished and what the current one finished."""
+    RunResult (marked interrupted) of every backend finished, what the current one finished, and
+    every case not run as ERROR "not run"."""
     progress = progress or Progress()
+    probes = options.probes if options.probes is not None else probe(options)
     backends: list[BackendResult] = []
     try:
         for name in options.backends:
-            backends.append(run_backend(name, options, progress))
+            backends.append(run_backend(name, probes[name], options, progress))
     except Interrupted as interrupted:
         backends += [interrupted.partial] if interrupted.partial is not None else []
+        for name in options.backends[len(backends):]:
+            backends.append(_not_started(name, probes[name], options, interrupted.not_run))
         interrupted.partial = RunResult(collect_environment(options.device), backends, options.suite,
                                         list(options.checks), interrupted=True)
         raise
     annotate_bench_ratios(backends)
     return RunResult(collect_environment(options.device), backends, options.suite, list(options.checks))
 
+
+def _not_started(name: str, probe: Probe, options: RunOptions, not_run: str) -> BackendResult:
+    if probe.failure or probe.unavailable:
+        return _failed_to_load(name, probe, options) if probe.failure else BackendResult(
+            name, False, probe.unavailable or "", probe.ref.origin, probe.claims,
+            [CheckResult(check, Verdict.SKIP, f"backend unavailable: {probe.unavailable}") for check in options.checks])
+    return BackendResult(name, True, "", probe.ref.origin, probe.claims,
+                         [CheckResult(check, Verdict.ERROR, not_run) for check in options.checks])

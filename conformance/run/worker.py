@@ -1,29 +1,40 @@
-"""The isolated child: ``python -m conformance.run.worker JOB.json EVENTS.jsonl``.
+"""The isolated child: ``python -m conformance.run.worker JOB.json EVENTS``, the channel's key on
+standard input (one hex line, read before the backend is imported; standard input is then
+/dev/null).
 
-Each event is one flushed JSON line, so the parent keeps every result that landed before a crash.
+Each event is one flushed, signed line (``channel.py``), so the parent keeps every result that
+landed before a crash and can tell the harness's lines from anything else written there. The
+last event is ``done``: an exit without it (status 0 included: a backend that calls ``exit``)
+is a crash of the case that was running.
 Exit status 0: finished; 70: stopped on a fatal CUDA error (the parent starts a fresh child).
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 
+from conformance.run.channel import ChannelWriter
 from conformance.run.execution import Job, execute
 
 EXIT_FATAL = 70
 
 
+def _read_key() -> bytes:
+    key = bytes.fromhex(sys.stdin.readline().strip())
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    return key
+
+
 def main(argv: list[str]) -> int:
     job_path, events_path = argv
+    key = _read_key()
     with open(job_path) as job_file:
         job = Job.from_dict(json.load(job_file))
     with open(events_path, "a", buffering=1) as events:
-
-        def emit(event: dict) -> None:
-            events.write(json.dumps(event) + "\n")
-            events.flush()
-
-        finished = execute(job, emit)
+        finished = execute(job, ChannelWriter(events, key).emit)
     return 0 if finished else EXIT_FATAL
 
 

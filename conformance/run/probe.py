@@ -1,0 +1,150 @@
+"""What each backend claims and whether it can run here, asked in a child process: the run's own
+process never imports backend code. An import that raises, crashes the interpreter, hangs, or
+changes the working directory costs that backend its row, never the run.
+
+The child (``python -m conformance.run.probe DEVICE``, the backends as JSON lines on standard
+input) prints one JSON line as it starts each backend and one with the answer; if it dies or
+hangs, the backend it was on is blamed and a fresh child goes on with the rest.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from backends.registry import BackendLookupError, BackendRef
+from conformance.results import Verdict
+from conformance.run.isolation import _DIE_WITH_PARENT, _child_env, describe_exit
+
+
+@dataclass
+class Probe:
+    """One backend as the run sees it before running it."""
+
+    ref: BackendRef
+    claims: dict[str, Any] = field(default_factory=dict)
+    unavailable: str | None = None  # why it cannot run on this device (None: it can)
+    failure: str | None = None  # why it could not even be asked (import error, crash, hang)
+    failure_verdict: Verdict = Verdict.ERROR  # ERROR for a raised import error, CRASH for a dead or hung child
+    mistyped: bool = False  # a pkg.module:Class that names no module or class: the user's mistake, not the backend's
+
+
+def answer(ref: BackendRef, device_text: str) -> dict[str, Any]:
+    """The child's answer for one backend (also used in-process, for ``--in-process`` runs)."""
+    import torch
+
+    from backends import registry
+    from backends.base import DeviceInfo
+
+    try:
+        backend_cls = registry.load(ref)
+    except BackendLookupError as error:
+        return {"failure": str(error), "mistyped": ref.origin == "module:Class" and _names_nothing(ref, error)}
+    info = DeviceInfo.of(torch.device(device_text))
+    return {"claims": backend_cls.capabilities.to_dict(), "unavailable": backend_cls.availability_reason(info)}
+
+
+def _names_nothing(ref: BackendRef, error: BackendLookupError) -> bool:
+    """The module itself does not exist, or has no such class: a typo on the command line (a
+    missing dependency inside the module is the backend's failure)."""
+    module_name = ref.target.partition(":")[0]
+    cause = error.__cause__
+    if isinstance(cause, ModuleNotFoundError):
+        return cause.name is not None and (module_name == cause.name or module_name.startswith(cause.name + "."))
+    return cause is None and "is not an AttentionBackend subclass" in str(error)
+
+
+def _child_main(device_text: str) -> int:
+    answers = os.fdopen(os.dup(1), "w")  # a private copy of stdout: what a backend prints goes to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    start_dir = os.getcwd()
+    for line in sys.stdin:
+        ref = BackendRef(**json.loads(line))
+        answers.write(json.dumps({"start": ref.name}) + "\n")
+        answers.flush()
+        result = answer(ref, device_text)
+        os.chdir(start_dir)  # an import that moved the process must not move the next one
+        answers.write(json.dumps({"name": ref.name, **result}) + "\n")
+        answers.flush()
+    return 0
+
+
+def probe_in_process(refs: list[BackendRef], device_text: str) -> dict[str, Probe]:
+    return {ref.name: _probe_from(ref, answer(ref, device_text)) for ref in refs}
+
+
+def _probe_from(ref: BackendRef, data: dict[str, Any]) -> Probe:
+    return Probe(ref, claims=data.get("claims") or {}, unavailable=data.get("unavailable"), failure=data.get("failure"),
+                 mistyped=bool(data.get("mistyped")))
+
+
+def probe_backends(refs: list[BackendRef], device_text: str, timeout_s: float) -> dict[str, Probe]:
+    """Each backend's claims and availability, asked in child processes; a backend whose import
+    crashes or runs past ``timeout_s`` gets a ``failure`` and the others are still asked."""
+    probes: dict[str, Probe] = {}
+    pending = list(refs)
+    while pending:
+        stderr_file = tempfile.TemporaryFile("w+")  # a file, not a pipe: an import that prints a lot cannot block
+        child = subprocess.Popen([sys.executable, "-m", "conformance.run.probe", device_text], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=stderr_file, text=True, env=_child_env(),
+                                 start_new_session=True, preexec_fn=_DIE_WITH_PARENT)
+        try:
+            child.stdin.write("".join(json.dumps(ref.__dict__) + "\n" for ref in pending))
+            child.stdin.close()
+        except OSError:
+            pass
+        current, buffer, deadline = None, b"", time.monotonic() + timeout_s
+        try:
+            while pending:
+                if b"\n" not in buffer:
+                    ready, _, _ = select.select([child.stdout], [], [], max(0.0, deadline - time.monotonic()))
+                    if not ready:
+                        break  # hung
+                    chunk = os.read(child.stdout.fileno(), 65536)  # unbuffered: select sees what is left
+                    if not chunk:
+                        break  # died
+                    buffer += chunk
+                    continue
+                line, buffer = buffer.split(b"\n", 1)
+                data = json.loads(line)
+                if "start" in data:
+                    current, deadline = pending[0], time.monotonic() + timeout_s
+                    continue
+                probes[data["name"]] = _probe_from(pending.pop(0), data)
+                current = None
+        finally:
+            hung = child.poll() is None
+            _kill(child)
+        if pending:
+            blamed = current or pending[0]
+            stderr_file.seek(0)
+            stderr = stderr_file.read().strip().splitlines()
+            if hung:
+                why = f"importing it ran past the time limit of {timeout_s:g} s (--timeout)"
+            else:
+                why = f"the process importing it {describe_exit(child.returncode)}" + (f": {stderr[-1][:300]}" if stderr else "")
+            probes[blamed.name] = Probe(blamed, failure=f"cannot load backend {blamed.name!r}: {why}",
+                                        failure_verdict=Verdict.CRASH)
+            pending.remove(blamed)
+        stderr_file.close()
+    return probes
+
+
+def _kill(child: subprocess.Popen) -> None:
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    child.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1]))

@@ -1,0 +1,134 @@
+"""Every process a backend starts ends with its worker, and with the run.
+
+* A worker runs in its own process group. When it exits (finished, crashed, or killed), the whole
+  group is killed while the worker is still an unreaped zombie, so that its group id cannot have
+  been handed to an unrelated process.
+* A backend process that leaves the group (``setsid``, a daemon's double fork) is re-parented to
+  the run, not to init, while a run is going (Linux ``PR_SET_CHILD_SUBREAPER``); after each
+  worker every such orphan is killed.
+* If the run itself dies (SIGKILL, a lost terminal), a sentinel process, which reads a pipe from
+  the run and holds nothing else, sees the pipe close and kills the groups of workers still
+  going. (The worker itself also dies with the run: ``PR_SET_PDEATHSIG``.)
+
+"As far as Linux allows": a process that left the group after the run itself was killed is out
+of reach.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+PR_SET_CHILD_SUBREAPER = 36
+
+# Reads "watch PGID" / "forget PGID" lines; at end of input without "release", kills every group
+# still watched. -I -S: no site packages, no environment, so it starts in milliseconds.
+_SENTINEL = """
+import os, signal, sys
+groups, released = set(), False
+for line in sys.stdin:
+    word, _, value = line.strip().partition(" ")
+    if word == "watch":
+        groups.add(int(value))
+    elif word == "forget":
+        groups.discard(int(value))
+    elif word == "release":
+        released = True
+if not released:
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except OSError:
+            pass
+"""
+
+
+def _prctl():
+    if sys.platform != "linux":
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def children() -> set[int]:
+    """This process's children (every thread's), from /proc; empty where /proc has no such file."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
+        try:
+            found.update(int(pid) for pid in (task / "children").read_text().split())
+        except OSError:
+            continue
+    return found
+
+
+def exited(child: subprocess.Popen) -> bool:
+    """Whether the child exited, without reaping it (its pid and group id stay reserved)."""
+    if child.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+class Reaper:
+    """Around one backend's workers: ``watch`` each worker, ``finish`` it, ``close`` at the end."""
+
+    def __init__(self) -> None:
+        self.prctl = _prctl()
+        if self.prctl is not None:
+            self.prctl(PR_SET_CHILD_SUBREAPER, 1)
+        self.sentinel = subprocess.Popen([sys.executable, "-I", "-S", "-c", _SENTINEL], stdin=subprocess.PIPE,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+                                         start_new_session=True)  # out of reach of a Ctrl-C to the run's group
+        self.before = children()  # the run's own children (the sentinel among them): never swept
+
+    def _tell(self, line: str) -> None:
+        try:
+            self.sentinel.stdin.write(line + "\n")
+            self.sentinel.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+
+    def watch(self, child: subprocess.Popen) -> None:
+        self._tell(f"watch {child.pid}")
+
+    def finish(self, child: subprocess.Popen) -> int:
+        """Kill the worker's group (whatever it left running), reap the worker, then every orphan
+        re-parented to the run; returns the worker's exit status."""
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        returncode = child.wait()
+        self._tell(f"forget {child.pid}")
+        self.sweep()
+        return returncode
+
+    def sweep(self) -> None:
+        for _ in range(10):  # killing an orphan can orphan its own children: again until none is left
+            strays = children() - self.before
+            if not strays:
+                return
+            for pid in strays:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                except (ProcessLookupError, ChildProcessError, PermissionError):
+                    pass
+
+    def close(self) -> None:
+        self.sweep()
+        self._tell("release")
+        try:
+            self.sentinel.stdin.close()
+        except OSError:
+            pass
+        self.sentinel.wait()
+        if self.prctl is not None:
+            self.prctl(PR_SET_CHILD_SUBREAPER, 0)

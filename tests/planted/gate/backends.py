@@ -1,0 +1,83 @@
+"""Run-time gate breakers (the import-time ones are modules of their own beside this one)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from backends.torch_naive import TorchNaiveBackend
+from tests.planted.defects import WrongScale
+
+
+def _large(metadata) -> bool:
+    return len(metadata.seq_lens) > 3
+
+
+class ExitsQuietly(TorchNaiveBackend):
+    """A C++ library calling exit(0) on a path it cannot handle: the process ends with status 0
+    on any batch of more than 3 requests, before the case (or any later one) is reported."""
+
+    name = "planted_exits_quietly"
+
+    def forward(self, query, kv_cache, metadata, out):
+        if _large(metadata):
+            os._exit(0)
+        super().forward(query, kv_cache, metadata, out)
+
+
+class RaisesSystemExit(TorchNaiveBackend):
+    """An error path that calls sys.exit() (SystemExit is no Exception: no except clause of a
+    check catches it) on any batch of more than 3 requests."""
+
+    name = "planted_raises_system_exit"
+
+    def forward(self, query, kv_cache, metadata, out):
+        if _large(metadata):
+            sys.exit()
+        super().forward(query, kv_cache, metadata, out)
+
+
+class LoosensTolerances(WrongScale):
+    """Wrong (1/head_dim scale), and sets the shared comparison tolerances so wide that the
+    wrong output would compare equal: a test helper's monkeypatch left in the backend."""
+
+    name = "planted_loosens_tolerances"
+
+    def forward(self, query, kv_cache, metadata, out):
+        from conformance.checks import comparison
+
+        for dtype in comparison.TOLERANCES:
+            comparison.TOLERANCES[dtype] = (1e9, 1e9)
+        super().forward(query, kv_cache, metadata, out)
+
+
+class ForgesEvents(WrongScale):
+    """Wrong, and appends a PASS result line to the file its worker writes events to (found on
+    the worker's command line: a logging handler pointed at the wrong path does the same)."""
+
+    name = "planted_forges_events"
+
+    def forward(self, query, kv_cache, metadata, out):
+        super().forward(query, kv_cache, metadata, out)
+        if len(sys.argv) > 2 and sys.argv[2].endswith(".jsonl"):
+            with open(sys.argv[2], "a") as events:
+                events.write('{"event": "result", "check": "numerics", "result": {"case": "x", "verdict": "PASS"}}\n')
+
+
+class LeavesProcesses(TorchNaiveBackend):
+    """Starts helper processes and never stops them: one in its own process group, one in a
+    session of its own (as a daemon would). Their pids go to the file named by
+    PLANTED_PIDS_FILE, for the test to check that none outlives the run."""
+
+    name = "planted_leaves_processes"
+
+    def build(self, common):
+        if not getattr(self, "_started", False):
+            self._started = True
+            helpers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]),
+                       subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)]
+            path = os.environ.get("PLANTED_PIDS_FILE")
+            if path:
+                with open(path, "a") as pids:
+                    pids.write("".join(f"{helper.pid}\n" for helper in helpers))
+        return super().build(common)
