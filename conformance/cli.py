@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import math
 import os
 import signal
 import sys
@@ -28,15 +29,18 @@ from conformance.inputs.batch import footprint_bytes
 from conformance.inputs.cases import CaseSyntaxError, __doc__ as CASE_GRAMMAR, parse_case, suite
 from conformance.checks import CHECKS, default_checks
 from conformance.report.compare import ACCEPTABLE, CompareError, compare_runs
-from conformance.run.interrupts import Interrupted, stopping_on_signals
+from conformance.run.interrupts import Interrupted, release_signals, stopping_on_signals
 from conformance.run.journal import Journal
 from conformance.report.output_paths import OutputPathError, check_directory, check_files
+from conformance.report.safe_text import visible
 from conformance.report.html import write_html
 from conformance.report.junit import write_junit
 from conformance.report.markdown import write_markdown
 from conformance.results import RunResult
 from reference_engine.cli import add_engine_parser, run_engine
-from conformance.run.runner import RunOptions, run
+from conformance.run.probe import Probe, probe_backends
+from conformance.run.results_lock import ResultsInUse, ResultsLock
+from conformance.run.runner import RunOptions, probe, run
 from conformance.report.terminal import LineProgress, RichProgress, print_report
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOTHING_RAN = 0, 1, 2, 3
@@ -63,22 +67,42 @@ def _device(text: str | None) -> torch.device:
         raise (NothingToRun if error.absent else UsageError)(str(error)) from None
 
 
+def _no_repeats(option: str, names: list[str]) -> list[str]:
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise UsageError(f"{option} names {repeated[0]!r} more than once")
+    return names
+
+
 def _backend_names(values: list[str]) -> list[str]:
+    """Names that resolve (built-in, entry point, or pkg.module:Class). Nothing is imported here:
+    the run's own process never imports backend code (``conformance.run.probe``)."""
     names = _split(values) if values else [DEFAULT_BACKEND]
     if not names:
         raise UsageError("--backend needs at least one name")
     for name in names:
         try:
-            registry.load(registry.resolve(name))
+            registry.resolve(name)
         except registry.BackendLookupError as error:
             raise UsageError(str(error)) from None
-    return names
+    return _no_repeats("--backend", names)
+
+
+def _probes(options: RunOptions) -> dict[str, Probe]:
+    """Each backend asked in a child; a pkg.module:Class that names nothing is a typo: exit 2."""
+    probes = probe(options)
+    for probe_ in probes.values():
+        if probe_.mistyped:
+            raise UsageError(probe_.failure)
+    return probes
 
 
 def _cases(args: argparse.Namespace):
     try:
         if args.case:
-            return [parse_case(text, default_seed=0 if args.seed is None else args.seed) for text in args.case]
+            cases = [parse_case(text, default_seed=0 if args.seed is None else args.seed) for text in args.case]
+            _no_repeats("--case", [case.id for case in cases])
+            return cases
         cases = suite(args.suite)
         # --seed with a suite draws the suite's data anew (the ids say which seed).
         return cases if args.seed is None else [replace(case, seed=args.seed) for case in cases]
@@ -108,29 +132,36 @@ def _checks(values: list[str] | None) -> list[str]:
     unknown = [name for name in names if name not in CHECKS]
     if unknown:
         raise UsageError(f"unknown check {unknown[0]!r} (choose from {', '.join(CHECKS)})")
-    return names
+    return _no_repeats("--check", names)
+
+
+def _check_seconds(*limits: tuple[str, float | None]) -> None:
+    for flag, seconds in limits:
+        if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+            raise UsageError(f"{flag} {seconds:g}: must be a finite, positive number of seconds")
 
 
 def command_list(args: argparse.Namespace, console: Console) -> int:
-    device = DeviceInfo.of(_device(args.device))
+    _check_seconds(("--timeout", args.timeout))
+    torch_device = _device(args.device)
+    device = DeviceInfo.of(torch_device)
     table = Table(title=f"backends (here: {device.name}{', ' + device.sm if device.compute_capability else ''})", title_justify="left")
     for column in ("backend", "origin", "here", "kinds", "max query", "graphs", "host lengths", "draft update", "deterministic", "batch-invariant"):
         table.add_column(column)
-    for ref in registry.known_backends():
-        try:
-            backend_cls = registry.load(ref)
-        except registry.BackendLookupError as error:
-            table.add_row(ref.name, ref.origin, f"[red]cannot load: {escape(str(error))}[/]", "", "", "", "", "", "", "")
+    for name, probe_ in probe_backends(registry.known_backends(), str(torch_device), args.timeout).items():
+        if probe_.failure:
+            table.add_row(escape(name), probe_.ref.origin, f"[red]cannot load: {escape(visible(probe_.failure))}[/]", "", "", "", "", "", "", "")
             continue
-        claims = backend_cls.capabilities
-        reason = backend_cls.availability_reason(device)
+        claims = probe_.claims
+        max_query = claims["max_query_len"]
         table.add_row(
-            ref.name, ref.origin, "[green]available[/]" if reason is None else f"[yellow]{escape(reason)}[/]",
-            ",".join(sorted(claims.kinds)), ("any" if claims.max_query_len is None else str(claims.max_query_len))
-            + (", uniform" if claims.uniform_query_len else ""),
-            claims.cuda_graphs.name, "needed" if claims.needs_cpu_seq_lens else "not needed",
-            "yes" if claims.draft_step_update else "no", "claimed" if claims.deterministic else "no",
-            "claimed" if claims.batch_invariant else "no",
+            escape(name), probe_.ref.origin,
+            "[green]available[/]" if probe_.unavailable is None else f"[yellow]{escape(visible(probe_.unavailable))}[/]",
+            ",".join(claims["kinds"]), ("any" if max_query is None else str(max_query))
+            + (", uniform" if claims["uniform_query_len"] else ""),
+            claims["cuda_graphs"], "needed" if claims["needs_cpu_seq_lens"] else "not needed",
+            "yes" if claims["draft_step_update"] else "no", "claimed" if claims["deterministic"] else "no",
+            "claimed" if claims["batch_invariant"] else "no",
         )
     console.print(table)
     return EXIT_OK
@@ -144,26 +175,37 @@ def command_run(args: argparse.Namespace, console: Console) -> int:
     cases = _cases(args)
     device = _device(args.device)
     _check_case_sizes(cases, device)
-    for flag, seconds in (("--timeout", args.timeout), ("--backend-timeout", args.backend_timeout)):
-        if seconds is not None and not seconds > 0:
-            raise UsageError(f"{flag} must be a positive number of seconds")
+    _check_seconds(("--timeout", args.timeout), ("--backend-timeout", args.backend_timeout))
+    json_path = _output_paths(args)
+    try:
+        lock = ResultsLock(json_path).acquire()
+    except ResultsInUse as error:
+        raise UsageError(str(error)) from None
+    try:
+        return _locked_run(args, console, names, checks, cases, device, json_path)
+    finally:
+        lock.release()
+
+
+def _locked_run(args, console: Console, names, checks, cases, device: torch.device, json_path: Path) -> int:
+    journal = None
     options = RunOptions(
         backends=names, checks=checks, cases=cases, device=device,
         suite="custom" if args.case else args.suite, case_timeout_s=args.timeout,
         backend_timeout_s=args.backend_timeout, in_process=args.in_process,
         check_options={"sync_detector": args.sync_detector, "prefill_backend": args.prefill_backend},
     )
-    json_path = _output_paths(args)
-    json_path.unlink(missing_ok=True)  # an interrupted run must not leave an older run's results looking current
     progress_console = Console(stderr=True, quiet=args.quiet)
     if not progress_console.is_terminal:  # CI logs: one line per event, wide enough to stay whole
         progress_console = Console(stderr=True, quiet=args.quiet, width=160)
     reporter = RichProgress if progress_console.is_terminal else LineProgress
-    journal = None
     try:
-        with stopping_on_signals(), reporter(progress_console) as progress:
-            journal = Journal(json_path, progress)
-            result = run(options, journal)
+        with stopping_on_signals():
+            options.probes = _probes(options)  # before any file is touched: a mistyped module:Class is exit 2
+            json_path.unlink(missing_ok=True)  # an interrupted run must not leave an older run's results looking current
+            with reporter(progress_console) as progress:
+                journal = Journal(json_path, progress)
+                result = run(options, journal)
     except Interrupted as interrupted:
         return _stop_interrupted(interrupted, options, json_path, journal, console)
     result.save(json_path)
@@ -229,12 +271,16 @@ def _add_run_arguments(parser: argparse.ArgumentParser, default_suite: str) -> N
 def _output_paths(args: argparse.Namespace) -> Path:
     """Every output path checked before any work starts (a bad one would lose a whole run's
     results at the end); returns the results JSON's path."""
-    if args.json and args.out is not None:
+    if args.json is not None and args.out is not None:
         raise UsageError("--json names the results file and --out its directory: give one of them")
-    results = args.json or check_directory("--out", args.out or DEFAULT_OUT) / "results.json"
-    files = check_files({"--json" if args.json else "--out": results, "--html": args.html, "--junit": args.junit,
-                         "--markdown": args.markdown})
-    return files["--json" if args.json else "--out"]
+    for option, path in (("--json", args.json), ("--out", args.out), ("--html", args.html), ("--junit", args.junit),
+                         ("--markdown", args.markdown)):
+        if path is not None and not path.strip():
+            raise UsageError(f"{option}: an empty path")
+    option = "--json" if args.json is not None else "--out"
+    results = args.json if args.json is not None else check_directory("--out", args.out or DEFAULT_OUT) / "results.json"
+    files = check_files({option: results, "--html": args.html, "--junit": args.junit, "--markdown": args.markdown})
+    return files[option]
 
 
 def write_reports(result: RunResult, *, html: str | None, junit: str | None, markdown: str | None) -> None:
@@ -283,8 +329,7 @@ def command_compare(args: argparse.Namespace, console: Console) -> int:
         table.add_column(column)
     for finding in findings:
         label = "[red]regression[/]" if finding.regression else "[yellow]accepted[/]" if finding.accepted else "[green]improvement[/]"
-        table.add_row(label, escape(finding.backend),
-                      escape(finding.check), escape(finding.case), escape(finding.what))
+        table.add_row(label, *(escape(visible(text, one_line=True)) for text in (finding.backend, finding.check, finding.case, finding.what)))
     console.print(table)
     return EXIT_FAILED if regressions else EXIT_OK
 
@@ -308,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     listing = commands.add_parser("list", help="every backend, and whether it can run here (or exactly why not)")
     listing.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda when visible, else cpu)")
+    listing.add_argument("--timeout", type=float, default=300.0,
+                         help="seconds one backend's import may take before it is listed as hung (default 300)")
 
     running = commands.add_parser(
         "run", help="run checks on backends", epilog="--case grammar:\n" + CASE_GRAMMAR,
@@ -354,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.command != "run" and args.command != "bench":
+            release_signals()  # only a run writes partial results; the rest stop at once
         if args.command == "list":
             return command_list(args, console)
         if args.command == "report":

@@ -33,6 +33,35 @@ def pytest_addoption(parser) -> None:
                     help="let an absent device, an unavailable backend or an all-skipped run skip instead of fail")
 
 
+class BackendExited(Exception):
+    """The backend asked the process to end in the middle of a case (``os._exit``, ``sys.exit``):
+    in an isolated run that is a CRASH of the case; here it must not end pytest with status 0."""
+
+
+_guard = {"pid": None, "in_case": False}
+
+
+def _guard_exits() -> None:
+    """``os._exit`` made to raise while a conformance item runs, in this process only (a forked
+    child's ``os._exit`` is its normal way out). Installed before the backend is imported, so a
+    backend that took ``from os import _exit`` gets the guarded one too. An ``exit`` called from
+    C code cannot be caught in-process: ``conformance run`` isolates that."""
+    import os
+    import posix
+
+    if _guard["pid"] is not None:
+        return
+    real_exit = os._exit
+
+    def guarded_exit(status: int) -> None:
+        if _guard["in_case"] and os.getpid() == _guard["pid"]:
+            raise BackendExited(f"the backend called os._exit({status}) during the case")
+        real_exit(status)
+
+    _guard["pid"] = os.getpid()
+    os._exit = posix._exit = guarded_exit
+
+
 class ConformanceFailure(Exception):
     def __init__(self, result) -> None:
         super().__init__(result.reason)
@@ -62,8 +91,14 @@ class ConformanceItem(pytest.Item):
             self.check.case_skip_reason(self.backend_cls, self.case, self.device)
         if reason:
             pytest.skip(reason)
-        with big_pool_turn(self.case, self.device):
-            result = self.check.run_case(self.backend_cls, self.case, self.device)
+        _guard["in_case"] = True
+        try:
+            with big_pool_turn(self.case, self.device):
+                result = self.check.run_case(self.backend_cls, self.case, self.device)
+        except SystemExit as error:
+            raise BackendExited(f"the backend raised SystemExit({error.code!r}) during the case") from None
+        finally:
+            _guard["in_case"] = False
         if result.verdict == Verdict.SKIP:
             pytest.skip(result.reason)
         self.config.stash[_RAN_KEY].append(self.nodeid)
@@ -71,6 +106,8 @@ class ConformanceItem(pytest.Item):
             raise ConformanceFailure(result)
 
     def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, BackendExited):
+            return f"CRASH: {excinfo.value}\ncase: {self.case.id if self.case else ''}"
         if isinstance(excinfo.value, ConformanceFailure):
             from conformance.checks.evidence import plain_lines
 
@@ -92,6 +129,7 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     from conformance.inputs.cases import CaseSyntaxError, suite
     from conformance.checks import CHECKS, default_checks, make_check
 
+    _guard_exits()
     try:
         backend_cls = registry.load(target)
         cases = suite(config.getoption("conformance_suite"))

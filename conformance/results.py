@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 SCHEMA_VERSION = 1
+GATED_METRICS = ("max_abs_error", "forward_us", "GBps", "roofline_fraction", "build_us", "replay_us")  # what compare and reports do arithmetic on
 
 
 class Verdict(str, enum.Enum):
@@ -152,10 +154,31 @@ class RunResult:
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> "RunResult":
+        if not isinstance(data, dict):
+            raise ValueError(f"a results document is a JSON object, not {type(data).__name__}")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if type(version) is not int or version != SCHEMA_VERSION:  # True == 1 in Python: the type first
             raise ValueError(f"results schema_version {version!r}; this version of the suite reads {SCHEMA_VERSION}")
-        return _from_json(RunResult, {"environment": {}, **data}, backends=BackendResult)
+        run = _from_json(RunResult, {"environment": {}, **data}, backends=BackendResult)
+        run.validate()
+        return run
+
+    def validate(self) -> None:
+        """Raise ValueError for what a writer of this suite never produces and a reader would
+        misjudge: names that are not strings, metrics the gate compares that are not finite numbers."""
+        for backend in self.backends:
+            for check in backend.checks:
+                for case in check.cases:
+                    where = f"{backend.name} / {check.name} / {case.case}"
+                    if not all(isinstance(text, str) for text in (backend.name, check.name, case.case, case.reason)):
+                        raise ValueError(f"{where}: names and reasons must be strings")
+                    if not isinstance(case.metrics, dict) or not isinstance(case.evidence, dict):
+                        raise ValueError(f"{where}: metrics and evidence must be JSON objects")
+                    for key in GATED_METRICS:
+                        value = case.metrics.get(key)
+                        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                                      and math.isfinite(value)):
+                            raise ValueError(f"{where}: metric {key} is {value!r}, not a finite number")
 
     INTERRUPTED_NOTE = "Interrupted (SIGINT/SIGTERM): only the cases that finished are here; the rest did not run."
 

@@ -243,10 +243,14 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
     for name, value in (("soft cap", cap), ("scale", scale)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise CaseSyntaxError(f"{name} {value:g}: must be a finite number above 0")
-    if not is_mla and num_kv_heads and num_heads % num_kv_heads:
+    if not is_mla and num_kv_heads >= 1 and num_heads % num_kv_heads:
         raise CaseSyntaxError(f"{num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
-    if block_size < 1 or num_heads < 1:
+    if block_size < 1 or num_heads < 1 or num_kv_heads < 1:
         raise CaseSyntaxError("block size and head counts must be positive")
+    dims = {"latent dim": kv_lora_rank, "rope dim": rope_dim} if is_mla else {"head dim": head_dim}
+    for name, value in dims.items():
+        if value < 1:
+            raise CaseSyntaxError(f"{name} {value}: must be at least 1")
     try:
         if is_mla:
             spec = AttentionSpec(

@@ -11,6 +11,7 @@ from conformance.checks import check_class
 from conformance.checks.evidence import plain_lines
 from conformance.results import CaseResult, RunResult, Verdict
 from conformance.report.output_paths import write_atomically
+from conformance.report.safe_text import xml_safe
 
 
 def _evidence_text(check_name: str, case: CaseResult) -> str:
@@ -18,13 +19,16 @@ def _evidence_text(check_name: str, case: CaseResult) -> str:
 
 
 def _testcase(suite: ElementTree.Element, classname: str, name: str, verdict: Verdict, message: str, text: str = "") -> None:
-    testcase = ElementTree.SubElement(suite, "testcase", classname=classname, name=name, time="0")
+    """Every string through ``xml_safe``: a backend's reason or stderr may hold any character,
+    and one that XML forbids would make the whole file unreadable to the CI system."""
+    testcase = ElementTree.SubElement(suite, "testcase", classname=xml_safe(classname), name=xml_safe(name), time="0")
+    message = xml_safe(message)[:1000]
     if verdict == Verdict.FAIL:
-        ElementTree.SubElement(testcase, "failure", message=message[:1000], type="FAIL").text = text
+        ElementTree.SubElement(testcase, "failure", message=message, type="FAIL").text = xml_safe(text)
     elif verdict in (Verdict.ERROR, Verdict.CRASH):
-        ElementTree.SubElement(testcase, "error", message=message[:1000], type=verdict.value).text = text
+        ElementTree.SubElement(testcase, "error", message=message, type=verdict.value).text = xml_safe(text)
     elif verdict == Verdict.SKIP:
-        ElementTree.SubElement(testcase, "skipped", message=message[:1000])
+        ElementTree.SubElement(testcase, "skipped", message=message)
 
 
 def render(run: RunResult) -> str:
@@ -32,7 +36,7 @@ def render(run: RunResult) -> str:
     totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     for backend in run.backends:
         for check in backend.checks:
-            suite = ElementTree.SubElement(root, "testsuite", name=f"{backend.name}/{check.name}")
+            suite = ElementTree.SubElement(root, "testsuite", name=xml_safe(f"{backend.name}/{check.name}"))
             classname = f"conformance.{backend.name}.{check.name}"
             if not check.cases:
                 _testcase(suite, classname, check.name, check.verdict if check.verdict != Verdict.PASS else Verdict.SKIP, check.summary)

@@ -67,6 +67,12 @@ def check_files(files: dict[str, str | Path | None]) -> dict[str, Path | None]:
     return checked
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomically(path: str | Path, text: str) -> None:
     """Write a sibling temporary file and rename it over ``path``: a reader sees the old file or
     the whole new one, never a part."""
@@ -74,6 +80,7 @@ def write_atomically(path: str | Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(handle, 0o666 & ~_umask())  # mkstemp makes 0600: results are for the user's readers too
         with os.fdopen(handle, "w") as stream:
             stream.write(text)
         os.replace(temporary, path)

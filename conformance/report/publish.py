@@ -14,11 +14,13 @@ a run did not measure.
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import replace
 from pathlib import Path
 
 from conformance.checks import CHECKS, default_checks
 from conformance.report.html import write_html
+from conformance.report.safe_text import markdown_inline
 from conformance.results import BackendResult, RunResult
 
 HEADLINE_SHAPES = ("decode b64 ctx4096", "verify q=4 b64 ctx4096", "decode b256 ctx4096", "decode b1 ctx32768")
@@ -26,6 +28,15 @@ HEADLINE_SHAPES = ("decode b64 ctx4096", "verify q=4 b64 ctx4096", "decode b256 
 
 class PublishError(ValueError):
     pass
+
+
+def file_stem(name: str) -> str:
+    """A backend's name as a file name inside ``--out``: a name from a results file may hold
+    anything (``../../x``, a slash, a control character), and must not write elsewhere."""
+    stem = re.sub(r"[^A-Za-z0-9._:+-]", "_", name).lstrip(".")
+    if not stem:
+        raise PublishError(f"backend name {name!r} makes no file name")
+    return stem
 
 
 def split_by_backend(results: list[RunResult]) -> dict[str, RunResult]:
@@ -67,7 +78,8 @@ def verdict_table(per_backend: dict[str, RunResult]) -> list[str]:
         backend = result.backends[0]
         gpu = result.environment.get("gpu", result.environment.get("device", ""))
         if not backend.available:
-            lines.append(f"| {name} | {gpu} | " + " | ".join([f"not available: {backend.reason}"] + [""] * (len(checks) - 1)) + " |")
+            lines.append(f"| {markdown_inline(name)} | {gpu} | "
+                         + " | ".join([f"not available: {markdown_inline(backend.reason)}"] + [""] * (len(checks) - 1)) + " |")
             continue
         cells = []
         for check_name in checks:
@@ -77,8 +89,8 @@ def verdict_table(per_backend: dict[str, RunResult]) -> list[str]:
             elif check.cases:
                 cells.append(f"{check.verdict.value} {check.passed}/{check.ran}")
             else:
-                cells.append(f"{check.verdict.value} ({check.summary})")
-        lines.append(f"| {name} | {gpu} | " + " | ".join(cells) + " |")
+                cells.append(f"{check.verdict.value} ({markdown_inline(check.summary)})")
+        lines.append(f"| {markdown_inline(name)} | {gpu} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -110,11 +122,16 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     try:
         per_backend = split_by_backend([RunResult.load(path) for path in args.results])
+        stems = {name: file_stem(name) for name in per_backend}
     except (PublishError, OSError, ValueError) as error:
         parser.exit(2, f"conformance.report.publish: {error}\n")
+    clashing = sorted({stem for stem in stems.values() if list(stems.values()).count(stem) > 1})
+    if clashing:
+        parser.exit(2, f"conformance.report.publish: backend names that make one file name {clashing[0]!r}: "
+                       "publish them separately\n")
     for name, result in per_backend.items():
-        result.save(out / f"{name}.json")
-        write_html(result, out / f"{name}.html")
+        result.save(out / f"{stems[name]}.json")
+        write_html(result, out / f"{stems[name]}.html")
     suite = next(iter(per_backend.values())).suite if per_backend else ""
     lines = ["# Published results", "", "Real GPU runs of the built-in backends: per backend a JSON (with the environment block",
              "of its run) and a self-contained HTML report" + ("; `bench.json` / `bench.html` for the benchmark run." if args.bench else "."),

@@ -12,6 +12,7 @@ from rich.text import Text
 
 from conformance.checks import check_class
 from conformance.checks.evidence import plain_lines
+from conformance.report.safe_text import visible
 from conformance.results import BackendResult, CaseResult, RunResult, Verdict
 from conformance.run.runner import Progress as RunProgress
 
@@ -49,7 +50,7 @@ class RichProgress(RunProgress):
         self.bar.__exit__(*exc)
 
     def backend_started(self, name: str, num_checks: int, num_cases: int) -> None:
-        self.tasks[name] = self.bar.add_task(name, total=num_checks * num_cases, current="")
+        self.tasks[name] = self.bar.add_task(escape(visible(name, one_line=True)), total=num_checks * num_cases, current="")
         self.cases_per_check = num_cases
 
     def event(self, name: str, event: dict[str, Any]) -> None:
@@ -84,11 +85,12 @@ class LineProgress(RunProgress):
 
     def backend_started(self, name: str, num_checks: int, num_cases: int) -> None:
         self.cases_per_check = num_cases
-        self.console.print(f"{name}: {num_checks} check(s) x {num_cases} case(s)", highlight=False)
+        self.console.print(f"{visible(name)}: {num_checks} check(s) x {num_cases} case(s)", highlight=False, markup=False)
 
     def event(self, name: str, event: dict[str, Any]) -> None:
         if event["event"] == "check_skipped":
-            self.console.print(f"{name} / {event['check']}: SKIP ({event['reason']})", highlight=False)
+            self.console.print(f"{visible(name)} / {event['check']}: SKIP ({visible(event['reason'], one_line=True)})",
+                               highlight=False, markup=False)
             return
         if event["event"] not in ("result", "fatal"):
             return
@@ -97,11 +99,11 @@ class LineProgress(RunProgress):
         verdicts[verdict] = verdicts.get(verdict, 0) + 1
         if sum(verdicts.values()) == self.cases_per_check or event["event"] == "fatal":
             tally = ", ".join(f"{count} {verdict}" for verdict, count in sorted(verdicts.items()))
-            self.console.print(f"{name} / {event['check']}: {tally}", highlight=False)
+            self.console.print(f"{visible(name)} / {event['check']}: {tally}", highlight=False, markup=False)
 
     def backend_finished(self, result: BackendResult) -> None:
         if result.available:
-            self.console.print(f"{result.name}: done in {result.wall_s:.1f} s", highlight=False)
+            self.console.print(f"{visible(result.name)}: done in {result.wall_s:.1f} s", highlight=False, markup=False)
 
 
 def summary_table(run: RunResult) -> Table:
@@ -110,7 +112,7 @@ def summary_table(run: RunResult) -> Table:
     for check in run.checks:
         table.add_column(check)
     for backend in run.backends:
-        cells: list[Any] = [backend.name]
+        cells: list[Any] = [Text(visible(backend.name, one_line=True))]
         for check_name in run.checks:
             check = backend.check(check_name)
             if check is None:
@@ -120,7 +122,7 @@ def summary_table(run: RunResult) -> Table:
             if check.cases:
                 cell.append(f"  {check.tally()}", style="dim")
             elif check.summary:
-                cell.append(f"  {check.summary}", style="dim")
+                cell.append(f"  {visible(check.summary, one_line=True)}", style="dim")
             cells.append(cell)
         table.add_row(*cells)
     return table
@@ -130,7 +132,7 @@ def _evidence_lines(check_name: str, case: CaseResult) -> list[str]:
     lines = plain_lines(check_class(check_name).describe_evidence(case.evidence), block_lines=12)
     if len(lines) > MAX_EVIDENCE_LINES:
         lines = lines[:MAX_EVIDENCE_LINES] + ["… the rest in the JSON results and the HTML report"]
-    return ["    " + line for line in lines]
+    return ["    " + visible(line) for line in lines]
 
 
 def print_failures(console: Console, run: RunResult) -> None:
@@ -139,11 +141,12 @@ def print_failures(console: Console, run: RunResult) -> None:
             failures = [case for case in check.cases if case.verdict.is_failure]
             if not failures:
                 continue
-            console.print(f"\n[bold]{escape(backend.name)} / {check.name}[/]: {escape(check.summary)}")
+            console.print(f"\n[bold]{escape(visible(backend.name, one_line=True))} / {check.name}[/]: "
+                          f"{escape(visible(check.summary, one_line=True))}")
             for case in failures[:MAX_FAILURES_SHOWN]:
-                console.print(Text("  ").append(verdict_text(case.verdict)).append(f" {case.case}").append(
-                    f"  ({case.tag})" if case.tag else "", style="dim"))
-                console.print(f"    {case.reason}", markup=False, highlight=False)
+                console.print(Text("  ").append(verdict_text(case.verdict)).append(f" {visible(case.case, one_line=True)}").append(
+                    f"  ({visible(case.tag, one_line=True)})" if case.tag else "", style="dim"))
+                console.print(f"    {visible(case.reason, one_line=True)}", markup=False, highlight=False)
                 for line in _evidence_lines(check.name, case):
                     console.print(line, markup=False, highlight=False, style="dim")
             if len(failures) > MAX_FAILURES_SHOWN:
@@ -188,5 +191,6 @@ def print_report(console: Console, run: RunResult) -> None:
         console.print(table)
     for backend in run.backends:
         if not backend.available:
-            console.print(f"[yellow]{escape(backend.name)}[/] not run here: {escape(backend.reason)}", highlight=False)
+            console.print(f"[yellow]{escape(visible(backend.name, one_line=True))}[/] not run here: "
+                          f"{escape(visible(backend.reason, one_line=True))}", highlight=False)
     print_failures(console, run)
