@@ -13,7 +13,7 @@ ICONS = {"PASS": "✅", "FAIL": "❌", "ERROR": "⚠️", "CRASH": "💥", "SKIP
 
 def render(run: RunResult) -> str:
     gpu = run.environment.get("gpu") or run.environment.get("device", "")
-    lines = [f"### conformance: {run.suite} suite on {gpu}", ""]
+    lines = [f"### conformance: {markdown_inline(run.suite)} suite on {markdown_inline(gpu)}", ""]
     if run.interrupted:
         lines += [f"**{run.INTERRUPTED_NOTE}**", ""]
     lines += ["| backend | " + " | ".join(run.checks) + " |", "|---" * (len(run.checks) + 1) + "|"]

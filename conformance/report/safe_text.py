@@ -9,13 +9,14 @@ import re
 # ANSI/VT sequences: CSI (colours, cursor moves, screen clears), OSC (window titles, links, ended
 # by BEL or ST), and the two-character escapes.
 _ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 (but tab and newline), DEL, C1
-# What XML 1.0 forbids (besides the controls above): lone surrogates and the two non-characters.
-_XML_FORBIDDEN = re.compile("[\ud800-\udfff\ufffe\uffff]")
+# C0 (but tab and newline), DEL, C1; lone surrogates (no file encoding can hold them) and the two
+# non-characters XML 1.0 forbids.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\ufffe\uffff]")
 
 
 def _escaped(match: re.Match) -> str:
-    return f"\\x{ord(match.group()):02x}"
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def strip_ansi(text: str) -> str:
@@ -24,7 +25,7 @@ def strip_ansi(text: str) -> str:
 
 
 def visible(text: str, *, one_line: bool = False) -> str:
-    """Escape sequences removed, every other control character shown as ``\\xNN``; with
+    """Escape sequences removed, every other control character shown as ``\\xNN`` (``\\uNNNN``); with
     ``one_line``, newlines shown as ``⏎`` (a reason must not fake a second line)."""
     text = _CONTROL.sub(_escaped, strip_ansi(str(text)))
     return text.replace("\n", " ⏎ ") if one_line else text
@@ -32,7 +33,7 @@ def visible(text: str, *, one_line: bool = False) -> str:
 
 def xml_safe(text: str) -> str:
     """Legal in an XML 1.0 document (ElementTree escapes the markup characters itself)."""
-    return _XML_FORBIDDEN.sub(lambda m: f"\\u{ord(m.group()):04x}", visible(text))
+    return visible(text)
 
 
 _MARKDOWN_INLINE = re.compile(r"([\\`*_\[\]|~])")  # emphasis, code, links, table cells, strikethrough

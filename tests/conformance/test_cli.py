@@ -37,6 +37,19 @@ def test_smoke_run_passes_and_writes_json(tmp_path):
         (["run", "--suite", "smoke", "--seed", "-3"], "seed -3"),
         (["run", "--case", "gqa-scalenan:10+1"], "scale nan"),
         (["run", "--case", "4000000+1x60000", "--device", "cpu"], "GiB of host memory; this machine has"),
+        (["run", "--case", "gqa-d0:5+1"], "head dim 0: must be at least 1"),
+        (["run", "--case", "mla-d0+64:5+1"], "latent dim 0"),
+        (["run", "--case", "gqa-h4/0:5+1"], "head counts must be positive"),
+        (["run", "--timeout", "inf"], "--timeout inf: must be a finite, positive number"),
+        (["run", "--timeout", "0"], "--timeout 0"),
+        (["run", "--timeout", "-1"], "--timeout -1"),
+        (["run", "--backend-timeout", "nan"], "--backend-timeout nan"),
+        (["list", "--timeout", "0"], "--timeout 0"),
+        (["run", "--json", ""], "--json: an empty path"),
+        (["run", "--out", " "], "--out: an empty path"),
+        (["run", "--backend", "torch_naive,torch_naive"], "--backend names 'torch_naive' more than once"),
+        (["run", "--check", "numerics", "--check", "numerics"], "--check names 'numerics' more than once"),
+        (["run", "--case", "5+1", "--case", "5+1@0"], "--case names"),
     ],
 )
 def test_usage_errors_exit_2_with_one_line(args, message):
@@ -127,17 +140,14 @@ def test_all_cases_skipped_exits_3(tmp_path):
     assert completed.returncode == 0, completed.stdout
 
 
-def test_a_backend_module_that_raises_at_import_is_one_line_not_a_crash(monkeypatch, capsys):
-    from backends import registry
-    from conformance.cli import main
-
-    monkeypatch.setattr(registry, "_entry_points", lambda: {"broken_one": "tests.planted.broken_module:Backend"})
-    assert main(["list", "--device", "cpu"]) == 0
-    listed = capsys.readouterr().out
-    assert "broken_one" in listed and "torch_naive" in listed and "RuntimeError" in listed
-    assert main(["run", "--backend", "broken_one", "--suite", "smoke", "--device", "cpu"]) == 2
-    error = capsys.readouterr().err
-    assert error.count("\n") == 1 and "entry point 'broken_one'" in error and "MY_BACKEND_HOME is not set" in error
+def test_a_backend_module_that_raises_at_import_is_its_row_not_the_commands(tmp_path):
+    completed = conformance("run", "--backend", "tests.planted.broken_module:Backend,torch_naive", "--case", "gqa-h2/1-d16-fp32:5+1",
+                            "--check", "numerics", "--device", "cpu", "--json", str(tmp_path / "r.json"))
+    assert completed.returncode == 1, completed.stdout + completed.stderr
+    broken, naive = RunResult.load(tmp_path / "r.json").backends
+    assert broken.check("numerics").verdict == Verdict.ERROR and "MY_BACKEND_HOME is not set" in broken.check("numerics").summary
+    assert naive.check("numerics").verdict == Verdict.PASS
+    assert "Traceback" not in completed.stderr
 
 
 def test_every_case_skipped_says_so_on_stderr(tmp_path):

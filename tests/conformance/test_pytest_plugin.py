@@ -81,3 +81,22 @@ def test_the_engine_check_runs_once_per_layout_under_the_plugin(pytester):
                         "--conformance-device", "cpu", "-rs")
     result.assert_outcomes(passed=4 + 1, skipped=5)  # the smoke suite's four layouts, plus the author's own test
     result.stdout.fnmatch_lines(["*layout covered by*"])
+
+
+@pytest.mark.parametrize("backend", ["tests.planted.gate.backends:ExitsQuietly", "tests.planted.gate.backends:RaisesSystemExit"])
+def test_a_backend_that_exits_mid_case_fails_that_item_and_the_session_goes_on(pytester, monkeypatch, backend, tmp_path):
+    """In a subprocess: were the exit not caught, it would end the test process itself with status 0."""
+    import os
+    from pathlib import Path
+
+    pytester.makepyfile("def test_own():\n    pass\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
+    junit = tmp_path / "junit.xml"
+    result = pytester.runpytest_subprocess(*plugin_args(), "--conformance-backend", backend, "--conformance-suite", "smoke",
+                                           "--conformance-check", "numerics", "--conformance-device", "cpu",
+                                           f"--junitxml={junit}")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    outcomes = result.parseoutcomes()
+    assert outcomes["failed"] >= 1 and outcomes["passed"] >= 2  # own test and the small cases
+    result.stdout.fnmatch_lines(["*CRASH: the backend * during the case*"])
+    assert junit.exists()

@@ -61,8 +61,10 @@ def test_a_signal_stops_the_run_and_keeps_what_finished(tmp_path, signum, to_gro
     assert "interrupted by " + signal.Signals(signum).name in stderr and "Traceback" not in stderr
     data = json.loads(results.read_text())
     assert data["interrupted"] is True
-    cases = {case["case"]: case["verdict"] for case in data["backends"][0]["checks"][0]["cases"]}
-    assert cases == {FINISHES: "PASS"}  # the hung case did not finish: absent, not a verdict
+    cases = {case["case"]: (case["verdict"], case["reason"]) for case in data["backends"][0]["checks"][0]["cases"]}
+    # The hung case did not finish: ERROR "not run", never a PASS by omission.
+    assert cases == {FINISHES: ("PASS", ""), HANGS: ("ERROR", f"not run: the run was interrupted by {signal.Signals(signum).name}")}
+    assert data["backends"][0]["checks"][0]["verdict"] == "ERROR"
     assert "planted_hangs" in stdout or "HangsOnLongSequence" in stdout  # the table of what finished
     deadline = time.monotonic() + 10
     while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
@@ -70,6 +72,22 @@ def test_a_signal_stops_the_run_and_keeps_what_finished(tmp_path, signum, to_gro
     assert not any(alive(pid) for pid in workers), "a worker survived the run"
     assert not list((tmp_path / "tmp").iterdir()), "temporary directories left behind"
     assert not results.with_name("results.json.journal").exists()
+
+
+@pytest.mark.parametrize("delay_s", [0.3, 1.0])
+def test_a_signal_in_the_first_seconds_is_handled_like_a_later_one(tmp_path, delay_s):
+    """While torch is still importing: no traceback, the old results gone, an interrupted file."""
+    results = tmp_path / "results.json"
+    results.write_text("{}")
+    run = subprocess.Popen([sys.executable, "-m", "conformance", "run", "--case", FINISHES, "--check", "numerics",
+                            "--device", "cpu", "--json", str(results)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    time.sleep(delay_s)
+    run.send_signal(signal.SIGINT)
+    stdout, stderr = run.communicate(timeout=120)
+    assert run.returncode == 130, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    assert json.loads(results.read_text())["interrupted"] is True
 
 
 def test_compare_and_report_refuse_interrupted_results_unless_allowed(tmp_path):

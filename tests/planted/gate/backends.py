@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 from backends.torch_naive import TorchNaiveBackend
 from tests.planted.defects import WrongScale
@@ -81,3 +82,12 @@ class LeavesProcesses(TorchNaiveBackend):
                 with open(path, "a") as pids:
                     pids.write("".join(f"{helper.pid}\n" for helper in helpers))
         return super().build(common)
+
+
+class LeavesProcessesAndHangs(LeavesProcesses):
+    """Starts its helpers, then never returns: a run that is still going when it is killed."""
+
+    name = "planted_leaves_processes_and_hangs"
+
+    def forward(self, query, kv_cache, metadata, out):
+        time.sleep(3600)
