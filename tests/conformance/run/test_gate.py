@@ -230,3 +230,18 @@ def test_results_are_written_with_the_users_umask(tmp_path):
     finally:
         os.umask(previous)
     assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_the_runs_own_process_never_imports_backend_code(tmp_path):
+    code = ("import sys; from conformance.cli import main; "
+            f"rc = main(['run', '--backend', 'torch_naive,{GATE}.backends:ExitsQuietly', '--case', '{SMALL}', "
+            f"'--check', 'numerics', '--device', 'cpu', '--json', {str(tmp_path / 'r.json')!r}, '--quiet']); "
+            "print('IMPORTED', sorted(m for m in sys.modules if m.startswith(('tests.planted', 'backends.torch_naive', "
+            "'backends.triton', 'backends.flash')))); print('RC', rc)")
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "RC 0" in completed.stdout, completed.stdout + completed.stderr
+    assert "IMPORTED []" in completed.stdout
+    listed = subprocess.run([sys.executable, "-c", "import sys; from conformance.cli import main; main(['list', '--device', 'cpu']); "
+                             "print('IMPORTED', [m for m in sys.modules if m.startswith(('backends.torch_naive', 'backends.triton'))])"],
+                            capture_output=True, text=True, timeout=300)
+    assert "IMPORTED []" in listed.stdout, listed.stdout + listed.stderr
