@@ -96,19 +96,21 @@ def compare_runs(base: RunResult, new: RunResult, *, error_growth: float = 2.0, 
                 findings.append(coverage(name, check_name, "", "check missing from NEW", "missing"))
                 continue
             before_check, before_cases = base_checks.get(check_name, (None, {}))
+            absent = "check absent from BASE" if name in base_index else "backend absent from BASE"
             findings += _compare_check(name, before_check, before_cases, *new_checks[check_name], coverage,
-                                       error_growth, bench_threshold)
+                                       error_growth, bench_threshold, absent)
     return findings
 
 
 def _compare_check(backend: str, base_check: CheckResult | None, base_cases: dict[str, CaseResult], new_check: CheckResult,
-                   new_cases: dict[str, CaseResult], coverage, error_growth: float, bench_threshold: float) -> list[Finding]:
+                   new_cases: dict[str, CaseResult], coverage, error_growth: float, bench_threshold: float,
+                   absent: str) -> list[Finding]:
     findings: list[Finding] = []
     check = new_check.name
     for case_id in base_cases:
         if case_id not in new_cases:
             findings.append(coverage(backend, check, case_id, "case missing from NEW", "missing"))
-    was_check = base_check.verdict.value if base_check else "absent"
+    was_check = base_check.verdict.value if base_check else absent
     if base_check is not None and base_check.verdict == Verdict.PASS and new_check.verdict != Verdict.PASS:
         findings.append(Finding(backend, check, "", f"check went PASS → {new_check.verdict.value}", True))
     elif base_check is not None and base_check.verdict.is_failure and new_check.verdict == Verdict.PASS:
@@ -119,7 +121,7 @@ def _compare_check(backend: str, base_check: CheckResult | None, base_cases: dic
     for case in new_cases.values():
         before = base_cases.get(case.case)
         if case.verdict.is_failure and (before is None or not before.verdict.is_failure):
-            was = before.verdict.value if before else ("absent" if base_check else "check absent from BASE")
+            was = before.verdict.value if before else ("absent" if base_check else absent)
             findings.append(Finding(backend, check, case.case, f"new {case.verdict.value} (was {was}): {case.reason}", True))
         if before is None:
             continue

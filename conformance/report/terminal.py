@@ -102,7 +102,11 @@ class LineProgress(RunProgress):
             self.console.print(f"{visible(name)} / {event['check']}: {tally}", highlight=False, markup=False)
 
     def backend_finished(self, result: BackendResult) -> None:
-        if result.available:
+        unloaded = next((check for check in result.checks if check.verdict.is_failure and not check.cases), None)
+        if unloaded is not None:  # it could not even be loaded: say why, not "done"
+            self.console.print(f"{visible(result.name)}: {unloaded.verdict.value} {visible(unloaded.summary, one_line=True)}",
+                               highlight=False, markup=False)
+        elif result.available:
             self.console.print(f"{visible(result.name)}: done in {result.wall_s:.1f} s", highlight=False, markup=False)
 
 

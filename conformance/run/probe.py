@@ -130,7 +130,8 @@ def probe_backends(refs: list[BackendRef], device_text: str, timeout_s: float) -
             if hung:
                 why = f"importing it ran past the time limit of {timeout_s:g} s (--timeout)"
             else:
-                why = f"the process importing it {describe_exit(child.returncode)}" + (f": {stderr[-1][:300]}" if stderr else "")
+                how = describe_exit(child.returncode)
+                why = f"the process importing it {'was ' * how.startswith('killed')}{how}" + (f": {stderr[-1][:300]}" if stderr else "")
             probes[blamed.name] = Probe(blamed, failure=f"cannot load backend {blamed.name!r}: {why}",
                                         failure_verdict=Verdict.CRASH)
             pending.remove(blamed)
