@@ -101,16 +101,18 @@ def probe_backends(refs: list[BackendRef], device_text: str, timeout_s: float) -
             child.stdin.close()
         except OSError:
             pass
-        current, buffer, deadline = None, b"", time.monotonic() + timeout_s
+        current, buffer, deadline, hung, ended = None, b"", time.monotonic() + timeout_s, False, False
         try:
             while pending:
                 if b"\n" not in buffer:
                     ready, _, _ = select.select([child.stdout], [], [], max(0.0, deadline - time.monotonic()))
                     if not ready:
-                        break  # hung
+                        hung = True
+                        break
                     chunk = os.read(child.stdout.fileno(), 65536)  # unbuffered: select sees what is left
                     if not chunk:
-                        break  # died
+                        ended = True  # it died
+                        break
                     buffer += chunk
                     continue
                 line, buffer = buffer.split(b"\n", 1)
@@ -121,7 +123,11 @@ def probe_backends(refs: list[BackendRef], device_text: str, timeout_s: float) -
                 probes[data["name"]] = _probe_from(pending.pop(0), data)
                 current = None
         finally:
-            hung = child.poll() is None
+            if ended:  # its output ended: let it finish dying, so its exit status says how
+                try:
+                    child.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    hung = True
             _kill(child)
         if pending:
             blamed = current or pending[0]
