@@ -94,14 +94,24 @@ class TorchNaiveBackend(AttentionBackend):
             seen &= query_positions[:, None] - key_positions[None, :] < self.spec.sliding_window
         return seen
 
-    def per_query_head(self, rows: torch.Tensor) -> torch.Tensor:
-        """[s, Hkv, D] → [s, H, D] float32: each query head's KV head (query head h reads KV head h // group)."""
-        return rows.float().repeat_interleave(self.spec.query_group_size, dim=1)
+    def kv_head_of(self) -> torch.Tensor:
+        """[H]: the KV head each query head reads (query head h reads KV head h // group)."""
+        return torch.arange(self.spec.num_heads) // self.spec.query_group_size
+
+    def per_kv_head(self) -> list[tuple[int, torch.Tensor]]:
+        """(KV head, the query heads that read it), for every KV head some query head reads: the
+        math runs per KV head on its own rows, never on a copy of the cache per query head (MLA's
+        128 query heads over one latent head would copy the whole context 128 times)."""
+        heads = self.kv_head_of()
+        return [(kv, (heads == kv).nonzero().flatten()) for kv in heads.unique().tolist()]
 
     def masked_scores(self, query, key, context_len: int) -> torch.Tensor:
         """[H, q, s] float32 logits (soft-capped), -inf where a query may not look."""
-        key = self.per_query_head(key)
-        scores = torch.einsum("qhd,khd->hqk", query.float(), key) * self.softmax_scale()
+        query, key = query.float(), key.float()
+        scores = query.new_empty(query.shape[1], query.shape[0], key.shape[0])
+        for kv, heads in self.per_kv_head():
+            scores[heads] = torch.einsum("qhd,kd->hqk", query[:, heads], key[:, kv])
+        scores *= self.softmax_scale()
         if self.spec.logits_soft_cap is not None:
             cap = self.spec.logits_soft_cap
             scores = cap * torch.tanh(scores / cap)
@@ -111,5 +121,9 @@ class TorchNaiveBackend(AttentionBackend):
 
     def attend(self, query, key, value, context_len: int) -> torch.Tensor:
         """query [q, H, Dk], key [s, Hkv, Dk], value [s, Hkv, Dv] → [q, H, Dv], in float32."""
-        value = self.per_query_head(value)
-        return torch.einsum("hqk,khd->qhd", self.masked_scores(query, key, context_len).softmax(dim=-1), value)
+        probs = self.masked_scores(query, key, context_len).softmax(dim=-1)
+        value = value.float()
+        out = value.new_empty(query.shape[0], query.shape[1], value.shape[-1])
+        for kv, heads in self.per_kv_head():
+            out[:, heads] = torch.einsum("hqk,kd->qhd", probs[heads], value[:, kv])
+        return out

@@ -26,7 +26,9 @@ from host_syncs.pytest_fixture import forbid_host_syncs, pytest_runtest_call  # 
 def pytest_addoption(parser) -> None:
     group = parser.getgroup("conformance", "attention-backend conformance suite")
     group.addoption("--conformance-backend", help="backend to check: a built-in name, an entry point, or pkg.module:Class")
-    group.addoption("--conformance-suite", default="smoke", help="smoke | standard | full (default smoke)")
+    group.addoption("--conformance-suite", default="smoke",
+                    help="smoke | quick | standard | full (default smoke: seconds inside your own test run; the "
+                    "`conformance run` command defaults to standard on a GPU, quick on a CPU)")
     group.addoption("--conformance-check", default=None, help="comma-separated checks (default: the CLI's)")
     group.addoption("--conformance-device", default=None, help="cpu or cuda (default: cuda when visible)")
     group.addoption("--conformance-allow-skip", action="store_true",

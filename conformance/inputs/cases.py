@@ -120,6 +120,13 @@ class Case:
     def max_seq_len(self) -> int:
         return max(context + query for context, query in self.batch)
 
+    @property
+    def kv_elements(self) -> int:
+        """Key and value numbers the case holds (MLA: its latent and rope rows): what a CPU run's
+        time grows with."""
+        row = self.spec.head_dim if self.spec.kind == "mla" else 2 * self.spec.num_kv_heads * self.spec.head_dim
+        return sum(context + query for context, query in self.batch) * row
+
 
 # --- grammar -----------------------------------------------------------------------------------
 
@@ -454,8 +461,18 @@ def _variant_cases() -> list[Case]:
     return cases
 
 
+QUICK_KV_ELEMENTS = 4_000_000  # 16 MB of float32 keys and values a case
+
+
+def quick_suite() -> list[Case]:
+    """The default on a CPU: the standard suite's cases of at most QUICK_KV_ELEMENTS key/value
+    numbers (every kind of batch and every layer option stays; the large batches and long contexts,
+    which a CPU spends most of a standard run on, are left to ``--suite standard``)."""
+    return [case for case in standard_suite() if case.kv_elements <= QUICK_KV_ELEMENTS]
+
+
 def standard_suite() -> list[Case]:
-    """The default: every kind of batch on the layers engines ship."""
+    """The default on a GPU: every kind of batch on the layers engines ship."""
     cases = _cases(LLAMA3_8B, _mha_batches(16, rich=True))
     cases += _cases(LLAMA3_8B + "-share4", [("prefix sharing", "64+1,100+4,200+1x2,70+8")])
     cases += _cases(LLAMA3_8B + "-linear", [("blocks in order", "1000+1,300+4")])
@@ -525,7 +542,7 @@ def bench_suite() -> list[Case]:
     return cases
 
 
-SUITES = {"smoke": smoke_suite, "standard": standard_suite, "full": full_suite, "bench": bench_suite}
+SUITES = {"smoke": smoke_suite, "quick": quick_suite, "standard": standard_suite, "full": full_suite, "bench": bench_suite}
 
 
 def suite(name: str) -> list[Case]:

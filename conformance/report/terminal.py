@@ -2,6 +2,8 @@
 each failure with its evidence."""
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 from rich.console import Console
@@ -69,45 +71,81 @@ class RichProgress(RunProgress):
 
 
 class LineProgress(RunProgress):
-    """Progress for CI logs (no terminal): one line per check as it finishes, per backend, so a
-    log shows life during a long GPU run instead of nothing until the end."""
+    """Progress for CI logs (no terminal): one line per check as it finishes, per backend, and a
+    line at least every ``HEARTBEAT_S`` seconds while a backend runs (the check, cases done, the
+    case running, elapsed), so a log shows life during a long run instead of nothing."""
+
+    HEARTBEAT_S = 10.0
 
     def __init__(self, console: Console) -> None:
         self.console = console
         self.cases_per_check = 0
         self.counts: dict[tuple[str, str], dict[str, int]] = {}
+        self.lock = threading.Lock()
+        self.running: tuple[str, str, str] | None = None  # backend, check, case
+        self.started = self.last_line = time.monotonic()
+        self.stop = threading.Event()
+        self.heartbeat: threading.Thread | None = None
 
     def __enter__(self) -> "LineProgress":
         return self
 
     def __exit__(self, *exc) -> None:
-        return None
+        self._stop_heartbeat()
+
+    def _print(self, text: str) -> None:
+        with self.lock:
+            self.console.print(text, highlight=False, markup=False)
+            self.last_line = time.monotonic()
+
+    def _beat(self) -> None:
+        while not self.stop.wait(1.0):
+            if time.monotonic() - self.last_line < self.HEARTBEAT_S or self.running is None:
+                continue
+            name, check, case = self.running
+            done = sum(self.counts.get((name, check), {}).values())
+            self._print(f"{visible(name)} / {check}: {done}/{self.cases_per_check} cases, running {case} "
+                        f"({time.monotonic() - self.started:.0f} s)")
+
+    def _stop_heartbeat(self) -> None:
+        self.stop.set()
+        if self.heartbeat is not None:
+            self.heartbeat.join()
+            self.heartbeat = None
 
     def backend_started(self, name: str, num_checks: int, num_cases: int) -> None:
         self.cases_per_check = num_cases
-        self.console.print(f"{visible(name)}: {num_checks} check(s) x {num_cases} case(s)", highlight=False, markup=False)
+        self.started = time.monotonic()
+        self._print(f"{visible(name)}: {num_checks} check(s) x {num_cases} case(s)")
+        self.stop.clear()
+        self.heartbeat = threading.Thread(target=self._beat, daemon=True)
+        self.heartbeat.start()
 
     def event(self, name: str, event: dict[str, Any]) -> None:
+        if event["event"] == "start":
+            self.running = (name, event["check"], event["case"])
+            return
         if event["event"] == "check_skipped":
-            self.console.print(f"{visible(name)} / {event['check']}: SKIP ({visible(event['reason'], one_line=True)})",
-                               highlight=False, markup=False)
+            self._print(f"{visible(name)} / {event['check']}: SKIP ({visible(event['reason'], one_line=True)})")
             return
         if event["event"] not in ("result", "fatal"):
             return
+        self.running = None
         verdicts = self.counts.setdefault((name, event["check"]), {})
         verdict = event["result"]["verdict"]
         verdicts[verdict] = verdicts.get(verdict, 0) + 1
         if sum(verdicts.values()) == self.cases_per_check or event["event"] == "fatal":
             tally = ", ".join(f"{count} {verdict}" for verdict, count in sorted(verdicts.items()))
-            self.console.print(f"{visible(name)} / {event['check']}: {tally}", highlight=False, markup=False)
+            self._print(f"{visible(name)} / {event['check']}: {tally}")
 
     def backend_finished(self, result: BackendResult) -> None:
+        self._stop_heartbeat()
+        self.running = None
         unloaded = next((check for check in result.checks if check.verdict.is_failure and not check.cases), None)
         if unloaded is not None:  # it could not even be loaded: say why, not "done"
-            self.console.print(f"{visible(result.name)}: {unloaded.verdict.value} {visible(unloaded.summary, one_line=True)}",
-                               highlight=False, markup=False)
+            self._print(f"{visible(result.name)}: {unloaded.verdict.value} {visible(unloaded.summary, one_line=True)}")
         elif result.available:
-            self.console.print(f"{visible(result.name)}: done in {result.wall_s:.1f} s", highlight=False, markup=False)
+            self._print(f"{visible(result.name)}: done in {result.wall_s:.1f} s")
 
 
 def summary_table(run: RunResult) -> Table:

@@ -10,6 +10,7 @@ Exit status 0: finished; 70: stopped on a fatal CUDA error (the parent starts a 
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
@@ -28,8 +29,26 @@ def _read_key() -> bytes:
     return key
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+KEEP_FREED_BYTES = 1 << 30
+
+
+def _keep_freed_memory() -> None:
+    """Let glibc keep freed memory (up to 1 GiB a block) for the next allocation instead of
+    returning it to the kernel: a case allocates and frees the same large tensors over and over,
+    and each fresh mapping is faulted in and zeroed again. Measured on the 2-core CPU machine: one
+    large standard case (numerics + determinism) 35 s → 26 s, system time 22 s → 4.6 s."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, KEEP_FREED_BYTES)
+        libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREED_BYTES)
+    except (OSError, AttributeError):  # not glibc: the allocator's defaults
+        pass
+
+
 def main(argv: list[str]) -> int:
     job_path, events_path = argv
+    _keep_freed_memory()
     key = _read_key()
     with open(job_path) as job_file:
         job = Job.from_dict(json.load(job_file))

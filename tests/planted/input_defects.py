@@ -226,11 +226,10 @@ class RoundsGroupUpToAPowerOfTwo(TorchNaiveBackend):
 
     name = "planted_rounds_group_up_to_a_power_of_two"
 
-    def per_query_head(self, rows):
+    def kv_head_of(self):
         spec = self.spec
         padded = 1 << (spec.query_group_size - 1).bit_length()
-        kv_head = (torch.arange(spec.num_heads, device=rows.device) // padded).clamp(max=spec.num_kv_heads - 1)
-        return rows.float()[:, kv_head]
+        return (torch.arange(spec.num_heads) // padded).clamp(max=spec.num_kv_heads - 1)
 
 
 class HeadTileWithoutHeadMask(TorchNaiveBackend):
