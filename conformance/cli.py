@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import math
 import os
 import signal
@@ -22,6 +23,7 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from backends import registry
 from backends.base import DeviceError, DeviceInfo, resolve_device
@@ -141,28 +143,53 @@ def _check_seconds(*limits: tuple[str, float | None]) -> None:
             raise UsageError(f"{flag} {seconds:g}: must be a finite, positive number of seconds")
 
 
+LIST_COLUMNS = ("backend", "origin", "here", "kinds", "max query", "graphs", "host lengths", "draft update", "deterministic",
+                "batch-invariant")
+
+
+def _list_row(name: str, probe_: Probe) -> dict[str, str]:
+    if probe_.failure:
+        return {"backend": name, "origin": probe_.ref.origin, "here": f"cannot load: {probe_.failure}"}
+    claims = probe_.claims
+    max_query = claims["max_query_len"]
+    return {
+        "backend": name, "origin": probe_.ref.origin,
+        "here": "available" if probe_.unavailable is None else probe_.unavailable,
+        "kinds": ",".join(claims["kinds"]),
+        "max query": ("any" if max_query is None else str(max_query)) + (", uniform" if claims["uniform_query_len"] else ""),
+        "graphs": claims["cuda_graphs"], "host lengths": "needed" if claims["needs_cpu_seq_lens"] else "not needed",
+        "draft update": "yes" if claims["draft_step_update"] else "no",
+        "deterministic": "claimed" if claims["deterministic"] else "no",
+        "batch-invariant": "claimed" if claims["batch_invariant"] else "no",
+    }
+
+
 def command_list(args: argparse.Namespace, console: Console) -> int:
+    """A table on a terminal (names never cut: long cells wrap); ``plain`` (one line a backend,
+    nothing cut: the default in a pipe) and ``json`` for scripts."""
     _check_seconds(("--timeout", args.timeout))
     torch_device = _device(args.device)
     device = DeviceInfo.of(torch_device)
+    rows = [_list_row(name, probe_) for name, probe_ in
+            probe_backends(registry.known_backends(), str(torch_device), args.timeout).items()]
+    form = args.format or ("table" if console.is_terminal else "plain")
+    if form == "json":
+        print(json.dumps({"device": device.name, "backends": rows}, indent=1))
+        return EXIT_OK
+    if form == "plain":
+        print(f"backends (here: {device.name}{', ' + device.sm if device.compute_capability else ''})")
+        for row in rows:
+            print("  ".join([visible(row["backend"], one_line=True), f"[{row['origin']}]", visible(row["here"], one_line=True)]
+                            + [f"{column}={row[column]}" for column in LIST_COLUMNS[3:] if column in row]))
+        return EXIT_OK
     table = Table(title=f"backends (here: {device.name}{', ' + device.sm if device.compute_capability else ''})", title_justify="left")
-    for column in ("backend", "origin", "here", "kinds", "max query", "graphs", "host lengths", "draft update", "deterministic", "batch-invariant"):
-        table.add_column(column)
-    for name, probe_ in probe_backends(registry.known_backends(), str(torch_device), args.timeout).items():
-        if probe_.failure:
-            table.add_row(escape(name), probe_.ref.origin, f"[red]cannot load: {escape(visible(probe_.failure))}[/]", "", "", "", "", "", "", "")
-            continue
-        claims = probe_.claims
-        max_query = claims["max_query_len"]
-        table.add_row(
-            escape(name), probe_.ref.origin,
-            "[green]available[/]" if probe_.unavailable is None else f"[yellow]{escape(visible(probe_.unavailable))}[/]",
-            ",".join(claims["kinds"]), ("any" if max_query is None else str(max_query))
-            + (", uniform" if claims["uniform_query_len"] else ""),
-            claims["cuda_graphs"], "needed" if claims["needs_cpu_seq_lens"] else "not needed",
-            "yes" if claims["draft_step_update"] else "no", "claimed" if claims["deterministic"] else "no",
-            "claimed" if claims["batch_invariant"] else "no",
-        )
+    for column in LIST_COLUMNS:
+        table.add_column(column, no_wrap=column == "backend", overflow="fold")
+    for row in rows:
+        here = visible(row["here"], one_line=True)
+        style = "green" if here == "available" else "red" if here.startswith("cannot load") else "yellow"
+        table.add_row(*[Text(visible(row.get(column, ""), one_line=True), style=style if column == "here" else "")
+                        for column in LIST_COLUMNS])
     console.print(table)
     return EXIT_OK
 
@@ -366,6 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     listing = commands.add_parser("list", help="every backend, and whether it can run here (or exactly why not)")
     listing.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda when visible, else cpu)")
+    listing.add_argument("--format", choices=["table", "plain", "json"],
+                         help="table (default on a terminal), plain (one line a backend, nothing cut: default in a pipe), json")
     listing.add_argument("--timeout", type=float, default=300.0,
                          help="seconds one backend's import may take before it is listed as hung (default 300)")
 
@@ -437,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("conformance: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `conformance list | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
 
 
 if __name__ == "__main__":

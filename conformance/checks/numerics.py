@@ -72,6 +72,7 @@ class NumericsCheck(Check):
         what = how_far_off(metrics) + (" (unwritten rows stay NaN)" if metrics["non_finite"] else "")
         reason = (f"{what}; max abs error {metrics['max_abs_error']:.3g} (atol {atol:g}, rtol {rtol:g}); worst at "
                   f"{worst_place(evidence['worst'])}")
+        evidence["pass"] = "loud poison: every KV slot no request owns holds a dominant key and a loud value"
         return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics, evidence=evidence)
 
     @staticmethod

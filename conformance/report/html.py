@@ -15,6 +15,7 @@ from typing import Any
 from conformance.checks import check_class
 from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
 from conformance.report.output_paths import write_atomically
+from conformance.report.reproduce import reproduce_command
 
 VERDICT_COLOURS = {
     Verdict.PASS: "#2e7d32",
@@ -77,10 +78,13 @@ def _evidence(check_name: str, case: CaseResult) -> str:
     return "".join(parts)
 
 
-def _case_rows(check_name: str, cases: list[CaseResult], with_evidence: bool) -> str:
+def _case_rows(check_name: str, cases: list[CaseResult], with_evidence: bool, reproduce=None) -> str:
+    """``reproduce(case)``: the command that runs a failing case alone, shown above its evidence."""
     rows = []
     for case in cases:
         evidence = _evidence(check_name, case) if with_evidence else ""
+        if reproduce is not None:
+            evidence = f"<p>reproduce: <code class='repro'>{escape(reproduce(case))}</code></p>{evidence}"
         rows.append(
             f"<tr>{_verdict_cell(case.verdict)}<td><code>{escape(case.case)}</code><br><span class='dim'>{escape(case.tag)}</span></td>"
             f"<td>{escape(case.reason)}{evidence}</td></tr>"
@@ -88,13 +92,13 @@ def _case_rows(check_name: str, cases: list[CaseResult], with_evidence: bool) ->
     return "".join(rows)
 
 
-def check_section(backend: BackendResult, check: CheckResult) -> str:
+def check_section(backend: BackendResult, check: CheckResult, run: RunResult) -> str:
     failing = [case for case in check.cases if case.verdict.is_failure]
     details = f"<details><summary>check details</summary><pre>{escape(json.dumps(check.details, indent=1))}</pre></details>" if check.details else ""
     parts = [f"<h3 id='{escape(backend.name)}-{escape(check.name)}'>{escape(backend.name)} / {escape(check.name)}: "
              f"{check.verdict.value}</h3><p>{escape(check.summary)}</p>{details}"]
     if failing:
-        parts.append(f"<table class='failures'><tr><th>verdict</th><th>case</th><th>evidence</th></tr>{_case_rows(check.name, failing, True)}</table>")
+        parts.append(f"<table class='failures'><tr><th>verdict</th><th>case</th><th>evidence</th></tr>{_case_rows(check.name, failing, True, lambda case: reproduce_command(run, backend.name, check.name, case.case))}</table>")
     if check.cases:
         parts.append(f"<details><summary>all {len(check.cases)} cases</summary><table>{_case_rows(check.name, check.cases, False)}</table></details>")
     return "".join(parts)
@@ -148,7 +152,7 @@ def render(run: RunResult) -> str:
             continue
         for check in backend.checks:
             if check.name != "bench":
-                sections.append(check_section(backend, check))
+                sections.append(check_section(backend, check, run))
     unavailable = "".join(
         f"<li><b>{escape(b.name)}</b>: {escape(b.reason)}</li>" for b in run.backends if not b.available
     )

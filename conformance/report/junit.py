@@ -11,6 +11,7 @@ from conformance.checks import check_class
 from conformance.checks.evidence import plain_lines
 from conformance.results import CaseResult, RunResult, Verdict
 from conformance.report.output_paths import write_atomically
+from conformance.report.reproduce import reproduce_command
 from conformance.report.safe_text import xml_safe
 
 
@@ -18,10 +19,12 @@ def _evidence_text(check_name: str, case: CaseResult) -> str:
     return "\n".join([case.reason] + plain_lines(check_class(check_name).describe_evidence(case.evidence)))
 
 
-def _testcase(suite: ElementTree.Element, classname: str, name: str, verdict: Verdict, message: str, text: str = "") -> None:
+def _testcase(suite: ElementTree.Element, classname: str, name: str, verdict: Verdict, message: str, text: str = "",
+              seconds: float | None = None) -> None:
     """Every string through ``xml_safe``: a backend's reason or stderr may hold any character,
     and one that XML forbids would make the whole file unreadable to the CI system."""
-    testcase = ElementTree.SubElement(suite, "testcase", classname=xml_safe(classname), name=xml_safe(name), time="0")
+    testcase = ElementTree.SubElement(suite, "testcase", classname=xml_safe(classname), name=xml_safe(name),
+                                      time=f"{seconds or 0:.3f}")
     message = xml_safe(message)[:1000]
     if verdict == Verdict.FAIL:
         ElementTree.SubElement(testcase, "failure", message=message, type="FAIL").text = xml_safe(text)
@@ -41,7 +44,10 @@ def render(run: RunResult) -> str:
             if not check.cases:
                 _testcase(suite, classname, check.name, check.verdict if check.verdict != Verdict.PASS else Verdict.SKIP, check.summary)
             for case in check.cases:
-                _testcase(suite, classname, case.case, case.verdict, case.reason, _evidence_text(check.name, case))
+                text = _evidence_text(check.name, case)
+                if case.verdict.is_failure:
+                    text = f"reproduce: {reproduce_command(run, backend.name, check.name, case.case)}\n{text}"
+                _testcase(suite, classname, case.case, case.verdict, case.reason, text, case.seconds)
             counts = {
                 "tests": len(suite),
                 "failures": len(suite.findall("testcase/failure")),

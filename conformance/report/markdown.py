@@ -4,6 +4,7 @@ from __future__ import annotations
 from conformance.checks import check_class
 from conformance.results import RunResult
 from conformance.report.output_paths import write_atomically
+from conformance.report.reproduce import reproduce_command
 from conformance.report.safe_text import markdown_code, markdown_inline
 
 MAX_FAILURES = 20
@@ -37,6 +38,7 @@ def render(run: RunResult) -> str:
         for backend, check, case in failures[:MAX_FAILURES]:
             lines.append(f"- **{case.verdict.value}** {markdown_code(backend)} / {check} {markdown_code(case.case)}: "
                          f"{markdown_inline(case.reason)}")
+            lines.append(f"  - reproduce: {markdown_code(reproduce_command(run, backend, check, case.case))}")
             # A block's label alone (a sync event's line to change): a stack or a traceback belongs in
             # the HTML report, not in a pull-request comment.
             items = check_class(check).describe_evidence(case.evidence)[:MAX_EVIDENCE_ITEMS]
@@ -45,7 +47,7 @@ def render(run: RunResult) -> str:
         if len(failures) > MAX_FAILURES:
             lines.append(f"- … and {len(failures) - MAX_FAILURES} more in the JSON results")
     lines += ["", f"<sub>{markdown_inline(run.environment.get('command', ''))} · "
-              f"{markdown_inline(run.environment.get('git_sha') or '')}</sub>", ""]
+              f"{markdown_inline(run.environment.get('git_sha') or run.environment.get('version') or '')}</sub>", ""]
     return "\n".join(lines)
 
 

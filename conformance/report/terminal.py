@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 from rich.console import Console
@@ -14,6 +15,7 @@ from rich.text import Text
 
 from conformance.checks import check_class
 from conformance.checks.evidence import plain_lines
+from conformance.report.reproduce import reproduce_command
 from conformance.report.safe_text import visible
 from conformance.results import BackendResult, CaseResult, RunResult, Verdict
 from conformance.run.runner import Progress as RunProgress
@@ -178,6 +180,7 @@ def _evidence_lines(check_name: str, case: CaseResult) -> list[str]:
 
 
 def print_failures(console: Console, run: RunResult) -> None:
+    tracebacks: dict[str, str] = {}  # a traceback's text -> the first case that printed it
     for backend in run.backends:
         for check in backend.checks:
             failures = [case for case in check.cases if case.verdict.is_failure]
@@ -189,7 +192,17 @@ def print_failures(console: Console, run: RunResult) -> None:
                 console.print(Text("  ").append(verdict_text(case.verdict)).append(f" {visible(case.case, one_line=True)}").append(
                     f"  ({visible(case.tag, one_line=True)})" if case.tag else "", style="dim"))
                 console.print(f"    {visible(case.reason, one_line=True)}", markup=False, highlight=False)
-                for line in _evidence_lines(check.name, case):
+                console.print(f"    reproduce: {visible(reproduce_command(run, backend.name, check.name, case.case))}",
+                              markup=False, highlight=False)
+                traceback = case.evidence.get("traceback")
+                if isinstance(traceback, str) and traceback in tracebacks:  # the same error again: once is enough
+                    shown = replace(case, evidence={key: value for key, value in case.evidence.items() if key != "traceback"})
+                    lines = _evidence_lines(check.name, shown) + [f"    traceback: the same as for {tracebacks[traceback]} above"]
+                else:
+                    if isinstance(traceback, str):
+                        tracebacks[traceback] = case.case
+                    lines = _evidence_lines(check.name, case)
+                for line in lines:
                     console.print(line, markup=False, highlight=False, style="dim")
             if len(failures) > MAX_FAILURES_SHOWN:
                 console.print(f"  … and {len(failures) - MAX_FAILURES_SHOWN} more in the JSON results")

@@ -47,6 +47,7 @@ def collect_environment(device: torch.device) -> dict[str, Any]:
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join(["conformance", *sys.argv[1:]]),
         "git_sha": git_sha(),
+        "version": _version("specdec-conformance"),  # what an installed copy (no git checkout) can say
         "host": platform.node(),
         "platform": platform.platform(),
         "python": platform.python_version(),

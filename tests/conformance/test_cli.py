@@ -186,3 +186,29 @@ def test_list_shows_every_backend():
 def test_help_documents_the_case_grammar_and_exit_codes():
     assert "LAYER" in conformance("run", "--help").stdout
     assert "nothing could run here" in conformance("--help").stdout
+
+
+def test_the_default_suite_on_a_cpu_is_quick(tmp_path):
+    completed = conformance("run", "--check", "graphs", "--device", "cpu", "--json", str(tmp_path / "r.json"))
+    assert completed.returncode == 3, completed.stderr  # graphs skip on a CPU: nothing ran, but the suite is recorded
+    assert RunResult.load(tmp_path / "r.json").suite == "quick"
+
+
+def test_a_ci_log_shows_life_during_a_long_case():
+    import io
+
+    from rich.console import Console
+
+    from conformance.report.terminal import LineProgress
+
+    stream = io.StringIO()
+    progress = LineProgress(Console(file=stream, width=200))
+    progress.HEARTBEAT_S = 0.5
+    with progress:
+        progress.backend_started("mine", 1, 3)
+        progress.event("mine", {"event": "start", "check": "numerics", "case": "gqa:5+1@0"})
+        import time
+
+        time.sleep(2.5)
+        progress.event("mine", {"event": "result", "check": "numerics", "result": {"verdict": "PASS"}})
+    assert "mine / numerics: 0/3 cases, running gqa:5+1@0" in stream.getvalue()

@@ -171,3 +171,16 @@ def test_a_big_pool_puts_every_owned_block_past_two_to_the_31_elements_of_its_pl
         assert pool_size(small) * plane_block < BIG_POOL_ELEMENTS // 16  # the other cases' pools stay far below
         assert big_pool_skip_reason(case, torch.device("cpu")).startswith("bigpool runs on a GPU")
         assert big_pool_skip_reason(small, torch.device("cpu")) is None
+
+
+def test_the_quick_suite_keeps_every_layer_of_the_standard_suite_and_only_its_smaller_cases():
+    from conformance.inputs.cases import QUICK_KV_ELEMENTS
+
+    quick, standard = suite("quick"), suite("standard")
+    assert set(quick) < set(standard) and all(case.kv_elements <= QUICK_KV_ELEMENTS for case in quick)
+    assert [case for case in standard if case.kv_elements <= QUICK_KV_ELEMENTS] == quick
+
+    def layers(cases):
+        return {(case.spec.kind, case.spec.dtype, case.layer_options) for case in cases}
+
+    assert layers(quick) == layers(standard)

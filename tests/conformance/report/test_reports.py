@@ -227,3 +227,30 @@ def test_report_renders_in_a_real_browser(tmp_path):
         hex_colour = report_html.VERDICT_COLOURS[verdict].lstrip("#")
         rgb = tuple(int(hex_colour[i : i + 2], 16) for i in (0, 2, 4))
         assert rgb in colours, f"{verdict.value} cell colour not rendered"
+
+
+def test_every_failure_says_how_to_reproduce_it_alone_and_junit_carries_the_times():
+    run = crafted()
+    run.environment["device"] = "cuda"
+    for case in run.backends[0].check("numerics").cases:
+        case.seconds = 1.25
+    command = "conformance run --backend mine --check numerics --case gqa:9+4@0 --device cuda"
+    console = Console(record=True, width=200)
+    print_report(console, run)
+    for name, text in (("terminal", console.export_text()), ("html", report_html.render(run)),
+                       ("markdown", report_markdown.render(run)), ("junit", report_junit.render(run))):
+        assert command in text, name
+    root = ElementTree.fromstring(report_junit.render(run).encode())
+    assert {case.get("time") for case in root.iter("testcase") if case.get("classname") == "conformance.mine.numerics"} == {"1.250"}
+
+
+def test_the_same_traceback_is_printed_once_with_the_cases_it_hit():
+    error = {"traceback": "Traceback (most recent call last):\n  File x\nValueError: the same"}
+    cases = [CaseResult(f"gqa:{n}+1@0", Verdict.ERROR, "ValueError: the same", evidence=dict(error)) for n in (5, 6, 7)]
+    run = RunResult({}, [BackendResult("mine", True, checks=[CheckResult("numerics", Verdict.ERROR, "3 ERROR", cases)])],
+                    "standard", ["numerics"])
+    console = Console(record=True, width=200)
+    print_report(console, run)
+    text = console.export_text()
+    assert text.count("ValueError: the same\n") == 4  # three reasons and one traceback
+    assert text.count("traceback: the same as for gqa:5+1@0 above") == 2
