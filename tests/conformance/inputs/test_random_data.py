@@ -71,7 +71,7 @@ def test_drawing_in_chunks_draws_the_same_numbers(monkeypatch):
     shapes = [(3, 1000), (5,), (0,), (2, 700)]
     whole = draw(11, *shapes)
     assert [t.shape for t in whole] == [torch.Size(s) for s in shapes]
-    monkeypatch.setattr(random_data, "CHUNK_NUMBERS", 999)  # chunks that start inside tensors
+    monkeypatch.setattr(random_data, "CHUNK_NUMBERS", {"cpu": 999, "cuda": 999})  # chunks that start inside tensors
     assert all(torch.equal(a, b) for a, b in zip(draw(11, *shapes), whole))
 
 
@@ -80,7 +80,7 @@ def test_a_stream_past_one_key_goes_on_under_derived_keys(monkeypatch):
     stream j of a seed equal to s's key, and nothing else moves."""
     whole = draw(5, (250,), (30,))
     monkeypatch.setattr(random_data, "SEGMENT_NUMBERS", 100)
-    monkeypatch.setattr(random_data, "CHUNK_NUMBERS", 64)  # chunks that cross segment boundaries
+    monkeypatch.setattr(random_data, "CHUNK_NUMBERS", {"cpu": 64, "cuda": 64})  # chunks that cross segment boundaries
     long, short = draw(5, (250,), (30,))
     assert torch.equal(long[:100], whole[0][:100]) and torch.equal(short, whole[1])
     key = reference_mix32((5 ^ (0 * random_data.STREAM_SALT)) & 0x7FFFFFFF) & 0x7FFFFFFF
@@ -99,7 +99,7 @@ def test_mix32_is_a_bijection_on_a_sample_and_wraps_like_uint32():
 
 @pytest.mark.gpu
 def test_cpu_and_gpu_draw_the_same_bits():
-    shapes = [(5,), (3, 8, 128), (random_data.CHUNK_NUMBERS + 77,), (1000,)]
+    shapes = [(5,), (3, 8, 128), (random_data.CHUNK_NUMBERS["cuda"] + 77,), (1000,)]
     for cpu, gpu in zip(draw(99, *shapes), draw(99, *shapes, device="cuda")):
         assert torch.equal(cpu, gpu.cpu())
     # A whole case, its data profiles applied on each device.
