@@ -94,23 +94,29 @@ class TorchNaiveBackend(AttentionBackend):
             seen &= query_positions[:, None] - key_positions[None, :] < self.spec.sliding_window
         return seen
 
-    def kv_head_of(self) -> torch.Tensor:
-        """[H]: the KV head each query head reads (query head h reads KV head h // group)."""
-        return torch.arange(self.spec.num_heads) // self.spec.query_group_size
+    def kv_head_of(self) -> list[int]:
+        """The KV head each query head reads (query head h reads KV head h // group)."""
+        return [head // self.spec.query_group_size for head in range(self.spec.num_heads)]
 
-    def per_kv_head(self) -> list[tuple[int, torch.Tensor]]:
-        """(KV head, the query heads that read it), for every KV head some query head reads: the
-        math runs per KV head on its own rows, never on a copy of the cache per query head (MLA's
-        128 query heads over one latent head would copy the whole context 128 times)."""
-        heads = self.kv_head_of()
-        return [(kv, (heads == kv).nonzero().flatten()) for kv in heads.unique().tolist()]
+    def head_runs(self) -> list[tuple[int, int, int]]:
+        """(first, end, KV head): runs of consecutive query heads that read one KV head. The math
+        runs per run on slices: never a copy of the cache per query head (MLA's 128 query heads
+        over one latent head would copy the whole context 128 times), and no index tensor (on a
+        GPU, indexing with a host tensor copies it over and synchronizes)."""
+        runs: list[tuple[int, int, int]] = []
+        for head, kv in enumerate(self.kv_head_of()):
+            if runs and runs[-1][2] == kv:
+                runs[-1] = (runs[-1][0], head + 1, kv)
+            else:
+                runs.append((head, head + 1, kv))
+        return runs
 
     def masked_scores(self, query, key, context_len: int) -> torch.Tensor:
         """[H, q, s] float32 logits (soft-capped), -inf where a query may not look."""
         query, key = query.float(), key.float()
         scores = query.new_empty(query.shape[1], query.shape[0], key.shape[0])
-        for kv, heads in self.per_kv_head():
-            scores[heads] = torch.einsum("qhd,kd->hqk", query[:, heads], key[:, kv])
+        for first, end, kv in self.head_runs():
+            scores[first:end] = torch.einsum("qhd,kd->hqk", query[:, first:end], key[:, kv])
         scores *= self.softmax_scale()
         if self.spec.logits_soft_cap is not None:
             cap = self.spec.logits_soft_cap
@@ -124,6 +130,6 @@ class TorchNaiveBackend(AttentionBackend):
         probs = self.masked_scores(query, key, context_len).softmax(dim=-1)
         value = value.float()
         out = value.new_empty(query.shape[0], query.shape[1], value.shape[-1])
-        for kv, heads in self.per_kv_head():
-            out[:, heads] = torch.einsum("hqk,kd->qhd", probs[heads], value[:, kv])
+        for first, end, kv in self.head_runs():
+            out[:, first:end] = torch.einsum("hqk,kd->qhd", probs[first:end], value[:, kv])
         return out

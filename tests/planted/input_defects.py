@@ -229,7 +229,7 @@ class RoundsGroupUpToAPowerOfTwo(TorchNaiveBackend):
     def kv_head_of(self):
         spec = self.spec
         padded = 1 << (spec.query_group_size - 1).bit_length()
-        return (torch.arange(spec.num_heads) // padded).clamp(max=spec.num_kv_heads - 1)
+        return [min(head // padded, spec.num_kv_heads - 1) for head in range(spec.num_heads)]
 
 
 class HeadTileWithoutHeadMask(TorchNaiveBackend):
