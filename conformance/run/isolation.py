@@ -48,7 +48,6 @@ class BackendEvents:
     skipped_checks: dict[str, str] = field(default_factory=dict)
     planned_checks: dict[str, str | None] | None = None  # check -> its whole-check skip reason
     planned_cases: dict[str, dict[str, str | None]] = field(default_factory=dict)  # check -> case -> skip reason
-    finished: bool = False  # a child reported "done"
 
     def record(self, event: dict[str, Any]) -> None:
         kind = event["event"]
@@ -59,8 +58,6 @@ class BackendEvents:
             self.skipped_checks[event["check"]] = event["reason"]
         elif kind == "plan" and self.planned_checks is None:
             self.planned_checks, self.planned_cases = event["checks"], event["cases"]
-        elif kind == "done":
-            self.finished = True
 
 
 def _tail(path: Path) -> str:
@@ -79,7 +76,7 @@ def describe_exit(returncode: int) -> str:
     return f"exited with status {returncode}"
 
 
-def _child_env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
     env = dict(os.environ)
     # The child must import what the parent can: the project and any module:Class backend.
     env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)
@@ -99,7 +96,7 @@ def _die_with_parent_hook():
     return lambda: prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
-_DIE_WITH_PARENT = _die_with_parent_hook()
+DIE_WITH_PARENT = _die_with_parent_hook()
 
 
 def not_run(job: Job, events: BackendEvents, verdict: Verdict, reason: str) -> list[dict[str, Any]]:
@@ -128,8 +125,8 @@ def not_run(job: Job, events: BackendEvents, verdict: Verdict, reason: str) -> l
 def _start_worker(job_path: Path, events_path: Path, log, key: bytes) -> subprocess.Popen:
     child = subprocess.Popen(
         [sys.executable, "-m", "conformance.run.worker", str(job_path), str(events_path)],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE, env=_child_env(),
-        start_new_session=True, preexec_fn=_DIE_WITH_PARENT,
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE, env=child_env(),
+        start_new_session=True, preexec_fn=DIE_WITH_PARENT,
     )
     try:
         child.stdin.write(key.hex().encode() + b"\n")

@@ -21,7 +21,7 @@ from typing import Any
 
 from backends.registry import BackendLookupError, BackendRef
 from conformance.results import Verdict
-from conformance.run.isolation import _DIE_WITH_PARENT, _child_env, describe_exit
+from conformance.run.isolation import DIE_WITH_PARENT, child_env, describe_exit
 
 
 @dataclass
@@ -94,8 +94,8 @@ def probe_backends(refs: list[BackendRef], device_text: str, timeout_s: float) -
     while pending:
         stderr_file = tempfile.TemporaryFile("w+")  # a file, not a pipe: an import that prints a lot cannot block
         child = subprocess.Popen([sys.executable, "-m", "conformance.run.probe", device_text], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=stderr_file, text=True, env=_child_env(),
-                                 start_new_session=True, preexec_fn=_DIE_WITH_PARENT)
+                                 stdout=subprocess.PIPE, stderr=stderr_file, text=True, env=child_env(),
+                                 start_new_session=True, preexec_fn=DIE_WITH_PARENT)
         try:
             child.stdin.write("".join(json.dumps(ref.__dict__) + "\n" for ref in pending))
             child.stdin.close()
