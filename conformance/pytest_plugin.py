@@ -2,7 +2,8 @@
 author's own test run, and fixtures.
 
     pytest --conformance-backend mypkg.attn:MyBackend [--conformance-suite smoke]
-           [--conformance-check numerics,syncs] [--conformance-device cuda] [--conformance-allow-skip]
+           [--conformance-check numerics,syncs] [--conformance-case ID ...] [--conformance-device cuda]
+           [--conformance-allow-skip]
 
 adds one test item per check x case (``conformance[numerics-gqa-h32/8-...]``): PASS passes, SKIP
 skips with the reason, FAIL / ERROR fail with the evidence; a check that skips as a whole (CUDA
@@ -17,6 +18,8 @@ It also brings ``host_syncs``'s ``forbid_host_syncs`` fixture (see ``host_syncs.
 """
 from __future__ import annotations
 
+import shlex
+
 import pytest
 import torch
 
@@ -30,6 +33,8 @@ def pytest_addoption(parser) -> None:
                     help="smoke | quick | standard | full (default smoke: seconds inside your own test run; the "
                     "`conformance run` command defaults to standard on a GPU, quick on a CPU)")
     group.addoption("--conformance-check", default=None, help="comma-separated checks (default: the CLI's)")
+    group.addoption("--conformance-case", action="append", default=None,
+                    help="run this case id instead of the suite (repeatable; a failing item prints its own)")
     group.addoption("--conformance-device", default=None, help="cpu or cuda (default: cuda when visible)")
     group.addoption("--conformance-allow-skip", action="store_true",
                     help="let an absent device, an unavailable backend or an all-skipped run skip instead of fail")
@@ -109,14 +114,20 @@ class ConformanceItem(pytest.Item):
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, BackendExited):
-            return f"CRASH: {excinfo.value}\ncase: {self.case.id if self.case else ''}"
+            return f"CRASH: {excinfo.value}\ncase: {self.case.id}\n{self.rerun()}"
         if isinstance(excinfo.value, ConformanceFailure):
             from conformance.checks.evidence import plain_lines
 
             result = excinfo.value.result
             evidence = plain_lines(self.check.describe_evidence(result.evidence), block_lines=40)
-            return "\n".join([f"{result.verdict.value}: {result.reason}", f"case: {result.case}", *evidence])
+            return "\n".join([f"{result.verdict.value}: {result.reason}", f"case: {result.case}", self.rerun(), *evidence])
         return super().repr_failure(excinfo)
+
+    def rerun(self) -> str:
+        """The command that runs this item alone (its node id holds '/' and ':', which pytest's
+        command line does not take back)."""
+        return "rerun: " + shlex.join(["pytest", f"--conformance-backend={self.config.getoption('conformance_backend')}",
+                                       f"--conformance-check={self.check.name}", f"--conformance-case={self.case.id}"])
 
     def reportinfo(self):
         return self.path, None, f"conformance {self.check.name} {self.case.id if self.case else ''}"
@@ -128,13 +139,14 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         return
     from backends import registry
     from backends.base import DeviceError, DeviceInfo, resolve_device
-    from conformance.inputs.cases import CaseSyntaxError, suite
+    from conformance.inputs.cases import CaseSyntaxError, parse_case, suite
     from conformance.checks import CHECKS, default_checks, make_check
 
     _guard_exits()
     try:
         backend_cls = registry.load(target)
-        cases = suite(config.getoption("conformance_suite"))
+        given = config.getoption("conformance_case")
+        cases = [parse_case(text) for text in given] if given else suite(config.getoption("conformance_suite"))
     except (registry.BackendLookupError, CaseSyntaxError) as error:
         raise pytest.UsageError(str(error)) from None
     option = config.getoption("conformance_check")

@@ -52,28 +52,29 @@ def add_engine_parser(commands) -> None:
                             "model: see fetch-model; prompts from the built-in prompt set, stops at its EOS) or a local "
                             "Llama/Qwen2 checkpoint directory")
         parser.add_argument("--spec-tokens", type=int, default=0, help="draft tokens per step, k (default 0: no speculation)")
-        parser.add_argument("--num-prompts", type=int, default=8)
+        parser.add_argument("--num-prompts", type=int, default=8,
+                            help="requests to serve (default 8; a real model cycles through its six prompts)")
         parser.add_argument("--prompt-len", type=int, default=64, help="random prompts' length (a real model's prompts are text)")
-        parser.add_argument("--max-tokens", type=int, default=64)
+        parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default 64)")
         parser.add_argument("--device", help="cpu or cuda (default: cuda when visible)")
         parser.add_argument("--dtype", default=None, help="fp32 | fp16 | bf16 (default: fp32 on cpu, bf16 on cuda)")
-        parser.add_argument("--num-blocks", type=int, default=1024)
-        parser.add_argument("--max-num-tokens", type=int, default=512, help="token budget per step")
+        parser.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks (default 1024)")
+        parser.add_argument("--max-num-tokens", type=int, default=512, help="token budget per step (default 512)")
         parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                             help="replay uniform steps from CUDA graphs where the backend claims it (default on)")
         parser.add_argument("--detect-syncs", action="store_true", help="count host-blocking syncs per steady-state step (CUDA)")
         parser.add_argument("--step-idle", action="store_true",
                             help="measure GPU idle inside steps in one more pass under torch.profiler (CUDA)")
         parser.add_argument("--json", help="write the measured metrics here")
-        parser.add_argument("--seed", type=int, default=0)
-    run.add_argument("--drafter", default="none", help="eagle | layer-skip[:N] | ngram[:N] (prompt lookup, N = longest n-gram, default 3) | scripted:PATTERN (all, none, first:J, random:R; oracle:PATTERN is its old name)")
+        parser.add_argument("--seed", type=int, default=0, help="weights, prompts and sampling seed (default 0)")
+    run.add_argument("--drafter", default="none", help="eagle | layer-skip[:N] | ngram[:N] (prompt lookup, N = longest n-gram, default 3) | scripted:PATTERN (all, none, first:J, random:R; oracle:PATTERN is its old name); default none: no drafting")
     run.add_argument("--eagle", help="a local EAGLE head checkpoint directory (with --drafter eagle)")
-    run.add_argument("--temperature", type=float, default=0.0)
+    run.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     run.add_argument("--loop", default="async", choices=LOOPS,
-                     help="async: zero-bubble batched loop; sync: the same step, waiting for each; "
+                     help="async (default): zero-bubble batched loop; sync: the same step, waiting for each; "
                           "simple: the per-request loop of part 1")
     run.add_argument("--check-inputs", action="store_true", help="debug: count placeholder inputs and stale positions on device")
-    bench.add_argument("--drafters", default="scripted:random:0.7,layer-skip", help="comma-separated drafters to compare")
+    bench.add_argument("--drafters", default="scripted:random:0.7,layer-skip", help="comma-separated drafters to compare (default scripted:random:0.7,layer-skip)")
     bench.add_argument("--repeats", type=int, default=1,
                        help="timed runs of each engine, round by round after one warm-up; the table shows the run of "
                             "median TPOT and the median async/sync ratio with its range (default 1)")
@@ -140,8 +141,9 @@ def _sampling(args, tokenizer: Tokenizer | None, **options) -> SamplingParams:
 def _print_texts(console: Console, tokenizer: Tokenizer, outputs, num_prompts: int) -> None:
     for prompt, output in zip(take(num_prompts), outputs):
         console.rule(f"{prompt.name} ({prompt.kind}): {len(output.prompt)} prompt tokens, {len(output.tokens)} generated")
-        console.print(prompt.message, markup=False, highlight=False, style="dim")
-        console.print(tokenizer.decode(output.tokens), markup=False, highlight=False)
+        # Labelled, not only styled: in a log (no terminal) the dim style is gone and the two would run together.
+        console.print(f"prompt: {prompt.message}", markup=False, highlight=False, style="dim")
+        console.print(f"reply: {tokenizer.decode(output.tokens)}", markup=False, highlight=False)
 
 
 def _measure(engine, prompts, params, usage_error, *, detect_syncs: bool, step_idle: bool = False, warm_up: bool = True):

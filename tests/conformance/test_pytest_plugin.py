@@ -100,3 +100,13 @@ def test_a_backend_that_exits_mid_case_fails_that_item_and_the_session_goes_on(p
     assert outcomes["failed"] >= 1 and outcomes["passed"] >= 2  # own test and the small cases
     result.stdout.fnmatch_lines(["*CRASH: the backend * during the case*"])
     assert junit.exists()
+
+
+def test_a_failing_item_prints_the_command_that_reruns_it_alone_and_that_command_works(pytester):
+    result = run_plugin(pytester, "--conformance-backend", "tests.planted.defects:WrongScale", "--conformance-check",
+                        "numerics", "--conformance-device", "cpu")
+    rerun = next(line for line in result.stdout.lines if line.startswith("rerun: pytest "))
+    case = rerun.split("--conformance-case=")[1].strip("'")
+    again = run_plugin(pytester, "--conformance-backend", "tests.planted.defects:WrongScale", "--conformance-check",
+                       "numerics", "--conformance-device", "cpu", f"--conformance-case={case}")
+    again.assert_outcomes(failed=1, passed=1)  # that case alone, and the file's own test

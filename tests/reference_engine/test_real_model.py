@@ -300,3 +300,16 @@ def test_engine_run_prints_the_text(smollm):
     assert completed.returncode == 0, completed.stderr
     assert "incident-summary" in completed.stdout and "Dana Okafor" in completed.stdout  # the prompt
     assert "mean acceptance length" in completed.stdout
+
+
+def test_engine_run_labels_each_prompt_and_its_reply_in_a_log(smollm):
+    import subprocess
+    import sys
+
+    completed = subprocess.run([sys.executable, "-m", "conformance", "engine", "run", "--model", "smollm2-135m",
+                                "--num-prompts", "2", "--max-tokens", "4", "--device", "cpu"],
+                               capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    lines = completed.stdout.splitlines()
+    assert sum(line.startswith("prompt: ") for line in lines) == 2
+    assert sum(line.startswith("reply: ") for line in lines) == 2
