@@ -13,7 +13,7 @@ import torch
 from backends.base import AttentionBackend
 from conformance.inputs.cases import Case
 from conformance.inputs.batch import big_pool_skip_reason
-from conformance.checks.evidence import EvidenceItem, labelled, sync_events, without, worst_element
+from conformance.checks.evidence import MAP_KEYS, EvidenceItem, labelled, maps, sync_events, without, worst_element
 from conformance.results import CaseResult, Verdict, worst
 
 
@@ -46,13 +46,13 @@ class Check(abc.ABC):
     def describe_evidence(cls, evidence: dict[str, Any]) -> list[EvidenceItem]:
         """What every report shows of one case's evidence: the keys of ``sync_event_labels`` (an item
         per event) and of ``evidence_labels`` under their labels, the oracle comparison's worst
-        element (numerics, graphs and the draft loop write it), then a crashed child's stderr, an
+        element (numerics, graphs and the draft loop write it) and its maps, then a crashed child's stderr, an
         error's traceback (any check can have them) and any key no check described, shown as it is.
         An override describes its own keys and passes the rest here (``evidence.without``)."""
         events = [item for key, label in cls.sync_event_labels.items() for item in sync_events(label, evidence.get(key))]
         labelled_items = [item for key, label in cls.evidence_labels.items() for item in labelled(label, evidence.get(key))]
-        rest = without(evidence, "worst", *cls.sync_event_labels, *cls.evidence_labels)
-        return events + labelled_items + worst_element(evidence.get("worst")) + [
+        rest = without(evidence, "worst", *MAP_KEYS, *cls.sync_event_labels, *cls.evidence_labels)
+        return events + labelled_items + worst_element(evidence.get("worst")) + maps(evidence) + [
             item for key, value in rest.items() for item in labelled(key.replace("_", " "), value)
         ]
 

@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable, TypedDict
 
+from conformance.checks.error_map import summary
+
 SHORT_TEXT = 120  # characters: a structured value up to this long stays on one line
 
 
@@ -21,6 +23,7 @@ class EvidenceItem:
     label: str
     text: str
     block: bool = False
+    grid: dict[str, Any] | None = None  # an ``error_map.Grid``: HTML draws it, the others show ``text``
 
 
 class WorstElement(TypedDict):
@@ -55,6 +58,15 @@ def worst_element(worst: WorstElement | None) -> list[EvidenceItem]:
     if not worst:
         return []
     return [EvidenceItem("worst element", ", ".join(f"{key} {value}" for key, value in worst.items()))]
+
+
+MAP_KEYS = {"error_map": "error map", "key_map": "key map"}  # the ``error_map`` grids a comparison writes
+
+
+def maps(evidence: dict[str, Any]) -> list[EvidenceItem]:
+    """One item per map: its one-line summary as text, the grid for the HTML report to draw."""
+    return [EvidenceItem(label, summary(evidence[key]), grid=evidence[key]) for key, label in MAP_KEYS.items()
+            if evidence.get(key)]
 
 
 def sync_events(label: str, events: Iterable[SyncEventRecord] | None) -> list[EvidenceItem]:

@@ -34,6 +34,7 @@ import torch
 
 from backends.base import AttentionBackend, dtype_name
 from conformance.checks.base import Check
+from conformance.checks.error_map import failure_maps
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle, how_far_off, worst_place
 from conformance.checks.nan_poison import nan_poison_pass
 from conformance.inputs.cases import Case
@@ -73,6 +74,7 @@ class NumericsCheck(Check):
         reason = (f"{what}; max abs error {metrics['max_abs_error']:.3g} (atol {atol:g}, rtol {rtol:g}); worst at "
                   f"{worst_place(evidence['worst'])}")
         evidence["pass"] = "loud poison: every KV slot no request owns holds a dominant key and a loud value"
+        evidence.update(failure_maps(prepared.batch, out, reference, evidence["worst"], atol, rtol, "loud poison"))
         return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics, evidence=evidence)
 
     @staticmethod
@@ -107,12 +109,13 @@ class NumericsCheck(Check):
         if passed:
             return None
         worst = evidence["worst"]
+        maps = failure_maps(batch, out.neg(), batch.reference_output(), worst, atol, rtol, "a second layer")
         reason = (f"a second layer (this step's metadata, no build; its own pool; query, key and value negated) is not the "
                   f"first layer's output negated: {how_far_off(errors)}, worst (negated back) at {worst_place(worst)} — "
                   "state kept from the first layer's pool or forward, or (on a GPU) work launched on another stream than "
                   "the current one")
         return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics,
-                          evidence={"pass": "a second layer: the step's metadata reused, a new pool", "worst": worst})
+                          evidence={"pass": "a second layer: the step's metadata reused, a new pool", "worst": worst, **maps})
 
     @staticmethod
     def _steps_in_flight(prepared: PreparedCase, metrics: dict[str, Any]) -> CaseResult | None:
@@ -139,12 +142,14 @@ class NumericsCheck(Check):
             if passed:
                 continue
             worst = evidence["worst"]
+            maps = failure_maps(step, out, expected, worst, atol, rtol, "two steps in flight", requests[worst["request"]])
             worst["request"] = requests[worst["request"]]  # numbered as in the case
             reason = (f"two steps in flight: {label} is wrong: {how_far_off(errors)}, worst at {worst_place(worst)} — "
                       "a build that overwrites what a queued step still reads (a pinned host buffer copied with "
                       "non_blocking=True, a workspace), or a plan reused for a batch of the same shape")
             metrics["in-flight max abs error"] = errors["max_abs_error"]
             return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics,
-                              evidence={"pass": "two steps in flight: the next step built before this one ran", "worst": worst})
+                              evidence={"pass": "two steps in flight: the next step built before this one ran", "worst": worst,
+                                        **maps})
         metrics["in-flight max abs error"] = worst_error
         return None

@@ -100,6 +100,14 @@ class PagedBatch:
                 )
         return torch.cat(outputs)
 
+    def head_values(self, request: int, head: int) -> torch.Tensor:
+        """[seq_len, Dv]: the values query head ``head`` of ``request`` attends over (MLA: the
+        latent part of the shared entry)."""
+        spec = self.spec
+        if spec.kind == "mla":
+            return self.keys[request][:, : spec.kv_lora_rank]
+        return self.values[request][:, head // spec.query_group_size]
+
     def _rows(self, positions_of) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         keys, values, slots = [], [], []
         for request, (context_len, query_len) in enumerate(self.case.batch):

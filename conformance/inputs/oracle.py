@@ -12,6 +12,18 @@ import torch
 _LOGITS_ELEMENTS = 1 << 25
 
 
+def visible_keys(context_len: int, queries: range, seq_len: int, sliding_window: int | None = None,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """[len(queries), seq_len] bool: which keys the request's new tokens ``queries`` (indices
+    among its new tokens) see: causal, and within the window."""
+    query_positions = context_len + torch.arange(queries.start, queries.stop, device=device)
+    distance = query_positions[:, None] - torch.arange(seq_len, device=device)[None, :]
+    allowed = distance >= 0
+    if sliding_window is not None:
+        allowed &= distance < sliding_window
+    return allowed
+
+
 def attention_reference(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -42,15 +54,10 @@ def attention_reference(
     value = value.double().permute(1, 0, 2)
     out = torch.empty(num_kv_heads, group_size, num_queries, value.shape[-1], dtype=torch.float64, device=query.device)
 
-    key_positions = torch.arange(seq_len, device=query.device)
     chunk_len = max(1, _LOGITS_ELEMENTS // (num_heads * seq_len))
     for chunk_start in range(0, num_queries, chunk_len):
         chunk = slice(chunk_start, min(chunk_start + chunk_len, num_queries))
-        query_positions = context_len + torch.arange(chunk.start, chunk.stop, device=query.device)
-        distance = query_positions[:, None] - key_positions[None, :]  # [q, s]
-        allowed = distance >= 0
-        if sliding_window is not None:
-            allowed &= distance < sliding_window
+        allowed = visible_keys(context_len, range(chunk.start, chunk.stop), seq_len, sliding_window, query.device)
         rows = query[:, :, chunk, :].reshape(num_kv_heads, -1, head_dim)  # [Hkv, group * q, Dk]
         logits = (rows @ key.transpose(1, 2)).view(num_kv_heads, group_size, -1, seq_len) * scale
         if logits_soft_cap is not None:

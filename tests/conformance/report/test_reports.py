@@ -205,28 +205,71 @@ def _chromium() -> str | None:
     return next((shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome") if shutil.which(name)), None)
 
 
-def test_report_renders_in_a_real_browser(tmp_path):
-    browser = _chromium()
-    if browser is None:
-        pytest.skip("no headless Chromium on this machine (.ci/run installs Debian's chromium)")
+def _screenshot(browser: str, page, width: int, tmp_path, name: str):
     import numpy
     from PIL import Image
 
-    report = tmp_path / "report.html"
-    report_html.write_html(crafted(), report)
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars"]
-    dom = subprocess.run([browser, *flags, "--dump-dom", report.as_uri()], capture_output=True, text=True, timeout=120)
-    assert "id=\"summary\"" in dom.stdout and dom.stdout.count("class=\"verdict") >= 10
-    screenshot = tmp_path / "report.png"
-    subprocess.run([browser, *flags, f"--screenshot={screenshot}", "--window-size=1200,900", report.as_uri()],
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
+             "--disable-background-networking", "--no-first-run"]
+    shot = tmp_path / f"{name}.png"
+    subprocess.run([browser, *flags, f"--screenshot={shot}", f"--window-size={width},1600", page.as_uri()],
                    capture_output=True, timeout=120)
-    image = Image.open(screenshot).convert("RGB")
-    colours = {tuple(pixel) for pixel in numpy.asarray(image).reshape(-1, 3).tolist()}
-    # The summary matrix is the first thing on the page: its verdict colours must be on screen.
-    for verdict in (Verdict.PASS, Verdict.FAIL, Verdict.CRASH):
-        hex_colour = report_html.VERDICT_COLOURS[verdict].lstrip("#")
-        rgb = tuple(int(hex_colour[i : i + 2], 16) for i in (0, 2, 4))
-        assert rgb in colours, f"{verdict.value} cell colour not rendered"
+    return numpy.asarray(Image.open(shot).convert("RGB")).astype(int)
+
+
+def _has_colour(pixels, hex_colour: str) -> bool:
+    rgb = [int(hex_colour.lstrip("#")[i : i + 2], 16) for i in (0, 2, 4)]
+    return bool((abs(pixels - rgb).sum(axis=-1) == 0).any())
+
+
+def with_a_numerics_failure_and_every_check() -> RunResult:
+    """``crafted()`` with a real numerics failure (its maps) and a summary as wide as a run of every
+    check, the last column the only ERROR: off screen, its colour would be missing."""
+    import torch
+
+    from conformance.checks import CHECKS
+    from conformance.checks.numerics import NumericsCheck
+    from conformance.inputs.cases import parse_case
+    from tests.planted import defects
+
+    run = crafted()
+    failure = NumericsCheck().run_case(defects.CausalOffByOne, parse_case("gqa-h4/2-d32-fp32-p16-edges:30+40@0"),
+                                       torch.device("cpu"))
+    assert failure.verdict == Verdict.FAIL and "key_map" in failure.evidence
+    mine = run.backends[0]
+    mine.checks[0].cases.append(failure)
+    names = list(CHECKS) + ["a-check-added-later"]
+    mine.checks = [check for check in mine.checks if check.name != "draft-loop"] + [
+        CheckResult(name, Verdict.PASS, "116 PASS, 55 SKIP") for name in names if name not in {c.name for c in mine.checks}]
+    mine.checks.append(CheckResult("zz-last", Verdict.ERROR, "1 ERROR, 170 PASS"))
+    run.checks = [check.name for check in mine.checks]
+    return run
+
+
+def test_report_renders_in_a_real_browser(tmp_path, monkeypatch):
+    """Headless Chromium: the summary matrix of a run of every check fits 1,280 px, and a numerics
+    failure's maps are drawn (the page with them differs from the page without them where they are)."""
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("no headless Chromium on this machine: `apt-get install chromium` (Debian) enables this test")
+    run = with_a_numerics_failure_and_every_check()
+    report = tmp_path / "report.html"
+    report_html.write_html(run, report)
+    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", report.as_uri()],
+                         capture_output=True, text=True, timeout=120)
+    assert "id=\"summary\"" in dom.stdout and dom.stdout.count("class=\"verdict") >= 10
+    assert dom.stdout.count("<svg class=\"map\"") == 2
+    pixels = _screenshot(browser, report, 1280, tmp_path, "report")
+    # The summary is the first thing on the page: every verdict colour, the last column's ERROR too.
+    for verdict in (Verdict.PASS, Verdict.FAIL, Verdict.CRASH, Verdict.ERROR):
+        assert _has_colour(pixels[:500], report_html.VERDICT_COLOURS[verdict]), f"{verdict.value} cell not on screen"
+    monkeypatch.setattr(report_html, "MAPS_PER_CHECK", 0)
+    plain = tmp_path / "plain.html"
+    report_html.write_html(run, plain)
+    without_maps = _screenshot(browser, plain, 1280, tmp_path, "plain")
+    rows = min(len(pixels), len(without_maps))
+    changed = (abs(pixels[:rows] - without_maps[:rows]).sum(axis=-1) > 0)
+    assert changed.sum() > 20_000  # two maps of hundreds of coloured cells
 
 
 def test_every_failure_says_how_to_reproduce_it_alone_and_junit_carries_the_times():
