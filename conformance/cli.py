@@ -31,6 +31,7 @@ from conformance.inputs.batch import footprint_bytes
 from conformance.inputs.cases import CaseSyntaxError, __doc__ as CASE_GRAMMAR, parse_case, suite
 from conformance.checks import CHECKS, default_checks
 from conformance.report.compare import ACCEPTABLE, CompareError, compare_runs
+from conformance.scaffold import ScaffoldError, camel, write_skeleton
 from conformance.run.interrupts import Interrupted, release_signals, stopping_on_signals
 from conformance.run.journal import Journal
 from conformance.report.output_paths import OutputPathError, check_directory, check_files
@@ -381,6 +382,15 @@ def _version() -> str:
         return "(not installed: run from a checkout)"
 
 
+def command_new_backend(args: argparse.Namespace, console: Console) -> int:
+    module, test = write_skeleton(args.name, args.dir)
+    title = f"{camel(args.name)}Backend"
+    console.print(f"wrote {escape(str(module))} and {escape(str(test))}; from {escape(args.dir)}:\n"
+                  f"  conformance run --backend {args.name}:{title} --suite smoke\n"
+                  f"  python -m pytest {escape(test.name)}", highlight=False)
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="conformance",
@@ -418,6 +428,11 @@ def build_parser() -> argparse.ArgumentParser:
     reporting.add_argument("--markdown", help="Markdown file to write")
     reporting.add_argument("--allow-interrupted", action="store_true", help="accept an interrupted run's partial results")
 
+    scaffolding = commands.add_parser(
+        "new-backend", help="write a backend module that passes the smoke suite, and its test, to start from")
+    scaffolding.add_argument("name", help="the module's name (NAME.py, class <Name>Backend, test_NAME.py)")
+    scaffolding.add_argument("--dir", default=".", help="folder to write into (default: the current one)")
+
     add_engine_parser(commands)
 
     comparing = commands.add_parser("compare", help="the CI gate: exit 1 if NEW regressed against BASE")
@@ -451,13 +466,15 @@ def main(argv: list[str] | None = None) -> int:
             return command_report(args, console)
         if args.command == "compare":
             return command_compare(args, console)
+        if args.command == "new-backend":
+            return command_new_backend(args, console)
         if args.command == "engine":
             check_files({"--json": getattr(args, "json", None)})  # before the engine runs, not after
             return run_engine(args, console, UsageError)
         if args.command == "bench":
             args.check = ["bench"]
         return command_run(args, console)
-    except (UsageError, OutputPathError, CompareError) as error:  # mistakes in the command line: one line
+    except (UsageError, OutputPathError, CompareError, ScaffoldError) as error:  # mistakes in the command line: one line
         print(f"conformance: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except NothingToRun as error:

@@ -13,10 +13,17 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
-from backends.triton import kernels
+from backends.triton import INSTALL_HINT
+
+try:
+    import triton
+
+    from backends.triton import kernels
+except ModuleNotFoundError as missing:  # an extra: the claims import, availability names the install
+    if missing.name != "triton":
+        raise
 
 DECODE_VARIANTS = (1, 2, 4, 8)  # query lengths served by the split (flash-decoding) kernel
 PARTIAL_BUFFER_BYTES = 256 * 2**20  # cap on split-KV scratch; the split count shrinks to fit
@@ -141,7 +148,7 @@ class TritonAttentionBackend(DeviceLengthsBackend):
         kinds=frozenset({"mha"}), head_dims=frozenset({64, 128, 256}), block_sizes=frozenset({16, 32, 64}),
         max_query_len=None, sliding_window=True, logits_soft_cap=True,
         cuda_graphs=CGSupport.ALWAYS, needs_cpu_seq_lens=False, draft_step_update=True,
-        devices=interpreter_devices(), required_modules=("triton",),
+        devices=interpreter_devices(), required_modules=("triton",), install_hint=INSTALL_HINT,
     )
 
     def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:

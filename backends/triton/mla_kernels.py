@@ -21,11 +21,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+import backends.triton as tile_reads
 from backends.triton.kernels import batch_kernel, decode_tile, online_softmax_step, split_range, store_split_result
 
-GATHER = tl.constexpr(0)
-PAGE = tl.constexpr(1)
-TMA = tl.constexpr(2)
+GATHER = tl.constexpr(tile_reads.GATHER)
+PAGE = tl.constexpr(tile_reads.PAGE)
+TMA = tl.constexpr(tile_reads.TMA)
 
 
 @triton.jit

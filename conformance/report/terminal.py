@@ -152,9 +152,9 @@ class LineProgress(RunProgress):
 
 def summary_table(run: RunResult) -> Table:
     table = Table(title="conformance results", title_justify="left")
-    table.add_column("backend", style="bold")
+    table.add_column("backend", style="bold", overflow="fold")  # a name is never cut: `triton` vs `triton_mla`
     for check in run.checks:
-        table.add_column(check)
+        table.add_column(check, overflow="fold")
     for backend in run.backends:
         cells: list[Any] = [Text(visible(backend.name, one_line=True))]
         for check_name in run.checks:
@@ -218,7 +218,7 @@ def bench_table(run: RunResult) -> Table | None:
     if not rows:
         return None
     table = Table(title="bench: forward µs (× fastest) · GB/s · roofline", title_justify="left")
-    table.add_column("case")
+    table.add_column("case", overflow="fold")
     names = [name for name, _ in benched]
     for name in names:
         table.add_column(name, justify="right")
