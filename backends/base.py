@@ -15,6 +15,15 @@ Conventions shared by every backend and the harness:
   ``query`` is ``[T, num_heads, kv_lora_rank + rope_dim]``; output ``[T, num_heads, kv_lora_rank]``.
 * Token ``i`` of request ``r`` sits at position ``seq_lens[r] - query_len[r] + i`` and attends
   causally to every earlier position of its own request (within the sliding window, if any).
+* fp8 KV cache (``AttentionSpec.kv_cache_dtype`` ``float8_e4m3fn`` or ``float8_e5m2``, claimed in
+  ``Capabilities.kv_cache_dtypes``): ``write_kv`` and ``forward`` get the layer's ``KVScales``
+  (keyword ``scales``). ``write_kv`` stores ``value / scale`` rounded to the nearest fp8 number,
+  ties to even, saturated to the format's largest finite magnitude (448 for e4m3, 57344 for
+  e5m2), as vLLM's cache writers do; ``forward`` computes the attention of the dequantized cache
+  (``stored × scale``). Keys use ``k_scale``, values ``v_scale``; MLA's latent entry uses
+  ``k_scale`` alone (DeepSeek's one scale). Scales belong to a layer, not to the backend: every
+  layer of a step may pass other scales with the same metadata. ``read_kv`` returns what
+  ``write_kv`` stored, so the harness can check both halves separately.
 """
 from __future__ import annotations
 
@@ -28,11 +37,18 @@ from typing import Any, ClassVar
 
 import torch
 
+FP8_KV_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+
 DTYPE_NAMES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
     "fp32": torch.float32,
 }
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """fp8 formats as the case grammar writes them (fp8e4m3, fp8e5m2); others as ``dtype_name``."""
+    return {torch.float8_e4m3fn: "fp8e4m3", torch.float8_e5m2: "fp8e5m2"}.get(dtype) or dtype_name(dtype)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -61,7 +77,7 @@ class AttentionSpec:
     head_dim: int  # MHA: per-head dim. MLA: kv_lora_rank + rope_dim.
     dtype: torch.dtype
     block_size: int = 16
-    kv_cache_dtype: torch.dtype | None = None  # None: same as dtype
+    kv_cache_dtype: torch.dtype | None = None  # None: same as dtype; or an fp8 format (FP8_KV_DTYPES)
     sliding_window: int | None = None  # a token sees itself and the sliding_window - 1 before it
     logits_soft_cap: float | None = None  # scores become cap * tanh(scores / cap)
     scale: float | None = None  # None: 1 / sqrt(qk head dim)
@@ -78,6 +94,12 @@ class AttentionSpec:
                 raise ValueError("MLA head_dim must equal kv_lora_rank + rope_dim")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.kv_cache_dtype not in (None, self.dtype) and self.kv_cache_dtype not in FP8_KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} is neither the compute dtype nor an fp8 format")
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype in FP8_KV_DTYPES
 
     @property
     def effective_kv_cache_dtype(self) -> torch.dtype:
@@ -94,6 +116,26 @@ class AttentionSpec:
     @property
     def query_group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """One layer's per-tensor fp8 KV-cache scales, in both forms vLLM hands a backend: host floats
+    (``layer._k_scale_float``) and 1-element float32 device tensors (``layer._k_scale``). A kernel
+    that reads the device tensor stays graph-safe; reading it on the host (``.item()``) is a host
+    sync. Stored = value / scale; dequantized = stored × scale."""
+
+    k_scale: float
+    v_scale: float
+    k_scale_tensor: torch.Tensor  # [1] float32, device
+    v_scale_tensor: torch.Tensor  # [1] float32, device
+
+    @classmethod
+    def on(cls, device: torch.device | str, k_scale: float, v_scale: float) -> "KVScales":
+        def tensor(value: float) -> torch.Tensor:
+            return torch.full((1,), value, dtype=torch.float32, device=device)
+
+        return cls(k_scale, v_scale, tensor(k_scale), tensor(v_scale))
 
 
 @dataclass(frozen=True)
@@ -173,6 +215,7 @@ class Capabilities:
 
     kinds: frozenset[str] = frozenset({"mha"})
     dtypes: frozenset[torch.dtype] = frozenset({torch.float16, torch.bfloat16})
+    kv_cache_dtypes: frozenset[torch.dtype] = frozenset()  # fp8 cache formats (FP8_KV_DTYPES) besides the compute dtype
     head_dims: frozenset[int] | None = None  # None: any
     block_sizes: frozenset[int] | None = None  # None: any
     num_heads: frozenset[int] | None = None  # None: any (MLA kernels often fix a few)
@@ -215,8 +258,9 @@ class Capabilities:
             return f"{spec.kind.upper()} not supported (supports {_format_set(self.kinds)})"
         if spec.dtype not in self.dtypes:
             return f"dtype {dtype_name(spec.dtype)} not supported (supports {_format_set(map(dtype_name, self.dtypes))})"
-        if spec.effective_kv_cache_dtype != spec.dtype:
-            return "a KV-cache dtype different from the compute dtype is not supported"
+        if spec.effective_kv_cache_dtype != spec.dtype and spec.kv_cache_dtype not in self.kv_cache_dtypes:
+            claimed = _format_set(map(kv_dtype_name, self.kv_cache_dtypes)) or "none"
+            return f"KV cache {kv_dtype_name(spec.kv_cache_dtype)} not supported (fp8 caches supported: {claimed})"
         if self.head_dims is not None and spec.head_dim not in self.head_dims:
             return f"head_dim {spec.head_dim} not supported (supports {_format_set(self.head_dims)})"
         if self.block_sizes is not None and spec.block_size not in self.block_sizes:
@@ -243,6 +287,7 @@ class Capabilities:
         return {
             "kinds": sorted(self.kinds),
             "dtypes": sorted(dtype_name(d) for d in self.dtypes),
+            "kv_cache_dtypes": sorted(kv_dtype_name(d) for d in self.kv_cache_dtypes),
             "head_dims": listed(self.head_dims),
             "block_sizes": listed(self.block_sizes),
             "num_heads": listed(self.num_heads),
@@ -363,7 +408,16 @@ class AttentionBackend(abc.ABC):
     def write_kv(
         self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None, slot_mapping: torch.Tensor
     ) -> None:
-        """Store ``key``/``value`` rows at ``slot_mapping``; a slot of -1 writes nothing."""
+        """Store ``key``/``value`` rows at ``slot_mapping``; a slot of -1 writes nothing. A backend
+        that claims an fp8 cache takes ``scales: KVScales`` too (keyword; given for fp8 layers only)
+        and stores each value quantized as the module docstring says."""
+
+    def read_kv(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What ``write_kv`` stored at ``slot_mapping`` (every slot >= 0), as stored (the cache
+        dtype, no scale applied): key ``[n, num_kv_heads, head_dim]`` and value (MLA: the entry
+        ``[n, head_dim]`` and None). Needed by a backend that claims an fp8 cache: the harness
+        checks the stored bytes, then the attention of exactly those."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement read_kv (needed for an fp8 KV cache)")
 
     @abc.abstractmethod
     def build(self, common: CommonAttentionMetadata) -> Any:
@@ -382,4 +436,5 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor) -> None:
-        """Attention for the first ``num_actual_tokens`` rows of ``query``, written into ``out``."""
+        """Attention for the first ``num_actual_tokens`` rows of ``query``, written into ``out``.
+        fp8 layers pass ``scales: KVScales`` too (keyword)."""

@@ -10,12 +10,15 @@ from dataclasses import dataclass
 
 import torch
 
+from backends.fp8 import from_cache, to_cache
 from backends.paged_write import write_paged_rows
 from backends.base import (
+    FP8_KV_DTYPES,
     AttentionBackend,
     Capabilities,
     CGSupport,
     CommonAttentionMetadata,
+    KVScales,
 )
 
 
@@ -30,7 +33,7 @@ class TorchNaiveBackend(AttentionBackend):
     name = "torch_naive"
     capabilities = Capabilities(
         kinds=frozenset({"mha", "mla"}), dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        max_query_len=None, sliding_window=True, logits_soft_cap=True,
+        kv_cache_dtypes=FP8_KV_DTYPES, max_query_len=None, sliding_window=True, logits_soft_cap=True,
         cuda_graphs=CGSupport.NEVER, needs_cpu_seq_lens=True, draft_step_update=False,
         deterministic=True, batch_invariant=True,  # one request at a time, fixed reduction order
         devices=frozenset({"cpu", "cuda"}),
@@ -50,12 +53,26 @@ class TorchNaiveBackend(AttentionBackend):
             return [kv_cache.view(-1, 1, self.spec.head_dim)]
         return [plane.view(-1, self.spec.num_kv_heads, self.spec.head_dim) for plane in kv_cache]
 
-    def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
+    def write_kv(self, kv_cache, key, value, slot_mapping, scales: KVScales | None = None) -> None:
+        rows = [key] if self.spec.kind == "mla" else [key, value]
+        planes = [kv_cache] if self.spec.kind == "mla" else list(kv_cache)
+        for plane, rows_, scale in zip(planes, rows, self.scale_floats(scales)):
+            stored = rows_ if scale is None else to_cache(rows_, scale, plane.dtype)
+            write_paged_rows(plane, stored, slot_mapping, self.spec.block_size)
+
+    def scale_floats(self, scales: KVScales | None) -> list[float | None]:
+        """The key and value planes' scales (MLA: its one plane's), or None for a compute-dtype cache."""
+        if not self.spec.fp8_kv_cache:
+            return [None, None]
+        if scales is None:
+            raise ValueError("an fp8 KV cache needs the layer's scales (the `scales` keyword of write_kv and forward)")
+        return [scales.k_scale, scales.v_scale]
+
+    def read_kv(self, kv_cache, slot_mapping):
+        planes = self.slot_planes(kv_cache)
         if self.spec.kind == "mla":
-            write_paged_rows(kv_cache, key, slot_mapping, self.spec.block_size)
-            return
-        for plane, rows in zip(kv_cache, (key, value)):
-            write_paged_rows(plane, rows, slot_mapping, self.spec.block_size)
+            return planes[0][slot_mapping, 0], None
+        return planes[0][slot_mapping], planes[1][slot_mapping]
 
     def build(self, common: CommonAttentionMetadata) -> NaiveMetadata:
         return NaiveMetadata(
@@ -64,13 +81,15 @@ class TorchNaiveBackend(AttentionBackend):
             block_table=common.block_table,
         )
 
-    def forward(self, query, kv_cache, metadata: NaiveMetadata, out) -> None:
+    def forward(self, query, kv_cache, metadata: NaiveMetadata, out, scales: KVScales | None = None) -> None:
         planes = self.slot_planes(kv_cache)
+        plane_scales = self.scale_floats(scales)
         for request, seq_len in enumerate(metadata.seq_lens):
             start, end = metadata.query_start_loc[request], metadata.query_start_loc[request + 1]
             if end == start:
                 continue
             kv = [self.gather(plane, metadata.block_table[request], seq_len) for plane in planes]
+            kv = [rows if scale is None else from_cache(rows, scale) for rows, scale in zip(kv, plane_scales)]
             key, value = (kv[0], kv[0][..., : self.spec.v_head_dim]) if self.spec.kind == "mla" else kv
             context_len = seq_len - (end - start)
             out[start:end] = self.attend(query[start:end], key, value, context_len).to(out.dtype)

@@ -20,6 +20,7 @@ import torch
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle, how_far_off, worst_place
 from conformance.inputs.allocation_map import AllocationMap
 from conformance.inputs.batch import PagedBatch
+from conformance.inputs.stored_cache import expected_output
 from conformance.inputs.harness import PoolFill, PreparedCase, WroteOutsideOutput, as_bits, run_step, write_poison
 
 TOOL = "nan-poison"
@@ -31,14 +32,14 @@ def nan_poison_pass(prepared: PreparedCase) -> tuple[list[dict], dict]:
     history's. The step's own slots are NaN before it too, as they are before a real step."""
     batch, pool = prepared.batch, prepared.kv_cache
     history_slots = batch.history_rows()[2]
-    write_poison(prepared.backend, pool, batch, keep=history_slots, fill=PoolFill.NAN)
+    write_poison(prepared.backend, pool, batch, keep=history_slots, fill=PoolFill.NAN, scales=prepared.scales)
     before = pool.clone()
     try:
         out = run_step(prepared)
     except WroteOutsideOutput as error:
         return [{"tool": TOOL, "stage": "step", "phase": "forward", "what": str(error), "place": "output"}], {}
     atol, rtol = TOLERANCES[batch.spec.dtype]
-    passed, errors, evidence = compare_with_oracle(out, batch.reference_output(), batch.query_start_loc, atol, rtol)
+    passed, errors, evidence = compare_with_oracle(out, expected_output(prepared), batch.query_start_loc, atol, rtol)
     metrics = {"nan-poison non-finite outputs": errors["non_finite"], "nan-poison mismatched": errors["mismatched"]}
     findings = []
     if not passed:

@@ -38,8 +38,23 @@ from conformance.checks.error_map import failure_maps
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle, how_far_off, worst_place
 from conformance.checks.nan_poison import nan_poison_pass
 from conformance.inputs.cases import Case
-from conformance.inputs.harness import PreparedCase, WroteOutsideOutput, prepare_case, run_step, run_steps_in_flight
+from conformance.inputs.harness import (PreparedCase, WroteOutsideOutput, case_scales, prepare_case, prepare_layer,
+                                       run_step, run_steps_in_flight)
+from conformance.inputs.stored_cache import expected_output, write_findings
 from conformance.results import CaseResult, Verdict
+
+
+STORED_PASS = "the stored fp8 cache: write_kv's numbers against the contract's quantization"
+SECOND_LAYER_SCALES = 2.5  # an fp8 second layer's scales, of the first's: a backend must not keep the first's
+
+
+def second_layer(prepared: PreparedCase) -> PreparedCase:
+    """Another layer of the same step: a copy of the pool, or for an fp8 layer a pool of its own
+    written with other scales (``SECOND_LAYER_SCALES``), as a model's layers have."""
+    if prepared.scales is None:
+        return PreparedCase(prepared.batch, prepared.backend, prepared.kv_cache.clone())
+    batch = prepared.batch
+    return prepare_layer(batch, prepared.backend, case_scales(batch.case, batch.device, SECOND_LAYER_SCALES))
 
 
 class NumericsCheck(Check):
@@ -59,10 +74,14 @@ class NumericsCheck(Check):
             out = run_step(prepared, with_host_lengths=True)
         except WroteOutsideOutput as error:
             return CaseResult(case.id, Verdict.FAIL, str(error), tag=case.tag)
-        reference = prepared.batch.reference_output()
+        reference = expected_output(prepared)
+        stored = write_findings(prepared)
         atol, rtol = TOLERANCES[case.spec.dtype]
         passed, metrics, evidence = compare_with_oracle(out, reference, prepared.batch.query_start_loc, atol, rtol)
         metrics.update(atol=atol, rtol=rtol)
+        if passed and stored:
+            return CaseResult(case.id, Verdict.FAIL, f"{stored['what']}: {stored['place']}", tag=case.tag, metrics=metrics,
+                              evidence={"pass": STORED_PASS, "stored": stored.get("worst")})
         if passed:
             # The later passes reuse this batch (its oracle answer too); each returns its failure or None.
             for later_pass in (self._nan_poison, self._second_layer, self._steps_in_flight):
@@ -73,6 +92,8 @@ class NumericsCheck(Check):
         what = how_far_off(metrics) + (" (unwritten rows stay NaN)" if metrics["non_finite"] else "")
         reason = (f"{what}; max abs error {metrics['max_abs_error']:.3g} (atol {atol:g}, rtol {rtol:g}); worst at "
                   f"{worst_place(evidence['worst'])}")
+        if stored:  # the forward's error may come from what was stored: say both
+            reason += f"; and {stored['what']}: {stored['place']}"
         evidence["pass"] = "loud poison: every KV slot no request owns holds a dominant key and a loud value"
         evidence.update(failure_maps(prepared.batch, out, reference, evidence["worst"], atol, rtol, "loud poison"))
         return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics, evidence=evidence)
@@ -98,22 +119,30 @@ class NumericsCheck(Check):
         """The third pass: another layer of the same step (see the module docstring)."""
         batch = prepared.batch
         case = batch.case
-        try:  # its pool, a copy of the first, and its inputs are negated in run_step
-            layer = PreparedCase(batch, prepared.backend, prepared.kv_cache.clone())
+        try:  # its pool and its inputs are negated in run_step
+            layer = second_layer(prepared)
             out = run_step(layer, metadata=prepared.metadata, negated=True)
         except WroteOutsideOutput as error:
             return CaseResult(case.id, Verdict.FAIL, f"a second layer's forward: {error}", tag=case.tag, metrics=metrics)
         atol, rtol = TOLERANCES[case.spec.dtype]
-        passed, errors, evidence = compare_with_oracle(out.neg(), batch.reference_output(), batch.query_start_loc, atol, rtol)
+        expected = expected_output(layer, negated=True).neg()
+        passed, errors, evidence = compare_with_oracle(out.neg(), expected, batch.query_start_loc, atol, rtol)
         metrics["second layer max abs error"] = errors["max_abs_error"]
+        stored = write_findings(layer, negated=True)
+        if passed and stored:
+            return CaseResult(case.id, Verdict.FAIL, f"a second layer (scales {layer.scales.k_scale:g}, "
+                              f"{layer.scales.v_scale:g}): {stored['what']}: {stored['place']}", tag=case.tag,
+                              metrics=metrics, evidence={"pass": STORED_PASS, "stored": stored.get("worst")})
         if passed:
             return None
         worst = evidence["worst"]
-        maps = failure_maps(batch, out.neg(), batch.reference_output(), worst, atol, rtol, "a second layer")
-        reason = (f"a second layer (this step's metadata, no build; its own pool; query, key and value negated) is not the "
-                  f"first layer's output negated: {how_far_off(errors)}, worst (negated back) at {worst_place(worst)} — "
-                  "state kept from the first layer's pool or forward, or (on a GPU) work launched on another stream than "
-                  "the current one")
+        maps = failure_maps(batch, out.neg(), expected, worst, atol, rtol, "a second layer")
+        scales = "" if layer.scales is None else (f"; fp8 scales {layer.scales.k_scale:g}, {layer.scales.v_scale:g} "
+                                                   "instead of the first layer's")
+        reason = (f"a second layer (this step's metadata, no build; its own pool; query, key and value negated{scales}) "
+                  f"is wrong: {how_far_off(errors)}, worst (negated back) at {worst_place(worst)} — state kept from the "
+                  "first layer's pool, scales or forward, or (on a GPU) work launched on another stream than the "
+                  "current one")
         return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics,
                           evidence={"pass": "a second layer: the step's metadata reused, a new pool", "worst": worst, **maps})
 
@@ -123,8 +152,8 @@ class NumericsCheck(Check):
         batch = prepared.batch
         case = batch.case
         order = list(range(case.num_reqs))[::-1]
-        later = PreparedCase(batch.reordered(order), prepared.backend, prepared.kv_cache)
-        reference, starts = batch.reference_output(), batch.query_start_loc
+        later = PreparedCase(batch.reordered(order), prepared.backend, prepared.kv_cache, scales=prepared.scales)
+        reference, starts = expected_output(prepared), batch.query_start_loc
         later_reference = torch.cat([reference[starts[request] : starts[request + 1]] for request in order])
         try:
             outputs = run_steps_in_flight([prepared, later])

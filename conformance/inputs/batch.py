@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from backends.base import BackendLimits, CommonAttentionMetadata
-from conformance.inputs.case_data import apply_profile
+from conformance.inputs.case_data import apply_profile, use_fp8_range
 from conformance.inputs.cases import Case
 from conformance.inputs.oracle import attention_reference, mla_reference
 from conformance.inputs.random_data import normal_tensors
@@ -279,7 +279,9 @@ def materialize(case: Case, device: torch.device | str) -> PagedBatch:
     *history, query = normal_tensors(seed, shapes, device)
     keys: list[torch.Tensor] = history if spec.kind == "mla" else history[0::2]
     values: list[torch.Tensor | None] = [None] * len(keys) if spec.kind == "mla" else history[1::2]
-    apply_profile(spec, case.data, query, keys, case.batch)
+    apply_profile(case, query, keys)
+    if case.kv_scales:
+        use_fp8_range(case, query, keys, values)
     shared_tokens = case.shared_prefix_blocks * spec.block_size
     for request in range(1, case.num_reqs if shared_tokens else 1):  # one physical prefix: one content
         keys[request][:shared_tokens] = keys[0][:shared_tokens]

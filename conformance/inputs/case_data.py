@@ -25,6 +25,12 @@ that makes chosen keys dominant:
 Every constant is an integer up to 256 or a power of two, so it is exact in fp16, bf16 and TF32
 and its products with the probe query are exact: a correct backend's only error is the one the
 tolerances already allow.
+
+An **fp8 cache** holds at most ``largest × k_scale`` (448 × 0.1 for e4m3 by default): the probe
+query grows (a power of two) until every probe key stays within half of that, and the data use
+the format's range (``use_fp8_range``): one key and one value channel large enough that some of
+its numbers saturate, one small enough to land among fp8's subnormals, the query scaled inversely
+on those channels so the scores keep their spread.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ import math
 import torch
 
 from backends.base import AttentionSpec
+from conformance.inputs.kv_quantization import largest
 
 POISON_LOGIT = 40.0  # above every real logit of the profile: e^40 outweighs any context
 POISON_VALUE = 16.0  # what an unmasked read of a poisoned slot pulls the output towards
@@ -41,16 +48,27 @@ SINK_LOGIT = 6.0
 EDGE_STEP = 3.0  # logits between neighbouring edge keys: e^3 = 20x the weight
 EDGE_KEYS = 16
 EDGE_MARGIN = 4.0  # logits by which the edge keys together outweigh every other key
+FP8_KEY_HEADROOM = 0.5  # an fp8 case's probe keys stay within this fraction of the largest storable key
+FP8_SATURATING = 0.5  # the large channel's scale, of the largest storable number: |x| > 2σ saturates
+FP8_SUBNORMAL = 1 / 64  # the small channel's scale, of one stored unit × scale: subnormal in e4m3
+COMPUTE_HEADROOM = 256  # the large channel's scale stays this far below the compute dtype's largest number
 
 
-def probe_query_value(spec: AttentionSpec) -> float:
-    """The probe channel's query value: a power of two near 1/scale, so probe logits are O(1) per unit."""
-    return float(2 ** min(6, max(-2, math.floor(math.log2(1.0 / spec.softmax_scale)))))
+def probe_query_value(case) -> float:
+    """The probe channel's query value: a power of two near 1/scale, so probe logits are O(1) per
+    unit; for an fp8 cache, larger where needed for the largest probe key to stay storable."""
+    spec = case.spec
+    value = 2.0 ** min(6, max(-2, math.floor(math.log2(1.0 / spec.softmax_scale))))
+    if case.kv_scales:
+        limit = FP8_KEY_HEADROOM * largest(spec.kv_cache_dtype) * case.kv_scales[0]
+        needed = (POISON_LOGIT + profile_max_logit(spec, case.data, case.max_seq_len)) / (limit * spec.softmax_scale)
+        value = max(value, 2.0 ** math.ceil(math.log2(needed)))
+    return value
 
 
-def _key_units(spec: AttentionSpec, logit: float) -> float:
+def _key_units(case, logit: float) -> float:
     """The probe-channel key value that adds ``logit`` to the score of every query."""
-    return logit / (probe_query_value(spec) * spec.softmax_scale)
+    return logit / (probe_query_value(case) * case.spec.softmax_scale)
 
 
 def _exact_integer(value: float) -> float:
@@ -72,19 +90,19 @@ def edge_base(seq_len: int) -> float:
     return math.log(max(seq_len, 2)) + EDGE_MARGIN
 
 
-def apply_profile(spec: AttentionSpec, data: str, query: torch.Tensor, keys: list[torch.Tensor],
-                  batch: tuple[tuple[int, int], ...]) -> None:
+def apply_profile(case, query: torch.Tensor, keys: list[torch.Tensor]) -> None:
     """Shape float32 data in place: ``query`` [T, H, Dk], ``keys`` per request [s, Hkv, Dk]
     (MLA: [s, Dk]). The probe channel of every query is set in every profile."""
+    spec, data, batch = case.spec, case.data, case.batch
     probe = spec.head_dim - 1
-    query[..., probe] = probe_query_value(spec)
+    query[..., probe] = probe_query_value(case)
     if data == "sinks":
         shift = spec.head_dim - 2
         query[..., shift] = 32.0
         shift_key = _exact_integer(SINK_SHIFT_LOGIT / (32.0 * spec.softmax_scale))
         for key in keys:
             key[..., shift] = shift_key
-            key[0, ..., probe] = _exact_integer(_key_units(spec, SINK_LOGIT))
+            key[0, ..., probe] = _exact_integer(_key_units(case, SINK_LOGIT))
     elif data == "edges":
         for key, (context_len, query_len) in zip(keys, batch):
             seq_len = context_len + query_len
@@ -96,15 +114,39 @@ def apply_profile(spec: AttentionSpec, data: str, query: torch.Tensor, keys: lis
                 for offset in range(-1, EDGE_KEYS):
                     position = newest_outside - offset
                     if 0 <= position < seq_len:
-                        key[position, ..., probe] = _exact_integer(_key_units(spec, base + EDGE_STEP * offset))
+                        key[position, ..., probe] = _exact_integer(_key_units(case, base + EDGE_STEP * offset))
             else:
                 for j in range(min(query_len, EDGE_KEYS)):
-                    key[context_len + j, ..., probe] = _exact_integer(_key_units(spec, base + EDGE_STEP * j))
+                    key[context_len + j, ..., probe] = _exact_integer(_key_units(case, base + EDGE_STEP * j))
 
 
-def poison_key_value(spec: AttentionSpec, data: str, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def use_fp8_range(case, query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor | None]) -> None:
+    """An fp8 case's data, in place (float32): channel 0 of keys and values large enough that
+    its numbers beyond 2σ saturate, channel 1 small enough to be stored as subnormals; the query
+    scaled inversely on both, so each channel adds to the scores what an N(0, 1) one would."""
+    spec = case.spec
+    k_scale, v_scale = case.kv_scales
+    top = largest(spec.kv_cache_dtype)
+    # e5m2 saturates past what fp16 holds: there the large channel stays well inside fp16 instead.
+    ceiling = torch.finfo(spec.dtype).max / COMPUTE_HEADROOM
+
+    def large(scale: float) -> float:
+        return min(FP8_SATURATING * top * scale, ceiling)
+
+    key_gains = (large(k_scale), FP8_SUBNORMAL * k_scale)
+    value_gains = (large(v_scale), FP8_SUBNORMAL * v_scale)
+    for channel, (key_gain, value_gain) in enumerate(zip(key_gains, value_gains)):
+        query[..., channel] /= key_gain
+        for key, value in zip(keys, values):
+            key[..., channel] *= key_gain
+            if value is not None:
+                value[..., channel] *= value_gain
+
+
+def poison_key_value(case) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One poisoned slot's key and value (float32, CPU): [Hkv, Dk] and [Hkv, Dv] (MLA: [Dk], None)."""
-    logit = POISON_LOGIT + profile_max_logit(spec, data, max_seq_len)
+    spec, data = case.spec, case.data
+    logit = POISON_LOGIT + profile_max_logit(spec, data, case.max_seq_len)
     if spec.kind == "mla":
         key = torch.zeros(spec.head_dim)
         key[: spec.kv_lora_rank] = POISON_VALUE / 4  # the latent is the value too; its scores stay small
@@ -112,7 +154,7 @@ def poison_key_value(spec: AttentionSpec, data: str, max_seq_len: int) -> tuple[
     else:
         key = torch.zeros(spec.num_kv_heads, spec.head_dim)
         value = torch.full((spec.num_kv_heads, spec.head_dim), POISON_VALUE)
-    key[..., spec.head_dim - 1] = _exact_integer(_key_units(spec, logit))
+    key[..., spec.head_dim - 1] = _exact_integer(_key_units(case, logit))
     if data == "sinks":
         key[..., spec.head_dim - 2] = _exact_integer(SINK_SHIFT_LOGIT / (32.0 * spec.softmax_scale))
     return key, value

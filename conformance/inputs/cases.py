@@ -8,6 +8,8 @@ A case's id is its whole definition, in the same compact grammar ``--case`` acce
       hQ/KV or hQ   query / KV heads; hQ alone is MHA (default h32/8; MLA: h16, one latent KV head)
       dN            head dim               (default d128; MLA: d512+64, latent + rope)
       fp16|bf16|fp32 dtype                 (default bf16)
+      fp8e4m3|fp8e5m2 an fp8 KV cache with per-tensor scales (default: the cache in the dtype)
+      kscaleX vscaleX the fp8 cache's key and value scales (default 0.1 and 4; MLA: kscale only)
       pN            KV block (page) size   (default p16; MLA default p64)
       wN            sliding window         (a token sees itself and the N-1 before it)
       capX          logits soft cap
@@ -43,7 +45,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from backends.base import DTYPE_NAMES, AttentionSpec, dtype_name
+from backends.base import DTYPE_NAMES, AttentionSpec, dtype_name, kv_dtype_name
+from conformance.inputs.kv_quantization import DEFAULT_K_SCALE, DEFAULT_V_SCALE, FP8_DTYPES
 
 
 DATA_PROFILES = ("normal", "sinks", "edges")
@@ -69,6 +72,8 @@ class Case:
     data: str = "normal"  # normal | sinks | edges (see conformance.inputs.batch)
     padding: int = DEFAULT_PADDING_TOKENS  # rows with slot -1 after the step's real tokens
     big_pool: bool = False  # the pool past 2**31 elements a plane, owned blocks at its top (see batch)
+    k_scale: float | None = None  # an fp8 cache's scales; None: the default (kv_quantization)
+    v_scale: float | None = None
     tag: str = field(default="", compare=False)  # a human label ("decode"), not part of the id
 
     def __post_init__(self) -> None:
@@ -87,6 +92,10 @@ class Case:
             raise CaseSyntaxError(f"data profile {self.data!r} is not one of {', '.join(DATA_PROFILES)}")
         if not 0 <= self.padding <= MAX_PADDING_TOKENS:
             raise CaseSyntaxError(f"pad{self.padding}: padding rows must be between 0 and {MAX_PADDING_TOKENS}")
+        if not self.spec.fp8_kv_cache and (self.k_scale is not None or self.v_scale is not None):
+            raise CaseSyntaxError("kscale and vscale are an fp8 cache's scales: give fp8e4m3 or fp8e5m2 too")
+        if self.spec.kind == "mla" and self.v_scale is not None:
+            raise CaseSyntaxError("MLA's latent cache has one scale: give kscale, not vscale")
         if self.shared_prefix_blocks:
             needed = self.shared_prefix_blocks * self.spec.block_size
             if min(context for context, _ in self.batch) < needed:
@@ -102,7 +111,17 @@ class Case:
     @property
     def layer_options(self) -> LayerOptions:
         return LayerOptions(self.shared_prefix_blocks, self.permute_blocks, self.strided, self.data, self.padding,
-                            self.big_pool)
+                            self.big_pool, self.k_scale, self.v_scale)
+
+    @property
+    def kv_scales(self) -> tuple[float, float] | None:
+        """(k_scale, v_scale) of an fp8 cache (MLA: v_scale is k_scale, unused); None otherwise."""
+        if not self.spec.fp8_kv_cache:
+            return None
+        k_scale = DEFAULT_K_SCALE if self.k_scale is None else self.k_scale
+        if self.spec.kind == "mla":
+            return k_scale, k_scale
+        return k_scale, DEFAULT_V_SCALE if self.v_scale is None else self.v_scale
 
     @property
     def num_reqs(self) -> int:
@@ -170,10 +189,13 @@ class LayerOptions:
     data: str = "normal"
     padding: int = DEFAULT_PADDING_TOKENS
     big_pool: bool = False
+    k_scale: float | None = None
+    v_scale: float | None = None
 
 
 _ATTRIBUTE_KINDS = (
-    (r"fp16|bf16|fp32", "dtype"), (r"h\d+(/\d+)?", "heads"), (r"d\d+(\+\d+)?", "head dim"), (r"p\d+", "block size"),
+    (r"fp16|bf16|fp32", "dtype"), (r"fp8e4m3|fp8e5m2", "KV-cache dtype"), (r"kscale.+", "key scale"),
+    (r"vscale.+", "value scale"), (r"h\d+(/\d+)?", "heads"), (r"d\d+(\+\d+)?", "head dim"), (r"p\d+", "block size"),
     (r"w\d+", "sliding window"), (r"cap.+", "soft cap"), (r"scale.+", "scale"), (r"share\d+", "shared prefix"),
     (r"pad\d+", "padding"), (r"sinks|edges", "data profile"),
 )
@@ -195,7 +217,7 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
     num_heads, num_kv_heads = (16, 1) if is_mla else (32, 8)
     head_dim, kv_lora_rank, rope_dim = 128, 512, 64
     dtype, block_size = torch.bfloat16, 64 if is_mla else 16
-    window = cap = scale = None
+    window = cap = scale = kv_cache_dtype = k_scale = v_scale = None
     share, permute, strided, data, padding, big_pool = 0, True, False, "normal", DEFAULT_PADDING_TOKENS, False
     kv_heads_given = False
     given: dict[str, str] = {}  # attribute kind -> the attribute that set it
@@ -208,6 +230,12 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
         given[kind] = attr
         if attr in DTYPE_NAMES:
             dtype = DTYPE_NAMES[attr]
+        elif attr.startswith("fp8") and attr[3:] in FP8_DTYPES:
+            kv_cache_dtype = FP8_DTYPES[attr[3:]]
+        elif match := re.fullmatch(r"kscale(.+)", attr):
+            k_scale = _float(match.group(1), "key scale")
+        elif match := re.fullmatch(r"vscale(.+)", attr):
+            v_scale = _float(match.group(1), "value scale")
         elif attr == "linear":
             permute = False
         elif attr == "strided":
@@ -247,7 +275,7 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
         num_kv_heads = num_heads  # mha, or hQ alone: one KV head per query head
     if window is not None and window < 1:
         raise CaseSyntaxError(f"w{window}: a sliding window holds at least 1 token")
-    for name, value in (("soft cap", cap), ("scale", scale)):
+    for name, value in (("soft cap", cap), ("scale", scale), ("key scale", k_scale), ("value scale", v_scale)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise CaseSyntaxError(f"{name} {value:g}: must be a finite number above 0")
     if not is_mla and num_kv_heads >= 1 and num_heads % num_kv_heads:
@@ -262,17 +290,17 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
         if is_mla:
             spec = AttentionSpec(
                 kind="mla", num_heads=num_heads, num_kv_heads=1, head_dim=kv_lora_rank + rope_dim, dtype=dtype,
-                block_size=block_size, sliding_window=window, logits_soft_cap=cap, scale=scale,
+                block_size=block_size, kv_cache_dtype=kv_cache_dtype, sliding_window=window, logits_soft_cap=cap, scale=scale,
                 kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
             )
         else:
             spec = AttentionSpec(
                 kind="mha", num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-                block_size=block_size, sliding_window=window, logits_soft_cap=cap, scale=scale,
+                block_size=block_size, kv_cache_dtype=kv_cache_dtype, sliding_window=window, logits_soft_cap=cap, scale=scale,
             )
     except ValueError as error:
         raise CaseSyntaxError(str(error)) from None
-    return spec, LayerOptions(share, permute, strided, data, padding, big_pool)
+    return spec, LayerOptions(share, permute, strided, data, padding, big_pool, k_scale, v_scale)
 
 
 def parse_case(text: str, default_seed: int = 0) -> Case:
@@ -283,7 +311,7 @@ def parse_case(text: str, default_seed: int = 0) -> Case:
     layer_text, _, batch_text = body.rpartition(":")
     spec, options = parse_layer(layer_text or "gqa")
     return Case(spec, parse_batch(batch_text), seed, options.shared_prefix_blocks, options.permute_blocks,
-                options.strided, options.data, options.padding, options.big_pool)
+                options.strided, options.data, options.padding, options.big_pool, options.k_scale, options.v_scale)
 
 
 def _format_number(value: float) -> str:
@@ -296,7 +324,12 @@ def format_layer(spec: AttentionSpec, options: LayerOptions = LayerOptions()) ->
     else:
         kind = "mha" if spec.num_kv_heads == spec.num_heads else "gqa"
         parts = [kind, f"h{spec.num_heads}/{spec.num_kv_heads}", f"d{spec.head_dim}"]
-    parts += [dtype_name(spec.dtype), f"p{spec.block_size}"]
+    parts.append(dtype_name(spec.dtype))
+    if spec.fp8_kv_cache:
+        parts.append(kv_dtype_name(spec.kv_cache_dtype))
+        parts += [f"{name}{_format_number(value)}" for name, value in (("kscale", options.k_scale), ("vscale", options.v_scale))
+                  if value is not None]
+    parts.append(f"p{spec.block_size}")
     if spec.sliding_window is not None:
         parts.append(f"w{spec.sliding_window}")
     if spec.logits_soft_cap is not None:
@@ -461,14 +494,23 @@ def _variant_cases() -> list[Case]:
     return cases
 
 
-QUICK_KV_ELEMENTS = 4_000_000  # 16 MB of float32 keys and values a case
+QUICK_KV_ELEMENTS = 2_500_000  # 10 MB of float32 keys and values a case
 
 
 def quick_suite() -> list[Case]:
     """The default on a CPU: the standard suite's cases of at most QUICK_KV_ELEMENTS key/value
-    numbers (every kind of batch and every layer option stays; the large batches and long contexts,
-    which a CPU spends most of a standard run on, are left to ``--suite standard``)."""
-    return [case for case in standard_suite() if case.kv_elements <= QUICK_KV_ELEMENTS]
+    numbers, and each layer's smallest case where it has none that small (every layer, and so
+    every kind, dtype and layer option, stays; the large batches, long contexts and chunked
+    prefills, which a CPU spends most of a standard run on, are left to ``--suite standard``)."""
+    cases = standard_suite()
+    small = [case for case in cases if case.kv_elements <= QUICK_KV_ELEMENTS]
+    layers = {format_layer(case.spec, case.layer_options) for case in small}
+    for case in sorted(cases, key=lambda case: case.kv_elements):
+        layer = format_layer(case.spec, case.layer_options)
+        if layer not in layers:
+            layers.add(layer)
+            small.append(case)
+    return [case for case in cases if case in small]
 
 
 def standard_suite() -> list[Case]:

@@ -17,7 +17,7 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
-from backends.base import AttentionBackend, AttentionSpec, CommonAttentionMetadata
+from backends.base import AttentionBackend, AttentionSpec, CommonAttentionMetadata, KVScales
 from conformance.inputs.batch import PagedBatch, materialize
 from conformance.inputs.case_data import poison_key_value
 from conformance.inputs.cases import Case
@@ -54,6 +54,26 @@ class PreparedCase:
     backend: AttentionBackend
     kv_cache: torch.Tensor
     metadata: Any = None  # what the last step's ``build`` returned (a second layer's forward reuses it)
+    scales: KVScales | None = None  # an fp8 layer's scales, handed to write_kv and forward
+
+    @property
+    def layer(self) -> dict[str, Any]:
+        """The keywords of this layer's ``write_kv`` and ``forward``: its scales, for an fp8 cache."""
+        return layer_arguments(self.scales)
+
+
+def layer_arguments(scales: KVScales | None) -> dict[str, Any]:
+    """``scales=`` for an fp8 layer, nothing otherwise (a backend without an fp8 claim never sees it)."""
+    return {} if scales is None else {"scales": scales}
+
+
+def case_scales(case: Case, device: torch.device | str, factor: float = 1.0) -> KVScales | None:
+    """The case's fp8 scales (times ``factor``: another layer's) on ``device``; None for a cache in
+    the compute dtype."""
+    if case.kv_scales is None:
+        return None
+    k_scale, v_scale = case.kv_scales
+    return KVScales.on(device, k_scale * factor, v_scale * factor)
 
 
 BUSY_STREAM_CYCLES = 50_000_000  # GPU clocks, ~30 ms: longer than a backend's host work for one layer
@@ -78,13 +98,22 @@ def on_a_busy_stream(device: torch.device) -> Iterator[None]:
     torch.cuda.synchronize(device)
 
 
+def negate_(tensor: torch.Tensor) -> None:
+    """``tensor.neg_()``, for fp8 too (torch has no fp8 negation): the sign bit flipped, which is
+    exact negation in every float format."""
+    if tensor.element_size() == 1:
+        tensor.view(torch.uint8).bitwise_xor_(0x80)
+    else:
+        tensor.neg_()
+
+
 def as_bits(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's elements as integers of the same width: NaN compares equal to itself."""
     return tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
 
 
 def write_poison(backend: AttentionBackend, kv_cache: torch.Tensor, batch: PagedBatch, keep: torch.Tensor,
-                 num_blocks: int | None = None, fill: PoolFill = PoolFill.LOUD) -> None:
+                 num_blocks: int | None = None, fill: PoolFill = PoolFill.LOUD, scales: KVScales | None = None) -> None:
     """Poison every slot of the pool (``num_blocks``, default the batch's) except ``keep``."""
     if fill == PoolFill.FRESH:
         return
@@ -92,7 +121,7 @@ def write_poison(backend: AttentionBackend, kv_cache: torch.Tensor, batch: Paged
     poisoned = torch.ones((num_blocks or batch.num_blocks) * spec.block_size, dtype=torch.bool)
     poisoned[keep.cpu()] = False
     slots = poisoned.nonzero().flatten()
-    key_row, value_row = poison_key_value(spec, batch.case.data, batch.case.max_seq_len)
+    key_row, value_row = poison_key_value(batch.case)
     if fill == PoolFill.NAN:
         key_row = torch.full_like(key_row, float("nan"))
         value_row = None if value_row is None else torch.full_like(value_row, float("nan"))
@@ -101,7 +130,7 @@ def write_poison(backend: AttentionBackend, kv_cache: torch.Tensor, batch: Paged
         count = chunk.numel()
         key = key_row.to(spec.dtype).to(batch.device).expand(count, *key_row.shape).contiguous()
         value = None if value_row is None else value_row.to(spec.dtype).to(batch.device).expand(count, *value_row.shape).contiguous()
-        backend.write_kv(kv_cache, key, value, chunk)
+        backend.write_kv(kv_cache, key, value, chunk, **layer_arguments(scales))
 
 
 def prepare_case(
@@ -112,16 +141,24 @@ def prepare_case(
     ``record``: as for ``run_step``, the history rows handed to ``write_kv``."""
     batch = materialize(case, device)
     backend = backend_cls(case.spec, batch.limits(), torch.device(device))
+    return prepare_layer(batch, backend, case_scales(case, device), poison=poison, fill=fill, record=record)
+
+
+def prepare_layer(batch: PagedBatch, backend: AttentionBackend, scales: KVScales | None, *, poison: bool = True,
+                  fill: PoolFill = PoolFill.LOUD,
+                  record: Callable[[str, torch.Tensor | None], None] = _no_record) -> PreparedCase:
+    """A layer's pool for ``batch``: allocated, poisoned, the history written through ``write_kv``
+    with this layer's ``scales``."""
     kv_cache = allocate_pool(backend, batch.num_blocks, fill)
     key, value, slots = batch.history_rows()
     if poison:
-        write_poison(backend, kv_cache, batch, keep=slots, fill=fill)
-    key, value = engine_kv_views(case, key, value)
+        write_poison(backend, kv_cache, batch, keep=slots, fill=fill, scales=scales)
+    key, value = engine_kv_views(batch.case, key, value)
     for name, tensor in (("KV pool", kv_cache), ("history key", key), ("history value", value), ("history slot_mapping", slots)):
         record(name, tensor)
     if slots.numel():
-        backend.write_kv(kv_cache, key, value, slots)
-    return PreparedCase(batch, backend, kv_cache)
+        backend.write_kv(kv_cache, key, value, slots, **layer_arguments(scales))
+    return PreparedCase(batch, backend, kv_cache, scales=scales)
 
 
 def engine_kv_views(case: Case, key: torch.Tensor, value: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -210,15 +247,15 @@ def launch_step(step: StagedStep, *, phase: Callable[[str], ContextManager[None]
     if negated:
         for tensor in (prepared.kv_cache, step.query, step.key, step.value):
             if tensor is not None:
-                tensor.neg_()
+                negate_(tensor)
     if metadata is None:
         with phase("build"):
             metadata = backend.build(step.common)
     prepared.metadata = metadata
     with phase("write_kv"):
-        backend.write_kv(prepared.kv_cache, step.key, step.value, step.slots)
+        backend.write_kv(prepared.kv_cache, step.key, step.value, step.slots, **prepared.layer)
     with phase("forward"):
-        backend.forward(step.query, prepared.kv_cache, metadata, step.out)
+        backend.forward(step.query, prepared.kv_cache, metadata, step.out, **prepared.layer)
 
 
 def step_output(step: StagedStep) -> torch.Tensor:

@@ -1,0 +1,104 @@
+"""What a step's output must equal, and, for an fp8 layer, what its cache must hold.
+
+A cache in the compute dtype holds the batch's numbers exactly: the output must equal the
+oracle's attention of the batch (``PagedBatch.reference_output``). An fp8 cache holds them
+quantized (``kv_quantization``), so the two halves are checked apart: ``write_findings`` compares
+what ``write_kv`` stored (read back through the backend's ``read_kv``) with the contract's
+quantization, and ``expected_output`` is the float64 attention of that stored cache.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from conformance.inputs.harness import PreparedCase
+from conformance.inputs.kv_quantization import ONE_ULP_FRACTION, dequantize, quantize, ulps_apart
+from conformance.inputs.oracle import attention_reference, mla_reference
+
+
+def _stored(prepared: PreparedCase, request: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every position of ``request`` as the backend stored it (history and this step)."""
+    batch = prepared.batch
+    slots = batch.slots(request, range(0, batch.seq_lens[request])).to(batch.device)
+    key, value = prepared.backend.read_kv(prepared.kv_cache, slots)
+    return key, value
+
+
+def expected_output(prepared: PreparedCase, *, negated: bool = False) -> torch.Tensor:
+    """[num_tokens, H, Dv] float64: the oracle's attention for ``prepared``'s step (``negated``: of
+    the step whose query, key, value and pool were negated, ``run_step(negated=True)``). For an
+    fp8 layer, of the cache as stored, after the step."""
+    batch = prepared.batch
+    if prepared.scales is None:
+        reference = batch.reference_output()
+        return reference.neg() if negated else reference
+    spec, scales = batch.spec, prepared.scales
+    outputs = []
+    for request, (context_len, _) in enumerate(batch.case.batch):
+        start, end = batch.query_start_loc[request], batch.query_start_loc[request + 1]
+        query = batch.query[start:end].neg() if negated else batch.query[start:end]
+        key, value = _stored(prepared, request)
+        if spec.kind == "mla":
+            outputs.append(mla_reference(query, dequantize(key, scales.k_scale), kv_lora_rank=spec.kv_lora_rank,
+                                         context_len=context_len, scale=spec.softmax_scale))
+        else:
+            outputs.append(attention_reference(
+                query, dequantize(key, scales.k_scale), dequantize(value, scales.v_scale), context_len=context_len,
+                scale=spec.softmax_scale, sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap))
+    return torch.cat(outputs)
+
+
+def _place(stored: torch.Tensor, expected: torch.Tensor, apart: torch.Tensor, scale: float, request: int,
+           plane: str) -> dict[str, Any]:
+    """Where ``apart`` is largest: position, head and channel, and the two numbers dequantized."""
+    index = int(apart.flatten().argmax())
+    per_position = apart[0].numel()
+    position, within = divmod(index, per_position)
+    head, channel = divmod(within, stored.shape[-1]) if stored.dim() == 3 else (0, within)
+    return {"request": request, "position": position, "head": head, "channel": channel, "plane": plane,
+            "stored": float(stored.flatten()[index].float()) * scale,
+            "contract": float(expected.flatten()[index].float()) * scale, "steps": int(apart.flatten()[index])}
+
+
+def write_findings(prepared: PreparedCase, *, negated: bool = False) -> dict[str, Any] | None:
+    """None when every stored number of every request is the contract's quantization of what
+    ``write_kv`` was given (one fp8 step off allowed on ``ONE_ULP_FRACTION`` of them); else what is
+    wrong and where first: ``{"what", "place", "worst"}``."""
+    batch, scales = prepared.batch, prepared.scales
+    if scales is None:
+        return None
+    dtype = batch.spec.kv_cache_dtype
+    elements = one_step = 0
+    worst: dict[str, Any] | None = None
+    for request in range(batch.case.num_reqs):
+        stored_key, stored_value = _stored(prepared, request)
+        planes = [("key", stored_key, batch.keys[request], scales.k_scale)]
+        if stored_value is not None:
+            planes.append(("value", stored_value, batch.values[request], scales.v_scale))
+        for plane, stored, given, scale in planes:
+            expected = quantize(given.neg() if negated else given, scale, dtype).to(stored.device)
+            if stored.shape != expected.shape or stored.dtype != dtype:
+                return {"what": f"read_kv returned {plane}s of shape {tuple(stored.shape)} and dtype {stored.dtype}; "
+                                f"expected {tuple(expected.shape)} {dtype}", "place": f"request {request}"}
+            apart = ulps_apart(stored, expected)
+            elements += apart.numel()
+            one_step += int((apart == 1).sum())
+            if apart.numel() and (worst is None or int(apart.max()) > worst["steps"]):
+                worst = _place(stored, expected, apart, scale, request, plane)
+    allowed = int(ONE_ULP_FRACTION * elements)
+    if worst is None or (worst["steps"] <= 1 and one_step <= allowed):
+        return None
+    if worst["stored"] != worst["stored"]:  # NaN
+        what = "write_kv stored NaN where the contract saturates to the format's largest number"
+    elif worst["steps"] > 1:
+        what = (f"write_kv stored a number {worst['steps']} fp8 steps from the contract's quantization "
+                "(value / scale, rounded to nearest even, saturated)")
+    else:
+        what = (f"write_kv rounded {one_step} of {elements} stored numbers one fp8 step away from the contract's "
+                f"(at most {allowed}, {ONE_ULP_FRACTION:.0%}, allowed for values on a rounding boundary): a rounding "
+                "rule other than round-to-nearest-even (truncation?)")
+    where = (f"request {worst['request']} position {worst['position']} head {worst['head']} channel "
+             f"{worst['channel']} ({worst['plane']}): stored {worst['stored']:.6g}, contract {worst['contract']:.6g} "
+             "(dequantized)")
+    return {"what": what, "place": where, "worst": worst}
