@@ -57,6 +57,12 @@ def second_layer(prepared: PreparedCase) -> PreparedCase:
     return prepare_layer(batch, prepared.backend, case_scales(batch.case, batch.device, SECOND_LAYER_SCALES))
 
 
+def _scales(layer: PreparedCase) -> str:
+    """An fp8 layer's scales as a reason names them (MLA: its one scale)."""
+    k_scale, v_scale = layer.scales.k_scale, layer.scales.v_scale
+    return f"k {k_scale:g}" if layer.batch.spec.kind == "mla" else f"k {k_scale:g}, v {v_scale:g}"
+
+
 class NumericsCheck(Check):
     name = "numerics"
     question = ("equal to the float64 oracle on every supported case: unowned KV slots loud or NaN, as a second layer, "
@@ -130,15 +136,14 @@ class NumericsCheck(Check):
         metrics["second layer max abs error"] = errors["max_abs_error"]
         stored = write_findings(layer, negated=True)
         if passed and stored:
-            return CaseResult(case.id, Verdict.FAIL, f"a second layer (scales {layer.scales.k_scale:g}, "
-                              f"{layer.scales.v_scale:g}): {stored['what']}: {stored['place']}", tag=case.tag,
+            return CaseResult(case.id, Verdict.FAIL, f"a second layer (fp8 scales {_scales(layer)}): {stored['what']}: "
+                              f"{stored['place']}", tag=case.tag,
                               metrics=metrics, evidence={"pass": STORED_PASS, "stored": stored.get("worst")})
         if passed:
             return None
         worst = evidence["worst"]
         maps = failure_maps(batch, out.neg(), expected, worst, atol, rtol, "a second layer")
-        scales = "" if layer.scales is None else (f"; fp8 scales {layer.scales.k_scale:g}, {layer.scales.v_scale:g} "
-                                                   "instead of the first layer's")
+        scales = "" if layer.scales is None else f"; fp8 scales {_scales(layer)} instead of the first layer's"
         reason = (f"a second layer (this step's metadata, no build; its own pool; query, key and value negated{scales}) "
                   f"is wrong: {how_far_off(errors)}, worst (negated back) at {worst_place(worst)} — state kept from the "
                   "first layer's pool, scales or forward, or (on a GPU) work launched on another stream than the "

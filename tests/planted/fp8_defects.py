@@ -1,0 +1,103 @@
+"""Planted fp8 KV-cache defects, each torch_naive with one bug that reached a real backend: a
+scale dropped on one path, swapped, applied twice, kept from the first layer; quantisation by
+truncation, without saturation; a device scale read on the host."""
+from __future__ import annotations
+
+import torch
+
+from backends.base import KVScales
+from backends.fp8 import from_cache, to_cache
+from backends.torch_naive import NaiveMetadata, TorchNaiveBackend
+
+
+class DropsScaleOnDecode(TorchNaiveBackend):
+    """Decode rows attend over the raw stored numbers (a fast decode path that forgot k_scale and
+    v_scale, vLLM #42580); prefill rows are right."""
+
+    def forward(self, query, kv_cache, metadata: NaiveMetadata, out, scales=None) -> None:
+        super().forward(query, kv_cache, metadata, out, scales)
+        raw = KVScales(1.0, 1.0, scales.k_scale_tensor, scales.v_scale_tensor)
+        for request in range(len(metadata.seq_lens)):
+            start, end = metadata.query_start_loc[request], metadata.query_start_loc[request + 1]
+            if end - start == 1:
+                single = NaiveMetadata([0, 1], [metadata.seq_lens[request]], metadata.block_table[request : request + 1])
+                super().forward(query[start:end], kv_cache, single, out[start:end], raw)
+
+
+class SwapsKVScales(TorchNaiveBackend):
+    """k_scale and v_scale passed to the kernel in each other's places (vLLM #34863)."""
+
+    def scale_floats(self, scales):
+        key, value = super().scale_floats(scales)
+        return [value, key] if self.spec.kind != "mla" else [key, value]
+
+
+class ScalesTwiceOnRead(TorchNaiveBackend):
+    """Dequantizes with the scale applied twice (stored × scale²)."""
+
+    def forward(self, query, kv_cache, metadata, out, scales=None) -> None:
+        squared = KVScales(scales.k_scale ** 2, scales.v_scale ** 2, scales.k_scale_tensor, scales.v_scale_tensor)
+        super().forward(query, kv_cache, metadata, out, squared)
+
+
+class TruncatesOnWrite(TorchNaiveBackend):
+    """Quantizes by truncation toward zero (a bit shift of the fp32 mantissa) instead of rounding
+    to nearest even; forward attends over what it stored, so only the stored-cache check sees it."""
+
+    def write_kv(self, kv_cache, key, value, slot_mapping, scales=None) -> None:
+        def truncated(rows: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+            nearest = to_cache(rows, scale, dtype)
+            exact = rows.float() / scale
+            # Where rounding went away from zero, step back one fp8 number toward zero.
+            away = from_cache(nearest, 1.0).abs() > exact.abs()
+            bits = nearest.view(torch.uint8)
+            return torch.where(away & (bits & 0x7F > 0), bits - 1, bits).view(dtype)
+
+        planes = [kv_cache] if self.spec.kind == "mla" else list(kv_cache)
+        rows = [key] if self.spec.kind == "mla" else [key, value]
+        for plane, rows_, scale in zip(planes, rows, self.scale_floats(scales)):
+            from backends.paged_write import write_paged_rows
+
+            write_paged_rows(plane, truncated(rows_, scale, plane.dtype), slot_mapping, self.spec.block_size)
+
+
+class NoSaturation(TorchNaiveBackend):
+    """Converts without saturating: a number past the format's range becomes NaN (e4m3 has no
+    infinity), as a conversion without ``satfinite`` gives on a GPU."""
+
+    def write_kv(self, kv_cache, key, value, slot_mapping, scales=None) -> None:
+        def unsaturated(rows: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+            scaled = rows.float() / scale
+            return torch.where(scaled.abs() > torch.finfo(dtype).max, float("nan"), scaled).to(dtype)
+
+        from backends.paged_write import write_paged_rows
+
+        planes = [kv_cache] if self.spec.kind == "mla" else list(kv_cache)
+        rows = [key] if self.spec.kind == "mla" else [key, value]
+        for plane, rows_, scale in zip(planes, rows, self.scale_floats(scales)):
+            write_paged_rows(plane, unsaturated(rows_, scale, plane.dtype), slot_mapping, self.spec.block_size)
+
+
+class KeepsFirstLayerScales(TorchNaiveBackend):
+    """Keeps the scales of the first forward after a build in the step's metadata, for every layer
+    of the step (metadata is shared by the layers; scales are not)."""
+
+    def build(self, common):
+        metadata = super().build(common)
+        metadata.scales = None
+        return metadata
+
+    def forward(self, query, kv_cache, metadata, out, scales=None) -> None:
+        if getattr(metadata, "scales", None) is None:
+            metadata.scales = scales
+        super().forward(query, kv_cache, metadata, out, metadata.scales)
+
+
+class ReadsDeviceScaleOnHost(TorchNaiveBackend):
+    """Reads the device scale with ``.item()`` in forward: a host sync per layer (GPU: the syncs
+    check sees it)."""
+
+    def forward(self, query, kv_cache, metadata, out, scales=None) -> None:
+        host = KVScales(scales.k_scale_tensor.item(), scales.v_scale_tensor.item(), scales.k_scale_tensor,
+                        scales.v_scale_tensor)
+        super().forward(query, kv_cache, metadata, out, host)
