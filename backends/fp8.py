@@ -8,9 +8,10 @@ from __future__ import annotations
 import torch
 
 
-def to_cache(rows: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
+def to_cache(rows: torch.Tensor, scale: float | torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """``rows / scale`` saturated to the format's largest finite number and rounded to nearest even
-    (PyTorch's conversion rounds to nearest even; the clamp keeps e5m2 from overflowing to inf)."""
+    (PyTorch's conversion rounds to nearest even; the clamp keeps e5m2 from overflowing to inf).
+    ``scale``: the host float, or the 1-element device tensor (nothing read on the host)."""
     limit = torch.finfo(cache_dtype).max
     return (rows.float() / scale).clamp(-limit, limit).to(cache_dtype)
 

@@ -32,7 +32,7 @@ def _write_with_kernel(plane: torch.Tensor, rows: torch.Tensor, slot_mapping: to
     write_kv_kernel[(slot_mapping.shape[0],)](
         rows, rows, plane, plane, slot_mapping,
         rows.stride(0), rows.stride(1), rows.stride(0), rows.stride(1),
-        plane.stride(0), plane.stride(2), plane.stride(1),
+        plane.stride(0), plane.stride(2), plane.stride(1), slot_mapping, slot_mapping,  # no scales: rows stored as they are
         NUM_KV_HEADS=heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_HEADS=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(head_dim), HAS_VALUE=False,
     )

@@ -130,12 +130,23 @@ class TorchNaiveBackend(AttentionBackend):
                 runs.append((head, head + 1, kv))
         return runs
 
+    def grouped(self) -> bool:
+        """Query head h reads KV head h // group, as the contract says: the math then runs as one
+        product over every (KV head, group) at once. (A subclass that maps heads otherwise, a
+        planted defect, goes run by run.)"""
+        group = self.spec.query_group_size
+        return self.kv_head_of() == [head // group for head in range(self.spec.num_heads)]
+
     def masked_scores(self, query, key, context_len: int) -> torch.Tensor:
         """[H, q, s] float32 logits (soft-capped), -inf where a query may not look."""
         query, key = query.float(), key.float()
-        scores = query.new_empty(query.shape[1], query.shape[0], key.shape[0])
-        for first, end, kv in self.head_runs():
-            scores[first:end] = torch.einsum("qhd,kd->hqk", query[:, first:end], key[:, kv])
+        if self.grouped():
+            by_group = query.view(query.shape[0], key.shape[1], -1, query.shape[2])  # [q, Hkv, group, d]
+            scores = torch.einsum("qkgd,skd->kgqs", by_group, key).reshape(query.shape[1], query.shape[0], key.shape[0])
+        else:
+            scores = query.new_empty(query.shape[1], query.shape[0], key.shape[0])
+            for first, end, kv in self.head_runs():
+                scores[first:end] = torch.einsum("qhd,kd->hqk", query[:, first:end], key[:, kv])
         scores *= self.softmax_scale()
         if self.spec.logits_soft_cap is not None:
             cap = self.spec.logits_soft_cap
@@ -148,6 +159,9 @@ class TorchNaiveBackend(AttentionBackend):
         """query [q, H, Dk], key [s, Hkv, Dk], value [s, Hkv, Dv] → [q, H, Dv], in float32."""
         probs = self.masked_scores(query, key, context_len).softmax(dim=-1)
         value = value.float()
+        if self.grouped():
+            by_group = probs.view(value.shape[1], -1, query.shape[0], key.shape[0])  # [Hkv, group, q, s]
+            return torch.einsum("kgqs,skd->qkgd", by_group, value).reshape(query.shape[0], query.shape[1], value.shape[-1])
         out = value.new_empty(query.shape[0], query.shape[1], value.shape[-1])
         for first, end, kv in self.head_runs():
             out[:, first:end] = torch.einsum("hqk,kd->qhd", probs[first:end], value[:, kv])

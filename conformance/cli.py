@@ -224,7 +224,8 @@ def _locked_run(args, console: Console, names, checks, cases, device: torch.devi
         backends=names, checks=checks, cases=cases, device=device,
         suite="custom" if args.case else args.suite, case_timeout_s=args.timeout,
         backend_timeout_s=args.backend_timeout, in_process=args.in_process,
-        check_options={"sync_detector": args.sync_detector, "prefill_backend": args.prefill_backend},
+        check_options={"sync_detector": args.sync_detector, "prefill_backend": args.prefill_backend,
+                       "suite": "custom" if args.case else args.suite},
     )
     progress_console = Console(stderr=True, quiet=args.quiet)
     if not progress_console.is_terminal:  # CI logs: one line per event, wide enough to stay whole

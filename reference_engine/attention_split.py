@@ -140,9 +140,12 @@ class SplitAttention(AttentionBackend):
     def allocate_kv_cache(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.backend.allocate_kv_cache(num_blocks), self.companion.allocate_kv_cache(num_blocks)
 
-    def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
-        self.backend.write_kv(kv_cache[0], key, value, slot_mapping)
-        self.companion.write_kv(kv_cache[1], key, value, slot_mapping)
+    def write_kv(self, kv_cache, key, value, slot_mapping, **layer) -> None:
+        self.backend.write_kv(kv_cache[0], key, value, slot_mapping, **layer)
+        self.companion.write_kv(kv_cache[1], key, value, slot_mapping, **layer)
+
+    def read_kv(self, kv_cache, slot_mapping):
+        return self.backend.read_kv(kv_cache[0], slot_mapping)
 
     def _serving(self, part: Part) -> AttentionBackend:
         return self.companion if part.by_companion else self.backend
@@ -171,13 +174,13 @@ class SplitAttention(AttentionBackend):
         (part, start, end, inner), = metadata.calls
         return SplitMetadata([(part, start, end, self._serving(part).update_for_draft_step(inner, common))])
 
-    def forward(self, query, kv_cache, metadata: SplitMetadata, out) -> None:
+    def forward(self, query, kv_cache, metadata: SplitMetadata, out, **layer) -> None:
         if len(metadata.calls) == 1:
             part, _, _, inner = metadata.calls[0]
-            self._serving(part).forward(query, kv_cache[int(part.by_companion)], inner, out)
+            self._serving(part).forward(query, kv_cache[int(part.by_companion)], inner, out, **layer)
             return
         for part, start, end, inner in metadata.calls:
-            self._serving(part).forward(query[start:end], kv_cache[int(part.by_companion)], inner, out[start:end])
+            self._serving(part).forward(query[start:end], kv_cache[int(part.by_companion)], inner, out[start:end], **layer)
 
 
 def attention_for(backend_cls: type[AttentionBackend], spec: AttentionSpec, limits: BackendLimits, device: torch.device,

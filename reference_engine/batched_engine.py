@@ -398,7 +398,8 @@ class BatchedEngine(EngineCore):
     def _verify_segment(self, metadata, step: StepTensors, uploaded: StepRows[torch.Tensor], buffers: _Buffers, shape: StepShape) -> torch.Tensor:
         k = self.config.num_spec_tokens
         layout = buffers.layout
-        hidden = self.model(step.input_ids, step.positions, StepInputs(self.backend, metadata, self.kv_caches, step.slot_mapping))
+        hidden = self.model(step.input_ids, step.positions, StepInputs(self.backend, metadata, self.kv_caches, step.slot_mapping,
+                                                                       self.kv_scales))
         if self.config.check_inputs:
             self.verified.add_(verified_digest_terms(step.slot_mapping, step.input_ids).sum())
         logits = self.model.logits(hidden[uploaded.logits_index]).view(shape.num_reqs, k + 1, -1)
@@ -469,7 +470,7 @@ class BatchedEngine(EngineCore):
         query_lens = starts[1:] - starts[:-1]
         valid_count = torch.where(decode, emitted, query_lens)
         eagle_slots = torch.where(offsets < valid_count[rows], step.slot_mapping, -1)
-        inputs = StepInputs(self.backend, metadata, [self.eagle_cache], eagle_slots)
+        inputs = StepInputs(self.backend, metadata, [self.eagle_cache], eagle_slots, self.eagle_scales)
         self.eagle(self.model, step.input_ids, features, step.positions, inputs)
         last = (starts[:-1] + valid_count - 1).clamp(min=0)
         self.eagle_features[slots] = torch.where((valid_count > 0)[:, None], hidden[last], self.eagle_features[slots])
@@ -519,11 +520,11 @@ class BatchedEngine(EngineCore):
         step, slots = buffers.draft, buffers.draft_layout.slots
         if isinstance(self.drafter, EagleDrafter):
             features = torch.where(self.draft_step == 0, self.eagle_features[slots], buffers.draft_features)
-            inputs = StepInputs(self.backend, metadata, [self.eagle_cache], step.slot_mapping)
+            inputs = StepInputs(self.backend, metadata, [self.eagle_cache], step.slot_mapping, self.eagle_scales)
             predicted = self.eagle(self.model, step.input_ids, features, step.positions, inputs)
             buffers.draft_features.copy_(predicted)
         else:  # layer-skip: the target's first layers, through the target's own cache
-            inputs = StepInputs(self.backend, metadata, self.kv_caches, step.slot_mapping)
+            inputs = StepInputs(self.backend, metadata, self.kv_caches, step.slot_mapping, self.kv_scales)
             predicted = self.model(step.input_ids, step.positions, inputs, self.drafter.num_layers)
         logits = self.model.logits(predicted)
         column = self.draft_step.expand(slots.shape)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from backends import registry
-from backends.base import BackendLimits
+from backends.base import BackendLimits, KVScales
 from reference_engine.attention_split import attention_for
 from reference_engine.drafters import DRAFTER_NAMES, Drafter, EagleDrafter, ScriptedDrafter, parse_drafter
 from reference_engine.kv_cache import BlockManager
@@ -35,6 +35,10 @@ class EngineConfig:
     prefill_backend: str = "auto"
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
+    # An fp8 KV cache (torch.float8_e4m3fn / float8_e5m2) with per-tensor scales: layer l's are
+    # kv_scales times (1 + l / 2), so that every layer has scales of its own.
+    kv_cache_dtype: torch.dtype | None = None
+    kv_scales: tuple[float, float] = (0.1, 4.0)
     block_size: int = 16
     num_blocks: int = 256
     max_num_reqs: int = 16
@@ -76,6 +80,14 @@ class GenerationOutput:
         return (len(self.tokens) - 1) / self.decode_steps if self.decode_steps else 0.0
 
 
+def layer_scales(config: EngineConfig, num_layers: int, device: torch.device) -> list[KVScales] | None:
+    """Each layer's fp8 scales (device tensors made once: graphs read them), or None."""
+    if config.kv_cache_dtype is None or config.kv_cache_dtype == config.dtype:
+        return None
+    k_scale, v_scale = config.kv_scales
+    return [KVScales.on(device, k_scale * (1 + layer / 2), v_scale * (1 + layer / 2)) for layer in range(num_layers)]
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model: LlamaModel | None = None, eagle_head: EagleHead | None = None) -> None:
         if config.num_spec_tokens < 0:
@@ -87,7 +99,7 @@ class EngineCore:
         self.drafter: Drafter | None = drafter
         self.device = torch.device(config.device)
         self.model = model or LlamaModel.random(config.model, config.seed, config.dtype, self.device)
-        spec = config.model.attention_spec(config.dtype, config.block_size)
+        spec = config.model.attention_spec(config.dtype, config.block_size, config.kv_cache_dtype)
         backend_cls = registry.load(config.backend)
         reason = backend_cls.unsupported_reason(spec, self.device)
         if reason:
@@ -96,6 +108,7 @@ class EngineCore:
         # A backend that serves only some batches runs beside a companion that serves the rest.
         self.backend = attention_for(backend_cls, spec, limits, self.device, config.prefill_backend)
         self.kv_caches = [self.backend.allocate_kv_cache(config.num_blocks) for _ in range(config.model.num_layers)]
+        self.kv_scales = layer_scales(config, config.model.num_layers, self.device)
         self.blocks = BlockManager(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.blocks, max_num_reqs=config.max_num_reqs, max_num_tokens=config.max_num_tokens,
@@ -106,6 +119,7 @@ class EngineCore:
             if self.eagle is None:
                 self.eagle = EagleHead.random(config.model, config.seed, config.dtype, self.device)
             self.eagle_cache = self.backend.allocate_kv_cache(config.num_blocks)  # the head's own KV
+            self.eagle_scales = layer_scales(config, 1, self.device)
         self._generators: dict[int, torch.Generator] = {}
 
     def generator(self, request: Request) -> torch.Generator | None:

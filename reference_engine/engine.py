@@ -204,7 +204,7 @@ class Engine(EngineCore):
 
     def _target(self, num_layers: int | None = None):
         def run(input_ids, positions, common):
-            step = StepInputs(self.backend, self.backend.build(common), self.kv_caches, common.slot_mapping)
+            step = StepInputs(self.backend, self.backend.build(common), self.kv_caches, common.slot_mapping, self.kv_scales)
             return self.model(input_ids, positions, step, num_layers)
 
         return run
@@ -242,7 +242,8 @@ class Engine(EngineCore):
 
     def _eagle_run(self, features: torch.Tensor):
         def run(input_ids, positions, common):
-            step = StepInputs(self.backend, self.backend.build(common), [self.eagle_cache], common.slot_mapping)
+            step = StepInputs(self.backend, self.backend.build(common), [self.eagle_cache], common.slot_mapping,
+                              self.eagle_scales)
             return self.eagle(self.model, input_ids, features, positions, step)
 
         return run

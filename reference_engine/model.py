@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.base import AttentionBackend, AttentionSpec
+from backends.base import AttentionBackend, AttentionSpec, KVScales
 
 
 @dataclass(frozen=True)
@@ -34,15 +34,15 @@ class ModelConfig:
     qk_rope_dim: int = 0
     v_head_dim: int = 0
 
-    def attention_spec(self, dtype: torch.dtype, block_size: int) -> AttentionSpec:
+    def attention_spec(self, dtype: torch.dtype, block_size: int, kv_cache_dtype: torch.dtype | None = None) -> AttentionSpec:
         if self.attention == "mla":
             return AttentionSpec(
                 kind="mla", num_heads=self.num_heads, num_kv_heads=1, head_dim=self.kv_lora_rank + self.qk_rope_dim,
                 dtype=dtype, block_size=block_size, kv_lora_rank=self.kv_lora_rank, rope_dim=self.qk_rope_dim,
-                scale=1.0 / math.sqrt(self.qk_nope_dim + self.qk_rope_dim),
+                scale=1.0 / math.sqrt(self.qk_nope_dim + self.qk_rope_dim), kv_cache_dtype=kv_cache_dtype,
             )
         return AttentionSpec(kind="mha", num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                             head_dim=self.head_dim, dtype=dtype, block_size=block_size)
+                             head_dim=self.head_dim, dtype=dtype, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
 
 
 PRESETS = {
@@ -97,9 +97,9 @@ class DecoderLayer(torch.nn.Module):
         key = qkv[:, q_size : q_size + kv_size].view(tokens, config.num_kv_heads, config.head_dim)
         value = qkv[:, q_size + kv_size :].view(tokens, config.num_kv_heads, config.head_dim).contiguous()
         query, key = apply_rope(query, positions, config.rope_theta), apply_rope(key, positions, config.rope_theta)
-        step.backend.write_kv(step.kv_caches[layer], key, value, step.slot_mapping)
+        step.backend.write_kv(step.kv_caches[layer], key, value, step.slot_mapping, **step.layer(layer))
         out = torch.empty(tokens, config.num_heads, config.head_dim, dtype=normed.dtype, device=normed.device)
-        step.backend.forward(query, step.kv_caches[layer], step.metadata, out)
+        step.backend.forward(query, step.kv_caches[layer], step.metadata, out, **step.layer(layer))
         return self.o_proj(out.view(tokens, q_size))
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, step: "StepInputs", layer: int) -> torch.Tensor:
@@ -109,6 +109,15 @@ class DecoderLayer(torch.nn.Module):
         hidden = hidden + attend(normed, positions, step, layer)
         gate, up = self.gate_up(rms_norm(hidden, self.post_norm, config.rms_norm_eps)).chunk(2, dim=-1)
         return hidden + self.down(torch.nn.functional.silu(gate) * up)
+
+
+def per_head_product(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A batched product over heads in ``a``'s dtype. On a CPU it runs in float32 and is rounded
+    back: PyTorch's bf16 and fp16 batched products there are tens of times slower, and float32
+    accumulation is what a GPU's tensor cores do anyway."""
+    if a.is_cuda or a.dtype == torch.float32:
+        return torch.einsum(equation, a, b)
+    return torch.einsum(equation, a.float(), b.float()).to(a.dtype)
 
 
 class LatentAttention(torch.nn.Module):
@@ -135,11 +144,13 @@ class LatentAttention(torch.nn.Module):
         down = self.kv_down(normed)
         latent = rms_norm(down[:, :rank], self.kv_norm, config.rms_norm_eps)
         k_pe = apply_rope(down[:, None, rank:], positions, config.rope_theta)[:, 0]
-        step.backend.write_kv(step.kv_caches[layer], torch.cat([latent, k_pe], dim=-1).contiguous(), None, step.slot_mapping)
-        absorbed = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)
+        step.backend.write_kv(step.kv_caches[layer], torch.cat([latent, k_pe], dim=-1).contiguous(), None, step.slot_mapping,
+                              **step.layer(layer))
+        absorbed = per_head_product("thn,hnr->thr", q_nope, self.w_uk)
         out = torch.empty(tokens, heads, rank, dtype=normed.dtype, device=normed.device)
-        step.backend.forward(torch.cat([absorbed, q_pe], dim=-1).contiguous(), step.kv_caches[layer], step.metadata, out)
-        return self.o_proj(torch.einsum("thr,hrv->thv", out, self.w_uv).reshape(tokens, -1))
+        step.backend.forward(torch.cat([absorbed, q_pe], dim=-1).contiguous(), step.kv_caches[layer], step.metadata, out,
+                             **step.layer(layer))
+        return self.o_proj(per_head_product("thr,hrv->thv", out, self.w_uv).reshape(tokens, -1))
 
 
 @dataclass
@@ -150,6 +161,11 @@ class StepInputs:
     metadata: object
     kv_caches: list[torch.Tensor]
     slot_mapping: torch.Tensor
+    kv_scales: list[KVScales] | None = None  # an fp8 cache's scales, per layer (each layer its own)
+
+    def layer(self, index: int) -> dict:
+        """The keywords of layer ``index``'s write_kv and forward: its scales, for an fp8 cache."""
+        return {} if self.kv_scales is None else {"scales": self.kv_scales[index]}
 
 
 class LlamaModel(torch.nn.Module):

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
+from backends.base import (FP8_KV_DTYPES, AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport,
+                           CommonAttentionMetadata, KVScales)
+from backends.fp8 import to_cache
 from backends.triton import INSTALL_HINT
 
 try:
@@ -146,6 +148,7 @@ class TritonAttentionBackend(DeviceLengthsBackend):
     name = "triton"
     capabilities = Capabilities(
         kinds=frozenset({"mha"}), head_dims=frozenset({64, 128, 256}), block_sizes=frozenset({16, 32, 64}),
+        kv_cache_dtypes=FP8_KV_DTYPES,
         max_query_len=None, sliding_window=True, logits_soft_cap=True,
         cuda_graphs=CGSupport.ALWAYS, needs_cpu_seq_lens=False, draft_step_update=True,
         devices=interpreter_devices(), required_modules=("triton",), install_hint=INSTALL_HINT,
@@ -167,26 +170,41 @@ class TritonAttentionBackend(DeviceLengthsBackend):
         spec = self.spec
         return (2, num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
 
-    def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
+    def write_kv(self, kv_cache, key, value, slot_mapping, scales: KVScales | None = None) -> None:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
+        quantize = self.spec.fp8_kv_cache
+        if quantize and interpreting():
+            # The interpreter's fp32 -> e4m3 conversion flushes subnormals to zero (a GPU's rounds
+            # them): quantize with torch's conversion, on the device scales, and store as they are.
+            key, value = (to_cache(rows, scale, k_cache.dtype)
+                          for rows, scale in ((key, scales.k_scale_tensor), (value, scales.v_scale_tensor)))
+            quantize = False
+        k_scale, v_scale = (scales.k_scale_tensor, scales.v_scale_tensor) if quantize else (slot_mapping, slot_mapping)
         kernels.write_kv_kernel[(slot_mapping.shape[0],)](
             key, value, k_cache, v_cache, slot_mapping,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_scale, v_scale,
             NUM_KV_HEADS=self.spec.num_kv_heads, HEAD_DIM=self.spec.head_dim, PAGE_SIZE=self.spec.block_size,
             BLOCK_HEADS=triton.next_power_of_2(self.spec.num_kv_heads), BLOCK_D=self.block_d, HAS_VALUE=True,
+            QUANTIZE=quantize, FP8_MAX=float(torch.finfo(k_cache.dtype).max) if quantize else 448.0,
         )
 
-    def forward(self, query, kv_cache, metadata: TritonMetadata, out) -> None:
+    def read_kv(self, kv_cache, slot_mapping):
+        blocks, offsets = slot_mapping // self.spec.block_size, slot_mapping % self.spec.block_size
+        return kv_cache[0][blocks, :, offsets], kv_cache[1][blocks, :, offsets]
+
+    def forward(self, query, kv_cache, metadata: TritonMetadata, out, scales: KVScales | None = None) -> None:
         spec, limits = self.spec, self.limits
         k_cache, v_cache = kv_cache[0], kv_cache[1]
+        fp8 = spec.fp8_kv_cache
+        k_scale, v_scale = (scales.k_scale_tensor, scales.v_scale_tensor) if fp8 else (metadata.seq_lens, metadata.seq_lens)
         scale_log2 = spec.softmax_scale * LOG2E  # the kernels' softmax runs in base 2
         soft_cap = spec.logits_soft_cap or 0.0
         window = spec.sliding_window or 0
         common_args = dict(
             GROUP=self.group, HEAD_DIM=spec.head_dim, BLOCK_D=self.block_d,
             PAGE_SIZE=spec.block_size, USE_WINDOW=spec.sliding_window is not None,
-            USE_SOFT_CAP=spec.logits_soft_cap is not None, UPCAST_DOT=self.upcast_dot,
+            USE_SOFT_CAP=spec.logits_soft_cap is not None, UPCAST_DOT=self.upcast_dot, KV_FP8=fp8,
         )
         decode_q = metadata.decode_q
         block_m = max(16, triton.next_power_of_2(decode_q * self.group))
@@ -195,7 +213,7 @@ class TritonAttentionBackend(DeviceLengthsBackend):
             query, k_cache, v_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
             self.partial_out, self.partial_lse, out, metadata.num_reqs, num_splits, scale_log2, soft_cap, window,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), metadata.block_table.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_scale, v_scale,
             NUM_HEADS=spec.num_heads, DECODE_Q=decode_q, BLOCK_M=block_m, BLOCK_N=self.decode_block_n,
             ONE_SPLIT=num_splits == 1, **common_args,
             num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
@@ -207,7 +225,7 @@ class TritonAttentionBackend(DeviceLengthsBackend):
                 query, k_cache, v_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens, out,
                 metadata.num_reqs, scale_log2, soft_cap, window,
                 query.stride(0), query.stride(1), out.stride(0), out.stride(1), metadata.block_table.stride(0),
-                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_scale, v_scale,
                 DECODE_Q=decode_q, BLOCK_Q=self.prefill_block_q, BLOCK_M=self.prefill_block_m, BLOCK_N=self.block_n,
                 **common_args,
             )

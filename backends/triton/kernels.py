@@ -17,6 +17,13 @@ served by one of two kernels, decided on the device from each request's query le
 
 Softmax runs in fp32 with exp2; products are fp16/bf16 with fp32 accumulation.
 
+fp8 cache (``KV_FP8``): keys and values are loaded as fp8 and converted to the query's dtype
+(exact: every e4m3 and e5m2 number is a bf16 and an fp16 number); ``k_scale`` is folded into the
+score scale and ``v_scale`` into the output, both read from their 1-element device tensors, so
+nothing is read on the host and a CUDA graph replays with whatever scales the tensors hold.
+``write_kv_kernel`` quantizes (``QUANTIZE``): value / scale, saturated, converted with round to
+nearest even.
+
 Integer arguments that change from batch to batch (request count, split count, window, block
 table width) are ``do_not_specialize``: Triton would otherwise compile a kernel apart for each of
 their classes (1, multiples of 16, the rest), which multiplied a suite's compiles. A single split
@@ -47,12 +54,23 @@ def _soft_cap(scores, cap):
 
 
 @triton.jit
+def _quantized(rows, scale_ptr, QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr):
+    """``rows / scale`` saturated to the fp8 format's largest number (the store converts, rounding
+    to nearest even); ``rows`` as they are without QUANTIZE."""
+    if QUANTIZE:
+        scaled = rows.to(tl.float32) / tl.load(scale_ptr)
+        return tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX)
+    return rows
+
+
+@triton.jit
 def write_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-    stride_cache_block, stride_cache_head, stride_cache_token,
+    stride_cache_block, stride_cache_head, stride_cache_token, k_scale_ptr, v_scale_ptr,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_VALUE: tl.constexpr,
+    QUANTIZE: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
@@ -65,10 +83,12 @@ def write_kv_kernel(
     mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
     destination = block * stride_cache_block + heads * stride_cache_head + offset * stride_cache_token + dims
     key = tl.load(key_ptr + token * stride_key_token + heads * stride_key_head + dims, mask=mask)
-    tl.store(k_cache_ptr + destination, key, mask=mask)
+    key = _quantized(key, k_scale_ptr, QUANTIZE, FP8_MAX)
+    tl.store(k_cache_ptr + destination, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
     if HAS_VALUE:
         value = tl.load(value_ptr + token * stride_value_token + heads * stride_value_head + dims, mask=mask)
-        tl.store(v_cache_ptr + destination, value, mask=mask)
+        value = _quantized(value, v_scale_ptr, QUANTIZE, FP8_MAX)
+        tl.store(v_cache_ptr + destination, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -170,15 +190,18 @@ def _attend(
     q, request, kv_head, start, end, query_positions, row_valid,
     k_cache_ptr, v_cache_ptr, block_table_ptr, stride_block_table,
     stride_cache_block, stride_cache_head, stride_cache_token,
-    scale_log2, soft_cap, window,
+    scale_log2, soft_cap, window, k_scale_ptr, v_scale_ptr,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Online softmax of the rows in ``q`` over KV positions [start, end) of one request:
     (unnormalised output, row maximum, row sum).
 
     UPCAST_DOT (Triton's CPU interpreter only, whose bf16 tl.dot is wrong): products in fp32.
+    KV_FP8: the cache holds fp8 numbers and their scales are at ``k_scale_ptr`` / ``v_scale_ptr``.
     """
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -194,6 +217,9 @@ def _attend(
         kv_mask = in_range[:, None] & dim_mask[None, :]
         key = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         value = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            key = key.to(q.dtype)
+            value = value.to(q.dtype)
         if UPCAST_DOT:
             key = key.to(tl.float32)
             value = value.to(tl.float32)
@@ -206,6 +232,8 @@ def _attend(
         if USE_WINDOW:
             visible = visible & (query_positions[:, None] - positions[None, :] < window)
         acc, row_max, row_sum = online_softmax_step(tl.where(visible, scores, float("-inf")), value, acc, row_max, row_sum)
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
     return acc, row_max, row_sum
 
 
@@ -215,10 +243,11 @@ def decode_split_kernel(
     partial_out_ptr, partial_lse_ptr, out_ptr,
     num_reqs, num_splits, scale_log2, soft_cap, window,
     stride_query_token, stride_query_head, stride_out_token, stride_out_head, stride_block_table,
-    stride_cache_block, stride_cache_head, stride_cache_token,
+    stride_cache_block, stride_cache_head, stride_cache_token, k_scale_ptr, v_scale_ptr,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, DECODE_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST_DOT: tl.constexpr, ONE_SPLIT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     request, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # grid (requests, KV heads, splits)
     query_start, query_len, seq_len, token, head, row_valid, query_positions = decode_tile(
@@ -239,8 +268,8 @@ def decode_split_kernel(
     acc, row_max, row_sum = _attend(
         q, request, kv_head, start, end, query_positions, row_valid,
         k_cache_ptr, v_cache_ptr, block_table_ptr, stride_block_table,
-        stride_cache_block, stride_cache_head, stride_cache_token, scale_log2, soft_cap, window,
-        BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW, USE_SOFT_CAP, UPCAST_DOT,
+        stride_cache_block, stride_cache_head, stride_cache_token, scale_log2, soft_cap, window, k_scale_ptr, v_scale_ptr,
+        BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW, USE_SOFT_CAP, UPCAST_DOT, KV_FP8,
     )
     store_split_result(acc, row_max, row_sum, partial_out_ptr, partial_lse_ptr, out_ptr, query_start, token, head,
                        request, split, num_splits, dims, row_valid, stride_out_token, stride_out_head,
@@ -281,10 +310,10 @@ def prefill_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     num_reqs, scale_log2, soft_cap, window,
     stride_query_token, stride_query_head, stride_out_token, stride_out_head, stride_block_table,
-    stride_cache_block, stride_cache_head, stride_cache_token,
+    stride_cache_block, stride_cache_head, stride_cache_token, k_scale_ptr, v_scale_ptr,
     GROUP: tl.constexpr, DECODE_Q: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -328,8 +357,8 @@ def prefill_kernel(
     acc, row_max, row_sum = _attend(
         q, request, kv_head, start, last_position, query_positions, row_valid,
         k_cache_ptr, v_cache_ptr, block_table_ptr, stride_block_table,
-        stride_cache_block, stride_cache_head, stride_cache_token, scale_log2, soft_cap, window,
-        BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW, USE_SOFT_CAP, UPCAST_DOT,
+        stride_cache_block, stride_cache_head, stride_cache_token, scale_log2, soft_cap, window, k_scale_ptr, v_scale_ptr,
+        BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW, USE_SOFT_CAP, UPCAST_DOT, KV_FP8,
     )
     store_output(acc, row_sum, out_ptr, query_start + token, head, dims, row_valid, stride_out_token, stride_out_head,
                  HEAD_DIM)

@@ -106,7 +106,7 @@ class TritonMLABackend(DeviceLengthsBackend):
         kernels.write_kv_kernel[(slot_mapping.shape[0],)](
             key, key, kv_cache, kv_cache, slot_mapping,
             key.stride(0), 0, key.stride(0), 0,
-            kv_cache.stride(0), 0, kv_cache.stride(1),
+            kv_cache.stride(0), 0, kv_cache.stride(1), slot_mapping, slot_mapping,  # no scales: rows stored as they are
             NUM_KV_HEADS=1, HEAD_DIM=self.spec.head_dim, PAGE_SIZE=self.spec.block_size,
             BLOCK_HEADS=1, BLOCK_D=triton.next_power_of_2(self.spec.head_dim), HAS_VALUE=False,
         )

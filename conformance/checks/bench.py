@@ -78,10 +78,12 @@ def measure_ceilings(device: torch.device) -> dict[str, float]:
 
 
 def traffic(case: Case) -> tuple[float, float]:
-    """(bytes, FLOPs) the step must move and compute at the least: KV read once, Q read, O written."""
+    """(bytes, FLOPs) the step must move and compute at the least: KV read once (in the cache's
+    dtype: an fp8 cache moves half the bytes), Q read, O written."""
     spec = case.spec
     element = torch.finfo(spec.dtype).bits // 8
-    kv_bytes_per_token = (spec.head_dim if spec.kind == "mla" else 2 * spec.num_kv_heads * spec.head_dim) * element
+    cache_element = torch.finfo(spec.effective_kv_cache_dtype).bits // 8
+    kv_bytes_per_token = (spec.head_dim if spec.kind == "mla" else 2 * spec.num_kv_heads * spec.head_dim) * cache_element
     kv_bytes = sum(context + query for context, query in case.batch) * kv_bytes_per_token
     io_bytes = case.num_tokens * spec.num_heads * (spec.head_dim + spec.v_head_dim) * element
     flops = sum(
@@ -113,19 +115,20 @@ class BenchCheck(Check):
         key, value, slots = batch.step_rows()
         query = torch.cat([batch.query, batch.query.new_zeros(case.padding, *batch.query.shape[1:])])
         out = poisoned_output(batch)
-        backend.write_kv(prepared.kv_cache, key, value, slots)
+        layer = prepared.layer
+        backend.write_kv(prepared.kv_cache, key, value, slots, **layer)
         metadata = backend.build(common)
 
         build_us = time_cpu(lambda: backend.build(common))
         metadata = backend.build(common)
-        forward_us = time_gpu(lambda: backend.forward(query, prepared.kv_cache, metadata, out), self._flush)
+        forward_us = time_gpu(lambda: backend.forward(query, prepared.kv_cache, metadata, out, **layer), self._flush)
         replay_us = None
         claims = backend_cls.capabilities.cuda_graphs
         if claims != CGSupport.NEVER and graph_class_reason(claims, case) is None:
             graph = torch.cuda.CUDAGraph()
             capture_metadata = backend.build_for_capture(common)
             with torch.cuda.graph(graph):
-                backend.forward(query, prepared.kv_cache, capture_metadata, out)
+                backend.forward(query, prepared.kv_cache, capture_metadata, out, **layer)
             replay_us = time_gpu(graph.replay, self._flush)
         moved, flops = traffic(case)
         bandwidth = moved / forward_us / 1e3

@@ -20,7 +20,7 @@ import torch
 from backends.base import AttentionBackend
 from conformance.inputs.cases import Case
 from conformance.checks.base import Check
-from conformance.inputs.harness import PreparedCase, prepare_case, run_step
+from conformance.inputs.harness import prepare_case, run_step
 from conformance.results import CaseResult, Verdict
 
 
@@ -65,7 +65,7 @@ class DeterminismCheck(Check):
         starts = prepared.batch.query_start_loc
         variance = None
         for label, order in batch_variants(case.num_reqs):
-            sub = PreparedCase(prepared.batch.reordered(order), prepared.backend, prepared.kv_cache)
+            sub = prepared.over(prepared.batch.reordered(order))
             out = run_step(sub, with_host_lengths=host_lengths)
             sub_starts = sub.batch.query_start_loc
             for position, request in enumerate(order):

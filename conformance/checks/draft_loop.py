@@ -23,6 +23,7 @@ from conformance.checks.comparison import TOLERANCES, compare_with_oracle, worst
 from conformance.inputs.graph_batches import GraphShape
 from conformance.inputs.graph_harness import GraphBuffers, cuda_graph_skip_reason, warm_up
 from conformance.inputs.harness import PoolFill, write_poison
+from conformance.inputs.stored_cache import expected_output
 from conformance.results import CaseResult, Verdict
 
 # (k, a padding row after the real requests, warm-up before the capture, what unowned slots hold).
@@ -60,9 +61,10 @@ class DraftLoop:
         buffers, drafted, n = self.buffers, self.drafted, self.num_real
 
         key, value, slots = drafted.history_rows()
-        write_poison(buffers.backend, buffers.kv_cache, drafted, keep=slots, num_blocks=buffers.num_blocks, fill=fill)
+        write_poison(buffers.backend, buffers.kv_cache, drafted, keep=slots, num_blocks=buffers.num_blocks, fill=fill,
+                     scales=buffers.scales)
         if slots.numel():
-            buffers.backend.write_kv(buffers.kv_cache, key, value, slots)
+            buffers.backend.write_kv(buffers.kv_cache, key, value, slots, **buffers.layer)
         # Per-step banks: the query row, KV row and slot of request r at draft step s.
         self.query_bank = drafted.query.view(n, num_steps, *drafted.query.shape[1:])
         self.key_bank = torch.stack([drafted.keys[r][c : c + num_steps] for r, c in enumerate(contexts)])
@@ -112,7 +114,9 @@ class DraftLoop:
         )
 
     def first_failing_step(self, atol: float, rtol: float) -> tuple[int | None, dict[str, Any]]:
-        reference = self.drafted.reference_output().view(self.num_real, self.num_steps, *self.out_bank.shape[2:])
+        # Every draft step's rows are in the cache now; a step sees only positions up to its own.
+        reference = expected_output(self.buffers.prepared(self.drafted))
+        reference = reference.view(self.num_real, self.num_steps, *self.out_bank.shape[2:])
         starts = list(range(self.num_real + 1))
         for step in range(self.num_steps):
             passed, metrics, evidence = compare_with_oracle(self.out_bank[:, step], reference[:, step], starts, atol, rtol)

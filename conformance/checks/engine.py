@@ -1,8 +1,10 @@
 """engine: the reference engine end to end with the backend under test, sync and async.
 
-For each attention kind and dtype (the first case of each in the suite gives the head shape and
-block size; on a CPU, for each kind: there the dtypes differ only in rounding, and fp16 and bf16
-matrix products are slow) a small model of that layout runs four prompts, greedy:
+For each attention kind, KV-cache format and dtype (the first case of each in the suite gives the
+head shape, block size and fp8 scales) a small model of that layout runs four prompts, greedy. On
+a CPU, once per kind and cache format (fp8 or not), and in the quick suite (the CPU default, a
+minute long) once per kind; in fp32 where the backend claims it: there the dtypes differ only in
+rounding, and bf16 and fp16 matrix products are many times slower.
 
 1. plain decoding (no speculation), the reference;
 2. speculative decoding, k = 3, scripted drafter at 50 % acceptance (a rejection in most steps), synchronous loop: must equal 1;
@@ -53,10 +55,23 @@ DRAFTER = "scripted:random:0.5"
 ATTENTION_DRAFTER = "layer-skip"  # drafts through the backend under test
 
 
-def layout_key(case: Case, device: torch.device) -> tuple:
-    """One engine scenario per attention kind and dtype (on a CPU, per kind): the first such
-    case's shapes stand in."""
-    return (case.spec.kind,) if device.type == "cpu" else (case.spec.kind, case.spec.dtype)
+def layout_key(case: Case, device: torch.device, suite: str | None = None) -> tuple:
+    """One engine scenario per attention kind, KV-cache format and dtype (on a CPU, per kind and
+    cache format; in the quick suite, per kind): the first such case's shapes (and an fp8 cache's
+    scales) stand in."""
+    spec = case.spec
+    if suite == "quick":
+        return (spec.kind,)
+    if device.type == "cpu":
+        return spec.kind, spec.fp8_kv_cache
+    return spec.kind, spec.kv_cache_dtype if spec.fp8_kv_cache else None, spec.dtype
+
+
+def engine_case(backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> Case:
+    """The case whose layout the engine runs: on a CPU in fp32 where the backend claims it."""
+    if device.type == "cpu" and case.spec.dtype != torch.float32 and torch.float32 in backend_cls.capabilities.dtypes:
+        return dataclasses.replace(case, spec=dataclasses.replace(case.spec, dtype=torch.float32))
+    return case
 
 
 def model_for(case: Case):
@@ -83,7 +98,7 @@ def model_and_prompts(case: Case, device: torch.device, lengths: tuple[int, ...]
 def engine_skip_reason(backend_cls: type[AttentionBackend], case: Case, device: torch.device,
                        prefill_backend: str = AUTO) -> str | None:
     """Why the engine cannot run ``model_for(case)`` through this backend, or None."""
-    spec = model_for(case).attention_spec(case.spec.dtype, case.spec.block_size)
+    spec = model_for(case).attention_spec(case.spec.dtype, case.spec.block_size, case.spec.kv_cache_dtype)
     reason = backend_cls.unsupported_reason(spec, device)
     if reason:
         return reason
@@ -110,10 +125,11 @@ class EngineCheck(Check):
         self.covered: dict[tuple, str] = {}
 
     def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
-        key = layout_key(case, device)
+        key = layout_key(case, device, self.options.get("suite"))
         if key in self.covered:
             return f"layout covered by {self.covered[key]}"
-        reason = engine_skip_reason(backend_cls, case, device, self.options.get("prefill_backend", AUTO))
+        reason = engine_skip_reason(backend_cls, engine_case(backend_cls, case, device), device,
+                                    self.options.get("prefill_backend", AUTO))
         if reason:
             return reason
         self.covered[key] = case.id
@@ -125,7 +141,10 @@ class EngineCheck(Check):
 
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
         routings: list[Routing] = []  # a split backend's: which backend served the attention calls of each engine run
-        result = self._run_engines(backend_cls, case, device, routings)
+        ran = engine_case(backend_cls, case, device)
+        result = dataclasses.replace(self._run_engines(backend_cls, ran, device, routings), case=case.id)
+        if ran is not case:
+            result.reason += " (the model in fp32: a CPU run)"
         if routings:
             served = Routing.total(routings)
             result.evidence["attention_routing"] = served.to_dict()
@@ -145,8 +164,9 @@ class EngineCheck(Check):
         model_config = model.config
         params = SamplingParams(max_tokens=32, ignore_eos=True)
         backend_ref = f"{backend_cls.__module__}:{backend_cls.__qualname__}"  # the class under test, however it was named
+        fp8 = dict(kv_cache_dtype=spec.kv_cache_dtype, kv_scales=case.kv_scales) if case.kv_scales else {}
         base = EngineConfig(model=model_config, backend=backend_ref, device=str(device), dtype=spec.dtype,
-                            block_size=spec.block_size, num_blocks=64, max_num_reqs=4, max_num_tokens=128)
+                            block_size=spec.block_size, num_blocks=64, max_num_reqs=4, max_num_tokens=128, **fp8)
 
         def engine_for(**changes):
             engine = BatchedEngine(dataclasses.replace(base, prefill_backend=self.options.get("prefill_backend", AUTO),

@@ -42,7 +42,8 @@ from conformance.inputs.graph_batches import (
 from conformance.inputs.graph_harness import (
     GraphBuffers, canaries_written, count_different, cuda_graph_skip_reason, fill_freed_memory, graph_pool_bytes, warm_up,
 )
-from conformance.inputs.harness import PoolFill, PreparedCase, run_step
+from conformance.inputs.stored_cache import expected_output
+from conformance.inputs.harness import PoolFill, run_step
 from conformance.inputs.batch import PagedBatch, materialize
 from host_syncs.detector import detect_host_syncs
 from conformance.results import CaseResult, Verdict
@@ -191,7 +192,7 @@ class GraphsCheck(Check):
         graph.replay()
         torch.cuda.synchronize()
         replayed = buffers.out[: loaded.real_tokens].clone()
-        reference = loaded.batch.reference_output()
+        reference = expected_output(buffers.prepared(loaded.batch))
         passed, errors, evidence = compare_with_oracle(replayed, reference, loaded.batch.query_start_loc, atol, rtol)
         if not passed:
             return (f"replay of {what} differs from the oracle: {errors['mismatched']} elements, max abs error "
@@ -227,10 +228,11 @@ class GraphsCheck(Check):
         batch = materialize(replace(larger, padding=0), buffers.device)
         key, value, slots = batch.history_rows()
         if slots.numel():
-            buffers.backend.write_kv(buffers.kv_cache, key, value, slots)
-        out = run_step(PreparedCase(batch, buffers.backend, buffers.kv_cache), with_host_lengths=self.host_lengths)
+            buffers.backend.write_kv(buffers.kv_cache, key, value, slots, **buffers.layer)
+        prepared = buffers.prepared(batch)
+        out = run_step(prepared, with_host_lengths=self.host_lengths)
         torch.cuda.synchronize()
-        passed, errors, evidence = compare_with_oracle(out, batch.reference_output(), batch.query_start_loc, atol, rtol)
+        passed, errors, evidence = compare_with_oracle(out, expected_output(prepared), batch.query_start_loc, atol, rtol)
         if passed:
             return None
         return (f"{what} differs from the oracle: {errors['mismatched']} elements, max abs error {errors['max_abs_error']:.3g}",

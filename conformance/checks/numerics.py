@@ -157,7 +157,7 @@ class NumericsCheck(Check):
         batch = prepared.batch
         case = batch.case
         order = list(range(case.num_reqs))[::-1]
-        later = PreparedCase(batch.reordered(order), prepared.backend, prepared.kv_cache, scales=prepared.scales)
+        later = prepared.over(batch.reordered(order))
         reference, starts = expected_output(prepared), batch.query_start_loc
         later_reference = torch.cat([reference[starts[request] : starts[request + 1]] for request in order])
         try:

@@ -491,6 +491,30 @@ def _variant_cases() -> list[Case]:
                                              ("big pool: spec-verify k=3", "63+4,1200+4")])
     cases += _cases("mla-h16-d512+64-bf16-p64-bigpool", [("big pool: decode", "1+1,700+1,2500+1"),
                                                          ("big pool: spec-verify k=3", "64+4,900+4")])
+    return cases + _fp8_cases()
+
+
+def _fp8_cases() -> list[Case]:
+    """An fp8 KV cache (scales k 0.1, v 4 unless given) on every kind of batch and layer option
+    where scales have broken backends: decode and prefill paths, block boundaries, long context,
+    MLA's latent cache, strided inputs, padding, large logits and boundary data, other scales."""
+    fp8 = LLAMA3_8B.replace("-p16", "-fp8e4m3-p16")
+    cases = _cases(fp8, [(f"fp8: {tag}", batch) for tag, batch in _mha_batches(16, rich=False)
+                         if tag in ("decode", "spec-verify k=3", "chunked prefill with context", "mixed prefill + decode",
+                                    "block boundaries decode", "block boundaries verify")]
+                   + [("fp8: long context", "8192+1x2,8190+4")])
+    cases += _cases("gqa-h32/8-d128-fp16-fp8e5m2-p32", [("fp8 e5m2: decode", "1+1,500+1,3000+1"),
+                                                        ("fp8 e5m2: spec-verify k=3", "300+4,1200+4"),
+                                                        ("fp8 e5m2: mixed", "0+200,700+64,3000+1x2")])
+    cases += _cases(fp8 + "-strided-pad64", [("fp8, strided, 64 padding rows: spec-verify k=3", "300+4,1200+4,63+4")])
+    cases += _cases(fp8 + "-pad0-sinks", [("fp8, large logits, no padding: decode", "1+1,500+1,3000+1")])
+    cases += _cases(fp8 + "-edges", [("fp8, edges: spec-verify k=3", "300+4,1200+4,12+4,60+4")])
+    cases += _cases("gqa-h8/2-d128-bf16-fp8e4m3-p16-w256-edges", [("fp8, window edges: mixed", "0+300,700+64,255+1")])
+    cases += _cases("gqa-h8/2-d128-bf16-fp8e4m3-kscale0.03-vscale7-p16", [("fp8, scales 0.03 and 7: decode", "100+1,2000+1"),
+                                                                            ("fp8, scales 0.03 and 7: spec-verify k=3", "500+4,30+4")])
+    cases += _cases("mla-h16-d512+64-bf16-fp8e4m3-p64", [("fp8 latent: decode", "1+1,63+1,64+1,700+1,2500+1"),
+                                                         ("fp8 latent: spec-verify k=3", "64+4,900+4"),
+                                                         ("fp8 latent: mixed", "0+100,500+40,2000+1x4")])
     return cases
 
 
@@ -581,6 +605,10 @@ def bench_suite() -> list[Case]:
                         batches.append((f"{kind} b{batch} ctx{context}", f"{context}+{query}x{batch}"))
         cases += _cases(layer, batches)
     cases += _cases(LLAMA3_8B, [("mixed prefill + decode", "0+512,2000+1x32,4000+4x16")])
+    # An fp8 cache beside bf16, for the backends that claim it: decode and spec-verify at batch 64.
+    cases += _cases(LLAMA3_8B + "-fp8e4m3", [(f"fp8 cache: {kind} b64 ctx{context}", f"{context}+{query}x64")
+                                             for kind, query in (("decode", 1), ("verify q=4", 4)) for context in (4096, 32768)
+                                             if 64 * context <= BENCH_MAX_KV_TOKENS])
     return cases
 
 

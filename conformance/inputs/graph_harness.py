@@ -21,7 +21,7 @@ from backends.base import AttentionBackend, BackendLimits, CGSupport, CommonAtte
 from conformance.inputs.batch import PagedBatch, guarded_block_table, pool_size
 from conformance.inputs.cases import Case
 from conformance.inputs.graph_batches import GraphShape, padding_rows
-from conformance.inputs.harness import PoolFill, allocate_pool, as_bits, write_poison
+from conformance.inputs.harness import PoolFill, PreparedCase, allocate_pool, as_bits, case_scales, layer_arguments, write_poison
 
 PADDING_KEY_VALUE = 7.0  # garbage that padding rows carry: it must land nowhere. Each load adds
 # its index, so a stray write of one replay differs from what an earlier one left behind.
@@ -45,6 +45,9 @@ class GraphBuffers:
         self.backend = backend_cls(spec, limits, device)
         self.num_blocks = max(pool_size(case) for case in cases)
         self.kv_cache = allocate_pool(self.backend, self.num_blocks, fill)
+        # An fp8 layer's scales: persistent device tensors, as an engine's layer holds them.
+        self.scales = case_scales(cases[0], device)
+        self.layer = layer_arguments(self.scales)
         max_blocks = shape.max_model_len // spec.block_size
         int32 = dict(dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(shape.num_reqs + 1, **int32)
@@ -63,9 +66,10 @@ class GraphBuffers:
         poisoned with ``fill``, by default the buffers' own) into the buffers."""
         case = batch.case
         key, value, slots = batch.history_rows()
-        write_poison(self.backend, self.kv_cache, batch, keep=slots, num_blocks=self.num_blocks, fill=fill or self.fill)
+        write_poison(self.backend, self.kv_cache, batch, keep=slots, num_blocks=self.num_blocks, fill=fill or self.fill,
+                     scales=self.scales)
         if slots.numel():
-            self.backend.write_kv(self.kv_cache, key, value, slots)
+            self.backend.write_kv(self.kv_cache, key, value, slots, **self.layer)
         padding = padding_rows(self.shape, case)
         query_lens = [query for _, query in case.batch] + padding
         seq_lens = batch.seq_lens + padding
@@ -97,14 +101,19 @@ class GraphBuffers:
 
     def step(self, metadata) -> None:
         """What the graph holds: the step's KV write and the attention."""
-        self.backend.write_kv(self.kv_cache, self.key, self.value, self.slot_mapping)
-        self.backend.forward(self.query, self.kv_cache, metadata, self.out)
+        self.backend.write_kv(self.kv_cache, self.key, self.value, self.slot_mapping, **self.layer)
+        self.backend.forward(self.query, self.kv_cache, metadata, self.out, **self.layer)
+
+    def prepared(self, batch: PagedBatch) -> PreparedCase:
+        """``batch`` over these buffers' backend, pool and scales (what its expected output is read from)."""
+        return PreparedCase(batch, self.backend, self.kv_cache, scales=self.scales)
 
     def add_step_rows(self, cache: torch.Tensor, loaded: LoadedBatch) -> None:
         """Write the step's real rows into ``cache`` (a copy of the cache taken before the step),
         eagerly: what the cache must be after the step. In place: a full-suite pool is 8 GiB."""
         real = loaded.real_tokens
-        self.backend.write_kv(cache, self.key[:real], None if self.value is None else self.value[:real], loaded.real_slots)
+        self.backend.write_kv(cache, self.key[:real], None if self.value is None else self.value[:real], loaded.real_slots,
+                              **self.layer)
 
 
 def cuda_graph_skip_reason(backend_cls: type[AttentionBackend], device: torch.device, what: str = "") -> str | None:

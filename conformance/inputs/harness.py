@@ -56,6 +56,10 @@ class PreparedCase:
     metadata: Any = None  # what the last step's ``build`` returned (a second layer's forward reuses it)
     scales: KVScales | None = None  # an fp8 layer's scales, handed to write_kv and forward
 
+    def over(self, batch: PagedBatch) -> "PreparedCase":
+        """Another batch (the same requests reordered, a subset) over this layer's backend, pool and scales."""
+        return PreparedCase(batch, self.backend, self.kv_cache, scales=self.scales)
+
     @property
     def layer(self) -> dict[str, Any]:
         """The keywords of this layer's ``write_kv`` and ``forward``: its scales, for an fp8 cache."""

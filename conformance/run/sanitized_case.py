@@ -73,7 +73,7 @@ def run_draft_loop_stage(backend_cls, case, map_path: Path) -> None:
     # slot 0, which the harness hands it, so that one slot is written; the rest of block 0 stays fresh.
     reserved_slot = torch.zeros(1, dtype=torch.int64, device=buffers.kv_cache.device)
     buffers.backend.write_kv(buffers.kv_cache, buffers.key[:1], None if buffers.value is None else buffers.value[:1],
-                             reserved_slot)
+                             reserved_slot, **buffers.layer)
     drafted_table = torch.cat([drafted.block_table, torch.zeros_like(drafted.block_table[:1])])
     where = AllocationMap()
     where.add_pool(buffers.kv_cache, drafted_table, drafted.seq_lens + [1], case.spec.block_size, buffers.num_blocks)

@@ -1,0 +1,43 @@
+"""fp8 KV cache on a real GPU: the triton backend's kernels quantize and dequantize as the
+contract says on every path (eager, CUDA graphs, the draft loop, the engine), a device scale read
+on the host is a sync the syncs check reports, and a write_kv that stores by truncation fails."""
+import pytest
+import torch
+
+from backends.triton.backend import TritonAttentionBackend
+from conformance.checks.draft_loop import DraftLoopCheck
+from conformance.checks.engine import EngineCheck
+from conformance.checks.graphs import GraphsCheck
+from conformance.checks.numerics import NumericsCheck
+from conformance.checks.syncs import SyncsCheck
+from conformance.inputs.cases import parse_case
+from conformance.results import Verdict
+from tests.planted import fp8_defects
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+CASES = ["gqa-h8/2-d128-bf16-fp8e4m3-p16:100+1,30+4,0+40,2000+1", "gqa-h8/2-d64-fp16-fp8e5m2-p32:300+4,17+1",
+         "gqa-h8/2-d128-bf16-fp8e4m3-p16-w64-cap30-strided:500+4,20+1"]
+
+
+@pytest.mark.parametrize("case_text", CASES)
+def test_triton_stores_and_attends_fp8_as_the_contract_says(case_text):
+    result = NumericsCheck().run_case(TritonAttentionBackend, parse_case(case_text), CUDA)
+    assert result.verdict == Verdict.PASS, result.reason
+
+
+@pytest.mark.parametrize("check", [GraphsCheck, DraftLoopCheck, EngineCheck])
+def test_triton_fp8_under_graphs_in_the_draft_loop_and_in_the_engine(check):
+    result = check().run_case(TritonAttentionBackend, parse_case("gqa-h8/2-d128-bf16-fp8e4m3-p16:100+1,30+1,250+1"), CUDA)
+    assert result.verdict == Verdict.PASS, result.reason
+
+
+def test_a_device_scale_read_on_the_host_is_a_sync():
+    case = parse_case("gqa-h8/2-d128-bf16-fp8e4m3-p16:100+1,30+4")
+    result = SyncsCheck().run_case(fp8_defects.ReadsDeviceScaleOnHost, case, CUDA)
+    assert result.verdict == Verdict.FAIL and "forward" in result.reason, result.reason
+
+
+def test_truncation_fails_on_a_gpu_too():
+    result = NumericsCheck().run_case(fp8_defects.TruncatesOnWrite, parse_case(CASES[0]), CUDA)
+    assert result.verdict == Verdict.FAIL and "write_kv rounded" in result.reason, result.reason
