@@ -57,9 +57,8 @@ def _soft_cap(scores, cap):
 def _quantized(rows, scale_ptr, QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr):
     """``rows / scale`` saturated to the fp8 format's largest number (the store converts, rounding
     to nearest even); ``rows`` as they are without QUANTIZE."""
-    if QUANTIZE:
-        scaled = rows.to(tl.float32) / tl.load(scale_ptr)
-        return tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX)
+    if QUANTIZE:  # one return: a compiled kernel's returns must agree in type
+        rows = tl.minimum(tl.maximum(rows.to(tl.float32) / tl.load(scale_ptr), -FP8_MAX), FP8_MAX)
     return rows
 
 
