@@ -58,6 +58,9 @@ def add_engine_parser(commands) -> None:
         parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default 64)")
         parser.add_argument("--device", help="cpu or cuda (default: cuda when visible)")
         parser.add_argument("--dtype", default=None, help="fp32 | fp16 | bf16 (default: fp32 on cpu, bf16 on cuda)")
+        parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8e4m3", "fp8e5m2"], default="auto",
+                            help="the KV cache's format: auto (the model's dtype) or fp8 with per-layer scales "
+                                 "(k 0.1, v 4 times 1 + layer/2; the backend must claim it) (default auto)")
         parser.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks (default 1024)")
         parser.add_argument("--max-num-tokens", type=int, default=512, help="token budget per step (default 512)")
         parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
@@ -111,12 +114,15 @@ def _load_model(args, dtype, device, usage_error) -> tuple[LlamaModel, Tokenizer
     raise usage_error(f"--model {args.model!r}: not one of {', '.join([*PRESETS, *REAL_MODELS])} and not a directory")
 
 
+KV_CACHE_DTYPES = {"auto": None, "fp8e4m3": torch.float8_e4m3fn, "fp8e5m2": torch.float8_e5m2}
+
+
 def _make_engine(args, model, eagle, dtype, device, loop: str, drafter: str, usage_error):
     config = EngineConfig(
         model=model.config, backend=args.backend, prefill_backend=args.prefill_backend, device=str(device), dtype=dtype,
         num_blocks=args.num_blocks, max_num_tokens=args.max_num_tokens, max_num_reqs=max(args.num_prompts, 1), num_spec_tokens=args.spec_tokens,
         drafter=drafter, seed=args.seed, async_scheduling=loop == "async", cuda_graphs=args.cuda_graphs and device.type == "cuda",
-        check_inputs=getattr(args, "check_inputs", False),
+        check_inputs=getattr(args, "check_inputs", False), kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype],
     )
     try:
         return (Engine if loop == "simple" else BatchedEngine)(config, model, eagle)
