@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.base import AttentionSpec, BackendLimits, Capabilities, CGSupport
+from backends.base import FP8_KV_DTYPES, AttentionSpec, BackendLimits, Capabilities, CGSupport, KVScales
+from backends.fp8 import to_cache
 from backends.triton import GATHER, INSTALL_HINT, PAGE, TMA
 from backends.triton.backend import (
     DECODE_VARIANTS,
@@ -58,10 +59,12 @@ def has_tma(device: torch.device) -> bool:
 def tma_reads(spec: AttentionSpec, kv_cache: torch.Tensor) -> bool:
     """Whether the cache's tiles can be copied by TMA: a tile inside one page, latent and rope
     widths equal to the kernel's (powers of two, at least 16), so that no copy reaches into the
-    next entry, and rows at 16-byte multiples."""
+    next entry, and rows at 16-byte multiples. An fp8 cache's tiles are read with masked loads:
+    the TMA path was measured and tuned on bf16 tiles only."""
     widths = (spec.kv_lora_rank, spec.rope_dim)
     row_bytes = kv_cache.stride(1) * kv_cache.element_size()
     return (spec.block_size % BLOCK_N == 0 and kv_cache.is_contiguous() and row_bytes % 16 == 0
+            and not spec.fp8_kv_cache
             and kv_cache.data_ptr() % 16 == 0
             and all(w >= 16 and w == triton.next_power_of_2(w) for w in widths))
 
@@ -77,7 +80,7 @@ def tile_read(spec: AttentionSpec, block_m: int, kv_cache: torch.Tensor, tma: bo
 class TritonMLABackend(DeviceLengthsBackend):
     name = "triton_mla"
     capabilities = Capabilities(
-        kinds=frozenset({"mla"}), block_sizes=frozenset({16, 32, 64}),
+        kinds=frozenset({"mla"}), block_sizes=frozenset({16, 32, 64}), kv_cache_dtypes=FP8_KV_DTYPES,
         max_query_len=DECODE_VARIANTS[-1],
         cuda_graphs=CGSupport.ALWAYS, needs_cpu_seq_lens=False, draft_step_update=True,
         devices=interpreter_devices(), required_modules=("triton",), install_hint=INSTALL_HINT,
@@ -102,16 +105,24 @@ class TritonMLABackend(DeviceLengthsBackend):
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.spec.block_size, self.spec.head_dim)
 
-    def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
+    def write_kv(self, kv_cache, key, value, slot_mapping, scales: KVScales | None = None) -> None:
+        quantize = self.spec.fp8_kv_cache
+        if quantize and interpreting():  # the interpreter flushes e4m3 subnormals (see TritonAttentionBackend)
+            key, quantize = to_cache(key, scales.k_scale_tensor, kv_cache.dtype), False
+        k_scale = scales.k_scale_tensor if quantize else slot_mapping  # unread without QUANTIZE
         kernels.write_kv_kernel[(slot_mapping.shape[0],)](
             key, key, kv_cache, kv_cache, slot_mapping,
             key.stride(0), 0, key.stride(0), 0,
-            kv_cache.stride(0), 0, kv_cache.stride(1), slot_mapping, slot_mapping,  # no scales: rows stored as they are
+            kv_cache.stride(0), 0, kv_cache.stride(1), k_scale, k_scale,
             NUM_KV_HEADS=1, HEAD_DIM=self.spec.head_dim, PAGE_SIZE=self.spec.block_size,
             BLOCK_HEADS=1, BLOCK_D=triton.next_power_of_2(self.spec.head_dim), HAS_VALUE=False,
+            QUANTIZE=quantize, FP8_MAX=float(torch.finfo(kv_cache.dtype).max) if quantize else 448.0,
         )
 
-    def forward(self, query, kv_cache, metadata: TritonMetadata, out) -> None:
+    def read_kv(self, kv_cache, slot_mapping):
+        return kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping], None
+
+    def forward(self, query, kv_cache, metadata: TritonMetadata, out, scales: KVScales | None = None) -> None:
         spec, limits = self.spec, self.limits
         decode_q = metadata.decode_q
         tiles = tiling(spec.num_heads, decode_q)
@@ -124,11 +135,11 @@ class TritonMLABackend(DeviceLengthsBackend):
             query, kv_cache, latent_desc, rope_desc, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
             self.partial_out, self.partial_lse, out, metadata.num_reqs, num_splits, spec.softmax_scale * LOG2E,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), metadata.block_table.stride(0),
-            kv_cache.stride(0), kv_cache.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), scales.k_scale_tensor if spec.fp8_kv_cache else metadata.seq_lens,
             NUM_HEADS=spec.num_heads, HEADS_PER_PROGRAM=tiles.heads_per_program, DECODE_Q=decode_q,
             BLOCK_M=tiles.block_m, LATENT=spec.kv_lora_rank, ROPE=spec.rope_dim,
             BLOCK_L=triton.next_power_of_2(spec.kv_lora_rank), BLOCK_R=max(16, triton.next_power_of_2(spec.rope_dim)),
             BLOCK_N=BLOCK_N, PAGE_SIZE=spec.block_size, TILE_READ=read, UPCAST_DOT=self.upcast_dot,
-            ONE_SPLIT=num_splits == 1, num_warps=NUM_WARPS if spec.kv_lora_rank >= 256 else 4, num_stages=NUM_STAGES[read],
+            ONE_SPLIT=num_splits == 1, KV_FP8=spec.fp8_kv_cache, num_warps=NUM_WARPS if spec.kv_lora_rank >= 256 else 4, num_stages=NUM_STAGES[read],
         )
         self.merge_splits(out, metadata, num_splits, spec.kv_lora_rank)

@@ -51,7 +51,10 @@ def _read_tile_masked(
 
 @triton.jit
 def _attend_tile(q_latent, q_rope, c_latent, c_rope, tile_start, end, query_positions, row_valid, acc, row_max, row_sum,
-                 scale_log2, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                 scale_log2, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr):
+    if KV_FP8:  # exact: every fp8 number is a bf16 and an fp16 number; k_scale is in scale_log2 and the output
+        c_latent = c_latent.to(q_latent.dtype)
+        c_rope = c_rope.to(q_latent.dtype)
     if UPCAST_DOT:
         c_latent = c_latent.to(tl.float32)
         c_rope = c_rope.to(tl.float32)
@@ -67,11 +70,11 @@ def mla_decode_split_kernel(
     partial_out_ptr, partial_lse_ptr, out_ptr,
     num_reqs, num_splits, scale_log2,
     stride_query_token, stride_query_head, stride_out_token, stride_out_head, stride_block_table,
-    stride_cache_block, stride_cache_token,
+    stride_cache_block, stride_cache_token, k_scale_ptr,
     NUM_HEADS: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, DECODE_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_READ: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    ONE_SPLIT: tl.constexpr,
+    ONE_SPLIT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     head_block, request, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # grid (head blocks, requests, splits)
     query_start, query_len, seq_len, token, head, row_valid, query_positions = decode_tile(
@@ -88,6 +91,8 @@ def mla_decode_split_kernel(
         q_latent = q_latent.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
 
+    if KV_FP8:  # the latent's one scale: on the scores, and (the latent is the value too) on the output
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     start, end = split_range(0, seq_len, split, num_splits, BLOCK_N, ONE_SPLIT)
     acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -106,14 +111,16 @@ def mla_decode_split_kernel(
                 cache_ptr, block_table_ptr, request, stride_block_table, stride_cache_block, stride_cache_token,
                 tile_start, end, latent_dims, rope_dims, LATENT, ROPE, BLOCK_N, PAGE_SIZE, TILE_READ == PAGE)
         acc, row_max, row_sum = _attend_tile(q_latent, q_rope, c_latent, c_rope, tile_start, end, query_positions,
-                                             row_valid, acc, row_max, row_sum, scale_log2, BLOCK_N, UPCAST_DOT)
+                                             row_valid, acc, row_max, row_sum, scale_log2, BLOCK_N, UPCAST_DOT, KV_FP8)
     if TILE_READ == TMA:
         if loop_end < end:
             c_latent, c_rope = _read_tile_masked(
                 cache_ptr, block_table_ptr, request, stride_block_table, stride_cache_block, stride_cache_token,
                 loop_end, end, latent_dims, rope_dims, LATENT, ROPE, BLOCK_N, PAGE_SIZE, True)
             acc, row_max, row_sum = _attend_tile(q_latent, q_rope, c_latent, c_rope, loop_end, end, query_positions,
-                                                 row_valid, acc, row_max, row_sum, scale_log2, BLOCK_N, UPCAST_DOT)
+                                                 row_valid, acc, row_max, row_sum, scale_log2, BLOCK_N, UPCAST_DOT, KV_FP8)
+    if KV_FP8:
+        acc = acc * tl.load(k_scale_ptr)
 
     store_split_result(acc, row_max, row_sum, partial_out_ptr, partial_lse_ptr, out_ptr, query_start, token, head,
                        request, split, num_splits, latent_dims, row_valid, stride_out_token, stride_out_head,

@@ -21,6 +21,8 @@ CASES = {
         "gqa-h4/2-d64-bf16-p16-edges:15+1,16+1,20+4,0+20",  # dominant keys at every causal edge
         "gqa-h4/1-d64-bf16-p16-w24-edges:50+4,3+1,100+1",  # dominant keys at every window edge
         "gqa-h8/4-d64-fp16-p16:30+1x8,50+2",  # enough requests for one split: no merge, output written directly
+        "gqa-h4/2-d64-bf16-fp8e4m3-p16:40+1,20+4,0+9",  # fp8 cache: decode, verify and prefill paths
+        "gqa-h4/2-d64-fp16-fp8e5m2-p16-w24-cap20:40+1,20+4",  # fp8 e5m2, window, soft cap
     ],
     "triton_mla": [
         "mla-h4-d64+16-bf16-p16:1+1,40+1,17+1",
@@ -31,6 +33,7 @@ CASES = {
         "mla-h20-d64+16-fp16-p64:70+8,5+1,100+3",
         "mla-h16-d64+16-bf16-p64-edges:64+4,63+1,200+2",
         "mla-h4-d64+16-bf16-p64:1+1,40+1,130+1",
+        "mla-h4-d64+16-bf16-fp8e4m3-p16:40+1,20+4,1+1",  # an fp8 latent cache, its one scale
     ],
 }
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from backends.triton.backend import TritonAttentionBackend
+from backends.triton.mla_backend import TritonMLABackend
 from conformance.checks.draft_loop import DraftLoopCheck
 from conformance.checks.engine import EngineCheck
 from conformance.checks.graphs import GraphsCheck
@@ -23,6 +24,13 @@ CASES = ["gqa-h8/2-d128-bf16-fp8e4m3-p16:100+1,30+4,0+40,2000+1", "gqa-h8/2-d64-
 @pytest.mark.parametrize("case_text", CASES)
 def test_triton_stores_and_attends_fp8_as_the_contract_says(case_text):
     result = NumericsCheck().run_case(TritonAttentionBackend, parse_case(case_text), CUDA)
+    assert result.verdict == Verdict.PASS, result.reason
+
+
+@pytest.mark.parametrize("case_text", ["mla-h16-d512+64-bf16-fp8e4m3-p64:1+1,700+1,64+4,2500+8",
+                                       "mla-h128-d512+64-bf16-fp8e5m2-p64:900+4,63+1"])
+def test_triton_mla_stores_and_attends_an_fp8_latent_cache(case_text):
+    result = NumericsCheck().run_case(TritonMLABackend, parse_case(case_text), CUDA)
     assert result.verdict == Verdict.PASS, result.reason
 
 
