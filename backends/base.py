@@ -138,6 +138,12 @@ class KVScales:
         return cls(k_scale, v_scale, tensor(k_scale), tensor(v_scale))
 
 
+def layer_arguments(scales: KVScales | None) -> dict[str, Any]:
+    """The keywords of one layer's ``write_kv`` and ``forward``: ``scales=`` for an fp8 layer,
+    nothing otherwise (a backend without an fp8 claim never sees the keyword)."""
+    return {} if scales is None else {"scales": scales}
+
+
 @dataclass(frozen=True)
 class BackendLimits:
     """Static sizes a backend may allocate persistent buffers for, once, in ``__init__``."""

@@ -57,8 +57,12 @@ class TorchNaiveBackend(AttentionBackend):
         rows = [key] if self.spec.kind == "mla" else [key, value]
         planes = [kv_cache] if self.spec.kind == "mla" else list(kv_cache)
         for plane, rows_, scale in zip(planes, rows, self.scale_floats(scales)):
-            stored = rows_ if scale is None else to_cache(rows_, scale, plane.dtype)
+            stored = rows_ if scale is None else self.quantize(rows_, scale, plane.dtype)
             write_paged_rows(plane, stored, slot_mapping, self.spec.block_size)
+
+    def quantize(self, rows: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
+        """What an fp8 cache stores for ``rows`` (the contract's rule, ``backends.fp8.to_cache``)."""
+        return to_cache(rows, scale, cache_dtype)
 
     def scale_floats(self, scales: KVScales | None) -> list[float | None]:
         """The key and value planes' scales (MLA: its one plane's), or None for a compute-dtype cache."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.base import AttentionBackend, AttentionSpec, KVScales
+from backends.base import AttentionBackend, AttentionSpec, KVScales, layer_arguments
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ class StepInputs:
 
     def layer(self, index: int) -> dict:
         """The keywords of layer ``index``'s write_kv and forward: its scales, for an fp8 cache."""
-        return {} if self.kv_scales is None else {"scales": self.kv_scales[index]}
+        return layer_arguments(None if self.kv_scales is None else self.kv_scales[index])
 
 
 class LlamaModel(torch.nn.Module):

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.base import AttentionBackend, BackendLimits, CGSupport, CommonAttentionMetadata
+from backends.base import AttentionBackend, BackendLimits, CGSupport, CommonAttentionMetadata, layer_arguments
 from conformance.inputs.batch import PagedBatch, guarded_block_table, pool_size
 from conformance.inputs.cases import Case
 from conformance.inputs.graph_batches import GraphShape, padding_rows
-from conformance.inputs.harness import PoolFill, PreparedCase, allocate_pool, as_bits, case_scales, layer_arguments, write_poison
+from conformance.inputs.harness import PoolFill, PreparedCase, allocate_pool, as_bits, case_scales, write_poison
 
 PADDING_KEY_VALUE = 7.0  # garbage that padding rows carry: it must land nowhere. Each load adds
 # its index, so a stray write of one replay differs from what an earlier one left behind.

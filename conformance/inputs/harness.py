@@ -17,7 +17,7 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
-from backends.base import AttentionBackend, AttentionSpec, CommonAttentionMetadata, KVScales
+from backends.base import AttentionBackend, AttentionSpec, CommonAttentionMetadata, KVScales, layer_arguments
 from conformance.inputs.batch import PagedBatch, materialize
 from conformance.inputs.case_data import poison_key_value
 from conformance.inputs.cases import Case
@@ -64,11 +64,6 @@ class PreparedCase:
     def layer(self) -> dict[str, Any]:
         """The keywords of this layer's ``write_kv`` and ``forward``: its scales, for an fp8 cache."""
         return layer_arguments(self.scales)
-
-
-def layer_arguments(scales: KVScales | None) -> dict[str, Any]:
-    """``scales=`` for an fp8 layer, nothing otherwise (a backend without an fp8 claim never sees it)."""
-    return {} if scales is None else {"scales": scales}
 
 
 def case_scales(case: Case, device: torch.device | str, factor: float = 1.0) -> KVScales | None:

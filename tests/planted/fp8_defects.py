@@ -44,38 +44,21 @@ class TruncatesOnWrite(TorchNaiveBackend):
     """Quantizes by truncation toward zero (a bit shift of the fp32 mantissa) instead of rounding
     to nearest even; forward attends over what it stored, so only the stored-cache check sees it."""
 
-    def write_kv(self, kv_cache, key, value, slot_mapping, scales=None) -> None:
-        def truncated(rows: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-            nearest = to_cache(rows, scale, dtype)
-            exact = rows.float() / scale
-            # Where rounding went away from zero, step back one fp8 number toward zero.
-            away = from_cache(nearest, 1.0).abs() > exact.abs()
-            bits = nearest.view(torch.uint8)
-            return torch.where(away & (bits & 0x7F > 0), bits - 1, bits).view(dtype)
-
-        planes = [kv_cache] if self.spec.kind == "mla" else list(kv_cache)
-        rows = [key] if self.spec.kind == "mla" else [key, value]
-        for plane, rows_, scale in zip(planes, rows, self.scale_floats(scales)):
-            from backends.paged_write import write_paged_rows
-
-            write_paged_rows(plane, truncated(rows_, scale, plane.dtype), slot_mapping, self.spec.block_size)
+    def quantize(self, rows, scale, cache_dtype):
+        nearest = to_cache(rows, scale, cache_dtype)
+        # Where rounding went away from zero, step back one fp8 number toward zero.
+        away = from_cache(nearest, 1.0).abs() > (rows.float() / scale).abs()
+        bits = nearest.view(torch.uint8)
+        return torch.where(away & (bits & 0x7F > 0), bits - 1, bits).view(cache_dtype)
 
 
 class NoSaturation(TorchNaiveBackend):
     """Converts without saturating: a number past the format's range becomes NaN (e4m3 has no
     infinity), as a conversion without ``satfinite`` gives on a GPU."""
 
-    def write_kv(self, kv_cache, key, value, slot_mapping, scales=None) -> None:
-        def unsaturated(rows: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-            scaled = rows.float() / scale
-            return torch.where(scaled.abs() > torch.finfo(dtype).max, float("nan"), scaled).to(dtype)
-
-        from backends.paged_write import write_paged_rows
-
-        planes = [kv_cache] if self.spec.kind == "mla" else list(kv_cache)
-        rows = [key] if self.spec.kind == "mla" else [key, value]
-        for plane, rows_, scale in zip(planes, rows, self.scale_floats(scales)):
-            write_paged_rows(plane, unsaturated(rows_, scale, plane.dtype), slot_mapping, self.spec.block_size)
+    def quantize(self, rows, scale, cache_dtype):
+        scaled = rows.float() / scale
+        return torch.where(scaled.abs() > torch.finfo(cache_dtype).max, float("nan"), scaled).to(cache_dtype)
 
 
 class KeepsFirstLayerScales(TorchNaiveBackend):
