@@ -101,7 +101,7 @@ class ConformanceItem(pytest.Item):
         _guard["in_case"] = True
         try:
             with big_pool_turn(self.case, self.device):
-                result = self.check.run_case(self.backend_cls, self.case, self.device)
+                result = self.check.run(self.backend_cls, self.case, self.device)
         except SystemExit as error:
             raise BackendExited(f"the backend raised SystemExit({error.code!r}) during the case") from None
         finally:

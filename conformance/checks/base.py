@@ -13,6 +13,7 @@ import torch
 from backends.base import AttentionBackend
 from conformance.inputs.cases import Case
 from conformance.inputs.batch import big_pool_skip_reason
+from conformance.inputs.harness import WroteOutsideOutput
 from conformance.checks.evidence import MAP_KEYS, EvidenceItem, labelled, maps, sync_events, without, worst_element
 from conformance.results import CaseResult, Verdict, worst
 
@@ -41,6 +42,14 @@ class Check(abc.ABC):
     @abc.abstractmethod
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
         """Run one case; raise only for a backend error (reported as ERROR)."""
+
+    def run(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
+        """``run_case``, where a step that wrote where it may not (a tensor it was handed, output
+        rows past its real tokens: ``harness.WroteOutsideOutput``) is a FAIL in any check."""
+        try:
+            return self.run_case(backend_cls, case, device)
+        except WroteOutsideOutput as error:
+            return CaseResult(case.id, Verdict.FAIL, str(error), tag=case.tag)
 
     @classmethod
     def describe_evidence(cls, evidence: dict[str, Any]) -> list[EvidenceItem]:

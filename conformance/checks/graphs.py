@@ -187,10 +187,17 @@ class GraphsCheck(Check):
         """Load, build, replay, compare; None when right, else (reason, failing case, errors, evidence)."""
         atol, rtol = self.tolerance
         loaded = buffers.load(self._batch(replay_case, buffers.device), with_host_lengths=self.host_lengths, fill=fill)
+        watch = buffers.watch(loaded.common)
         buffers.backend.build(loaded.common)
+        watch.called("build")
         expected_cache = buffers.kv_cache.clone()  # the cache before the replay; its own rows are added below
         graph.replay()
+        watch.called("the replay")
         torch.cuda.synchronize()
+        changed = watch.changes()
+        if changed:
+            return (f"replay of {what}: the backend changed an input it was handed: {'; '.join(changed)}",
+                    replay_case, {}, {})
         replayed = buffers.out[: loaded.real_tokens].clone()
         reference = expected_output(buffers.prepared(loaded.batch))
         passed, errors, evidence = compare_with_oracle(replayed, reference, loaded.batch.query_start_loc, atol, rtol)

@@ -21,6 +21,7 @@ from backends.base import AttentionBackend, BackendLimits, CGSupport, CommonAtte
 from conformance.inputs.batch import PagedBatch, guarded_block_table, pool_size
 from conformance.inputs.cases import Case
 from conformance.inputs.graph_batches import GraphShape, padding_rows
+from conformance.inputs.input_watch import InputWatch
 from conformance.inputs.harness import PoolFill, PreparedCase, allocate_pool, as_bits, case_scales, write_poison
 
 PADDING_KEY_VALUE = 7.0  # garbage that padding rows carry: it must land nowhere. Each load adds
@@ -103,6 +104,13 @@ class GraphBuffers:
         """What the graph holds: the step's KV write and the attention."""
         self.backend.write_kv(self.kv_cache, self.key, self.value, self.slot_mapping, **self.layer)
         self.backend.forward(self.query, self.kv_cache, metadata, self.out, **self.layer)
+
+    def watch(self, common: CommonAttentionMetadata) -> InputWatch:
+        """The persistent inputs a replay reads, as they are now (``input_watch``)."""
+        return InputWatch.of({"query": self.query, "key": self.key, "value": self.value, "slot_mapping": self.slot_mapping,
+                              "query_start_loc": self.query_start_loc, "seq_lens": self.seq_lens,
+                              "block_table": self.block_table, "query_start_loc_cpu": common.query_start_loc_cpu,
+                              "host seq_lens": common.host_seq_lens})
 
     def prepared(self, batch: PagedBatch) -> PreparedCase:
         """``batch`` over these buffers' backend, pool and scales (what its expected output is read from)."""

@@ -21,6 +21,7 @@ from backends.base import AttentionBackend, AttentionSpec, CommonAttentionMetada
 from conformance.inputs.batch import PagedBatch, materialize
 from conformance.inputs.case_data import poison_key_value
 from conformance.inputs.cases import Case
+from conformance.inputs.input_watch import InputWatch
 
 POISON_CHUNK_SLOTS = 1 << 16  # poison is written in chunks: a full-suite pool has ~1M slots
 OUTPUT_GUARD_COLUMNS = 64  # extra columns of a strided output's buffer; they must stay NaN
@@ -203,7 +204,12 @@ def _no_phase(name: str) -> ContextManager[None]:
 
 
 class WroteOutsideOutput(AssertionError):
-    """forward wrote into the output buffer's memory outside the ``out`` view it was given."""
+    """The step wrote where it may not: into the output buffer outside the real tokens' rows of
+    the ``out`` view it was given, or (``ChangedInput``) into a tensor it was handed as input."""
+
+
+class ChangedInput(WroteOutsideOutput):
+    """build, write_kv or forward changed a tensor it was handed (``input_watch``)."""
 
 
 @dataclass
@@ -219,6 +225,7 @@ class StagedStep:
     slots: torch.Tensor
     out: torch.Tensor  # the view the backend writes
     whole: torch.Tensor  # the buffer behind it, guard columns included
+    watch: InputWatch | None = None  # the inputs as the backend was handed them (set by launch_step)
 
 
 def stage_step(prepared: PreparedCase, *, with_host_lengths: bool = True,
@@ -247,26 +254,46 @@ def launch_step(step: StagedStep, *, phase: Callable[[str], ContextManager[None]
         for tensor in (prepared.kv_cache, step.query, step.key, step.value):
             if tensor is not None:
                 negate_(tensor)
+    common = step.common
+    step.watch = watch = InputWatch.of({
+        "query": step.query, "key": step.key, "value": step.value, "slot_mapping (write_kv)": step.slots,
+        "query_start_loc": common.query_start_loc, "seq_lens": common.seq_lens, "block_table": common.block_table,
+        "slot_mapping (metadata)": common.slot_mapping, "query_start_loc_cpu": common.query_start_loc_cpu,
+        "host seq_lens": common.host_seq_lens,
+    })
     if metadata is None:
         with phase("build"):
             metadata = backend.build(step.common)
+        watch.called("build")
     prepared.metadata = metadata
     with phase("write_kv"):
         backend.write_kv(prepared.kv_cache, step.key, step.value, step.slots, **prepared.layer)
+    watch.called("write_kv")
     with phase("forward"):
         backend.forward(step.query, prepared.kv_cache, metadata, step.out, **prepared.layer)
+    watch.called("forward")
 
 
 def step_output(step: StagedStep) -> torch.Tensor:
     """The output rows of the real tokens; raises ``WroteOutsideOutput`` when a strided output's
-    guard columns were written."""
+    guard columns or the rows past the real tokens (padding rows' outputs) were written, and
+    ``ChangedInput`` when the backend changed a tensor it was handed."""
+    changed = step.watch.changes() if step.watch is not None else []
+    if changed:
+        raise ChangedInput("the backend changed an input it was handed: " + "; ".join(changed))
     whole, out = step.whole, step.out
+    real = step.prepared.batch.case.num_tokens
     guard = whole[:, out.shape[1] * out.shape[2] :]
     if guard.numel() and not bool(torch.isnan(guard).all()):
         written = int((~torch.isnan(guard)).sum())
         raise WroteOutsideOutput(f"forward wrote {written} elements outside the strided output view it was given "
                                  "(it assumed a contiguous output)")
-    return out[: step.prepared.batch.case.num_tokens]
+    past = out[real:]
+    if past.numel() and not bool(torch.isnan(past).all()):
+        rows = int((~torch.isnan(past)).flatten(1).any(dim=1).sum())
+        raise WroteOutsideOutput(f"forward wrote {rows} output rows past the step's {real} real tokens (padding rows' "
+                                 "outputs must stay as they were: the contract writes the first num_actual_tokens rows)")
+    return out[:real]
 
 
 def run_step(

@@ -153,7 +153,7 @@ def execute(job: Job, emit: Emit) -> bool:
             started = time.perf_counter()
             try:
                 with big_pool_turn(case, device):
-                    result = check.run_case(backend_cls, case, device)
+                    result = check.run(backend_cls, case, device)
                     _synchronize(device)  # an asynchronous kernel fault belongs to this case
             except Exception as error:  # noqa: BLE001 - a backend error is a result, not our crash
                 if any(marker in str(error) for marker in _STICKY_CUDA_ERRORS):

@@ -296,3 +296,42 @@ class LaunchesOnTheDefaultStream(TorchNaiveBackend):
     def forward(self, query, kv_cache, metadata, out):
         with torch.cuda.stream(torch.cuda.default_stream(query.device)):
             super().forward(query, kv_cache, metadata, out)
+
+
+class ScalesQueryInPlace(TorchNaiveBackend):
+    """Multiplies the query by the softmax scale in place and attends with scale 1 (a kernel that
+    pre-scales q where it lies): its own output is right, and the next layer or the draft loop's
+    next step gets a query already scaled."""
+
+    name = "planted_scales_query_in_place"
+
+    def forward(self, query, kv_cache, metadata, out, scales=None):
+        query.mul_(self.spec.softmax_scale)
+        super().forward(query, kv_cache, metadata, out, scales)
+
+    def softmax_scale(self) -> float:
+        return 1.0
+
+
+class TurnsSeqLensIntoContextLens(TorchNaiveBackend):
+    """Subtracts each request's query length from the device ``seq_lens`` in place in ``build`` (it
+    wanted context lengths for a kernel of its own) after taking its own lengths from the host:
+    right output, and the engine's device lengths are a step short from then on."""
+
+    name = "planted_turns_seq_lens_into_context_lens"
+
+    def build(self, common):
+        metadata = super().build(common)
+        common.seq_lens.sub_(common.query_start_loc[1:] - common.query_start_loc[:-1])
+        return metadata
+
+
+class ZeroesTheWholeOutput(TorchNaiveBackend):
+    """Zeroes the whole output buffer it was handed, padding rows included, before writing the real
+    tokens' rows (a kernel launched over the padded token count)."""
+
+    name = "planted_zeroes_the_whole_output"
+
+    def forward(self, query, kv_cache, metadata, out, scales=None):
+        out.zero_()
+        super().forward(query, kv_cache, metadata, out, scales)
