@@ -478,7 +478,16 @@ def _variant_cases() -> list[Case]:
         ("window edges: mixed", "0+300,700+64,3000+1"),
     ])
     cases += _cases("gqa-h8/2-d128-bf16-p16-scale0.25", [("scale 0.25: decode", "100+1,2000+1"),
-                                                          ("scale 0.25: spec-verify k=3", "500+4,30+4")])
+                                                          ("scale 0.25: spec-verify k=3", "500+4,30+4"),
+                                                          ("scale 0.25: mixed prefill + decode", "0+200,700+64,300+1x2")])
+    # A cap matters only on logits past it: large logits (near 256) under a cap of 30, every path.
+    cases += _cases("gqa-h8/2-d128-bf16-p16-cap30-sinks", [("cap 30, large logits: decode", "1+1,500+1,3000+1"),
+                                                           ("cap 30, large logits: spec-verify k=3", "300+4,1200+4"),
+                                                           ("cap 30, large logits: mixed", "0+200,700+64,3000+1x2")])
+    # DeepSeek-V3's MLA scale: 1/sqrt(192) times its YaRN mscale squared (0.1 ln 40 + 1)^2, not 1/sqrt(576).
+    cases += _cases("mla-h16-d512+64-bf16-p64-scale0.13524", [("DeepSeek scale: decode", "1+1,700+1,2500+1"),
+                                                              ("DeepSeek scale: spec-verify k=3", "64+4,900+4"),
+                                                              ("DeepSeek scale: mixed", "0+100,500+40,2000+1x4")])
     cases += _cases("mla-h16-d512+64-bf16-p64-strided", [("strided: decode", "1+1,700+1,2500+1"),
                                                          ("strided: spec-verify k=3", "64+4,900+4")])
     cases += _cases("mla-h16-d512+64-bf16-p64-sinks", [("large logits: decode", "1+1,700+1,2500+1"),

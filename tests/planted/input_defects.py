@@ -335,3 +335,30 @@ class ZeroesTheWholeOutput(TorchNaiveBackend):
     def forward(self, query, kv_cache, metadata, out, scales=None):
         out.zero_()
         super().forward(query, kv_cache, metadata, out, scales)
+
+
+class DropsCapOnDecode(TorchNaiveBackend):
+    """Applies the soft cap on prefill and verify rows and forgets it on decode rows (a decode
+    kernel without the cap's template flag): invisible wherever logits stay below the cap."""
+
+    name = "planted_drops_cap_on_decode"
+
+    def attend(self, query, key, value, context_len):
+        if query.shape[0] != 1 or self.spec.logits_soft_cap is None:
+            return super().attend(query, key, value, context_len)
+        capped = self.spec
+        self.spec = dataclasses.replace(capped, logits_soft_cap=None)
+        try:
+            return super().attend(query, key, value, context_len)
+        finally:
+            self.spec = capped
+
+
+class RecomputesScale(TorchNaiveBackend):
+    """Computes the softmax scale from the head dim (1/√d) instead of taking the layer's: right for
+    Llama, wrong for DeepSeek's MLA (1/√192 × mscale², not 1/√576) and for any model's own scale."""
+
+    name = "planted_recomputes_scale"
+
+    def softmax_scale(self) -> float:
+        return self.spec.head_dim ** -0.5

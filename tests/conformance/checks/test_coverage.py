@@ -1,0 +1,45 @@
+"""Every layer parameter matters on every path somewhere in the standard suite (by the margin),
+and README shows that matrix as it is."""
+from pathlib import Path
+
+from conformance.checks.coverage import MARGIN, parameter_coverage, coverage_table
+from conformance.inputs.cases import suite
+
+README = Path(__file__).resolve().parents[3] / "README.md"
+
+
+def test_every_parameter_matters_on_every_path_and_readme_shows_the_matrix():
+    coverage = parameter_coverage(suite("standard"))
+    empty = [cell for cell, found in coverage.items() if found is None]
+    assert not empty, f"no standard case makes these matter by {MARGIN}×: {empty}"
+    assert "\n".join(coverage_table(coverage)) in README.read_text(), "README's parameter × path matrix is stale"
+
+
+def test_a_cap_over_small_logits_covers_nothing():
+    """Why the cap's cases hold large logits: the suite's other cap cases (logits of a few units)
+    leave every cell of the cap empty."""
+    small = [case for case in suite("standard") if case.spec.logits_soft_cap is None or case.data == "normal"]
+    coverage = parameter_coverage(small)
+    assert all(found is None for (name, _), found in coverage.items() if name == "logits soft cap")
+
+
+def test_a_parameter_dropped_on_one_path_fails_on_the_case_the_matrix_names():
+    import torch
+
+    from conformance.checks.numerics import NumericsCheck
+    from conformance.inputs.cases import parse_case
+    from conformance.results import Verdict
+    from tests.planted import input_defects
+
+    cpu = torch.device("cpu")
+    for defect, case_text in (
+        (input_defects.DropsCapOnDecode, "gqa-h8/2-d128-bf16-p16-cap30-sinks:1+1,500+1,3000+1"),
+        (input_defects.RecomputesScale, "mla-h16-d512+64-bf16-p64-scale0.13524:1+1,700+1,2500+1"),
+        (input_defects.RecomputesScale, "gqa-h8/2-d128-bf16-p16-scale0.25:500+4,30+4"),
+    ):
+        case = parse_case(case_text)
+        result = NumericsCheck().run_case(defect, case, cpu)
+        assert result.verdict == Verdict.FAIL and result.metrics["tolerance_ratio"] > 10, (defect, result.reason)
+    # The cap dropped on decode rows hides behind the suite's cap over small logits.
+    small = parse_case("gqa-h8/2-d128-bf16-p16-cap30:1000+1,20+1")
+    assert NumericsCheck().run_case(input_defects.DropsCapOnDecode, small, cpu).verdict == Verdict.PASS
