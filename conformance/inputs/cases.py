@@ -527,7 +527,7 @@ def _fp8_cases() -> list[Case]:
     return cases
 
 
-QUICK_KV_ELEMENTS = 2_500_000  # 10 MB of float32 keys and values a case
+QUICK_KV_ELEMENTS = 2_000_000  # 8 MB of float32 keys and values a case
 
 
 def quick_suite() -> list[Case]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.base import Capabilities, CGSupport
+from backends.flashinfer.gqa import FlashInferBackend
 from backends.torch_naive import NaiveMetadata, TorchNaiveBackend
 
 
@@ -186,19 +187,17 @@ class WritesPaddingIntoBlockZero(TorchGraphSafe):
             plane.index_copy_(0, slots, rows.to(plane.dtype))
 
 
-def flashinfer_with_one_graph_wrapper():
+class FlashInferOneGraphWrapper(FlashInferBackend):
     """The flashinfer adapter as it was: a ``use_cuda_graph`` decode wrapper only at
     ``max_num_reqs``, so a graph captured at a smaller batch holds the eager wrapper, whose replays
-    read plan buffers the next plan has replaced. (Built on demand: flashinfer is optional.)"""
-    from backends.flashinfer.gqa import FlashInferBackend
+    read plan buffers the next plan has replaced: wrong values, or (when what took that memory
+    holds large numbers) an illegal address, which kills its process. (The adapter imports
+    flashinfer when made, not here.)"""
 
-    class OneGraphWrapper(FlashInferBackend):
-        name = "planted_flashinfer_one_graph_wrapper"
+    name = "planted_flashinfer_one_graph_wrapper"
 
-        def build_for_capture(self, common):
-            return self.build(common)  # no wrapper for this batch size: the eager one is captured
-
-    return OneGraphWrapper
+    def build_for_capture(self, common):
+        return self.build(common)  # no wrapper for this batch size: the eager one is captured
 
 
 class ForgetsLastRowInDraftUpdate(TorchGraphSafe):
