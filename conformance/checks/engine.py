@@ -67,6 +67,11 @@ def layout_key(case: Case, device: torch.device, suite: str | None = None) -> tu
     return spec.kind, spec.kv_cache_dtype if spec.fp8_kv_cache else None, spec.dtype
 
 
+def cache_config(case: Case) -> dict[str, Any]:
+    """The EngineConfig fields of the case's KV cache: an fp8 format and its scales, or nothing."""
+    return dict(kv_cache_dtype=case.spec.kv_cache_dtype, kv_scales=case.kv_scales) if case.kv_scales else {}
+
+
 def engine_case(backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> Case:
     """The case whose layout the engine runs: on a CPU in fp32 where the backend claims it."""
     if device.type == "cpu" and case.spec.dtype != torch.float32 and torch.float32 in backend_cls.capabilities.dtypes:
@@ -164,9 +169,9 @@ class EngineCheck(Check):
         model_config = model.config
         params = SamplingParams(max_tokens=32, ignore_eos=True)
         backend_ref = f"{backend_cls.__module__}:{backend_cls.__qualname__}"  # the class under test, however it was named
-        fp8 = dict(kv_cache_dtype=spec.kv_cache_dtype, kv_scales=case.kv_scales) if case.kv_scales else {}
         base = EngineConfig(model=model_config, backend=backend_ref, device=str(device), dtype=spec.dtype,
-                            block_size=spec.block_size, num_blocks=64, max_num_reqs=4, max_num_tokens=128, **fp8)
+                            block_size=spec.block_size, num_blocks=64, max_num_reqs=4, max_num_tokens=128,
+                            **cache_config(case))
 
         def engine_for(**changes):
             engine = BatchedEngine(dataclasses.replace(base, prefill_backend=self.options.get("prefill_backend", AUTO),

@@ -87,7 +87,7 @@ def run_draft_loop_stage(backend_cls, case, map_path: Path) -> None:
 
 def memory_engine(backend_cls, case, device: torch.device):
     """The engine stage's engine (async, k = 3 drafted through the backend, eager) and its prompts."""
-    from conformance.checks.engine import ATTENTION_DRAFTER, SPEC_TOKENS, model_and_prompts
+    from conformance.checks.engine import ATTENTION_DRAFTER, SPEC_TOKENS, cache_config, model_and_prompts
     from reference_engine.batched_engine import BatchedEngine
     from reference_engine.core import EngineConfig
 
@@ -95,7 +95,8 @@ def memory_engine(backend_cls, case, device: torch.device):
     engine = BatchedEngine(EngineConfig(
         model=model.config, backend=f"{backend_cls.__module__}:{backend_cls.__qualname__}", device=str(device),
         dtype=case.spec.dtype, block_size=case.spec.block_size, num_blocks=32, max_num_reqs=len(prompts),
-        max_num_tokens=64, num_spec_tokens=SPEC_TOKENS, drafter=ATTENTION_DRAFTER, cuda_graphs=False), model)
+        max_num_tokens=64, num_spec_tokens=SPEC_TOKENS, drafter=ATTENTION_DRAFTER, cuda_graphs=False,
+        **cache_config(case)), model)
     return engine, prompts
 
 
