@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.base import (FP8_KV_DTYPES, AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport,
-                           CommonAttentionMetadata, KVScales)
+                           CommonAttentionMetadata, DeviceInfo, KVScales)
 from backends.fp8 import to_cache
 from backends.triton import INSTALL_HINT
 
@@ -32,6 +32,7 @@ PARTIAL_BUFFER_BYTES = 256 * 2**20  # cap on split-KV scratch; the split count s
 MAX_SPLITS = 16
 BLOCK_SPLITS = 16  # the merge kernel's tile over splits: one compiled variant for every split count
 LOG2E = 1.4426950408889634
+FP8_COMPUTE_CAPABILITY = (8, 9)  # Triton converts to and from e4m3 / e5m2 on Ada, Hopper and newer
 # The interpreter has no multiprocessors; this stand-in and a short minimum split make the CPU
 # tests run one split (output written directly) and several (merged) on small cases.
 INTERPRETER_MULTIPROCESSORS = 4
@@ -85,7 +86,25 @@ class TritonMetadata:
 class DeviceLengthsBackend(AttentionBackend):
     """The base of backends whose kernels read every length from the device, so that their
     ``build`` and ``update_for_draft_step`` only reference the step's device tensors (no host
-    lengths, no copies). Also the split-KV scratch."""
+    lengths, no copies). Also the split-KV scratch, and what an fp8 cache needs of the GPU."""
+
+    @classmethod
+    def unsupported_reason(cls, spec: AttentionSpec, device) -> str | None:
+        reason = super().unsupported_reason(spec, device)
+        if reason or not spec.fp8_kv_cache:
+            return reason
+        info = DeviceInfo.of(device)
+        if info.compute_capability is not None and info.compute_capability < FP8_COMPUTE_CAPABILITY:
+            return (f"an fp8 KV cache needs compute capability SM89 or newer (Triton's fp8 conversions); this GPU "
+                    f"({info.name}) is {info.sm}")
+        return None
+
+    @staticmethod
+    def device_scales(scales: KVScales | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """An fp8 layer's (k, v) scale tensors, which the kernels read on the device."""
+        if scales is None:
+            raise ValueError("an fp8 KV cache needs the layer's scales (the `scales` keyword of write_kv and forward)")
+        return scales.k_scale_tensor, scales.v_scale_tensor
 
     def allocate_split_buffers(self, value_dim: int) -> None:
         """Partial outputs and log-sum-exps for every (request, decode token, head, split) of the
@@ -177,9 +196,9 @@ class TritonAttentionBackend(DeviceLengthsBackend):
             # The interpreter's fp32 -> e4m3 conversion flushes subnormals to zero (a GPU's rounds
             # them): quantize with torch's conversion, on the device scales, and store as they are.
             key, value = (to_cache(rows, scale, k_cache.dtype)
-                          for rows, scale in ((key, scales.k_scale_tensor), (value, scales.v_scale_tensor)))
+                          for rows, scale in zip((key, value), self.device_scales(scales)))
             quantize = False
-        k_scale, v_scale = (scales.k_scale_tensor, scales.v_scale_tensor) if quantize else (slot_mapping, slot_mapping)
+        k_scale, v_scale = self.device_scales(scales) if quantize else (slot_mapping, slot_mapping)
         kernels.write_kv_kernel[(slot_mapping.shape[0],)](
             key, value, k_cache, v_cache, slot_mapping,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -197,7 +216,7 @@ class TritonAttentionBackend(DeviceLengthsBackend):
         spec, limits = self.spec, self.limits
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         fp8 = spec.fp8_kv_cache
-        k_scale, v_scale = (scales.k_scale_tensor, scales.v_scale_tensor) if fp8 else (metadata.seq_lens, metadata.seq_lens)
+        k_scale, v_scale = self.device_scales(scales) if fp8 else (metadata.seq_lens, metadata.seq_lens)
         scale_log2 = spec.softmax_scale * LOG2E  # the kernels' softmax runs in base 2
         soft_cap = spec.logits_soft_cap or 0.0
         window = spec.sliding_window or 0

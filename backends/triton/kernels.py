@@ -20,7 +20,7 @@ Softmax runs in fp32 with exp2; products are fp16/bf16 with fp32 accumulation.
 fp8 cache (``KV_FP8``): keys and values are loaded as fp8 and converted to the query's dtype
 (exact: every e4m3 and e5m2 number is a bf16 and an fp16 number); ``k_scale`` is folded into the
 score scale and ``v_scale`` into the output, both read from their 1-element device tensors, so
-nothing is read on the host and a CUDA graph replays with whatever scales the tensors hold.
+nothing is read on the host.
 ``write_kv_kernel`` quantizes (``QUANTIZE``): value / scale, saturated, converted with round to
 nearest even.
 
@@ -58,7 +58,10 @@ def _quantized(rows, scale_ptr, QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr):
     """``rows / scale`` saturated to the fp8 format's largest number (the store converts, rounding
     to nearest even); ``rows`` as they are without QUANTIZE."""
     if QUANTIZE:  # one return: a compiled kernel's returns must agree in type
-        rows = tl.minimum(tl.maximum(rows.to(tl.float32) / tl.load(scale_ptr), -FP8_MAX), FP8_MAX)
+        # NaN kept NaN (as torch's conversion does): without propagate_nan, max/min map it to -FP8_MAX.
+        scaled = rows.to(tl.float32) / tl.load(scale_ptr)
+        rows = tl.minimum(tl.maximum(scaled, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                          propagate_nan=tl.PropagateNan.ALL)
     return rows
 
 

@@ -108,8 +108,8 @@ class TritonMLABackend(DeviceLengthsBackend):
     def write_kv(self, kv_cache, key, value, slot_mapping, scales: KVScales | None = None) -> None:
         quantize = self.spec.fp8_kv_cache
         if quantize and interpreting():  # the interpreter flushes e4m3 subnormals (see TritonAttentionBackend)
-            key, quantize = to_cache(key, scales.k_scale_tensor, kv_cache.dtype), False
-        k_scale = scales.k_scale_tensor if quantize else slot_mapping  # unread without QUANTIZE
+            key, quantize = to_cache(key, self.device_scales(scales)[0], kv_cache.dtype), False
+        k_scale = self.device_scales(scales)[0] if quantize else slot_mapping  # unread without QUANTIZE
         kernels.write_kv_kernel[(slot_mapping.shape[0],)](
             key, key, kv_cache, kv_cache, slot_mapping,
             key.stride(0), 0, key.stride(0), 0,
@@ -135,7 +135,7 @@ class TritonMLABackend(DeviceLengthsBackend):
             query, kv_cache, latent_desc, rope_desc, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
             self.partial_out, self.partial_lse, out, metadata.num_reqs, num_splits, spec.softmax_scale * LOG2E,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), metadata.block_table.stride(0),
-            kv_cache.stride(0), kv_cache.stride(1), scales.k_scale_tensor if spec.fp8_kv_cache else metadata.seq_lens,
+            kv_cache.stride(0), kv_cache.stride(1), self.device_scales(scales)[0] if spec.fp8_kv_cache else metadata.seq_lens,
             NUM_HEADS=spec.num_heads, HEADS_PER_PROGRAM=tiles.heads_per_program, DECODE_Q=decode_q,
             BLOCK_M=tiles.block_m, LATENT=spec.kv_lora_rank, ROPE=spec.rope_dim,
             BLOCK_L=triton.next_power_of_2(spec.kv_lora_rank), BLOCK_R=max(16, triton.next_power_of_2(spec.rope_dim)),

@@ -22,6 +22,7 @@ from typing import Any, TypedDict
 import torch
 
 from conformance.inputs.oracle import visible_keys
+from conformance.inputs.stored_cache import attended_values
 
 MAX_ROWS = 48
 MAX_COLUMNS = 96
@@ -102,12 +103,15 @@ def key_map(out: torch.Tensor, reference: torch.Tensor, values: torch.Tensor, vi
                 values=_pool(signed, rows, columns), visible=_mean(visible.cpu(), rows, columns))
 
 
-def failure_maps(batch, out: torch.Tensor, reference: torch.Tensor, worst: dict[str, Any], atol: float, rtol: float,
-                 what: str, case_request: int | None = None) -> dict[str, Grid]:
-    """The evidence maps of a failed comparison of ``batch``'s step output (``out`` and the
-    oracle's ``reference``, [T, H, Dv]) whose worst element is ``worst`` (request numbered as in
-    ``batch``; ``case_request``: its number in the case, where the step reordered them):
-    ``{"error_map": ..., "key_map": ...}``, the key map for that request and head."""
+def failure_maps(prepared, out: torch.Tensor, reference: torch.Tensor, worst: dict[str, Any], atol: float, rtol: float,
+                 what: str, case_request: int | None = None, negated: bool = False) -> dict[str, Grid]:
+    """The evidence maps of a failed comparison of ``prepared``'s step output (``out`` and the
+    oracle's ``reference``, [T, H, Dv]; ``negated``: of a step run negated, both negated back)
+    whose worst element is ``worst`` (request numbered as in its batch; ``case_request``: its
+    number in the case, where the step reordered them): ``{"error_map": ..., "key_map": ...}``,
+    the key map for that request and head over the values the oracle attended (an fp8 layer's as
+    stored)."""
+    batch = prepared.batch
     maps: dict[str, Grid] = {"error_map": error_map(out, reference, atol, rtol, f"{what}: |error| / tolerance")}
     request, head = worst["request"], worst["head"]
     start, end = batch.query_start_loc[request], batch.query_start_loc[request + 1]
@@ -119,7 +123,7 @@ def failure_maps(batch, out: torch.Tensor, reference: torch.Tensor, worst: dict[
     picked = torch.tensor(tokens) + start
     got, expected = out[picked.to(out.device), head].double().cpu(), reference[picked.to(reference.device), head].double().cpu()
     wrong = ((got - expected).abs() > atol + rtol * expected.abs()).any(dim=-1)
-    grid = key_map(got, expected, batch.head_values(request, head), visible, tokens, wrong,
+    grid = key_map(got, expected, attended_values(prepared, request, head, negated=negated), visible, tokens, wrong,
                    f"{what}: request {request if case_request is None else case_request}, head {head}: which key's weight explains each token's error")
     if grid is not None:
         maps["key_map"] = grid

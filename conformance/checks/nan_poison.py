@@ -21,7 +21,7 @@ from conformance.checks.comparison import TOLERANCES, compare_with_oracle, how_f
 from conformance.inputs.allocation_map import AllocationMap
 from conformance.inputs.batch import PagedBatch
 from conformance.inputs.stored_cache import expected_output
-from conformance.inputs.harness import PoolFill, PreparedCase, WroteOutsideOutput, as_bits, run_step, write_poison
+from conformance.inputs.harness import ChangedInput, PoolFill, PreparedCase, WroteOutsideOutput, as_bits, run_step, write_poison
 
 TOOL = "nan-poison"
 STRAY_WRITES_SHOWN = 4
@@ -36,8 +36,9 @@ def nan_poison_pass(prepared: PreparedCase) -> tuple[list[dict], dict]:
     before = pool.clone()
     try:
         out = run_step(prepared)
-    except WroteOutsideOutput as error:
-        return [{"tool": TOOL, "stage": "step", "phase": "forward", "what": str(error), "place": "output"}], {}
+    except WroteOutsideOutput as error:  # the output's guard columns or padding rows, or an input (named in it)
+        phase, place = ("step", "an input") if isinstance(error, ChangedInput) else ("forward", "output")
+        return [{"tool": TOOL, "stage": "step", "phase": phase, "what": str(error), "place": place}], {}
     atol, rtol = TOLERANCES[batch.spec.dtype]
     passed, errors, evidence = compare_with_oracle(out, expected_output(prepared), batch.query_start_loc, atol, rtol)
     metrics = {"nan-poison non-finite outputs": errors["non_finite"], "nan-poison mismatched": errors["mismatched"]}

@@ -101,7 +101,7 @@ class NumericsCheck(Check):
         if stored:  # the forward's error may come from what was stored: say both
             reason += f"; and {stored['what']}: {stored['place']}"
         evidence["pass"] = "loud poison: every KV slot no request owns holds a dominant key and a loud value"
-        evidence.update(failure_maps(prepared.batch, out, reference, evidence["worst"], atol, rtol, "loud poison"))
+        evidence.update(failure_maps(prepared, out, reference, evidence["worst"], atol, rtol, "loud poison"))
         return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics, evidence=evidence)
 
     @staticmethod
@@ -142,7 +142,7 @@ class NumericsCheck(Check):
         if passed:
             return None
         worst = evidence["worst"]
-        maps = failure_maps(batch, out.neg(), expected, worst, atol, rtol, "a second layer")
+        maps = failure_maps(layer, out.neg(), expected, worst, atol, rtol, "a second layer", negated=True)
         scales = "" if layer.scales is None else f"; fp8 scales {_scales(layer)} instead of the first layer's"
         reason = (f"a second layer (this step's metadata, no build; its own pool; query, key and value negated{scales}) "
                   f"is wrong: {how_far_off(errors)}, worst (negated back) at {worst_place(worst)} — state kept from the "
@@ -176,7 +176,8 @@ class NumericsCheck(Check):
             if passed:
                 continue
             worst = evidence["worst"]
-            maps = failure_maps(step, out, expected, worst, atol, rtol, "two steps in flight", requests[worst["request"]])
+            maps = failure_maps(prepared if step is batch else later, out, expected, worst, atol, rtol,
+                                "two steps in flight", requests[worst["request"]])
             worst["request"] = requests[worst["request"]]  # numbered as in the case
             reason = (f"two steps in flight: {label} is wrong: {how_far_off(errors)}, worst at {worst_place(worst)} — "
                       "a build that overwrites what a queued step still reads (a pinned host buffer copied with "

@@ -114,8 +114,18 @@ def as_bits(tensor: torch.Tensor) -> torch.Tensor:
 
 def write_poison(backend: AttentionBackend, kv_cache: torch.Tensor, batch: PagedBatch, keep: torch.Tensor,
                  num_blocks: int | None = None, fill: PoolFill = PoolFill.LOUD, scales: KVScales | None = None) -> None:
-    """Poison every slot of the pool (``num_blocks``, default the batch's) except ``keep``."""
+    """Poison every slot of the pool (``num_blocks``, default the batch's) except ``keep`` (the
+    history's slots)."""
     if fill == PoolFill.FRESH:
+        return
+    if fill == PoolFill.NAN and kv_cache.element_size() == 1:
+        # An fp8 pool: NaN bytes (0xFF is NaN in e4m3fn and e5m2) everywhere, then the history
+        # again. Written through write_kv, NaN would reach the pool only where the backend's
+        # quantizer keeps it (a clamp with fmaxf/fminf, as vLLM's cache writer has, makes it 448).
+        kv_cache.view(torch.uint8).fill_(0xFF)
+        key, value, slots = batch.history_rows()
+        if slots.numel():
+            backend.write_kv(kv_cache, key, value, slots, **layer_arguments(scales))
         return
     spec = batch.spec
     poisoned = torch.ones((num_blocks or batch.num_blocks) * spec.block_size, dtype=torch.bool)

@@ -59,7 +59,8 @@ class InputWatch:
                 continue
             now, then = _bits(tensor), _bits(self.copies[name])
             changed = (now != then).nonzero()
-            where = "its bits moved" if not changed.numel() else self._element(name, int(changed[0]), tensor)
+            where = ("then put back by the end of the step" if not changed.numel()
+                     else self._element(name, int(changed[0]), tensor))
             found.append(f"{call} changed {name} ({where})")
         return found
 

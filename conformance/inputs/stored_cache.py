@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from conformance.inputs.harness import PreparedCase
-from conformance.inputs.kv_quantization import ONE_ULP_FRACTION, dequantize, quantize, ulps_apart
+from conformance.inputs.kv_quantization import ONE_ULP_FRACTION, dequantize, largest, quantize, ulps_apart
 from conformance.inputs.oracle import attention_reference, mla_reference
 
 
@@ -23,6 +23,22 @@ def _stored(prepared: PreparedCase, request: int) -> tuple[torch.Tensor, torch.T
     slots = batch.slots(request, range(0, batch.seq_lens[request])).to(batch.device)
     key, value = prepared.backend.read_kv(prepared.kv_cache, slots)
     return key, value
+
+
+def attended_values(prepared: PreparedCase, request: int, head: int, *, negated: bool = False) -> torch.Tensor:
+    """[seq_len, Dv]: the values query head ``head`` of ``request`` attends over, as the oracle of
+    ``expected_output`` has them (an fp8 layer's: its stored cache, dequantized); ``negated``: of a
+    step run negated, the values negated back."""
+    batch = prepared.batch
+    if prepared.scales is None:
+        return batch.head_values(request, head)
+    key, value = _stored(prepared, request)
+    spec = batch.spec
+    if spec.kind == "mla":
+        values = dequantize(key[:, : spec.kv_lora_rank], prepared.scales.k_scale)
+    else:
+        values = dequantize(value[:, head // spec.query_group_size], prepared.scales.v_scale)
+    return values.neg() if negated else values
 
 
 def expected_output(prepared: PreparedCase, *, negated: bool = False) -> torch.Tensor:
@@ -89,8 +105,12 @@ def write_findings(prepared: PreparedCase, *, negated: bool = False) -> dict[str
     allowed = int(ONE_ULP_FRACTION * elements)
     if worst is None or (worst["steps"] <= 1 and one_step <= allowed):
         return None
-    if worst["stored"] != worst["stored"]:  # NaN
+    stored_nan, contract_nan = worst["stored"] != worst["stored"], worst["contract"] != worst["contract"]
+    saturated = abs(worst["contract"]) == largest(dtype) * (scales.k_scale if worst["plane"] == "key" else scales.v_scale)
+    if stored_nan and saturated:
         what = "write_kv stored NaN where the contract saturates to the format's largest number"
+    elif stored_nan or contract_nan:
+        what = f"write_kv stored {'NaN' if stored_nan else 'a number'} where the contract stores {'NaN' if contract_nan else 'a number'}"
     elif worst["steps"] > 1:
         what = (f"write_kv stored a number {worst['steps']} fp8 steps from the contract's quantization "
                 "(value / scale, rounded to nearest even, saturated)")

@@ -96,6 +96,6 @@ def test_each_planted_fp8_defect_fails_numerics(defect, case_text, reason):
     assert result.verdict == Verdict.FAIL and reason in result.reason, result.reason
 
 
-def test_a_dropped_scale_fails_by_orders_of_magnitude():
+def test_a_scale_applied_twice_fails_by_orders_of_magnitude():
     result = NumericsCheck().run_case(fp8_defects.ScalesTwiceOnRead, parse_case(FP8_CASES[0]), CPU)
     assert result.metrics["tolerance_ratio"] > 100

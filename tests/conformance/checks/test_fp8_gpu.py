@@ -49,3 +49,29 @@ def test_a_device_scale_read_on_the_host_is_a_sync():
 def test_truncation_fails_on_a_gpu_too():
     result = NumericsCheck().run_case(fp8_defects.TruncatesOnWrite, parse_case(CASES[0]), CUDA)
     assert result.verdict == Verdict.FAIL and "write_kv rounded" in result.reason, result.reason
+
+
+@pytest.mark.parametrize("cache", ["fp8e4m3", "fp8e5m2"])
+def test_the_write_kernel_quantizes_every_kind_of_number_as_the_contract_says(cache):
+    """Saturation at both ends, subnormals, signed zeros and NaN (kept NaN), against the
+    harness's own quantizer, through the kernel that runs on a GPU (the CPU interpreter's path
+    quantizes with torch)."""
+    from backends.base import BackendLimits, KVScales
+    from conformance.inputs.kv_quantization import quantize, ulps_apart
+
+    spec = parse_case(f"gqa-h1-d64-bf16-{cache}-p16:1+1").spec
+    backend = TritonAttentionBackend(spec, BackendLimits(4, 64, 64), CUDA)
+    pool = backend.allocate_kv_cache(8)
+    scales = KVScales.on(CUDA, 0.1, 4.0)
+    special = torch.tensor([0.0, -0.0, 1e-5, 3e-4, -3e-4, 44.8, -44.8, 50.0, -1e6, 1e6, float("nan"), 0.37])
+    rows = torch.randn(64, 1, 64)
+    rows.view(-1)[: special.numel()] = special
+    rows = rows.to(torch.bfloat16).to(CUDA)
+    slots = torch.arange(16, 80, device=CUDA)
+    backend.write_kv(pool, rows, rows.neg(), slots, scales=scales)
+    key, value = backend.read_kv(pool, slots)
+    for stored, given, scale in ((key, rows, 0.1), (value, rows.neg(), 4.0)):
+        expected = quantize(given, scale, spec.kv_cache_dtype)
+        nan = torch.isnan(expected.float())
+        assert torch.equal(torch.isnan(stored.float()), nan)
+        assert int(ulps_apart(stored[~nan], expected[~nan]).max()) <= 1
