@@ -31,7 +31,9 @@ WIDE_MARGIN_DEFECTS = [
     (input_defects.DecodeReadsOnePastEnd, "mla-h4-d32+8-bf16-p16:2000+1,63+1,64+1"),
     (defects.FirstBlockOnly, "gqa-h4/2-d32-bf16-p16:3000+1,100+4"),
     (input_defects.RoundsGroupUpToAPowerOfTwo, "gqa-h28/4-d32-bf16-p16:300+1,40+4"),
-    (input_defects.HeadTileWithoutHeadMask, "mla-h8-d32+8-bf16-p16:300+1,700+1,40+4"),
+    # pad0: with padding rows its last token's stray heads land in a padding row's output, which
+    # the harness reports first (a write past the real tokens) with no error margin to measure.
+    (input_defects.HeadTileWithoutHeadMask, "mla-h8-d32+8-bf16-p16-pad0:300+1,700+1,40+4"),
     (input_defects.AssumesContiguousBlockTable, "gqa-h4/2-d32-bf16-p16-strided:300+1,40+4,100+1"),
     (input_defects.AssumesContiguousBlockTable, "mla-h4-d32+8-bf16-p16-strided:300+1,40+4,100+1"),
 ]
