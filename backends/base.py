@@ -222,6 +222,7 @@ class Capabilities:
     kinds: frozenset[str] = frozenset({"mha"})
     dtypes: frozenset[torch.dtype] = frozenset({torch.float16, torch.bfloat16})
     kv_cache_dtypes: frozenset[torch.dtype] = frozenset()  # fp8 cache formats (FP8_KV_DTYPES) besides the compute dtype
+    kv_cache_note: str = ""  # why the fp8 formats not in kv_cache_dtypes are not claimed (said in their SKIP)
     head_dims: frozenset[int] | None = None  # None: any
     block_sizes: frozenset[int] | None = None  # None: any
     num_heads: frozenset[int] | None = None  # None: any (MLA kernels often fix a few)
@@ -266,7 +267,8 @@ class Capabilities:
             return f"dtype {dtype_name(spec.dtype)} not supported (supports {_format_set(map(dtype_name, self.dtypes))})"
         if spec.effective_kv_cache_dtype != spec.dtype and spec.kv_cache_dtype not in self.kv_cache_dtypes:
             claimed = _format_set(map(kv_dtype_name, self.kv_cache_dtypes)) or "none"
-            return f"KV cache {kv_dtype_name(spec.kv_cache_dtype)} not supported (fp8 caches supported: {claimed})"
+            why = f": {self.kv_cache_note}" if self.kv_cache_note else ""
+            return f"KV cache {kv_dtype_name(spec.kv_cache_dtype)} not supported (fp8 caches supported: {claimed}){why}"
         if self.head_dims is not None and spec.head_dim not in self.head_dims:
             return f"head_dim {spec.head_dim} not supported (supports {_format_set(self.head_dims)})"
         if self.block_sizes is not None and spec.block_size not in self.block_sizes:

@@ -58,7 +58,10 @@ def kernel_arguments(spec: AttentionSpec, query, kv_cache, metadata: FlashAttnMe
 class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
     capabilities = Capabilities(
-        kinds=frozenset({"mha"}), head_dims=frozenset({64, 128}), block_sizes=frozenset({16, 32, 64}),  # 256: fails on SM90
+        kinds=frozenset({"mha"}),
+        kv_cache_note="flash-attn-4's fp8 attention is for SM100 and quantizes the query too (q_descale), which the "
+                      "contract does not hand a backend",
+        head_dims=frozenset({64, 128}), block_sizes=frozenset({16, 32, 64}),  # 256: fails on SM90
         max_query_len=None, sliding_window=True, logits_soft_cap=True,
         cuda_graphs=CGSupport.ALWAYS, needs_cpu_seq_lens=False, draft_step_update=True,
         devices=frozenset({"cuda"}), compute_capabilities=frozenset({(9, 0)}),  # measured on SM90 only

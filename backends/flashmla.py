@@ -32,7 +32,9 @@ class FlashMLAMetadata:
 class FlashMLABackend(AttentionBackend):
     name = "flashmla"
     capabilities = Capabilities(
-        kinds=frozenset({"mla"}), dtypes=frozenset({torch.bfloat16}), head_dims=frozenset({576}), block_sizes=frozenset({64}),
+        kinds=frozenset({"mla"}), dtypes=frozenset({torch.bfloat16}),
+        kv_cache_note="FlashMLA's fp8 decode on SM90 takes the query in fp8 too, with its own scale (descale_q), "
+                      "which the contract does not hand a backend", head_dims=frozenset({576}), block_sizes=frozenset({64}),
         num_heads=frozenset({16, 32, 64, 128}),
         max_query_len=8, uniform_query_len=True,
         cuda_graphs=CGSupport.UNIFORM_BATCH, needs_cpu_seq_lens=False, draft_step_update=False,

@@ -5,7 +5,12 @@ written apart from this one, so a mistake here cannot hide in both.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from backends.base import KVScales
 
 
 def to_cache(rows: torch.Tensor, scale: float | torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
@@ -19,3 +24,28 @@ def to_cache(rows: torch.Tensor, scale: float | torch.Tensor, cache_dtype: torch
 def from_cache(stored: torch.Tensor, scale: float) -> torch.Tensor:
     """The number a stored element stands for, in float32."""
     return stored.float() * scale
+
+
+def required(scales: "KVScales | None") -> "KVScales":
+    """An fp8 layer's scales, or a clear error for a caller that left them out."""
+    if scales is None:
+        raise ValueError("an fp8 KV cache needs the layer's scales (the `scales` keyword of write_kv and forward)")
+    return scales
+
+
+def scale_tensors(spec, scales: "KVScales | None") -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A layer's (k, v) 1-element device scales for a kernel that reads them on the device;
+    (None, None) for a cache in the compute dtype."""
+    if not spec.fp8_kv_cache:
+        return None, None
+    scales = required(scales)
+    return scales.k_scale_tensor, scales.v_scale_tensor
+
+
+def scale_floats(spec, scales: "KVScales | None") -> tuple[float, float]:
+    """A layer's (k, v) host scales for a kernel that takes them as arguments (vLLM's
+    ``_k_scale_float``: fixed per layer, so a graph may bake them); (1, 1) without fp8."""
+    if not spec.fp8_kv_cache:
+        return 1.0, 1.0
+    scales = required(scales)
+    return scales.k_scale, scales.v_scale

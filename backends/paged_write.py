@@ -8,17 +8,25 @@ from __future__ import annotations
 
 import torch
 
+from backends.fp8 import to_cache
 
-def write_paged_rows(plane: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor, page_size: int) -> None:
+
+def write_paged_rows(plane: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor, page_size: int,
+                     scale: torch.Tensor | None = None) -> None:
     """plane: [num_blocks, page_size, ...] (any strides, the last dim contiguous on CUDA);
-    rows: [T, ...]; slot -1 writes nothing."""
+    rows: [T, ...]; slot -1 writes nothing. ``scale`` (an fp8 plane's 1-element device scale):
+    rows are stored as the contract's fp8 numbers, ``row / scale`` rounded and saturated, the
+    scale read on the device."""
     if plane.is_cuda:
-        _write_with_kernel(plane, rows, slot_mapping, page_size)
+        _write_with_kernel(plane, rows, slot_mapping, page_size, scale)
     else:
+        if scale is not None:
+            rows = to_cache(rows, scale, plane.dtype)
         _write_with_index_put(plane, rows, slot_mapping, page_size)
 
 
-def _write_with_kernel(plane: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor, page_size: int) -> None:
+def _write_with_kernel(plane: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor, page_size: int,
+                       scale: torch.Tensor | None = None) -> None:
     """One program per row. The plane is seen as [blocks, page, heads, dim] (MLA: one head)."""
     import triton
 
@@ -32,9 +40,11 @@ def _write_with_kernel(plane: torch.Tensor, rows: torch.Tensor, slot_mapping: to
     write_kv_kernel[(slot_mapping.shape[0],)](
         rows, rows, plane, plane, slot_mapping,
         rows.stride(0), rows.stride(1), rows.stride(0), rows.stride(1),
-        plane.stride(0), plane.stride(2), plane.stride(1), slot_mapping, slot_mapping,  # no scales: rows stored as they are
+        plane.stride(0), plane.stride(2), plane.stride(1),
+        slot_mapping if scale is None else scale, slot_mapping,  # no scale: rows stored as they are
         NUM_KV_HEADS=heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_HEADS=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(head_dim), HAS_VALUE=False,
+        QUANTIZE=scale is not None, FP8_MAX=float(torch.finfo(plane.dtype).max) if scale is not None else 448.0,
     )
 
 
@@ -48,3 +58,9 @@ def _write_with_index_put(plane: torch.Tensor, rows: torch.Tensor, slot_mapping:
     parked = plane[0, 0].expand_as(rows)
     keep = valid.view(-1, *([1] * (rows.dim() - 1)))
     plane.index_put_((slots // page_size, slots % page_size), torch.where(keep, rows.to(plane.dtype), parked))
+
+
+def read_paged_rows(plane: torch.Tensor, slot_mapping: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The rows ``write_paged_rows`` stored at ``slot_mapping`` (every slot >= 0), as stored: an
+    adapter's ``read_kv`` over the same plane views its ``write_kv`` writes through."""
+    return plane[slot_mapping // page_size, slot_mapping % page_size]

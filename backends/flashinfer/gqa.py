@@ -7,6 +7,10 @@ goes through the prefill wrapper whole, which handles single-token rows too. FA2
 for the prefill wrapper: on an H200 FlashInfer's FA2 ran spec-verify q=4 at batch 64 / context
 4096 in 259 µs against FA3's 1133 µs.
 
+fp8 KV cache (e4m3, e5m2): the wrappers are planned with the cache's dtype and run with the layer's
+host scales; the cache rows are quantized by our write kernel (FlashInfer has no paged write that
+takes a scale).
+
 CUDA graphs: FlashInfer fixes a ``use_cuda_graph`` decode wrapper's batch size, so there is one
 per captured batch size (as vLLM keeps them): ``limits.max_num_reqs`` from the start, any other
 size made by ``build_for_capture`` (outside the capture). They share one float workspace and
@@ -26,12 +30,14 @@ from typing import Any
 
 import torch
 
-from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
+from backends.base import (FP8_KV_DTYPES, AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport,
+                           CommonAttentionMetadata, KVScales)
+from backends import fp8
 from backends.flashinfer import FA2_COMPUTE_CAPABILITIES, new_workspace, runs_on
 from backends.vendor_layout import packed, packed_output
 from backends.flashinfer.paged_layout import paged_layout
 from backends.flashinfer.plan_staging import PlanStaging
-from backends.paged_write import write_paged_rows
+from backends.paged_write import read_paged_rows, write_paged_rows
 from backends.utils import split_decodes_and_prefills, sub_batch
 
 
@@ -55,8 +61,8 @@ def window_left(spec: AttentionSpec) -> int:
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     capabilities = Capabilities(
-        kinds=frozenset({"mha"}), head_dims=frozenset({64, 128, 256}), block_sizes=frozenset({16, 32, 64}),
-        max_query_len=None, sliding_window=True, logits_soft_cap=True,
+        kinds=frozenset({"mha"}), kv_cache_dtypes=FP8_KV_DTYPES, head_dims=frozenset({64, 128, 256}),
+        block_sizes=frozenset({16, 32, 64}), max_query_len=None, sliding_window=True, logits_soft_cap=True,
         cuda_graphs=CGSupport.UNIFORM_SINGLE_TOKEN_DECODE, needs_cpu_seq_lens=True, draft_step_update=False,
         **runs_on(FA2_COMPUTE_CAPABILITIES),
     )
@@ -94,9 +100,14 @@ class FlashInferBackend(AttentionBackend):
         spec = self.spec
         return (num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
 
-    def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
-        write_paged_rows(kv_cache[:, 0], key, slot_mapping, self.spec.block_size)
-        write_paged_rows(kv_cache[:, 1], value, slot_mapping, self.spec.block_size)
+    def write_kv(self, kv_cache, key, value, slot_mapping, scales: KVScales | None = None) -> None:
+        k_scale, v_scale = fp8.scale_tensors(self.spec, scales)
+        write_paged_rows(kv_cache[:, 0], key, slot_mapping, self.spec.block_size, k_scale)
+        write_paged_rows(kv_cache[:, 1], value, slot_mapping, self.spec.block_size, v_scale)
+
+    def read_kv(self, kv_cache, slot_mapping):
+        return (read_paged_rows(kv_cache[:, 0], slot_mapping, self.spec.block_size),
+                read_paged_rows(kv_cache[:, 1], slot_mapping, self.spec.block_size))
 
     def _plan_decode(self, wrapper, common: CommonAttentionMetadata) -> None:
         spec = self.spec
@@ -104,7 +115,7 @@ class FlashInferBackend(AttentionBackend):
         self.staging[id(wrapper)].plan(
             layout.kv_indptr, layout.kv_indices, layout.last_page_len, spec.num_heads, spec.num_kv_heads,
             spec.head_dim, spec.block_size, window_left=window_left(spec), logits_soft_cap=spec.logits_soft_cap,
-            sm_scale=spec.softmax_scale, q_data_type=spec.dtype, kv_data_type=spec.dtype,
+            sm_scale=spec.softmax_scale, q_data_type=spec.dtype, kv_data_type=spec.effective_kv_cache_dtype,
         )
 
     def _plan_prefill(self, common: CommonAttentionMetadata) -> None:
@@ -114,7 +125,7 @@ class FlashInferBackend(AttentionBackend):
             common.query_start_loc_cpu, layout.kv_indptr, layout.kv_indices, layout.last_page_len, spec.num_heads,
             spec.num_kv_heads, spec.head_dim, spec.block_size, causal=True, window_left=window_left(spec),
             logits_soft_cap=spec.logits_soft_cap, sm_scale=spec.softmax_scale, q_data_type=spec.dtype,
-            kv_data_type=spec.dtype,
+            kv_data_type=spec.effective_kv_cache_dtype,
         )
 
     def build_for_capture(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
@@ -137,8 +148,12 @@ class FlashInferBackend(AttentionBackend):
         self._plan_prefill(sub_batch(common, decodes, common.num_reqs))
         return FlashInferMetadata([WrapperCall(self.decode, 0, decodes), WrapperCall(self.prefill, decodes, tokens)])
 
-    def forward(self, query, kv_cache, metadata: FlashInferMetadata, out) -> None:
+    def forward(self, query, kv_cache, metadata: FlashInferMetadata, out, scales: KVScales | None = None) -> None:
+        # FlashInfer folds k_scale into the softmax scale and multiplies its output by v_scale: host
+        # floats (vLLM's ``_k_scale_float``), fixed per layer, so a captured graph may bake them.
+        fp8_scales = dict(zip(("k_scale", "v_scale"), fp8.scale_floats(self.spec, scales))) if self.spec.fp8_kv_cache else {}
         for call in metadata.calls:
             target, land = packed_output(out[call.token_start : call.token_end])
-            call.wrapper.run(packed(query[call.token_start : call.token_end]), kv_cache, out=target)
+            call.wrapper.run(packed(query[call.token_start : call.token_end]), kv_cache, out=target,
+                             **fp8_scales)
             land()

@@ -1,7 +1,8 @@
 """``flashinfer_mla``: BatchMLAPagedAttentionWrapper (FA3 on SM90, FA2 elsewhere; FlashInfer's
 ``auto``) through the non-deprecated plan/run API of 0.7.x: ``MLAPlanMetadata.csr`` planned from
 host lengths, packed query [T, H, latent + rope] and packed cache [blocks, block_size, latent + rope]
-— exactly this suite's MLA contract, so nothing is copied."""
+— exactly this suite's MLA contract, so nothing is copied. An e4m3 latent cache (SM90: FlashInfer's
+FA3 MLA kernels) is written by our write kernel with the layer's one scale."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,11 +10,15 @@ from typing import Any
 
 import torch
 
-from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
+from backends import fp8
+from backends.base import (AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport,
+                           CommonAttentionMetadata, DeviceInfo, KVScales)
 from backends.flashinfer import FA2_COMPUTE_CAPABILITIES, new_workspace, runs_on
 from backends.vendor_layout import packed, packed_output
 from backends.flashinfer.paged_layout import paged_layout
-from backends.paged_write import write_paged_rows
+from backends.paged_write import read_paged_rows, write_paged_rows
+
+FP8_COMPUTE_CAPABILITY = (9, 0)  # FlashInfer refuses an fp8 MLA plan elsewhere
 
 
 @dataclass
@@ -27,7 +32,7 @@ def plan_arguments(spec: AttentionSpec, common: CommonAttentionMetadata, metadat
     return dict(
         metadata=metadata_class.csr(common.query_start_loc_cpu, layout.kv_indptr, layout.kv_indices, layout.seq_lens),
         num_heads=spec.num_heads, head_dim_ckv=spec.kv_lora_rank, head_dim_kpe=spec.rope_dim, page_size=spec.block_size,
-        causal=True, sm_scale=spec.softmax_scale, q_data_type=spec.dtype, kv_data_type=spec.dtype,
+        causal=True, sm_scale=spec.softmax_scale, q_data_type=spec.dtype, kv_data_type=spec.effective_kv_cache_dtype,
         query_layout="packed", kv_cache_layout="packed",
     )
 
@@ -35,7 +40,9 @@ def plan_arguments(spec: AttentionSpec, common: CommonAttentionMetadata, metadat
 class FlashInferMLABackend(AttentionBackend):
     name = "flashinfer_mla"
     capabilities = Capabilities(
-        kinds=frozenset({"mla"}), head_dims=frozenset({576}), block_sizes=frozenset({16, 32, 64}),
+        kinds=frozenset({"mla"}), kv_cache_dtypes=frozenset({torch.float8_e4m3fn}),
+        kv_cache_note="FlashInfer's MLA kernels take e4m3 caches only", head_dims=frozenset({576}),
+        block_sizes=frozenset({16, 32, 64}),
         max_query_len=8,
         cuda_graphs=CGSupport.NEVER, needs_cpu_seq_lens=True, draft_step_update=False,
         **runs_on(FA2_COMPUTE_CAPABILITIES),
@@ -48,18 +55,39 @@ class FlashInferMLABackend(AttentionBackend):
         self.metadata_class = MLAPlanMetadata
         self.wrapper = BatchMLAPagedAttentionWrapper(new_workspace(self.device))
 
+    @classmethod
+    def unsupported_reason(cls, spec: AttentionSpec, device) -> str | None:
+        reason = super().unsupported_reason(spec, device)
+        if reason or not spec.fp8_kv_cache:
+            return reason
+        info = DeviceInfo.of(device)
+        if info.compute_capability != FP8_COMPUTE_CAPABILITY:
+            return f"FlashInfer's fp8 MLA cache runs on SM90 (its FA3 kernels) only; this GPU ({info.name}) is {info.sm}"
+        return None
+
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.spec.block_size, self.spec.head_dim)
 
-    def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
-        write_paged_rows(kv_cache, key, slot_mapping, self.spec.block_size)
+    def write_kv(self, kv_cache, key, value, slot_mapping, scales: KVScales | None = None) -> None:
+        write_paged_rows(kv_cache, key, slot_mapping, self.spec.block_size, fp8.scale_tensors(self.spec, scales)[0])
+
+    def read_kv(self, kv_cache, slot_mapping):
+        return read_paged_rows(kv_cache, slot_mapping, self.spec.block_size), None
 
     def build(self, common: CommonAttentionMetadata) -> FlashInferMLAMetadata:
         self.wrapper.plan(**plan_arguments(self.spec, common, self.metadata_class))
         return FlashInferMLAMetadata(common.num_actual_tokens)
 
-    def forward(self, query, kv_cache, metadata: FlashInferMLAMetadata, out) -> None:
+    def forward(self, query, kv_cache, metadata: FlashInferMLAMetadata, out, scales: KVScales | None = None) -> None:
         tokens = metadata.num_tokens
         target, land = packed_output(out[:tokens])
-        self.wrapper.run(query=packed(query[:tokens]), kv_cache=kv_cache, out=target)
+        self.wrapper.run(query=packed(query[:tokens]), kv_cache=kv_cache, out=target, **self._fp8_scales(scales))
         land()
+
+    def _fp8_scales(self, scales: KVScales | None) -> dict:
+        """An fp8 latent cache's one scale: on the device for the 512 latent channels (graph-safe),
+        as a float for the 64 rope channels (FlashInfer takes no tensor for those)."""
+        if not self.spec.fp8_kv_cache:
+            return {}
+        scales = fp8.required(scales)
+        return dict(ckv_scale_arr=scales.k_scale_tensor, kpe_scale=scales.k_scale)

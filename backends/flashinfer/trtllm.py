@@ -1,15 +1,17 @@
 """``trtllm``: FlashInfer's trtllm_batch_decode_with_kv_cache — every input on the device
-(trtllm-gen kernels on SM100, XQA kernels on SM90). ``max_seq_len`` is the host's upper bound."""
+(trtllm-gen kernels on SM100, XQA kernels on SM90). ``max_seq_len`` is the host's upper bound.
+An e4m3 KV cache is written by our write kernel and read by XQA's fp8 path."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from backends.base import Capabilities, CGSupport, CommonAttentionMetadata
+from backends import fp8
+from backends.base import Capabilities, CGSupport, CommonAttentionMetadata, KVScales
 from backends.flashinfer import DeviceLengthsEntryPoint, packed_rows, runs_on
 from backends.vendor_layout import packed, packed_output
-from backends.paged_write import write_paged_rows
+from backends.paged_write import read_paged_rows, write_paged_rows
 
 
 @dataclass
@@ -23,7 +25,9 @@ class TrtllmMetadata:
 class TrtllmBackend(DeviceLengthsEntryPoint):
     name = "trtllm"
     capabilities = Capabilities(
-        kinds=frozenset({"mha"}), head_dims=frozenset({128}), block_sizes=frozenset({16, 32, 64}),
+        kinds=frozenset({"mha"}), kv_cache_dtypes=frozenset({torch.float8_e4m3fn}),
+        kv_cache_note="XQA and trtllm-gen take e4m3 caches only",
+        head_dims=frozenset({128}), block_sizes=frozenset({16, 32, 64}),
         max_query_len=1,
         cuda_graphs=CGSupport.UNIFORM_SINGLE_TOKEN_DECODE, needs_cpu_seq_lens=False, draft_step_update=True,
         **runs_on(frozenset({(9, 0), (10, 0), (10, 3)})),  # XQA on SM90, trtllm-gen on SM100/SM103
@@ -35,20 +39,28 @@ class TrtllmBackend(DeviceLengthsEntryPoint):
         spec = self.spec
         return (num_blocks, 2, spec.num_kv_heads, spec.block_size, spec.head_dim)
 
-    def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
-        write_paged_rows(kv_cache[:, 0].transpose(1, 2), key, slot_mapping, self.spec.block_size)
-        write_paged_rows(kv_cache[:, 1].transpose(1, 2), value, slot_mapping, self.spec.block_size)
+    def write_kv(self, kv_cache, key, value, slot_mapping, scales: KVScales | None = None) -> None:
+        k_scale, v_scale = fp8.scale_tensors(self.spec, scales)
+        write_paged_rows(kv_cache[:, 0].transpose(1, 2), key, slot_mapping, self.spec.block_size, k_scale)
+        write_paged_rows(kv_cache[:, 1].transpose(1, 2), value, slot_mapping, self.spec.block_size, v_scale)
+
+    def read_kv(self, kv_cache, slot_mapping):
+        return tuple(read_paged_rows(kv_cache[:, plane].transpose(1, 2), slot_mapping, self.spec.block_size)
+                     for plane in (0, 1))
 
     def build(self, common: CommonAttentionMetadata) -> TrtllmMetadata:
         # The upper bound is what the kernel is given: the true lengths are read on the device.
         return TrtllmMetadata(common.block_table, common.seq_lens, self.limits.max_model_len, common.num_actual_tokens)
 
-    def forward(self, query, kv_cache, metadata: TrtllmMetadata, out) -> None:
+    def forward(self, query, kv_cache, metadata: TrtllmMetadata, out, scales: KVScales | None = None) -> None:
         tokens = metadata.num_tokens
+        # The kernel's two GEMM scales carry the fp8 scales (host floats, fixed per layer, as vLLM
+        # passes them): scores × softmax_scale × k_scale, output × v_scale.
+        k_scale, v_scale = fp8.scale_floats(self.spec, scales)
         target, land = packed_output(out[:tokens])
         self.kernel(
             query=packed(query[:tokens]), kv_cache=kv_cache, workspace_buffer=self.workspace, block_tables=packed_rows(metadata.block_table),
-            seq_lens=metadata.seq_lens, max_seq_len=metadata.max_seq_len, bmm1_scale=self.spec.softmax_scale,
-            bmm2_scale=1.0, out=target, kv_layout="HND",
+            seq_lens=metadata.seq_lens, max_seq_len=metadata.max_seq_len, bmm1_scale=self.spec.softmax_scale * k_scale,
+            bmm2_scale=v_scale, out=target, kv_layout="HND",
         )
         land()

@@ -47,7 +47,9 @@ def kernel_arguments(spec: AttentionSpec, limits: BackendLimits, query, kv_cache
 class TrtllmMLABackend(DeviceLengthsEntryPoint):
     name = "trtllm_mla"
     capabilities = Capabilities(
-        kinds=frozenset({"mla"}), dtypes=frozenset({torch.bfloat16}), head_dims=frozenset({576}), block_sizes=frozenset({32, 64}),
+        kinds=frozenset({"mla"}), dtypes=frozenset({torch.bfloat16}),
+        kv_cache_note="trtllm-gen's e4m3 MLA path is not claimed until it passes on a Blackwell GPU, which this "
+                      "project has not had", head_dims=frozenset({576}), block_sizes=frozenset({32, 64}),
         max_query_len=8, uniform_query_len=True,
         cuda_graphs=CGSupport.UNIFORM_BATCH, needs_cpu_seq_lens=False, draft_step_update=True,
         **runs_on(frozenset({(10, 0), (10, 3), (12, 0)})),  # trtllm-gen on SM100/SM103, XQA on SM120

@@ -16,6 +16,7 @@ import torch
 
 from backends.base import (FP8_KV_DTYPES, AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport,
                            CommonAttentionMetadata, DeviceInfo, KVScales)
+from backends import fp8
 from backends.fp8 import to_cache
 from backends.triton import INSTALL_HINT
 
@@ -102,8 +103,7 @@ class DeviceLengthsBackend(AttentionBackend):
     @staticmethod
     def device_scales(scales: KVScales | None) -> tuple[torch.Tensor, torch.Tensor]:
         """An fp8 layer's (k, v) scale tensors, which the kernels read on the device."""
-        if scales is None:
-            raise ValueError("an fp8 KV cache needs the layer's scales (the `scales` keyword of write_kv and forward)")
+        scales = fp8.required(scales)
         return scales.k_scale_tensor, scales.v_scale_tensor
 
     def allocate_split_buffers(self, value_dim: int) -> None:

@@ -15,6 +15,7 @@ from backends.flashinfer.paged_layout import host_page_counts, paged_layout
 from backends.flashinfer.trtllm import TrtllmBackend
 from backends.flashinfer.trtllm_mla import QK_NOPE_HEAD_DIM, TrtllmMLABackend, TrtllmMLAMetadata, kernel_arguments
 from backends.flashmla import FlashMLABackend
+from backends.fp8 import to_cache
 from backends.paged_write import write_paged_rows
 from conformance.inputs.batch import materialize
 from conformance.inputs.cases import parse_case
@@ -80,6 +81,15 @@ def check_paged_writes(write) -> None:
     write(mla, latent_rows, slots, 16)
     assert torch.equal(mla[1, 1], latent_rows[0]) and torch.equal(mla[2, 8], latent_rows[3])
     assert (mla != 0).any(-1).nonzero().tolist() == [[0, 3], [1, 1], [2, 8]]
+    # An fp8 plane: the rows stored as the contract's fp8 numbers of row / scale (magnitudes kept
+    # clear of subnormals, which the CPU interpreter's conversion flushes), the scale a device tensor.
+    scale = torch.tensor([0.05])
+    rows = torch.randn(4, 2, 8).sign() * (torch.rand(4, 2, 8) * 20 + 0.01)
+    rows[0, 0, 0] = -30.0
+    fp8 = torch.zeros(4, 16, 2, 8, dtype=torch.float8_e4m3fn)
+    write(fp8, rows, slots, 16, scale)
+    assert torch.equal(fp8[1, 1].float(), to_cache(rows[0], 0.05, fp8.dtype).float())
+    assert fp8[1, 1, 0, 0].float() == -448  # -30 / 0.05 saturates
 
 
 def test_paged_writes_into_nhd_hnd_and_mla_layouts_skip_slot_minus_one():

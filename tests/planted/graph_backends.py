@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.base import Capabilities, CGSupport
+from backends import fp8
+from backends.base import FP8_KV_DTYPES, Capabilities, CGSupport
 from backends.flashinfer.gqa import FlashInferBackend
 from backends.torch_naive import NaiveMetadata, TorchNaiveBackend
 
@@ -28,7 +29,7 @@ class TorchGraphSafe(TorchNaiveBackend):
     name = "test_graph_safe"
     capabilities = Capabilities(
         kinds=frozenset({"mha"}), dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        sliding_window=True, logits_soft_cap=True, cuda_graphs=CGSupport.ALWAYS, needs_cpu_seq_lens=False,
+        kv_cache_dtypes=FP8_KV_DTYPES, sliding_window=True, logits_soft_cap=True, cuda_graphs=CGSupport.ALWAYS, needs_cpu_seq_lens=False,
         draft_step_update=True, devices=frozenset({"cuda"}),
     )
 
@@ -53,8 +54,15 @@ class TorchGraphSafe(TorchNaiveBackend):
         position = seq_len - query_len + (tokens - metadata.query_start_loc[request])
         return request, position, seq_len
 
-    def forward(self, query, kv_cache, metadata, out) -> None:
+    def device_scales(self, scales) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+        """The (k, v) scales the gathered cache is multiplied by: the layer's device tensors (read
+        on the device, so a graph replays with them), 1 without fp8."""
+        k_scale, v_scale = fp8.scale_tensors(self.spec, scales)
+        return (1.0, 1.0) if k_scale is None else (k_scale, v_scale)
+
+    def forward(self, query, kv_cache, metadata, out, scales=None) -> None:
         spec = self.spec
+        k_scale, v_scale = self.device_scales(scales)
         request, position, seq_len = self.token_lengths(metadata)
         block_size = spec.block_size
         # An eager batch's block table may be narrower than the static limit: gather what is there.
@@ -63,7 +71,7 @@ class TorchGraphSafe(TorchNaiveBackend):
         blocks = metadata.block_table[request][:, :max_blocks].long()  # [T, max_blocks]
         slots = (blocks[:, :, None] * block_size + torch.arange(block_size, device=self.device)).flatten(1)
         planes = self.slot_planes(kv_cache)
-        keys, values = planes[0][slots].float(), planes[1][slots].float()  # [T, S, Hkv, D]
+        keys, values = planes[0][slots].float() * k_scale, planes[1][slots].float() * v_scale  # [T, S, Hkv, D]
         group = spec.query_group_size
         keys, values = keys.repeat_interleave(group, dim=2), values.repeat_interleave(group, dim=2)
         scores = torch.einsum("thd,tshd->ths", query[: metadata.num_tokens].float(), keys) * self.softmax_scale()
@@ -276,3 +284,17 @@ class NondeterministicReplays(TorchGraphSafe):
         split = (self.calls % 7 + 1).to(torch.float32) / 8
         part = scratch[: metadata.num_tokens].float()
         out[: metadata.num_tokens] = (part * split + part * (1 - split)).to(out.dtype)
+
+
+class CopiesScalesPerStep(TorchGraphSafe):
+    """Makes a fresh device tensor of the layer's scales from the host floats in every forward
+    (as a backend that builds its kernel's descale tensors per call does): a new allocation and a
+    pageable host-to-device copy each step, which a CUDA graph cannot capture."""
+
+    name = "planted_copies_scales_per_step"
+
+    def device_scales(self, scales):
+        if not self.spec.fp8_kv_cache:
+            return 1.0, 1.0
+        per_step = torch.tensor([scales.k_scale, scales.v_scale], device=self.device)
+        return per_step[0], per_step[1]

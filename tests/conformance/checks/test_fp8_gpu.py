@@ -75,3 +75,35 @@ def test_the_write_kernel_quantizes_every_kind_of_number_as_the_contract_says(ca
         nan = torch.isnan(expected.float())
         assert torch.equal(torch.isnan(stored.float()), nan)
         assert int(ulps_apart(stored[~nan], expected[~nan]).max()) <= 1
+
+
+FP8_GRAPH_CASE = "gqa-h8/2-d128-bf16-fp8e4m3-p16:100+1,30+1,250+1"
+
+
+def test_scales_read_on_the_device_replay_and_scales_made_per_step_cannot_be_captured():
+    from tests.planted import graph_backends
+
+    control = GraphsCheck().run_case(graph_backends.TorchGraphSafe, parse_case(FP8_GRAPH_CASE), CUDA)
+    assert control.verdict == Verdict.PASS, control.reason
+    result = GraphsCheck().run_case(graph_backends.CopiesScalesPerStep, parse_case(FP8_GRAPH_CASE), CUDA)
+    assert result.verdict == Verdict.FAIL and "capture" in result.reason, result.reason
+
+
+VENDOR_FP8 = [("flashinfer", "gqa-h32/8-d128-bf16-fp8e4m3-kscale0.03-vscale7-p16:100+1,30+4,0+40,2000+1"),
+              ("flashinfer", "gqa-h8/2-d128-fp16-fp8e5m2-p16-w64:300+4,17+1,0+90"),
+              ("trtllm", "gqa-h32/8-d128-bf16-fp8e4m3-p16:100+1,30+1,2000+1"),
+              ("flashinfer_mla", "mla-h16-d512+64-bf16-fp8e4m3-p64:1+1,700+1,64+4,2500+4")]
+
+
+@pytest.mark.parametrize(("name", "case_text"), VENDOR_FP8)
+def test_vendor_adapters_store_and_attend_fp8_as_the_contract_says(name, case_text):
+    from backends.registry import load
+
+    backend = load(name)
+    case = parse_case(case_text)
+    reason = backend.unsupported_reason(case.spec, CUDA)
+    if reason:
+        pytest.skip(reason)
+    for check in (NumericsCheck, GraphsCheck):
+        result = check().run_case(backend, case, CUDA)
+        assert result.verdict in (Verdict.PASS, Verdict.SKIP), (check.__name__, result.reason)
