@@ -63,8 +63,9 @@ def test_window_left_excludes_the_token_itself():
     assert window_left(parse_case("gqa-w256:1+1").spec) == 255 and window_left(parse_case("gqa:1+1").spec) == -1
 
 
-def check_paged_writes(write) -> None:
-    """``write`` (write_paged_rows or its CUDA kernel) into NHD, HND and MLA layouts, slot -1 skipped."""
+def check_paged_writes(write, fp8: bool = True) -> None:
+    """``write`` (write_paged_rows or its CUDA kernel) into NHD, HND and MLA layouts, slot -1 skipped;
+    with ``fp8``, into an e4m3 plane too."""
     slots = torch.tensor([17, -1, 3, 40])
     rows = torch.randn(4, 2, 8)
     nhd = torch.zeros(4, 2, 16, 2, 8)  # [blocks, K/V, page, heads, dim]
@@ -81,6 +82,8 @@ def check_paged_writes(write) -> None:
     write(mla, latent_rows, slots, 16)
     assert torch.equal(mla[1, 1], latent_rows[0]) and torch.equal(mla[2, 8], latent_rows[3])
     assert (mla != 0).any(-1).nonzero().tolist() == [[0, 3], [1, 1], [2, 8]]
+    if not fp8:
+        return
     # An fp8 plane: the rows stored as the contract's fp8 numbers of row / scale (magnitudes kept
     # clear of subnormals, which the CPU interpreter's conversion flushes), the scale a device tensor.
     scale = torch.tensor([0.05])
@@ -98,9 +101,12 @@ def test_paged_writes_into_nhd_hnd_and_mla_layouts_skip_slot_minus_one():
 
 def test_paged_write_kernel_touches_no_memory_for_slot_minus_one():
     """The CUDA path (our Triton write kernel, run here by Triton's CPU interpreter) writes the same
-    rows, and parks nothing on block 0: the pool's reserved block stays unread and unwritten."""
+    rows, and parks nothing on block 0: the pool's reserved block stays unread and unwritten. No
+    fp8 plane here: the interpreter's fp32 -> e4m3 conversion is wrong where rounding carries into
+    the next power of two (125.9 became 64, 31.4 became 16), and flushes subnormals; the kernel's
+    fp8 stores are checked on a GPU (test_fp8_gpu.py)."""
     script = ("from tests.backends.test_vendor_adapters import check_paged_writes; "
-              "from backends.paged_write import _write_with_kernel; check_paged_writes(_write_with_kernel)")
+              "from backends.paged_write import _write_with_kernel; check_paged_writes(_write_with_kernel, fp8=False)")
     completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                                env={**os.environ, "TRITON_INTERPRET": "1"})
     assert completed.returncode == 0, completed.stderr[-3000:]
