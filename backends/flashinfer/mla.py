@@ -85,9 +85,10 @@ class FlashInferMLABackend(AttentionBackend):
         land()
 
     def _fp8_scales(self, scales: KVScales | None) -> dict:
-        """An fp8 latent cache's one scale: on the device for the 512 latent channels (graph-safe),
-        as a float for the 64 rope channels (FlashInfer takes no tensor for those)."""
+        """An fp8 latent cache's one scale, for the 512 latent and the 64 rope channels alike, as
+        host floats (FlashInfer's tensor form, ``ckv_scale_arr``, holds a scale per block and
+        head, not one per layer)."""
         if not self.spec.fp8_kv_cache:
             return {}
-        scales = fp8.required(scales)
-        return dict(ckv_scale_arr=scales.k_scale_tensor, kpe_scale=scales.k_scale)
+        k_scale, _ = fp8.scale_floats(self.spec, scales)
+        return dict(ckv_scale=k_scale, kpe_scale=k_scale)

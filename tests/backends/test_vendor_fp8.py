@@ -42,8 +42,7 @@ def reason(backend_cls, case: str, device=H200) -> str | None:
 
 def test_each_adapter_claims_the_fp8_formats_its_library_takes_and_says_why_not_the_others(every_module_installed):
     assert reason(FlashInferBackend, E4M3) is None and reason(FlashInferBackend, E5M2) is None
-    assert reason(TrtllmBackend, E4M3) is None
-    assert "e4m3 caches only" in reason(TrtllmBackend, E5M2)
+    assert "computes in fp8" in reason(TrtllmBackend, E4M3) and "e5m2" in reason(TrtllmBackend, E5M2)
     assert reason(FlashInferMLABackend, MLA_E4M3) is None
     assert "SM90" in reason(FlashInferMLABackend, MLA_E4M3, B200) and reason(FlashInferMLABackend, "mla-h16-d512+64-bf16-p64", B200) is None
     assert "descale_q" in reason(FlashMLABackend, MLA_E4M3)
@@ -105,6 +104,7 @@ def test_flashinfer_plans_the_cache_dtype_and_runs_with_the_layers_host_scales(f
 
 
 def test_trtllm_folds_the_scales_into_its_two_gemm_scales(monkeypatch):
+    """Not claimed (XQA computes in fp8), but the path is kept right for a GPU where it would pass."""
     handed = {}
     monkeypatch.setitem(sys.modules, "flashinfer.decode",
                         types.SimpleNamespace(trtllm_batch_decode_with_kv_cache=lambda **kwargs: handed.update(kwargs)))
@@ -118,10 +118,10 @@ def test_trtllm_folds_the_scales_into_its_two_gemm_scales(monkeypatch):
         backend.write_kv(cache, key, value, slots)  # an fp8 layer without its scales: a clear error
 
 
-def test_flashinfer_mla_gives_the_latent_scale_on_the_device_and_the_rope_scale_as_a_float(fake_flashinfer):
+def test_flashinfer_mla_gives_its_one_scale_to_the_latent_and_the_rope_channels(fake_flashinfer):
     backend, cache, (key, _, slots) = run_once(FlashInferMLABackend, f"{MLA_E4M3}:10+1,20+1", SCALES)
     assert backend.wrapper.planned[-1]["kv_data_type"] == torch.float8_e4m3fn
     ran = backend.wrapper.ran[-1]
-    assert ran["ckv_scale_arr"] is SCALES.k_scale_tensor and ran["kpe_scale"] == 0.05
+    assert ran["ckv_scale"] == ran["kpe_scale"] == 0.05 and "ckv_scale_arr" not in ran
     stored, none = backend.read_kv(cache, slots)
     assert none is None and torch.equal(stored.float(), to_cache(key, 0.05, torch.float8_e4m3fn).float())

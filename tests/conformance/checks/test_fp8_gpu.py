@@ -90,8 +90,8 @@ def test_scales_read_on_the_device_replay_and_scales_made_per_step_cannot_be_cap
 
 
 VENDOR_FP8 = [("flashinfer", "gqa-h32/8-d128-bf16-fp8e4m3-kscale0.03-vscale7-p16:100+1,30+4,0+40,2000+1"),
+              ("flashinfer", "gqa-h32/8-d128-bf16-fp8e4m3-kscale0.03-vscale7-p16:100+1,30+1,2000+1"),
               ("flashinfer", "gqa-h8/2-d128-fp16-fp8e5m2-p16-w64:300+4,17+1,0+90"),
-              ("trtllm", "gqa-h32/8-d128-bf16-fp8e4m3-p16:100+1,30+1,2000+1"),
               ("flashinfer_mla", "mla-h16-d512+64-bf16-fp8e4m3-p64:1+1,700+1,64+4,2500+4")]
 
 
@@ -104,6 +104,8 @@ def test_vendor_adapters_store_and_attend_fp8_as_the_contract_says(name, case_te
     reason = backend.unsupported_reason(case.spec, CUDA)
     if reason:
         pytest.skip(reason)
-    for check in (NumericsCheck, GraphsCheck):
-        result = check().run_case(backend, case, CUDA)
-        assert result.verdict in (Verdict.PASS, Verdict.SKIP), (check.__name__, result.reason)
+    for check in (NumericsCheck(), GraphsCheck()):
+        if check.skip_reason(backend, CUDA) or check.case_skip_reason(backend, case, CUDA):
+            continue  # as a run skips it (flashinfer graphs decode batches only; flashinfer_mla none)
+        result = check.run_case(backend, case, CUDA)
+        assert result.verdict == Verdict.PASS, (type(check).__name__, result.reason)
