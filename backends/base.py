@@ -24,6 +24,12 @@ Conventions shared by every backend and the harness:
   ``k_scale`` alone (DeepSeek's one scale). Scales belong to a layer, not to the backend: every
   layer of a step may pass other scales with the same metadata. ``read_kv`` returns what
   ``write_kv`` stored, so the harness can check both halves separately.
+* Learned attention sinks (``AttentionSpec.attention_sinks``, claimed by
+  ``Capabilities.attention_sinks``; gpt-oss): ``forward`` gets the layer's ``sinks`` (keyword), a
+  float32 device tensor ``[num_heads]``, one logit per *query* head, persistent like a layer's
+  weights. Each query head's softmax gains one term in its denominator and none in its numerator:
+  ``out = Σ_j exp(s_j − m) v_j / (Σ_j exp(s_j − m) + exp(sink_h − m))`` (any common ``m``), on
+  every path (decode, verify, prefill). Sinks belong to a layer, as scales do.
 """
 from __future__ import annotations
 
@@ -81,6 +87,7 @@ class AttentionSpec:
     sliding_window: int | None = None  # a token sees itself and the sliding_window - 1 before it
     logits_soft_cap: float | None = None  # scores become cap * tanh(scores / cap)
     scale: float | None = None  # None: 1 / sqrt(qk head dim)
+    attention_sinks: bool = False  # learned per-head sink logits (gpt-oss), handed to forward as ``sinks``
     kv_lora_rank: int = 0  # MLA only
     rope_dim: int = 0  # MLA only
 
@@ -96,6 +103,8 @@ class AttentionSpec:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         if self.kv_cache_dtype not in (None, self.dtype) and self.kv_cache_dtype not in FP8_KV_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} is neither the compute dtype nor an fp8 format")
+        if self.attention_sinks and self.kind == "mla":
+            raise ValueError("learned attention sinks are an MHA/GQA layer's (gpt-oss), not MLA's")
 
     @property
     def fp8_kv_cache(self) -> bool:
@@ -139,9 +148,15 @@ class KVScales:
 
 
 def layer_arguments(scales: KVScales | None) -> dict[str, Any]:
-    """The keywords of one layer's ``write_kv`` and ``forward``: ``scales=`` for an fp8 layer,
-    nothing otherwise (a backend without an fp8 claim never sees the keyword)."""
+    """The keywords of one layer's ``write_kv``: ``scales=`` for an fp8 layer, nothing otherwise
+    (a backend without an fp8 claim never sees the keyword)."""
     return {} if scales is None else {"scales": scales}
+
+
+def forward_arguments(scales: KVScales | None, sinks: torch.Tensor | None) -> dict[str, Any]:
+    """The keywords of one layer's ``forward``: its fp8 scales and its learned sinks, each only
+    where the layer has them."""
+    return {**layer_arguments(scales), **({} if sinks is None else {"sinks": sinks})}
 
 
 @dataclass(frozen=True)
@@ -230,6 +245,7 @@ class Capabilities:
     uniform_query_len: bool = False  # True: every request of a batch has the same query length
     sliding_window: bool = False
     logits_soft_cap: bool = False
+    attention_sinks: bool = False  # forward takes ``sinks``, one learned logit per query head
     cuda_graphs: CGSupport = CGSupport.NEVER
     needs_cpu_seq_lens: bool = True  # False promises zero host syncs when host lengths are absent
     draft_step_update: bool = False  # update_for_draft_step can advance metadata in place
@@ -279,6 +295,8 @@ class Capabilities:
             return "sliding window not supported"
         if spec.logits_soft_cap is not None and not self.logits_soft_cap:
             return "logits soft cap not supported"
+        if spec.attention_sinks and not self.attention_sinks:
+            return "learned attention sinks not supported"
         return None
 
     def query_len_reason(self, max_query_len: int, query_lens: "list[int] | None" = None) -> str | None:
@@ -303,6 +321,7 @@ class Capabilities:
             "uniform_query_len": self.uniform_query_len,
             "sliding_window": self.sliding_window,
             "logits_soft_cap": self.logits_soft_cap,
+            "attention_sinks": self.attention_sinks,
             "cuda_graphs": self.cuda_graphs.name,
             "needs_cpu_seq_lens": self.needs_cpu_seq_lens,
             "draft_step_update": self.draft_step_update,
@@ -445,4 +464,4 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor) -> None:
         """Attention for the first ``num_actual_tokens`` rows of ``query``, written into ``out``.
-        fp8 layers pass ``scales: KVScales`` too (keyword)."""
+        fp8 layers pass ``scales: KVScales`` too, layers with learned sinks ``sinks`` (keywords)."""

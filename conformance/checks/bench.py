@@ -115,8 +115,8 @@ class BenchCheck(Check):
         key, value, slots = batch.step_rows()
         query = torch.cat([batch.query, batch.query.new_zeros(case.padding, *batch.query.shape[1:])])
         out = poisoned_output(batch)
-        layer = prepared.layer
-        backend.write_kv(prepared.kv_cache, key, value, slots, **layer)
+        layer = prepared.forward_layer
+        backend.write_kv(prepared.kv_cache, key, value, slots, **prepared.layer)
         metadata = backend.build(common)
 
         build_us = time_cpu(lambda: backend.build(common))

@@ -50,6 +50,7 @@ PARAMETERS = (
     Parameter("fp8 k_scale", lambda case: case.kv_scales is not None, lambda case: {"k_scale": 1.0}),
     Parameter("fp8 v_scale", lambda case: case.kv_scales is not None and case.spec.kind != "mla",
               lambda case: {"v_scale": 1.0}),
+    Parameter("learned sinks", lambda case: case.spec.attention_sinks, lambda case: {"sinks": None}),
 )
 
 
@@ -77,7 +78,8 @@ def answer(batch: PagedBatch, **changes) -> torch.Tensor:
     k_scale, v_scale = case.kv_scales or (None, None)
     used_k, used_v = changes.pop("k_scale", k_scale), changes.pop("v_scale", v_scale)
     options = {"scale": spec.softmax_scale, **({} if spec.kind == "mla" else {
-        "sliding_window": spec.sliding_window, "logits_soft_cap": spec.logits_soft_cap}), **changes}
+        "sliding_window": spec.sliding_window, "logits_soft_cap": spec.logits_soft_cap, "sinks": batch.sinks}),
+        **changes}
     outputs = []
     for request, (context_len, _) in enumerate(case.batch):
         start, end = batch.query_start_loc[request], batch.query_start_loc[request + 1]

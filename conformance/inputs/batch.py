@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from backends.base import BackendLimits, CommonAttentionMetadata
-from conformance.inputs.case_data import apply_profile, use_fp8_range
+from conformance.inputs.case_data import apply_profile, sink_logits, use_fp8_range
 from conformance.inputs.cases import Case
 from conformance.inputs.oracle import attention_reference, mla_reference
 from conformance.inputs.random_data import normal_tensors
@@ -32,6 +32,7 @@ class PagedBatch:
     values: list[torch.Tensor | None]  # per request [seq_len, Hkv, Dv]; None for MLA
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32, host
     num_blocks: int  # block 0 (reserved) included
+    sinks: torch.Tensor | None = None  # [H] float32 on the device: the layer's learned sink logits, if any
     _reference: torch.Tensor | None = field(default=None, repr=False, compare=False)  # the oracle's, once computed
 
     @property
@@ -69,7 +70,7 @@ class PagedBatch:
         query = torch.cat([self.query[starts[r] : starts[r + 1]] for r in order])
         case = replace(self.case, batch=tuple(self.case.batch[r] for r in order), shared_prefix_blocks=0)
         return PagedBatch(case, self.device, query, [self.keys[r] for r in order], [self.values[r] for r in order],
-                          self.block_table[order], self.num_blocks)
+                          self.block_table[order], self.num_blocks, self.sinks)
 
     def reference_output(self) -> torch.Tensor:
         """The oracle's answer for every new token: [num_tokens, H, Dv] float64, on the device.
@@ -95,7 +96,7 @@ class PagedBatch:
                     attention_reference(
                         self.query[start:end], self.keys[request], self.values[request], context_len=context_len,
                         scale=spec.softmax_scale, sliding_window=spec.sliding_window,
-                        logits_soft_cap=spec.logits_soft_cap,
+                        logits_soft_cap=spec.logits_soft_cap, sinks=self.sinks,
                     )
                 )
         return torch.cat(outputs)
@@ -291,4 +292,6 @@ def materialize(case: Case, device: torch.device | str) -> PagedBatch:
     def cast(tensor: torch.Tensor | None) -> torch.Tensor | None:
         return None if tensor is None else tensor.to(spec.dtype)
 
-    return PagedBatch(case, device, cast(query), [cast(k) for k in keys], [cast(v) for v in values], block_table, num_blocks)
+    sinks = sink_logits(spec).to(device) if spec.attention_sinks else None
+    return PagedBatch(case, device, cast(query), [cast(k) for k in keys], [cast(v) for v in values], block_table, num_blocks,
+                      sinks)

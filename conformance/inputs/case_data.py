@@ -12,7 +12,7 @@ that makes chosen keys dominant:
   ``POISON_VALUE``. A backend that masks such a slot gives it weight exactly 0 (finite × 0 = 0),
   so correct backends are unaffected; one that reads it unmasked (past the sequence end, a wrong
   block, a stale length) returns about ``POISON_VALUE`` instead of an average of N(0, 1) values.
-* **sinks**: a second channel shifts every logit by ``SINK_SHIFT_LOGIT`` (an outlier channel of a
+* **outliers**: a second channel shifts every logit by ``OUTLIER_SHIFT_LOGIT`` (an outlier channel of a
   trained model: softmax without its max subtracted overflows fp32, scores kept in bf16/fp16 lose
   several units) and position 0 of every request scores ``SINK_LOGIT`` more (an attention sink).
 * **edges**: the key just past each boundary dominates the query that must not see it. Causal
@@ -43,7 +43,7 @@ from conformance.inputs.kv_quantization import largest
 
 POISON_LOGIT = 40.0  # above every real logit of the profile: e^40 outweighs any context
 POISON_VALUE = 16.0  # what an unmasked read of a poisoned slot pulls the output towards
-SINK_SHIFT_LOGIT = 256.0  # exp(88) already overflows fp32; a bf16 score near 256 is rounded by up to 1
+OUTLIER_SHIFT_LOGIT = 256.0  # exp(88) already overflows fp32; a bf16 score near 256 is rounded by up to 1
 SINK_LOGIT = 6.0
 EDGE_STEP = 3.0  # logits between neighbouring edge keys: e^3 = 20x the weight
 EDGE_KEYS = 16
@@ -51,6 +51,9 @@ EDGE_MARGIN = 4.0  # logits by which the edge keys together outweigh every other
 FP8_KEY_HEADROOM = 0.5  # an fp8 case's probe keys stay within this fraction of the largest storable key
 FP8_SATURATING = 0.5  # the large channel's scale, of the largest storable number: |x| > 2σ saturates
 FP8_SUBNORMAL = 1 / 64  # the small channel's scale, of one stored unit × scale: subnormal in e4m3
+SINK_SEED = 0x51_4B
+SINK_QUARTERS = (-8, 25)  # most heads' learned sink logits, in quarters: -2 to 6
+LARGE_SINK_QUARTERS = (32, 57)  # every fourth head's: 8 to 14, beyond most of its logits
 COMPUTE_HEADROOM = 256  # the large channel's scale stays this far below the compute dtype's largest number
 
 
@@ -78,7 +81,7 @@ def _exact_integer(value: float) -> float:
 
 def profile_max_logit(spec: AttentionSpec, data: str, max_seq_len: int) -> float:
     """The largest logit a real key can reach above N(0, 1) data under ``data``."""
-    if data == "sinks":
+    if data == "outliers":
         return SINK_LOGIT  # the shift channel lifts poisoned slots as much as real ones
     if data == "edges":
         return edge_base(max_seq_len) + EDGE_STEP * (EDGE_KEYS + 1)
@@ -96,10 +99,10 @@ def apply_profile(case, query: torch.Tensor, keys: list[torch.Tensor]) -> None:
     spec, data, batch = case.spec, case.data, case.batch
     probe = spec.head_dim - 1
     query[..., probe] = probe_query_value(case)
-    if data == "sinks":
+    if data == "outliers":
         shift = spec.head_dim - 2
         query[..., shift] = 32.0
-        shift_key = _exact_integer(SINK_SHIFT_LOGIT / (32.0 * spec.softmax_scale))
+        shift_key = _exact_integer(OUTLIER_SHIFT_LOGIT / (32.0 * spec.softmax_scale))
         for key in keys:
             key[..., shift] = shift_key
             key[0, ..., probe] = _exact_integer(_key_units(case, SINK_LOGIT))
@@ -152,6 +155,20 @@ def use_fp8_range(case, query: torch.Tensor, keys: list[torch.Tensor], values: l
                 (key if value is None else value)[..., channel].abs_()
 
 
+def sink_logits(spec: AttentionSpec) -> torch.Tensor:
+    """A layer's learned attention sinks (``attnsinks``), float32 [num_heads] on the CPU, like
+    gpt-oss's: most heads' a few units (``SINK_QUARTERS``), every fourth head's large
+    (``LARGE_SINK_QUARTERS``: the sink takes most of the weight, so a backend that drops it is
+    far off). Multiples of 1/4, exact in every dtype; one per query head, differing across the
+    heads of a KV group, so a sink read per KV head is wrong. A layer's, not a batch's: every
+    batch over one layer (a graph's replays, the engine's steps) sees the same sinks."""
+    heads = spec.num_heads
+    generator = torch.Generator().manual_seed(SINK_SEED + heads)
+    usual = torch.randint(*SINK_QUARTERS, (heads,), generator=generator)
+    large = torch.randint(*LARGE_SINK_QUARTERS, (heads,), generator=generator)
+    return torch.where(torch.arange(heads) % 4 == 3, large, usual).float() / 4
+
+
 def poison_key_value(case) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One poisoned slot's key and value (float32, CPU): [Hkv, Dk] and [Hkv, Dv] (MLA: [Dk], None)."""
     spec, data = case.spec, case.data
@@ -164,6 +181,6 @@ def poison_key_value(case) -> tuple[torch.Tensor, torch.Tensor | None]:
         key = torch.zeros(spec.num_kv_heads, spec.head_dim)
         value = torch.full((spec.num_kv_heads, spec.head_dim), POISON_VALUE)
     key[..., spec.head_dim - 1] = _exact_integer(_key_units(case, logit))
-    if data == "sinks":
-        key[..., spec.head_dim - 2] = _exact_integer(SINK_SHIFT_LOGIT / (32.0 * spec.softmax_scale))
+    if data == "outliers":
+        key[..., spec.head_dim - 2] = _exact_integer(OUTLIER_SHIFT_LOGIT / (32.0 * spec.softmax_scale))
     return key, value

@@ -20,8 +20,10 @@ A case's id is its whole definition, in the same compact grammar ``--case`` acce
                     view into a wider buffer, the block table a column slice of a wider table
                     (non-contiguous rows, as engines hand them over)
       padN          N padding rows (slot -1) after the real tokens (default 3; pad0: none)
-      sinks         large logits: an outlier channel shifts every logit by ~100+ and position 0
-                    is an attention sink (the data of trained models, near fp16's range)
+      attnsinks     learned attention sinks (gpt-oss): one logit per query head joins every
+                    softmax denominator, handed to forward as ``sinks`` (MHA/GQA only)
+      outliers      large logits: an outlier channel shifts every logit by ~100+ and position 0
+                    is a sink in the data (the data of trained models, near fp16's range)
       edges         boundary-sensitive data: the key just past each causal edge and just
                     outside each sliding window dominates, so an off-by-one fails widely
       bigpool       a pool past 2**31 elements per K (V) plane, the requests' blocks at its top:
@@ -49,7 +51,7 @@ from backends.base import DTYPE_NAMES, AttentionSpec, dtype_name, kv_dtype_name
 from conformance.inputs.kv_quantization import DEFAULT_K_SCALE, DEFAULT_V_SCALE, FP8_DTYPES
 
 
-DATA_PROFILES = ("normal", "sinks", "edges")
+DATA_PROFILES = ("normal", "outliers", "edges")
 DEFAULT_PADDING_TOKENS = 3
 MAX_PADDING_TOKENS = 1024
 MAX_TOKENS_PER_REQUEST = 1 << 22  # 4M tokens: beyond any model's context, and beyond any device's memory here
@@ -69,7 +71,7 @@ class Case:
     shared_prefix_blocks: int = 0
     permute_blocks: bool = True
     strided: bool = False  # inputs and output as views into larger buffers (see harness)
-    data: str = "normal"  # normal | sinks | edges (see conformance.inputs.batch)
+    data: str = "normal"  # normal | outliers | edges (see conformance.inputs.batch)
     padding: int = DEFAULT_PADDING_TOKENS  # rows with slot -1 after the step's real tokens
     big_pool: bool = False  # the pool past 2**31 elements a plane, owned blocks at its top (see batch)
     k_scale: float | None = None  # an fp8 cache's scales; None: the default (kv_quantization)
@@ -197,7 +199,7 @@ _ATTRIBUTE_KINDS = (
     (r"fp16|bf16|fp32", "dtype"), (r"fp8e4m3|fp8e5m2", "KV-cache dtype"), (r"kscale.+", "key scale"),
     (r"vscale.+", "value scale"), (r"h\d+(/\d+)?", "heads"), (r"d\d+(\+\d+)?", "head dim"), (r"p\d+", "block size"),
     (r"w\d+", "sliding window"), (r"cap.+", "soft cap"), (r"scale.+", "scale"), (r"share\d+", "shared prefix"),
-    (r"pad\d+", "padding"), (r"sinks|edges", "data profile"),
+    (r"pad\d+", "padding"), (r"outliers|edges", "data profile"),
 )
 
 
@@ -219,6 +221,7 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
     dtype, block_size = torch.bfloat16, 64 if is_mla else 16
     window = cap = scale = kv_cache_dtype = k_scale = v_scale = None
     share, permute, strided, data, padding, big_pool = 0, True, False, "normal", DEFAULT_PADDING_TOKENS, False
+    sinks = False
     kv_heads_given = False
     given: dict[str, str] = {}  # attribute kind -> the attribute that set it
     for attr in attrs:
@@ -242,6 +245,11 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
             strided = True
         elif attr == "bigpool":
             big_pool = True
+        elif attr == "attnsinks":
+            sinks = True
+        elif attr == "sinks":
+            raise CaseSyntaxError(f"'sinks' is ambiguous in {text!r}: write 'outliers' for the large-logit data profile "
+                                  "(its old name), 'attnsinks' for learned attention sinks (gpt-oss)")
         elif attr in DATA_PROFILES[1:]:
             data = attr
         elif match := re.fullmatch(r"pad(\d+)", attr):
@@ -286,6 +294,8 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
     for name, value in dims.items():
         if value < 1:
             raise CaseSyntaxError(f"{name} {value}: must be at least 1")
+    if is_mla and sinks:
+        raise CaseSyntaxError(f"attnsinks in {text!r}: learned attention sinks are an MHA/GQA layer's (gpt-oss), not MLA's")
     try:
         if is_mla:
             spec = AttentionSpec(
@@ -297,6 +307,7 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
             spec = AttentionSpec(
                 kind="mha", num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                 block_size=block_size, kv_cache_dtype=kv_cache_dtype, sliding_window=window, logits_soft_cap=cap, scale=scale,
+                attention_sinks=sinks,
             )
     except ValueError as error:
         raise CaseSyntaxError(str(error)) from None
@@ -336,6 +347,8 @@ def format_layer(spec: AttentionSpec, options: LayerOptions = LayerOptions()) ->
         parts.append(f"cap{_format_number(spec.logits_soft_cap)}")
     if spec.scale is not None:
         parts.append(f"scale{_format_number(spec.scale)}")
+    if spec.attention_sinks:
+        parts.append("attnsinks")
     if options.shared_prefix_blocks:
         parts.append(f"share{options.shared_prefix_blocks}")
     if not options.permute_blocks:
@@ -441,7 +454,7 @@ def smoke_suite() -> list[Case]:
     ) + _cases("gqa-h4/1-d64-bf16-p16-w24-cap20", [("sliding window, soft cap", "0+40,50+4,3+1")]) + _cases(
         "gqa-h4/2-d64-fp16-p16-share2", [("prefix sharing", "40+1,32+4,60+1")]
     ) + _cases("mla-h4-d64+16-bf16-p16", [("decode", "1+1,40+1"), ("spec-verify k=3", "30+4")]) + _cases(
-        "gqa-h4/2-d64-bf16-p16-strided-sinks", [("strided views, large logits", "40+1,20+4,0+9")]
+        "gqa-h4/2-d64-bf16-p16-strided-outliers", [("strided views, large logits", "40+1,20+4,0+9")]
     ) + _cases("gqa-h4/1-d64-fp16-p16-w24-pad0-edges", [("window edges, no padding", "50+4,3+1,100+1")])
 
 
@@ -457,12 +470,12 @@ def _variant_cases() -> list[Case]:
     cases += _cases(LLAMA3_8B + "-pad0", [("no padding rows: decode", "500+1,33+1,1000+1"),
                                           ("no padding rows: mixed", "0+100,70+4,300+1")])
     cases += _cases(LLAMA3_8B + "-pad64", [("64 padding rows: spec-verify", "300+4,70+4")])
-    cases += _cases(LLAMA3_8B + "-sinks", [
+    cases += _cases(LLAMA3_8B + "-outliers", [
         ("large logits: decode", "1+1,500+1,3000+1"),
         ("large logits: spec-verify k=3", "300+4,1200+4"),
         ("large logits: mixed", "0+200,700+64,3000+1x2"),
     ])
-    cases += _cases("gqa-h32/8-d128-fp16-p32-sinks", [("large logits, fp16: decode", "1+1,500+1,3000+1"),
+    cases += _cases("gqa-h32/8-d128-fp16-p32-outliers", [("large logits, fp16: decode", "1+1,500+1,3000+1"),
                                                        ("large logits, fp16: spec-verify k=3", "300+4,1200+4")])
     cases += _cases(LLAMA3_8B + "-edges", [
         ("edges: decode at block ends", "1+1,15+1,16+1,31+1,100+1,1000+1,3000+1"),
@@ -481,7 +494,7 @@ def _variant_cases() -> list[Case]:
                                                           ("scale 0.25: spec-verify k=3", "500+4,30+4"),
                                                           ("scale 0.25: mixed prefill + decode", "0+200,700+64,300+1x2")])
     # A cap matters only on logits past it: large logits (near 256) under a cap of 30, every path.
-    cases += _cases("gqa-h8/2-d128-bf16-p16-cap30-sinks", [("cap 30, large logits: decode", "1+1,500+1,3000+1"),
+    cases += _cases("gqa-h8/2-d128-bf16-p16-cap30-outliers", [("cap 30, large logits: decode", "1+1,500+1,3000+1"),
                                                            ("cap 30, large logits: spec-verify k=3", "300+4,1200+4"),
                                                            ("cap 30, large logits: mixed", "0+200,700+64,3000+1x2")])
     # DeepSeek-V3's MLA scale: 1/sqrt(192) times its YaRN mscale squared (0.1 ln 40 + 1)^2, not 1/sqrt(576).
@@ -490,7 +503,7 @@ def _variant_cases() -> list[Case]:
                                                               ("DeepSeek scale: mixed", "0+100,500+40,2000+1x4")])
     cases += _cases("mla-h16-d512+64-bf16-p64-strided", [("strided: decode", "1+1,700+1,2500+1"),
                                                          ("strided: spec-verify k=3", "64+4,900+4")])
-    cases += _cases("mla-h16-d512+64-bf16-p64-sinks", [("large logits: decode", "1+1,700+1,2500+1"),
+    cases += _cases("mla-h16-d512+64-bf16-p64-outliers", [("large logits: decode", "1+1,700+1,2500+1"),
                                                        ("large logits: spec-verify k=3", "64+4,900+4")])
     cases += _cases("mla-h16-d512+64-bf16-p64-edges", [("edges: decode at block ends", "63+1,64+1,127+1,700+1"),
                                                        ("edges: spec-verify k=3", "60+4,900+4"),
@@ -516,7 +529,7 @@ def _fp8_cases() -> list[Case]:
                                                         ("fp8 e5m2: spec-verify k=3", "300+4,1200+4"),
                                                         ("fp8 e5m2: mixed", "0+200,700+64,3000+1x2")])
     cases += _cases(fp8 + "-strided-pad64", [("fp8, strided, 64 padding rows: spec-verify k=3", "300+4,1200+4,63+4")])
-    cases += _cases(fp8 + "-pad0-sinks", [("fp8, large logits, no padding: decode", "1+1,500+1,3000+1")])
+    cases += _cases(fp8 + "-pad0-outliers", [("fp8, large logits, no padding: decode", "1+1,500+1,3000+1")])
     cases += _cases(fp8 + "-edges", [("fp8, edges: spec-verify k=3", "300+4,1200+4,12+4,60+4")])
     cases += _cases("gqa-h8/2-d128-bf16-fp8e4m3-p16-w256-edges", [("fp8, window edges: mixed", "0+300,700+64,255+1")])
     cases += _cases("gqa-h8/2-d128-bf16-fp8e4m3-kscale0.03-vscale7-p16", [("fp8, scales 0.03 and 7: decode", "100+1,2000+1"),
@@ -571,7 +584,22 @@ def standard_suite() -> list[Case]:
     # Fewer heads than a 16-head tile (Kimi-K2's 64 heads at tensor parallel 8; DeepSeek-V3's 128
     # at 16): a tile's rows past the head count must be masked.
     cases += _cases("mla-h8-d512+64-bf16-p64", [("8 heads: decode", "1+1,700+1,2500+1"), ("8 heads: spec-verify k=3", "64+4,900+4")])
-    return cases + _variant_cases()
+    return cases + _variant_cases() + _sink_cases()
+
+
+GPT_OSS = "gqa-h64/8-d64-bf16-p16"  # gpt-oss-20b/120b attention: 64 query heads over 8, head dim 64
+
+
+def _sink_cases() -> list[Case]:
+    """Learned attention sinks on gpt-oss's layer: every path, its alternate layers' window of 128
+    (edges: the keys just outside the window dominate), and an fp8 cache."""
+    cases = _cases(GPT_OSS + "-attnsinks", [("learned sinks: decode", "1+1,100+1,1000+1,3000+1"),
+                                           ("learned sinks: spec-verify k=3", "11+4,300+4,1200+4"),
+                                           ("learned sinks: mixed prefill + decode", "0+200,700+64,3000+1x2,50+4")])
+    cases += _cases(GPT_OSS + "-w128-attnsinks-edges", [("learned sinks, window 128: decode", "1000+1,127+1,128+1,129+1"),
+                                                       ("learned sinks, window 128: mixed", "0+300,700+64,255+1")])
+    cases += _cases("gqa-h64/8-d64-bf16-fp8e4m3-p16-attnsinks", [("fp8, learned sinks: mixed", "0+100,500+4,2000+1")])
+    return cases
 
 
 def full_suite() -> list[Case]:
@@ -590,7 +618,7 @@ def full_suite() -> list[Case]:
     for layer in ("gqa-h32/8-d64-bf16-p16", "gqa-h32/8-d256-fp16-p64", "mha-h32/32-d128-bf16-p32", "gqa-h32/4-d128-fp16-p16-w1024-cap50"):
         cases += _cases(layer, _mha_batches(16, rich=False))
     cases += _cases(LLAMA3_8B + "-edges", [("edges: long context", "32k+1x2,32760+4")])
-    cases += _cases(LLAMA3_8B + "-sinks-strided", [("large logits, strided: long context", "32k+4x2,16k+1")])
+    cases += _cases(LLAMA3_8B + "-outliers-strided", [("large logits, strided: long context", "32k+4x2,16k+1")])
     cases += _cases("gqa-h32/4-d128-fp16-p16-w1024-edges", [("window edges: long context", "8k+1,5000+4,1023+1")])
     cases += _cases("mla-h128-d512+64-bf16-p64-edges", [("edges: decode", "63+1,64+1,2000+1x4"), ("edges: spec-verify k=3", "900+4x4")])
     return cases

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.base import AttentionBackend, BackendLimits, CGSupport, CommonAttentionMetadata, layer_arguments
+from backends.base import AttentionBackend, BackendLimits, CGSupport, CommonAttentionMetadata, forward_arguments, layer_arguments
+from conformance.inputs.case_data import sink_logits
 from conformance.inputs.batch import PagedBatch, guarded_block_table, pool_size
 from conformance.inputs.cases import Case
 from conformance.inputs.graph_batches import GraphShape, padding_rows
@@ -48,7 +49,10 @@ class GraphBuffers:
         self.kv_cache = allocate_pool(self.backend, self.num_blocks, fill)
         # An fp8 layer's scales: persistent device tensors, as an engine's layer holds them.
         self.scales = case_scales(cases[0], device)
-        self.layer = layer_arguments(self.scales)
+        self.layer = layer_arguments(self.scales)  # write_kv's keywords
+        # ... and forward's: the scales and the layer's learned sinks, persistent like its weights.
+        sinks = sink_logits(spec).to(device) if spec.attention_sinks else None
+        self.forward_layer = forward_arguments(self.scales, sinks)
         max_blocks = shape.max_model_len // spec.block_size
         int32 = dict(dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(shape.num_reqs + 1, **int32)
@@ -103,7 +107,7 @@ class GraphBuffers:
     def step(self, metadata) -> None:
         """What the graph holds: the step's KV write and the attention."""
         self.backend.write_kv(self.kv_cache, self.key, self.value, self.slot_mapping, **self.layer)
-        self.backend.forward(self.query, self.kv_cache, metadata, self.out, **self.layer)
+        self.backend.forward(self.query, self.kv_cache, metadata, self.out, **self.forward_layer)
 
     def watch(self, common: CommonAttentionMetadata) -> InputWatch:
         """The persistent inputs a replay reads, as they are now (``input_watch``)."""

@@ -17,7 +17,7 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
-from backends.base import AttentionBackend, AttentionSpec, CommonAttentionMetadata, KVScales, layer_arguments
+from backends.base import AttentionBackend, AttentionSpec, CommonAttentionMetadata, KVScales, forward_arguments, layer_arguments
 from conformance.inputs.batch import PagedBatch, materialize
 from conformance.inputs.case_data import poison_key_value
 from conformance.inputs.cases import Case
@@ -63,8 +63,13 @@ class PreparedCase:
 
     @property
     def layer(self) -> dict[str, Any]:
-        """The keywords of this layer's ``write_kv`` and ``forward``: its scales, for an fp8 cache."""
+        """The keywords of this layer's ``write_kv``: its scales, for an fp8 cache."""
         return layer_arguments(self.scales)
+
+    @property
+    def forward_layer(self) -> dict[str, Any]:
+        """The keywords of this layer's ``forward``: its scales and its learned sinks, where it has them."""
+        return forward_arguments(self.scales, self.batch.sinks)
 
 
 def case_scales(case: Case, device: torch.device | str, factor: float = 1.0) -> KVScales | None:
@@ -280,7 +285,7 @@ def launch_step(step: StagedStep, *, phase: Callable[[str], ContextManager[None]
         backend.write_kv(prepared.kv_cache, step.key, step.value, step.slots, **prepared.layer)
     watch.called("write_kv")
     with phase("forward"):
-        backend.forward(step.query, prepared.kv_cache, metadata, step.out, **prepared.layer)
+        backend.forward(step.query, prepared.kv_cache, metadata, step.out, **prepared.forward_layer)
     watch.called("forward")
 
 

@@ -33,13 +33,15 @@ def attention_reference(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of one request's new tokens over its whole sequence, in float64.
 
     query [q, H, Dk]: the request's q new tokens, at positions context_len .. context_len + q - 1.
     key [s, Hkv, Dk], value [s, Hkv, Dv]: every token of the request, s = context_len + q.
     Query head h reads KV head h // (H / Hkv). A token sees position j when j <= its own
-    position and, with a sliding window W, when its position - j < W.
+    position and, with a sliding window W, when its position - j < W. ``sinks`` [H] (learned
+    attention sinks): query head h's softmax denominator gains exp(sinks[h]), its numerator nothing.
     Returns [q, H, Dv] float64.
     """
     num_queries, num_heads, head_dim = query.shape
@@ -63,8 +65,15 @@ def attention_reference(
         if logits_soft_cap is not None:
             logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
         logits = logits.masked_fill(~allowed, float("-inf"))
-        weights = torch.exp(logits - logits.max(dim=-1, keepdim=True).values)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        top = logits.max(dim=-1, keepdim=True).values
+        if sinks is not None:
+            sink = sinks.double().view(num_kv_heads, group_size, 1, 1)
+            top = torch.maximum(top, sink)
+        weights = torch.exp(logits - top)
+        denominator = weights.sum(dim=-1, keepdim=True)
+        if sinks is not None:
+            denominator = denominator + torch.exp(sink - top)
+        weights = weights / denominator
         out[:, :, chunk, :] = (weights.view(num_kv_heads, -1, seq_len) @ value).view(num_kv_heads, group_size, -1, value.shape[-1])
     return out.permute(2, 0, 1, 3).reshape(num_queries, num_heads, value.shape[-1])
 

@@ -61,7 +61,8 @@ def expected_output(prepared: PreparedCase, *, negated: bool = False) -> torch.T
         else:
             outputs.append(attention_reference(
                 query, dequantize(key, scales.k_scale), dequantize(value, scales.v_scale), context_len=context_len,
-                scale=spec.softmax_scale, sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap))
+                scale=spec.softmax_scale, sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
+                sinks=batch.sinks))
     return torch.cat(outputs)
 
 

@@ -17,7 +17,7 @@ CASES = {
         "gqa-h12/4-d64-fp16-p64-share2:130+1,128+3,200+9",  # group of 3, prefix sharing, page 64
         "gqa-h8/2-d256-bf16-p16:70+2,5+1",  # head dim 256
         "gqa-h4/2-d64-bf16-p16-strided-pad0:30+1,20+4,0+9",  # fused-QKV views, strided output, no padding
-        "gqa-h4/2-d64-fp16-p16-sinks:30+1,20+4,0+9",  # logits shifted by ~256, a sink at position 0
+        "gqa-h4/2-d64-fp16-p16-outliers:30+1,20+4,0+9",  # logits shifted by ~256, a sink at position 0
         "gqa-h4/2-d64-bf16-p16-edges:15+1,16+1,20+4,0+20",  # dominant keys at every causal edge
         "gqa-h4/1-d64-bf16-p16-w24-edges:50+4,3+1,100+1",  # dominant keys at every window edge
         "gqa-h8/4-d64-fp16-p16:30+1x8,50+2",  # enough requests for one split: no merge, output written directly
@@ -27,7 +27,7 @@ CASES = {
     "triton_mla": [
         "mla-h4-d64+16-bf16-p16:1+1,40+1,17+1",
         "mla-h20-d64+16-fp16-p32:70+8,5+1,100+3",
-        "mla-h4-d64+16-bf16-p16-strided-sinks:40+1,17+4",
+        "mla-h4-d64+16-bf16-p16-strided-outliers:40+1,17+4",
         "mla-h4-d64+16-fp16-p16-edges:15+1,16+1,30+4",
         # Pages of one tile: 64-row tiles by TMA with a masked last tile, 16-row tiles by masked loads.
         "mla-h20-d64+16-fp16-p64:70+8,5+1,100+3",

@@ -41,9 +41,9 @@ def test_forward_speed(benchmark, shape, backend):
     out = poisoned_output(batch)
 
     def step():
-        prepared.backend.forward(query, prepared.kv_cache, metadata, out, **prepared.layer)
+        prepared.backend.forward(query, prepared.kv_cache, metadata, out, **prepared.forward_layer)
         torch.cuda.synchronize()
 
-    benchmark.extra_info["forward_us"] = time_gpu(lambda: prepared.backend.forward(query, prepared.kv_cache, metadata, out, **prepared.layer),
+    benchmark.extra_info["forward_us"] = time_gpu(lambda: prepared.backend.forward(query, prepared.kv_cache, metadata, out, **prepared.forward_layer),
                                                   _l2_flusher(device))
     benchmark.pedantic(step, rounds=30, iterations=1, warmup_rounds=3)

@@ -25,7 +25,7 @@ class TimedCase:
         self.flush = _l2_flusher(device)
 
     def forward(self) -> torch.Tensor:
-        self.backend.forward(self.query, self.prepared.kv_cache, self.metadata, self.out, **self.prepared.layer)
+        self.backend.forward(self.query, self.prepared.kv_cache, self.metadata, self.out, **self.prepared.forward_layer)
         return self.out
 
     def micros(self) -> float:

@@ -67,12 +67,12 @@ def test_an_over_read_returns_the_poison():
     (input_defects.AssumesContiguousQuery, "gqa-h4/2-d32-bf16-p16-strided:30+1,20+4,0+9", "NaN", WIDE_MARGIN),
     (input_defects.AssumesContiguousQuery, "mla-h4-d32+8-bf16-p16-strided:30+1,20+4", "NaN", WIDE_MARGIN),
     (input_defects.AssumesContiguousOutput, "gqa-h4/2-d32-bf16-p16-strided:30+1,20+4,0+9", "outside the strided output view", WIDE_MARGIN),
-    (input_defects.SoftmaxWithoutMax, "gqa-h4/2-d32-bf16-p16-sinks:30+1,20+4,0+9", "NaN", WIDE_MARGIN),
-    (input_defects.SoftmaxWithoutMax, "mla-h4-d32+8-fp16-p16-sinks:30+1,20+4", "NaN", WIDE_MARGIN),
-    (input_defects.ScoresInInputDtype, "gqa-h4/2-d32-bf16-p16-sinks:300+1,20+4,0+9", "beyond tolerance", 5.0),
+    (input_defects.SoftmaxWithoutMax, "gqa-h4/2-d32-bf16-p16-outliers:30+1,20+4,0+9", "NaN", WIDE_MARGIN),
+    (input_defects.SoftmaxWithoutMax, "mla-h4-d32+8-fp16-p16-outliers:30+1,20+4", "NaN", WIDE_MARGIN),
+    (input_defects.ScoresInInputDtype, "gqa-h4/2-d32-bf16-p16-outliers:300+1,20+4,0+9", "beyond tolerance", 5.0),
 ])
 def test_input_property_defects_fail_only_where_the_property_varies(defect, case_id, expected, margin):
-    plain_id = case_id.replace("-strided", "").replace("-sinks", "")
+    plain_id = case_id.replace("-strided", "").replace("-outliers", "")
     assert numerics(defect, plain_id).verdict == Verdict.PASS  # the blind spot: held fixed, it hides
     for seed in SEEDS[:3]:
         assert numerics(TorchNaiveBackend, f"{case_id}@{seed}").verdict == Verdict.PASS
@@ -84,7 +84,7 @@ def test_input_property_defects_fail_only_where_the_property_varies(defect, case
 def test_the_smoke_and_standard_suites_vary_every_input_property():
     for name in ("smoke", "standard"):
         cases = suite(name)
-        assert any(c.strided for c in cases) and any(c.data == "sinks" for c in cases) and any(c.data == "edges" for c in cases)
+        assert any(c.strided for c in cases) and any(c.data == "outliers" for c in cases) and any(c.data == "edges" for c in cases)
     standard = suite("standard")
     assert {c.padding for c in standard} >= {0, 3, 64}
     assert any(c.spec.scale is not None for c in standard)

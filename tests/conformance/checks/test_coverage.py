@@ -33,7 +33,7 @@ def test_a_parameter_dropped_on_one_path_fails_on_the_case_the_matrix_names():
 
     cpu = torch.device("cpu")
     for defect, case_text in (
-        (input_defects.DropsCapOnDecode, "gqa-h8/2-d128-bf16-p16-cap30-sinks:1+1,500+1,3000+1"),
+        (input_defects.DropsCapOnDecode, "gqa-h8/2-d128-bf16-p16-cap30-outliers:1+1,500+1,3000+1"),
         (input_defects.RecomputesScale, "mla-h16-d512+64-bf16-p64-scale0.13524:1+1,700+1,2500+1"),
         (input_defects.RecomputesScale, "gqa-h8/2-d128-bf16-p16-scale0.25:500+4,30+4"),
     ):

@@ -58,7 +58,7 @@ def test_a_backend_without_the_claim_says_exactly_why():
 
 FP8_CASES = ["gqa-h4/2-d32-bf16-fp8e4m3-p16:40+1,20+4,0+9", "mla-h4-d32+8-bf16-fp8e4m3-p16:40+1,20+4",
              "gqa-h4/2-d32-fp16-fp8e5m2-p16:40+1,20+4", "gqa-h4/1-d64-fp16-fp8e4m3-p16-w24-pad0-edges:50+4,3+1,100+1",
-             "gqa-h4/2-d64-bf16-fp8e4m3-p16-sinks-strided:40+1,20+4", "gqa-h4/2-d32-fp32-fp8e4m3-kscale0.03-vscale7:30+2"]
+             "gqa-h4/2-d64-bf16-fp8e4m3-p16-outliers-strided:40+1,20+4", "gqa-h4/2-d32-fp32-fp8e4m3-kscale0.03-vscale7:30+2"]
 
 
 @pytest.mark.parametrize("case_text", FP8_CASES)

@@ -150,7 +150,7 @@ def test_layout_and_data_attributes_round_trip_and_reject_nonsense():
     assert case.strided and case.padding == 0 and case.data == "edges"
     assert parse_case(case.id) == case and "strided-pad0-edges" in case.id
     assert parse_case("gqa-h4/2-d16:20+2").id == "gqa-h4/2-d16-bf16-p16:20+2@0"  # defaults stay out of the id
-    for bad, message in (("gqa-sinks-edges:1+1", "both set the data profile"), ("gqa-pad5000:1+1", "padding rows must be")):
+    for bad, message in (("gqa-outliers-edges:1+1", "both set the data profile"), ("gqa-pad5000:1+1", "padding rows must be")):
         with pytest.raises(CaseSyntaxError, match=message):
             parse_case(bad)
 
