@@ -152,6 +152,16 @@ def online_softmax_step(scores, value, acc, row_max, row_sum):
 
 
 @triton.jit
+def fold_sink(acc, row_max, row_sum, sinks_ptr, head, row_valid):
+    """Fold each row's learned sink (a natural-log logit per query head, at ``sinks_ptr[head]``)
+    into its softmax: one more term of the row sum and none of the output, as a key with value 0."""
+    sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * LOG2E
+    new_max = tl.maximum(row_max, sink)
+    rescale = tl.exp2(row_max - new_max)
+    return acc * rescale[:, None], new_max, row_sum * rescale + tl.exp2(sink - new_max)
+
+
+@triton.jit
 def store_output(acc, row_sum, out_ptr, token_index, head, dims, row_valid, stride_out_token, stride_out_head,
                  WIDTH: tl.constexpr):
     """The normalised output rows of a tile that saw every key of its rows, in the output dtype."""
@@ -245,11 +255,11 @@ def decode_split_kernel(
     partial_out_ptr, partial_lse_ptr, out_ptr,
     num_reqs, num_splits, scale_log2, soft_cap, window,
     stride_query_token, stride_query_head, stride_out_token, stride_out_head, stride_block_table,
-    stride_cache_block, stride_cache_head, stride_cache_token, k_scale_ptr, v_scale_ptr,
+    stride_cache_block, stride_cache_head, stride_cache_token, k_scale_ptr, v_scale_ptr, sinks_ptr,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, DECODE_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST_DOT: tl.constexpr, ONE_SPLIT: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     request, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # grid (requests, KV heads, splits)
     query_start, query_len, seq_len, token, head, row_valid, query_positions = decode_tile(
@@ -273,6 +283,8 @@ def decode_split_kernel(
         stride_cache_block, stride_cache_head, stride_cache_token, scale_log2, soft_cap, window, k_scale_ptr, v_scale_ptr,
         BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW, USE_SOFT_CAP, UPCAST_DOT, KV_FP8,
     )
+    if HAS_SINKS and ONE_SPLIT:  # with several splits, the merge adds the sink once
+        acc, row_max, row_sum = fold_sink(acc, row_max, row_sum, sinks_ptr, head, row_valid)
     store_split_result(acc, row_max, row_sum, partial_out_ptr, partial_lse_ptr, out_ptr, query_start, token, head,
                        request, split, num_splits, dims, row_valid, stride_out_token, stride_out_head,
                        NUM_HEADS, DECODE_Q, HEAD_DIM, ONE_SPLIT)
@@ -281,9 +293,9 @@ def decode_split_kernel(
 @batch_kernel
 def merge_splits_kernel(
     partial_out_ptr, partial_lse_ptr, out_ptr, query_start_loc_ptr, num_reqs, num_splits,
-    stride_out_token, stride_out_head,
+    stride_out_token, stride_out_head, sinks_ptr,
     NUM_HEADS: tl.constexpr, DECODE_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr = False,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -295,8 +307,15 @@ def merge_splits_kernel(
     splits = tl.arange(0, BLOCK_SPLITS)
     partial_row = row * NUM_HEADS + head
     lse = tl.load(partial_lse_ptr + partial_row * num_splits + splits, mask=splits < num_splits, other=float("-inf"))
-    weights = tl.exp2(lse - tl.max(lse, axis=0))
-    weights = weights / tl.sum(weights, axis=0)
+    top = tl.max(lse, axis=0)
+    if HAS_SINKS:  # the learned sink joins the denominator once, over every split
+        sink = tl.load(sinks_ptr + head) * LOG2E
+        top = tl.maximum(top, sink)
+        weights = tl.exp2(lse - top)
+        weights = weights / (tl.sum(weights, axis=0) + tl.exp2(sink - top))
+    else:
+        weights = tl.exp2(lse - top)
+        weights = weights / tl.sum(weights, axis=0)
     dims = tl.arange(0, BLOCK_D)
     partial = tl.load(
         partial_out_ptr + (partial_row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
@@ -312,10 +331,11 @@ def prefill_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     num_reqs, scale_log2, soft_cap, window,
     stride_query_token, stride_query_head, stride_out_token, stride_out_head, stride_block_table,
-    stride_cache_block, stride_cache_head, stride_cache_token, k_scale_ptr, v_scale_ptr,
+    stride_cache_block, stride_cache_head, stride_cache_token, k_scale_ptr, v_scale_ptr, sinks_ptr,
     GROUP: tl.constexpr, DECODE_Q: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -362,5 +382,7 @@ def prefill_kernel(
         stride_cache_block, stride_cache_head, stride_cache_token, scale_log2, soft_cap, window, k_scale_ptr, v_scale_ptr,
         BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW, USE_SOFT_CAP, UPCAST_DOT, KV_FP8,
     )
+    if HAS_SINKS:
+        acc, row_max, row_sum = fold_sink(acc, row_max, row_sum, sinks_ptr, head, row_valid)
     store_output(acc, row_sum, out_ptr, query_start + token, head, dims, row_valid, stride_out_token, stride_out_head,
                  HEAD_DIM)

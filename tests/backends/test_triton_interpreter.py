@@ -23,6 +23,8 @@ CASES = {
         "gqa-h8/4-d64-fp16-p16:30+1x8,50+2",  # enough requests for one split: no merge, output written directly
         "gqa-h4/2-d64-bf16-fp8e4m3-p16:40+1,20+4,0+9",  # fp8 cache: decode, verify and prefill paths
         "gqa-h4/2-d64-fp16-fp8e5m2-p16-w24-cap20:40+1,20+4",  # fp8 e5m2, window, soft cap
+        "gqa-h8/2-d64-bf16-p16-attnsinks:200+1,20+4,0+20",  # learned sinks: split decode (merged), verify, prefill
+        "gqa-h8/4-d64-fp16-p16-w24-attnsinks:30+1x8,50+2",  # learned sinks, one split (no merge), window
     ],
     "triton_mla": [
         "mla-h4-d64+16-bf16-p16:1+1,40+1,17+1",
