@@ -32,7 +32,7 @@ class TrtllmBackend(DeviceLengthsEntryPoint):
         # 342), so it is not the attention of the dequantized cache the contract asks for.
         kv_cache_note="XQA's e4m3 path on SM90 computes in fp8 and missed the tolerance by up to 10.8x on an H200 "
                       "(max error 74 on an output of 342); e5m2 it does not take; trtllm-gen (SM100) is untested here",
-        head_dims=frozenset({128}), block_sizes=frozenset({16, 32, 64}),
+        head_dims=frozenset({64, 128}), block_sizes=frozenset({16, 32, 64}), attention_sinks=True,
         max_query_len=1,
         cuda_graphs=CGSupport.UNIFORM_SINGLE_TOKEN_DECODE, needs_cpu_seq_lens=False, draft_step_update=True,
         **runs_on(frozenset({(9, 0), (10, 0), (10, 3)})),  # XQA on SM90, trtllm-gen on SM100/SM103
@@ -57,7 +57,8 @@ class TrtllmBackend(DeviceLengthsEntryPoint):
         # The upper bound is what the kernel is given: the true lengths are read on the device.
         return TrtllmMetadata(common.block_table, common.seq_lens, self.limits.max_model_len, common.num_actual_tokens)
 
-    def forward(self, query, kv_cache, metadata: TrtllmMetadata, out, scales: KVScales | None = None) -> None:
+    def forward(self, query, kv_cache, metadata: TrtllmMetadata, out, scales: KVScales | None = None,
+                sinks: torch.Tensor | None = None) -> None:
         tokens = metadata.num_tokens
         # The kernel's two GEMM scales carry the fp8 scales (host floats, fixed per layer, as vLLM
         # passes them): scores × softmax_scale × k_scale, output × v_scale.
@@ -66,6 +67,6 @@ class TrtllmBackend(DeviceLengthsEntryPoint):
         self.kernel(
             query=packed(query[:tokens]), kv_cache=kv_cache, workspace_buffer=self.workspace, block_tables=packed_rows(metadata.block_table),
             seq_lens=metadata.seq_lens, max_seq_len=metadata.max_seq_len, bmm1_scale=self.spec.softmax_scale * k_scale,
-            bmm2_scale=v_scale, out=target, kv_layout="HND",
+            bmm2_scale=v_scale, out=target, kv_layout="HND", sinks=sinks,
         )
         land()
