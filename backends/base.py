@@ -246,6 +246,7 @@ class Capabilities:
     sliding_window: bool = False
     logits_soft_cap: bool = False
     attention_sinks: bool = False  # forward takes ``sinks``, one learned logit per query head
+    sinks_note: str = ""  # why learned sinks are not claimed (said in their SKIP)
     cuda_graphs: CGSupport = CGSupport.NEVER
     needs_cpu_seq_lens: bool = True  # False promises zero host syncs when host lengths are absent
     draft_step_update: bool = False  # update_for_draft_step can advance metadata in place
@@ -296,7 +297,7 @@ class Capabilities:
         if spec.logits_soft_cap is not None and not self.logits_soft_cap:
             return "logits soft cap not supported"
         if spec.attention_sinks and not self.attention_sinks:
-            return "learned attention sinks not supported"
+            return "learned attention sinks not supported" + (f": {self.sinks_note}" if self.sinks_note else "")
         return None
 
     def query_len_reason(self, max_query_len: int, query_lens: "list[int] | None" = None) -> str | None:

@@ -3,8 +3,11 @@ dropped by the prefill kernel (FlashInfer's SM12x prefill, gpt-oss at 0.000 on G
 #52148), the sink given a value (added to the numerator), sinks indexed by KV head."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from backends.flashinfer.gqa import FlashInferBackend
 from backends.torch_naive import TorchNaiveBackend
 
 
@@ -38,3 +41,17 @@ class ReadsSinksPerKVHead(TorchNaiveBackend):
             return None
         group = self.spec.query_group_size
         return sinks[torch.arange(self.spec.num_heads, device=sinks.device) // group]
+
+
+class FlashInferClaimingSinks(FlashInferBackend):
+    """The real flashinfer adapter, claiming learned sinks and handing them to FlashInfer's
+    wrappers (``run(..., sinks=)``), which accept them: what an adapter author would write. On an
+    H200 (FlashInfer 0.7.2.post1, FA2) the output misses the sinks."""
+
+    name = "planted_flashinfer_claiming_sinks"
+    capabilities = dataclasses.replace(FlashInferBackend.capabilities, attention_sinks=True, sinks_note="")
+
+    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None) -> None:
+        for call in metadata.calls:
+            call.wrapper.run(query[call.token_start : call.token_end].contiguous(), kv_cache,
+                             out=out[call.token_start : call.token_end], sinks=sinks)

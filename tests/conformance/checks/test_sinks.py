@@ -78,3 +78,14 @@ def test_a_backend_without_the_claim_skips_a_sinks_case_saying_so():
     h200 = DeviceInfo("cuda", "NVIDIA H200", (9, 0))
     assert TorchGraphSafe.unsupported_reason(parse_case(DECODE).spec, h200) == "learned attention sinks not supported"
     assert TorchNaiveBackend.unsupported_reason(parse_case(DECODE).spec, CPU) is None
+
+
+@pytest.mark.gpu
+def test_flashinfer_handed_the_sinks_fails_numerics_on_a_gpu():
+    """Why flashinfer does not claim learned sinks: given them, its FA2 wrappers answer as if
+    there were none (the class of vLLM #52148), and numerics says so."""
+    cuda = torch.device("cuda")
+    if not torch.cuda.is_available() or sink_defects.FlashInferClaimingSinks.unsupported_reason(parse_case(DECODE).spec, cuda):
+        pytest.skip("needs a GPU with flashinfer")
+    result = NumericsCheck().run_case(sink_defects.FlashInferClaimingSinks, parse_case(DECODE), cuda)
+    assert result.verdict == Verdict.FAIL and result.metrics["tolerance_ratio"] > 10, result.reason
