@@ -61,6 +61,8 @@ class FlashAttnBackend(AttentionBackend):
         kinds=frozenset({"mha"}),
         kv_cache_note="flash-attn-4's fp8 attention is for SM100 and quantizes the query too (q_descale), which the "
                       "contract does not hand a backend",
+        sinks_note="not claimed until measured: flash-attn-4 was not installed on the GPU machines of the session "
+                   "that added learned sinks",
         head_dims=frozenset({64, 128}), block_sizes=frozenset({16, 32, 64}),  # 256: fails on SM90
         max_query_len=None, sliding_window=True, logits_soft_cap=True,
         cuda_graphs=CGSupport.ALWAYS, needs_cpu_seq_lens=False, draft_step_update=True,
