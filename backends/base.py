@@ -24,6 +24,13 @@ Conventions shared by every backend and the harness:
   ``k_scale`` alone (DeepSeek's one scale). Scales belong to a layer, not to the backend: every
   layer of a step may pass other scales with the same metadata. ``read_kv`` returns what
   ``write_kv`` stored, so the harness can check both halves separately.
+* Padding (``PaddingStyle``, claimed in ``Capabilities.padding_styles``): an engine pads a batch to
+  a captured graph's shape with padding *rows* (requests of at least one token, seq_len =
+  query_len, block-table rows 0, slots -1: ``ROWS``, every backend) or, as vLLM does, with *empty
+  requests* (query length 0, so ``query_start_loc`` repeats, seq_len 0, block-table rows -1:
+  ``EMPTY_REQUESTS``). A backend that claims the latter leaves every real row exact and writes
+  nothing for an empty request: no output row (it has none; ``query_start_loc[r + 1] - 1`` is the
+  previous request's last token), no cache slot, and it reads no block of a -1 row.
 * Learned attention sinks (``AttentionSpec.attention_sinks``, claimed by
   ``Capabilities.attention_sinks``; gpt-oss): ``forward`` gets the layer's ``sinks`` (keyword), a
   float32 device tensor ``[num_heads]``, one logit per *query* head, persistent like a layer's
@@ -71,6 +78,13 @@ class CGSupport(enum.IntEnum):
     UNIFORM_SINGLE_TOKEN_DECODE = 1  # every request has query length 1
     UNIFORM_BATCH = 2  # every request has the same query length (decode, spec-verify 1+k)
     ALWAYS = 3  # any batch, mixed prefill + decode included
+
+
+class PaddingStyle(enum.Enum):
+    """How an engine pads a batch up to a captured CUDA graph's shape (module docstring)."""
+
+    ROWS = "rows"  # padding requests of >= 1 token, seq_len = query_len, block-table rows 0, slots -1
+    EMPTY_REQUESTS = "empty requests"  # vLLM's: query length 0, seq_len 0, block-table rows -1
 
 
 @dataclass(frozen=True)
@@ -246,6 +260,7 @@ class Capabilities:
     sliding_window: bool = False
     logits_soft_cap: bool = False
     attention_sinks: bool = False  # forward takes ``sinks``, one learned logit per query head
+    padding_styles: frozenset[PaddingStyle] = frozenset({PaddingStyle.ROWS})  # the padding it accepts
     sinks_note: str = ""  # why learned sinks are not claimed (said in their SKIP)
     cuda_graphs: CGSupport = CGSupport.NEVER
     needs_cpu_seq_lens: bool = True  # False promises zero host syncs when host lengths are absent
@@ -301,6 +316,9 @@ class Capabilities:
         return None
 
     def query_len_reason(self, max_query_len: int, query_lens: "list[int] | None" = None) -> str | None:
+        if query_lens is not None and 0 in query_lens and PaddingStyle.EMPTY_REQUESTS not in self.padding_styles:
+            return ("empty requests (query length 0, vLLM's graph padding) not accepted "
+                    f"(padding styles: {_format_set(style.value for style in self.padding_styles)})")
         if self.max_query_len is not None and max_query_len > self.max_query_len:
             return f"query length {max_query_len} exceeds the claimed maximum {self.max_query_len}"
         if self.uniform_query_len and query_lens is not None and len(set(query_lens)) > 1:
@@ -323,6 +341,7 @@ class Capabilities:
             "sliding_window": self.sliding_window,
             "logits_soft_cap": self.logits_soft_cap,
             "attention_sinks": self.attention_sinks,
+            "padding_styles": sorted(style.value for style in self.padding_styles),
             "cuda_graphs": self.cuda_graphs.name,
             "needs_cpu_seq_lens": self.needs_cpu_seq_lens,
             "draft_step_update": self.draft_step_update,

@@ -17,6 +17,7 @@ from backends.base import (
     AttentionBackend,
     Capabilities,
     CGSupport,
+    PaddingStyle,
     CommonAttentionMetadata,
     KVScales,
 )
@@ -34,7 +35,7 @@ class TorchNaiveBackend(AttentionBackend):
     capabilities = Capabilities(
         kinds=frozenset({"mha", "mla"}), dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         kv_cache_dtypes=FP8_KV_DTYPES, max_query_len=None, sliding_window=True, logits_soft_cap=True,
-        attention_sinks=True, cuda_graphs=CGSupport.NEVER, needs_cpu_seq_lens=True, draft_step_update=False,
+        attention_sinks=True, padding_styles=frozenset(PaddingStyle), cuda_graphs=CGSupport.NEVER, needs_cpu_seq_lens=True, draft_step_update=False,
         deterministic=True, batch_invariant=True,  # one request at a time, fixed reduction order
         devices=frozenset({"cpu", "cuda"}),
     )

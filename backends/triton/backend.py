@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.base import (FP8_KV_DTYPES, AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport,
-                           CommonAttentionMetadata, DeviceInfo, KVScales)
+                           CommonAttentionMetadata, DeviceInfo, KVScales, PaddingStyle)
 from backends import fp8
 from backends.fp8 import to_cache
 from backends.triton import INSTALL_HINT
@@ -171,6 +171,7 @@ class TritonAttentionBackend(DeviceLengthsBackend):
         kinds=frozenset({"mha"}), head_dims=frozenset({64, 128, 256}), block_sizes=frozenset({16, 32, 64}),
         kv_cache_dtypes=FP8_KV_DTYPES,
         max_query_len=None, sliding_window=True, logits_soft_cap=True, attention_sinks=True,
+        padding_styles=frozenset(PaddingStyle),  # an empty request's programs return before reading anything
         cuda_graphs=CGSupport.ALWAYS, needs_cpu_seq_lens=False, draft_step_update=True,
         devices=interpreter_devices(), required_modules=("triton",), install_hint=INSTALL_HINT,
     )

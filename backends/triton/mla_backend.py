@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.base import FP8_KV_DTYPES, AttentionSpec, BackendLimits, Capabilities, CGSupport, KVScales
+from backends.base import FP8_KV_DTYPES, AttentionSpec, BackendLimits, Capabilities, CGSupport, KVScales, PaddingStyle
 from backends.fp8 import to_cache
 from backends.triton import GATHER, INSTALL_HINT, PAGE, TMA
 from backends.triton.backend import (
@@ -81,7 +81,7 @@ class TritonMLABackend(DeviceLengthsBackend):
     name = "triton_mla"
     capabilities = Capabilities(
         kinds=frozenset({"mla"}), block_sizes=frozenset({16, 32, 64}), kv_cache_dtypes=FP8_KV_DTYPES,
-        max_query_len=DECODE_VARIANTS[-1],
+        max_query_len=DECODE_VARIANTS[-1], padding_styles=frozenset(PaddingStyle),
         cuda_graphs=CGSupport.ALWAYS, needs_cpu_seq_lens=False, draft_step_update=True,
         devices=interpreter_devices(), required_modules=("triton",), install_hint=INSTALL_HINT,
     )

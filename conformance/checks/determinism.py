@@ -38,12 +38,15 @@ def rows_of(out: torch.Tensor, starts: list[int], request: int) -> torch.Tensor:
     return out[starts[request] : starts[request + 1]]
 
 
-def batch_variants(num_reqs: int) -> list[tuple[str, list[int]]]:
-    """Other batches holding the same requests (none for a batch of one)."""
+def batch_variants(batch: tuple[tuple[int, int], ...]) -> list[tuple[str, list[int]]]:
+    """Other batches holding the same requests (none for a batch of one). A request alone is a
+    real one: an empty request (0+0) is no batch by itself."""
+    num_reqs = len(batch)
     if num_reqs < 2:
         return []
-    return [("reversed order", list(range(num_reqs))[::-1]), ("first request alone", [0]),
-            ("last request alone", [num_reqs - 1])]
+    real = [request for request, (_, query_len) in enumerate(batch) if query_len]
+    return [("reversed order", list(range(num_reqs))[::-1]), ("first request alone", real[:1]),
+            ("last request alone", real[-1:])]
 
 
 class DeterminismCheck(Check):
@@ -64,7 +67,7 @@ class DeterminismCheck(Check):
 
         starts = prepared.batch.query_start_loc
         variance = None
-        for label, order in batch_variants(case.num_reqs):
+        for label, order in batch_variants(case.batch):
             sub = prepared.over(prepared.batch.reordered(order))
             out = run_step(sub, with_host_lengths=host_lengths)
             sub_starts = sub.batch.query_start_loc

@@ -258,6 +258,7 @@ def assign_blocks(case: Case, generator: torch.Generator) -> tuple[torch.Tensor,
         physical[last_block_position], physical[target] = physical[target].clone(), physical[last_block_position].clone()
 
     table = torch.zeros(case.num_reqs, max(blocks_needed), dtype=torch.int32)
+    table[[request == (0, 0) for request in case.batch]] = -1  # an empty request's row, as vLLM leaves it
     if logical:
         requests, indices = zip(*logical)
         table[list(requests), list(indices)] = physical.to(torch.int32)

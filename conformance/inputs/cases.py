@@ -30,7 +30,10 @@ A case's id is its whole definition, in the same compact grammar ``--case`` acce
                     an offset into it computed in 32 bits wraps (a GPU with room for it only)
     BATCH  = ITEM ("," ITEM)*
     ITEM   = CTX "+" Q ["x" N]             N requests with CTX cached tokens and Q new ones;
-                                           numbers take a k suffix (4k = 4096)
+                                           numbers take a k suffix (4k = 4096); 0+0 is an
+                                           empty request (vLLM's graph padding: query and
+                                           sequence length 0, its block-table row -1), run only
+                                           by a backend that claims PaddingStyle.EMPTY_REQUESTS
 
 Examples:
     4k+1x64                                 64 decodes over 4096 cached tokens (default layer)
@@ -81,11 +84,14 @@ class Case:
     def __post_init__(self) -> None:
         if not self.batch:
             raise CaseSyntaxError("a batch needs at least one request")
+        if all(query == 0 for _, query in self.batch):
+            raise CaseSyntaxError("a batch needs at least one request that is not empty (0+0)")
         if len(self.batch) > MAX_REQUESTS:
             raise CaseSyntaxError(f"{len(self.batch)} requests: at most {MAX_REQUESTS} in one batch")
         for context_len, query_len in self.batch:
-            if context_len < 0 or query_len < 1:
-                raise CaseSyntaxError(f"request {context_len}+{query_len}: context must be >= 0 and query >= 1")
+            if context_len < 0 or query_len < 0 or (query_len == 0 and context_len != 0):
+                raise CaseSyntaxError(f"request {context_len}+{query_len}: context must be >= 0 and query >= 1, "
+                                      "or 0+0 (an empty request: vLLM's graph padding)")
             if context_len + query_len > MAX_TOKENS_PER_REQUEST:
                 raise CaseSyntaxError(f"request {context_len}+{query_len}: at most {MAX_TOKENS_PER_REQUEST} tokens per request")
         if not 0 <= self.seed <= MAX_SEED:
@@ -136,6 +142,11 @@ class Case:
     @property
     def max_query_len(self) -> int:
         return max(query for _, query in self.batch)
+
+    @property
+    def empty_requests(self) -> int:
+        """How many requests are 0+0: vLLM's padding requests (query length 0, sequence length 0)."""
+        return sum(1 for request in self.batch if request == (0, 0))
 
     @property
     def max_seq_len(self) -> int:
@@ -584,7 +595,19 @@ def standard_suite() -> list[Case]:
     # Fewer heads than a 16-head tile (Kimi-K2's 64 heads at tensor parallel 8; DeepSeek-V3's 128
     # at 16): a tile's rows past the head count must be masked.
     cases += _cases("mla-h8-d512+64-bf16-p64", [("8 heads: decode", "1+1,700+1,2500+1"), ("8 heads: spec-verify k=3", "64+4,900+4")])
-    return cases + _variant_cases() + _sink_cases()
+    return cases + _variant_cases() + _sink_cases() + _empty_request_cases()
+
+
+def _empty_request_cases() -> list[Case]:
+    """vLLM's graph padding, empty requests (0+0), run by the backends that claim that style: at
+    the end of a batch as vLLM pads, and between real requests (``query_start_loc`` repeating
+    mid-batch)."""
+    cases = _cases(LLAMA3_8B, [("empty requests after decodes", "1+1,500+1,3000+1,0+0x5"),
+                               ("empty requests between spec-verify and prefill", "0+0,300+4,0+0,0+200,1000+1")])
+    cases += _cases("gqa-h64/8-d64-bf16-p16-attnsinks", [("learned sinks, empty requests", "100+1,1000+1,0+0x2")])
+    cases += _cases("mla-h16-d512+64-bf16-p64", [("empty requests after decodes", "700+1,2500+1,0+0x3"),
+                                                 ("empty request first", "0+0,64+4,900+4")])
+    return cases
 
 
 GPT_OSS = "gqa-h64/8-d64-bf16-p16"  # gpt-oss-20b/120b attention: 64 query heads over 8, head dim 64

@@ -1,6 +1,8 @@
 """Persistent, padded step buffers that a CUDA graph is captured over, and the loading of any
-batch into them (real rows first, then padding rows: query_len as planned, seq_len = query_len,
-slot -1, block-table row → reserved block 0), as an engine does before each replay.
+batch into them (real rows first, then the padding in the backend's style: padding rows, query_len
+as planned, seq_len = query_len, slot -1, block-table row → reserved block 0; or, where it claims
+them, vLLM's empty requests, query and sequence length 0, block-table row -1), as an engine does
+before each replay.
 
 The backend's limits allow twice the padded batch: an engine captures several batch sizes (1, 2,
 4, …) under one ``max_num_reqs``, so a graph at a size below the limit is the common case (the
@@ -17,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.base import AttentionBackend, BackendLimits, CGSupport, CommonAttentionMetadata, forward_arguments, layer_arguments
+from backends.base import (AttentionBackend, BackendLimits, CGSupport, CommonAttentionMetadata, PaddingStyle,
+                           forward_arguments, layer_arguments)
 from conformance.inputs.case_data import sink_logits
 from conformance.inputs.batch import PagedBatch, guarded_block_table, pool_size
 from conformance.inputs.cases import Case
@@ -37,12 +40,20 @@ class LoadedBatch:
     real_slots: torch.Tensor  # the step's own slots (the only cache entries a replay may change)
 
 
+def padding_style(backend_cls: type[AttentionBackend]) -> PaddingStyle:
+    """The padding a graph's batch gets: vLLM's empty requests where the backend claims them (the
+    harder for a kernel), else padding rows."""
+    styles = backend_cls.capabilities.padding_styles
+    return PaddingStyle.EMPTY_REQUESTS if PaddingStyle.EMPTY_REQUESTS in styles else PaddingStyle.ROWS
+
+
 class GraphBuffers:
     def __init__(self, backend_cls: type[AttentionBackend], shape: GraphShape, cases: list[Case], device: torch.device,
                  fill: PoolFill = PoolFill.LOUD):
         spec = cases[0].spec
         self.fill = fill
         self.spec, self.shape, self.device = spec, shape, device
+        self.padding_style = padding_style(backend_cls)
         limits = BackendLimits(2 * shape.num_reqs, 2 * shape.num_tokens, shape.max_model_len)
         self.backend = backend_cls(spec, limits, device)
         self.num_blocks = max(pool_size(case) for case in cases)
@@ -76,6 +87,8 @@ class GraphBuffers:
         if slots.numel():
             self.backend.write_kv(self.kv_cache, key, value, slots, **self.layer)
         padding = padding_rows(self.shape, case)
+        if self.padding_style == PaddingStyle.EMPTY_REQUESTS:  # vLLM's: query and sequence length 0
+            padding = [0] * len(padding)
         query_lens = [query for _, query in case.batch] + padding
         seq_lens = batch.seq_lens + padding
         starts = [0]
@@ -86,7 +99,7 @@ class GraphBuffers:
 
         self.query_start_loc.copy_(torch.tensor(starts, dtype=torch.int32))
         self.seq_lens.copy_(torch.tensor(seq_lens, dtype=torch.int32))
-        self.block_table.zero_()
+        self.block_table.fill_(-1 if self.padding_style == PaddingStyle.EMPTY_REQUESTS else 0)  # the padding's rows
         self.block_table[: case.num_reqs, : batch.block_table.shape[1]].copy_(batch.block_table)
         self.slot_mapping.fill_(-1)
         self.slot_mapping[:real].copy_(step_slots)

@@ -56,7 +56,7 @@ def attention_reference(
     value = value.double().permute(1, 0, 2)
     out = torch.empty(num_kv_heads, group_size, num_queries, value.shape[-1], dtype=torch.float64, device=query.device)
 
-    chunk_len = max(1, _LOGITS_ELEMENTS // (num_heads * seq_len))
+    chunk_len = max(1, _LOGITS_ELEMENTS // (num_heads * max(seq_len, 1)))  # seq_len 0: an empty request
     for chunk_start in range(0, num_queries, chunk_len):
         chunk = slice(chunk_start, min(chunk_start + chunk_len, num_queries))
         allowed = visible_keys(context_len, range(chunk.start, chunk.stop), seq_len, sliding_window, query.device)

@@ -25,6 +25,7 @@ CASES = {
         "gqa-h4/2-d64-fp16-fp8e5m2-p16-w24-cap20:40+1,20+4",  # fp8 e5m2, window, soft cap
         "gqa-h8/2-d64-bf16-p16-attnsinks:200+1,20+4,0+20",  # learned sinks: split decode (merged), verify, prefill
         "gqa-h8/4-d64-fp16-p16-w24-attnsinks:30+1x8,50+2",  # learned sinks, one split (no merge), window
+        "gqa-h4/2-d64-fp16-p16:0+0,30+4,0+0,0+20,50+1",  # empty requests (vLLM's padding) first and mid-batch
     ],
     "triton_mla": [
         "mla-h4-d64+16-bf16-p16:1+1,40+1,17+1",
@@ -36,6 +37,7 @@ CASES = {
         "mla-h16-d64+16-bf16-p64-edges:64+4,63+1,200+2",
         "mla-h4-d64+16-bf16-p64:1+1,40+1,130+1",
         "mla-h4-d64+16-bf16-fp8e4m3-p16:40+1,20+4,1+1",  # an fp8 latent cache, its one scale
+        "mla-h4-d64+16-bf16-p16:40+1,20+4,0+0x2",  # empty requests (vLLM's padding) at the end
     ],
 }
 
