@@ -12,7 +12,7 @@ import torch
 
 from backends import fp8
 from backends.base import (AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport,
-                           CommonAttentionMetadata, DeviceInfo, KVScales)
+                           CommonAttentionMetadata, DeviceInfo, KVScales, PaddingStyle)
 from backends.flashinfer import FA2_COMPUTE_CAPABILITIES, new_workspace, runs_on
 from backends.vendor_layout import packed, packed_output
 from backends.flashinfer.paged_layout import paged_layout
@@ -42,7 +42,7 @@ class FlashInferMLABackend(AttentionBackend):
     capabilities = Capabilities(
         kinds=frozenset({"mla"}), kv_cache_dtypes=frozenset({torch.float8_e4m3fn}),
         kv_cache_note="FlashInfer's MLA kernels take e4m3 caches only", head_dims=frozenset({576}),
-        block_sizes=frozenset({16, 32, 64}),
+        block_sizes=frozenset({16, 32, 64}), padding_styles=frozenset(PaddingStyle),  # measured: H200, numerics
         max_query_len=8,
         cuda_graphs=CGSupport.NEVER, needs_cpu_seq_lens=True, draft_step_update=False,
         **runs_on(FA2_COMPUTE_CAPABILITIES),

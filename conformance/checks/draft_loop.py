@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from backends.base import AttentionBackend, CommonAttentionMetadata
+from backends.base import AttentionBackend, CommonAttentionMetadata, PaddingStyle
 from conformance.inputs.batch import materialize
 from conformance.inputs.cases import Case
 from conformance.checks.base import Check
@@ -56,7 +56,8 @@ class DraftLoop:
             num_reqs=rows, num_tokens=rows, padding_query_len=1,
             max_model_len=-(-(max(contexts) + num_steps) // block) * block, uniform=True,
         )
-        self.buffers = GraphBuffers(backend_cls, shape, [self.drafted.case], device, fill)
+        # Padding rows: every row of a draft step, the padding one too, gains one token per step.
+        self.buffers = GraphBuffers(backend_cls, shape, [self.drafted.case], device, fill, PaddingStyle.ROWS)
         self.host_lengths = backend_cls.capabilities.needs_cpu_seq_lens
         buffers, drafted, n = self.buffers, self.drafted, self.num_real
 

@@ -84,8 +84,6 @@ class Case:
     def __post_init__(self) -> None:
         if not self.batch:
             raise CaseSyntaxError("a batch needs at least one request")
-        if all(query == 0 for _, query in self.batch):
-            raise CaseSyntaxError("a batch needs at least one request that is not empty (0+0)")
         if len(self.batch) > MAX_REQUESTS:
             raise CaseSyntaxError(f"{len(self.batch)} requests: at most {MAX_REQUESTS} in one batch")
         for context_len, query_len in self.batch:
@@ -94,6 +92,8 @@ class Case:
                                       "or 0+0 (an empty request: vLLM's graph padding)")
             if context_len + query_len > MAX_TOKENS_PER_REQUEST:
                 raise CaseSyntaxError(f"request {context_len}+{query_len}: at most {MAX_TOKENS_PER_REQUEST} tokens per request")
+        if all(query == 0 for _, query in self.batch):
+            raise CaseSyntaxError("a batch needs at least one request that is not empty (0+0)")
         if not 0 <= self.seed <= MAX_SEED:
             raise CaseSyntaxError(f"seed {self.seed}: seeds are between 0 and {MAX_SEED}")
         if self.data not in DATA_PROFILES:

@@ -54,26 +54,32 @@ def fits(shape: GraphShape, case: Case) -> bool:
     return case.num_reqs < shape.num_reqs or case.num_tokens == shape.num_tokens
 
 
+def _contexts(batch, new_context) -> tuple[tuple[int, int], ...]:
+    """``batch`` with each real request's context replaced by ``new_context(context)``; an empty
+    request (0+0) stays empty."""
+    return tuple((context, query) if query == 0 else (new_context(context), query) for context, query in batch)
+
+
 def replay_batches(case: Case, support: CGSupport) -> list[Replay]:
     block = case.spec.block_size
     batch = case.batch
     shared = case.shared_prefix_blocks * block  # a shared prefix must stay whole
     replays = [
         Replay("longer contexts (max_seq_len, block counts and split heuristics change)",
-               replace(case, batch=tuple((context * 2 + 3 * block + 5, query) for context, query in batch), tag="")),
-        Replay("shorter contexts",
-               replace(case, batch=tuple((max(context // 16, shared), query) for context, query in batch), tag="")),
+               replace(case, batch=_contexts(batch, lambda context: context * 2 + 3 * block + 5), tag="")),
+        Replay("shorter contexts", replace(case, batch=_contexts(batch, lambda context: max(context // 16, shared)), tag="")),
         Replay("new block-table contents (same lengths, other blocks)", replace(case, seed=case.seed + 1, tag="")),
     ]
     if len(batch) > 1:
-        replays.append(Replay("fewer real requests, more padding rows", replace(case, batch=batch[: len(batch) // 2], tag="")))
+        if any(query for _, query in batch[: len(batch) // 2]):  # not only empty requests
+            replays.append(Replay("fewer real requests, more padding rows", replace(case, batch=batch[: len(batch) // 2], tag="")))
         replays.append(Replay("requests in reverse order (another request is last)", replace(case, batch=batch[::-1], tag="")))
     # One more real request than A: the padding row becomes real, so the last row is a request.
     # (In a mixed batch it has one token: A's padded shape has exactly one spare.)
     context, query = batch[-1]
     extra = (max(context * 2 + block + 3, shared), query if _uniform_query_len(case) else 1)
     replays.append(Replay(NO_PADDING, replace(case, batch=batch + (extra,), tag="")))
-    if support == CGSupport.ALWAYS and _uniform_query_len(case) is None:
+    if support == CGSupport.ALWAYS and _uniform_query_len(case) is None and not case.empty_requests:
         query_lens = [query for _, query in batch][::-1]
         replays.append(Replay("query lengths moved between requests",
                               replace(case, batch=tuple((c, q) for (c, _), q in zip(batch, query_lens)), tag="")))
@@ -85,7 +91,7 @@ def larger_batch(case: Case) -> Case:
     longer contexts. Run eagerly after the capture, it makes a backend that sizes a workspace by
     the batch grow it, and the graph must still be right afterwards."""
     block = case.spec.block_size
-    grown = tuple((context * 2 + block + 1, query) for context, query in case.batch)
+    grown = _contexts(case.batch, lambda context: context * 2 + block + 1)
     return replace(case, batch=grown + grown, tag="")
 
 

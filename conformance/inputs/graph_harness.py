@@ -49,11 +49,11 @@ def padding_style(backend_cls: type[AttentionBackend]) -> PaddingStyle:
 
 class GraphBuffers:
     def __init__(self, backend_cls: type[AttentionBackend], shape: GraphShape, cases: list[Case], device: torch.device,
-                 fill: PoolFill = PoolFill.LOUD):
+                 fill: PoolFill = PoolFill.LOUD, padding: PaddingStyle | None = None):
         spec = cases[0].spec
         self.fill = fill
         self.spec, self.shape, self.device = spec, shape, device
-        self.padding_style = padding_style(backend_cls)
+        self.padding_style = padding or padding_style(backend_cls)
         limits = BackendLimits(2 * shape.num_reqs, 2 * shape.num_tokens, shape.max_model_len)
         self.backend = backend_cls(spec, limits, device)
         self.num_blocks = max(pool_size(case) for case in cases)
