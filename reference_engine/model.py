@@ -27,6 +27,7 @@ class ModelConfig:
     max_model_len: int = 1024
     logit_scale: float = 4.0  # sharpens the random LM head into non-degenerate distributions
     qkv_bias: bool = False  # Qwen2 has q/k/v biases
+    attention_sinks: bool = False  # gpt-oss: one learned sink logit per query head and layer
     # MLA (DeepSeek-style latent KV): attention == "mla" uses these instead of the K/V heads.
     attention: str = "mha"
     kv_lora_rank: int = 0
@@ -42,7 +43,8 @@ class ModelConfig:
                 scale=1.0 / math.sqrt(self.qk_nope_dim + self.qk_rope_dim), kv_cache_dtype=kv_cache_dtype,
             )
         return AttentionSpec(kind="mha", num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                             head_dim=self.head_dim, dtype=dtype, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
+                             head_dim=self.head_dim, dtype=dtype, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+                             attention_sinks=self.attention_sinks)
 
 
 PRESETS = {
@@ -84,6 +86,8 @@ class DecoderLayer(torch.nn.Module):
             q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
             self.qkv = torch.nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
             self.o_proj = torch.nn.Linear(q_size, config.hidden_size, bias=False)
+        # gpt-oss's learned sinks: float32 whatever the model's dtype (``LlamaModel.random`` keeps them so).
+        self.register_buffer("sinks", torch.zeros(config.num_heads) if config.attention_sinks else None)
         self.post_norm = torch.nn.Parameter(torch.ones(config.hidden_size))
         self.gate_up = torch.nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down = torch.nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
@@ -99,7 +103,8 @@ class DecoderLayer(torch.nn.Module):
         query, key = apply_rope(query, positions, config.rope_theta), apply_rope(key, positions, config.rope_theta)
         step.backend.write_kv(step.kv_caches[layer], key, value, step.slot_mapping, **step.layer(layer))
         out = torch.empty(tokens, config.num_heads, config.head_dim, dtype=normed.dtype, device=normed.device)
-        step.backend.forward(query, step.kv_caches[layer], step.metadata, out, **step.layer(layer))
+        sinks = {} if self.sinks is None else {"sinks": self.sinks}
+        step.backend.forward(query, step.kv_caches[layer], step.metadata, out, **step.layer(layer), **sinks)
         return self.o_proj(out.view(tokens, q_size))
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, step: "StepInputs", layer: int) -> torch.Tensor:
@@ -192,7 +197,11 @@ class LlamaModel(torch.nn.Module):
                 elif name.endswith(("o_proj.weight", "down.weight", "w_uv")):
                     scale /= math.sqrt(2 * config.num_layers)  # residual branches: keep the stream O(1)
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
-        return model.to(device=device, dtype=dtype).eval()
+        model = model.to(device=device, dtype=dtype).eval()
+        for layer in model.layers:
+            if layer.sinks is not None:  # a few units, as gpt-oss's are; float32 as vLLM hands them
+                layer.sinks = (torch.randint(-8, 25, layer.sinks.shape, generator=generator) / 4).float().to(device)
+        return model
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepInputs, num_layers: int | None = None) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """engine: the reference engine end to end with the backend under test, sync and async.
 
-For each attention kind, KV-cache format and dtype (the first case of each in the suite gives the
-head shape, block size and fp8 scales) a small model of that layout runs four prompts, greedy. On
-a CPU, once per kind and cache format (fp8 or not), and in the quick suite (the CPU default, a
+For each attention kind, KV-cache format, dtype and learned sinks or none (the first case of each in
+the suite gives the head shape, block size and fp8 scales; a sinks case gives every layer sinks of
+its own) a small model of that layout runs four prompts, greedy. On a CPU, once per kind, cache
+format (fp8 or not) and sinks, and in the quick suite (the CPU default, a
 minute long) once per kind; in fp32 where the backend claims it: there the dtypes differ only in
 rounding, and bf16 and fp16 matrix products are many times slower.
 
@@ -56,15 +57,15 @@ ATTENTION_DRAFTER = "layer-skip"  # drafts through the backend under test
 
 
 def layout_key(case: Case, device: torch.device, suite: str | None = None) -> tuple:
-    """One engine scenario per attention kind, KV-cache format and dtype (on a CPU, per kind and
-    cache format; in the quick suite, per kind): the first such case's shapes (and an fp8 cache's
-    scales) stand in."""
+    """One engine scenario per attention kind, KV-cache format, dtype and learned sinks (on a CPU,
+    per kind, cache format and sinks; in the quick suite, per kind): the first such case's shapes
+    (and an fp8 cache's scales) stand in."""
     spec = case.spec
     if suite == "quick":
         return (spec.kind,)
     if device.type == "cpu":
-        return spec.kind, spec.fp8_kv_cache
-    return spec.kind, spec.kv_cache_dtype if spec.fp8_kv_cache else None, spec.dtype
+        return spec.kind, spec.fp8_kv_cache, spec.attention_sinks
+    return spec.kind, spec.kv_cache_dtype if spec.fp8_kv_cache else None, spec.dtype, spec.attention_sinks
 
 
 def cache_config(case: Case) -> dict[str, Any]:
@@ -87,7 +88,8 @@ def model_for(case: Case):
     if spec.kind == "mla":
         return ModelConfig(attention="mla", num_heads=spec.num_heads, kv_lora_rank=spec.kv_lora_rank,
                            qk_rope_dim=spec.rope_dim, qk_nope_dim=64, v_head_dim=64, **common)
-    return ModelConfig(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, **common)
+    return ModelConfig(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                       attention_sinks=spec.attention_sinks, **common)
 
 
 def model_and_prompts(case: Case, device: torch.device, lengths: tuple[int, ...]):

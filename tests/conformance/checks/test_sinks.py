@@ -90,3 +90,15 @@ def test_flashinfer_handed_the_sinks_fails_numerics_on_a_gpu():
         pytest.skip("needs a GPU with flashinfer")
     result = NumericsCheck().run_case(sink_defects.FlashInferClaimingSinks, case, cuda)
     assert result.verdict == Verdict.FAIL and result.metrics["tolerance_ratio"] > 10, result.reason
+
+
+def test_the_engine_runs_a_model_whose_layers_have_sinks_and_catches_sinks_dropped_in_prefill():
+    from conformance.checks.engine import EngineCheck, model_and_prompts
+
+    case = parse_case("gqa-h8/2-d64-bf16-attnsinks:1+1")
+    model, _ = model_and_prompts(case, CPU, (4,))
+    assert all(layer.sinks.dtype == torch.float32 and layer.sinks.shape == (8,) for layer in model.layers)
+    assert EngineCheck().run_case(TorchNaiveBackend, case, CPU).verdict == Verdict.PASS
+    # Verifying k + 1 tokens takes the prefill path, where the sinks go missing: the tokens change.
+    result = EngineCheck().run_case(sink_defects.IgnoresSinksInPrefill, case, CPU)
+    assert result.verdict == Verdict.FAIL, result.reason
