@@ -49,7 +49,7 @@ class SoftmaxWithoutMax(TorchNaiveBackend):
 
     name = "planted_softmax_without_max"
 
-    def attend(self, query, key, value, context_len):
+    def attend(self, query, key, value, context_len, sinks=None):
         weights = torch.exp(self.masked_scores(query, key, context_len))  # exp(-inf) = 0; exp(>88) = inf
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return torch.einsum("hqk,khd->qhd", weights, value.float().repeat_interleave(self.spec.query_group_size, dim=1))
@@ -64,7 +64,7 @@ class ScoresInInputDtype(TorchNaiveBackend):
     def softmax_scale(self):
         return 1.0  # the scale is applied after the scores were rounded, below
 
-    def attend(self, query, key, value, context_len):
+    def attend(self, query, key, value, context_len, sinks=None):
         raw = self.masked_scores(query, key, context_len)  # unscaled QK^T, as the MMA produced it
         scores = raw.to(query.dtype).float() * self.spec.softmax_scale
         return torch.einsum("hqk,khd->qhd", scores.softmax(-1), value.float().repeat_interleave(self.spec.query_group_size, dim=1))
@@ -134,7 +134,7 @@ class NondeterministicSplits(TorchNaiveBackend):
         self.calls += 1
         super().forward(query, kv_cache, metadata, out)
 
-    def attend(self, query, key, value, context_len):
+    def attend(self, query, key, value, context_len, sinks=None):
         return split_kv_attend(self, query, key, value, context_len, splits=1 + self.calls % 3)
 
 
@@ -149,7 +149,7 @@ class SplitsFollowTheBatch(TorchNaiveBackend):
         self.num_reqs = len(metadata.seq_lens)
         super().forward(query, kv_cache, metadata, out)
 
-    def attend(self, query, key, value, context_len):
+    def attend(self, query, key, value, context_len, sinks=None):
         return split_kv_attend(self, query, key, value, context_len, splits=max(1, 8 // self.num_reqs))
 
 
@@ -343,13 +343,13 @@ class DropsCapOnDecode(TorchNaiveBackend):
 
     name = "planted_drops_cap_on_decode"
 
-    def attend(self, query, key, value, context_len):
+    def attend(self, query, key, value, context_len, sinks=None):
         if query.shape[0] != 1 or self.spec.logits_soft_cap is None:
-            return super().attend(query, key, value, context_len)
+            return super().attend(query, key, value, context_len, sinks)
         capped = self.spec
         self.spec = dataclasses.replace(capped, logits_soft_cap=None)
         try:
-            return super().attend(query, key, value, context_len)
+            return super().attend(query, key, value, context_len, sinks)
         finally:
             self.spec = capped
 
