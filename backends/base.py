@@ -252,6 +252,9 @@ class Capabilities:
     dtypes: frozenset[torch.dtype] = frozenset({torch.float16, torch.bfloat16})
     kv_cache_dtypes: frozenset[torch.dtype] = frozenset()  # fp8 cache formats (FP8_KV_DTYPES) besides the compute dtype
     kv_cache_note: str = ""  # why the fp8 formats not in kv_cache_dtypes are not claimed (said in their SKIP)
+    # The GPUs an fp8 cache runs on, where fewer than the backend's (None: all of them), and why.
+    fp8_compute_capabilities: frozenset[tuple[int, int]] | None = None
+    fp8_device_note: str = ""
     head_dims: frozenset[int] | None = None  # None: any
     block_sizes: frozenset[int] | None = None  # None: any
     num_heads: frozenset[int] | None = None  # None: any (MLA kernels often fix a few)
@@ -293,6 +296,7 @@ class Capabilities:
         reason = self.availability_reason(device)
         if reason:
             return reason
+        info = DeviceInfo.of(device)
         if spec.kind not in self.kinds:
             return f"{spec.kind.upper()} not supported (supports {_format_set(self.kinds)})"
         if spec.dtype not in self.dtypes:
@@ -301,6 +305,11 @@ class Capabilities:
             claimed = _format_set(map(kv_dtype_name, self.kv_cache_dtypes)) or "none"
             why = f": {self.kv_cache_note}" if self.kv_cache_note else ""
             return f"KV cache {kv_dtype_name(spec.kv_cache_dtype)} not supported (fp8 caches supported: {claimed}){why}"
+        fp8_gpus = self.fp8_compute_capabilities
+        if spec.fp8_kv_cache and fp8_gpus is not None and info.compute_capability not in (None, *fp8_gpus):
+            wanted = ", ".join(f"SM{a}{b}" for a, b in sorted(fp8_gpus))
+            return (f"an fp8 KV cache needs compute capability {wanted} ({self.fp8_device_note}); this GPU "
+                    f"({info.name}) is {info.sm}")
         if self.head_dims is not None and spec.head_dim not in self.head_dims:
             return f"head_dim {spec.head_dim} not supported (supports {_format_set(self.head_dims)})"
         if self.block_sizes is not None and spec.block_size not in self.block_sizes:

@@ -12,13 +12,11 @@ import torch
 
 from backends import fp8
 from backends.base import (AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport,
-                           CommonAttentionMetadata, DeviceInfo, KVScales, PaddingStyle)
+                           CommonAttentionMetadata, KVScales, PaddingStyle)
 from backends.flashinfer import FA2_COMPUTE_CAPABILITIES, new_workspace, runs_on
 from backends.vendor_layout import packed, packed_output
 from backends.flashinfer.paged_layout import paged_layout
 from backends.paged_write import read_paged_rows, write_paged_rows
-
-FP8_COMPUTE_CAPABILITY = (9, 0)  # FlashInfer refuses an fp8 MLA plan elsewhere
 
 
 @dataclass
@@ -41,7 +39,8 @@ class FlashInferMLABackend(AttentionBackend):
     name = "flashinfer_mla"
     capabilities = Capabilities(
         kinds=frozenset({"mla"}), kv_cache_dtypes=frozenset({torch.float8_e4m3fn}),
-        kv_cache_note="FlashInfer's MLA kernels take e4m3 caches only", head_dims=frozenset({576}),
+        kv_cache_note="FlashInfer's MLA kernels take e4m3 caches only",
+        fp8_compute_capabilities=frozenset({(9, 0)}), fp8_device_note="FlashInfer's fp8 MLA plan: its FA3 kernels", head_dims=frozenset({576}),
         block_sizes=frozenset({16, 32, 64}), padding_styles=frozenset(PaddingStyle),  # measured: H200, numerics
         max_query_len=8,
         cuda_graphs=CGSupport.NEVER, needs_cpu_seq_lens=True, draft_step_update=False,
@@ -54,16 +53,6 @@ class FlashInferMLABackend(AttentionBackend):
 
         self.metadata_class = MLAPlanMetadata
         self.wrapper = BatchMLAPagedAttentionWrapper(new_workspace(self.device))
-
-    @classmethod
-    def unsupported_reason(cls, spec: AttentionSpec, device) -> str | None:
-        reason = super().unsupported_reason(spec, device)
-        if reason or not spec.fp8_kv_cache:
-            return reason
-        info = DeviceInfo.of(device)
-        if info.compute_capability != FP8_COMPUTE_CAPABILITY:
-            return f"FlashInfer's fp8 MLA cache runs on SM90 (its FA3 kernels) only; this GPU ({info.name}) is {info.sm}"
-        return None
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.spec.block_size, self.spec.head_dim)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.base import (FP8_KV_DTYPES, AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport,
-                           CommonAttentionMetadata, DeviceInfo, KVScales, PaddingStyle)
+                           CommonAttentionMetadata, KVScales, PaddingStyle)
 from backends import fp8
 from backends.fp8 import to_cache
 from backends.triton import INSTALL_HINT
@@ -33,7 +33,9 @@ PARTIAL_BUFFER_BYTES = 256 * 2**20  # cap on split-KV scratch; the split count s
 MAX_SPLITS = 16
 BLOCK_SPLITS = 16  # the merge kernel's tile over splits: one compiled variant for every split count
 LOG2E = 1.4426950408889634
-FP8_COMPUTE_CAPABILITY = (8, 9)  # Triton converts to and from e4m3 / e5m2 on Ada, Hopper and newer
+# Triton converts to and from e4m3 / e5m2 on Ada, Hopper and newer: the Capabilities fields that say so.
+FP8_GPUS = dict(fp8_compute_capabilities=frozenset({(8, 9), (9, 0), (10, 0), (10, 3), (12, 0)}),
+                fp8_device_note="Triton's fp8 conversions")
 # The interpreter has no multiprocessors; this stand-in and a short minimum split make the CPU
 # tests run one split (output written directly) and several (merged) on small cases.
 INTERPRETER_MULTIPROCESSORS = 4
@@ -87,18 +89,7 @@ class TritonMetadata:
 class DeviceLengthsBackend(AttentionBackend):
     """The base of backends whose kernels read every length from the device, so that their
     ``build`` and ``update_for_draft_step`` only reference the step's device tensors (no host
-    lengths, no copies). Also the split-KV scratch, and what an fp8 cache needs of the GPU."""
-
-    @classmethod
-    def unsupported_reason(cls, spec: AttentionSpec, device) -> str | None:
-        reason = super().unsupported_reason(spec, device)
-        if reason or not spec.fp8_kv_cache:
-            return reason
-        info = DeviceInfo.of(device)
-        if info.compute_capability is not None and info.compute_capability < FP8_COMPUTE_CAPABILITY:
-            return (f"an fp8 KV cache needs compute capability SM89 or newer (Triton's fp8 conversions); this GPU "
-                    f"({info.name}) is {info.sm}")
-        return None
+    lengths, no copies). Also the split-KV scratch."""
 
     @staticmethod
     def device_scales(scales: KVScales | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +160,7 @@ class TritonAttentionBackend(DeviceLengthsBackend):
     name = "triton"
     capabilities = Capabilities(
         kinds=frozenset({"mha"}), head_dims=frozenset({64, 128, 256}), block_sizes=frozenset({16, 32, 64}),
-        kv_cache_dtypes=FP8_KV_DTYPES,
+        kv_cache_dtypes=FP8_KV_DTYPES, **FP8_GPUS,
         max_query_len=None, sliding_window=True, logits_soft_cap=True, attention_sinks=True,
         padding_styles=frozenset(PaddingStyle),  # an empty request's programs return before reading anything
         cuda_graphs=CGSupport.ALWAYS, needs_cpu_seq_lens=False, draft_step_update=True,

@@ -11,6 +11,7 @@ from backends.fp8 import to_cache
 from backends.triton import GATHER, INSTALL_HINT, PAGE, TMA
 from backends.triton.backend import (
     DECODE_VARIANTS,
+    FP8_GPUS,
     LOG2E,
     DeviceLengthsBackend,
     TritonMetadata,
@@ -80,7 +81,7 @@ def tile_read(spec: AttentionSpec, block_m: int, kv_cache: torch.Tensor, tma: bo
 class TritonMLABackend(DeviceLengthsBackend):
     name = "triton_mla"
     capabilities = Capabilities(
-        kinds=frozenset({"mla"}), block_sizes=frozenset({16, 32, 64}), kv_cache_dtypes=FP8_KV_DTYPES,
+        kinds=frozenset({"mla"}), block_sizes=frozenset({16, 32, 64}), kv_cache_dtypes=FP8_KV_DTYPES, **FP8_GPUS,
         max_query_len=DECODE_VARIANTS[-1], padding_styles=frozenset(PaddingStyle),
         cuda_graphs=CGSupport.ALWAYS, needs_cpu_seq_lens=False, draft_step_update=True,
         devices=interpreter_devices(), required_modules=("triton",), install_hint=INSTALL_HINT,

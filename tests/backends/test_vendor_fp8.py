@@ -125,3 +125,12 @@ def test_flashinfer_mla_gives_its_one_scale_to_the_latent_and_the_rope_channels(
     assert ran["ckv_scale"] == ran["kpe_scale"] == 0.05 and "ckv_scale_arr" not in ran
     stored, none = backend.read_kv(cache, slots)
     assert none is None and torch.equal(stored.float(), to_cache(key, 0.05, torch.float8_e4m3fn).float())
+
+
+def test_an_fp8_cache_names_the_gpus_it_needs_where_they_are_fewer_than_the_backends():
+    from backends.triton.backend import TritonAttentionBackend
+
+    a100 = DeviceInfo("cuda", "NVIDIA A100", (8, 0))
+    reason = TritonAttentionBackend.unsupported_reason(parse_case(f"{E4M3}:10+1").spec, a100)
+    assert "SM89" in reason and "Triton's fp8 conversions" in reason and "A100" in reason
+    assert TritonAttentionBackend.unsupported_reason(parse_case("gqa-h4/2-d128-bf16:10+1").spec, a100) is None
