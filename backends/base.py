@@ -102,6 +102,7 @@ class AttentionSpec:
     logits_soft_cap: float | None = None  # scores become cap * tanh(scores / cap)
     scale: float | None = None  # None: 1 / sqrt(qk head dim)
     attention_sinks: bool = False  # learned per-head sink logits (gpt-oss), handed to forward as ``sinks``
+    value_head_dim: int | None = None  # MHA: the value (and output) head dim where it is not head_dim
     kv_lora_rank: int = 0  # MLA only
     rope_dim: int = 0  # MLA only
 
@@ -117,6 +118,8 @@ class AttentionSpec:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         if self.kv_cache_dtype not in (None, self.dtype) and self.kv_cache_dtype not in FP8_KV_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} is neither the compute dtype nor an fp8 format")
+        if self.value_head_dim is not None and (self.kind == "mla" or self.value_head_dim < 1):
+            raise ValueError("value_head_dim is an MHA/GQA layer's (MLA's value is its latent), and at least 1")
         if self.attention_sinks and self.kind == "mla":
             raise ValueError("learned attention sinks are an MHA/GQA layer's (gpt-oss), not MLA's")
 
@@ -130,7 +133,9 @@ class AttentionSpec:
 
     @property
     def v_head_dim(self) -> int:
-        return self.kv_lora_rank if self.kind == "mla" else self.head_dim
+        if self.kind == "mla":
+            return self.kv_lora_rank
+        return self.head_dim if self.value_head_dim is None else self.value_head_dim
 
     @property
     def softmax_scale(self) -> float:
@@ -263,6 +268,7 @@ class Capabilities:
     sliding_window: bool = False
     logits_soft_cap: bool = False
     attention_sinks: bool = False  # forward takes ``sinks``, one learned logit per query head
+    distinct_value_head_dim: bool = False  # value/output head dim other than the query/key one (d192/128)
     padding_styles: frozenset[PaddingStyle] = frozenset({PaddingStyle.ROWS})  # the padding it accepts
     sinks_note: str = ""  # why learned sinks are not claimed (said in their SKIP)
     cuda_graphs: CGSupport = CGSupport.NEVER
@@ -320,6 +326,8 @@ class Capabilities:
             return "sliding window not supported"
         if spec.logits_soft_cap is not None and not self.logits_soft_cap:
             return "logits soft cap not supported"
+        if spec.value_head_dim not in (None, spec.head_dim) and not self.distinct_value_head_dim:
+            return f"a value head dim ({spec.value_head_dim}) other than the query/key head dim ({spec.head_dim}) not supported"
         if spec.attention_sinks and not self.attention_sinks:
             return "learned attention sinks not supported" + (f": {self.sinks_note}" if self.sinks_note else "")
         return None
@@ -350,6 +358,7 @@ class Capabilities:
             "sliding_window": self.sliding_window,
             "logits_soft_cap": self.logits_soft_cap,
             "attention_sinks": self.attention_sinks,
+            "distinct_value_head_dim": self.distinct_value_head_dim,
             "padding_styles": sorted(style.value for style in self.padding_styles),
             "cuda_graphs": self.cuda_graphs.name,
             "needs_cpu_seq_lens": self.needs_cpu_seq_lens,

@@ -35,29 +35,35 @@ class TorchNaiveBackend(AttentionBackend):
     capabilities = Capabilities(
         kinds=frozenset({"mha", "mla"}), dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         kv_cache_dtypes=FP8_KV_DTYPES, max_query_len=None, sliding_window=True, logits_soft_cap=True,
-        attention_sinks=True, padding_styles=frozenset(PaddingStyle), cuda_graphs=CGSupport.NEVER, needs_cpu_seq_lens=True, draft_step_update=False,
+        attention_sinks=True, distinct_value_head_dim=True, padding_styles=frozenset(PaddingStyle), cuda_graphs=CGSupport.NEVER, needs_cpu_seq_lens=True, draft_step_update=False,
         deterministic=True, batch_invariant=True,  # one request at a time, fixed reduction order
         devices=frozenset({"cpu", "cuda"}),
     )
 
-    # Layout: MHA [2, num_blocks, block_size, kv_heads, head_dim] so that K and V each view as
-    # [num_slots, kv_heads, head_dim]; MLA [num_blocks, block_size, kv_lora_rank + rope_dim].
+    # Layout: MHA [num_blocks, block_size, kv_heads, head_dim + v_head_dim], a token's key then its
+    # value (their head dims may differ: d192/128), so that K and V each view as [num_slots,
+    # kv_heads, dim]; MLA [num_blocks, block_size, kv_lora_rank + rope_dim].
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         spec = self.spec
         if spec.kind == "mla":
             return (num_blocks, spec.block_size, spec.head_dim)
-        return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        return (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim + spec.v_head_dim)
+
+    def block_planes(self, kv_cache: torch.Tensor) -> list[torch.Tensor]:
+        """The cache as [num_blocks, block_size, ...] views: [K, V] for MHA, [latent] for MLA."""
+        if self.spec.kind == "mla":
+            return [kv_cache]
+        return [kv_cache[..., : self.spec.head_dim], kv_cache[..., self.spec.head_dim :]]
 
     def slot_planes(self, kv_cache: torch.Tensor) -> list[torch.Tensor]:
         """The cache as per-slot views: [K, V] for MHA, [latent] for MLA."""
         if self.spec.kind == "mla":
             return [kv_cache.view(-1, 1, self.spec.head_dim)]
-        return [plane.view(-1, self.spec.num_kv_heads, self.spec.head_dim) for plane in kv_cache]
+        return [plane.flatten(0, 1) for plane in self.block_planes(kv_cache)]
 
     def write_kv(self, kv_cache, key, value, slot_mapping, scales: KVScales | None = None) -> None:
         rows = [key] if self.spec.kind == "mla" else [key, value]
-        planes = [kv_cache] if self.spec.kind == "mla" else list(kv_cache)
-        for plane, rows_, scale in zip(planes, rows, self.scale_floats(scales)):
+        for plane, rows_, scale in zip(self.block_planes(kv_cache), rows, self.scale_floats(scales)):
             stored = rows_ if scale is None else self.quantize(rows_, scale, plane.dtype)
             write_paged_rows(plane, stored, slot_mapping, self.spec.block_size)
 

@@ -18,6 +18,7 @@ from backends.base import (FP8_KV_DTYPES, AttentionBackend, AttentionSpec, Backe
                            CommonAttentionMetadata, KVScales, PaddingStyle)
 from backends import fp8
 from backends.fp8 import to_cache
+from backends.paged_write import write_paged_rows
 from backends.triton import INSTALL_HINT
 
 try:
@@ -159,10 +160,10 @@ DECODE_PROGRAMS_PER_MULTIPROCESSOR = {1: 8, 2: 4, 4: 4, 8: 4}
 class TritonAttentionBackend(DeviceLengthsBackend):
     name = "triton"
     capabilities = Capabilities(
-        kinds=frozenset({"mha"}), head_dims=frozenset({64, 128, 256}), block_sizes=frozenset({16, 32, 64}),
-        kv_cache_dtypes=FP8_KV_DTYPES, **FP8_GPUS,
+        kinds=frozenset({"mha"}), head_dims=frozenset({64, 128, 192, 256}),
+        block_sizes=frozenset({16, 32, 64}), kv_cache_dtypes=FP8_KV_DTYPES, **FP8_GPUS,
         max_query_len=None, sliding_window=True, logits_soft_cap=True, attention_sinks=True,
-        padding_styles=frozenset(PaddingStyle),  # an empty request's programs return before reading anything
+        distinct_value_head_dim=True, padding_styles=frozenset(PaddingStyle),  # an empty request's programs return before reading anything
         cuda_graphs=CGSupport.ALWAYS, needs_cpu_seq_lens=False, draft_step_update=True,
         devices=interpreter_devices(), required_modules=("triton",), install_hint=INSTALL_HINT,
     )
@@ -172,19 +173,34 @@ class TritonAttentionBackend(DeviceLengthsBackend):
         self.group = spec.query_group_size
         self.upcast_dot = interpreting() and spec.dtype == torch.bfloat16
         self.block_d = triton.next_power_of_2(spec.head_dim)
+        self.block_dv = triton.next_power_of_2(spec.v_head_dim)
         self.block_n = 32 if spec.head_dim > 128 else 64  # the prefill kernel's key tile
         self.decode_block_n = 32 if spec.head_dim > 128 else 128
         self.prefill_block_m = 64
         self.prefill_block_q = max(1, self.prefill_block_m // self.group)
-        self.allocate_split_buffers(spec.head_dim)
+        self.allocate_split_buffers(spec.v_head_dim)
 
-    # Layout [2, num_blocks, kv_heads, block_size, head_dim]: one head's page is contiguous.
+    # Layout [2, num_blocks, kv_heads, block_size, head_dim]: one head's page is contiguous. Where
+    # the value head dim differs (d192/128), [num_blocks, kv_heads, block_size, head_dim +
+    # v_head_dim]: a token's key then its value, the two planes sharing their strides.
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         spec = self.spec
+        if spec.v_head_dim != spec.head_dim:
+            return (num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim + spec.v_head_dim)
         return (2, num_blocks, spec.num_kv_heads, spec.block_size, spec.head_dim)
 
+    def planes(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V), each [num_blocks, kv_heads, block_size, its head dim], with the same strides."""
+        if self.spec.v_head_dim != self.spec.head_dim:
+            return kv_cache[..., : self.spec.head_dim], kv_cache[..., self.spec.head_dim :]
+        return kv_cache[0], kv_cache[1]
+
     def write_kv(self, kv_cache, key, value, slot_mapping, scales: KVScales | None = None) -> None:
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_cache, v_cache = self.planes(kv_cache)
+        if self.spec.v_head_dim != self.spec.head_dim:  # each plane by the paged writer, in its own width
+            for plane, rows, scale in zip((k_cache, v_cache), (key, value), fp8.scale_tensors(self.spec, scales)):
+                write_paged_rows(plane.transpose(1, 2), rows, slot_mapping, self.spec.block_size, scale)
+            return
         quantize = self.spec.fp8_kv_cache
         if quantize and interpreting():
             # The interpreter's fp32 -> e4m3 conversion flushes subnormals to zero (a GPU's rounds
@@ -204,7 +220,8 @@ class TritonAttentionBackend(DeviceLengthsBackend):
 
     def read_kv(self, kv_cache, slot_mapping):
         blocks, offsets = slot_mapping // self.spec.block_size, slot_mapping % self.spec.block_size
-        return kv_cache[0][blocks, :, offsets], kv_cache[1][blocks, :, offsets]
+        k_cache, v_cache = self.planes(kv_cache)
+        return k_cache[blocks, :, offsets], v_cache[blocks, :, offsets]
 
     def forward(self, query, kv_cache, metadata: TritonMetadata, out, scales: KVScales | None = None,
                 sinks: torch.Tensor | None = None) -> None:
@@ -212,7 +229,7 @@ class TritonAttentionBackend(DeviceLengthsBackend):
         if spec.attention_sinks and sinks is None:
             raise ValueError("a layer with learned attention sinks needs them (the `sinks` keyword of forward)")
         sinks_ptr = metadata.seq_lens if sinks is None else sinks  # read only with HAS_SINKS
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_cache, v_cache = self.planes(kv_cache)
         fp8 = spec.fp8_kv_cache
         k_scale, v_scale = self.device_scales(scales) if fp8 else (metadata.seq_lens, metadata.seq_lens)
         scale_log2 = spec.softmax_scale * LOG2E  # the kernels' softmax runs in base 2
@@ -222,7 +239,7 @@ class TritonAttentionBackend(DeviceLengthsBackend):
             GROUP=self.group, HEAD_DIM=spec.head_dim, BLOCK_D=self.block_d,
             PAGE_SIZE=spec.block_size, USE_WINDOW=spec.sliding_window is not None,
             USE_SOFT_CAP=spec.logits_soft_cap is not None, UPCAST_DOT=self.upcast_dot, KV_FP8=fp8,
-            HAS_SINKS=sinks is not None,
+            HAS_SINKS=sinks is not None, HEAD_DIM_V=spec.v_head_dim, BLOCK_DV=self.block_dv,
         )
         decode_q = metadata.decode_q
         block_m = max(16, triton.next_power_of_2(decode_q * self.group))
@@ -236,7 +253,7 @@ class TritonAttentionBackend(DeviceLengthsBackend):
             ONE_SPLIT=num_splits == 1, **common_args,
             num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
         )
-        self.merge_splits(out, metadata, num_splits, spec.head_dim, sinks)
+        self.merge_splits(out, metadata, num_splits, spec.v_head_dim, sinks)
         if metadata.max_query_len > decode_q or is_capturing(self.device):
             num_query_blocks = triton.cdiv(limits.max_num_tokens, self.prefill_block_q) + limits.max_num_reqs
             kernels.prefill_kernel[(num_query_blocks, spec.num_kv_heads)](

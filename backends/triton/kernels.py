@@ -205,6 +205,7 @@ def _attend(
     scale_log2, soft_cap, window, k_scale_ptr, v_scale_ptr,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """Online softmax of the rows in ``q`` over KV positions [start, end) of one request:
     (unnormalised output, row maximum, row sum).
@@ -214,13 +215,14 @@ def _attend(
     """
     if KV_FP8:
         scale_log2 = scale_log2 * tl.load(k_scale_ptr)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     if UPCAST_DOT:
         q = q.to(tl.float32)
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
+    value_dims = tl.arange(0, BLOCK_DV)  # the value head dim may differ (DeepSeek-V3's prefill: 192 / 128)
     for tile_start in range(start, end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         in_range = positions < end
@@ -228,7 +230,8 @@ def _attend(
         rows = blocks.to(tl.int64) * stride_cache_block + kv_head * stride_cache_head + (positions % PAGE_SIZE) * stride_cache_token
         kv_mask = in_range[:, None] & dim_mask[None, :]
         key = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        value = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        value = tl.load(v_cache_ptr + rows[:, None] + value_dims[None, :],
+                        mask=in_range[:, None] & (value_dims[None, :] < HEAD_DIM_V), other=0.0)
         if KV_FP8:
             key = key.to(q.dtype)
             value = value.to(q.dtype)
@@ -259,7 +262,7 @@ def decode_split_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, DECODE_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST_DOT: tl.constexpr, ONE_SPLIT: tl.constexpr,
-    KV_FP8: tl.constexpr, HAS_SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr, HAS_SINKS: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     request, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # grid (requests, KV heads, splits)
     query_start, query_len, seq_len, token, head, row_valid, query_positions = decode_tile(
@@ -281,13 +284,13 @@ def decode_split_kernel(
         q, request, kv_head, start, end, query_positions, row_valid,
         k_cache_ptr, v_cache_ptr, block_table_ptr, stride_block_table,
         stride_cache_block, stride_cache_head, stride_cache_token, scale_log2, soft_cap, window, k_scale_ptr, v_scale_ptr,
-        BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW, USE_SOFT_CAP, UPCAST_DOT, KV_FP8,
+        BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW, USE_SOFT_CAP, UPCAST_DOT, KV_FP8, HEAD_DIM_V, BLOCK_DV,
     )
     if HAS_SINKS and ONE_SPLIT:  # with several splits, the merge adds the sink once
         acc, row_max, row_sum = fold_sink(acc, row_max, row_sum, sinks_ptr, head, row_valid)
     store_split_result(acc, row_max, row_sum, partial_out_ptr, partial_lse_ptr, out_ptr, query_start, token, head,
-                       request, split, num_splits, dims, row_valid, stride_out_token, stride_out_head,
-                       NUM_HEADS, DECODE_Q, HEAD_DIM, ONE_SPLIT)
+                       request, split, num_splits, tl.arange(0, BLOCK_DV), row_valid, stride_out_token, stride_out_head,
+                       NUM_HEADS, DECODE_Q, HEAD_DIM_V, ONE_SPLIT)
 
 
 @batch_kernel
@@ -335,7 +338,7 @@ def prefill_kernel(
     GROUP: tl.constexpr, DECODE_Q: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -380,9 +383,9 @@ def prefill_kernel(
         q, request, kv_head, start, last_position, query_positions, row_valid,
         k_cache_ptr, v_cache_ptr, block_table_ptr, stride_block_table,
         stride_cache_block, stride_cache_head, stride_cache_token, scale_log2, soft_cap, window, k_scale_ptr, v_scale_ptr,
-        BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW, USE_SOFT_CAP, UPCAST_DOT, KV_FP8,
+        BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW, USE_SOFT_CAP, UPCAST_DOT, KV_FP8, HEAD_DIM_V, BLOCK_DV,
     )
     if HAS_SINKS:
         acc, row_max, row_sum = fold_sink(acc, row_max, row_sum, sinks_ptr, head, row_valid)
-    store_output(acc, row_sum, out_ptr, query_start + token, head, dims, row_valid, stride_out_token, stride_out_head,
-                 HEAD_DIM)
+    store_output(acc, row_sum, out_ptr, query_start + token, head, tl.arange(0, BLOCK_DV), row_valid, stride_out_token,
+                 stride_out_head, HEAD_DIM_V)

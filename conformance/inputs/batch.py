@@ -274,9 +274,12 @@ def materialize(case: Case, device: torch.device | str) -> PagedBatch:
     block_table, num_blocks = assign_blocks(case, generator)
     seed = int(torch.randint(2**31, (1,), generator=generator))
     shapes = []  # per request its keys (and values), then every request's new tokens' queries
-    row = (spec.head_dim,) if spec.kind == "mla" else (spec.num_kv_heads, spec.head_dim)
     for context_len, query_len in case.batch:
-        shapes += [(context_len + query_len, *row)] * (1 if spec.kind == "mla" else 2)
+        seq_len = context_len + query_len
+        if spec.kind == "mla":
+            shapes.append((seq_len, spec.head_dim))
+        else:
+            shapes += [(seq_len, spec.num_kv_heads, spec.head_dim), (seq_len, spec.num_kv_heads, spec.v_head_dim)]
     shapes.append((case.num_tokens, spec.num_heads, spec.head_dim))
     *history, query = normal_tensors(seed, shapes, device)
     keys: list[torch.Tensor] = history if spec.kind == "mla" else history[0::2]

@@ -179,7 +179,7 @@ def poison_key_value(case) -> tuple[torch.Tensor, torch.Tensor | None]:
         value = None
     else:
         key = torch.zeros(spec.num_kv_heads, spec.head_dim)
-        value = torch.full((spec.num_kv_heads, spec.head_dim), POISON_VALUE)
+        value = torch.full((spec.num_kv_heads, spec.v_head_dim), POISON_VALUE)
     key[..., spec.head_dim - 1] = _exact_integer(_key_units(case, logit))
     if data == "outliers":
         key[..., spec.head_dim - 2] = _exact_integer(OUTLIER_SHIFT_LOGIT / (32.0 * spec.softmax_scale))

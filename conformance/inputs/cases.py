@@ -7,6 +7,8 @@ A case's id is its whole definition, in the same compact grammar ``--case`` acce
     LAYER  = KIND ("-" ATTR)*             KIND: gqa | mha | mla
       hQ/KV or hQ   query / KV heads; hQ alone is MHA (default h32/8; MLA: h16, one latent KV head)
       dN            head dim               (default d128; MLA: d512+64, latent + rope)
+      dQK/V         query/key head dim QK, value and output head dim V (DeepSeek-V3's MLA
+                    prefill as vLLM runs it: d192/128)
       fp16|bf16|fp32 dtype                 (default bf16)
       fp8e4m3|fp8e5m2 an fp8 KV cache with per-tensor scales (default: the cache in the dtype)
       kscaleX vscaleX the fp8 cache's key and value scales (default 0.1 and 4; MLA: kscale only)
@@ -208,7 +210,7 @@ class LayerOptions:
 
 _ATTRIBUTE_KINDS = (
     (r"fp16|bf16|fp32", "dtype"), (r"fp8e4m3|fp8e5m2", "KV-cache dtype"), (r"kscale.+", "key scale"),
-    (r"vscale.+", "value scale"), (r"h\d+(/\d+)?", "heads"), (r"d\d+(\+\d+)?", "head dim"), (r"p\d+", "block size"),
+    (r"vscale.+", "value scale"), (r"h\d+(/\d+)?", "heads"), (r"d\d+([+/]\d+)?", "head dim"), (r"p\d+", "block size"),
     (r"w\d+", "sliding window"), (r"cap.+", "soft cap"), (r"scale.+", "scale"), (r"share\d+", "shared prefix"),
     (r"pad\d+", "padding"), (r"outliers|edges", "data profile"),
 )
@@ -233,6 +235,7 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
     window = cap = scale = kv_cache_dtype = k_scale = v_scale = None
     share, permute, strided, data, padding, big_pool = 0, True, False, "normal", DEFAULT_PADDING_TOKENS, False
     sinks = False
+    value_head_dim = None
     kv_heads_given = False
     given: dict[str, str] = {}  # attribute kind -> the attribute that set it
     for attr in attrs:
@@ -273,8 +276,9 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
                 num_kv_heads, kv_heads_given = int(match.group(2)), True
         elif is_mla and (match := re.fullmatch(r"d(\d+)\+(\d+)", attr)):
             kv_lora_rank, rope_dim = int(match.group(1)), int(match.group(2))
-        elif not is_mla and (match := re.fullmatch(r"d(\d+)", attr)):
+        elif not is_mla and (match := re.fullmatch(r"d(\d+)(?:/(\d+))?", attr)):
             head_dim = int(match.group(1))
+            value_head_dim = int(match.group(2)) if match.group(2) else None
         elif match := re.fullmatch(r"p(\d+)", attr):
             block_size = int(match.group(1))
         elif match := re.fullmatch(r"w(\d+)", attr):
@@ -305,6 +309,8 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
     for name, value in dims.items():
         if value < 1:
             raise CaseSyntaxError(f"{name} {value}: must be at least 1")
+    if value_head_dim == head_dim:
+        value_head_dim = None  # d128/128 is d128
     if is_mla and sinks:
         raise CaseSyntaxError(f"attnsinks in {text!r}: learned attention sinks are an MHA/GQA layer's (gpt-oss), not MLA's")
     try:
@@ -318,7 +324,7 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
             spec = AttentionSpec(
                 kind="mha", num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
                 block_size=block_size, kv_cache_dtype=kv_cache_dtype, sliding_window=window, logits_soft_cap=cap, scale=scale,
-                attention_sinks=sinks,
+                attention_sinks=sinks, value_head_dim=value_head_dim,
             )
     except ValueError as error:
         raise CaseSyntaxError(str(error)) from None
@@ -345,7 +351,8 @@ def format_layer(spec: AttentionSpec, options: LayerOptions = LayerOptions()) ->
         parts = ["mla", f"h{spec.num_heads}", f"d{spec.kv_lora_rank}+{spec.rope_dim}"]
     else:
         kind = "mha" if spec.num_kv_heads == spec.num_heads else "gqa"
-        parts = [kind, f"h{spec.num_heads}/{spec.num_kv_heads}", f"d{spec.head_dim}"]
+        value_dim = "" if spec.v_head_dim == spec.head_dim else f"/{spec.v_head_dim}"
+        parts = [kind, f"h{spec.num_heads}/{spec.num_kv_heads}", f"d{spec.head_dim}{value_dim}"]
     parts.append(dtype_name(spec.dtype))
     if spec.fp8_kv_cache:
         parts.append(kv_dtype_name(spec.kv_cache_dtype))
@@ -595,6 +602,10 @@ def standard_suite() -> list[Case]:
     # Fewer heads than a 16-head tile (Kimi-K2's 64 heads at tensor parallel 8; DeepSeek-V3's 128
     # at 16): a tile's rows past the head count must be masked.
     cases += _cases("mla-h8-d512+64-bf16-p64", [("8 heads: decode", "1+1,700+1,2500+1"), ("8 heads: spec-verify k=3", "64+4,900+4")])
+    # DeepSeek-V3's MLA prefill as vLLM and SGLang run it: ordinary attention over decompressed
+    # keys, q/k 192 (128 + 64 rope), v 128, 128 heads over tensor parallel 8, its YaRN scale.
+    cases += _cases("mha-h16-d192/128-bf16-p64-scale0.13524", [("DeepSeek-V3 prefill: with context", "200+64,0+100"),
+                                                              ("DeepSeek-V3 prefill: chunked, long context", "1024+256,0+300,4096+512")])
     return cases + _variant_cases() + _sink_cases() + _empty_request_cases()
 
 

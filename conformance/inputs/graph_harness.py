@@ -73,7 +73,8 @@ class GraphBuffers:
         self.query = torch.zeros(shape.num_tokens, spec.num_heads, spec.head_dim, dtype=spec.dtype, device=device)
         kv_shape = (shape.num_tokens, spec.head_dim) if spec.kind == "mla" else (shape.num_tokens, spec.num_kv_heads, spec.head_dim)
         self.key = torch.zeros(kv_shape, dtype=spec.dtype, device=device)
-        self.value = None if spec.kind == "mla" else torch.zeros(kv_shape, dtype=spec.dtype, device=device)
+        self.value = None if spec.kind == "mla" else torch.zeros(
+            shape.num_tokens, spec.num_kv_heads, spec.v_head_dim, dtype=spec.dtype, device=device)
         self.out = torch.zeros(shape.num_tokens, spec.num_heads, spec.v_head_dim, dtype=spec.dtype, device=device)
         self.loads = 0
 

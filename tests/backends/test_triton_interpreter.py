@@ -26,6 +26,8 @@ CASES = {
         "gqa-h8/2-d64-bf16-p16-attnsinks:200+1,20+4,0+20",  # learned sinks: split decode (merged), verify, prefill
         "gqa-h8/4-d64-fp16-p16-w24-attnsinks:30+1x8,50+2",  # learned sinks, one split (no merge), window
         "gqa-h4/2-d64-fp16-p16:0+0,30+4,0+0,0+20,50+1",  # empty requests (vLLM's padding) first and mid-batch
+        "mha-h4-d192/128-bf16-p16:30+1,20+4,0+40",  # value head dim 128 under query/key 192 (DeepSeek-V3 prefill)
+        "gqa-h4/2-d64/32-bf16-fp8e4m3-p16-attnsinks:200+1,0+20",  # a narrower value, fp8, sinks: one kernel path
     ],
     "triton_mla": [
         "mla-h4-d64+16-bf16-p16:1+1,40+1,17+1",
