@@ -24,6 +24,11 @@ Conventions shared by every backend and the harness:
   ``k_scale`` alone (DeepSeek's one scale). Scales belong to a layer, not to the backend: every
   layer of a step may pass other scales with the same metadata. ``read_kv`` returns what
   ``write_kv`` stored, so the harness can check both halves separately.
+* Log-sum-exp (``Capabilities.returns_lse``): ``forward`` may be handed ``lse`` (keyword), a
+  float32 ``[rows, num_heads]`` tensor; a backend that claims it writes, for each of the first
+  ``num_actual_tokens`` rows and each head, the natural log of its softmax's denominator,
+  ``log(Σ_j exp(s_j) + exp(sink))`` over the scaled, soft-capped, visible logits: what merges
+  partial results (vLLM's ``merge_attn_states``, MLA prefill over context chunks) consume.
 * Padding (``PaddingStyle``, claimed in ``Capabilities.padding_styles``): an engine pads a batch to
   a captured graph's shape with padding *rows* (requests of at least one token, seq_len =
   query_len, block-table rows 0, slots -1: ``ROWS``, every backend) or, as vLLM does, with *empty
@@ -269,6 +274,7 @@ class Capabilities:
     logits_soft_cap: bool = False
     attention_sinks: bool = False  # forward takes ``sinks``, one learned logit per query head
     distinct_value_head_dim: bool = False  # value/output head dim other than the query/key one (d192/128)
+    returns_lse: bool = False  # forward fills ``lse`` when handed one (the module docstring)
     padding_styles: frozenset[PaddingStyle] = frozenset({PaddingStyle.ROWS})  # the padding it accepts
     sinks_note: str = ""  # why learned sinks are not claimed (said in their SKIP)
     cuda_graphs: CGSupport = CGSupport.NEVER
@@ -359,6 +365,7 @@ class Capabilities:
             "logits_soft_cap": self.logits_soft_cap,
             "attention_sinks": self.attention_sinks,
             "distinct_value_head_dim": self.distinct_value_head_dim,
+            "returns_lse": self.returns_lse,
             "padding_styles": sorted(style.value for style in self.padding_styles),
             "cuda_graphs": self.cuda_graphs.name,
             "needs_cpu_seq_lens": self.needs_cpu_seq_lens,

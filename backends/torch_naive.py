@@ -35,7 +35,7 @@ class TorchNaiveBackend(AttentionBackend):
     capabilities = Capabilities(
         kinds=frozenset({"mha", "mla"}), dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         kv_cache_dtypes=FP8_KV_DTYPES, max_query_len=None, sliding_window=True, logits_soft_cap=True,
-        attention_sinks=True, distinct_value_head_dim=True, padding_styles=frozenset(PaddingStyle), cuda_graphs=CGSupport.NEVER, needs_cpu_seq_lens=True, draft_step_update=False,
+        attention_sinks=True, distinct_value_head_dim=True, returns_lse=True, padding_styles=frozenset(PaddingStyle), cuda_graphs=CGSupport.NEVER, needs_cpu_seq_lens=True, draft_step_update=False,
         deterministic=True, batch_invariant=True,  # one request at a time, fixed reduction order
         devices=frozenset({"cpu", "cuda"}),
     )
@@ -93,7 +93,7 @@ class TorchNaiveBackend(AttentionBackend):
         )
 
     def forward(self, query, kv_cache, metadata: NaiveMetadata, out, scales: KVScales | None = None,
-                sinks: torch.Tensor | None = None) -> None:
+                sinks: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> None:
         planes = self.slot_planes(kv_cache)
         plane_scales = self.scale_floats(scales)
         for request, seq_len in enumerate(metadata.seq_lens):
@@ -104,7 +104,10 @@ class TorchNaiveBackend(AttentionBackend):
             kv = [rows if scale is None else from_cache(rows, scale) for rows, scale in zip(kv, plane_scales)]
             key, value = (kv[0], kv[0][..., : self.spec.v_head_dim]) if self.spec.kind == "mla" else kv
             context_len = seq_len - (end - start)
-            out[start:end] = self.attend(query[start:end], key, value, context_len, self.request_sinks(sinks, end - start)).to(out.dtype)
+            request_sinks = self.request_sinks(sinks, end - start)
+            out[start:end] = self.attend(query[start:end], key, value, context_len, request_sinks).to(out.dtype)
+            if lse is not None:
+                lse[start:end] = self.log_sum_exp(query[start:end], key, context_len, request_sinks)
 
     def request_sinks(self, sinks: torch.Tensor | None, query_len: int) -> torch.Tensor | None:
         """The learned sinks one request's softmax uses: the layer's, for every request."""
@@ -171,16 +174,22 @@ class TorchNaiveBackend(AttentionBackend):
         key_positions = torch.arange(key.shape[0], device=query.device)
         return scores.masked_fill(~self.visible(query_positions, key_positions), float("-inf"))
 
+    def with_sinks(self, scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+        """[H, q, s] logits, and each head's learned sink as one more column (a key without a value)."""
+        if sinks is None:
+            return scores
+        return torch.cat([scores, sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)], dim=-1)
+
+    def log_sum_exp(self, query, key, context_len: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """[q, H] float32: the natural log of each softmax's denominator, the sink's term included."""
+        return torch.logsumexp(self.with_sinks(self.masked_scores(query, key, context_len), sinks), dim=-1).T
+
     def attend(self, query, key, value, context_len: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """query [q, H, Dk], key [s, Hkv, Dk], value [s, Hkv, Dv] → [q, H, Dv], in float32.
         ``sinks`` [H]: each head's learned sink joins its softmax as one more logit, whose weight
         is then dropped (it has no value)."""
         scores = self.masked_scores(query, key, context_len)
-        if sinks is None:
-            probs = scores.softmax(dim=-1)
-        else:
-            sink_column = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
-            probs = torch.cat([scores, sink_column], dim=-1).softmax(dim=-1)[..., :-1]
+        probs = self.with_sinks(scores, sinks).softmax(dim=-1)[..., : scores.shape[-1]]
         value = value.float()
         if self.grouped():
             by_group = probs.view(value.shape[1], -1, query.shape[0], key.shape[0])  # [Hkv, group, q, s]

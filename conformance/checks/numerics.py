@@ -36,6 +36,7 @@ from backends.base import AttentionBackend, dtype_name
 from conformance.checks.base import Check
 from conformance.checks.error_map import failure_maps
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle, how_far_off, worst_place
+from conformance.checks.lse_pass import lse_findings
 from conformance.checks.nan_poison import nan_poison_pass
 from conformance.inputs.cases import Case
 from conformance.inputs.harness import (PreparedCase, WroteOutsideOutput, case_scales, prepare_case, prepare_layer,
@@ -90,7 +91,7 @@ class NumericsCheck(Check):
                               evidence={"pass": STORED_PASS, "stored": stored.get("worst")})
         if passed:
             # The later passes reuse this batch (its oracle answer too); each returns its failure or None.
-            for later_pass in (self._nan_poison, self._second_layer, self._steps_in_flight):
+            for later_pass in (self._lse, self._nan_poison, self._second_layer, self._steps_in_flight):
                 failed = later_pass(prepared, metrics)
                 if failed:
                     return failed
@@ -103,6 +104,19 @@ class NumericsCheck(Check):
         evidence["pass"] = "loud poison: every KV slot no request owns holds a dominant key and a loud value"
         evidence.update(failure_maps(prepared, out, reference, evidence["worst"], atol, rtol, "loud poison"))
         return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics, evidence=evidence)
+
+    @staticmethod
+    def _lse(prepared: PreparedCase, metrics: dict[str, Any]) -> CaseResult | None:
+        """For a backend claiming ``returns_lse``: the step's log-sum-exp against the oracle's."""
+        if not prepared.backend.capabilities.returns_lse:
+            return None
+        case = prepared.batch.case
+        problem, lse_metrics = lse_findings(prepared)
+        metrics.update(lse_metrics)
+        if problem is None:
+            return None
+        return CaseResult(case.id, Verdict.FAIL, problem, tag=case.tag, metrics=metrics,
+                          evidence={"pass": "log-sum-exp: the same step, forward handed an lse buffer"})
 
     @staticmethod
     def _nan_poison(prepared: PreparedCase, metrics: dict[str, Any]) -> CaseResult | None:

@@ -105,7 +105,7 @@ def apply_profile(case, query: torch.Tensor, keys: list[torch.Tensor]) -> None:
         shift_key = _exact_integer(OUTLIER_SHIFT_LOGIT / (32.0 * spec.softmax_scale))
         for key in keys:
             key[..., shift] = shift_key
-            key[0, ..., probe] = _exact_integer(_key_units(case, SINK_LOGIT))
+            key[:1, ..., probe] = _exact_integer(_key_units(case, SINK_LOGIT))  # none for an empty request
     elif data == "edges":
         for key, (context_len, query_len) in zip(keys, batch):
             seq_len = context_len + query_len

@@ -34,7 +34,8 @@ def attention_reference(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of one request's new tokens over its whole sequence, in float64.
 
     query [q, H, Dk]: the request's q new tokens, at positions context_len .. context_len + q - 1.
@@ -42,7 +43,8 @@ def attention_reference(
     Query head h reads KV head h // (H / Hkv). A token sees position j when j <= its own
     position and, with a sliding window W, when its position - j < W. ``sinks`` [H] (learned
     attention sinks): query head h's softmax denominator gains exp(sinks[h]), its numerator nothing.
-    Returns [q, H, Dv] float64.
+    Returns [q, H, Dv] float64; with ``return_lse``, also [q, H] float64: the natural log of each
+    softmax's denominator, log Σ_j exp(s_j) (+ exp(sink)), over the scaled, capped, masked logits.
     """
     num_queries, num_heads, head_dim = query.shape
     seq_len, num_kv_heads, _ = key.shape
@@ -55,6 +57,7 @@ def attention_reference(
     key = key.double().permute(1, 0, 2)
     value = value.double().permute(1, 0, 2)
     out = torch.empty(num_kv_heads, group_size, num_queries, value.shape[-1], dtype=torch.float64, device=query.device)
+    lse = torch.empty(num_kv_heads, group_size, num_queries, dtype=torch.float64, device=query.device)
 
     chunk_len = max(1, _LOGITS_ELEMENTS // (num_heads * max(seq_len, 1)))  # seq_len 0: an empty request
     for chunk_start in range(0, num_queries, chunk_len):
@@ -75,7 +78,9 @@ def attention_reference(
             denominator = denominator + torch.exp(sink - top)
         weights = weights / denominator
         out[:, :, chunk, :] = (weights.view(num_kv_heads, -1, seq_len) @ value).view(num_kv_heads, group_size, -1, value.shape[-1])
-    return out.permute(2, 0, 1, 3).reshape(num_queries, num_heads, value.shape[-1])
+        lse[:, :, chunk] = (top + denominator.log()).squeeze(-1)
+    out = out.permute(2, 0, 1, 3).reshape(num_queries, num_heads, value.shape[-1])
+    return (out, lse.permute(2, 0, 1).reshape(num_queries, num_heads)) if return_lse else out
 
 
 def mla_reference(
@@ -85,7 +90,8 @@ def mla_reference(
     kv_lora_rank: int,
     context_len: int,
     scale: float,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA for one request: every head attends over one shared latent entry per token.
 
     query [q, H, kv_lora_rank + rope_dim]; latent [s, kv_lora_rank + rope_dim]. Scores use the
@@ -98,4 +104,5 @@ def mla_reference(
         latent[:, None, :kv_lora_rank],
         context_len=context_len,
         scale=scale,
+        return_lse=return_lse,
     )

@@ -49,21 +49,40 @@ def expected_output(prepared: PreparedCase, *, negated: bool = False) -> torch.T
     if prepared.scales is None:
         reference = batch.reference_output()
         return reference.neg() if negated else reference
-    spec, scales = batch.spec, prepared.scales
-    outputs = []
+    return _solve(prepared, negated=negated)[0]
+
+
+def expected_lse(prepared: PreparedCase) -> torch.Tensor:
+    """[num_tokens, H] float64: the oracle's log-sum-exp for ``prepared``'s step (natural log of
+    each softmax's denominator; an fp8 layer's over its stored cache)."""
+    return _solve(prepared)[1]
+
+
+def _solve(prepared: PreparedCase, *, negated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, log-sum-exp) of the oracle over the cache as the step leaves it: the batch's own
+    rows, or an fp8 layer's stored ones dequantized."""
+    batch, spec, scales = prepared.batch, prepared.batch.spec, prepared.scales
+
+    def dequantized(rows: torch.Tensor | None, scale: float) -> torch.Tensor | None:
+        return rows if rows is None or scales is None else dequantize(rows, scale)
+
+    outputs, sums = [], []
     for request, (context_len, _) in enumerate(batch.case.batch):
         start, end = batch.query_start_loc[request], batch.query_start_loc[request + 1]
         query = batch.query[start:end].neg() if negated else batch.query[start:end]
-        key, value = _stored(prepared, request)
+        key, value = _stored(prepared, request) if scales is not None else (batch.keys[request], batch.values[request])
+        k_scale, v_scale = (scales.k_scale, scales.v_scale) if scales is not None else (1.0, 1.0)
         if spec.kind == "mla":
-            outputs.append(mla_reference(query, dequantize(key, scales.k_scale), kv_lora_rank=spec.kv_lora_rank,
-                                         context_len=context_len, scale=spec.softmax_scale))
+            out, lse = mla_reference(query, dequantized(key, k_scale), kv_lora_rank=spec.kv_lora_rank,
+                                     context_len=context_len, scale=spec.softmax_scale, return_lse=True)
         else:
-            outputs.append(attention_reference(
-                query, dequantize(key, scales.k_scale), dequantize(value, scales.v_scale), context_len=context_len,
+            out, lse = attention_reference(
+                query, dequantized(key, k_scale), dequantized(value, v_scale), context_len=context_len,
                 scale=spec.softmax_scale, sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
-                sinks=batch.sinks))
-    return torch.cat(outputs)
+                sinks=batch.sinks, return_lse=True)
+        outputs.append(out)
+        sums.append(lse)
+    return torch.cat(outputs), torch.cat(sums)
 
 
 def _place(stored: torch.Tensor, expected: torch.Tensor, apart: torch.Tensor, scale: float, request: int,

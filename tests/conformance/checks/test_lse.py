@@ -1,0 +1,40 @@
+"""The log-sum-exp output (``returns_lse``): the oracle's against a direct formula, torch_naive
+against the oracle on every path (sinks, fp8, a value head dim of its own, MLA), and the planted
+convention slips failing numerics."""
+import pytest
+import torch
+
+from backends.torch_naive import TorchNaiveBackend
+from conformance.checks.numerics import NumericsCheck
+from conformance.inputs.cases import parse_case
+from conformance.inputs.oracle import attention_reference
+from conformance.results import Verdict
+from tests.planted import lse_defects
+
+CPU = torch.device("cpu")
+SINKS = "gqa-h8/2-d64-bf16-attnsinks:30+4,0+20,17+1"
+
+
+def test_the_oracle_lse_is_the_log_of_each_softmax_denominator():
+    generator = torch.Generator().manual_seed(1)
+    query, key, value = (torch.randn(shape, generator=generator, dtype=torch.float64) for shape in ((3, 4, 8), (7, 2, 8), (7, 2, 6)))
+    sinks = torch.tensor([0.5, 3.0, -1.0, 9.0])
+    _, lse = attention_reference(query, key, value, context_len=4, scale=0.3, sinks=sinks, return_lse=True)
+    for head in range(4):
+        logits = (query[:, head] @ key[:, head // 2].T) * 0.3
+        visible = torch.arange(7)[None, :] <= 4 + torch.arange(3)[:, None]
+        total = torch.exp(logits).masked_fill(~visible, 0).sum(-1) + torch.exp(sinks[head].double())
+        torch.testing.assert_close(lse[:, head], total.log())
+
+
+@pytest.mark.parametrize("case_text", [SINKS, "gqa-h8/2-d64-bf16-fp8e4m3-outliers:30+4,0+20", "mla-h4-d32+8-fp16-p16:30+4,17+1",
+                                       "mha-h4-d192/128-bf16-p64-scale0.13524:30+4,0+40,0+0"])
+def test_torch_naive_returns_the_lse_on_every_path(case_text):
+    result = NumericsCheck().run_case(TorchNaiveBackend, parse_case(case_text), CPU)
+    assert result.verdict == Verdict.PASS and result.metrics["lse_max_abs_error"] < 1e-3, result.reason
+
+
+@pytest.mark.parametrize("defect", [lse_defects.LseInBaseTwo, lse_defects.LseWithoutTheSink])
+def test_planted_lse_slips_fail_numerics(defect):
+    result = NumericsCheck().run_case(defect, parse_case(SINKS), CPU)
+    assert result.verdict == Verdict.FAIL and result.reason.startswith("lse:"), result.reason
