@@ -119,16 +119,18 @@ class DeviceLengthsBackend(AttentionBackend):
         return max(1, min(self.max_splits, by_memory, wanted))
 
     def merge_splits(self, out, metadata: TritonMetadata, num_splits: int, value_dim: int,
-                     sinks: torch.Tensor | None = None) -> None:
+                     sinks: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> None:
         """Fold the partial results of a step that used more than one split into ``out`` (and the
-        layer's learned sinks into their denominators, once)."""
+        layer's learned sinks into their denominators, once; the rows' log-sum-exp into ``lse``)."""
         if num_splits == 1:
             return  # the split kernel wrote the output itself
         kernels.merge_splits_kernel[(self.limits.max_num_reqs * metadata.decode_q, self.spec.num_heads)](
             self.partial_out, self.partial_lse, out, metadata.query_start_loc, metadata.num_reqs, num_splits,
             out.stride(0), out.stride(1), self.partial_lse if sinks is None else sinks,
+            self.partial_lse if lse is None else lse, 0 if lse is None else lse.stride(0),
             NUM_HEADS=self.spec.num_heads, DECODE_Q=metadata.decode_q, HEAD_DIM=value_dim,
             BLOCK_D=triton.next_power_of_2(value_dim), BLOCK_SPLITS=BLOCK_SPLITS, HAS_SINKS=sinks is not None,
+            RETURN_LSE=lse is not None,
         )
 
     def build(self, common: CommonAttentionMetadata) -> TritonMetadata:
@@ -163,7 +165,7 @@ class TritonAttentionBackend(DeviceLengthsBackend):
         kinds=frozenset({"mha"}), head_dims=frozenset({64, 128, 192, 256}),
         block_sizes=frozenset({16, 32, 64}), kv_cache_dtypes=FP8_KV_DTYPES, **FP8_GPUS,
         max_query_len=None, sliding_window=True, logits_soft_cap=True, attention_sinks=True,
-        distinct_value_head_dim=True, padding_styles=frozenset(PaddingStyle),  # an empty request's programs return before reading anything
+        distinct_value_head_dim=True, returns_lse=True, padding_styles=frozenset(PaddingStyle),  # an empty request's programs return before reading anything
         cuda_graphs=CGSupport.ALWAYS, needs_cpu_seq_lens=False, draft_step_update=True,
         devices=interpreter_devices(), required_modules=("triton",), install_hint=INSTALL_HINT,
     )
@@ -224,11 +226,12 @@ class TritonAttentionBackend(DeviceLengthsBackend):
         return k_cache[blocks, :, offsets], v_cache[blocks, :, offsets]
 
     def forward(self, query, kv_cache, metadata: TritonMetadata, out, scales: KVScales | None = None,
-                sinks: torch.Tensor | None = None) -> None:
+                sinks: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> None:
         spec, limits = self.spec, self.limits
         if spec.attention_sinks and sinks is None:
             raise ValueError("a layer with learned attention sinks needs them (the `sinks` keyword of forward)")
         sinks_ptr = metadata.seq_lens if sinks is None else sinks  # read only with HAS_SINKS
+        lse_args = (self.partial_lse, 0) if lse is None else (lse, lse.stride(0))  # written only with RETURN_LSE
         k_cache, v_cache = self.planes(kv_cache)
         fp8 = spec.fp8_kv_cache
         k_scale, v_scale = self.device_scales(scales) if fp8 else (metadata.seq_lens, metadata.seq_lens)
@@ -239,7 +242,7 @@ class TritonAttentionBackend(DeviceLengthsBackend):
             GROUP=self.group, HEAD_DIM=spec.head_dim, BLOCK_D=self.block_d,
             PAGE_SIZE=spec.block_size, USE_WINDOW=spec.sliding_window is not None,
             USE_SOFT_CAP=spec.logits_soft_cap is not None, UPCAST_DOT=self.upcast_dot, KV_FP8=fp8,
-            HAS_SINKS=sinks is not None, HEAD_DIM_V=spec.v_head_dim, BLOCK_DV=self.block_dv,
+            HAS_SINKS=sinks is not None, HEAD_DIM_V=spec.v_head_dim, BLOCK_DV=self.block_dv, RETURN_LSE=lse is not None,
         )
         decode_q = metadata.decode_q
         block_m = max(16, triton.next_power_of_2(decode_q * self.group))
@@ -248,19 +251,19 @@ class TritonAttentionBackend(DeviceLengthsBackend):
             query, k_cache, v_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
             self.partial_out, self.partial_lse, out, metadata.num_reqs, num_splits, scale_log2, soft_cap, window,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), metadata.block_table.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_scale, v_scale, sinks_ptr,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_scale, v_scale, sinks_ptr, *lse_args,
             NUM_HEADS=spec.num_heads, DECODE_Q=decode_q, BLOCK_M=block_m, BLOCK_N=self.decode_block_n,
             ONE_SPLIT=num_splits == 1, **common_args,
             num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
         )
-        self.merge_splits(out, metadata, num_splits, spec.v_head_dim, sinks)
+        self.merge_splits(out, metadata, num_splits, spec.v_head_dim, sinks, lse)
         if metadata.max_query_len > decode_q or is_capturing(self.device):
             num_query_blocks = triton.cdiv(limits.max_num_tokens, self.prefill_block_q) + limits.max_num_reqs
             kernels.prefill_kernel[(num_query_blocks, spec.num_kv_heads)](
                 query, k_cache, v_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens, out,
                 metadata.num_reqs, scale_log2, soft_cap, window,
                 query.stride(0), query.stride(1), out.stride(0), out.stride(1), metadata.block_table.stride(0),
-                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_scale, v_scale, sinks_ptr,
+                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_scale, v_scale, sinks_ptr, *lse_args,
                 DECODE_Q=decode_q, BLOCK_Q=self.prefill_block_q, BLOCK_M=self.prefill_block_m, BLOCK_N=self.block_n,
                 **common_args,
             )

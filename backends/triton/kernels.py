@@ -45,6 +45,7 @@ def batch_kernel(fn):
     return triton.jit(fn, do_not_specialize=[name for name in BATCH_VARYING if name in names])
 
 LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -162,6 +163,12 @@ def fold_sink(acc, row_max, row_sum, sinks_ptr, head, row_valid):
 
 
 @triton.jit
+def store_lse(row_max, row_sum, lse_ptr, lse_stride, token_index, head, row_valid):
+    """Each row's log-sum-exp, natural log (the softmax runs in base 2: row_max is in base-2 units)."""
+    tl.store(lse_ptr + token_index * lse_stride + head, (row_max + tl.log2(row_sum)) * LN2, mask=row_valid)
+
+
+@triton.jit
 def store_output(acc, row_sum, out_ptr, token_index, head, dims, row_valid, stride_out_token, stride_out_head,
                  WIDTH: tl.constexpr):
     """The normalised output rows of a tile that saw every key of its rows, in the output dtype."""
@@ -258,11 +265,12 @@ def decode_split_kernel(
     partial_out_ptr, partial_lse_ptr, out_ptr,
     num_reqs, num_splits, scale_log2, soft_cap, window,
     stride_query_token, stride_query_head, stride_out_token, stride_out_head, stride_block_table,
-    stride_cache_block, stride_cache_head, stride_cache_token, k_scale_ptr, v_scale_ptr, sinks_ptr,
+    stride_cache_block, stride_cache_head, stride_cache_token, k_scale_ptr, v_scale_ptr, sinks_ptr, lse_ptr, lse_stride,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, DECODE_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST_DOT: tl.constexpr, ONE_SPLIT: tl.constexpr,
     KV_FP8: tl.constexpr, HAS_SINKS: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
 ):
     request, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # grid (requests, KV heads, splits)
     query_start, query_len, seq_len, token, head, row_valid, query_positions = decode_tile(
@@ -288,6 +296,8 @@ def decode_split_kernel(
     )
     if HAS_SINKS and ONE_SPLIT:  # with several splits, the merge adds the sink once
         acc, row_max, row_sum = fold_sink(acc, row_max, row_sum, sinks_ptr, head, row_valid)
+    if RETURN_LSE and ONE_SPLIT:  # with several splits, the merge writes it
+        store_lse(row_max, row_sum, lse_ptr, lse_stride, query_start + token, head, row_valid)
     store_split_result(acc, row_max, row_sum, partial_out_ptr, partial_lse_ptr, out_ptr, query_start, token, head,
                        request, split, num_splits, tl.arange(0, BLOCK_DV), row_valid, stride_out_token, stride_out_head,
                        NUM_HEADS, DECODE_Q, HEAD_DIM_V, ONE_SPLIT)
@@ -296,9 +306,9 @@ def decode_split_kernel(
 @batch_kernel
 def merge_splits_kernel(
     partial_out_ptr, partial_lse_ptr, out_ptr, query_start_loc_ptr, num_reqs, num_splits,
-    stride_out_token, stride_out_head, sinks_ptr,
+    stride_out_token, stride_out_head, sinks_ptr, lse_ptr, lse_stride,
     NUM_HEADS: tl.constexpr, DECODE_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr = False,
+    BLOCK_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr = False, RETURN_LSE: tl.constexpr = False,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -315,10 +325,13 @@ def merge_splits_kernel(
         sink = tl.load(sinks_ptr + head) * LOG2E
         top = tl.maximum(top, sink)
         weights = tl.exp2(lse - top)
-        weights = weights / (tl.sum(weights, axis=0) + tl.exp2(sink - top))
+        total = tl.sum(weights, axis=0) + tl.exp2(sink - top)
     else:
         weights = tl.exp2(lse - top)
-        weights = weights / tl.sum(weights, axis=0)
+        total = tl.sum(weights, axis=0)
+    weights = weights / total
+    if RETURN_LSE:
+        tl.store(lse_ptr + (query_start + token) * lse_stride + head, (top + tl.log2(total)) * LN2)
     dims = tl.arange(0, BLOCK_D)
     partial = tl.load(
         partial_out_ptr + (partial_row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
@@ -334,11 +347,11 @@ def prefill_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     num_reqs, scale_log2, soft_cap, window,
     stride_query_token, stride_query_head, stride_out_token, stride_out_head, stride_block_table,
-    stride_cache_block, stride_cache_head, stride_cache_token, k_scale_ptr, v_scale_ptr, sinks_ptr,
+    stride_cache_block, stride_cache_head, stride_cache_token, k_scale_ptr, v_scale_ptr, sinks_ptr, lse_ptr, lse_stride,
     GROUP: tl.constexpr, DECODE_Q: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr,
-    HAS_SINKS: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -387,5 +400,7 @@ def prefill_kernel(
     )
     if HAS_SINKS:
         acc, row_max, row_sum = fold_sink(acc, row_max, row_sum, sinks_ptr, head, row_valid)
+    if RETURN_LSE:
+        store_lse(row_max, row_sum, lse_ptr, lse_stride, query_start + token, head, row_valid)
     store_output(acc, row_sum, out_ptr, query_start + token, head, tl.arange(0, BLOCK_DV), row_valid, stride_out_token,
                  stride_out_head, HEAD_DIM_V)
