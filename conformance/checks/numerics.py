@@ -25,6 +25,9 @@ Each case is stepped four times over the same batch (``comparison`` says what "e
    #103; vLLM #32799, Megatron-LM #5715, TensorRT-LLM #16088); one that reuses a plan cached by
    the batch's shape (its number of requests and tokens) gives the second step the first one's
    lengths. Every other pass builds once per backend, so neither could show there.
+
+A backend claiming ``returns_lse`` also gets, right after the first pass, one more forward of the
+same step handed an ``lse`` buffer (``lse_pass``): its log-sum-exp against the oracle's.
 """
 from __future__ import annotations
 
