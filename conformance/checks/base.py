@@ -18,6 +18,13 @@ from conformance.checks.evidence import MAP_KEYS, EvidenceItem, labelled, maps, 
 from conformance.results import CaseResult, Verdict, worst
 
 
+def lse_skip_reason(backend_cls: type[AttentionBackend], case: Case) -> str | None:
+    """Why an ``lse`` case cannot ask this backend for its log-sum-exp, or None."""
+    if case.lse and not backend_cls.capabilities.returns_lse:
+        return "returns no log-sum-exp (the case asks forward for one; claims returns_lse=False)"
+    return None
+
+
 class Check(abc.ABC):
     name: ClassVar[str]
     question: ClassVar[str]
@@ -37,7 +44,7 @@ class Check(abc.ABC):
     def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
         return backend_cls.unsupported_reason(case.spec, device) or backend_cls.capabilities.query_len_reason(
             case.max_query_len, [query for _, query in case.batch]
-        ) or big_pool_skip_reason(case, device)
+        ) or lse_skip_reason(backend_cls, case) or big_pool_skip_reason(case, device)
 
     @abc.abstractmethod
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:

@@ -26,8 +26,9 @@ Each case is stepped four times over the same batch (``comparison`` says what "e
    the batch's shape (its number of requests and tokens) gives the second step the first one's
    lengths. Every other pass builds once per backend, so neither could show there.
 
-A backend claiming ``returns_lse`` also gets, right after the first pass, one more forward of the
-same step handed an ``lse`` buffer (``lse_pass``): its log-sum-exp against the oracle's.
+An ``lse`` case (run by a backend claiming ``returns_lse``) gets, right after the first pass, one
+more forward of the same step handed an ``lse`` buffer (``lse_pass``): its log-sum-exp against the
+oracle's.
 """
 from __future__ import annotations
 
@@ -110,8 +111,8 @@ class NumericsCheck(Check):
 
     @staticmethod
     def _lse(prepared: PreparedCase, metrics: dict[str, Any]) -> CaseResult | None:
-        """For a backend claiming ``returns_lse``: the step's log-sum-exp against the oracle's."""
-        if not prepared.backend.capabilities.returns_lse:
+        """For an ``lse`` case: the step's log-sum-exp against the oracle's."""
+        if not prepared.batch.case.lse:
             return None
         case = prepared.batch.case
         problem, lse_metrics = lse_findings(prepared)

@@ -22,6 +22,8 @@ A case's id is its whole definition, in the same compact grammar ``--case`` acce
                     view into a wider buffer, the block table a column slice of a wider table
                     (non-contiguous rows, as engines hand them over)
       padN          N padding rows (slot -1) after the real tokens (default 3; pad0: none)
+      lse           forward is also handed an ``lse`` buffer: the step's log-sum-exp is checked
+                    (run by a backend that claims returns_lse)
       attnsinks     learned attention sinks (gpt-oss): one logit per query head joins every
                     softmax denominator, handed to forward as ``sinks`` (MHA/GQA only)
       outliers      large logits: an outlier channel shifts every logit by ~100+ and position 0
@@ -81,6 +83,7 @@ class Case:
     big_pool: bool = False  # the pool past 2**31 elements a plane, owned blocks at its top (see batch)
     k_scale: float | None = None  # an fp8 cache's scales; None: the default (kv_quantization)
     v_scale: float | None = None
+    lse: bool = False  # forward is also asked for the step's log-sum-exp (a backend claiming returns_lse)
     tag: str = field(default="", compare=False)  # a human label ("decode"), not part of the id
 
     def __post_init__(self) -> None:
@@ -121,7 +124,7 @@ class Case:
     @property
     def layer_options(self) -> LayerOptions:
         return LayerOptions(self.shared_prefix_blocks, self.permute_blocks, self.strided, self.data, self.padding,
-                            self.big_pool, self.k_scale, self.v_scale)
+                            self.big_pool, self.k_scale, self.v_scale, self.lse)
 
     @property
     def kv_scales(self) -> tuple[float, float] | None:
@@ -206,6 +209,7 @@ class LayerOptions:
     big_pool: bool = False
     k_scale: float | None = None
     v_scale: float | None = None
+    lse: bool = False
 
 
 _ATTRIBUTE_KINDS = (
@@ -234,7 +238,7 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
     dtype, block_size = torch.bfloat16, 64 if is_mla else 16
     window = cap = scale = kv_cache_dtype = k_scale = v_scale = None
     share, permute, strided, data, padding, big_pool = 0, True, False, "normal", DEFAULT_PADDING_TOKENS, False
-    sinks = False
+    sinks = lse = False
     value_head_dim = None
     kv_heads_given = False
     given: dict[str, str] = {}  # attribute kind -> the attribute that set it
@@ -261,6 +265,8 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
             big_pool = True
         elif attr == "attnsinks":
             sinks = True
+        elif attr == "lse":
+            lse = True
         elif attr == "sinks":
             raise CaseSyntaxError(f"'sinks' is ambiguous in {text!r}: write 'outliers' for the large-logit data profile "
                                   "(its old name), 'attnsinks' for learned attention sinks (gpt-oss)")
@@ -328,7 +334,7 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
             )
     except ValueError as error:
         raise CaseSyntaxError(str(error)) from None
-    return spec, LayerOptions(share, permute, strided, data, padding, big_pool, k_scale, v_scale)
+    return spec, LayerOptions(share, permute, strided, data, padding, big_pool, k_scale, v_scale, lse)
 
 
 def parse_case(text: str, default_seed: int = 0) -> Case:
@@ -339,7 +345,8 @@ def parse_case(text: str, default_seed: int = 0) -> Case:
     layer_text, _, batch_text = body.rpartition(":")
     spec, options = parse_layer(layer_text or "gqa")
     return Case(spec, parse_batch(batch_text), seed, options.shared_prefix_blocks, options.permute_blocks,
-                options.strided, options.data, options.padding, options.big_pool, options.k_scale, options.v_scale)
+                options.strided, options.data, options.padding, options.big_pool, options.k_scale, options.v_scale,
+                options.lse)
 
 
 def _format_number(value: float) -> str:
@@ -377,6 +384,8 @@ def format_layer(spec: AttentionSpec, options: LayerOptions = LayerOptions()) ->
         parts.append(f"pad{options.padding}")
     if options.data != "normal":
         parts.append(options.data)
+    if options.lse:
+        parts.append("lse")
     if options.big_pool:
         parts.append("bigpool")
     return "-".join(parts)
@@ -604,7 +613,7 @@ def standard_suite() -> list[Case]:
     cases += _cases("mla-h8-d512+64-bf16-p64", [("8 heads: decode", "1+1,700+1,2500+1"), ("8 heads: spec-verify k=3", "64+4,900+4")])
     # DeepSeek-V3's MLA prefill as vLLM and SGLang run it: ordinary attention over decompressed
     # keys, q/k 192 (128 + 64 rope), v 128, 128 heads over tensor parallel 8, its YaRN scale.
-    cases += _cases("mha-h16-d192/128-bf16-p64-scale0.13524", [("DeepSeek-V3 prefill: with context", "200+64,0+100"),
+    cases += _cases("mha-h16-d192/128-bf16-p64-scale0.13524-lse", [("DeepSeek-V3 prefill: with context", "200+64,0+100"),
                                                               ("DeepSeek-V3 prefill: chunked, long context", "1024+256,0+300,4096+512")])
     return cases + _variant_cases() + _sink_cases() + _empty_request_cases()
 
@@ -633,6 +642,10 @@ def _sink_cases() -> list[Case]:
     cases += _cases(GPT_OSS + "-w128-attnsinks-edges", [("learned sinks, window 128: decode", "1000+1,127+1,128+1,129+1"),
                                                        ("learned sinks, window 128: mixed", "0+300,700+64,255+1")])
     cases += _cases("gqa-h64/8-d64-bf16-fp8e4m3-p16-attnsinks", [("fp8, learned sinks: mixed", "0+100,500+4,2000+1")])
+    # The log-sum-exp with a sink in it (its term belongs to the denominator a merge weighs by),
+    # and MLA decode's (what decode-context parallelism merges).
+    cases += _cases(GPT_OSS + "-attnsinks-lse", [("learned sinks, log-sum-exp: mixed", "0+64,300+4,1000+1")])
+    cases += _cases("mla-h16-d512+64-bf16-p64-lse", [("log-sum-exp: decode and verify", "700+1,64+4,2500+1")])
     return cases
 
 

@@ -12,7 +12,7 @@ from conformance.results import Verdict
 from tests.planted import lse_defects
 
 CPU = torch.device("cpu")
-SINKS = "gqa-h8/2-d64-bf16-attnsinks:30+4,0+20,17+1"
+SINKS = "gqa-h8/2-d64-bf16-attnsinks-lse:30+4,0+20,17+1"
 
 
 def test_the_oracle_lse_is_the_log_of_each_softmax_denominator():
@@ -27,9 +27,10 @@ def test_the_oracle_lse_is_the_log_of_each_softmax_denominator():
         torch.testing.assert_close(lse[:, head], total.log())
 
 
-@pytest.mark.parametrize("case_text", [SINKS, "gqa-h8/2-d64-bf16-fp8e4m3-outliers:30+4,0+20", "mla-h4-d32+8-fp16-p16:30+4,17+1",
-                                       "mha-h4-d192/128-bf16-p64-scale0.13524:30+4,0+40,0+0"])
+@pytest.mark.parametrize("case_text", [SINKS, "gqa-h8/2-d64-bf16-fp8e4m3-outliers-lse:30+4,0+20", "mla-h4-d32+8-fp16-p16-lse:30+4,17+1",
+                                       "mha-h4-d192/128-bf16-p64-scale0.13524-lse:30+4,0+40,0+0"])
 def test_torch_naive_returns_the_lse_on_every_path(case_text):
+    assert parse_case(case_text).lse
     result = NumericsCheck().run_case(TorchNaiveBackend, parse_case(case_text), CPU)
     assert result.verdict == Verdict.PASS and result.metrics["lse_max_abs_error"] < 1e-3, result.reason
 
@@ -38,3 +39,16 @@ def test_torch_naive_returns_the_lse_on_every_path(case_text):
 def test_planted_lse_slips_fail_numerics(defect):
     result = NumericsCheck().run_case(defect, parse_case(SINKS), CPU)
     assert result.verdict == Verdict.FAIL and result.reason.startswith("lse:"), result.reason
+
+
+def test_an_lse_case_is_skipped_by_a_backend_that_returns_none_and_only_asks_where_it_says_so():
+    from conformance.checks.base import lse_skip_reason
+    from tests.planted.fp8_defects import DropsScaleOnDecode
+
+    assert "returns_lse=False" in lse_skip_reason(type("NoLse", (TorchNaiveBackend,), {
+        "capabilities": __import__("dataclasses").replace(TorchNaiveBackend.capabilities, returns_lse=False)}), parse_case(SINKS))
+    # Without the attribute forward is never handed an lse buffer: a subclass whose forward does
+    # not take one (most planted defects) still runs every other case.
+    assert not parse_case("gqa-h8/2-d64-bf16-fp8e4m3:30+4").lse
+    result = NumericsCheck().run_case(DropsScaleOnDecode, parse_case("gqa-h8/2-d64-bf16-fp8e4m3:30+4,0+20"), CPU)
+    assert result.verdict == Verdict.PASS, result.reason  # no decode rows: its bug does not show, and no lse is asked
