@@ -19,15 +19,24 @@ LSE_ATOL = 1e-3
 LSE_RTOL = 1e-4
 
 
-def lse_findings(prepared: PreparedCase) -> tuple[str | None, dict[str, Any]]:
+def forward_with_lse(prepared: PreparedCase) -> tuple[torch.Tensor, torch.Tensor]:
     """One more forward of the step just run (same metadata, same cache), handed an ``lse``
-    buffer of NaN: (what is wrong or None, metrics). Rows past the real tokens must stay NaN."""
-    batch, backend = prepared.batch, prepared.backend
+    buffer of NaN: (output, lse), padding rows included."""
+    batch = prepared.batch
     spec, tokens, padding = batch.spec, batch.case.num_tokens, batch.case.padding
     query = torch.cat([batch.query, batch.query.new_zeros(padding, *batch.query.shape[1:])])
     out = torch.empty(tokens + padding, spec.num_heads, spec.v_head_dim, dtype=spec.dtype, device=batch.device)
     lse = torch.full((tokens + padding, spec.num_heads), float("nan"), dtype=torch.float32, device=batch.device)
-    backend.forward(query, prepared.kv_cache, prepared.metadata, out, **prepared.forward_layer, lse=lse)
+    prepared.backend.forward(query, prepared.kv_cache, prepared.metadata, out, **prepared.forward_layer, lse=lse)
+    return out, lse
+
+
+def lse_findings(prepared: PreparedCase) -> tuple[str | None, dict[str, Any]]:
+    """The step just run, again with an ``lse`` buffer: (what is wrong or None, metrics). Rows
+    past the real tokens must stay NaN."""
+    batch = prepared.batch
+    spec, tokens, padding = batch.spec, batch.case.num_tokens, batch.case.padding
+    _, lse = forward_with_lse(prepared)
     expected = expected_lse(prepared)
     got = lse[:tokens].double()
     error = (got - expected).abs()

@@ -28,7 +28,9 @@ Each case is stepped four times over the same batch (``comparison`` says what "e
 
 An ``lse`` case (run by a backend claiming ``returns_lse``) gets, right after the first pass, one
 more forward of the same step handed an ``lse`` buffer (``lse_pass``): its log-sum-exp against the
-oracle's.
+oracle's, and where the layer allows (MHA, no sinks, a cache in the compute dtype), the step cut
+into a context piece and a new-token piece merged by their LSEs, as vLLM runs MLA prefill with
+context (``lse_merge``).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from backends.base import AttentionBackend, dtype_name
 from conformance.checks.base import Check
 from conformance.checks.error_map import failure_maps
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle, how_far_off, worst_place
+from conformance.checks.lse_merge import merge_applies, merge_findings
 from conformance.checks.lse_pass import lse_findings
 from conformance.checks.nan_poison import nan_poison_pass
 from conformance.inputs.cases import Case
@@ -117,6 +120,9 @@ class NumericsCheck(Check):
         case = prepared.batch.case
         problem, lse_metrics = lse_findings(prepared)
         metrics.update(lse_metrics)
+        if problem is None and merge_applies(prepared):  # and the LSE at work: vLLM's MLA prefill merge
+            problem, merge_metrics = merge_findings(prepared)
+            metrics.update(merge_metrics)
         if problem is None:
             return None
         return CaseResult(case.id, Verdict.FAIL, problem, tag=case.tag, metrics=metrics,

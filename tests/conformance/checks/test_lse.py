@@ -52,3 +52,18 @@ def test_an_lse_case_is_skipped_by_a_backend_that_returns_none_and_only_asks_whe
     assert not parse_case("gqa-h8/2-d64-bf16-fp8e4m3:30+4").lse
     result = NumericsCheck().run_case(DropsScaleOnDecode, parse_case("gqa-h8/2-d64-bf16-fp8e4m3:30+4,0+20"), CPU)
     assert result.verdict == Verdict.PASS, result.reason  # no decode rows: its bug does not show, and no lse is asked
+
+
+def test_the_step_merged_from_its_two_pieces_by_their_lses_equals_the_oracle_and_a_base_two_lse_breaks_it():
+    """vLLM's MLA prefill with context: the context piece (null keys) and the new-token piece,
+    joined by merge_attn_states' rule; called on its own, the merge catches an LSE in base 2 too."""
+    from conformance.checks.lse_merge import merge_applies, merge_findings
+    from conformance.inputs.harness import prepare_case, run_step
+
+    for backend, caught in ((TorchNaiveBackend, False), (lse_defects.LseInBaseTwo, True)):
+        prepared = prepare_case(backend, parse_case("mha-h16-d192/128-bf16-p64-scale0.13524-lse:200+64,0+100"), CPU)
+        run_step(prepared)
+        assert merge_applies(prepared)
+        problem, metrics = merge_findings(prepared)
+        assert (problem is not None) == caught, problem
+    assert not merge_applies(prepare_case(TorchNaiveBackend, parse_case(SINKS), CPU))  # a sink would count twice
