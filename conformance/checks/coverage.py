@@ -24,7 +24,7 @@ from conformance.checks.comparison import TOLERANCES
 from conformance.inputs.batch import PagedBatch, materialize
 from conformance.inputs.cases import Case
 from conformance.inputs.kv_quantization import dequantize, quantize
-from conformance.inputs.oracle import attention_reference, mla_reference
+from conformance.inputs.oracle import layer_reference
 
 MARGIN = 10.0  # how far (× the tolerance) the answer without the parameter must be
 PATHS = ("decode", "verify", "prefill", "mixed", "graphs", "draft-loop")
@@ -77,9 +77,7 @@ def answer(batch: PagedBatch, **changes) -> torch.Tensor:
     case, spec = batch.case, batch.spec
     k_scale, v_scale = case.kv_scales or (None, None)
     used_k, used_v = changes.pop("k_scale", k_scale), changes.pop("v_scale", v_scale)
-    options = {"scale": spec.softmax_scale, **({} if spec.kind == "mla" else {
-        "sliding_window": spec.sliding_window, "logits_soft_cap": spec.logits_soft_cap, "sinks": batch.sinks}),
-        **changes}
+    options = {"sinks": batch.sinks, **changes}
     outputs = []
     for request, (context_len, _) in enumerate(case.batch):
         start, end = batch.query_start_loc[request], batch.query_start_loc[request + 1]
@@ -87,12 +85,7 @@ def answer(batch: PagedBatch, **changes) -> torch.Tensor:
         if k_scale is not None:
             key = dequantize(quantize(key, k_scale, spec.kv_cache_dtype), used_k)
             value = None if value is None else dequantize(quantize(value, v_scale, spec.kv_cache_dtype), used_v)
-        query = batch.query[start:end]
-        if spec.kind == "mla":
-            outputs.append(mla_reference(query, key, kv_lora_rank=spec.kv_lora_rank, context_len=context_len,
-                                         scale=options["scale"]))
-        else:
-            outputs.append(attention_reference(query, key, value, context_len=context_len, **options))
+        outputs.append(layer_reference(spec, batch.query[start:end], key, value, context_len=context_len, **options))
     return torch.cat(outputs)
 
 

@@ -14,7 +14,7 @@ import torch
 from backends.base import BackendLimits, CommonAttentionMetadata
 from conformance.inputs.case_data import apply_profile, sink_logits, use_fp8_range
 from conformance.inputs.cases import Case
-from conformance.inputs.oracle import attention_reference, mla_reference
+from conformance.inputs.oracle import layer_reference
 from conformance.inputs.random_data import normal_tensors
 
 BIG_POOL_ELEMENTS = 2**31  # a bigpool case's owned blocks start past this many elements of their plane
@@ -84,21 +84,8 @@ class PagedBatch:
         outputs = []
         for request, (context_len, _) in enumerate(self.case.batch):
             start, end = self.query_start_loc[request], self.query_start_loc[request + 1]
-            if spec.kind == "mla":
-                outputs.append(
-                    mla_reference(
-                        self.query[start:end], self.keys[request], kv_lora_rank=spec.kv_lora_rank,
-                        context_len=context_len, scale=spec.softmax_scale,
-                    )
-                )
-            else:
-                outputs.append(
-                    attention_reference(
-                        self.query[start:end], self.keys[request], self.values[request], context_len=context_len,
-                        scale=spec.softmax_scale, sliding_window=spec.sliding_window,
-                        logits_soft_cap=spec.logits_soft_cap, sinks=self.sinks,
-                    )
-                )
+            outputs.append(layer_reference(spec, self.query[start:end], self.keys[request], self.values[request],
+                                           context_len=context_len, sinks=self.sinks))
         return torch.cat(outputs)
 
     def head_values(self, request: int, head: int) -> torch.Tensor:

@@ -106,3 +106,16 @@ def mla_reference(
         scale=scale,
         return_lse=return_lse,
     )
+
+
+def layer_reference(spec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None, *, context_len: int,
+                    sinks: torch.Tensor | None = None, return_lse: bool = False, **options):
+    """The oracle for one request of a layer of ``spec`` (an ``AttentionSpec``): absorbed MLA, or
+    MHA/GQA with the layer's window, cap and ``sinks``. ``options`` (scale, sliding_window,
+    logits_soft_cap) override the layer's: a parameter dropped or mis-applied."""
+    options = {"scale": spec.softmax_scale, "sliding_window": spec.sliding_window,
+               "logits_soft_cap": spec.logits_soft_cap, **options}
+    if spec.kind == "mla":
+        return mla_reference(query, key, kv_lora_rank=spec.kv_lora_rank, context_len=context_len,
+                             scale=options["scale"], return_lse=return_lse)
+    return attention_reference(query, key, value, context_len=context_len, sinks=sinks, return_lse=return_lse, **options)

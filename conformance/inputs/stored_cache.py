@@ -14,7 +14,7 @@ import torch
 
 from conformance.inputs.harness import PreparedCase
 from conformance.inputs.kv_quantization import ONE_ULP_FRACTION, dequantize, largest, quantize, ulps_apart
-from conformance.inputs.oracle import attention_reference, mla_reference
+from conformance.inputs.oracle import layer_reference
 
 
 def _stored(prepared: PreparedCase, request: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -72,14 +72,8 @@ def _solve(prepared: PreparedCase, *, negated: bool = False) -> tuple[torch.Tens
         query = batch.query[start:end].neg() if negated else batch.query[start:end]
         key, value = _stored(prepared, request) if scales is not None else (batch.keys[request], batch.values[request])
         k_scale, v_scale = (scales.k_scale, scales.v_scale) if scales is not None else (1.0, 1.0)
-        if spec.kind == "mla":
-            out, lse = mla_reference(query, dequantized(key, k_scale), kv_lora_rank=spec.kv_lora_rank,
-                                     context_len=context_len, scale=spec.softmax_scale, return_lse=True)
-        else:
-            out, lse = attention_reference(
-                query, dequantized(key, k_scale), dequantized(value, v_scale), context_len=context_len,
-                scale=spec.softmax_scale, sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
-                sinks=batch.sinks, return_lse=True)
+        out, lse = layer_reference(spec, query, dequantized(key, k_scale), dequantized(value, v_scale),
+                                   context_len=context_len, sinks=batch.sinks, return_lse=True)
         outputs.append(out)
         sums.append(lse)
     return torch.cat(outputs), torch.cat(sums)
