@@ -33,9 +33,9 @@ def serves_every_batch(capabilities: Capabilities) -> bool:
 
 
 def companion_candidates(spec: AttentionSpec, device: torch.device) -> list[str]:
-    """The built-ins tried, in order, as the companion: Triton where it compiles (no host lengths,
+    """The built-ins tried, in order, as the companion: Triton's where it compiles (no host lengths,
     graph-safe), else the plain-PyTorch backend (any layout, any device)."""
-    return (["triton"] if device.type == "cuda" and spec.kind == "mha" else []) + ["torch_naive"]
+    return ([{"mha": "triton", "mla": "triton_mla"}[spec.kind]] if device.type == "cuda" else []) + ["torch_naive"]
 
 
 def resolve_companion(backend_cls: type[AttentionBackend], spec: AttentionSpec, device: torch.device,
@@ -45,20 +45,30 @@ def resolve_companion(backend_cls: type[AttentionBackend], spec: AttentionSpec, 
     if serves_every_batch(backend_cls.capabilities):
         return None
     names = companion_candidates(spec, device) if requested in (None, AUTO) else [requested]
+    companion, reasons = first_claiming(names, spec, device, every_batch=True)
+    if companion is None:
+        raise ValueError(f"{backend_cls.name or backend_cls.__name__} serves only some batches and no prefill backend "
+                         f"can serve the rest ({reasons})")
+    return companion
+
+
+def first_claiming(names: list[str], spec: AttentionSpec, device: torch.device,
+                   every_batch: bool) -> tuple[type[AttentionBackend] | None, str]:
+    """The first of ``names`` that claims ``spec`` here (and, with ``every_batch``, serves every
+    query length itself), or None and why each one cannot."""
     reasons = []
     for name in names:
         try:
-            companion = registry.load(name)
+            candidate = registry.load(name)
         except registry.BackendLookupError as error:
             raise ValueError(f"prefill backend: {error}") from None
-        reason = companion.unsupported_reason(spec, device)
-        if not reason and not serves_every_batch(companion.capabilities):
+        reason = candidate.unsupported_reason(spec, device)
+        if not reason and every_batch and not serves_every_batch(candidate.capabilities):
             reason = "does not serve every query length itself"
         if not reason:
-            return companion
+            return candidate, ""
         reasons.append(f"{name}: {reason}")
-    raise ValueError(f"{backend_cls.name or backend_cls.__name__} serves only some batches and no prefill backend "
-                     f"can serve the rest ({'; '.join(reasons)})")
+    return None, "; ".join(reasons)
 
 
 @dataclass(frozen=True)
@@ -70,28 +80,57 @@ class Part:
     by_companion: bool
 
 
+def runs(keys: list) -> list[tuple[int, int, Any]]:
+    """Runs of consecutive requests with equal keys: (first, last, key)."""
+    found: list[tuple[int, int, Any]] = []
+    for index, key in enumerate(keys):
+        if found and found[-1][2] == key:
+            found[-1] = (found[-1][0], index + 1, key)
+        else:
+            found.append((index, index + 1, key))
+    return found
+
+
 def plan_parts(query_lens: list[int], capabilities: Capabilities) -> list[Part]:
     """Runs of consecutive requests each one backend serves: the backend under test takes a request
     whose query length it accepts (and, when it takes only uniform batches, a run of one length)."""
     limit = capabilities.max_query_len
-    parts: list[Part] = []
-    for index, length in enumerate(query_lens):
+
+    def key(length: int) -> tuple[bool, int | None]:
         by_companion = limit is not None and length > limit
-        previous = parts[-1] if parts else None
-        joins = previous is not None and previous.by_companion == by_companion and (
-            by_companion or not capabilities.uniform_query_len or query_lens[previous.first] == length)
-        if joins:
-            parts[-1] = dataclasses.replace(previous, last=index + 1)
-        else:
-            parts.append(Part(index, index + 1, by_companion))
-    return parts
+        return by_companion, length if capabilities.uniform_query_len and not by_companion else None
+
+    return [Part(first, last, key[0]) for first, last, key in runs([key(length) for length in query_lens])]
 
 
-@dataclass
-class SplitMetadata:
-    """One step's parts: (part, its token range, the serving backend's metadata)."""
+@dataclass(frozen=True)
+class Call:
+    """One backend's share of a step: tokens [start, end) and its metadata. ``whole``: the step as
+    it is (persistent tensors, graph padding rows and all), so the call takes the whole tensors."""
 
-    calls: list[tuple[Part, int, int, Any]]
+    backend: AttentionBackend
+    start: int
+    end: int
+    metadata: Any
+    whole: bool
+
+    def rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.whole else tensor[self.start : self.end]
+
+
+def build_calls(common: CommonAttentionMetadata, parts: list[tuple[int, int, AttentionBackend]], build_name: str,
+                routing: "Routing", label) -> list[Call]:
+    """Each part's metadata from its backend (``build`` or ``build_for_capture``), the part cut out
+    of the step as a batch of its own unless it is the whole step; ``routing`` counts its tokens."""
+    starts = common.query_start_loc_cpu.tolist()
+    calls = []
+    for first, last, backend in parts:
+        whole = len(parts) == 1
+        batch = common if whole else sub_batch(common, first, last)
+        start, end = starts[first], starts[last]
+        calls.append(Call(backend, start, end, getattr(backend, build_name)(batch), whole))
+        routing.add(label(backend), end - start)
+    return calls
 
 
 @dataclass
@@ -150,37 +189,28 @@ class SplitAttention(AttentionBackend):
     def _serving(self, part: Part) -> AttentionBackend:
         return self.companion if part.by_companion else self.backend
 
-    def _build(self, common: CommonAttentionMetadata, build_name: str) -> SplitMetadata:
-        parts = plan_parts(common.query_lens_cpu.tolist(), self.backend.capabilities)
-        starts = common.query_start_loc_cpu.tolist()
-        calls = []
-        for part in parts:
-            serving = self._serving(part)
-            whole = len(parts) == 1  # the step as it is: persistent tensors, graph padding rows and all
-            batch = common if whole else sub_batch(common, part.first, part.last)
-            token_start, token_end = starts[part.first], starts[part.last]
-            calls.append((part, token_start, token_end, getattr(serving, build_name)(batch)))
-            self.routing.add(self.labels[id(serving)], token_end - token_start)
-        return SplitMetadata(calls)
+    def _cache(self, kv_cache, call: Call):
+        return kv_cache[int(call.backend is self.companion)]
 
-    def build(self, common: CommonAttentionMetadata) -> SplitMetadata:
+    def _build(self, common: CommonAttentionMetadata, build_name: str) -> list[Call]:
+        parts = plan_parts(common.query_lens_cpu.tolist(), self.backend.capabilities)
+        return build_calls(common, [(part.first, part.last, self._serving(part)) for part in parts], build_name,
+                           self.routing, lambda backend: self.labels[id(backend)])
+
+    def build(self, common: CommonAttentionMetadata) -> list[Call]:
         return self._build(common, "build")
 
-    def build_for_capture(self, common: CommonAttentionMetadata) -> SplitMetadata:
+    def build_for_capture(self, common: CommonAttentionMetadata) -> list[Call]:
         return self._build(common, "build_for_capture")
 
-    def update_for_draft_step(self, metadata: SplitMetadata, common: CommonAttentionMetadata) -> SplitMetadata:
-        # Draft steps are uniform (one token per request): one part, served by the backend under test.
-        (part, start, end, inner), = metadata.calls
-        return SplitMetadata([(part, start, end, self._serving(part).update_for_draft_step(inner, common))])
+    def update_for_draft_step(self, metadata: list[Call], common: CommonAttentionMetadata) -> list[Call]:
+        # Draft steps are uniform (one token per request): one call, served by the backend under test.
+        call, = metadata
+        return [dataclasses.replace(call, metadata=call.backend.update_for_draft_step(call.metadata, common))]
 
-    def forward(self, query, kv_cache, metadata: SplitMetadata, out, **layer) -> None:
-        if len(metadata.calls) == 1:
-            part, _, _, inner = metadata.calls[0]
-            self._serving(part).forward(query, kv_cache[int(part.by_companion)], inner, out, **layer)
-            return
-        for part, start, end, inner in metadata.calls:
-            self._serving(part).forward(query[start:end], kv_cache[int(part.by_companion)], inner, out[start:end], **layer)
+    def forward(self, query, kv_cache, metadata: list[Call], out, **layer) -> None:
+        for call in metadata:
+            call.backend.forward(call.rows(query), self._cache(kv_cache, call), call.metadata, call.rows(out), **layer)
 
 
 def attention_for(backend_cls: type[AttentionBackend], spec: AttentionSpec, limits: BackendLimits, device: torch.device,

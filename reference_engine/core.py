@@ -17,10 +17,10 @@ import torch
 
 from backends import registry
 from backends.base import BackendLimits, KVScales
-from reference_engine.attention_split import attention_for
 from reference_engine.drafters import DRAFTER_NAMES, Drafter, EagleDrafter, ScriptedDrafter, parse_drafter
 from reference_engine.kv_cache import BlockManager
 from reference_engine.model import EagleHead, LlamaModel, ModelConfig
+from reference_engine.model_attention import ModelAttention, plan_attention
 from reference_engine.request import Request
 from reference_engine.sampling import SamplingParams
 from reference_engine.scheduler import Scheduler
@@ -51,6 +51,9 @@ class EngineConfig:
     async_scheduling: bool = True  # schedule step N + 1 before step N's results are known
     cuda_graphs: bool = False  # capture uniform decode / verify steps at padded batch sizes
     check_inputs: bool = False  # debug: count placeholder inputs and inconsistent positions on device
+    # An MLA model's prefill decompressed through the backend where it claims that layer (False:
+    # every request absorbed, the engine check's reference for the prefill path).
+    decompressed_mla_prefill: bool = True
     # Build the backend's metadata afresh for every draft step even when it claims
     # draft_step_update (the engine check's reference for the update path).
     rebuild_draft_metadata: bool = False
@@ -99,15 +102,18 @@ class EngineCore:
         self.drafter: Drafter | None = drafter
         self.device = torch.device(config.device)
         self.model = model or LlamaModel.random(config.model, config.seed, config.dtype, self.device)
-        spec = config.model.attention_spec(config.dtype, config.block_size, config.kv_cache_dtype)
         backend_cls = registry.load(config.backend)
-        reason = backend_cls.unsupported_reason(spec, self.device)
-        if reason:
-            raise ValueError(f"backend {config.backend} cannot run this model here: {reason}")
+        try:
+            plans = plan_attention(backend_cls, config.model, config.dtype, config.block_size,
+                                   config.kv_cache_dtype, self.device, config.prefill_backend,
+                                   config.decompressed_mla_prefill)
+        except ValueError as error:
+            raise ValueError(f"backend {config.backend} cannot run this model here: {error}") from None
         limits = BackendLimits(config.max_num_reqs, config.max_num_tokens, config.model.max_model_len)
-        # A backend that serves only some batches runs beside a companion that serves the rest.
-        self.backend = attention_for(backend_cls, spec, limits, self.device, config.prefill_backend)
-        self.kv_caches = [self.backend.allocate_kv_cache(config.num_blocks) for _ in range(config.model.num_layers)]
+        # A backend that serves only some batches runs beside a companion that serves the rest;
+        # an MLA model's prefill runs decompressed where the backend claims that layer.
+        self.backend = ModelAttention(plans, limits, self.device, 1 + config.num_spec_tokens, config.prefill_backend)
+        self.kv_caches = [self.backend.allocate_kv_cache(config.num_blocks, layer) for layer in range(config.model.num_layers)]
         self.kv_scales = layer_scales(config, config.model.num_layers, self.device)
         self.blocks = BlockManager(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(
@@ -118,7 +124,7 @@ class EngineCore:
         if isinstance(drafter, EagleDrafter):
             if self.eagle is None:
                 self.eagle = EagleHead.random(config.model, config.seed, config.dtype, self.device)
-            self.eagle_cache = self.backend.allocate_kv_cache(config.num_blocks)  # the head's own KV
+            self.eagle_cache = self.backend.allocate_kv_cache(config.num_blocks, 0)  # the head's own KV (one layer)
             self.eagle_scales = layer_scales(config, 1, self.device)
         self._generators: dict[int, torch.Generator] = {}
 

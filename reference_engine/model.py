@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from backends.base import AttentionBackend, AttentionSpec, KVScales, layer_arguments
+from backends import fp8
+from backends.base import AttentionSpec, KVScales, layer_arguments
+
+if TYPE_CHECKING:
+    from reference_engine.model_attention import LayerView, ModelAttention
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,8 @@ class ModelConfig:
     logit_scale: float = 4.0  # sharpens the random LM head into non-degenerate distributions
     qkv_bias: bool = False  # Qwen2 has q/k/v biases
     attention_sinks: bool = False  # gpt-oss: one learned sink logit per query head and layer
+    sliding_window: int | None = None  # a token sees itself and the sliding_window - 1 before it
+    alternating_window: bool = False  # gpt-oss, Gemma 2: the window on even layers only, odd layers see everything
     # MLA (DeepSeek-style latent KV): attention == "mla" uses these instead of the K/V heads.
     attention: str = "mha"
     kv_lora_rank: int = 0
@@ -35,16 +42,38 @@ class ModelConfig:
     qk_rope_dim: int = 0
     v_head_dim: int = 0
 
-    def attention_spec(self, dtype: torch.dtype, block_size: int, kv_cache_dtype: torch.dtype | None = None) -> AttentionSpec:
+    def layer_spec(self, layer: int, dtype: torch.dtype, block_size: int,
+                   kv_cache_dtype: torch.dtype | None = None) -> AttentionSpec:
+        """Layer ``layer``'s attention (MLA: absorbed, over the latent cache)."""
         if self.attention == "mla":
             return AttentionSpec(
                 kind="mla", num_heads=self.num_heads, num_kv_heads=1, head_dim=self.kv_lora_rank + self.qk_rope_dim,
                 dtype=dtype, block_size=block_size, kv_lora_rank=self.kv_lora_rank, rope_dim=self.qk_rope_dim,
-                scale=1.0 / math.sqrt(self.qk_nope_dim + self.qk_rope_dim), kv_cache_dtype=kv_cache_dtype,
+                scale=self.mla_scale, kv_cache_dtype=kv_cache_dtype,
             )
+        windowed = self.sliding_window is not None and not (self.alternating_window and layer % 2)
         return AttentionSpec(kind="mha", num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                              head_dim=self.head_dim, dtype=dtype, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
-                             attention_sinks=self.attention_sinks)
+                             attention_sinks=self.attention_sinks, sliding_window=self.sliding_window if windowed else None)
+
+    def attention_spec(self, dtype: torch.dtype, block_size: int, kv_cache_dtype: torch.dtype | None = None) -> AttentionSpec:
+        """The first layer's attention."""
+        return self.layer_spec(0, dtype, block_size, kv_cache_dtype)
+
+    def prefill_spec(self, dtype: torch.dtype, block_size: int) -> AttentionSpec | None:
+        """MLA's prefill as vLLM and SGLang run it: ordinary attention over the decompressed keys
+        (qk = nope + rope per head) and values (v per head), in the compute dtype (what a prefill
+        gathers from an fp8 cache is dequantized). None for an MHA model."""
+        if self.attention != "mla":
+            return None
+        qk = self.qk_nope_dim + self.qk_rope_dim
+        return AttentionSpec(kind="mha", num_heads=self.num_heads, num_kv_heads=self.num_heads, head_dim=qk, dtype=dtype,
+                             block_size=block_size, value_head_dim=None if self.v_head_dim == qk else self.v_head_dim,
+                             scale=self.mla_scale)
+
+    @property
+    def mla_scale(self) -> float:
+        return 1.0 / math.sqrt(self.qk_nope_dim + self.qk_rope_dim)
 
 
 PRESETS = {
@@ -101,10 +130,11 @@ class DecoderLayer(torch.nn.Module):
         key = qkv[:, q_size : q_size + kv_size].view(tokens, config.num_kv_heads, config.head_dim)
         value = qkv[:, q_size + kv_size :].view(tokens, config.num_kv_heads, config.head_dim).contiguous()
         query, key = apply_rope(query, positions, config.rope_theta), apply_rope(key, positions, config.rope_theta)
-        step.backend.write_kv(step.kv_caches[layer], key, value, step.slot_mapping, **step.layer(layer))
+        view = step.attention(layer)
+        view.backend.write_kv(view.kv_cache, key, value, step.slot_mapping, **step.layer(layer))
         out = torch.empty(tokens, config.num_heads, config.head_dim, dtype=normed.dtype, device=normed.device)
         sinks = {} if self.sinks is None else {"sinks": self.sinks}
-        step.backend.forward(query, step.kv_caches[layer], step.metadata, out, **step.layer(layer), **sinks)
+        view.backend.forward(query, view.kv_cache, view.metadata, out, **step.layer(layer), **sinks)
         return self.o_proj(out.view(tokens, q_size))
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, step: "StepInputs", layer: int) -> torch.Tensor:
@@ -149,28 +179,58 @@ class LatentAttention(torch.nn.Module):
         down = self.kv_down(normed)
         latent = rms_norm(down[:, :rank], self.kv_norm, config.rms_norm_eps)
         k_pe = apply_rope(down[:, None, rank:], positions, config.rope_theta)[:, 0]
-        step.backend.write_kv(step.kv_caches[layer], torch.cat([latent, k_pe], dim=-1).contiguous(), None, step.slot_mapping,
-                              **step.layer(layer))
-        absorbed = per_head_product("thn,hnr->thr", q_nope, self.w_uk)
-        out = torch.empty(tokens, heads, rank, dtype=normed.dtype, device=normed.device)
-        step.backend.forward(torch.cat([absorbed, q_pe], dim=-1).contiguous(), step.kv_caches[layer], step.metadata, out,
-                             **step.layer(layer))
-        return self.o_proj(per_head_product("thr,hrv->thv", out, self.w_uv).reshape(tokens, -1))
+        entry = torch.cat([latent, k_pe], dim=-1).contiguous()
+        view, arguments = step.attention(layer), step.layer(layer)
+        view.backend.write_kv(view.kv_cache, entry, None, step.slot_mapping, **arguments)
+        if view.prefill is not None:
+            key, value = self.decompress(entry, view.backend.spec, arguments.get("scales"))
+            view.prefill.write_kv(view.prefill_cache, key, value, step.slot_mapping)
+        out = torch.empty(tokens, heads, config.v_head_dim, dtype=normed.dtype, device=normed.device)
+        absorbed = None
+        for call in view.calls:  # decodes absorbed over the latents, prefills over the decompressed keys
+            if call.backend is view.prefill:
+                call.backend.forward(call.rows(torch.cat([q_nope, q_pe], dim=-1).contiguous()), view.prefill_cache,
+                                     call.metadata, call.rows(out))
+                continue
+            if absorbed is None:
+                absorbed = torch.cat([per_head_product("thn,hnr->thr", q_nope, self.w_uk), q_pe], dim=-1).contiguous()
+            rows = call.rows(absorbed)
+            latent_out = torch.empty(rows.shape[0], heads, rank, dtype=normed.dtype, device=normed.device)
+            call.backend.forward(rows, view.kv_cache, call.metadata, latent_out, **arguments)
+            call.rows(out).copy_(per_head_product("thr,hrv->thv", latent_out, self.w_uv))
+        return self.o_proj(out.reshape(tokens, -1))
+
+    def decompress(self, entry: torch.Tensor, spec: AttentionSpec, scales: KVScales | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head keys [T, heads, nope + rope] and values [T, heads, v] from latent entries, as
+        a prefill reads them from the cache: an fp8 cache's entries dequantized first."""
+        config = self.config
+        if spec.fp8_kv_cache:
+            scale = fp8.required(scales).k_scale
+            entry = fp8.from_cache(fp8.to_cache(entry, scale, spec.kv_cache_dtype), scale).to(entry.dtype)
+        latent, k_pe = entry[:, : config.kv_lora_rank], entry[:, config.kv_lora_rank :]
+        k_nope = per_head_product("tr,hnr->thn", latent, self.w_uk)
+        value = per_head_product("tr,hrv->thv", latent, self.w_uv).contiguous()
+        key = torch.cat([k_nope, k_pe[:, None, :].expand(-1, config.num_heads, -1)], dim=-1).contiguous()
+        return key, value
 
 
 @dataclass
 class StepInputs:
-    """What every layer's attention needs for one forward: the backend, its metadata, the caches."""
+    """What every layer's attention needs for one forward: the model's attention, its metadata, the caches."""
 
-    backend: AttentionBackend
+    backend: "ModelAttention"
     metadata: object
-    kv_caches: list[torch.Tensor]
+    kv_caches: list
     slot_mapping: torch.Tensor
     kv_scales: list[KVScales] | None = None  # an fp8 cache's scales, per layer (each layer its own)
 
     def layer(self, index: int) -> dict:
         """The keywords of layer ``index``'s write_kv and forward: its scales, for an fp8 cache."""
         return layer_arguments(None if self.kv_scales is None else self.kv_scales[index])
+
+    def attention(self, index: int) -> "LayerView":
+        """Layer ``index``'s backends, caches and metadata this step."""
+        return self.backend.view(index, self.metadata, self.kv_caches[index])
 
 
 class LlamaModel(torch.nn.Module):

@@ -21,7 +21,7 @@ from conformance.inputs.cases import Case
 from conformance.checks.base import Check
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle, worst_place
 from conformance.inputs.graph_batches import GraphShape
-from conformance.inputs.graph_harness import GraphBuffers, cuda_graph_skip_reason, warm_up
+from conformance.inputs.graph_harness import GraphBuffers, cuda_graph_skip_reason, padding_style, warm_up
 from conformance.inputs.harness import PoolFill, write_poison
 from conformance.inputs.stored_cache import expected_output
 from conformance.results import CaseResult, Verdict
@@ -30,19 +30,34 @@ from conformance.results import CaseResult, Verdict
 # Without a padding row the last row is a real request (a backend that mishandles the last row
 # hides behind padding); without a warm-up the capture is the backend's first call at this shape.
 # The longest loop runs over NaN: a slot a step reads and weights by zero (a draft position not yet
-# written, the tail of a page) turns its output NaN, where the loud poison would vanish.
+# written, the tail of a page) turns its output NaN, where the loud poison would vanish. The padding
+# row is vLLM's empty request where the backend claims that style (``draft_padding``).
 DRAFT_RUNS = ((2, True, True, PoolFill.LOUD), (4, False, False, PoolFill.LOUD), (7, True, True, PoolFill.NAN))
 DRAFT_STEPS = tuple(run[0] for run in DRAFT_RUNS)
+
+
+def draft_padding(backend_cls: type[AttentionBackend], num_steps: int) -> PaddingStyle:
+    """The padding row's style: vLLM's empty request where claimed; the longest loop pads with a
+    row of its own where the backend claims both (SGLang's style), so that both are watched."""
+    styles = backend_cls.capabilities.padding_styles
+    if num_steps == DRAFT_RUNS[-1][0] and PaddingStyle.ROWS in styles:
+        return PaddingStyle.ROWS
+    return padding_style(backend_cls)
 
 
 class DraftLoop:
     """The buffers, device-side advance and per-step bookkeeping of one k-step draft loop."""
 
     def __init__(self, backend_cls: type[AttentionBackend], case: Case, num_steps: int, device: torch.device,
-                 padding_row: bool = True, fill: PoolFill = PoolFill.LOUD):
+                 padding_row: bool = True, fill: PoolFill = PoolFill.LOUD, padding: PaddingStyle = PaddingStyle.ROWS):
         self.num_steps = num_steps
         self.num_real = case.num_reqs
         self.padding_row = padding_row
+        # A padding row keeps its length through the loop: one token (seq_len = query_len = 1,
+        # block-table row 0) or, vLLM's empty request, none (query and seq_len 0, block-table row -1).
+        empty = padding == PaddingStyle.EMPTY_REQUESTS
+        self.padding_len = 0 if empty else 1
+        self.starts = list(range(case.num_reqs + 1)) + [case.num_reqs + self.padding_len] * padding_row
         rows = case.num_reqs + int(padding_row)
         # Edge data: each draft step's own key dominates, so a length one short (a stale or
         # unadvanced seq_len) or one long (a poisoned slot) fails by far more than the tolerance.
@@ -56,8 +71,7 @@ class DraftLoop:
             num_reqs=rows, num_tokens=rows, padding_query_len=1,
             max_model_len=-(-(max(contexts) + num_steps) // block) * block, uniform=True,
         )
-        # Padding rows: every row of a draft step, the padding one too, gains one token per step.
-        self.buffers = GraphBuffers(backend_cls, shape, [self.drafted.case], device, fill, PaddingStyle.ROWS)
+        self.buffers = GraphBuffers(backend_cls, shape, [self.drafted.case], device, fill, padding)
         self.host_lengths = backend_cls.capabilities.needs_cpu_seq_lens
         buffers, drafted, n = self.buffers, self.drafted, self.num_real
 
@@ -78,9 +92,9 @@ class DraftLoop:
         self.step = torch.zeros((), dtype=torch.int64, device=device)
         self.out_bank = torch.full((n, num_steps, *buffers.out.shape[1:]), float("nan"), dtype=buffers.out.dtype, device=device)
 
-        buffers.query_start_loc.copy_(torch.arange(rows + 1, dtype=torch.int32))
-        buffers.seq_lens.fill_(1)  # the padding row keeps seq_len = query_len = 1
-        buffers.block_table.zero_()
+        buffers.query_start_loc.copy_(torch.tensor(self.starts, dtype=torch.int32))
+        buffers.seq_lens.fill_(self.padding_len)
+        buffers.block_table.fill_(-1 if empty else 0)
         buffers.block_table[:n, : drafted.block_table.shape[1]].copy_(drafted.block_table)
         buffers.slot_mapping.fill_(-1)
         buffers.query.zero_()
@@ -106,11 +120,11 @@ class DraftLoop:
 
     def common(self, step: int) -> CommonAttentionMetadata:
         """What the host knows at draft step ``step``: every request gained exactly one token."""
-        seq_lens = [c + step + 1 for c in self.contexts] + [1] * self.padding_row
+        seq_lens = [c + step + 1 for c in self.contexts] + [self.padding_len] * self.padding_row
         buffers = self.buffers
         return CommonAttentionMetadata.from_lengths(
             query_start_loc=buffers.query_start_loc, seq_lens=buffers.seq_lens, block_table=buffers.block_table,
-            slot_mapping=buffers.slot_mapping, query_starts=range(len(seq_lens) + 1), host_seq_lens=seq_lens,
+            slot_mapping=buffers.slot_mapping, query_starts=self.starts, host_seq_lens=seq_lens,
             lengths_known=self.host_lengths,
         )
 
@@ -197,11 +211,12 @@ class DraftLoopCheck(Check):
         atol, rtol = TOLERANCES[case.spec.dtype]
         metrics: dict[str, Any] = {"mode": mode}
         for num_steps, padding_row, warm, fill in DRAFT_RUNS:
-            loop = DraftLoop(backend_cls, case, num_steps, device, padding_row=padding_row, fill=fill)
+            padding = draft_padding(backend_cls, num_steps)
+            loop = DraftLoop(backend_cls, case, num_steps, device, padding_row=padding_row, fill=fill, padding=padding)
             (run_one_graph_loop if one_graph else run_rebuilt_loop)(loop, warm=warm)
             failing, details = loop.first_failing_step(atol, rtol)
             if failing is not None:
-                layout = "a padding row last" if padding_row else "no padding row (the last row a real request)"
+                layout = f"padding last ({padding.value})" if padding_row else "no padding row (the last row a real request)"
                 layout += "" if warm else ", captured without warm-up"
                 layout += ", NaN in every unowned slot" if fill == PoolFill.NAN else ""
                 reason = (f"k={num_steps} ({layout}): draft step {failing + 1} of {num_steps} differs from the oracle "
@@ -210,6 +225,7 @@ class DraftLoopCheck(Check):
                 return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag,
                                   metrics={**metrics, "k": num_steps, "first_failing_step": failing + 1},
                                   evidence={"worst": details.get("worst")})
-        return CaseResult(case.id, Verdict.PASS, f"k in {DRAFT_STEPS} (with and without a padding row, captured with and "
+        padded = " and ".join(sorted({draft_padding(backend_cls, k).value for k, row, *_ in DRAFT_RUNS if row}))
+        return CaseResult(case.id, Verdict.PASS, f"k in {DRAFT_STEPS} (with and without padding ({padded}), captured with and "
                           f"without warm-up, unowned slots loud and NaN): every step equal to the oracle — {mode}",
                           tag=case.tag, metrics=metrics)

@@ -48,7 +48,8 @@ from backends.base import AttentionBackend
 from conformance.inputs.cases import Case
 from conformance.checks.base import Check
 from conformance.results import CaseResult, Verdict
-from reference_engine.attention_split import AUTO, Routing, SplitAttention, resolve_companion
+from reference_engine.attention_split import AUTO, Routing
+from reference_engine.model_attention import plan_attention
 from reference_engine.equality import NEAR_TIE
 
 SPEC_TOKENS = 3
@@ -57,15 +58,16 @@ ATTENTION_DRAFTER = "layer-skip"  # drafts through the backend under test
 
 
 def layout_key(case: Case, device: torch.device, suite: str | None = None) -> tuple:
-    """One engine scenario per attention kind, KV-cache format, dtype and learned sinks (on a CPU,
-    per kind, cache format and sinks; in the quick suite, per kind): the first such case's shapes
-    (and an fp8 cache's scales) stand in."""
+    """One engine scenario per attention kind, KV-cache format, dtype, learned sinks, sliding window
+    and value head dim (on a CPU, all but the dtype; in the quick suite, per kind): the first such
+    case's shapes (and an fp8 cache's scales) stand in."""
     spec = case.spec
     if suite == "quick":
         return (spec.kind,)
+    key = spec.kind, spec.attention_sinks, spec.sliding_window is not None, is_mla_prefill_layer(spec)
     if device.type == "cpu":
-        return spec.kind, spec.fp8_kv_cache, spec.attention_sinks
-    return spec.kind, spec.kv_cache_dtype if spec.fp8_kv_cache else None, spec.dtype, spec.attention_sinks
+        return key + (spec.fp8_kv_cache,)
+    return key + (spec.kv_cache_dtype if spec.fp8_kv_cache else None, spec.dtype)
 
 
 def cache_config(case: Case) -> dict[str, Any]:
@@ -80,7 +82,19 @@ def engine_case(backend_cls: type[AttentionBackend], case: Case, device: torch.d
     return case
 
 
+def is_mla_prefill_layer(spec) -> bool:
+    """An MHA layer whose value head dim is not its key's: MLA's prefill (DeepSeek-V3: 192 / 128)."""
+    return spec.kind == "mha" and spec.v_head_dim != spec.head_dim
+
+
+ENGINE_WINDOW = 48  # a windowed layer's window in the engine: shorter than its prompts and outputs, so it bites
+
+
 def model_for(case: Case):
+    """The engine's model for a case's layer: a Llama-style model (windowed cases: windowed layers
+    alternating with full ones, as gpt-oss's and Gemma 2's do; sinks cases: every layer's own
+    sinks), an MLA model for MLA's layer, and for MLA prefill's layer (a value head dim other than
+    the key's) a DeepSeek-style MLA model whose prefill it is."""
     from reference_engine.model import ModelConfig
 
     spec = case.spec
@@ -88,8 +102,13 @@ def model_for(case: Case):
     if spec.kind == "mla":
         return ModelConfig(attention="mla", num_heads=spec.num_heads, kv_lora_rank=spec.kv_lora_rank,
                            qk_rope_dim=spec.rope_dim, qk_nope_dim=64, v_head_dim=64, **common)
+    if is_mla_prefill_layer(spec):
+        rope = 64 if spec.head_dim > 64 else spec.head_dim // 2  # DeepSeek-V3: 192 = 128 + 64
+        return ModelConfig(attention="mla", num_heads=spec.num_heads, kv_lora_rank=512, qk_rope_dim=rope,
+                           qk_nope_dim=spec.head_dim - rope, v_head_dim=spec.v_head_dim, **common)
     return ModelConfig(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                       attention_sinks=spec.attention_sinks, **common)
+                       attention_sinks=spec.attention_sinks, alternating_window=True,
+                       sliding_window=ENGINE_WINDOW if spec.sliding_window is not None else None, **common)
 
 
 def model_and_prompts(case: Case, device: torch.device, lengths: tuple[int, ...]):
@@ -105,12 +124,12 @@ def model_and_prompts(case: Case, device: torch.device, lengths: tuple[int, ...]
 def engine_skip_reason(backend_cls: type[AttentionBackend], case: Case, device: torch.device,
                        prefill_backend: str = AUTO) -> str | None:
     """Why the engine cannot run ``model_for(case)`` through this backend, or None."""
-    spec = model_for(case).attention_spec(case.spec.dtype, case.spec.block_size, case.spec.kv_cache_dtype)
-    reason = backend_cls.unsupported_reason(spec, device)
-    if reason:
-        return reason
+    spec = case.spec
+    if is_mla_prefill_layer(spec) and spec.num_kv_heads != spec.num_heads:
+        return ("the engine runs a value head dim other than the key's as MLA prefill's layer, which has as many KV "
+                f"heads as query heads (this layer: {spec.num_kv_heads} over {spec.num_heads})")
     try:  # a backend serving only some batches (decode-only, uniform-only) needs a companion
-        resolve_companion(backend_cls, spec, device, prefill_backend)
+        plan_attention(backend_cls, model_for(case), spec.dtype, spec.block_size, spec.kv_cache_dtype, device, prefill_backend)
     except ValueError as error:
         return str(error)
     return None
@@ -152,8 +171,8 @@ class EngineCheck(Check):
         result = dataclasses.replace(self._run_engines(backend_cls, ran, device, routings), case=case.id)
         if ran is not case:
             result.reason += " (the model in fp32: a CPU run)"
-        if routings:
-            served = Routing.total(routings)
+        served = Routing.total(routings)
+        if served.batches:
             result.evidence["attention_routing"] = served.to_dict()
             if result.verdict == Verdict.PASS:
                 result.reason += "; " + served.summary()
@@ -178,8 +197,7 @@ class EngineCheck(Check):
         def engine_for(**changes):
             engine = BatchedEngine(dataclasses.replace(base, prefill_backend=self.options.get("prefill_backend", AUTO),
                                                        **changes), model)
-            if isinstance(engine.backend, SplitAttention):
-                routings.append(engine.backend.routing)
+            routings.extend(engine.backend.routings())
             return engine
 
         def run(**changes):
@@ -193,6 +211,14 @@ class EngineCheck(Check):
             return engine.generate(prompts, params), engine.verified_digest()
 
         plain = [out.tokens for out in run(num_spec_tokens=0, drafter="none", async_scheduling=False)]
+        comparisons = []
+        prefill_spec = model_config.prefill_spec(spec.dtype, spec.block_size)
+        if prefill_spec is not None and backend_cls.unsupported_reason(prefill_spec, device) is None:
+            # MLA's two paths must agree: prefills decompressed through this backend, and the same
+            # requests absorbed (by the MLA decode backend: this one, or a built-in beside it).
+            absorbed = [out.tokens for out in run(num_spec_tokens=0, drafter="none", async_scheduling=False,
+                                                  decompressed_mla_prefill=False)]
+            comparisons.append(("MLA prefill decompressed vs every request absorbed", plain, absorbed))
         sync = [out.tokens for out in run(num_spec_tokens=SPEC_TOKENS, drafter=DRAFTER, async_scheduling=False)]
         graphs = device.type == "cuda"
         try:
@@ -206,9 +232,9 @@ class EngineCheck(Check):
         metrics: dict[str, Any] = {}
         evidence: dict[str, Any] = {}
         drafting = f"{ATTENTION_DRAFTER} drafting{' under CUDA graphs' if graphs else ''}"
-        for label, got, expected in (("spec (sync) vs plain", sync, plain), ("async vs sync", overlapped, sync),
-                                     (f"{drafting}, sync vs plain", drafted_sync, plain),
-                                     (f"{drafting}, async vs plain", drafted_async, plain)):
+        comparisons += [("spec (sync) vs plain", sync, plain), ("async vs sync", overlapped, sync),
+                        (f"{drafting}, sync vs plain", drafted_sync, plain), (f"{drafting}, async vs plain", drafted_async, plain)]
+        for label, got, expected in comparisons:
             problem = self._difference(label, got, expected, prompts, model, base, device, evidence)
             if problem:
                 return CaseResult(case.id, Verdict.FAIL, problem, tag=case.tag, evidence=evidence)
@@ -228,7 +254,10 @@ class EngineCheck(Check):
                 return CaseResult(case.id, Verdict.FAIL, f"{drafting}: accepted drafts per prompt {accepted}, but {expected} "
                                   "with the same backend's eager draft steps: the draft steps under CUDA graphs attend "
                                   "differently (update_for_draft_step?)", tag=case.tag, evidence=evidence)
-        if device.type == "cuda":
+        # MLA prefill's layer: the backend under test serves the prefills, a built-in the decodes.
+        decodes = backend_cls.unsupported_reason(model_config.attention_spec(spec.dtype, spec.block_size, spec.kv_cache_dtype),
+                                                 device) is None
+        if device.type == "cuda" and decodes:
             # Steady-state steps must be the backend's own: a decode-only backend's k + 1 verify rows
             # would go to the companion, so it is measured decoding plainly.
             verifies = backend_cls.capabilities.query_len_reason(SPEC_TOKENS + 1) is None
@@ -245,6 +274,8 @@ class EngineCheck(Check):
                                   f"needs_cpu_seq_lens=False: {'; '.join(measured.host_sync_sources[:2])}",
                                   tag=case.tag, metrics=metrics, evidence=evidence)
         reason = f"async == sync == plain, also with {drafting}" + (f"; {len(evidence['near_ties'])} near-tie flip(s)" if evidence.get("near_ties") else "")
+        if device.type == "cuda" and not decodes:
+            reason += "; steady-state steps not measured (a built-in decodes: this backend serves MLA's prefill)"
         if metrics.get("host_syncs_per_steady_step") is not None:
             reason += f"; {metrics['host_syncs_per_steady_step']:.2f} syncs/step, GPU idle {metrics['gpu_idle_fraction']:.1%}"
         return CaseResult(case.id, Verdict.PASS, reason, tag=case.tag, metrics=metrics, evidence=evidence)

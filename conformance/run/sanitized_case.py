@@ -105,11 +105,14 @@ def run_engine_stage(backend_cls, case, map_path: Path) -> None:
 
     engine, prompts = memory_engine(backend_cls, case, torch.device("cuda"))
     where = AllocationMap(unmapped="an allocation outside the KV pools (the engine's inputs and state, or the backend's own)")
-    for layer, pool in enumerate(engine.kv_caches):
-        # A backend serving only some batches runs beside a companion: a pool for each.
+    for layer, (pool, prefill_pool) in enumerate(engine.kv_caches):
+        # A backend serving only some batches runs beside a companion: a pool for each; an MLA
+        # model whose prefill runs decompressed has that backend's pool too.
         pools = pool if isinstance(pool, tuple) else (pool,)
         for name, tensor in zip((f"layer {layer} KV pool", f"layer {layer} companion's KV pool"), pools):
             where.add(name, tensor)
+        if prefill_pool is not None:
+            where.add(f"layer {layer} MLA prefill's KV pool", prefill_pool)
     where.save(map_path)
     with phase(f"engine: async, k=3 drafted through the backend, {ENGINE_TOKENS} tokens for {len(prompts)} prompts"):
         engine.generate(prompts, SamplingParams(max_tokens=ENGINE_TOKENS, ignore_eos=True))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from backends import fp8
-from backends.base import FP8_KV_DTYPES, Capabilities, CGSupport
+from backends.base import FP8_KV_DTYPES, Capabilities, CGSupport, PaddingStyle
 from backends.flashinfer.gqa import FlashInferBackend
 from backends.torch_naive import NaiveMetadata, TorchNaiveBackend
 
@@ -298,3 +298,26 @@ class CopiesScalesPerStep(TorchGraphSafe):
             return 1.0, 1.0
         per_step = torch.tensor([scales.k_scale, scales.v_scale], device=self.device)
         return per_step[0], per_step[1]
+
+
+class GraphSafeEmptyRequests(TorchGraphSafe):
+    """TorchGraphSafe claiming vLLM's empty padding requests too: its reads start from each query
+    token, so an empty request reads and writes nothing."""
+
+    name = "test_graph_safe_empty_requests"
+    capabilities = dataclasses.replace(TorchGraphSafe.capabilities, padding_styles=frozenset(PaddingStyle))
+
+
+class WritesLastTokenOfEmptyRequests(GraphSafeEmptyRequests):
+    """On the device, as a kernel with one program per request: an empty request's program writes
+    zeros to row ``query_start_loc[r + 1] - 1``, the previous request's last token (vLLM #37442)."""
+
+    name = "planted_writes_last_token_of_empty_requests"
+
+    def forward(self, query, kv_cache, metadata, out, scales=None) -> None:
+        super().forward(query, kv_cache, metadata, out, scales)
+        starts = metadata.query_start_loc
+        empty = ((starts[1:] == starts[:-1]) & (starts[1:] > 0)).int()
+        hit = torch.zeros(out.shape[0], dtype=torch.int32, device=out.device)
+        hit.scatter_add_(0, (starts[1:] - 1).clamp(min=0).long(), empty)  # no host read: capturable
+        out.masked_fill_(hit[:, None, None] > 0, 0.0)

@@ -8,13 +8,14 @@ import dataclasses
 import pytest
 import torch
 
-from backends.base import CommonAttentionMetadata
+from backends.base import CommonAttentionMetadata, DeviceInfo
 from backends.torch_naive import TorchNaiveBackend
 from backends.utils import sub_batch
 from conformance.checks.engine import EngineCheck
 from conformance.inputs.cases import parse_case
 from conformance.results import Verdict
-from reference_engine.attention_split import Part, SplitAttention, companion_candidates, plan_parts, resolve_companion
+from reference_engine.attention_split import (Part, SplitAttention, companion_candidates, first_claiming, plan_parts,
+                                              resolve_companion)
 from reference_engine.batched_engine import BatchedEngine
 from reference_engine.core import EngineConfig
 from reference_engine.engine import Engine
@@ -76,17 +77,18 @@ def test_split_engines_equal_plain_decoding(plain_tokens, backend, k):
     config = EngineConfig(backend=f"{HERE}:{backend}", num_spec_tokens=k, drafter="layer-skip:1", check_inputs=True)
     for scheduling in (False, True):
         engine = BatchedEngine(dataclasses.replace(config, async_scheduling=scheduling))
-        assert isinstance(engine.backend, SplitAttention) and engine.backend.companion.name == "torch_naive"
+        split, = engine.backend.splits
+        assert isinstance(split, SplitAttention) and split.companion.name == "torch_naive"
         assert [out.tokens for out in engine.generate(PROMPTS, GREEDY)] == plain_tokens
-        served = engine.backend.routing.to_dict()
-        assert served[engine.backend.backend.name]["batches"] > 0 and served["torch_naive"]["batches"] > 0, served
+        served = split.routing.to_dict()
+        assert served[split.backend.name]["batches"] > 0 and served["torch_naive"]["batches"] > 0, served
     sync_reference = Engine(dataclasses.replace(config, drafter="scripted:random:0.5"))
     assert [out.tokens for out in sync_reference.generate(PROMPTS, GREEDY)] == plain_tokens
 
 
 def test_a_backend_serving_every_batch_runs_alone():
     assert resolve_companion(TorchNaiveBackend, EngineConfig().model.attention_spec(torch.float32, 16), CPU) is None
-    assert not isinstance(BatchedEngine(EngineConfig()).backend, SplitAttention)
+    assert not isinstance(BatchedEngine(EngineConfig()).backend.splits[0], SplitAttention)
 
 
 def test_bad_prefill_backends_are_one_line_errors():
@@ -138,5 +140,8 @@ def test_trtllm_mla_claims_route_prefill_to_a_companion():
     claims = TrtllmMLABackend.capabilities
     spec = model_for(parse_case("mla-h16-d512+64-bf16-p64:1+1@0")).attention_spec(torch.bfloat16, 64)
     assert resolve_companion(TrtllmMLABackend, spec, CPU).name == "torch_naive"
-    assert companion_candidates(spec, torch.device("cuda")) == ["torch_naive"]  # no Triton MLA prefill kernel
+    # triton_mla is tried first on a GPU but verifies only up to 4 tokens: torch_naive takes the prefills.
+    assert companion_candidates(spec, torch.device("cuda")) == ["triton_mla", "torch_naive"]
+    hopper = DeviceInfo("cuda", "NVIDIA H200", (9, 0))
+    assert first_claiming(["triton_mla"], spec, hopper, every_batch=True)[1] == "triton_mla: does not serve every query length itself"
     assert plan_parts([4, 4, 4, 37, 1], claims) == [Part(0, 3, False), Part(3, 4, True), Part(4, 5, False)]

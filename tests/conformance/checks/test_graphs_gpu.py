@@ -140,3 +140,16 @@ def test_engine_drafts_through_the_backend_under_graphs():
     assert result.verdict == Verdict.PASS and "layer-skip drafting under CUDA graphs" in result.reason, result.reason
     result = EngineCheck().run_case(planted.ForgetsLastRowInDraftUpdate, case, CUDA)
     assert result.verdict == Verdict.FAIL and "update_for_draft_step drafts other tokens" in result.reason, result.reason
+
+
+def test_empty_padding_requests_in_the_draft_loop_and_graphs():
+    """A backend claiming vLLM's empty requests gets them as the draft loop's padding (and the
+    graphs check's); a kernel whose empty request writes over the previous request's last token
+    fails both, the draft loop at its first step."""
+    result = DraftLoopCheck().run_case(planted.GraphSafeEmptyRequests, DECODE, CUDA)
+    assert result.verdict == Verdict.PASS and "empty requests and rows" in result.reason, result.reason
+    defect = planted.WritesLastTokenOfEmptyRequests
+    result = DraftLoopCheck().run_case(defect, DECODE, CUDA)
+    assert result.verdict == Verdict.FAIL and "k=2 (padding last (empty requests))" in result.reason, result.reason
+    assert "draft step 1 of 2" in result.reason, result.reason
+    assert GraphsCheck().run_case(defect, DECODE, CUDA).verdict == Verdict.FAIL

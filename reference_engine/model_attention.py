@@ -1,0 +1,155 @@
+"""A whole model's attention behind the one object the engine steps (``build``,
+``build_for_capture``, ``update_for_draft_step``), and each layer's view of it (``view``).
+
+* **Layer groups.** One backend per distinct layer spec, each with metadata of its own every step,
+  as vLLM builds one per KV-cache group: the windowed layers of gpt-oss and Gemma 2 beside their
+  full ones (``ModelConfig.alternating_window``).
+* **MLA's prefill.** vLLM and SGLang run MLA decode absorbed, over the latent cache, and prefill as
+  ordinary attention over decompressed per-head keys (qk = nope + rope) and values (v):
+  ``ModelConfig.prefill_spec``. Where a prefill backend serves it, each step's requests of more
+  query tokens than the decode threshold (1 + k, vLLM's ``reorder_batch_threshold`` under
+  speculation) go to it; the rest, among them every step a CUDA graph serves and every draft step,
+  to the absorbed backend. The prefill backend's cache is a mirror every write fills with the
+  decompressed keys and values (the model's layer decompresses: it holds the weights), so a
+  prefill chunk attends its context there.
+
+Which backend takes which role follows what the backend under test claims (``plan_attention``):
+every layer spec it claims, and MLA's prefill spec where it claims that; a role it does not claim
+goes to a built-in (``attention_split.companion_candidates``), as serving engines pair a decode
+kernel with a prefill kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from backends.base import AttentionBackend, AttentionSpec, BackendLimits, CommonAttentionMetadata
+from reference_engine.attention_split import (AUTO, Call, Routing, attention_for, build_calls, companion_candidates,
+                                              first_claiming, resolve_companion, runs, SplitAttention)
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """The classes that serve one group of layers (equal specs)."""
+
+    layers: tuple[int, ...]
+    spec: AttentionSpec
+    backend_cls: type[AttentionBackend]  # the layers' spec; with a prefill backend, the decodes only
+    prefill_spec: AttentionSpec | None = None
+    prefill_cls: type[AttentionBackend] | None = None
+
+
+def plan_attention(backend_cls: type[AttentionBackend], model, dtype: torch.dtype, block_size: int,
+                   kv_cache_dtype: torch.dtype | None, device: torch.device, requested: str | None = AUTO,
+                   decompressed_prefill: bool = True) -> list[GroupPlan]:
+    """Who serves what when ``model`` runs through ``backend_cls``; ValueError, one line, when it
+    cannot. ``decompressed_prefill=False``: every MLA request absorbed (the engine check's reference
+    for the prefill path), by a built-in where the backend claims only MLA's prefill."""
+    specs = [model.layer_spec(layer, dtype, block_size, kv_cache_dtype) for layer in range(model.num_layers)]
+    prefill_spec = model.prefill_spec(dtype, block_size)
+    claims_prefill = prefill_spec is not None and backend_cls.unsupported_reason(prefill_spec, device) is None
+    decompresses = claims_prefill and decompressed_prefill
+    plans = []
+    for spec in dict.fromkeys(specs):
+        serving = backend_cls
+        reason = backend_cls.unsupported_reason(spec, device)
+        if reason and not claims_prefill:
+            raise ValueError(reason)
+        if reason:  # the backend under test serves MLA's prefill only: a built-in decodes beside it
+            serving, why = first_claiming(companion_candidates(spec, device), spec, device, every_batch=False)
+            if serving is None:
+                raise ValueError(f"it serves MLA's prefill only and no built-in decodes beside it ({why})")
+        resolve_companion(serving, spec, device, requested)
+        layers = tuple(index for index, other in enumerate(specs) if other == spec)
+        plans.append(GroupPlan(layers, spec, serving, prefill_spec if decompresses else None,
+                               backend_cls if decompresses else None))
+    return plans
+
+
+@dataclass(frozen=True)
+class LayerView:
+    """One layer's attention this step: the backend of its spec and its cache; MLA's prefill
+    backend and its cache of decompressed keys and values, or None; and the step's calls, each a
+    run of requests one of the two serves (one call, the whole step, without a prefill backend)."""
+
+    backend: AttentionBackend
+    kv_cache: Any
+    prefill: AttentionBackend | None
+    prefill_cache: Any
+    calls: list[Call]
+
+    @property
+    def metadata(self) -> Any:
+        """The backend's metadata, for a layer whose every request it serves."""
+        call, = self.calls
+        return call.metadata
+
+
+@dataclass(frozen=True)
+class Group:
+    plan: GroupPlan
+    backend: AttentionBackend
+    prefill: AttentionBackend | None
+
+
+class ModelAttention:
+    def __init__(self, plans: list[GroupPlan], limits: BackendLimits, device: torch.device, decode_threshold: int,
+                 requested: str | None = AUTO) -> None:
+        self.groups = [Group(plan, attention_for(plan.backend_cls, plan.spec, limits, device, requested),
+                             plan.prefill_cls(plan.prefill_spec, limits, device) if plan.prefill_cls else None)
+                       for plan in plans]
+        self.group_of = {layer: index for index, group in enumerate(self.groups) for layer in group.plan.layers}
+        self.decode_threshold = decode_threshold
+        # Every group runs one backend class: the steps the engine captures and drafts are the first's.
+        self.capabilities = self.groups[0].backend.capabilities
+        self.routing = Routing()  # MLA with a prefill backend: the batches and tokens each route served
+
+    @property
+    def splits(self) -> list[AttentionBackend]:
+        """The groups' backends (a ``SplitAttention`` where one runs beside a companion)."""
+        return [group.backend for group in self.groups]
+
+    def routings(self) -> list[Routing]:
+        """What each backend served, counted as steps are built: the MLA routes and the companions'."""
+        return [self.routing] + [backend.routing for backend in self.splits if isinstance(backend, SplitAttention)]
+
+    def allocate_kv_cache(self, num_blocks: int, layer: int = 0) -> tuple[Any, Any]:
+        """Layer ``layer``'s caches: its backend's and MLA's prefill mirror (or None)."""
+        group = self.groups[self.group_of[layer]]
+        prefill = group.prefill.allocate_kv_cache(num_blocks) if group.prefill else None
+        return group.backend.allocate_kv_cache(num_blocks), prefill
+
+    def _label(self, group: Group):
+        def label(backend: AttentionBackend) -> str:
+            name = getattr(backend, "name", "") or type(backend).__name__
+            return f"{name} (MLA prefill, decompressed)" if backend is group.prefill else f"{name} (absorbed)"
+        return label
+
+    def _calls(self, group: Group, common: CommonAttentionMetadata, build_name: str) -> list[Call]:
+        if group.prefill is None:
+            return [Call(group.backend, 0, common.num_actual_tokens, getattr(group.backend, build_name)(common), True)]
+        prefills = [length > self.decode_threshold for length in common.query_lens_cpu.tolist()]
+        parts = [(first, last, group.prefill if prefill else group.backend) for first, last, prefill in runs(prefills)]
+        return build_calls(common, parts, build_name, self.routing, self._label(group))
+
+    def build(self, common: CommonAttentionMetadata) -> list[list[Call]]:
+        return [self._calls(group, common, "build") for group in self.groups]
+
+    def build_for_capture(self, common: CommonAttentionMetadata) -> list[list[Call]]:
+        return [self._calls(group, common, "build_for_capture") for group in self.groups]
+
+    def update_for_draft_step(self, metadata: list[list[Call]], common: CommonAttentionMetadata) -> list[list[Call]]:
+        # Draft steps decode one token per request: one call per group, the decoding backend's.
+        updated = []
+        for calls in metadata:
+            call, = calls
+            updated.append([dataclasses.replace(call, metadata=call.backend.update_for_draft_step(call.metadata, common))])
+        return updated
+
+    def view(self, layer: int, metadata: list[list[Call]], kv_cache: tuple[Any, Any]) -> LayerView:
+        index = self.group_of[layer]
+        group = self.groups[index]
+        return LayerView(group.backend, kv_cache[0], group.prefill, kv_cache[1], metadata[index])
