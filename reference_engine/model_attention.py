@@ -26,9 +26,24 @@ from typing import Any
 
 import torch
 
-from backends.base import AttentionBackend, AttentionSpec, BackendLimits, CommonAttentionMetadata
-from reference_engine.attention_split import (AUTO, Call, Routing, attention_for, build_calls, companion_candidates,
-                                              first_claiming, resolve_companion, runs, SplitAttention)
+from backends.base import (
+    AttentionBackend,
+    AttentionSpec,
+    BackendLimits,
+    CommonAttentionMetadata,
+)
+from reference_engine.attention_split import (
+    AUTO,
+    Call,
+    Routing,
+    SplitAttention,
+    attention_for,
+    build_calls,
+    companion_candidates,
+    first_claiming,
+    resolve_companion,
+    runs,
+)
 
 
 @dataclass(frozen=True)

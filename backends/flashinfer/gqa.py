@@ -7,6 +7,15 @@ goes through the prefill wrapper whole, which handles single-token rows too. FA2
 for the prefill wrapper: on an H200 FlashInfer's FA2 ran spec-verify q=4 at batch 64 / context
 4096 in 259 µs against FA3's 1133 µs.
 
+A value head dim of its own (MLA prefill's layer, qk 192 / v 128): the cache holds [key | value]
+rows per token and head, handed to the wrappers as a (key, value) pair of views; the decode
+wrapper has one head dim, so every batch of such a layer goes through FA2 prefill wrappers, a
+``use_cuda_graph`` one per captured batch size for decodes. (FA3 refused 192 / 128 on an H200:
+"operation not supported".)
+
+The log-sum-exp: the prefill wrapper returns it in the natural log (``lse_base="ln"``); the decode
+wrapper only in base 2, converted.
+
 fp8 KV cache (e4m3, e5m2): the wrappers are planned with the cache's dtype and run with the layer's
 host scales; the cache rows are quantized by our write kernel (FlashInfer has no paged write that
 takes a scale).
@@ -25,6 +34,7 @@ queued (an async scheduler) would overwrite it first.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,8 +71,9 @@ def window_left(spec: AttentionSpec) -> int:
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     capabilities = Capabilities(
-        kinds=frozenset({"mha"}), kv_cache_dtypes=FP8_KV_DTYPES, head_dims=frozenset({64, 128, 256}),
+        kinds=frozenset({"mha"}), kv_cache_dtypes=FP8_KV_DTYPES, head_dims=frozenset({64, 128, 192, 256}),
         block_sizes=frozenset({16, 32, 64}), max_query_len=None, sliding_window=True, logits_soft_cap=True,
+        distinct_value_head_dim=True, returns_lse=True,
         sinks_note="FlashInfer 0.7.2's FA2 wrappers take `sinks`, but on SM90 their output misses them (H200: "
                    "every learned-sinks case FAILed numerics, error 2.6 on outputs near 0.04)",
         cuda_graphs=CGSupport.UNIFORM_SINGLE_TOKEN_DECODE, needs_cpu_seq_lens=True, draft_step_update=False,
@@ -72,15 +83,21 @@ class FlashInferBackend(AttentionBackend):
     def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
         super().__init__(spec, limits, device)
         import flashinfer  # noqa: PLC0415 - optional dependency
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(new_workspace(self.device), "NHD", use_tensor_cores=True)
+        # The decode wrapper has one head dim: a layer with a value head dim of its own decodes through FA2 prefill.
+        self.value_dim = spec.v_head_dim != spec.head_dim
+        self.decode = (flashinfer.BatchPrefillWithPagedKVCacheWrapper(new_workspace(self.device), "NHD", backend="fa2")
+                       if self.value_dim else
+                       flashinfer.BatchDecodeWithPagedKVCacheWrapper(new_workspace(self.device), "NHD", use_tensor_cores=True))
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(new_workspace(self.device), "NHD", backend="fa2")
         max_reqs = limits.max_num_reqs
         int32 = dict(dtype=torch.int32, device=self.device)
         self.graph_workspace = new_workspace(self.device)
+        self.graph_qo_indptr = torch.arange(max_reqs + 1, **int32)  # a decode's: one query token per request
         self.graph_indptr = torch.zeros(max_reqs + 1, **int32)
         self.graph_indices = torch.zeros(max_reqs * limits.max_blocks_per_req(spec.block_size), **int32)
         self.graph_last_page_len = torch.zeros(max_reqs, **int32)
         self.graph_decode: dict[int, Any] = {}
+        self.base2_lse = set() if self.value_dim else {id(self.decode)}  # the decode wrappers' (their LSE is in base 2)
         self.staging = {id(wrapper): PlanStaging(wrapper, self.device) for wrapper in (self.decode, self.prefill)}
         self._graph_decode_wrapper(max_reqs)
 
@@ -89,29 +106,49 @@ class FlashInferBackend(AttentionBackend):
         if num_reqs not in self.graph_decode:
             import flashinfer  # noqa: PLC0415 - optional dependency
 
-            self.graph_decode[num_reqs] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.graph_workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
-                paged_kv_indptr_buffer=self.graph_indptr[: num_reqs + 1], paged_kv_indices_buffer=self.graph_indices,
-                paged_kv_last_page_len_buffer=self.graph_last_page_len[:num_reqs],
-            )
+            if self.value_dim:
+                self.graph_decode[num_reqs] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    self.graph_workspace, "NHD", backend="fa2", use_cuda_graph=True,
+                    qo_indptr_buf=self.graph_qo_indptr[: num_reqs + 1], paged_kv_indptr_buf=self.graph_indptr[: num_reqs + 1],
+                    paged_kv_indices_buf=self.graph_indices, paged_kv_last_page_len_buf=self.graph_last_page_len[:num_reqs],
+                )
+            else:
+                self.graph_decode[num_reqs] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self.graph_workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                    paged_kv_indptr_buffer=self.graph_indptr[: num_reqs + 1], paged_kv_indices_buffer=self.graph_indices,
+                    paged_kv_last_page_len_buffer=self.graph_last_page_len[:num_reqs],
+                )
+                self.base2_lse.add(id(self.graph_decode[num_reqs]))
             self.staging[id(self.graph_decode[num_reqs])] = PlanStaging(self.graph_decode[num_reqs], self.device)
         return self.graph_decode[num_reqs]
 
-    # NHD: [num_blocks, 2, block_size, kv_heads, head_dim]
+    # NHD: [num_blocks, 2, block_size, kv_heads, head_dim]; a value dim of its own: [num_blocks,
+    # block_size, kv_heads, head_dim + value_dim], a token's key then its value.
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         spec = self.spec
+        if self.value_dim:
+            return (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim + spec.v_head_dim)
         return (num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+
+    def key_value(self, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value pages, [num_blocks, block_size, kv_heads, dim] views."""
+        if self.value_dim:
+            return kv_cache[..., : self.spec.head_dim], kv_cache[..., self.spec.head_dim :]
+        return kv_cache[:, 0], kv_cache[:, 1]
 
     def write_kv(self, kv_cache, key, value, slot_mapping, scales: KVScales | None = None) -> None:
         k_scale, v_scale = fp8.scale_tensors(self.spec, scales)
-        write_paged_rows(kv_cache[:, 0], key, slot_mapping, self.spec.block_size, k_scale)
-        write_paged_rows(kv_cache[:, 1], value, slot_mapping, self.spec.block_size, v_scale)
+        keys, values = self.key_value(kv_cache)
+        write_paged_rows(keys, key, slot_mapping, self.spec.block_size, k_scale)
+        write_paged_rows(values, value, slot_mapping, self.spec.block_size, v_scale)
 
     def read_kv(self, kv_cache, slot_mapping):
-        return (read_paged_rows(kv_cache[:, 0], slot_mapping, self.spec.block_size),
-                read_paged_rows(kv_cache[:, 1], slot_mapping, self.spec.block_size))
+        return tuple(read_paged_rows(pages, slot_mapping, self.spec.block_size) for pages in self.key_value(kv_cache))
 
     def _plan_decode(self, wrapper, common: CommonAttentionMetadata) -> None:
+        if self.value_dim:
+            self._plan_prefill(common, wrapper)
+            return
         spec = self.spec
         layout = paged_layout(common, spec.block_size)
         self.staging[id(wrapper)].plan(
@@ -120,14 +157,14 @@ class FlashInferBackend(AttentionBackend):
             sm_scale=spec.softmax_scale, q_data_type=spec.dtype, kv_data_type=spec.effective_kv_cache_dtype,
         )
 
-    def _plan_prefill(self, common: CommonAttentionMetadata) -> None:
+    def _plan_prefill(self, common: CommonAttentionMetadata, wrapper=None) -> None:
         spec = self.spec
         layout = paged_layout(common, spec.block_size)
-        self.staging[id(self.prefill)].plan(
+        self.staging[id(wrapper or self.prefill)].plan(
             common.query_start_loc_cpu, layout.kv_indptr, layout.kv_indices, layout.last_page_len, spec.num_heads,
-            spec.num_kv_heads, spec.head_dim, spec.block_size, causal=True, window_left=window_left(spec),
-            logits_soft_cap=spec.logits_soft_cap, sm_scale=spec.softmax_scale, q_data_type=spec.dtype,
-            kv_data_type=spec.effective_kv_cache_dtype,
+            spec.num_kv_heads, spec.head_dim, spec.block_size, head_dim_vo=spec.v_head_dim, causal=True,
+            window_left=window_left(spec), logits_soft_cap=spec.logits_soft_cap, sm_scale=spec.softmax_scale,
+            q_data_type=spec.dtype, kv_data_type=spec.effective_kv_cache_dtype,
         )
 
     def build_for_capture(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
@@ -141,7 +178,7 @@ class FlashInferBackend(AttentionBackend):
             wrapper = self.graph_decode.get(common.num_reqs, self.decode)
             self._plan_decode(wrapper, common)
             return FlashInferMetadata([WrapperCall(wrapper, 0, tokens)])
-        decodes = split_decodes_and_prefills(common).num_decodes
+        decodes = 0 if self.value_dim else split_decodes_and_prefills(common).num_decodes
         if decodes == 0:
             self._plan_prefill(common)
             return FlashInferMetadata([WrapperCall(self.prefill, 0, tokens)])
@@ -150,12 +187,19 @@ class FlashInferBackend(AttentionBackend):
         self._plan_prefill(sub_batch(common, decodes, common.num_reqs))
         return FlashInferMetadata([WrapperCall(self.decode, 0, decodes), WrapperCall(self.prefill, decodes, tokens)])
 
-    def forward(self, query, kv_cache, metadata: FlashInferMetadata, out, scales: KVScales | None = None) -> None:
+    def forward(self, query, kv_cache, metadata: FlashInferMetadata, out, scales: KVScales | None = None,
+                lse: torch.Tensor | None = None) -> None:
         # FlashInfer folds k_scale into the softmax scale and multiplies its output by v_scale: host
         # floats (vLLM's ``_k_scale_float``), fixed per layer, so a captured graph may bake them.
         extra = dict(zip(("k_scale", "v_scale"), fp8.scale_floats(self.spec, scales))) if self.spec.fp8_kv_cache else {}
+        pages = self.key_value(kv_cache) if self.value_dim else kv_cache
         for call in metadata.calls:
-            target, land = packed_output(out[call.token_start : call.token_end])
-            call.wrapper.run(packed(query[call.token_start : call.token_end]), kv_cache, out=target,
-                             **extra)
+            rows = slice(call.token_start, call.token_end)
+            target, land = packed_output(out[rows])
+            decode_kernel = id(call.wrapper) in self.base2_lse
+            if lse is not None:  # the prefill wrapper's in the natural log; the decode wrapper's in base 2 only
+                extra.update(lse=lse[rows], return_lse=True, **({} if decode_kernel else {"lse_base": "ln"}))
+            call.wrapper.run(packed(query[rows]), pages, out=target, **extra)
+            if lse is not None and decode_kernel:
+                lse[rows].mul_(math.log(2))
             land()

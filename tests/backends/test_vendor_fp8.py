@@ -49,29 +49,6 @@ def test_each_adapter_claims_the_fp8_formats_its_library_takes_and_says_why_not_
     assert "q_descale" in reason(FlashAttnBackend, E4M3)
 
 
-class FakeWrapper:
-    """A FlashInfer wrapper that records what it is planned and run with."""
-
-    def __init__(self, *args, **kwargs):
-        self._pin_memory_int_workspace_buffer = torch.zeros(8, dtype=torch.uint8)  # what plan_staging swaps
-        self.planned, self.ran = [], []
-
-    def plan(self, *args, **kwargs):
-        self.planned.append(kwargs)
-
-    def run(self, *args, **kwargs):
-        self.ran.append(kwargs)
-
-
-@pytest.fixture
-def fake_flashinfer(monkeypatch):
-    fake = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=FakeWrapper, BatchPrefillWithPagedKVCacheWrapper=FakeWrapper)
-    mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=FakeWrapper, MLAPlanMetadata=types.SimpleNamespace(csr=lambda *t: t))
-    monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    monkeypatch.setitem(sys.modules, "flashinfer.mla", mla)
-    monkeypatch.setattr(flashinfer_adapters, "WORKSPACE_BYTES", 64)
-
-
 def run_once(backend_cls, case: str, scales: KVScales | None):
     """Build, write every row and forward one batch of ``case``; the backend and its cache."""
     parsed = parse_case(case)
@@ -134,3 +111,4 @@ def test_an_fp8_cache_names_the_gpus_it_needs_where_they_are_fewer_than_the_back
     reason = TritonAttentionBackend.unsupported_reason(parse_case(f"{E4M3}:10+1").spec, a100)
     assert "SM89" in reason and "Triton's fp8 conversions" in reason and "A100" in reason
     assert TritonAttentionBackend.unsupported_reason(parse_case("gqa-h4/2-d128-bf16:10+1").spec, a100) is None
+
