@@ -277,6 +277,8 @@ class Capabilities:
     returns_lse: bool = False  # forward fills ``lse`` when handed one (the module docstring)
     padding_styles: frozenset[PaddingStyle] = frozenset({PaddingStyle.ROWS})  # the padding it accepts
     sinks_note: str = ""  # why learned sinks are not claimed (said in their SKIP)
+    value_head_dim_note: str = ""  # why a value head dim of its own is not claimed
+    lse_note: str = ""  # why the log-sum-exp is not returned
     cuda_graphs: CGSupport = CGSupport.NEVER
     needs_cpu_seq_lens: bool = True  # False promises zero host syncs when host lengths are absent
     draft_step_update: bool = False  # update_for_draft_step can advance metadata in place
@@ -333,10 +335,18 @@ class Capabilities:
         if spec.logits_soft_cap is not None and not self.logits_soft_cap:
             return "logits soft cap not supported"
         if spec.value_head_dim not in (None, spec.head_dim) and not self.distinct_value_head_dim:
-            return f"a value head dim ({spec.value_head_dim}) other than the query/key head dim ({spec.head_dim}) not supported"
+            why = f": {self.value_head_dim_note}" if self.value_head_dim_note else ""
+            return (f"a value head dim ({spec.value_head_dim}) other than the query/key head dim ({spec.head_dim}) "
+                    f"not supported{why}")
         if spec.attention_sinks and not self.attention_sinks:
             return "learned attention sinks not supported" + (f": {self.sinks_note}" if self.sinks_note else "")
         return None
+
+    @property
+    def graph_padding(self) -> PaddingStyle:
+        """How an engine pads a CUDA graph's batch for this backend: vLLM's empty requests where
+        claimed (the harder for a kernel), else padding rows."""
+        return PaddingStyle.EMPTY_REQUESTS if PaddingStyle.EMPTY_REQUESTS in self.padding_styles else PaddingStyle.ROWS
 
     def query_len_reason(self, max_query_len: int, query_lens: "list[int] | None" = None) -> str | None:
         if query_lens is not None and 0 in query_lens and PaddingStyle.EMPTY_REQUESTS not in self.padding_styles:

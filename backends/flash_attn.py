@@ -63,6 +63,10 @@ class FlashAttnBackend(AttentionBackend):
                       "contract does not hand a backend",
         sinks_note="not claimed until measured: flash-attn-4 was not installed on the GPU machines of the session "
                    "that added learned sinks",
+        value_head_dim_note="flash-attn-4 runs (hdim_qk, hdim_v) = (192, 128) on Blackwell only (its interface's "
+                            "supported features); this adapter runs on SM90",
+        lse_note="flash-attn-4 returns one, but it is not claimed until measured: flash-attn-4 was not installed on "
+                 "the GPU machines of the session that added the LSE",
         head_dims=frozenset({64, 128}), block_sizes=frozenset({16, 32, 64}),  # 256: fails on SM90
         max_query_len=None, sliding_window=True, logits_soft_cap=True,
         cuda_graphs=CGSupport.ALWAYS, needs_cpu_seq_lens=False, draft_step_update=True,

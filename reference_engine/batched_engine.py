@@ -34,10 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.base import CommonAttentionMetadata
+from backends.base import CommonAttentionMetadata, PaddingStyle
 from reference_engine import nvtx
 from reference_engine.device_state import DeviceState
 from reference_engine.core import EngineConfig, EngineCore, GenerationOutput
+from reference_engine.empty_padding import EmptyPadding
 from reference_engine.drafters import EagleDrafter, NgramDrafter, ScriptedDrafter, ngram_drafts_on_device
 from reference_engine.handoff import Download, Uploader, Downloader
 from reference_engine.metrics import StepTimer
@@ -113,7 +114,8 @@ class StepRecord:
 class _Buffers:
     """One step's device tensors beyond the upload; persistent per shape for padded steps."""
 
-    def __init__(self, shape: StepShape, uploaded: StepRows[torch.Tensor], hidden_size: int, dtype, device) -> None:
+    def __init__(self, shape: StepShape, uploaded: StepRows[torch.Tensor], hidden_size: int, dtype, device,
+                 empty_padding: bool = False) -> None:
         reqs, decodes = shape.num_reqs, shape.num_decodes
         self.query_start_loc = torch.empty(reqs + 1, dtype=torch.int32, device=device)
         self.block_table = torch.empty(reqs, shape.width, dtype=torch.int32, device=device)
@@ -133,6 +135,10 @@ class _Buffers:
         self.draft_starts = torch.empty(decodes, dtype=torch.int32, device=device)
         self.draft = empty_step_tensors(decodes, decodes, device)
         self.draft_features = torch.zeros(decodes, hidden_size, dtype=dtype, device=device)  # EAGLE's own feature
+        # vLLM's empty padding requests, where the backend claims them: attention's view of the padding rows.
+        padded = empty_padding and shape.padded
+        self.verify_padding = EmptyPadding(uploaded.num_valid, shape.width) if padded else None
+        self.draft_padding = EmptyPadding(uploaded.num_valid[:decodes], shape.width) if padded else None
 
 
 class BatchedEngine(EngineCore):
@@ -313,6 +319,7 @@ class BatchedEngine(EngineCore):
             request.output += [PLACEHOLDER] * placeholders
             request.stats.steps += 1
         count = next(iter(counts))
+        host.num_real = len(scheduled)
         for _ in range(len(scheduled), size or 0):  # graph padding: decode from the spare slot, write nothing
             rows.add_row(slot=self.spare_slot, host_ids=[0] * count, inputs_from_device=True, decode=True, num_valid=0,
                          num_drafts=0, produces=False, host_last_token=-1, host_start=0, capacity=0, block_ids=[],
@@ -325,10 +332,12 @@ class BatchedEngine(EngineCore):
 
     def _step_buffers(self, shape: StepShape, uploaded: StepRows[torch.Tensor]) -> _Buffers:
         """Persistent per shape for padded steps (the upload's offsets are fixed by the shape too)."""
+        empty = self.backend.capabilities.graph_padding == PaddingStyle.EMPTY_REQUESTS
         if not shape.padded:
             return _Buffers(shape, uploaded, self.config.model.hidden_size, self.config.dtype, self.device)
         if shape not in self._buffers:
-            self._buffers[shape] = _Buffers(shape, uploaded, self.config.model.hidden_size, self.config.dtype, self.device)
+            self._buffers[shape] = _Buffers(shape, uploaded, self.config.model.hidden_size, self.config.dtype, self.device,
+                                            empty)
         return self._buffers[shape]
 
     def _segment(self, name: str, shape: StepShape, common: CommonAttentionMetadata | None, segment):
@@ -338,10 +347,15 @@ class BatchedEngine(EngineCore):
         return segment(self.backend.build(common) if common is not None else None)
 
     def _common(self, layout: RowLayout, step: StepTensors, shape: StepShape, query_start_loc: list[int],
-                host_seq_lens: list[int]) -> CommonAttentionMetadata:
-        """The backend's view of a batch: host lengths only when the host knows them (sync)."""
+                host_seq_lens: list[int], padding: EmptyPadding | None = None, num_real: int = 0) -> CommonAttentionMetadata:
+        """The backend's view of a batch: host lengths only when the host knows them (sync); the
+        padding rows past ``num_real`` as empty requests where ``padding`` is given."""
+        starts, seq_lens, block_table = layout.query_start_loc, step.seq_lens, layout.block_table
+        if padding is not None:
+            starts, seq_lens, block_table = padding.device_view(layout, step)
+            query_start_loc, host_seq_lens = EmptyPadding.host_view(query_start_loc, host_seq_lens, num_real)
         return CommonAttentionMetadata.from_lengths(
-            query_start_loc=layout.query_start_loc, seq_lens=step.seq_lens, block_table=layout.block_table,
+            query_start_loc=starts, seq_lens=seq_lens, block_table=block_table,
             slot_mapping=step.slot_mapping, query_starts=query_start_loc, host_seq_lens=host_seq_lens,
             # Async: the host's lengths assume every draft accepted, an upper bound. A graph serves every length.
             lengths_known=not self.config.async_scheduling,
@@ -391,7 +405,8 @@ class BatchedEngine(EngineCore):
                 buffers.violations.copy_(input_violations(step, layout, self.state.num_computed[uploaded.slots], uploaded.host_start,
                                                           uploaded.capacity, config.model.vocab_size, config.block_size))
                 step.input_ids.clamp_(0, config.model.vocab_size - 1)  # keep running; report on landing
-            common = self._common(layout, step, shape, host.query_start_loc, host.seq_lens())
+            common = self._common(layout, step, shape, host.query_start_loc, host.seq_lens(), buffers.verify_padding,
+                                  host.num_real)
         with nvtx.range("target forward, rejection, commit"):
             return self._segment("verify", shape, common, lambda metadata: self._verify_segment(metadata, step, uploaded, buffers, shape))
 
@@ -494,7 +509,8 @@ class BatchedEngine(EngineCore):
 
         def common(index: int) -> CommonAttentionMetadata:
             # Host lengths (sync): a row stops advancing at its last draft, as on the device.
-            return self._common(layout, buffers.draft, shape, query_start_loc, host.draft_seq_lens(index, decodes))
+            return self._common(layout, buffers.draft, shape, query_start_loc, host.draft_seq_lens(index, decodes),
+                                buffers.draft_padding, host.num_real)
 
         def prepare_step(index: int) -> StepTensors:
             return prepare_step_inputs(buffers.draft_starts, self.state.last_token, self.state.drafts, layout, index, bs, buffers.draft)

@@ -79,6 +79,7 @@ class HostLengths:
     starts: list[int] = field(default_factory=list)  # committed length before the step
     query_lens: list[int] = field(default_factory=list)
     num_drafts: list[int] = field(default_factory=list)
+    num_real: int = 0  # the rows before a graph's padding
 
     def add_row(self, start: int, query_len: int, num_drafts: int) -> None:
         self.query_start_loc.append(self.query_start_loc[-1] + query_len)

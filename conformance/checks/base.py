@@ -21,7 +21,8 @@ from conformance.results import CaseResult, Verdict, worst
 def lse_skip_reason(backend_cls: type[AttentionBackend], case: Case) -> str | None:
     """Why an ``lse`` case cannot ask this backend for its log-sum-exp, or None."""
     if case.lse and not backend_cls.capabilities.returns_lse:
-        return "returns no log-sum-exp (the case asks forward for one; claims returns_lse=False)"
+        note = backend_cls.capabilities.lse_note
+        return "returns no log-sum-exp (the case asks forward for one; claims returns_lse=False)" + (f": {note}" if note else "")
     return None
 
 

@@ -21,7 +21,7 @@ from conformance.inputs.cases import Case
 from conformance.checks.base import Check
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle, worst_place
 from conformance.inputs.graph_batches import GraphShape
-from conformance.inputs.graph_harness import GraphBuffers, cuda_graph_skip_reason, padding_style, warm_up
+from conformance.inputs.graph_harness import GraphBuffers, cuda_graph_skip_reason, warm_up
 from conformance.inputs.harness import PoolFill, write_poison
 from conformance.inputs.stored_cache import expected_output
 from conformance.results import CaseResult, Verdict
@@ -42,7 +42,7 @@ def draft_padding(backend_cls: type[AttentionBackend], num_steps: int) -> Paddin
     styles = backend_cls.capabilities.padding_styles
     if num_steps == DRAFT_RUNS[-1][0] and PaddingStyle.ROWS in styles:
         return PaddingStyle.ROWS
-    return padding_style(backend_cls)
+    return backend_cls.capabilities.graph_padding
 
 
 class DraftLoop:

@@ -40,20 +40,13 @@ class LoadedBatch:
     real_slots: torch.Tensor  # the step's own slots (the only cache entries a replay may change)
 
 
-def padding_style(backend_cls: type[AttentionBackend]) -> PaddingStyle:
-    """The padding a graph's batch gets: vLLM's empty requests where the backend claims them (the
-    harder for a kernel), else padding rows."""
-    styles = backend_cls.capabilities.padding_styles
-    return PaddingStyle.EMPTY_REQUESTS if PaddingStyle.EMPTY_REQUESTS in styles else PaddingStyle.ROWS
-
-
 class GraphBuffers:
     def __init__(self, backend_cls: type[AttentionBackend], shape: GraphShape, cases: list[Case], device: torch.device,
                  fill: PoolFill = PoolFill.LOUD, padding: PaddingStyle | None = None):
         spec = cases[0].spec
         self.fill = fill
         self.spec, self.shape, self.device = spec, shape, device
-        self.padding_style = padding or padding_style(backend_cls)
+        self.padding_style = padding or backend_cls.capabilities.graph_padding
         limits = BackendLimits(2 * shape.num_reqs, 2 * shape.num_tokens, shape.max_model_len)
         self.backend = backend_cls(spec, limits, device)
         self.num_blocks = max(pool_size(case) for case in cases)

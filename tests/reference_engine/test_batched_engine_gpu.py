@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from backends import registry
+from backends.base import PaddingStyle
 from backends.triton.backend import TritonAttentionBackend
 from conformance.inputs.cases import parse_case
 from conformance.checks.engine import EngineCheck
@@ -73,3 +74,35 @@ def test_one_draft_step_graph_replayed_k_times(drafter):
     assert [o.tokens for o in overlapped] == [o.tokens for o in sync]
     keys = {key[0] for key in engine.graphs.graphs}
     assert "draft step" in keys and "draft loop" not in keys and "verify" in keys, keys
+
+
+class TritonPaddingRowsOnly(TritonAttentionBackend):
+    """triton claiming only padding rows of its own: the engine pads its graphs as SGLang does."""
+
+    name = "triton_padding_rows_only"
+    capabilities = dataclasses.replace(TritonAttentionBackend.capabilities, padding_styles=frozenset({PaddingStyle.ROWS}))
+
+
+PLANTED = "tests.planted.graph_backends"
+
+
+@pytest.mark.parametrize("backend,twin,equal", [
+    ("triton", f"{__name__}:TritonPaddingRowsOnly", True),
+    (f"{PLANTED}:WritesLastTokenOfEmptyRequests", f"{PLANTED}:GraphSafeEmptyRequests", False)])
+def test_graph_padding_with_vllms_empty_requests(backend, twin, equal):
+    """Three prompts under graphs of four rows: every decode step padded with one request, which
+    for a backend claiming vLLM's style is empty (query and seq_len 0, block-table row -1). Right
+    kernels emit what they emit padded with rows; a kernel whose empty request writes over the
+    previous request's last token emits other tokens than its twin without that defect."""
+    device = torch.device("cuda")
+    config = EngineConfig(model=PRESETS["tiny-d128"], backend=backend, device="cuda", dtype=torch.bfloat16, max_num_reqs=4,
+                          num_blocks=128, num_spec_tokens=3, drafter="layer-skip", cuda_graphs=True)
+    model = LlamaModel.random(config.model, 0, torch.bfloat16, device)
+    prompts = [[3, 14, 15, 92, 65], list(range(40, 73)), list(range(7, 19))]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    engine = BatchedEngine(config, model)
+    tokens = [o.tokens for o in engine.generate(prompts, params)]
+    assert engine.graphs.replays > 0
+    assert any(buffers.verify_padding is not None for buffers in engine._buffers.values())
+    reference = [o.tokens for o in BatchedEngine(dataclasses.replace(config, backend=twin), model).generate(prompts, params)]
+    assert (tokens == reference) == equal
