@@ -16,7 +16,9 @@ captured, and from then on it is replayed. Before every replay the backend's ``b
 host over the same persistent tensors, as the contract says; the input preparation that starts an
 attention segment runs eagerly just before it, so a backend that needs host lengths reads this
 step's lengths, not the last replay's. Padding rows decode from a spare device-state slot that
-never commits (their seq_len = query_len, slot -1, block-table row 0: the reserved null block).
+never commits (their seq_len = query_len, slot -1, block-table row 0: the reserved null block);
+for a backend that claims vLLM's empty requests, attention sees them as such (query and seq_len 0,
+block-table row -1: ``empty_padding``).
 Only what the backend claims is captured: ``UNIFORM_SINGLE_TOKEN_DECODE`` allows q = 1,
 ``UNIFORM_BATCH`` and ``ALWAYS`` any uniform q, ``NEVER`` nothing (the engine runs eagerly).
 """

@@ -1,11 +1,20 @@
 """engine: the reference engine end to end with the backend under test, sync and async.
 
-For each attention kind, KV-cache format, dtype and learned sinks or none (the first case of each in
-the suite gives the head shape, block size and fp8 scales; a sinks case gives every layer sinks of
-its own) a small model of that layout runs four prompts, greedy. On a CPU, once per kind, cache
-format (fp8 or not) and sinks, and in the quick suite (the CPU default, a
-minute long) once per kind; in fp32 where the backend claims it: there the dtypes differ only in
-rounding, and bf16 and fp16 matrix products are many times slower.
+For each attention kind, KV-cache format, dtype, learned sinks or none, sliding window or none and
+MLA prefill's layer or not (the first case of each in the suite gives the head shape, block size
+and fp8 scales) a small two-layer model of that layout runs four prompts, greedy (``model_for``):
+a sinks case gives every layer sinks of its own; a windowed case alternates windowed and full
+layers as gpt-oss and Gemma 2 do (a window of ``ENGINE_WINDOW``, shorter than the prompts, each
+group of layers with a backend and metadata of its own); MLA prefill's layer (a value head dim
+other than the key's, DeepSeek-V3's 192 / 128) runs a DeepSeek-style MLA model whose prefills go
+through the backend under test, decompressed, while a built-in decodes absorbed; an MLA case's
+model runs its prefills through the backend too where it claims that layer
+(``reference_engine.model_attention``). On a CPU all but the dtype decide, and in the quick suite
+(the CPU default, a minute long) the kind alone; in fp32 where the backend claims it: there the
+dtypes differ only in rounding, and bf16 and fp16 matrix products are many times slower.
+
+0. for an MLA model whose prefills run decompressed: plain decoding again with every request
+   absorbed; the two paths must agree (a prefill kernel's value offset, scale or context shows here);
 
 1. plain decoding (no speculation), the reference;
 2. speculative decoding, k = 3, scripted drafter at 50 % acceptance (a rejection in most steps), synchronous loop: must equal 1;
@@ -16,7 +25,8 @@ rounding, and bf16 and fp16 matrix products are many times slower.
    CUDA graphs on CUDA (the draft loop in one graph with ``update_for_draft_step`` when the backend
    claims ``draft_step_update``, else one draft-step graph replayed k times with ``build`` between):
    must equal 1. The batch holds as many prompts as ``max_num_reqs``, so the padded graph batch's
-   last row is often a real request. Drafts change only what is accepted, never the output, so
+   last row is often a real request; where it is padding, it is vLLM's empty request for a backend
+   that claims that style (``reference_engine.empty_padding``). Drafts change only what is accepted, never the output, so
    the drafts accepted per prompt under graphs must also equal those of the same backend's eager
    draft steps (metadata rebuilt per step); and a backend claiming ``draft_step_update`` must
    draft exactly the tokens it drafts with its metadata built afresh for every draft step (on
@@ -24,7 +34,7 @@ rounding, and bf16 and fp16 matrix products are many times slower.
 5. on CUDA, the async loop again, measured: CUDA graphs where the backend claims them, host-blocking
    syncs per steady-state step (must be 0 for a backend claiming ``needs_cpu_seq_lens=False``), TPOT
    and GPU idle fraction (reported); k = 0 for a backend that cannot verify k + 1 tokens, so that
-   the steady steps are its own.
+   the steady steps are its own; not measured where a built-in decodes (MLA prefill's layer).
 
 A backend that serves only some batches (decode-only, uniform-only) runs every engine beside a
 companion that serves the rest, prefill chunks above all (``reference_engine.attention_split``,
