@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -119,9 +119,10 @@ class Call:
 
 
 def build_calls(common: CommonAttentionMetadata, parts: list[tuple[int, int, AttentionBackend]], build_name: str,
-                routing: "Routing", label) -> list[Call]:
+                routing: "Routing", label: Callable[[AttentionBackend], str | None]) -> list[Call]:
     """Each part's metadata from its backend (``build`` or ``build_for_capture``), the part cut out
-    of the step as a batch of its own unless it is the whole step; ``routing`` counts its tokens."""
+    of the step as a batch of its own unless it is the whole step; ``routing`` counts its tokens
+    under ``label(backend)`` (None: not counted here)."""
     starts = common.query_start_loc_cpu.tolist()
     calls = []
     for first, last, backend in parts:
@@ -129,7 +130,9 @@ def build_calls(common: CommonAttentionMetadata, parts: list[tuple[int, int, Att
         batch = common if whole else sub_batch(common, first, last)
         start, end = starts[first], starts[last]
         calls.append(Call(backend, start, end, getattr(backend, build_name)(batch), whole))
-        routing.add(label(backend), end - start)
+        name = label(backend)
+        if name is not None:
+            routing.add(name, end - start)
     return calls
 
 

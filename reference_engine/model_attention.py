@@ -138,9 +138,12 @@ class ModelAttention:
         return group.backend.allocate_kv_cache(num_blocks), prefill
 
     def _label(self, group: Group):
-        def label(backend: AttentionBackend) -> str:
+        def label(backend: AttentionBackend) -> str | None:
             name = getattr(backend, "name", "") or type(backend).__name__
-            return f"{name} (MLA prefill, decompressed)" if backend is group.prefill else f"{name} (absorbed)"
+            if backend is group.prefill:
+                return f"{name} (MLA prefill, decompressed)"
+            # A split counts what each of its backends served itself.
+            return None if isinstance(backend, SplitAttention) else f"{name} (absorbed)"
         return label
 
     def _calls(self, group: Group, common: CommonAttentionMetadata, build_name: str) -> list[Call]:

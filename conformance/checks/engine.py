@@ -133,8 +133,12 @@ def model_and_prompts(case: Case, device: torch.device, lengths: tuple[int, ...]
 
 def engine_skip_reason(backend_cls: type[AttentionBackend], case: Case, device: torch.device,
                        prefill_backend: str = AUTO) -> str | None:
-    """Why the engine cannot run ``model_for(case)`` through this backend, or None."""
+    """Why the engine cannot run ``model_for(case)`` through this backend, or None. The case's
+    own layer first: an MLA case is an MLA backend's, MLA prefill's layer a backend's that claims it."""
     spec = case.spec
+    reason = backend_cls.unsupported_reason(spec, device)
+    if reason:
+        return reason
     if is_mla_prefill_layer(spec) and spec.num_kv_heads != spec.num_heads:
         return ("the engine runs a value head dim other than the key's as MLA prefill's layer, which has as many KV "
                 f"heads as query heads (this layer: {spec.num_kv_heads} over {spec.num_heads})")

@@ -104,6 +104,11 @@ def test_the_engine_check_catches_a_prefill_defect_through_the_mla_model():
     assert result.verdict == Verdict.FAIL and "MLA prefill decompressed vs every request absorbed" in result.reason, result.reason
 
 
+def test_an_mla_case_is_an_mla_backends_even_where_another_claims_its_models_prefill():
+    reason = EngineCheck().case_skip_reason(PrefillOnly, parse_case("mla-h4-d64+16-fp32-p16:30+1@0"), CPU)
+    assert reason.startswith("MLA not supported"), reason
+
+
 def test_a_gqa_layer_with_its_own_value_dim_is_not_mla_prefill():
     reason = EngineCheck().case_skip_reason(TorchNaiveBackend, parse_case("gqa-h4/2-d48/32-fp32-p16:30+1@0"), CPU)
     assert "as many KV heads as query heads" in reason
