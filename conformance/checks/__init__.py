@@ -18,6 +18,7 @@ from conformance.checks.engine import EngineCheck
 from conformance.checks.graphs import GraphsCheck
 from conformance.checks.memory import MemoryCheck
 from conformance.checks.numerics import NumericsCheck
+from conformance.checks.steady import SteadyCheck
 from conformance.checks.syncs import SyncsCheck
 
 # A sync seen while the harness drives a backend is the backend's: never blame the harness, nor
@@ -28,6 +29,7 @@ treat_as_infrastructure(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 CHECKS: dict[str, type[Check]] = {
     NumericsCheck.name: NumericsCheck,
     SyncsCheck.name: SyncsCheck,
+    SteadyCheck.name: SteadyCheck,
     GraphsCheck.name: GraphsCheck,
     DraftLoopCheck.name: DraftLoopCheck,
     DeterminismCheck.name: DeterminismCheck,

@@ -11,12 +11,12 @@ position-dependent metadata (DeepSeek-V4 with MTP > 2) fails here at step 2 or l
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from backends.base import AttentionBackend, CommonAttentionMetadata, PaddingStyle
-from conformance.inputs.batch import materialize
+from conformance.inputs.batch import PagedBatch, materialize
 from conformance.inputs.cases import Case
 from conformance.checks.base import Check
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle, worst_place
@@ -49,7 +49,8 @@ class DraftLoop:
     """The buffers, device-side advance and per-step bookkeeping of one k-step draft loop."""
 
     def __init__(self, backend_cls: type[AttentionBackend], case: Case, num_steps: int, device: torch.device,
-                 padding_row: bool = True, fill: PoolFill = PoolFill.LOUD, padding: PaddingStyle = PaddingStyle.ROWS):
+                 padding_row: bool = True, fill: PoolFill = PoolFill.LOUD, padding: PaddingStyle = PaddingStyle.ROWS,
+                 shape_steps: Callable[[PagedBatch], None] | None = None):
         self.num_steps = num_steps
         self.num_real = case.num_reqs
         self.padding_row = padding_row
@@ -64,6 +65,8 @@ class DraftLoop:
         drafted_case = replace(case, batch=tuple((context, num_steps) for context, _ in case.batch),
                                data="edges" if case.data == "normal" else case.data)
         self.drafted = materialize(drafted_case, device)
+        if shape_steps is not None:  # the steps' own data shaped before anything is written or banked
+            shape_steps(self.drafted)
         contexts = [context for context, _ in case.batch]
         self.contexts = contexts
         block = case.spec.block_size

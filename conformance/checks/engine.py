@@ -31,8 +31,8 @@ dtypes differ only in rounding, and bf16 and fp16 matrix products are many times
    draft steps (metadata rebuilt per step); and a backend claiming ``draft_step_update`` must
    draft exactly the tokens it drafts with its metadata built afresh for every draft step (on
    the CPU too: the engine uses the update path eagerly);
-5. on CUDA, the async loop again, measured: CUDA graphs where the backend claims them, host-blocking
-   syncs per steady-state step (must be 0 for a backend claiming ``needs_cpu_seq_lens=False``), TPOT
+5. on CUDA, the async loop again, measured over at least ``STEADY_STEPS`` steady-state steps: CUDA
+   graphs where the backend claims them, host-blocking syncs per steady-state step (must be 0 for a backend claiming ``needs_cpu_seq_lens=False``), TPOT
    and GPU idle fraction (reported); k = 0 for a backend that cannot verify k + 1 tokens, so that
    the steady steps are its own; not measured where a built-in decodes (MLA prefill's layer).
 
@@ -63,6 +63,8 @@ from reference_engine.model_attention import plan_attention
 from reference_engine.equality import NEAR_TIE
 
 SPEC_TOKENS = 3
+STEADY_STEPS = 128  # the measured run's steady-state steps, at least
+STEADY_TOKENS = 400  # tokens per prompt that give them: at most k + 1 = 4 a step, prompts of up to 64 in 512
 DRAFTER = "scripted:random:0.5"
 ATTENTION_DRAFTER = "layer-skip"  # drafts through the backend under test
 
@@ -276,11 +278,17 @@ class EngineCheck(Check):
             # would go to the companion, so it is measured decoding plainly.
             verifies = backend_cls.capabilities.query_len_reason(SPEC_TOKENS + 1) is None
             engine = engine_for(num_spec_tokens=SPEC_TOKENS if verifies else 0, drafter=DRAFTER if verifies else "none",
-                                cuda_graphs=True)
+                                cuda_graphs=True, num_blocks=4 * -(-(64 + STEADY_TOKENS + SPEC_TOKENS + 1) // spec.block_size) + 1)
             engine.generate(prompts, SamplingParams(max_tokens=2 * SPEC_TOKENS + 4, ignore_eos=True))  # warm-up: JIT, graph captures
-            _, measured = measure(engine, prompts, params, detect_syncs=True, strategy=self.options.get("sync_detector", "auto"))
+            # A long look: at least STEADY_STEPS steady steps (a backend syncing or re-planning
+            # only every Nth step shows there), the prompts decoding far past the checked run.
+            steady = SamplingParams(max_tokens=STEADY_TOKENS, ignore_eos=True)
+            _, measured = measure(engine, prompts, steady, detect_syncs=True, strategy=self.options.get("sync_detector", "auto"))
             metrics = {key: measured.to_dict()[key] for key in ("tpot_ms", "gpu_idle_fraction", "host_syncs_per_steady_step",
                                                                  "steady_steps", "acceptance_length", "graph_replays")}
+            if measured.steady_steps < STEADY_STEPS:
+                return CaseResult(case.id, Verdict.ERROR, f"the measured run had {measured.steady_steps} steady-state steps, "
+                                  f"fewer than the {STEADY_STEPS} the engine check watches", tag=case.tag, metrics=metrics)
             evidence["host_sync_sources"] = measured.host_sync_sources
             syncs = measured.host_syncs_per_steady_step
             if not backend_cls.capabilities.needs_cpu_seq_lens and syncs:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from backends.base import BackendLimits, CommonAttentionMetadata
-from conformance.inputs.case_data import apply_profile, sink_logits, use_fp8_range
+from conformance.inputs.case_data import apply_profile, shape_activations, sink_logits, use_fp8_range
 from conformance.inputs.cases import Case
 from conformance.inputs.oracle import layer_reference
 from conformance.inputs.random_data import normal_tensors
@@ -271,6 +271,7 @@ def materialize(case: Case, device: torch.device | str) -> PagedBatch:
     *history, query = normal_tensors(seed, shapes, device)
     keys: list[torch.Tensor] = history if spec.kind == "mla" else history[0::2]
     values: list[torch.Tensor | None] = [None] * len(keys) if spec.kind == "mla" else history[1::2]
+    shape_activations(case, keys, values)
     apply_profile(case, query, keys)
     if case.kv_scales:
         use_fp8_range(case, query, keys, values)

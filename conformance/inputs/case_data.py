@@ -26,6 +26,15 @@ Every constant is an integer up to 256 or a power of two, so it is exact in fp16
 and its products with the probe query are exact: a correct backend's only error is the one the
 tolerances already allow.
 
+Keys and values are also **activation-like** in every profile (``shape_activations``): trained
+models' keys and values are not zero-mean. Each channel has a mean of its own (a projection's
+bias, as Qwen2's), one value channel a large one (an outlier channel), and one token in 16 has
+values several times larger than the rest (heavy tails). An output is then about its channel's
+mean, not about 1/√n, so a precision bug that scales with the output (an accumulator kept in the
+input dtype across KV tiles) shows. Means go on channels 2 and up (an fp8 case's range channels
+are 0 and 1; the probe and the outlier shift are the last two key channels); MLA's latent, keys
+and values at once, gets the means but no heavy tails (its tokens' scores would follow them).
+
 An **fp8 cache** holds at most ``largest × k_scale`` (448 × 0.1 for e4m3 by default): the probe
 query grows (a power of two) until every probe key stays within half of that, and the data use
 the format's range (``use_fp8_range``): one key and one value channel large enough that some of
@@ -55,6 +64,44 @@ SINK_SEED = 0x51_4B
 SINK_QUARTERS = (-8, 25)  # most heads' learned sink logits, in quarters: -2 to 6
 LARGE_SINK_QUARTERS = (32, 57)  # every fourth head's: 8 to 14, beyond most of its logits
 COMPUTE_HEADROOM = 256  # the large channel's scale stays this far below the compute dtype's largest number
+
+
+# Activation-like structure (module docstring): per-channel means by channel index, repeating
+# from channel 2; all exact in every dtype and storable in fp8 at the scales cases use.
+VALUE_MEANS = (0.5, -1.0, 0.25, 2.0, -0.5, 1.0, 0.0, -2.0)
+OUTLIER_VALUE_CHANNEL = 2
+OUTLIER_VALUE_MEAN = 8.0
+KEY_MEANS = (0.25, -0.25, 0.5, 0.0, -0.5)
+HEAVY_EVERY = 16  # one token in HEAVY_EVERY, at position HEAVY_OFFSET of each 16, has values HEAVY_GAIN times larger
+HEAVY_OFFSET = 7
+HEAVY_GAIN = 4.0
+FIRST_SHAPED_CHANNEL = 2
+
+
+def channel_means(pattern: tuple[float, ...], channels: int, device: torch.device) -> torch.Tensor:
+    means = torch.zeros(channels, device=device)
+    for channel in range(FIRST_SHAPED_CHANNEL, channels):
+        means[channel] = pattern[(channel - FIRST_SHAPED_CHANNEL) % len(pattern)]
+    return means
+
+
+def shape_activations(case, keys: list[torch.Tensor], values: list[torch.Tensor | None]) -> None:
+    """Per-channel means, an outlier value channel and heavy-tailed value tokens, in place on the
+    float32 N(0, 1) data (module docstring)."""
+    spec = case.spec
+    for key, value in zip(keys, values):
+        if spec.kind == "mla":  # the latent is the value too
+            means = channel_means(VALUE_MEANS, spec.kv_lora_rank, key.device)
+            means[OUTLIER_VALUE_CHANNEL] = OUTLIER_VALUE_MEAN
+            key[:, : spec.kv_lora_rank] += means
+            continue
+        key_means = channel_means(KEY_MEANS, spec.head_dim, key.device)
+        key_means[spec.head_dim - 2 :] = 0.0  # the outlier shift and the probe: set by the profiles
+        key += key_means
+        value[HEAVY_OFFSET::HEAVY_EVERY] *= HEAVY_GAIN
+        means = channel_means(VALUE_MEANS, spec.v_head_dim, value.device)
+        means[OUTLIER_VALUE_CHANNEL] = OUTLIER_VALUE_MEAN
+        value += means
 
 
 def probe_query_value(case) -> float:

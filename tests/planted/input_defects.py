@@ -362,3 +362,33 @@ class RecomputesScale(TorchNaiveBackend):
 
     def softmax_scale(self) -> float:
         return self.spec.head_dim ** -0.5
+
+
+class AccumulatesInInputDtype(TorchNaiveBackend):
+    """Flash attention over KV tiles of ``TILE`` keys whose running output is kept in the input
+    dtype (bf16/fp16) between tiles: each tile's P·V is summed in fp32, as an MMA does, then added
+    to an accumulator rounded back to half precision, rescaled as the running max grows. Its error
+    grows with the number of tiles and with the output's magnitude: invisible where outputs are
+    about 1/√n (zero-mean values), not where a channel has a mean."""
+
+    name = "planted_accumulates_in_input_dtype"
+    TILE = 16
+
+    def attend(self, query, key, value, context_len, sinks=None):
+        scores = self.masked_scores(query, key, context_len)  # [H, q, s] fp32
+        values = value.float().repeat_interleave(self.spec.query_group_size, dim=1)  # [s, H, Dv]
+        heads, queries = scores.shape[:2]
+        low = query.dtype
+        running_max = torch.full((heads, queries, 1), float("-inf"), device=scores.device)
+        total = torch.zeros(heads, queries, 1, device=scores.device)
+        acc = torch.zeros(heads, queries, values.shape[-1], dtype=low, device=scores.device)
+        for first in range(0, scores.shape[-1], self.TILE):
+            tile = scores[..., first : first + self.TILE]
+            new_max = torch.maximum(running_max, tile.amax(-1, keepdim=True))
+            alpha = torch.exp(running_max - new_max).nan_to_num(0.0)  # -inf - -inf: nothing seen yet
+            weights = torch.exp(tile - new_max).nan_to_num(0.0)
+            partial = torch.einsum("hqk,khd->hqd", weights.to(low).float(), values[first : first + self.TILE])
+            acc = (acc.float() * alpha + partial).to(low)
+            total = total * alpha + weights.sum(-1, keepdim=True)
+            running_max = new_max
+        return (acc.float() / total).permute(1, 0, 2)

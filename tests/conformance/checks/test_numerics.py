@@ -21,7 +21,7 @@ def run_suite(backend_cls, cases):
 def test_torch_naive_passes_the_smoke_suite():
     verdict, results = run_suite(TorchNaiveBackend, suite("smoke"))
     assert verdict == Verdict.PASS and len(results) == len(suite("smoke"))
-    assert all(result.metrics["max_abs_error"] < 1e-2 for result in results)
+    assert all(result.metrics["max_rel_error"] < 1e-2 for result in results)  # outputs near 8 (the outlier value channel)
     # The NaN-poison pass ran on every case, and the step wrote exactly its own slots.
     cases = {case.id: case for case in suite("smoke")}
     assert all(result.metrics["nan-poison slots written"] == cases[result.case].num_tokens for result in results)

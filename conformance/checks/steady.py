@@ -1,0 +1,181 @@
+"""steady: 256 consecutive decode steps of a small batch, every request one token longer each step,
+as an engine's decode loop runs them: ``build``, ``write_kv``, ``forward``, eagerly, with host
+lengths only where the backend claims it needs them (as under async scheduling).
+
+A backend that misbehaves only now and then passes every check that watches one step: a host-side
+cache refreshed every Nth step, a workspace regrown as the contexts grow, a sync or an allocation
+on some steps only, memory that creeps up. Here every step is watched:
+
+* host syncs: the detector records every call of every step (a phase each); any blocking sync is
+  a FAIL naming the step and the line;
+* every step's output against the oracle (the first wrong step is named);
+* device memory held after each step (``torch.cuda.memory_allocated``): it may not grow past the
+  level after the warm-up steps by more than ``GROWTH_BYTES`` (a leak, or a buffer regrown and
+  kept); the caching allocator's allocations and new segments (``cudaMalloc``) per steady step are
+  reported.
+
+It runs once per attention kind and KV-cache format, on the first decode case (query length 1)
+of at most ``MAX_REQUESTS`` requests, and on CUDA only: syncs and device memory exist only there.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from backends.base import AttentionBackend
+from conformance.checks.base import Check
+from conformance.checks.comparison import TOLERANCES, worst_place
+from conformance.checks.draft_loop import DraftLoop
+from conformance.inputs.batch import PagedBatch
+from conformance.inputs.cases import Case
+from conformance.results import CaseResult, Verdict
+from host_syncs.detector import detect_host_syncs
+
+STEPS = 256
+WARM_STEPS = 16  # lazy initialisation and JIT compiles happen here; memory is measured from here on
+MAX_REQUESTS = 8
+GROWTH_BYTES = 1 << 20
+MAX_EVENTS_KEPT = 10
+
+
+def ramp_newest_keys(batch: PagedBatch) -> None:
+    """Each step's key outscores every earlier one: probe channel ``i + 1`` for step ``i`` (exact
+    integers up to 256 in every dtype; the probe query makes a unit about one logit), so a step
+    that misses its newest key (a length one short, a stale copy of the lengths) is wrong by far
+    more than the tolerance at every step, not only at the first few that edges data shape. An fp8
+    cache could not store the ramp: its look watches syncs and memory, its outputs less sharply."""
+    spec = batch.case.spec
+    if spec.fp8_kv_cache:
+        return
+    probe = spec.head_dim - 1
+    for key, (context, steps) in zip(batch.keys, batch.case.batch):
+        ramp = torch.arange(1, steps + 1, dtype=key.dtype, device=key.device)
+        key[context : context + steps, ..., probe] = ramp.view(-1, *([1] * (key.dim() - 2)))
+
+
+def memory_counters(device: torch.device) -> dict[str, int]:
+    """Device memory held and the caching allocator's cumulative counts (host bookkeeping: no sync)."""
+    if device.type != "cuda":
+        return {"allocated_bytes": 0, "allocations": 0, "segments": 0}
+    stats = torch.cuda.memory_stats(device)
+    return {"allocated_bytes": torch.cuda.memory_allocated(device), "allocations": stats.get("allocation.all.allocated", 0),
+            "segments": stats.get("segment.all.allocated", 0)}
+
+
+def steady_look(backend_cls: type[AttentionBackend], case: Case, device: torch.device, steps: int = STEPS,
+                strategy: str = "auto") -> CaseResult:
+    """``steps`` decode steps of ``case``'s requests, each watched; the verdict and its evidence."""
+    loop = DraftLoop(backend_cls, case, steps, device, padding_row=False, shape_steps=ramp_newest_keys)
+    buffers, backend = loop.buffers, loop.buffers.backend
+    after: list[dict[str, int]] = []
+    watch_syncs = device.type == "cuda"
+    detector = detect_host_syncs(strategy, only_in_phases=True) if watch_syncs else None
+    with detector if detector is not None else _nothing():
+        for step in range(steps):
+            loop.advance()
+            with _phase(detector, f"step {step}: build"):
+                metadata = backend.build(loop.common(step))
+            with _phase(detector, f"step {step}: write_kv"):
+                backend.write_kv(buffers.kv_cache, buffers.key, buffers.value, buffers.slot_mapping, **buffers.layer)
+            with _phase(detector, f"step {step}: forward"):
+                backend.forward(buffers.query, buffers.kv_cache, metadata, buffers.out, **buffers.forward_layer)
+            loop.finish_step()
+            after.append(memory_counters(device))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    metrics, evidence = _memory_metrics(after, steps)
+    blocking = [event for event in (detector.events if detector else []) if event.blocking]
+    metrics["blocking_syncs"] = len(blocking)
+    if blocking:
+        evidence["syncs"] = [event.to_dict() for event in blocking[:MAX_EVENTS_KEPT]]
+        first = blocking[0]
+        steps_hit = sorted({int(event.phase.split()[1].rstrip(":")) for event in blocking})
+        return CaseResult(case.id, Verdict.FAIL, f"{len(blocking)} host sync(s) over {steps} decode steps, in steps "
+                          f"{_steps_text(steps_hit)}; first in {first.phase}: {first.describe()}", tag=case.tag,
+                          metrics=metrics, evidence=evidence)
+    atol, rtol = TOLERANCES[case.spec.dtype]
+    failing, details = loop.first_failing_step(atol, rtol)
+    if failing is not None:
+        evidence["worst"] = details.get("worst")
+        return CaseResult(case.id, Verdict.FAIL, f"decode step {failing} of {steps} differs from the oracle "
+                          f"({details['mismatched']} elements, max abs error {details['max_abs_error']:.3g}, worst at "
+                          f"{worst_place(details['worst'])}); every step before it was right", tag=case.tag,
+                          metrics={**metrics, "first_failing_step": failing}, evidence=evidence)
+    growth = metrics["memory_growth_bytes"]
+    if growth > GROWTH_BYTES:
+        return CaseResult(case.id, Verdict.FAIL, f"device memory held after a step grew by {growth / 2**20:.1f} MiB over "
+                          f"{steps - WARM_STEPS} steady decode steps (first past {GROWTH_BYTES >> 20} MiB at step "
+                          f"{metrics['memory_growth_step']}): a leak, or a buffer regrown and kept", tag=case.tag,
+                          metrics=metrics, evidence=evidence)
+    measured = "no host sync, " if watch_syncs else ""
+    return CaseResult(case.id, Verdict.PASS, f"{steps} decode steps: {measured}every step equal to the oracle, device memory "
+                      f"flat ({metrics['steady_allocations_per_step']:.1f} allocations and "
+                      f"{metrics['steady_new_segments']} new segments over the steady steps)", tag=case.tag,
+                      metrics=metrics, evidence=evidence)
+
+
+def _memory_metrics(after: list[dict[str, int]], steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    warm = after[min(WARM_STEPS, steps) - 1]
+    held = [counters["allocated_bytes"] - warm["allocated_bytes"] for counters in after]
+    growth_step = next((step for step, grown in enumerate(held) if step >= WARM_STEPS and grown > GROWTH_BYTES), None)
+    steady = max(steps - WARM_STEPS, 1)
+    segment_steps = [step for step in range(WARM_STEPS, steps) if after[step]["segments"] > after[step - 1]["segments"]]
+    metrics = {
+        "steps": steps,
+        "memory_growth_bytes": max(held[WARM_STEPS:], default=0),
+        "memory_growth_step": growth_step,
+        "steady_allocations_per_step": (after[-1]["allocations"] - warm["allocations"]) / steady,
+        "steady_new_segments": after[-1]["segments"] - warm["segments"],
+    }
+    return metrics, ({"new_segment_steps": segment_steps[:MAX_EVENTS_KEPT]} if segment_steps else {})
+
+
+def _steps_text(steps: list[int]) -> str:
+    shown = ", ".join(map(str, steps[:8]))
+    return shown + (f" and {len(steps) - 8} more" if len(steps) > 8 else "")
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def _phase(detector, name: str):
+    return detector.phase(name) if detector is not None else _nothing()
+
+
+class SteadyCheck(Check):
+    name = "steady"
+    question = f"{STEPS} consecutive decode steps: no host sync, no memory growth, every step right?"
+    evidence_labels = {"new_segment_steps": "steady steps that allocated a new segment (cudaMalloc)"}
+
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
+        super().__init__(options)
+        self.covered: dict[tuple, str] = {}
+
+    def skip_reason(self, backend_cls: type[AttentionBackend], device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return "host syncs and device memory exist only on a CUDA device (run with --device cuda)"
+        return None
+
+    def details(self) -> dict[str, Any]:
+        return {"steps": STEPS, "warm_steps": WARM_STEPS, "growth_bytes": GROWTH_BYTES}
+
+    def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
+        if any(query != 1 for _, query in case.batch) or not 1 <= case.num_reqs <= MAX_REQUESTS:
+            return f"the steady look starts from decode batches (query length 1) of at most {MAX_REQUESTS} requests"
+        key = (case.spec.kind, case.spec.kv_cache_dtype if case.spec.fp8_kv_cache else None)
+        if key in self.covered:
+            return f"steady look covered by {self.covered[key]}"
+        reason = super().case_skip_reason(backend_cls, case, device)
+        if reason:
+            return reason
+        self.covered[key] = case.id
+        return None
+
+    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
+        return steady_look(backend_cls, case, device, strategy=self.options.get("sync_detector", "auto"))
