@@ -11,8 +11,10 @@ on some steps only, memory that creeps up. Here every step is watched:
 * every step's output against the oracle (the first wrong step is named);
 * device memory held after each step (``torch.cuda.memory_allocated``): it may not grow past the
   level after the warm-up steps by more than ``GROWTH_BYTES`` (a leak, or a buffer regrown and
-  kept); the caching allocator's allocations and new segments (``cudaMalloc``) per steady step are
-  reported.
+  kept); the caching allocator's allocations and new segments per steady step are reported, and
+  so is every device allocation the detector saw in a steady step (``cudaMalloc``,
+  ``cuMemAlloc``: PyTorch's new segments and a backend's own alike), with its step and line.
+  Reported, not failed: PyTorch's allocator may grow a segment as the contexts grow.
 
 It runs once per attention kind and KV-cache format, on the first decode case (query length 1)
 of at most ``MAX_REQUESTS`` requests, and on CUDA only: syncs and device memory exist only there.
@@ -31,6 +33,7 @@ from conformance.inputs.batch import PagedBatch
 from conformance.inputs.cases import Case
 from conformance.results import CaseResult, Verdict
 from host_syncs.detector import detect_host_syncs
+from host_syncs.events import DEVICE_ALLOC
 
 STEPS = 256
 WARM_STEPS = 16  # lazy initialisation and JIT compiles happen here; memory is measured from here on
@@ -85,12 +88,17 @@ def steady_look(backend_cls: type[AttentionBackend], case: Case, device: torch.d
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     metrics, evidence = _memory_metrics(after, steps)
-    blocking = [event for event in (detector.events if detector else []) if event.blocking]
+    events = detector.events if detector else []
+    allocations = [event for event in events if event.kind == DEVICE_ALLOC and _step_of(event) >= WARM_STEPS]
+    metrics["steady_device_allocations"] = len(allocations)
+    if allocations:
+        evidence["device_allocations"] = [event.to_dict() for event in allocations[:MAX_EVENTS_KEPT]]
+    blocking = [event for event in events if event.blocking]
     metrics["blocking_syncs"] = len(blocking)
     if blocking:
         evidence["syncs"] = [event.to_dict() for event in blocking[:MAX_EVENTS_KEPT]]
         first = blocking[0]
-        steps_hit = sorted({int(event.phase.split()[1].rstrip(":")) for event in blocking})
+        steps_hit = sorted({_step_of(event) for event in blocking})
         return CaseResult(case.id, Verdict.FAIL, f"{len(blocking)} host sync(s) over {steps} decode steps, in steps "
                           f"{_steps_text(steps_hit)}; first in {first.phase}: {first.describe()}", tag=case.tag,
                           metrics=metrics, evidence=evidence)
@@ -131,6 +139,11 @@ def _memory_metrics(after: list[dict[str, int]], steps: int) -> tuple[dict[str, 
     return metrics, ({"new_segment_steps": segment_steps[:MAX_EVENTS_KEPT]} if segment_steps else {})
 
 
+def _step_of(event) -> int:
+    """The step of an event recorded in phase ``"step N: call"``."""
+    return int(event.phase.split()[1].rstrip(":"))
+
+
 def _steps_text(steps: list[int]) -> str:
     shown = ", ".join(map(str, steps[:8]))
     return shown + (f" and {len(steps) - 8} more" if len(steps) > 8 else "")
@@ -151,7 +164,8 @@ def _phase(detector, name: str):
 class SteadyCheck(Check):
     name = "steady"
     question = f"{STEPS} consecutive decode steps: no host sync, no memory growth, every step right?"
-    evidence_labels = {"new_segment_steps": "steady steps that allocated a new segment (cudaMalloc)"}
+    evidence_labels = {"new_segment_steps": "steady steps in which PyTorch's allocator made a new segment"}
+    sync_event_labels = {"syncs": "host syncs", "device_allocations": "device allocations in steady steps (reported)"}
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         super().__init__(options)
