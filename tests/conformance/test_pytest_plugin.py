@@ -79,7 +79,9 @@ def test_the_engine_check_runs_once_per_layout_under_the_plugin(pytester):
     # One check instance per check, as in a run: its once-per-layout skip holds across items.
     result = run_plugin(pytester, "--conformance-backend", "torch_naive", "--conformance-check", "engine",
                         "--conformance-device", "cpu", "-rs")
-    result.assert_outcomes(passed=2 + 1, skipped=7)  # on a CPU one per attention kind (GQA, MLA), plus the author's own test
+    # On a CPU one per attention kind (GQA, MLA) and windowed GQA (its model alternates windowed
+    # and full layers), plus the author's own test.
+    result.assert_outcomes(passed=3 + 1, skipped=6)
     result.stdout.fnmatch_lines(["*layout covered by*"])
 
 
