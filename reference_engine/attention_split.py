@@ -100,7 +100,11 @@ def plan_parts(query_lens: list[int], capabilities: Capabilities) -> list[Part]:
         by_companion = limit is not None and length > limit
         return by_companion, length if capabilities.uniform_query_len and not by_companion else None
 
-    return [Part(first, last, key[0]) for first, last, key in runs([key(length) for length in query_lens])]
+    keys = [key(length) for length in query_lens]
+    for index, length in enumerate(query_lens):  # an empty request (vLLM's graph padding) joins its neighbour's run
+        if length == 0 and len(keys) > 1:
+            keys[index] = keys[index - 1] if index else next((k for k, n in zip(keys, query_lens) if n), keys[index])
+    return [Part(first, last, key[0]) for first, last, key in runs(keys)]
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from reference_engine.attention_split import (
     first_claiming,
     resolve_companion,
     runs,
+    serves_every_batch,
 )
 
 
@@ -65,7 +66,9 @@ def plan_attention(backend_cls: type[AttentionBackend], model, dtype: torch.dtyp
     for the prefill path), by a built-in where the backend claims only MLA's prefill."""
     specs = [model.layer_spec(layer, dtype, block_size, kv_cache_dtype) for layer in range(model.num_layers)]
     prefill_spec = model.prefill_spec(dtype, block_size)
-    claims_prefill = prefill_spec is not None and backend_cls.unsupported_reason(prefill_spec, device) is None
+    # The prefill backend serves whole prefills: a decode-only kernel that claims the layer cannot.
+    claims_prefill = (prefill_spec is not None and backend_cls.unsupported_reason(prefill_spec, device) is None
+                      and serves_every_batch(backend_cls.capabilities))
     decompresses = claims_prefill and decompressed_prefill
     plans = []
     for spec in dict.fromkeys(specs):

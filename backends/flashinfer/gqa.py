@@ -63,6 +63,9 @@ class FlashInferMetadata:
     calls: list[WrapperCall]
 
 
+VALUE_DIM_PAIR = (192, 128)  # the (q/k, v) head dims measured through FA2 on an H200: DeepSeek-V3's prefill layer
+
+
 def window_left(spec: AttentionSpec) -> int:
     """FlashInfer counts the window without the token itself."""
     return -1 if spec.sliding_window is None else spec.sliding_window - 1
@@ -79,6 +82,17 @@ class FlashInferBackend(AttentionBackend):
         cuda_graphs=CGSupport.UNIFORM_SINGLE_TOKEN_DECODE, needs_cpu_seq_lens=True, draft_step_update=False,
         **runs_on(FA2_COMPUTE_CAPABILITIES),
     )
+
+    @classmethod
+    def unsupported_reason(cls, spec: AttentionSpec, device) -> str | None:
+        reason = super().unsupported_reason(spec, device)
+        if reason is None and spec.head_dim == VALUE_DIM_PAIR[0] and spec.v_head_dim != VALUE_DIM_PAIR[1]:
+            return "head_dim 192 is claimed only as MLA prefill's q/k head dim, with a value head dim of 128 (measured)"
+        if reason is None and spec.v_head_dim != spec.head_dim and (spec.head_dim, spec.v_head_dim) != VALUE_DIM_PAIR:
+            return (f"a value head dim of its own is claimed only as {VALUE_DIM_PAIR[0]} / {VALUE_DIM_PAIR[1]} "
+                    "(DeepSeek-V3's prefill layer, measured); not "
+                    f"{spec.head_dim} / {spec.v_head_dim}")
+        return reason
 
     def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
         super().__init__(spec, limits, device)

@@ -228,8 +228,9 @@ class EngineCheck(Check):
 
         plain = [out.tokens for out in run(num_spec_tokens=0, drafter="none", async_scheduling=False)]
         comparisons = []
-        prefill_spec = model_config.prefill_spec(spec.dtype, spec.block_size)
-        if prefill_spec is not None and backend_cls.unsupported_reason(prefill_spec, device) is None:
+        plans = plan_attention(backend_cls, model_config, spec.dtype, spec.block_size, spec.kv_cache_dtype, device,
+                               self.options.get("prefill_backend", AUTO))
+        if any(plan.prefill_cls is not None for plan in plans):
             # MLA's two paths must agree: prefills decompressed through this backend, and the same
             # requests absorbed (by the MLA decode backend: this one, or a built-in beside it).
             absorbed = [out.tokens for out in run(num_spec_tokens=0, drafter="none", async_scheduling=False,

@@ -60,3 +60,15 @@ def test_flashinfer_runs_a_value_head_dim_of_its_own_through_fa2_with_its_lse_in
     ordinary.forward(torch.zeros(1, 4, 128).bfloat16(), ordinary.allocate_kv_cache(4), metadata, torch.zeros(1, 4, 128).bfloat16(), lse=lse)
     assert "lse_base" not in metadata.calls[0].wrapper.ran[-1]
     torch.testing.assert_close(lse, torch.full((1, 4), 2.0 * math.log(2)))
+
+
+def test_only_the_measured_pair_of_head_dims_is_claimed(monkeypatch):
+    import importlib.util
+
+    from backends.base import DeviceInfo
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: object())
+    hopper = DeviceInfo("cuda", "NVIDIA H200", (9, 0))
+    assert FlashInferBackend.unsupported_reason(parse_case("mha-h16-d192/128-bf16-p64:10+1").spec, hopper) is None
+    assert "value head dim of 128" in FlashInferBackend.unsupported_reason(parse_case("mha-h16-d192-bf16-p64:10+1").spec, hopper)
+    assert "not 128 / 64" in FlashInferBackend.unsupported_reason(parse_case("mha-h16-d128/64-bf16-p64:10+1").spec, hopper)

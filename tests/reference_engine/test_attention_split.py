@@ -145,3 +145,10 @@ def test_trtllm_mla_claims_route_prefill_to_a_companion():
     hopper = DeviceInfo("cuda", "NVIDIA H200", (9, 0))
     assert first_claiming(["triton_mla"], spec, hopper, every_batch=True)[1] == "triton_mla: does not serve every query length itself"
     assert plan_parts([4, 4, 4, 37, 1], claims) == [Part(0, 3, False), Part(3, 4, True), Part(4, 5, False)]
+
+
+def test_an_empty_request_joins_its_neighbours_run():
+    """vLLM's graph padding in a uniform step: the empty requests do not cut it in two."""
+    assert plan_parts([4, 4, 0, 0], UniformOnly.capabilities) == [Part(0, 4, False)]
+    assert plan_parts([0, 4, 4], UniformOnly.capabilities) == [Part(0, 3, False)]
+    assert plan_parts([30, 0, 1], DecodeOnly.capabilities) == [Part(0, 2, True), Part(2, 3, False)]
