@@ -8,6 +8,8 @@ on some steps only, memory that creeps up. Here every step is watched:
 
 * host syncs: the detector records every call of every step (a phase each); any blocking sync is
   a FAIL naming the step and the line;
+* every input handed to ``build``, ``write_kv`` and ``forward`` comes back as it went in (the
+  input watch, compared after each step: the harness's read, outside the watched calls);
 * every step's output against the oracle (the first wrong step is named);
 * device memory held after each step (``torch.cuda.memory_allocated``): it may not grow past the
   level after the warm-up steps by more than ``GROWTH_BYTES`` (a leak, or a buffer regrown and
@@ -74,20 +76,45 @@ def steady_look(backend_cls: type[AttentionBackend], case: Case, device: torch.d
     after: list[dict[str, int]] = []
     watch_syncs = device.type == "cuda"
     detector = detect_host_syncs(strategy, only_in_phases=True) if watch_syncs else None
+    changed: list[str] = []
+    inside = {"allocations": 0, "segments": 0}  # the caching allocator's counts inside the backend's calls only
+
+    def watched(step: int, name: str, watch, call):
+        before = memory_counters(device)
+        with _phase(detector, f"step {step}: {name}"):
+            result = call()
+        now = memory_counters(device)
+        if step >= WARM_STEPS:
+            for key in inside:
+                inside[key] += now[key] - before[key]
+        watch.called(name)
+        return result
+
     with detector if detector is not None else _nothing():
         for step in range(steps):
             loop.advance()
-            with _phase(detector, f"step {step}: build"):
-                metadata = backend.build(loop.common(step))
-            with _phase(detector, f"step {step}: write_kv"):
-                backend.write_kv(buffers.kv_cache, buffers.key, buffers.value, buffers.slot_mapping, **buffers.layer)
-            with _phase(detector, f"step {step}: forward"):
-                backend.forward(buffers.query, buffers.kv_cache, metadata, buffers.out, **buffers.forward_layer)
+            common = loop.common(step)
+            watch = buffers.watch(common)  # every input must come back as it went in, at every step
+            metadata = watched(step, "build", watch, lambda: backend.build(common))
+            watched(step, "write_kv", watch, lambda: backend.write_kv(buffers.kv_cache, buffers.key, buffers.value,
+                                                                      buffers.slot_mapping, **buffers.layer))
+            watched(step, "forward", watch, lambda: backend.forward(buffers.query, buffers.kv_cache, metadata, buffers.out,
+                                                                    **buffers.forward_layer))
             loop.finish_step()
+            changed = [f"step {step}: {change}" for change in watch.changes()]  # the harness's read: outside the phases
+            del watch
             after.append(memory_counters(device))
+            if changed:
+                break
+    if changed:
+        return CaseResult(case.id, Verdict.FAIL, f"the backend changed an input it was handed: {'; '.join(changed)}",
+                          tag=case.tag, metrics={"steps": len(after)})
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     metrics, evidence = _memory_metrics(after, steps)
+    steady = max(steps - WARM_STEPS, 1)
+    metrics["steady_allocations_per_step"] = inside["allocations"] / steady
+    metrics["steady_new_segments"] = inside["segments"]
     events = detector.events if detector else []
     allocations = [event for event in events if event.kind == DEVICE_ALLOC and _step_of(event) >= WARM_STEPS]
     metrics["steady_device_allocations"] = len(allocations)
@@ -127,15 +154,8 @@ def _memory_metrics(after: list[dict[str, int]], steps: int) -> tuple[dict[str, 
     warm = after[min(WARM_STEPS, steps) - 1]
     held = [counters["allocated_bytes"] - warm["allocated_bytes"] for counters in after]
     growth_step = next((step for step, grown in enumerate(held) if step >= WARM_STEPS and grown > GROWTH_BYTES), None)
-    steady = max(steps - WARM_STEPS, 1)
     segment_steps = [step for step in range(WARM_STEPS, steps) if after[step]["segments"] > after[step - 1]["segments"]]
-    metrics = {
-        "steps": steps,
-        "memory_growth_bytes": max(held[WARM_STEPS:], default=0),
-        "memory_growth_step": growth_step,
-        "steady_allocations_per_step": (after[-1]["allocations"] - warm["allocations"]) / steady,
-        "steady_new_segments": after[-1]["segments"] - warm["segments"],
-    }
+    metrics = {"steps": steps, "memory_growth_bytes": max(held[WARM_STEPS:], default=0), "memory_growth_step": growth_step}
     return metrics, ({"new_segment_steps": segment_steps[:MAX_EVENTS_KEPT]} if segment_steps else {})
 
 

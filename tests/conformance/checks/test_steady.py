@@ -55,3 +55,11 @@ def test_built_in_backends_hold_steady(name):
         if check.case_skip_reason(backend, case, cuda) is None:
             result = check.run_case(backend, case, cuda)
             assert result.verdict == Verdict.PASS, (case.id, result.reason)
+
+
+def test_an_input_changed_in_place_fails_naming_the_step_and_call():
+    from tests.planted.input_defects import ScalesQueryInPlace
+
+    result = steady_look(ScalesQueryInPlace, DECODE, CPU, steps=8)
+    assert result.verdict == Verdict.FAIL and result.reason.startswith(
+        "the backend changed an input it was handed: step 0: forward changed query"), result.reason
