@@ -47,6 +47,8 @@ def test_a_half_precision_accumulator_fails_activation_like_data(case_text, at_l
     assert verdict == Verdict.FAIL and ratio >= at_least, ratio
 
 
-def test_zero_mean_data_hid_it(monkeypatch):
+def test_zero_mean_data_hid_it_at_every_length(monkeypatch):
     monkeypatch.setattr(batch_module, "shape_activations", lambda case, keys, values: None)
-    assert margin("gqa-h4/2-d64-bf16-p16:4096+1,4000+1@0")[0] == Verdict.PASS
+    for case_text in ("gqa-h4/2-d64-bf16-p16:4096+1,4000+1@0", "gqa-h4/2-d64-bf16-p16:32768+1@0",
+                      "gqa-h4/2-d64-fp16-p16:32768+1@0"):
+        assert margin(case_text)[0] == Verdict.PASS, case_text
