@@ -100,10 +100,12 @@ def plan_parts(query_lens: list[int], capabilities: Capabilities) -> list[Part]:
         by_companion = limit is not None and length > limit
         return by_companion, length if capabilities.uniform_query_len and not by_companion else None
 
-    keys = [key(length) for length in query_lens]
-    for index, length in enumerate(query_lens):  # an empty request (vLLM's graph padding) joins its neighbour's run
-        if length == 0 and len(keys) > 1:
-            keys[index] = keys[index - 1] if index else next((k for k, n in zip(keys, query_lens) if n), keys[index])
+    # An empty request (vLLM's graph padding) joins the run before it, or the first one when it leads.
+    real = [key(length) for length in query_lens if length]
+    keys, previous = [], real[0] if real else key(0)
+    for length in query_lens:
+        previous = key(length) if length else previous
+        keys.append(previous)
     return [Part(first, last, key[0]) for first, last, key in runs(keys)]
 
 

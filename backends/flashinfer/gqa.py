@@ -205,12 +205,13 @@ class FlashInferBackend(AttentionBackend):
                 lse: torch.Tensor | None = None) -> None:
         # FlashInfer folds k_scale into the softmax scale and multiplies its output by v_scale: host
         # floats (vLLM's ``_k_scale_float``), fixed per layer, so a captured graph may bake them.
-        extra = dict(zip(("k_scale", "v_scale"), fp8.scale_floats(self.spec, scales))) if self.spec.fp8_kv_cache else {}
+        scaled = dict(zip(("k_scale", "v_scale"), fp8.scale_floats(self.spec, scales))) if self.spec.fp8_kv_cache else {}
         pages = self.key_value(kv_cache) if self.value_dim else kv_cache
         for call in metadata.calls:
             rows = slice(call.token_start, call.token_end)
             target, land = packed_output(out[rows])
             decode_kernel = id(call.wrapper) in self.base2_lse
+            extra = dict(scaled)
             if lse is not None:  # the prefill wrapper's in the natural log; the decode wrapper's in base 2 only
                 extra.update(lse=lse[rows], return_lse=True, **({} if decode_kernel else {"lse_base": "ln"}))
             call.wrapper.run(packed(query[rows]), pages, out=target, **extra)

@@ -272,8 +272,7 @@ class EngineCheck(Check):
                                   "with the same backend's eager draft steps: the draft steps under CUDA graphs attend "
                                   "differently (update_for_draft_step?)", tag=case.tag, evidence=evidence)
         # MLA prefill's layer: the backend under test serves the prefills, a built-in the decodes.
-        decodes = backend_cls.unsupported_reason(model_config.attention_spec(spec.dtype, spec.block_size, spec.kv_cache_dtype),
-                                                 device) is None
+        decodes = all(plan.backend_cls is backend_cls for plan in plans)
         if device.type == "cuda" and decodes:
             # Steady-state steps must be the backend's own: a decode-only backend's k + 1 verify rows
             # would go to the companion, so it is measured decoding plainly.

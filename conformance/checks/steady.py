@@ -23,6 +23,7 @@ of at most ``MAX_REQUESTS`` requests, and on CUDA only: syncs and device memory 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -90,7 +91,7 @@ def steady_look(backend_cls: type[AttentionBackend], case: Case, device: torch.d
         watch.called(name)
         return result
 
-    with detector if detector is not None else _nothing():
+    with detector if detector is not None else contextlib.nullcontext():
         for step in range(steps):
             loop.advance()
             common = loop.common(step)
@@ -169,16 +170,8 @@ def _steps_text(steps: list[int]) -> str:
     return shown + (f" and {len(steps) - 8} more" if len(steps) > 8 else "")
 
 
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-
 def _phase(detector, name: str):
-    return detector.phase(name) if detector is not None else _nothing()
+    return detector.phase(name) if detector is not None else contextlib.nullcontext()
 
 
 class SteadyCheck(Check):
