@@ -2,7 +2,7 @@
 
 One request at a time, in float32, from host lengths: easy to check by eye, slow, and honest
 about it (needs host lengths, no CUDA graphs). Small hooks (``softmax_scale``, ``visible``,
-``gather``) keep each piece of the math in one place.
+``gather``, ``dequantize``) keep each piece of the math in one place.
 """
 from __future__ import annotations
 
@@ -101,13 +101,17 @@ class TorchNaiveBackend(AttentionBackend):
             if end == start:
                 continue
             kv = [self.gather(plane, metadata.block_table[request], seq_len) for plane in planes]
-            kv = [rows if scale is None else from_cache(rows, scale) for rows, scale in zip(kv, plane_scales)]
+            kv = [rows if scale is None else self.dequantize(rows, scale) for rows, scale in zip(kv, plane_scales)]
             key, value = (kv[0], kv[0][..., : self.spec.v_head_dim]) if self.spec.kind == "mla" else kv
             context_len = seq_len - (end - start)
             request_sinks = self.request_sinks(sinks, end - start)
             out[start:end] = self.attend(query[start:end], key, value, context_len, request_sinks).to(out.dtype)
             if lse is not None:
                 lse[start:end] = self.log_sum_exp(query[start:end], key, context_len, request_sinks)
+
+    def dequantize(self, stored: torch.Tensor, scale: float) -> torch.Tensor:
+        """The numbers an fp8 cache's stored elements stand for, in float32."""
+        return from_cache(stored, scale)
 
     def request_sinks(self, sinks: torch.Tensor | None, query_len: int) -> torch.Tensor | None:
         """The learned sinks one request's softmax uses: the layer's, for every request."""

@@ -3,7 +3,8 @@
 An element passes when |out - ref| <= atol + rtol * |ref| (numpy's ``isclose``), with atol/rtol
 chosen by dtype. Inputs are rounded to the dtype before the oracle sees them, so the tolerance
 covers only what a kernel does: low-precision products and accumulation, softmax in fp32, and
-the final rounding of the output. fp32 allows TF32 matmuls.
+the final rounding of the output. fp32 allows TF32 matmuls. An fp8 layer's comparison adds the
+oracle's ``rounding_allowance`` (``stored_cache``): dequantizing into the compute dtype is allowed.
 """
 from __future__ import annotations
 
@@ -21,14 +22,18 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {  # dtype: (atol, rtol)
 
 
 def compare_with_oracle(
-    out: torch.Tensor, reference: torch.Tensor, query_start_loc: list[int], atol: float, rtol: float
+    out: torch.Tensor, reference: torch.Tensor, query_start_loc: list[int], atol: float, rtol: float,
+    allowance: torch.Tensor | None = None,
 ) -> tuple[bool, dict[str, Any], dict[str, Any]]:
-    """(passed, metrics, evidence) for backend output ``out`` against the oracle's ``reference``."""
+    """(passed, metrics, evidence) for backend output ``out`` against the oracle's ``reference``;
+    ``allowance``: per element, added to the tolerance (an fp8 layer's rounding allowance)."""
     out = out.double()
     reference = reference.to(out.device)
     diff = (out - reference).abs()
     non_finite = ~torch.isfinite(out)
     allowed = atol + rtol * reference.abs()
+    if allowance is not None:
+        allowed = allowed + allowance.to(out.device)
     # NaN compares false with everything: count it as a mismatch explicitly.
     mismatched = (diff > allowed) | non_finite
     excess = torch.where(non_finite, torch.full_like(diff, float("inf")), diff - allowed)

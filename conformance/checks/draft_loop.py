@@ -23,7 +23,7 @@ from conformance.checks.comparison import TOLERANCES, compare_with_oracle, worst
 from conformance.inputs.graph_batches import GraphShape
 from conformance.inputs.graph_harness import GraphBuffers, cuda_graph_skip_reason, warm_up
 from conformance.inputs.harness import PoolFill, write_poison
-from conformance.inputs.stored_cache import expected_output
+from conformance.inputs.stored_cache import oracle
 from conformance.results import CaseResult, Verdict
 
 # (k, a padding row after the real requests, warm-up before the capture, what unowned slots hold).
@@ -133,11 +133,13 @@ class DraftLoop:
 
     def first_failing_step(self, atol: float, rtol: float) -> tuple[int | None, dict[str, Any]]:
         # Every draft step's rows are in the cache now; a step sees only positions up to its own.
-        reference = expected_output(self.buffers.prepared(self.drafted))
+        reference, allowance = oracle(self.buffers.prepared(self.drafted))
         reference = reference.view(self.num_real, self.num_steps, *self.out_bank.shape[2:])
+        allowance = None if allowance is None else allowance.view_as(reference)
         starts = list(range(self.num_real + 1))
         for step in range(self.num_steps):
-            passed, metrics, evidence = compare_with_oracle(self.out_bank[:, step], reference[:, step], starts, atol, rtol)
+            passed, metrics, evidence = compare_with_oracle(self.out_bank[:, step], reference[:, step], starts, atol, rtol,
+                                                            None if allowance is None else allowance[:, step])
             if not passed:
                 return step, {**metrics, **evidence}
         return None, {}

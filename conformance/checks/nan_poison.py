@@ -20,7 +20,7 @@ import torch
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle, how_far_off, worst_place
 from conformance.inputs.allocation_map import AllocationMap
 from conformance.inputs.batch import PagedBatch
-from conformance.inputs.stored_cache import expected_output
+from conformance.inputs.stored_cache import oracle
 from conformance.inputs.harness import ChangedInput, PoolFill, PreparedCase, WroteOutsideOutput, as_bits, run_step, write_poison
 
 TOOL = "nan-poison"
@@ -40,7 +40,8 @@ def nan_poison_pass(prepared: PreparedCase) -> tuple[list[dict], dict]:
         phase, place = ("step", "an input") if isinstance(error, ChangedInput) else ("forward", "output")
         return [{"tool": TOOL, "stage": "step", "phase": phase, "what": str(error), "place": place}], {}
     atol, rtol = TOLERANCES[batch.spec.dtype]
-    passed, errors, evidence = compare_with_oracle(out, expected_output(prepared), batch.query_start_loc, atol, rtol)
+    reference, allowance = oracle(prepared)
+    passed, errors, evidence = compare_with_oracle(out, reference, batch.query_start_loc, atol, rtol, allowance)
     metrics = {"nan-poison non-finite outputs": errors["non_finite"], "nan-poison mismatched": errors["mismatched"]}
     findings = []
     if not passed:

@@ -79,29 +79,34 @@ FIRST_SHAPED_CHANNEL = 2
 
 
 def channel_means(pattern: tuple[float, ...], channels: int, device: torch.device) -> torch.Tensor:
-    means = torch.zeros(channels, device=device)
-    for channel in range(FIRST_SHAPED_CHANNEL, channels):
-        means[channel] = pattern[(channel - FIRST_SHAPED_CHANNEL) % len(pattern)]
-    return means
+    # Built on the host and copied once: element by element on a GPU it was one launch per
+    # channel per request, which made a 128-request case's data take minutes on a shared GPU.
+    means = [0.0] * min(channels, FIRST_SHAPED_CHANNEL)
+    means += [pattern[(channel - FIRST_SHAPED_CHANNEL) % len(pattern)] for channel in range(FIRST_SHAPED_CHANNEL, channels)]
+    return torch.tensor(means, dtype=torch.float32, device=device)
 
 
 def shape_activations(case, keys: list[torch.Tensor], values: list[torch.Tensor | None]) -> None:
     """Per-channel means, an outlier value channel and heavy-tailed value tokens, in place on the
     float32 N(0, 1) data (module docstring)."""
     spec = case.spec
+    if not keys:
+        return
+    device = keys[0].device
+    if spec.kind == "mla":  # the latent is the value too
+        latent_means = channel_means(VALUE_MEANS, spec.kv_lora_rank, device)
+        latent_means[OUTLIER_VALUE_CHANNEL] = OUTLIER_VALUE_MEAN
+        for key in keys:
+            key[:, : spec.kv_lora_rank] += latent_means
+        return
+    key_means = channel_means(KEY_MEANS, spec.head_dim, device)
+    key_means[spec.head_dim - 2 :] = 0.0  # the outlier shift and the probe: set by the profiles
+    value_means = channel_means(VALUE_MEANS, spec.v_head_dim, device)
+    value_means[OUTLIER_VALUE_CHANNEL] = OUTLIER_VALUE_MEAN
     for key, value in zip(keys, values):
-        if spec.kind == "mla":  # the latent is the value too
-            means = channel_means(VALUE_MEANS, spec.kv_lora_rank, key.device)
-            means[OUTLIER_VALUE_CHANNEL] = OUTLIER_VALUE_MEAN
-            key[:, : spec.kv_lora_rank] += means
-            continue
-        key_means = channel_means(KEY_MEANS, spec.head_dim, key.device)
-        key_means[spec.head_dim - 2 :] = 0.0  # the outlier shift and the probe: set by the profiles
         key += key_means
         value[HEAVY_OFFSET::HEAVY_EVERY] *= HEAVY_GAIN
-        means = channel_means(VALUE_MEANS, spec.v_head_dim, value.device)
-        means[OUTLIER_VALUE_CHANNEL] = OUTLIER_VALUE_MEAN
-        value += means
+        value += value_means
 
 
 def probe_query_value(case) -> float:
