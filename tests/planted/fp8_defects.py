@@ -1,11 +1,15 @@
 """Planted fp8 KV-cache defects, each torch_naive with one bug that reached a real backend: a
 scale dropped on one path, swapped, applied twice, kept from the first layer; quantisation by
-truncation, without saturation; a device scale read on the host."""
+truncation, without saturation; a device scale read on the host. And flashinfer_mla claiming the
+e4m3 cache it does not claim (FlashInfer rounds the scale to bf16: docs/findings.md)."""
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from backends.base import KVScales
+from backends.flashinfer.mla import FlashInferMLABackend
 from backends.fp8 import from_cache, to_cache
 from backends.torch_naive import NaiveMetadata, TorchNaiveBackend
 
@@ -84,3 +88,14 @@ class ReadsDeviceScaleOnHost(TorchNaiveBackend):
         host = KVScales(scales.k_scale_tensor.item(), scales.v_scale_tensor.item(), scales.k_scale_tensor,
                         scales.v_scale_tensor)
         super().forward(query, kv_cache, metadata, out, host)
+
+
+class FlashInferMLAClaimingE4M3(FlashInferMLABackend):
+    """The real flashinfer_mla adapter, claiming the e4m3 latent cache it can run (FlashInfer's FA3
+    MLA kernel on SM90, the layer's scale as ``ckv_scale`` and ``kpe_scale``). FlashInfer 0.7.2
+    rounds that scale to bf16 in the kernel: measured on an H100, outputs up to 2.5x past the
+    tolerance where a few large scores share the softmax; a scale exact in bf16 passes."""
+
+    name = "planted_flashinfer_mla_claiming_e4m3"
+    capabilities = dataclasses.replace(FlashInferMLABackend.capabilities, kv_cache_dtypes=frozenset({torch.float8_e4m3fn}),
+                                       kv_cache_note="")

@@ -91,8 +91,7 @@ def test_scales_read_on_the_device_replay_and_scales_made_per_step_cannot_be_cap
 
 VENDOR_FP8 = [("flashinfer", "gqa-h32/8-d128-bf16-fp8e4m3-kscale0.03-vscale7-p16:100+1,30+4,0+40,2000+1"),
               ("flashinfer", "gqa-h32/8-d128-bf16-fp8e4m3-kscale0.03-vscale7-p16:100+1,30+1,2000+1"),
-              ("flashinfer", "gqa-h8/2-d128-fp16-fp8e5m2-p16-w64:300+4,17+1,0+90"),
-              ("flashinfer_mla", "mla-h16-d512+64-bf16-fp8e4m3-p64:1+1,700+1,64+4,2500+4")]
+              ("flashinfer", "gqa-h8/2-d128-fp16-fp8e5m2-p16-w64:300+4,17+1,0+90")]
 
 
 @pytest.mark.parametrize(("name", "case_text"), VENDOR_FP8)
@@ -109,3 +108,18 @@ def test_vendor_adapters_store_and_attend_fp8_as_the_contract_says(name, case_te
             continue  # as a run skips it (flashinfer graphs decode batches only; flashinfer_mla none)
         result = check.run_case(backend, case, CUDA)
         assert result.verdict == Verdict.PASS, (type(check).__name__, result.reason)
+
+
+def test_flashinfer_mla_rounds_its_fp8_scale_to_bf16():
+    """Why flashinfer_mla does not claim its e4m3 cache (docs/findings.md): with normal data and
+    with a scale exact in bf16 it passes; with edges data and k_scale 0.1 it does not."""
+    claiming = fp8_defects.FlashInferMLAClaimingE4M3
+    edges = "mla-h16-d512+64-bf16-fp8e4m3-{}p64-edges:63+1,64+1,127+1,700+1"
+    reason = claiming.unsupported_reason(parse_case(edges.format("")).spec, CUDA)
+    if reason:
+        pytest.skip(reason)
+    for text in ("mla-h16-d512+64-bf16-fp8e4m3-p64:1+1,700+1,64+4,2500+4", edges.format("kscale0.125-")):
+        result = NumericsCheck().run_case(claiming, parse_case(text), CUDA)
+        assert result.verdict == Verdict.PASS, (text, result.reason)
+    result = NumericsCheck().run_case(claiming, parse_case(edges.format("")), CUDA)
+    assert result.verdict == Verdict.FAIL and "beyond tolerance" in result.reason, result.reason
