@@ -114,12 +114,13 @@ def test_flashinfer_mla_rounds_its_fp8_scale_to_bf16():
     """Why flashinfer_mla does not claim its e4m3 cache (docs/findings.md): with normal data and
     with a scale exact in bf16 it passes; with edges data and k_scale 0.1 it does not."""
     claiming = fp8_defects.FlashInferMLAClaimingE4M3
-    edges = "mla-h16-d512+64-bf16-fp8e4m3-{}p64-edges:63+1,64+1,127+1,700+1"
-    reason = claiming.unsupported_reason(parse_case(edges.format("")).spec, CUDA)
+    edges = "mla-h16-d512+64-bf16-fp8e4m3-{}p64-edges:{}"
+    reason = claiming.unsupported_reason(parse_case(edges.format("", "700+1")).spec, CUDA)
     if reason:
         pytest.skip(reason)
-    for text in ("mla-h16-d512+64-bf16-fp8e4m3-p64:1+1,700+1,64+4,2500+4", edges.format("kscale0.125-")):
+    for text in ("mla-h16-d512+64-bf16-fp8e4m3-p64:1+1,700+1,64+4,2500+4", edges.format("kscale0.125-", "63+1,64+1,127+1,700+1"),
+                 edges.format("kscale0.125-", "700+1,2500+1,3000+1")):
         result = NumericsCheck().run_case(claiming, parse_case(text), CUDA)
         assert result.verdict == Verdict.PASS, (text, result.reason)
-    result = NumericsCheck().run_case(claiming, parse_case(edges.format("")), CUDA)
+    result = NumericsCheck().run_case(claiming, parse_case(edges.format("", "700+1,2500+1,3000+1")), CUDA)
     assert result.verdict == Verdict.FAIL and "beyond tolerance" in result.reason, result.reason
