@@ -22,6 +22,18 @@ def pytest_collection_modifyitems(config, items):
 pytest_plugins = ["pytester"]
 
 
+def pytest_addoption(parser):
+    parser.addoption("--benchmarks", action="store_true", default=False,
+                     help="collect tests/benchmarks (pytest-benchmark timings on a GPU); a plain run leaves them out")
+
+
+def pytest_ignore_collect(collection_path, config):
+    # Timings, not correctness: collected only when asked for, so `pytest -q` never reports them.
+    if collection_path.name == "benchmarks" and not config.getoption("--benchmarks"):
+        return True
+    return None
+
+
 def pytest_configure(config):
     # The fixtures of conformance.pytest_plugin, also where the package is not installed (the GPU
     # machine runs from a checkout): register it unless its entry point already did.

@@ -1,6 +1,9 @@
 """pytest-benchmark view of the issue's target shapes, every available backend side by side.
 
-    python -m pytest tests/benchmarks -m gpu --benchmark-only --benchmark-json=bench.json
+    python -m pytest tests/benchmarks --benchmark-only --benchmark-json=bench.json
+
+A plain ``pytest -q`` does not collect this folder (tests/conftest.py): name it, or pass
+``--benchmarks``.
 
 pytest-benchmark times step() on the host clock (launch + forward + synchronize); the CUDA-event
 median of the forward alone, L2 flushed, is stored in extra_info["forward_us"], which is the
@@ -44,6 +47,10 @@ def test_forward_speed(benchmark, shape, backend):
         prepared.backend.forward(query, prepared.kv_cache, metadata, out, **prepared.forward_layer)
         torch.cuda.synchronize()
 
-    benchmark.extra_info["forward_us"] = time_gpu(lambda: prepared.backend.forward(query, prepared.kv_cache, metadata, out, **prepared.forward_layer),
-                                                  _l2_flusher(device))
+    forward_us = time_gpu(lambda: prepared.backend.forward(query, prepared.kv_cache, metadata, out, **prepared.forward_layer),
+                          _l2_flusher(device))
+    benchmark.extra_info["forward_us"] = forward_us
     benchmark.pedantic(step, rounds=30, iterations=1, warmup_rounds=3)
+    # A timing of a forward that did nothing (or wrote garbage) is no timing.
+    assert forward_us > 0
+    assert torch.isfinite(out[: batch.case.num_tokens]).all(), "the timed forward left non-finite outputs"

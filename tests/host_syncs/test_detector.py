@@ -1,6 +1,8 @@
 """The sync detector's logic on recorded callback sequences (CPU)."""
 import os
 
+import pytest
+
 import conformance  # noqa: F401 - declares the harness and the contract's helpers as infrastructure
 from host_syncs.events import (
     ApiCall,
@@ -169,10 +171,8 @@ def test_the_cupti_strategy_leaves_no_subscriber_after_its_pass(monkeypatch):
             assert fake.subscribers and (Domain.RUNTIME_API, 1) in fake.enabled and (Domain.RUNTIME_API, 2) not in fake.enabled
             strategy.stop()
         else:
-            try:
+            with pytest.raises(cupti_strategy.CuptiUnavailable):
                 strategy.start()
-            except cupti_strategy.CuptiUnavailable:
-                pass
         assert not fake.subscribers and not fake.enabled
     fake.accepts = True
     cupti_strategy.CuptiStrategy(EventRecorder()).start()  # the next pass can subscribe again

@@ -1,4 +1,4 @@
-"""Shared by the tiling sweeps (tune_triton.py, tune_triton_mla.py): one shape prepared once on the
+"""Shared by the tiling sweeps (tune_triton, tune_triton_mla): one shape prepared once on the
 GPU for the vendor and for ours, forwards timed as ``conformance bench`` times them (CUDA events,
 L2 flushed, median)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sweep triton_mla's tiling on the GPU: ``python tests/benchmarks/tune_triton_mla.py``.
+"""Sweep triton_mla's tiling on the GPU: ``python -m conformance.tuning.tune_triton_mla``.
 
 For each MLA (512 + 64) decode / spec-verify shape: FlashMLA's time, then ours for each way of
 reading a tile (masked loads per page, or TMA where the tile allows it), tiling (rows per program,
@@ -9,7 +9,7 @@ import sys
 import torch
 
 from backends.triton import mla_backend
-from tests.benchmarks.tuning import Sweep
+from conformance.tuning.timed_case import Sweep
 
 CASES = {
     "decode b64 ctx4096": "mla-h128-d512+64-bf16-p64:4096+1x64",

@@ -1,5 +1,5 @@
 """Sweep triton's split-KV decode launch on the GPU:
-``python -m tests.benchmarks.tune_triton [--splits-only] [CASE NAME ...]``.
+``python -m conformance.tuning.tune_triton [--splits-only] [CASE NAME ...]``.
 
 For each decode / spec-verify shape of the issue's table: FlashInfer's time, then ours for every
 (warps, stages, BLOCK_N) at the default split target, then every split target (programs wanted
@@ -11,7 +11,7 @@ import sys
 import torch
 
 from backends.triton import backend as triton_backend
-from tests.benchmarks.tuning import TimedCase, Sweep
+from conformance.tuning.timed_case import TimedCase, Sweep
 
 CASES = {
     "decode b64 ctx4096": "gqa-h32/8-d128-bf16-p16:4096+1x64",
