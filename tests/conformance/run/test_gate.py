@@ -195,7 +195,7 @@ def test_a_killed_run_takes_its_workers_processes_with_it(tmp_path):
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     # The helper in the worker's group dies with it; the one in a session of its own was out of
-    # reach once the run was gone (README: as far as Linux allows).
+    # reach once the run was gone (docs/gating.md: as far as Linux allows).
     assert not _alive(pids[0])
     if _alive(pids[1]):
         os.kill(pids[1], signal.SIGKILL)
