@@ -50,23 +50,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from backends.base import AttentionBackend
 from conformance.inputs.cases import Case
 from conformance.checks.base import Check
+from conformance.checks.engine_model import is_mla_prefill_layer, model_for
+from conformance.checks.engine_runs import ATTENTION_DRAFTER, DRAFTER, SPEC_TOKENS, EngineRuns, TooFewSteadySteps
 from conformance.results import CaseResult, Verdict
 from reference_engine.attention_split import AUTO, Routing
 from reference_engine.model_attention import plan_attention
 from reference_engine.equality import NEAR_TIE
 
-SPEC_TOKENS = 3
-STEADY_STEPS = 128  # the measured run's steady-state steps, at least
-STEADY_TOKENS = 400  # tokens per prompt that give them: at most k + 1 = 4 a step, prompts of up to 64 in 512
-DRAFTER = "scripted:random:0.5"
-ATTENTION_DRAFTER = "layer-skip"  # drafts through the backend under test
 
 
 def layout_key(case: Case, device: torch.device, suite: str | None = None) -> tuple:
@@ -82,55 +79,11 @@ def layout_key(case: Case, device: torch.device, suite: str | None = None) -> tu
     return key + (spec.kv_cache_dtype if spec.fp8_kv_cache else None, spec.dtype)
 
 
-def cache_config(case: Case) -> dict[str, Any]:
-    """The EngineConfig fields of the case's KV cache: an fp8 format and its scales, or nothing."""
-    return dict(kv_cache_dtype=case.spec.kv_cache_dtype, kv_scales=case.kv_scales) if case.kv_scales else {}
-
-
 def engine_case(backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> Case:
     """The case whose layout the engine runs: on a CPU in fp32 where the backend claims it."""
     if device.type == "cpu" and case.spec.dtype != torch.float32 and torch.float32 in backend_cls.capabilities.dtypes:
         return dataclasses.replace(case, spec=dataclasses.replace(case.spec, dtype=torch.float32))
     return case
-
-
-def is_mla_prefill_layer(spec) -> bool:
-    """An MHA layer whose value head dim is not its key's: MLA's prefill (DeepSeek-V3: 192 / 128)."""
-    return spec.kind == "mha" and spec.v_head_dim != spec.head_dim
-
-
-ENGINE_WINDOW = 48  # a windowed layer's window in the engine: shorter than its prompts and outputs, so it bites
-
-
-def model_for(case: Case):
-    """The engine's model for a case's layer: a Llama-style model (windowed cases: windowed layers
-    alternating with full ones, as gpt-oss's and Gemma 2's do; sinks cases: every layer's own
-    sinks), an MLA model for MLA's layer, and for MLA prefill's layer (a value head dim other than
-    the key's) a DeepSeek-style MLA model whose prefill it is."""
-    from reference_engine.model import ModelConfig
-
-    spec = case.spec
-    common = dict(vocab_size=512, hidden_size=256, num_layers=2, intermediate_size=512, max_model_len=512)
-    if spec.kind == "mla":
-        return ModelConfig(attention="mla", num_heads=spec.num_heads, kv_lora_rank=spec.kv_lora_rank,
-                           qk_rope_dim=spec.rope_dim, qk_nope_dim=64, v_head_dim=64, **common)
-    if is_mla_prefill_layer(spec):
-        rope = 64 if spec.head_dim > 64 else spec.head_dim // 2  # DeepSeek-V3: 192 = 128 + 64
-        return ModelConfig(attention="mla", num_heads=spec.num_heads, kv_lora_rank=512, qk_rope_dim=rope,
-                           qk_nope_dim=spec.head_dim - rope, v_head_dim=spec.v_head_dim, **common)
-    return ModelConfig(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                       attention_sinks=spec.attention_sinks, alternating_window=True,
-                       sliding_window=ENGINE_WINDOW if spec.sliding_window is not None else None, **common)
-
-
-def model_and_prompts(case: Case, device: torch.device, lengths: tuple[int, ...]):
-    """``model_for(case)`` with seeded random weights, and prompts of these lengths from the same seed."""
-    from reference_engine.model import LlamaModel
-
-    config = model_for(case)
-    model = LlamaModel.random(config, case.seed, case.spec.dtype, device)
-    generator = torch.Generator().manual_seed(case.seed)
-    return model, [torch.randint(0, config.vocab_size, (length,), generator=generator).tolist() for length in lengths]
 
 
 def engine_skip_reason(backend_cls: type[AttentionBackend], case: Case, device: torch.device,
@@ -196,128 +149,62 @@ class EngineCheck(Check):
 
     def _run_engines(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device,
                      routings: list[Routing]) -> CaseResult:
-        from reference_engine.batched_engine import BatchedEngine, InputCheckFailed
-        from reference_engine.core import EngineConfig
-        from reference_engine.metrics import measure
-        from reference_engine.sampling import SamplingParams
+        from reference_engine.batched_engine import InputCheckFailed
 
-        spec = case.spec
-        model, prompts = model_and_prompts(case, device, (5, 23, 40, 64))
-        model_config = model.config
-        params = SamplingParams(max_tokens=32, ignore_eos=True)
-        backend_ref = f"{backend_cls.__module__}:{backend_cls.__qualname__}"  # the class under test, however it was named
-        base = EngineConfig(model=model_config, backend=backend_ref, device=str(device), dtype=spec.dtype,
-                            block_size=spec.block_size, num_blocks=64, max_num_reqs=4, max_num_tokens=128,
-                            **cache_config(case))
-
-        def engine_for(**changes):
-            engine = BatchedEngine(dataclasses.replace(base, prefill_backend=self.options.get("prefill_backend", AUTO),
-                                                       **changes), model)
-            routings.extend(engine.backend.routings())
-            return engine
-
-        def run(**changes):
-            return engine_for(**changes).generate(prompts, params)
-
-        def run_drafting(rebuild: bool = False):
-            """A synchronous run drafting through the backend: its outputs, and the digest of every
-            token it verified (the drafts it proposed, as the target saw them)."""
-            engine = engine_for(num_spec_tokens=SPEC_TOKENS, drafter=ATTENTION_DRAFTER, async_scheduling=False,
-                                cuda_graphs=graphs, check_inputs=True, rebuild_draft_metadata=rebuild)
-            return engine.generate(prompts, params), engine.verified_digest()
-
-        plain = [out.tokens for out in run(num_spec_tokens=0, drafter="none", async_scheduling=False)]
-        comparisons = []
-        plans = plan_attention(backend_cls, model_config, spec.dtype, spec.block_size, spec.kv_cache_dtype, device,
-                               self.options.get("prefill_backend", AUTO))
-        if any(plan.prefill_cls is not None for plan in plans):
-            # MLA's two paths must agree: prefills decompressed through this backend, and the same
-            # requests absorbed (by the MLA decode backend: this one, or a built-in beside it).
-            absorbed = [out.tokens for out in run(num_spec_tokens=0, drafter="none", async_scheduling=False,
-                                                  decompressed_mla_prefill=False)]
-            comparisons.append(("MLA prefill decompressed vs every request absorbed", plain, absorbed))
-        sync = [out.tokens for out in run(num_spec_tokens=SPEC_TOKENS, drafter=DRAFTER, async_scheduling=False)]
-        graphs = device.type == "cuda"
+        runs = EngineRuns(backend_cls, case, device, routings, self.options)
         try:
-            overlapped = [out.tokens for out in run(num_spec_tokens=SPEC_TOKENS, drafter=DRAFTER, check_inputs=True)]
-            drafted_outputs, drafted_digest = run_drafting()
-            drafted_sync = [out.tokens for out in drafted_outputs]
-            drafted_async = [out.tokens for out in run(num_spec_tokens=SPEC_TOKENS, drafter=ATTENTION_DRAFTER,
-                                                       cuda_graphs=graphs, check_inputs=True)]
+            for _, claim in self._claims(backend_cls, runs):
+                problem = claim()
+                if problem:
+                    return CaseResult(case.id, Verdict.FAIL, problem, tag=case.tag, metrics=runs.metrics,
+                                      evidence=runs.evidence)
         except InputCheckFailed as error:
             return CaseResult(case.id, Verdict.FAIL, f"async loop: {error}", tag=case.tag)
-        metrics: dict[str, Any] = {}
-        evidence: dict[str, Any] = {}
-        drafting = f"{ATTENTION_DRAFTER} drafting{' under CUDA graphs' if graphs else ''}"
-        comparisons += [("spec (sync) vs plain", sync, plain), ("async vs sync", overlapped, sync),
-                        (f"{drafting}, sync vs plain", drafted_sync, plain), (f"{drafting}, async vs plain", drafted_async, plain)]
-        for label, got, expected in comparisons:
-            problem = self._difference(label, got, expected, prompts, model, base, device, evidence)
-            if problem:
-                return CaseResult(case.id, Verdict.FAIL, problem, tag=case.tag, evidence=evidence)
+        except TooFewSteadySteps as error:
+            return CaseResult(case.id, Verdict.ERROR, str(error), tag=case.tag, metrics=runs.metrics)
+        return CaseResult(case.id, Verdict.PASS, self._pass_reason(runs), tag=case.tag, metrics=runs.metrics,
+                          evidence=runs.evidence)
+
+    def _claims(self, backend_cls: type[AttentionBackend], runs: EngineRuns) -> list[tuple[str, Callable[[], str | None]]]:
+        """The check's claims in the order they are judged, each ``(label, function)``: the function
+        returns the problem, or None. The engine runs they compare are made once, when first needed."""
+        drafting = runs.drafting
+        same: list[tuple[str, Callable[[], list], Callable[[], list]]] = []
+        if runs.decompressed_prefill:
+            # MLA's two paths must agree: prefills decompressed through this backend, and the same
+            # requests absorbed (by the MLA decode backend: this one, or a built-in beside it).
+            same.append(("MLA prefill decompressed vs every request absorbed", lambda: runs.absorbed, lambda: runs.plain))
+        same += [("spec (sync) vs plain", lambda: runs.sync, lambda: runs.plain),
+                 ("async vs sync", lambda: runs.overlapped, lambda: runs.sync),
+                 (f"{drafting}, sync vs plain", lambda: runs.drafted_sync, lambda: runs.plain),
+                 (f"{drafting}, async vs plain", lambda: runs.drafted_async, lambda: runs.plain)]
+        table = [(label, self._same_tokens(runs, label, got, expected)) for label, got, expected in same]
         if backend_cls.capabilities.draft_step_update:
-            problem = self._draft_update_problem(backend_cls, drafted_digest, run_drafting, drafting, evidence)
-            if problem:
-                return CaseResult(case.id, Verdict.FAIL, problem, tag=case.tag, evidence=evidence)
-        if graphs:
-            # Drafts never change a lossless engine's output, only what is accepted: the draft
-            # steps under graphs (update_for_draft_step, or the replayed step graph) must accept
-            # exactly what the same backend's eager draft steps (metadata rebuilt) accept.
-            eager = run(num_spec_tokens=SPEC_TOKENS, drafter=ATTENTION_DRAFTER, async_scheduling=False, cuda_graphs=False)
-            accepted = [out.accepted for out in drafted_outputs]
-            expected = [out.accepted for out in eager]
-            evidence["accepted_drafts"] = {"under_graphs": accepted, "eager": expected}
-            if accepted != expected:
-                return CaseResult(case.id, Verdict.FAIL, f"{drafting}: accepted drafts per prompt {accepted}, but {expected} "
-                                  "with the same backend's eager draft steps: the draft steps under CUDA graphs attend "
-                                  "differently (update_for_draft_step?)", tag=case.tag, evidence=evidence)
-        # MLA prefill's layer: the backend under test serves the prefills, a built-in the decodes.
-        decodes = all(plan.backend_cls is backend_cls for plan in plans)
-        if device.type == "cuda" and decodes:
-            # Steady-state steps must be the backend's own: a decode-only backend's k + 1 verify rows
-            # would go to the companion, so it is measured decoding plainly.
-            verifies = backend_cls.capabilities.query_len_reason(SPEC_TOKENS + 1) is None
-            engine = engine_for(num_spec_tokens=SPEC_TOKENS if verifies else 0, drafter=DRAFTER if verifies else "none",
-                                cuda_graphs=True, num_blocks=4 * -(-(64 + STEADY_TOKENS + SPEC_TOKENS + 1) // spec.block_size) + 1)
-            engine.generate(prompts, SamplingParams(max_tokens=2 * SPEC_TOKENS + 4, ignore_eos=True))  # warm-up: JIT, graph captures
-            # A long look: at least STEADY_STEPS steady steps (a backend syncing or re-planning
-            # only every Nth step shows there), the prompts decoding far past the checked run.
-            steady = SamplingParams(max_tokens=STEADY_TOKENS, ignore_eos=True)
-            _, measured = measure(engine, prompts, steady, detect_syncs=True, strategy=self.options.get("sync_detector", "auto"))
-            metrics = {key: measured.to_dict()[key] for key in ("tpot_ms", "gpu_idle_fraction", "host_syncs_per_steady_step",
-                                                                 "steady_steps", "acceptance_length", "graph_replays")}
-            if measured.steady_steps < STEADY_STEPS:
-                return CaseResult(case.id, Verdict.ERROR, f"the measured run had {measured.steady_steps} steady-state steps, "
-                                  f"fewer than the {STEADY_STEPS} the engine check watches", tag=case.tag, metrics=metrics)
-            evidence["host_sync_sources"] = measured.host_sync_sources
-            syncs = measured.host_syncs_per_steady_step
-            if not backend_cls.capabilities.needs_cpu_seq_lens and syncs:
-                return CaseResult(case.id, Verdict.FAIL, f"{syncs:.2f} host syncs per steady-state async step while claiming "
-                                  f"needs_cpu_seq_lens=False: {'; '.join(measured.host_sync_sources[:2])}",
-                                  tag=case.tag, metrics=metrics, evidence=evidence)
-        reason = f"async == sync == plain, also with {drafting}" + (f"; {len(evidence['near_ties'])} near-tie flip(s)" if evidence.get("near_ties") else "")
-        if device.type == "cuda" and not decodes:
+            table.append(("update_for_draft_step drafts what rebuilt metadata drafts", runs.draft_update_problem))
+        if runs.graphs:
+            table.append(("drafts accepted under CUDA graphs == eager", runs.graph_acceptance_problem))
+        if runs.measures_steady_steps:
+            table.append(("host syncs per steady-state async step", runs.steady_problem))
+        return table
+
+    def _same_tokens(self, runs: EngineRuns, label: str, got: Callable[[], list],
+                     expected: Callable[[], list]) -> Callable[[], str | None]:
+        def claim() -> str | None:
+            return self._difference(label, got(), expected(), runs.prompts, runs.model, runs.base, runs.device,
+                                    runs.evidence)
+        return claim
+
+    @staticmethod
+    def _pass_reason(runs: EngineRuns) -> str:
+        evidence, metrics = runs.evidence, runs.metrics
+        reason = f"async == sync == plain, also with {runs.drafting}"
+        if evidence.get("near_ties"):
+            reason += f"; {len(evidence['near_ties'])} near-tie flip(s)"
+        if runs.device.type == "cuda" and not runs.decodes:
             reason += "; steady-state steps not measured (a built-in decodes: this backend serves MLA's prefill)"
         if metrics.get("host_syncs_per_steady_step") is not None:
             reason += f"; {metrics['host_syncs_per_steady_step']:.2f} syncs/step, GPU idle {metrics['gpu_idle_fraction']:.1%}"
-        return CaseResult(case.id, Verdict.PASS, reason, tag=case.tag, metrics=metrics, evidence=evidence)
-
-    def _draft_update_problem(self, backend_cls, updated: int, run_drafting, drafting: str, evidence: dict) -> str | None:
-        """A backend claiming draft_step_update must draft exactly what it drafts with its metadata
-        built afresh for every draft step. Compared on the drafts themselves (through a digest of
-        every verified token), not on what is accepted: a wrong draft is usually rejected anyway,
-        so a stale length in one row's draft step hides in the acceptance counts."""
-        _, rebuilt = run_drafting(rebuild=True)
-        evidence["verified_drafts_digest"] = {"update_for_draft_step": updated, "metadata_rebuilt": rebuilt}
-        if updated == rebuilt:
-            return None
-        if not backend_cls.capabilities.deterministic and run_drafting()[1] != updated:
-            evidence["verified_drafts_digest"]["note"] = ("two identical runs drafted differently (determinism not "
-                                                          "claimed): the update path could not be compared")
-            return None
-        return (f"{drafting}: update_for_draft_step drafts other tokens than the same steps with the metadata built "
-                "afresh for every draft step (a stale or wrongly advanced length, block table or plan in the draft "
-                "loop; the engine's output is still right because wrong drafts are rejected)")
+        return reason
 
     def _difference(self, label, got, expected, prompts, model, base, device, evidence) -> str | None:
         """None when equal or every difference is an explained near-tie; else the failure reason."""

@@ -87,7 +87,8 @@ def run_draft_loop_stage(backend_cls, case, map_path: Path) -> None:
 
 def memory_engine(backend_cls, case, device: torch.device):
     """The engine stage's engine (async, k = 3 drafted through the backend, eager) and its prompts."""
-    from conformance.checks.engine import ATTENTION_DRAFTER, SPEC_TOKENS, cache_config, model_and_prompts
+    from conformance.checks.engine_model import cache_config, model_and_prompts
+    from conformance.checks.engine_runs import ATTENTION_DRAFTER, SPEC_TOKENS
     from reference_engine.batched_engine import BatchedEngine
     from reference_engine.core import EngineConfig
 
