@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from conformance.atomic_write import write_atomically
+
 SCHEMA_VERSION = 1
 GATED_METRICS = ("max_abs_error", "forward_us", "GBps", "roofline_fraction", "build_us", "replay_us")  # what compare and reports do arithmetic on
 
@@ -183,8 +185,6 @@ class RunResult:
     INTERRUPTED_NOTE = "Interrupted (SIGINT/SIGTERM): only the cases that finished are here; the rest did not run."
 
     def save(self, path: str | Path) -> None:
-        from conformance.report.output_paths import write_atomically
-
         write_atomically(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
     @staticmethod

@@ -133,7 +133,7 @@ def parameter_coverage(cases: list[Case]) -> dict[tuple[str, str], tuple[str, fl
 
 
 def coverage_table(coverage: dict[tuple[str, str], tuple[str, float] | None]) -> list[str]:
-    """The matrix as Markdown rows (README's "Every parameter at work on every path")."""
+    """The matrix as Markdown rows (docs/checks.md, "Every parameter at work on every path")."""
     lines = ["| parameter | " + " | ".join(PATHS) + " |", "|---" * (len(PATHS) + 1) + "|"]
     for parameter in PARAMETERS:
         cells = []

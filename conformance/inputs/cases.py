@@ -487,7 +487,7 @@ def smoke_suite() -> list[Case]:
 
 def _variant_cases() -> list[Case]:
     """The properties a real engine varies and the base suite holds fixed: strided views, padding,
-    large logits, boundary-sensitive data and the softmax scale (see README, "What the harness
+    large logits, boundary-sensitive data and the softmax scale (see docs/checks.md, "What the harness
     varies")."""
     cases = _cases(LLAMA3_8B + "-strided", [
         ("strided: decode", "1+1,100+1,1000+1,2047+1"),

@@ -15,7 +15,7 @@ from typing import Any
 
 from conformance.checks import check_class
 from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
-from conformance.report.output_paths import write_atomically
+from conformance.atomic_write import write_atomically
 from conformance.report.reproduce import reproduce_command
 
 VERDICT_COLOURS = {

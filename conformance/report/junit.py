@@ -10,7 +10,7 @@ import xml.etree.ElementTree as ElementTree
 from conformance.checks import check_class
 from conformance.checks.evidence import plain_lines
 from conformance.results import CaseResult, RunResult, Verdict
-from conformance.report.output_paths import write_atomically
+from conformance.atomic_write import write_atomically
 from conformance.report.reproduce import reproduce_command
 from conformance.report.safe_text import xml_safe
 

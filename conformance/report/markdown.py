@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from conformance.checks import check_class
 from conformance.results import RunResult
-from conformance.report.output_paths import write_atomically
+from conformance.atomic_write import write_atomically
 from conformance.report.reproduce import reproduce_command
 from conformance.report.safe_text import markdown_code, markdown_inline
 

@@ -6,7 +6,7 @@ accident writes into that file (a stray log handler, a reused path, a library pr
 inherited descriptor) must not be able to add, drop or reorder a verdict unnoticed: a line whose
 signature does not verify, a sequence number out of order, or a file that shrank is reported as
 tampering instead of being read as an event. (A backend written to cheat can read the key from its
-own process's memory; see README's threat model.)
+own process's memory; see the threat model in docs/gating.md.)
 
 A line is ``SEQ MAC JSON``: MAC is HMAC-SHA256 over ``SEQ JSON`` with the run's key.
 """

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from conformance.process_exit import describe_exit
 from conformance.run.channel import TAMPERING, ChannelReader, new_key
 from conformance.run.execution import Emit, Job, execute
 from conformance.run.reaper import Reaper, exited
@@ -65,15 +66,6 @@ def _tail(path: Path) -> str:
         return path.read_text(errors="replace")[-STDERR_TAIL_CHARS:]
     except OSError:
         return ""
-
-
-def describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"killed by signal {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exited with status {returncode}"
 
 
 def child_env() -> dict[str, str]:

@@ -21,7 +21,8 @@ from typing import Any
 
 from backends.registry import BackendLookupError, BackendRef
 from conformance.results import Verdict
-from conformance.run.isolation import DIE_WITH_PARENT, child_env, describe_exit
+from conformance.process_exit import describe_exit
+from conformance.run.isolation import DIE_WITH_PARENT, child_env
 
 
 @dataclass

@@ -53,8 +53,9 @@ from conformance.inputs.allocation_map import AllocationMap
 from conformance.inputs.cases import Case, format_layer
 from conformance.inputs.graph_harness import cuda_graph_skip_reason
 from conformance.inputs.harness import prepare_case
+from conformance.process_exit import describe_exit
 from conformance.results import CaseResult, Verdict
-from conformance.run import sanitizer
+from conformance.checks.memory import sanitizer
 
 # The mixed case is the small one (43 query tokens): initcheck prints a report per 32 bytes of a
 # copy it thinks never written, and each costs the child time (a copy of flash-attn-4's output:
@@ -66,7 +67,7 @@ CHILD_TIMEOUT_S = 600.0
 
 @dataclass(frozen=True)
 class Stage:
-    """How one sanitized stage runs (``conformance.run.sanitized_case`` runs it)."""
+    """How one sanitized stage runs (``conformance.checks.memory.sanitized_case`` runs it)."""
 
     tools: tuple[str, ...] = sanitizer.TOOLS
     # CUDA graph capture needs PyTorch's caching allocator (memcheck then sees only accesses
@@ -193,7 +194,7 @@ def poison_pass(backend_cls: type[AttentionBackend], case: Case, device: torch.d
 
 def run_child(backend_cls: type[AttentionBackend], case: Case, stage: str,
               tool: str | None) -> tuple[sanitizer.SanitizerRun, AllocationMap]:
-    """One child (``conformance.run.sanitized_case``) under ``tool``, and the map of what it
+    """One child (``conformance.checks.memory.sanitized_case``) under ``tool``, and the map of what it
     allocated. An eager stage under a tool runs with PyTorch's caching allocator off: each tensor
     is then its own allocation, and memcheck sees a read one element past any of them."""
     replays_graphs = stage in SANITIZED_STAGES and SANITIZED_STAGES[stage].replays_graphs
@@ -223,7 +224,6 @@ def timed_child(backend_cls: type[AttentionBackend], case: Case, stage: str,
 
 def run_poison_pass(backend_cls: type[AttentionBackend], case: Case) -> tuple[list[dict], dict]:
     """``poison_pass`` in a child process: a backend's wild access there ends the child, not the worker."""
-    from conformance.run.isolation import describe_exit  # the run package imports the checks
 
     run, _ = run_child(backend_cls, case, "nan-poison", None)
     if run.returncode == 0 and run.written is not None:

@@ -1,6 +1,6 @@
 """The memory check's sanitized child: one stage of one case, run under compute-sanitizer.
 
-    python -m conformance.run.sanitized_case BACKEND CASE STAGE OUT.json
+    python -m conformance.checks.memory.sanitized_case BACKEND CASE STAGE OUT.json
 
 STAGE is ``step`` (one engine step, eager), ``draft-loop`` (k = 4 draft steps under CUDA graphs,
 as the draft-loop check runs them), ``engine`` (the reference engine: a few async steps of
@@ -31,7 +31,7 @@ from backends import registry
 from conformance.inputs.allocation_map import AllocationMap
 from conformance.inputs.cases import parse_case
 from conformance.inputs.harness import PoolFill, prepare_case, run_step
-from conformance.run.sanitizer import PHASE_MARKER
+from conformance.checks.memory.sanitizer import PHASE_MARKER
 
 STAGES = ("step", "draft-loop", "engine", "nan-poison")
 DRAFT_STEPS = 4

@@ -1,6 +1,6 @@
 """compute-sanitizer around one sanitized child, and its report read back as findings.
 
-The child (``conformance.run.sanitized_case``) prints ``@@phase NAME`` before each backend call
+The child (``conformance.checks.memory.sanitized_case``) prints ``@@phase NAME`` before each backend call
 and synchronizes after it, so every report the tool prints lands under the phase that launched
 the kernel. The tool's host backtrace carries the Python frames of the launch (``Host Frame: fn
 in file.py:line``); those are kept, the native frames dropped.
@@ -217,7 +217,7 @@ def command(tool_path: str | None, tool: str, child_args: list[str], api_copies:
     """The child's command line, under ``tool`` (no tool: the child alone). ``api_copies=False``
     leaves cudaMemcpy/cudaMemset unchecked where the tool allows it: in a replayed graph their
     launch has no Python frame to say whose copy it was."""
-    child = [sys.executable, "-m", "conformance.run.sanitized_case", *child_args]
+    child = [sys.executable, "-m", "conformance.checks.memory.sanitized_case", *child_args]
     if tool_path is None:
         return child
     options = ["--tool", tool, "--print-limit", str(PRINT_LIMIT), "--show-backtrace", "host"]

@@ -13,7 +13,7 @@ from conformance.checks.numerics import NumericsCheck
 from conformance.inputs.allocation_map import Allocation, AllocationMap, PoolLayout
 from conformance.inputs.cases import parse_case, standard_suite
 from conformance.results import Verdict
-from conformance.run import sanitizer
+from conformance.checks.memory import sanitizer
 from tests.planted.memory import ReadsWholeLastBlock, WritesNextSlot
 
 OUTPUT = Path(__file__).parent / "sanitizer_output"
@@ -215,7 +215,7 @@ def test_the_decode_case_adds_the_engine_stage_under_memcheck_only(monkeypatch):
 
 
 def test_the_engine_stage_drafts_through_the_backend_and_generates():
-    from conformance.run.sanitized_case import ENGINE_TOKENS, memory_engine
+    from conformance.checks.memory.sanitized_case import ENGINE_TOKENS, memory_engine
     from reference_engine.sampling import SamplingParams
 
     engine, prompts = memory_engine(TorchNaiveBackend, parse_case("gqa-h4/2-d64-fp32-p16:1+1,40+1"), CPU)

@@ -9,7 +9,7 @@ from conformance.checks.memory import MemoryCheck
 from conformance.checks.numerics import NumericsCheck
 from conformance.inputs.cases import parse_case
 from conformance.results import Verdict
-from conformance.run import sanitizer
+from conformance.checks.memory import sanitizer
 from tests.planted import memory as planted
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(sanitizer.find_tool() is None, reason="needs compute-sanitizer")]
