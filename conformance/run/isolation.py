@@ -131,6 +131,96 @@ def _start_worker(job_path: Path, events_path: Path, log, key: bytes) -> subproc
 DONE_GRACE_S = 10.0  # after "done", how long a worker may take to exit (atexit hooks) before it is killed
 
 
+@dataclass
+class ChildRun:
+    """How one child ended: what it was running, and why the parent stopped watching it."""
+
+    returncode: int | None = None
+    running: tuple[str, str] | None = None  # (check, case) started and not reported
+    fatal_reported: bool = False
+    finished: bool = False  # reported every case, then "done"
+    hung: str | None = None  # the time limit it ran past
+    past_deadline: bool = False
+    stderr_tail: str = ""
+
+
+class _Recorder:
+    """Where every child's events go: the backend's events and the caller's, with tampering seen
+    on the channel charged to the next result, and the rows the parent writes itself."""
+
+    def __init__(self, job: Job, events: BackendEvents, on_event: Emit) -> None:
+        self.job, self.events, self.on_event = job, events, on_event
+        self.tags = {case["id"]: case.get("tag", "") for case in job.cases}
+        self.forged: list[str] = []  # tampering seen on the channel, not yet charged to a case
+
+    def record(self, event: dict[str, Any]) -> None:
+        if self.forged and event["event"] in ("result", "fatal"):
+            event = _charged_with_tampering(event, self.forged)
+            self.forged.clear()
+        self.events.record(event)
+        self.on_event(event)
+
+    def blame(self, item: tuple[str, str], reason: str, stderr_tail: str) -> None:
+        check, case_id = item
+        result = CaseResult(case_id, Verdict.CRASH, reason, tag=self.tags[case_id], evidence={"stderr_tail": stderr_tail})
+        self.record({"event": "result", "check": check, "result": result.to_dict()})
+
+    def mark_remaining(self, verdict: Verdict, reason: str) -> None:
+        for event in not_run(self.job, self.events, verdict, reason):
+            self.record(event)
+
+
+def _run_child(job: Job, attempt: int, workdir: str, key: bytes, reaper: Reaper, recorder: _Recorder,
+               case_timeout_s: float, backend_timeout_s: float | None, deadline: float) -> ChildRun:
+    """One child over the cases not yet reported: started, its events read as they come, watched
+    against both time limits, then it and its process group killed, however the watch ended."""
+    recorder.job.done = list(recorder.events.results)
+    job_path = Path(workdir, f"job{attempt}.json")
+    events_path = Path(workdir, f"events{attempt}.jsonl")
+    log_path = Path(workdir, f"stderr{attempt}.log")
+    job_path.write_text(json.dumps(recorder.job.to_dict()))
+    events_path.touch()
+    run = ChildRun()
+    finished_at = None
+    with open(log_path, "w") as log, open(events_path) as stream:
+        reader = ChannelReader(stream, key)
+        child = _start_worker(job_path, events_path, log, key)
+        reaper.watch(child)
+        try:
+            last_event = time.monotonic()  # the clock restarts at every event: a case's time (or the start-up's)
+            while True:
+                gone = exited(child)
+                for event in reader.read():
+                    if event["event"] == TAMPERING:
+                        recorder.forged.append(event["what"])
+                        continue
+                    run.running = (event["check"], event["case"]) if event["event"] == "start" else None
+                    run.fatal_reported |= event["event"] == "fatal"
+                    if event["event"] == "done":
+                        finished_at = time.monotonic()
+                    last_event = time.monotonic()
+                    recorder.record(event)
+                if gone:
+                    break
+                now = time.monotonic()
+                if finished_at is not None:
+                    if now - finished_at > DONE_GRACE_S:
+                        break  # reported everything; whatever keeps it alive is killed below
+                elif now - last_event > case_timeout_s:
+                    run.hung = f"the per-case time limit of {case_timeout_s:g} s (--timeout)"
+                elif now > deadline:
+                    run.hung = f"the backend's time limit of {backend_timeout_s:g} s (--backend-timeout)"
+                if run.hung:
+                    run.past_deadline = now > deadline
+                    break
+                time.sleep(POLL_INTERVAL_S)
+        finally:
+            run.returncode = reaper.finish(child)  # its group too, whatever stopped the loop (an interrupt)
+    run.finished = finished_at is not None
+    run.stderr_tail = _tail(log_path)
+    return run
+
+
 def run_isolated(
     job: Job,
     on_event: Emit,
@@ -141,103 +231,55 @@ def run_isolated(
     events: BackendEvents | None = None,
 ) -> BackendEvents:
     """Run ``job`` in child processes; returns what they reported, CRASH rows included.
-    ``events``: where to record (the caller keeps what arrived if this raises, an interrupt)."""
+    ``events``: where to record (the caller keeps what arrived if this raises, an interrupt).
+    One child at a time (``_run_child``); after a crash or a hang a fresh one resumes with the
+    cases not yet reported, unless nothing can be resumed or the limits say stop."""
     events = events if events is not None else BackendEvents()
     deadline = time.monotonic() + backend_timeout_s if backend_timeout_s else float("inf")
-    crashes = 0
-    tags = {case["id"]: case.get("tag", "") for case in job.cases}
+    recorder = _Recorder(job, events, on_event)
     key = new_key()
-    forged: list[str] = []  # tampering seen on the channel, not yet charged to a case
-
-    def record(event: dict[str, Any]) -> None:
-        if forged and event["event"] in ("result", "fatal"):
-            event = _charged_with_tampering(event, forged)
-            forged.clear()
-        events.record(event)
-        on_event(event)
-
-    def blame(item: tuple[str, str], reason: str, stderr_tail: str) -> None:
-        check, case_id = item
-        result = CaseResult(case_id, Verdict.CRASH, reason, tag=tags[case_id], evidence={"stderr_tail": stderr_tail})
-        record({"event": "result", "check": check, "result": result.to_dict()})
-
-    def mark_remaining(verdict: Verdict, reason: str) -> None:
-        for event in not_run(job, events, verdict, reason):
-            record(event)
-
+    crashes = 0
     reaper = Reaper()
     try:
         with tempfile.TemporaryDirectory(prefix="conformance-") as workdir:
             for attempt in itertools.count():
-                job.done = list(events.results)
-                job_path = Path(workdir, f"job{attempt}.json")
-                events_path = Path(workdir, f"events{attempt}.jsonl")
-                log_path = Path(workdir, f"stderr{attempt}.log")
-                job_path.write_text(json.dumps(job.to_dict()))
-                events_path.touch()
-                running, fatal_reported, hung, finished_at = None, False, None, None
-                with open(log_path, "w") as log, open(events_path) as stream:
-                    reader = ChannelReader(stream, key)
-                    child = _start_worker(job_path, events_path, log, key)
-                    reaper.watch(child)
-                    try:
-                        last_event = time.monotonic()  # the clock restarts at every event: a case's time (or the start-up's)
-                        while True:
-                            gone = exited(child)
-                            for event in reader.read():
-                                if event["event"] == TAMPERING:
-                                    forged.append(event["what"])
-                                    continue
-                                running = (event["check"], event["case"]) if event["event"] == "start" else None
-                                fatal_reported |= event["event"] == "fatal"
-                                if event["event"] == "done":
-                                    finished_at = time.monotonic()
-                                last_event = time.monotonic()
-                                record(event)
-                            if gone:
-                                break
-                            now = time.monotonic()
-                            if finished_at is not None:
-                                if now - finished_at > DONE_GRACE_S:
-                                    break  # reported everything; whatever keeps it alive is killed below
-                            elif now - last_event > case_timeout_s:
-                                hung = f"the per-case time limit of {case_timeout_s:g} s (--timeout)"
-                            elif now > deadline:
-                                hung = f"the backend's time limit of {backend_timeout_s:g} s (--backend-timeout)"
-                            if hung:
-                                break
-                            time.sleep(POLL_INTERVAL_S)
-                    finally:
-                        returncode = reaper.finish(child)  # its group too, whatever stopped the loop (an interrupt)
-                stderr_tail = _tail(log_path)
-                if finished_at is not None:
-                    if forged:  # after the last case: charged to the last result reported
-                        _charge_last(events, forged, on_event)
+                run = _run_child(job, attempt, workdir, key, reaper, recorder, case_timeout_s, backend_timeout_s,
+                                 deadline)
+                if run.finished:
+                    if recorder.forged:  # after the last case: charged to the last result reported
+                        _charge_last(events, recorder.forged, on_event)
                     break
-                if hung:
-                    if running:
-                        blame(running, f"hung: ran past {hung}; the process was killed", stderr_tail)
-                    if not running or now > deadline:
-                        mark_remaining(Verdict.ERROR, f"not run: {hung} reached" + ("" if running else " outside any case"))
-                        break
-                    crashes += 1
-                else:
-                    crashes += 1
-                    how = describe_exit(returncode)
-                    if returncode == 0:
-                        how += " before finishing (a backend that calls exit() or raises SystemExit)"
-                    if running:
-                        blame(running, f"backend process {how} while running this case", stderr_tail)
-                    elif not fatal_reported:
-                        # Died outside any case (an import error, a crash at start-up): nothing to resume.
-                        mark_remaining(Verdict.CRASH, f"backend process {how} outside any case: {stderr_tail.strip()[-300:]}")
-                        break
+                crashes += 1
+                if not _blame_and_resume(run, recorder):
+                    break
                 if crashes > max_crashes:
-                    mark_remaining(Verdict.ERROR, f"not run: the backend process crashed or hung {crashes} times")
+                    recorder.mark_remaining(Verdict.ERROR, f"not run: the backend process crashed or hung {crashes} times")
                     break
     finally:
         reaper.close()
     return events
+
+
+def _blame_and_resume(run: ChildRun, recorder: _Recorder) -> bool:
+    """The rows a child that did not finish leaves: its running case a CRASH; the rest not run
+    where nothing can be resumed. True when a fresh child should go on."""
+    if run.hung:
+        if run.running:
+            recorder.blame(run.running, f"hung: ran past {run.hung}; the process was killed", run.stderr_tail)
+        if not run.running or run.past_deadline:
+            recorder.mark_remaining(Verdict.ERROR, f"not run: {run.hung} reached" + ("" if run.running else " outside any case"))
+            return False
+        return True
+    how = describe_exit(run.returncode)
+    if run.returncode == 0:
+        how += " before finishing (a backend that calls exit() or raises SystemExit)"
+    if run.running:
+        recorder.blame(run.running, f"backend process {how} while running this case", run.stderr_tail)
+    elif not run.fatal_reported:
+        # Died outside any case (an import error, a crash at start-up): nothing to resume.
+        recorder.mark_remaining(Verdict.CRASH, f"backend process {how} outside any case: {run.stderr_tail.strip()[-300:]}")
+        return False
+    return True
 
 
 def _charged_with_tampering(event: dict[str, Any], forged: list[str]) -> dict[str, Any]:
