@@ -42,7 +42,6 @@ from reference_engine.empty_padding import EmptyPadding
 from reference_engine.drafters import EagleDrafter, NgramDrafter, ScriptedDrafter, ngram_drafts_on_device
 from reference_engine.handoff import Download, Uploader, Downloader
 from reference_engine.metrics import StepTimer
-from reference_engine.model import StepInputs
 from reference_engine.rejection import PLACEHOLDER, greedy_rejection, rejection_with_noise
 from reference_engine.request import Request
 from reference_engine.sampling import SamplingParams, batched_filtered_probabilities, counter_uniform, gumbel_argmax
@@ -51,6 +50,7 @@ from reference_engine.step_plan import HostLengths, StepRows
 from reference_engine.step_inputs import (
     VIOLATION_NAMES,
     RowLayout,
+    StepInputs,
     StepTensors,
     empty_step_tensors,
     input_violations,

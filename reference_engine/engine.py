@@ -27,11 +27,12 @@ from reference_engine.drafters import (
     ScriptedDrafter,
     ScriptedProposer,
 )
-from reference_engine.model import EagleHead, LlamaModel, StepInputs
+from reference_engine.model import EagleHead, LlamaModel
 from reference_engine.rejection import greedy_rejection, probabilistic_rejection
 from reference_engine.request import Request
 from reference_engine.sampling import SamplingParams, filtered_probabilities, sample
 from reference_engine.scheduler import Scheduled
+from reference_engine.step_inputs import StepInputs
 from reference_engine.step_plan import HostLengths
 
 @dataclass

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from backends import fp8
-from backends.base import AttentionSpec, KVScales, layer_arguments
+from backends.base import AttentionSpec, KVScales
 
 if TYPE_CHECKING:
-    from reference_engine.model_attention import LayerView, ModelAttention
+    from reference_engine.step_inputs import StepInputs
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class DecoderLayer(torch.nn.Module):
         self.gate_up = torch.nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down = torch.nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def attention(self, normed: torch.Tensor, positions: torch.Tensor, step: "StepInputs", layer: int) -> torch.Tensor:
+    def attention(self, normed: torch.Tensor, positions: torch.Tensor, step: StepInputs, layer: int) -> torch.Tensor:
         config = self.config
         tokens = normed.shape[0]
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
@@ -137,7 +137,7 @@ class DecoderLayer(torch.nn.Module):
         view.backend.forward(query, view.kv_cache, view.metadata, out, **step.layer(layer), **sinks)
         return self.o_proj(out.view(tokens, q_size))
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, step: "StepInputs", layer: int) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, step: StepInputs, layer: int) -> torch.Tensor:
         config = self.config
         normed = rms_norm(hidden, self.input_norm, config.rms_norm_eps)
         attend = self.mla if config.attention == "mla" else self.attention
@@ -171,7 +171,7 @@ class LatentAttention(torch.nn.Module):
         self.w_uv = torch.nn.Parameter(torch.empty(heads, rank, config.v_head_dim))  # latent → per-head value
         self.o_proj = torch.nn.Linear(heads * config.v_head_dim, config.hidden_size, bias=False)
 
-    def forward(self, normed: torch.Tensor, positions: torch.Tensor, step: "StepInputs", layer: int) -> torch.Tensor:
+    def forward(self, normed: torch.Tensor, positions: torch.Tensor, step: StepInputs, layer: int) -> torch.Tensor:
         config = self.config
         tokens, heads, nope, rank = normed.shape[0], config.num_heads, config.qk_nope_dim, config.kv_lora_rank
         query = self.q_proj(normed).view(tokens, heads, nope + config.qk_rope_dim)
@@ -212,25 +212,6 @@ class LatentAttention(torch.nn.Module):
         value = per_head_product("tr,hrv->thv", latent, self.w_uv).contiguous()
         key = torch.cat([k_nope, k_pe[:, None, :].expand(-1, config.num_heads, -1)], dim=-1).contiguous()
         return key, value
-
-
-@dataclass
-class StepInputs:
-    """What every layer's attention needs for one forward: the model's attention, its metadata, the caches."""
-
-    backend: "ModelAttention"
-    metadata: object
-    kv_caches: list
-    slot_mapping: torch.Tensor
-    kv_scales: list[KVScales] | None = None  # an fp8 cache's scales, per layer (each layer its own)
-
-    def layer(self, index: int) -> dict:
-        """The keywords of layer ``index``'s write_kv and forward: its scales, for an fp8 cache."""
-        return layer_arguments(None if self.kv_scales is None else self.kv_scales[index])
-
-    def attention(self, index: int) -> "LayerView":
-        """Layer ``index``'s backends, caches and metadata this step."""
-        return self.backend.view(index, self.metadata, self.kv_caches[index])
 
 
 class LlamaModel(torch.nn.Module):

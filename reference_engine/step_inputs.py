@@ -1,6 +1,9 @@
-"""A step's model inputs, computed on the device from the device state.
+"""A step's inputs to the model: ``StepInputs``, what every layer's attention reads in one forward
+(the backend, its metadata, the caches and their slots), and ``StepTensors``, the token ids,
+positions, KV slots and sequence lengths of a batched step, computed on the device from the device
+state (``prepare_step_inputs``).
 
-Under async scheduling the host does not know how many drafts the previous step accepted, so it
+Why the device computes them: under async scheduling the host does not know how many drafts the previous step accepted, so it
 cannot write positions, slots or decode input ids. It uploads only what it does know: each row's
 state slot, query length, whether the row decodes (inputs from the device state) or prefills
 (token ids from the host), and the block table. Everything else is derived here:
@@ -22,10 +25,34 @@ token), and a torch version for CPUs and for checking the kernel.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from backends.base import KVScales, layer_arguments
 from reference_engine.rejection import PLACEHOLDER
+
+if TYPE_CHECKING:
+    from reference_engine.model_attention import LayerView, ModelAttention
+
+
+@dataclass
+class StepInputs:
+    """What every layer's attention needs for one forward: the model's attention, its metadata, the caches."""
+
+    backend: ModelAttention
+    metadata: object
+    kv_caches: list
+    slot_mapping: torch.Tensor
+    kv_scales: list[KVScales] | None = None  # an fp8 cache's scales, per layer (each layer its own)
+
+    def layer(self, index: int) -> dict:
+        """The keywords of layer ``index``'s write_kv and forward: its scales, for an fp8 cache."""
+        return layer_arguments(None if self.kv_scales is None else self.kv_scales[index])
+
+    def attention(self, index: int) -> LayerView:
+        """Layer ``index``'s backends, caches and metadata this step."""
+        return self.backend.view(index, self.metadata, self.kv_caches[index])
 
 
 @dataclass
