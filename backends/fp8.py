@@ -1,6 +1,6 @@
 """The fp8 KV cache's two conversions as plain PyTorch (the contract in ``base.py``): what
 ``write_kv`` stores and what ``forward`` attends over. The readable way, for torch_naive and for
-checking a kernel; the harness's own quantizer (``conformance/inputs/kv_quantization.py``) is
+checking a kernel; the harness's own quantizer (``conformance/cases/kv_quantization.py``) is
 written apart from this one, so a mistake here cannot hide in both.
 """
 from __future__ import annotations

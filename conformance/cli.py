@@ -27,8 +27,9 @@ from rich.text import Text
 
 from backends import registry
 from backends.base import DeviceError, DeviceInfo, resolve_device
-from conformance.inputs.batch import footprint_bytes
-from conformance.inputs.cases import CaseSyntaxError, __doc__ as CASE_GRAMMAR, parse_case, suite
+from conformance.harness.batch import footprint_bytes
+from conformance.cases.grammar import CaseSyntaxError, __doc__ as CASE_GRAMMAR, parse_case
+from conformance.cases.suites import suite
 from conformance.checks import CHECKS, default_checks
 from conformance.report.compare import ACCEPTABLE, CompareError, compare_runs
 from conformance.scaffold import ScaffoldError, camel, write_skeleton

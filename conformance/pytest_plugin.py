@@ -139,7 +139,8 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         return
     from backends import registry
     from backends.base import DeviceError, DeviceInfo, resolve_device
-    from conformance.inputs.cases import CaseSyntaxError, parse_case, suite
+    from conformance.cases.grammar import CaseSyntaxError, parse_case
+    from conformance.cases.suites import suite
     from conformance.checks import CHECKS, default_checks, make_check
 
     _guard_exits()

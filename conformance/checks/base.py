@@ -11,9 +11,9 @@ from typing import Any, ClassVar
 import torch
 
 from backends.base import AttentionBackend
-from conformance.inputs.cases import Case
-from conformance.inputs.batch import big_pool_skip_reason
-from conformance.inputs.harness import WroteOutsideOutput
+from conformance.cases.grammar import Case
+from conformance.harness.batch import big_pool_skip_reason
+from conformance.harness.step import WroteOutsideOutput
 from conformance.checks.evidence import MAP_KEYS, EvidenceItem, labelled, maps, sync_events, without, worst_element
 from conformance.results import CaseResult, Verdict, worst
 

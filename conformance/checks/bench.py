@@ -17,10 +17,10 @@ from typing import Any, Callable
 import torch
 
 from backends.base import AttentionBackend, CGSupport
-from conformance.inputs.cases import Case
+from conformance.cases.grammar import Case
 from conformance.checks.base import Check
-from conformance.inputs.graph_batches import graph_class_reason
-from conformance.inputs.harness import poisoned_output, prepare_case
+from conformance.harness.graph_batches import graph_class_reason
+from conformance.harness.step import poisoned_output, prepare_case
 from conformance.results import CaseResult, Verdict
 
 BUILD_CALLS = 200

@@ -21,10 +21,10 @@ from typing import Callable
 import torch
 
 from conformance.checks.comparison import TOLERANCES
-from conformance.inputs.batch import PagedBatch, materialize
-from conformance.inputs.cases import Case
-from conformance.inputs.kv_quantization import dequantize, quantize
-from conformance.inputs.oracle import layer_reference
+from conformance.harness.batch import PagedBatch, materialize
+from conformance.cases.grammar import Case
+from conformance.cases.kv_quantization import dequantize, quantize
+from conformance.cases.oracle import layer_reference
 
 MARGIN = 10.0  # how far (× the tolerance) the answer without the parameter must be
 PATHS = ("decode", "verify", "prefill", "mixed", "graphs", "draft-loop")

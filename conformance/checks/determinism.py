@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from backends.base import AttentionBackend
-from conformance.inputs.cases import Case
+from conformance.cases.grammar import Case
 from conformance.checks.base import Check
-from conformance.inputs.harness import prepare_case, run_step
+from conformance.harness.step import prepare_case, run_step
 from conformance.results import CaseResult, Verdict
 
 

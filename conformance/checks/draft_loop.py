@@ -16,14 +16,14 @@ from typing import Any, Callable
 import torch
 
 from backends.base import AttentionBackend, CommonAttentionMetadata, PaddingStyle
-from conformance.inputs.batch import PagedBatch, materialize
-from conformance.inputs.cases import Case
+from conformance.harness.batch import PagedBatch, materialize
+from conformance.cases.grammar import Case
 from conformance.checks.base import Check
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle, worst_place
-from conformance.inputs.graph_batches import GraphShape
-from conformance.inputs.graph_harness import GraphBuffers, cuda_graph_skip_reason, warm_up
-from conformance.inputs.harness import PoolFill, write_poison
-from conformance.inputs.stored_cache import oracle
+from conformance.harness.graph_batches import GraphShape
+from conformance.harness.graphs import GraphBuffers, cuda_graph_skip_reason, warm_up
+from conformance.harness.step import PoolFill, write_poison
+from conformance.harness.stored_cache import oracle
 from conformance.results import CaseResult, Verdict
 
 # (k, a padding row after the real requests, warm-up before the capture, what unowned slots hold).

@@ -55,7 +55,7 @@ from typing import Any, Callable
 import torch
 
 from backends.base import AttentionBackend
-from conformance.inputs.cases import Case
+from conformance.cases.grammar import Case
 from conformance.checks.base import Check
 from conformance.checks.engine_model import is_mla_prefill_layer, model_for
 from conformance.checks.engine_runs import ATTENTION_DRAFTER, DRAFTER, SPEC_TOKENS, EngineRuns, TooFewSteadySteps

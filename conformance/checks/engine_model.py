@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from conformance.inputs.cases import Case
+from conformance.cases.grammar import Case
 
 ENGINE_WINDOW = 48  # a windowed layer's window in the engine: shorter than its prompts and outputs, so it bites
 

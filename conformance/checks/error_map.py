@@ -21,8 +21,8 @@ from typing import Any, TypedDict
 
 import torch
 
-from conformance.inputs.oracle import visible_keys
-from conformance.inputs.stored_cache import attended_values
+from conformance.cases.oracle import visible_keys
+from conformance.harness.stored_cache import attended_values
 
 MAX_ROWS = 48
 MAX_COLUMNS = 96

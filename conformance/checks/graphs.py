@@ -33,18 +33,18 @@ from typing import Any
 import torch
 
 from backends.base import AttentionBackend
-from conformance.inputs.cases import Case
+from conformance.cases.grammar import Case
 from conformance.checks.base import Check
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle, worst_place
-from conformance.inputs.graph_batches import (
+from conformance.harness.graph_batches import (
     Replay, fits, graph_class_reason, graph_shape, larger_batch, replay_batches,
 )
-from conformance.inputs.graph_harness import (
+from conformance.harness.graphs import (
     GraphBuffers, canaries_written, count_different, cuda_graph_skip_reason, fill_freed_memory, graph_pool_bytes, warm_up,
 )
-from conformance.inputs.stored_cache import oracle
-from conformance.inputs.harness import PoolFill, run_step
-from conformance.inputs.batch import PagedBatch, materialize
+from conformance.harness.stored_cache import oracle
+from conformance.harness.step import PoolFill, run_step
+from conformance.harness.batch import PagedBatch, materialize
 from host_syncs.detector import detect_host_syncs
 from conformance.results import CaseResult, Verdict
 

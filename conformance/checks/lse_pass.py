@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from conformance.inputs.harness import PreparedCase
-from conformance.inputs.oracle import attention_reference
-from conformance.inputs.stored_cache import expected_lse
+from conformance.harness.step import PreparedCase
+from conformance.cases.oracle import attention_reference
+from conformance.harness.stored_cache import expected_lse
 
 LSE_ATOL = 1e-3
 LSE_RTOL = 1e-4

@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle, how_far_off, worst_place
-from conformance.inputs.allocation_map import AllocationMap
-from conformance.inputs.batch import PagedBatch
-from conformance.inputs.stored_cache import oracle
-from conformance.inputs.harness import ChangedInput, PoolFill, PreparedCase, WroteOutsideOutput, as_bits, run_step, write_poison
+from conformance.harness.allocation_map import AllocationMap
+from conformance.harness.batch import PagedBatch
+from conformance.harness.stored_cache import oracle
+from conformance.harness.step import ChangedInput, PoolFill, PreparedCase, WroteOutsideOutput, as_bits, run_step, write_poison
 
 TOOL = "nan-poison"
 STRAY_WRITES_SHOWN = 4

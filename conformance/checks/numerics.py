@@ -45,10 +45,10 @@ from conformance.checks.comparison import TOLERANCES, compare_with_oracle, how_f
 from conformance.checks.lse_merge import merge_applies, merge_findings
 from conformance.checks.lse_pass import lse_findings
 from conformance.checks.nan_poison import nan_poison_pass
-from conformance.inputs.cases import Case
-from conformance.inputs.harness import (PreparedCase, WroteOutsideOutput, case_scales, prepare_case, prepare_layer,
+from conformance.cases.grammar import Case
+from conformance.harness.step import (PreparedCase, WroteOutsideOutput, case_scales, prepare_case, prepare_layer,
                                        run_step, run_steps_in_flight)
-from conformance.inputs.stored_cache import oracle, write_findings
+from conformance.harness.stored_cache import oracle, write_findings
 from conformance.results import CaseResult, Verdict
 
 

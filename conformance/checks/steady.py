@@ -32,8 +32,8 @@ from backends.base import AttentionBackend
 from conformance.checks.base import Check
 from conformance.checks.comparison import TOLERANCES, worst_place
 from conformance.checks.draft_loop import DraftLoop
-from conformance.inputs.batch import PagedBatch
-from conformance.inputs.cases import Case
+from conformance.harness.batch import PagedBatch
+from conformance.cases.grammar import Case
 from conformance.results import CaseResult, Verdict
 from host_syncs.detector import detect_host_syncs
 from host_syncs.events import DEVICE_ALLOC

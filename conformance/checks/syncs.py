@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from backends.base import AttentionBackend
-from conformance.inputs.cases import Case
+from conformance.cases.grammar import Case
 from conformance.checks.base import Check
-from conformance.inputs.harness import prepare_case, run_step
+from conformance.harness.step import prepare_case, run_step
 from host_syncs.detector import detect_host_syncs
 from host_syncs.events import SyncEvent
 from conformance.results import CaseResult, Verdict

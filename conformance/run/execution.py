@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from backends import registry
-from conformance.inputs.cases import Case, parse_case
+from conformance.cases.grammar import Case, parse_case
 from conformance.checks import Check, make_check
 from conformance.results import CaseResult, Verdict
 from conformance.run.gpu_turns import big_pool_turn

@@ -19,7 +19,7 @@ from typing import Iterator
 
 import torch
 
-from conformance.inputs.cases import Case
+from conformance.cases.grammar import Case
 
 
 @contextlib.contextmanager

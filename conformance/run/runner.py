@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from backends import registry
-from conformance.inputs.cases import Case
+from conformance.cases.grammar import Case
 from conformance.checks import make_check
 from conformance.run.environment import collect_environment
 from conformance.run.execution import Job

@@ -7,8 +7,8 @@ import torch
 
 from backends import registry
 from conformance.checks.bench import _l2_flusher, time_gpu, traffic
-from conformance.inputs.cases import parse_case
-from conformance.inputs.harness import poisoned_output, prepare_case
+from conformance.cases.grammar import parse_case
+from conformance.harness.step import poisoned_output, prepare_case
 
 
 class TimedCase:

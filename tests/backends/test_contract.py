@@ -3,9 +3,9 @@ import torch
 
 from backends.base import AttentionSpec, Capabilities, CGSupport, DeviceInfo
 from backends.torch_naive import TorchNaiveBackend
-from conformance.inputs.batch import materialize
-from conformance.inputs.cases import parse_case
-from conformance.inputs.harness import prepare_case, run_step
+from conformance.harness.batch import materialize
+from conformance.cases.grammar import parse_case
+from conformance.harness.step import prepare_case, run_step
 from tests.planted.defects import NeedsBlackwell, NeedsMissingPackage
 
 H100 = DeviceInfo("cuda", "NVIDIA H100 80GB HBM3", (9, 0))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from backends.flashinfer.plan_staging import PlanStaging
-from conformance.inputs.harness import on_a_busy_stream
+from conformance.harness.step import on_a_busy_stream
 
 
 class StandInWrapper:

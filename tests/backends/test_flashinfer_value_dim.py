@@ -6,8 +6,8 @@ import torch
 
 from backends.base import BackendLimits
 from backends.flashinfer.gqa import FlashInferBackend
-from conformance.inputs.batch import materialize
-from conformance.inputs.cases import parse_case
+from conformance.harness.batch import materialize
+from conformance.cases.grammar import parse_case
 from tests.backends.conftest import FakeWrapper
 
 

@@ -8,7 +8,7 @@ import torch
 from conformance.checks.engine import EngineCheck
 from conformance.checks.graphs import GraphsCheck
 from conformance.checks.numerics import NumericsCheck
-from conformance.inputs.cases import parse_case
+from conformance.cases.grammar import parse_case
 from conformance.results import Verdict
 
 pytestmark = pytest.mark.gpu

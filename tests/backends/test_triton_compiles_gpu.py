@@ -9,8 +9,8 @@ import torch
 
 from backends.triton import kernels
 from backends.triton.backend import DECODE_PROGRAMS_PER_MULTIPROCESSOR, TritonAttentionBackend
-from conformance.inputs.cases import parse_case
-from conformance.inputs.harness import prepare_case, run_step
+from conformance.cases.grammar import parse_case
+from conformance.harness.step import prepare_case, run_step
 
 # A layer no other test uses, so every kernel it needs is compiled here. Contexts of 4000 allow up
 # to 16 splits; 200 allows one (no merge). Widths of the block table: 63 and 4 blocks of 64.

@@ -100,7 +100,7 @@ def test_mla_tile_reads():
     import torch
 
     from backends.triton.mla_backend import GATHER, PAGE, TMA, has_tma, tile_read
-    from conformance.inputs.cases import parse_case
+    from conformance.cases.grammar import parse_case
 
     def read(layer: str, block_m: int, cache: torch.Tensor | None = None, tma: bool = True) -> int:
         spec = parse_case(layer + ":10+1").spec
@@ -124,7 +124,7 @@ def test_mla_tma_reads_no_slot_past_the_sequence():
     with masked loads: with NaN in every slot no request owns, the output stays exact (reading
     the whole last tile by TMA turns it NaN, since 0 x NaN = NaN)."""
     script = (
-        "import torch; from conformance.inputs.cases import parse_case; "
+        "import torch; from conformance.cases.grammar import parse_case; "
         "from conformance.checks.memory import poison_pass; from backends.triton.mla_backend import TritonMLABackend; "
         "print(poison_pass(TritonMLABackend, parse_case('mla-h16-d64+16-bf16-p64:64+4,63+1,200+2'), torch.device('cpu')))"
     )

@@ -17,8 +17,8 @@ from backends.flashinfer.trtllm_mla import QK_NOPE_HEAD_DIM, TrtllmMLABackend, T
 from backends.flashmla import FlashMLABackend
 from backends.fp8 import to_cache
 from backends.paged_write import write_paged_rows
-from conformance.inputs.batch import materialize
-from conformance.inputs.cases import parse_case
+from conformance.harness.batch import materialize
+from conformance.cases.grammar import parse_case
 
 H200 = DeviceInfo("cuda", "NVIDIA H200", (9, 0))
 B200 = DeviceInfo("cuda", "NVIDIA B200", (10, 0))

@@ -19,8 +19,8 @@ from backends.flashinfer.mla import FlashInferMLABackend
 from backends.flashinfer.trtllm import TrtllmBackend
 from backends.flashmla import FlashMLABackend
 from backends.fp8 import to_cache
-from conformance.inputs.batch import materialize
-from conformance.inputs.cases import parse_case
+from conformance.harness.batch import materialize
+from conformance.cases.grammar import parse_case
 from tests.planted.fp8_defects import FlashInferMLAClaimingE4M3
 
 H200 = DeviceInfo("cuda", "NVIDIA H200", (9, 0))

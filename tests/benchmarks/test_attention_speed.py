@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from backends import registry
-from conformance.inputs.cases import parse_case
+from conformance.cases.grammar import parse_case
 from conformance.checks.bench import _l2_flusher, time_gpu
-from conformance.inputs.harness import poisoned_output, prepare_case
+from conformance.harness.step import poisoned_output, prepare_case
 
 pytestmark = pytest.mark.gpu
 

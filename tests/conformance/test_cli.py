@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conformance.inputs.cases import suite
+from conformance.cases.suites import suite
 from conformance.results import RunResult, Verdict
 
 

@@ -1,6 +1,6 @@
 """conformance/ is built in floors, and an import only goes down or sideways (the same floor): the
-results model and two file helpers at the ground, then the inputs (cases, data, harnesses), the
-checks, the runner, the reports, and the entry points on top. Every import counts, the ones inside
+results model and two file helpers at the ground, then what makes cases (grammar, suites, data,
+the oracle), what runs them (batches, the eager and graph harnesses), the checks, the runner, the reports, and the entry points on top. Every import counts, the ones inside
 functions too (a lazy import still ties two floors together: that is how the memory check once
 made an import circle, checks → run → checks).
 
@@ -16,7 +16,8 @@ import conformance
 ROOT = Path(conformance.__file__).parent
 FLOORS = (
     {"conformance", "results", "atomic_write", "process_exit"},
-    {"inputs"},
+    {"cases"},
+    {"harness"},
     {"checks"},
     {"run"},
     {"report"},
@@ -72,8 +73,8 @@ def test_no_import_goes_up_a_floor():
 
 def test_an_upward_import_is_found(tmp_path):
     package = tmp_path / "conformance"
-    (package / "inputs").mkdir(parents=True)
+    (package / "cases").mkdir(parents=True)
     (package / "results.py").write_text("def save():\n    from conformance.report.output_paths import write\n")
-    (package / "inputs" / "cases.py").write_text("from conformance.results import CaseResult\n")
+    (package / "cases" / "grammar.py").write_text("from conformance.results import CaseResult\n")
     assert upward_imports(package) == ["conformance/results.py:2 (results) imports conformance.report.output_paths "
                                        "(report), a floor up"]

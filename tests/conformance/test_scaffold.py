@@ -32,7 +32,7 @@ def test_the_skeleton_fails_numerics_once_its_math_is_wrong():
     import torch
 
     from conformance.checks.numerics import NumericsCheck
-    from conformance.inputs.cases import parse_case
+    from conformance.cases.grammar import parse_case
     from conformance.results import Verdict
     from conformance.scaffold import HERE
 

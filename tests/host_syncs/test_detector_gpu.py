@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conformance.inputs.cases import parse_case
+from conformance.cases.grammar import parse_case
 from conformance.checks.syncs import SyncsCheck
 from host_syncs import detect_host_syncs
 from conformance.results import Verdict

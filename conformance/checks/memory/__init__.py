@@ -49,10 +49,10 @@ from conformance.checks.base import Check
 from conformance.checks.engine import engine_skip_reason
 from conformance.checks.evidence import EvidenceItem, without
 from conformance.checks.nan_poison import nan_poison_pass
-from conformance.inputs.allocation_map import AllocationMap
-from conformance.inputs.cases import Case, format_layer
-from conformance.inputs.graph_harness import cuda_graph_skip_reason
-from conformance.inputs.harness import prepare_case
+from conformance.harness.allocation_map import AllocationMap
+from conformance.cases.grammar import Case, format_layer
+from conformance.harness.graphs import cuda_graph_skip_reason
+from conformance.harness.step import prepare_case
 from conformance.process_exit import describe_exit
 from conformance.results import CaseResult, Verdict
 from conformance.checks.memory import sanitizer

@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 from backends import registry
-from conformance.inputs.allocation_map import AllocationMap
-from conformance.inputs.cases import parse_case
-from conformance.inputs.harness import PoolFill, prepare_case, run_step
+from conformance.harness.allocation_map import AllocationMap
+from conformance.cases.grammar import parse_case
+from conformance.harness.step import PoolFill, prepare_case, run_step
 from conformance.checks.memory.sanitizer import PHASE_MARKER
 
 STAGES = ("step", "draft-loop", "engine", "nan-poison")

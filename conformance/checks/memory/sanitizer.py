@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conformance.inputs.allocation_map import AllocationMap
+from conformance.harness.allocation_map import AllocationMap
 
 TOOLS = ("memcheck", "initcheck")
 PHASE_MARKER = "@@phase "

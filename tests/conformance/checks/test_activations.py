@@ -5,12 +5,12 @@ the context (the margins the standard suite's long cases are sized by)."""
 import pytest
 import torch
 
-import conformance.inputs.batch as batch_module
+import conformance.harness.batch as batch_module
 from conformance.checks.comparison import TOLERANCES
 from conformance.checks.numerics import NumericsCheck
-from conformance.inputs.batch import materialize
-from conformance.inputs.case_data import HEAVY_EVERY, HEAVY_OFFSET, OUTLIER_VALUE_CHANNEL, OUTLIER_VALUE_MEAN
-from conformance.inputs.cases import parse_case
+from conformance.harness.batch import materialize
+from conformance.cases.case_data import HEAVY_EVERY, HEAVY_OFFSET, OUTLIER_VALUE_CHANNEL, OUTLIER_VALUE_MEAN
+from conformance.cases.grammar import parse_case
 from conformance.results import Verdict
 from tests.planted.input_defects import AccumulatesInInputDtype
 

@@ -8,8 +8,8 @@ from backends.torch_naive import TorchNaiveBackend
 from backends.triton.backend import TritonAttentionBackend
 from backends.triton.mla_backend import TritonMLABackend
 from conformance.checks.numerics import NumericsCheck
-from conformance.inputs.batch import big_pool_skip_reason
-from conformance.inputs.cases import parse_case
+from conformance.harness.batch import big_pool_skip_reason
+from conformance.cases.grammar import parse_case
 from conformance.results import Verdict
 from tests.planted.input_defects import Int32ElementOffsets
 

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from backends.torch_naive import TorchNaiveBackend
-from conformance.inputs.case_data import POISON_VALUE
-from conformance.inputs.cases import parse_case, suite
+from conformance.cases.case_data import POISON_VALUE
+from conformance.cases.grammar import parse_case
+from conformance.cases.suites import suite
 from conformance.checks.determinism import DeterminismCheck
 from conformance.checks.numerics import NumericsCheck
 from conformance.results import Verdict
@@ -121,7 +122,7 @@ def test_poison_leaves_a_correct_backend_exact():
 def test_offsets_in_32_bits_pass_a_small_pool_and_fail_a_big_one(layer, monkeypatch):
     """``bigpool`` at a scale a CPU holds: the pool's threshold and the defect's wrap both at 2**16
     elements, where the real ones (2**31) need a GPU with 24 GiB (test_big_pool_gpu.py)."""
-    from conformance.inputs import batch
+    from conformance.harness import batch
 
     monkeypatch.setattr(batch, "BIG_POOL_ELEMENTS", 2**16)
     monkeypatch.setattr(input_defects.Int32ElementOffsets, "offset_limit", 2**16)
@@ -135,7 +136,7 @@ def test_offsets_in_32_bits_pass_a_small_pool_and_fail_a_big_one(layer, monkeypa
 def test_block_ids_in_16_bits_pass_a_small_pool_and_fail_a_big_mla_one(monkeypatch):
     """MLA's blocks are so large that 2**31 elements come at block 58,255, inside 16 bits: the big
     pool also puts every owned block past id 2**16. The real id floor, a small layer (84 MB)."""
-    from conformance.inputs import batch
+    from conformance.harness import batch
 
     monkeypatch.setattr(batch, "BIG_POOL_ELEMENTS", 2**16)
     layer = "mla-h4-d32+8-bf16-p16"

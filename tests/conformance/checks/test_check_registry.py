@@ -8,7 +8,7 @@ import torch
 from rich.console import Console
 
 from conformance.report import html as report_html, junit as report_junit, markdown as report_markdown
-from conformance.inputs.cases import suite
+from conformance.cases.suites import suite
 from conformance.checks import CHECKS, default_checks
 from conformance.run.runner import RunOptions, run
 from conformance.report.terminal import print_report

@@ -3,7 +3,7 @@ and docs/checks.md shows that matrix as it is."""
 from pathlib import Path
 
 from conformance.checks.coverage import MARGIN, parameter_coverage, coverage_table
-from conformance.inputs.cases import suite
+from conformance.cases.suites import suite
 
 CHECKS_DOC = Path(__file__).resolve().parents[3] / "docs" / "checks.md"
 
@@ -29,7 +29,7 @@ def test_a_parameter_dropped_on_one_path_fails_on_the_case_the_matrix_names():
     import torch
 
     from conformance.checks.numerics import NumericsCheck
-    from conformance.inputs.cases import parse_case
+    from conformance.cases.grammar import parse_case
     from conformance.results import Verdict
     from tests.planted import input_defects
 

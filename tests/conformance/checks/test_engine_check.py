@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from backends import registry
-from conformance.inputs.cases import parse_case
+from conformance.cases.grammar import parse_case
 from conformance.checks.engine import EngineCheck
 from conformance.checks.numerics import NumericsCheck
 from conformance.results import Verdict

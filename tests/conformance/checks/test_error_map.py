@@ -3,7 +3,7 @@ import torch
 
 from conformance.checks.error_map import error_map, summary
 from conformance.checks.numerics import NumericsCheck
-from conformance.inputs.cases import parse_case
+from conformance.cases.grammar import parse_case
 from conformance.results import Verdict
 from tests.planted import defects
 

@@ -7,8 +7,8 @@ import torch
 from backends.base import AttentionSpec, Capabilities
 from backends.torch_naive import TorchNaiveBackend
 from conformance.checks.numerics import NumericsCheck
-from conformance.inputs.cases import CaseSyntaxError, parse_case
-from conformance.inputs.kv_quantization import quantize, ulps_apart
+from conformance.cases.grammar import CaseSyntaxError, parse_case
+from conformance.cases.kv_quantization import quantize, ulps_apart
 from conformance.results import Verdict
 from tests.planted import fp8_defects
 
@@ -70,8 +70,8 @@ def test_torch_naive_passes_every_fp8_pass(case_text):
 
 def test_the_data_use_the_fp8_range():
     """Some stored numbers saturate and some are subnormal, in keys and in values."""
-    from conformance.inputs.harness import prepare_case
-    from conformance.inputs.stored_cache import _stored
+    from conformance.harness.step import prepare_case
+    from conformance.harness.stored_cache import _stored
 
     prepared = prepare_case(TorchNaiveBackend, parse_case("gqa-h4/2-d32-bf16-fp8e4m3-p16:200+1"), CPU)
     for stored in _stored(prepared, 0):
@@ -116,8 +116,8 @@ def test_dequantizing_into_the_compute_dtype_passes_where_exact_tolerance_alone_
     the output tolerance. Both ways of dequantizing follow the contract; the comparison adds the
     distance between the two oracles."""
     from conformance.checks.comparison import TOLERANCES, compare_with_oracle
-    from conformance.inputs.harness import prepare_case, run_step
-    from conformance.inputs.stored_cache import oracle
+    from conformance.harness.step import prepare_case, run_step
+    from conformance.harness.stored_cache import oracle
 
     case = parse_case(case_text)
     prepared = prepare_case(DequantizesIntoComputeDtype, case, CPU)

@@ -11,7 +11,7 @@ from conformance.checks.engine import EngineCheck
 from conformance.checks.graphs import GraphsCheck
 from conformance.checks.numerics import NumericsCheck
 from conformance.checks.syncs import SyncsCheck
-from conformance.inputs.cases import parse_case
+from conformance.cases.grammar import parse_case
 from conformance.results import Verdict
 from tests.planted import fp8_defects
 
@@ -57,7 +57,7 @@ def test_the_write_kernel_quantizes_every_kind_of_number_as_the_contract_says(ca
     harness's own quantizer, through the kernel that runs on a GPU (the CPU interpreter's path
     quantizes with torch)."""
     from backends.base import BackendLimits, KVScales
-    from conformance.inputs.kv_quantization import quantize, ulps_apart
+    from conformance.cases.kv_quantization import quantize, ulps_apart
 
     spec = parse_case(f"gqa-h1-d64-bf16-{cache}-p16:1+1").spec
     backend = TritonAttentionBackend(spec, BackendLimits(4, 64, 64), CUDA)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from backends.torch_naive import TorchNaiveBackend
-from conformance.inputs.cases import parse_case
+from conformance.cases.grammar import parse_case
 from conformance.checks.draft_loop import DraftLoopCheck
 from conformance.checks.determinism import DeterminismCheck
 from conformance.checks.engine import EngineCheck

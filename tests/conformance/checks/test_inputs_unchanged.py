@@ -6,8 +6,8 @@ import torch
 from backends.torch_naive import TorchNaiveBackend
 from conformance.checks.determinism import DeterminismCheck
 from conformance.checks.numerics import NumericsCheck
-from conformance.inputs.cases import parse_case
-from conformance.inputs.input_watch import InputWatch
+from conformance.cases.grammar import parse_case
+from conformance.harness.input_watch import InputWatch
 from conformance.results import Verdict
 from tests.planted import input_defects
 

@@ -6,8 +6,8 @@ import torch
 
 from backends.torch_naive import TorchNaiveBackend
 from conformance.checks.numerics import NumericsCheck
-from conformance.inputs.cases import parse_case
-from conformance.inputs.oracle import attention_reference
+from conformance.cases.grammar import parse_case
+from conformance.cases.oracle import attention_reference
 from conformance.results import Verdict
 from tests.planted import lse_defects
 
@@ -58,7 +58,7 @@ def test_the_step_merged_from_its_two_pieces_by_their_lses_equals_the_oracle_and
     """vLLM's MLA prefill with context: the context piece (null keys) and the new-token piece,
     joined by merge_attn_states' rule; called on its own, the merge catches an LSE in base 2 too."""
     from conformance.checks.lse_merge import merge_applies, merge_findings
-    from conformance.inputs.harness import prepare_case, run_step
+    from conformance.harness.step import prepare_case, run_step
 
     for backend, caught in ((TorchNaiveBackend, False), (lse_defects.LseInBaseTwo, True)):
         prepared = prepare_case(backend, parse_case("mha-h16-d192/128-bf16-p64-scale0.13524-lse:200+64,0+100"), CPU)

@@ -10,8 +10,9 @@ from backends.torch_naive import TorchNaiveBackend
 from conformance.checks import memory
 from conformance.checks.memory import MemoryCheck, poison_pass
 from conformance.checks.numerics import NumericsCheck
-from conformance.inputs.allocation_map import Allocation, AllocationMap, PoolLayout
-from conformance.inputs.cases import parse_case, standard_suite
+from conformance.harness.allocation_map import Allocation, AllocationMap, PoolLayout
+from conformance.cases.grammar import parse_case
+from conformance.cases.suites import standard_suite
 from conformance.results import Verdict
 from conformance.checks.memory import sanitizer
 from tests.planted.memory import ReadsWholeLastBlock, WritesNextSlot

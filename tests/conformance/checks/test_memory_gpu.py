@@ -7,7 +7,7 @@ import torch
 from backends.triton.backend import TritonAttentionBackend
 from conformance.checks.memory import MemoryCheck
 from conformance.checks.numerics import NumericsCheck
-from conformance.inputs.cases import parse_case
+from conformance.cases.grammar import parse_case
 from conformance.results import Verdict
 from conformance.checks.memory import sanitizer
 from tests.planted import memory as planted

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from backends.torch_naive import TorchNaiveBackend
-from conformance.inputs.cases import parse_case, suite
+from conformance.cases.grammar import parse_case
+from conformance.cases.suites import suite
 from conformance.checks.comparison import compare_with_oracle
 from conformance.checks.numerics import NumericsCheck
 from conformance.results import Verdict

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from conformance.checks.numerics import NumericsCheck
-from conformance.inputs.batch import materialize
-from conformance.inputs.case_data import sink_logits
-from conformance.inputs.cases import CaseSyntaxError, parse_case
-from conformance.inputs.oracle import attention_reference
+from conformance.harness.batch import materialize
+from conformance.cases.case_data import sink_logits
+from conformance.cases.grammar import CaseSyntaxError, parse_case
+from conformance.cases.oracle import attention_reference
 from conformance.results import Verdict
 from backends.torch_naive import TorchNaiveBackend
 from tests.planted import sink_defects

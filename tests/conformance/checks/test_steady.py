@@ -7,7 +7,8 @@ import torch
 from backends import registry
 from conformance.checks import default_checks
 from conformance.checks.steady import SteadyCheck, steady_look
-from conformance.inputs.cases import parse_case, suite
+from conformance.cases.grammar import parse_case
+from conformance.cases.suites import suite
 from conformance.results import Verdict
 from tests.planted import steady_defects
 from tests.planted.graph_backends import TorchGraphSafe

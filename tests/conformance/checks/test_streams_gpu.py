@@ -8,7 +8,7 @@ import torch
 from backends.torch_naive import TorchNaiveBackend
 from backends.triton.backend import TritonAttentionBackend
 from conformance.checks.numerics import NumericsCheck
-from conformance.inputs.cases import parse_case
+from conformance.cases.grammar import parse_case
 from conformance.results import Verdict
 from tests.planted.graph_backends import StagesLengthsInOnePinnedBuffer, TorchGraphSafe
 from tests.planted.input_defects import LaunchesOnTheDefaultStream

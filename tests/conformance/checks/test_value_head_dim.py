@@ -6,8 +6,9 @@ import torch
 
 from backends.torch_naive import TorchNaiveBackend
 from conformance.checks.numerics import NumericsCheck
-from conformance.inputs.batch import materialize
-from conformance.inputs.cases import CaseSyntaxError, parse_case, suite
+from conformance.harness.batch import materialize
+from conformance.cases.grammar import CaseSyntaxError, parse_case
+from conformance.cases.suites import suite
 from conformance.results import Verdict
 from tests.planted.graph_backends import TorchGraphSafe
 from tests.planted.value_dim_defects import ValueOffsetFromValueDim

@@ -6,7 +6,8 @@ import sys
 
 from rich.console import Console
 
-from conformance.inputs.cases import parse_case, suite
+from conformance.cases.grammar import parse_case
+from conformance.cases.suites import suite
 from conformance.checks import default_checks
 from conformance.checks.bench import traffic
 from conformance.report.publish import split_by_backend, table_checks, verdict_table

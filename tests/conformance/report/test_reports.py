@@ -229,7 +229,7 @@ def with_a_numerics_failure_and_every_check() -> RunResult:
 
     from conformance.checks import CHECKS
     from conformance.checks.numerics import NumericsCheck
-    from conformance.inputs.cases import parse_case
+    from conformance.cases.grammar import parse_case
     from tests.planted import defects
 
     run = crafted()

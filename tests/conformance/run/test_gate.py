@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.inputs.cases import parse_case
+from conformance.cases.grammar import parse_case
 from conformance.results import RunResult, Verdict
 from conformance.run.execution import Job
 from conformance.run.isolation import run_isolated

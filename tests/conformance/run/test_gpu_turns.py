@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from conformance.inputs.cases import parse_case
+from conformance.cases.grammar import parse_case
 from conformance.run.gpu_turns import big_pool_turn, exclusive
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.inputs.cases import parse_case
+from conformance.cases.grammar import parse_case
 
 FINISHES = parse_case("gqa-h2/1-d16-fp32:5+1").id
 HANGS = parse_case("gqa-h2/1-d16-fp32:9+2").id  # HangsOnLongSequence never returns here

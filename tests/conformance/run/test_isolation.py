@@ -3,7 +3,7 @@ import time
 
 import torch
 
-from conformance.inputs.cases import parse_case
+from conformance.cases.grammar import parse_case
 from conformance.run.execution import Job
 from conformance.run.isolation import run_isolated
 from conformance.results import Verdict

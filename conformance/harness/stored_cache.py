@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from conformance.inputs.harness import PreparedCase
-from conformance.inputs.kv_quantization import ONE_ULP_FRACTION, dequantize, largest, quantize, ulps_apart
-from conformance.inputs.oracle import layer_reference
+from conformance.harness.step import PreparedCase
+from conformance.cases.kv_quantization import ONE_ULP_FRACTION, dequantize, largest, quantize, ulps_apart
+from conformance.cases.oracle import layer_reference
 
 
 def _stored(prepared: PreparedCase, request: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -3,9 +3,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conformance.inputs.batch import materialize
-from conformance.inputs.cases import DEFAULT_PADDING_TOKENS as NUM_PADDING_TOKENS
-from conformance.inputs.cases import CaseSyntaxError, __doc__ as GRAMMAR, parse_case, suite
+from conformance.harness.batch import materialize
+from conformance.cases.grammar import DEFAULT_PADDING_TOKENS as NUM_PADDING_TOKENS
+from conformance.cases.grammar import CaseSyntaxError, __doc__ as GRAMMAR, parse_case
+from conformance.cases.suites import suite
 
 
 @pytest.mark.parametrize("name", ["smoke", "standard", "full"])
@@ -156,7 +157,7 @@ def test_layout_and_data_attributes_round_trip_and_reject_nonsense():
 
 
 def test_a_big_pool_puts_every_owned_block_past_two_to_the_31_elements_of_its_plane_and_id_two_to_the_16():
-    from conformance.inputs.batch import BIG_POOL_BLOCK_IDS, BIG_POOL_ELEMENTS, assign_blocks, big_pool_skip_reason, case_generator, pool_size
+    from conformance.harness.batch import BIG_POOL_BLOCK_IDS, BIG_POOL_ELEMENTS, assign_blocks, big_pool_skip_reason, case_generator, pool_size
 
     big = [case for case in suite("standard") if case.big_pool]
     assert {case.spec.kind for case in big} == {"mha", "mla"} and parse_case(big[0].id) == big[0]
@@ -174,7 +175,7 @@ def test_a_big_pool_puts_every_owned_block_past_two_to_the_31_elements_of_its_pl
 
 
 def test_the_quick_suite_keeps_every_layer_of_the_standard_suite_and_only_its_smaller_cases():
-    from conformance.inputs.cases import QUICK_KV_ELEMENTS
+    from conformance.cases.suites import QUICK_KV_ELEMENTS
 
     quick, standard = suite("quick"), suite("standard")
     small = [case for case in standard if case.kv_elements <= QUICK_KV_ELEMENTS]

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from conformance.inputs.oracle import attention_reference, mla_reference
+from conformance.cases.oracle import attention_reference, mla_reference
 
 
 def handwritten(query, key, value, context_len, scale, window=None, cap=None):

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from conformance.inputs import random_data
-from conformance.inputs.batch import materialize
-from conformance.inputs.cases import parse_case
-from conformance.inputs.random_data import mix32, normal_tensors
+from conformance.cases import random_data
+from conformance.harness.batch import materialize
+from conformance.cases.grammar import parse_case
+from conformance.cases.random_data import mix32, normal_tensors
 
 
 

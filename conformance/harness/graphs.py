@@ -21,12 +21,12 @@ import torch
 
 from backends.base import (AttentionBackend, BackendLimits, CGSupport, CommonAttentionMetadata, PaddingStyle,
                            forward_arguments, layer_arguments)
-from conformance.inputs.case_data import sink_logits
-from conformance.inputs.batch import PagedBatch, guarded_block_table, pool_size
-from conformance.inputs.cases import Case
-from conformance.inputs.graph_batches import GraphShape, padding_rows
-from conformance.inputs.input_watch import InputWatch
-from conformance.inputs.harness import PoolFill, PreparedCase, allocate_pool, as_bits, case_scales, write_poison
+from conformance.cases.case_data import sink_logits
+from conformance.harness.batch import PagedBatch, guarded_block_table, pool_size
+from conformance.cases.grammar import Case
+from conformance.harness.graph_batches import GraphShape, padding_rows
+from conformance.harness.input_watch import InputWatch
+from conformance.harness.step import PoolFill, PreparedCase, allocate_pool, as_bits, case_scales, write_poison
 
 PADDING_KEY_VALUE = 7.0  # garbage that padding rows carry: it must land nowhere. Each load adds
 # its index, so a stray write of one replay differs from what an earlier one left behind.

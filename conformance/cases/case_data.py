@@ -48,7 +48,7 @@ import math
 import torch
 
 from backends.base import AttentionSpec
-from conformance.inputs.kv_quantization import largest
+from conformance.cases.kv_quantization import largest
 
 POISON_LOGIT = 40.0  # above every real logit of the profile: e^40 outweighs any context
 POISON_VALUE = 16.0  # what an unmasked read of a poisoned slot pulls the output towards

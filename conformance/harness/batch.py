@@ -12,10 +12,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from backends.base import BackendLimits, CommonAttentionMetadata
-from conformance.inputs.case_data import apply_profile, shape_activations, sink_logits, use_fp8_range
-from conformance.inputs.cases import Case
-from conformance.inputs.oracle import layer_reference
-from conformance.inputs.random_data import normal_tensors
+from conformance.cases.case_data import apply_profile, shape_activations, sink_logits, use_fp8_range
+from conformance.cases.grammar import Case
+from conformance.cases.oracle import layer_reference
+from conformance.cases.random_data import normal_tensors
 
 BIG_POOL_ELEMENTS = 2**31  # a bigpool case's owned blocks start past this many elements of their plane
 BIG_POOL_BLOCK_IDS = 2**16  # ... and at block ids past this, where a block id kept in 16 bits has wrapped

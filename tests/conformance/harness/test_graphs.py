@@ -1,7 +1,7 @@
 """The graph harness's memory-frugal comparisons (CPU-runnable)."""
 import torch
 
-from conformance.inputs.graph_harness import FREED_MEMORY_FILL, canaries_written, count_different
+from conformance.harness.graphs import FREED_MEMORY_FILL, canaries_written, count_different
 
 
 def test_count_different_counts_across_chunk_boundaries():
@@ -25,10 +25,10 @@ def test_the_persistent_block_table_is_a_column_slice_of_a_wider_table():
     that packs the rows in build() would freeze the capture's copy into the graph."""
     from backends.base import CGSupport
     from backends.torch_naive import TorchNaiveBackend
-    from conformance.inputs.batch import TABLE_GUARD_COLUMNS, materialize
-    from conformance.inputs.cases import parse_case
-    from conformance.inputs.graph_batches import graph_shape, replay_batches
-    from conformance.inputs.graph_harness import GraphBuffers
+    from conformance.harness.batch import TABLE_GUARD_COLUMNS, materialize
+    from conformance.cases.grammar import parse_case
+    from conformance.harness.graph_batches import graph_shape, replay_batches
+    from conformance.harness.graphs import GraphBuffers
 
     case = parse_case("gqa-h4/2-d64-fp32-p16:40+1,20+1")
     shape = graph_shape(case, replay_batches(case, CGSupport.ALWAYS))

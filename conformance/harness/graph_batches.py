@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from backends.base import CGSupport
-from conformance.inputs.cases import Case
+from conformance.cases.grammar import Case
 
 
 def graph_class_reason(support: CGSupport, case: Case) -> str | None:

@@ -18,10 +18,10 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 
 from backends.base import AttentionBackend, AttentionSpec, CommonAttentionMetadata, KVScales, forward_arguments, layer_arguments
-from conformance.inputs.batch import PagedBatch, materialize
-from conformance.inputs.case_data import poison_key_value
-from conformance.inputs.cases import Case
-from conformance.inputs.input_watch import InputWatch
+from conformance.harness.batch import PagedBatch, materialize
+from conformance.cases.case_data import poison_key_value
+from conformance.cases.grammar import Case
+from conformance.harness.input_watch import InputWatch
 
 POISON_CHUNK_SLOTS = 1 << 16  # poison is written in chunks: a full-suite pool has ~1M slots
 OUTPUT_GUARD_COLUMNS = 64  # extra columns of a strided output's buffer; they must stay NaN
