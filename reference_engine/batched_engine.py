@@ -1,12 +1,14 @@
 """The reference engine, part 2: one batched step, run synchronously or zero-bubble async.
 
-Per step, the host plans it row by row (``step_plan``: the rows the device reads, the lengths the
-host believes), then, on the device, in stream order: upload the rows (one pinned copy) → draft k
-tokens for the decoding rows (scripted, layer-skip or EAGLE head) → compute input ids,
-positions, slots and seq_lens from the device state (``step_inputs``) → target forward →
-rejection (greedy, or probabilistic for requests with a temperature) → EAGLE's cache catch-up →
-commit into the device state → copy the results to pinned memory and record an event. Uniform
-steps run these as CUDA-graph segments (``graphs``).
+Per step: plan → draft → verify → commit → land. The host plans the step row by row (``step_plan``:
+the rows the device reads, the lengths the host believes), then, on the device, in stream order:
+upload the rows (one pinned copy) → the drafter drafts k tokens for the decoding rows
+(``Drafter.draft``) → compute input ids, positions, slots and seq_lens from the device state
+(``step_inputs``) → target forward → rejection (greedy, or probabilistic for requests with a
+temperature) → commit into the device state → the drafter catches up (``Drafter.after_commit``:
+EAGLE's cache, the n-gram history) → copy the results to pinned memory and record an event. The
+results land on the host later (``_land``). Uniform steps run these as CUDA-graph segments
+(``graphs``).
 
 Async (``async_scheduling``): the host schedules and launches step N + 1 before it has seen step
 N's results. It assumes every draft of step N is accepted: a decoding request's host length grows
@@ -14,13 +16,14 @@ by 1 + drafts and its output by as many placeholder tokens, and blocks are alloc
 device never reads those host guesses: its inputs come from the device state, which step N's
 commit has already updated by the time step N + 1 runs. When step N's results land (one step
 late), the host replaces the placeholders with the real tokens, takes back the rejected length,
-trims blocks it over-allocated, and applies stop conditions (truncating whatever the step in flight
-produced past a stop). Sync: the same step, with the host waiting for each step's results before
-scheduling the next (and then it knows exact host lengths, which it passes to the backend).
+trims blocks it over-allocated, and applies the stop rule (``Request.stops_after``; truncating
+whatever the step in flight produced past a stop). Sync: the same step, with the host waiting for
+each step's results before scheduling the next (and then it knows exact host lengths, which it
+passes to the backend).
 
 Randomness (the scripted drafter's random pattern, sampling with a temperature) comes from counters: a
-request's seed and output position hashed (``sampling.counter_uniform``), never a generator, so
-sync and async runs draw the same numbers and graphs replay them.
+request's seed and output position hashed, never a generator, so sync and async runs draw the same
+numbers and graphs replay them (``slot_sampling``).
 
 A debug mode (``check_inputs``) counts on the device, without a sync, every input that is a
 placeholder, every position that is not committed + offset, every slot outside the request's
@@ -39,13 +42,14 @@ from reference_engine import nvtx
 from reference_engine.device_state import DeviceState
 from reference_engine.core import EngineConfig, EngineCore, GenerationOutput
 from reference_engine.empty_padding import EmptyPadding
-from reference_engine.drafters import EagleDrafter, NgramDrafter, ScriptedDrafter, ngram_drafts_on_device
+from reference_engine.drafters.base import DraftStep, Verified
 from reference_engine.handoff import Download, Uploader, Downloader
 from reference_engine.metrics import StepTimer
 from reference_engine.rejection import PLACEHOLDER, greedy_rejection, rejection_with_noise
 from reference_engine.request import Request
-from reference_engine.sampling import SamplingParams, batched_filtered_probabilities, counter_uniform, gumbel_argmax
+from reference_engine.sampling import SamplingParams, batched_filtered_probabilities, counter_uniform
 from reference_engine.scheduler import Scheduled
+from reference_engine.slot_sampling import ACCEPT_LANE, BONUS_LANE, RECOVER_LANE, SlotSampling
 from reference_engine.step_plan import HostLengths, StepRows
 from reference_engine.step_inputs import (
     VIOLATION_NAMES,
@@ -57,10 +61,6 @@ from reference_engine.step_inputs import (
     prepare_step_inputs,
     verified_digest_terms,
 )
-
-# Lanes of the counter-based noise: one per use, so no two uses share numbers.
-SCRIPT_LANE, DRAFT_LANE, ACCEPT_LANE, RECOVER_LANE, BONUS_LANE = range(5)
-
 
 class InputCheckFailed(AssertionError):
     pass
@@ -114,8 +114,7 @@ class StepRecord:
 class _Buffers:
     """One step's device tensors beyond the upload; persistent per shape for padded steps."""
 
-    def __init__(self, shape: StepShape, uploaded: StepRows[torch.Tensor], hidden_size: int, dtype, device,
-                 empty_padding: bool = False) -> None:
+    def __init__(self, shape: StepShape, uploaded: StepRows[torch.Tensor], device, empty_padding: bool = False) -> None:
         reqs, decodes = shape.num_reqs, shape.num_decodes
         self.query_start_loc = torch.empty(reqs + 1, dtype=torch.int32, device=device)
         self.block_table = torch.empty(reqs, shape.width, dtype=torch.int32, device=device)
@@ -134,7 +133,6 @@ class _Buffers:
         )
         self.draft_starts = torch.empty(decodes, dtype=torch.int32, device=device)
         self.draft = empty_step_tensors(decodes, decodes, device)
-        self.draft_features = torch.zeros(decodes, hidden_size, dtype=dtype, device=device)  # EAGLE's own feature
         # vLLM's empty padding requests, where the backend claims them: attention's view of the padding rows.
         padded = empty_padding and shape.padded
         self.verify_padding = EmptyPadding(uploaded.num_valid, shape.width) if padded else None
@@ -148,9 +146,13 @@ class BatchedEngine(EngineCore):
         # One spare slot past max_num_reqs: graph padding rows decode from it and never commit.
         self.state = DeviceState(reqs + 1, self.device, k)
         self.spare_slot = self.state.free_slots.pop()
+        self.slot_sampling = SlotSampling(reqs + 1, self.device)
+        self.drafter.allocate_slots(reqs + 1)
         self.scheduler.on_preempt = self._on_preempt
         self.scheduler.before_preempt = self._land_pending
-        self._allocate_slot_state(k)
+        # check_inputs: a digest of every (KV slot, token) the target verified; two runs verified
+        # the same drafts exactly when their digests are equal (read after generate: no sync).
+        self.verified = torch.zeros((), dtype=torch.int64, device=self.device)
         max_blocks = -(-config.model.max_model_len // config.block_size)
         self.max_blocks = max_blocks
         tokens = config.max_num_tokens
@@ -159,8 +161,7 @@ class BatchedEngine(EngineCore):
         self.pending: _Launched | None = None
         self.steps: list[StepRecord] = []
         self._decode_steps: dict[int, int] = {}
-        self._script: torch.Tensor | None = None  # scripted drafter: reference outputs [requests, L] of this generate()
-        self._sampling = False
+        self._sampling = False  # some request of this generate() call has a temperature
         self._buffers: dict[StepShape, _Buffers] = {}
         self.timer = StepTimer(self.device.type == "cuda")
         self.sync_detector = None  # metrics.measure attaches one: a phase per loop iteration
@@ -171,35 +172,9 @@ class BatchedEngine(EngineCore):
 
             self.graphs = StepGraphs(self)
 
-    def _allocate_slot_state(self, k: int) -> None:
-        """Per-slot device state of the batched engine beyond lengths and tokens."""
-        slots, device, config = self.state.num_computed.shape[0], self.device, self.config
-        self.slot_seed = torch.zeros(slots, dtype=torch.int64, device=device)
-        self.slot_temperature = torch.zeros(slots, dtype=torch.float32, device=device)
-        self.slot_top_k = torch.zeros(slots, dtype=torch.int64, device=device)
-        self.slot_top_p = torch.ones(slots, dtype=torch.float32, device=device)
-        self.draft_step = torch.zeros((), dtype=torch.int64, device=device)  # the draft loop's index
-        # check_inputs: a digest of every (KV slot, token) the target verified; two runs verified
-        # the same drafts exactly when their digests are equal (read after generate: no sync).
-        self.verified = torch.zeros((), dtype=torch.int64, device=device)
-        self.draft_probabilities = None  # [slots, k, V], allocated by the first sampling generate()
-        self.eagle_features = None
-        if isinstance(self.drafter, EagleDrafter):
-            # The target's feature before each request's next input token (EAGLE's input).
-            self.eagle_features = torch.zeros(slots, config.model.hidden_size, dtype=config.dtype, device=device)
-        # The n-gram drafter: each slot's tokens (prompt and committed outputs; the last column
-        # takes the writes a row masks out), and per request of a generate() call, where a
-        # preempted request's tokens wait for its next slot.
-        self.token_history = self._history_by_request = None
-        if isinstance(self.drafter, NgramDrafter):
-            self.token_history = torch.zeros(slots, config.model.max_model_len + k + 2, dtype=torch.int64, device=device)
-        self.script_by_slot = None
-        if isinstance(self.drafter, ScriptedDrafter):
-            self.script_by_slot = torch.zeros(slots, config.model.max_model_len + k + 1, dtype=torch.int64, device=device)
-
     @property
     def drafts_with_attention(self) -> bool:
-        return self.drafter is not None and self.drafter.uses_attention
+        return self.drafter.uses_attention
 
     @property
     def draft_steps_update_metadata(self) -> bool:
@@ -211,19 +186,12 @@ class BatchedEngine(EngineCore):
         """check_inputs: the digest of everything verified so far (see ``verified``)."""
         return int(self.verified)
 
-    # --- public API -----------------------------------------------------------------------------
+    # --- public API -----------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], on_step=None) -> list[GenerationOutput]:
         params_list = self.validate(prompts, params)
-        self._sampling = not all(p.greedy for p in params_list)
-        if self._sampling and self.draft_probabilities is None and self.config.num_spec_tokens:
-            self.draft_probabilities = torch.zeros(self.state.num_computed.shape[0], self.config.num_spec_tokens,
-                                                   self.config.model.vocab_size, device=self.device)
-        if isinstance(self.drafter, ScriptedDrafter):
-            script = self.reference_script(prompts, params_list)
-            self._script = self._token_rows([tokens for _, tokens in sorted(script.items())], self.script_by_slot.shape[1])
-        if self.token_history is not None:
-            self._history_by_request = self._token_rows(prompts, self.token_history.shape[1])
+        self._sampling = self.slot_sampling.prepare(params_list, self.config.num_spec_tokens, self.config.model.vocab_size)
+        self.drafter.begin_slots(prompts, params_list)
         requests = self.admit(prompts, params_list)
         self._decode_steps = {request.request_id: 0 for request in requests}
         self.steps = []
@@ -233,11 +201,6 @@ class BatchedEngine(EngineCore):
                 self._iterate(requests, on_step)
             self.iteration += 1
         return self.outputs(requests, self._decode_steps)
-
-    def _token_rows(self, rows: list[list[int]], width: int) -> torch.Tensor:
-        """One row per request of this generate() call, zero-padded (or cut) to ``width``, on the
-        device, whence ``_on_new_slot`` copies a request's row into its slot (one upload per call)."""
-        return torch.tensor([(row + [0] * width)[:width] for row in rows], dtype=torch.int64, device=self.device)
 
     def _iterate(self, requests: list[Request], on_step) -> None:
         """Schedule and launch step N + 1, then land step N (async); or launch and land (sync)."""
@@ -257,9 +220,11 @@ class BatchedEngine(EngineCore):
         if on_step is not None:
             on_step(sum(request.num_confirmed for request in requests))
 
-    # --- launching a step -------------------------------------------------------------------------
+    # --- one step: plan → draft → verify → commit, launched without waiting ---------------------------
 
     def _launch(self, scheduled: list[Scheduled], started: float) -> _Launched:
+        """Plan the step on the host, then enqueue it on the device: upload, draft, verify (which
+        commits), and the download its results land from."""
         prepared = time.perf_counter()
         planned, rows, shape, host = self._plan(scheduled)
         captures = self.graphs.captures if self.graphs else 0
@@ -269,7 +234,7 @@ class BatchedEngine(EngineCore):
             buffers = self._step_buffers(shape, uploaded)
             buffers.query_start_loc.copy_(uploaded.query_start_loc)
             buffers.block_table.copy_(uploaded.block_table.view(shape.num_reqs, shape.width))
-        if self.drafter is not None and shape.num_decodes and shape.draft_steps:
+        if shape.num_decodes and shape.draft_steps:
             with nvtx.range("draft"):
                 self._draft(shape, host, buffers)
         payload = self._verify(shape, host, uploaded, buffers)
@@ -281,6 +246,8 @@ class BatchedEngine(EngineCore):
         self.steps.append(StepRecord(len(self.steps), self.iteration, len(rows), sum(row.num_tokens for row in rows), uniform, captured,
                                      prepared - started, time.perf_counter() - prepared))
         return launched
+
+    # --- plan -----------------------------------------------------------------------------------------
 
     def _plan(self, scheduled: list[Scheduled]) -> tuple[StepRows[list[int]], list[_LaunchedRow], StepShape, HostLengths]:
         """The step row by row as the host sees it, padded for a graph where one serves it; the
@@ -330,58 +297,19 @@ class BatchedEngine(EngineCore):
                           max(host.num_drafts[:num_decodes], default=0), size is not None, self._sampling)
         return rows, launched, shape, host
 
-    def _step_buffers(self, shape: StepShape, uploaded: StepRows[torch.Tensor]) -> _Buffers:
-        """Persistent per shape for padded steps (the upload's offsets are fixed by the shape too)."""
-        empty = self.backend.capabilities.graph_padding == PaddingStyle.EMPTY_REQUESTS
-        if not shape.padded:
-            return _Buffers(shape, uploaded, self.config.model.hidden_size, self.config.dtype, self.device)
-        if shape not in self._buffers:
-            self._buffers[shape] = _Buffers(shape, uploaded, self.config.model.hidden_size, self.config.dtype, self.device,
-                                            empty)
-        return self._buffers[shape]
-
-    def _segment(self, name: str, shape: StepShape, common: CommonAttentionMetadata | None, segment):
-        """A piece of the step: from a CUDA graph on a padded step, else eagerly."""
-        if shape.padded and self.graphs is not None:
-            return self.graphs.run((name, shape), common, segment)
-        return segment(self.backend.build(common) if common is not None else None)
-
-    def _common(self, layout: RowLayout, step: StepTensors, shape: StepShape, query_start_loc: list[int],
-                host_seq_lens: list[int], padding: EmptyPadding | None = None, num_real: int = 0) -> CommonAttentionMetadata:
-        """The backend's view of a batch: host lengths only when the host knows them (sync); the
-        padding rows past ``num_real`` as empty requests where ``padding`` is given."""
-        starts, seq_lens, block_table = layout.query_start_loc, step.seq_lens, layout.block_table
-        if padding is not None:
-            starts, seq_lens, block_table = padding.device_view(layout, step)
-            query_start_loc, host_seq_lens = EmptyPadding.host_view(query_start_loc, host_seq_lens, num_real)
-        return CommonAttentionMetadata.from_lengths(
-            query_start_loc=starts, seq_lens=seq_lens, block_table=block_table,
-            slot_mapping=step.slot_mapping, query_starts=query_start_loc, host_seq_lens=host_seq_lens,
-            # Async: the host's lengths assume every draft accepted, an upper bound. A graph serves every length.
-            lengths_known=not self.config.async_scheduling,
-            max_seq_len=self.config.model.max_model_len if shape.padded else None,
-        )
-
     def _on_new_slot(self, request: Request, slot: int) -> None:
-        """A request (re)enters the device state: output count, sampling parameters, drafting script."""
+        """A request (re)enters the device state: output count, sampling parameters, the drafter's state."""
         params = request.params
         self.state.num_output[slot] = request.num_confirmed
-        self.slot_seed[slot] = params.seed if params.seed is not None else self.config.seed * 1_000_003 + request.request_id
-        self.slot_temperature[slot] = params.temperature
-        self.slot_top_k[slot] = params.top_k
-        self.slot_top_p[slot] = params.top_p
-        if self.eagle_features is not None:
-            self.eagle_features[slot] = 0.0
-        if self._script is not None:
-            self.script_by_slot[slot] = self._script[request.request_id]
-        if self.token_history is not None:
-            self.token_history[slot] = self._history_by_request[request.request_id]
+        seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + request.request_id
+        self.slot_sampling.enter(slot, params, seed)
+        self.drafter.enter_slot(request, slot)
 
     def _on_preempt(self, request: Request) -> None:
         """The request leaves its slot (its results have landed: ``before_preempt``)."""
         slot = self.state.slot_of.get(request.request_id)
-        if self.token_history is not None and slot is not None:
-            self._history_by_request[request.request_id] = self.token_history[slot]
+        if slot is not None:
+            self.drafter.leave_slot(request, slot)
         self.state.reset(request.request_id)
 
     def _decode_inputs(self, request: Request, count: int) -> tuple[bool, list[int]]:
@@ -389,11 +317,33 @@ class BatchedEngine(EngineCore):
         the host's last token is a placeholder for the step still in flight."""
         return True, [0] * count
 
-    def _starts(self, uploaded: StepRows[torch.Tensor]) -> torch.Tensor:
-        """Each row's committed length, read on the device (never the host's optimistic guess)."""
-        return self.state.num_computed[uploaded.slots]
+    def _step_buffers(self, shape: StepShape, uploaded: StepRows[torch.Tensor]) -> _Buffers:
+        """Persistent per shape for padded steps (the upload's offsets are fixed by the shape too)."""
+        empty = self.backend.capabilities.graph_padding == PaddingStyle.EMPTY_REQUESTS
+        if not shape.padded:
+            return _Buffers(shape, uploaded, self.device)
+        if shape not in self._buffers:
+            self._buffers[shape] = _Buffers(shape, uploaded, self.device, empty)
+        return self._buffers[shape]
 
-    # --- verify: target forward, rejection, commit --------------------------------------------------
+    # --- draft ----------------------------------------------------------------------------------------
+
+    def _draft(self, shape: StepShape, host: HostLengths, buffers: _Buffers) -> None:
+        """The drafter fills ``state.drafts`` for the decoding rows (the first ``num_decodes``), on the device."""
+        layout, decodes = buffers.draft_layout, shape.num_decodes
+        query_start_loc = list(range(decodes + 1))
+
+        def common(index: int) -> CommonAttentionMetadata:
+            # Host lengths (sync): a row stops advancing at its last draft, as on the device.
+            return self._common(layout, buffers.draft, shape, query_start_loc, host.draft_seq_lens(index, decodes),
+                                buffers.draft_padding, host.num_real)
+
+        def segment(name: str, common: CommonAttentionMetadata | None, run):
+            return self._segment(name, shape, common, run)
+
+        self.drafter.draft(DraftStep(layout, buffers.draft_starts, buffers.draft, shape.draft_steps, shape.sampling, common, segment))
+
+    # --- verify: target forward and rejection, then commit, in one segment -----------------------------
 
     def _verify(self, shape: StepShape, host: HostLengths, uploaded: StepRows[torch.Tensor], buffers: _Buffers) -> torch.Tensor:
         config = self.config
@@ -410,7 +360,12 @@ class BatchedEngine(EngineCore):
         with nvtx.range("target forward, rejection, commit"):
             return self._segment("verify", shape, common, lambda metadata: self._verify_segment(metadata, step, uploaded, buffers, shape))
 
+    def _starts(self, uploaded: StepRows[torch.Tensor]) -> torch.Tensor:
+        """Each row's committed length, read on the device (never the host's optimistic guess)."""
+        return self.state.num_computed[uploaded.slots]
+
     def _verify_segment(self, metadata, step: StepTensors, uploaded: StepRows[torch.Tensor], buffers: _Buffers, shape: StepShape) -> torch.Tensor:
+        """Target forward → rejection → commit → the drafter's catch-up; returns what the host downloads."""
         k = self.config.num_spec_tokens
         layout = buffers.layout
         hidden = self.model(step.input_ids, step.positions, StepInputs(self.backend, metadata, self.kv_caches, step.slot_mapping,
@@ -420,9 +375,8 @@ class BatchedEngine(EngineCore):
         logits = self.model.logits(hidden[uploaded.logits_index]).view(shape.num_reqs, k + 1, -1)
         tokens, emitted = self._reject(logits, uploaded, shape)
         emitted = emitted * uploaded.produces
-        if self.eagle_features is not None:
-            self._eagle_catch_up(metadata, hidden, step, layout, uploaded, emitted)
         self._commit(uploaded, layout, tokens, emitted)
+        self.drafter.after_commit(Verified(metadata, step, layout, uploaded.decode, hidden, tokens, emitted))
         results = torch.cat([emitted[:, None], tokens], dim=1).reshape(-1)
         return torch.cat([results, buffers.violations]) if self.config.check_inputs else results
 
@@ -434,13 +388,14 @@ class BatchedEngine(EngineCore):
         tokens, emitted = greedy_rejection(drafts, logits, uploaded.num_drafts)
         if not shape.sampling:
             return tokens, emitted
-        temperature = self.slot_temperature[slots]
-        target = batched_filtered_probabilities(logits, temperature, self.slot_top_k[slots], self.slot_top_p[slots])
+        sampling = self.slot_sampling
+        temperature = sampling.temperature[slots]
+        target = batched_filtered_probabilities(logits, temperature, sampling.top_k[slots], sampling.top_p[slots])
         k = drafts.shape[1]
-        seed, position = self.slot_seed[slots][:, None], self.state.num_output[slots].long()[:, None]
+        seed, position = sampling.seed[slots][:, None], self.state.num_output[slots].long()[:, None]
         offsets = torch.arange(k + 1, device=self.device)
         vocab = (logits.shape[-1],)
-        draft_probabilities = self.draft_probabilities[slots] if k else target[:, :0]
+        draft_probabilities = sampling.draft_probabilities[slots] if k else target[:, :0]
         sampled, sampled_emitted = rejection_with_noise(
             drafts, draft_probabilities, target, uploaded.num_drafts,
             counter_uniform(seed, position + offsets[:k], ACCEPT_LANE),
@@ -449,6 +404,8 @@ class BatchedEngine(EngineCore):
         )
         greedy = (temperature == 0)[:, None]
         return torch.where(greedy, tokens, sampled), torch.where(greedy[:, 0], emitted, sampled_emitted)
+
+    # --- commit ---------------------------------------------------------------------------------------
 
     def _commit(self, uploaded: StepRows[torch.Tensor], layout: RowLayout, tokens: torch.Tensor, emitted: torch.Tensor) -> None:
         """The device state after this step: lengths, the next input token, the output count."""
@@ -461,126 +418,8 @@ class BatchedEngine(EngineCore):
         keep = torch.where(host_last >= 0, host_last, self.state.last_token[slots])
         self.state.last_token[slots] = torch.where(emitted > 0, last_emitted, keep)
         self.state.num_output[slots] += emitted.to(torch.int32)
-        if self.token_history is not None:
-            # The emitted tokens stand at the positions after the previous last token: they end at
-            # the new committed length, where the next input token (last_token) sits.
-            offsets = torch.arange(tokens.shape[1], device=self.device)
-            positions = self.state.num_computed[slots].long()[:, None] - emitted[:, None] + 1 + offsets
-            trash = self.token_history.shape[1] - 1
-            keep = (offsets[None, :] < emitted[:, None]) & (positions < trash)
-            self.token_history[slots[:, None].expand_as(positions), torch.where(keep, positions, trash)] = tokens
 
-    def _eagle_catch_up(self, metadata, hidden, step: StepTensors, layout: RowLayout, uploaded: StepRows[torch.Tensor], emitted) -> None:
-        """EAGLE's cache for the positions this step made valid (a prefill chunk, or a decode row's
-        input and accepted drafts): position p reads token p and the target feature of p - 1.
-        The feature carried to the next draft is the target's at the last valid position."""
-        rows = layout.token_row
-        starts = layout.query_start_loc.long()
-        offsets = torch.arange(rows.numel(), device=self.device) - starts[rows]
-        slots = layout.slots
-        carried = torch.where((step.positions > 0)[:, None], self.eagle_features[slots[rows]], 0.0)
-        previous = torch.cat([hidden[:1] * 0, hidden[:-1]])
-        features = torch.where((offsets == 0)[:, None], carried, previous)
-        decode = uploaded.decode.bool()
-        query_lens = starts[1:] - starts[:-1]
-        valid_count = torch.where(decode, emitted, query_lens)
-        eagle_slots = torch.where(offsets < valid_count[rows], step.slot_mapping, -1)
-        inputs = StepInputs(self.backend, metadata, [self.eagle_cache], eagle_slots, self.eagle_scales)
-        self.eagle(self.model, step.input_ids, features, step.positions, inputs)
-        last = (starts[:-1] + valid_count - 1).clamp(min=0)
-        self.eagle_features[slots] = torch.where((valid_count > 0)[:, None], hidden[last], self.eagle_features[slots])
-
-    # --- drafting ---------------------------------------------------------------------------------
-
-    def _draft(self, shape: StepShape, host: HostLengths, buffers: _Buffers) -> None:
-        """Fill ``state.drafts`` for the decoding rows (the first ``num_decodes``) on the device."""
-        slots = buffers.draft_layout.slots
-        if isinstance(self.drafter, ScriptedDrafter):
-            self._segment("scripted", shape, None, lambda _: self._draft_scripted(slots))
-            return
-        if isinstance(self.drafter, NgramDrafter):
-            self._segment("ngram", shape, None, lambda _: self._draft_ngram(slots, shape))
-            return
-        layout, bs = buffers.draft_layout, self.config.block_size
-        decodes = shape.num_decodes
-        buffers.draft_starts.copy_(self.state.num_computed[slots])
-        self.draft_step.zero_()
-        query_start_loc = list(range(decodes + 1))
-
-        def common(index: int) -> CommonAttentionMetadata:
-            # Host lengths (sync): a row stops advancing at its last draft, as on the device.
-            return self._common(layout, buffers.draft, shape, query_start_loc, host.draft_seq_lens(index, decodes),
-                                buffers.draft_padding, host.num_real)
-
-        def prepare_step(index: int) -> StepTensors:
-            return prepare_step_inputs(buffers.draft_starts, self.state.last_token, self.state.drafts, layout, index, bs, buffers.draft)
-
-        prepare_step(0)
-        if self.draft_steps_update_metadata:
-            def loop(metadata) -> None:
-                for index in range(shape.draft_steps):
-                    if index:
-                        prepare_step(index)
-                        metadata = self.backend.update_for_draft_step(metadata, common(index))
-                    self._draft_forward(metadata, buffers, shape)
-
-            self._segment("draft loop", shape, common(0), loop)
-            return
-        for index in range(shape.draft_steps):  # one step's graph, replayed; metadata rebuilt between
-            if index:
-                prepare_step(index)
-            self._segment("draft step", shape, common(index), lambda metadata: self._draft_forward(metadata, buffers, shape))
-
-    def _draft_forward(self, metadata, buffers: _Buffers, shape: StepShape) -> None:
-        """One draft token per decoding row, into column ``draft_step`` of ``state.drafts``."""
-        step, slots = buffers.draft, buffers.draft_layout.slots
-        if isinstance(self.drafter, EagleDrafter):
-            features = torch.where(self.draft_step == 0, self.eagle_features[slots], buffers.draft_features)
-            inputs = StepInputs(self.backend, metadata, [self.eagle_cache], step.slot_mapping, self.eagle_scales)
-            predicted = self.eagle(self.model, step.input_ids, features, step.positions, inputs)
-            buffers.draft_features.copy_(predicted)
-        else:  # layer-skip: the target's first layers, through the target's own cache
-            inputs = StepInputs(self.backend, metadata, self.kv_caches, step.slot_mapping, self.kv_scales)
-            predicted = self.model(step.input_ids, step.positions, inputs, self.drafter.num_layers)
-        logits = self.model.logits(predicted)
-        column = self.draft_step.expand(slots.shape)
-        tokens = logits.argmax(dim=-1)
-        if shape.sampling:
-            temperature = self.slot_temperature[slots]
-            greedy = temperature == 0
-            probabilities = torch.softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
-            counter = self.state.num_output[slots].long() + self.draft_step
-            sampled = gumbel_argmax(probabilities, counter_uniform(self.slot_seed[slots], counter, DRAFT_LANE, (logits.shape[-1],)))
-            tokens = torch.where(greedy, tokens, sampled)
-            one_hot = torch.nn.functional.one_hot(tokens, logits.shape[-1]).float()
-            self.draft_probabilities.index_put_((slots, column), torch.where(greedy[:, None], one_hot, probabilities))
-        self.state.drafts.index_put_((slots, column), tokens)
-        self.draft_step.add_(1)
-
-    def _draft_ngram(self, slots: torch.Tensor, shape: StepShape) -> None:
-        """Prompt lookup over each row's tokens on the device (``drafters.ngram_drafts``)."""
-        k = self.config.num_spec_tokens
-        lengths = self.state.num_computed[slots] + 1  # the committed tokens and the next input
-        drafts = ngram_drafts_on_device(self.token_history[slots, :-1], lengths, k, self.drafter.max_n)
-        self.state.drafts[slots, :k] = drafts
-        if shape.sampling:  # a drafted token had probability 1
-            self.draft_probabilities[slots] = torch.nn.functional.one_hot(drafts, self.config.model.vocab_size).float()
-
-    def _draft_scripted(self, slots: torch.Tensor) -> None:
-        """Scripted drafts: the reference continuation where the pattern says right, +1 elsewhere."""
-        k = self.config.num_spec_tokens
-        offsets = torch.arange(k, device=self.device)
-        index = (self.state.num_output[slots].long()[:, None] + offsets).clamp(max=self.script_by_slot.shape[1] - 1)
-        right = self.script_by_slot[slots].gather(1, index)
-        pattern = self.drafter.pattern
-        if pattern.kind == "random":
-            correct = counter_uniform(self.slot_seed[slots][:, None], index, SCRIPT_LANE) < pattern.value
-        else:
-            limit = {"all": k, "none": 0}.get(pattern.kind, pattern.value)
-            correct = (offsets < limit)[None, :].expand_as(right)
-        self.state.drafts[slots, :k] = torch.where(correct, right, (right + 1) % self.config.model.vocab_size)
-
-    # --- landing a step's results -------------------------------------------------------------------
+    # --- land: a step's results reach the host --------------------------------------------------------
 
     def _land_pending(self) -> None:
         if self.pending is not None:
@@ -627,17 +466,37 @@ class BatchedEngine(EngineCore):
                     self.blocks.trim(request.block_ids, request.num_computed + self.scheduler.reserved_tokens(request))
 
     def _confirm(self, request: Request, count: int) -> None:
-        params = request.params
         if request.num_confirmed == 0 and count:
             request.stats.first_token_time = time.perf_counter()
         for _ in range(count):
-            token = request.output[request.num_confirmed]
             request.num_confirmed += 1
-            eos = params.eos_token_id is not None and token == params.eos_token_id and not params.ignore_eos
-            too_long = len(request.prompt) + request.num_confirmed >= self.config.model.max_model_len
-            if eos or request.num_confirmed >= params.max_tokens or too_long:
+            if request.stops_after(request.num_confirmed, self.config.model.max_model_len):
                 del request.output[request.num_confirmed :]  # whatever the step in flight adds is dropped
                 request.stats.finish_time = time.perf_counter()
                 self.scheduler.finish(request)
                 self.state.release(request.request_id)
                 return
+
+    # --- pieces of a step: a graph or eager, the backend's view of a batch ----------------------------
+
+    def _segment(self, name: str, shape: StepShape, common: CommonAttentionMetadata | None, segment):
+        """A piece of the step: from a CUDA graph on a padded step, else eagerly."""
+        if shape.padded and self.graphs is not None:
+            return self.graphs.run((name, shape), common, segment)
+        return segment(self.backend.build(common) if common is not None else None)
+
+    def _common(self, layout: RowLayout, step: StepTensors, shape: StepShape, query_start_loc: list[int],
+                host_seq_lens: list[int], padding: EmptyPadding | None = None, num_real: int = 0) -> CommonAttentionMetadata:
+        """The backend's view of a batch: host lengths only when the host knows them (sync); the
+        padding rows past ``num_real`` as empty requests where ``padding`` is given."""
+        starts, seq_lens, block_table = layout.query_start_loc, step.seq_lens, layout.block_table
+        if padding is not None:
+            starts, seq_lens, block_table = padding.device_view(layout, step)
+            query_start_loc, host_seq_lens = EmptyPadding.host_view(query_start_loc, host_seq_lens, num_real)
+        return CommonAttentionMetadata.from_lengths(
+            query_start_loc=starts, seq_lens=seq_lens, block_table=block_table,
+            slot_mapping=step.slot_mapping, query_starts=query_start_loc, host_seq_lens=host_seq_lens,
+            # Async: the host's lengths assume every draft accepted, an upper bound. A graph serves every length.
+            lengths_known=not self.config.async_scheduling,
+            max_seq_len=self.config.model.max_model_len if shape.padded else None,
+        )

@@ -70,7 +70,7 @@ def add_engine_parser(commands) -> None:
                             help="measure GPU idle inside steps in one more pass under torch.profiler (CUDA)")
         parser.add_argument("--json", help="write the measured metrics here")
         parser.add_argument("--seed", type=int, default=0, help="weights, prompts and sampling seed (default 0)")
-    run.add_argument("--drafter", default="none", help="eagle | layer-skip[:N] | ngram[:N] (prompt lookup, N = longest n-gram, default 3) | scripted:PATTERN (all, none, first:J, random:R; oracle:PATTERN is its old name); default none: no drafting")
+    run.add_argument("--drafter", default="none", help="eagle | layer-skip[:N] | ngram[:N] (prompt lookup, N = longest n-gram, default 3) | scripted:PATTERN (all, none, first:J, random:R); default none: no drafting")
     run.add_argument("--eagle", help="a local EAGLE head checkpoint directory (with --drafter eagle)")
     run.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     run.add_argument("--loop", default="async", choices=LOOPS,

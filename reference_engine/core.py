@@ -1,7 +1,6 @@
 """What both engine loops share: the configuration, the model and the attention backend (checked
-against what the backend claims), the KV pool and the scheduler, the drafter, and the life of a
-``generate`` call around the loop: prompt validation, admission, the scripted drafter's reference
-run, the outputs.
+against what the backend claims), the KV pool and the scheduler, the drafter (``drafters``: one object, bound to the engine), and the
+life of a ``generate`` call around the loop: prompt validation, admission, the outputs.
 
 The loops over it: ``engine.Engine``, one request at a time and synchronous (the readable
 reference), and ``batched_engine.BatchedEngine``, one batched step, synchronous or zero-bubble
@@ -9,7 +8,6 @@ async, optionally under CUDA graphs.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -17,7 +15,8 @@ import torch
 
 from backends import registry
 from backends.base import BackendLimits, KVScales
-from reference_engine.drafters import DRAFTER_NAMES, Drafter, EagleDrafter, ScriptedDrafter, parse_drafter
+from reference_engine.drafters.base import Drafter
+from reference_engine.drafters.registry import drafter_names, parse_drafter
 from reference_engine.kv_cache import BlockManager
 from reference_engine.model import EagleHead, LlamaModel, ModelConfig
 from reference_engine.model_attention import ModelAttention, plan_attention
@@ -44,7 +43,7 @@ class EngineConfig:
     max_num_reqs: int = 16
     max_num_tokens: int = 256
     num_spec_tokens: int = 0
-    drafter: str = "none"  # none | eagle | scripted:PATTERN | ngram[:N] | layer-skip[:N] (drafters.parse_drafter)
+    drafter: str = "none"  # none | eagle | scripted:PATTERN | ngram[:N] | layer-skip[:N] (drafters.registry)
     seed: int = 0
     check_device_state: bool = False  # compare the device state with the host mirror after every step
     # The batched engine only:
@@ -83,23 +82,15 @@ class GenerationOutput:
         return (len(self.tokens) - 1) / self.decode_steps if self.decode_steps else 0.0
 
 
-def layer_scales(config: EngineConfig, num_layers: int, device: torch.device) -> list[KVScales] | None:
-    """Each layer's fp8 scales (device tensors made once: graphs read them), or None."""
-    if config.kv_cache_dtype is None or config.kv_cache_dtype == config.dtype:
-        return None
-    k_scale, v_scale = config.kv_scales
-    return [KVScales.on(device, k_scale * (1 + layer / 2), v_scale * (1 + layer / 2)) for layer in range(num_layers)]
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, model: LlamaModel | None = None, eagle_head: EagleHead | None = None) -> None:
         if config.num_spec_tokens < 0:
             raise ValueError("the number of speculative tokens must be >= 0")
-        drafter = parse_drafter(config.drafter, config.model.num_layers) if config.num_spec_tokens else None
-        if config.num_spec_tokens and drafter is None:
-            raise ValueError(f"speculative decoding needs a drafter ({DRAFTER_NAMES.removeprefix('none, ')})")
+        drafter = parse_drafter(config.drafter if config.num_spec_tokens else "none", config.model.num_layers)
+        if config.num_spec_tokens and not drafter.drafts:
+            raise ValueError(f"speculative decoding needs a drafter ({drafter_names(drafting_only=True)})")
         self.config = config
-        self.drafter: Drafter | None = drafter
+        self.drafter: Drafter = drafter
         self.device = torch.device(config.device)
         self.model = model or LlamaModel.random(config.model, config.seed, config.dtype, self.device)
         backend_cls = registry.load(config.backend)
@@ -114,19 +105,23 @@ class EngineCore:
         # an MLA model's prefill runs decompressed where the backend claims that layer.
         self.backend = ModelAttention(plans, limits, self.device, 1 + config.num_spec_tokens, config.prefill_backend)
         self.kv_caches = [self.backend.allocate_kv_cache(config.num_blocks, layer) for layer in range(config.model.num_layers)]
-        self.kv_scales = layer_scales(config, config.model.num_layers, self.device)
+        self.kv_scales = self.layer_scales(config.model.num_layers)
         self.blocks = BlockManager(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.blocks, max_num_reqs=config.max_num_reqs, max_num_tokens=config.max_num_tokens,
             num_spec_tokens=config.num_spec_tokens, max_model_len=config.model.max_model_len,
         )
-        self.eagle = eagle_head
-        if isinstance(drafter, EagleDrafter):
-            if self.eagle is None:
-                self.eagle = EagleHead.random(config.model, config.seed, config.dtype, self.device)
-            self.eagle_cache = self.backend.allocate_kv_cache(config.num_blocks, 0)  # the head's own KV (one layer)
-            self.eagle_scales = layer_scales(config, 1, self.device)
+        self.eagle_head = eagle_head  # a loaded EAGLE head for the eagle drafter (None: seeded random)
         self._generators: dict[int, torch.Generator] = {}
+        self.drafter.bind(self)
+
+    def layer_scales(self, num_layers: int) -> list[KVScales] | None:
+        """Each layer's fp8 scales (device tensors made once: graphs read them), or None."""
+        config = self.config
+        if config.kv_cache_dtype is None or config.kv_cache_dtype == config.dtype:
+            return None
+        k_scale, v_scale = config.kv_scales
+        return [KVScales.on(self.device, k_scale * (1 + layer / 2), v_scale * (1 + layer / 2)) for layer in range(num_layers)]
 
     def generator(self, request: Request) -> torch.Generator | None:
         """The request's seeded generator (None without a seed)."""
@@ -144,19 +139,8 @@ class EngineCore:
                 raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_model_len {model.max_model_len}")
             if any(not 0 <= token < model.vocab_size for token in prompt):
                 raise ValueError(f"prompt token ids must be in [0, {model.vocab_size})")
-        if isinstance(self.drafter, ScriptedDrafter) and not all(p.greedy for p in params_list):
-            raise ValueError("the scripted drafter scripts greedy runs only")
+        self.drafter.check(params_list)
         return params_list
-
-    def reference_script(self, prompts: list[list[int]], params_list: list[SamplingParams]) -> dict[int, list[int]]:
-        """The reference run the scripted drafter follows: the same engine, no speculation."""
-        # Eager: graphs captured for a throwaway engine are freed by the garbage collector at an
-        # unpredictable moment, possibly while another graph is being captured (a CUDA error).
-        plain = type(self)(dataclasses.replace(self.config, num_spec_tokens=0, drafter="none", cuda_graphs=False), self.model)
-        # k tokens past max_tokens: the last step drafts past the stop too (the scheduler does not
-        # cap drafts by max_tokens), and "all" must stay all.
-        extended = [dataclasses.replace(p, max_tokens=p.max_tokens + self.config.num_spec_tokens) for p in params_list]
-        return {index: out.tokens for index, out in enumerate(plain.generate(prompts, extended))}
 
     def admit(self, prompts: list[list[int]], params_list: list[SamplingParams]) -> list[Request]:
         requests = [Request(index, list(prompt), p) for index, (prompt, p) in enumerate(zip(prompts, params_list))]

@@ -1,11 +1,12 @@
 """The reference engine's per-request loop: synchronous speculative decoding, written to be read.
 
 Each step: schedule (continuous batching, chunked prefill, preemption) → draft k tokens for every
-decoding request (on the host, one request at a time: ``drafters.*Proposer``) → one target
-forward over prefill chunks and [last token, drafts] rows, through the attention backend with a
-``CommonAttentionMetadata`` built like an engine builds it (host lengths given: this loop knows
-them) → rejection sampling → bookkeeping and stop checks. What it shares with the batched loop
-(configuration, backend, KV pool, scheduler, admission, outputs) is ``core.EngineCore``.
+decoding request (on the host: the drafter's ``propose``) → one target forward over prefill chunks
+and [last token, drafts] rows, through the attention backend with a ``CommonAttentionMetadata``
+built like an engine builds it (host lengths given: this loop knows them) → rejection sampling →
+bookkeeping and stop checks (``Request.stops_after``) → the drafter catches up with what the
+target computed (``after_target``). What it shares with the batched loop (configuration, backend,
+KV pool, scheduler, drafter, admission, outputs) is ``core.EngineCore``.
 """
 from __future__ import annotations
 
@@ -17,16 +18,6 @@ import torch
 from backends.base import CommonAttentionMetadata
 from reference_engine.core import EngineConfig, EngineCore, GenerationOutput
 from reference_engine.device_state import DeviceState
-from reference_engine.drafters import (
-    EagleDrafter,
-    EagleProposer,
-    LayerSkipDrafter,
-    LayerSkipProposer,
-    NgramDrafter,
-    NgramProposer,
-    ScriptedDrafter,
-    ScriptedProposer,
-)
 from reference_engine.model import EagleHead, LlamaModel
 from reference_engine.rejection import greedy_rejection, probabilistic_rejection
 from reference_engine.request import Request
@@ -34,6 +25,7 @@ from reference_engine.sampling import SamplingParams, filtered_probabilities, sa
 from reference_engine.scheduler import Scheduled
 from reference_engine.step_inputs import StepInputs
 from reference_engine.step_plan import HostLengths
+
 
 @dataclass
 class _Row:
@@ -50,27 +42,17 @@ class Engine(EngineCore):
         super().__init__(config, model, eagle_head)
         self.state = DeviceState(config.max_num_reqs, self.device)
         self.scheduler.on_preempt = lambda request: self.state.reset(request.request_id)
-        self.proposer = None  # the drafter's host loop; the scripted one is made per generate() call
-        if isinstance(self.drafter, EagleDrafter):
-            self.proposer = EagleProposer(self._eagle_step, self.generator, self._last_token)
-        elif isinstance(self.drafter, LayerSkipDrafter):
-            self.proposer = LayerSkipProposer(self.drafter.num_layers, self._draft_logits, self.generator, self._last_token)
-        elif isinstance(self.drafter, NgramDrafter):
-            self.proposer = NgramProposer(self.drafter.max_n, config.model.vocab_size)
 
     # --- public API -----------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], on_step=None) -> list[GenerationOutput]:
         """Run every prompt to completion. ``on_step(tokens generated so far)`` after each step."""
         params_list = self.validate(prompts, params)
-        proposer = self.proposer
-        if isinstance(self.drafter, ScriptedDrafter):
-            script = self.reference_script(prompts, params_list)
-            proposer = ScriptedProposer(script, self.drafter.pattern, self.config.model.vocab_size, self.config.seed)
+        self.drafter.begin(prompts, params_list)
         requests = self.admit(prompts, params_list)
         decode_steps = {request.request_id: 0 for request in requests}
         while not self.scheduler.idle:
-            for request_id in self.step(proposer):
+            for request_id in self.step():
                 decode_steps[request_id] += 1
             if on_step is not None:
                 on_step(sum(len(request.output) for request in requests))
@@ -81,14 +63,14 @@ class Engine(EngineCore):
         request = Request(-1, list(prompt), SamplingParams())
         self.blocks.allocate(request.block_ids, len(prompt))
         try:
-            hidden, _ = self._forward([(request, request.prompt, 0)], self._target())
+            hidden, _ = self.forward_rows([(request, request.prompt, 0)], self.kv_caches, self.kv_scales, self.model)
             return self.model.logits(hidden)
         finally:
             self.blocks.free(request.block_ids)
 
     # --- one step ---------------------------------------------------------------------------------
 
-    def step(self, proposer) -> list[int]:
+    def step(self) -> list[int]:
         """Run one engine step; returns the ids of requests that decoded in it."""
         scheduled = self.scheduler.schedule()
         if not scheduled:
@@ -96,7 +78,7 @@ class Engine(EngineCore):
             return []
         rows = []
         decoding = [s for s in scheduled if not s.request.in_prefill]
-        proposals = proposer.propose([(s.request, s.num_drafts) for s in decoding], self.device) if proposer and decoding else []
+        proposals = self.drafter.propose([(s.request, s.num_drafts) for s in decoding]) if decoding else []
         drafts_of = {id(s): p for s, p in zip(decoding, proposals)}
         for item in scheduled:
             request = item.request
@@ -107,7 +89,8 @@ class Engine(EngineCore):
             else:
                 start = request.num_computed
                 rows.append(_Row(item, request.tokens[start : start + item.num_tokens], start))
-        hidden, starts = self._forward([(row.scheduled.request, self._row_inputs(row), row.start) for row in rows], self._target())
+        hidden, starts = self.forward_rows([(row.scheduled.request, self._row_inputs(row), row.start) for row in rows],
+                                           self.kv_caches, self.kv_scales, self.model)
         decoded, newly_computed = [], []
         for row, start in zip(rows, starts):
             request = row.scheduled.request
@@ -129,8 +112,8 @@ class Engine(EngineCore):
                     self.state.set_last_token(request.request_id, torch.tensor(request.output[-1], device=self.device))
             if not request.finished:
                 newly_computed.append((request, row.token_ids[:valid], row.start, hidden[start : start + valid]))
-        if isinstance(proposer, EagleProposer) and newly_computed:
-            self._eagle_prefill(proposer, newly_computed)
+        if newly_computed:
+            self.drafter.after_target(newly_computed)
         if self.config.check_device_state:
             for row in rows:
                 request = row.scheduled.request
@@ -141,7 +124,7 @@ class Engine(EngineCore):
                 self.state.release(row.scheduled.request.request_id)
         return decoded
 
-    def _last_token(self, request: Request) -> torch.Tensor:
+    def last_token(self, request: Request) -> torch.Tensor:
         """The request's last sampled token as the device holds it: [1]."""
         slot = self.state.slot(request.request_id)
         return self.state.last_token[slot : slot + 1]
@@ -151,7 +134,7 @@ class Engine(EngineCore):
         request = row.scheduled.request
         if not row.decoding:
             return torch.tensor(row.token_ids, dtype=torch.long, device=self.device)
-        first = self._last_token(request)
+        first = self.last_token(request)
         return torch.cat([first, row.drafts[: row.scheduled.num_drafts]]) if row.scheduled.num_drafts else first
 
     def _sample(self, request: Request, logits: torch.Tensor) -> torch.Tensor:
@@ -190,29 +173,22 @@ class Engine(EngineCore):
         return len(new_tokens)
 
     def _emit(self, request: Request, new_tokens: list[int]) -> None:
-        params = request.params
         if not request.output:
             request.stats.first_token_time = time.perf_counter()
         for token in new_tokens:
             request.output.append(token)
-            eos = params.eos_token_id is not None and token == params.eos_token_id and not params.ignore_eos
-            if eos or len(request.output) >= params.max_tokens or len(request.tokens) >= self.config.model.max_model_len:
+            if request.stops_after(len(request.output), self.config.model.max_model_len):
                 request.stats.finish_time = time.perf_counter()
                 self.scheduler.finish(request)
                 return
 
     # --- forwards ---------------------------------------------------------------------------------
 
-    def _target(self, num_layers: int | None = None):
-        def run(input_ids, positions, common):
-            step = StepInputs(self.backend, self.backend.build(common), self.kv_caches, common.slot_mapping, self.kv_scales)
-            return self.model(input_ids, positions, step, num_layers)
-
-        return run
-
-    def _forward(self, rows: list[tuple[Request, list[int], int]], run):
-        """One batch through ``run(input_ids, positions, common)``. rows: (request, token ids, first
-        position). Returns the hidden states [T, hidden] and each row's first token index."""
+    def forward_rows(self, rows: list[tuple[Request, list[int] | torch.Tensor, int]], kv_caches: list, kv_scales, run):
+        """One batch through ``run(input_ids, positions, step_inputs)`` — the target, or a drafter's
+        model — attending over ``kv_caches`` (the target's, or a drafter's own) with the metadata
+        built here from host lengths. rows: (request, token ids, first position). Returns the
+        hidden states [T, hidden] and each row's first token index."""
         token_ids, positions, slots, host = [], [], [], HostLengths()
         block_size = self.config.block_size
         for request, ids, start in rows:
@@ -233,36 +209,6 @@ class Engine(EngineCore):
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device), query_starts=host.query_start_loc,
             host_seq_lens=seq_lens,
         )
-        hidden = run(torch.cat(token_ids), torch.tensor(positions, device=self.device), common)
+        step = StepInputs(self.backend, self.backend.build(common), kv_caches, common.slot_mapping, kv_scales)
+        hidden = run(torch.cat(token_ids), torch.tensor(positions, device=self.device), step)
         return hidden, host.query_start_loc[:-1]
-
-    def _draft_logits(self, inputs: list[tuple[Request, int, int]], num_layers: int) -> torch.Tensor:
-        """The layer-skip drafter's step: one token per request through the first layers."""
-        hidden, _ = self._forward([(request, token, position) for request, token, position in inputs], self._target(num_layers))
-        return self.model.logits(hidden)
-
-    def _eagle_run(self, features: torch.Tensor):
-        def run(input_ids, positions, common):
-            step = StepInputs(self.backend, self.backend.build(common), [self.eagle_cache], common.slot_mapping,
-                              self.eagle_scales)
-            return self.eagle(self.model, input_ids, features, positions, step)
-
-        return run
-
-    def _eagle_prefill(self, proposer: EagleProposer, segments) -> None:
-        """Fill the head's cache for the positions the target just computed: position p reads
-        token p and the target feature of position p - 1 (zeros before the first)."""
-        features = []
-        for request, _, start, hidden in segments:
-            previous = proposer.last_features.get(request.request_id) if start else None
-            if previous is None:
-                previous = torch.zeros_like(hidden[0])
-            features.append(torch.cat([previous[None], hidden[:-1]]))
-            proposer.last_features[request.request_id] = hidden[-1]
-        self._forward([(request, ids, start) for request, ids, start, _ in segments], self._eagle_run(torch.cat(features)))
-
-    def _eagle_step(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft position per request: (request, token, feature, position) → (logits, features)."""
-        features = torch.stack([feature for _, _, feature, _ in inputs])
-        predicted, _ = self._forward([(request, token, position) for request, token, _, position in inputs], self._eagle_run(features))
-        return self.model.logits(predicted), predicted

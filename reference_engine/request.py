@@ -51,3 +51,12 @@ class Request:
     @property
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.output)
+
+    def stops_after(self, num_output: int, max_model_len: int) -> bool:
+        """The stop rule, asked of the output's first ``num_output`` tokens: the last of them is the
+        end of sequence (unless ignored), or they reach max_tokens, or prompt and output together
+        reach the model's length. Both loops ask it token by token as outputs become known."""
+        params = self.params
+        token = self.output[num_output - 1]
+        eos = params.eos_token_id is not None and token == params.eos_token_id and not params.ignore_eos
+        return eos or num_output >= params.max_tokens or len(self.prompt) + num_output >= max_model_len

@@ -81,7 +81,7 @@ run_engine() {
   gpu=$(python -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())") || exit 2
   for model in tiny-d128 1b; do
     python -m conformance engine bench --backend triton --model "$model" --spec-tokens 3 --num-prompts 8 --prompt-len 128 \
-      --max-tokens 128 --drafters oracle:random:0.7,layer-skip --detect-syncs --step-idle --repeats 3 \
+      --max-tokens 128 --drafters scripted:random:0.7,layer-skip --detect-syncs --step-idle --repeats 3 \
       --json "$runs/async_vs_sync_${gpu}_$model.json" >"$runs/async_vs_sync_${gpu}_$model.log" 2>&1
     cp "$runs/async_vs_sync_${gpu}_$model.json" reports/engine/
   done

@@ -143,18 +143,18 @@ class DraftRecordingEngine(BatchedEngine):
                 self.recorded[(ids[slot], start)] = self.state.drafts[slot, :count].tolist()
 
 
-def per_request_drafts(monkeypatch, proposer_cls, drafter: str, prompts, params) -> tuple[dict, list[list[int]]]:
+def per_request_drafts(monkeypatch, drafter_cls, drafter: str, prompts, params) -> tuple[dict, list[list[int]]]:
     """The per-request loop's drafts by (request, committed length), and its tokens."""
     expected = {}
-    propose = proposer_cls.propose
+    propose = drafter_cls.propose
 
-    def recording(self, requests, device):
-        proposals = propose(self, requests, device)
+    def recording(self, requests):
+        proposals = propose(self, requests)
         for (request, _), (drafts, _) in zip(requests, proposals):
             expected[(request.request_id, request.num_computed)] = drafts.tolist()
         return proposals
 
-    monkeypatch.setattr(proposer_cls, "propose", recording)
+    monkeypatch.setattr(drafter_cls, "propose", recording)
     outputs = Engine(EngineConfig(num_spec_tokens=3, drafter=drafter)).generate(prompts, params)
     return expected, [out.tokens for out in outputs]
 
@@ -171,9 +171,9 @@ def test_eagle_drafts_what_the_per_request_engine_drafts(plain_tokens, monkeypat
     """EAGLE in the batched engine (cache catch-up over the verified positions, features carried
     on the device): greedy tokens equal plain decoding, sync and async, and at every (request,
     committed length) both engines reached, its drafts equal the per-request loop's."""
-    from reference_engine.drafters import EagleProposer
+    from reference_engine.drafters.eagle import EagleDrafter
 
-    expected, _ = per_request_drafts(monkeypatch, EagleProposer, "eagle", PROMPTS, GREEDY)
+    expected, _ = per_request_drafts(monkeypatch, EagleDrafter, "eagle", PROMPTS, GREEDY)
     for scheduling in (False, True):
         engine = DraftRecordingEngine(EngineConfig(num_spec_tokens=3, drafter="eagle", async_scheduling=scheduling, check_inputs=True))
         engine.recorded = {}
@@ -186,12 +186,12 @@ def test_ngram_drafts_what_the_per_request_engine_drafts(monkeypatch, num_blocks
     """Prompt lookup on the device (each slot's tokens kept there, appended at every commit) drafts
     what the per-request loop's host rule drafts, at every (request, committed length) both
     reached; tokens equal plain decoding, sync and async."""
-    from reference_engine.drafters import NgramProposer
+    from reference_engine.drafters.ngram import NgramDrafter
 
     prompts = PROMPTS + [[5, 6, 5, 6, 5, 6, 5]]  # repeats: the lookup finds matches from the start
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     plain = [out.tokens for out in Engine(EngineConfig()).generate(prompts, params)]
-    expected, drafted = per_request_drafts(monkeypatch, NgramProposer, "ngram", prompts, params)
+    expected, drafted = per_request_drafts(monkeypatch, NgramDrafter, "ngram", prompts, params)
     assert drafted == plain
     for scheduling in (False, True):
         engine = DraftRecordingEngine(EngineConfig(num_spec_tokens=3, drafter="ngram", async_scheduling=scheduling,

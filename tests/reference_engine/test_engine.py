@@ -147,12 +147,22 @@ def test_near_tie_rule():
     assert explained(0.2, torch.float16, 12.0) is False and explained(0.11, torch.float16, 12.0)
 
 
-def test_the_scripted_drafter_keeps_its_old_name():
-    from reference_engine.drafters import AcceptancePattern, ScriptedDrafter
+def test_drafter_specs_parse_into_their_drafters_and_oracle_is_no_longer_one():
+    from reference_engine.drafters.layer_skip import LayerSkipDrafter
+    from reference_engine.drafters.ngram import NgramDrafter
+    from reference_engine.drafters.scripted import AcceptancePattern, ScriptedDrafter
 
-    for name in ("scripted:first:2", "oracle:first:2"):
-        engine = Engine(EngineConfig(num_spec_tokens=3, drafter=name))
-        assert engine.drafter == ScriptedDrafter(AcceptancePattern("first", 2.0))
+    scripted = Engine(EngineConfig(num_spec_tokens=3, drafter="scripted:first:2")).drafter
+    assert type(scripted) is ScriptedDrafter and scripted.pattern == AcceptancePattern("first", 2.0)
+    ngram = Engine(EngineConfig(num_spec_tokens=3, drafter="ngram:2")).drafter
+    assert type(ngram) is NgramDrafter and ngram.max_n == 2
+    layer_skip = Engine(EngineConfig(num_spec_tokens=3, drafter="layer-skip")).drafter  # a quarter of 4 layers
+    assert type(layer_skip) is LayerSkipDrafter and layer_skip.num_layers == 1
+    with pytest.raises(ValueError, match="unknown drafter 'oracle:first:2'"):  # the scripted drafter's former name
+        Engine(EngineConfig(num_spec_tokens=3, drafter="oracle:first:2"))
+    for spec, message in (("scripted", "needs a pattern"), ("eagle:x", "no argument")):
+        with pytest.raises(ValueError, match=message):
+            Engine(EngineConfig(num_spec_tokens=3, drafter=spec))
 
 
 def test_ngram_rule_and_its_device_version_agree():
@@ -161,7 +171,7 @@ def test_ngram_rule_and_its_device_version_agree():
     with garbage past each row's length."""
     import random
 
-    from reference_engine.drafters import ngram_drafts, ngram_drafts_on_device
+    from reference_engine.drafters.ngram import ngram_drafts, ngram_drafts_on_device
 
     assert ngram_drafts([1, 2, 3, 9, 1, 2, 3], 3, 3) == [9, 1, 2]  # "1 2 3" seen at 0
     assert ngram_drafts([4, 2, 3, 5, 1, 2, 3, 6, 2, 3], 2, 3) == [6, 2]  # "2 3" most recently at 5; no "6 2 3" before

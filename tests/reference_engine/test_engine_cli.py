@@ -20,6 +20,7 @@ def test_engine_run_prints_speed_and_acceptance():
     "args,message",
     [
         (["--drafter", "bogus", "--spec-tokens", "2"], "unknown drafter"),
+        (["--drafter", "oracle:random:0.7", "--spec-tokens", "2"], "unknown drafter 'oracle:random:0.7'"),
         (["--model", "/no/such/dir"], "not one of tiny"),
         (["--spec-tokens", "-1"], "--spec-tokens must be >= 0"),
         (["--dtype", "int8"], "--dtype"),
