@@ -27,6 +27,7 @@ really meet a backend:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Any
 
@@ -61,6 +62,11 @@ def capture_failure_cause(error: BaseException, detector) -> str:
     if allocations:
         return f"{message} (a device allocation during capture: {allocations[0].describe()})"
     return message
+
+
+def _step_with_fresh_metadata(buffers: GraphBuffers, common) -> None:
+    """One eager step, its metadata built for it (the warm-up before a capture)."""
+    buffers.step(buffers.backend.build(common))
 
 
 class CaptureFailed(Exception):
@@ -124,7 +130,7 @@ class GraphsCheck(Check):
         # 1. Warm-up, capture, replays.
         buffers = GraphBuffers(backend_cls, shape, all_cases, device)
         loaded = buffers.load(self._batch(case, device), with_host_lengths=self.host_lengths)
-        warm_up(lambda: buffers.step(buffers.backend.build(loaded.common)))
+        warm_up(functools.partial(_step_with_fresh_metadata, buffers, loaded.common))
         try:
             graph = capture(buffers, buffers.backend.build_for_capture(loaded.common))
         except CaptureFailed as failure:

@@ -169,7 +169,7 @@ def split_kv_attend(backend, query, key, value, context_len, splits: int):
         lses.append(lse)
     lse = torch.stack(lses)  # [splits, h, q]
     total = torch.logsumexp(lse, dim=0)
-    merged = sum(torch.exp(l - total)[..., None] * p for l, p in zip(lse, partials))
+    merged = sum(torch.exp(part_lse - total)[..., None] * part for part_lse, part in zip(lse, partials))
     return merged.permute(1, 0, 2)
 
 

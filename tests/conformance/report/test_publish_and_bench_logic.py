@@ -91,8 +91,8 @@ def test_publish_merges_one_backends_runs_split_by_check():
 
 
 def test_publish_refuses_to_mix_suites(tmp_path):
-    for suite in ("standard", "full"):
-        RunResult({}, [BackendResult("a", True)], suite, []).save(tmp_path / f"{suite}.json")
+    for name in ("standard", "full"):
+        RunResult({}, [BackendResult("a", True)], name, []).save(tmp_path / f"{name}.json")
     completed = subprocess.run([sys.executable, "-m", "conformance.report.publish", str(tmp_path / "standard.json"),
                                 str(tmp_path / "full.json"), "--out", str(tmp_path / "reports")], capture_output=True, text=True)
     assert completed.returncode == 2 and "different suites (full, standard)" in completed.stderr
