@@ -12,7 +12,7 @@ from backends.base import CommonAttentionMetadata, DeviceInfo
 from backends.torch_naive import TorchNaiveBackend
 from backends.utils import sub_batch
 from conformance.checks.engine import EngineCheck
-from conformance.inputs.cases import parse_case
+from conformance.cases.grammar import parse_case
 from conformance.results import Verdict
 from reference_engine.attention_split import (Part, SplitAttention, companion_candidates, first_claiming, plan_parts,
                                               resolve_companion)

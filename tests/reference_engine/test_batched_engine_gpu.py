@@ -9,7 +9,7 @@ import torch
 from backends import registry
 from backends.base import PaddingStyle
 from backends.triton.backend import TritonAttentionBackend
-from conformance.inputs.cases import parse_case
+from conformance.cases.grammar import parse_case
 from conformance.checks.engine import EngineCheck
 from conformance.results import Verdict
 from reference_engine.batched_engine import BatchedEngine

@@ -8,7 +8,7 @@ import torch
 
 from backends.torch_naive import TorchNaiveBackend
 from conformance.checks.engine import EngineCheck, model_for
-from conformance.inputs.cases import parse_case
+from conformance.cases.grammar import parse_case
 from conformance.results import Verdict
 from reference_engine.batched_engine import BatchedEngine
 from reference_engine.core import EngineConfig
