@@ -195,30 +195,6 @@ class BackendLimits:
         return -(-self.max_model_len // block_size)
 
 
-class DeviceError(ValueError):
-    """A device named on a command line that cannot be used. ``absent``: a valid device that this
-    machine lacks (cuda without a GPU), as opposed to a mistake (``tpu``, ``cuda:x``)."""
-
-    def __init__(self, message: str, absent: bool = False) -> None:
-        super().__init__(message)
-        self.absent = absent
-
-
-def resolve_device(text: str | None, flag: str = "--device") -> torch.device:
-    """``text`` as a torch device (None: cuda when visible, else cpu); DeviceError otherwise."""
-    if text is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise DeviceError(f"{flag} {text!r} is not a device (cpu, cuda, cuda:1)") from None
-    if device.type not in ("cpu", "cuda"):
-        raise DeviceError(f"{flag} {text!r}: only cpu and cuda are supported")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DeviceError(f"{flag} {text}: no CUDA device is visible on this machine", absent=True)
-    return device
-
-
 @dataclass(frozen=True)
 class DeviceInfo:
     """The device a backend would run on, reduced to what claims are checked against."""

@@ -26,7 +26,8 @@ from rich.table import Table
 from rich.text import Text
 
 from backends import registry
-from backends.base import DeviceError, DeviceInfo, resolve_device
+from backends.base import DeviceInfo
+from reference_engine.device_flag import DeviceError, resolve_device
 from conformance.harness.batch import footprint_bytes
 from conformance.cases.grammar import CaseSyntaxError, __doc__ as CASE_GRAMMAR, parse_case
 from conformance.cases.suites import suite

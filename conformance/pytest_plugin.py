@@ -138,7 +138,8 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     if not target:
         return
     from backends import registry
-    from backends.base import DeviceError, DeviceInfo, resolve_device
+    from backends.base import DeviceInfo
+    from reference_engine.device_flag import DeviceError, resolve_device
     from conformance.cases.grammar import CaseSyntaxError, parse_case
     from conformance.cases.suites import suite
     from conformance.checks import CHECKS, default_checks, make_check

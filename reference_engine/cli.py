@@ -19,7 +19,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from backends.base import DTYPE_NAMES, DeviceError, resolve_device
+from backends.base import DTYPE_NAMES
+from reference_engine.device_flag import DeviceError, resolve_device
 from reference_engine.checkpoint import CheckpointError, load_eagle_head, load_model
 from reference_engine.batched_engine import BatchedEngine
 from reference_engine.core import EngineConfig
