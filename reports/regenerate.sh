@@ -7,7 +7,7 @@
 #   bash reports/regenerate.sh publish RUNS  # reports/ from what RUNS/ holds
 #   bash reports/regenerate.sh all RUNS      # the three in turn
 #   bash reports/regenerate.sh memory RUNS   # the memory check (compute-sanitizer), into reports/memory/
-#   bash reports/regenerate.sh engine RUNS   # the README's async-vs-sync table, into reports/engine/
+#   bash reports/regenerate.sh engine RUNS   # docs/engine.md's async-vs-sync table, into reports/engine/
 #
 # One after another the backends take over 20 minutes on an H100, so they run side by side,
 # each backend's checks split over two processes (publish merges them back, summing the wall
@@ -74,7 +74,7 @@ run_bench() {
     --json "$runs/bench-flash_attn.json" >"$runs/bench-flash_attn.log" 2>&1
 }
 
-# The README's async-vs-sync table (triton, k = 3, both drafters, tiny-d128 and 1b), alone on the
+# docs/engine.md's async-vs-sync table (triton, k = 3, both drafters, tiny-d128 and 1b), alone on the
 # GPU like the benchmark: reports/engine/async_vs_sync_<gpu>_<model>.json.
 run_engine() {
   local gpu
