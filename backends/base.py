@@ -43,14 +43,15 @@ Conventions shared by every backend and the harness:
   ``out = Σ_j exp(s_j − m) v_j / (Σ_j exp(s_j − m) + exp(sink_h − m))`` (any common ``m``), on
   every path (decode, verify, prefill). Sinks belong to a layer, as scales do.
 """
+
 from __future__ import annotations
 
 import abc
 import enum
 import importlib.util
 import math
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -290,7 +291,9 @@ class Capabilities:
         if spec.kind not in self.kinds:
             return f"{spec.kind.upper()} not supported (supports {_format_set(self.kinds)})"
         if spec.dtype not in self.dtypes:
-            return f"dtype {dtype_name(spec.dtype)} not supported (supports {_format_set(map(dtype_name, self.dtypes))})"
+            return (
+                f"dtype {dtype_name(spec.dtype)} not supported (supports {_format_set(map(dtype_name, self.dtypes))})"
+            )
         if spec.effective_kv_cache_dtype != spec.dtype and spec.kv_cache_dtype not in self.kv_cache_dtypes:
             claimed = _format_set(map(kv_dtype_name, self.kv_cache_dtypes)) or "none"
             why = f": {self.kv_cache_note}" if self.kv_cache_note else ""
@@ -298,8 +301,10 @@ class Capabilities:
         fp8_gpus = self.fp8_compute_capabilities
         if spec.fp8_kv_cache and fp8_gpus is not None and info.compute_capability not in (None, *fp8_gpus):
             wanted = ", ".join(f"SM{a}{b}" for a, b in sorted(fp8_gpus))
-            return (f"an fp8 KV cache needs compute capability {wanted} ({self.fp8_device_note}); this GPU "
-                    f"({info.name}) is {info.sm}")
+            return (
+                f"an fp8 KV cache needs compute capability {wanted} ({self.fp8_device_note}); this GPU "
+                f"({info.name}) is {info.sm}"
+            )
         if self.head_dims is not None and spec.head_dim not in self.head_dims:
             return f"head_dim {spec.head_dim} not supported (supports {_format_set(self.head_dims)})"
         if self.block_sizes is not None and spec.block_size not in self.block_sizes:
@@ -312,8 +317,10 @@ class Capabilities:
             return "logits soft cap not supported"
         if spec.value_head_dim not in (None, spec.head_dim) and not self.distinct_value_head_dim:
             why = f": {self.value_head_dim_note}" if self.value_head_dim_note else ""
-            return (f"a value head dim ({spec.value_head_dim}) other than the query/key head dim ({spec.head_dim}) "
-                    f"not supported{why}")
+            return (
+                f"a value head dim ({spec.value_head_dim}) other than the query/key head dim ({spec.head_dim}) "
+                f"not supported{why}"
+            )
         if spec.attention_sinks and not self.attention_sinks:
             return "learned attention sinks not supported" + (f": {self.sinks_note}" if self.sinks_note else "")
         return None
@@ -326,12 +333,16 @@ class Capabilities:
 
     def query_len_reason(self, max_query_len: int, query_lens: "list[int] | None" = None) -> str | None:
         if query_lens is not None and 0 in query_lens and PaddingStyle.EMPTY_REQUESTS not in self.padding_styles:
-            return ("empty requests (query length 0, vLLM's graph padding) not accepted "
-                    f"(padding styles: {_format_set(style.value for style in self.padding_styles)})")
+            return (
+                "empty requests (query length 0, vLLM's graph padding) not accepted "
+                f"(padding styles: {_format_set(style.value for style in self.padding_styles)})"
+            )
         if self.max_query_len is not None and max_query_len > self.max_query_len:
             return f"query length {max_query_len} exceeds the claimed maximum {self.max_query_len}"
         if self.uniform_query_len and query_lens is not None and len(set(query_lens)) > 1:
-            return "mixed query lengths in one batch (the backend takes only uniform batches: decode, or spec-verify 1+k)"
+            return (
+                "mixed query lengths in one batch (the backend takes only uniform batches: decode, or spec-verify 1+k)"
+            )
         return None
 
     def to_dict(self) -> dict[str, Any]:
@@ -391,9 +402,16 @@ class CommonAttentionMetadata:
 
     @classmethod
     def from_lengths(
-        cls, *, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-        slot_mapping: torch.Tensor, query_starts: Sequence[int], host_seq_lens: Sequence[int],
-        lengths_known: bool = True, max_seq_len: int | None = None,
+        cls,
+        *,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        query_starts: Sequence[int],
+        host_seq_lens: Sequence[int],
+        lengths_known: bool = True,
+        max_seq_len: int | None = None,
     ) -> "CommonAttentionMetadata":
         """The one way a step's metadata is made. The device tensors as given; the host values
         from the host's lists: ``query_starts`` (always known on the host) and ``host_seq_lens``,
@@ -402,9 +420,14 @@ class CommonAttentionMetadata:
         overrides the bound (a graph replayed for every length passes max_model_len)."""
         starts = list(query_starts)
         return cls(
-            query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table, slot_mapping=slot_mapping,
-            query_start_loc_cpu=torch.tensor(starts, dtype=torch.int32), num_reqs=len(starts) - 1,
-            num_actual_tokens=starts[-1], max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_table=block_table,
+            slot_mapping=slot_mapping,
+            query_start_loc_cpu=torch.tensor(starts, dtype=torch.int32),
+            num_reqs=len(starts) - 1,
+            num_actual_tokens=starts[-1],
+            max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
             max_seq_len=max(host_seq_lens) if max_seq_len is None else max_seq_len,
             host_seq_lens=torch.tensor(list(host_seq_lens), dtype=torch.int32) if lengths_known else None,
         )

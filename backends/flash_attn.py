@@ -12,6 +12,7 @@ FlashAttention aligns causal masks bottom-right (query i of a request sees the k
 ``seqused_k - query_len + i``), the contract's convention, and counts its left window without the
 token itself. Its MLA path (``qv``) is Blackwell-only in flash-attn-4, so there is no
 ``flash_attn_mla`` on Hopper. The argument construction is a pure function, tested on the CPU."""
+
 from __future__ import annotations
 
 import os
@@ -47,10 +48,18 @@ def kernel_arguments(spec: AttentionSpec, query, kv_cache, metadata: FlashAttnMe
     window_left = None if spec.sliding_window is None else spec.sliding_window - 1
     rows = out[: metadata.num_tokens]
     return dict(
-        q=query[: metadata.num_tokens], k=kv_cache[0], v=kv_cache[1], cu_seqlens_q=metadata.query_start_loc,
-        seqused_k=metadata.seq_lens, max_seqlen_q=metadata.max_query_len, page_table=metadata.block_table,
-        softmax_scale=spec.softmax_scale, causal=True, window_size_left=window_left,
-        window_size_right=None if window_left is None else 0, softcap=spec.logits_soft_cap or 0.0,
+        q=query[: metadata.num_tokens],
+        k=kv_cache[0],
+        v=kv_cache[1],
+        cu_seqlens_q=metadata.query_start_loc,
+        seqused_k=metadata.seq_lens,
+        max_seqlen_q=metadata.max_query_len,
+        page_table=metadata.block_table,
+        softmax_scale=spec.softmax_scale,
+        causal=True,
+        window_size_left=window_left,
+        window_size_right=None if window_left is None else 0,
+        softcap=spec.logits_soft_cap or 0.0,
         out=rows if rows.is_contiguous() else None,
     )
 
@@ -60,18 +69,25 @@ class FlashAttnBackend(AttentionBackend):
     capabilities = Capabilities(
         kinds=frozenset({"mha"}),
         kv_cache_note="flash-attn-4's fp8 attention is for SM100 and quantizes the query too (q_descale), which the "
-                      "contract does not hand a backend",
+        "contract does not hand a backend",
         sinks_note="not claimed until measured: flash-attn-4 was not installed on the GPU machines of the session "
-                   "that added learned sinks",
+        "that added learned sinks",
         value_head_dim_note="flash-attn-4 runs (hdim_qk, hdim_v) = (192, 128) on Blackwell only (its interface's "
-                            "supported features); this adapter runs on SM90",
+        "supported features); this adapter runs on SM90",
         lse_note="flash-attn-4 returns one, but it is not claimed until measured: flash-attn-4 was not installed on "
-                 "the GPU machines of the session that added the LSE",
-        head_dims=frozenset({64, 128}), block_sizes=frozenset({16, 32, 64}),  # 256: fails on SM90
-        max_query_len=None, sliding_window=True, logits_soft_cap=True,
-        cuda_graphs=CGSupport.ALWAYS, needs_cpu_seq_lens=False, draft_step_update=True,
-        devices=frozenset({"cuda"}), compute_capabilities=frozenset({(9, 0)}),  # measured on SM90 only
-        required_modules=("flash_attn.cute",), install_hint=INSTALL_HINT,
+        "the GPU machines of the session that added the LSE",
+        head_dims=frozenset({64, 128}),
+        block_sizes=frozenset({16, 32, 64}),  # 256: fails on SM90
+        max_query_len=None,
+        sliding_window=True,
+        logits_soft_cap=True,
+        cuda_graphs=CGSupport.ALWAYS,
+        needs_cpu_seq_lens=False,
+        draft_step_update=True,
+        devices=frozenset({"cuda"}),
+        compute_capabilities=frozenset({(9, 0)}),  # measured on SM90 only
+        required_modules=("flash_attn.cute",),
+        install_hint=INSTALL_HINT,
     )
 
     def __init__(self, spec: AttentionSpec, limits, device: torch.device) -> None:
@@ -90,13 +106,17 @@ class FlashAttnBackend(AttentionBackend):
         write_paged_rows(kv_cache[1], value, slot_mapping, self.spec.block_size)
 
     def build(self, common: CommonAttentionMetadata) -> FlashAttnMetadata:
-        return FlashAttnMetadata(common.query_start_loc, common.seq_lens, common.block_table, common.max_query_len,
-                                 common.num_actual_tokens)
+        return FlashAttnMetadata(
+            common.query_start_loc, common.seq_lens, common.block_table, common.max_query_len, common.num_actual_tokens
+        )
 
     def update_for_draft_step(self, metadata: FlashAttnMetadata, common: CommonAttentionMetadata) -> FlashAttnMetadata:
         # Lengths live on the device, where the draft loop advanced them; re-point in case of new tensors.
         metadata.query_start_loc, metadata.seq_lens, metadata.block_table = (
-            common.query_start_loc, common.seq_lens, common.block_table)
+            common.query_start_loc,
+            common.seq_lens,
+            common.block_table,
+        )
         return metadata
 
     def forward(self, query, kv_cache, metadata: FlashAttnMetadata, out) -> None:

@@ -6,6 +6,7 @@ the same query length (decode, or spec-verify with the same number of drafts). I
 schedule is computed on the device from ``seq_lens`` during the first forward of each build, so a
 captured graph recomputes it on every replay.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,7 +14,14 @@ from typing import Any
 
 import torch
 
-from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
+from backends.base import (
+    AttentionBackend,
+    AttentionSpec,
+    BackendLimits,
+    Capabilities,
+    CGSupport,
+    CommonAttentionMetadata,
+)
 from backends.paged_write import write_paged_rows
 from backends.vendor_layout import packed
 
@@ -32,13 +40,21 @@ class FlashMLAMetadata:
 class FlashMLABackend(AttentionBackend):
     name = "flashmla"
     capabilities = Capabilities(
-        kinds=frozenset({"mla"}), dtypes=frozenset({torch.bfloat16}),
+        kinds=frozenset({"mla"}),
+        dtypes=frozenset({torch.bfloat16}),
         kv_cache_note="FlashMLA's fp8 decode on SM90 takes the query in fp8 too, with its own scale (descale_q), "
-                      "which the contract does not hand a backend", head_dims=frozenset({576}), block_sizes=frozenset({64}),
+        "which the contract does not hand a backend",
+        head_dims=frozenset({576}),
+        block_sizes=frozenset({64}),
         num_heads=frozenset({16, 32, 64, 128}),
-        max_query_len=8, uniform_query_len=True,
-        cuda_graphs=CGSupport.UNIFORM_BATCH, needs_cpu_seq_lens=False, draft_step_update=False,
-        devices=frozenset({"cuda"}), compute_capabilities=frozenset({(9, 0)}), required_modules=("flash_mla",),
+        max_query_len=8,
+        uniform_query_len=True,
+        cuda_graphs=CGSupport.UNIFORM_BATCH,
+        needs_cpu_seq_lens=False,
+        draft_step_update=False,
+        devices=frozenset({"cuda"}),
+        compute_capabilities=frozenset({(9, 0)}),
+        required_modules=("flash_mla",),
         install_hint=INSTALL_HINT,
     )
 
@@ -67,7 +83,13 @@ class FlashMLABackend(AttentionBackend):
         tokens = metadata.num_reqs * metadata.query_len
         result, _ = self.flash_mla.flash_mla_with_kvcache(
             packed(query[:tokens]).view(metadata.num_reqs, metadata.query_len, spec.num_heads, spec.head_dim),
-            kv_cache, metadata.block_table, metadata.seq_lens, spec.kv_lora_rank, metadata.schedule,
-            softmax_scale=spec.softmax_scale, causal=True, use_legacy=True,
+            kv_cache,
+            metadata.block_table,
+            metadata.seq_lens,
+            spec.kv_lora_rank,
+            metadata.schedule,
+            softmax_scale=spec.softmax_scale,
+            causal=True,
+            use_legacy=True,
         )
         out[:tokens].copy_(result.view(tokens, spec.num_heads, spec.kv_lora_rank))

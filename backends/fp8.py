@@ -3,6 +3,7 @@
 checking a kernel; the harness's own quantizer (``conformance/cases/kv_quantization.py``) is
 written apart from this one, so a mistake here cannot hide in both.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

@@ -4,6 +4,7 @@ Shared by the backends whose vendor kernels do not include a cache write of thei
 On CUDA the write is our Triton ``write_kv_kernel``, whose padding rows (slot -1) touch no memory;
 on the CPU it is plain PyTorch, which parks padding rows on the reserved block (see below).
 """
+
 from __future__ import annotations
 
 import torch
@@ -11,8 +12,13 @@ import torch
 from backends.fp8 import to_cache
 
 
-def write_paged_rows(plane: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor, page_size: int,
-                     scale: torch.Tensor | None = None) -> None:
+def write_paged_rows(
+    plane: torch.Tensor,
+    rows: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    page_size: int,
+    scale: torch.Tensor | None = None,
+) -> None:
     """plane: [num_blocks, page_size, ...] (any strides, the last dim contiguous on CUDA);
     rows: [T, ...]; slot -1 writes nothing. ``scale`` (an fp8 plane's 1-element device scale):
     rows are stored as the contract's fp8 numbers, ``row / scale`` rounded and saturated, the
@@ -25,8 +31,13 @@ def write_paged_rows(plane: torch.Tensor, rows: torch.Tensor, slot_mapping: torc
         _write_with_index_put(plane, rows, slot_mapping, page_size)
 
 
-def _write_with_kernel(plane: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor, page_size: int,
-                       scale: torch.Tensor | None = None) -> None:
+def _write_with_kernel(
+    plane: torch.Tensor,
+    rows: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    page_size: int,
+    scale: torch.Tensor | None = None,
+) -> None:
     """One program per row. The plane is seen as [blocks, page, heads, dim] (MLA: one head)."""
     import triton
 
@@ -38,13 +49,28 @@ def _write_with_kernel(plane: torch.Tensor, rows: torch.Tensor, slot_mapping: to
         raise ValueError("write_paged_rows on CUDA needs the cache's and the rows' last dimension contiguous")
     heads, head_dim = plane.shape[2], plane.shape[3]
     write_kv_kernel[(slot_mapping.shape[0],)](
-        rows, rows, plane, plane, slot_mapping,
-        rows.stride(0), rows.stride(1), rows.stride(0), rows.stride(1),
-        plane.stride(0), plane.stride(2), plane.stride(1),
-        slot_mapping if scale is None else scale, slot_mapping,  # no scale: rows stored as they are
-        NUM_KV_HEADS=heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_HEADS=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(head_dim), HAS_VALUE=False,
-        QUANTIZE=scale is not None, FP8_MAX=float(torch.finfo(plane.dtype).max) if scale is not None else 448.0,
+        rows,
+        rows,
+        plane,
+        plane,
+        slot_mapping,
+        rows.stride(0),
+        rows.stride(1),
+        rows.stride(0),
+        rows.stride(1),
+        plane.stride(0),
+        plane.stride(2),
+        plane.stride(1),
+        slot_mapping if scale is None else scale,
+        slot_mapping,  # no scale: rows stored as they are
+        NUM_KV_HEADS=heads,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        BLOCK_HEADS=triton.next_power_of_2(heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        HAS_VALUE=False,
+        QUANTIZE=scale is not None,
+        FP8_MAX=float(torch.finfo(plane.dtype).max) if scale is not None else 448.0,
     )
 
 

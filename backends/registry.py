@@ -1,5 +1,6 @@
 """Backend names → classes: built-ins, the ``conformance.backends`` entry-point group, and
 ``pkg.module:Class`` given directly (a backend under development needs no packaging)."""
+
 from __future__ import annotations
 
 import importlib
@@ -74,8 +75,9 @@ def load(ref: BackendRef | str) -> type[AttentionBackend]:
         module = importlib.import_module(module_name)
     except Exception as error:  # noqa: BLE001 - any import failure of one backend is that backend's, not the command's
         where = f"entry point {ref.name!r} ({ref.target})" if ref.origin == "entry point" else f"backend {ref.name!r}"
-        raise BackendLookupError(f"cannot import {module_name} for {where}: "
-                                 f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}") from error
+        raise BackendLookupError(
+            f"cannot import {module_name} for {where}: {type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+        ) from error
     backend_cls = getattr(module, class_name, None)
     if not (isinstance(backend_cls, type) and issubclass(backend_cls, AttentionBackend)):
         raise BackendLookupError(f"{ref.target} is not an AttentionBackend subclass")

@@ -4,23 +4,24 @@ One request at a time, in float32, from host lengths: easy to check by eye, slow
 about it (needs host lengths, no CUDA graphs). Small hooks (``softmax_scale``, ``visible``,
 ``gather``, ``dequantize``) keep each piece of the math in one place.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from backends.fp8 import from_cache, to_cache
-from backends.paged_write import write_paged_rows
 from backends.base import (
     FP8_KV_DTYPES,
     AttentionBackend,
     Capabilities,
     CGSupport,
-    PaddingStyle,
     CommonAttentionMetadata,
     KVScales,
+    PaddingStyle,
 )
+from backends.fp8 import from_cache, to_cache
+from backends.paged_write import write_paged_rows
 
 
 @dataclass
@@ -33,10 +34,21 @@ class NaiveMetadata:
 class TorchNaiveBackend(AttentionBackend):
     name = "torch_naive"
     capabilities = Capabilities(
-        kinds=frozenset({"mha", "mla"}), dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        kv_cache_dtypes=FP8_KV_DTYPES, max_query_len=None, sliding_window=True, logits_soft_cap=True,
-        attention_sinks=True, distinct_value_head_dim=True, returns_lse=True, padding_styles=frozenset(PaddingStyle), cuda_graphs=CGSupport.NEVER, needs_cpu_seq_lens=True, draft_step_update=False,
-        deterministic=True, batch_invariant=True,  # one request at a time, fixed reduction order
+        kinds=frozenset({"mha", "mla"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        kv_cache_dtypes=FP8_KV_DTYPES,
+        max_query_len=None,
+        sliding_window=True,
+        logits_soft_cap=True,
+        attention_sinks=True,
+        distinct_value_head_dim=True,
+        returns_lse=True,
+        padding_styles=frozenset(PaddingStyle),
+        cuda_graphs=CGSupport.NEVER,
+        needs_cpu_seq_lens=True,
+        draft_step_update=False,
+        deterministic=True,
+        batch_invariant=True,  # one request at a time, fixed reduction order
         devices=frozenset({"cpu", "cuda"}),
     )
 
@@ -92,8 +104,16 @@ class TorchNaiveBackend(AttentionBackend):
             block_table=common.block_table,
         )
 
-    def forward(self, query, kv_cache, metadata: NaiveMetadata, out, scales: KVScales | None = None,
-                sinks: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> None:
+    def forward(
+        self,
+        query,
+        kv_cache,
+        metadata: NaiveMetadata,
+        out,
+        scales: KVScales | None = None,
+        sinks: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> None:
         planes = self.slot_planes(kv_cache)
         plane_scales = self.scale_floats(scales)
         for request, seq_len in enumerate(metadata.seq_lens):
@@ -197,7 +217,9 @@ class TorchNaiveBackend(AttentionBackend):
         value = value.float()
         if self.grouped():
             by_group = probs.view(value.shape[1], -1, query.shape[0], key.shape[0])  # [Hkv, group, q, s]
-            return torch.einsum("kgqs,skd->qkgd", by_group, value).reshape(query.shape[0], query.shape[1], value.shape[-1])
+            return torch.einsum("kgqs,skd->qkgd", by_group, value).reshape(
+                query.shape[0], query.shape[1], value.shape[-1]
+            )
         out = value.new_empty(query.shape[0], query.shape[1], value.shape[-1])
         for first, end, kv in self.head_runs():
             out[:, first:end] = torch.einsum("hqk,kd->qhd", probs[first:end], value[:, kv])

@@ -1,5 +1,6 @@
 """Helpers that backends share for cutting a step's batch (vLLM keeps these in
 ``v1/attention/backends/utils.py``): views, never copies, of one ``CommonAttentionMetadata``."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,7 +26,9 @@ def split_decodes_and_prefills(common: CommonAttentionMetadata, decode_threshold
     while decodes < len(query_lens) and query_lens[decodes] <= decode_threshold:
         decodes += 1
     decode_tokens = int(common.query_start_loc_cpu[decodes])
-    return DecodePrefillSplit(decodes, len(query_lens) - decodes, decode_tokens, common.num_actual_tokens - decode_tokens)
+    return DecodePrefillSplit(
+        decodes, len(query_lens) - decodes, decode_tokens, common.num_actual_tokens - decode_tokens
+    )
 
 
 def sub_batch(common: CommonAttentionMetadata, first: int, last: int) -> CommonAttentionMetadata:
@@ -34,9 +37,12 @@ def sub_batch(common: CommonAttentionMetadata, first: int, last: int) -> CommonA
     token_start = int(common.query_start_loc_cpu[first])
     known = common.has_host_seq_lens
     return CommonAttentionMetadata.from_lengths(
-        query_start_loc=common.query_start_loc[first : last + 1] - token_start, seq_lens=common.seq_lens[first:last],
-        block_table=common.block_table[first:last], slot_mapping=common.slot_mapping[token_start:],
+        query_start_loc=common.query_start_loc[first : last + 1] - token_start,
+        seq_lens=common.seq_lens[first:last],
+        block_table=common.block_table[first:last],
+        slot_mapping=common.slot_mapping[token_start:],
         query_starts=(common.query_start_loc_cpu[first : last + 1] - token_start).tolist(),
         host_seq_lens=common.host_seq_lens[first:last].tolist() if known else [common.max_seq_len] * (last - first),
-        lengths_known=known, max_seq_len=common.max_seq_len,
+        lengths_known=known,
+        max_seq_len=common.max_seq_len,
     )

@@ -6,6 +6,7 @@ buffer (the harness's ``strided`` cases do both). Our own kernels take strides; 
 point that checks or assumes contiguity gets a packed copy of the query and a packed scratch
 output, copied back into the view afterwards. Contiguous tensors pass through untouched (no copy).
 """
+
 from __future__ import annotations
 
 from typing import Callable

@@ -3,6 +3,7 @@ PYTHONPATH but not installed: a bare GPU machine, a checkout).
 
 Light on purpose: a Ctrl-C or SIGTERM during the seconds torch takes to import is held, then
 handled as the command would handle it later (``conformance.run.interrupts``)."""
+
 import sys
 
 

@@ -1,4 +1,5 @@
 """Files a reader sees whole or not at all: results, reports and journals alike."""
+
 from __future__ import annotations
 
 import os

@@ -7,6 +7,7 @@ Exit codes:
   3  nothing could run here (every backend unavailable on this machine, or every case skipped)
   130, 143  stopped by SIGINT / SIGTERM: the cases that finished are written, marked interrupted
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,26 +28,27 @@ from rich.text import Text
 
 from backends import registry
 from backends.base import DeviceInfo
-from reference_engine.device_flag import DeviceError, resolve_device
-from conformance.harness.batch import footprint_bytes
-from conformance.cases.grammar import CaseSyntaxError, __doc__ as CASE_GRAMMAR, parse_case
+from conformance.cases.grammar import CaseSyntaxError, parse_case
+from conformance.cases.grammar import __doc__ as CASE_GRAMMAR
 from conformance.cases.suites import suite
 from conformance.checks import CHECKS, default_checks
+from conformance.harness.batch import footprint_bytes
 from conformance.report.compare import ACCEPTABLE, CompareError, compare_runs
-from conformance.scaffold import ScaffoldError, camel, write_skeleton
-from conformance.run.interrupts import Interrupted, release_signals, stopping_on_signals
-from conformance.run.journal import Journal
-from conformance.report.output_paths import OutputPathError, check_directory, check_files
-from conformance.report.safe_text import visible
 from conformance.report.html import write_html
 from conformance.report.junit import write_junit
 from conformance.report.markdown import write_markdown
+from conformance.report.output_paths import OutputPathError, check_directory, check_files
+from conformance.report.safe_text import visible
+from conformance.report.terminal import LineProgress, RichProgress, print_report
 from conformance.results import RunResult
-from reference_engine.cli import add_engine_parser, run_engine
+from conformance.run.interrupts import Interrupted, release_signals, stopping_on_signals
+from conformance.run.journal import Journal
 from conformance.run.probe import Probe, probe_backends
 from conformance.run.results_lock import ResultsInUse, ResultsLock
 from conformance.run.runner import RunOptions, probe, run
-from conformance.report.terminal import LineProgress, RichProgress, print_report
+from conformance.scaffold import ScaffoldError, camel, write_skeleton
+from reference_engine.cli import add_engine_parser, run_engine
+from reference_engine.device_flag import DeviceError, resolve_device
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOTHING_RAN = 0, 1, 2, 3
 DEFAULT_BACKEND = "torch_naive"
@@ -126,8 +128,10 @@ def _check_case_sizes(cases, device: torch.device) -> None:
             host += on_device
         for needed, available, where in ((host, host_memory, "host memory"), (on_device, device_memory, "GPU memory")):
             if needed > available:
-                raise UsageError(f"case {case.id} needs at least {needed / 2**30:.1f} GiB of {where}; "
-                                 f"this machine has {available / 2**30:.1f} GiB")
+                raise UsageError(
+                    f"case {case.id} needs at least {needed / 2**30:.1f} GiB of {where}; "
+                    f"this machine has {available / 2**30:.1f} GiB"
+                )
 
 
 def _checks(values: list[str] | None) -> list[str]:
@@ -146,8 +150,18 @@ def _check_seconds(*limits: tuple[str, float | None]) -> None:
             raise UsageError(f"{flag} {seconds:g}: must be a finite, positive number of seconds")
 
 
-LIST_COLUMNS = ("backend", "origin", "here", "kinds", "max query", "graphs", "host lengths", "draft update", "deterministic",
-                "batch-invariant")
+LIST_COLUMNS = (
+    "backend",
+    "origin",
+    "here",
+    "kinds",
+    "max query",
+    "graphs",
+    "host lengths",
+    "draft update",
+    "deterministic",
+    "batch-invariant",
+)
 
 
 def _list_row(name: str, probe_: Probe) -> dict[str, str]:
@@ -156,11 +170,14 @@ def _list_row(name: str, probe_: Probe) -> dict[str, str]:
     claims = probe_.claims
     max_query = claims["max_query_len"]
     return {
-        "backend": name, "origin": probe_.ref.origin,
+        "backend": name,
+        "origin": probe_.ref.origin,
         "here": "available" if probe_.unavailable is None else probe_.unavailable,
         "kinds": ",".join(claims["kinds"]),
-        "max query": ("any" if max_query is None else str(max_query)) + (", uniform" if claims["uniform_query_len"] else ""),
-        "graphs": claims["cuda_graphs"], "host lengths": "needed" if claims["needs_cpu_seq_lens"] else "not needed",
+        "max query": ("any" if max_query is None else str(max_query))
+        + (", uniform" if claims["uniform_query_len"] else ""),
+        "graphs": claims["cuda_graphs"],
+        "host lengths": "needed" if claims["needs_cpu_seq_lens"] else "not needed",
         "draft update": "yes" if claims["draft_step_update"] else "no",
         "deterministic": "claimed" if claims["deterministic"] else "no",
         "batch-invariant": "claimed" if claims["batch_invariant"] else "no",
@@ -173,8 +190,10 @@ def command_list(args: argparse.Namespace, console: Console) -> int:
     _check_seconds(("--timeout", args.timeout))
     torch_device = _device(args.device)
     device = DeviceInfo.of(torch_device)
-    rows = [_list_row(name, probe_) for name, probe_ in
-            probe_backends(registry.known_backends(), str(torch_device), args.timeout).items()]
+    rows = [
+        _list_row(name, probe_)
+        for name, probe_ in probe_backends(registry.known_backends(), str(torch_device), args.timeout).items()
+    ]
     form = args.format or ("table" if console.is_terminal else "plain")
     if form == "json":
         print(json.dumps({"device": device.name, "backends": rows}, indent=1))
@@ -182,17 +201,28 @@ def command_list(args: argparse.Namespace, console: Console) -> int:
     if form == "plain":
         print(f"backends (here: {device.name}{', ' + device.sm if device.compute_capability else ''})")
         for row in rows:
-            print("  ".join([visible(row["backend"], one_line=True), f"[{row['origin']}]", visible(row["here"], one_line=True)]
-                            + [f"{column}={row[column]}" for column in LIST_COLUMNS[3:] if column in row]))
+            print(
+                "  ".join(
+                    [visible(row["backend"], one_line=True), f"[{row['origin']}]", visible(row["here"], one_line=True)]
+                    + [f"{column}={row[column]}" for column in LIST_COLUMNS[3:] if column in row]
+                )
+            )
         return EXIT_OK
-    table = Table(title=f"backends (here: {device.name}{', ' + device.sm if device.compute_capability else ''})", title_justify="left")
+    table = Table(
+        title=f"backends (here: {device.name}{', ' + device.sm if device.compute_capability else ''})",
+        title_justify="left",
+    )
     for column in LIST_COLUMNS:
         table.add_column(column, no_wrap=column == "backend", overflow="fold")
     for row in rows:
         here = visible(row["here"], one_line=True)
         style = "green" if here == "available" else "red" if here.startswith("cannot load") else "yellow"
-        table.add_row(*[Text(visible(row.get(column, ""), one_line=True), style=style if column == "here" else "")
-                        for column in LIST_COLUMNS])
+        table.add_row(
+            *[
+                Text(visible(row.get(column, ""), one_line=True), style=style if column == "here" else "")
+                for column in LIST_COLUMNS
+            ]
+        )
     console.print(table)
     return EXIT_OK
 
@@ -223,11 +253,19 @@ def command_run(args: argparse.Namespace, console: Console) -> int:
 def _locked_run(args, console: Console, names, checks, cases, device: torch.device, json_path: Path) -> int:
     journal = None
     options = RunOptions(
-        backends=names, checks=checks, cases=cases, device=device,
-        suite="custom" if args.case else args.suite, case_timeout_s=args.timeout,
-        backend_timeout_s=args.backend_timeout, in_process=args.in_process,
-        check_options={"sync_detector": args.sync_detector, "prefill_backend": args.prefill_backend,
-                       "suite": "custom" if args.case else args.suite},
+        backends=names,
+        checks=checks,
+        cases=cases,
+        device=device,
+        suite="custom" if args.case else args.suite,
+        case_timeout_s=args.timeout,
+        backend_timeout_s=args.backend_timeout,
+        in_process=args.in_process,
+        check_options={
+            "sync_detector": args.sync_detector,
+            "prefill_backend": args.prefill_backend,
+            "suite": "custom" if args.case else args.suite,
+        },
     )
     progress_console = Console(stderr=True, quiet=args.quiet)
     if not progress_console.is_terminal:  # CI logs: one line per event, wide enough to stay whole
@@ -236,7 +274,9 @@ def _locked_run(args, console: Console, names, checks, cases, device: torch.devi
     try:
         with stopping_on_signals():
             options.probes = _probes(options)  # before any file is touched: a mistyped module:Class is exit 2
-            json_path.unlink(missing_ok=True)  # an interrupted run must not leave an older run's results looking current
+            json_path.unlink(
+                missing_ok=True
+            )  # an interrupted run must not leave an older run's results looking current
             with reporter(progress_console) as progress:
                 journal = Journal(json_path, progress)
                 result = run(options, journal)
@@ -259,8 +299,9 @@ def _locked_run(args, console: Console, names, checks, cases, device: torch.devi
     return EXIT_OK
 
 
-def _stop_interrupted(interrupted: Interrupted, options: RunOptions, json_path: Path, journal: Journal | None,
-                      console: Console) -> int:
+def _stop_interrupted(
+    interrupted: Interrupted, options: RunOptions, json_path: Path, journal: Journal | None, console: Console
+) -> int:
     """What finished, written marked ``"interrupted": true`` (the other reports are not written:
     ``conformance report --allow-interrupted`` makes them from it), and the table of it."""
     result = interrupted.partial or RunResult({}, [], options.suite, list(options.checks), interrupted=True)
@@ -268,8 +309,11 @@ def _stop_interrupted(interrupted: Interrupted, options: RunOptions, json_path: 
     if journal is not None:
         journal.remove()
     print_report(console, result)
-    print(f"conformance: interrupted by {signal.Signals(interrupted.signum).name}: the cases that finished are in "
-          f"{json_path}, marked interrupted", file=sys.stderr)
+    print(
+        f"conformance: interrupted by {signal.Signals(interrupted.signum).name}: the cases that finished are in "
+        f"{json_path}, marked interrupted",
+        file=sys.stderr,
+    )
     return interrupted.exit_code
 
 
@@ -283,32 +327,58 @@ def default_suite(device: torch.device) -> str:
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser, default_suite: str | None) -> None:
-    parser.add_argument("--backend", action="append", default=[],
-                        help="NAME[,NAME...]: a built-in, an entry point of group conformance.backends, or "
-                        f"pkg.module:Class (default: {DEFAULT_BACKEND})")
-    parser.add_argument("--suite", default=default_suite,
-                        help=f"smoke | quick | standard | full | bench (default: {default_suite or DEFAULT_SUITE_HELP})")
-    parser.add_argument("--case", action="append", help="an ad-hoc case, instead of the suite (repeatable; grammar below)")
-    parser.add_argument("--seed", type=int, help="seed for --case cases without @SEED, or for every case of the suite "
-                        "(default 0)")
+    parser.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        help="NAME[,NAME...]: a built-in, an entry point of group conformance.backends, or "
+        f"pkg.module:Class (default: {DEFAULT_BACKEND})",
+    )
+    parser.add_argument(
+        "--suite",
+        default=default_suite,
+        help=f"smoke | quick | standard | full | bench (default: {default_suite or DEFAULT_SUITE_HELP})",
+    )
+    parser.add_argument(
+        "--case", action="append", help="an ad-hoc case, instead of the suite (repeatable; grammar below)"
+    )
+    parser.add_argument(
+        "--seed", type=int, help="seed for --case cases without @SEED, or for every case of the suite (default 0)"
+    )
     parser.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda when visible, else cpu)")
     parser.add_argument("--out", help=f"directory for results.json (default: {DEFAULT_OUT})")
     parser.add_argument("--json", help="write the JSON results to this file instead")
     parser.add_argument("--html", help="also write a self-contained HTML report to this file")
     parser.add_argument("--junit", help="also write JUnit XML (one testcase per backend x check x case)")
     parser.add_argument("--markdown", help="also write a Markdown summary (pull-request comment, CI step summary)")
-    parser.add_argument("--timeout", type=float, default=900.0,
-                        help="seconds one case may run: past it the case is CRASH (hung), its process is killed and a "
-                        "fresh one goes on with the next case (default 900)")
-    parser.add_argument("--backend-timeout", type=float,
-                        help="seconds all of one backend's cases may run: past it the running case is CRASH and the rest "
-                        "are not run (default: no limit)")
-    parser.add_argument("--sync-detector", default="auto", choices=["auto", "cupti", "torch"],
-                        help="host-sync detector for the syncs check (default auto: cupti when installed, else torch)")
-    parser.add_argument("--prefill-backend", default="auto",
-                        help="the engine check's companion for a backend that serves only some batches (decode-only, "
-                        "uniform-only): it serves the prefill chunks; default auto: triton (MHA on CUDA), else torch_naive")
-    parser.add_argument("--in-process", action="store_true", help="no child process (for a debugger); a crash ends the run")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=900.0,
+        help="seconds one case may run: past it the case is CRASH (hung), its process is killed and a "
+        "fresh one goes on with the next case (default 900)",
+    )
+    parser.add_argument(
+        "--backend-timeout",
+        type=float,
+        help="seconds all of one backend's cases may run: past it the running case is CRASH and the rest "
+        "are not run (default: no limit)",
+    )
+    parser.add_argument(
+        "--sync-detector",
+        default="auto",
+        choices=["auto", "cupti", "torch"],
+        help="host-sync detector for the syncs check (default auto: cupti when installed, else torch)",
+    )
+    parser.add_argument(
+        "--prefill-backend",
+        default="auto",
+        help="the engine check's companion for a backend that serves only some batches (decode-only, "
+        "uniform-only): it serves the prefill chunks; default auto: triton (MHA on CUDA), else torch_naive",
+    )
+    parser.add_argument(
+        "--in-process", action="store_true", help="no child process (for a debugger); a crash ends the run"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -317,8 +387,13 @@ def _output_paths(args: argparse.Namespace) -> Path:
     results at the end); returns the results JSON's path."""
     if args.json is not None and args.out is not None:
         raise UsageError("--json names the results file and --out its directory: give one of them")
-    for option, path in (("--json", args.json), ("--out", args.out), ("--html", args.html), ("--junit", args.junit),
-                         ("--markdown", args.markdown)):
+    for option, path in (
+        ("--json", args.json),
+        ("--out", args.out),
+        ("--html", args.html),
+        ("--junit", args.junit),
+        ("--markdown", args.markdown),
+    ):
         if path is not None and not path.strip():
             raise UsageError(f"{option}: an empty path")
     option = "--json" if args.json is not None else "--out"
@@ -344,8 +419,10 @@ def _load_results(path: str, allow_interrupted: bool = False) -> RunResult:
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise UsageError(f"{path}: not a conformance results file ({type(error).__name__}: {error})") from None
     if result.interrupted and not allow_interrupted:
-        raise UsageError(f"{path}: the partial results of an interrupted run (only the cases that finished); "
-                         "pass --allow-interrupted to use them anyway")
+        raise UsageError(
+            f"{path}: the partial results of an interrupted run (only the cases that finished); "
+            "pass --allow-interrupted to use them anyway"
+        )
     return result
 
 
@@ -364,16 +441,33 @@ def command_report(args: argparse.Namespace, console: Console) -> int:
 def command_compare(args: argparse.Namespace, console: Console) -> int:
     accept = [kind for kind in ACCEPTABLE if getattr(args, f"accept_{kind}")]
     base, new = (_load_results(path, args.allow_interrupted) for path in (args.base, args.new))
-    findings = compare_runs(base, new, error_growth=args.error_growth, bench_threshold=args.bench_threshold, accept=accept)
+    findings = compare_runs(
+        base, new, error_growth=args.error_growth, bench_threshold=args.bench_threshold, accept=accept
+    )
     regressions = [finding for finding in findings if finding.regression]
     accepted = [finding for finding in findings if finding.accepted]
-    table = Table(title=f"compare: {len(regressions)} regression(s), {len(findings) - len(regressions) - len(accepted)} "
-                        f"improvement(s), {len(accepted)} accepted", title_justify="left")
+    table = Table(
+        title=f"compare: {len(regressions)} regression(s), {len(findings) - len(regressions) - len(accepted)} "
+        f"improvement(s), {len(accepted)} accepted",
+        title_justify="left",
+    )
     for column in ("", "backend", "check", "case", "what"):
         table.add_column(column)
     for finding in findings:
-        label = "[red]regression[/]" if finding.regression else "[yellow]accepted[/]" if finding.accepted else "[green]improvement[/]"
-        table.add_row(label, *(escape(visible(text, one_line=True)) for text in (finding.backend, finding.check, finding.case, finding.what)))
+        label = (
+            "[red]regression[/]"
+            if finding.regression
+            else "[yellow]accepted[/]"
+            if finding.accepted
+            else "[green]improvement[/]"
+        )
+        table.add_row(
+            label,
+            *(
+                escape(visible(text, one_line=True))
+                for text in (finding.backend, finding.check, finding.case, finding.what)
+            ),
+        )
     console.print(table)
     return EXIT_FAILED if regressions else EXIT_OK
 
@@ -388,9 +482,12 @@ def _version() -> str:
 def command_new_backend(args: argparse.Namespace, console: Console) -> int:
     module, test = write_skeleton(args.name, args.dir)
     title = f"{camel(args.name)}Backend"
-    console.print(f"wrote {escape(str(module))} and {escape(str(test))}; from {escape(args.dir)}:\n"
-                  f"  conformance run --backend {args.name}:{title} --suite smoke\n"
-                  f"  python -m pytest {escape(test.name)}", highlight=False)
+    console.print(
+        f"wrote {escape(str(module))} and {escape(str(test))}; from {escape(args.dir)}:\n"
+        f"  conformance run --backend {args.name}:{title} --suite smoke\n"
+        f"  python -m pytest {escape(test.name)}",
+        highlight=False,
+    )
     return EXIT_OK
 
 
@@ -406,21 +503,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     listing = commands.add_parser("list", help="every backend, and whether it can run here (or exactly why not)")
     listing.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda when visible, else cpu)")
-    listing.add_argument("--format", choices=["table", "plain", "json"],
-                         help="table (default on a terminal), plain (one line a backend, nothing cut: default in a pipe), json")
-    listing.add_argument("--timeout", type=float, default=300.0,
-                         help="seconds one backend's import may take before it is listed as hung (default 300)")
+    listing.add_argument(
+        "--format",
+        choices=["table", "plain", "json"],
+        help="table (default on a terminal), plain (one line a backend, nothing cut: default in a pipe), json",
+    )
+    listing.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds one backend's import may take before it is listed as hung (default 300)",
+    )
 
     running = commands.add_parser(
-        "run", help="run checks on backends", epilog="--case grammar:\n" + CASE_GRAMMAR,
+        "run",
+        help="run checks on backends",
+        epilog="--case grammar:\n" + CASE_GRAMMAR,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_run_arguments(running, default_suite=None)
-    running.add_argument("--check", action="append",
-                         help=f"CHECK[,CHECK...] of: {', '.join(CHECKS)} (default: {', '.join(default_checks())})")
+    running.add_argument(
+        "--check",
+        action="append",
+        help=f"CHECK[,CHECK...] of: {', '.join(CHECKS)} (default: {', '.join(default_checks())})",
+    )
     benching = commands.add_parser(
-        "bench", help="benchmark backends side by side (the bench check over the bench suite)",
-        epilog="--case grammar:\n" + CASE_GRAMMAR, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "bench",
+        help="benchmark backends side by side (the bench check over the bench suite)",
+        epilog="--case grammar:\n" + CASE_GRAMMAR,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_run_arguments(benching, default_suite="bench")
 
@@ -429,10 +540,13 @@ def build_parser() -> argparse.ArgumentParser:
     reporting.add_argument("-o", "--output", help="HTML file to write")
     reporting.add_argument("--junit", help="JUnit XML file to write")
     reporting.add_argument("--markdown", help="Markdown file to write")
-    reporting.add_argument("--allow-interrupted", action="store_true", help="accept an interrupted run's partial results")
+    reporting.add_argument(
+        "--allow-interrupted", action="store_true", help="accept an interrupted run's partial results"
+    )
 
     scaffolding = commands.add_parser(
-        "new-backend", help="write a backend module that passes the smoke suite, and its test, to start from")
+        "new-backend", help="write a backend module that passes the smoke suite, and its test, to start from"
+    )
     scaffolding.add_argument("name", help="the module's name (NAME.py, class <Name>Backend, test_NAME.py)")
     scaffolding.add_argument("--dir", default=".", help="folder to write into (default: the current one)")
 
@@ -441,16 +555,34 @@ def build_parser() -> argparse.ArgumentParser:
     comparing = commands.add_parser("compare", help="the CI gate: exit 1 if NEW regressed against BASE")
     comparing.add_argument("base", help="baseline results JSON")
     comparing.add_argument("new", help="new results JSON")
-    comparing.add_argument("--error-growth", type=float, default=2.0,
-                           help="numerics: fail when a case's max abs error grows more than this factor (default 2)")
-    comparing.add_argument("--bench-threshold", type=float, default=0.10,
-                           help="bench: fail when a case's forward time grows more than this fraction (default 0.10)")
-    comparing.add_argument("--accept-missing", action="store_true",
-                           help="do not fail on a backend, check or case of BASE that NEW lacks (listed still)")
-    comparing.add_argument("--accept-skips", action="store_true", help="do not fail on cases that went PASS → SKIP (listed still)")
-    comparing.add_argument("--accept-suite", action="store_true", help="do not fail when NEW ran a different suite (listed still)")
-    comparing.add_argument("--allow-interrupted", action="store_true",
-                           help="accept an interrupted run's partial results (its missing cases still count as missing)")
+    comparing.add_argument(
+        "--error-growth",
+        type=float,
+        default=2.0,
+        help="numerics: fail when a case's max abs error grows more than this factor (default 2)",
+    )
+    comparing.add_argument(
+        "--bench-threshold",
+        type=float,
+        default=0.10,
+        help="bench: fail when a case's forward time grows more than this fraction (default 0.10)",
+    )
+    comparing.add_argument(
+        "--accept-missing",
+        action="store_true",
+        help="do not fail on a backend, check or case of BASE that NEW lacks (listed still)",
+    )
+    comparing.add_argument(
+        "--accept-skips", action="store_true", help="do not fail on cases that went PASS → SKIP (listed still)"
+    )
+    comparing.add_argument(
+        "--accept-suite", action="store_true", help="do not fail when NEW ran a different suite (listed still)"
+    )
+    comparing.add_argument(
+        "--allow-interrupted",
+        action="store_true",
+        help="accept an interrupted run's partial results (its missing cases still count as missing)",
+    )
     return parser
 
 
@@ -477,7 +609,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             args.check = ["bench"]
         return command_run(args, console)
-    except (UsageError, OutputPathError, CompareError, ScaffoldError) as error:  # mistakes in the command line: one line
+    except (
+        UsageError,
+        OutputPathError,
+        CompareError,
+        ScaffoldError,
+    ) as error:  # mistakes in the command line: one line
         print(f"conformance: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except NothingToRun as error:

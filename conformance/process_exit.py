@@ -1,4 +1,5 @@
 """How a child process ended, in words (the runner's worker, its probe, the memory check's child)."""
+
 from __future__ import annotations
 
 import signal

@@ -16,6 +16,7 @@ the session does) unless ``--conformance-allow-skip`` is given.
 
 It also brings ``host_syncs``'s ``forbid_host_syncs`` fixture (see ``host_syncs.pytest_fixture``).
 """
+
 from __future__ import annotations
 
 import shlex
@@ -28,16 +29,28 @@ from host_syncs.pytest_fixture import forbid_host_syncs, pytest_runtest_call  # 
 
 def pytest_addoption(parser) -> None:
     group = parser.getgroup("conformance", "attention-backend conformance suite")
-    group.addoption("--conformance-backend", help="backend to check: a built-in name, an entry point, or pkg.module:Class")
-    group.addoption("--conformance-suite", default="smoke",
-                    help="smoke | quick | standard | full (default smoke: seconds inside your own test run; the "
-                    "`conformance run` command defaults to standard on a GPU, quick on a CPU)")
+    group.addoption(
+        "--conformance-backend", help="backend to check: a built-in name, an entry point, or pkg.module:Class"
+    )
+    group.addoption(
+        "--conformance-suite",
+        default="smoke",
+        help="smoke | quick | standard | full (default smoke: seconds inside your own test run; the "
+        "`conformance run` command defaults to standard on a GPU, quick on a CPU)",
+    )
     group.addoption("--conformance-check", default=None, help="comma-separated checks (default: the CLI's)")
-    group.addoption("--conformance-case", action="append", default=None,
-                    help="run this case id instead of the suite (repeatable; a failing item prints its own)")
+    group.addoption(
+        "--conformance-case",
+        action="append",
+        default=None,
+        help="run this case id instead of the suite (repeatable; a failing item prints its own)",
+    )
     group.addoption("--conformance-device", default=None, help="cpu or cuda (default: cuda when visible)")
-    group.addoption("--conformance-allow-skip", action="store_true",
-                    help="let an absent device, an unavailable backend or an all-skipped run skip instead of fail")
+    group.addoption(
+        "--conformance-allow-skip",
+        action="store_true",
+        help="let an absent device, an unavailable backend or an all-skipped run skip instead of fail",
+    )
 
 
 class BackendExited(Exception):
@@ -84,7 +97,13 @@ class ConformanceItem(pytest.Item):
 
     def __init__(self, *, backend_cls, check, case, device, cannot_run: str | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.backend_cls, self.check, self.case, self.device, self.cannot_run = backend_cls, check, case, device, cannot_run
+        self.backend_cls, self.check, self.case, self.device, self.cannot_run = (
+            backend_cls,
+            check,
+            case,
+            device,
+            cannot_run,
+        )
 
     def runtest(self) -> None:
         from conformance.results import Verdict
@@ -94,8 +113,9 @@ class ConformanceItem(pytest.Item):
             if self.config.getoption("conformance_allow_skip"):
                 pytest.skip(self.cannot_run)
             pytest.fail(f"{self.cannot_run} (--conformance-allow-skip to skip instead)", pytrace=False)
-        reason = self.check.skip_reason(self.backend_cls, self.device) or \
-            self.check.case_skip_reason(self.backend_cls, self.case, self.device)
+        reason = self.check.skip_reason(self.backend_cls, self.device) or self.check.case_skip_reason(
+            self.backend_cls, self.case, self.device
+        )
         if reason:
             pytest.skip(reason)
         _guard["in_case"] = True
@@ -120,14 +140,22 @@ class ConformanceItem(pytest.Item):
 
             result = excinfo.value.result
             evidence = plain_lines(self.check.describe_evidence(result.evidence), block_lines=40)
-            return "\n".join([f"{result.verdict.value}: {result.reason}", f"case: {result.case}", self.rerun(), *evidence])
+            return "\n".join(
+                [f"{result.verdict.value}: {result.reason}", f"case: {result.case}", self.rerun(), *evidence]
+            )
         return super().repr_failure(excinfo)
 
     def rerun(self) -> str:
         """The command that runs this item alone (its node id holds '/' and ':', which pytest's
         command line does not take back)."""
-        return "rerun: " + shlex.join(["pytest", f"--conformance-backend={self.config.getoption('conformance_backend')}",
-                                       f"--conformance-check={self.check.name}", f"--conformance-case={self.case.id}"])
+        return "rerun: " + shlex.join(
+            [
+                "pytest",
+                f"--conformance-backend={self.config.getoption('conformance_backend')}",
+                f"--conformance-check={self.check.name}",
+                f"--conformance-case={self.case.id}",
+            ]
+        )
 
     def reportinfo(self):
         return self.path, None, f"conformance {self.check.name} {self.case.id if self.case else ''}"
@@ -139,10 +167,10 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         return
     from backends import registry
     from backends.base import DeviceInfo
-    from reference_engine.device_flag import DeviceError, resolve_device
     from conformance.cases.grammar import CaseSyntaxError, parse_case
     from conformance.cases.suites import suite
     from conformance.checks import CHECKS, default_checks, make_check
+    from reference_engine.device_flag import DeviceError, resolve_device
 
     _guard_exits()
     try:
@@ -155,8 +183,11 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     checks = default_checks() if option is None else [name.strip() for name in option.split(",") if name.strip()]
     unknown = [name for name in checks if name not in CHECKS]
     if unknown or not checks:
-        raise pytest.UsageError(f"unknown check {unknown[0]!r} (choose from {', '.join(CHECKS)})" if unknown
-                                else "--conformance-check names no check")
+        raise pytest.UsageError(
+            f"unknown check {unknown[0]!r} (choose from {', '.join(CHECKS)})"
+            if unknown
+            else "--conformance-check names no check"
+        )
     try:
         device, cannot_run = resolve_device(config.getoption("conformance_device"), "--conformance-device"), None
     except DeviceError as error:
@@ -171,16 +202,29 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         check = make_check(check_name)  # one instance per check, as a run has: some keep state across cases
         whole = cannot_run or check.skip_reason(backend_cls, device)
         if whole:  # one item, not one per case: the count says what really ran
-            items.append(ConformanceItem.from_parent(
-                session, name=f"conformance[{check_name}]", backend_cls=backend_cls, check=check, case=None,
-                device=device, cannot_run=cannot_run,
-            ))
+            items.append(
+                ConformanceItem.from_parent(
+                    session,
+                    name=f"conformance[{check_name}]",
+                    backend_cls=backend_cls,
+                    check=check,
+                    case=None,
+                    device=device,
+                    cannot_run=cannot_run,
+                )
+            )
             continue
         for case in cases:
-            items.append(ConformanceItem.from_parent(
-                session, name=f"conformance[{check_name}-{case.id}]", backend_cls=backend_cls, check=check,
-                case=case, device=device,
-            ))
+            items.append(
+                ConformanceItem.from_parent(
+                    session,
+                    name=f"conformance[{check_name}-{case.id}]",
+                    backend_cls=backend_cls,
+                    check=check,
+                    case=case,
+                    device=device,
+                )
+            )
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
@@ -191,6 +235,8 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         return
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
-        reporter.write_line("conformance: every conformance item was skipped, nothing was checked "
-                            "(--conformance-allow-skip to accept)", red=True)
+        reporter.write_line(
+            "conformance: every conformance item was skipped, nothing was checked (--conformance-allow-skip to accept)",
+            red=True,
+        )
     session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,9 +1,10 @@
 """The results document: versioned JSON that every report writer and ``compare`` reads.
 
-    {schema_version, environment, suite, checks, backends: [
-        {name, origin, available, reason, claims, checks: [
-            {name, verdict, summary, cases: [{case, tag, verdict, reason, metrics, evidence}]}]}]}
+{schema_version, environment, suite, checks, backends: [
+    {name, origin, available, reason, claims, checks: [
+        {name, verdict, summary, cases: [{case, tag, verdict, reason, metrics, evidence}]}]}]}
 """
+
 from __future__ import annotations
 
 import enum
@@ -16,7 +17,14 @@ from typing import Any
 from conformance.atomic_write import write_atomically
 
 SCHEMA_VERSION = 1
-GATED_METRICS = ("max_abs_error", "forward_us", "GBps", "roofline_fraction", "build_us", "replay_us")  # what compare and reports do arithmetic on
+GATED_METRICS = (
+    "max_abs_error",
+    "forward_us",
+    "GBps",
+    "roofline_fraction",
+    "build_us",
+    "replay_us",
+)  # what compare and reports do arithmetic on
 
 
 class Verdict(str, enum.Enum):
@@ -111,7 +119,7 @@ class CheckResult:
         return sum(1 for case in self.cases if case.verdict == Verdict.PASS)
 
     def tally(self) -> str:
-        """"PASSED/RAN pass[, N skip]": what the terminal and HTML show beside a check's verdict."""
+        """ "PASSED/RAN pass[, N skip]": what the terminal and HTML show beside a check's verdict."""
         skipped = len(self.cases) - self.ran
         return f"{self.passed}/{self.ran} pass" + (f", {skipped} skip" if skipped else "")
 
@@ -178,8 +186,9 @@ class RunResult:
                         raise ValueError(f"{where}: metrics and evidence must be JSON objects")
                     for key in GATED_METRICS:
                         value = case.metrics.get(key)
-                        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                                      and math.isfinite(value)):
+                        if value is not None and not (
+                            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                        ):
                             raise ValueError(f"{where}: metric {key} is {value!r}, not a finite number")
 
     INTERRUPTED_NOTE = "Interrupted (SIGINT/SIGTERM): only the cases that finished are here; the rest did not run."
@@ -193,7 +202,10 @@ class RunResult:
 
     def ran_anything(self) -> bool:
         return any(
-            case.verdict != Verdict.SKIP for backend in self.backends for check in backend.checks for case in check.cases
+            case.verdict != Verdict.SKIP
+            for backend in self.backends
+            for check in backend.checks
+            for case in check.cases
         )
 
     def any_failure(self) -> bool:

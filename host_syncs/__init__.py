@@ -5,11 +5,20 @@ whose body makes one (``from host_syncs import forbid_host_syncs`` in a conftest
 Used by the conformance harness (the syncs and graphs checks) and by the reference engine (its
 measured runs), which is why it sits beside both rather than inside either.
 """
+
 from host_syncs.detector import HostSyncDetector, detect_host_syncs, resolve_strategy
 from host_syncs.events import BLOCKING_KINDS, INFO_KINDS, Frame, SyncEvent
 
-__all__ = ["HostSyncDetector", "detect_host_syncs", "resolve_strategy", "SyncEvent", "Frame", "BLOCKING_KINDS", "INFO_KINDS",
-           "forbid_host_syncs"]
+__all__ = [
+    "HostSyncDetector",
+    "detect_host_syncs",
+    "resolve_strategy",
+    "SyncEvent",
+    "Frame",
+    "BLOCKING_KINDS",
+    "INFO_KINDS",
+    "forbid_host_syncs",
+]
 
 
 def __getattr__(name: str):

@@ -5,6 +5,7 @@ Only the callback ids of the APIs in ``events.WATCHED_APIS`` are enabled (synchr
 malloc), never kernel launches, so the hot path pays nothing. One CUPTI subscriber may exist per
 process: this one must not run alongside torch.profiler or Nsight tools.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -25,7 +26,9 @@ def _import_cupti():
     try:
         from cupti import cupti  # noqa: PLC0415 - optional dependency
     except ImportError as error:
-        raise CuptiUnavailable(f"cupti-python is not importable ({error}); pip install 'specdec-conformance[cupti]'") from None
+        raise CuptiUnavailable(
+            f"cupti-python is not importable ({error}); pip install 'specdec-conformance[cupti]'"
+        ) from None
     return cupti
 
 

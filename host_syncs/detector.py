@@ -10,6 +10,7 @@
 PyTorch's own syncs) or "auto" (cupti when it can run, else torch). ``detector.strategy_name``
 and ``detector.blind_spots`` say which ran and what it cannot see.
 """
+
 from __future__ import annotations
 
 import contextlib

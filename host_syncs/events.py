@@ -5,6 +5,7 @@ A CUDA runtime call fires its own callback and then the callbacks of the driver 
 driver call made while a runtime call is open on the same thread is folded into that runtime
 call's event. A driver call made directly (C++ extensions often do) is an event of its own.
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,17 +24,40 @@ DEVICE_ALLOC = "device-alloc"  # cudaMalloc / cuMemAlloc: slow, and illegal insi
 INFO_KINDS = (PAGEABLE_H2D, DEVICE_ALLOC)
 
 _SYNC_APIS = {
-    "cudaDeviceSynchronize", "cudaThreadSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
-    "cudaExecutionCtxSynchronize", "cuCtxSynchronize", "cuStreamSynchronize", "cuEventSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaThreadSynchronize",
+    "cudaStreamSynchronize",
+    "cudaEventSynchronize",
+    "cudaExecutionCtxSynchronize",
+    "cuCtxSynchronize",
+    "cuStreamSynchronize",
+    "cuEventSynchronize",
 }
 _SYNC_COPY_APIS = {
-    "cudaMemcpy", "cudaMemcpy2D", "cudaMemcpy3D", "cudaMemcpyToSymbol", "cudaMemcpyFromSymbol",
-    "cudaMemcpyPeer", "cuMemcpy", "cuMemcpyDtoH", "cuMemcpyHtoD", "cuMemcpyDtoD", "cuMemcpy2D",
-    "cuMemcpy3D", "cuMemcpyPeer",
+    "cudaMemcpy",
+    "cudaMemcpy2D",
+    "cudaMemcpy3D",
+    "cudaMemcpyToSymbol",
+    "cudaMemcpyFromSymbol",
+    "cudaMemcpyPeer",
+    "cuMemcpy",
+    "cuMemcpyDtoH",
+    "cuMemcpyHtoD",
+    "cuMemcpyDtoD",
+    "cuMemcpy2D",
+    "cuMemcpy3D",
+    "cuMemcpyPeer",
 }
 _ASYNC_COPY_APIS = {
-    "cudaMemcpyAsync", "cudaMemcpy2DAsync", "cudaMemcpy3DAsync", "cuMemcpyAsync", "cuMemcpyDtoHAsync",
-    "cuMemcpyHtoDAsync", "cuMemcpyDtoDAsync", "cuMemcpy2DAsync", "cuMemcpy3DAsync",
+    "cudaMemcpyAsync",
+    "cudaMemcpy2DAsync",
+    "cudaMemcpy3DAsync",
+    "cuMemcpyAsync",
+    "cuMemcpyDtoHAsync",
+    "cuMemcpyHtoDAsync",
+    "cuMemcpyDtoDAsync",
+    "cuMemcpy2DAsync",
+    "cuMemcpy3DAsync",
 }
 _ALLOC_APIS = {"cudaMalloc", "cudaMallocAsync", "cuMemAlloc", "cuMemAllocAsync", "cuMemCreate"}
 
@@ -171,8 +195,14 @@ class EventRecorder:
         stack, source = self.capture_stack()
         copy = call.copy or CopyInfo()
         event = SyncEvent(
-            kind=kind, api=base_api_name(call.name), blocking=blocking, num_bytes=copy.num_bytes,
-            direction=copy.direction, phase=self.phase, source=source, stack=stack,
+            kind=kind,
+            api=base_api_name(call.name),
+            blocking=blocking,
+            num_bytes=copy.num_bytes,
+            direction=copy.direction,
+            phase=self.phase,
+            source=source,
+            stack=stack,
         )
         self.events.append(event)
         return event

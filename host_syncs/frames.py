@@ -2,6 +2,7 @@
 infrastructure — this package, torch, the standard library, or what a tool built on it declares
 (the conformance harness declares itself and the backend contract's helpers). That is the line a
 backend or engine author must change."""
+
 from __future__ import annotations
 
 import linecache
@@ -57,5 +58,7 @@ def capture_python_stack() -> tuple[list[Frame], Frame | None]:
     frames.reverse()
     source = attribute(frames)
     if source is not None:
-        source = Frame(source.filename, source.lineno, source.function, linecache.getline(source.filename, source.lineno))
+        source = Frame(
+            source.filename, source.lineno, source.function, linecache.getline(source.filename, source.lineno)
+        )
     return frames[-STACK_DEPTH:], source

@@ -5,6 +5,7 @@
 before the process's first detector pass and after its passes ended: whatever a pass leaves
 behind (a subscription that outlives it) shows there. Prints JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,9 @@ def measure_overhead(strategy: str, calls: int = 2000, launches: int = 5000) -> 
 
     syncs(), kernels()  # warm-up
     before_sync, before_launch = _median_seconds(syncs, 5), _median_seconds(kernels, 5)  # no detector yet
-    samples: dict[str, list[float]] = {key: [] for key in ("plain_sync", "plain_launch", "watched_sync", "paused_sync", "watched_launch")}
+    samples: dict[str, list[float]] = {
+        key: [] for key in ("plain_sync", "plain_launch", "watched_sync", "paused_sync", "watched_launch")
+    }
     for _ in range(5):  # interleaved rounds, so clock drift hits both sides alike
         samples["plain_sync"].append(_median_seconds(syncs, 3))
         samples["plain_launch"].append(_median_seconds(kernels, 3))
@@ -53,7 +56,8 @@ def measure_overhead(strategy: str, calls: int = 2000, launches: int = 5000) -> 
             samples["watched_launch"].append(_median_seconds(kernels, 3))
     after_sync, after_launch = _median_seconds(syncs, 5), _median_seconds(kernels, 5)  # every pass has ended
     plain_sync, plain_launch, watched_sync, paused_sync, watched_launch = (
-        statistics.median(samples[key]) for key in ("plain_sync", "plain_launch", "watched_sync", "paused_sync", "watched_launch")
+        statistics.median(samples[key])
+        for key in ("plain_sync", "plain_launch", "watched_sync", "paused_sync", "watched_launch")
     )
     return {
         "strategy": detector.strategy_name,

@@ -10,6 +10,7 @@ Registered as a plugin (the ``conformance`` pytest11 entry point does it, or ``-
 host_syncs.pytest_fixture``) the verdict is the test's own; with the fixture merely imported into a
 conftest (``from host_syncs import forbid_host_syncs``) it comes at the fixture's teardown.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -25,7 +26,9 @@ def _verdict(detector: HostSyncDetector) -> str | None:
     blocking = detector.blocking_events
     if not blocking:
         return None
-    return f"{len(blocking)} host-blocking CUDA call(s) (detector: {detector.strategy_name}):\n" + format_events(blocking)
+    return f"{len(blocking)} host-blocking CUDA call(s) (detector: {detector.strategy_name}):\n" + format_events(
+        blocking
+    )
 
 
 @pytest.fixture

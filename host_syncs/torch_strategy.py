@@ -4,6 +4,7 @@ Measured on an H200: it catches .item(), .cpu() and .tolist(), and misses torch.
 Event.synchronize(), a raw ctypes cudaMemcpy and cudaStreamSynchronize, and anything a C++
 extension does (FlashInfer's plan()). Used when cupti-python is missing.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -41,7 +42,14 @@ class TorchSyncDebugStrategy:
                 return None
             stack, source = self.recorder.capture_stack()
             self.recorder.events.append(
-                SyncEvent(kind=SYNC, api="torch sync-debug", blocking=True, phase=self.recorder.phase, source=source, stack=stack)
+                SyncEvent(
+                    kind=SYNC,
+                    api="torch sync-debug",
+                    blocking=True,
+                    phase=self.recorder.phase,
+                    source=source,
+                    stack=stack,
+                )
             )
             return None
 

@@ -13,6 +13,7 @@ The companion keeps a cache of its own that every ``write_kv`` fills as well (a 
 reads the backend's layout, so any backend can be paired with any companion, and the backend under
 test still writes every token and reads every token it attends to from its own cache.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,9 @@ def companion_candidates(spec: AttentionSpec, device: torch.device) -> list[str]
     return ([{"mha": "triton", "mla": "triton_mla"}[spec.kind]] if device.type == "cuda" else []) + ["torch_naive"]
 
 
-def resolve_companion(backend_cls: type[AttentionBackend], spec: AttentionSpec, device: torch.device,
-                      requested: str | None = AUTO) -> type[AttentionBackend] | None:
+def resolve_companion(
+    backend_cls: type[AttentionBackend], spec: AttentionSpec, device: torch.device, requested: str | None = AUTO
+) -> type[AttentionBackend] | None:
     """The companion class for ``backend_cls`` (None: the backend serves every batch itself).
     ``requested``: a backend name or ``auto``. ValueError, one line, when none can serve."""
     if serves_every_batch(backend_cls.capabilities):
@@ -47,13 +49,16 @@ def resolve_companion(backend_cls: type[AttentionBackend], spec: AttentionSpec, 
     names = companion_candidates(spec, device) if requested in (None, AUTO) else [requested]
     companion, reasons = first_claiming(names, spec, device, every_batch=True)
     if companion is None:
-        raise ValueError(f"{backend_cls.name or backend_cls.__name__} serves only some batches and no prefill backend "
-                         f"can serve the rest ({reasons})")
+        raise ValueError(
+            f"{backend_cls.name or backend_cls.__name__} serves only some batches and no prefill backend "
+            f"can serve the rest ({reasons})"
+        )
     return companion
 
 
-def first_claiming(names: list[str], spec: AttentionSpec, device: torch.device,
-                   every_batch: bool) -> tuple[type[AttentionBackend] | None, str]:
+def first_claiming(
+    names: list[str], spec: AttentionSpec, device: torch.device, every_batch: bool
+) -> tuple[type[AttentionBackend] | None, str]:
     """The first of ``names`` that claims ``spec`` here (and, with ``every_batch``, serves every
     query length itself), or None and why each one cannot."""
     reasons = []
@@ -124,8 +129,13 @@ class Call:
         return tensor if self.whole else tensor[self.start : self.end]
 
 
-def build_calls(common: CommonAttentionMetadata, parts: list[tuple[int, int, AttentionBackend]], build_name: str,
-                routing: "Routing", label: Callable[[AttentionBackend], str | None]) -> list[Call]:
+def build_calls(
+    common: CommonAttentionMetadata,
+    parts: list[tuple[int, int, AttentionBackend]],
+    build_name: str,
+    routing: "Routing",
+    label: Callable[[AttentionBackend], str | None],
+) -> list[Call]:
     """Each part's metadata from its backend (``build`` or ``build_for_capture``), the part cut out
     of the step as a batch of its own unless it is the whole step; ``routing`` counts its tokens
     under ``label(backend)`` (None: not counted here)."""
@@ -157,7 +167,9 @@ class Routing:
         return {name: {"batches": self.batches[name], "tokens": self.tokens[name]} for name in self.batches}
 
     def summary(self) -> str:
-        return ", ".join(f"{name} served {self.batches[name]} batches ({self.tokens[name]} tokens)" for name in self.batches)
+        return ", ".join(
+            f"{name} served {self.batches[name]} batches ({self.tokens[name]} tokens)" for name in self.batches
+        )
 
     @staticmethod
     def total(routings: "list[Routing]") -> "Routing":
@@ -176,11 +188,16 @@ class SplitAttention(AttentionBackend):
     def __init__(self, backend: AttentionBackend, companion: AttentionBackend) -> None:
         super().__init__(backend.spec, backend.limits, backend.device)
         self.backend, self.companion = backend, companion
-        self.labels = {id(backend): backend.name or type(backend).__name__, id(companion): companion.name or type(companion).__name__}
+        self.labels = {
+            id(backend): backend.name or type(backend).__name__,
+            id(companion): companion.name or type(companion).__name__,
+        }
         self.name = "+".join(self.labels.values())
         # Steps the engine captures or drafts in are uniform: one part, the backend under test's.
         self.capabilities = dataclasses.replace(backend.capabilities, max_query_len=None, uniform_query_len=False)
-        self.routing = Routing(dict.fromkeys(self.labels.values(), 0), dict.fromkeys(self.labels.values(), 0))  # in this order
+        self.routing = Routing(
+            dict.fromkeys(self.labels.values(), 0), dict.fromkeys(self.labels.values(), 0)
+        )  # in this order
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return self.backend.kv_cache_shape(num_blocks)
@@ -203,8 +220,13 @@ class SplitAttention(AttentionBackend):
 
     def _build(self, common: CommonAttentionMetadata, build_name: str) -> list[Call]:
         parts = plan_parts(common.query_lens_cpu.tolist(), self.backend.capabilities)
-        return build_calls(common, [(part.first, part.last, self._serving(part)) for part in parts], build_name,
-                           self.routing, lambda backend: self.labels[id(backend)])
+        return build_calls(
+            common,
+            [(part.first, part.last, self._serving(part)) for part in parts],
+            build_name,
+            self.routing,
+            lambda backend: self.labels[id(backend)],
+        )
 
     def build(self, common: CommonAttentionMetadata) -> list[Call]:
         return self._build(common, "build")
@@ -214,7 +236,7 @@ class SplitAttention(AttentionBackend):
 
     def update_for_draft_step(self, metadata: list[Call], common: CommonAttentionMetadata) -> list[Call]:
         # Draft steps are uniform (one token per request): one call, served by the backend under test.
-        call, = metadata
+        (call,) = metadata
         return [dataclasses.replace(call, metadata=call.backend.update_for_draft_step(call.metadata, common))]
 
     def forward(self, query, kv_cache, metadata: list[Call], out, **layer) -> None:
@@ -222,8 +244,13 @@ class SplitAttention(AttentionBackend):
             call.backend.forward(call.rows(query), self._cache(kv_cache, call), call.metadata, call.rows(out), **layer)
 
 
-def attention_for(backend_cls: type[AttentionBackend], spec: AttentionSpec, limits: BackendLimits, device: torch.device,
-                  prefill_backend: str | None = AUTO) -> AttentionBackend:
+def attention_for(
+    backend_cls: type[AttentionBackend],
+    spec: AttentionSpec,
+    limits: BackendLimits,
+    device: torch.device,
+    prefill_backend: str | None = AUTO,
+) -> AttentionBackend:
     """The backend the engine calls: ``backend_cls`` alone when it serves every batch, else split
     with its companion (``prefill_backend``: a name, or ``auto``)."""
     backend = backend_cls(spec, limits, device)

@@ -29,6 +29,7 @@ A debug mode (``check_inputs``) counts on the device, without a sync, every inpu
 placeholder, every position that is not committed + offset, every slot outside the request's
 blocks; the host raises when the counts arrive.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,18 +40,17 @@ import torch
 
 from backends.base import CommonAttentionMetadata, PaddingStyle
 from reference_engine import nvtx
-from reference_engine.device_state import DeviceState
 from reference_engine.core import EngineConfig, EngineCore, GenerationOutput
-from reference_engine.empty_padding import EmptyPadding
+from reference_engine.device_state import DeviceState
 from reference_engine.drafters.base import DraftStep, Verified
-from reference_engine.handoff import Download, Uploader, Downloader
+from reference_engine.empty_padding import EmptyPadding
+from reference_engine.handoff import Download, Downloader, Uploader
 from reference_engine.metrics import StepTimer
 from reference_engine.rejection import PLACEHOLDER, greedy_rejection, rejection_with_noise
 from reference_engine.request import Request
 from reference_engine.sampling import SamplingParams, batched_filtered_probabilities, counter_uniform
 from reference_engine.scheduler import Scheduled
 from reference_engine.slot_sampling import ACCEPT_LANE, BONUS_LANE, RECOVER_LANE, SlotSampling
-from reference_engine.step_plan import HostLengths, StepRows
 from reference_engine.step_inputs import (
     VIOLATION_NAMES,
     RowLayout,
@@ -61,6 +61,8 @@ from reference_engine.step_inputs import (
     prepare_step_inputs,
     verified_digest_terms,
 )
+from reference_engine.step_plan import HostLengths, StepRows
+
 
 class InputCheckFailed(AssertionError):
     pass
@@ -121,14 +123,23 @@ class _Buffers:
         self.starts = torch.empty(reqs, dtype=torch.int32, device=device)
         self.verify = empty_step_tensors(shape.num_tokens, reqs, device)
         self.violations = torch.zeros(len(VIOLATION_NAMES), dtype=torch.int64, device=device)
-        self.layout = RowLayout(slots=uploaded.slots, query_start_loc=self.query_start_loc, token_row=uploaded.token_row,
-                                host_ids=uploaded.host_ids, is_decode=uploaded.is_decode, num_valid=uploaded.num_valid,
-                                block_table=self.block_table)
+        self.layout = RowLayout(
+            slots=uploaded.slots,
+            query_start_loc=self.query_start_loc,
+            token_row=uploaded.token_row,
+            host_ids=uploaded.host_ids,
+            is_decode=uploaded.is_decode,
+            num_valid=uploaded.num_valid,
+            block_table=self.block_table,
+        )
         # The draft loop: one token per decoding row, inputs from the device state.
         self.draft_layout = RowLayout(
-            slots=uploaded.slots[:decodes], query_start_loc=torch.arange(decodes + 1, dtype=torch.int32, device=device),
-            token_row=torch.arange(decodes, device=device), host_ids=torch.zeros(decodes, dtype=torch.int64, device=device),
-            is_decode=torch.ones(decodes, dtype=torch.int64, device=device), num_valid=uploaded.num_drafts[:decodes],
+            slots=uploaded.slots[:decodes],
+            query_start_loc=torch.arange(decodes + 1, dtype=torch.int32, device=device),
+            token_row=torch.arange(decodes, device=device),
+            host_ids=torch.zeros(decodes, dtype=torch.int64, device=device),
+            is_decode=torch.ones(decodes, dtype=torch.int64, device=device),
+            num_valid=uploaded.num_drafts[:decodes],
             block_table=self.block_table[:decodes],
         )
         self.draft_starts = torch.empty(decodes, dtype=torch.int32, device=device)
@@ -188,9 +199,13 @@ class BatchedEngine(EngineCore):
 
     # --- public API -----------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], on_step=None) -> list[GenerationOutput]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], on_step=None
+    ) -> list[GenerationOutput]:
         params_list = self.validate(prompts, params)
-        self._sampling = self.slot_sampling.prepare(params_list, self.config.num_spec_tokens, self.config.model.vocab_size)
+        self._sampling = self.slot_sampling.prepare(
+            params_list, self.config.num_spec_tokens, self.config.model.vocab_size
+        )
         self.drafter.begin_slots(prompts, params_list)
         requests = self.admit(prompts, params_list)
         self._decode_steps = {request.request_id: 0 for request in requests}
@@ -243,13 +258,25 @@ class BatchedEngine(EngineCore):
         launched = _Launched(len(self.steps), rows, download)
         captured = (self.graphs.captures if self.graphs else 0) != captures
         uniform = shape.num_decodes == shape.num_reqs and len({row.num_tokens for row in rows}) == 1
-        self.steps.append(StepRecord(len(self.steps), self.iteration, len(rows), sum(row.num_tokens for row in rows), uniform, captured,
-                                     prepared - started, time.perf_counter() - prepared))
+        self.steps.append(
+            StepRecord(
+                len(self.steps),
+                self.iteration,
+                len(rows),
+                sum(row.num_tokens for row in rows),
+                uniform,
+                captured,
+                prepared - started,
+                time.perf_counter() - prepared,
+            )
+        )
         return launched
 
     # --- plan -----------------------------------------------------------------------------------------
 
-    def _plan(self, scheduled: list[Scheduled]) -> tuple[StepRows[list[int]], list[_LaunchedRow], StepShape, HostLengths]:
+    def _plan(
+        self, scheduled: list[Scheduled]
+    ) -> tuple[StepRows[list[int]], list[_LaunchedRow], StepShape, HostLengths]:
         """The step row by row as the host sees it, padded for a graph where one serves it; the
         host's optimistic bookkeeping (every draft accepted) applied."""
         bs, k = self.config.block_size, self.config.num_spec_tokens
@@ -275,10 +302,21 @@ class BatchedEngine(EngineCore):
                 placeholders = 1 if completes and not request.output else 0
                 # A request recomputed after a preemption resumes from its last output token.
                 host_last = request.output[-1] if completes and request.output else -1
-            rows.add_row(slot=slot, host_ids=host_ids, inputs_from_device=from_device, decode=decode, num_valid=count,
-                         num_drafts=item.num_drafts, produces=decode or placeholders > 0, host_last_token=host_last,
-                         host_start=start, capacity=len(request.block_ids) * bs, block_ids=request.block_ids,
-                         width=width, num_spec_tokens=k)
+            rows.add_row(
+                slot=slot,
+                host_ids=host_ids,
+                inputs_from_device=from_device,
+                decode=decode,
+                num_valid=count,
+                num_drafts=item.num_drafts,
+                produces=decode or placeholders > 0,
+                host_last_token=host_last,
+                host_start=start,
+                capacity=len(request.block_ids) * bs,
+                block_ids=request.block_ids,
+                width=width,
+                num_spec_tokens=k,
+            )
             host.add_row(start, count, item.num_drafts)
             launched.append(_LaunchedRow(request, decode, count, item.num_drafts, placeholders))
             # Optimism: the host assumes every draft is accepted.
@@ -288,13 +326,32 @@ class BatchedEngine(EngineCore):
         count = next(iter(counts))
         host.num_real = len(scheduled)
         for _ in range(len(scheduled), size or 0):  # graph padding: decode from the spare slot, write nothing
-            rows.add_row(slot=self.spare_slot, host_ids=[0] * count, inputs_from_device=True, decode=True, num_valid=0,
-                         num_drafts=0, produces=False, host_last_token=-1, host_start=0, capacity=0, block_ids=[],
-                         width=width, num_spec_tokens=k)
+            rows.add_row(
+                slot=self.spare_slot,
+                host_ids=[0] * count,
+                inputs_from_device=True,
+                decode=True,
+                num_valid=0,
+                num_drafts=0,
+                produces=False,
+                host_last_token=-1,
+                host_start=0,
+                capacity=0,
+                block_ids=[],
+                width=width,
+                num_spec_tokens=k,
+            )
             host.add_row(0, count, 0)
         num_decodes = rows.num_decodes
-        shape = StepShape(len(rows.slots), host.query_start_loc[-1], width, num_decodes,
-                          max(host.num_drafts[:num_decodes], default=0), size is not None, self._sampling)
+        shape = StepShape(
+            len(rows.slots),
+            host.query_start_loc[-1],
+            width,
+            num_decodes,
+            max(host.num_drafts[:num_decodes], default=0),
+            size is not None,
+            self._sampling,
+        )
         return rows, launched, shape, host
 
     def _on_new_slot(self, request: Request, slot: int) -> None:
@@ -335,41 +392,71 @@ class BatchedEngine(EngineCore):
 
         def common(index: int) -> CommonAttentionMetadata:
             # Host lengths (sync): a row stops advancing at its last draft, as on the device.
-            return self._common(layout, buffers.draft, shape, query_start_loc, host.draft_seq_lens(index, decodes),
-                                buffers.draft_padding, host.num_real)
+            return self._common(
+                layout,
+                buffers.draft,
+                shape,
+                query_start_loc,
+                host.draft_seq_lens(index, decodes),
+                buffers.draft_padding,
+                host.num_real,
+            )
 
         def segment(name: str, common: CommonAttentionMetadata | None, run):
             return self._segment(name, shape, common, run)
 
-        self.drafter.draft(DraftStep(layout, buffers.draft_starts, buffers.draft, shape.draft_steps, shape.sampling, common, segment))
+        self.drafter.draft(
+            DraftStep(layout, buffers.draft_starts, buffers.draft, shape.draft_steps, shape.sampling, common, segment)
+        )
 
     # --- verify: target forward and rejection, then commit, in one segment -----------------------------
 
-    def _verify(self, shape: StepShape, host: HostLengths, uploaded: StepRows[torch.Tensor], buffers: _Buffers) -> torch.Tensor:
+    def _verify(
+        self, shape: StepShape, host: HostLengths, uploaded: StepRows[torch.Tensor], buffers: _Buffers
+    ) -> torch.Tensor:
         config = self.config
         layout = buffers.layout
         with nvtx.range("build metadata"):
             buffers.starts.copy_(self._starts(uploaded))
-            step = prepare_step_inputs(buffers.starts, self.state.last_token, self.state.drafts, layout, 0, config.block_size, buffers.verify)
+            step = prepare_step_inputs(
+                buffers.starts, self.state.last_token, self.state.drafts, layout, 0, config.block_size, buffers.verify
+            )
             if config.check_inputs:
-                buffers.violations.copy_(input_violations(step, layout, self.state.num_computed[uploaded.slots], uploaded.host_start,
-                                                          uploaded.capacity, config.model.vocab_size, config.block_size))
+                buffers.violations.copy_(
+                    input_violations(
+                        step,
+                        layout,
+                        self.state.num_computed[uploaded.slots],
+                        uploaded.host_start,
+                        uploaded.capacity,
+                        config.model.vocab_size,
+                        config.block_size,
+                    )
+                )
                 step.input_ids.clamp_(0, config.model.vocab_size - 1)  # keep running; report on landing
-            common = self._common(layout, step, shape, host.query_start_loc, host.seq_lens(), buffers.verify_padding,
-                                  host.num_real)
+            common = self._common(
+                layout, step, shape, host.query_start_loc, host.seq_lens(), buffers.verify_padding, host.num_real
+            )
         with nvtx.range("target forward, rejection, commit"):
-            return self._segment("verify", shape, common, lambda metadata: self._verify_segment(metadata, step, uploaded, buffers, shape))
+            return self._segment(
+                "verify", shape, common, lambda metadata: self._verify_segment(metadata, step, uploaded, buffers, shape)
+            )
 
     def _starts(self, uploaded: StepRows[torch.Tensor]) -> torch.Tensor:
         """Each row's committed length, read on the device (never the host's optimistic guess)."""
         return self.state.num_computed[uploaded.slots]
 
-    def _verify_segment(self, metadata, step: StepTensors, uploaded: StepRows[torch.Tensor], buffers: _Buffers, shape: StepShape) -> torch.Tensor:
+    def _verify_segment(
+        self, metadata, step: StepTensors, uploaded: StepRows[torch.Tensor], buffers: _Buffers, shape: StepShape
+    ) -> torch.Tensor:
         """Target forward → rejection → commit → the drafter's catch-up; returns what the host downloads."""
         k = self.config.num_spec_tokens
         layout = buffers.layout
-        hidden = self.model(step.input_ids, step.positions, StepInputs(self.backend, metadata, self.kv_caches, step.slot_mapping,
-                                                                       self.kv_scales))
+        hidden = self.model(
+            step.input_ids,
+            step.positions,
+            StepInputs(self.backend, metadata, self.kv_caches, step.slot_mapping, self.kv_scales),
+        )
         if self.config.check_inputs:
             self.verified.add_(verified_digest_terms(step.slot_mapping, step.input_ids).sum())
         logits = self.model.logits(hidden[uploaded.logits_index]).view(shape.num_reqs, k + 1, -1)
@@ -397,7 +484,10 @@ class BatchedEngine(EngineCore):
         vocab = (logits.shape[-1],)
         draft_probabilities = sampling.draft_probabilities[slots] if k else target[:, :0]
         sampled, sampled_emitted = rejection_with_noise(
-            drafts, draft_probabilities, target, uploaded.num_drafts,
+            drafts,
+            draft_probabilities,
+            target,
+            uploaded.num_drafts,
             counter_uniform(seed, position + offsets[:k], ACCEPT_LANE),
             counter_uniform(seed, position + offsets[:k], RECOVER_LANE, vocab),
             counter_uniform(seed, position + offsets, BONUS_LANE, vocab),
@@ -407,7 +497,9 @@ class BatchedEngine(EngineCore):
 
     # --- commit ---------------------------------------------------------------------------------------
 
-    def _commit(self, uploaded: StepRows[torch.Tensor], layout: RowLayout, tokens: torch.Tensor, emitted: torch.Tensor) -> None:
+    def _commit(
+        self, uploaded: StepRows[torch.Tensor], layout: RowLayout, tokens: torch.Tensor, emitted: torch.Tensor
+    ) -> None:
         """The device state after this step: lengths, the next input token, the output count."""
         slots = uploaded.slots
         query_lens = (layout.query_start_loc[1:] - layout.query_start_loc[:-1]).long()
@@ -442,7 +534,7 @@ class BatchedEngine(EngineCore):
             values = launched.result.wait().tolist()
             width = k + 2
             if self.config.check_inputs:
-                counts = values[-len(VIOLATION_NAMES):]
+                counts = values[-len(VIOLATION_NAMES) :]
                 if any(counts):
                     found = "; ".join(f"{name} ({count})" for name, count in zip(VIOLATION_NAMES, counts) if count)
                     raise InputCheckFailed(f"step {launched.index}: {found}")
@@ -485,8 +577,16 @@ class BatchedEngine(EngineCore):
             return self.graphs.run((name, shape), common, segment)
         return segment(self.backend.build(common) if common is not None else None)
 
-    def _common(self, layout: RowLayout, step: StepTensors, shape: StepShape, query_start_loc: list[int],
-                host_seq_lens: list[int], padding: EmptyPadding | None = None, num_real: int = 0) -> CommonAttentionMetadata:
+    def _common(
+        self,
+        layout: RowLayout,
+        step: StepTensors,
+        shape: StepShape,
+        query_start_loc: list[int],
+        host_seq_lens: list[int],
+        padding: EmptyPadding | None = None,
+        num_real: int = 0,
+    ) -> CommonAttentionMetadata:
         """The backend's view of a batch: host lengths only when the host knows them (sync); the
         padding rows past ``num_real`` as empty requests where ``padding`` is given."""
         starts, seq_lens, block_table = layout.query_start_loc, step.seq_lens, layout.block_table
@@ -494,8 +594,12 @@ class BatchedEngine(EngineCore):
             starts, seq_lens, block_table = padding.device_view(layout, step)
             query_start_loc, host_seq_lens = EmptyPadding.host_view(query_start_loc, host_seq_lens, num_real)
         return CommonAttentionMetadata.from_lengths(
-            query_start_loc=starts, seq_lens=seq_lens, block_table=block_table,
-            slot_mapping=step.slot_mapping, query_starts=query_start_loc, host_seq_lens=host_seq_lens,
+            query_start_loc=starts,
+            seq_lens=seq_lens,
+            block_table=block_table,
+            slot_mapping=step.slot_mapping,
+            query_starts=query_start_loc,
+            host_seq_lens=host_seq_lens,
             # Async: the host's lengths assume every draft accepted, an upper bound. A graph serves every length.
             lengths_known=not self.config.async_scheduling,
             max_seq_len=self.config.model.max_model_len if shape.padded else None,

@@ -9,6 +9,7 @@ post_attention_layernorm, mlp.{gate,up,down}_proj}``, ``model.norm`` and ``lm_he
 embedding when absent). Qwen2 adds q/k/v biases. An EAGLE head directory holds ``fc.weight`` and
 ``layers.0.*`` in the same per-layer names.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,16 +47,24 @@ def read_config(directory: Path) -> ModelConfig:
         raise CheckpointError(f"{directory}: model_type {model_type!r} is not one of {', '.join(SUPPORTED_TYPES)}")
     heads = data["num_attention_heads"]
     return ModelConfig(
-        vocab_size=data["vocab_size"], hidden_size=data["hidden_size"], num_layers=data["num_hidden_layers"],
-        num_heads=heads, num_kv_heads=data.get("num_key_value_heads", heads),
-        head_dim=data.get("head_dim") or data["hidden_size"] // heads, intermediate_size=data["intermediate_size"],
-        rope_theta=data.get("rope_theta", 10000.0), rms_norm_eps=data.get("rms_norm_eps", 1e-6),
-        max_model_len=data.get("max_position_embeddings", 4096), logit_scale=1.0, qkv_bias=model_type == "qwen2",
+        vocab_size=data["vocab_size"],
+        hidden_size=data["hidden_size"],
+        num_layers=data["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=data.get("num_key_value_heads", heads),
+        head_dim=data.get("head_dim") or data["hidden_size"] // heads,
+        intermediate_size=data["intermediate_size"],
+        rope_theta=data.get("rope_theta", 10000.0),
+        rms_norm_eps=data.get("rms_norm_eps", 1e-6),
+        max_model_len=data.get("max_position_embeddings", 4096),
+        logit_scale=1.0,
+        qkv_bias=model_type == "qwen2",
     )
 
 
 def _layer_state(tensors: dict[str, torch.Tensor], prefix: str, target_prefix: str) -> dict[str, torch.Tensor]:
     """Hugging Face per-layer names → this model's fused names."""
+
     def get(name: str) -> torch.Tensor:
         key = f"{prefix}{name}"
         if key not in tensors:
@@ -81,8 +90,11 @@ def load_model(directory: str | Path, dtype: torch.dtype, device: torch.device) 
     directory = Path(directory)
     config = read_config(directory)
     tensors = _read_tensors(directory)
-    state = {"embed.weight": tensors["model.embed_tokens.weight"], "final_norm": tensors["model.norm.weight"],
-             "lm_head.weight": tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])}
+    state = {
+        "embed.weight": tensors["model.embed_tokens.weight"],
+        "final_norm": tensors["model.norm.weight"],
+        "lm_head.weight": tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"]),
+    }
     for index in range(config.num_layers):
         state.update(_layer_state(tensors, f"model.layers.{index}.", f"layers.{index}."))
     model = LlamaModel(config)
@@ -109,5 +121,7 @@ def load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], directo
         raise CheckpointError(f"{directory}: missing {', '.join(missing[:5])}")
     for name, tensor in state.items():
         if name in expected and expected[name].shape != tensor.shape:
-            raise CheckpointError(f"{directory}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}")
+            raise CheckpointError(
+                f"{directory}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}"
+            )
     module.load_state_dict({name: state[name] for name in expected})

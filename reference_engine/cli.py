@@ -7,6 +7,7 @@ mean acceptance length, GPU idle time between steps and host syncs per steady-st
     conformance engine fetch-model smollm2-135m
     conformance engine run --model smollm2-135m --drafter ngram --spec-tokens 3
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,10 +21,10 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from backends.base import DTYPE_NAMES
-from reference_engine.device_flag import DeviceError, resolve_device
-from reference_engine.checkpoint import CheckpointError, load_eagle_head, load_model
 from reference_engine.batched_engine import BatchedEngine
+from reference_engine.checkpoint import CheckpointError, load_eagle_head, load_model
 from reference_engine.core import EngineConfig
+from reference_engine.device_flag import DeviceError, resolve_device
 from reference_engine.engine import Engine
 from reference_engine.metrics import count_host_syncs, measure, measure_in_step_idle, median_run
 from reference_engine.model import PRESETS, LlamaModel
@@ -31,7 +32,6 @@ from reference_engine.prompt_set import take
 from reference_engine.real_models import REAL_MODELS, ModelFetchError, fetch, load_real_model
 from reference_engine.sampling import SamplingParams
 from reference_engine.tokenizer import Tokenizer
-
 
 LOOPS = ("async", "sync", "simple")
 
@@ -45,43 +45,91 @@ def add_engine_parser(commands) -> None:
     fetch_model.add_argument("name", help=" | ".join(REAL_MODELS))
     for parser in (run, bench):
         parser.add_argument("--backend", default="torch_naive", help="attention backend (default torch_naive)")
-        parser.add_argument("--prefill-backend", default="auto",
-                            help="serves the batches --backend cannot (prefill chunks for a decode-only or uniform-only "
-                            "backend); default auto: triton (MHA on CUDA), else torch_naive")
-        parser.add_argument("--model", default="tiny",
-                            help=f"{' | '.join(PRESETS)} (seeded random weights), {' | '.join(REAL_MODELS)} (a real "
-                            "model: see fetch-model; prompts from the built-in prompt set, stops at its EOS) or a local "
-                            "Llama/Qwen2 checkpoint directory")
-        parser.add_argument("--spec-tokens", type=int, default=0, help="draft tokens per step, k (default 0: no speculation)")
-        parser.add_argument("--num-prompts", type=int, default=8,
-                            help="requests to serve (default 8; a real model cycles through its six prompts)")
-        parser.add_argument("--prompt-len", type=int, default=64, help="random prompts' length (a real model's prompts are text)")
+        parser.add_argument(
+            "--prefill-backend",
+            default="auto",
+            help="serves the batches --backend cannot (prefill chunks for a decode-only or uniform-only "
+            "backend); default auto: triton (MHA on CUDA), else torch_naive",
+        )
+        parser.add_argument(
+            "--model",
+            default="tiny",
+            help=f"{' | '.join(PRESETS)} (seeded random weights), {' | '.join(REAL_MODELS)} (a real "
+            "model: see fetch-model; prompts from the built-in prompt set, stops at its EOS) or a local "
+            "Llama/Qwen2 checkpoint directory",
+        )
+        parser.add_argument(
+            "--spec-tokens", type=int, default=0, help="draft tokens per step, k (default 0: no speculation)"
+        )
+        parser.add_argument(
+            "--num-prompts",
+            type=int,
+            default=8,
+            help="requests to serve (default 8; a real model cycles through its six prompts)",
+        )
+        parser.add_argument(
+            "--prompt-len", type=int, default=64, help="random prompts' length (a real model's prompts are text)"
+        )
         parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default 64)")
         parser.add_argument("--device", help="cpu or cuda (default: cuda when visible)")
         parser.add_argument("--dtype", default=None, help="fp32 | fp16 | bf16 (default: fp32 on cpu, bf16 on cuda)")
-        parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8e4m3", "fp8e5m2"], default="auto",
-                            help="the KV cache's format: auto (the model's dtype) or fp8 with per-layer scales "
-                                 "(k 0.1, v 4 times 1 + layer/2; the backend must claim it) (default auto)")
+        parser.add_argument(
+            "--kv-cache-dtype",
+            choices=["auto", "fp8e4m3", "fp8e5m2"],
+            default="auto",
+            help="the KV cache's format: auto (the model's dtype) or fp8 with per-layer scales "
+            "(k 0.1, v 4 times 1 + layer/2; the backend must claim it) (default auto)",
+        )
         parser.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks (default 1024)")
         parser.add_argument("--max-num-tokens", type=int, default=512, help="token budget per step (default 512)")
-        parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                            help="replay uniform steps from CUDA graphs where the backend claims it (default on)")
-        parser.add_argument("--detect-syncs", action="store_true", help="count host-blocking syncs per steady-state step (CUDA)")
-        parser.add_argument("--step-idle", action="store_true",
-                            help="measure GPU idle inside steps in one more pass under torch.profiler (CUDA)")
+        parser.add_argument(
+            "--cuda-graphs",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="replay uniform steps from CUDA graphs where the backend claims it (default on)",
+        )
+        parser.add_argument(
+            "--detect-syncs", action="store_true", help="count host-blocking syncs per steady-state step (CUDA)"
+        )
+        parser.add_argument(
+            "--step-idle",
+            action="store_true",
+            help="measure GPU idle inside steps in one more pass under torch.profiler (CUDA)",
+        )
         parser.add_argument("--json", help="write the measured metrics here")
         parser.add_argument("--seed", type=int, default=0, help="weights, prompts and sampling seed (default 0)")
-    run.add_argument("--drafter", default="none", help="eagle | layer-skip[:N] | ngram[:N] (prompt lookup, N = longest n-gram, default 3) | scripted:PATTERN (all, none, first:J, random:R); default none: no drafting")
+    run.add_argument(
+        "--drafter",
+        default="none",
+        help=(
+            "eagle | layer-skip[:N] | ngram[:N] (prompt lookup, N = longest n-gram, default "
+            "3) | scripted:PATTERN (all, none, first:J, random:R); default none: no drafting"
+        ),
+    )
     run.add_argument("--eagle", help="a local EAGLE head checkpoint directory (with --drafter eagle)")
     run.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    run.add_argument("--loop", default="async", choices=LOOPS,
-                     help="async (default): zero-bubble batched loop; sync: the same step, waiting for each; "
-                          "simple: the per-request loop of part 1")
-    run.add_argument("--check-inputs", action="store_true", help="debug: count placeholder inputs and stale positions on device")
-    bench.add_argument("--drafters", default="scripted:random:0.7,layer-skip", help="comma-separated drafters to compare (default scripted:random:0.7,layer-skip)")
-    bench.add_argument("--repeats", type=int, default=1,
-                       help="timed runs of each engine, round by round after one warm-up; the table shows the run of "
-                            "median TPOT and the median async/sync ratio with its range (default 1)")
+    run.add_argument(
+        "--loop",
+        default="async",
+        choices=LOOPS,
+        help="async (default): zero-bubble batched loop; sync: the same step, waiting for each; "
+        "simple: the per-request loop of part 1",
+    )
+    run.add_argument(
+        "--check-inputs", action="store_true", help="debug: count placeholder inputs and stale positions on device"
+    )
+    bench.add_argument(
+        "--drafters",
+        default="scripted:random:0.7,layer-skip",
+        help="comma-separated drafters to compare (default scripted:random:0.7,layer-skip)",
+    )
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed runs of each engine, round by round after one warm-up; the table shows the run of "
+        "median TPOT and the median async/sync ratio with its range (default 1)",
+    )
 
 
 def _device_and_dtype(args, usage_error):
@@ -120,10 +168,21 @@ KV_CACHE_DTYPES = {"auto": None, "fp8e4m3": torch.float8_e4m3fn, "fp8e5m2": torc
 
 def _make_engine(args, model, eagle, dtype, device, loop: str, drafter: str, usage_error):
     config = EngineConfig(
-        model=model.config, backend=args.backend, prefill_backend=args.prefill_backend, device=str(device), dtype=dtype,
-        num_blocks=args.num_blocks, max_num_tokens=args.max_num_tokens, max_num_reqs=max(args.num_prompts, 1), num_spec_tokens=args.spec_tokens,
-        drafter=drafter, seed=args.seed, async_scheduling=loop == "async", cuda_graphs=args.cuda_graphs and device.type == "cuda",
-        check_inputs=getattr(args, "check_inputs", False), kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype],
+        model=model.config,
+        backend=args.backend,
+        prefill_backend=args.prefill_backend,
+        device=str(device),
+        dtype=dtype,
+        num_blocks=args.num_blocks,
+        max_num_tokens=args.max_num_tokens,
+        max_num_reqs=max(args.num_prompts, 1),
+        num_spec_tokens=args.spec_tokens,
+        drafter=drafter,
+        seed=args.seed,
+        async_scheduling=loop == "async",
+        cuda_graphs=args.cuda_graphs and device.type == "cuda",
+        check_inputs=getattr(args, "check_inputs", False),
+        kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype],
     )
     try:
         return (Engine if loop == "simple" else BatchedEngine)(config, model, eagle)
@@ -136,7 +195,9 @@ def _prompts(args, vocab_size: int, tokenizer: Tokenizer | None) -> list[list[in
     if tokenizer is not None:
         return [tokenizer.user_turn(prompt.message) for prompt in take(args.num_prompts)]
     generator = torch.Generator().manual_seed(args.seed)
-    return [torch.randint(0, vocab_size, (args.prompt_len,), generator=generator).tolist() for _ in range(args.num_prompts)]
+    return [
+        torch.randint(0, vocab_size, (args.prompt_len,), generator=generator).tolist() for _ in range(args.num_prompts)
+    ]
 
 
 def _sampling(args, tokenizer: Tokenizer | None, **options) -> SamplingParams:
@@ -147,13 +208,17 @@ def _sampling(args, tokenizer: Tokenizer | None, **options) -> SamplingParams:
 
 def _print_texts(console: Console, tokenizer: Tokenizer, outputs, num_prompts: int) -> None:
     for prompt, output in zip(take(num_prompts), outputs):
-        console.rule(f"{prompt.name} ({prompt.kind}): {len(output.prompt)} prompt tokens, {len(output.tokens)} generated")
+        console.rule(
+            f"{prompt.name} ({prompt.kind}): {len(output.prompt)} prompt tokens, {len(output.tokens)} generated"
+        )
         # Labelled, not only styled: in a log (no terminal) the dim style is gone and the two would run together.
         console.print(f"prompt: {prompt.message}", markup=False, highlight=False, style="dim")
         console.print(f"reply: {tokenizer.decode(output.tokens)}", markup=False, highlight=False)
 
 
-def _measure(engine, prompts, params, usage_error, *, detect_syncs: bool, step_idle: bool = False, warm_up: bool = True):
+def _measure(
+    engine, prompts, params, usage_error, *, detect_syncs: bool, step_idle: bool = False, warm_up: bool = True
+):
     """The workload once as a warm-up, then measured. Every shape of the measured run has then
     met the Triton JIT (which specializes on argument values), cuBLAS and its CUDA-graph captures
     (a segment is captured on its second use), as a server warms up before taking traffic; a
@@ -189,11 +254,19 @@ def _metric_rows(metrics) -> list[tuple[str, str]]:
         ("host time per step", f"{host_ms_per_step(metrics):.2f} ms" if metrics.host_ms_per_step else "n/a"),
         ("GPU idle between steps", optional(metrics.gpu_idle_fraction, "{:.1%}")),
         ("steps launched after the GPU ran dry", optional(metrics.gpu_drained_fraction, "{:.1%}")),
-        ("decode step: loop period / GPU alone", "n/a" if metrics.decode_step_ms is None else
-                                                  f"{metrics.decode_step_ms:.3f} / " + optional(metrics.gpu_ms_per_fed_step, "{:.3f} ms")),
-        ("GPU idle inside steps", "n/a" if metrics.gpu_idle_in_step_fraction is None else
-                                  f"{metrics.gpu_idle_in_step_fraction:.1%} ({metrics.gpu_idle_in_step_ms:.3f} ms of "
-                                  f"{metrics.gpu_busy_ms_per_step:.3f} ms busy per step; profiled pass)"),
+        (
+            "decode step: loop period / GPU alone",
+            "n/a"
+            if metrics.decode_step_ms is None
+            else f"{metrics.decode_step_ms:.3f} / " + optional(metrics.gpu_ms_per_fed_step, "{:.3f} ms"),
+        ),
+        (
+            "GPU idle inside steps",
+            "n/a"
+            if metrics.gpu_idle_in_step_fraction is None
+            else f"{metrics.gpu_idle_in_step_fraction:.1%} ({metrics.gpu_idle_in_step_ms:.3f} ms of "
+            f"{metrics.gpu_busy_ms_per_step:.3f} ms busy per step; profiled pass)",
+        ),
         ("host syncs / steady step", optional(metrics.host_syncs_per_steady_step, "{:.2f}")),
         ("graph replays", str(metrics.graph_replays)),
     ]
@@ -229,18 +302,26 @@ def run_engine(args: argparse.Namespace, console: Console, usage_error) -> int:
         raise usage_error(str(error)) from None
     with Progress(TextColumn("generating"), BarColumn(), TimeElapsedColumn(), console=console, transient=True) as bar:
         bar.add_task("tokens", total=None)
-        outputs, metrics = _measure(engine, prompts, params, usage_error, detect_syncs=args.detect_syncs,
-                                    step_idle=args.step_idle)
-    table = Table(title=f"reference engine — {args.model}, {args.backend}, {dtype_name}, {device.type}, {args.loop} loop",
-                  title_justify="left")
+        outputs, metrics = _measure(
+            engine, prompts, params, usage_error, detect_syncs=args.detect_syncs, step_idle=args.step_idle
+        )
+    table = Table(
+        title=f"reference engine — {args.model}, {args.backend}, {dtype_name}, {device.type}, {args.loop} loop",
+        title_justify="left",
+    )
     for column in ("metric", "value"):
         table.add_column(column)
     if tokenizer is not None:
         _print_texts(console, tokenizer, outputs, args.num_prompts)
     prompt_lens = sorted(len(prompt) for prompt in prompts)
     rows = [
-        ("requests x tokens", f"{args.num_prompts} x {args.max_tokens}" + (" (at most: stops at EOS)" if tokenizer else "")
-                              + f" (prompt {prompt_lens[0]}" + (f"-{prompt_lens[-1]})" if prompt_lens[-1] != prompt_lens[0] else ")")),
+        (
+            "requests x tokens",
+            f"{args.num_prompts} x {args.max_tokens}"
+            + (" (at most: stops at EOS)" if tokenizer else "")
+            + f" (prompt {prompt_lens[0]}"
+            + (f"-{prompt_lens[-1]})" if prompt_lens[-1] != prompt_lens[0] else ")"),
+        ),
         ("speculation", f"k={args.spec_tokens}, drafter {args.drafter}" if args.spec_tokens else "off"),
         *_metric_rows(metrics),
         ("preemptions", str(sum(out.preemptions for out in outputs))),
@@ -251,8 +332,13 @@ def run_engine(args: argparse.Namespace, console: Console, usage_error) -> int:
     for source in metrics.host_sync_sources:
         console.print(f"  host sync: {source}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "device": _device_name(device), "metrics": metrics.to_dict()},
-                                              indent=1, default=str))
+        Path(args.json).write_text(
+            json.dumps(
+                {"args": vars(args), "device": _device_name(device), "metrics": metrics.to_dict()},
+                indent=1,
+                default=str,
+            )
+        )
     return 0
 
 
@@ -265,9 +351,23 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
     model, tokenizer = _load_model(args, dtype, device, usage_error)
     prompts = _prompts(args, model.config.vocab_size, tokenizer)
     params = _sampling(args, tokenizer)
-    table = Table(title=f"async vs sync — {args.model}, {args.backend}, {dtype_name}, k={args.spec_tokens}", title_justify="left")
-    for column in ("drafter", "loop", "tokens/s", "TPOT ms", "accept len", "host ms/step", "GPU idle", "idle in step",
-                   "ran dry", "step ms / GPU alone", "syncs/step", "async/sync TPOT"):
+    table = Table(
+        title=f"async vs sync — {args.model}, {args.backend}, {dtype_name}, k={args.spec_tokens}", title_justify="left"
+    )
+    for column in (
+        "drafter",
+        "loop",
+        "tokens/s",
+        "TPOT ms",
+        "accept len",
+        "host ms/step",
+        "GPU idle",
+        "idle in step",
+        "ran dry",
+        "step ms / GPU alone",
+        "syncs/step",
+        "async/sync TPOT",
+    ):
         table.add_column(column)
     drafters = args.drafters.split(",") if args.spec_tokens else ["none"]
     # Every engine is timed before any host-sync count, so that no timed run follows a detector's
@@ -279,7 +379,9 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
     engines, runs = {}, {key: [] for key in keys}
     for repeat in range(args.repeats):
         for key in keys:
-            engine = engines.pop(key, None) or _make_engine(args, model, None, dtype, device, key[1], key[0], usage_error)
+            engine = engines.pop(key, None) or _make_engine(
+                args, model, None, dtype, device, key[1], key[0], usage_error
+            )
             runs[key].append(_measure(engine, prompts, params, usage_error, detect_syncs=False, warm_up=repeat == 0))
             if repeat + 1 < args.repeats or args.detect_syncs or args.step_idle:
                 engines[key] = engine  # timed again, or measured by an untimed pass after every timed run
@@ -292,29 +394,55 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
     results = []
     for drafter in drafters:
         sync_runs, async_runs = runs[drafter, "sync"], runs[drafter, "async"]
-        same = all([o.tokens for o in synced] == [o.tokens for o in other]
-                   for synced, _ in sync_runs[:1] for other, _ in sync_runs + async_runs)
+        same = all(
+            [o.tokens for o in synced] == [o.tokens for o in other]
+            for synced, _ in sync_runs[:1]
+            for other, _ in sync_runs + async_runs
+        )
         ratios = [a.tpot_ms / s.tpot_ms for (_, s), (_, a) in zip(sync_runs, async_runs) if s.tpot_ms]
         ratio = statistics.median(ratios) if ratios else None
         spread = f" ({min(ratios):.2f}–{max(ratios):.2f})" if len(ratios) > 1 else ""
         for loop in ("sync", "async"):
             m = shown[drafter, loop][1]
             host_ms = host_ms_per_step(m)
-            table.add_row(drafter, loop, f"{m.tokens_per_s:.0f}", f"{m.tpot_ms:.3f}", f"{m.acceptance_length:.2f}", f"{host_ms:.2f}",
-                          "n/a" if m.gpu_idle_fraction is None else f"{m.gpu_idle_fraction:.1%}",
-                          "n/a" if m.gpu_idle_in_step_fraction is None else f"{m.gpu_idle_in_step_fraction:.1%}",
-                          "n/a" if m.gpu_drained_fraction is None else f"{m.gpu_drained_fraction:.0%}",
-                          "n/a" if m.decode_step_ms is None else
-                          f"{m.decode_step_ms:.2f} / " + ("n/a" if m.gpu_ms_per_fed_step is None else f"{m.gpu_ms_per_fed_step:.2f}"),
-                          "n/a" if m.host_syncs_per_steady_step is None else f"{m.host_syncs_per_steady_step:.2f}",
-                          "" if loop == "sync" or ratio is None else f"{ratio:.2f}x{spread}" + ("" if same else " (TOKENS DIFFER)"))
-        results.append({"drafter": drafter, "same_tokens": same, "async_over_sync_tpot": ratio,
-                        "async_over_sync_tpot_runs": ratios,
-                        **{loop: {**shown[drafter, loop][1].to_dict(), "tpot_ms_runs": [m.tpot_ms for _, m in runs[drafter, loop]],
-                                  "host_ms_per_step_runs": [host_ms_per_step(m) for _, m in runs[drafter, loop]]}
-                           for loop in ("sync", "async")}})
+            table.add_row(
+                drafter,
+                loop,
+                f"{m.tokens_per_s:.0f}",
+                f"{m.tpot_ms:.3f}",
+                f"{m.acceptance_length:.2f}",
+                f"{host_ms:.2f}",
+                "n/a" if m.gpu_idle_fraction is None else f"{m.gpu_idle_fraction:.1%}",
+                "n/a" if m.gpu_idle_in_step_fraction is None else f"{m.gpu_idle_in_step_fraction:.1%}",
+                "n/a" if m.gpu_drained_fraction is None else f"{m.gpu_drained_fraction:.0%}",
+                "n/a"
+                if m.decode_step_ms is None
+                else f"{m.decode_step_ms:.2f} / "
+                + ("n/a" if m.gpu_ms_per_fed_step is None else f"{m.gpu_ms_per_fed_step:.2f}"),
+                "n/a" if m.host_syncs_per_steady_step is None else f"{m.host_syncs_per_steady_step:.2f}",
+                ""
+                if loop == "sync" or ratio is None
+                else f"{ratio:.2f}x{spread}" + ("" if same else " (TOKENS DIFFER)"),
+            )
+        results.append(
+            {
+                "drafter": drafter,
+                "same_tokens": same,
+                "async_over_sync_tpot": ratio,
+                "async_over_sync_tpot_runs": ratios,
+                **{
+                    loop: {
+                        **shown[drafter, loop][1].to_dict(),
+                        "tpot_ms_runs": [m.tpot_ms for _, m in runs[drafter, loop]],
+                        "host_ms_per_step_runs": [host_ms_per_step(m) for _, m in runs[drafter, loop]],
+                    }
+                    for loop in ("sync", "async")
+                },
+            }
+        )
     console.print(table)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "device": _device_name(device), "results": results},
-                                              indent=1, default=str))
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "device": _device_name(device), "results": results}, indent=1, default=str)
+        )
     return 0 if all(result["same_tokens"] for result in results) else 1

@@ -1,11 +1,13 @@
 """What both engine loops share: the configuration, the model and the attention backend (checked
-against what the backend claims), the KV pool and the scheduler, the drafter (``drafters``: one object, bound to the engine), and the
+against what the backend claims), the KV pool and the scheduler, the drafter (``drafters``: one
+object, bound to the engine), and the
 life of a ``generate`` call around the loop: prompt validation, admission, the outputs.
 
 The loops over it: ``engine.Engine``, one request at a time and synchronous (the readable
 reference), and ``batched_engine.BatchedEngine``, one batched step, synchronous or zero-bubble
 async, optionally under CUDA graphs.
 """
+
 from __future__ import annotations
 
 import time
@@ -83,7 +85,9 @@ class GenerationOutput:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model: LlamaModel | None = None, eagle_head: EagleHead | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, model: LlamaModel | None = None, eagle_head: EagleHead | None = None
+    ) -> None:
         if config.num_spec_tokens < 0:
             raise ValueError("the number of speculative tokens must be >= 0")
         drafter = parse_drafter(config.drafter if config.num_spec_tokens else "none", config.model.num_layers)
@@ -95,21 +99,33 @@ class EngineCore:
         self.model = model or LlamaModel.random(config.model, config.seed, config.dtype, self.device)
         backend_cls = registry.load(config.backend)
         try:
-            plans = plan_attention(backend_cls, config.model, config.dtype, config.block_size,
-                                   config.kv_cache_dtype, self.device, config.prefill_backend,
-                                   config.decompressed_mla_prefill)
+            plans = plan_attention(
+                backend_cls,
+                config.model,
+                config.dtype,
+                config.block_size,
+                config.kv_cache_dtype,
+                self.device,
+                config.prefill_backend,
+                config.decompressed_mla_prefill,
+            )
         except ValueError as error:
             raise ValueError(f"backend {config.backend} cannot run this model here: {error}") from None
         limits = BackendLimits(config.max_num_reqs, config.max_num_tokens, config.model.max_model_len)
         # A backend that serves only some batches runs beside a companion that serves the rest;
         # an MLA model's prefill runs decompressed where the backend claims that layer.
         self.backend = ModelAttention(plans, limits, self.device, 1 + config.num_spec_tokens, config.prefill_backend)
-        self.kv_caches = [self.backend.allocate_kv_cache(config.num_blocks, layer) for layer in range(config.model.num_layers)]
+        self.kv_caches = [
+            self.backend.allocate_kv_cache(config.num_blocks, layer) for layer in range(config.model.num_layers)
+        ]
         self.kv_scales = self.layer_scales(config.model.num_layers)
         self.blocks = BlockManager(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(
-            self.blocks, max_num_reqs=config.max_num_reqs, max_num_tokens=config.max_num_tokens,
-            num_spec_tokens=config.num_spec_tokens, max_model_len=config.model.max_model_len,
+            self.blocks,
+            max_num_reqs=config.max_num_reqs,
+            max_num_tokens=config.max_num_tokens,
+            num_spec_tokens=config.num_spec_tokens,
+            max_model_len=config.model.max_model_len,
         )
         self.eagle_head = eagle_head  # a loaded EAGLE head for the eagle drafter (None: seeded random)
         self._generators: dict[int, torch.Generator] = {}
@@ -121,7 +137,10 @@ class EngineCore:
         if config.kv_cache_dtype is None or config.kv_cache_dtype == config.dtype:
             return None
         k_scale, v_scale = config.kv_scales
-        return [KVScales.on(self.device, k_scale * (1 + layer / 2), v_scale * (1 + layer / 2)) for layer in range(num_layers)]
+        return [
+            KVScales.on(self.device, k_scale * (1 + layer / 2), v_scale * (1 + layer / 2))
+            for layer in range(num_layers)
+        ]
 
     def generator(self, request: Request) -> torch.Generator | None:
         """The request's seeded generator (None without a seed)."""
@@ -157,8 +176,18 @@ class EngineCore:
     def outputs(self, requests: list[Request], decode_steps: dict[int, int]) -> list[GenerationOutput]:
         self.blocks.assert_all_free()
         return [
-            GenerationOutput(r.request_id, r.prompt, r.output, s.steps, decode_steps[r.request_id], s.drafted, s.accepted,
-                             s.preemptions, s.since_arrival(s.first_token_time), s.since_arrival(s.finish_time))
+            GenerationOutput(
+                r.request_id,
+                r.prompt,
+                r.output,
+                s.steps,
+                decode_steps[r.request_id],
+                s.drafted,
+                s.accepted,
+                s.preemptions,
+                s.since_arrival(s.first_token_time),
+                s.since_arrival(s.finish_time),
+            )
             for r, s in ((request, request.stats) for request in requests)
         ]
 

@@ -1,6 +1,7 @@
 """What a command line's device flag names (``--device``, the plugin's ``--conformance-device``):
 parsed here for every command line, the engine's, conformance's and the pytest plugin's. Not part
 of the backend contract: a backend is handed a ``torch.device``."""
+
 from __future__ import annotations
 
 import torch

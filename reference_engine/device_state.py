@@ -3,6 +3,7 @@ token, one slot per running request. The device is the source of truth for the n
 inputs (the decode row's first token is read from here, never from the host), so the async loop
 of part 2 can run ahead of the host; the host keeps a mirror it can check against.
 """
+
 from __future__ import annotations
 
 import torch

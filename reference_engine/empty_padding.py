@@ -6,6 +6,7 @@ past ``num_actual_tokens`` (all a backend computes), so their output rows keep w
 held; nothing else of the engine changes (they decode from the spare slot, slot -1, and never
 commit). Only attention's view differs, computed by device operations into persistent tensors, so a
 replayed graph recomputes it from the step's own lengths."""
+
 from __future__ import annotations
 
 import torch

@@ -8,6 +8,7 @@ bookkeeping and stop checks (``Request.stops_after``) → the drafter catches up
 target computed (``after_target``). What it shares with the batched loop (configuration, backend,
 KV pool, scheduler, drafter, admission, outputs) is ``core.EngineCore``.
 """
+
 from __future__ import annotations
 
 import time
@@ -38,14 +39,18 @@ class _Row:
 
 
 class Engine(EngineCore):
-    def __init__(self, config: EngineConfig, model: LlamaModel | None = None, eagle_head: EagleHead | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, model: LlamaModel | None = None, eagle_head: EagleHead | None = None
+    ) -> None:
         super().__init__(config, model, eagle_head)
         self.state = DeviceState(config.max_num_reqs, self.device)
         self.scheduler.on_preempt = lambda request: self.state.reset(request.request_id)
 
     # --- public API -----------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], on_step=None) -> list[GenerationOutput]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], on_step=None
+    ) -> list[GenerationOutput]:
         """Run every prompt to completion. ``on_step(tokens generated so far)`` after each step."""
         params_list = self.validate(prompts, params)
         self.drafter.begin(prompts, params_list)
@@ -85,12 +90,20 @@ class Engine(EngineCore):
             if id(item) in drafts_of or not request.in_prefill:
                 drafts, draft_probabilities = drafts_of.get(id(item), (None, None))
                 draft_ids = drafts.tolist() if drafts is not None and item.num_drafts else []
-                rows.append(_Row(item, [request.tokens[-1]] + draft_ids, request.num_computed, True, drafts, draft_probabilities))
+                rows.append(
+                    _Row(
+                        item, [request.tokens[-1]] + draft_ids, request.num_computed, True, drafts, draft_probabilities
+                    )
+                )
             else:
                 start = request.num_computed
                 rows.append(_Row(item, request.tokens[start : start + item.num_tokens], start))
-        hidden, starts = self.forward_rows([(row.scheduled.request, self._row_inputs(row), row.start) for row in rows],
-                                           self.kv_caches, self.kv_scales, self.model)
+        hidden, starts = self.forward_rows(
+            [(row.scheduled.request, self._row_inputs(row), row.start) for row in rows],
+            self.kv_caches,
+            self.kv_scales,
+            self.model,
+        )
         decoded, newly_computed = [], []
         for row, start in zip(rows, starts):
             request = row.scheduled.request
@@ -160,8 +173,9 @@ class Engine(EngineCore):
             tokens, emitted = greedy_rejection(drafts, logits.softmax(dim=-1)[None], count)
         else:
             target = filtered_probabilities(logits, params.temperature, params.top_k, params.top_p)[None]
-            tokens, emitted = probabilistic_rejection(drafts, row.draft_probabilities[None], target, count,
-                                                      self.generator(request))
+            tokens, emitted = probabilistic_rejection(
+                drafts, row.draft_probabilities[None], target, count, self.generator(request)
+            )
         self.state.commit(request.request_id, tokens[0], emitted)
         new_tokens = tokens[0, : int(emitted[0])].tolist()  # the host mirror, one step's outputs
         request.stats.drafted += num_drafts
@@ -192,7 +206,9 @@ class Engine(EngineCore):
         token_ids, positions, slots, host = [], [], [], HostLengths()
         block_size = self.config.block_size
         for request, ids, start in rows:
-            token_ids.append(ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long, device=self.device))
+            token_ids.append(
+                ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long, device=self.device)
+            )
             for offset in range(len(ids)):
                 position = start + offset
                 positions.append(position)
@@ -205,8 +221,10 @@ class Engine(EngineCore):
         seq_lens = host.seq_lens()
         common = CommonAttentionMetadata.from_lengths(
             query_start_loc=torch.tensor(host.query_start_loc, dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device), block_table=block_table.to(self.device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device), query_starts=host.query_start_loc,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+            block_table=block_table.to(self.device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            query_starts=host.query_start_loc,
             host_seq_lens=seq_lens,
         )
         step = StepInputs(self.backend, self.backend.build(common), kv_caches, common.slot_mapping, kv_scales)

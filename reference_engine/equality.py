@@ -6,10 +6,12 @@ disagree, this tool shows why: it re-scores the diverging position with an fp32 
 weights and reports the margin between the two candidate tokens (a near-tie explains a flip).
 
     python -m reference_engine.equality --backend triton --dtype bf16 --model small --json out.json
-    python -m reference_engine.equality --backend triton --dtype bf16 --model smollm2-135m --drafters ngram,layer-skip --k 3
+    python -m reference_engine.equality --backend triton --dtype bf16 --model smollm2-135m
+    --drafters ngram,layer-skip --k 3
 
 A real model (``real_models``) runs on the prompt set's texts and stops at its end of turn.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -87,8 +89,13 @@ def explain(reference: Engine, prompt: list[int], prefix: list[int], plain: int,
     logits = reference.score(prompt + prefix)[-1].double()
     order = logits.argsort(descending=True).tolist()
     chosen = logits[[plain, spec]]
-    return Explanation(margin=abs(float(chosen[0] - chosen[1])), rank_of_plain=order.index(plain), rank_of_spec=order.index(spec),
-                       magnitude=float(chosen.abs().max()), behind_top=float(logits.max() - chosen.min()))
+    return Explanation(
+        margin=abs(float(chosen[0] - chosen[1])),
+        rank_of_plain=order.index(plain),
+        rank_of_spec=order.index(spec),
+        magnitude=float(chosen.abs().max()),
+        behind_top=float(logits.max() - chosen.min()),
+    )
 
 
 def rounding_step(dtype: torch.dtype, magnitude: float) -> float:
@@ -100,19 +107,41 @@ def rounding_step(dtype: torch.dtype, magnitude: float) -> float:
     return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(magnitude))
 
 
-def compare_speculation_with_plain(backend: str, model: LlamaModel, prompts: list[list[int]], params: SamplingParams,
-                                   drafters: tuple[str, ...], ks: tuple[int, ...]) -> list[Comparison]:
+def compare_speculation_with_plain(
+    backend: str,
+    model: LlamaModel,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    drafters: tuple[str, ...],
+    ks: tuple[int, ...],
+) -> list[Comparison]:
     """Each drafter at each k against plain greedy decoding, on ``model``'s device and dtype; a
     divergence is explained by the fp32 margin at its position."""
     weight = next(model.parameters())
     device, dtype = weight.device, weight.dtype
     num_blocks = 64 + sum(len(prompt) + params.max_tokens + max(ks) + 16 for prompt in prompts) // 16
-    config = EngineConfig(model=model.config, backend=backend, device=str(device), dtype=dtype,
-                          max_num_reqs=len(prompts), num_blocks=num_blocks, max_num_tokens=1024)
+    config = EngineConfig(
+        model=model.config,
+        backend=backend,
+        device=str(device),
+        dtype=dtype,
+        max_num_reqs=len(prompts),
+        num_blocks=num_blocks,
+        max_num_tokens=1024,
+    )
     plain = [out.tokens for out in Engine(config, model).generate(prompts, params)]
     fp32_model = copy.deepcopy(model).float()
-    reference = Engine(EngineConfig(model=config.model, backend="torch_naive", device=str(device), dtype=torch.float32,
-                                    num_blocks=num_blocks, max_num_tokens=1024), fp32_model)
+    reference = Engine(
+        EngineConfig(
+            model=config.model,
+            backend="torch_naive",
+            device=str(device),
+            dtype=torch.float32,
+            num_blocks=num_blocks,
+            max_num_tokens=1024,
+        ),
+        fp32_model,
+    )
     results = []
     for drafter in drafters:
         for k in ks:
@@ -123,8 +152,19 @@ def compare_speculation_with_plain(backend: str, model: LlamaModel, prompts: lis
                 at = first_divergence(a, b)
                 if at is not None and at < min(len(a), len(b)):
                     why = explain(reference, prompts[index], a[:at], a[at], b[at])
-                    divergences.append(Divergence(index, at, a[at], b[at], why.margin, why.rank_of_plain, why.rank_of_spec,
-                                                  why.behind_top, why.is_near_tie(dtype)))
+                    divergences.append(
+                        Divergence(
+                            index,
+                            at,
+                            a[at],
+                            b[at],
+                            why.margin,
+                            why.rank_of_plain,
+                            why.rank_of_spec,
+                            why.behind_top,
+                            why.is_near_tie(dtype),
+                        )
+                    )
             results.append(Comparison(drafter, k, spec == plain, sum(map(len, plain)), divergences))
     return results
 
@@ -151,19 +191,36 @@ def main(argv: list[str] | None = None) -> int:
         model = LlamaModel.random(PRESETS[args.model], 0, dtype, device)
         generator = torch.Generator().manual_seed(1)
         vocab = PRESETS[args.model].vocab_size
-        prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=generator).tolist() for _ in range(args.num_prompts)]
+        prompts = [
+            torch.randint(0, vocab, (args.prompt_len,), generator=generator).tolist() for _ in range(args.num_prompts)
+        ]
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    results = compare_speculation_with_plain(args.backend, model, prompts, params, tuple(args.drafters.split(",")),
-                                             tuple(int(k) for k in args.k.split(",")))
+    results = compare_speculation_with_plain(
+        args.backend, model, prompts, params, tuple(args.drafters.split(",")), tuple(int(k) for k in args.k.split(","))
+    )
     for result in results:
-        detail = "; ".join(f"prompt {d.prompt} @{d.index}: {d.plain_token} vs {d.spec_token}, fp32 margin "
-                           f"{d.fp32_margin:.4f} (ranks {d.fp32_rank_of_plain}, {d.fp32_rank_of_spec}; {d.fp32_behind_top:.4f} "
-                           f"behind the top: {'near-tie' if d.near_tie else 'NOT A NEAR-TIE'})" for d in result.divergences)
-        print(f"{args.backend} {args.dtype} {result.drafter:18} k={result.k}: {'EQUAL' if result.equal else 'DIFFER'} {detail}")
+        detail = "; ".join(
+            f"prompt {d.prompt} @{d.index}: {d.plain_token} vs {d.spec_token}, fp32 margin "
+            f"{d.fp32_margin:.4f} (ranks {d.fp32_rank_of_plain}, {d.fp32_rank_of_spec}; {d.fp32_behind_top:.4f} "
+            f"behind the top: {'near-tie' if d.near_tie else 'NOT A NEAR-TIE'})"
+            for d in result.divergences
+        )
+        print(
+            f"{args.backend} {args.dtype} {result.drafter:18} k={result.k}: "
+            f"{'EQUAL' if result.equal else 'DIFFER'} {detail}"
+        )
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"backend": args.backend, "dtype": args.dtype, "model": args.model,
-                       "results": [asdict(r) for r in results]}, handle, indent=1)
+            json.dump(
+                {
+                    "backend": args.backend,
+                    "dtype": args.dtype,
+                    "model": args.model,
+                    "results": [asdict(r) for r in results],
+                },
+                handle,
+                indent=1,
+            )
     return 0 if all(r.equal or all(d.near_tie for d in r.divergences) for r in results) else 1
 
 

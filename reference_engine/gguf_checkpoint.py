@@ -10,6 +10,7 @@ llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` head by head so
 rotates adjacent pairs (x[2i], x[2i+1]); this model rotates the two halves of a head (the Hugging
 Face convention), so the permutation is undone here (``unpermute_rope_rows``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -71,7 +72,9 @@ class GGUFFile:
         tensor = self._tensors[name]
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists dimensions fastest first
-        return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)  # a copy: the file is mapped read-only
+        return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(
+            shape
+        )  # a copy: the file is mapped read-only
 
 
 def read_gguf_config(file: GGUFFile) -> ModelConfig:
@@ -82,15 +85,21 @@ def read_gguf_config(file: GGUFFile) -> ModelConfig:
     hidden = int(file.require("llama.embedding_length"))
     head_dim = int(file.metadata.get("llama.rope.dimension_count", hidden // heads))
     if head_dim != hidden // heads:
-        raise CheckpointError(f"{file.path.name}: partial rotary embedding ({head_dim} of {hidden // heads} dims) is not supported")
+        raise CheckpointError(
+            f"{file.path.name}: partial rotary embedding ({head_dim} of {hidden // heads} dims) is not supported"
+        )
     return ModelConfig(
-        vocab_size=len(file.require("tokenizer.ggml.tokens")), hidden_size=hidden,
-        num_layers=int(file.require("llama.block_count")), num_heads=heads,
-        num_kv_heads=int(file.metadata.get("llama.attention.head_count_kv", heads)), head_dim=head_dim,
+        vocab_size=len(file.require("tokenizer.ggml.tokens")),
+        hidden_size=hidden,
+        num_layers=int(file.require("llama.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(file.metadata.get("llama.attention.head_count_kv", heads)),
+        head_dim=head_dim,
         intermediate_size=int(file.require("llama.feed_forward_length")),
         rope_theta=float(file.metadata.get("llama.rope.freq_base", 10000.0)),
         rms_norm_eps=float(file.require("llama.attention.layer_norm_rms_epsilon")),
-        max_model_len=int(file.metadata.get("llama.context_length", 4096)), logit_scale=1.0,
+        max_model_len=int(file.metadata.get("llama.context_length", 4096)),
+        logit_scale=1.0,
     )
 
 
@@ -105,22 +114,28 @@ def load_gguf_model(source: str | Path | GGUFFile, dtype: torch.dtype, device: t
     file = source if isinstance(source, GGUFFile) else GGUFFile.open(source)
     config = read_gguf_config(file)
     embedding = file.tensor("token_embd.weight")
-    state = {"embed.weight": embedding, "final_norm": file.tensor("output_norm.weight"),
-             "lm_head.weight": file.tensor("output.weight") if file.has_tensor("output.weight") else embedding}
+    state = {
+        "embed.weight": embedding,
+        "final_norm": file.tensor("output_norm.weight"),
+        "lm_head.weight": file.tensor("output.weight") if file.has_tensor("output.weight") else embedding,
+    }
     for index in range(config.num_layers):
+
         def get(name: str) -> torch.Tensor:
             return file.tensor(f"blk.{index}.{name}.weight")
 
         query = unpermute_rope_rows(get("attn_q"), config.num_heads)
         key = unpermute_rope_rows(get("attn_k"), config.num_kv_heads)
-        state.update({
-            f"layers.{index}.input_norm": get("attn_norm"),
-            f"layers.{index}.qkv.weight": torch.cat([query, key, get("attn_v")]),
-            f"layers.{index}.o_proj.weight": get("attn_output"),
-            f"layers.{index}.post_norm": get("ffn_norm"),
-            f"layers.{index}.gate_up.weight": torch.cat([get("ffn_gate"), get("ffn_up")]),
-            f"layers.{index}.down.weight": get("ffn_down"),
-        })
+        state.update(
+            {
+                f"layers.{index}.input_norm": get("attn_norm"),
+                f"layers.{index}.qkv.weight": torch.cat([query, key, get("attn_v")]),
+                f"layers.{index}.o_proj.weight": get("attn_output"),
+                f"layers.{index}.post_norm": get("ffn_norm"),
+                f"layers.{index}.gate_up.weight": torch.cat([get("ffn_gate"), get("ffn_up")]),
+                f"layers.{index}.down.weight": get("ffn_down"),
+            }
+        )
     model = LlamaModel(config)
     load_strict(model, state, file.path)
     return model.to(device=device, dtype=dtype).eval()

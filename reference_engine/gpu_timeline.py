@@ -16,6 +16,7 @@ Its own pass, never timed: the profiler records every operator on the host (a fe
 that extra host time can itself open gaps in a step whose launches the GPU is waiting for, so the
 figure is an upper bound for the unprofiled run.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -55,8 +56,9 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
 def step_activity(events: list[dict]) -> list[StepActivity]:
     """Each step range's GPU activity, in launch order, from a Chrome trace's events (the format
     ``torch.profiler``'s ``export_chrome_trace`` writes)."""
-    ranges = sorted((e for e in events if e.get("cat") == "user_annotation" and e.get("name") == STEP_RANGE),
-                    key=lambda e: e["ts"])
+    ranges = sorted(
+        (e for e in events if e.get("cat") == "user_annotation" and e.get("name") == STEP_RANGE), key=lambda e: e["ts"]
+    )
     starts = [r["ts"] for r in ranges]
     step_of_launch: dict[int, int] = {}
     for event in events:

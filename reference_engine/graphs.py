@@ -22,6 +22,7 @@ block-table row -1: ``empty_padding``).
 Only what the backend claims is captured: ``UNIFORM_SINGLE_TOKEN_DECODE`` allows q = 1,
 ``UNIFORM_BATCH`` and ``ALWAYS`` any uniform q, ``NEVER`` nothing (the engine runs eagerly).
 """
+
 from __future__ import annotations
 
 import gc

@@ -11,6 +11,7 @@ reads the buffer once the copy has landed. A blocking ``Event.synchronize`` woul
 GPU either (the next step is already queued), but polling keeps the step loop free of the
 blocking calls the host-sync detector counts.
 """
+
 from __future__ import annotations
 
 import time
@@ -42,7 +43,9 @@ class Uploader:
         flat = [value for column in values.values() for value in column]
         host[:total] = torch.tensor(flat, dtype=torch.int64)
         self.device_buffer[:total].copy_(host[:total], non_blocking=True)
-        return replace(rows, **{name: self.device_buffer[start : start + length] for name, (start, length) in offsets.items()})
+        return replace(
+            rows, **{name: self.device_buffer[start : start + length] for name, (start, length) in offsets.items()}
+        )
 
 
 class Download:
@@ -75,5 +78,7 @@ class Downloader:
         buffer = self.buffers[self.turn]
         self.turn ^= 1
         if values.numel() > buffer.numel():
-            raise RuntimeError(f"step results of {values.numel()} integers exceed the staging buffer ({buffer.numel()})")
+            raise RuntimeError(
+                f"step results of {values.numel()} integers exceed the staging buffer ({buffer.numel()})"
+            )
         return Download(values, buffer)

@@ -2,6 +2,7 @@
 
 Block 0 is reserved (the contract's null block for graph padding) and never handed out.
 """
+
 from __future__ import annotations
 
 from collections import deque

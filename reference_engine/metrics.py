@@ -24,6 +24,7 @@ time on every CUDA call (they tripled the host launch time per step on an H100),
 second pass over the same prompts: every time and the idle fraction come from the first pass,
 which runs without it.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -75,7 +76,10 @@ class StepTimer:
         if not self.pairs:
             return [], 0.0
         self.pairs[-1][1].synchronize()
-        gaps = [max(0.0, previous_end.elapsed_time(start)) for (_, previous_end), (start, _) in zip(self.pairs, self.pairs[1:])]
+        gaps = [
+            max(0.0, previous_end.elapsed_time(start))
+            for (_, previous_end), (start, _) in zip(self.pairs, self.pairs[1:])
+        ]
         return gaps, self.pairs[0][0].elapsed_time(self.pairs[-1][1])
 
     def step_ms(self) -> list[float]:
@@ -88,14 +92,22 @@ def feeding(records, drained: list[bool], step_ms: list[float]) -> tuple[float |
     no graph; the last two are medians over uniform decode steps. ``drained[i]`` is step i + 1's.
     The period is one loop iteration's host time, waiting included: schedule and launch of a step,
     wait and land of it (one iteration later under async, the same period in steady state)."""
-    later = [(record, ran_dry, ms) for record, ran_dry, ms in zip(records[1:], drained, step_ms[1:]) if not record.captured]
+    later = [
+        (record, ran_dry, ms) for record, ran_dry, ms in zip(records[1:], drained, step_ms[1:]) if not record.captured
+    ]
     if not later:
         return None, None, None
     fed = [ms for record, ran_dry, ms in later if record.uniform_decode and not ran_dry]
-    periods = [record.host_schedule_s + record.host_launch_s + record.host_wait_s + record.host_land_s
-               for record, _, _ in later if record.uniform_decode]
-    return (sum(ran_dry for _, ran_dry, _ in later) / len(later), statistics.median(fed) if fed else None,
-            1e3 * statistics.median(periods) if periods else None)
+    periods = [
+        record.host_schedule_s + record.host_launch_s + record.host_wait_s + record.host_land_s
+        for record, _, _ in later
+        if record.uniform_decode
+    ]
+    return (
+        sum(ran_dry for _, ran_dry, _ in later) / len(later),
+        statistics.median(fed) if fed else None,
+        1e3 * statistics.median(periods) if periods else None,
+    )
 
 
 @dataclass
@@ -121,7 +133,9 @@ class EngineMetrics:
     host_syncs_per_steady_step: float | None = None
     host_sync_sources: list[str] = field(default_factory=list)
     graph_replays: int = 0
-    host_ms_per_step: dict = field(default_factory=dict)  # schedule / launch / wait / land, means over steps without a capture
+    host_ms_per_step: dict = field(
+        default_factory=dict
+    )  # schedule / launch / wait / land, means over steps without a capture
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -132,7 +146,12 @@ def steady_iterations(engine) -> list[int]:
     records = engine.steps
     steady = []
     for previous, record in zip(records, records[1:]):
-        if record.uniform_decode and previous.uniform_decode and record.num_reqs == previous.num_reqs and not record.captured:
+        if (
+            record.uniform_decode
+            and previous.uniform_decode
+            and record.num_reqs == previous.num_reqs
+            and not record.captured
+        ):
             steady.append(record.iteration)
     return steady
 
@@ -150,9 +169,14 @@ def measure(engine, prompts, params, *, detect_syncs: bool = False, strategy: st
     wall = time.perf_counter() - started
     tokens = sum(len(out.tokens) for out in outputs)
     drafted = sum(out.drafted for out in outputs)
-    latency = max(out.latency_s for out in outputs)  # arrival → last token (excludes the scripted drafter's reference run)
+    latency = max(
+        out.latency_s for out in outputs
+    )  # arrival → last token (excludes the scripted drafter's reference run)
     metrics = EngineMetrics(
-        requests=len(outputs), tokens=tokens, wall_s=wall, tokens_per_s=tokens / latency if latency else 0.0,
+        requests=len(outputs),
+        tokens=tokens,
+        wall_s=wall,
+        tokens_per_s=tokens / latency if latency else 0.0,
         ttft_ms=1e3 * statistics.median(out.ttft_s for out in outputs),
         tpot_ms=1e3 * statistics.median(out.tpot_s for out in outputs),
         acceptance_length=statistics.mean(out.acceptance_length for out in outputs),
@@ -165,12 +189,15 @@ def measure(engine, prompts, params, *, detect_syncs: bool = False, strategy: st
             metrics.gpu_idle_fraction = sum(gaps) / span
             metrics.gpu_idle_ms_per_step = sum(gaps) / max(len(gaps), 1)
         metrics.gpu_drained_fraction, metrics.gpu_ms_per_fed_step, metrics.decode_step_ms = feeding(
-            engine.steps, timer.drained, timer.step_ms())
+            engine.steps, timer.drained, timer.step_ms()
+        )
     records = getattr(engine, "steps", [])
     steady_records = [r for r in records if not r.captured]  # a capture is a one-time cost
     if steady_records:
-        metrics.host_ms_per_step = {phase: 1e3 * statistics.mean(getattr(r, f"host_{phase}_s") for r in steady_records)
-                                    for phase in ("schedule", "launch", "wait", "land")}
+        metrics.host_ms_per_step = {
+            phase: 1e3 * statistics.mean(getattr(r, f"host_{phase}_s") for r in steady_records)
+            for phase in ("schedule", "launch", "wait", "land")
+        }
     graphs = getattr(engine, "graphs", None)
     metrics.graph_replays = graphs.replays if graphs is not None else 0
     if detect_syncs:

@@ -1,6 +1,7 @@
 """A Llama-style decoder (RMSNorm, RoPE, GQA attention, SwiGLU) whose attention goes through any
 backend of the contract. Weights are seeded random, scaled so activations stay O(1) through the
 layers and next-token distributions are neither flat nor one-hot."""
+
 from __future__ import annotations
 
 import math
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 class ModelConfig:
     """A model's shape. The defaults are the tiny seeded model the CPU tests run; ``PRESETS`` below
     names the larger seeded ones, and a checkpoint's or GGUF file's metadata gives a real model's."""
+
     vocab_size: int = 512
     hidden_size: int = 128
     num_layers: int = 4
@@ -42,21 +44,39 @@ class ModelConfig:
     qk_rope_dim: int = 0
     v_head_dim: int = 0
 
-    def layer_spec(self, layer: int, dtype: torch.dtype, block_size: int,
-                   kv_cache_dtype: torch.dtype | None = None) -> AttentionSpec:
+    def layer_spec(
+        self, layer: int, dtype: torch.dtype, block_size: int, kv_cache_dtype: torch.dtype | None = None
+    ) -> AttentionSpec:
         """Layer ``layer``'s attention (MLA: absorbed, over the latent cache)."""
         if self.attention == "mla":
             return AttentionSpec(
-                kind="mla", num_heads=self.num_heads, num_kv_heads=1, head_dim=self.kv_lora_rank + self.qk_rope_dim,
-                dtype=dtype, block_size=block_size, kv_lora_rank=self.kv_lora_rank, rope_dim=self.qk_rope_dim,
-                scale=self.mla_scale, kv_cache_dtype=kv_cache_dtype,
+                kind="mla",
+                num_heads=self.num_heads,
+                num_kv_heads=1,
+                head_dim=self.kv_lora_rank + self.qk_rope_dim,
+                dtype=dtype,
+                block_size=block_size,
+                kv_lora_rank=self.kv_lora_rank,
+                rope_dim=self.qk_rope_dim,
+                scale=self.mla_scale,
+                kv_cache_dtype=kv_cache_dtype,
             )
         windowed = self.sliding_window is not None and not (self.alternating_window and layer % 2)
-        return AttentionSpec(kind="mha", num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                             head_dim=self.head_dim, dtype=dtype, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
-                             attention_sinks=self.attention_sinks, sliding_window=self.sliding_window if windowed else None)
+        return AttentionSpec(
+            kind="mha",
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=dtype,
+            block_size=block_size,
+            kv_cache_dtype=kv_cache_dtype,
+            attention_sinks=self.attention_sinks,
+            sliding_window=self.sliding_window if windowed else None,
+        )
 
-    def attention_spec(self, dtype: torch.dtype, block_size: int, kv_cache_dtype: torch.dtype | None = None) -> AttentionSpec:
+    def attention_spec(
+        self, dtype: torch.dtype, block_size: int, kv_cache_dtype: torch.dtype | None = None
+    ) -> AttentionSpec:
         """The first layer's attention."""
         return self.layer_spec(0, dtype, block_size, kv_cache_dtype)
 
@@ -67,9 +87,16 @@ class ModelConfig:
         if self.attention != "mla":
             return None
         qk = self.qk_nope_dim + self.qk_rope_dim
-        return AttentionSpec(kind="mha", num_heads=self.num_heads, num_kv_heads=self.num_heads, head_dim=qk, dtype=dtype,
-                             block_size=block_size, value_head_dim=None if self.v_head_dim == qk else self.v_head_dim,
-                             scale=self.mla_scale)
+        return AttentionSpec(
+            kind="mha",
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_heads,
+            head_dim=qk,
+            dtype=dtype,
+            block_size=block_size,
+            value_head_dim=None if self.v_head_dim == qk else self.v_head_dim,
+            scale=self.mla_scale,
+        )
 
     @property
     def mla_scale(self) -> float:
@@ -80,12 +107,30 @@ PRESETS = {
     "tiny": ModelConfig(),
     # head_dim 128: the shape whose FlashInfer kernels the GPU bundle ships prebuilt.
     "tiny-d128": ModelConfig(hidden_size=512, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=1024),
-    "tiny-mla": ModelConfig(attention="mla", num_heads=4, kv_lora_rank=64, qk_nope_dim=32, qk_rope_dim=16, v_head_dim=32),
-    "small": ModelConfig(vocab_size=4096, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, head_dim=64,
-                         intermediate_size=1408, max_model_len=4096),
+    "tiny-mla": ModelConfig(
+        attention="mla", num_heads=4, kv_lora_rank=64, qk_nope_dim=32, qk_rope_dim=16, v_head_dim=32
+    ),
+    "small": ModelConfig(
+        vocab_size=4096,
+        hidden_size=512,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=1408,
+        max_model_len=4096,
+    ),
     # ~1B parameters in the shape of Llama-3.2-1B (vocabulary trimmed to keep random weights small).
-    "1b": ModelConfig(vocab_size=32000, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
-                      intermediate_size=8192, max_model_len=8192),
+    "1b": ModelConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        intermediate_size=8192,
+        max_model_len=8192,
+    ),
 }
 
 
@@ -189,8 +234,12 @@ class LatentAttention(torch.nn.Module):
         absorbed = None
         for call in view.calls:  # decodes absorbed over the latents, prefills over the decompressed keys
             if call.backend is view.prefill:
-                call.backend.forward(call.rows(torch.cat([q_nope, q_pe], dim=-1).contiguous()), view.prefill_cache,
-                                     call.metadata, call.rows(out))
+                call.backend.forward(
+                    call.rows(torch.cat([q_nope, q_pe], dim=-1).contiguous()),
+                    view.prefill_cache,
+                    call.metadata,
+                    call.rows(out),
+                )
                 continue
             if absorbed is None:
                 absorbed = torch.cat([per_head_product("thn,hnr->thr", q_nope, self.w_uk), q_pe], dim=-1).contiguous()
@@ -200,7 +249,9 @@ class LatentAttention(torch.nn.Module):
             call.rows(out).copy_(per_head_product("thr,hrv->thv", latent_out, self.w_uv))
         return self.o_proj(out.reshape(tokens, -1))
 
-    def decompress(self, entry: torch.Tensor, spec: AttentionSpec, scales: KVScales | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def decompress(
+        self, entry: torch.Tensor, spec: AttentionSpec, scales: KVScales | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head keys [T, heads, nope + rope] and values [T, heads, v] from latent entries, as
         a prefill reads them from the cache: an fp8 cache's entries dequantized first."""
         config = self.config
@@ -245,7 +296,9 @@ class LlamaModel(torch.nn.Module):
         return model
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepInputs, num_layers: int | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepInputs, num_layers: int | None = None
+    ) -> torch.Tensor:
         """Hidden states after ``num_layers`` layers (all by default), final norm applied."""
         hidden = self.embed(input_ids)
         for index, layer in enumerate(self.layers[: num_layers or len(self.layers)]):
@@ -279,8 +332,14 @@ class EagleHead(torch.nn.Module):
         return head.to(device=device, dtype=dtype).eval()
 
     @torch.no_grad()
-    def forward(self, target: LlamaModel, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                step: StepInputs) -> torch.Tensor:
+    def forward(
+        self,
+        target: LlamaModel,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        step: StepInputs,
+    ) -> torch.Tensor:
         """Predicted next features [T, hidden] (normed like the target's, ready for its LM head)."""
         hidden = self.fc(torch.cat([target.embed(input_ids), features], dim=-1))
         hidden = self.layer(hidden, positions, step, 0)

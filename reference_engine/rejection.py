@@ -10,6 +10,7 @@ sample of p_{n+1}. Either way the emitted tokens follow the target distribution 
 Output: tokens [B, k + 1], -1 past each request's emitted length, and the emitted count [B]
 (accepted drafts + 1).
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,12 +55,26 @@ def probabilistic_rejection(
     def uniform(*shape):
         return torch.rand(shape, generator=generator, device=drafts.device)
 
-    return rejection_with_noise(drafts, draft_probabilities, target_probabilities, num_drafts,
-                                uniform(batch, k), uniform(batch, k, vocab), uniform(batch, k + 1, vocab))
+    return rejection_with_noise(
+        drafts,
+        draft_probabilities,
+        target_probabilities,
+        num_drafts,
+        uniform(batch, k),
+        uniform(batch, k, vocab),
+        uniform(batch, k + 1, vocab),
+    )
 
 
-def rejection_with_noise(drafts, draft_probabilities, target_probabilities, num_drafts, accept_uniform: torch.Tensor,
-                         recover_uniform: torch.Tensor, bonus_uniform: torch.Tensor):
+def rejection_with_noise(
+    drafts,
+    draft_probabilities,
+    target_probabilities,
+    num_drafts,
+    accept_uniform: torch.Tensor,
+    recover_uniform: torch.Tensor,
+    bonus_uniform: torch.Tensor,
+):
     """``probabilistic_rejection`` with its uniforms given ([B, k], [B, k, V], [B, k + 1, V]): the
     batched engine draws them from counters so a request's randomness ignores batching."""
     k = drafts.shape[1]

@@ -1,4 +1,5 @@
 """One generation request and its host-side bookkeeping."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,6 +10,7 @@ from reference_engine.sampling import SamplingParams
 @dataclass
 class RequestStats:
     """What the engine counts about a request as it runs (the GenerationOutput is made from it)."""
+
     steps: int = 0
     drafted: int = 0
     accepted: int = 0

@@ -3,6 +3,7 @@
 Everything stays on the device: a request's seed drives its own generator, and greedy requests
 (temperature 0) take the argmax, so no host value is ever read back.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,7 +37,9 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def filtered_probabilities(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+def filtered_probabilities(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
     """Probabilities after temperature, top-k and top-p (nucleus) filtering. logits [..., V]."""
     logits = logits.float() / max(temperature, 1e-6)
     if top_k:
@@ -55,7 +58,9 @@ def filtered_probabilities(logits: torch.Tensor, temperature: float, top_k: int 
 
 def sample(probabilities: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row by the Gumbel-max trick: argmax(log p - log(-log u)), no host sync."""
-    return gumbel_argmax(probabilities, torch.rand(probabilities.shape, generator=generator, device=probabilities.device))
+    return gumbel_argmax(
+        probabilities, torch.rand(probabilities.shape, generator=generator, device=probabilities.device)
+    )
 
 
 def gumbel_argmax(probabilities: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -78,7 +83,9 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def counter_uniform(seed: torch.Tensor, counter: torch.Tensor, lane: int, shape_tail: tuple[int, ...] = ()) -> torch.Tensor:
+def counter_uniform(
+    seed: torch.Tensor, counter: torch.Tensor, lane: int, shape_tail: tuple[int, ...] = ()
+) -> torch.Tensor:
     """Uniforms in (0, 1) from (seed, counter, lane[, element]) alone: a request's noise for output
     position ``counter`` is the same whichever batch, step or loop (sync or async) draws it, and
     needs neither a generator (graph capture) nor a host value. seed, counter: int64, broadcastable;
@@ -91,8 +98,9 @@ def counter_uniform(seed: torch.Tensor, counter: torch.Tensor, lane: int, shape_
     return ((x >> 8).to(torch.float32) + 0.5) / float(1 << 24)
 
 
-def batched_filtered_probabilities(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                                   top_p: torch.Tensor) -> torch.Tensor:
+def batched_filtered_probabilities(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """``filtered_probabilities`` with one (temperature, top_k, top_p) per row: logits [B, n, V],
     parameters [B]. Rows with temperature 0 get a temperature of 1 here (their caller takes the
     argmax instead); top_k 0 and top_p 1 are off, as for one request."""

@@ -1,5 +1,6 @@
 """Continuous batching with chunked prefill under a token budget, speculative tokens counted in
 the budget and in block allocation, and preemption by recompute when blocks run out."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -17,7 +18,9 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, *, max_num_reqs: int, max_num_tokens: int, num_spec_tokens: int, max_model_len: int) -> None:
+    def __init__(
+        self, blocks: BlockManager, *, max_num_reqs: int, max_num_tokens: int, num_spec_tokens: int, max_model_len: int
+    ) -> None:
         self.blocks = blocks
         self.max_num_reqs, self.max_num_tokens = max_num_reqs, max_num_tokens
         self.num_spec_tokens, self.max_model_len = num_spec_tokens, max_model_len

@@ -6,6 +6,7 @@ Randomness comes from counters: a request's seed and output position hashed
 (``sampling.counter_uniform``), never a generator, so sync and async runs draw the same numbers
 and graphs replay them. Each use draws on a lane of its own.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,7 +30,9 @@ class SlotSampling:
         then matter, and are allocated once)."""
         sampling = not all(p.greedy for p in params_list)
         if sampling and self.draft_probabilities is None and num_spec_tokens:
-            self.draft_probabilities = torch.zeros(self.seed.shape[0], num_spec_tokens, vocab_size, device=self.seed.device)
+            self.draft_probabilities = torch.zeros(
+                self.seed.shape[0], num_spec_tokens, vocab_size, device=self.seed.device
+            )
         return sampling
 
     def enter(self, slot: int, params: SamplingParams, seed: int) -> None:

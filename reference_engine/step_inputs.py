@@ -3,7 +3,8 @@
 positions, KV slots and sequence lengths of a batched step, computed on the device from the device
 state (``prepare_step_inputs``).
 
-Why the device computes them: under async scheduling the host does not know how many drafts the previous step accepted, so it
+Why the device computes them: under async scheduling the host does not know how many drafts the
+previous step accepted, so it
 cannot write positions, slots or decode input ids. It uploads only what it does know: each row's
 state slot, query length, whether the row decodes (inputs from the device state) or prefills
 (token ids from the host), and the block table. Everything else is derived here:
@@ -22,6 +23,7 @@ allocated for it (a backend that gathers pages from the block table would read o
 Two implementations compute the same thing: one Triton kernel per step on CUDA (one program per
 token), and a torch version for CPUs and for checking the kernel.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -76,8 +78,9 @@ class StepTensors:
     seq_lens: torch.Tensor  # [B] int32
 
 
-def prepare_torch(starts: torch.Tensor, last_token: torch.Tensor, drafts: torch.Tensor, layout: RowLayout,
-                  step: int, block_size: int) -> StepTensors:
+def prepare_torch(
+    starts: torch.Tensor, last_token: torch.Tensor, drafts: torch.Tensor, layout: RowLayout, step: int, block_size: int
+) -> StepTensors:
     """``starts`` [B]: the rows' committed lengths (num_computed of their slots)."""
     rows = layout.token_row
     offsets = torch.arange(rows.numel(), device=rows.device) - layout.query_start_loc.long()[rows]
@@ -85,8 +88,9 @@ def prepare_torch(starts: torch.Tensor, last_token: torch.Tensor, drafts: torch.
     index = offsets + row_step[rows]  # into the decode sequence [last_token, drafts...]
     slot_of_token = layout.slots[rows]
     positions = starts.long()[rows] + index
-    from_state = torch.where(index == 0, last_token[slot_of_token],
-                             drafts[slot_of_token, (index - 1).clamp(0, drafts.shape[1] - 1)])
+    from_state = torch.where(
+        index == 0, last_token[slot_of_token], drafts[slot_of_token, (index - 1).clamp(0, drafts.shape[1] - 1)]
+    )
     input_ids = torch.where(layout.is_decode[rows].bool(), from_state, layout.host_ids)
     block_index = (positions // block_size).clamp(max=layout.block_table.shape[1] - 1)
     blocks = layout.block_table.long()[rows, block_index]
@@ -99,28 +103,57 @@ def prepare_torch(starts: torch.Tensor, last_token: torch.Tensor, drafts: torch.
 
 def empty_step_tensors(num_tokens: int, num_reqs: int, device: torch.device) -> StepTensors:
     int64 = dict(dtype=torch.int64, device=device)
-    return StepTensors(torch.empty(num_tokens, **int64), torch.empty(num_tokens, **int64), torch.empty(num_tokens, **int64),
-                       torch.empty(num_reqs, dtype=torch.int32, device=device))
+    return StepTensors(
+        torch.empty(num_tokens, **int64),
+        torch.empty(num_tokens, **int64),
+        torch.empty(num_tokens, **int64),
+        torch.empty(num_reqs, dtype=torch.int32, device=device),
+    )
 
 
-def prepare_triton(starts: torch.Tensor, last_token: torch.Tensor, drafts: torch.Tensor, layout: RowLayout,
-                   step: int, block_size: int, out: StepTensors | None = None) -> StepTensors:
+def prepare_triton(
+    starts: torch.Tensor,
+    last_token: torch.Tensor,
+    drafts: torch.Tensor,
+    layout: RowLayout,
+    step: int,
+    block_size: int,
+    out: StepTensors | None = None,
+) -> StepTensors:
     from reference_engine.step_inputs_kernel import prepare_kernel  # Triton: imported where CUDA runs it
 
     num_tokens = layout.token_row.numel()
     out = out or empty_step_tensors(num_tokens, layout.slots.numel(), layout.token_row.device)
     if num_tokens:
         prepare_kernel[(num_tokens,)](
-            starts, last_token, drafts, drafts.stride(0), drafts.shape[1], layout.slots, layout.query_start_loc, layout.token_row,
-            layout.host_ids, layout.is_decode, layout.num_valid, layout.block_table, layout.block_table.stride(0),
-            layout.block_table.shape[1], step, block_size, out.input_ids, out.positions, out.slot_mapping, out.seq_lens,
+            starts,
+            last_token,
+            drafts,
+            drafts.stride(0),
+            drafts.shape[1],
+            layout.slots,
+            layout.query_start_loc,
+            layout.token_row,
+            layout.host_ids,
+            layout.is_decode,
+            layout.num_valid,
+            layout.block_table,
+            layout.block_table.stride(0),
+            layout.block_table.shape[1],
+            step,
+            block_size,
+            out.input_ids,
+            out.positions,
+            out.slot_mapping,
+            out.seq_lens,
             num_tokens,
         )
     return out
 
 
-def prepare_step_inputs(starts, last_token, drafts, layout: RowLayout, step: int, block_size: int,
-            out: StepTensors | None = None) -> StepTensors:
+def prepare_step_inputs(
+    starts, last_token, drafts, layout: RowLayout, step: int, block_size: int, out: StepTensors | None = None
+) -> StepTensors:
     """The Triton kernel on CUDA, the torch version elsewhere (same results; tested). ``out``: the
     persistent buffers a CUDA graph reads (written in place), else new tensors."""
     if layout.token_row.is_cuda:
@@ -133,8 +166,16 @@ def prepare_step_inputs(starts, last_token, drafts, layout: RowLayout, step: int
     return out
 
 
-def input_violations(step: StepTensors, layout: RowLayout, committed: torch.Tensor, host_start: torch.Tensor,
-                     capacity: torch.Tensor, vocab_size: int, block_size: int, step_index: int = 0) -> torch.Tensor:
+def input_violations(
+    step: StepTensors,
+    layout: RowLayout,
+    committed: torch.Tensor,
+    host_start: torch.Tensor,
+    capacity: torch.Tensor,
+    vocab_size: int,
+    block_size: int,
+    step_index: int = 0,
+) -> torch.Tensor:
     """The debug mode's device-side checks, counted without a host sync. [4] int64:
     0 placeholder or out-of-range input id; 1 a prefill row whose device start differs from the
     host's exact one, or a decode row past the host's optimistic bound; 2 a position not equal to

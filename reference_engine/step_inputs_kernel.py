@@ -1,16 +1,46 @@
 """The Triton kernel of ``step_inputs.prepare_triton``: one program per token (see ``step_inputs``
 for what it computes). Its own module so that the engine imports Triton only where CUDA runs it."""
+
 import triton
 import triton.language as tl
 
 
 # Every integer argument changes with the step or the batch: specialized (1, multiples of 16), they
 # made 22 compiled variants of this one small kernel in a suite run.
-@triton.jit(do_not_specialize=["drafts_stride", "drafts_width", "block_table_stride", "max_blocks", "step", "block_size",
-                               "num_tokens"])
-def prepare_kernel(starts, last_token, drafts, drafts_stride, drafts_width, slots, query_start_loc, token_row, host_ids,
-                    is_decode, num_valid, block_table, block_table_stride, max_blocks, step, block_size,
-                    input_ids_out, positions_out, slot_mapping_out, seq_lens_out, num_tokens):
+@triton.jit(
+    do_not_specialize=[
+        "drafts_stride",
+        "drafts_width",
+        "block_table_stride",
+        "max_blocks",
+        "step",
+        "block_size",
+        "num_tokens",
+    ]
+)
+def prepare_kernel(
+    starts,
+    last_token,
+    drafts,
+    drafts_stride,
+    drafts_width,
+    slots,
+    query_start_loc,
+    token_row,
+    host_ids,
+    is_decode,
+    num_valid,
+    block_table,
+    block_table_stride,
+    max_blocks,
+    step,
+    block_size,
+    input_ids_out,
+    positions_out,
+    slot_mapping_out,
+    seq_lens_out,
+    num_tokens,
+):
     token = tl.program_id(0)
     row = tl.load(token_row + token)
     row_start = tl.load(query_start_loc + row)

@@ -8,6 +8,7 @@ lengths the host believes a step and its draft steps have — exact in sync mode
 (every draft accepted) under async scheduling; the device computes the real ones from its state
 (``step_inputs``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -42,9 +43,23 @@ class StepRows(Generic[T]):
         rows.query_start_loc.append(0)
         return rows
 
-    def add_row(self, *, slot: int, host_ids: list[int], inputs_from_device: bool, decode: bool, num_valid: int,
-                num_drafts: int, produces: bool, host_last_token: int, host_start: int, capacity: int,
-                block_ids: list[int], width: int, num_spec_tokens: int) -> None:
+    def add_row(
+        self,
+        *,
+        slot: int,
+        host_ids: list[int],
+        inputs_from_device: bool,
+        decode: bool,
+        num_valid: int,
+        num_drafts: int,
+        produces: bool,
+        host_last_token: int,
+        host_start: int,
+        capacity: int,
+        block_ids: list[int],
+        width: int,
+        num_spec_tokens: int,
+    ) -> None:
         """A row of ``len(host_ids)`` tokens (host lists only)."""
         count = len(host_ids)
         begin = self.query_start_loc[-1]
@@ -58,7 +73,9 @@ class StepRows(Generic[T]):
         self.num_valid.append(num_valid)
         self.num_drafts.append(num_drafts)
         # The logits rows rejection reads: a decode row's k + 1 positions, a prefill row's last.
-        self.logits_index += [begin + min(j, count - 1) if decode else begin + count - 1 for j in range(num_spec_tokens + 1)]
+        self.logits_index += [
+            begin + min(j, count - 1) if decode else begin + count - 1 for j in range(num_spec_tokens + 1)
+        ]
         self.produces.append(int(produces))
         self.host_last_token.append(host_last_token)
         self.host_start.append(host_start)
@@ -94,5 +111,7 @@ class HostLengths:
     def draft_seq_lens(self, index: int, num_decodes: int) -> list[int]:
         """Draft step ``index`` (one token per decode row): a row stops advancing at its last
         draft, as the device's draft loop does."""
-        return [start + min(index, max(drafts - 1, 0)) + 1
-                for start, drafts in zip(self.starts[:num_decodes], self.num_drafts[:num_decodes])]
+        return [
+            start + min(index, max(drafts - 1, 0)) + 1
+            for start, drafts in zip(self.starts[:num_decodes], self.num_drafts[:num_decodes])
+        ]

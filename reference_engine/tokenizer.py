@@ -7,6 +7,7 @@ with in llama.cpp) isolates every digit, then applies GPT-2's regex; ``gpt2`` ap
 alone. Control tokens (``token_type`` 3: ``<|im_start|>``, ``<|im_end|>``, ...) are special tokens:
 written in a prompt they encode to their one id, and ``decode`` drops them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,15 +45,27 @@ class Tokenizer:
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         pre = file.metadata.get("tokenizer.ggml.pre", "gpt2")
         if pre not in DIGIT_SPLITTING_PRE_TOKENIZERS + GPT2_PRE_TOKENIZERS:
-            raise CheckpointError(f"{file.path.name}: pre-tokenizer {pre!r} is not built here "
-                                  f"(known: {', '.join(DIGIT_SPLITTING_PRE_TOKENIZERS + GPT2_PRE_TOKENIZERS)})")
-        backend.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-                                 if pre in DIGIT_SPLITTING_PRE_TOKENIZERS else byte_level)
+            raise CheckpointError(
+                f"{file.path.name}: pre-tokenizer {pre!r} is not built here "
+                f"(known: {', '.join(DIGIT_SPLITTING_PRE_TOKENIZERS + GPT2_PRE_TOKENIZERS)})"
+            )
+        backend.pre_tokenizer = (
+            pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+            if pre in DIGIT_SPLITTING_PRE_TOKENIZERS
+            else byte_level
+        )
         backend.decoder = decoders.ByteLevel()
         types = file.metadata.get("tokenizer.ggml.token_type", [])
-        backend.add_special_tokens([AddedToken(tokens[index], special=True, normalized=False)
-                                    for index, kind in enumerate(types) if kind == CONTROL_TOKEN])
-        return Tokenizer(backend, int(file.require("tokenizer.ggml.eos_token_id")), file.metadata.get("tokenizer.chat_template"))
+        backend.add_special_tokens(
+            [
+                AddedToken(tokens[index], special=True, normalized=False)
+                for index, kind in enumerate(types)
+                if kind == CONTROL_TOKEN
+            ]
+        )
+        return Tokenizer(
+            backend, int(file.require("tokenizer.ggml.eos_token_id")), file.metadata.get("tokenizer.chat_template")
+        )
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids

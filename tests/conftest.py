@@ -23,8 +23,12 @@ pytest_plugins = ["pytester"]
 
 
 def pytest_addoption(parser):
-    parser.addoption("--benchmarks", action="store_true", default=False,
-                     help="collect tests/benchmarks (pytest-benchmark timings on a GPU); a plain run leaves them out")
+    parser.addoption(
+        "--benchmarks",
+        action="store_true",
+        default=False,
+        help="collect tests/benchmarks (pytest-benchmark timings on a GPU); a plain run leaves them out",
+    )
 
 
 def pytest_ignore_collect(collection_path, config):

@@ -2,6 +2,7 @@
 reports/README.md names a file of this repository that exists and, where it carries a #anchor into
 a Markdown file, a heading of that file (GitHub's slugs). README stays a front door: at most 300
 lines, linking every page under docs/."""
+
 from __future__ import annotations
 
 import re
@@ -98,8 +99,11 @@ def test_every_relative_link_resolves_to_a_file_and_heading():
 def test_readme_is_a_front_door():
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; at most {README_MAX_LINES}"
-    linked = {(ROOT / target.partition("#")[0]).resolve() for _, target in links(ROOT / "README.md")
-              if not _EXTERNAL.match(target) and target.partition("#")[0]}
+    linked = {
+        (ROOT / target.partition("#")[0]).resolve()
+        for _, target in links(ROOT / "README.md")
+        if not _EXTERNAL.match(target) and target.partition("#")[0]
+    }
     unlinked = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if p.resolve() not in linked]
     assert not unlinked, f"README.md links no page {unlinked}"
 
@@ -121,12 +125,18 @@ def test_a_broken_link_or_anchor_is_found(tmp_path):
     )
     problems = broken_links([page, tmp_path / "docs" / "a.md"], root=tmp_path)
     assert [p.split(": (")[1].split(")")[0] for p in problems] == [
-        "docs/missing.md", "docs/a.md#not-a-heading", "../elsewhere.md"], problems
+        "docs/missing.md",
+        "docs/a.md#not-a-heading",
+        "../elsewhere.md",
+    ], problems
     assert "no heading #not-a-heading" in problems[1]
 
 
 def test_github_slugs():
-    assert github_slug("Kernel speed (`conformance bench`, H100 and H200)") == "kernel-speed-conformance-bench-h100-and-h200"
+    assert (
+        github_slug("Kernel speed (`conformance bench`, H100 and H200)")
+        == "kernel-speed-conformance-bench-h100-and-h200"
+    )
     assert github_slug("The memory check (`reports/memory/`)") == "the-memory-check-reportsmemory"
     assert github_slug("`conformance compare`, the gate") == "conformance-compare-the-gate"
     assert github_slug("flash_attn beside flashinfer") == "flash_attn-beside-flashinfer"

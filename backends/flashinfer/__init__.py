@@ -19,8 +19,12 @@ def new_workspace(device: torch.device) -> torch.Tensor:
 
 def runs_on(compute_capabilities: frozenset[tuple[int, int]]) -> dict:
     """The Capabilities fields that say where a FlashInfer adapter runs (its kernels differ by GPU)."""
-    return dict(devices=frozenset({"cuda"}), compute_capabilities=compute_capabilities,
-                required_modules=("flashinfer",), install_hint=INSTALL_HINT)
+    return dict(
+        devices=frozenset({"cuda"}),
+        compute_capabilities=compute_capabilities,
+        required_modules=("flashinfer",),
+        install_hint=INSTALL_HINT,
+    )
 
 
 def packed_rows(block_table: torch.Tensor) -> torch.Tensor:
@@ -37,6 +41,7 @@ class DeviceLengthsEntryPoint(AttentionBackend):
     """A FlashInfer function that reads every length on the device (``trtllm``, ``trtllm_mla``): the
     function, imported when the backend is made, its zeroed workspace, and a draft-step update that
     only re-points the metadata at the step's device tensors (nothing is planned on the host)."""
+
     entry_point: tuple[str, str]  # (module, function)
 
     def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:

@@ -32,6 +32,7 @@ Every plan goes through ``plan_staging``: a wrapper's plan is copied to the devi
 page-locked buffer when the stream reaches the copy, so a plan made while the last step is still
 queued (an async scheduler) would overwrite it first.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,15 +41,23 @@ from typing import Any
 
 import torch
 
-from backends.base import (FP8_KV_DTYPES, AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport,
-                           CommonAttentionMetadata, KVScales)
 from backends import fp8
+from backends.base import (
+    FP8_KV_DTYPES,
+    AttentionBackend,
+    AttentionSpec,
+    BackendLimits,
+    Capabilities,
+    CGSupport,
+    CommonAttentionMetadata,
+    KVScales,
+)
 from backends.flashinfer import FA2_COMPUTE_CAPABILITIES, new_workspace, runs_on
-from backends.vendor_layout import packed, packed_output
 from backends.flashinfer.paged_layout import paged_layout
 from backends.flashinfer.plan_staging import PlanStaging
 from backends.paged_write import read_paged_rows, write_paged_rows
 from backends.utils import split_decodes_and_prefills, sub_batch
+from backends.vendor_layout import packed, packed_output
 
 
 @dataclass
@@ -74,12 +83,20 @@ def window_left(spec: AttentionSpec) -> int:
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     capabilities = Capabilities(
-        kinds=frozenset({"mha"}), kv_cache_dtypes=FP8_KV_DTYPES, head_dims=frozenset({64, 128, 192, 256}),
-        block_sizes=frozenset({16, 32, 64}), max_query_len=None, sliding_window=True, logits_soft_cap=True,
-        distinct_value_head_dim=True, returns_lse=True,
+        kinds=frozenset({"mha"}),
+        kv_cache_dtypes=FP8_KV_DTYPES,
+        head_dims=frozenset({64, 128, 192, 256}),
+        block_sizes=frozenset({16, 32, 64}),
+        max_query_len=None,
+        sliding_window=True,
+        logits_soft_cap=True,
+        distinct_value_head_dim=True,
+        returns_lse=True,
         sinks_note="FlashInfer 0.7.2's FA2 wrappers take `sinks`, but on SM90 their output misses them (H200: "
-                   "every learned-sinks case FAILed numerics, error 2.6 on outputs near 0.04)",
-        cuda_graphs=CGSupport.UNIFORM_SINGLE_TOKEN_DECODE, needs_cpu_seq_lens=True, draft_step_update=False,
+        "every learned-sinks case FAILed numerics, error 2.6 on outputs near 0.04)",
+        cuda_graphs=CGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
+        needs_cpu_seq_lens=True,
+        draft_step_update=False,
         **runs_on(FA2_COMPUTE_CAPABILITIES),
     )
 
@@ -89,19 +106,24 @@ class FlashInferBackend(AttentionBackend):
         if reason is None and spec.head_dim == VALUE_DIM_PAIR[0] and spec.v_head_dim != VALUE_DIM_PAIR[1]:
             return "head_dim 192 is claimed only as MLA prefill's q/k head dim, with a value head dim of 128 (measured)"
         if reason is None and spec.v_head_dim != spec.head_dim and (spec.head_dim, spec.v_head_dim) != VALUE_DIM_PAIR:
-            return (f"a value head dim of its own is claimed only as {VALUE_DIM_PAIR[0]} / {VALUE_DIM_PAIR[1]} "
-                    "(DeepSeek-V3's prefill layer, measured); not "
-                    f"{spec.head_dim} / {spec.v_head_dim}")
+            return (
+                f"a value head dim of its own is claimed only as {VALUE_DIM_PAIR[0]} / {VALUE_DIM_PAIR[1]} "
+                "(DeepSeek-V3's prefill layer, measured); not "
+                f"{spec.head_dim} / {spec.v_head_dim}"
+            )
         return reason
 
     def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
         super().__init__(spec, limits, device)
         import flashinfer  # noqa: PLC0415 - optional dependency
+
         # The decode wrapper has one head dim: a layer with a value head dim of its own decodes through FA2 prefill.
         self.value_dim = spec.v_head_dim != spec.head_dim
-        self.decode = (flashinfer.BatchPrefillWithPagedKVCacheWrapper(new_workspace(self.device), "NHD", backend="fa2")
-                       if self.value_dim else
-                       flashinfer.BatchDecodeWithPagedKVCacheWrapper(new_workspace(self.device), "NHD", use_tensor_cores=True))
+        self.decode = (
+            flashinfer.BatchPrefillWithPagedKVCacheWrapper(new_workspace(self.device), "NHD", backend="fa2")
+            if self.value_dim
+            else flashinfer.BatchDecodeWithPagedKVCacheWrapper(new_workspace(self.device), "NHD", use_tensor_cores=True)
+        )
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(new_workspace(self.device), "NHD", backend="fa2")
         max_reqs = limits.max_num_reqs
         int32 = dict(dtype=torch.int32, device=self.device)
@@ -122,14 +144,23 @@ class FlashInferBackend(AttentionBackend):
 
             if self.value_dim:
                 self.graph_decode[num_reqs] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                    self.graph_workspace, "NHD", backend="fa2", use_cuda_graph=True,
-                    qo_indptr_buf=self.graph_qo_indptr[: num_reqs + 1], paged_kv_indptr_buf=self.graph_indptr[: num_reqs + 1],
-                    paged_kv_indices_buf=self.graph_indices, paged_kv_last_page_len_buf=self.graph_last_page_len[:num_reqs],
+                    self.graph_workspace,
+                    "NHD",
+                    backend="fa2",
+                    use_cuda_graph=True,
+                    qo_indptr_buf=self.graph_qo_indptr[: num_reqs + 1],
+                    paged_kv_indptr_buf=self.graph_indptr[: num_reqs + 1],
+                    paged_kv_indices_buf=self.graph_indices,
+                    paged_kv_last_page_len_buf=self.graph_last_page_len[:num_reqs],
                 )
             else:
                 self.graph_decode[num_reqs] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    self.graph_workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
-                    paged_kv_indptr_buffer=self.graph_indptr[: num_reqs + 1], paged_kv_indices_buffer=self.graph_indices,
+                    self.graph_workspace,
+                    "NHD",
+                    use_cuda_graph=True,
+                    use_tensor_cores=True,
+                    paged_kv_indptr_buffer=self.graph_indptr[: num_reqs + 1],
+                    paged_kv_indices_buffer=self.graph_indices,
                     paged_kv_last_page_len_buffer=self.graph_last_page_len[:num_reqs],
                 )
                 self.base2_lse.add(id(self.graph_decode[num_reqs]))
@@ -166,19 +197,39 @@ class FlashInferBackend(AttentionBackend):
         spec = self.spec
         layout = paged_layout(common, spec.block_size)
         self.staging[id(wrapper)].plan(
-            layout.kv_indptr, layout.kv_indices, layout.last_page_len, spec.num_heads, spec.num_kv_heads,
-            spec.head_dim, spec.block_size, window_left=window_left(spec), logits_soft_cap=spec.logits_soft_cap,
-            sm_scale=spec.softmax_scale, q_data_type=spec.dtype, kv_data_type=spec.effective_kv_cache_dtype,
+            layout.kv_indptr,
+            layout.kv_indices,
+            layout.last_page_len,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.block_size,
+            window_left=window_left(spec),
+            logits_soft_cap=spec.logits_soft_cap,
+            sm_scale=spec.softmax_scale,
+            q_data_type=spec.dtype,
+            kv_data_type=spec.effective_kv_cache_dtype,
         )
 
     def _plan_prefill(self, common: CommonAttentionMetadata, wrapper=None) -> None:
         spec = self.spec
         layout = paged_layout(common, spec.block_size)
         self.staging[id(wrapper or self.prefill)].plan(
-            common.query_start_loc_cpu, layout.kv_indptr, layout.kv_indices, layout.last_page_len, spec.num_heads,
-            spec.num_kv_heads, spec.head_dim, spec.block_size, head_dim_vo=spec.v_head_dim, causal=True,
-            window_left=window_left(spec), logits_soft_cap=spec.logits_soft_cap, sm_scale=spec.softmax_scale,
-            q_data_type=spec.dtype, kv_data_type=spec.effective_kv_cache_dtype,
+            common.query_start_loc_cpu,
+            layout.kv_indptr,
+            layout.kv_indices,
+            layout.last_page_len,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.block_size,
+            head_dim_vo=spec.v_head_dim,
+            causal=True,
+            window_left=window_left(spec),
+            logits_soft_cap=spec.logits_soft_cap,
+            sm_scale=spec.softmax_scale,
+            q_data_type=spec.dtype,
+            kv_data_type=spec.effective_kv_cache_dtype,
         )
 
     def build_for_capture(self, common: CommonAttentionMetadata) -> FlashInferMetadata:
@@ -201,11 +252,20 @@ class FlashInferBackend(AttentionBackend):
         self._plan_prefill(sub_batch(common, decodes, common.num_reqs))
         return FlashInferMetadata([WrapperCall(self.decode, 0, decodes), WrapperCall(self.prefill, decodes, tokens)])
 
-    def forward(self, query, kv_cache, metadata: FlashInferMetadata, out, scales: KVScales | None = None,
-                lse: torch.Tensor | None = None) -> None:
+    def forward(
+        self,
+        query,
+        kv_cache,
+        metadata: FlashInferMetadata,
+        out,
+        scales: KVScales | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> None:
         # FlashInfer folds k_scale into the softmax scale and multiplies its output by v_scale: host
         # floats (vLLM's ``_k_scale_float``), fixed per layer, so a captured graph may bake them.
-        scaled = dict(zip(("k_scale", "v_scale"), fp8.scale_floats(self.spec, scales))) if self.spec.fp8_kv_cache else {}
+        scaled = (
+            dict(zip(("k_scale", "v_scale"), fp8.scale_floats(self.spec, scales))) if self.spec.fp8_kv_cache else {}
+        )
         pages = self.key_value(kv_cache) if self.value_dim else kv_cache
         for call in metadata.calls:
             rows = slice(call.token_start, call.token_end)

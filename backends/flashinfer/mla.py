@@ -3,6 +3,7 @@
 host lengths, packed query [T, H, latent + rope] and packed cache [blocks, block_size, latent + rope]
 — exactly this suite's MLA contract, so nothing is copied. An e4m3 latent cache (SM90: FlashInfer's
 FA3 MLA kernels) is written by our write kernel with the layer's one scale."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,12 +12,20 @@ from typing import Any
 import torch
 
 from backends import fp8
-from backends.base import (AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport,
-                           CommonAttentionMetadata, KVScales, PaddingStyle)
+from backends.base import (
+    AttentionBackend,
+    AttentionSpec,
+    BackendLimits,
+    Capabilities,
+    CGSupport,
+    CommonAttentionMetadata,
+    KVScales,
+    PaddingStyle,
+)
 from backends.flashinfer import FA2_COMPUTE_CAPABILITIES, new_workspace, runs_on
-from backends.vendor_layout import packed, packed_output
 from backends.flashinfer.paged_layout import paged_layout
 from backends.paged_write import read_paged_rows, write_paged_rows
+from backends.vendor_layout import packed, packed_output
 
 
 @dataclass
@@ -29,9 +38,16 @@ def plan_arguments(spec: AttentionSpec, common: CommonAttentionMetadata, metadat
     layout = paged_layout(common, spec.block_size)
     return dict(
         metadata=metadata_class.csr(common.query_start_loc_cpu, layout.kv_indptr, layout.kv_indices, layout.seq_lens),
-        num_heads=spec.num_heads, head_dim_ckv=spec.kv_lora_rank, head_dim_kpe=spec.rope_dim, page_size=spec.block_size,
-        causal=True, sm_scale=spec.softmax_scale, q_data_type=spec.dtype, kv_data_type=spec.effective_kv_cache_dtype,
-        query_layout="packed", kv_cache_layout="packed",
+        num_heads=spec.num_heads,
+        head_dim_ckv=spec.kv_lora_rank,
+        head_dim_kpe=spec.rope_dim,
+        page_size=spec.block_size,
+        causal=True,
+        sm_scale=spec.softmax_scale,
+        q_data_type=spec.dtype,
+        kv_data_type=spec.effective_kv_cache_dtype,
+        query_layout="packed",
+        kv_cache_layout="packed",
     )
 
 
@@ -42,13 +58,20 @@ class FlashInferMLABackend(AttentionBackend):
         # Not claimed: measured, H100 (docs/findings.md). The fp8 path below stays, tested by a
         # subclass that claims it (tests/backends/test_flashinfer_mla_fp8_gpu.py), so that a fixed
         # FlashInfer shows as a passing test, to claim again.
-        kv_cache_note=("FlashInfer 0.7.2's FA3 MLA kernel rounds the layer's scale to bf16 before it dequantizes "
-                       "(k_scale 0.1 becomes 0.10009765625): outputs up to 1.65x past the tolerance where a few "
-                       "large scores share the softmax, measured on an H100; its MLA kernels take e4m3 only"),
-        fp8_compute_capabilities=frozenset({(9, 0)}), fp8_device_note="FlashInfer's fp8 MLA plan: its FA3 kernels", head_dims=frozenset({576}),
-        block_sizes=frozenset({16, 32, 64}), padding_styles=frozenset(PaddingStyle),  # measured: H200, numerics
+        kv_cache_note=(
+            "FlashInfer 0.7.2's FA3 MLA kernel rounds the layer's scale to bf16 before it dequantizes "
+            "(k_scale 0.1 becomes 0.10009765625): outputs up to 1.65x past the tolerance where a few "
+            "large scores share the softmax, measured on an H100; its MLA kernels take e4m3 only"
+        ),
+        fp8_compute_capabilities=frozenset({(9, 0)}),
+        fp8_device_note="FlashInfer's fp8 MLA plan: its FA3 kernels",
+        head_dims=frozenset({576}),
+        block_sizes=frozenset({16, 32, 64}),
+        padding_styles=frozenset(PaddingStyle),  # measured: H200, numerics
         max_query_len=8,
-        cuda_graphs=CGSupport.NEVER, needs_cpu_seq_lens=True, draft_step_update=False,
+        cuda_graphs=CGSupport.NEVER,
+        needs_cpu_seq_lens=True,
+        draft_step_update=False,
         **runs_on(FA2_COMPUTE_CAPABILITIES),
     )
 

@@ -5,6 +5,7 @@ from the device block table with host-computed coordinates (pinned, non-blocking
 fed this way makes no device-to-host copy. Without host lengths, ``common.seq_lens_cpu`` copies
 from the device, a sync the syncs check reports.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

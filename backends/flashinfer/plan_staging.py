@@ -12,6 +12,7 @@ never a wait): with one step in flight two buffers are enough, and a deeper queu
 each time it is deeper than ever before. FlashInfer has no public hook for this; the attribute is
 its own name for the buffer, checked when the wrapper is adopted.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -27,8 +28,10 @@ class PlanStaging:
     def __init__(self, wrapper: Any, device: torch.device) -> None:
         first = getattr(wrapper, STAGING_ATTRIBUTE, None)
         if not isinstance(first, torch.Tensor):
-            raise RuntimeError(f"this flashinfer's {type(wrapper).__name__} has no {STAGING_ATTRIBUTE} tensor: "
-                               "the adapter cannot keep a queued step's plan from being overwritten")
+            raise RuntimeError(
+                f"this flashinfer's {type(wrapper).__name__} has no {STAGING_ATTRIBUTE} tensor: "
+                "the adapter cannot keep a queued step's plan from being overwritten"
+            )
         self.wrapper, self.on_gpu = wrapper, torch.device(device).type == "cuda"
         self.buffers: list[tuple[torch.Tensor, torch.cuda.Event | None]] = [(first, None)]
 

@@ -2,6 +2,7 @@
 (trtllm-gen kernels on SM100, XQA kernels on SM90). ``max_seq_len`` is the host's upper bound.
 Its fp8 path (an e4m3 cache written by our write kernel, the scales folded into the kernel's two
 GEMM scales) is not claimed: see ``kv_cache_note``."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,8 +12,8 @@ import torch
 from backends import fp8
 from backends.base import Capabilities, CGSupport, CommonAttentionMetadata, KVScales
 from backends.flashinfer import DeviceLengthsEntryPoint, packed_rows, runs_on
-from backends.vendor_layout import packed, packed_output
 from backends.paged_write import read_paged_rows, write_paged_rows
+from backends.vendor_layout import packed, packed_output
 
 
 @dataclass
@@ -31,10 +32,14 @@ class TrtllmBackend(DeviceLengthsEntryPoint):
         # H200 its e4m3 decode missed the bf16 tolerance by up to 10.8x (error 74 on an output of
         # 342), so it is not the attention of the dequantized cache the contract asks for.
         kv_cache_note="XQA's e4m3 path on SM90 computes in fp8 and missed the tolerance by up to 10.8x on an H200 "
-                      "(max error 74 on an output of 342); e5m2 it does not take; trtllm-gen (SM100) is untested here",
-        head_dims=frozenset({64, 128}), block_sizes=frozenset({16, 32, 64}), attention_sinks=True,
+        "(max error 74 on an output of 342); e5m2 it does not take; trtllm-gen (SM100) is untested here",
+        head_dims=frozenset({64, 128}),
+        block_sizes=frozenset({16, 32, 64}),
+        attention_sinks=True,
         max_query_len=1,
-        cuda_graphs=CGSupport.UNIFORM_SINGLE_TOKEN_DECODE, needs_cpu_seq_lens=False, draft_step_update=True,
+        cuda_graphs=CGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
+        needs_cpu_seq_lens=False,
+        draft_step_update=True,
         **runs_on(frozenset({(9, 0), (10, 0), (10, 3)})),  # XQA on SM90, trtllm-gen on SM100/SM103
     )
     entry_point = ("flashinfer.decode", "trtllm_batch_decode_with_kv_cache")
@@ -50,23 +55,39 @@ class TrtllmBackend(DeviceLengthsEntryPoint):
         write_paged_rows(kv_cache[:, 1].transpose(1, 2), value, slot_mapping, self.spec.block_size, v_scale)
 
     def read_kv(self, kv_cache, slot_mapping):
-        return tuple(read_paged_rows(kv_cache[:, plane].transpose(1, 2), slot_mapping, self.spec.block_size)
-                     for plane in (0, 1))
+        return tuple(
+            read_paged_rows(kv_cache[:, plane].transpose(1, 2), slot_mapping, self.spec.block_size) for plane in (0, 1)
+        )
 
     def build(self, common: CommonAttentionMetadata) -> TrtllmMetadata:
         # The upper bound is what the kernel is given: the true lengths are read on the device.
         return TrtllmMetadata(common.block_table, common.seq_lens, self.limits.max_model_len, common.num_actual_tokens)
 
-    def forward(self, query, kv_cache, metadata: TrtllmMetadata, out, scales: KVScales | None = None,
-                sinks: torch.Tensor | None = None) -> None:
+    def forward(
+        self,
+        query,
+        kv_cache,
+        metadata: TrtllmMetadata,
+        out,
+        scales: KVScales | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
         tokens = metadata.num_tokens
         # The kernel's two GEMM scales carry the fp8 scales (host floats, fixed per layer, as vLLM
         # passes them): scores × softmax_scale × k_scale, output × v_scale.
         k_scale, v_scale = fp8.scale_floats(self.spec, scales)
         target, land = packed_output(out[:tokens])
         self.kernel(
-            query=packed(query[:tokens]), kv_cache=kv_cache, workspace_buffer=self.workspace, block_tables=packed_rows(metadata.block_table),
-            seq_lens=metadata.seq_lens, max_seq_len=metadata.max_seq_len, bmm1_scale=self.spec.softmax_scale * k_scale,
-            bmm2_scale=v_scale, out=target, kv_layout="HND", sinks=sinks,
+            query=packed(query[:tokens]),
+            kv_cache=kv_cache,
+            workspace_buffer=self.workspace,
+            block_tables=packed_rows(metadata.block_table),
+            seq_lens=metadata.seq_lens,
+            max_seq_len=metadata.max_seq_len,
+            bmm1_scale=self.spec.softmax_scale * k_scale,
+            bmm2_scale=v_scale,
+            out=target,
+            kv_layout="HND",
+            sinks=sinks,
         )
         land()

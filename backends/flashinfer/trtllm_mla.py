@@ -1,6 +1,7 @@
 """``trtllm_mla``: FlashInfer's trtllm_batch_decode_with_kv_cache_mla (trtllm-gen kernels on
 SM100/SM103, XQA on SM120). On Hopper it is unavailable, decided from the claims before any kernel
 is called. The argument construction is a pure function so it is tested where it cannot run."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,8 +11,8 @@ import torch
 
 from backends.base import AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
 from backends.flashinfer import DeviceLengthsEntryPoint, packed_rows, runs_on
-from backends.vendor_layout import packed, packed_output
 from backends.paged_write import write_paged_rows
+from backends.vendor_layout import packed, packed_output
 
 QK_NOPE_HEAD_DIM = 128  # DeepSeek-V3's per-head non-rope query dim, which FlashInfer still asks for
 
@@ -24,7 +25,9 @@ class TrtllmMLAMetadata:
     query_len: int
 
 
-def kernel_arguments(spec: AttentionSpec, limits: BackendLimits, query, kv_cache, workspace, metadata: TrtllmMLAMetadata, out) -> dict[str, Any]:
+def kernel_arguments(
+    spec: AttentionSpec, limits: BackendLimits, query, kv_cache, workspace, metadata: TrtllmMLAMetadata, out
+) -> dict[str, Any]:
     """Keyword arguments for trtllm_batch_decode_with_kv_cache_mla, shapes as FlashInfer wants them:
     query [batch, query_len, heads, 576], cache [blocks, 1, block_size, 576], out [batch, query_len, heads, 512]."""
     tokens = metadata.num_reqs * metadata.query_len
@@ -47,11 +50,17 @@ def kernel_arguments(spec: AttentionSpec, limits: BackendLimits, query, kv_cache
 class TrtllmMLABackend(DeviceLengthsEntryPoint):
     name = "trtllm_mla"
     capabilities = Capabilities(
-        kinds=frozenset({"mla"}), dtypes=frozenset({torch.bfloat16}),
+        kinds=frozenset({"mla"}),
+        dtypes=frozenset({torch.bfloat16}),
         kv_cache_note="trtllm-gen's e4m3 MLA path is not claimed until it passes on a Blackwell GPU, which this "
-                      "project has not had", head_dims=frozenset({576}), block_sizes=frozenset({32, 64}),
-        max_query_len=8, uniform_query_len=True,
-        cuda_graphs=CGSupport.UNIFORM_BATCH, needs_cpu_seq_lens=False, draft_step_update=True,
+        "project has not had",
+        head_dims=frozenset({576}),
+        block_sizes=frozenset({32, 64}),
+        max_query_len=8,
+        uniform_query_len=True,
+        cuda_graphs=CGSupport.UNIFORM_BATCH,
+        needs_cpu_seq_lens=False,
+        draft_step_update=True,
         **runs_on(frozenset({(10, 0), (10, 3), (12, 0)})),  # trtllm-gen on SM100/SM103, XQA on SM120
     )
     entry_point = ("flashinfer.mla", "trtllm_batch_decode_with_kv_cache_mla")

@@ -7,6 +7,7 @@ batch replays correctly for any other of the same padded size; the variant only 
 because requests longer than it are served by the prefill kernel, launched whenever a graph is
 being captured.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,9 +15,18 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.base import (FP8_KV_DTYPES, AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CGSupport,
-                           CommonAttentionMetadata, KVScales, PaddingStyle)
 from backends import fp8
+from backends.base import (
+    FP8_KV_DTYPES,
+    AttentionBackend,
+    AttentionSpec,
+    BackendLimits,
+    Capabilities,
+    CGSupport,
+    CommonAttentionMetadata,
+    KVScales,
+    PaddingStyle,
+)
 from backends.fp8 import to_cache
 from backends.paged_write import write_paged_rows
 from backends.triton import INSTALL_HINT
@@ -35,8 +45,10 @@ MAX_SPLITS = 16
 BLOCK_SPLITS = 16  # the merge kernel's tile over splits: one compiled variant for every split count
 LOG2E = 1.4426950408889634
 # Triton converts to and from e4m3 / e5m2 on Ada, Hopper and newer: the Capabilities fields that say so.
-FP8_GPUS = dict(fp8_compute_capabilities=frozenset({(8, 9), (9, 0), (10, 0), (10, 3), (12, 0)}),
-                fp8_device_note="Triton's fp8 conversions")
+FP8_GPUS = dict(
+    fp8_compute_capabilities=frozenset({(8, 9), (9, 0), (10, 0), (10, 3), (12, 0)}),
+    fp8_device_note="Triton's fp8 conversions",
+)
 # The interpreter has no multiprocessors; this stand-in and a short minimum split make the CPU
 # tests run one split (output written directly) and several (merged) on small cases.
 INTERPRETER_MULTIPROCESSORS = 4
@@ -108,7 +120,9 @@ class DeviceLengthsBackend(AttentionBackend):
         self.partial_out = torch.empty(self.partial_row_capacity * value_dim, dtype=torch.float32, device=self.device)
         self.partial_lse = torch.empty(self.partial_row_capacity, dtype=torch.float32, device=self.device)
 
-    def splits_for(self, num_reqs: int, decode_q: int, programs_per_request: int, programs_per_multiprocessor: int) -> int:
+    def splits_for(
+        self, num_reqs: int, decode_q: int, programs_per_request: int, programs_per_multiprocessor: int
+    ) -> int:
         """This step's KV split count, from host ints only: as many programs as fill the GPU
         (``programs_per_multiprocessor`` on each SM) and no more, because every extra split writes
         and merges partial rows. A request's output bits therefore depend on how many requests
@@ -118,25 +132,48 @@ class DeviceLengthsBackend(AttentionBackend):
         wanted = programs_per_multiprocessor * self.multiprocessors // (max(1, num_reqs) * programs_per_request)
         return max(1, min(self.max_splits, by_memory, wanted))
 
-    def merge_splits(self, out, metadata: TritonMetadata, num_splits: int, value_dim: int,
-                     sinks: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> None:
+    def merge_splits(
+        self,
+        out,
+        metadata: TritonMetadata,
+        num_splits: int,
+        value_dim: int,
+        sinks: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> None:
         """Fold the partial results of a step that used more than one split into ``out`` (and the
         layer's learned sinks into their denominators, once; the rows' log-sum-exp into ``lse``)."""
         if num_splits == 1:
             return  # the split kernel wrote the output itself
         kernels.merge_splits_kernel[(self.limits.max_num_reqs * metadata.decode_q, self.spec.num_heads)](
-            self.partial_out, self.partial_lse, out, metadata.query_start_loc, metadata.num_reqs, num_splits,
-            out.stride(0), out.stride(1), self.partial_lse if sinks is None else sinks,
-            self.partial_lse if lse is None else lse, 0 if lse is None else lse.stride(0),
-            NUM_HEADS=self.spec.num_heads, DECODE_Q=metadata.decode_q, HEAD_DIM=value_dim,
-            BLOCK_D=triton.next_power_of_2(value_dim), BLOCK_SPLITS=BLOCK_SPLITS, HAS_SINKS=sinks is not None,
+            self.partial_out,
+            self.partial_lse,
+            out,
+            metadata.query_start_loc,
+            metadata.num_reqs,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            self.partial_lse if sinks is None else sinks,
+            self.partial_lse if lse is None else lse,
+            0 if lse is None else lse.stride(0),
+            NUM_HEADS=self.spec.num_heads,
+            DECODE_Q=metadata.decode_q,
+            HEAD_DIM=value_dim,
+            BLOCK_D=triton.next_power_of_2(value_dim),
+            BLOCK_SPLITS=BLOCK_SPLITS,
+            HAS_SINKS=sinks is not None,
             RETURN_LSE=lse is not None,
         )
 
     def build(self, common: CommonAttentionMetadata) -> TritonMetadata:
         return TritonMetadata(
-            query_start_loc=common.query_start_loc, seq_lens=common.seq_lens, block_table=common.block_table,
-            num_reqs=common.num_reqs, max_query_len=common.max_query_len, decode_q=decode_variant(common.max_query_len),
+            query_start_loc=common.query_start_loc,
+            seq_lens=common.seq_lens,
+            block_table=common.block_table,
+            num_reqs=common.num_reqs,
+            max_query_len=common.max_query_len,
+            decode_q=decode_variant(common.max_query_len),
         )
 
     def update_for_draft_step(self, metadata: TritonMetadata, common: CommonAttentionMetadata) -> TritonMetadata:
@@ -144,7 +181,9 @@ class DeviceLengthsBackend(AttentionBackend):
         # query_start_loc from the device, where the draft loop advanced them. Re-point in case
         # the caller handed new tensors.
         metadata.query_start_loc, metadata.seq_lens, metadata.block_table = (
-            common.query_start_loc, common.seq_lens, common.block_table,
+            common.query_start_loc,
+            common.seq_lens,
+            common.block_table,
         )
         return metadata
 
@@ -162,12 +201,24 @@ DECODE_PROGRAMS_PER_MULTIPROCESSOR = {1: 8, 2: 4, 4: 4, 8: 4}
 class TritonAttentionBackend(DeviceLengthsBackend):
     name = "triton"
     capabilities = Capabilities(
-        kinds=frozenset({"mha"}), head_dims=frozenset({64, 128, 192, 256}),
-        block_sizes=frozenset({16, 32, 64}), kv_cache_dtypes=FP8_KV_DTYPES, **FP8_GPUS,
-        max_query_len=None, sliding_window=True, logits_soft_cap=True, attention_sinks=True,
-        distinct_value_head_dim=True, returns_lse=True, padding_styles=frozenset(PaddingStyle),  # an empty request's programs return before reading anything
-        cuda_graphs=CGSupport.ALWAYS, needs_cpu_seq_lens=False, draft_step_update=True,
-        devices=interpreter_devices(), required_modules=("triton",), install_hint=INSTALL_HINT,
+        kinds=frozenset({"mha"}),
+        head_dims=frozenset({64, 128, 192, 256}),
+        block_sizes=frozenset({16, 32, 64}),
+        kv_cache_dtypes=FP8_KV_DTYPES,
+        **FP8_GPUS,
+        max_query_len=None,
+        sliding_window=True,
+        logits_soft_cap=True,
+        attention_sinks=True,
+        distinct_value_head_dim=True,
+        returns_lse=True,
+        padding_styles=frozenset(PaddingStyle),  # an empty request's programs return before reading anything
+        cuda_graphs=CGSupport.ALWAYS,
+        needs_cpu_seq_lens=False,
+        draft_step_update=True,
+        devices=interpreter_devices(),
+        required_modules=("triton",),
+        install_hint=INSTALL_HINT,
     )
 
     def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
@@ -207,17 +258,34 @@ class TritonAttentionBackend(DeviceLengthsBackend):
         if quantize and interpreting():
             # The interpreter's fp32 -> e4m3 conversion flushes subnormals to zero (a GPU's rounds
             # them): quantize with torch's conversion, on the device scales, and store as they are.
-            key, value = (to_cache(rows, scale, k_cache.dtype)
-                          for rows, scale in zip((key, value), self.device_scales(scales)))
+            key, value = (
+                to_cache(rows, scale, k_cache.dtype) for rows, scale in zip((key, value), self.device_scales(scales))
+            )
             quantize = False
         k_scale, v_scale = self.device_scales(scales) if quantize else (slot_mapping, slot_mapping)
         kernels.write_kv_kernel[(slot_mapping.shape[0],)](
-            key, value, k_cache, v_cache, slot_mapping,
-            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_scale, v_scale,
-            NUM_KV_HEADS=self.spec.num_kv_heads, HEAD_DIM=self.spec.head_dim, PAGE_SIZE=self.spec.block_size,
-            BLOCK_HEADS=triton.next_power_of_2(self.spec.num_kv_heads), BLOCK_D=self.block_d, HAS_VALUE=True,
-            QUANTIZE=quantize, FP8_MAX=float(torch.finfo(k_cache.dtype).max) if quantize else 448.0,
+            key,
+            value,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            key.stride(0),
+            key.stride(1),
+            value.stride(0),
+            value.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            k_scale,
+            v_scale,
+            NUM_KV_HEADS=self.spec.num_kv_heads,
+            HEAD_DIM=self.spec.head_dim,
+            PAGE_SIZE=self.spec.block_size,
+            BLOCK_HEADS=triton.next_power_of_2(self.spec.num_kv_heads),
+            BLOCK_D=self.block_d,
+            HAS_VALUE=True,
+            QUANTIZE=quantize,
+            FP8_MAX=float(torch.finfo(k_cache.dtype).max) if quantize else 448.0,
         )
 
     def read_kv(self, kv_cache, slot_mapping):
@@ -225,8 +293,16 @@ class TritonAttentionBackend(DeviceLengthsBackend):
         k_cache, v_cache = self.planes(kv_cache)
         return k_cache[blocks, :, offsets], v_cache[blocks, :, offsets]
 
-    def forward(self, query, kv_cache, metadata: TritonMetadata, out, scales: KVScales | None = None,
-                sinks: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> None:
+    def forward(
+        self,
+        query,
+        kv_cache,
+        metadata: TritonMetadata,
+        out,
+        scales: KVScales | None = None,
+        sinks: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> None:
         spec, limits = self.spec, self.limits
         if spec.attention_sinks and sinks is None:
             raise ValueError("a layer with learned attention sinks needs them (the `sinks` keyword of forward)")
@@ -239,31 +315,90 @@ class TritonAttentionBackend(DeviceLengthsBackend):
         soft_cap = spec.logits_soft_cap or 0.0
         window = spec.sliding_window or 0
         common_args = dict(
-            GROUP=self.group, HEAD_DIM=spec.head_dim, BLOCK_D=self.block_d,
-            PAGE_SIZE=spec.block_size, USE_WINDOW=spec.sliding_window is not None,
-            USE_SOFT_CAP=spec.logits_soft_cap is not None, UPCAST_DOT=self.upcast_dot, KV_FP8=fp8,
-            HAS_SINKS=sinks is not None, HEAD_DIM_V=spec.v_head_dim, BLOCK_DV=self.block_dv, RETURN_LSE=lse is not None,
+            GROUP=self.group,
+            HEAD_DIM=spec.head_dim,
+            BLOCK_D=self.block_d,
+            PAGE_SIZE=spec.block_size,
+            USE_WINDOW=spec.sliding_window is not None,
+            USE_SOFT_CAP=spec.logits_soft_cap is not None,
+            UPCAST_DOT=self.upcast_dot,
+            KV_FP8=fp8,
+            HAS_SINKS=sinks is not None,
+            HEAD_DIM_V=spec.v_head_dim,
+            BLOCK_DV=self.block_dv,
+            RETURN_LSE=lse is not None,
         )
         decode_q = metadata.decode_q
         block_m = max(16, triton.next_power_of_2(decode_q * self.group))
-        num_splits = self.splits_for(metadata.num_reqs, decode_q, spec.num_kv_heads, DECODE_PROGRAMS_PER_MULTIPROCESSOR[decode_q])
+        num_splits = self.splits_for(
+            metadata.num_reqs, decode_q, spec.num_kv_heads, DECODE_PROGRAMS_PER_MULTIPROCESSOR[decode_q]
+        )
         kernels.decode_split_kernel[(limits.max_num_reqs, spec.num_kv_heads, num_splits)](
-            query, k_cache, v_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
-            self.partial_out, self.partial_lse, out, metadata.num_reqs, num_splits, scale_log2, soft_cap, window,
-            query.stride(0), query.stride(1), out.stride(0), out.stride(1), metadata.block_table.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_scale, v_scale, sinks_ptr, *lse_args,
-            NUM_HEADS=spec.num_heads, DECODE_Q=decode_q, BLOCK_M=block_m, BLOCK_N=self.decode_block_n,
-            ONE_SPLIT=num_splits == 1, **common_args,
-            num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
+            query,
+            k_cache,
+            v_cache,
+            metadata.block_table,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            self.partial_out,
+            self.partial_lse,
+            out,
+            metadata.num_reqs,
+            num_splits,
+            scale_log2,
+            soft_cap,
+            window,
+            query.stride(0),
+            query.stride(1),
+            out.stride(0),
+            out.stride(1),
+            metadata.block_table.stride(0),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            k_scale,
+            v_scale,
+            sinks_ptr,
+            *lse_args,
+            NUM_HEADS=spec.num_heads,
+            DECODE_Q=decode_q,
+            BLOCK_M=block_m,
+            BLOCK_N=self.decode_block_n,
+            ONE_SPLIT=num_splits == 1,
+            **common_args,
+            num_warps=DECODE_NUM_WARPS,
+            num_stages=DECODE_NUM_STAGES,
         )
         self.merge_splits(out, metadata, num_splits, spec.v_head_dim, sinks, lse)
         if metadata.max_query_len > decode_q or is_capturing(self.device):
             num_query_blocks = triton.cdiv(limits.max_num_tokens, self.prefill_block_q) + limits.max_num_reqs
             kernels.prefill_kernel[(num_query_blocks, spec.num_kv_heads)](
-                query, k_cache, v_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens, out,
-                metadata.num_reqs, scale_log2, soft_cap, window,
-                query.stride(0), query.stride(1), out.stride(0), out.stride(1), metadata.block_table.stride(0),
-                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_scale, v_scale, sinks_ptr, *lse_args,
-                DECODE_Q=decode_q, BLOCK_Q=self.prefill_block_q, BLOCK_M=self.prefill_block_m, BLOCK_N=self.block_n,
+                query,
+                k_cache,
+                v_cache,
+                metadata.block_table,
+                metadata.query_start_loc,
+                metadata.seq_lens,
+                out,
+                metadata.num_reqs,
+                scale_log2,
+                soft_cap,
+                window,
+                query.stride(0),
+                query.stride(1),
+                out.stride(0),
+                out.stride(1),
+                metadata.block_table.stride(0),
+                k_cache.stride(0),
+                k_cache.stride(1),
+                k_cache.stride(2),
+                k_scale,
+                v_scale,
+                sinks_ptr,
+                *lse_args,
+                DECODE_Q=decode_q,
+                BLOCK_Q=self.prefill_block_q,
+                BLOCK_M=self.prefill_block_m,
+                BLOCK_N=self.block_n,
                 **common_args,
             )

@@ -31,6 +31,7 @@ keeps a kernel of its own, as Triton's ``num_splits == 1`` specialization gave i
 store fold away at compile time), through the explicit ``ONE_SPLIT`` constexpr: a split kernel has
 two variants.
 """
+
 from __future__ import annotations
 
 import triton
@@ -43,6 +44,7 @@ def batch_kernel(fn):
     """``triton.jit`` that leaves the batch-varying integer arguments fn has unspecialized."""
     names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
     return triton.jit(fn, do_not_specialize=[name for name in BATCH_VARYING if name in names])
+
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -61,19 +63,36 @@ def _quantized(rows, scale_ptr, QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr):
     if QUANTIZE:  # one return: a compiled kernel's returns must agree in type
         # NaN kept NaN (as torch's conversion does): without propagate_nan, max/min map it to -FP8_MAX.
         scaled = rows.to(tl.float32) / tl.load(scale_ptr)
-        rows = tl.minimum(tl.maximum(scaled, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
-                          propagate_nan=tl.PropagateNan.ALL)
+        rows = tl.minimum(
+            tl.maximum(scaled, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX, propagate_nan=tl.PropagateNan.ALL
+        )
     return rows
 
 
 @triton.jit
 def write_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    stride_key_token, stride_key_head, stride_value_token, stride_value_head,
-    stride_cache_block, stride_cache_head, stride_cache_token, k_scale_ptr, v_scale_ptr,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_VALUE: tl.constexpr,
-    QUANTIZE: tl.constexpr = False, FP8_MAX: tl.constexpr = 448.0,
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_key_token,
+    stride_key_head,
+    stride_value_token,
+    stride_value_head,
+    stride_cache_block,
+    stride_cache_head,
+    stride_cache_token,
+    k_scale_ptr,
+    v_scale_ptr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_VALUE: tl.constexpr,
+    QUANTIZE: tl.constexpr = False,
+    FP8_MAX: tl.constexpr = 448.0,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
@@ -108,8 +127,9 @@ def decode_query(query_start_loc_ptr, request, num_reqs, DECODE_Q: tl.constexpr)
 
 
 @triton.jit
-def decode_rows(query_len, first_head, HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, DECODE_Q: tl.constexpr,
-                BLOCK_M: tl.constexpr):
+def decode_rows(
+    query_len, first_head, HEADS: tl.constexpr, NUM_HEADS: tl.constexpr, DECODE_Q: tl.constexpr, BLOCK_M: tl.constexpr
+):
     """The rows of one decode tile: every new token of the request times HEADS query heads from
     ``first_head`` — (token, head, valid) per row, padding rows invalid."""
     rows = tl.arange(0, BLOCK_M)
@@ -119,8 +139,17 @@ def decode_rows(query_len, first_head, HEADS: tl.constexpr, NUM_HEADS: tl.conste
 
 
 @triton.jit
-def decode_tile(query_start_loc_ptr, seq_lens_ptr, request, num_reqs, first_head, HEADS: tl.constexpr,
-                NUM_HEADS: tl.constexpr, DECODE_Q: tl.constexpr, BLOCK_M: tl.constexpr):
+def decode_tile(
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    request,
+    num_reqs,
+    first_head,
+    HEADS: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    DECODE_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     """Everything a split-KV decode program knows before it reads the cache: the request's first
     new token, how many (0: nothing to serve), its length, and the tile's rows with their positions."""
     query_start, query_len = decode_query(query_start_loc_ptr, request, num_reqs, DECODE_Q)
@@ -169,29 +198,49 @@ def store_lse(row_max, row_sum, lse_ptr, lse_stride, token_index, head, row_vali
 
 
 @triton.jit
-def store_output(acc, row_sum, out_ptr, token_index, head, dims, row_valid, stride_out_token, stride_out_head,
-                 WIDTH: tl.constexpr):
+def store_output(
+    acc, row_sum, out_ptr, token_index, head, dims, row_valid, stride_out_token, stride_out_head, WIDTH: tl.constexpr
+):
     """The normalised output rows of a tile that saw every key of its rows, in the output dtype."""
     out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
     tl.store(
         out_ptr + token_index[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
-        out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & (dims[None, :] < WIDTH),
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & (dims[None, :] < WIDTH),
     )
 
 
 @triton.jit
 def store_split_result(
-    acc, row_max, row_sum, partial_out_ptr, partial_lse_ptr, out_ptr, query_start, token, head, request, split,
-    num_splits, dims, row_valid, stride_out_token, stride_out_head,
-    NUM_HEADS: tl.constexpr, DECODE_Q: tl.constexpr, WIDTH: tl.constexpr, ONE_SPLIT: tl.constexpr,
+    acc,
+    row_max,
+    row_sum,
+    partial_out_ptr,
+    partial_lse_ptr,
+    out_ptr,
+    query_start,
+    token,
+    head,
+    request,
+    split,
+    num_splits,
+    dims,
+    row_valid,
+    stride_out_token,
+    stride_out_head,
+    NUM_HEADS: tl.constexpr,
+    DECODE_Q: tl.constexpr,
+    WIDTH: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
 ):
     """A split-KV program's result. With one split it is the whole answer and goes straight to
     ``out`` (no merge is launched). Otherwise: the split's normalised output and base-2
     log-sum-exp per row, for ``merge_splits_kernel``; a row that saw no key (an empty split) gets
     -inf and so no weight."""
     if ONE_SPLIT:
-        store_output(acc, row_sum, out_ptr, query_start + token, head, dims, row_valid, stride_out_token,
-                     stride_out_head, WIDTH)
+        store_output(
+            acc, row_sum, out_ptr, query_start + token, head, dims, row_valid, stride_out_token, stride_out_head, WIDTH
+        )
     else:
         partial_row = (request * DECODE_Q + token) * NUM_HEADS + head  # [rows, heads] flattened
         seen = row_sum > 0
@@ -200,19 +249,43 @@ def store_split_result(
         tl.store(partial_lse_ptr + partial_row * num_splits + split, lse, mask=row_valid)
         tl.store(
             partial_out_ptr + (partial_row * num_splits + split)[:, None] * WIDTH + dims[None, :],
-            out, mask=row_valid[:, None] & (dims[None, :] < WIDTH),
+            out,
+            mask=row_valid[:, None] & (dims[None, :] < WIDTH),
         )
 
 
 @triton.jit
 def _attend(
-    q, request, kv_head, start, end, query_positions, row_valid,
-    k_cache_ptr, v_cache_ptr, block_table_ptr, stride_block_table,
-    stride_cache_block, stride_cache_head, stride_cache_token,
-    scale_log2, soft_cap, window, k_scale_ptr, v_scale_ptr,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    q,
+    request,
+    kv_head,
+    start,
+    end,
+    query_positions,
+    row_valid,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    stride_block_table,
+    stride_cache_block,
+    stride_cache_head,
+    stride_cache_token,
+    scale_log2,
+    soft_cap,
+    window,
+    k_scale_ptr,
+    v_scale_ptr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     """Online softmax of the rows in ``q`` over KV positions [start, end) of one request:
     (unnormalised output, row maximum, row sum).
@@ -233,12 +306,21 @@ def _attend(
     for tile_start in range(start, end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         in_range = positions < end
-        blocks = tl.load(block_table_ptr + request * stride_block_table + positions // PAGE_SIZE, mask=in_range, other=0)
-        rows = blocks.to(tl.int64) * stride_cache_block + kv_head * stride_cache_head + (positions % PAGE_SIZE) * stride_cache_token
+        blocks = tl.load(
+            block_table_ptr + request * stride_block_table + positions // PAGE_SIZE, mask=in_range, other=0
+        )
+        rows = (
+            blocks.to(tl.int64) * stride_cache_block
+            + kv_head * stride_cache_head
+            + (positions % PAGE_SIZE) * stride_cache_token
+        )
         kv_mask = in_range[:, None] & dim_mask[None, :]
         key = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        value = tl.load(v_cache_ptr + rows[:, None] + value_dims[None, :],
-                        mask=in_range[:, None] & (value_dims[None, :] < HEAD_DIM_V), other=0.0)
+        value = tl.load(
+            v_cache_ptr + rows[:, None] + value_dims[None, :],
+            mask=in_range[:, None] & (value_dims[None, :] < HEAD_DIM_V),
+            other=0.0,
+        )
         if KV_FP8:
             key = key.to(q.dtype)
             value = value.to(q.dtype)
@@ -253,7 +335,9 @@ def _attend(
         visible = (positions[None, :] <= query_positions[:, None]) & in_range[None, :] & row_valid[:, None]
         if USE_WINDOW:
             visible = visible & (query_positions[:, None] - positions[None, :] < window)
-        acc, row_max, row_sum = online_softmax_step(tl.where(visible, scores, float("-inf")), value, acc, row_max, row_sum)
+        acc, row_max, row_sum = online_softmax_step(
+            tl.where(visible, scores, float("-inf")), value, acc, row_max, row_sum
+        )
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
     return acc, row_max, row_sum
@@ -261,26 +345,65 @@ def _attend(
 
 @batch_kernel
 def decode_split_kernel(
-    query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
-    partial_out_ptr, partial_lse_ptr, out_ptr,
-    num_reqs, num_splits, scale_log2, soft_cap, window,
-    stride_query_token, stride_query_head, stride_out_token, stride_out_head, stride_block_table,
-    stride_cache_block, stride_cache_head, stride_cache_token, k_scale_ptr, v_scale_ptr, sinks_ptr, lse_ptr, lse_stride,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, DECODE_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST_DOT: tl.constexpr, ONE_SPLIT: tl.constexpr,
-    KV_FP8: tl.constexpr, HAS_SINKS: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    query_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    out_ptr,
+    num_reqs,
+    num_splits,
+    scale_log2,
+    soft_cap,
+    window,
+    stride_query_token,
+    stride_query_head,
+    stride_out_token,
+    stride_out_head,
+    stride_block_table,
+    stride_cache_block,
+    stride_cache_head,
+    stride_cache_token,
+    k_scale_ptr,
+    v_scale_ptr,
+    sinks_ptr,
+    lse_ptr,
+    lse_stride,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    DECODE_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     RETURN_LSE: tl.constexpr,
 ):
     request, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # grid (requests, KV heads, splits)
     query_start, query_len, seq_len, token, head, row_valid, query_positions = decode_tile(
-        query_start_loc_ptr, seq_lens_ptr, request, num_reqs, kv_head * GROUP, GROUP, NUM_HEADS, DECODE_Q, BLOCK_M)
+        query_start_loc_ptr, seq_lens_ptr, request, num_reqs, kv_head * GROUP, GROUP, NUM_HEADS, DECODE_Q, BLOCK_M
+    )
     if query_len == 0:
         return
     dims = tl.arange(0, BLOCK_D)
     q = tl.load(
-        query_ptr + (query_start + token)[:, None] * stride_query_token + head[:, None] * stride_query_head + dims[None, :],
-        mask=row_valid[:, None] & (dims[None, :] < HEAD_DIM), other=0.0,
+        query_ptr
+        + (query_start + token)[:, None] * stride_query_token
+        + head[:, None] * stride_query_head
+        + dims[None, :],
+        mask=row_valid[:, None] & (dims[None, :] < HEAD_DIM),
+        other=0.0,
     )
 
     low = 0
@@ -289,26 +412,85 @@ def decode_split_kernel(
     start, end = split_range(low, seq_len, split, num_splits, BLOCK_N, ONE_SPLIT)
 
     acc, row_max, row_sum = _attend(
-        q, request, kv_head, start, end, query_positions, row_valid,
-        k_cache_ptr, v_cache_ptr, block_table_ptr, stride_block_table,
-        stride_cache_block, stride_cache_head, stride_cache_token, scale_log2, soft_cap, window, k_scale_ptr, v_scale_ptr,
-        BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW, USE_SOFT_CAP, UPCAST_DOT, KV_FP8, HEAD_DIM_V, BLOCK_DV,
+        q,
+        request,
+        kv_head,
+        start,
+        end,
+        query_positions,
+        row_valid,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_table_ptr,
+        stride_block_table,
+        stride_cache_block,
+        stride_cache_head,
+        stride_cache_token,
+        scale_log2,
+        soft_cap,
+        window,
+        k_scale_ptr,
+        v_scale_ptr,
+        BLOCK_M,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        PAGE_SIZE,
+        USE_WINDOW,
+        USE_SOFT_CAP,
+        UPCAST_DOT,
+        KV_FP8,
+        HEAD_DIM_V,
+        BLOCK_DV,
     )
     if HAS_SINKS and ONE_SPLIT:  # with several splits, the merge adds the sink once
         acc, row_max, row_sum = fold_sink(acc, row_max, row_sum, sinks_ptr, head, row_valid)
     if RETURN_LSE and ONE_SPLIT:  # with several splits, the merge writes it
         store_lse(row_max, row_sum, lse_ptr, lse_stride, query_start + token, head, row_valid)
-    store_split_result(acc, row_max, row_sum, partial_out_ptr, partial_lse_ptr, out_ptr, query_start, token, head,
-                       request, split, num_splits, tl.arange(0, BLOCK_DV), row_valid, stride_out_token, stride_out_head,
-                       NUM_HEADS, DECODE_Q, HEAD_DIM_V, ONE_SPLIT)
+    store_split_result(
+        acc,
+        row_max,
+        row_sum,
+        partial_out_ptr,
+        partial_lse_ptr,
+        out_ptr,
+        query_start,
+        token,
+        head,
+        request,
+        split,
+        num_splits,
+        tl.arange(0, BLOCK_DV),
+        row_valid,
+        stride_out_token,
+        stride_out_head,
+        NUM_HEADS,
+        DECODE_Q,
+        HEAD_DIM_V,
+        ONE_SPLIT,
+    )
 
 
 @batch_kernel
 def merge_splits_kernel(
-    partial_out_ptr, partial_lse_ptr, out_ptr, query_start_loc_ptr, num_reqs, num_splits,
-    stride_out_token, stride_out_head, sinks_ptr, lse_ptr, lse_stride,
-    NUM_HEADS: tl.constexpr, DECODE_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr = False, RETURN_LSE: tl.constexpr = False,
+    partial_out_ptr,
+    partial_lse_ptr,
+    out_ptr,
+    query_start_loc_ptr,
+    num_reqs,
+    num_splits,
+    stride_out_token,
+    stride_out_head,
+    sinks_ptr,
+    lse_ptr,
+    lse_stride,
+    NUM_HEADS: tl.constexpr,
+    DECODE_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
+    RETURN_LSE: tl.constexpr = False,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -335,23 +517,59 @@ def merge_splits_kernel(
     dims = tl.arange(0, BLOCK_D)
     partial = tl.load(
         partial_out_ptr + (partial_row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
-        mask=(splits[:, None] < num_splits) & (dims[None, :] < HEAD_DIM), other=0.0,
+        mask=(splits[:, None] < num_splits) & (dims[None, :] < HEAD_DIM),
+        other=0.0,
     )
     out = tl.sum(partial * weights[:, None], axis=0)
-    tl.store(out_ptr + (query_start + token) * stride_out_token + head * stride_out_head + dims,
-             out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+    tl.store(
+        out_ptr + (query_start + token) * stride_out_token + head * stride_out_head + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
 
 
 @batch_kernel
 def prefill_kernel(
-    query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-    num_reqs, scale_log2, soft_cap, window,
-    stride_query_token, stride_query_head, stride_out_token, stride_out_head, stride_block_table,
-    stride_cache_block, stride_cache_head, stride_cache_token, k_scale_ptr, v_scale_ptr, sinks_ptr, lse_ptr, lse_stride,
-    GROUP: tl.constexpr, DECODE_Q: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr,
-    HAS_SINKS: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, RETURN_LSE: tl.constexpr,
+    query_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    num_reqs,
+    scale_log2,
+    soft_cap,
+    window,
+    stride_query_token,
+    stride_query_head,
+    stride_out_token,
+    stride_out_head,
+    stride_block_table,
+    stride_cache_block,
+    stride_cache_head,
+    stride_cache_token,
+    k_scale_ptr,
+    v_scale_ptr,
+    sinks_ptr,
+    lse_ptr,
+    lse_stride,
+    GROUP: tl.constexpr,
+    DECODE_Q: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -382,8 +600,12 @@ def prefill_kernel(
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims[None, :] < HEAD_DIM
     q = tl.load(
-        query_ptr + (query_start + token)[:, None] * stride_query_token + head[:, None] * stride_query_head + dims[None, :],
-        mask=row_valid[:, None] & dim_mask, other=0.0,
+        query_ptr
+        + (query_start + token)[:, None] * stride_query_token
+        + head[:, None] * stride_query_head
+        + dims[None, :],
+        mask=row_valid[:, None] & dim_mask,
+        other=0.0,
     )
     first_position = context_len + query_block * BLOCK_Q
     last_position = tl.minimum(first_position + BLOCK_Q, seq_len)  # exclusive: causal
@@ -393,14 +615,50 @@ def prefill_kernel(
     start = (start // BLOCK_N) * BLOCK_N
 
     acc, row_max, row_sum = _attend(
-        q, request, kv_head, start, last_position, query_positions, row_valid,
-        k_cache_ptr, v_cache_ptr, block_table_ptr, stride_block_table,
-        stride_cache_block, stride_cache_head, stride_cache_token, scale_log2, soft_cap, window, k_scale_ptr, v_scale_ptr,
-        BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW, USE_SOFT_CAP, UPCAST_DOT, KV_FP8, HEAD_DIM_V, BLOCK_DV,
+        q,
+        request,
+        kv_head,
+        start,
+        last_position,
+        query_positions,
+        row_valid,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_table_ptr,
+        stride_block_table,
+        stride_cache_block,
+        stride_cache_head,
+        stride_cache_token,
+        scale_log2,
+        soft_cap,
+        window,
+        k_scale_ptr,
+        v_scale_ptr,
+        BLOCK_M,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        PAGE_SIZE,
+        USE_WINDOW,
+        USE_SOFT_CAP,
+        UPCAST_DOT,
+        KV_FP8,
+        HEAD_DIM_V,
+        BLOCK_DV,
     )
     if HAS_SINKS:
         acc, row_max, row_sum = fold_sink(acc, row_max, row_sum, sinks_ptr, head, row_valid)
     if RETURN_LSE:
         store_lse(row_max, row_sum, lse_ptr, lse_stride, query_start + token, head, row_valid)
-    store_output(acc, row_sum, out_ptr, query_start + token, head, tl.arange(0, BLOCK_DV), row_valid, stride_out_token,
-                 stride_out_head, HEAD_DIM_V)
+    store_output(
+        acc,
+        row_sum,
+        out_ptr,
+        query_start + token,
+        head,
+        tl.arange(0, BLOCK_DV),
+        row_valid,
+        stride_out_token,
+        stride_out_head,
+        HEAD_DIM_V,
+    )

@@ -1,5 +1,6 @@
 """``triton_mla``: absorbed MLA decode and spec-verify (query length up to 8) over the latent
 paged cache, split-KV with a merge kernel; graph-safe, needing no host lengths (as ``triton``)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -64,10 +65,14 @@ def tma_reads(spec: AttentionSpec, kv_cache: torch.Tensor) -> bool:
     the TMA path was measured and tuned on bf16 tiles only."""
     widths = (spec.kv_lora_rank, spec.rope_dim)
     row_bytes = kv_cache.stride(1) * kv_cache.element_size()
-    return (spec.block_size % BLOCK_N == 0 and kv_cache.is_contiguous() and row_bytes % 16 == 0
-            and not spec.fp8_kv_cache
-            and kv_cache.data_ptr() % 16 == 0
-            and all(w >= 16 and w == triton.next_power_of_2(w) for w in widths))
+    return (
+        spec.block_size % BLOCK_N == 0
+        and kv_cache.is_contiguous()
+        and row_bytes % 16 == 0
+        and not spec.fp8_kv_cache
+        and kv_cache.data_ptr() % 16 == 0
+        and all(w >= 16 and w == triton.next_power_of_2(w) for w in widths)
+    )
 
 
 def tile_read(spec: AttentionSpec, block_m: int, kv_cache: torch.Tensor, tma: bool) -> int:
@@ -81,10 +86,18 @@ def tile_read(spec: AttentionSpec, block_m: int, kv_cache: torch.Tensor, tma: bo
 class TritonMLABackend(DeviceLengthsBackend):
     name = "triton_mla"
     capabilities = Capabilities(
-        kinds=frozenset({"mla"}), block_sizes=frozenset({16, 32, 64}), kv_cache_dtypes=FP8_KV_DTYPES, **FP8_GPUS,
-        max_query_len=DECODE_VARIANTS[-1], padding_styles=frozenset(PaddingStyle),
-        cuda_graphs=CGSupport.ALWAYS, needs_cpu_seq_lens=False, draft_step_update=True,
-        devices=interpreter_devices(), required_modules=("triton",), install_hint=INSTALL_HINT,
+        kinds=frozenset({"mla"}),
+        block_sizes=frozenset({16, 32, 64}),
+        kv_cache_dtypes=FP8_KV_DTYPES,
+        **FP8_GPUS,
+        max_query_len=DECODE_VARIANTS[-1],
+        padding_styles=frozenset(PaddingStyle),
+        cuda_graphs=CGSupport.ALWAYS,
+        needs_cpu_seq_lens=False,
+        draft_step_update=True,
+        devices=interpreter_devices(),
+        required_modules=("triton",),
+        install_hint=INSTALL_HINT,
     )
 
     def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
@@ -99,8 +112,11 @@ class TritonMLABackend(DeviceLengthsBackend):
         key = (kv_cache.data_ptr(), kv_cache.shape, BLOCK_N)
         if self._descriptors is None or self._descriptors[0] != key:
             rows, rank = kv_cache.view(-1, kv_cache.shape[-1]), self.spec.kv_lora_rank
-            self._descriptors = (key, TensorDescriptor.from_tensor(rows[:, :rank], [BLOCK_N, rank]),
-                                 TensorDescriptor.from_tensor(rows[:, rank:], [BLOCK_N, self.spec.rope_dim]))
+            self._descriptors = (
+                key,
+                TensorDescriptor.from_tensor(rows[:, :rank], [BLOCK_N, rank]),
+                TensorDescriptor.from_tensor(rows[:, rank:], [BLOCK_N, self.spec.rope_dim]),
+            )
         return self._descriptors[1:]
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -112,12 +128,28 @@ class TritonMLABackend(DeviceLengthsBackend):
             key, quantize = to_cache(key, self.device_scales(scales)[0], kv_cache.dtype), False
         k_scale = self.device_scales(scales)[0] if quantize else slot_mapping  # unread without QUANTIZE
         kernels.write_kv_kernel[(slot_mapping.shape[0],)](
-            key, key, kv_cache, kv_cache, slot_mapping,
-            key.stride(0), 0, key.stride(0), 0,
-            kv_cache.stride(0), 0, kv_cache.stride(1), k_scale, k_scale,
-            NUM_KV_HEADS=1, HEAD_DIM=self.spec.head_dim, PAGE_SIZE=self.spec.block_size,
-            BLOCK_HEADS=1, BLOCK_D=triton.next_power_of_2(self.spec.head_dim), HAS_VALUE=False,
-            QUANTIZE=quantize, FP8_MAX=float(torch.finfo(kv_cache.dtype).max) if quantize else 448.0,
+            key,
+            key,
+            kv_cache,
+            kv_cache,
+            slot_mapping,
+            key.stride(0),
+            0,
+            key.stride(0),
+            0,
+            kv_cache.stride(0),
+            0,
+            kv_cache.stride(1),
+            k_scale,
+            k_scale,
+            NUM_KV_HEADS=1,
+            HEAD_DIM=self.spec.head_dim,
+            PAGE_SIZE=self.spec.block_size,
+            BLOCK_HEADS=1,
+            BLOCK_D=triton.next_power_of_2(self.spec.head_dim),
+            HAS_VALUE=False,
+            QUANTIZE=quantize,
+            FP8_MAX=float(torch.finfo(kv_cache.dtype).max) if quantize else 448.0,
         )
 
     def read_kv(self, kv_cache, slot_mapping):
@@ -133,14 +165,42 @@ class TritonMLABackend(DeviceLengthsBackend):
         # Without TMA the descriptor arguments go unused; the cache stands in for them.
         latent_desc, rope_desc = self.descriptors(kv_cache) if read == TMA else (kv_cache, kv_cache)
         mla_kernels.mla_decode_split_kernel[(head_blocks, limits.max_num_reqs, num_splits)](
-            query, kv_cache, latent_desc, rope_desc, metadata.block_table, metadata.query_start_loc, metadata.seq_lens,
-            self.partial_out, self.partial_lse, out, metadata.num_reqs, num_splits, spec.softmax_scale * LOG2E,
-            query.stride(0), query.stride(1), out.stride(0), out.stride(1), metadata.block_table.stride(0),
-            kv_cache.stride(0), kv_cache.stride(1), self.device_scales(scales)[0] if spec.fp8_kv_cache else metadata.seq_lens,
-            NUM_HEADS=spec.num_heads, HEADS_PER_PROGRAM=tiles.heads_per_program, DECODE_Q=decode_q,
-            BLOCK_M=tiles.block_m, LATENT=spec.kv_lora_rank, ROPE=spec.rope_dim,
-            BLOCK_L=triton.next_power_of_2(spec.kv_lora_rank), BLOCK_R=max(16, triton.next_power_of_2(spec.rope_dim)),
-            BLOCK_N=BLOCK_N, PAGE_SIZE=spec.block_size, TILE_READ=read, UPCAST_DOT=self.upcast_dot,
-            ONE_SPLIT=num_splits == 1, KV_FP8=spec.fp8_kv_cache, num_warps=NUM_WARPS if spec.kv_lora_rank >= 256 else 4, num_stages=NUM_STAGES[read],
+            query,
+            kv_cache,
+            latent_desc,
+            rope_desc,
+            metadata.block_table,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            self.partial_out,
+            self.partial_lse,
+            out,
+            metadata.num_reqs,
+            num_splits,
+            spec.softmax_scale * LOG2E,
+            query.stride(0),
+            query.stride(1),
+            out.stride(0),
+            out.stride(1),
+            metadata.block_table.stride(0),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            self.device_scales(scales)[0] if spec.fp8_kv_cache else metadata.seq_lens,
+            NUM_HEADS=spec.num_heads,
+            HEADS_PER_PROGRAM=tiles.heads_per_program,
+            DECODE_Q=decode_q,
+            BLOCK_M=tiles.block_m,
+            LATENT=spec.kv_lora_rank,
+            ROPE=spec.rope_dim,
+            BLOCK_L=triton.next_power_of_2(spec.kv_lora_rank),
+            BLOCK_R=max(16, triton.next_power_of_2(spec.rope_dim)),
+            BLOCK_N=BLOCK_N,
+            PAGE_SIZE=spec.block_size,
+            TILE_READ=read,
+            UPCAST_DOT=self.upcast_dot,
+            ONE_SPLIT=num_splits == 1,
+            KV_FP8=spec.fp8_kv_cache,
+            num_warps=NUM_WARPS if spec.kv_lora_rank >= 256 else 4,
+            num_stages=NUM_STAGES[read],
         )
         self.merge_splits(out, metadata, num_splits, spec.kv_lora_rank)

@@ -16,6 +16,7 @@ A KV tile is read one of three ways (``TILE_READ``, chosen on the host by ``mla_
   (0 x NaN = NaN). So only whole tiles are copied; a split's last, partial tile is read with
   masked loads after the loop.
 """
+
 from __future__ import annotations
 
 import triton
@@ -31,9 +32,21 @@ TMA = tl.constexpr(tile_reads.TMA)
 
 @triton.jit
 def _read_tile_masked(
-    cache_ptr, block_table_ptr, request, stride_block_table, stride_cache_block, stride_cache_token,
-    tile_start, end, latent_dims, rope_dims,
-    LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, ONE_PAGE: tl.constexpr,
+    cache_ptr,
+    block_table_ptr,
+    request,
+    stride_block_table,
+    stride_cache_block,
+    stride_cache_token,
+    tile_start,
+    end,
+    latent_dims,
+    rope_dims,
+    LATENT: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    ONE_PAGE: tl.constexpr,
 ):
     """The latent and rope rows of positions [tile_start, tile_start + BLOCK_N), zeros past ``end``."""
     positions = tile_start + tl.arange(0, BLOCK_N)
@@ -44,14 +57,33 @@ def _read_tile_masked(
     else:
         blocks = tl.load(block_entries + positions // PAGE_SIZE, mask=in_range, other=0)
     entries = cache_ptr + blocks.to(tl.int64) * stride_cache_block + (positions % PAGE_SIZE) * stride_cache_token
-    c_latent = tl.load(entries[:, None] + latent_dims[None, :], mask=in_range[:, None] & (latent_dims[None, :] < LATENT), other=0.0)
-    c_rope = tl.load(entries[:, None] + LATENT + rope_dims[None, :], mask=in_range[:, None] & (rope_dims[None, :] < ROPE), other=0.0)
+    c_latent = tl.load(
+        entries[:, None] + latent_dims[None, :], mask=in_range[:, None] & (latent_dims[None, :] < LATENT), other=0.0
+    )
+    c_rope = tl.load(
+        entries[:, None] + LATENT + rope_dims[None, :], mask=in_range[:, None] & (rope_dims[None, :] < ROPE), other=0.0
+    )
     return c_latent, c_rope
 
 
 @triton.jit
-def _attend_tile(q_latent, q_rope, c_latent, c_rope, tile_start, end, query_positions, row_valid, acc, row_max, row_sum,
-                 scale_log2, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr, KV_FP8: tl.constexpr):
+def _attend_tile(
+    q_latent,
+    q_rope,
+    c_latent,
+    c_rope,
+    tile_start,
+    end,
+    query_positions,
+    row_valid,
+    acc,
+    row_max,
+    row_sum,
+    scale_log2,
+    BLOCK_N: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
     if KV_FP8:  # exact: every fp8 number is a bf16 and an fp16 number; k_scale is in scale_log2 and the output
         c_latent = c_latent.to(q_latent.dtype)
         c_rope = c_rope.to(q_latent.dtype)
@@ -66,27 +98,69 @@ def _attend_tile(q_latent, q_rope, c_latent, c_rope, tile_start, end, query_posi
 
 @batch_kernel
 def mla_decode_split_kernel(
-    query_ptr, cache_ptr, latent_desc, rope_desc, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
-    partial_out_ptr, partial_lse_ptr, out_ptr,
-    num_reqs, num_splits, scale_log2,
-    stride_query_token, stride_query_head, stride_out_token, stride_out_head, stride_block_table,
-    stride_cache_block, stride_cache_token, k_scale_ptr,
-    NUM_HEADS: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, DECODE_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_READ: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    ONE_SPLIT: tl.constexpr, KV_FP8: tl.constexpr,
+    query_ptr,
+    cache_ptr,
+    latent_desc,
+    rope_desc,
+    block_table_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    out_ptr,
+    num_reqs,
+    num_splits,
+    scale_log2,
+    stride_query_token,
+    stride_query_head,
+    stride_out_token,
+    stride_out_head,
+    stride_block_table,
+    stride_cache_block,
+    stride_cache_token,
+    k_scale_ptr,
+    NUM_HEADS: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    DECODE_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    LATENT: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    TILE_READ: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
-    head_block, request, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # grid (head blocks, requests, splits)
+    head_block, request, split = (
+        tl.program_id(0),
+        tl.program_id(1),
+        tl.program_id(2),
+    )  # grid (head blocks, requests, splits)
     query_start, query_len, seq_len, token, head, row_valid, query_positions = decode_tile(
-        query_start_loc_ptr, seq_lens_ptr, request, num_reqs, head_block * HEADS_PER_PROGRAM, HEADS_PER_PROGRAM,
-        NUM_HEADS, DECODE_Q, BLOCK_M)
+        query_start_loc_ptr,
+        seq_lens_ptr,
+        request,
+        num_reqs,
+        head_block * HEADS_PER_PROGRAM,
+        HEADS_PER_PROGRAM,
+        NUM_HEADS,
+        DECODE_Q,
+        BLOCK_M,
+    )
     if query_len == 0:
         return
     latent_dims = tl.arange(0, BLOCK_L)
     rope_dims = tl.arange(0, BLOCK_R)
     query_rows = query_ptr + (query_start + token)[:, None] * stride_query_token + head[:, None] * stride_query_head
-    q_latent = tl.load(query_rows + latent_dims[None, :], mask=row_valid[:, None] & (latent_dims[None, :] < LATENT), other=0.0)
-    q_rope = tl.load(query_rows + LATENT + rope_dims[None, :], mask=row_valid[:, None] & (rope_dims[None, :] < ROPE), other=0.0)
+    q_latent = tl.load(
+        query_rows + latent_dims[None, :], mask=row_valid[:, None] & (latent_dims[None, :] < LATENT), other=0.0
+    )
+    q_rope = tl.load(
+        query_rows + LATENT + rope_dims[None, :], mask=row_valid[:, None] & (rope_dims[None, :] < ROPE), other=0.0
+    )
     if UPCAST_DOT:
         q_latent = q_latent.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
@@ -108,20 +182,97 @@ def mla_decode_split_kernel(
             c_rope = rope_desc.load([row, 0])
         else:
             c_latent, c_rope = _read_tile_masked(
-                cache_ptr, block_table_ptr, request, stride_block_table, stride_cache_block, stride_cache_token,
-                tile_start, end, latent_dims, rope_dims, LATENT, ROPE, BLOCK_N, PAGE_SIZE, TILE_READ == PAGE)
-        acc, row_max, row_sum = _attend_tile(q_latent, q_rope, c_latent, c_rope, tile_start, end, query_positions,
-                                             row_valid, acc, row_max, row_sum, scale_log2, BLOCK_N, UPCAST_DOT, KV_FP8)
+                cache_ptr,
+                block_table_ptr,
+                request,
+                stride_block_table,
+                stride_cache_block,
+                stride_cache_token,
+                tile_start,
+                end,
+                latent_dims,
+                rope_dims,
+                LATENT,
+                ROPE,
+                BLOCK_N,
+                PAGE_SIZE,
+                TILE_READ == PAGE,
+            )
+        acc, row_max, row_sum = _attend_tile(
+            q_latent,
+            q_rope,
+            c_latent,
+            c_rope,
+            tile_start,
+            end,
+            query_positions,
+            row_valid,
+            acc,
+            row_max,
+            row_sum,
+            scale_log2,
+            BLOCK_N,
+            UPCAST_DOT,
+            KV_FP8,
+        )
     if TILE_READ == TMA:
         if loop_end < end:
             c_latent, c_rope = _read_tile_masked(
-                cache_ptr, block_table_ptr, request, stride_block_table, stride_cache_block, stride_cache_token,
-                loop_end, end, latent_dims, rope_dims, LATENT, ROPE, BLOCK_N, PAGE_SIZE, True)
-            acc, row_max, row_sum = _attend_tile(q_latent, q_rope, c_latent, c_rope, loop_end, end, query_positions,
-                                                 row_valid, acc, row_max, row_sum, scale_log2, BLOCK_N, UPCAST_DOT, KV_FP8)
+                cache_ptr,
+                block_table_ptr,
+                request,
+                stride_block_table,
+                stride_cache_block,
+                stride_cache_token,
+                loop_end,
+                end,
+                latent_dims,
+                rope_dims,
+                LATENT,
+                ROPE,
+                BLOCK_N,
+                PAGE_SIZE,
+                True,
+            )
+            acc, row_max, row_sum = _attend_tile(
+                q_latent,
+                q_rope,
+                c_latent,
+                c_rope,
+                loop_end,
+                end,
+                query_positions,
+                row_valid,
+                acc,
+                row_max,
+                row_sum,
+                scale_log2,
+                BLOCK_N,
+                UPCAST_DOT,
+                KV_FP8,
+            )
     if KV_FP8:
         acc = acc * tl.load(k_scale_ptr)
 
-    store_split_result(acc, row_max, row_sum, partial_out_ptr, partial_lse_ptr, out_ptr, query_start, token, head,
-                       request, split, num_splits, latent_dims, row_valid, stride_out_token, stride_out_head,
-                       NUM_HEADS, DECODE_Q, LATENT, ONE_SPLIT)
+    store_split_result(
+        acc,
+        row_max,
+        row_sum,
+        partial_out_ptr,
+        partial_lse_ptr,
+        out_ptr,
+        query_start,
+        token,
+        head,
+        request,
+        split,
+        num_splits,
+        latent_dims,
+        row_valid,
+        stride_out_token,
+        stride_out_head,
+        NUM_HEADS,
+        DECODE_Q,
+        LATENT,
+        ONE_SPLIT,
+    )

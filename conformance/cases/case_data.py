@@ -18,7 +18,8 @@ that makes chosen keys dominant:
 * **edges**: the key just past each boundary dominates the query that must not see it. Causal
   edge (cases without a window): the first ``EDGE_KEYS`` new tokens of a request score
   ``edge_base + EDGE_STEP * j``, so each query's own key dominates what it may see, the next
-  token's key would dominate it more, and a length one short loses the dominant key. Window edge: the ``EDGE_KEYS`` keys ending just outside the
+  token's key would dominate it more, and a length one short loses the dominant key. Window edge:
+  the ``EDGE_KEYS`` keys ending just outside the
   last query's window score more the older they are, plus the key just inside it, so both a window
   one too wide and one too narrow swap the dominant key for every such query.
 
@@ -41,6 +42,7 @@ the format's range (``use_fp8_range``): one key and one value channel large enou
 its numbers saturate, one small enough to land among fp8's subnormals, the query scaled inversely
 on those channels so the scores keep their spread.
 """
+
 from __future__ import annotations
 
 import math
@@ -82,7 +84,9 @@ def channel_means(pattern: tuple[float, ...], channels: int, device: torch.devic
     # Built on the host and copied once: element by element on a GPU it was one launch per
     # channel per request, which made a 128-request case's data take minutes on a shared GPU.
     means = [0.0] * min(channels, FIRST_SHAPED_CHANNEL)
-    means += [pattern[(channel - FIRST_SHAPED_CHANNEL) % len(pattern)] for channel in range(FIRST_SHAPED_CHANNEL, channels)]
+    means += [
+        pattern[(channel - FIRST_SHAPED_CHANNEL) % len(pattern)] for channel in range(FIRST_SHAPED_CHANNEL, channels)
+    ]
     return torch.tensor(means, dtype=torch.float32, device=device)
 
 

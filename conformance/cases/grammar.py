@@ -46,6 +46,7 @@ Examples:
     gqa-h8/2-d128-w256:2000+8@7             sliding window 256, seed 7
     mla-h128-d512+64-bf16-p64:4096+1x64     DeepSeek-style absorbed MLA decode
 """
+
 from __future__ import annotations
 
 import math
@@ -56,7 +57,6 @@ import torch
 
 from backends.base import DTYPE_NAMES, AttentionSpec, dtype_name, kv_dtype_name
 from conformance.cases.kv_quantization import DEFAULT_K_SCALE, DEFAULT_V_SCALE, FP8_DTYPES
-
 
 DATA_PROFILES = ("normal", "outliers", "edges")
 DEFAULT_PADDING_TOKENS = 3
@@ -93,10 +93,14 @@ class Case:
             raise CaseSyntaxError(f"{len(self.batch)} requests: at most {MAX_REQUESTS} in one batch")
         for context_len, query_len in self.batch:
             if context_len < 0 or query_len < 0 or (query_len == 0 and context_len != 0):
-                raise CaseSyntaxError(f"request {context_len}+{query_len}: context must be >= 0 and query >= 1, "
-                                      "or 0+0 (an empty request: vLLM's graph padding)")
+                raise CaseSyntaxError(
+                    f"request {context_len}+{query_len}: context must be >= 0 and query >= 1, "
+                    "or 0+0 (an empty request: vLLM's graph padding)"
+                )
             if context_len + query_len > MAX_TOKENS_PER_REQUEST:
-                raise CaseSyntaxError(f"request {context_len}+{query_len}: at most {MAX_TOKENS_PER_REQUEST} tokens per request")
+                raise CaseSyntaxError(
+                    f"request {context_len}+{query_len}: at most {MAX_TOKENS_PER_REQUEST} tokens per request"
+                )
         if all(query == 0 for _, query in self.batch):
             raise CaseSyntaxError("a batch needs at least one request that is not empty (0+0)")
         if not 0 <= self.seed <= MAX_SEED:
@@ -123,8 +127,17 @@ class Case:
 
     @property
     def layer_options(self) -> LayerOptions:
-        return LayerOptions(self.shared_prefix_blocks, self.permute_blocks, self.strided, self.data, self.padding,
-                            self.big_pool, self.k_scale, self.v_scale, self.lse)
+        return LayerOptions(
+            self.shared_prefix_blocks,
+            self.permute_blocks,
+            self.strided,
+            self.data,
+            self.padding,
+            self.big_pool,
+            self.k_scale,
+            self.v_scale,
+            self.lse,
+        )
 
     @property
     def kv_scales(self) -> tuple[float, float] | None:
@@ -213,10 +226,19 @@ class LayerOptions:
 
 
 _ATTRIBUTE_KINDS = (
-    (r"fp16|bf16|fp32", "dtype"), (r"fp8e4m3|fp8e5m2", "KV-cache dtype"), (r"kscale.+", "key scale"),
-    (r"vscale.+", "value scale"), (r"h\d+(/\d+)?", "heads"), (r"d\d+([+/]\d+)?", "head dim"), (r"p\d+", "block size"),
-    (r"w\d+", "sliding window"), (r"cap.+", "soft cap"), (r"scale.+", "scale"), (r"share\d+", "shared prefix"),
-    (r"pad\d+", "padding"), (r"outliers|edges", "data profile"),
+    (r"fp16|bf16|fp32", "dtype"),
+    (r"fp8e4m3|fp8e5m2", "KV-cache dtype"),
+    (r"kscale.+", "key scale"),
+    (r"vscale.+", "value scale"),
+    (r"h\d+(/\d+)?", "heads"),
+    (r"d\d+([+/]\d+)?", "head dim"),
+    (r"p\d+", "block size"),
+    (r"w\d+", "sliding window"),
+    (r"cap.+", "soft cap"),
+    (r"scale.+", "scale"),
+    (r"share\d+", "shared prefix"),
+    (r"pad\d+", "padding"),
+    (r"outliers|edges", "data profile"),
 )
 
 
@@ -268,8 +290,10 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
         elif attr == "lse":
             lse = True
         elif attr == "sinks":
-            raise CaseSyntaxError(f"'sinks' is ambiguous in {text!r}: write 'outliers' for the large-logit data profile "
-                                  "(its old name), 'attnsinks' for learned attention sinks (gpt-oss)")
+            raise CaseSyntaxError(
+                f"'sinks' is ambiguous in {text!r}: write 'outliers' for the large-logit data profile "
+                "(its old name), 'attnsinks' for learned attention sinks (gpt-oss)"
+            )
         elif attr in DATA_PROFILES[1:]:
             data = attr
         elif match := re.fullmatch(r"pad(\d+)", attr):
@@ -298,8 +322,10 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
         else:
             raise CaseSyntaxError(f"layer attribute {attr!r} not understood in {text!r}; {_GRAMMAR_HINT}")
     if kind_name == "mha" and kv_heads_given and num_kv_heads != num_heads:
-        raise CaseSyntaxError(f"mha has one KV head per query head, but {text!r} gives {num_heads}/{num_kv_heads}: "
-                              "write gqa for grouped heads")
+        raise CaseSyntaxError(
+            f"mha has one KV head per query head, but {text!r} gives {num_heads}/{num_kv_heads}: "
+            "write gqa for grouped heads"
+        )
     if not is_mla and not kv_heads_given and (kind_name == "mha" or "heads" in given):
         num_kv_heads = num_heads  # mha, or hQ alone: one KV head per query head
     if window is not None and window < 1:
@@ -318,19 +344,39 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
     if value_head_dim == head_dim:
         value_head_dim = None  # d128/128 is d128
     if is_mla and sinks:
-        raise CaseSyntaxError(f"attnsinks in {text!r}: learned attention sinks are an MHA/GQA layer's (gpt-oss), not MLA's")
+        raise CaseSyntaxError(
+            f"attnsinks in {text!r}: learned attention sinks are an MHA/GQA layer's (gpt-oss), not MLA's"
+        )
     try:
         if is_mla:
             spec = AttentionSpec(
-                kind="mla", num_heads=num_heads, num_kv_heads=1, head_dim=kv_lora_rank + rope_dim, dtype=dtype,
-                block_size=block_size, kv_cache_dtype=kv_cache_dtype, sliding_window=window, logits_soft_cap=cap, scale=scale,
-                kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
+                kind="mla",
+                num_heads=num_heads,
+                num_kv_heads=1,
+                head_dim=kv_lora_rank + rope_dim,
+                dtype=dtype,
+                block_size=block_size,
+                kv_cache_dtype=kv_cache_dtype,
+                sliding_window=window,
+                logits_soft_cap=cap,
+                scale=scale,
+                kv_lora_rank=kv_lora_rank,
+                rope_dim=rope_dim,
             )
         else:
             spec = AttentionSpec(
-                kind="mha", num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-                block_size=block_size, kv_cache_dtype=kv_cache_dtype, sliding_window=window, logits_soft_cap=cap, scale=scale,
-                attention_sinks=sinks, value_head_dim=value_head_dim,
+                kind="mha",
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                dtype=dtype,
+                block_size=block_size,
+                kv_cache_dtype=kv_cache_dtype,
+                sliding_window=window,
+                logits_soft_cap=cap,
+                scale=scale,
+                attention_sinks=sinks,
+                value_head_dim=value_head_dim,
             )
     except ValueError as error:
         raise CaseSyntaxError(str(error)) from None
@@ -344,9 +390,20 @@ def parse_case(text: str, default_seed: int = 0) -> Case:
     seed = _number(seed_text, "seed") if seed_text else default_seed
     layer_text, _, batch_text = body.rpartition(":")
     spec, options = parse_layer(layer_text or "gqa")
-    return Case(spec, parse_batch(batch_text), seed, options.shared_prefix_blocks, options.permute_blocks,
-                options.strided, options.data, options.padding, options.big_pool, options.k_scale, options.v_scale,
-                options.lse)
+    return Case(
+        spec,
+        parse_batch(batch_text),
+        seed,
+        options.shared_prefix_blocks,
+        options.permute_blocks,
+        options.strided,
+        options.data,
+        options.padding,
+        options.big_pool,
+        options.k_scale,
+        options.v_scale,
+        options.lse,
+    )
 
 
 def _format_number(value: float) -> str:
@@ -363,8 +420,11 @@ def format_layer(spec: AttentionSpec, options: LayerOptions = LayerOptions()) ->
     parts.append(dtype_name(spec.dtype))
     if spec.fp8_kv_cache:
         parts.append(kv_dtype_name(spec.kv_cache_dtype))
-        parts += [f"{name}{_format_number(value)}" for name, value in (("kscale", options.k_scale), ("vscale", options.v_scale))
-                  if value is not None]
+        parts += [
+            f"{name}{_format_number(value)}"
+            for name, value in (("kscale", options.k_scale), ("vscale", options.v_scale))
+            if value is not None
+        ]
     parts.append(f"p{spec.block_size}")
     if spec.sliding_window is not None:
         parts.append(f"w{spec.sliding_window}")

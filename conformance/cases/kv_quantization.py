@@ -18,6 +18,7 @@ backend is asked two separate things, each with its own evidence:
     its arithmetic in the compute dtype (dequantized keys and values rounded to bf16 or fp16 by
     at most half an ulp of that dtype, well inside its tolerance).
 """
+
 from __future__ import annotations
 
 import torch

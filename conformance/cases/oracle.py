@@ -3,6 +3,7 @@
 It shares no code with any backend (it never sees a paged cache, a block table or a slot), so a
 bug cannot hide in both. Every backend's output is compared with this.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,13 @@ import torch
 _LOGITS_ELEMENTS = 1 << 25
 
 
-def visible_keys(context_len: int, queries: range, seq_len: int, sliding_window: int | None = None,
-                 device: torch.device | str = "cpu") -> torch.Tensor:
+def visible_keys(
+    context_len: int,
+    queries: range,
+    seq_len: int,
+    sliding_window: int | None = None,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
     """[len(queries), seq_len] bool: which keys the request's new tokens ``queries`` (indices
     among its new tokens) see: causal, and within the window."""
     query_positions = context_len + torch.arange(queries.start, queries.stop, device=device)
@@ -77,7 +83,9 @@ def attention_reference(
         if sinks is not None:
             denominator = denominator + torch.exp(sink - top)
         weights = weights / denominator
-        out[:, :, chunk, :] = (weights.view(num_kv_heads, -1, seq_len) @ value).view(num_kv_heads, group_size, -1, value.shape[-1])
+        out[:, :, chunk, :] = (weights.view(num_kv_heads, -1, seq_len) @ value).view(
+            num_kv_heads, group_size, -1, value.shape[-1]
+        )
         lse[:, :, chunk] = (top + denominator.log()).squeeze(-1)
     out = out.permute(2, 0, 1, 3).reshape(num_queries, num_heads, value.shape[-1])
     return (out, lse.permute(2, 0, 1).reshape(num_queries, num_heads)) if return_lse else out
@@ -108,14 +116,35 @@ def mla_reference(
     )
 
 
-def layer_reference(spec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None, *, context_len: int,
-                    sinks: torch.Tensor | None = None, return_lse: bool = False, **options):
+def layer_reference(
+    spec,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    *,
+    context_len: int,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+    **options,
+):
     """The oracle for one request of a layer of ``spec`` (an ``AttentionSpec``): absorbed MLA, or
     MHA/GQA with the layer's window, cap and ``sinks``. ``options`` (scale, sliding_window,
     logits_soft_cap) override the layer's: a parameter dropped or mis-applied."""
-    options = {"scale": spec.softmax_scale, "sliding_window": spec.sliding_window,
-               "logits_soft_cap": spec.logits_soft_cap, **options}
+    options = {
+        "scale": spec.softmax_scale,
+        "sliding_window": spec.sliding_window,
+        "logits_soft_cap": spec.logits_soft_cap,
+        **options,
+    }
     if spec.kind == "mla":
-        return mla_reference(query, key, kv_lora_rank=spec.kv_lora_rank, context_len=context_len,
-                             scale=options["scale"], return_lse=return_lse)
-    return attention_reference(query, key, value, context_len=context_len, sinks=sinks, return_lse=return_lse, **options)
+        return mla_reference(
+            query,
+            key,
+            kv_lora_rank=spec.kv_lora_rank,
+            context_len=context_len,
+            scale=options["scale"],
+            return_lse=return_lse,
+        )
+    return attention_reference(
+        query, key, value, context_len=context_len, sinks=sinks, return_lse=return_lse, **options
+    )

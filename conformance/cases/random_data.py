@@ -19,6 +19,7 @@ float32 multiply), which is what makes CPU and GPU agree. Each value is an integ
 scale that is not a power of two, rounded to float32, so an fp32 case's data uses every bit of
 fp32's mantissa: a backend that rounds fp32 inputs to bf16 or TF32 still shows it.
 """
+
 from __future__ import annotations
 
 import itertools

@@ -1,5 +1,6 @@
 """The suites: named lists of cases (``suite(name)``), from the few-second ``smoke`` suite to the
 ``full`` one, and the ``bench`` shapes. Each case is written in the grammar of ``grammar``."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -66,75 +67,121 @@ def _cases(layer: str, batches: list[tuple[str, str]]) -> list[Case]:
 
 def smoke_suite() -> list[Case]:
     """Seconds on a CPU: one of each kind of batch on small layers."""
-    return _cases(
-        "gqa-h4/2-d64-fp32-p16",
-        [
-            ("decode", "1+1,15+1,16+1,40+1"),
-            ("spec-verify k=3", "20+4,33+4"),
-            ("mixed prefill + decode", "0+24,30+8,17+1x2"),
-        ],
-    ) + _cases("gqa-h4/1-d64-bf16-p16-w24-cap20", [("sliding window, soft cap", "0+40,50+4,3+1")]) + _cases(
-        "gqa-h4/2-d64-fp16-p16-share2", [("prefix sharing", "40+1,32+4,60+1")]
-    ) + _cases("mla-h4-d64+16-bf16-p16", [("decode", "1+1,40+1"), ("spec-verify k=3", "30+4")]) + _cases(
-        "gqa-h4/2-d64-bf16-p16-strided-outliers", [("strided views, large logits", "40+1,20+4,0+9")]
-    ) + _cases("gqa-h4/1-d64-fp16-p16-w24-pad0-edges", [("window edges, no padding", "50+4,3+1,100+1")])
+    return (
+        _cases(
+            "gqa-h4/2-d64-fp32-p16",
+            [
+                ("decode", "1+1,15+1,16+1,40+1"),
+                ("spec-verify k=3", "20+4,33+4"),
+                ("mixed prefill + decode", "0+24,30+8,17+1x2"),
+            ],
+        )
+        + _cases("gqa-h4/1-d64-bf16-p16-w24-cap20", [("sliding window, soft cap", "0+40,50+4,3+1")])
+        + _cases("gqa-h4/2-d64-fp16-p16-share2", [("prefix sharing", "40+1,32+4,60+1")])
+        + _cases("mla-h4-d64+16-bf16-p16", [("decode", "1+1,40+1"), ("spec-verify k=3", "30+4")])
+        + _cases("gqa-h4/2-d64-bf16-p16-strided-outliers", [("strided views, large logits", "40+1,20+4,0+9")])
+        + _cases("gqa-h4/1-d64-fp16-p16-w24-pad0-edges", [("window edges, no padding", "50+4,3+1,100+1")])
+    )
 
 
 def _variant_cases() -> list[Case]:
     """The properties a real engine varies and the base suite holds fixed: strided views, padding,
     large logits, boundary-sensitive data and the softmax scale (see docs/checks.md, "What the harness
     varies")."""
-    cases = _cases(LLAMA3_8B + "-strided", [
-        ("strided: decode", "1+1,100+1,1000+1,2047+1"),
-        ("strided: spec-verify k=3", "300+4,1200+4,63+4"),
-        ("strided: mixed prefill + decode", "0+200,700+64,3000+1x4"),
-    ])
-    cases += _cases(LLAMA3_8B + "-pad0", [("no padding rows: decode", "500+1,33+1,1000+1"),
-                                          ("no padding rows: mixed", "0+100,70+4,300+1")])
+    cases = _cases(
+        LLAMA3_8B + "-strided",
+        [
+            ("strided: decode", "1+1,100+1,1000+1,2047+1"),
+            ("strided: spec-verify k=3", "300+4,1200+4,63+4"),
+            ("strided: mixed prefill + decode", "0+200,700+64,3000+1x4"),
+        ],
+    )
+    cases += _cases(
+        LLAMA3_8B + "-pad0",
+        [("no padding rows: decode", "500+1,33+1,1000+1"), ("no padding rows: mixed", "0+100,70+4,300+1")],
+    )
     cases += _cases(LLAMA3_8B + "-pad64", [("64 padding rows: spec-verify", "300+4,70+4")])
-    cases += _cases(LLAMA3_8B + "-outliers", [
-        ("large logits: decode", "1+1,500+1,3000+1"),
-        ("large logits: spec-verify k=3", "300+4,1200+4"),
-        ("large logits: mixed", "0+200,700+64,3000+1x2"),
-    ])
-    cases += _cases("gqa-h32/8-d128-fp16-p32-outliers", [("large logits, fp16: decode", "1+1,500+1,3000+1"),
-                                                       ("large logits, fp16: spec-verify k=3", "300+4,1200+4")])
-    cases += _cases(LLAMA3_8B + "-edges", [
-        ("edges: decode at block ends", "1+1,15+1,16+1,31+1,100+1,1000+1,3000+1"),
-        ("edges: spec-verify k=3", "300+4,1200+4,12+4,60+4"),
-        ("edges: spec-verify k=7", "100+8,2000+8"),
-        ("edges: chunked prefill", "1024+256,300+100"),
-        ("edges: mixed", "0+200,700+64,3000+1x2,50+4"),
-    ])
+    cases += _cases(
+        LLAMA3_8B + "-outliers",
+        [
+            ("large logits: decode", "1+1,500+1,3000+1"),
+            ("large logits: spec-verify k=3", "300+4,1200+4"),
+            ("large logits: mixed", "0+200,700+64,3000+1x2"),
+        ],
+    )
+    cases += _cases(
+        "gqa-h32/8-d128-fp16-p32-outliers",
+        [("large logits, fp16: decode", "1+1,500+1,3000+1"), ("large logits, fp16: spec-verify k=3", "300+4,1200+4")],
+    )
+    cases += _cases(
+        LLAMA3_8B + "-edges",
+        [
+            ("edges: decode at block ends", "1+1,15+1,16+1,31+1,100+1,1000+1,3000+1"),
+            ("edges: spec-verify k=3", "300+4,1200+4,12+4,60+4"),
+            ("edges: spec-verify k=7", "100+8,2000+8"),
+            ("edges: chunked prefill", "1024+256,300+100"),
+            ("edges: mixed", "0+200,700+64,3000+1x2,50+4"),
+        ],
+    )
     cases += _cases("gqa-h32/8-d128-fp16-p32-edges", [("edges, fp16: spec-verify k=3", "300+4,1200+4,28+4")])
-    cases += _cases("gqa-h8/2-d128-bf16-p16-w256-edges", [
-        ("window edges: decode", "1000+1,200+1,255+1,256+1,257+1"),
-        ("window edges: spec-verify k=3", "600+4,2000+4,254+4"),
-        ("window edges: mixed", "0+300,700+64,3000+1"),
-    ])
-    cases += _cases("gqa-h8/2-d128-bf16-p16-scale0.25", [("scale 0.25: decode", "100+1,2000+1"),
-                                                          ("scale 0.25: spec-verify k=3", "500+4,30+4"),
-                                                          ("scale 0.25: mixed prefill + decode", "0+200,700+64,300+1x2")])
+    cases += _cases(
+        "gqa-h8/2-d128-bf16-p16-w256-edges",
+        [
+            ("window edges: decode", "1000+1,200+1,255+1,256+1,257+1"),
+            ("window edges: spec-verify k=3", "600+4,2000+4,254+4"),
+            ("window edges: mixed", "0+300,700+64,3000+1"),
+        ],
+    )
+    cases += _cases(
+        "gqa-h8/2-d128-bf16-p16-scale0.25",
+        [
+            ("scale 0.25: decode", "100+1,2000+1"),
+            ("scale 0.25: spec-verify k=3", "500+4,30+4"),
+            ("scale 0.25: mixed prefill + decode", "0+200,700+64,300+1x2"),
+        ],
+    )
     # A cap matters only on logits past it: large logits (near 256) under a cap of 30, every path.
-    cases += _cases("gqa-h8/2-d128-bf16-p16-cap30-outliers", [("cap 30, large logits: decode", "1+1,500+1,3000+1"),
-                                                           ("cap 30, large logits: spec-verify k=3", "300+4,1200+4"),
-                                                           ("cap 30, large logits: mixed", "0+200,700+64,3000+1x2")])
+    cases += _cases(
+        "gqa-h8/2-d128-bf16-p16-cap30-outliers",
+        [
+            ("cap 30, large logits: decode", "1+1,500+1,3000+1"),
+            ("cap 30, large logits: spec-verify k=3", "300+4,1200+4"),
+            ("cap 30, large logits: mixed", "0+200,700+64,3000+1x2"),
+        ],
+    )
     # DeepSeek-V3's MLA scale: 1/sqrt(192) times its YaRN mscale squared (0.1 ln 40 + 1)^2, not 1/sqrt(576).
-    cases += _cases("mla-h16-d512+64-bf16-p64-scale0.13524", [("DeepSeek scale: decode", "1+1,700+1,2500+1"),
-                                                              ("DeepSeek scale: spec-verify k=3", "64+4,900+4"),
-                                                              ("DeepSeek scale: mixed", "0+100,500+40,2000+1x4")])
-    cases += _cases("mla-h16-d512+64-bf16-p64-strided", [("strided: decode", "1+1,700+1,2500+1"),
-                                                         ("strided: spec-verify k=3", "64+4,900+4")])
-    cases += _cases("mla-h16-d512+64-bf16-p64-outliers", [("large logits: decode", "1+1,700+1,2500+1"),
-                                                       ("large logits: spec-verify k=3", "64+4,900+4")])
-    cases += _cases("mla-h16-d512+64-bf16-p64-edges", [("edges: decode at block ends", "63+1,64+1,127+1,700+1"),
-                                                       ("edges: spec-verify k=3", "60+4,900+4"),
-                                                       ("edges: spec-verify k=7", "57+8,640+8")])
+    cases += _cases(
+        "mla-h16-d512+64-bf16-p64-scale0.13524",
+        [
+            ("DeepSeek scale: decode", "1+1,700+1,2500+1"),
+            ("DeepSeek scale: spec-verify k=3", "64+4,900+4"),
+            ("DeepSeek scale: mixed", "0+100,500+40,2000+1x4"),
+        ],
+    )
+    cases += _cases(
+        "mla-h16-d512+64-bf16-p64-strided",
+        [("strided: decode", "1+1,700+1,2500+1"), ("strided: spec-verify k=3", "64+4,900+4")],
+    )
+    cases += _cases(
+        "mla-h16-d512+64-bf16-p64-outliers",
+        [("large logits: decode", "1+1,700+1,2500+1"), ("large logits: spec-verify k=3", "64+4,900+4")],
+    )
+    cases += _cases(
+        "mla-h16-d512+64-bf16-p64-edges",
+        [
+            ("edges: decode at block ends", "63+1,64+1,127+1,700+1"),
+            ("edges: spec-verify k=3", "60+4,900+4"),
+            ("edges: spec-verify k=7", "57+8,640+8"),
+        ],
+    )
     # Engines' pools are tens of GiB: an offset computed in 32 bits wraps past 2**31 elements.
-    cases += _cases(LLAMA3_8B + "-bigpool", [("big pool: decode", "1+1,700+1,3000+1"),
-                                             ("big pool: spec-verify k=3", "63+4,1200+4")])
-    cases += _cases("mla-h16-d512+64-bf16-p64-bigpool", [("big pool: decode", "1+1,700+1,2500+1"),
-                                                         ("big pool: spec-verify k=3", "64+4,900+4")])
+    cases += _cases(
+        LLAMA3_8B + "-bigpool", [("big pool: decode", "1+1,700+1,3000+1"), ("big pool: spec-verify k=3", "63+4,1200+4")]
+    )
+    cases += _cases(
+        "mla-h16-d512+64-bf16-p64-bigpool",
+        [("big pool: decode", "1+1,700+1,2500+1"), ("big pool: spec-verify k=3", "64+4,900+4")],
+    )
     return cases + _fp8_cases()
 
 
@@ -143,22 +190,47 @@ def _fp8_cases() -> list[Case]:
     where scales have broken backends: decode and prefill paths, block boundaries, long context,
     MLA's latent cache, strided inputs, padding, large logits and boundary data, other scales."""
     fp8 = LLAMA3_8B.replace("-p16", "-fp8e4m3-p16")
-    cases = _cases(fp8, [(f"fp8: {tag}", batch) for tag, batch in _mha_batches(16, rich=False)
-                         if tag in ("decode", "spec-verify k=3", "chunked prefill with context", "mixed prefill + decode",
-                                    "block boundaries decode", "block boundaries verify")]
-                   + [("fp8: long context", "8192+1x2,8190+4")])
-    cases += _cases("gqa-h32/8-d128-fp16-fp8e5m2-p32", [("fp8 e5m2: decode", "1+1,500+1,3000+1"),
-                                                        ("fp8 e5m2: spec-verify k=3", "300+4,1200+4"),
-                                                        ("fp8 e5m2: mixed", "0+200,700+64,3000+1x2")])
+    cases = _cases(
+        fp8,
+        [
+            (f"fp8: {tag}", batch)
+            for tag, batch in _mha_batches(16, rich=False)
+            if tag
+            in (
+                "decode",
+                "spec-verify k=3",
+                "chunked prefill with context",
+                "mixed prefill + decode",
+                "block boundaries decode",
+                "block boundaries verify",
+            )
+        ]
+        + [("fp8: long context", "8192+1x2,8190+4")],
+    )
+    cases += _cases(
+        "gqa-h32/8-d128-fp16-fp8e5m2-p32",
+        [
+            ("fp8 e5m2: decode", "1+1,500+1,3000+1"),
+            ("fp8 e5m2: spec-verify k=3", "300+4,1200+4"),
+            ("fp8 e5m2: mixed", "0+200,700+64,3000+1x2"),
+        ],
+    )
     cases += _cases(fp8 + "-strided-pad64", [("fp8, strided, 64 padding rows: spec-verify k=3", "300+4,1200+4,63+4")])
     cases += _cases(fp8 + "-pad0-outliers", [("fp8, large logits, no padding: decode", "1+1,500+1,3000+1")])
     cases += _cases(fp8 + "-edges", [("fp8, edges: spec-verify k=3", "300+4,1200+4,12+4,60+4")])
     cases += _cases("gqa-h8/2-d128-bf16-fp8e4m3-p16-w256-edges", [("fp8, window edges: mixed", "0+300,700+64,255+1")])
-    cases += _cases("gqa-h8/2-d128-bf16-fp8e4m3-kscale0.03-vscale7-p16", [("fp8, scales 0.03 and 7: decode", "100+1,2000+1"),
-                                                                            ("fp8, scales 0.03 and 7: spec-verify k=3", "500+4,30+4")])
-    cases += _cases("mla-h16-d512+64-bf16-fp8e4m3-p64", [("fp8 latent: decode", "1+1,63+1,64+1,700+1,2500+1"),
-                                                         ("fp8 latent: spec-verify k=3", "64+4,900+4"),
-                                                         ("fp8 latent: mixed", "0+100,500+40,2000+1x4")])
+    cases += _cases(
+        "gqa-h8/2-d128-bf16-fp8e4m3-kscale0.03-vscale7-p16",
+        [("fp8, scales 0.03 and 7: decode", "100+1,2000+1"), ("fp8, scales 0.03 and 7: spec-verify k=3", "500+4,30+4")],
+    )
+    cases += _cases(
+        "mla-h16-d512+64-bf16-fp8e4m3-p64",
+        [
+            ("fp8 latent: decode", "1+1,63+1,64+1,700+1,2500+1"),
+            ("fp8 latent: spec-verify k=3", "64+4,900+4"),
+            ("fp8 latent: mixed", "0+100,500+40,2000+1x4"),
+        ],
+    )
     return cases
 
 
@@ -193,13 +265,30 @@ def standard_suite() -> list[Case]:
     cases += _cases("gqa-h8/2-d128-fp32-p16", _mha_batches(16, rich=False)[:6])
     # Groups that are not a power of two (Qwen2.5-7B: 28 query heads over 4 KV heads) and wider
     # than a small tile (Qwen3-235B-A22B: 64 over 4): a padded or fixed-width group reads the wrong heads.
-    cases += _cases("gqa-h28/4-d128-bf16-p16", [("group of 7: decode", "1+1,100+1,1000+1,3000+1"),
-                                                ("group of 7: spec-verify k=3", "300+4,1200+4,63+4"),
-                                                ("group of 7: mixed prefill + decode", "0+200,700+64,3000+1x2,50+4")])
-    cases += _cases("gqa-h64/4-d128-bf16-p16", [("group of 16: decode", "1+1,1000+1,3000+1"),
-                                                ("group of 16: spec-verify k=3", "300+4,1200+4")])
-    cases += _cases("gqa-h8/2-d128-bf16-p16-w256", [("decode", "1000+1,200+1,255+1,256+1"), ("spec-verify k=3", "600+4,2000+4"), ("mixed prefill + decode", "0+300,700+64,3000+1")])
-    cases += _cases("gqa-h8/2-d128-bf16-p16-cap30", [("decode", "1000+1,20+1"), ("spec-verify k=3", "600+4"), ("mixed prefill + decode", "0+200,500+1")])
+    cases += _cases(
+        "gqa-h28/4-d128-bf16-p16",
+        [
+            ("group of 7: decode", "1+1,100+1,1000+1,3000+1"),
+            ("group of 7: spec-verify k=3", "300+4,1200+4,63+4"),
+            ("group of 7: mixed prefill + decode", "0+200,700+64,3000+1x2,50+4"),
+        ],
+    )
+    cases += _cases(
+        "gqa-h64/4-d128-bf16-p16",
+        [("group of 16: decode", "1+1,1000+1,3000+1"), ("group of 16: spec-verify k=3", "300+4,1200+4")],
+    )
+    cases += _cases(
+        "gqa-h8/2-d128-bf16-p16-w256",
+        [
+            ("decode", "1000+1,200+1,255+1,256+1"),
+            ("spec-verify k=3", "600+4,2000+4"),
+            ("mixed prefill + decode", "0+300,700+64,3000+1"),
+        ],
+    )
+    cases += _cases(
+        "gqa-h8/2-d128-bf16-p16-cap30",
+        [("decode", "1000+1,20+1"), ("spec-verify k=3", "600+4"), ("mixed prefill + decode", "0+200,500+1")],
+    )
     # Long contexts over activation-like values (a channel's mean, not 1/√n, is the output): an
     # accumulator kept in half precision across KV tiles is 19x the tolerance at 16k in bf16, 7x at
     # 32k in fp16 (tiles of 16; at 4k 1.7x: tests/conformance/checks/test_activations.py).
@@ -210,11 +299,18 @@ def standard_suite() -> list[Case]:
     cases += _cases("mla-h16-d512+64-fp16-p16", _mla_batches(16, rich=False)[:3])
     # Fewer heads than a 16-head tile (Kimi-K2's 64 heads at tensor parallel 8; DeepSeek-V3's 128
     # at 16): a tile's rows past the head count must be masked.
-    cases += _cases("mla-h8-d512+64-bf16-p64", [("8 heads: decode", "1+1,700+1,2500+1"), ("8 heads: spec-verify k=3", "64+4,900+4")])
+    cases += _cases(
+        "mla-h8-d512+64-bf16-p64", [("8 heads: decode", "1+1,700+1,2500+1"), ("8 heads: spec-verify k=3", "64+4,900+4")]
+    )
     # DeepSeek-V3's MLA prefill as vLLM and SGLang run it: ordinary attention over decompressed
     # keys, q/k 192 (128 + 64 rope), v 128, 128 heads over tensor parallel 8, its YaRN scale.
-    cases += _cases("mha-h16-d192/128-bf16-p64-scale0.13524-lse", [("DeepSeek-V3 prefill: with context", "200+64,0+100"),
-                                                              ("DeepSeek-V3 prefill: chunked, long context", "1024+256,0+300,4096+512")])
+    cases += _cases(
+        "mha-h16-d192/128-bf16-p64-scale0.13524-lse",
+        [
+            ("DeepSeek-V3 prefill: with context", "200+64,0+100"),
+            ("DeepSeek-V3 prefill: chunked, long context", "1024+256,0+300,4096+512"),
+        ],
+    )
     return cases + _variant_cases() + _sink_cases() + _empty_request_cases()
 
 
@@ -222,11 +318,18 @@ def _empty_request_cases() -> list[Case]:
     """vLLM's graph padding, empty requests (0+0), run by the backends that claim that style: at
     the end of a batch as vLLM pads, and between real requests (``query_start_loc`` repeating
     mid-batch)."""
-    cases = _cases(LLAMA3_8B, [("empty requests after decodes", "1+1,500+1,3000+1,0+0x5"),
-                               ("empty requests between spec-verify and prefill", "0+0,300+4,0+0,0+200,1000+1")])
+    cases = _cases(
+        LLAMA3_8B,
+        [
+            ("empty requests after decodes", "1+1,500+1,3000+1,0+0x5"),
+            ("empty requests between spec-verify and prefill", "0+0,300+4,0+0,0+200,1000+1"),
+        ],
+    )
     cases += _cases("gqa-h64/8-d64-bf16-p16-attnsinks", [("learned sinks, empty requests", "100+1,1000+1,0+0x2")])
-    cases += _cases("mla-h16-d512+64-bf16-p64", [("empty requests after decodes", "700+1,2500+1,0+0x3"),
-                                                 ("empty request first", "0+0,64+4,900+4")])
+    cases += _cases(
+        "mla-h16-d512+64-bf16-p64",
+        [("empty requests after decodes", "700+1,2500+1,0+0x3"), ("empty request first", "0+0,64+4,900+4")],
+    )
     return cases
 
 
@@ -236,11 +339,21 @@ GPT_OSS = "gqa-h64/8-d64-bf16-p16"  # gpt-oss-20b/120b attention: 64 query heads
 def _sink_cases() -> list[Case]:
     """Learned attention sinks on gpt-oss's layer: every path, its alternate layers' window of 128
     (edges: the keys just outside the window dominate), and an fp8 cache."""
-    cases = _cases(GPT_OSS + "-attnsinks", [("learned sinks: decode", "1+1,100+1,1000+1,3000+1"),
-                                           ("learned sinks: spec-verify k=3", "11+4,300+4,1200+4"),
-                                           ("learned sinks: mixed prefill + decode", "0+200,700+64,3000+1x2,50+4")])
-    cases += _cases(GPT_OSS + "-w128-attnsinks-edges", [("learned sinks, window 128: decode", "1000+1,127+1,128+1,129+1"),
-                                                       ("learned sinks, window 128: mixed", "0+300,700+64,255+1")])
+    cases = _cases(
+        GPT_OSS + "-attnsinks",
+        [
+            ("learned sinks: decode", "1+1,100+1,1000+1,3000+1"),
+            ("learned sinks: spec-verify k=3", "11+4,300+4,1200+4"),
+            ("learned sinks: mixed prefill + decode", "0+200,700+64,3000+1x2,50+4"),
+        ],
+    )
+    cases += _cases(
+        GPT_OSS + "-w128-attnsinks-edges",
+        [
+            ("learned sinks, window 128: decode", "1000+1,127+1,128+1,129+1"),
+            ("learned sinks, window 128: mixed", "0+300,700+64,255+1"),
+        ],
+    )
     cases += _cases("gqa-h64/8-d64-bf16-fp8e4m3-p16-attnsinks", [("fp8, learned sinks: mixed", "0+100,500+4,2000+1")])
     # The log-sum-exp with a sink in it (its term belongs to the denominator a merge weighs by),
     # and MLA decode's (what decode-context parallelism merges).
@@ -261,13 +374,23 @@ def full_suite() -> list[Case]:
             ("long prefill with context", "16k+2048"),
         ],
     )
-    cases += _cases("mla-h128-d512+64-bf16-p64", [("long context decode", "32k+1x4"), ("decode batch 256", "1000+1x256")])
-    for layer in ("gqa-h32/8-d64-bf16-p16", "gqa-h32/8-d256-fp16-p64", "mha-h32/32-d128-bf16-p32", "gqa-h32/4-d128-fp16-p16-w1024-cap50"):
+    cases += _cases(
+        "mla-h128-d512+64-bf16-p64", [("long context decode", "32k+1x4"), ("decode batch 256", "1000+1x256")]
+    )
+    for layer in (
+        "gqa-h32/8-d64-bf16-p16",
+        "gqa-h32/8-d256-fp16-p64",
+        "mha-h32/32-d128-bf16-p32",
+        "gqa-h32/4-d128-fp16-p16-w1024-cap50",
+    ):
         cases += _cases(layer, _mha_batches(16, rich=False))
     cases += _cases(LLAMA3_8B + "-edges", [("edges: long context", "32k+1x2,32760+4")])
     cases += _cases(LLAMA3_8B + "-outliers-strided", [("large logits, strided: long context", "32k+4x2,16k+1")])
     cases += _cases("gqa-h32/4-d128-fp16-p16-w1024-edges", [("window edges: long context", "8k+1,5000+4,1023+1")])
-    cases += _cases("mla-h128-d512+64-bf16-p64-edges", [("edges: decode", "63+1,64+1,2000+1x4"), ("edges: spec-verify k=3", "900+4x4")])
+    cases += _cases(
+        "mla-h128-d512+64-bf16-p64-edges",
+        [("edges: decode", "63+1,64+1,2000+1x4"), ("edges: spec-verify k=3", "900+4x4")],
+    )
     return cases
 
 
@@ -290,13 +413,25 @@ def bench_suite() -> list[Case]:
         cases += _cases(layer, batches)
     cases += _cases(LLAMA3_8B, [("mixed prefill + decode", "0+512,2000+1x32,4000+4x16")])
     # An fp8 cache beside bf16, for the backends that claim it: decode and spec-verify at batch 64.
-    cases += _cases(LLAMA3_8B + "-fp8e4m3", [(f"fp8 cache: {kind} b64 ctx{context}", f"{context}+{query}x64")
-                                             for kind, query in (("decode", 1), ("verify q=4", 4)) for context in (4096, 32768)
-                                             if 64 * context <= BENCH_MAX_KV_TOKENS])
+    cases += _cases(
+        LLAMA3_8B + "-fp8e4m3",
+        [
+            (f"fp8 cache: {kind} b64 ctx{context}", f"{context}+{query}x64")
+            for kind, query in (("decode", 1), ("verify q=4", 4))
+            for context in (4096, 32768)
+            if 64 * context <= BENCH_MAX_KV_TOKENS
+        ],
+    )
     return cases
 
 
-SUITES = {"smoke": smoke_suite, "quick": quick_suite, "standard": standard_suite, "full": full_suite, "bench": bench_suite}
+SUITES = {
+    "smoke": smoke_suite,
+    "quick": quick_suite,
+    "standard": standard_suite,
+    "full": full_suite,
+    "bench": bench_suite,
+}
 
 
 def suite(name: str) -> list[Case]:

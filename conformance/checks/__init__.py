@@ -4,12 +4,12 @@ A new check is one module under ``conformance/checks/`` (a ``Check`` subclass th
 and describes its evidence) plus one line below; the CLI, the pytest plugin and every report
 take their checks from here.
 """
+
 from __future__ import annotations
 
 import importlib.util
 import os
 
-from host_syncs.frames import treat_as_infrastructure
 from conformance.checks.base import Check
 from conformance.checks.bench import BenchCheck
 from conformance.checks.determinism import DeterminismCheck
@@ -20,11 +20,13 @@ from conformance.checks.memory import MemoryCheck
 from conformance.checks.numerics import NumericsCheck
 from conformance.checks.steady import SteadyCheck
 from conformance.checks.syncs import SyncsCheck
+from host_syncs.frames import treat_as_infrastructure
 
 # A sync seen while the harness drives a backend is the backend's: never blame the harness, nor
 # the contract's helpers that copy on the caller's behalf (CommonAttentionMetadata.seq_lens_cpu).
-treat_as_infrastructure(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        importlib.util.find_spec("backends.base").origin)
+treat_as_infrastructure(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), importlib.util.find_spec("backends.base").origin
+)
 
 CHECKS: dict[str, type[Check]] = {
     NumericsCheck.name: NumericsCheck,

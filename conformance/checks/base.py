@@ -3,6 +3,7 @@
 Checks are per case so that the isolated child can stream each result as it lands and a crash
 loses nothing but the case that was running.
 """
+
 from __future__ import annotations
 
 import abc
@@ -12,9 +13,9 @@ import torch
 
 from backends.base import AttentionBackend
 from conformance.cases.grammar import Case
+from conformance.checks.evidence import MAP_KEYS, EvidenceItem, labelled, maps, sync_events, without, worst_element
 from conformance.harness.batch import big_pool_skip_reason
 from conformance.harness.step import WroteOutsideOutput
-from conformance.checks.evidence import MAP_KEYS, EvidenceItem, labelled, maps, sync_events, without, worst_element
 from conformance.results import CaseResult, Verdict, worst
 
 
@@ -22,7 +23,9 @@ def lse_skip_reason(backend_cls: type[AttentionBackend], case: Case) -> str | No
     """Why an ``lse`` case cannot ask this backend for its log-sum-exp, or None."""
     if case.lse and not backend_cls.capabilities.returns_lse:
         note = backend_cls.capabilities.lse_note
-        return "returns no log-sum-exp (the case asks forward for one; claims returns_lse=False)" + (f": {note}" if note else "")
+        return "returns no log-sum-exp (the case asks forward for one; claims returns_lse=False)" + (
+            f": {note}" if note else ""
+        )
     return None
 
 
@@ -43,9 +46,12 @@ class Check(abc.ABC):
         return None
 
     def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
-        return backend_cls.unsupported_reason(case.spec, device) or backend_cls.capabilities.query_len_reason(
-            case.max_query_len, [query for _, query in case.batch]
-        ) or lse_skip_reason(backend_cls, case) or big_pool_skip_reason(case, device)
+        return (
+            backend_cls.unsupported_reason(case.spec, device)
+            or backend_cls.capabilities.query_len_reason(case.max_query_len, [query for _, query in case.batch])
+            or lse_skip_reason(backend_cls, case)
+            or big_pool_skip_reason(case, device)
+        )
 
     @abc.abstractmethod
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
@@ -66,12 +72,20 @@ class Check(abc.ABC):
         element (numerics, graphs and the draft loop write it) and its maps, then a crashed child's stderr, an
         error's traceback (any check can have them) and any key no check described, shown as it is.
         An override describes its own keys and passes the rest here (``evidence.without``)."""
-        events = [item for key, label in cls.sync_event_labels.items() for item in sync_events(label, evidence.get(key))]
-        labelled_items = [item for key, label in cls.evidence_labels.items() for item in labelled(label, evidence.get(key))]
-        rest = without(evidence, "worst", *MAP_KEYS, *cls.sync_event_labels, *cls.evidence_labels)
-        return events + labelled_items + worst_element(evidence.get("worst")) + maps(evidence) + [
-            item for key, value in rest.items() for item in labelled(key.replace("_", " "), value)
+        events = [
+            item for key, label in cls.sync_event_labels.items() for item in sync_events(label, evidence.get(key))
         ]
+        labelled_items = [
+            item for key, label in cls.evidence_labels.items() for item in labelled(label, evidence.get(key))
+        ]
+        rest = without(evidence, "worst", *MAP_KEYS, *cls.sync_event_labels, *cls.evidence_labels)
+        return (
+            events
+            + labelled_items
+            + worst_element(evidence.get("worst"))
+            + maps(evidence)
+            + [item for key, value in rest.items() for item in labelled(key.replace("_", " "), value)]
+        )
 
     def details(self) -> dict[str, Any]:
         """Check-wide facts the report should state (tolerances, strategy)."""

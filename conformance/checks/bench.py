@@ -8,6 +8,7 @@ is GPU execution, not Python launch latency (which graph replay removes anyway).
 with the host clock, median of many calls after warm-up. Data is drawn on the device (the oracle
 is not needed), never zeros.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -83,7 +84,9 @@ def traffic(case: Case) -> tuple[float, float]:
     spec = case.spec
     element = torch.finfo(spec.dtype).bits // 8
     cache_element = torch.finfo(spec.effective_kv_cache_dtype).bits // 8
-    kv_bytes_per_token = (spec.head_dim if spec.kind == "mla" else 2 * spec.num_kv_heads * spec.head_dim) * cache_element
+    kv_bytes_per_token = (
+        spec.head_dim if spec.kind == "mla" else 2 * spec.num_kv_heads * spec.head_dim
+    ) * cache_element
     kv_bytes = sum(context + query for context, query in case.batch) * kv_bytes_per_token
     io_bytes = case.num_tokens * spec.num_heads * (spec.head_dim + spec.v_head_dim) * element
     flops = sum(
@@ -134,8 +137,13 @@ class BenchCheck(Check):
         bandwidth = moved / forward_us / 1e3
         rate = flops / forward_us / 1e6
         metrics = {
-            "build_us": build_us, "forward_us": forward_us, "replay_us": replay_us,
-            "bytes": moved, "flops": flops, "GBps": bandwidth, "TFLOPs": rate,
+            "build_us": build_us,
+            "forward_us": forward_us,
+            "replay_us": replay_us,
+            "bytes": moved,
+            "flops": flops,
+            "GBps": bandwidth,
+            "TFLOPs": rate,
             "roofline_fraction": max(bandwidth / self._ceilings["copy_GBps"], rate / self._ceilings["bf16_TFLOPs"]),
             **self._ceilings,
         }

@@ -6,6 +6,7 @@ covers only what a kernel does: low-precision products and accumulation, softmax
 the final rounding of the output. fp32 allows TF32 matmuls. An fp8 layer's comparison adds the
 oracle's ``rounding_allowance`` (``stored_cache``): dequantizing into the compute dtype is allowed.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -22,7 +23,11 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {  # dtype: (atol, rtol)
 
 
 def compare_with_oracle(
-    out: torch.Tensor, reference: torch.Tensor, query_start_loc: list[int], atol: float, rtol: float,
+    out: torch.Tensor,
+    reference: torch.Tensor,
+    query_start_loc: list[int],
+    atol: float,
+    rtol: float,
     allowance: torch.Tensor | None = None,
 ) -> tuple[bool, dict[str, Any], dict[str, Any]]:
     """(passed, metrics, evidence) for backend output ``out`` against the oracle's ``reference``;
@@ -79,5 +84,7 @@ def how_far_off(errors: dict[str, Any]) -> str:
 
 def worst_place(worst: WorstElement) -> str:
     """Where the worst element is, and its two values."""
-    return (f"request {worst['request']} token {worst['token']} head {worst['head']}: "
-            f"got {worst['got']:.4g}, expected {worst['expected']:.4g}")
+    return (
+        f"request {worst['request']} token {worst['token']} head {worst['head']}: "
+        f"got {worst['got']:.4g}, expected {worst['expected']:.4g}"
+    )

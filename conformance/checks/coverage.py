@@ -12,6 +12,7 @@ batch holding decode and prefill rows), ``graphs`` (a batch of one query length,
 graph-capable backend replays), ``draft-loop`` (the draft loop's batch drawn from a decode case:
 ``draft_loop.DraftLoop``, k = 2).
 """
+
 from __future__ import annotations
 
 import math
@@ -20,11 +21,11 @@ from typing import Callable
 
 import torch
 
-from conformance.checks.comparison import TOLERANCES
-from conformance.harness.batch import PagedBatch, materialize
 from conformance.cases.grammar import Case
 from conformance.cases.kv_quantization import dequantize, quantize
 from conformance.cases.oracle import layer_reference
+from conformance.checks.comparison import TOLERANCES
+from conformance.harness.batch import PagedBatch, materialize
 
 MARGIN = 10.0  # how far (× the tolerance) the answer without the parameter must be
 PATHS = ("decode", "verify", "prefill", "mixed", "graphs", "draft-loop")
@@ -41,15 +42,28 @@ class Parameter:
 
 
 PARAMETERS = (
-    Parameter("softmax scale", lambda case: case.spec.scale is not None and case.spec.kind == "mha",
-              lambda case: {"scale": 1.0 / math.sqrt(case.spec.head_dim)}),
-    Parameter("softmax scale, MLA", lambda case: case.spec.scale is not None and case.spec.kind == "mla",
-              lambda case: {"scale": 1.0 / math.sqrt(case.spec.head_dim)}),
-    Parameter("logits soft cap", lambda case: case.spec.logits_soft_cap is not None, lambda case: {"logits_soft_cap": None}),
-    Parameter("sliding window", lambda case: case.spec.sliding_window is not None, lambda case: {"sliding_window": None}),
+    Parameter(
+        "softmax scale",
+        lambda case: case.spec.scale is not None and case.spec.kind == "mha",
+        lambda case: {"scale": 1.0 / math.sqrt(case.spec.head_dim)},
+    ),
+    Parameter(
+        "softmax scale, MLA",
+        lambda case: case.spec.scale is not None and case.spec.kind == "mla",
+        lambda case: {"scale": 1.0 / math.sqrt(case.spec.head_dim)},
+    ),
+    Parameter(
+        "logits soft cap", lambda case: case.spec.logits_soft_cap is not None, lambda case: {"logits_soft_cap": None}
+    ),
+    Parameter(
+        "sliding window", lambda case: case.spec.sliding_window is not None, lambda case: {"sliding_window": None}
+    ),
     Parameter("fp8 k_scale", lambda case: case.kv_scales is not None, lambda case: {"k_scale": 1.0}),
-    Parameter("fp8 v_scale", lambda case: case.kv_scales is not None and case.spec.kind != "mla",
-              lambda case: {"v_scale": 1.0}),
+    Parameter(
+        "fp8 v_scale",
+        lambda case: case.kv_scales is not None and case.spec.kind != "mla",
+        lambda case: {"v_scale": 1.0},
+    ),
     Parameter("learned sinks", lambda case: case.spec.attention_sinks, lambda case: {"sinks": None}),
 )
 
@@ -104,8 +118,11 @@ def draft_case(case: Case) -> Case | None:
     boundary data unless the case has a profile of its own), or None for other cases."""
     if any(query != 1 for _, query in case.batch):
         return None
-    return replace(case, batch=tuple((context, DRAFT_STEPS) for context, _ in case.batch),
-                   data="edges" if case.data == "normal" else case.data)
+    return replace(
+        case,
+        batch=tuple((context, DRAFT_STEPS) for context, _ in case.batch),
+        data="edges" if case.data == "normal" else case.data,
+    )
 
 
 def parameter_coverage(cases: list[Case]) -> dict[tuple[str, str], tuple[str, float] | None]:
@@ -113,7 +130,8 @@ def parameter_coverage(cases: list[Case]) -> dict[tuple[str, str], tuple[str, fl
     None. Smallest first: a cell is settled by the cheapest case that settles it."""
     cases = sorted(cases, key=lambda case: case.kv_elements)
     coverage: dict[tuple[str, str], tuple[str, float] | None] = {
-        (parameter.name, path): None for parameter in PARAMETERS for path in PATHS}
+        (parameter.name, path): None for parameter in PARAMETERS for path in PATHS
+    }
     for parameter in PARAMETERS:
         for case in cases:
             if not parameter.applies(case) or case.big_pool:

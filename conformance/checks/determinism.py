@@ -11,6 +11,7 @@ the rest of its batch — verified where claimed, measured and reported everywhe
 A backend that claims a property and breaks it FAILs; one that does not claim it PASSes with the
 measurement stated, so a report shows which backends could claim it.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -27,7 +28,10 @@ from conformance.results import CaseResult, Verdict
 def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
     differs = (a != b) & ~(torch.isnan(a) & torch.isnan(b))
     index = tuple(int(i) for i in differs.nonzero()[0])
-    return f"{int(differs.sum())} elements differ, first at (token, head, channel) {index}: {float(a[index])!r} vs {float(b[index])!r}"
+    return (
+        f"{int(differs.sum())} elements differ, first at (token, head, "
+        f"channel) {index}: {float(a[index])!r} vs {float(b[index])!r}"
+    )
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -45,8 +49,11 @@ def batch_variants(batch: tuple[tuple[int, int], ...]) -> list[tuple[str, list[i
     if num_reqs < 2:
         return []
     real = [request for request, (_, query_len) in enumerate(batch) if query_len]
-    return [("reversed order", list(range(num_reqs))[::-1]), ("first request alone", real[:1]),
-            ("last request alone", real[-1:])]
+    return [
+        ("reversed order", list(range(num_reqs))[::-1]),
+        ("first request alone", real[:1]),
+        ("last request alone", real[-1:]),
+    ]
 
 
 class DeterminismCheck(Check):
@@ -82,15 +89,20 @@ class DeterminismCheck(Check):
         if variance:
             evidence["batch_invariant"] = variance
 
-        broken = [name for name in ("deterministic", "batch_invariant") if getattr(claims, name) and metrics[name] is False]
+        broken = [
+            name for name in ("deterministic", "batch_invariant") if getattr(claims, name) and metrics[name] is False
+        ]
         if broken:
             reason = "; ".join(f"claims {name} but {evidence[name]}" for name in broken)
             return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics, evidence=evidence)
         measured = ", ".join(
             f"{name} {'yes' if value else 'no'}{'' if getattr(claims, name) else ' (not claimed)'}"
-            for name, value in metrics.items() if value is not None
+            for name, value in metrics.items()
+            if value is not None
         )
-        return CaseResult(case.id, Verdict.PASS, f"measured: {measured}", tag=case.tag, metrics=metrics, evidence=evidence)
+        return CaseResult(
+            case.id, Verdict.PASS, f"measured: {measured}", tag=case.tag, metrics=metrics, evidence=evidence
+        )
 
     def aggregate(self, cases: list[CaseResult]) -> dict[str, Any]:
         """Whether the measurements would support each claim over the whole run."""

@@ -8,6 +8,7 @@ graph, with its ``build`` called on the host between them (as vLLM's EAGLE propo
 step's output is compared with the oracle; the first failing step is named. Stale
 position-dependent metadata (DeepSeek-V4 with MTP > 2) fails here at step 2 or later.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -16,10 +17,10 @@ from typing import Any, Callable
 import torch
 
 from backends.base import AttentionBackend, CommonAttentionMetadata, PaddingStyle
-from conformance.harness.batch import PagedBatch, materialize
 from conformance.cases.grammar import Case
 from conformance.checks.base import Check
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle, worst_place
+from conformance.harness.batch import PagedBatch, materialize
 from conformance.harness.graph_batches import GraphShape
 from conformance.harness.graphs import GraphBuffers, cuda_graph_skip_reason, warm_up
 from conformance.harness.step import PoolFill, write_poison
@@ -48,9 +49,17 @@ def draft_padding(backend_cls: type[AttentionBackend], num_steps: int) -> Paddin
 class DraftLoop:
     """The buffers, device-side advance and per-step bookkeeping of one k-step draft loop."""
 
-    def __init__(self, backend_cls: type[AttentionBackend], case: Case, num_steps: int, device: torch.device,
-                 padding_row: bool = True, fill: PoolFill = PoolFill.LOUD, padding: PaddingStyle = PaddingStyle.ROWS,
-                 shape_steps: Callable[[PagedBatch], None] | None = None):
+    def __init__(
+        self,
+        backend_cls: type[AttentionBackend],
+        case: Case,
+        num_steps: int,
+        device: torch.device,
+        padding_row: bool = True,
+        fill: PoolFill = PoolFill.LOUD,
+        padding: PaddingStyle = PaddingStyle.ROWS,
+        shape_steps: Callable[[PagedBatch], None] | None = None,
+    ):
         self.num_steps = num_steps
         self.num_real = case.num_reqs
         self.padding_row = padding_row
@@ -62,8 +71,11 @@ class DraftLoop:
         rows = case.num_reqs + int(padding_row)
         # Edge data: each draft step's own key dominates, so a length one short (a stale or
         # unadvanced seq_len) or one long (a poisoned slot) fails by far more than the tolerance.
-        drafted_case = replace(case, batch=tuple((context, num_steps) for context, _ in case.batch),
-                               data="edges" if case.data == "normal" else case.data)
+        drafted_case = replace(
+            case,
+            batch=tuple((context, num_steps) for context, _ in case.batch),
+            data="edges" if case.data == "normal" else case.data,
+        )
         self.drafted = materialize(drafted_case, device)
         if shape_steps is not None:  # the steps' own data shaped before anything is written or banked
             shape_steps(self.drafted)
@@ -71,29 +83,45 @@ class DraftLoop:
         self.contexts = contexts
         block = case.spec.block_size
         shape = GraphShape(
-            num_reqs=rows, num_tokens=rows, padding_query_len=1,
-            max_model_len=-(-(max(contexts) + num_steps) // block) * block, uniform=True,
+            num_reqs=rows,
+            num_tokens=rows,
+            padding_query_len=1,
+            max_model_len=-(-(max(contexts) + num_steps) // block) * block,
+            uniform=True,
         )
         self.buffers = GraphBuffers(backend_cls, shape, [self.drafted.case], device, fill, padding)
         self.host_lengths = backend_cls.capabilities.needs_cpu_seq_lens
         buffers, drafted, n = self.buffers, self.drafted, self.num_real
 
         key, value, slots = drafted.history_rows()
-        write_poison(buffers.backend, buffers.kv_cache, drafted, keep=slots, num_blocks=buffers.num_blocks, fill=fill,
-                     scales=buffers.scales)
+        write_poison(
+            buffers.backend,
+            buffers.kv_cache,
+            drafted,
+            keep=slots,
+            num_blocks=buffers.num_blocks,
+            fill=fill,
+            scales=buffers.scales,
+        )
         if slots.numel():
             buffers.backend.write_kv(buffers.kv_cache, key, value, slots, **buffers.layer)
         # Per-step banks: the query row, KV row and slot of request r at draft step s.
         self.query_bank = drafted.query.view(n, num_steps, *drafted.query.shape[1:])
         self.key_bank = torch.stack([drafted.keys[r][c : c + num_steps] for r, c in enumerate(contexts)])
-        self.value_bank = None if drafted.values[0] is None else torch.stack(
-            [drafted.values[r][c : c + num_steps] for r, c in enumerate(contexts)]
+        self.value_bank = (
+            None
+            if drafted.values[0] is None
+            else torch.stack([drafted.values[r][c : c + num_steps] for r, c in enumerate(contexts)])
         )
-        self.slot_bank = torch.stack([drafted.slots(r, range(c, c + num_steps)) for r, c in enumerate(contexts)]).to(device)
+        self.slot_bank = torch.stack([drafted.slots(r, range(c, c + num_steps)) for r, c in enumerate(contexts)]).to(
+            device
+        )
         self.context_lens = torch.tensor(contexts, dtype=torch.int32, device=device)
         self.rows = torch.arange(n, device=device)
         self.step = torch.zeros((), dtype=torch.int64, device=device)
-        self.out_bank = torch.full((n, num_steps, *buffers.out.shape[1:]), float("nan"), dtype=buffers.out.dtype, device=device)
+        self.out_bank = torch.full(
+            (n, num_steps, *buffers.out.shape[1:]), float("nan"), dtype=buffers.out.dtype, device=device
+        )
 
         buffers.query_start_loc.copy_(torch.tensor(self.starts, dtype=torch.int32))
         buffers.seq_lens.fill_(self.padding_len)
@@ -126,8 +154,12 @@ class DraftLoop:
         seq_lens = [c + step + 1 for c in self.contexts] + [self.padding_len] * self.padding_row
         buffers = self.buffers
         return CommonAttentionMetadata.from_lengths(
-            query_start_loc=buffers.query_start_loc, seq_lens=buffers.seq_lens, block_table=buffers.block_table,
-            slot_mapping=buffers.slot_mapping, query_starts=self.starts, host_seq_lens=seq_lens,
+            query_start_loc=buffers.query_start_loc,
+            seq_lens=buffers.seq_lens,
+            block_table=buffers.block_table,
+            slot_mapping=buffers.slot_mapping,
+            query_starts=self.starts,
+            host_seq_lens=seq_lens,
             lengths_known=self.host_lengths,
         )
 
@@ -138,8 +170,14 @@ class DraftLoop:
         allowance = None if allowance is None else allowance.view_as(reference)
         starts = list(range(self.num_real + 1))
         for step in range(self.num_steps):
-            passed, metrics, evidence = compare_with_oracle(self.out_bank[:, step], reference[:, step], starts, atol, rtol,
-                                                            None if allowance is None else allowance[:, step])
+            passed, metrics, evidence = compare_with_oracle(
+                self.out_bank[:, step],
+                reference[:, step],
+                starts,
+                atol,
+                rtol,
+                None if allowance is None else allowance[:, step],
+            )
             if not passed:
                 return step, {**metrics, **evidence}
         return None, {}
@@ -212,7 +250,11 @@ class DraftLoopCheck(Check):
 
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
         one_graph = backend_cls.capabilities.draft_step_update
-        mode = "one graph for all k steps (draft_step_update)" if one_graph else "one-step graph, metadata rebuilt on the host"
+        mode = (
+            "one graph for all k steps (draft_step_update)"
+            if one_graph
+            else "one-step graph, metadata rebuilt on the host"
+        )
         atol, rtol = TOLERANCES[case.spec.dtype]
         metrics: dict[str, Any] = {"mode": mode}
         for num_steps, padding_row, warm, fill in DRAFT_RUNS:
@@ -221,16 +263,30 @@ class DraftLoopCheck(Check):
             (run_one_graph_loop if one_graph else run_rebuilt_loop)(loop, warm=warm)
             failing, details = loop.first_failing_step(atol, rtol)
             if failing is not None:
-                layout = f"padding last ({padding.value})" if padding_row else "no padding row (the last row a real request)"
+                layout = (
+                    f"padding last ({padding.value})" if padding_row else "no padding row (the last row a real request)"
+                )
                 layout += "" if warm else ", captured without warm-up"
                 layout += ", NaN in every unowned slot" if fill == PoolFill.NAN else ""
-                reason = (f"k={num_steps} ({layout}): draft step {failing + 1} of {num_steps} differs from the oracle "
-                          f"({details['mismatched']} elements, max abs error {details['max_abs_error']:.3g}, worst at "
-                          f"{worst_place(details['worst'])}) — {mode}")
-                return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag,
-                                  metrics={**metrics, "k": num_steps, "first_failing_step": failing + 1},
-                                  evidence={"worst": details.get("worst")})
+                reason = (
+                    f"k={num_steps} ({layout}): draft step {failing + 1} of {num_steps} differs from the oracle "
+                    f"({details['mismatched']} elements, max abs error {details['max_abs_error']:.3g}, worst at "
+                    f"{worst_place(details['worst'])}) — {mode}"
+                )
+                return CaseResult(
+                    case.id,
+                    Verdict.FAIL,
+                    reason,
+                    tag=case.tag,
+                    metrics={**metrics, "k": num_steps, "first_failing_step": failing + 1},
+                    evidence={"worst": details.get("worst")},
+                )
         padded = " and ".join(sorted({draft_padding(backend_cls, k).value for k, row, *_ in DRAFT_RUNS if row}))
-        return CaseResult(case.id, Verdict.PASS, f"k in {DRAFT_STEPS} (with and without padding ({padded}), captured with and "
-                          f"without warm-up, unowned slots loud and NaN): every step equal to the oracle — {mode}",
-                          tag=case.tag, metrics=metrics)
+        return CaseResult(
+            case.id,
+            Verdict.PASS,
+            f"k in {DRAFT_STEPS} (with and without padding ({padded}), captured with and "
+            f"without warm-up, unowned slots loud and NaN): every step equal to the oracle — {mode}",
+            tag=case.tag,
+            metrics=metrics,
+        )

@@ -17,7 +17,8 @@ dtypes differ only in rounding, and bf16 and fp16 matrix products are many times
    absorbed; the two paths must agree (a prefill kernel's value offset, scale or context shows here);
 
 1. plain decoding (no speculation), the reference;
-2. speculative decoding, k = 3, scripted drafter at 50 % acceptance (a rejection in most steps), synchronous loop: must equal 1;
+2. speculative decoding, k = 3, scripted drafter at 50 % acceptance (a rejection in most steps),
+synchronous loop: must equal 1;
 3. the same, asynchronous loop with the debug input checks on: must equal 2 token for token, and no
    placeholder, stale length or foreign slot may reach the model;
 4. speculative decoding, k = 3, drafting *through the backend under test* (``layer-skip``: the
@@ -26,13 +27,15 @@ dtypes differ only in rounding, and bf16 and fp16 matrix products are many times
    claims ``draft_step_update``, else one draft-step graph replayed k times with ``build`` between):
    must equal 1. The batch holds as many prompts as ``max_num_reqs``, so the padded graph batch's
    last row is often a real request; where it is padding, it is vLLM's empty request for a backend
-   that claims that style (``reference_engine.empty_padding``). Drafts change only what is accepted, never the output, so
+   that claims that style (``reference_engine.empty_padding``). Drafts change only what is accepted,
+   never the output, so
    the drafts accepted per prompt under graphs must also equal those of the same backend's eager
    draft steps (metadata rebuilt per step); and a backend claiming ``draft_step_update`` must
    draft exactly the tokens it drafts with its metadata built afresh for every draft step (on
    the CPU too: the engine uses the update path eagerly);
 5. on CUDA, the async loop again, measured over at least ``STEADY_STEPS`` steady-state steps: CUDA
-   graphs where the backend claims them, host-blocking syncs per steady-state step (must be 0 for a backend claiming ``needs_cpu_seq_lens=False``), TPOT
+   graphs where the backend claims them, host-blocking syncs per steady-state step (must be 0 for a
+   backend claiming ``needs_cpu_seq_lens=False``), TPOT
    and GPU idle fraction (reported); k = 0 for a backend that cannot verify k + 1 tokens, so that
    the steady steps are its own; not measured where a built-in decodes (MLA prefill's layer).
 
@@ -46,6 +49,7 @@ plus two rounding steps of the run's dtype at their magnitude (the LM head round
 bf16 at 8-16 logits, 0.0625 a step) of the top logit (``equality.Explanation.is_near_tie``), and
 the report names it.
 """
+
 from __future__ import annotations
 
 import copy
@@ -61,9 +65,8 @@ from conformance.checks.engine_model import is_mla_prefill_layer, model_for
 from conformance.checks.engine_runs import ATTENTION_DRAFTER, DRAFTER, SPEC_TOKENS, EngineRuns, TooFewSteadySteps
 from conformance.results import CaseResult, Verdict
 from reference_engine.attention_split import AUTO, Routing
-from reference_engine.model_attention import plan_attention
 from reference_engine.equality import NEAR_TIE
-
+from reference_engine.model_attention import plan_attention
 
 
 def layout_key(case: Case, device: torch.device, suite: str | None = None) -> tuple:
@@ -86,8 +89,9 @@ def engine_case(backend_cls: type[AttentionBackend], case: Case, device: torch.d
     return case
 
 
-def engine_skip_reason(backend_cls: type[AttentionBackend], case: Case, device: torch.device,
-                       prefill_backend: str = AUTO) -> str | None:
+def engine_skip_reason(
+    backend_cls: type[AttentionBackend], case: Case, device: torch.device, prefill_backend: str = AUTO
+) -> str | None:
     """Why the engine cannot run ``model_for(case)`` through this backend, or None. The case's
     own layer first: an MLA case is an MLA backend's, MLA prefill's layer a backend's that claims it."""
     spec = case.spec
@@ -95,10 +99,14 @@ def engine_skip_reason(backend_cls: type[AttentionBackend], case: Case, device: 
     if reason:
         return reason
     if is_mla_prefill_layer(spec) and spec.num_kv_heads != spec.num_heads:
-        return ("the engine runs a value head dim other than the key's as MLA prefill's layer, which has as many KV "
-                f"heads as query heads (this layer: {spec.num_kv_heads} over {spec.num_heads})")
+        return (
+            "the engine runs a value head dim other than the key's as MLA prefill's layer, which has as many KV "
+            f"heads as query heads (this layer: {spec.num_kv_heads} over {spec.num_heads})"
+        )
     try:  # a backend serving only some batches (decode-only, uniform-only) needs a companion
-        plan_attention(backend_cls, model_for(case), spec.dtype, spec.block_size, spec.kv_cache_dtype, device, prefill_backend)
+        plan_attention(
+            backend_cls, model_for(case), spec.dtype, spec.block_size, spec.kv_cache_dtype, device, prefill_backend
+        )
     except ValueError as error:
         return str(error)
     return None
@@ -106,7 +114,9 @@ def engine_skip_reason(backend_cls: type[AttentionBackend], case: Case, device: 
 
 class EngineCheck(Check):
     name = "engine"
-    question = "Does the reference engine, async and sync, produce the same tokens through this backend, with no host syncs?"
+    question = (
+        "Does the reference engine, async and sync, produce the same tokens through this backend, with no host syncs?"
+    )
     evidence_labels = {
         "near_ties": "near-tie flips (explained, not failures)",
         "verified_drafts_digest": "verified drafts' digest",
@@ -123,16 +133,22 @@ class EngineCheck(Check):
         key = layout_key(case, device, self.options.get("suite"))
         if key in self.covered:
             return f"layout covered by {self.covered[key]}"
-        reason = engine_skip_reason(backend_cls, engine_case(backend_cls, case, device), device,
-                                    self.options.get("prefill_backend", AUTO))
+        reason = engine_skip_reason(
+            backend_cls, engine_case(backend_cls, case, device), device, self.options.get("prefill_backend", AUTO)
+        )
         if reason:
             return reason
         self.covered[key] = case.id
         return None
 
     def details(self) -> dict[str, Any]:
-        return {"spec_tokens": SPEC_TOKENS, "drafter": DRAFTER, "attention_drafter": ATTENTION_DRAFTER, "near_tie_logits": NEAR_TIE,
-                "sync_detector": self.options.get("sync_detector", "auto")}
+        return {
+            "spec_tokens": SPEC_TOKENS,
+            "drafter": DRAFTER,
+            "attention_drafter": ATTENTION_DRAFTER,
+            "near_tie_logits": NEAR_TIE,
+            "sync_detector": self.options.get("sync_detector", "auto"),
+        }
 
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
         routings: list[Routing] = []  # a split backend's: which backend served the attention calls of each engine run
@@ -147,8 +163,9 @@ class EngineCheck(Check):
                 result.reason += "; " + served.summary()
         return result
 
-    def _run_engines(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device,
-                     routings: list[Routing]) -> CaseResult:
+    def _run_engines(
+        self, backend_cls: type[AttentionBackend], case: Case, device: torch.device, routings: list[Routing]
+    ) -> CaseResult:
         from reference_engine.batched_engine import InputCheckFailed
 
         runs = EngineRuns(backend_cls, case, device, routings, self.options)
@@ -156,16 +173,20 @@ class EngineCheck(Check):
             for _, claim in self._claims(backend_cls, runs):
                 problem = claim()
                 if problem:
-                    return CaseResult(case.id, Verdict.FAIL, problem, tag=case.tag, metrics=runs.metrics,
-                                      evidence=runs.evidence)
+                    return CaseResult(
+                        case.id, Verdict.FAIL, problem, tag=case.tag, metrics=runs.metrics, evidence=runs.evidence
+                    )
         except InputCheckFailed as error:
             return CaseResult(case.id, Verdict.FAIL, f"async loop: {error}", tag=case.tag)
         except TooFewSteadySteps as error:
             return CaseResult(case.id, Verdict.ERROR, str(error), tag=case.tag, metrics=runs.metrics)
-        return CaseResult(case.id, Verdict.PASS, self._pass_reason(runs), tag=case.tag, metrics=runs.metrics,
-                          evidence=runs.evidence)
+        return CaseResult(
+            case.id, Verdict.PASS, self._pass_reason(runs), tag=case.tag, metrics=runs.metrics, evidence=runs.evidence
+        )
 
-    def _claims(self, backend_cls: type[AttentionBackend], runs: EngineRuns) -> list[tuple[str, Callable[[], str | None]]]:
+    def _claims(
+        self, backend_cls: type[AttentionBackend], runs: EngineRuns
+    ) -> list[tuple[str, Callable[[], str | None]]]:
         """The check's claims in the order they are judged, each ``(label, function)``: the function
         returns the problem, or None. The engine runs they compare are made once, when first needed."""
         drafting = runs.drafting
@@ -173,11 +194,15 @@ class EngineCheck(Check):
         if runs.decompressed_prefill:
             # MLA's two paths must agree: prefills decompressed through this backend, and the same
             # requests absorbed (by the MLA decode backend: this one, or a built-in beside it).
-            same.append(("MLA prefill decompressed vs every request absorbed", lambda: runs.absorbed, lambda: runs.plain))
-        same += [("spec (sync) vs plain", lambda: runs.sync, lambda: runs.plain),
-                 ("async vs sync", lambda: runs.overlapped, lambda: runs.sync),
-                 (f"{drafting}, sync vs plain", lambda: runs.drafted_sync, lambda: runs.plain),
-                 (f"{drafting}, async vs plain", lambda: runs.drafted_async, lambda: runs.plain)]
+            same.append(
+                ("MLA prefill decompressed vs every request absorbed", lambda: runs.absorbed, lambda: runs.plain)
+            )
+        same += [
+            ("spec (sync) vs plain", lambda: runs.sync, lambda: runs.plain),
+            ("async vs sync", lambda: runs.overlapped, lambda: runs.sync),
+            (f"{drafting}, sync vs plain", lambda: runs.drafted_sync, lambda: runs.plain),
+            (f"{drafting}, async vs plain", lambda: runs.drafted_async, lambda: runs.plain),
+        ]
         table = [(label, self._same_tokens(runs, label, got, expected)) for label, got, expected in same]
         if backend_cls.capabilities.draft_step_update:
             table.append(("update_for_draft_step drafts what rebuilt metadata drafts", runs.draft_update_problem))
@@ -187,11 +212,14 @@ class EngineCheck(Check):
             table.append(("host syncs per steady-state async step", runs.steady_problem))
         return table
 
-    def _same_tokens(self, runs: EngineRuns, label: str, got: Callable[[], list],
-                     expected: Callable[[], list]) -> Callable[[], str | None]:
+    def _same_tokens(
+        self, runs: EngineRuns, label: str, got: Callable[[], list], expected: Callable[[], list]
+    ) -> Callable[[], str | None]:
         def claim() -> str | None:
-            return self._difference(label, got(), expected(), runs.prompts, runs.model, runs.base, runs.device,
-                                    runs.evidence)
+            return self._difference(
+                label, got(), expected(), runs.prompts, runs.model, runs.base, runs.device, runs.evidence
+            )
+
         return claim
 
     @staticmethod
@@ -203,7 +231,9 @@ class EngineCheck(Check):
         if runs.device.type == "cuda" and not runs.decodes:
             reason += "; steady-state steps not measured (a built-in decodes: this backend serves MLA's prefill)"
         if metrics.get("host_syncs_per_steady_step") is not None:
-            reason += f"; {metrics['host_syncs_per_steady_step']:.2f} syncs/step, GPU idle {metrics['gpu_idle_fraction']:.1%}"
+            reason += (
+                f"; {metrics['host_syncs_per_steady_step']:.2f} syncs/step, GPU idle {metrics['gpu_idle_fraction']:.1%}"
+            )
         return reason
 
     def _difference(self, label, got, expected, prompts, model, base, device, evidence) -> str | None:
@@ -220,11 +250,22 @@ class EngineCheck(Check):
             if at >= min(len(a), len(b)):
                 return f"{label}: prompt {index} has {len(b)} tokens, expected {len(a)}"
             if reference is None:
-                reference = Engine(EngineConfig(model=base.model, backend="torch_naive", device=str(device),
-                                                dtype=torch.float32, block_size=base.block_size), copy.deepcopy(model).float())
+                reference = Engine(
+                    EngineConfig(
+                        model=base.model,
+                        backend="torch_naive",
+                        device=str(device),
+                        dtype=torch.float32,
+                        block_size=base.block_size,
+                    ),
+                    copy.deepcopy(model).float(),
+                )
             why = explain(reference, prompts[index], a[:at], a[at], b[at])
-            where = (f"{label}: prompt {index}, output token {at}: {b[at]} instead of {a[at]} (fp32 margin {why.margin:.4f}, "
-                     f"{why.behind_top:.4f} below the top logit, near-tie tolerance {why.tolerance(base.dtype):.4f})")
+            where = (
+                f"{label}: prompt {index}, output token {at}: {b[at]} "
+                f"instead of {a[at]} (fp32 margin {why.margin:.4f}, "
+                f"{why.behind_top:.4f} below the top logit, near-tie tolerance {why.tolerance(base.dtype):.4f})"
+            )
             if not why.is_near_tie(base.dtype):
                 return where
             evidence.setdefault("near_ties", []).append(where)

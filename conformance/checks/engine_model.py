@@ -1,5 +1,6 @@
 """The engine check's model for a case's layer, and its prompts (``model_for``,
 ``model_and_prompts``): a small two-layer model of the layer's layout, seeded from the case."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -31,15 +32,35 @@ def model_for(case: Case):
     spec = case.spec
     common = dict(vocab_size=512, hidden_size=256, num_layers=2, intermediate_size=512, max_model_len=512)
     if spec.kind == "mla":
-        return ModelConfig(attention="mla", num_heads=spec.num_heads, kv_lora_rank=spec.kv_lora_rank,
-                           qk_rope_dim=spec.rope_dim, qk_nope_dim=64, v_head_dim=64, **common)
+        return ModelConfig(
+            attention="mla",
+            num_heads=spec.num_heads,
+            kv_lora_rank=spec.kv_lora_rank,
+            qk_rope_dim=spec.rope_dim,
+            qk_nope_dim=64,
+            v_head_dim=64,
+            **common,
+        )
     if is_mla_prefill_layer(spec):
         rope = 64 if spec.head_dim > 64 else spec.head_dim // 2  # DeepSeek-V3: 192 = 128 + 64
-        return ModelConfig(attention="mla", num_heads=spec.num_heads, kv_lora_rank=512, qk_rope_dim=rope,
-                           qk_nope_dim=spec.head_dim - rope, v_head_dim=spec.v_head_dim, **common)
-    return ModelConfig(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                       attention_sinks=spec.attention_sinks, alternating_window=True,
-                       sliding_window=ENGINE_WINDOW if spec.sliding_window is not None else None, **common)
+        return ModelConfig(
+            attention="mla",
+            num_heads=spec.num_heads,
+            kv_lora_rank=512,
+            qk_rope_dim=rope,
+            qk_nope_dim=spec.head_dim - rope,
+            v_head_dim=spec.v_head_dim,
+            **common,
+        )
+    return ModelConfig(
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        attention_sinks=spec.attention_sinks,
+        alternating_window=True,
+        sliding_window=ENGINE_WINDOW if spec.sliding_window is not None else None,
+        **common,
+    )
 
 
 def model_and_prompts(case: Case, device: torch.device, lengths: tuple[int, ...]):

@@ -15,6 +15,7 @@
 Both are pooled to at most ``MAX_ROWS`` × ``MAX_COLUMNS`` cells (the cell of largest magnitude of
 each bin) so that a 32k-token failure stays a few kilobytes of evidence.
 """
+
 from __future__ import annotations
 
 from typing import Any, TypedDict
@@ -65,8 +66,10 @@ def _pool(values: torch.Tensor, row_edges: list[int], column_edges: list[int]) -
 
 
 def _mean(values: torch.Tensor, row_edges: list[int], column_edges: list[int]) -> list[list[float]]:
-    return [[round(float(values[r0:r1, c0:c1].double().mean()), 3) for c0, c1 in zip(column_edges, column_edges[1:])]
-            for r0, r1 in zip(row_edges, row_edges[1:])]
+    return [
+        [round(float(values[r0:r1, c0:c1].double().mean()), 3) for c0, c1 in zip(column_edges, column_edges[1:])]
+        for r0, r1 in zip(row_edges, row_edges[1:])
+    ]
 
 
 def error_map(out: torch.Tensor, reference: torch.Tensor, atol: float, rtol: float, title: str) -> Grid:
@@ -75,12 +78,27 @@ def error_map(out: torch.Tensor, reference: torch.Tensor, atol: float, rtol: flo
     ratio = (out - reference).abs() / (atol + rtol * reference.abs())
     ratio = torch.where(torch.isfinite(out), ratio, torch.full_like(ratio, float("inf"))).amax(dim=-1)  # [T, H]
     rows, columns = _edges(ratio.shape[0], MAX_ROWS), _edges(ratio.shape[1], MAX_COLUMNS)
-    return Grid(kind="error", title=title, row_label="token (every request's, in batch order)", column_label="head",
-                row_edges=rows, column_edges=columns, values=_pool(ratio, rows, columns), visible=[])
+    return Grid(
+        kind="error",
+        title=title,
+        row_label="token (every request's, in batch order)",
+        column_label="head",
+        row_edges=rows,
+        column_edges=columns,
+        values=_pool(ratio, rows, columns),
+        visible=[],
+    )
 
 
-def key_map(out: torch.Tensor, reference: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
-            tokens: list[int], wrong: torch.Tensor, title: str) -> Grid | None:
+def key_map(
+    out: torch.Tensor,
+    reference: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor,
+    tokens: list[int],
+    wrong: torch.Tensor,
+    title: str,
+) -> Grid | None:
     """Token × key for one request and one head. ``out``, ``reference`` [n, Dv]: the request's
     tokens ``tokens`` (indices among its new tokens, ascending; every one, or an even sample of a
     long request) at that head; ``values`` [s, Dv]: the value each key carries to that head;
@@ -93,18 +111,35 @@ def key_map(out: torch.Tensor, reference: torch.Tensor, values: torch.Tensor, vi
     error = out - reference  # [q, Dv]
     # d[t, j] = v_j - ref_t; <e_t, d_tj> and |d_tj|^2 expanded so that no [q, s, Dv] tensor is made.
     along = error @ values.T - (error * reference).sum(-1, keepdim=True)  # [q, s]
-    length = ((values * values).sum(-1)[None, :] - 2 * reference @ values.T
-              + (reference * reference).sum(-1, keepdim=True)).clamp_min(1e-300)
+    length = (
+        (values * values).sum(-1)[None, :] - 2 * reference @ values.T + (reference * reference).sum(-1, keepdim=True)
+    ).clamp_min(1e-300)
     explained = along.square() / (length * (error * error).sum(-1, keepdim=True).clamp_min(1e-300))
     signed = explained.clamp(max=1.0) * along.sign() * wrong.cpu()[:, None]
     rows, columns = _edges(signed.shape[0], MAX_ROWS), _edges(signed.shape[1], MAX_COLUMNS)
-    return Grid(kind="key", title=title, row_label="new token of the request", column_label="key position",
-                row_edges=[tokens[edge] for edge in rows[:-1]] + [tokens[-1] + 1], column_edges=columns,
-                values=_pool(signed, rows, columns), visible=_mean(visible.cpu(), rows, columns))
+    return Grid(
+        kind="key",
+        title=title,
+        row_label="new token of the request",
+        column_label="key position",
+        row_edges=[tokens[edge] for edge in rows[:-1]] + [tokens[-1] + 1],
+        column_edges=columns,
+        values=_pool(signed, rows, columns),
+        visible=_mean(visible.cpu(), rows, columns),
+    )
 
 
-def failure_maps(prepared, out: torch.Tensor, reference: torch.Tensor, worst: dict[str, Any], atol: float, rtol: float,
-                 what: str, case_request: int | None = None, negated: bool = False) -> dict[str, Grid]:
+def failure_maps(
+    prepared,
+    out: torch.Tensor,
+    reference: torch.Tensor,
+    worst: dict[str, Any],
+    atol: float,
+    rtol: float,
+    what: str,
+    case_request: int | None = None,
+    negated: bool = False,
+) -> dict[str, Grid]:
     """The evidence maps of a failed comparison of ``prepared``'s step output (``out`` and the
     oracle's ``reference``, [T, H, Dv]; ``negated``: of a step run negated, both negated back)
     whose worst element is ``worst`` (request numbered as in its batch; ``case_request``: its
@@ -117,14 +152,27 @@ def failure_maps(prepared, out: torch.Tensor, reference: torch.Tensor, worst: di
     start, end = batch.query_start_loc[request], batch.query_start_loc[request + 1]
     context_len = batch.case.batch[request][0]
     count = end - start
-    tokens = sorted(set(torch.linspace(0, count - 1, min(count, 4 * MAX_ROWS)).round().long().tolist()) | {worst["token"]})
+    tokens = sorted(
+        set(torch.linspace(0, count - 1, min(count, 4 * MAX_ROWS)).round().long().tolist()) | {worst["token"]}
+    )
     spec = batch.spec
     visible = visible_keys(context_len, range(count), context_len + count, spec.sliding_window)[tokens]
     picked = torch.tensor(tokens) + start
-    got, expected = out[picked.to(out.device), head].double().cpu(), reference[picked.to(reference.device), head].double().cpu()
+    got, expected = (
+        out[picked.to(out.device), head].double().cpu(),
+        reference[picked.to(reference.device), head].double().cpu(),
+    )
     wrong = ((got - expected).abs() > atol + rtol * expected.abs()).any(dim=-1)
-    grid = key_map(got, expected, attended_values(prepared, request, head, negated=negated), visible, tokens, wrong,
-                   f"{what}: request {request if case_request is None else case_request}, head {head}: which key's weight explains each token's error")
+    grid = key_map(
+        got,
+        expected,
+        attended_values(prepared, request, head, negated=negated),
+        visible,
+        tokens,
+        wrong,
+        f"{what}: request {request if case_request is None else case_request}, "
+        f"head {head}: which key's weight explains each token's error",
+    )
     if grid is not None:
         maps["key_map"] = grid
     return maps
@@ -136,12 +184,16 @@ def summary(grid: dict[str, Any]) -> str:
     if grid["kind"] == "error":
         beyond = sum(1 for value in values if value > 1)
         worst = "NaN/Inf" if max(values) == float("inf") else f"{max(values):.3g}× the tolerance"
-        return (f"{beyond} of {len(values)} (token, head) cells past the tolerance; worst {worst} "
-                "(the HTML report draws the map)")
+        return (
+            f"{beyond} of {len(values)} (token, head) cells past the tolerance; worst {worst} "
+            "(the HTML report draws the map)"
+        )
     best = max(range(len(values)), key=lambda index: abs(values[index]))
     row, column = divmod(best, len(grid["values"][0]))
     keys = grid["column_edges"][column], grid["column_edges"][column + 1] - 1
     tokens = grid["row_edges"][row], grid["row_edges"][row + 1] - 1
     what = "extra" if values[best] > 0 else "missing"
-    return (f"{what} weight on keys {keys[0]}–{keys[1]} explains {abs(values[best]):.0%} of the error of tokens "
-            f"{tokens[0]}–{tokens[1]} (the HTML report draws the map)")
+    return (
+        f"{what} weight on keys {keys[0]}–{keys[1]} explains {abs(values[best]):.0%} of the error of tokens "
+        f"{tokens[0]}–{tokens[1]} (the HTML report draws the map)"
+    )

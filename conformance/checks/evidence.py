@@ -4,6 +4,7 @@ A check writes its evidence as a plain dict (it travels as JSON from the isolate
 describes it as a list of ``EvidenceItem`` (``Check.describe_evidence``); the terminal, HTML,
 Markdown and JUnit reports and the pytest plugin render those items and know no evidence key.
 """
+
 from __future__ import annotations
 
 import json
@@ -65,8 +66,11 @@ MAP_KEYS = {"error_map": "error map", "key_map": "key map"}  # the ``error_map``
 
 def maps(evidence: dict[str, Any]) -> list[EvidenceItem]:
     """One item per map: its one-line summary as text, the grid for the HTML report to draw."""
-    return [EvidenceItem(label, summary(evidence[key]), grid=evidence[key]) for key, label in MAP_KEYS.items()
-            if evidence.get(key)]
+    return [
+        EvidenceItem(label, summary(evidence[key]), grid=evidence[key])
+        for key, label in MAP_KEYS.items()
+        if evidence.get(key)
+    ]
 
 
 def sync_events(label: str, events: Iterable[SyncEventRecord] | None) -> list[EvidenceItem]:
@@ -74,10 +78,14 @@ def sync_events(label: str, events: Iterable[SyncEventRecord] | None) -> list[Ev
     items = []
     for event in events or []:
         size = f" {event['num_bytes']} B" if event.get("num_bytes") is not None else ""
-        items.append(EvidenceItem(
-            f"{label}: {event.get('kind', '?')} ({event.get('api', '?')}{size}) in {event.get('phase') or '?'} "
-            f"at {event.get('source') or 'unknown frame'}", "\n".join(event.get("stack") or []), block=True,
-        ))
+        items.append(
+            EvidenceItem(
+                f"{label}: {event.get('kind', '?')} ({event.get('api', '?')}{size}) in {event.get('phase') or '?'} "
+                f"at {event.get('source') or 'unknown frame'}",
+                "\n".join(event.get("stack") or []),
+                block=True,
+            )
+        )
     return items
 
 

@@ -25,6 +25,7 @@ really meet a backend:
    as in an engine that captures after its profiling run, so only the instance's own laziness
    is tested.
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,17 +38,28 @@ from backends.base import AttentionBackend
 from conformance.cases.grammar import Case
 from conformance.checks.base import Check
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle, worst_place
+from conformance.harness.batch import PagedBatch, materialize
 from conformance.harness.graph_batches import (
-    Replay, fits, graph_class_reason, graph_shape, larger_batch, replay_batches,
+    Replay,
+    fits,
+    graph_class_reason,
+    graph_shape,
+    larger_batch,
+    replay_batches,
 )
 from conformance.harness.graphs import (
-    GraphBuffers, canaries_written, count_different, cuda_graph_skip_reason, fill_freed_memory, graph_pool_bytes, warm_up,
+    GraphBuffers,
+    canaries_written,
+    count_different,
+    cuda_graph_skip_reason,
+    fill_freed_memory,
+    graph_pool_bytes,
+    warm_up,
 )
-from conformance.harness.stored_cache import oracle
 from conformance.harness.step import PoolFill, run_step
-from conformance.harness.batch import PagedBatch, materialize
-from host_syncs.detector import detect_host_syncs
+from conformance.harness.stored_cache import oracle
 from conformance.results import CaseResult, Verdict
+from host_syncs.detector import detect_host_syncs
 
 
 def capture_failure_cause(error: BaseException, detector) -> str:
@@ -86,14 +98,18 @@ def capture(buffers: GraphBuffers, metadata) -> torch.cuda.CUDAGraph:
                 buffers.step(metadata)
     except Exception as error:  # noqa: BLE001 - a capture failure is the finding
         torch.cuda.synchronize()
-        raise CaptureFailed(capture_failure_cause(error, detector),
-                            [e.to_dict() for e in (detector.events if detector else [])][:10]) from error
+        raise CaptureFailed(
+            capture_failure_cause(error, detector), [e.to_dict() for e in (detector.events if detector else [])][:10]
+        ) from error
     return graph
 
 
 class GraphsCheck(Check):
     name = "graphs"
-    question = "capture with batch A (also as the first call, and before a larger shape), replay with B1..Bn: equal to eager and to the oracle?"
+    question = (
+        "capture with batch A (also as the first call, and before a larger "
+        "shape), replay with B1..Bn: equal to eager and to the oracle?"
+    )
 
     evidence_labels = {"failing_batch": "failing replay batch"}
     sync_event_labels = {"capture_events": "during capture"}
@@ -120,7 +136,11 @@ class GraphsCheck(Check):
         shape = graph_shape(case, replays, extra=(larger,))
         replays = [r for r in replays if fits(shape, r.case)]
         all_cases = [case, larger] + [r.case for r in replays]
-        metrics: dict[str, Any] = {"padded_reqs": shape.num_reqs, "padded_tokens": shape.num_tokens, "replays": len(replays)}
+        metrics: dict[str, Any] = {
+            "padded_reqs": shape.num_reqs,
+            "padded_tokens": shape.num_tokens,
+            "replays": len(replays),
+        }
         atol, rtol = TOLERANCES[case.spec.dtype]
         self.tolerance = (atol, rtol)
 
@@ -134,8 +154,14 @@ class GraphsCheck(Check):
         try:
             graph = capture(buffers, buffers.backend.build_for_capture(loaded.common))
         except CaptureFailed as failure:
-            return CaseResult(case.id, Verdict.FAIL, f"capture failed: {failure}", tag=case.tag, metrics=metrics,
-                              evidence={"capture_events": failure.events})
+            return CaseResult(
+                case.id,
+                Verdict.FAIL,
+                f"capture failed: {failure}",
+                tag=case.tag,
+                metrics=metrics,
+                evidence={"capture_events": failure.events},
+            )
         metrics["graph_pool_bytes"] = graph_pool_bytes(graph)
         nondeterministic = []
         for index, replay in enumerate([None] + replays):
@@ -144,14 +170,23 @@ class GraphsCheck(Check):
             # Every other replay over NaN: a slot it reads and weights by zero turns its output NaN.
             fill = PoolFill.NAN if index % 2 else PoolFill.LOUD
             what += ", NaN in every unowned slot" if fill == PoolFill.NAN else ""
-            problem = self._replay(buffers, graph, replay_case, what, metrics=metrics, nondeterministic=nondeterministic,
-                                   fill=fill)
+            problem = self._replay(
+                buffers, graph, replay_case, what, metrics=metrics, nondeterministic=nondeterministic, fill=fill
+            )
             if problem:
                 return self._fail(case, problem, metrics)
         metrics["deterministic"] = not nondeterministic
         if nondeterministic and backend_cls.capabilities.deterministic:
-            return self._fail(case, (f"claims deterministic, but two replays of one state differ bitwise "
-                                     f"({nondeterministic[0]})", None, {}, {}), metrics)
+            return self._fail(
+                case,
+                (
+                    f"claims deterministic, but two replays of one state differ bitwise ({nondeterministic[0]})",
+                    None,
+                    {},
+                    {},
+                ),
+                metrics,
+            )
 
         # 2. An eager step at a larger shape never seen, freed memory taken by NaN canaries, replay.
         problem = self._eager(buffers, larger, "an eager step at a larger, new shape after the capture")
@@ -159,15 +194,25 @@ class GraphsCheck(Check):
             return self._fail(case, problem, metrics)
         canaries = fill_freed_memory(device)
         replay = replays[0] if replays else Replay("A", case)
-        problem = self._replay(buffers, graph, replay.case, f"{replay.description}, after an eager step at a larger shape")
+        problem = self._replay(
+            buffers, graph, replay.case, f"{replay.description}, after an eager step at a larger shape"
+        )
         written = canaries_written(canaries)
         del canaries
         if problem:
             return self._fail(case, problem, metrics)
         if written:
-            return self._fail(case, (f"the graph replayed after an eager step at a larger shape wrote {written} bytes "
-                                     "into memory the backend had freed (a workspace reallocated after the capture?)",
-                                     None, {}, {}), metrics)
+            return self._fail(
+                case,
+                (
+                    f"the graph replayed after an eager step at a larger shape wrote {written} bytes "
+                    "into memory the backend had freed (a workspace reallocated after the capture?)",
+                    None,
+                    {},
+                    {},
+                ),
+                metrics,
+            )
 
         del graph, buffers
         # 3. Capture as the very first call of a fresh backend instance (the process is warm now).
@@ -176,20 +221,37 @@ class GraphsCheck(Check):
         try:
             graph = capture(first, first.backend.build_for_capture(loaded.common))
         except CaptureFailed as failure:
-            return CaseResult(case.id, Verdict.FAIL, f"capture as the first call after construction failed: {failure}",
-                              tag=case.tag, metrics=metrics, evidence={"capture_events": failure.events})
+            return CaseResult(
+                case.id,
+                Verdict.FAIL,
+                f"capture as the first call after construction failed: {failure}",
+                tag=case.tag,
+                metrics=metrics,
+                evidence={"capture_events": failure.events},
+            )
         problem = self._replay(first, graph, case, "A, captured as the backend's first call")
         if problem:
             return self._fail(case, problem, metrics)
 
-        reason = (f"{len(replays)} replays equal to the oracle (also captured as the first call, and replayed after a "
-                  "larger eager shape); cache untouched outside each batch's slots")
+        reason = (
+            f"{len(replays)} replays equal to the oracle (also captured as the first call, and replayed after a "
+            "larger eager shape); cache untouched outside each batch's slots"
+        )
         if nondeterministic:
             reason += f"; two replays of one state differ bitwise ({nondeterministic[0]}; determinism not claimed)"
         return CaseResult(case.id, Verdict.PASS, reason, tag=case.tag, metrics=metrics)
 
-    def _replay(self, buffers: GraphBuffers, graph, replay_case: Case, what: str, *, metrics=None,
-                nondeterministic=None, fill: PoolFill | None = None):
+    def _replay(
+        self,
+        buffers: GraphBuffers,
+        graph,
+        replay_case: Case,
+        what: str,
+        *,
+        metrics=None,
+        nondeterministic=None,
+        fill: PoolFill | None = None,
+    ):
         """Load, build, replay, compare; None when right, else (reason, failing case, errors, evidence)."""
         atol, rtol = self.tolerance
         loaded = buffers.load(self._batch(replay_case, buffers.device), with_host_lengths=self.host_lengths, fill=fill)
@@ -202,22 +264,36 @@ class GraphsCheck(Check):
         torch.cuda.synchronize()
         changed = watch.changes()
         if changed:
-            return (f"replay of {what}: the backend changed an input it was handed: {'; '.join(changed)}",
-                    replay_case, {}, {})
+            return (
+                f"replay of {what}: the backend changed an input it was handed: {'; '.join(changed)}",
+                replay_case,
+                {},
+                {},
+            )
         replayed = buffers.out[: loaded.real_tokens].clone()
         reference, allowance = oracle(buffers.prepared(loaded.batch))
-        passed, errors, evidence = compare_with_oracle(replayed, reference, loaded.batch.query_start_loc, atol, rtol,
-                                                       allowance)
+        passed, errors, evidence = compare_with_oracle(
+            replayed, reference, loaded.batch.query_start_loc, atol, rtol, allowance
+        )
         if not passed:
-            return (f"replay of {what} differs from the oracle: {errors['mismatched']} elements, max abs error "
-                    f"{errors['max_abs_error']:.3g}, worst at {worst_place(evidence['worst'])}",
-                    replay_case, errors, evidence)
+            return (
+                f"replay of {what} differs from the oracle: {errors['mismatched']} elements, max abs error "
+                f"{errors['max_abs_error']:.3g}, worst at {worst_place(evidence['worst'])}",
+                replay_case,
+                errors,
+                evidence,
+            )
         buffers.add_step_rows(expected_cache, loaded)
         stray = count_different(buffers.kv_cache, expected_cache)
         del expected_cache
         if stray:
-            return (f"replay of {what} changed {stray} cache elements outside the batch's own slots (padding rows must write nothing)",
-                    replay_case, {}, {})
+            return (
+                f"replay of {what} changed {stray} cache elements outside "
+                "the batch's own slots (padding rows must write nothing)",
+                replay_case,
+                {},
+                {},
+            )
         if metrics is None:
             return None
         # Eager on the same state, and a second replay of it (determinism).
@@ -250,8 +326,13 @@ class GraphsCheck(Check):
         passed, errors, evidence = compare_with_oracle(out, reference, batch.query_start_loc, atol, rtol, allowance)
         if passed:
             return None
-        return (f"{what} differs from the oracle: {errors['mismatched']} elements, max abs error {errors['max_abs_error']:.3g}",
-                batch.case, errors, evidence)
+        return (
+            f"{what} differs from the oracle: {errors['mismatched']} "
+            f"elements, max abs error {errors['max_abs_error']:.3g}",
+            batch.case,
+            errors,
+            evidence,
+        )
 
     def _fail(self, case, problem, metrics) -> CaseResult:
         reason, failing_case, errors, evidence = problem

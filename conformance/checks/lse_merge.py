@@ -15,6 +15,7 @@ The merge must equal the oracle's answer for the whole step. It runs on MHA laye
 learned sinks (a null key serves one query head only where every KV head has one query head; a
 sink would be counted once per piece) over a cache in the compute dtype.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -32,8 +33,13 @@ NULL_LOGIT = 2000.0  # the null key's score: exp(-2000) is 0 in fp32 and in floa
 def merge_applies(prepared: PreparedCase) -> bool:
     """Whether ``prepared``'s step can be cut into the two pieces (the module docstring)."""
     spec = prepared.batch.spec
-    return (spec.kind == "mha" and spec.num_kv_heads == spec.num_heads and not spec.attention_sinks
-            and prepared.scales is None and any(context for context, _ in prepared.batch.case.batch))
+    return (
+        spec.kind == "mha"
+        and spec.num_kv_heads == spec.num_heads
+        and not spec.attention_sinks
+        and prepared.scales is None
+        and any(context for context, _ in prepared.batch.case.batch)
+    )
 
 
 def _piece(prepared: PreparedCase, batch_shape, query, keys, values) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,8 +47,9 @@ def _piece(prepared: PreparedCase, batch_shape, query, keys, values) -> tuple[to
     its real tokens."""
     case = replace(prepared.batch.case, batch=tuple(batch_shape), shared_prefix_blocks=0, tag="")
     layout = materialize(case, prepared.batch.device)  # blocks and pool; its data is replaced below
-    batch = PagedBatch(case, layout.device, query.to(layout.query.dtype), keys, values, layout.block_table,
-                       layout.num_blocks)
+    batch = PagedBatch(
+        case, layout.device, query.to(layout.query.dtype), keys, values, layout.block_table, layout.num_blocks
+    )
     backend = type(prepared.backend)(case.spec, batch.limits(), batch.device)
     piece = prepare_layer(batch, backend, None)
     run_step(piece)
@@ -90,6 +97,8 @@ def merge_findings(prepared: PreparedCase) -> tuple[str | None, dict]:
     bad = ~(error <= atol + rtol * reference.abs())
     if not bad.any():
         return None, metrics
-    return (f"the step merged by the LSEs of its context piece and its new-token piece (vLLM's MLA prefill with "
-            f"context) differs from the oracle on {int(bad.sum())} of {bad.numel()} elements: max abs error "
-            f"{metrics['merge_max_abs_error']:.3g} (atol {atol:g}, rtol {rtol:g})"), metrics
+    return (
+        f"the step merged by the LSEs of its context piece and its new-token piece (vLLM's MLA prefill with "
+        f"context) differs from the oracle on {int(bad.sum())} of {bad.numel()} elements: max abs error "
+        f"{metrics['merge_max_abs_error']:.3g} (atol {atol:g}, rtol {rtol:g})"
+    ), metrics

@@ -10,6 +10,7 @@ FA2 scales the query in bf16 before its products, which on an H200 moved LSEs ne
 1.03e-3. That error is shared by every key of a query, so it cancels in a merge of the query's
 pieces; an error of one key's score does not, and is the output check's to see.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,8 @@ from typing import Any
 
 import torch
 
-from conformance.harness.step import PreparedCase
 from conformance.cases.oracle import attention_reference
+from conformance.harness.step import PreparedCase
 from conformance.harness.stored_cache import expected_lse
 
 LSE_ATOL = 1e-3
@@ -50,13 +51,18 @@ def lse_findings(prepared: PreparedCase) -> tuple[str | None, dict[str, Any]]:
     bad = ~(error <= allowed)  # NaN counts as bad
     metrics = {"lse_max_abs_error": float(error.nan_to_num(float("inf")).max()) if error.numel() else 0.0}
     if padding and not lse[tokens:].isnan().all():
-        return f"forward wrote the lse of {int((~lse[tokens:].isnan()).any(-1).sum())} rows past the step's real tokens", metrics
+        return (
+            f"forward wrote the lse of {int((~lse[tokens:].isnan()).any(-1).sum())} rows past the step's real tokens",
+            metrics,
+        )
     if not bad.any():
         return None, metrics
     token, head = divmod(int(bad.flatten().nonzero()[0]), spec.num_heads)
-    return (f"lse: {int(bad.sum())} of {bad.numel()} beyond |Δ| <= {LSE_ATOL:g} + {LSE_RTOL:g}·|lse| + the query's "
-            f"rounding (natural log); first at token {token} head {head}: got {float(got[token, head]):.6g}, expected "
-            f"{float(expected[token, head]):.6g} (allowed {float(allowed[token, head]):.3g})"), metrics
+    return (
+        f"lse: {int(bad.sum())} of {bad.numel()} beyond |Δ| <= {LSE_ATOL:g} + {LSE_RTOL:g}·|lse| + the query's "
+        f"rounding (natural log); first at token {token} head {head}: got {float(got[token, head]):.6g}, expected "
+        f"{float(expected[token, head]):.6g} (allowed {float(allowed[token, head]):.3g})"
+    ), metrics
 
 
 def query_rounding(batch) -> torch.Tensor:
@@ -76,9 +82,16 @@ def query_rounding(batch) -> torch.Tensor:
             continue
         query, key = batch.query[start:end], batch.keys[request]
         key = key[:, None, :] if spec.kind == "mla" else key  # MLA's absorbed scores: one latent head
-        mean_key = attention_reference(query, key, key, context_len=context_len, scale=spec.softmax_scale,
-                                       sliding_window=spec.sliding_window, logits_soft_cap=spec.logits_soft_cap,
-                                       sinks=batch.sinks)
+        mean_key = attention_reference(
+            query,
+            key,
+            key,
+            context_len=context_len,
+            scale=spec.softmax_scale,
+            sliding_window=spec.sliding_window,
+            logits_soft_cap=spec.logits_soft_cap,
+            sinks=batch.sinks,
+        )
         bounds[start:end] = (query.double() * mean_key).square().sum(-1).sqrt()
     unit_roundoff = torch.finfo(spec.dtype).eps / 2
     return bounds * (4 / math.sqrt(3) * unit_roundoff * spec.softmax_scale)

@@ -13,6 +13,7 @@ lands where nothing reads this step).
 
 Both numerics (every case) and memory (its subset, in a child process) run this pass.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,16 @@ import torch
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle, how_far_off, worst_place
 from conformance.harness.allocation_map import AllocationMap
 from conformance.harness.batch import PagedBatch
+from conformance.harness.step import (
+    ChangedInput,
+    PoolFill,
+    PreparedCase,
+    WroteOutsideOutput,
+    as_bits,
+    run_step,
+    write_poison,
+)
 from conformance.harness.stored_cache import oracle
-from conformance.harness.step import ChangedInput, PoolFill, PreparedCase, WroteOutsideOutput, as_bits, run_step, write_poison
 
 TOOL = "nan-poison"
 STRAY_WRITES_SHOWN = 4
@@ -47,15 +56,30 @@ def nan_poison_pass(prepared: PreparedCase) -> tuple[list[dict], dict]:
     if not passed:
         worst = evidence["worst"]
         what = how_far_off(errors) + " with NaN in every slot no request owns"
-        findings.append({"tool": TOOL, "stage": "step", "phase": "forward", "what": what, "worst": worst,
-                         "place": f"first at {worst_place(worst)} — a read of an unowned slot whose value was masked "
-                                  "by a zero weight, not skipped"})
+        findings.append(
+            {
+                "tool": TOOL,
+                "stage": "step",
+                "phase": "forward",
+                "what": what,
+                "worst": worst,
+                "place": f"first at {worst_place(worst)} — a read of an unowned slot whose value was masked "
+                "by a zero weight, not skipped",
+            }
+        )
     stray, changed_slots = stray_writes(before, pool, batch)
     metrics["nan-poison slots written"] = changed_slots
     if stray:
-        findings.append({"tool": TOOL, "stage": "step", "phase": "write_kv", "count": len(stray),
-                         "what": f"the pool changed outside the step's {batch.case.num_tokens} slots",
-                         "place": "; ".join(stray[:STRAY_WRITES_SHOWN]) + ("; …" if len(stray) > STRAY_WRITES_SHOWN else "")})
+        findings.append(
+            {
+                "tool": TOOL,
+                "stage": "step",
+                "phase": "write_kv",
+                "count": len(stray),
+                "what": f"the pool changed outside the step's {batch.case.num_tokens} slots",
+                "place": "; ".join(stray[:STRAY_WRITES_SHOWN]) + ("; …" if len(stray) > STRAY_WRITES_SHOWN else ""),
+            }
+        )
     return findings, metrics
 
 
@@ -72,7 +96,9 @@ def stray_writes(before: torch.Tensor, after: torch.Tensor, batch: PagedBatch) -
     if token_dim is None:  # an ambiguous layout: count changed elements instead
         slot_elements = after.numel() // (batch.num_blocks * block_size)
         count = changed.shape[0] // max(1, slot_elements)
-        return ([f"{count - own.numel()} slots' worth of elements beyond the step's own"] if count > own.numel() else []), count
+        return (
+            [f"{count - own.numel()} slots' worth of elements beyond the step's own"] if count > own.numel() else []
+        ), count
     slots = torch.unique(changed[:, block_dim] * block_size + changed[:, token_dim])
     stray = slots[~torch.isin(slots, own)].tolist()
     strides = layout.strides

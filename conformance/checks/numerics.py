@@ -32,6 +32,7 @@ oracle's, and where the layer allows (MHA, no sinks, a cache in the compute dtyp
 into a context piece and a new-token piece merged by their LSEs, as vLLM runs MLA prefill with
 context (``lse_merge``).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -39,18 +40,24 @@ from typing import Any
 import torch
 
 from backends.base import AttentionBackend, dtype_name
+from conformance.cases.grammar import Case
 from conformance.checks.base import Check
-from conformance.checks.error_map import failure_maps
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle, how_far_off, worst_place
+from conformance.checks.error_map import failure_maps
 from conformance.checks.lse_merge import merge_applies, merge_findings
 from conformance.checks.lse_pass import lse_findings
 from conformance.checks.nan_poison import nan_poison_pass
-from conformance.cases.grammar import Case
-from conformance.harness.step import (PreparedCase, WroteOutsideOutput, case_scales, prepare_case, prepare_layer,
-                                       run_step, run_steps_in_flight)
+from conformance.harness.step import (
+    PreparedCase,
+    WroteOutsideOutput,
+    case_scales,
+    prepare_case,
+    prepare_layer,
+    run_step,
+    run_steps_in_flight,
+)
 from conformance.harness.stored_cache import oracle, write_findings
 from conformance.results import CaseResult, Verdict
-
 
 STORED_PASS = "the stored fp8 cache: write_kv's numbers against the contract's quantization"
 SECOND_LAYER_SCALES = 2.5  # an fp8 second layer's scales, of the first's: a backend must not keep the first's
@@ -73,8 +80,10 @@ def _scales(layer: PreparedCase) -> str:
 
 class NumericsCheck(Check):
     name = "numerics"
-    question = ("equal to the float64 oracle on every supported case: unowned KV slots loud or NaN, as a second layer, "
-                "and with the next step built while it is queued?")
+    question = (
+        "equal to the float64 oracle on every supported case: unowned KV slots loud or NaN, as a second layer, "
+        "and with the next step built while it is queued?"
+    )
 
     def details(self) -> dict[str, Any]:
         return {
@@ -91,12 +100,19 @@ class NumericsCheck(Check):
         reference, allowance = oracle(prepared)
         stored = write_findings(prepared)
         atol, rtol = TOLERANCES[case.spec.dtype]
-        passed, metrics, evidence = compare_with_oracle(out, reference, prepared.batch.query_start_loc, atol, rtol,
-                                                        allowance)
+        passed, metrics, evidence = compare_with_oracle(
+            out, reference, prepared.batch.query_start_loc, atol, rtol, allowance
+        )
         metrics.update(atol=atol, rtol=rtol)
         if passed and stored:
-            return CaseResult(case.id, Verdict.FAIL, f"{stored['what']}: {stored['place']}", tag=case.tag, metrics=metrics,
-                              evidence={"pass": STORED_PASS, "stored": stored.get("worst")})
+            return CaseResult(
+                case.id,
+                Verdict.FAIL,
+                f"{stored['what']}: {stored['place']}",
+                tag=case.tag,
+                metrics=metrics,
+                evidence={"pass": STORED_PASS, "stored": stored.get("worst")},
+            )
         if passed:
             # The later passes reuse this batch (its oracle answer too); each returns its failure or None.
             for later_pass in (self._lse, self._nan_poison, self._second_layer, self._steps_in_flight):
@@ -105,8 +121,10 @@ class NumericsCheck(Check):
                     return failed
             return CaseResult(case.id, Verdict.PASS, tag=case.tag, metrics=metrics)
         what = how_far_off(metrics) + (" (unwritten rows stay NaN)" if metrics["non_finite"] else "")
-        reason = (f"{what}; max abs error {metrics['max_abs_error']:.3g} (atol {atol:g}, rtol {rtol:g}); worst at "
-                  f"{worst_place(evidence['worst'])}")
+        reason = (
+            f"{what}; max abs error {metrics['max_abs_error']:.3g} (atol {atol:g}, rtol {rtol:g}); worst at "
+            f"{worst_place(evidence['worst'])}"
+        )
         if stored:  # the forward's error may come from what was stored: say both
             reason += f"; and {stored['what']}: {stored['place']}"
         evidence["pass"] = "loud poison: every KV slot no request owns holds a dominant key and a loud value"
@@ -126,8 +144,14 @@ class NumericsCheck(Check):
             metrics.update(merge_metrics)
         if problem is None:
             return None
-        return CaseResult(case.id, Verdict.FAIL, problem, tag=case.tag, metrics=metrics,
-                          evidence={"pass": "log-sum-exp: the same step, forward handed an lse buffer"})
+        return CaseResult(
+            case.id,
+            Verdict.FAIL,
+            problem,
+            tag=case.tag,
+            metrics=metrics,
+            evidence={"pass": "log-sum-exp: the same step, forward handed an lse buffer"},
+        )
 
     @staticmethod
     def _nan_poison(prepared: PreparedCase, metrics: dict[str, Any]) -> CaseResult | None:
@@ -137,8 +161,9 @@ class NumericsCheck(Check):
         metrics.update(poison_metrics)
         if not findings:
             return None
-        reason = "; ".join(f"{finding['what']} (the loud-poison pass was within tolerance): {finding['place']}"
-                           for finding in findings)
+        reason = "; ".join(
+            f"{finding['what']} (the loud-poison pass was within tolerance): {finding['place']}" for finding in findings
+        )
         evidence = {"pass": "NaN poison: every KV slot no request owns holds NaN"}
         worst = next((finding["worst"] for finding in findings if "worst" in finding), None)
         if worst:
@@ -154,28 +179,45 @@ class NumericsCheck(Check):
             layer = second_layer(prepared)
             out = run_step(layer, metadata=prepared.metadata, negated=True)
         except WroteOutsideOutput as error:
-            return CaseResult(case.id, Verdict.FAIL, f"a second layer's forward: {error}", tag=case.tag, metrics=metrics)
+            return CaseResult(
+                case.id, Verdict.FAIL, f"a second layer's forward: {error}", tag=case.tag, metrics=metrics
+            )
         atol, rtol = TOLERANCES[case.spec.dtype]
         expected, allowance = oracle(layer, negated=True)
         expected = expected.neg()
-        passed, errors, evidence = compare_with_oracle(out.neg(), expected, batch.query_start_loc, atol, rtol, allowance)
+        passed, errors, evidence = compare_with_oracle(
+            out.neg(), expected, batch.query_start_loc, atol, rtol, allowance
+        )
         metrics["second layer max abs error"] = errors["max_abs_error"]
         stored = write_findings(layer, negated=True)
         if passed and stored:
-            return CaseResult(case.id, Verdict.FAIL, f"a second layer (fp8 scales {_scales(layer)}): {stored['what']}: "
-                              f"{stored['place']}", tag=case.tag,
-                              metrics=metrics, evidence={"pass": STORED_PASS, "stored": stored.get("worst")})
+            return CaseResult(
+                case.id,
+                Verdict.FAIL,
+                f"a second layer (fp8 scales {_scales(layer)}): {stored['what']}: {stored['place']}",
+                tag=case.tag,
+                metrics=metrics,
+                evidence={"pass": STORED_PASS, "stored": stored.get("worst")},
+            )
         if passed:
             return None
         worst = evidence["worst"]
         maps = failure_maps(layer, out.neg(), expected, worst, atol, rtol, "a second layer", negated=True)
         scales = "" if layer.scales is None else f"; fp8 scales {_scales(layer)} instead of the first layer's"
-        reason = (f"a second layer (this step's metadata, no build; its own pool; query, key and value negated{scales}) "
-                  f"is wrong: {how_far_off(errors)}, worst (negated back) at {worst_place(worst)} — state kept from the "
-                  "first layer's pool, scales or forward, or (on a GPU) work launched on another stream than the "
-                  "current one")
-        return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics,
-                          evidence={"pass": "a second layer: the step's metadata reused, a new pool", "worst": worst, **maps})
+        reason = (
+            f"a second layer (this step's metadata, no build; its own pool; query, key and value negated{scales}) "
+            f"is wrong: {how_far_off(errors)}, worst (negated back) at {worst_place(worst)} — state kept from the "
+            "first layer's pool, scales or forward, or (on a GPU) work launched on another stream than the "
+            "current one"
+        )
+        return CaseResult(
+            case.id,
+            Verdict.FAIL,
+            reason,
+            tag=case.tag,
+            metrics=metrics,
+            evidence={"pass": "a second layer: the step's metadata reused, a new pool", "worst": worst, **maps},
+        )
 
     @staticmethod
     def _steps_in_flight(prepared: PreparedCase, metrics: dict[str, Any]) -> CaseResult | None:
@@ -187,7 +229,10 @@ class NumericsCheck(Check):
         (reference, allowance), starts = oracle(prepared), batch.query_start_loc
 
         def later_order(rows: torch.Tensor | None) -> torch.Tensor | None:
-            return None if rows is None else torch.cat([rows[starts[request] : starts[request + 1]] for request in order])
+            return (
+                None if rows is None else torch.cat([rows[starts[request] : starts[request + 1]] for request in order])
+            )
+
         try:
             outputs = run_steps_in_flight([prepared, later])
         except WroteOutsideOutput as error:
@@ -195,25 +240,56 @@ class NumericsCheck(Check):
         atol, rtol = TOLERANCES[case.spec.dtype]
         worst_error = 0.0
         for label, out, expected, allowed, step, requests in (
-            ("this step (the next one built before it ran)", outputs[0], reference, allowance, batch,
-             list(range(case.num_reqs))),
-            ("the next step (the same requests reversed, built while this one was queued)", outputs[1],
-             later_order(reference), later_order(allowance), later.batch, order),
+            (
+                "this step (the next one built before it ran)",
+                outputs[0],
+                reference,
+                allowance,
+                batch,
+                list(range(case.num_reqs)),
+            ),
+            (
+                "the next step (the same requests reversed, built while this one was queued)",
+                outputs[1],
+                later_order(reference),
+                later_order(allowance),
+                later.batch,
+                order,
+            ),
         ):
             passed, errors, evidence = compare_with_oracle(out, expected, step.query_start_loc, atol, rtol, allowed)
             worst_error = max(worst_error, errors["max_abs_error"])
             if passed:
                 continue
             worst = evidence["worst"]
-            maps = failure_maps(prepared if step is batch else later, out, expected, worst, atol, rtol,
-                                "two steps in flight", requests[worst["request"]])
+            maps = failure_maps(
+                prepared if step is batch else later,
+                out,
+                expected,
+                worst,
+                atol,
+                rtol,
+                "two steps in flight",
+                requests[worst["request"]],
+            )
             worst["request"] = requests[worst["request"]]  # numbered as in the case
-            reason = (f"two steps in flight: {label} is wrong: {how_far_off(errors)}, worst at {worst_place(worst)} — "
-                      "a build that overwrites what a queued step still reads (a pinned host buffer copied with "
-                      "non_blocking=True, a workspace), or a plan reused for a batch of the same shape")
+            reason = (
+                f"two steps in flight: {label} is wrong: {how_far_off(errors)}, worst at {worst_place(worst)} — "
+                "a build that overwrites what a queued step still reads (a pinned host buffer copied with "
+                "non_blocking=True, a workspace), or a plan reused for a batch of the same shape"
+            )
             metrics["in-flight max abs error"] = errors["max_abs_error"]
-            return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics,
-                              evidence={"pass": "two steps in flight: the next step built before this one ran", "worst": worst,
-                                        **maps})
+            return CaseResult(
+                case.id,
+                Verdict.FAIL,
+                reason,
+                tag=case.tag,
+                metrics=metrics,
+                evidence={
+                    "pass": "two steps in flight: the next step built before this one ran",
+                    "worst": worst,
+                    **maps,
+                },
+            )
         metrics["in-flight max abs error"] = worst_error
         return None

@@ -21,6 +21,7 @@ on some steps only, memory that creeps up. Here every step is watched:
 It runs once per attention kind and KV-cache format, on the first decode case (query length 1)
 of at most ``MAX_REQUESTS`` requests, and on CUDA only: syncs and device memory exist only there.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,11 +30,11 @@ from typing import Any
 import torch
 
 from backends.base import AttentionBackend
+from conformance.cases.grammar import Case
 from conformance.checks.base import Check
 from conformance.checks.comparison import TOLERANCES, worst_place
 from conformance.checks.draft_loop import DraftLoop
 from conformance.harness.batch import PagedBatch
-from conformance.cases.grammar import Case
 from conformance.results import CaseResult, Verdict
 from host_syncs.detector import detect_host_syncs
 from host_syncs.events import DEVICE_ALLOC
@@ -65,12 +66,16 @@ def memory_counters(device: torch.device) -> dict[str, int]:
     if device.type != "cuda":
         return {"allocated_bytes": 0, "allocations": 0, "segments": 0}
     stats = torch.cuda.memory_stats(device)
-    return {"allocated_bytes": torch.cuda.memory_allocated(device), "allocations": stats.get("allocation.all.allocated", 0),
-            "segments": stats.get("segment.all.allocated", 0)}
+    return {
+        "allocated_bytes": torch.cuda.memory_allocated(device),
+        "allocations": stats.get("allocation.all.allocated", 0),
+        "segments": stats.get("segment.all.allocated", 0),
+    }
 
 
-def steady_look(backend_cls: type[AttentionBackend], case: Case, device: torch.device, steps: int = STEPS,
-                strategy: str = "auto") -> CaseResult:
+def steady_look(
+    backend_cls: type[AttentionBackend], case: Case, device: torch.device, steps: int = STEPS, strategy: str = "auto"
+) -> CaseResult:
     """``steps`` decode steps of ``case``'s requests, each watched; the verdict and its evidence."""
     loop = DraftLoop(backend_cls, case, steps, device, padding_row=False, shape_steps=ramp_newest_keys)
     buffers, backend = loop.buffers, loop.buffers.backend
@@ -97,10 +102,22 @@ def steady_look(backend_cls: type[AttentionBackend], case: Case, device: torch.d
             common = loop.common(step)
             watch = buffers.watch(common)  # every input must come back as it went in, at every step
             metadata = watched(step, "build", watch, lambda: backend.build(common))
-            watched(step, "write_kv", watch, lambda: backend.write_kv(buffers.kv_cache, buffers.key, buffers.value,
-                                                                      buffers.slot_mapping, **buffers.layer))
-            watched(step, "forward", watch, lambda: backend.forward(buffers.query, buffers.kv_cache, metadata, buffers.out,
-                                                                    **buffers.forward_layer))
+            watched(
+                step,
+                "write_kv",
+                watch,
+                lambda: backend.write_kv(
+                    buffers.kv_cache, buffers.key, buffers.value, buffers.slot_mapping, **buffers.layer
+                ),
+            )
+            watched(
+                step,
+                "forward",
+                watch,
+                lambda: backend.forward(
+                    buffers.query, buffers.kv_cache, metadata, buffers.out, **buffers.forward_layer
+                ),
+            )
             loop.finish_step()
             changed = [f"step {step}: {change}" for change in watch.changes()]  # the harness's read: outside the phases
             del watch
@@ -108,8 +125,13 @@ def steady_look(backend_cls: type[AttentionBackend], case: Case, device: torch.d
             if changed:
                 break
     if changed:
-        return CaseResult(case.id, Verdict.FAIL, f"the backend changed an input it was handed: {'; '.join(changed)}",
-                          tag=case.tag, metrics={"steps": len(after)})
+        return CaseResult(
+            case.id,
+            Verdict.FAIL,
+            f"the backend changed an input it was handed: {'; '.join(changed)}",
+            tag=case.tag,
+            metrics={"steps": len(after)},
+        )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     metrics, evidence = _memory_metrics(after, steps)
@@ -127,28 +149,52 @@ def steady_look(backend_cls: type[AttentionBackend], case: Case, device: torch.d
         evidence["syncs"] = [event.to_dict() for event in blocking[:MAX_EVENTS_KEPT]]
         first = blocking[0]
         steps_hit = sorted({_step_of(event) for event in blocking})
-        return CaseResult(case.id, Verdict.FAIL, f"{len(blocking)} host sync(s) over {steps} decode steps, in steps "
-                          f"{_steps_text(steps_hit)}; first in {first.phase}: {first.describe()}", tag=case.tag,
-                          metrics=metrics, evidence=evidence)
+        return CaseResult(
+            case.id,
+            Verdict.FAIL,
+            f"{len(blocking)} host sync(s) over {steps} decode steps, in steps "
+            f"{_steps_text(steps_hit)}; first in {first.phase}: {first.describe()}",
+            tag=case.tag,
+            metrics=metrics,
+            evidence=evidence,
+        )
     atol, rtol = TOLERANCES[case.spec.dtype]
     failing, details = loop.first_failing_step(atol, rtol)
     if failing is not None:
         evidence["worst"] = details.get("worst")
-        return CaseResult(case.id, Verdict.FAIL, f"decode step {failing} of {steps} differs from the oracle "
-                          f"({details['mismatched']} elements, max abs error {details['max_abs_error']:.3g}, worst at "
-                          f"{worst_place(details['worst'])}); every step before it was right", tag=case.tag,
-                          metrics={**metrics, "first_failing_step": failing}, evidence=evidence)
+        return CaseResult(
+            case.id,
+            Verdict.FAIL,
+            f"decode step {failing} of {steps} differs from the oracle "
+            f"({details['mismatched']} elements, max abs error {details['max_abs_error']:.3g}, worst at "
+            f"{worst_place(details['worst'])}); every step before it was right",
+            tag=case.tag,
+            metrics={**metrics, "first_failing_step": failing},
+            evidence=evidence,
+        )
     growth = metrics["memory_growth_bytes"]
     if growth > GROWTH_BYTES:
-        return CaseResult(case.id, Verdict.FAIL, f"device memory held after a step grew by {growth / 2**20:.1f} MiB over "
-                          f"{steps - WARM_STEPS} steady decode steps (first past {GROWTH_BYTES >> 20} MiB at step "
-                          f"{metrics['memory_growth_step']}): a leak, or a buffer regrown and kept", tag=case.tag,
-                          metrics=metrics, evidence=evidence)
+        return CaseResult(
+            case.id,
+            Verdict.FAIL,
+            f"device memory held after a step grew by {growth / 2**20:.1f} MiB over "
+            f"{steps - WARM_STEPS} steady decode steps (first past {GROWTH_BYTES >> 20} MiB at step "
+            f"{metrics['memory_growth_step']}): a leak, or a buffer regrown and kept",
+            tag=case.tag,
+            metrics=metrics,
+            evidence=evidence,
+        )
     measured = "no host sync, " if watch_syncs else ""
-    return CaseResult(case.id, Verdict.PASS, f"{steps} decode steps: {measured}every step equal to the oracle, device memory "
-                      f"flat ({metrics['steady_allocations_per_step']:.1f} allocations and "
-                      f"{metrics['steady_new_segments']} new segments over the steady steps)", tag=case.tag,
-                      metrics=metrics, evidence=evidence)
+    return CaseResult(
+        case.id,
+        Verdict.PASS,
+        f"{steps} decode steps: {measured}every step equal to the oracle, device memory "
+        f"flat ({metrics['steady_allocations_per_step']:.1f} allocations and "
+        f"{metrics['steady_new_segments']} new segments over the steady steps)",
+        tag=case.tag,
+        metrics=metrics,
+        evidence=evidence,
+    )
 
 
 def _memory_metrics(after: list[dict[str, int]], steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -156,7 +202,11 @@ def _memory_metrics(after: list[dict[str, int]], steps: int) -> tuple[dict[str, 
     held = [counters["allocated_bytes"] - warm["allocated_bytes"] for counters in after]
     growth_step = next((step for step, grown in enumerate(held) if step >= WARM_STEPS and grown > GROWTH_BYTES), None)
     segment_steps = [step for step in range(WARM_STEPS, steps) if after[step]["segments"] > after[step - 1]["segments"]]
-    metrics = {"steps": steps, "memory_growth_bytes": max(held[WARM_STEPS:], default=0), "memory_growth_step": growth_step}
+    metrics = {
+        "steps": steps,
+        "memory_growth_bytes": max(held[WARM_STEPS:], default=0),
+        "memory_growth_step": growth_step,
+    }
     return metrics, ({"new_segment_steps": segment_steps[:MAX_EVENTS_KEPT]} if segment_steps else {})
 
 

@@ -6,6 +6,7 @@ scheduler would call it. Any blocking event in (a) is FAIL for every backend: it
 needed. Any in (b) is FAIL for a backend claiming ``needs_cpu_seq_lens=False``, and reported
 with its source lines (not failed) for one that claims True.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -17,22 +18,25 @@ from backends.base import AttentionBackend
 from conformance.cases.grammar import Case
 from conformance.checks.base import Check
 from conformance.harness.step import prepare_case, run_step
+from conformance.results import CaseResult, Verdict
 from host_syncs.detector import detect_host_syncs
 from host_syncs.events import SyncEvent
-from conformance.results import CaseResult, Verdict
 
 PHASES = ("build", "write_kv", "forward")
 MODES = {"with_host_lengths": True, "without_host_lengths": False}
 MAX_EVENTS_KEPT = 20
 
 
-def syncs_verdict(needs_cpu_seq_lens: bool, with_host: list[SyncEvent], without_host: list[SyncEvent]) -> tuple[Verdict, str]:
+def syncs_verdict(
+    needs_cpu_seq_lens: bool, with_host: list[SyncEvent], without_host: list[SyncEvent]
+) -> tuple[Verdict, str]:
     blocking_with = [event for event in with_host if event.blocking]
     blocking_without = [event for event in without_host if event.blocking]
     if blocking_with:
         first = blocking_with[0]
         return Verdict.FAIL, (
-            f"{len(blocking_with)} host sync(s) although host lengths were given; first in {first.phase}: {first.describe()}"
+            f"{len(blocking_with)} host sync(s) although host lengths "
+            f"were given; first in {first.phase}: {first.describe()}"
         )
     if blocking_without:
         first = blocking_without[0]
@@ -96,7 +100,9 @@ class SyncsCheck(Check):
             "blind_spots": blind_spots,  # the detector's standing caveat, the same for every case: the details say it
             **{f"{mode}_blocking": phase_counts(mode_events) for mode, mode_events in events.items()},
             **{f"{mode}_info": sum(1 for e in mode_events if not e.blocking) for mode, mode_events in events.items()},
-            "sources": {k: v for mode, mode_events in events.items() for k, v in source_counts(mode, mode_events).items()},
+            "sources": {
+                k: v for mode, mode_events in events.items() for k, v in source_counts(mode, mode_events).items()
+            },
         }
         evidence = {
             mode: [event.to_dict() for event in mode_events[:MAX_EVENTS_KEPT]] for mode, mode_events in events.items()
@@ -122,4 +128,3 @@ class SyncsCheck(Check):
             "blocking_events_per_call": per_call,
             "sources": dict(sources.most_common()),
         }
-

@@ -5,6 +5,7 @@ The memory check's sanitized child records this map beside the run (it is JSON, 
 parent), so that a report's bare address becomes "block_table, 4 bytes past its end" or "KV pool
 block 0 (reserved: no request owns it)".
 """
+
 from __future__ import annotations
 
 import json
@@ -97,8 +98,9 @@ class AllocationMap:
         storage = tensor.untyped_storage()
         self.allocations.append(Allocation(name, storage.data_ptr(), storage.nbytes()))
 
-    def add_pool(self, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: list[int], block_size: int,
-                 num_blocks: int) -> None:
+    def add_pool(
+        self, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: list[int], block_size: int, num_blocks: int
+    ) -> None:
         """The pool and its owners: ``block_table`` [requests, blocks] on the host, ``seq_lens`` the
         length each request has once the run is over."""
         self.add("KV pool", kv_cache)
@@ -106,8 +108,15 @@ class AllocationMap:
         for request, (row, length) in enumerate(zip(block_table.tolist(), seq_lens)):
             for index in range(-(-length // block_size)):
                 owners.setdefault(str(row[index]), []).append([request, index * block_size, length])
-        self.pool = PoolLayout(kv_cache.data_ptr(), list(kv_cache.shape), list(kv_cache.stride()), kv_cache.element_size(),
-                               block_size, num_blocks, owners)
+        self.pool = PoolLayout(
+            kv_cache.data_ptr(),
+            list(kv_cache.shape),
+            list(kv_cache.stride()),
+            kv_cache.element_size(),
+            block_size,
+            num_blocks,
+            owners,
+        )
 
     def holds(self, address: int) -> bool:
         """Whether ``address`` lies in a tensor the harness made."""
@@ -132,12 +141,17 @@ class AllocationMap:
         return self.unmapped
 
     def save(self, path: Path) -> None:
-        data = {"allocations": [asdict(a) for a in self.allocations], "pool": None if self.pool is None else asdict(self.pool),
-                "unmapped": self.unmapped}
+        data = {
+            "allocations": [asdict(a) for a in self.allocations],
+            "pool": None if self.pool is None else asdict(self.pool),
+            "unmapped": self.unmapped,
+        }
         Path(path).write_text(json.dumps(data))
 
     @staticmethod
     def load(path: Path) -> "AllocationMap":
         data = json.loads(Path(path).read_text())
         pool = PoolLayout(**data["pool"]) if data.get("pool") else None
-        return AllocationMap([Allocation(**a) for a in data.get("allocations", [])], pool, data.get("unmapped", HARNESS_UNMAPPED))
+        return AllocationMap(
+            [Allocation(**a) for a in data.get("allocations", [])], pool, data.get("unmapped", HARNESS_UNMAPPED)
+        )

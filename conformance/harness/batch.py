@@ -4,6 +4,7 @@
 Data is drawn on the device from a counter-based generator (``random_data``) seeded by the case
 id, so a failure seen on a GPU reproduces bit for bit on any machine, a CPU included.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -69,8 +70,16 @@ class PagedBatch:
         starts = self.query_start_loc
         query = torch.cat([self.query[starts[r] : starts[r + 1]] for r in order])
         case = replace(self.case, batch=tuple(self.case.batch[r] for r in order), shared_prefix_blocks=0)
-        return PagedBatch(case, self.device, query, [self.keys[r] for r in order], [self.values[r] for r in order],
-                          self.block_table[order], self.num_blocks, self.sinks)
+        return PagedBatch(
+            case,
+            self.device,
+            query,
+            [self.keys[r] for r in order],
+            [self.values[r] for r in order],
+            self.block_table[order],
+            self.num_blocks,
+            self.sinks,
+        )
 
     def reference_output(self) -> torch.Tensor:
         """The oracle's answer for every new token: [num_tokens, H, Dv] float64, on the device.
@@ -84,8 +93,16 @@ class PagedBatch:
         outputs = []
         for request, (context_len, _) in enumerate(self.case.batch):
             start, end = self.query_start_loc[request], self.query_start_loc[request + 1]
-            outputs.append(layer_reference(spec, self.query[start:end], self.keys[request], self.values[request],
-                                           context_len=context_len, sinks=self.sinks))
+            outputs.append(
+                layer_reference(
+                    spec,
+                    self.query[start:end],
+                    self.keys[request],
+                    self.values[request],
+                    context_len=context_len,
+                    sinks=self.sinks,
+                )
+            )
         return torch.cat(outputs)
 
     def head_values(self, request: int, head: int) -> torch.Tensor:
@@ -121,7 +138,9 @@ class PagedBatch:
             # Garbage, not zeros: a backend that writes padding rows anywhere must show it.
             key = torch.cat([key, torch.full((padding, *key.shape[1:]), 7.0, dtype=key.dtype, device=key.device)])
             if value is not None:
-                value = torch.cat([value, torch.full((padding, *value.shape[1:]), -7.0, dtype=value.dtype, device=value.device)])
+                value = torch.cat(
+                    [value, torch.full((padding, *value.shape[1:]), -7.0, dtype=value.dtype, device=value.device)]
+                )
             slots = torch.cat([slots, torch.full((padding,), -1, dtype=torch.int64, device=slots.device)])
         return key, value, slots
 
@@ -138,14 +157,20 @@ class PagedBatch:
         query_start_loc = torch.tensor(self.query_start_loc, dtype=torch.int32)
         seq_lens = torch.tensor(self.seq_lens, dtype=torch.int32)
         # Only the slots: the step's key/value rows are not needed for the metadata.
-        slot_mapping = torch.cat([
-            self.slots(request, range(context_len, context_len + query_len))
-            for request, (context_len, query_len) in enumerate(self.case.batch)
-        ]).to(self.device)
+        slot_mapping = torch.cat(
+            [
+                self.slots(request, range(context_len, context_len + query_len))
+                for request, (context_len, query_len) in enumerate(self.case.batch)
+            ]
+        ).to(self.device)
         return CommonAttentionMetadata.from_lengths(
-            query_start_loc=query_start_loc.to(self.device), seq_lens=seq_lens.to(self.device),
-            block_table=self.device_block_table(), slot_mapping=slot_mapping,
-            query_starts=self.query_start_loc, host_seq_lens=self.seq_lens, lengths_known=with_host_lengths,
+            query_start_loc=query_start_loc.to(self.device),
+            seq_lens=seq_lens.to(self.device),
+            block_table=self.device_block_table(),
+            slot_mapping=slot_mapping,
+            query_starts=self.query_start_loc,
+            host_seq_lens=self.seq_lens,
+            lengths_known=with_host_lengths,
         )
 
 
@@ -208,8 +233,10 @@ def big_pool_skip_reason(case: Case, device: torch.device) -> str | None:
         return f"bigpool runs on a GPU (its pool is {pool / 2**30:.1f} GiB, past 2**31 elements a plane)"
     needed, available = BIG_POOL_MEMORY_FACTOR * pool, torch.cuda.get_device_properties(device).total_memory
     if needed > available:
-        return (f"bigpool needs {needed / 2**30:.1f} GiB of GPU memory (its {pool / 2**30:.1f} GiB pool, a copy and their "
-                f"comparison); this GPU has {available / 2**30:.1f} GiB")
+        return (
+            f"bigpool needs {needed / 2**30:.1f} GiB of GPU memory (its {pool / 2**30:.1f} GiB pool, a copy and their "
+            f"comparison); this GPU has {available / 2**30:.1f} GiB"
+        )
     return None
 
 
@@ -242,7 +269,10 @@ def assign_blocks(case: Case, generator: torch.Generator) -> tuple[torch.Tensor,
     if full_of_context:
         last_block_position = int((physical == lowest + total - 1).nonzero()[0, 0])
         target = full_of_context[-1]
-        physical[last_block_position], physical[target] = physical[target].clone(), physical[last_block_position].clone()
+        physical[last_block_position], physical[target] = (
+            physical[target].clone(),
+            physical[last_block_position].clone(),
+        )
 
     table = torch.zeros(case.num_reqs, max(blocks_needed), dtype=torch.int32)
     table[[request == (0, 0) for request in case.batch]] = -1  # an empty request's row, as vLLM leaves it
@@ -285,5 +315,6 @@ def materialize(case: Case, device: torch.device | str) -> PagedBatch:
         return None if tensor is None else tensor.to(spec.dtype)
 
     sinks = sink_logits(spec).to(device) if spec.attention_sinks else None
-    return PagedBatch(case, device, cast(query), [cast(k) for k in keys], [cast(v) for v in values], block_table, num_blocks,
-                      sinks)
+    return PagedBatch(
+        case, device, cast(query), [cast(k) for k in keys], [cast(v) for v in values], block_table, num_blocks, sinks
+    )

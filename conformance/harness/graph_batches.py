@@ -6,6 +6,7 @@ quantity a backend might have frozen at capture time: context lengths (so max_se
 counts and split heuristics change), the number of real requests (more padding rows), the block
 table contents, and — where the backend claims any batch — the query lengths.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -65,15 +66,24 @@ def replay_batches(case: Case, support: CGSupport) -> list[Replay]:
     batch = case.batch
     shared = case.shared_prefix_blocks * block  # a shared prefix must stay whole
     replays = [
-        Replay("longer contexts (max_seq_len, block counts and split heuristics change)",
-               replace(case, batch=_contexts(batch, lambda context: context * 2 + 3 * block + 5), tag="")),
-        Replay("shorter contexts", replace(case, batch=_contexts(batch, lambda context: max(context // 16, shared)), tag="")),
+        Replay(
+            "longer contexts (max_seq_len, block counts and split heuristics change)",
+            replace(case, batch=_contexts(batch, lambda context: context * 2 + 3 * block + 5), tag=""),
+        ),
+        Replay(
+            "shorter contexts",
+            replace(case, batch=_contexts(batch, lambda context: max(context // 16, shared)), tag=""),
+        ),
         Replay("new block-table contents (same lengths, other blocks)", replace(case, seed=case.seed + 1, tag="")),
     ]
     if len(batch) > 1:
         if any(query for _, query in batch[: len(batch) // 2]):  # not only empty requests
-            replays.append(Replay("fewer real requests, more padding rows", replace(case, batch=batch[: len(batch) // 2], tag="")))
-        replays.append(Replay("requests in reverse order (another request is last)", replace(case, batch=batch[::-1], tag="")))
+            replays.append(
+                Replay("fewer real requests, more padding rows", replace(case, batch=batch[: len(batch) // 2], tag=""))
+            )
+        replays.append(
+            Replay("requests in reverse order (another request is last)", replace(case, batch=batch[::-1], tag=""))
+        )
     # One more real request than A: the padding row becomes real, so the last row is a request.
     # (In a mixed batch it has one token: A's padded shape has exactly one spare.)
     context, query = batch[-1]
@@ -81,8 +91,12 @@ def replay_batches(case: Case, support: CGSupport) -> list[Replay]:
     replays.append(Replay(NO_PADDING, replace(case, batch=batch + (extra,), tag="")))
     if support == CGSupport.ALWAYS and _uniform_query_len(case) is None and not case.empty_requests:
         query_lens = [query for _, query in batch][::-1]
-        replays.append(Replay("query lengths moved between requests",
-                              replace(case, batch=tuple((c, q) for (c, _), q in zip(batch, query_lens)), tag="")))
+        replays.append(
+            Replay(
+                "query lengths moved between requests",
+                replace(case, batch=tuple((c, q) for (c, _), q in zip(batch, query_lens)), tag=""),
+            )
+        )
     return [r for r in replays if r.case.batch != case.batch or r.case.seed != case.seed]
 
 
@@ -108,7 +122,9 @@ def graph_shape(case: Case, replays: list[Replay], extra: tuple[Case, ...] = ())
         num_tokens = max(c.num_tokens + (num_reqs - c.num_reqs) for c in cases)
     block = case.spec.block_size
     longest = max(max(c.max_seq_len for c in cases + list(extra)), padding_query_len)
-    return GraphShape(num_reqs, num_tokens, padding_query_len, -(-longest // block) * block, uniform_query_len is not None)
+    return GraphShape(
+        num_reqs, num_tokens, padding_query_len, -(-longest // block) * block, uniform_query_len is not None
+    )
 
 
 def padding_rows(shape: GraphShape, case: Case) -> list[int]:

@@ -13,17 +13,25 @@ The persistent block table is a column slice of a table ``TABLE_GUARD_COLUMNS`` 
 columns name block 0), as an engine's is when it hands kernels ``block_table[:, :max_blocks]`` of a
 wider persistent table: a backend that packs the rows in ``build`` (``.contiguous()`` copies only
 then) freezes the capture's copy into the graph, and every replay reads the capture's block ids."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from backends.base import (AttentionBackend, BackendLimits, CGSupport, CommonAttentionMetadata, PaddingStyle,
-                           forward_arguments, layer_arguments)
+from backends.base import (
+    AttentionBackend,
+    BackendLimits,
+    CGSupport,
+    CommonAttentionMetadata,
+    PaddingStyle,
+    forward_arguments,
+    layer_arguments,
+)
 from conformance.cases.case_data import sink_logits
-from conformance.harness.batch import PagedBatch, guarded_block_table, pool_size
 from conformance.cases.grammar import Case
+from conformance.harness.batch import PagedBatch, guarded_block_table, pool_size
 from conformance.harness.graph_batches import GraphShape, padding_rows
 from conformance.harness.input_watch import InputWatch
 from conformance.harness.step import PoolFill, PreparedCase, allocate_pool, as_bits, case_scales, write_poison
@@ -41,8 +49,15 @@ class LoadedBatch:
 
 
 class GraphBuffers:
-    def __init__(self, backend_cls: type[AttentionBackend], shape: GraphShape, cases: list[Case], device: torch.device,
-                 fill: PoolFill = PoolFill.LOUD, padding: PaddingStyle | None = None):
+    def __init__(
+        self,
+        backend_cls: type[AttentionBackend],
+        shape: GraphShape,
+        cases: list[Case],
+        device: torch.device,
+        fill: PoolFill = PoolFill.LOUD,
+        padding: PaddingStyle | None = None,
+    ):
         spec = cases[0].spec
         self.fill = fill
         self.spec, self.shape, self.device = spec, shape, device
@@ -64,10 +79,17 @@ class GraphBuffers:
         self.block_table = guarded_block_table(shape.num_reqs, max_blocks, device)
         self.slot_mapping = torch.full((shape.num_tokens,), -1, dtype=torch.int64, device=device)
         self.query = torch.zeros(shape.num_tokens, spec.num_heads, spec.head_dim, dtype=spec.dtype, device=device)
-        kv_shape = (shape.num_tokens, spec.head_dim) if spec.kind == "mla" else (shape.num_tokens, spec.num_kv_heads, spec.head_dim)
+        kv_shape = (
+            (shape.num_tokens, spec.head_dim)
+            if spec.kind == "mla"
+            else (shape.num_tokens, spec.num_kv_heads, spec.head_dim)
+        )
         self.key = torch.zeros(kv_shape, dtype=spec.dtype, device=device)
-        self.value = None if spec.kind == "mla" else torch.zeros(
-            shape.num_tokens, spec.num_kv_heads, spec.v_head_dim, dtype=spec.dtype, device=device)
+        self.value = (
+            None
+            if spec.kind == "mla"
+            else torch.zeros(shape.num_tokens, spec.num_kv_heads, spec.v_head_dim, dtype=spec.dtype, device=device)
+        )
         self.out = torch.zeros(shape.num_tokens, spec.num_heads, spec.v_head_dim, dtype=spec.dtype, device=device)
         self.loads = 0
 
@@ -76,8 +98,15 @@ class GraphBuffers:
         poisoned with ``fill``, by default the buffers' own) into the buffers."""
         case = batch.case
         key, value, slots = batch.history_rows()
-        write_poison(self.backend, self.kv_cache, batch, keep=slots, num_blocks=self.num_blocks, fill=fill or self.fill,
-                     scales=self.scales)
+        write_poison(
+            self.backend,
+            self.kv_cache,
+            batch,
+            keep=slots,
+            num_blocks=self.num_blocks,
+            fill=fill or self.fill,
+            scales=self.scales,
+        )
         if slots.numel():
             self.backend.write_kv(self.kv_cache, key, value, slots, **self.layer)
         padding = padding_rows(self.shape, case)
@@ -106,8 +135,13 @@ class GraphBuffers:
             self.value.fill_(-PADDING_KEY_VALUE - self.loads)
             self.value[:real].copy_(step_value)
         common = CommonAttentionMetadata.from_lengths(
-            query_start_loc=self.query_start_loc, seq_lens=self.seq_lens, block_table=self.block_table,
-            slot_mapping=self.slot_mapping, query_starts=starts, host_seq_lens=seq_lens, lengths_known=with_host_lengths,
+            query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens,
+            block_table=self.block_table,
+            slot_mapping=self.slot_mapping,
+            query_starts=starts,
+            host_seq_lens=seq_lens,
+            lengths_known=with_host_lengths,
         )
         return LoadedBatch(batch, common, real, step_slots)
 
@@ -118,10 +152,19 @@ class GraphBuffers:
 
     def watch(self, common: CommonAttentionMetadata) -> InputWatch:
         """The persistent inputs a replay reads, as they are now (``input_watch``)."""
-        return InputWatch.of({"query": self.query, "key": self.key, "value": self.value, "slot_mapping": self.slot_mapping,
-                              "query_start_loc": self.query_start_loc, "seq_lens": self.seq_lens,
-                              "block_table": self.block_table, "query_start_loc_cpu": common.query_start_loc_cpu,
-                              "host seq_lens": common.host_seq_lens})
+        return InputWatch.of(
+            {
+                "query": self.query,
+                "key": self.key,
+                "value": self.value,
+                "slot_mapping": self.slot_mapping,
+                "query_start_loc": self.query_start_loc,
+                "seq_lens": self.seq_lens,
+                "block_table": self.block_table,
+                "query_start_loc_cpu": common.query_start_loc_cpu,
+                "host seq_lens": common.host_seq_lens,
+            }
+        )
 
     def prepared(self, batch: PagedBatch) -> PreparedCase:
         """``batch`` over these buffers' backend, pool and scales (what its expected output is read from)."""
@@ -131,8 +174,9 @@ class GraphBuffers:
         """Write the step's real rows into ``cache`` (a copy of the cache taken before the step),
         eagerly: what the cache must be after the step. In place: a full-suite pool is 8 GiB."""
         real = loaded.real_tokens
-        self.backend.write_kv(cache, self.key[:real], None if self.value is None else self.value[:real], loaded.real_slots,
-                              **self.layer)
+        self.backend.write_kv(
+            cache, self.key[:real], None if self.value is None else self.value[:real], loaded.real_slots, **self.layer
+        )
 
 
 def cuda_graph_skip_reason(backend_cls: type[AttentionBackend], device: torch.device, what: str = "") -> str | None:
@@ -166,9 +210,13 @@ def fill_freed_memory(device: torch.device) -> list[torch.Tensor]:
     canaries, total = [], 0
     index = device.index if device.index is not None else torch.cuda.current_device()
     free_sizes = sorted(
-        (block["size"] for segment in torch.cuda.memory_snapshot()
-         if segment.get("device") == index and tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0)
-         for block in segment["blocks"] if block["state"] == "inactive"),
+        (
+            block["size"]
+            for segment in torch.cuda.memory_snapshot()
+            if segment.get("device") == index and tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0)
+            for block in segment["blocks"]
+            if block["state"] == "inactive"
+        ),
         reverse=True,
     )
     for size in free_sizes:

@@ -9,6 +9,7 @@ behind a busy stream, or with the next step built while it is in flight). ``chan
 step has run, compares the fingerprints and, for a changed tensor, finds its first changed element
 against the copy. Host tensors (the host lengths) are compared directly.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -59,8 +60,11 @@ class InputWatch:
                 continue
             now, then = _bits(tensor), _bits(self.copies[name])
             changed = (now != then).nonzero()
-            where = ("then put back by the end of the step" if not changed.numel()
-                     else self._element(name, int(changed[0]), tensor))
+            where = (
+                "then put back by the end of the step"
+                if not changed.numel()
+                else self._element(name, int(changed[0]), tensor)
+            )
             found.append(f"{call} changed {name} ({where})")
         return found
 

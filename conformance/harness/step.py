@@ -8,6 +8,7 @@ backend what an engine hands it: query, key and value as views into one fused QK
 (row stride larger than the row, key and value at a storage offset), the output as a view into a
 wider buffer whose other columns must stay untouched.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,10 +18,17 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
-from backends.base import AttentionBackend, AttentionSpec, CommonAttentionMetadata, KVScales, forward_arguments, layer_arguments
-from conformance.harness.batch import PagedBatch, materialize
+from backends.base import (
+    AttentionBackend,
+    AttentionSpec,
+    CommonAttentionMetadata,
+    KVScales,
+    forward_arguments,
+    layer_arguments,
+)
 from conformance.cases.case_data import poison_key_value
 from conformance.cases.grammar import Case
+from conformance.harness.batch import PagedBatch, materialize
 from conformance.harness.input_watch import InputWatch
 
 POISON_CHUNK_SLOTS = 1 << 16  # poison is written in chunks: a full-suite pool has ~1M slots
@@ -117,8 +125,15 @@ def as_bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
 
 
-def write_poison(backend: AttentionBackend, kv_cache: torch.Tensor, batch: PagedBatch, keep: torch.Tensor,
-                 num_blocks: int | None = None, fill: PoolFill = PoolFill.LOUD, scales: KVScales | None = None) -> None:
+def write_poison(
+    backend: AttentionBackend,
+    kv_cache: torch.Tensor,
+    batch: PagedBatch,
+    keep: torch.Tensor,
+    num_blocks: int | None = None,
+    fill: PoolFill = PoolFill.LOUD,
+    scales: KVScales | None = None,
+) -> None:
     """Poison every slot of the pool (``num_blocks``, default the batch's) except ``keep`` (the
     history's slots)."""
     if fill == PoolFill.FRESH:
@@ -144,12 +159,21 @@ def write_poison(backend: AttentionBackend, kv_cache: torch.Tensor, batch: Paged
         chunk = slots[start : start + POISON_CHUNK_SLOTS].to(batch.device)
         count = chunk.numel()
         key = key_row.to(spec.dtype).to(batch.device).expand(count, *key_row.shape).contiguous()
-        value = None if value_row is None else value_row.to(spec.dtype).to(batch.device).expand(count, *value_row.shape).contiguous()
+        value = (
+            None
+            if value_row is None
+            else value_row.to(spec.dtype).to(batch.device).expand(count, *value_row.shape).contiguous()
+        )
         backend.write_kv(kv_cache, key, value, chunk, **layer_arguments(scales))
 
 
 def prepare_case(
-    backend_cls: type[AttentionBackend], case: Case, device: torch.device, *, poison: bool = True, fill: PoolFill = PoolFill.LOUD,
+    backend_cls: type[AttentionBackend],
+    case: Case,
+    device: torch.device,
+    *,
+    poison: bool = True,
+    fill: PoolFill = PoolFill.LOUD,
     record: Callable[[str, torch.Tensor | None], None] = _no_record,
 ) -> PreparedCase:
     """``poison=False`` (the benchmark): the pool keeps whatever the allocator gave it.
@@ -159,9 +183,15 @@ def prepare_case(
     return prepare_layer(batch, backend, case_scales(case, device), poison=poison, fill=fill, record=record)
 
 
-def prepare_layer(batch: PagedBatch, backend: AttentionBackend, scales: KVScales | None, *, poison: bool = True,
-                  fill: PoolFill = PoolFill.LOUD,
-                  record: Callable[[str, torch.Tensor | None], None] = _no_record) -> PreparedCase:
+def prepare_layer(
+    batch: PagedBatch,
+    backend: AttentionBackend,
+    scales: KVScales | None,
+    *,
+    poison: bool = True,
+    fill: PoolFill = PoolFill.LOUD,
+    record: Callable[[str, torch.Tensor | None], None] = _no_record,
+) -> PreparedCase:
     """A layer's pool for ``batch``: allocated, poisoned, the history written through ``write_kv``
     with this layer's ``scales``."""
     kv_cache = allocate_pool(backend, batch.num_blocks, fill)
@@ -169,14 +199,21 @@ def prepare_layer(batch: PagedBatch, backend: AttentionBackend, scales: KVScales
     if poison:
         write_poison(backend, kv_cache, batch, keep=slots, fill=fill, scales=scales)
     key, value = engine_kv_views(batch.case, key, value)
-    for name, tensor in (("KV pool", kv_cache), ("history key", key), ("history value", value), ("history slot_mapping", slots)):
+    for name, tensor in (
+        ("KV pool", kv_cache),
+        ("history key", key),
+        ("history value", value),
+        ("history slot_mapping", slots),
+    ):
         record(name, tensor)
     if slots.numel():
         backend.write_kv(kv_cache, key, value, slots, **layer_arguments(scales))
     return PreparedCase(batch, backend, kv_cache, scales=scales)
 
 
-def engine_kv_views(case: Case, key: torch.Tensor, value: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def engine_kv_views(
+    case: Case, key: torch.Tensor, value: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``key``/``value`` as the case lays them out: contiguous, or views into a fused QKV buffer."""
     if not case.strided:
         return key, value
@@ -243,8 +280,12 @@ class StagedStep:
     watch: InputWatch | None = None  # the inputs as the backend was handed them (set by launch_step)
 
 
-def stage_step(prepared: PreparedCase, *, with_host_lengths: bool = True,
-               record: Callable[[str, torch.Tensor | None], None] = _no_record) -> StagedStep:
+def stage_step(
+    prepared: PreparedCase,
+    *,
+    with_host_lengths: bool = True,
+    record: Callable[[str, torch.Tensor | None], None] = _no_record,
+) -> StagedStep:
     """The step's metadata, rows and NaN output (see ``run_step``)."""
     batch, case = prepared.batch, prepared.batch.case
     common = batch.common_metadata(with_host_lengths=with_host_lengths)
@@ -253,15 +294,27 @@ def stage_step(prepared: PreparedCase, *, with_host_lengths: bool = True,
     if case.strided:
         query, key, value = fused_qkv_views(batch.spec, query, key, value)
     out, whole = output_buffer(batch, case.padding)
-    for name, tensor in (("query", query), ("key", key), ("value", value), ("output", whole),
-                         ("query_start_loc", common.query_start_loc), ("seq_lens", common.seq_lens),
-                         ("block_table", common.block_table), ("slot_mapping", slots)):
+    for name, tensor in (
+        ("query", query),
+        ("key", key),
+        ("value", value),
+        ("output", whole),
+        ("query_start_loc", common.query_start_loc),
+        ("seq_lens", common.seq_lens),
+        ("block_table", common.block_table),
+        ("slot_mapping", slots),
+    ):
         record(name, tensor)
     return StagedStep(prepared, common, query, key, value, slots, out, whole)
 
 
-def launch_step(step: StagedStep, *, phase: Callable[[str], ContextManager[None]] = _no_phase, metadata: Any = None,
-                negated: bool = False) -> None:
+def launch_step(
+    step: StagedStep,
+    *,
+    phase: Callable[[str], ContextManager[None]] = _no_phase,
+    metadata: Any = None,
+    negated: bool = False,
+) -> None:
     """The backend's calls for one staged step: ``build`` (unless given ``metadata``), ``write_kv``, ``forward``."""
     prepared = step.prepared
     backend = prepared.backend
@@ -270,12 +323,20 @@ def launch_step(step: StagedStep, *, phase: Callable[[str], ContextManager[None]
             if tensor is not None:
                 negate_(tensor)
     common = step.common
-    step.watch = watch = InputWatch.of({
-        "query": step.query, "key": step.key, "value": step.value, "slot_mapping (write_kv)": step.slots,
-        "query_start_loc": common.query_start_loc, "seq_lens": common.seq_lens, "block_table": common.block_table,
-        "slot_mapping (metadata)": common.slot_mapping, "query_start_loc_cpu": common.query_start_loc_cpu,
-        "host seq_lens": common.host_seq_lens,
-    })
+    step.watch = watch = InputWatch.of(
+        {
+            "query": step.query,
+            "key": step.key,
+            "value": step.value,
+            "slot_mapping (write_kv)": step.slots,
+            "query_start_loc": common.query_start_loc,
+            "seq_lens": common.seq_lens,
+            "block_table": common.block_table,
+            "slot_mapping (metadata)": common.slot_mapping,
+            "query_start_loc_cpu": common.query_start_loc_cpu,
+            "host seq_lens": common.host_seq_lens,
+        }
+    )
     if metadata is None:
         with phase("build"):
             metadata = backend.build(step.common)
@@ -301,13 +362,17 @@ def step_output(step: StagedStep) -> torch.Tensor:
     guard = whole[:, out.shape[1] * out.shape[2] :]
     if guard.numel() and not bool(torch.isnan(guard).all()):
         written = int((~torch.isnan(guard)).sum())
-        raise WroteOutsideOutput(f"forward wrote {written} elements outside the strided output view it was given "
-                                 "(it assumed a contiguous output)")
+        raise WroteOutsideOutput(
+            f"forward wrote {written} elements outside the strided output view it was given "
+            "(it assumed a contiguous output)"
+        )
     past = out[real:]
     if past.numel() and not bool(torch.isnan(past).all()):
         rows = int((~torch.isnan(past)).flatten(1).any(dim=1).sum())
-        raise WroteOutsideOutput(f"forward wrote {rows} output rows past the step's {real} real tokens (padding rows' "
-                                 "outputs must stay as they were: the contract writes the first num_actual_tokens rows)")
+        raise WroteOutsideOutput(
+            f"forward wrote {rows} output rows past the step's {real} real tokens (padding rows' "
+            "outputs must stay as they were: the contract writes the first num_actual_tokens rows)"
+        )
     return out[:real]
 
 
@@ -333,7 +398,8 @@ def run_step(
     ``phase(name)`` wraps each backend call ("build", "write_kv", "forward") and nothing else, so
     a sync detector sees only what the backend does, not the harness's own input preparation.
     ``record(name, tensor)`` is told every device tensor the backend is handed (the memory check
-    maps a bad address to one of them). Raises ``WroteOutsideOutput`` when a strided output's guard columns were written.
+    maps a bad address to one of them). Raises ``WroteOutsideOutput`` when a strided output's guard
+    columns were written.
     """
     step = stage_step(prepared, with_host_lengths=with_host_lengths, record=record)
     with on_a_busy_stream(prepared.batch.device) if negated else contextlib.nullcontext():

@@ -11,19 +11,21 @@ fp16, as vLLM's Triton unified attention does) or keep the product exact (a scal
 scores): both attend over the dequantized cache as the contract says, and they differ by the
 rounding of every key and value, which moves a score of magnitude s by about s × 2^-9 in bf16.
 Where a few large scores share the softmax (edges data) that reached 2.4× the output tolerance
-(``test_fp8``). Rounding the scale itself is not allowed: every number then moves the same way. So ``rounding_allowance`` is how far the oracle over the cache rounded to
+(``test_fp8``). Rounding the scale itself is not allowed: every number then moves the same way. So
+``rounding_allowance`` is how far the oracle over the cache rounded to
 the layer's dtype lies from the exact one, element by element; the comparison adds it to the
 tolerance (an output within tolerance of either oracle passes).
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 import torch
 
-from conformance.harness.step import PreparedCase
 from conformance.cases.kv_quantization import ONE_ULP_FRACTION, dequantize, largest, quantize, ulps_apart
 from conformance.cases.oracle import layer_reference
+from conformance.harness.step import PreparedCase
 
 
 def _stored(prepared: PreparedCase, request: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -81,7 +83,9 @@ def expected_lse(prepared: PreparedCase) -> torch.Tensor:
     return _solve(prepared)[1]
 
 
-def _solve(prepared: PreparedCase, *, negated: bool = False, rounded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _solve(
+    prepared: PreparedCase, *, negated: bool = False, rounded: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, log-sum-exp) of the oracle over the cache as the step leaves it: the batch's own
     rows, or an fp8 layer's stored ones dequantized (``rounded``: into the layer's dtype)."""
     batch, spec, scales = prepared.batch, prepared.batch.spec, prepared.scales
@@ -98,23 +102,38 @@ def _solve(prepared: PreparedCase, *, negated: bool = False, rounded: bool = Fal
         query = batch.query[start:end].neg() if negated else batch.query[start:end]
         key, value = _stored(prepared, request) if scales is not None else (batch.keys[request], batch.values[request])
         k_scale, v_scale = (scales.k_scale, scales.v_scale) if scales is not None else (1.0, 1.0)
-        out, lse = layer_reference(spec, query, dequantized(key, k_scale), dequantized(value, v_scale),
-                                   context_len=context_len, sinks=batch.sinks, return_lse=True)
+        out, lse = layer_reference(
+            spec,
+            query,
+            dequantized(key, k_scale),
+            dequantized(value, v_scale),
+            context_len=context_len,
+            sinks=batch.sinks,
+            return_lse=True,
+        )
         outputs.append(out)
         sums.append(lse)
     return torch.cat(outputs), torch.cat(sums)
 
 
-def _place(stored: torch.Tensor, expected: torch.Tensor, apart: torch.Tensor, scale: float, request: int,
-           plane: str) -> dict[str, Any]:
+def _place(
+    stored: torch.Tensor, expected: torch.Tensor, apart: torch.Tensor, scale: float, request: int, plane: str
+) -> dict[str, Any]:
     """Where ``apart`` is largest: position, head and channel, and the two numbers dequantized."""
     index = int(apart.flatten().argmax())
     per_position = apart[0].numel()
     position, within = divmod(index, per_position)
     head, channel = divmod(within, stored.shape[-1]) if stored.dim() == 3 else (0, within)
-    return {"request": request, "position": position, "head": head, "channel": channel, "plane": plane,
-            "stored": float(stored.flatten()[index].float()) * scale,
-            "contract": float(expected.flatten()[index].float()) * scale, "steps": int(apart.flatten()[index])}
+    return {
+        "request": request,
+        "position": position,
+        "head": head,
+        "channel": channel,
+        "plane": plane,
+        "stored": float(stored.flatten()[index].float()) * scale,
+        "contract": float(expected.flatten()[index].float()) * scale,
+        "steps": int(apart.flatten()[index]),
+    }
 
 
 def write_findings(prepared: PreparedCase, *, negated: bool = False) -> dict[str, Any] | None:
@@ -135,8 +154,11 @@ def write_findings(prepared: PreparedCase, *, negated: bool = False) -> dict[str
         for plane, stored, given, scale in planes:
             expected = quantize(given.neg() if negated else given, scale, dtype).to(stored.device)
             if stored.shape != expected.shape or stored.dtype != dtype:
-                return {"what": f"read_kv returned {plane}s of shape {tuple(stored.shape)} and dtype {stored.dtype}; "
-                                f"expected {tuple(expected.shape)} {dtype}", "place": f"request {request}"}
+                return {
+                    "what": f"read_kv returned {plane}s of shape {tuple(stored.shape)} and dtype {stored.dtype}; "
+                    f"expected {tuple(expected.shape)} {dtype}",
+                    "place": f"request {request}",
+                }
             apart = ulps_apart(stored, expected)
             elements += apart.numel()
             one_step += int((apart == 1).sum())
@@ -146,19 +168,30 @@ def write_findings(prepared: PreparedCase, *, negated: bool = False) -> dict[str
     if worst is None or (worst["steps"] <= 1 and one_step <= allowed):
         return None
     stored_nan, contract_nan = worst["stored"] != worst["stored"], worst["contract"] != worst["contract"]
-    saturated = abs(worst["contract"]) == largest(dtype) * (scales.k_scale if worst["plane"] == "key" else scales.v_scale)
+    saturated = abs(worst["contract"]) == largest(dtype) * (
+        scales.k_scale if worst["plane"] == "key" else scales.v_scale
+    )
     if stored_nan and saturated:
         what = "write_kv stored NaN where the contract saturates to the format's largest number"
     elif stored_nan or contract_nan:
-        what = f"write_kv stored {'NaN' if stored_nan else 'a number'} where the contract stores {'NaN' if contract_nan else 'a number'}"
+        what = (
+            f"write_kv stored {'NaN' if stored_nan else 'a number'} where "
+            f"the contract stores {'NaN' if contract_nan else 'a number'}"
+        )
     elif worst["steps"] > 1:
-        what = (f"write_kv stored a number {worst['steps']} fp8 steps from the contract's quantization "
-                "(value / scale, rounded to nearest even, saturated)")
+        what = (
+            f"write_kv stored a number {worst['steps']} fp8 steps from the contract's quantization "
+            "(value / scale, rounded to nearest even, saturated)"
+        )
     else:
-        what = (f"write_kv rounded {one_step} of {elements} stored numbers one fp8 step away from the contract's "
-                f"(at most {allowed}, {ONE_ULP_FRACTION:.0%}, allowed for values on a rounding boundary): a rounding "
-                "rule other than round-to-nearest-even (truncation?)")
-    where = (f"request {worst['request']} position {worst['position']} head {worst['head']} channel "
-             f"{worst['channel']} ({worst['plane']}): stored {worst['stored']:.6g}, contract {worst['contract']:.6g} "
-             "(dequantized)")
+        what = (
+            f"write_kv rounded {one_step} of {elements} stored numbers one fp8 step away from the contract's "
+            f"(at most {allowed}, {ONE_ULP_FRACTION:.0%}, allowed for values on a rounding boundary): a rounding "
+            "rule other than round-to-nearest-even (truncation?)"
+        )
+    where = (
+        f"request {worst['request']} position {worst['position']} head {worst['head']} channel "
+        f"{worst['channel']} ({worst['plane']}): stored {worst['stored']:.6g}, contract {worst['contract']:.6g} "
+        "(dequantized)"
+    )
     return {"what": what, "place": where, "worst": worst}

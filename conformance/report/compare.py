@@ -13,6 +13,7 @@
 Improvements are listed too, and never fail the gate. A backend, check or case listed twice in
 either file, and a threshold that is not a finite number in range, are usage errors.
 """
+
 from __future__ import annotations
 
 import math
@@ -39,7 +40,9 @@ class Finding:
     accepted: bool = False  # a coverage loss the user accepted knowingly (neither regression nor improvement)
 
 
-def _index(run: RunResult, which: str) -> dict[str, tuple[BackendResult, dict[str, tuple[CheckResult, dict[str, CaseResult]]]]]:
+def _index(
+    run: RunResult, which: str
+) -> dict[str, tuple[BackendResult, dict[str, tuple[CheckResult, dict[str, CaseResult]]]]]:
     """backend -> (result, check -> (result, case -> result)); a name given twice is a usage error
     (which copy would count?)."""
     backends: dict = {}
@@ -70,8 +73,14 @@ def _validate_thresholds(error_growth: float, bench_threshold: float, accept: Co
         raise CompareError(f"cannot accept {', '.join(sorted(unknown))} (choose from {', '.join(ACCEPTABLE)})")
 
 
-def compare_runs(base: RunResult, new: RunResult, *, error_growth: float = 2.0, bench_threshold: float = 0.10,
-                 accept: Collection[str] = ()) -> list[Finding]:
+def compare_runs(
+    base: RunResult,
+    new: RunResult,
+    *,
+    error_growth: float = 2.0,
+    bench_threshold: float = 0.10,
+    accept: Collection[str] = (),
+) -> list[Finding]:
     """Every backend, check and case of either file: what NEW lost, what NEW newly fails
     (including in a backend or check BASE never ran), and what changed in between."""
     _validate_thresholds(error_growth, bench_threshold, accept)
@@ -79,8 +88,14 @@ def compare_runs(base: RunResult, new: RunResult, *, error_growth: float = 2.0, 
 
     def coverage(backend: str, check: str, case: str, what: str, kind: str) -> Finding:
         accepted = kind in accept
-        return Finding(backend, check, case, what + (f" (accepted: --accept-{kind})" if accepted else f" (accept with --accept-{kind})"),
-                       not accepted, accepted)
+        return Finding(
+            backend,
+            check,
+            case,
+            what + (f" (accepted: --accept-{kind})" if accepted else f" (accept with --accept-{kind})"),
+            not accepted,
+            accepted,
+        )
 
     findings: list[Finding] = []
     if base.suite != new.suite:
@@ -97,14 +112,30 @@ def compare_runs(base: RunResult, new: RunResult, *, error_growth: float = 2.0, 
                 continue
             before_check, before_cases = base_checks.get(check_name, (None, {}))
             absent = "check absent from BASE" if name in base_index else "backend absent from BASE"
-            findings += _compare_check(name, before_check, before_cases, *new_checks[check_name], coverage,
-                                       error_growth, bench_threshold, absent)
+            findings += _compare_check(
+                name,
+                before_check,
+                before_cases,
+                *new_checks[check_name],
+                coverage,
+                error_growth,
+                bench_threshold,
+                absent,
+            )
     return findings
 
 
-def _compare_check(backend: str, base_check: CheckResult | None, base_cases: dict[str, CaseResult], new_check: CheckResult,
-                   new_cases: dict[str, CaseResult], coverage, error_growth: float, bench_threshold: float,
-                   absent: str) -> list[Finding]:
+def _compare_check(
+    backend: str,
+    base_check: CheckResult | None,
+    base_cases: dict[str, CaseResult],
+    new_check: CheckResult,
+    new_cases: dict[str, CaseResult],
+    coverage,
+    error_growth: float,
+    bench_threshold: float,
+    absent: str,
+) -> list[Finding]:
     findings: list[Finding] = []
     check = new_check.name
     for case_id in base_cases:
@@ -117,26 +148,58 @@ def _compare_check(backend: str, base_check: CheckResult | None, base_cases: dic
         findings.append(Finding(backend, check, "", f"check went {base_check.verdict.value} → PASS", False))
     elif not new_check.cases and new_check.verdict.is_failure and not (base_check and base_check.verdict.is_failure):
         # A check that failed as a whole (a backend that could not be loaded): no case says so.
-        findings.append(Finding(backend, check, "", f"new {new_check.verdict.value} (was {was_check}): {new_check.summary}", True))
+        findings.append(
+            Finding(backend, check, "", f"new {new_check.verdict.value} (was {was_check}): {new_check.summary}", True)
+        )
     for case in new_cases.values():
         before = base_cases.get(case.case)
         if case.verdict.is_failure and (before is None or not before.verdict.is_failure):
             was = before.verdict.value if before else ("absent" if base_check else absent)
-            findings.append(Finding(backend, check, case.case, f"new {case.verdict.value} (was {was}): {case.reason}", True))
+            findings.append(
+                Finding(backend, check, case.case, f"new {case.verdict.value} (was {was}): {case.reason}", True)
+            )
         if before is None:
             continue
         if before.verdict == Verdict.PASS and case.verdict == Verdict.SKIP:
             findings.append(coverage(backend, check, case.case, f"PASS → SKIP: {case.reason}", "skips"))
         old_error, new_error = before.metrics.get("max_abs_error"), case.metrics.get("max_abs_error")
-        if old_error is not None and new_error is not None and new_error > ERROR_FLOOR and new_error > error_growth * max(old_error, ERROR_FLOOR / error_growth):
-            findings.append(Finding(backend, check, case.case,
-                                    f"max abs error grew {old_error:.3g} → {new_error:.3g} (more than ×{error_growth:g})", True))
+        if (
+            old_error is not None
+            and new_error is not None
+            and new_error > ERROR_FLOOR
+            and new_error > error_growth * max(old_error, ERROR_FLOOR / error_growth)
+        ):
+            findings.append(
+                Finding(
+                    backend,
+                    check,
+                    case.case,
+                    f"max abs error grew {old_error:.3g} → {new_error:.3g} (more than ×{error_growth:g})",
+                    True,
+                )
+            )
         old_time, new_time = before.metrics.get("forward_us"), case.metrics.get("forward_us")
         if old_time and new_time:
             change = new_time / old_time - 1
             if change > bench_threshold:
-                findings.append(Finding(backend, check, case.case,
-                                        f"forward {old_time:.1f} → {new_time:.1f} µs (+{100 * change:.0f}%, threshold {100 * bench_threshold:.0f}%)", True))
+                findings.append(
+                    Finding(
+                        backend,
+                        check,
+                        case.case,
+                        f"forward {old_time:.1f} → {new_time:.1f} µs "
+                        f"(+{100 * change:.0f}%, threshold {100 * bench_threshold:.0f}%)",
+                        True,
+                    )
+                )
             elif change < -bench_threshold:
-                findings.append(Finding(backend, check, case.case, f"forward {old_time:.1f} → {new_time:.1f} µs ({100 * change:.0f}%)", False))
+                findings.append(
+                    Finding(
+                        backend,
+                        check,
+                        case.case,
+                        f"forward {old_time:.1f} → {new_time:.1f} µs ({100 * change:.0f}%)",
+                        False,
+                    )
+                )
     return findings

@@ -6,6 +6,7 @@ their lines and stacks, the graph batch that broke a replay, the failing draft s
 stderr tail) and all cases folded → bench tables with SVG bars (forward µs per backend per shape,
 roofline fraction) → the environment block.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,10 +14,10 @@ import math
 from html import escape
 from typing import Any
 
-from conformance.checks import check_class
-from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
 from conformance.atomic_write import write_atomically
+from conformance.checks import check_class
 from conformance.report.reproduce import reproduce_command
+from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
 
 VERDICT_COLOURS = {
     Verdict.PASS: "#2e7d32",
@@ -38,7 +39,8 @@ td.verdict { color: white; font-weight: bold; white-space: nowrap; }
 .PASS { background: #2e7d32; } .FAIL { background: #c62828; } .ERROR { background: #8e24aa; }
 .CRASH { background: #000000; } .SKIP { background: #9e9e9e; }
 .dim { color: #757575; font-size: 12px; }
-pre { background: #fafafa; border: 1px solid #eee; padding: 6px; font-size: 12px; max-height: 24em; overflow: auto; white-space: pre-wrap; }
+pre { background: #fafafa; border: 1px solid #eee; padding: 6px; font-size: 12px; max-height: 24em;
+overflow: auto; white-space: pre-wrap; }
 code { font-size: 12px; overflow-wrap: anywhere; }
 details { margin: 0.4em 0; }
 /* The summary fits a 1,280 px window whatever the number of checks: fixed columns, text wraps. */
@@ -47,7 +49,8 @@ details { margin: 0.4em 0; }
 #summary td.verdict span { white-space: normal; }
 #summary th:first-child { width: 11em; }
 table.failures { width: 100%; max-width: 1200px; }
-table.numbers td, table.numbers th { white-space: nowrap; font-size: 12px; padding: 1px 6px; border: none; text-align: right; }
+table.numbers td, table.numbers th { white-space: nowrap; font-size: 12px; padding: 1px 6px; border:
+none; text-align: right; }
 table.numbers td:first-child { text-align: left; }
 figure.map { margin: 0.4em 0; }
 """
@@ -72,7 +75,9 @@ def summary_matrix(run: RunResult) -> str:
         for name in run.checks:
             check = backend.check(name)
             cells.append(_verdict_cell(check.verdict, _check_detail(check)) if check else "<td></td>")
-        label = escape(backend.name) + ("" if backend.available else f"<br><span class='dim'>{escape(backend.reason)}</span>")
+        label = escape(backend.name) + (
+            "" if backend.available else f"<br><span class='dim'>{escape(backend.reason)}</span>"
+        )
         rows.append(f"<tr><th>{label}</th>{''.join(cells)}</tr>")
     return f"<table id='summary'><tr><th>backend</th>{head}</tr>{''.join(rows)}</table>"
 
@@ -87,10 +92,15 @@ def _evidence(check_name: str, case: CaseResult, draw_maps: bool = True) -> str:
         if item.grid and draw_maps:
             parts.append(f"<p>{label} <span class='dim'>{escape(item.text)}</span></p>{heatmap(item.grid)}")
         else:
-            parts.append(f"<p>{label}</p><pre>{escape(item.text)}</pre>" if item.block
-                         else f"<p>{label} <code>{escape(item.text)}</code></p>")
+            parts.append(
+                f"<p>{label}</p><pre>{escape(item.text)}</pre>"
+                if item.block
+                else f"<p>{label} <code>{escape(item.text)}</code></p>"
+            )
     if case.metrics:
-        parts.append(f"<details><summary>metrics</summary><pre>{escape(json.dumps(case.metrics, indent=1))}</pre></details>")
+        parts.append(
+            f"<details><summary>metrics</summary><pre>{escape(json.dumps(case.metrics, indent=1))}</pre></details>"
+        )
     return "".join(parts)
 
 
@@ -108,7 +118,7 @@ def _error_cell(value: float | None) -> tuple[str, float]:
 
 
 KEY_MAP_NOISE = 0.2  # explained fractions below this are drawn blank: a random direction in d
-                     # dimensions explains about 1/d of an error by chance
+# dimensions explains about 1/d of an error by chance
 
 
 def _key_cell(value: float | None) -> tuple[str, float]:
@@ -142,28 +152,38 @@ def heatmap(grid: dict[str, Any]) -> str:
             x, y = left + c * cell_w, top + r * cell_h
             seen = grid["visible"][r][c] if grid.get("visible") else 0
             if seen:
-                cells.append(f"<rect x='{x:.1f}' y='{y:.1f}' width='{cell_w:.1f}' height='{cell_h:.1f}' fill='#9e9e9e' "
-                             f"fill-opacity='{0.35 * seen:.2f}'/>")
+                cells.append(
+                    f"<rect x='{x:.1f}' y='{y:.1f}' width='{cell_w:.1f}' height='{cell_h:.1f}' fill='#9e9e9e' "
+                    f"fill-opacity='{0.35 * seen:.2f}'/>"
+                )
             colour, opacity = colour_of(value)
             if opacity < 0.02:
                 continue
             shown = "NaN/Inf" if value is None else f"{value:.3g}"
-            cells.append(f"<rect x='{x:.1f}' y='{y:.1f}' width='{cell_w:.1f}' height='{cell_h:.1f}' fill='{colour}' "
-                         f"fill-opacity='{opacity:.2f}'><title>{escape(grid['row_label'])} {_span(rows, r)}, "
-                         f"{escape(grid['column_label'])} {_span(columns, c)}: {shown} {unit}</title></rect>")
-    legend = ("green: within tolerance · red: past it, darker by decade (full at 1000×) · black: NaN/Inf"
-              if grid["kind"] == "error" else
-              "grey: keys the token may see · red: a key with weight it should not have · blue: a key missing "
-              "weight · strength: the fraction of the error that key alone explains · blank rows: tokens within "
-              "tolerance")
-    axes = (f"<text x='{left}' y='12' font-size='11'>{escape(grid['column_label'])} {columns[0]} → {columns[-1] - 1}</text>"
-            f"<text x='0' y='{top + 10}' font-size='11'>{rows[0]}</text>"
-            f"<text x='0' y='{top + height}' font-size='11'>{rows[-1] - 1}</text>"
-            f"<text x='0' y='{top + height / 2 + 4:.1f}' font-size='11'>{escape(grid['row_label'].split(' ')[0])}</text>"
-            f"<rect x='{left}' y='{top}' width='{width:.1f}' height='{height:.1f}' fill='none' stroke='#757575'/>")
-    return (f"<figure class='map'><figcaption class='dim'>{escape(grid['title'])}</figcaption>"
-            f"<svg class='map' role='img' width='{left + width + 10:.0f}' height='{top + height + 4:.0f}'>"
-            f"{axes}{''.join(cells)}</svg><figcaption class='dim'>{escape(legend)}</figcaption></figure>")
+            cells.append(
+                f"<rect x='{x:.1f}' y='{y:.1f}' width='{cell_w:.1f}' height='{cell_h:.1f}' fill='{colour}' "
+                f"fill-opacity='{opacity:.2f}'><title>{escape(grid['row_label'])} {_span(rows, r)}, "
+                f"{escape(grid['column_label'])} {_span(columns, c)}: {shown} {unit}</title></rect>"
+            )
+    legend = (
+        "green: within tolerance · red: past it, darker by decade (full at 1000×) · black: NaN/Inf"
+        if grid["kind"] == "error"
+        else "grey: keys the token may see · red: a key with weight it should not have · blue: a key missing "
+        "weight · strength: the fraction of the error that key alone explains · blank rows: tokens within "
+        "tolerance"
+    )
+    axes = (
+        f"<text x='{left}' y='12' font-size='11'>{escape(grid['column_label'])} {columns[0]} → {columns[-1] - 1}</text>"
+        f"<text x='0' y='{top + 10}' font-size='11'>{rows[0]}</text>"
+        f"<text x='0' y='{top + height}' font-size='11'>{rows[-1] - 1}</text>"
+        f"<text x='0' y='{top + height / 2 + 4:.1f}' font-size='11'>{escape(grid['row_label'].split(' ')[0])}</text>"
+        f"<rect x='{left}' y='{top}' width='{width:.1f}' height='{height:.1f}' fill='none' stroke='#757575'/>"
+    )
+    return (
+        f"<figure class='map'><figcaption class='dim'>{escape(grid['title'])}</figcaption>"
+        f"<svg class='map' role='img' width='{left + width + 10:.0f}' height='{top + height + 4:.0f}'>"
+        f"{axes}{''.join(cells)}</svg><figcaption class='dim'>{escape(legend)}</figcaption></figure>"
+    )
 
 
 def _case_rows(check_name: str, cases: list[CaseResult], with_evidence: bool, reproduce=None) -> str:
@@ -174,7 +194,8 @@ def _case_rows(check_name: str, cases: list[CaseResult], with_evidence: bool, re
         if reproduce is not None:
             evidence = f"<p>reproduce: <code class='repro'>{escape(reproduce(case))}</code></p>{evidence}"
         rows.append(
-            f"<tr>{_verdict_cell(case.verdict)}<td><code>{escape(case.case)}</code><br><span class='dim'>{escape(case.tag)}</span></td>"
+            f"<tr>{_verdict_cell(case.verdict)}<td><code>{escape(case.case)}</code><br><span "
+            f"class='dim'>{escape(case.tag)}</span></td>"
             f"<td>{escape(case.reason)}{evidence}</td></tr>"
         )
     return "".join(rows)
@@ -182,13 +203,25 @@ def _case_rows(check_name: str, cases: list[CaseResult], with_evidence: bool, re
 
 def check_section(backend: BackendResult, check: CheckResult, run: RunResult) -> str:
     failing = [case for case in check.cases if case.verdict.is_failure]
-    details = f"<details><summary>check details</summary><pre>{escape(json.dumps(check.details, indent=1))}</pre></details>" if check.details else ""
-    parts = [f"<h3 id='{escape(backend.name)}-{escape(check.name)}'>{escape(backend.name)} / {escape(check.name)}: "
-             f"{check.verdict.value}</h3><p>{escape(check.summary)}</p>{details}"]
+    details = (
+        f"<details><summary>check details</summary><pre>{escape(json.dumps(check.details, indent=1))}</pre></details>"
+        if check.details
+        else ""
+    )
+    parts = [
+        f"<h3 id='{escape(backend.name)}-{escape(check.name)}'>{escape(backend.name)} / {escape(check.name)}: "
+        f"{check.verdict.value}</h3><p>{escape(check.summary)}</p>{details}"
+    ]
     if failing:
-        parts.append(f"<table class='failures'><tr><th>verdict</th><th>case</th><th>evidence</th></tr>{_case_rows(check.name, failing, True, lambda case: reproduce_command(run, backend.name, check.name, case.case))}</table>")
+        rows = _case_rows(
+            check.name, failing, True, lambda case: reproduce_command(run, backend.name, check.name, case.case)
+        )
+        parts.append(f"<table class='failures'><tr><th>verdict</th><th>case</th><th>evidence</th></tr>{rows}</table>")
     if check.cases:
-        parts.append(f"<details><summary>all {len(check.cases)} cases</summary><table>{_case_rows(check.name, check.cases, False)}</table></details>")
+        parts.append(
+            f"<details><summary>all {len(check.cases)} "
+            f"cases</summary><table>{_case_rows(check.name, check.cases, False)}</table></details>"
+        )
     return "".join(parts)
 
 
@@ -236,19 +269,31 @@ def bench_section(run: RunResult) -> str:
         tag = next(iter(by_backend.values()))["tag"]
         latency = _bars([(name, m["forward_us"]) for name, m in by_backend.items()], "µs", log=True)
         roofline = _bars([(name, 100 * m["roofline_fraction"]) for name, m in by_backend.items()], "% roofline")
-        numbers = ("<table class='numbers'><tr><th></th><th>µs</th><th>×fastest</th><th>GB/s</th><th>build µs</th>"
-                   "<th>graph µs</th></tr>" + "".join(
-                       f"<tr><td>{escape(name)}</td><td>{m['forward_us']:.1f}</td><td>{m.get('ratio_to_fastest', 1):.2f}</td>"
-                       f"<td>{m['GBps']:.0f}</td><td>{m['build_us']:.1f}</td>"
-                       f"<td>{format(m['replay_us'], '.1f') if m.get('replay_us') else '–'}</td></tr>"
-                       for name, m in by_backend.items()) + "</table>")
-        rows.append(f"<tr><td>{escape(tag)}<br><code class='dim'>{escape(case_id)}</code></td><td>{latency}</td><td>{roofline}</td><td>{numbers}</td></tr>")
-    return ("<h2 id='bench'>Bench</h2><table class='bench'><tr><th>shape</th><th>forward latency</th>"
-            f"<th>roofline fraction</th><th>numbers</th></tr>{''.join(rows)}</table>")
+        numbers = (
+            "<table class='numbers'><tr><th></th><th>µs</th><th>×fastest</th><th>GB/s</th><th>build µs</th>"
+            "<th>graph µs</th></tr>"
+            + "".join(
+                f"<tr><td>{escape(name)}</td><td>{m['forward_us']:.1f}</td><td>{m.get('ratio_to_fastest', 1):.2f}</td>"
+                f"<td>{m['GBps']:.0f}</td><td>{m['build_us']:.1f}</td>"
+                f"<td>{format(m['replay_us'], '.1f') if m.get('replay_us') else '–'}</td></tr>"
+                for name, m in by_backend.items()
+            )
+            + "</table>"
+        )
+        rows.append(
+            f"<tr><td>{escape(tag)}<br><code "
+            f"class='dim'>{escape(case_id)}</code></td><td>{latency}</td><td>{roofline}</td><td>{numbers}</td></tr>"
+        )
+    return (
+        "<h2 id='bench'>Bench</h2><table class='bench'><tr><th>shape</th><th>forward latency</th>"
+        f"<th>roofline fraction</th><th>numbers</th></tr>{''.join(rows)}</table>"
+    )
 
 
 def render(run: RunResult) -> str:
-    environment = "".join(f"<tr><th>{escape(str(k))}</th><td>{escape(str(v))}</td></tr>" for k, v in run.environment.items())
+    environment = "".join(
+        f"<tr><th>{escape(str(k))}</th><td>{escape(str(v))}</td></tr>" for k, v in run.environment.items()
+    )
     sections = []
     for backend in run.backends:
         if not backend.available:
@@ -259,11 +304,15 @@ def render(run: RunResult) -> str:
     unavailable = "".join(
         f"<li><b>{escape(b.name)}</b>: {escape(b.reason)}</li>" for b in run.backends if not b.available
     )
-    title = f"conformance — {escape(run.suite)} — {escape(str(run.environment.get('gpu') or run.environment.get('device', '')))}"
+    title = (
+        f"conformance — {escape(run.suite)} — "
+        f"{escape(str(run.environment.get('gpu') or run.environment.get('device', '')))}"
+    )
     return (
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
         f"<title>{title}</title><style>{STYLE}</style></head><body>"
-        f"<h1>{title}</h1><p class='dim'>{escape(str(run.environment.get('command', '')))} · {escape(str(run.environment.get('time', '')))}</p>"
+        f"<h1>{title}</h1><p class='dim'>{escape(str(run.environment.get('command', '')))} "
+        f"· {escape(str(run.environment.get('time', '')))}</p>"
         + (f"<p class='warn'><b>{escape(run.INTERRUPTED_NOTE)}</b></p>" if run.interrupted else "")
         + f"<h2>Summary</h2>{summary_matrix(run)}"
         + (f"<h2>Not run here</h2><ul>{unavailable}</ul>" if unavailable else "")

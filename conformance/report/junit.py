@@ -3,28 +3,37 @@
 FAIL → <failure>, ERROR and CRASH → <error>, SKIP → <skipped>; an unavailable backend or a
 skipped check is one skipped testcase carrying the reason.
 """
+
 from __future__ import annotations
 
 import xml.etree.ElementTree as ElementTree
 
+from conformance.atomic_write import write_atomically
 from conformance.checks import check_class
 from conformance.checks.evidence import plain_lines
-from conformance.results import CaseResult, RunResult, Verdict
-from conformance.atomic_write import write_atomically
 from conformance.report.reproduce import reproduce_command
 from conformance.report.safe_text import xml_safe
+from conformance.results import CaseResult, RunResult, Verdict
 
 
 def _evidence_text(check_name: str, case: CaseResult) -> str:
     return "\n".join([case.reason] + plain_lines(check_class(check_name).describe_evidence(case.evidence)))
 
 
-def _testcase(suite: ElementTree.Element, classname: str, name: str, verdict: Verdict, message: str, text: str = "",
-              seconds: float | None = None) -> None:
+def _testcase(
+    suite: ElementTree.Element,
+    classname: str,
+    name: str,
+    verdict: Verdict,
+    message: str,
+    text: str = "",
+    seconds: float | None = None,
+) -> None:
     """Every string through ``xml_safe``: a backend's reason or stderr may hold any character,
     and one that XML forbids would make the whole file unreadable to the CI system."""
-    testcase = ElementTree.SubElement(suite, "testcase", classname=xml_safe(classname), name=xml_safe(name),
-                                      time=f"{seconds or 0:.3f}")
+    testcase = ElementTree.SubElement(
+        suite, "testcase", classname=xml_safe(classname), name=xml_safe(name), time=f"{seconds or 0:.3f}"
+    )
     message = xml_safe(message)[:1000]
     if verdict == Verdict.FAIL:
         ElementTree.SubElement(testcase, "failure", message=message, type="FAIL").text = xml_safe(text)
@@ -42,7 +51,13 @@ def render(run: RunResult) -> str:
             suite = ElementTree.SubElement(root, "testsuite", name=xml_safe(f"{backend.name}/{check.name}"))
             classname = f"conformance.{backend.name}.{check.name}"
             if not check.cases:
-                _testcase(suite, classname, check.name, check.verdict if check.verdict != Verdict.PASS else Verdict.SKIP, check.summary)
+                _testcase(
+                    suite,
+                    classname,
+                    check.name,
+                    check.verdict if check.verdict != Verdict.PASS else Verdict.SKIP,
+                    check.summary,
+                )
             for case in check.cases:
                 text = _evidence_text(check.name, case)
                 if case.verdict.is_failure:

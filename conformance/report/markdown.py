@@ -1,11 +1,12 @@
 """A Markdown summary for a pull-request comment or a CI step summary ($GITHUB_STEP_SUMMARY)."""
+
 from __future__ import annotations
 
-from conformance.checks import check_class
-from conformance.results import RunResult
 from conformance.atomic_write import write_atomically
+from conformance.checks import check_class
 from conformance.report.reproduce import reproduce_command
 from conformance.report.safe_text import markdown_code, markdown_inline
+from conformance.results import RunResult
 
 MAX_FAILURES = 20
 MAX_EVIDENCE_ITEMS = 3  # per failure
@@ -27,27 +28,42 @@ def render(run: RunResult) -> str:
                 continue
             detail = f" {check.passed}/{check.ran}" if check.cases else ""
             cells.append(f"{ICONS[check.verdict.value]} {check.verdict.value}{detail}")
-        label = markdown_inline(backend.name if backend.available else f"{backend.name} (not available: {backend.reason})")
+        label = markdown_inline(
+            backend.name if backend.available else f"{backend.name} (not available: {backend.reason})"
+        )
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     failures = [
         (backend.name, check.name, case)
-        for backend in run.backends for check in backend.checks for case in check.cases if case.verdict.is_failure
+        for backend in run.backends
+        for check in backend.checks
+        for case in check.cases
+        if case.verdict.is_failure
     ]
     if failures:
         lines += ["", f"#### Failures ({len(failures)})", ""]
         for backend, check, case in failures[:MAX_FAILURES]:
-            lines.append(f"- **{case.verdict.value}** {markdown_code(backend)} / {check} {markdown_code(case.case)}: "
-                         f"{markdown_inline(case.reason)}")
+            lines.append(
+                f"- **{case.verdict.value}** {markdown_code(backend)} / {check} {markdown_code(case.case)}: "
+                f"{markdown_inline(case.reason)}"
+            )
             lines.append(f"  - reproduce: {markdown_code(reproduce_command(run, backend, check, case.case))}")
             # A block's label alone (a sync event's line to change): a stack or a traceback belongs in
             # the HTML report, not in a pull-request comment.
             items = check_class(check).describe_evidence(case.evidence)[:MAX_EVIDENCE_ITEMS]
-            lines += [f"  - {markdown_inline(item.label)}" if item.block
-                      else f"  - {markdown_inline(item.label)}: {markdown_code(item.text)}" for item in items]
+            lines += [
+                f"  - {markdown_inline(item.label)}"
+                if item.block
+                else f"  - {markdown_inline(item.label)}: {markdown_code(item.text)}"
+                for item in items
+            ]
         if len(failures) > MAX_FAILURES:
             lines.append(f"- … and {len(failures) - MAX_FAILURES} more in the JSON results")
-    lines += ["", f"<sub>{markdown_inline(run.environment.get('command', ''))} · "
-              f"{markdown_inline(run.environment.get('git_sha') or run.environment.get('version') or '')}</sub>", ""]
+    lines += [
+        "",
+        f"<sub>{markdown_inline(run.environment.get('command', ''))} · "
+        f"{markdown_inline(run.environment.get('git_sha') or run.environment.get('version') or '')}</sub>",
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ A run takes minutes to hours on a GPU: finding at the end that ``--json`` names 
 place nobody may write, loses the results. ``check_writable`` tries what the write will do
 (create the parent, create a file beside the target) and says in one line why it cannot.
 """
+
 from __future__ import annotations
 
 import tempfile

@@ -11,6 +11,7 @@ appears twice, and its wall time is the sum. All files must be of one suite. Sev
 versions) publish as one table, under the first file's environment. Nothing is computed here that
 a run did not measure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,8 +79,11 @@ def verdict_table(per_backend: dict[str, RunResult]) -> list[str]:
         backend = result.backends[0]
         gpu = result.environment.get("gpu", result.environment.get("device", ""))
         if not backend.available:
-            lines.append(f"| {markdown_inline(name)} | {gpu} | "
-                         + " | ".join([f"not available: {markdown_inline(backend.reason)}"] + [""] * (len(checks) - 1)) + " |")
+            lines.append(
+                f"| {markdown_inline(name)} | {gpu} | "
+                + " | ".join([f"not available: {markdown_inline(backend.reason)}"] + [""] * (len(checks) - 1))
+                + " |"
+            )
             continue
         cells = []
         for check_name in checks:
@@ -115,7 +119,9 @@ def bench_table(bench: RunResult) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="+")
-    parser.add_argument("--bench", nargs="+", help="bench results; several files are one table (their backends side by side)")
+    parser.add_argument(
+        "--bench", nargs="+", help="bench results; several files are one table (their backends side by side)"
+    )
     parser.add_argument("--out", default="reports")
     args = parser.parse_args()
     out = Path(args.out)
@@ -127,27 +133,46 @@ def main() -> None:
         parser.exit(2, f"conformance.report.publish: {error}\n")
     clashing = sorted({stem for stem in stems.values() if list(stems.values()).count(stem) > 1})
     if clashing:
-        parser.exit(2, f"conformance.report.publish: backend names that make one file name {clashing[0]!r}: "
-                       "publish them separately\n")
+        parser.exit(
+            2,
+            f"conformance.report.publish: backend names that make one file name {clashing[0]!r}: "
+            "publish them separately\n",
+        )
     for name, result in per_backend.items():
         result.save(out / f"{stems[name]}.json")
         write_html(result, out / f"{stems[name]}.html")
     suite = next(iter(per_backend.values())).suite if per_backend else ""
-    lines = ["# Published results", "", "Real GPU runs of the built-in backends: per backend a JSON (with the environment block",
-             "of its run) and a self-contained HTML report" + ("; `bench.json` / `bench.html` for the benchmark run." if args.bench else "."),
-             "Regenerate on a GPU machine with `bash reports/regenerate.sh`.", "",
-             f"## Verdicts ({suite} suite)", "", *verdict_table(per_backend)]
+    lines = [
+        "# Published results",
+        "",
+        "Real GPU runs of the built-in backends: per backend a JSON (with the environment block",
+        "of its run) and a self-contained HTML report"
+        + ("; `bench.json` / `bench.html` for the benchmark run." if args.bench else "."),
+        "Regenerate on a GPU machine with `bash reports/regenerate.sh`.",
+        "",
+        f"## Verdicts ({suite} suite)",
+        "",
+        *verdict_table(per_backend),
+    ]
     if args.bench:
         runs = [RunResult.load(path) for path in args.bench]
         bench = replace(runs[0], backends=[backend for run in runs for backend in run.backends])
         bench.save(out / "bench.json")
         write_html(bench, out / "bench.html")
-        ceilings = next((c.metrics for b in bench.backends for ch in b.checks for c in ch.cases if c.metrics.get("copy_GBps")), {})
-        lines += ["", f"## Bench numbers (one `conformance bench` run, {bench.environment.get('gpu', '')}; not repeated: "
-                  "read them as one measurement, not as headline figures)", "",
-                  f"Forward time, CUDA events, L2 flushed, median. Ceilings measured in the same run: copy "
-                  f"{ceilings.get('copy_GBps', 0):.0f} GB/s (read + write), bf16 matmul {ceilings.get('bf16_TFLOPs', 0):.0f} TFLOP/s.",
-                  "", *bench_table(bench)]
+        ceilings = next(
+            (c.metrics for b in bench.backends for ch in b.checks for c in ch.cases if c.metrics.get("copy_GBps")), {}
+        )
+        lines += [
+            "",
+            f"## Bench numbers (one `conformance bench` run, {bench.environment.get('gpu', '')}; not repeated: "
+            "read them as one measurement, not as headline figures)",
+            "",
+            f"Forward time, CUDA events, L2 flushed, median. Ceilings measured in the same run: copy "
+            f"{ceilings.get('copy_GBps', 0):.0f} GB/s (read + write), "
+            f"bf16 matmul {ceilings.get('bf16_TFLOPs', 0):.0f} TFLOP/s.",
+            "",
+            *bench_table(bench),
+        ]
     (out / "README.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {len(per_backend)} backend files and README.md to {out}")
 

@@ -1,4 +1,5 @@
 """The one command that runs a failing case again, alone: what every report puts beside a failure."""
+
 from __future__ import annotations
 
 import shlex

@@ -2,6 +2,7 @@
 what they say and do nothing else: no terminal escape sequence runs, no XML report becomes
 unparsable, no Markdown table or heading is injected.
 """
+
 from __future__ import annotations
 
 import re

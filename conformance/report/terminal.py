@@ -1,5 +1,6 @@
 """Terminal output with rich: a progress bar while running, then a backend x check table, then
 each failure with its evidence."""
+
 from __future__ import annotations
 
 import threading
@@ -41,8 +42,13 @@ class RichProgress(RunProgress):
     def __init__(self, console: Console) -> None:
         self.console = console
         self.bar = Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("[dim]{task.fields[current]}"), console=console, transient=False,
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("[dim]{task.fields[current]}"),
+            console=console,
+            transient=False,
         )
         self.tasks: dict[str, Any] = {}
 
@@ -54,7 +60,9 @@ class RichProgress(RunProgress):
         self.bar.__exit__(*exc)
 
     def backend_started(self, name: str, num_checks: int, num_cases: int) -> None:
-        self.tasks[name] = self.bar.add_task(escape(visible(name, one_line=True)), total=num_checks * num_cases, current="")
+        self.tasks[name] = self.bar.add_task(
+            escape(visible(name, one_line=True)), total=num_checks * num_cases, current=""
+        )
         self.cases_per_check = num_cases
 
     def event(self, name: str, event: dict[str, Any]) -> None:
@@ -106,8 +114,10 @@ class LineProgress(RunProgress):
                 continue
             name, check, case = self.running
             done = sum(self.counts.get((name, check), {}).values())
-            self._print(f"{visible(name)} / {check}: {done}/{self.cases_per_check} cases, running {case} "
-                        f"({time.monotonic() - self.started:.0f} s)")
+            self._print(
+                f"{visible(name)} / {check}: {done}/{self.cases_per_check} cases, running {case} "
+                f"({time.monotonic() - self.started:.0f} s)"
+            )
 
     def _stop_heartbeat(self) -> None:
         self.stop.set()
@@ -186,18 +196,31 @@ def print_failures(console: Console, run: RunResult) -> None:
             failures = [case for case in check.cases if case.verdict.is_failure]
             if not failures:
                 continue
-            console.print(f"\n[bold]{escape(visible(backend.name, one_line=True))} / {check.name}[/]: "
-                          f"{escape(visible(check.summary, one_line=True))}")
+            console.print(
+                f"\n[bold]{escape(visible(backend.name, one_line=True))} / {check.name}[/]: "
+                f"{escape(visible(check.summary, one_line=True))}"
+            )
             for case in failures[:MAX_FAILURES_SHOWN]:
-                console.print(Text("  ").append(verdict_text(case.verdict)).append(f" {visible(case.case, one_line=True)}").append(
-                    f"  ({visible(case.tag, one_line=True)})" if case.tag else "", style="dim"))
+                console.print(
+                    Text("  ")
+                    .append(verdict_text(case.verdict))
+                    .append(f" {visible(case.case, one_line=True)}")
+                    .append(f"  ({visible(case.tag, one_line=True)})" if case.tag else "", style="dim")
+                )
                 console.print(f"    {visible(case.reason, one_line=True)}", markup=False, highlight=False)
-                console.print(f"    reproduce: {visible(reproduce_command(run, backend.name, check.name, case.case))}",
-                              markup=False, highlight=False)
+                console.print(
+                    f"    reproduce: {visible(reproduce_command(run, backend.name, check.name, case.case))}",
+                    markup=False,
+                    highlight=False,
+                )
                 traceback = case.evidence.get("traceback")
                 if isinstance(traceback, str) and traceback in tracebacks:  # the same error again: once is enough
-                    shown = replace(case, evidence={key: value for key, value in case.evidence.items() if key != "traceback"})
-                    lines = _evidence_lines(check.name, shown) + [f"    traceback: the same as for {tracebacks[traceback]} above"]
+                    shown = replace(
+                        case, evidence={key: value for key, value in case.evidence.items() if key != "traceback"}
+                    )
+                    lines = _evidence_lines(check.name, shown) + [
+                        f"    traceback: the same as for {tracebacks[traceback]} above"
+                    ]
                 else:
                     if isinstance(traceback, str):
                         tracebacks[traceback] = case.case
@@ -232,9 +255,13 @@ def bench_table(run: RunResult) -> Table | None:
             ratio = metrics.get("ratio_to_fastest", 1.0)
             style = "bold green" if ratio <= 1.0001 else ""
             replay = f" · graph {metrics['replay_us']:.0f}" if metrics.get("replay_us") else ""
-            cells.append(Text(f"{metrics['forward_us']:.1f} µs (×{ratio:.2f})", style=style).append(
-                f"\n{metrics['GBps']:.0f} GB/s · {100 * metrics['roofline_fraction']:.0f}%{replay} · build {metrics['build_us']:.0f} µs",
-                style="dim"))
+            cells.append(
+                Text(f"{metrics['forward_us']:.1f} µs (×{ratio:.2f})", style=style).append(
+                    f"\n{metrics['GBps']:.0f} GB/s · {100 * metrics['roofline_fraction']:.0f}%{replay} "
+                    f"· build {metrics['build_us']:.0f} µs",
+                    style="dim",
+                )
+            )
         table.add_row(*cells)
     return table
 
@@ -246,6 +273,9 @@ def print_report(console: Console, run: RunResult) -> None:
         console.print(table)
     for backend in run.backends:
         if not backend.available:
-            console.print(f"[yellow]{escape(visible(backend.name, one_line=True))}[/] not run here: "
-                          f"{escape(visible(backend.reason, one_line=True))}", highlight=False)
+            console.print(
+                f"[yellow]{escape(visible(backend.name, one_line=True))}[/] not run here: "
+                f"{escape(visible(backend.reason, one_line=True))}",
+                highlight=False,
+            )
     print_failures(console, run)

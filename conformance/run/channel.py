@@ -10,6 +10,7 @@ own process's memory; see the threat model in docs/gating.md.)
 
 A line is ``SEQ MAC JSON``: MAC is HMAC-SHA256 over ``SEQ JSON`` with the run's key.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -78,7 +79,11 @@ class ChannelReader:
         seq = int(seq_text)
         if seq < self.expected:
             return [_tampering(f"event {seq} arrived again after event {self.expected - 1} (a repeated line)")]
-        notices = [] if seq == self.expected else [_tampering(f"events {self.expected} to {seq - 1} never arrived (lines removed)")]
+        notices = (
+            []
+            if seq == self.expected
+            else [_tampering(f"events {self.expected} to {seq - 1} never arrived (lines removed)")]
+        )
         self.expected = seq + 1
         return notices + [json.loads(body)]
 

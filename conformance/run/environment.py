@@ -1,4 +1,5 @@
 """The environment block of a results document: enough to tell two runs apart."""
+
 from __future__ import annotations
 
 import datetime
@@ -65,6 +66,8 @@ def collect_environment(device: torch.device) -> dict[str, Any]:
             compute_capability=f"{properties.major}.{properties.minor}",
             gpu_memory_gib=round(properties.total_memory / 2**30, 1),
             cuda_runtime=torch.version.cuda,
-            driver=_command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i", str(device.index or 0)]),
+            driver=_command_output(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i", str(device.index or 0)]
+            ),
         )
     return environment

@@ -15,6 +15,7 @@ and ``--in-process`` runs (events to a callback). Events:
 The harness state is sealed before the backend is imported and checked after every case
 (``seal.py``): a change is the case's ERROR, and is put back.
 """
+
 from __future__ import annotations
 
 import time
@@ -34,7 +35,12 @@ from conformance.run.seal import Seal
 Emit = Callable[[dict[str, Any]], None]
 
 # Errors after which the CUDA context is unusable: the process must end and a fresh one go on.
-_STICKY_CUDA_ERRORS = ("illegal memory access", "device-side assert", "unspecified launch failure", "misaligned address")
+_STICKY_CUDA_ERRORS = (
+    "illegal memory access",
+    "device-side assert",
+    "unspecified launch failure",
+    "misaligned address",
+)
 
 
 @dataclass
@@ -48,14 +54,22 @@ class Job:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "backend": self.backend, "device": self.device, "checks": self.checks, "cases": self.cases,
-            "options": self.options, "done": self.done,
+            "backend": self.backend,
+            "device": self.device,
+            "checks": self.checks,
+            "cases": self.cases,
+            "options": self.options,
+            "done": self.done,
         }
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> "Job":
         return Job(
-            data["backend"], data["device"], data["checks"], data["cases"], data.get("options", {}),
+            data["backend"],
+            data["device"],
+            data["checks"],
+            data["cases"],
+            data.get("options", {}),
             [tuple(d) for d in data.get("done", [])],
         )
 
@@ -92,9 +106,7 @@ def plan(job: Job, backend_cls, device: torch.device) -> Iterator[Planned]:
 
 def _error_result(case: Case, error: BaseException, verdict: Verdict) -> CaseResult:
     summary = f"{type(error).__name__}: {error}".strip().splitlines()[0][:400]
-    return CaseResult(
-        case.id, verdict, summary, tag=case.tag, evidence={"traceback": traceback.format_exc()[-4000:]}
-    )
+    return CaseResult(case.id, verdict, summary, tag=case.tag, evidence={"traceback": traceback.format_exc()[-4000:]})
 
 
 def _synchronize(device: torch.device) -> None:
@@ -124,10 +136,14 @@ def plan_event(items: list[Planned]) -> dict[str, Any]:
 def tampered(result: CaseResult, changes: list[str]) -> CaseResult:
     """The case's result when the harness's own state changed while it ran."""
     return CaseResult(
-        result.case, Verdict.ERROR,
+        result.case,
+        Verdict.ERROR,
         f"the backend changed the harness's state: {'; '.join(changes)} (put back; the case's own verdict was "
-        f"{result.verdict.value})", tag=result.tag, metrics=result.metrics,
-        evidence={**result.evidence, "harness_state_changed": changes}, seconds=result.seconds,
+        f"{result.verdict.value})",
+        tag=result.tag,
+        metrics=result.metrics,
+        evidence={**result.evidence, "harness_state_changed": changes},
+        seconds=result.seconds,
     )
 
 
@@ -157,8 +173,14 @@ def execute(job: Job, emit: Emit) -> bool:
                     _synchronize(device)  # an asynchronous kernel fault belongs to this case
             except Exception as error:  # noqa: BLE001 - a backend error is a result, not our crash
                 if any(marker in str(error) for marker in _STICKY_CUDA_ERRORS):
-                    emit({"event": "fatal", "check": check_name, "case": case.id,
-                          "result": _error_result(case, error, Verdict.CRASH).to_dict()})
+                    emit(
+                        {
+                            "event": "fatal",
+                            "check": check_name,
+                            "case": case.id,
+                            "result": _error_result(case, error, Verdict.CRASH).to_dict(),
+                        }
+                    )
                     return False
                 result = _error_result(case, error, Verdict.ERROR)
             result.seconds = round(time.perf_counter() - started, 3)

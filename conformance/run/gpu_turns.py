@@ -8,6 +8,7 @@ a big pool first takes the GPU's turn (an exclusive ``flock`` on a file named by
 which names one device whatever ``CUDA_VISIBLE_DEVICES`` each process has), and gives it back
 only after its memory is returned to the driver.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -8,6 +8,7 @@ A signal that arrives while the command is still importing torch (its first seco
 (``hold_signals``, the first thing the command does) and delivered when the command takes the
 signals over: a run then stops exactly as it would later on; any other command exits 128 + signal.
 """
+
 from __future__ import annotations
 
 import signal

@@ -15,6 +15,7 @@ The child runs in its own process group, which the parent kills whenever a child
 not (``reaper.py``: also the processes that left the group, and the groups of a run that died);
 on Linux the child also dies with the parent (``PR_SET_PDEATHSIG``).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -31,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from conformance.process_exit import describe_exit
+from conformance.results import CaseResult, Verdict
 from conformance.run.channel import TAMPERING, ChannelReader, new_key
 from conformance.run.execution import Emit, Job, execute
 from conformance.run.reaper import Reaper, exited
-from conformance.results import CaseResult, Verdict
 
 STDERR_TAIL_CHARS = 4000
 POLL_INTERVAL_S = 0.1
@@ -108,8 +109,11 @@ def not_run(job: Job, events: BackendEvents, verdict: Verdict, reason: str) -> l
             if (check, case["id"]) in events.results:
                 continue
             skip = skips.get(case["id"])
-            result = CaseResult(case["id"], Verdict.SKIP, skip, tag=case.get("tag", "")) if skip else \
-                CaseResult(case["id"], verdict, reason, tag=case.get("tag", ""))
+            result = (
+                CaseResult(case["id"], Verdict.SKIP, skip, tag=case.get("tag", ""))
+                if skip
+                else CaseResult(case["id"], verdict, reason, tag=case.get("tag", ""))
+            )
             out.append({"event": "result", "check": check, "result": result.to_dict()})
     return out
 
@@ -117,8 +121,12 @@ def not_run(job: Job, events: BackendEvents, verdict: Verdict, reason: str) -> l
 def _start_worker(job_path: Path, events_path: Path, log, key: bytes) -> subprocess.Popen:
     child = subprocess.Popen(
         [sys.executable, "-m", "conformance.run.worker", str(job_path), str(events_path)],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE, env=child_env(),
-        start_new_session=True, preexec_fn=DIE_WITH_PARENT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.PIPE,
+        env=child_env(),
+        start_new_session=True,
+        preexec_fn=DIE_WITH_PARENT,
     )
     try:
         child.stdin.write(key.hex().encode() + b"\n")
@@ -162,7 +170,9 @@ class _Recorder:
 
     def blame(self, item: tuple[str, str], reason: str, stderr_tail: str) -> None:
         check, case_id = item
-        result = CaseResult(case_id, Verdict.CRASH, reason, tag=self.tags[case_id], evidence={"stderr_tail": stderr_tail})
+        result = CaseResult(
+            case_id, Verdict.CRASH, reason, tag=self.tags[case_id], evidence={"stderr_tail": stderr_tail}
+        )
         self.record({"event": "result", "check": check, "result": result.to_dict()})
 
     def mark_remaining(self, verdict: Verdict, reason: str) -> None:
@@ -170,8 +180,17 @@ class _Recorder:
             self.record(event)
 
 
-def _run_child(job: Job, attempt: int, workdir: str, key: bytes, reaper: Reaper, recorder: _Recorder,
-               case_timeout_s: float, backend_timeout_s: float | None, deadline: float) -> ChildRun:
+def _run_child(
+    job: Job,
+    attempt: int,
+    workdir: str,
+    key: bytes,
+    reaper: Reaper,
+    recorder: _Recorder,
+    case_timeout_s: float,
+    backend_timeout_s: float | None,
+    deadline: float,
+) -> ChildRun:
     """One child over the cases not yet reported: started, its events read as they come, watched
     against both time limits, then it and its process group killed, however the watch ended."""
     recorder.job.done = list(recorder.events.results)
@@ -243,8 +262,9 @@ def run_isolated(
     try:
         with tempfile.TemporaryDirectory(prefix="conformance-") as workdir:
             for attempt in itertools.count():
-                run = _run_child(job, attempt, workdir, key, reaper, recorder, case_timeout_s, backend_timeout_s,
-                                 deadline)
+                run = _run_child(
+                    job, attempt, workdir, key, reaper, recorder, case_timeout_s, backend_timeout_s, deadline
+                )
                 if run.finished:
                     if recorder.forged:  # after the last case: charged to the last result reported
                         _charge_last(events, recorder.forged, on_event)
@@ -253,7 +273,9 @@ def run_isolated(
                 if not _blame_and_resume(run, recorder):
                     break
                 if crashes > max_crashes:
-                    recorder.mark_remaining(Verdict.ERROR, f"not run: the backend process crashed or hung {crashes} times")
+                    recorder.mark_remaining(
+                        Verdict.ERROR, f"not run: the backend process crashed or hung {crashes} times"
+                    )
                     break
     finally:
         reaper.close()
@@ -267,7 +289,9 @@ def _blame_and_resume(run: ChildRun, recorder: _Recorder) -> bool:
         if run.running:
             recorder.blame(run.running, f"hung: ran past {run.hung}; the process was killed", run.stderr_tail)
         if not run.running or run.past_deadline:
-            recorder.mark_remaining(Verdict.ERROR, f"not run: {run.hung} reached" + ("" if run.running else " outside any case"))
+            recorder.mark_remaining(
+                Verdict.ERROR, f"not run: {run.hung} reached" + ("" if run.running else " outside any case")
+            )
             return False
         return True
     how = describe_exit(run.returncode)
@@ -277,7 +301,9 @@ def _blame_and_resume(run: ChildRun, recorder: _Recorder) -> bool:
         recorder.blame(run.running, f"backend process {how} while running this case", run.stderr_tail)
     elif not run.fatal_reported:
         # Died outside any case (an import error, a crash at start-up): nothing to resume.
-        recorder.mark_remaining(Verdict.CRASH, f"backend process {how} outside any case: {run.stderr_tail.strip()[-300:]}")
+        recorder.mark_remaining(
+            Verdict.CRASH, f"backend process {how} outside any case: {run.stderr_tail.strip()[-300:]}"
+        )
         return False
     return True
 
@@ -286,12 +312,17 @@ def _charged_with_tampering(event: dict[str, Any], forged: list[str]) -> dict[st
     """A result event turned ERROR because the channel carried lines the harness did not write
     while its case ran."""
     result = CaseResult.from_dict(event["result"])
-    result = CaseResult(result.case, Verdict.ERROR,
-                        f"the events channel was tampered with while this case ran: {forged[0]}"
-                        + (f" (and {len(forged) - 1} more)" if len(forged) > 1 else "")
-                        + f"; the case's own verdict was {result.verdict.value}",
-                        tag=result.tag, metrics=result.metrics,
-                        evidence={**result.evidence, "channel_tampering": list(forged)}, seconds=result.seconds)
+    result = CaseResult(
+        result.case,
+        Verdict.ERROR,
+        f"the events channel was tampered with while this case ran: {forged[0]}"
+        + (f" (and {len(forged) - 1} more)" if len(forged) > 1 else "")
+        + f"; the case's own verdict was {result.verdict.value}",
+        tag=result.tag,
+        metrics=result.metrics,
+        evidence={**result.evidence, "channel_tampering": list(forged)},
+        seconds=result.seconds,
+    )
     return {**event, "result": result.to_dict()}
 
 

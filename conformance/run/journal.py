@@ -1,6 +1,7 @@
 """The run's journal: each finished case as one JSON line beside the results file, written as the
 run goes, so that a run killed outright (SIGKILL, a lost machine) still leaves what finished.
 Removed once the results file is written (or the partial one, on SIGINT/SIGTERM)."""
+
 from __future__ import annotations
 
 import json

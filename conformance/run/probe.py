@@ -6,6 +6,7 @@ The child (``python -m conformance.run.probe DEVICE``, the backends as JSON line
 input) prints one JSON line as it starts each backend and one with the answer; if it dies or
 hangs, the backend it was on is blamed and a fresh child goes on with the rest.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.registry import BackendLookupError, BackendRef
-from conformance.results import Verdict
 from conformance.process_exit import describe_exit
+from conformance.results import Verdict
 from conformance.run.isolation import DIE_WITH_PARENT, child_env
 
 
@@ -83,8 +84,13 @@ def probe_in_process(refs: list[BackendRef], device_text: str) -> dict[str, Prob
 
 
 def _probe_from(ref: BackendRef, data: dict[str, Any]) -> Probe:
-    return Probe(ref, claims=data.get("claims") or {}, unavailable=data.get("unavailable"), failure=data.get("failure"),
-                 mistyped=bool(data.get("mistyped")))
+    return Probe(
+        ref,
+        claims=data.get("claims") or {},
+        unavailable=data.get("unavailable"),
+        failure=data.get("failure"),
+        mistyped=bool(data.get("mistyped")),
+    )
 
 
 def probe_backends(refs: list[BackendRef], device_text: str, timeout_s: float) -> dict[str, Probe]:
@@ -94,9 +100,16 @@ def probe_backends(refs: list[BackendRef], device_text: str, timeout_s: float) -
     pending = list(refs)
     while pending:
         stderr_file = tempfile.TemporaryFile("w+")  # a file, not a pipe: an import that prints a lot cannot block
-        child = subprocess.Popen([sys.executable, "-m", "conformance.run.probe", device_text], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=stderr_file, text=True, env=child_env(),
-                                 start_new_session=True, preexec_fn=DIE_WITH_PARENT)
+        child = subprocess.Popen(
+            [sys.executable, "-m", "conformance.run.probe", device_text],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr_file,
+            text=True,
+            env=child_env(),
+            start_new_session=True,
+            preexec_fn=DIE_WITH_PARENT,
+        )
         try:
             child.stdin.write("".join(json.dumps(ref.__dict__) + "\n" for ref in pending))
             child.stdin.close()
@@ -138,9 +151,12 @@ def probe_backends(refs: list[BackendRef], device_text: str, timeout_s: float) -
                 why = f"importing it ran past the time limit of {timeout_s:g} s (--timeout)"
             else:
                 how = describe_exit(child.returncode)
-                why = f"the process importing it {'was ' * how.startswith('killed')}{how}" + (f": {stderr[-1][:300]}" if stderr else "")
-            probes[blamed.name] = Probe(blamed, failure=f"cannot load backend {blamed.name!r}: {why}",
-                                        failure_verdict=Verdict.CRASH)
+                why = f"the process importing it {'was ' * how.startswith('killed')}{how}" + (
+                    f": {stderr[-1][:300]}" if stderr else ""
+                )
+            probes[blamed.name] = Probe(
+                blamed, failure=f"cannot load backend {blamed.name!r}: {why}", failure_verdict=Verdict.CRASH
+            )
             pending.remove(blamed)
         stderr_file.close()
     return probes

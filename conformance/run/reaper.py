@@ -13,6 +13,7 @@
 "As far as Linux allows": a process that left the group after the run itself was killed is out
 of reach.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -83,9 +84,14 @@ class Reaper:
         self.prctl = _prctl()
         if self.prctl is not None:
             self.prctl(PR_SET_CHILD_SUBREAPER, 1)
-        self.sentinel = subprocess.Popen([sys.executable, "-I", "-S", "-c", _SENTINEL], stdin=subprocess.PIPE,
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
-                                         start_new_session=True)  # out of reach of a Ctrl-C to the run's group
+        self.sentinel = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _SENTINEL],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )  # out of reach of a Ctrl-C to the run's group
         self.before = children()  # the run's own children (the sentinel among them): never swept
 
     def _tell(self, line: str) -> None:

@@ -4,6 +4,7 @@ running process writes would overwrite the other's results, or truncate its jour
 The lock is ``RESULTS.lock`` beside the results, held with ``flock`` for the whole run (the kernel
 drops it when the process dies, however it dies) and holding the owner's pid for the message.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -28,8 +29,10 @@ class ResultsLock:
             except BlockingIOError:
                 owner = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
                 os.close(fd)
-                raise ResultsInUse(f"{self.path.with_suffix('')} is being written by another conformance run "
-                                   f"(pid {owner}); wait for it or give another --json/--out") from None
+                raise ResultsInUse(
+                    f"{self.path.with_suffix('')} is being written by another conformance run "
+                    f"(pid {owner}); wait for it or give another --json/--out"
+                ) from None
             # The file may have been removed by its last owner between our open and our lock: a
             # lock on a removed file guards nothing, so try again on the one now at the path.
             try:

@@ -1,4 +1,5 @@
 """A run: every requested backend through every requested check, each backend isolated."""
+
 from __future__ import annotations
 
 import time
@@ -10,12 +11,12 @@ import torch
 from backends import registry
 from conformance.cases.grammar import Case
 from conformance.checks import make_check
+from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
 from conformance.run.environment import collect_environment
 from conformance.run.execution import Job
 from conformance.run.interrupts import Interrupted
 from conformance.run.isolation import BackendEvents, run_in_process, run_isolated
 from conformance.run.probe import Probe, probe_backends, probe_in_process
-from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
 
 
 @dataclass
@@ -42,8 +43,9 @@ class Progress:
     def backend_finished(self, result: BackendResult) -> None: ...
 
 
-def _assemble(checks: list[str], cases: list[Case], events: BackendEvents, options: dict[str, Any],
-              not_run: str) -> list[CheckResult]:
+def _assemble(
+    checks: list[str], cases: list[Case], events: BackendEvents, options: dict[str, Any], not_run: str
+) -> list[CheckResult]:
     """Each check's result from what the children reported. A case no child reported keeps the
     SKIP the plan gave it on this device, or else is ERROR ``not_run``: never silently absent, and a
     check with nothing reported did not run (never "SKIP no cases")."""
@@ -87,8 +89,11 @@ def run_backend(name: str, probe: Probe, options: RunOptions, progress: Progress
         progress.backend_finished(result)
         return result
     job = Job(
-        backend=ref.target, device=str(options.device), checks=list(options.checks),
-        cases=[{"id": case.id, "tag": case.tag} for case in options.cases], options=options.check_options,
+        backend=ref.target,
+        device=str(options.device),
+        checks=list(options.checks),
+        cases=[{"id": case.id, "tag": case.tag} for case in options.cases],
+        options=options.check_options,
     )
     progress.backend_started(name, len(options.checks), len(options.cases))
     started = time.monotonic()
@@ -97,17 +102,28 @@ def run_backend(name: str, probe: Probe, options: RunOptions, progress: Progress
         progress.event(name, event)
 
     def finished(events: BackendEvents, not_run: str) -> BackendResult:
-        return BackendResult(name, True, "", ref.origin, claims,
-                             _assemble(options.checks, options.cases, events, options.check_options, not_run),
-                             wall_s=time.monotonic() - started)
+        return BackendResult(
+            name,
+            True,
+            "",
+            ref.origin,
+            claims,
+            _assemble(options.checks, options.cases, events, options.check_options, not_run),
+            wall_s=time.monotonic() - started,
+        )
 
     events = BackendEvents()
     try:
         if options.in_process:
             run_in_process(job, on_event, events=events)
         else:
-            run_isolated(job, on_event, case_timeout_s=options.case_timeout_s,
-                         backend_timeout_s=options.backend_timeout_s, events=events)
+            run_isolated(
+                job,
+                on_event,
+                case_timeout_s=options.case_timeout_s,
+                backend_timeout_s=options.backend_timeout_s,
+                events=events,
+            )
     except Interrupted as interrupted:
         interrupted.partial = finished(events, interrupted.not_run)  # what this backend finished; the rest is "not run"
         raise
@@ -149,10 +165,11 @@ def run(options: RunOptions, progress: Progress | None = None) -> RunResult:
             backends.append(run_backend(name, probes[name], options, progress))
     except Interrupted as interrupted:
         backends += [interrupted.partial] if interrupted.partial is not None else []
-        for name in options.backends[len(backends):]:
+        for name in options.backends[len(backends) :]:
             backends.append(_not_started(name, probes[name], options, interrupted.not_run))
-        interrupted.partial = RunResult(collect_environment(options.device), backends, options.suite,
-                                        list(options.checks), interrupted=True)
+        interrupted.partial = RunResult(
+            collect_environment(options.device), backends, options.suite, list(options.checks), interrupted=True
+        )
         raise
     annotate_bench_ratios(backends)
     return RunResult(collect_environment(options.device), backends, options.suite, list(options.checks))
@@ -160,8 +177,26 @@ def run(options: RunOptions, progress: Progress | None = None) -> RunResult:
 
 def _not_started(name: str, probe: Probe, options: RunOptions, not_run: str) -> BackendResult:
     if probe.failure or probe.unavailable:
-        return _failed_to_load(name, probe, options) if probe.failure else BackendResult(
-            name, False, probe.unavailable or "", probe.ref.origin, probe.claims,
-            [CheckResult(check, Verdict.SKIP, f"backend unavailable: {probe.unavailable}") for check in options.checks])
-    return BackendResult(name, True, "", probe.ref.origin, probe.claims,
-                         [CheckResult(check, Verdict.ERROR, not_run) for check in options.checks])
+        return (
+            _failed_to_load(name, probe, options)
+            if probe.failure
+            else BackendResult(
+                name,
+                False,
+                probe.unavailable or "",
+                probe.ref.origin,
+                probe.claims,
+                [
+                    CheckResult(check, Verdict.SKIP, f"backend unavailable: {probe.unavailable}")
+                    for check in options.checks
+                ],
+            )
+        )
+    return BackendResult(
+        name,
+        True,
+        "",
+        probe.ref.origin,
+        probe.claims,
+        [CheckResult(check, Verdict.ERROR, not_run) for check in options.checks],
+    )

@@ -9,6 +9,7 @@ and closure, each class's own attributes, and the value of plain data (numbers, 
 containers of them: the comparison tolerances, the oracle's constants); and the torch settings
 that change what the harness computes. Objects of other types are sealed by identity.
 """
+
 from __future__ import annotations
 
 import copy
@@ -98,8 +99,15 @@ def _attribute_entries(owner: Any, name: str, where: str) -> list[_Entry]:
     if isinstance(function, types.FunctionType):
         for part in ("__code__", "__defaults__", "__kwdefaults__"):
             original = getattr(function, part)
-            entries.append(_Entry(f"{where}.{part}", lambda f=function, p=part: ("id", id(getattr(f, p))),
-                                  ("id", id(original)), lambda f=function, p=part, o=original: setattr(f, p, o), keep=original))
+            entries.append(
+                _Entry(
+                    f"{where}.{part}",
+                    lambda f=function, p=part: ("id", id(getattr(f, p))),
+                    ("id", id(original)),
+                    lambda f=function, p=part, o=original: setattr(f, p, o),
+                    keep=original,
+                )
+            )
     return entries
 
 
@@ -120,8 +128,14 @@ class Seal:
         seal = Seal()
         for name, (get, set_) in _torch_settings().items():
             original = get()
-            seal.entries.append(_Entry(name, lambda get=get: _fingerprint(get()), _fingerprint(original),
-                                       lambda set_=set_, original=original: set_(original)))
+            seal.entries.append(
+                _Entry(
+                    name,
+                    lambda get=get: _fingerprint(get()),
+                    _fingerprint(original),
+                    lambda set_=set_, original=original: set_(original),
+                )
+            )
         seal._add_new_modules()
         return seal
 
@@ -158,8 +172,10 @@ class Seal:
                     where += f" (could not be put back: {type(error).__name__})"
                 shared = type(entry.keep) in _CONTAINERS or not _is_plain(entry.keep)  # small ints are shared by chance
                 changed.setdefault(id(entry.keep) if shared else id(entry), []).append(where)
-        lines = [names[0] + (f" (and {len(names) - 1} other name(s) for it)" if len(names) > 1 else "")
-                 for names in changed.values()]
+        lines = [
+            names[0] + (f" (and {len(names) - 1} other name(s) for it)" if len(names) > 1 else "")
+            for names in changed.values()
+        ]
         lines += self._added_class_attributes()
         self._add_new_modules()
         return lines

@@ -8,6 +8,7 @@ last event is ``done``: an exit without it (status 0 included: a backend that ca
 is a crash of the case that was running.
 Exit status 0: finished; 70: stopped on a fatal CUDA error (the parent starts a fresh child).
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -5,6 +5,7 @@ The two files are ``template_backend.py`` and ``template_test.py`` beside this o
 template's names replaced (module ``NAME``, classes ``<Name>Backend`` / ``<Name>Metadata``):
 the templates are real modules, run by the project's own tests, so the skeleton cannot rot.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -24,9 +25,14 @@ def camel(name: str) -> str:
 
 def render(template: str, name: str) -> str:
     title = camel(name)
-    for old, new in (("template_backend", name), ("TemplateBackend", f"{title}Backend"),
-                     ("TemplateMetadata", f"{title}Metadata"), ('"template"', f'"{name}"'),
-                     ("``template``", f"``{name}``"), ("new-backend template", f"new-backend {name}")):
+    for old, new in (
+        ("template_backend", name),
+        ("TemplateBackend", f"{title}Backend"),
+        ("TemplateMetadata", f"{title}Metadata"),
+        ('"template"', f'"{name}"'),
+        ("``template``", f"``{name}``"),
+        ("new-backend template", f"new-backend {name}"),
+    ):
         template = template.replace(old, new)
     return template
 

@@ -11,6 +11,7 @@ Every claim in ``capabilities`` is verified by a check: claim only what passes. 
 (slot numbering, block 0 reserved, padding rows with slot -1, the MLA shapes) is in
 ``backends/base.py``'s module docstring.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,7 +37,8 @@ class TemplateBackend(AttentionBackend):
         kinds=frozenset({"mha"}),  # add "mla" once forward handles the absorbed latent cache
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         max_query_len=None,  # None: prefill too; 1: decode only; k: spec-verify up to k
-        sliding_window=True, logits_soft_cap=True,
+        sliding_window=True,
+        logits_soft_cap=True,
         cuda_graphs=CGSupport.NEVER,  # forward reads host lengths: nothing here can be captured
         needs_cpu_seq_lens=True,  # build reads seq_lens on the host: a sync when the engine lacks them
         devices=frozenset({"cpu", "cuda"}),
@@ -72,7 +74,9 @@ class TemplateBackend(AttentionBackend):
             if end == start:
                 continue
             slots = self.slots(metadata.block_table[request], seq_len)
-            out[start:end] = self.attend(query[start:end], keys[slots], values[slots], seq_len - (end - start)).to(out.dtype)
+            out[start:end] = self.attend(query[start:end], keys[slots], values[slots], seq_len - (end - start)).to(
+                out.dtype
+            )
 
     def slots(self, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
         """The slots of a request's first ``seq_len`` positions, in order."""

@@ -1,13 +1,14 @@
 """Shared by the tiling sweeps (tune_triton, tune_triton_mla): one shape prepared once on the
 GPU for the vendor and for ours, forwards timed as ``conformance bench`` times them (CUDA events,
 L2 flushed, median)."""
+
 from __future__ import annotations
 
 import torch
 
 from backends import registry
-from conformance.checks.bench import _l2_flusher, time_gpu, traffic
 from conformance.cases.grammar import parse_case
+from conformance.checks.bench import _l2_flusher, time_gpu, traffic
 from conformance.harness.step import poisoned_output, prepare_case
 
 
@@ -58,5 +59,7 @@ class Sweep:
             return f"{self.name:24s} {setting}: {type(error).__name__}: {str(error)[:80]}"
         rows = timed.case.num_tokens  # the rows after them are padding, left poisoned
         drift = float((timed.out[:rows].float() - self.reference[:rows]).abs().max())
-        return (f"{self.name:24s} {setting}: {micros:8.1f} µs {timed.gigabytes_per_second(micros):6.0f} GB/s "
-                f"x{micros / self.vendor_micros:5.2f} of vendor maxdiff {drift:.2e}")
+        return (
+            f"{self.name:24s} {setting}: {micros:8.1f} µs {timed.gigabytes_per_second(micros):6.0f} GB/s "
+            f"x{micros / self.vendor_micros:5.2f} of vendor maxdiff {drift:.2e}"
+        )

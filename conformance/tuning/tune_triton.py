@@ -5,13 +5,14 @@ For each decode / spec-verify shape of the issue's table: FlashInfer's time, the
 (warps, stages, BLOCK_N) at the default split target, then every split target (programs wanted
 per SM) at the best of those (``--splits-only``: at the backend's own launch). Prints forward µs
 (CUDA events, L2 flushed) and the ratio to FlashInfer in the same run."""
+
 import itertools
 import sys
 
 import torch
 
 from backends.triton import backend as triton_backend
-from conformance.tuning.timed_case import TimedCase, Sweep
+from conformance.tuning.timed_case import Sweep, TimedCase
 
 CASES = {
     "decode b64 ctx4096": "gqa-h32/8-d128-bf16-p16:4096+1x64",
@@ -34,7 +35,8 @@ def set_launch(timed: TimedCase, warps: int, stages: int, block_n: int, programs
     triton_backend.DECODE_NUM_WARPS, triton_backend.DECODE_NUM_STAGES = warps, stages
     timed.backend.decode_block_n = block_n
     triton_backend.DECODE_PROGRAMS_PER_MULTIPROCESSOR = (
-        OWN_PROGRAMS_PER_SM if programs_per_sm is None else dict.fromkeys(OWN_PROGRAMS_PER_SM, programs_per_sm))
+        OWN_PROGRAMS_PER_SM if programs_per_sm is None else dict.fromkeys(OWN_PROGRAMS_PER_SM, programs_per_sm)
+    )
 
 
 def main(arguments: list[str]) -> None:
@@ -55,10 +57,16 @@ def main(arguments: list[str]) -> None:
         metadata = sweep.timed.metadata
         for per_sm in PROGRAMS_PER_SM:
             set_launch(sweep.timed, *best, per_sm)
-            splits = sweep.timed.backend.splits_for(metadata.num_reqs, metadata.decode_q, sweep.timed.backend.spec.num_kv_heads, per_sm)
-            print(sweep.line(f"warps={best[0]} stages={best[1]} block_n={best[2]:3d} per_sm={per_sm:2d} splits={splits}"), flush=True)
+            splits = sweep.timed.backend.splits_for(
+                metadata.num_reqs, metadata.decode_q, sweep.timed.backend.spec.num_kv_heads, per_sm
+            )
+            print(
+                sweep.line(f"warps={best[0]} stages={best[1]} block_n={best[2]:3d} per_sm={per_sm:2d} splits={splits}"),
+                flush=True,
+            )
         del sweep
         torch.cuda.empty_cache()
+
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -4,6 +4,7 @@ For each MLA (512 + 64) decode / spec-verify shape: FlashMLA's time, then ours f
 reading a tile (masked loads per page, or TMA where the tile allows it), tiling (rows per program,
 BLOCK_N, warps, stages) and split target (programs wanted per SM). Prints forward µs (CUDA events,
 L2 flushed) and the ratio to FlashMLA in the same run."""
+
 import sys
 
 import torch
@@ -19,7 +20,13 @@ CASES = {
     "h16 decode b64 ctx4096": "mla-h16-d512+64-bf16-p64:4096+1x64",
     "h16 verify q4 b64 ctx4096": "mla-h16-d512+64-bf16-p64:4096+4x64",
 }
-TILINGS = [(64, 64, 8, 2), (64, 64, 8, 3), (64, 32, 8, 4), (32, 64, 8, 2), (32, 64, 4, 2)]  # rows, BLOCK_N, warps, stages
+TILINGS = [
+    (64, 64, 8, 2),
+    (64, 64, 8, 3),
+    (64, 32, 8, 4),
+    (32, 64, 8, 2),
+    (32, 64, 4, 2),
+]  # rows, BLOCK_N, warps, stages
 PROGRAMS_PER_SM = (1, 2, 4)
 READS = {"page": mla_backend.PAGE, "tma": mla_backend.TMA}
 
@@ -39,12 +46,20 @@ def main(names: list[str]) -> None:
             if READS[read] == mla_backend.TMA and tiles.block_m < mla_backend.TMA_MIN_ROWS:
                 continue
             mla_backend.tile_read = lambda *args, chosen=READS[read]: chosen
-            splits = sweep.timed.backend.splits_for(metadata.num_reqs, metadata.decode_q, heads // tiles.heads_per_program, per_sm)
-            print(sweep.line(f"{read:4s} rows={rows:3d} block_n={block_n:3d} warps={warps} stages={stages} per_sm={per_sm} "
-                             f"splits={splits:2d}"), flush=True)
+            splits = sweep.timed.backend.splits_for(
+                metadata.num_reqs, metadata.decode_q, heads // tiles.heads_per_program, per_sm
+            )
+            print(
+                sweep.line(
+                    f"{read:4s} rows={rows:3d} block_n={block_n:3d} warps={warps} stages={stages} per_sm={per_sm} "
+                    f"splits={splits:2d}"
+                ),
+                flush=True,
+            )
         mla_backend.tile_read = shipped_tile_read
         del sweep
         torch.cuda.empty_cache()
+
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -10,6 +10,7 @@ that claims ``draft_step_update`` advances its metadata between them with
 on the host before each step, one step's graph replayed k times, the step index in a device
 scalar.
 """
+
 from __future__ import annotations
 
 from abc import abstractmethod
@@ -77,10 +78,13 @@ class AttentionDrafter(Drafter):
         self.draft_step.zero_()
 
         def prepare(index: int) -> StepTensors:
-            return prepare_step_inputs(step.starts, state.last_token, state.drafts, step.layout, index, block_size, step.tensors)
+            return prepare_step_inputs(
+                step.starts, state.last_token, state.drafts, step.layout, index, block_size, step.tensors
+            )
 
         prepare(0)
         if engine.draft_steps_update_metadata:
+
             def loop(metadata) -> None:
                 for index in range(step.num_steps):
                     if index:
@@ -107,10 +111,14 @@ class AttentionDrafter(Drafter):
             greedy = temperature == 0
             probabilities = torch.softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
             counter = engine.state.num_output[slots].long() + self.draft_step
-            sampled = gumbel_argmax(probabilities, counter_uniform(sampling.seed[slots], counter, DRAFT_LANE, (logits.shape[-1],)))
+            sampled = gumbel_argmax(
+                probabilities, counter_uniform(sampling.seed[slots], counter, DRAFT_LANE, (logits.shape[-1],))
+            )
             tokens = torch.where(greedy, tokens, sampled)
             one_hot = certain(tokens, logits.shape[-1])
-            sampling.draft_probabilities.index_put_((slots, column), torch.where(greedy[:, None], one_hot, probabilities))
+            sampling.draft_probabilities.index_put_(
+                (slots, column), torch.where(greedy[:, None], one_hot, probabilities)
+            )
         engine.state.drafts.index_put_((slots, column), tokens)
         self.draft_step.add_(1)
 

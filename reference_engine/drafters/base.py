@@ -16,6 +16,7 @@ slot on the device. The loops call only the methods below and never ask which dr
 Drafts never change a greedy run's tokens, only how many of them are accepted; with a
 temperature, rejection sampling reads the distributions they were drawn from.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

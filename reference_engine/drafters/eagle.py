@@ -8,6 +8,7 @@ catches up over the positions it made valid (a prefill chunk; a decode row's inp
 drafts), and carries the target's feature at the last of them into the next draft: per request on
 the host, per slot on the device.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,8 +49,12 @@ class EagleDrafter(AttentionDrafter):
 
     def host_forward(self, rows: list[HostRow]) -> tuple[torch.Tensor, torch.Tensor]:
         features = torch.stack([feature for _, _, feature, _ in rows])
-        predicted, _ = self.engine.forward_rows([(request, token, position) for request, token, _, position in rows],
-                                                [self.cache], self.scales, self._head(features))
+        predicted, _ = self.engine.forward_rows(
+            [(request, token, position) for request, token, _, position in rows],
+            [self.cache],
+            self.scales,
+            self._head(features),
+        )
         return self.engine.model.logits(predicted), predicted
 
     def after_target(self, computed: list[Computed]) -> None:
@@ -60,8 +65,12 @@ class EagleDrafter(AttentionDrafter):
                 previous = torch.zeros_like(hidden[0])
             features.append(torch.cat([previous[None], hidden[:-1]]))
             self.last_features[request.request_id] = hidden[-1]
-        self.engine.forward_rows([(request, ids, start) for request, ids, start, _ in computed], [self.cache], self.scales,
-                                 self._head(torch.cat(features)))
+        self.engine.forward_rows(
+            [(request, ids, start) for request, ids, start, _ in computed],
+            [self.cache],
+            self.scales,
+            self._head(torch.cat(features)),
+        )
 
     # --- the batched loop --------------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ weights. Its KV for those layers is the target's own (the same inputs give the s
 values), so it drafts through the attention backend into the target's cache; the verify pass
 rewrites those slots with identical values.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,12 @@ class LayerSkipDrafter(AttentionDrafter):
 
     def host_forward(self, rows: list[HostRow]) -> tuple[torch.Tensor, list[None]]:
         engine = self.engine
-        hidden, _ = engine.forward_rows([(request, token, position) for request, token, _, position in rows],
-                                        engine.kv_caches, engine.kv_scales, self._first_layers)
+        hidden, _ = engine.forward_rows(
+            [(request, token, position) for request, token, _, position in rows],
+            engine.kv_caches,
+            engine.kv_scales,
+            self._first_layers,
+        )
         return engine.model.logits(hidden), [None] * len(rows)
 
     def device_forward(self, metadata, tensors: StepTensors, slots: torch.Tensor) -> torch.Tensor:

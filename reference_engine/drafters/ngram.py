@@ -6,6 +6,7 @@ The per-request loop applies the rule as written (``ngram_drafts``) to the reque
 host; the batched loop keeps each slot's tokens on the device, appends what every step commits,
 and looks up all rows at once (``ngram_drafts_on_device``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -73,7 +74,9 @@ class NgramDrafter(Drafter):
     def propose(self, requests: list[tuple[Request, int]]) -> list[Proposal]:
         results = []
         for request, num_drafts in requests:
-            tensor = torch.tensor(ngram_drafts(request.tokens, num_drafts, self.max_n), dtype=torch.long, device=self.engine.device)
+            tensor = torch.tensor(
+                ngram_drafts(request.tokens, num_drafts, self.max_n), dtype=torch.long, device=self.engine.device
+            )
             results.append((tensor, certain(tensor, self.engine.config.model.vocab_size)))
         return results
 

@@ -1,4 +1,5 @@
 """No drafter (``none``): plain decoding, k = 0. Every decoding request gets no drafts."""
+
 from __future__ import annotations
 
 from reference_engine.drafters.base import Drafter, DraftStep, Proposal, no_drafts

@@ -1,6 +1,7 @@
 """The drafters a configuration can name, by the spec's name (what precedes its first colon: the
 class's ``name``); the class's ``parse`` reads the rest. A new drafter is its module and one entry
 here."""
+
 from __future__ import annotations
 
 from reference_engine.drafters.base import Drafter
@@ -11,7 +12,8 @@ from reference_engine.drafters.none import NoDrafter
 from reference_engine.drafters.scripted import ScriptedDrafter
 
 DRAFTERS: dict[str, type[Drafter]] = {
-    drafter.name: drafter for drafter in (
+    drafter.name: drafter
+    for drafter in (
         NoDrafter,
         EagleDrafter,
         ScriptedDrafter,

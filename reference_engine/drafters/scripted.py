@@ -4,6 +4,7 @@ engine without speculation — with a chosen acceptance pattern: ``all``, ``none
 the right token + 1. For tests and controlled benchmarks; it needs no attention, and it scripts
 greedy runs only.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -103,8 +104,9 @@ class ScriptedDrafter(Drafter):
 
     def begin_slots(self, prompts: list[list[int]], params_list: list[SamplingParams]) -> None:
         script = reference_outputs(self.engine, prompts, params_list)
-        self.script_by_request = request_rows([tokens for _, tokens in sorted(script.items())], self.script_by_slot.shape[1],
-                                              self.engine.device)
+        self.script_by_request = request_rows(
+            [tokens for _, tokens in sorted(script.items())], self.script_by_slot.shape[1], self.engine.device
+        )
 
     def enter_slot(self, request: Request, slot: int) -> None:
         self.script_by_slot[slot] = self.script_by_request[request.request_id]

@@ -1,4 +1,5 @@
 """Fakes of the vendor libraries, for the adapters' CPU tests."""
+
 import sys
 import types
 
@@ -24,8 +25,12 @@ class FakeWrapper:
 
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
-    fake = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=FakeWrapper, BatchPrefillWithPagedKVCacheWrapper=FakeWrapper)
-    mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=FakeWrapper, MLAPlanMetadata=types.SimpleNamespace(csr=lambda *t: t))
+    fake = types.SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=FakeWrapper, BatchPrefillWithPagedKVCacheWrapper=FakeWrapper
+    )
+    mla = types.SimpleNamespace(
+        BatchMLAPagedAttentionWrapper=FakeWrapper, MLAPlanMetadata=types.SimpleNamespace(csr=lambda *t: t)
+    )
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     monkeypatch.setitem(sys.modules, "flashinfer.mla", mla)
     monkeypatch.setattr(flashinfer_adapters, "WORKSPACE_BYTES", 64)

@@ -3,8 +3,8 @@ import torch
 
 from backends.base import AttentionSpec, Capabilities, CGSupport, DeviceInfo
 from backends.torch_naive import TorchNaiveBackend
-from conformance.harness.batch import materialize
 from conformance.cases.grammar import parse_case
+from conformance.harness.batch import materialize
 from conformance.harness.step import prepare_case, run_step
 from tests.planted.defects import NeedsBlackwell, NeedsMissingPackage
 
@@ -16,15 +16,21 @@ def test_spec_validation():
     with pytest.raises(ValueError):
         AttentionSpec(kind="gqa", num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16)
     with pytest.raises(ValueError):
-        AttentionSpec(kind="mla", num_heads=8, num_kv_heads=1, head_dim=100, dtype=torch.float16, kv_lora_rank=64, rope_dim=16)
+        AttentionSpec(
+            kind="mla", num_heads=8, num_kv_heads=1, head_dim=100, dtype=torch.float16, kv_lora_rank=64, rope_dim=16
+        )
     spec = AttentionSpec(kind="mha", num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16)
     assert spec.softmax_scale == pytest.approx(0.125) and spec.query_group_size == 4
 
 
 def test_unsupported_reason_names_what_is_missing():
     capabilities = Capabilities(
-        kinds=frozenset({"mha"}), dtypes=frozenset({torch.bfloat16}), head_dims=frozenset({128}),
-        block_sizes=frozenset({16}), max_query_len=8, devices=frozenset({"cuda"}),
+        kinds=frozenset({"mha"}),
+        dtypes=frozenset({torch.bfloat16}),
+        head_dims=frozenset({128}),
+        block_sizes=frozenset({16}),
+        max_query_len=8,
+        devices=frozenset({"cuda"}),
         compute_capabilities=frozenset({(9, 0)}),
     )
     spec = parse_case("gqa-h32/8-d128-bf16-p16:1+1").spec
@@ -35,7 +41,9 @@ def test_unsupported_reason_names_what_is_missing():
     assert "MLA" in capabilities.unsupported_reason(parse_case("mla:1+1").spec, H100)
     assert "sliding window" in capabilities.unsupported_reason(parse_case("gqa-w8:1+1").spec, H100)
     assert "not cpu" in capabilities.unsupported_reason(spec, DeviceInfo("cpu"))
-    assert capabilities.unsupported_reason(spec, B200) == "needs compute capability SM90; this GPU (NVIDIA B200) is SM100"
+    assert (
+        capabilities.unsupported_reason(spec, B200) == "needs compute capability SM90; this GPU (NVIDIA B200) is SM100"
+    )
     assert capabilities.query_len_reason(9) and capabilities.query_len_reason(8) is None
 
 
@@ -106,14 +114,20 @@ def test_common_metadata_from_lengths_derives_the_host_values():
 
     from backends.base import CommonAttentionMetadata
 
-    device = dict(query_start_loc=torch.tensor([0, 1, 5, 6]), seq_lens=torch.tensor([9, 20, 3]),
-                  block_table=torch.zeros(3, 2, dtype=torch.int32), slot_mapping=torch.arange(6))
+    device = dict(
+        query_start_loc=torch.tensor([0, 1, 5, 6]),
+        seq_lens=torch.tensor([9, 20, 3]),
+        block_table=torch.zeros(3, 2, dtype=torch.int32),
+        slot_mapping=torch.arange(6),
+    )
     exact = CommonAttentionMetadata.from_lengths(**device, query_starts=[0, 1, 5, 6], host_seq_lens=[9, 20, 3])
     assert (exact.num_reqs, exact.num_actual_tokens, exact.max_query_len, exact.max_seq_len) == (3, 6, 4, 20)
     assert exact.query_start_loc_cpu.tolist() == [0, 1, 5, 6] and exact.host_seq_lens.tolist() == [9, 20, 3]
-    bound = CommonAttentionMetadata.from_lengths(**device, query_starts=[0, 1, 5, 6], host_seq_lens=[12, 23, 3],
-                                                 lengths_known=False)
+    bound = CommonAttentionMetadata.from_lengths(
+        **device, query_starts=[0, 1, 5, 6], host_seq_lens=[12, 23, 3], lengths_known=False
+    )
     assert bound.host_seq_lens is None and bound.max_seq_len == 23  # async: an upper bound only
-    graph = CommonAttentionMetadata.from_lengths(**device, query_starts=[0, 1, 5, 6], host_seq_lens=[9, 20, 3],
-                                                 max_seq_len=4096)
+    graph = CommonAttentionMetadata.from_lengths(
+        **device, query_starts=[0, 1, 5, 6], host_seq_lens=[9, 20, 3], max_seq_len=4096
+    )
     assert graph.max_seq_len == 4096

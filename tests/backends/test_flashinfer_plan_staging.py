@@ -1,6 +1,7 @@
 """``plan_staging``: a plan made while the last step is queued must not overwrite that step's
 page-locked schedule before its copy has run. A stand-in wrapper does what FlashInfer's ``plan``
 does (fill the page-locked buffer, ``cudaMemcpyAsync`` it to the device on the current stream)."""
+
 import pytest
 import torch
 

@@ -1,13 +1,14 @@
 """FlashInfer's adapter for a layer with a value head dim of its own (MLA prefill's, qk 192 /
 v 128) and for the log-sum-exp, its library faked; the kernels run in the GPU tests."""
+
 import math
 
 import torch
 
 from backends.base import BackendLimits
 from backends.flashinfer.gqa import FlashInferBackend
-from conformance.harness.batch import materialize
 from conformance.cases.grammar import parse_case
+from conformance.harness.batch import materialize
 from tests.backends.conftest import FakeWrapper
 
 
@@ -41,7 +42,9 @@ def test_flashinfer_runs_a_value_head_dim_of_its_own_through_fa2_with_its_lse_in
     backend.write_kv(cache, key, value, common.slot_mapping)
     stored_k, stored_v = backend.read_kv(cache, common.slot_mapping)
     assert torch.equal(stored_k, key) and torch.equal(stored_v, value)
-    metadata = backend.build_for_capture(common)  # a decode batch: the graph wrapper, FA2 prefill with a qo_indptr buffer
+    metadata = backend.build_for_capture(
+        common
+    )  # a decode batch: the graph wrapper, FA2 prefill with a qo_indptr buffer
     (call,) = metadata.calls
     assert call.wrapper is backend.graph_decode[2] and call.wrapper.planned[-1]["head_dim_vo"] == 128
     lse = torch.zeros(2, 4)
@@ -53,11 +56,19 @@ def test_flashinfer_runs_a_value_head_dim_of_its_own_through_fa2_with_its_lse_in
     mixed = parse_case("mha-h4/4-d192/128-bf16-p16:10+1,0+30")
     assert [c.wrapper for c in backend.build(materialize(mixed, "cpu").common_metadata()).calls] == [backend.prefill]
 
-    ordinary = FlashInferBackend(parse_case("gqa-h4/2-d128-bf16-p16:10+1").spec, BackendLimits(8, 64, 256), torch.device("cpu"))
+    ordinary = FlashInferBackend(
+        parse_case("gqa-h4/2-d128-bf16-p16:10+1").spec, BackendLimits(8, 64, 256), torch.device("cpu")
+    )
     decode = parse_case("gqa-h4/2-d128-bf16-p16:10+1")
     metadata = ordinary.build(materialize(decode, "cpu").common_metadata())
     lse = torch.zeros(1, 4)
-    ordinary.forward(torch.zeros(1, 4, 128).bfloat16(), ordinary.allocate_kv_cache(4), metadata, torch.zeros(1, 4, 128).bfloat16(), lse=lse)
+    ordinary.forward(
+        torch.zeros(1, 4, 128).bfloat16(),
+        ordinary.allocate_kv_cache(4),
+        metadata,
+        torch.zeros(1, 4, 128).bfloat16(),
+        lse=lse,
+    )
     assert "lse_base" not in metadata.calls[0].wrapper.ran[-1]
     torch.testing.assert_close(lse, torch.full((1, 4), 2.0 * math.log(2)))
 
@@ -70,5 +81,9 @@ def test_only_the_measured_pair_of_head_dims_is_claimed(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: object())
     hopper = DeviceInfo("cuda", "NVIDIA H200", (9, 0))
     assert FlashInferBackend.unsupported_reason(parse_case("mha-h16-d192/128-bf16-p64:10+1").spec, hopper) is None
-    assert "value head dim of 128" in FlashInferBackend.unsupported_reason(parse_case("mha-h16-d192-bf16-p64:10+1").spec, hopper)
-    assert "not 128 / 64" in FlashInferBackend.unsupported_reason(parse_case("mha-h16-d128/64-bf16-p64:10+1").spec, hopper)
+    assert "value head dim of 128" in FlashInferBackend.unsupported_reason(
+        parse_case("mha-h16-d192-bf16-p64:10+1").spec, hopper
+    )
+    assert "not 128 / 64" in FlashInferBackend.unsupported_reason(
+        parse_case("mha-h16-d128/64-bf16-p64:10+1").spec, hopper
+    )

@@ -2,13 +2,14 @@
 on DeepSeek-V3's prefill layer and a decode of that layer under CUDA graphs (the graph prefill
 wrapper), the decode wrapper's base-2 LSE converted, and the engine's MLA model whose prefill runs
 through FlashInfer beside a built-in that decodes."""
+
 import pytest
 import torch
 
+from conformance.cases.grammar import parse_case
 from conformance.checks.engine import EngineCheck
 from conformance.checks.graphs import GraphsCheck
 from conformance.checks.numerics import NumericsCheck
-from conformance.cases.grammar import parse_case
 from conformance.results import Verdict
 
 pytestmark = pytest.mark.gpu
@@ -26,8 +27,15 @@ def flashinfer_backend():
     return FlashInferBackend
 
 
-@pytest.mark.parametrize("case_text", [DEEPSEEK_PREFILL, VALUE_DIM_DECODE, "gqa-h8/2-d128-bf16-p16-lse:100+1,30+1,0+40",
-                                       "gqa-h8/2-d128-bf16-p16-lse:300+1,50+1"])
+@pytest.mark.parametrize(
+    "case_text",
+    [
+        DEEPSEEK_PREFILL,
+        VALUE_DIM_DECODE,
+        "gqa-h8/2-d128-bf16-p16-lse:100+1,30+1,0+40",
+        "gqa-h8/2-d128-bf16-p16-lse:300+1,50+1",
+    ],
+)
 def test_numerics_and_lse(case_text):
     result = NumericsCheck().run_case(flashinfer_backend(), parse_case(case_text), CUDA)
     assert result.verdict == Verdict.PASS, result.reason

@@ -4,6 +4,7 @@ Triton specializes integer arguments by value class (1, multiples of 16, the res
 to; for the request count, the split count and the block-table width that multiplied a suite's
 compiles (a cold standard run of the triton backend compiled for minutes) without a faster kernel.
 """
+
 import pytest
 import torch
 
@@ -33,7 +34,9 @@ def test_two_decode_kernels_and_one_merge_kernel_serve_every_request_and_split_c
         case = parse_case(f"{LAYER}:{batch}")
         prepared = prepare_case(TritonAttentionBackend, case, device)
         backend = prepared.backend
-        splits.add(backend.splits_for(case.num_reqs, 1, backend.spec.num_kv_heads, DECODE_PROGRAMS_PER_MULTIPROCESSOR[1]))
+        splits.add(
+            backend.splits_for(case.num_reqs, 1, backend.spec.num_kv_heads, DECODE_PROGRAMS_PER_MULTIPROCESSOR[1])
+        )
         requests.add(case.num_reqs)
         out = run_step(prepared)
         torch.cuda.synchronize()

@@ -1,6 +1,7 @@
 """Our Triton backends under Triton's CPU interpreter (TRITON_INTERPRET=1): small cases of every
 kind of batch, through the same CLI a user runs. The interpreter decides at import time, so each
 run is a fresh process."""
+
 import json
 import os
 import subprocess
@@ -48,9 +49,26 @@ CASES = {
 def test_numerics_under_the_interpreter(backend, tmp_path):
     arguments = [arg for case in CASES[backend] for arg in ("--case", case)]
     completed = subprocess.run(
-        [sys.executable, "-m", "conformance.cli", "run", "--backend", backend, "--check", "numerics", "--device", "cpu",
-         "--json", str(tmp_path / "r.json"), "--quiet", *arguments],
-        capture_output=True, text=True, timeout=900, env={**os.environ, "TRITON_INTERPRET": "1"},
+        [
+            sys.executable,
+            "-m",
+            "conformance.cli",
+            "run",
+            "--backend",
+            backend,
+            "--check",
+            "numerics",
+            "--device",
+            "cpu",
+            "--json",
+            str(tmp_path / "r.json"),
+            "--quiet",
+            *arguments,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr
     cases = json.loads((tmp_path / "r.json").read_text())["backends"][0]["checks"][0]["cases"]
@@ -59,8 +77,14 @@ def test_numerics_under_the_interpreter(backend, tmp_path):
 
 def test_without_the_interpreter_the_cpu_is_not_claimed():
     completed = subprocess.run(
-        [sys.executable, "-c", "from backends.triton.backend import TritonAttentionBackend as B; print(B.availability_reason('cpu'))"],
-        capture_output=True, text=True, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+        [
+            sys.executable,
+            "-c",
+            "from backends.triton.backend import TritonAttentionBackend as B; print(B.availability_reason('cpu'))",
+        ],
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
     )
     assert "runs on cuda, not cpu" in completed.stdout
 
@@ -126,9 +150,17 @@ def test_mla_tma_reads_no_slot_past_the_sequence():
     script = (
         "import torch; from conformance.cases.grammar import parse_case; "
         "from conformance.checks.memory import poison_pass; from backends.triton.mla_backend import TritonMLABackend; "
-        "print(poison_pass(TritonMLABackend, parse_case('mla-h16-d64+16-bf16-p64:64+4,63+1,200+2'), torch.device('cpu')))"
+        "print(poison_pass(TritonMLABackend, "
+        "parse_case('mla-h16-d64+16-bf16-p64:64+4,63+1,200+2'), torch.device('cpu')))"
     )
-    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                               env={**os.environ, "TRITON_INTERPRET": "1"})
+    completed = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
     assert completed.returncode == 0, completed.stderr
-    assert completed.stdout.startswith("([], {'nan-poison non-finite outputs': 0, 'nan-poison mismatched': 0"), completed.stdout
+    assert completed.stdout.startswith("([], {'nan-poison non-finite outputs': 0, 'nan-poison mismatched': 0"), (
+        completed.stdout
+    )

@@ -1,5 +1,6 @@
 """Adapter logic of the vendor backends that runs without their packages or GPUs: claims and
 availability, cache layouts and writes, CSR page layouts, and the exact kernel arguments."""
+
 import dataclasses
 import importlib.util
 import os
@@ -17,8 +18,8 @@ from backends.flashinfer.trtllm_mla import QK_NOPE_HEAD_DIM, TrtllmMLABackend, T
 from backends.flashmla import FlashMLABackend
 from backends.fp8 import to_cache
 from backends.paged_write import write_paged_rows
-from conformance.harness.batch import materialize
 from conformance.cases.grammar import parse_case
+from conformance.harness.batch import materialize
 
 H200 = DeviceInfo("cuda", "NVIDIA H200", (9, 0))
 B200 = DeviceInfo("cuda", "NVIDIA B200", (10, 0))
@@ -27,7 +28,10 @@ B200 = DeviceInfo("cuda", "NVIDIA B200", (10, 0))
 def test_trtllm_mla_is_unavailable_on_hopper_before_any_kernel_runs():
     # As on a GPU machine with flashinfer installed: only the compute capability decides.
     claims = dataclasses.replace(TrtllmMLABackend.capabilities, required_modules=())
-    assert claims.availability_reason(H200) == "needs compute capability SM100, SM103, SM120; this GPU (NVIDIA H200) is SM90"
+    assert (
+        claims.availability_reason(H200)
+        == "needs compute capability SM100, SM103, SM120; this GPU (NVIDIA H200) is SM90"
+    )
     assert claims.availability_reason(B200) is None
 
 
@@ -73,7 +77,11 @@ def check_paged_writes(write, fp8: bool = True) -> None:
     hnd = torch.zeros(4, 2, 2, 16, 8)  # [blocks, K/V, heads, page, dim]
     write(hnd[:, 0].transpose(1, 2), rows, slots, 16)
     for layout in (nhd[:, 0], hnd[:, 0].transpose(1, 2)):
-        assert torch.equal(layout[1, 1], rows[0]) and torch.equal(layout[0, 3], rows[2]) and torch.equal(layout[2, 8], rows[3])
+        assert (
+            torch.equal(layout[1, 1], rows[0])
+            and torch.equal(layout[0, 3], rows[2])
+            and torch.equal(layout[2, 8], rows[3])
+        )
         changed = (layout != 0).flatten(2).any(-1).nonzero().tolist()
         assert changed == [[0, 3], [1, 1], [2, 8]]  # the slot -1 row landed nowhere
     assert nhd[:, 1].abs().sum() == 0 and hnd[:, 1].abs().sum() == 0  # V planes untouched
@@ -105,10 +113,17 @@ def test_paged_write_kernel_touches_no_memory_for_slot_minus_one():
     fp8 plane here: the interpreter's fp32 -> e4m3 conversion is wrong where rounding carries into
     the next power of two (125.9 became 64, 31.4 became 16), and flushes subnormals; the kernel's
     fp8 stores are checked on a GPU (test_fp8_gpu.py)."""
-    script = ("from tests.backends.test_vendor_adapters import check_paged_writes; "
-              "from backends.paged_write import _write_with_kernel; check_paged_writes(_write_with_kernel, fp8=False)")
-    completed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                               env={**os.environ, "TRITON_INTERPRET": "1"})
+    script = (
+        "from tests.backends.test_vendor_adapters import check_paged_writes; "
+        "from backends.paged_write import _write_with_kernel; check_paged_writes(_write_with_kernel, fp8=False)"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
 
 
@@ -122,7 +137,11 @@ def test_trtllm_mla_kernel_arguments():
     arguments = kernel_arguments(spec, limits, query, cache, torch.zeros(1), metadata, out)
     assert arguments["query"].shape == (4, 2, 16, 576) and arguments["kv_cache"].shape == (10, 1, 64, 576)
     assert arguments["out"].shape == (4, 2, 16, 512) and arguments["out"].data_ptr() == out.data_ptr()
-    assert (arguments["kv_lora_rank"], arguments["qk_rope_head_dim"], arguments["qk_nope_head_dim"]) == (512, 64, QK_NOPE_HEAD_DIM)
+    assert (arguments["kv_lora_rank"], arguments["qk_rope_head_dim"], arguments["qk_nope_head_dim"]) == (
+        512,
+        64,
+        QK_NOPE_HEAD_DIM,
+    )
     assert arguments["max_seq_len"] == 4096  # the static bound, never the batch's host value
     assert arguments["bmm1_scale"] == spec.softmax_scale and arguments["bmm2_scale"] == 1.0
 
@@ -145,7 +164,9 @@ def test_decodes_first_split_for_flashinfer():
     from backends.utils import DecodePrefillSplit, split_decodes_and_prefills, sub_batch
 
     def split(case: str, threshold: int = 1) -> DecodePrefillSplit:
-        return split_decodes_and_prefills(materialize(parse_case(f"gqa-h4/2-d16-p16:{case}"), "cpu").common_metadata(), threshold)
+        return split_decodes_and_prefills(
+            materialize(parse_case(f"gqa-h4/2-d16-p16:{case}"), "cpu").common_metadata(), threshold
+        )
 
     assert split("5+1x3,0+200,9+64") == DecodePrefillSplit(3, 2, 3, 264)
     assert split("0+200,5+1") == DecodePrefillSplit(0, 2, 0, 201) and split("5+1,6+1") == DecodePrefillSplit(2, 0, 2, 0)
@@ -153,7 +174,11 @@ def test_decodes_first_split_for_flashinfer():
     batch = materialize(parse_case("gqa-h4/2-d16-p16:3000+1x2,0+200,700+64"), "cpu")
     common = batch.common_metadata()
     decodes, rest = sub_batch(common, 0, 2), sub_batch(common, 2, 4)
-    assert decodes.query_start_loc_cpu.tolist() == [0, 1, 2] and decodes.max_query_len == 1 and decodes.num_actual_tokens == 2
+    assert (
+        decodes.query_start_loc_cpu.tolist() == [0, 1, 2]
+        and decodes.max_query_len == 1
+        and decodes.num_actual_tokens == 2
+    )
     assert rest.query_start_loc_cpu.tolist() == [0, 200, 264] and rest.query_start_loc.tolist() == [0, 200, 264]
     assert rest.seq_lens_cpu.tolist() == [200, 764] and rest.block_table.shape[0] == 2 and rest.max_query_len == 200
 
@@ -167,8 +192,17 @@ def test_flashinfer_keeps_one_graph_decode_wrapper_per_captured_batch_size(monke
     import backends.flashinfer as flashinfer_adapters
 
     class FakeWrapper:
-        def __init__(self, workspace, layout, use_cuda_graph=False, use_tensor_cores=False, backend=None,
-                     paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None):
+        def __init__(
+            self,
+            workspace,
+            layout,
+            use_cuda_graph=False,
+            use_tensor_cores=False,
+            backend=None,
+            paged_kv_indptr_buffer=None,
+            paged_kv_indices_buffer=None,
+            paged_kv_last_page_len_buffer=None,
+        ):
             self.workspace, self.graph, self.indptr = workspace, use_cuda_graph, paged_kv_indptr_buffer
             self._pin_memory_int_workspace_buffer = torch.zeros(8, dtype=torch.uint8)  # what plan_staging swaps
 
@@ -176,7 +210,9 @@ def test_flashinfer_keeps_one_graph_decode_wrapper_per_captured_batch_size(monke
             if self.graph:  # FlashInfer: "the batch size should be fixed in cudagraph mode"
                 assert len(indptr) == len(self.indptr), (len(indptr), len(self.indptr))
 
-    fake = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=FakeWrapper, BatchPrefillWithPagedKVCacheWrapper=FakeWrapper)
+    fake = types.SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=FakeWrapper, BatchPrefillWithPagedKVCacheWrapper=FakeWrapper
+    )
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     monkeypatch.setattr(flashinfer_adapters, "WORKSPACE_BYTES", 64)
     case = parse_case("gqa-h4/2-d128-bf16-p16:30+1,50+1")
@@ -200,12 +236,24 @@ def test_flash_attn_kernel_arguments_and_availability():
     assert claims.availability_reason(H200) is None
     assert claims.availability_reason(B200) == "needs compute capability SM90; this GPU (NVIDIA B200) is SM100"
     if importlib.util.find_spec("flash_attn") is None:
-        assert FlashAttnBackend.availability_reason("cpu").startswith("missing Python package flash_attn.cute: pip install")
-    spec = AttentionSpec("mha", num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, block_size=16,
-                         sliding_window=256, logits_soft_cap=30.0)
+        assert FlashAttnBackend.availability_reason("cpu").startswith(
+            "missing Python package flash_attn.cute: pip install"
+        )
+    spec = AttentionSpec(
+        "mha",
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        block_size=16,
+        sliding_window=256,
+        logits_soft_cap=30.0,
+    )
     cache = torch.zeros(2, 10, 16, 2, 64)
     query = torch.zeros(12, 8, 64)
-    metadata = FlashAttnMetadata(torch.tensor([0, 1, 5]), torch.tensor([40, 20]), torch.zeros(2, 3, dtype=torch.int32), 4, 5)
+    metadata = FlashAttnMetadata(
+        torch.tensor([0, 1, 5]), torch.tensor([40, 20]), torch.zeros(2, 3, dtype=torch.int32), 4, 5
+    )
     out = torch.zeros(12, 8, 64)
     arguments = flash_attn.kernel_arguments(spec, query, cache, metadata, out)
     assert arguments["q"].shape == (5, 8, 64) and arguments["k"].shape == arguments["v"].shape == (10, 16, 2, 64)
@@ -219,8 +267,9 @@ def test_flash_attn_kernel_arguments_and_availability():
     assert arguments["out"].shape == (5, 8, 64) and arguments["out"].data_ptr() == out.data_ptr()
     strided = torch.zeros(12, 8 * 64 + 64)[:, : 8 * 64].view(12, 8, 64)
     assert flash_attn.kernel_arguments(spec, query, cache, metadata, strided)["out"] is None
-    plain = flash_attn.kernel_arguments(dataclasses.replace(spec, sliding_window=None, logits_soft_cap=None), query, cache,
-                                        metadata, out)
+    plain = flash_attn.kernel_arguments(
+        dataclasses.replace(spec, sliding_window=None, logits_soft_cap=None), query, cache, metadata, out
+    )
     assert (plain["window_size_left"], plain["window_size_right"]) == (None, None) and plain["softcap"] == 0.0
 
 
@@ -240,7 +289,9 @@ def test_flash_attn_forward_has_the_kernel_write_the_callers_rows():
     backend = object.__new__(FlashAttnBackend)  # no flash-attn-4 here: only forward's own logic runs
     backend.spec = AttentionSpec("mha", num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float32, block_size=16)
     backend.kernel = kernel
-    metadata = FlashAttnMetadata(torch.tensor([0, 1, 5]), torch.tensor([40, 20]), torch.zeros(2, 3, dtype=torch.int32), 4, 5)
+    metadata = FlashAttnMetadata(
+        torch.tensor([0, 1, 5]), torch.tensor([40, 20]), torch.zeros(2, 3, dtype=torch.int32), 4, 5
+    )
     query, cache = torch.zeros(12, 8, 64), torch.zeros(2, 10, 16, 2, 64)
     out = torch.full((12, 8, 64), float("nan"))
     backend.forward(query, cache, metadata, out)
@@ -269,11 +320,15 @@ def test_trtllm_backends_import_their_entry_point_and_re_point_draft_steps(monke
         handed.update(kwargs)
         return "mla"
 
-    monkeypatch.setitem(sys.modules, "flashinfer.decode", types.SimpleNamespace(trtllm_batch_decode_with_kv_cache=decode))
+    monkeypatch.setitem(
+        sys.modules, "flashinfer.decode", types.SimpleNamespace(trtllm_batch_decode_with_kv_cache=decode)
+    )
     monkeypatch.setitem(sys.modules, "flashinfer.mla", types.SimpleNamespace(trtllm_batch_decode_with_kv_cache_mla=mla))
     monkeypatch.setattr(flashinfer_adapters, "WORKSPACE_BYTES", 64)
-    for backend_cls, case, kernel in [(TrtllmBackend, "gqa-h4/2-d128-bf16-p16:30+1,50+1", decode),
-                                      (TrtllmMLABackend, "mla-h16-d512+64-bf16-p64:30+1,50+1", mla)]:
+    for backend_cls, case, kernel in [
+        (TrtllmBackend, "gqa-h4/2-d128-bf16-p16:30+1,50+1", decode),
+        (TrtllmMLABackend, "mla-h16-d512+64-bf16-p64:30+1,50+1", mla),
+    ]:
         parsed = parse_case(case)
         backend = backend_cls(parsed.spec, BackendLimits(8, 64, 256), torch.device("cpu"))
         assert backend.kernel is kernel and backend.workspace.shape == (64,) and not backend.workspace.any()
@@ -290,6 +345,9 @@ def test_trtllm_backends_import_their_entry_point_and_re_point_draft_steps(monke
         assert not strided.block_table.is_contiguous() and sliced.block_table is strided.block_table
         spec = strided_case.spec
         tokens = strided.num_actual_tokens
-        query, out = torch.zeros(tokens, spec.num_heads, spec.head_dim), torch.zeros(tokens, spec.num_heads, spec.v_head_dim)
+        query, out = (
+            torch.zeros(tokens, spec.num_heads, spec.head_dim),
+            torch.zeros(tokens, spec.num_heads, spec.v_head_dim),
+        )
         backend.forward(query, backend.allocate_kv_cache(8), sliced, out)
         assert handed["block_tables"].is_contiguous() and torch.equal(handed["block_tables"], strided.block_table)

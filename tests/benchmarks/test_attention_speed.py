@@ -9,6 +9,7 @@ pytest-benchmark times step() on the host clock (launch + forward + synchronize)
 median of the forward alone, L2 flushed, is stored in extra_info["forward_us"], which is the
 figure `conformance bench` reports too.
 """
+
 import pytest
 import torch
 
@@ -47,8 +48,10 @@ def test_forward_speed(benchmark, shape, backend):
         prepared.backend.forward(query, prepared.kv_cache, metadata, out, **prepared.forward_layer)
         torch.cuda.synchronize()
 
-    forward_us = time_gpu(lambda: prepared.backend.forward(query, prepared.kv_cache, metadata, out, **prepared.forward_layer),
-                          _l2_flusher(device))
+    forward_us = time_gpu(
+        lambda: prepared.backend.forward(query, prepared.kv_cache, metadata, out, **prepared.forward_layer),
+        _l2_flusher(device),
+    )
     benchmark.extra_info["forward_us"] = forward_us
     benchmark.pedantic(step, rounds=30, iterations=1, warmup_rounds=3)
     # A timing of a forward that did nothing (or wrote garbage) is no timing.

@@ -1,4 +1,5 @@
 """The conformance command end to end, as a user runs it."""
+
 import json
 import subprocess
 import sys
@@ -10,11 +11,15 @@ from conformance.results import RunResult, Verdict
 
 
 def conformance(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "conformance.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "conformance.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=600
+    )
 
 
 def test_smoke_run_passes_and_writes_json(tmp_path):
-    completed = conformance("run", "--backend", "torch_naive", "--suite", "smoke", "--device", "cpu", "--out", str(tmp_path))
+    completed = conformance(
+        "run", "--backend", "torch_naive", "--suite", "smoke", "--device", "cpu", "--out", str(tmp_path)
+    )
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "torch_naive" in completed.stdout and "PASS" in completed.stdout
     result = RunResult.load(tmp_path / "results.json")
@@ -59,15 +64,18 @@ def test_usage_errors_exit_2_with_one_line(args, message):
     assert "Traceback" not in completed.stderr + completed.stdout
 
 
-@pytest.mark.parametrize("make_args,message", [
-    (lambda d: ["--json", str(d)], "is a directory; name a file"),
-    (lambda d: ["--json", "/proc/conformance/x.json"], "--json /proc/conformance/x.json: cannot write there"),
-    (lambda d: ["--out", str(d / "file")], "exists and is not a directory"),
-    (lambda d: ["--out", str(d / "o"), "--json", str(d / "r.json")], "give one of them"),
-    (lambda d: ["--html", str(d)], "--html"),
-    (lambda d: ["--junit", str(d)], "--junit"),
-    (lambda d: ["--json", str(d / "a.json"), "--markdown", str(d / "a.json")], "name the same file"),
-])
+@pytest.mark.parametrize(
+    "make_args,message",
+    [
+        (lambda d: ["--json", str(d)], "is a directory; name a file"),
+        (lambda d: ["--json", "/proc/conformance/x.json"], "--json /proc/conformance/x.json: cannot write there"),
+        (lambda d: ["--out", str(d / "file")], "exists and is not a directory"),
+        (lambda d: ["--out", str(d / "o"), "--json", str(d / "r.json")], "give one of them"),
+        (lambda d: ["--html", str(d)], "--html"),
+        (lambda d: ["--junit", str(d)], "--junit"),
+        (lambda d: ["--json", str(d / "a.json"), "--markdown", str(d / "a.json")], "name the same file"),
+    ],
+)
 def test_bad_output_paths_exit_2_before_any_work(tmp_path, make_args, message):
     (tmp_path / "file").write_text("")
     completed = conformance("run", "--suite", "smoke", "--device", "cpu", *make_args(tmp_path))
@@ -80,7 +88,10 @@ def test_engine_and_report_check_their_output_paths_first(tmp_path):
     completed = conformance("engine", "run", "--json", str(tmp_path))
     assert completed.returncode == 2 and "is a directory" in completed.stderr and completed.stderr.count("\n") == 1
     (tmp_path / "list.json").write_text("[1, 2]")
-    for results, message in ((tmp_path, "is a directory, not a results file"), (tmp_path / "list.json", "not a conformance results file")):
+    for results, message in (
+        (tmp_path, "is a directory, not a results file"),
+        (tmp_path / "list.json", "not a conformance results file"),
+    ):
         completed = conformance("report", str(results), "-o", str(tmp_path / "r.html"))
         assert completed.returncode == 2 and message in completed.stderr, completed.stderr
 
@@ -88,10 +99,25 @@ def test_engine_and_report_check_their_output_paths_first(tmp_path):
 def test_a_run_removes_the_previous_results_first_and_applies_seed_to_a_suite(tmp_path):
     stale = tmp_path / "results.json"
     stale.write_text("an older run")
-    completed = conformance("run", "--suite", "smoke", "--device", "cpu", "--check", "numerics", "--seed", "7",
-                            "--case", "gqa-h4/2-d16-fp32:no+1", "--json", str(stale))
+    completed = conformance(
+        "run",
+        "--suite",
+        "smoke",
+        "--device",
+        "cpu",
+        "--check",
+        "numerics",
+        "--seed",
+        "7",
+        "--case",
+        "gqa-h4/2-d16-fp32:no+1",
+        "--json",
+        str(stale),
+    )
     assert completed.returncode == 2 and stale.exists()  # a usage error touches nothing
-    completed = conformance("run", "--suite", "smoke", "--device", "cpu", "--check", "numerics", "--seed", "7", "--json", str(stale))
+    completed = conformance(
+        "run", "--suite", "smoke", "--device", "cpu", "--check", "numerics", "--seed", "7", "--json", str(stale)
+    )
     assert completed.returncode == 0, completed.stderr
     cases = RunResult.load(stale).backends[0].check("numerics").cases
     assert cases and all(case.case.endswith("@7") for case in cases)
@@ -100,8 +126,15 @@ def test_a_run_removes_the_previous_results_first_and_applies_seed_to_a_suite(tm
 
 def test_planted_defect_exits_1_and_shows_its_evidence(tmp_path):
     completed = conformance(
-        "run", "--backend", "tests.planted.defects:WrongScale,torch_naive", "--case", "gqa-h4/2-d32-fp32:30+2",
-        "--device", "cpu", "--json", str(tmp_path / "r.json"),
+        "run",
+        "--backend",
+        "tests.planted.defects:WrongScale,torch_naive",
+        "--case",
+        "gqa-h4/2-d32-fp32:30+2",
+        "--device",
+        "cpu",
+        "--json",
+        str(tmp_path / "r.json"),
     )
     assert completed.returncode == 1
     assert "worst at request 0" in completed.stdout
@@ -111,7 +144,9 @@ def test_planted_defect_exits_1_and_shows_its_evidence(tmp_path):
 
 
 def test_nothing_runnable_here_exits_3_with_one_line(tmp_path):
-    completed = conformance("run", "--backend", "tests.planted.defects:NeedsBlackwell", "--device", "cpu", "--out", str(tmp_path))
+    completed = conformance(
+        "run", "--backend", "tests.planted.defects:NeedsBlackwell", "--device", "cpu", "--out", str(tmp_path)
+    )
     assert completed.returncode == 3
     assert completed.stderr.strip() == "conformance: tests.planted.defects:NeedsBlackwell: runs on cuda, not cpu"
     assert RunResult.load(tmp_path / "results.json").backends[0].available is False
@@ -134,31 +169,55 @@ def test_cuda_requested_without_a_gpu_exits_3():
 
 def test_all_cases_skipped_exits_3(tmp_path):
     completed = conformance(
-        "run", "--backend", "tests.planted.defects:NeedsMissingPackage,torch_naive", "--case", "mla:10+1", "--out", str(tmp_path)
+        "run",
+        "--backend",
+        "tests.planted.defects:NeedsMissingPackage,torch_naive",
+        "--case",
+        "mla:10+1",
+        "--out",
+        str(tmp_path),
     )
     # torch_naive runs MLA, so something ran: this must not be exit 3.
     assert completed.returncode == 0, completed.stdout
 
 
 def test_a_backend_module_that_raises_at_import_is_its_row_not_the_commands(tmp_path):
-    completed = conformance("run", "--backend", "tests.planted.broken_module:Backend,torch_naive", "--case", "gqa-h2/1-d16-fp32:5+1",
-                            "--check", "numerics", "--device", "cpu", "--json", str(tmp_path / "r.json"))
+    completed = conformance(
+        "run",
+        "--backend",
+        "tests.planted.broken_module:Backend,torch_naive",
+        "--case",
+        "gqa-h2/1-d16-fp32:5+1",
+        "--check",
+        "numerics",
+        "--device",
+        "cpu",
+        "--json",
+        str(tmp_path / "r.json"),
+    )
     assert completed.returncode == 1, completed.stdout + completed.stderr
     broken, naive = RunResult.load(tmp_path / "r.json").backends
-    assert broken.check("numerics").verdict == Verdict.ERROR and "MY_BACKEND_HOME is not set" in broken.check("numerics").summary
+    assert (
+        broken.check("numerics").verdict == Verdict.ERROR
+        and "MY_BACKEND_HOME is not set" in broken.check("numerics").summary
+    )
     assert naive.check("numerics").verdict == Verdict.PASS
     assert "Traceback" not in completed.stderr
 
 
 def test_every_case_skipped_says_so_on_stderr(tmp_path):
     # torch_naive claims no CUDA graphs: the graphs check alone runs nothing.
-    completed = conformance("run", "--check", "graphs", "--case", "gqa-fp32:10+1", "--device", "cpu", "--out", str(tmp_path))
+    completed = conformance(
+        "run", "--check", "graphs", "--case", "gqa-fp32:10+1", "--device", "cpu", "--out", str(tmp_path)
+    )
     assert completed.returncode == 3, completed.stdout + completed.stderr
     assert "every case was skipped" in completed.stderr and "every case was skipped" not in completed.stdout
 
 
 def test_ci_logs_get_a_line_per_finished_check_and_version_is_printed(tmp_path):
-    completed = conformance("run", "--suite", "smoke", "--device", "cpu", "--check", "numerics,graphs", "--out", str(tmp_path))
+    completed = conformance(
+        "run", "--suite", "smoke", "--device", "cpu", "--check", "numerics,graphs", "--out", str(tmp_path)
+    )
     assert completed.returncode == 0, completed.stderr
     lines = completed.stderr.splitlines()  # not a terminal: plain lines, as a CI log shows them
     assert "torch_naive: 2 check(s) x 9 case(s)" in lines and "torch_naive / numerics: 9 PASS" in lines
@@ -168,14 +227,23 @@ def test_ci_logs_get_a_line_per_finished_check_and_version_is_printed(tmp_path):
     assert version.returncode == 0 and version.stdout.startswith("conformance ")
 
 
-@pytest.mark.parametrize("args,message", [
-    (["engine", "run", "--device", "cuda:7"] if not __import__("torch").cuda.is_available() else ["engine", "run", "--device", "tpu"],
-     "--device"),
-    (["engine", "run", "--drafter", "layer-skip"], "drafts nothing without --spec-tokens"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["engine", "run", "--device", "cuda:7"]
+            if not __import__("torch").cuda.is_available()
+            else ["engine", "run", "--device", "tpu"],
+            "--device",
+        ),
+        (["engine", "run", "--drafter", "layer-skip"], "drafts nothing without --spec-tokens"),
+    ],
+)
 def test_engine_usage_errors_are_one_line(args, message):
     completed = conformance(*args)
-    assert completed.returncode == 2 and completed.stderr.count("\n") == 1 and message in completed.stderr, completed.stderr
+    assert completed.returncode == 2 and completed.stderr.count("\n") == 1 and message in completed.stderr, (
+        completed.stderr
+    )
 
 
 def test_list_shows_every_backend():

@@ -1,11 +1,13 @@
 """conformance/ is built in floors, and an import only goes down or sideways (the same floor): the
 results model and two file helpers at the ground, then what makes cases (grammar, suites, data,
-the oracle), what runs them (batches, the eager and graph harnesses), the checks, the runner, the reports, and the entry points on top. Every import counts, the ones inside
+the oracle), what runs them (batches, the eager and graph harnesses), the checks, the runner, the
+reports, and the entry points on top. Every import counts, the ones inside
 functions too (a lazy import still ties two floors together: that is how the memory check once
 made an import circle, checks → run → checks).
 
     python -m pytest -q tests/conformance/test_layering.py
 """
+
 from __future__ import annotations
 
 import ast
@@ -58,7 +60,9 @@ def upward_imports(root: Path = ROOT) -> list[str]:
         for module, line in imports(path):
             there = part_of(module)
             if floor_of(there) > floor_of(here):
-                problems.append(f"{path.relative_to(root.parent)}:{line} ({here}) imports {module} ({there}), a floor up")
+                problems.append(
+                    f"{path.relative_to(root.parent)}:{line} ({here}) imports {module} ({there}), a floor up"
+                )
     return problems
 
 
@@ -76,5 +80,6 @@ def test_an_upward_import_is_found(tmp_path):
     (package / "cases").mkdir(parents=True)
     (package / "results.py").write_text("def save():\n    from conformance.report.output_paths import write\n")
     (package / "cases" / "grammar.py").write_text("from conformance.results import CaseResult\n")
-    assert upward_imports(package) == ["conformance/results.py:2 (results) imports conformance.report.output_paths "
-                                       "(report), a floor up"]
+    assert upward_imports(package) == [
+        "conformance/results.py:2 (results) imports conformance.report.output_paths (report), a floor up"
+    ]

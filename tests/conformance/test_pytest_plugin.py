@@ -1,4 +1,5 @@
 """`pytest --conformance-backend X` turns the suite into test items in the author's own run."""
+
 import importlib.metadata
 
 import pytest
@@ -12,8 +13,17 @@ def plugin_args() -> list[str]:
 @pytest.mark.parametrize("backend,failed,passed", [("tests.planted.defects:WrongScale", 9, 0), ("torch_naive", 0, 9)])
 def test_suite_items_pass_and_fail_with_evidence(pytester, backend, failed, passed):
     pytester.makepyfile("def test_own():\n    pass\n")
-    result = pytester.runpytest(*plugin_args(), "--conformance-backend", backend, "--conformance-suite", "smoke",
-                                "--conformance-check", "numerics", "--conformance-device", "cpu")
+    result = pytester.runpytest(
+        *plugin_args(),
+        "--conformance-backend",
+        backend,
+        "--conformance-suite",
+        "smoke",
+        "--conformance-check",
+        "numerics",
+        "--conformance-device",
+        "cpu",
+    )
     result.assert_outcomes(failed=failed, passed=passed + 1)
     if failed:
         result.stdout.fnmatch_lines(["*FAIL: * elements beyond tolerance*"])
@@ -37,16 +47,38 @@ def test_an_unusable_device_or_backend_fails_unless_skips_are_allowed(pytester):
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA")
     # Absent CUDA: one failing item per check (not a green run of skips).
-    result = run_plugin(pytester, "--conformance-backend", "torch_naive", "--conformance-check", "numerics,syncs",
-                        "--conformance-device", "cuda")
+    result = run_plugin(
+        pytester,
+        "--conformance-backend",
+        "torch_naive",
+        "--conformance-check",
+        "numerics,syncs",
+        "--conformance-device",
+        "cuda",
+    )
     result.assert_outcomes(failed=2, passed=1)
     result.stdout.fnmatch_lines(["*no CUDA device is visible*--conformance-allow-skip*"])
-    result = run_plugin(pytester, "--conformance-backend", "torch_naive", "--conformance-check", "numerics,syncs",
-                        "--conformance-device", "cuda", "--conformance-allow-skip")
+    result = run_plugin(
+        pytester,
+        "--conformance-backend",
+        "torch_naive",
+        "--conformance-check",
+        "numerics,syncs",
+        "--conformance-device",
+        "cuda",
+        "--conformance-allow-skip",
+    )
     result.assert_outcomes(skipped=2, passed=1)
     # A backend that cannot run on this device (it needs Blackwell): the same.
-    result = run_plugin(pytester, "--conformance-backend", "tests.planted.defects:NeedsBlackwell", "--conformance-check",
-                        "numerics", "--conformance-device", "cpu")
+    result = run_plugin(
+        pytester,
+        "--conformance-backend",
+        "tests.planted.defects:NeedsBlackwell",
+        "--conformance-check",
+        "numerics",
+        "--conformance-device",
+        "cpu",
+    )
     result.assert_outcomes(failed=1, passed=1)
 
 
@@ -59,44 +91,77 @@ def test_a_device_that_is_not_one_is_a_usage_error(pytester):
 def test_checks_that_skip_as_a_whole_are_one_item_and_all_skipped_fails(pytester):
     # torch_naive claims no CUDA graphs: graphs and draft-loop are one skipped item each. The
     # default checks are the CLI's (engine and determinism included).
-    result = run_plugin(pytester, "--conformance-backend", "torch_naive", "--conformance-device", "cpu",
-                        "--collect-only", "-q")
+    result = run_plugin(
+        pytester, "--conformance-backend", "torch_naive", "--conformance-device", "cpu", "--collect-only", "-q"
+    )
     lines = result.stdout.str()
     assert "conformance[graphs]" in lines and "conformance[draft-loop]" in lines
     assert "conformance[engine-" in lines and "conformance[determinism-" in lines
     # Nothing but skips is not green.
-    result = run_plugin(pytester, "--conformance-backend", "torch_naive", "--conformance-check", "graphs",
-                        "--conformance-device", "cpu")
+    result = run_plugin(
+        pytester, "--conformance-backend", "torch_naive", "--conformance-check", "graphs", "--conformance-device", "cpu"
+    )
     result.assert_outcomes(skipped=1, passed=1)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["*every conformance item was skipped*"])
-    result = run_plugin(pytester, "--conformance-backend", "torch_naive", "--conformance-check", "graphs",
-                        "--conformance-device", "cpu", "--conformance-allow-skip")
+    result = run_plugin(
+        pytester,
+        "--conformance-backend",
+        "torch_naive",
+        "--conformance-check",
+        "graphs",
+        "--conformance-device",
+        "cpu",
+        "--conformance-allow-skip",
+    )
     assert result.ret == pytest.ExitCode.OK
 
 
 def test_the_engine_check_runs_once_per_layout_under_the_plugin(pytester):
     # One check instance per check, as in a run: its once-per-layout skip holds across items.
-    result = run_plugin(pytester, "--conformance-backend", "torch_naive", "--conformance-check", "engine",
-                        "--conformance-device", "cpu", "-rs")
+    result = run_plugin(
+        pytester,
+        "--conformance-backend",
+        "torch_naive",
+        "--conformance-check",
+        "engine",
+        "--conformance-device",
+        "cpu",
+        "-rs",
+    )
     # On a CPU one per attention kind (GQA, MLA) and windowed GQA (its model alternates windowed
     # and full layers), plus the author's own test.
     result.assert_outcomes(passed=3 + 1, skipped=6)
     result.stdout.fnmatch_lines(["*layout covered by*"])
 
 
-@pytest.mark.parametrize("backend", ["tests.planted.gate.backends:ExitsQuietly", "tests.planted.gate.backends:RaisesSystemExit"])
-def test_a_backend_that_exits_mid_case_fails_that_item_and_the_session_goes_on(pytester, monkeypatch, backend, tmp_path):
+@pytest.mark.parametrize(
+    "backend", ["tests.planted.gate.backends:ExitsQuietly", "tests.planted.gate.backends:RaisesSystemExit"]
+)
+def test_a_backend_that_exits_mid_case_fails_that_item_and_the_session_goes_on(
+    pytester, monkeypatch, backend, tmp_path
+):
     """In a subprocess: were the exit not caught, it would end the test process itself with status 0."""
     import os
     from pathlib import Path
 
     pytester.makepyfile("def test_own():\n    pass\n")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])
+    )
     junit = tmp_path / "junit.xml"
-    result = pytester.runpytest_subprocess(*plugin_args(), "--conformance-backend", backend, "--conformance-suite", "smoke",
-                                           "--conformance-check", "numerics", "--conformance-device", "cpu",
-                                           f"--junitxml={junit}")
+    result = pytester.runpytest_subprocess(
+        *plugin_args(),
+        "--conformance-backend",
+        backend,
+        "--conformance-suite",
+        "smoke",
+        "--conformance-check",
+        "numerics",
+        "--conformance-device",
+        "cpu",
+        f"--junitxml={junit}",
+    )
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     outcomes = result.parseoutcomes()
     assert outcomes["failed"] >= 1 and outcomes["passed"] >= 2  # own test and the small cases
@@ -105,10 +170,25 @@ def test_a_backend_that_exits_mid_case_fails_that_item_and_the_session_goes_on(p
 
 
 def test_a_failing_item_prints_the_command_that_reruns_it_alone_and_that_command_works(pytester):
-    result = run_plugin(pytester, "--conformance-backend", "tests.planted.defects:WrongScale", "--conformance-check",
-                        "numerics", "--conformance-device", "cpu")
+    result = run_plugin(
+        pytester,
+        "--conformance-backend",
+        "tests.planted.defects:WrongScale",
+        "--conformance-check",
+        "numerics",
+        "--conformance-device",
+        "cpu",
+    )
     rerun = next(line for line in result.stdout.lines if line.startswith("rerun: pytest "))
     case = rerun.split("--conformance-case=")[1].strip("'")
-    again = run_plugin(pytester, "--conformance-backend", "tests.planted.defects:WrongScale", "--conformance-check",
-                       "numerics", "--conformance-device", "cpu", f"--conformance-case={case}")
+    again = run_plugin(
+        pytester,
+        "--conformance-backend",
+        "tests.planted.defects:WrongScale",
+        "--conformance-check",
+        "numerics",
+        "--conformance-device",
+        "cpu",
+        f"--conformance-case={case}",
+    )
     again.assert_outcomes(failed=1, passed=1)  # that case alone, and the file's own test

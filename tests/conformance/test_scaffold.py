@@ -1,5 +1,6 @@
 """`conformance new-backend NAME`: a skeleton that passes the smoke suite out of the box, through
 the pytest plugin, and clear refusals."""
+
 import subprocess
 import sys
 
@@ -9,8 +10,9 @@ from conformance.scaffold import render, write_skeleton
 
 
 def new_backend(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "conformance.cli", "new-backend", *args], cwd=cwd,
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "conformance.cli", "new-backend", *args], cwd=cwd, capture_output=True, text=True
+    )
 
 
 @pytest.mark.slow
@@ -22,8 +24,13 @@ def test_the_skeleton_and_its_test_pass_the_smoke_suite(tmp_path):
     assert "class MyAttnBackend(AttentionBackend)" in module and 'name = "my_attn"' in module
     assert "Template" not in module and "template" not in module
     # The generated test runs the smoke suite through the plugin in a pytest of its own.
-    ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_my_attn.py"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    ran = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_my_attn.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert ran.returncode == 0, ran.stdout[-3000:]
 
 
@@ -31,8 +38,8 @@ def test_the_skeleton_fails_numerics_once_its_math_is_wrong():
     """The skeleton's math is what the smoke suite checks: a wrong scale in it fails numerics."""
     import torch
 
-    from conformance.checks.numerics import NumericsCheck
     from conformance.cases.grammar import parse_case
+    from conformance.checks.numerics import NumericsCheck
     from conformance.results import Verdict
     from conformance.scaffold import HERE
 
@@ -47,10 +54,15 @@ def test_the_skeleton_fails_numerics_once_its_math_is_wrong():
     assert check.run_case(TemplateBackend, case, torch.device("cpu")).verdict == Verdict.PASS
 
 
-@pytest.mark.parametrize("name,message", [
-    ("9lives", "not a Python module name"), ("class", "not a Python module name"),
-    ("torch", "already importable"), ("exists", "exists: not overwritten"),
-])
+@pytest.mark.parametrize(
+    "name,message",
+    [
+        ("9lives", "not a Python module name"),
+        ("class", "not a Python module name"),
+        ("torch", "already importable"),
+        ("exists", "exists: not overwritten"),
+    ],
+)
 def test_refusals_are_one_line_and_exit_2(tmp_path, name, message):
     (tmp_path / "exists.py").write_text("")
     completed = new_backend(name, cwd=tmp_path)

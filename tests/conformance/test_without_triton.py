@@ -1,5 +1,6 @@
 """Triton is an extra: where it is missing, `list` names the install command for the Triton
 backends and the default run works (its processes never import Triton)."""
+
 import json
 import os
 import subprocess
@@ -10,7 +11,7 @@ import pytest
 
 # A sitecustomize that hides `triton` from this process and every child (probe, worker): find_spec
 # answers None and an import raises ModuleNotFoundError, as on a machine without it.
-BLOCKER = '''
+BLOCKER = """
 import sys
 class _HidesTriton:
     def __init__(self, finder):
@@ -20,7 +21,7 @@ class _HidesTriton:
             return None
         return self.finder.find_spec(name, path, target)
 sys.meta_path[:] = [_HidesTriton(finder) if hasattr(finder, "find_spec") else finder for finder in sys.meta_path]
-'''
+"""
 
 
 @pytest.fixture
@@ -31,8 +32,9 @@ def no_triton(tmp_path) -> dict:
 
 
 def conformance(*args, env):
-    return subprocess.run([sys.executable, "-m", "conformance.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "conformance.cli", *args], capture_output=True, text=True, env=env, timeout=600
+    )
 
 
 def test_list_names_the_install_command(no_triton):
@@ -46,6 +48,17 @@ def test_list_names_the_install_command(no_triton):
 
 
 def test_the_default_backend_runs_without_triton(no_triton, tmp_path):
-    completed = conformance("run", "--case", "gqa-h4/2-d64-fp32-p16:40+1,20+4", "--check", "numerics,engine", "--device", "cpu",
-                            "--json", str(tmp_path / "r.json"), "--quiet", env=no_triton)
+    completed = conformance(
+        "run",
+        "--case",
+        "gqa-h4/2-d64-fp32-p16:40+1,20+4",
+        "--check",
+        "numerics,engine",
+        "--device",
+        "cpu",
+        "--json",
+        str(tmp_path / "r.json"),
+        "--quiet",
+        env=no_triton,
+    )
     assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-2000:]

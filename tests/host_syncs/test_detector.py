@@ -1,4 +1,5 @@
 """The sync detector's logic on recorded callback sequences (CPU)."""
+
 import os
 
 import pytest
@@ -52,16 +53,18 @@ def test_classification():
 
 def test_item_is_one_copy_and_one_sync_each_counted_once():
     """What torch's .item() does, as recorded on an H200: runtime calls with nested driver calls."""
-    events = record([
-        runtime("cudaMemcpyAsync_v3020", copy=CopyInfo("d2h", 4, False)),
-        driver("cuMemcpyDtoHAsync_v2", copy=CopyInfo("d2h", 4, False)),
-        driver("cuMemcpyDtoHAsync_v2", enter=False),
-        runtime("cudaMemcpyAsync_v3020", enter=False),
-        runtime("cudaStreamSynchronize_v3020"),
-        driver("cuStreamSynchronize"),
-        driver("cuStreamSynchronize", enter=False),
-        runtime("cudaStreamSynchronize_v3020", enter=False),
-    ])
+    events = record(
+        [
+            runtime("cudaMemcpyAsync_v3020", copy=CopyInfo("d2h", 4, False)),
+            driver("cuMemcpyDtoHAsync_v2", copy=CopyInfo("d2h", 4, False)),
+            driver("cuMemcpyDtoHAsync_v2", enter=False),
+            runtime("cudaMemcpyAsync_v3020", enter=False),
+            runtime("cudaStreamSynchronize_v3020"),
+            driver("cuStreamSynchronize"),
+            driver("cuStreamSynchronize", enter=False),
+            runtime("cudaStreamSynchronize_v3020", enter=False),
+        ]
+    )
     assert [(e.kind, e.api, e.nested) for e in events] == [
         ("d2h-copy", "cudaMemcpyAsync", ["cuMemcpyDtoHAsync_v2"]),
         ("sync", "cudaStreamSynchronize", ["cuStreamSynchronize"]),
@@ -70,18 +73,22 @@ def test_item_is_one_copy_and_one_sync_each_counted_once():
 
 
 def test_driver_call_outside_any_runtime_call_is_its_own_event():
-    events = record([driver("cuMemcpyDtoH_v2", copy=CopyInfo("d2h", 64, False)), driver("cuMemcpyDtoH_v2", enter=False)])
+    events = record(
+        [driver("cuMemcpyDtoH_v2", copy=CopyInfo("d2h", 64, False)), driver("cuMemcpyDtoH_v2", enter=False)]
+    )
     assert [(e.kind, e.api) for e in events] == [("sync-copy", "cuMemcpyDtoH")]
 
 
 def test_nesting_is_per_thread():
-    events = record([
-        runtime("cudaMemcpyAsync_v3020", copy=CopyInfo("d2d", 8), thread=1),  # open on thread 1, no event
-        driver("cuStreamSynchronize", thread=2),  # another thread: standalone
-        driver("cuStreamSynchronize", thread=1),  # nested in thread 1's runtime call
-        runtime("cudaMemcpyAsync_v3020", enter=False, thread=1),
-        driver("cuStreamSynchronize", thread=1),  # thread 1 again, nothing open
-    ])
+    events = record(
+        [
+            runtime("cudaMemcpyAsync_v3020", copy=CopyInfo("d2d", 8), thread=1),  # open on thread 1, no event
+            driver("cuStreamSynchronize", thread=2),  # another thread: standalone
+            driver("cuStreamSynchronize", thread=1),  # nested in thread 1's runtime call
+            runtime("cudaMemcpyAsync_v3020", enter=False, thread=1),
+            driver("cuStreamSynchronize", thread=1),  # thread 1 again, nothing open
+        ]
+    )
     assert [e.api for e in events] == ["cuStreamSynchronize", "cuStreamSynchronize"]
 
 
@@ -109,8 +116,9 @@ def test_stack_is_captured_only_for_events():
 
 
 def test_attribution_skips_harness_contract_torch_and_stdlib():
-    import torch
     import contextlib
+
+    import torch
 
     here = os.path.abspath(__file__)
     root = os.path.dirname(os.path.dirname(os.path.dirname(here)))
@@ -168,7 +176,11 @@ def test_the_cupti_strategy_leaves_no_subscriber_after_its_pass(monkeypatch):
         strategy = cupti_strategy.CuptiStrategy(EventRecorder())
         if accepts:
             strategy.start()
-            assert fake.subscribers and (Domain.RUNTIME_API, 1) in fake.enabled and (Domain.RUNTIME_API, 2) not in fake.enabled
+            assert (
+                fake.subscribers
+                and (Domain.RUNTIME_API, 1) in fake.enabled
+                and (Domain.RUNTIME_API, 2) not in fake.enabled
+            )
             strategy.stop()
         else:
             with pytest.raises(cupti_strategy.CuptiUnavailable):

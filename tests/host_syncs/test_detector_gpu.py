@@ -1,11 +1,12 @@
 """The detector on a real GPU: every planted sync caught at its line, no control flagged."""
+
 import pytest
 import torch
 
 from conformance.cases.grammar import parse_case
 from conformance.checks.syncs import SyncsCheck
-from host_syncs import detect_host_syncs
 from conformance.results import Verdict
+from host_syncs import detect_host_syncs
 from tests.planted import syncs as planted
 
 pytestmark = pytest.mark.gpu
@@ -28,7 +29,9 @@ def x():
 
 
 def caught_at(events, line):
-    return [e for e in events if e.blocking and e.source and e.source.filename == PLANTED_FILE and e.source.lineno == line]
+    return [
+        e for e in events if e.blocking and e.source and e.source.filename == PLANTED_FILE and e.source.lineno == line
+    ]
 
 
 @pytest.mark.parametrize("planted_sync", planted.PLANTED, ids=lambda f: f.__name__)
@@ -90,7 +93,9 @@ def test_forbid_host_syncs_fixture_fails_listing_the_line(pytester):
     )
     result = pytester.runpytest_subprocess("-p", "conformance.pytest_plugin")
     result.assert_outcomes(failed=1, errors=0)
-    result.stdout.fnmatch_lines(["*host-blocking CUDA call*", "*test_forbid_host_syncs_fixture_fails_listing_the_line.py:5*"])
+    result.stdout.fnmatch_lines(
+        ["*host-blocking CUDA call*", "*test_forbid_host_syncs_fixture_fails_listing_the_line.py:5*"]
+    )
 
 
 def test_forbid_host_syncs_imported_alone_fails_at_teardown(pytester):

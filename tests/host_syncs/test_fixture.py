@@ -17,7 +17,9 @@ def test_host_syncs_imports_nothing_of_the_harness_or_the_engine():
     import subprocess
     import sys
 
-    code = ("import sys, host_syncs, host_syncs.pytest_fixture; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('conformance', 'reference_engine', 'backends')))")
+    code = (
+        "import sys, host_syncs, host_syncs.pytest_fixture; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('conformance', 'reference_engine', 'backends')))"
+    )
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert completed.stdout.strip() == "[]"

@@ -2,6 +2,7 @@
 
 Each is torch_naive with one realistic bug, so the defect is the only difference.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -107,15 +108,19 @@ class NeedsBlackwell(TorchNaiveBackend):
 
     name = "planted_needs_blackwell"
     capabilities = Capabilities(
-        kinds=frozenset({"mla"}), dtypes=frozenset({torch.bfloat16}), devices=frozenset({"cuda"}),
-        compute_capabilities=frozenset({(10, 0), (10, 3)}), cuda_graphs=CGSupport.NEVER,
+        kinds=frozenset({"mla"}),
+        dtypes=frozenset({torch.bfloat16}),
+        devices=frozenset({"cuda"}),
+        compute_capabilities=frozenset({(10, 0), (10, 3)}),
+        cuda_graphs=CGSupport.NEVER,
     )
 
 
 class NeedsMissingPackage(TorchNaiveBackend):
     name = "planted_needs_missing_package"
     capabilities = Capabilities(
-        devices=frozenset({"cpu", "cuda"}), required_modules=("no_such_vendor_package",),
+        devices=frozenset({"cpu", "cuda"}),
+        required_modules=("no_such_vendor_package",),
         install_hint="pip install 'specdec-conformance[no_such_extra]'",
     )
 
@@ -137,6 +142,8 @@ class GuessesSeqLens(TorchNaiveBackend):
         if common.has_host_seq_lens or guessed is None or len(guessed) != common.num_reqs:
             metadata = super().build(common)
         else:
-            metadata = super().build(dataclasses.replace(common, host_seq_lens=torch.tensor(guessed, dtype=torch.int32)))
+            metadata = super().build(
+                dataclasses.replace(common, host_seq_lens=torch.tensor(guessed, dtype=torch.int32))
+            )
         self._guessed = [length + query for length, query in zip(metadata.seq_lens, common.query_lens_cpu.tolist())]
         return metadata

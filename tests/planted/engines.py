@@ -1,5 +1,6 @@
 """Deliberately broken batched engines: each plants one async-scheduling bug that the engine's
 tests (and its debug input checks) must catch."""
+
 from reference_engine.batched_engine import BatchedEngine
 
 

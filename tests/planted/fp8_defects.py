@@ -2,6 +2,7 @@
 scale dropped on one path, swapped, applied twice, kept from the first layer; quantisation by
 truncation, without saturation; a device scale read on the host. And flashinfer_mla claiming the
 e4m3 cache it does not claim (FlashInfer rounds the scale to bf16: docs/findings.md)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,7 +25,9 @@ class DropsScaleOnDecode(TorchNaiveBackend):
         for request in range(len(metadata.seq_lens)):
             start, end = metadata.query_start_loc[request], metadata.query_start_loc[request + 1]
             if end - start == 1:
-                single = NaiveMetadata([0, 1], [metadata.seq_lens[request]], metadata.block_table[request : request + 1])
+                single = NaiveMetadata(
+                    [0, 1], [metadata.seq_lens[request]], metadata.block_table[request : request + 1]
+                )
                 super().forward(query[start:end], kv_cache, single, out[start:end], raw)
 
 
@@ -40,7 +43,7 @@ class ScalesTwiceOnRead(TorchNaiveBackend):
     """Dequantizes with the scale applied twice (stored × scale²)."""
 
     def forward(self, query, kv_cache, metadata, out, scales=None) -> None:
-        squared = KVScales(scales.k_scale ** 2, scales.v_scale ** 2, scales.k_scale_tensor, scales.v_scale_tensor)
+        squared = KVScales(scales.k_scale**2, scales.v_scale**2, scales.k_scale_tensor, scales.v_scale_tensor)
         super().forward(query, kv_cache, metadata, out, squared)
 
 
@@ -85,8 +88,9 @@ class ReadsDeviceScaleOnHost(TorchNaiveBackend):
     check sees it)."""
 
     def forward(self, query, kv_cache, metadata, out, scales=None) -> None:
-        host = KVScales(scales.k_scale_tensor.item(), scales.v_scale_tensor.item(), scales.k_scale_tensor,
-                        scales.v_scale_tensor)
+        host = KVScales(
+            scales.k_scale_tensor.item(), scales.v_scale_tensor.item(), scales.k_scale_tensor, scales.v_scale_tensor
+        )
         super().forward(query, kv_cache, metadata, out, host)
 
 
@@ -97,5 +101,6 @@ class FlashInferMLAClaimingE4M3(FlashInferMLABackend):
     tolerance where a few large scores share the softmax; a scale exact in bf16 passes."""
 
     name = "planted_flashinfer_mla_claiming_e4m3"
-    capabilities = dataclasses.replace(FlashInferMLABackend.capabilities, kv_cache_dtypes=frozenset({torch.float8_e4m3fn}),
-                                       kv_cache_note="")
+    capabilities = dataclasses.replace(
+        FlashInferMLABackend.capabilities, kv_cache_dtypes=frozenset({torch.float8_e4m3fn}), kv_cache_note=""
+    )

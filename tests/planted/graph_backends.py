@@ -3,6 +3,7 @@
 ``TorchGraphSafe`` reads every length from the device and sizes everything from the static
 limits, so one capture serves any batch of its padded shape. Each defect adds one realistic bug.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,16 +29,25 @@ class GraphSafeMetadata:
 class TorchGraphSafe(TorchNaiveBackend):
     name = "test_graph_safe"
     capabilities = Capabilities(
-        kinds=frozenset({"mha"}), dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        kv_cache_dtypes=FP8_KV_DTYPES, sliding_window=True, logits_soft_cap=True, cuda_graphs=CGSupport.ALWAYS, needs_cpu_seq_lens=False,
-        draft_step_update=True, devices=frozenset({"cuda"}),
+        kinds=frozenset({"mha"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        kv_cache_dtypes=FP8_KV_DTYPES,
+        sliding_window=True,
+        logits_soft_cap=True,
+        cuda_graphs=CGSupport.ALWAYS,
+        needs_cpu_seq_lens=False,
+        draft_step_update=True,
+        devices=frozenset({"cuda"}),
     )
 
     zero_unowned_values = True
 
     def build(self, common) -> GraphSafeMetadata:
         return GraphSafeMetadata(
-            common.query_start_loc, common.seq_lens, common.block_table, common.num_actual_tokens,
+            common.query_start_loc,
+            common.seq_lens,
+            common.block_table,
+            common.num_actual_tokens,
             self.limits.max_blocks_per_req(self.spec.block_size),
         )
 

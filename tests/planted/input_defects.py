@@ -2,6 +2,7 @@
 small logits, soft boundaries, identical runs, one batch composition. Each is torch_naive (or the
 graph-safe test backend) with one realistic bug, and each must fail its check by a wide margin.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -67,7 +68,9 @@ class ScoresInInputDtype(TorchNaiveBackend):
     def attend(self, query, key, value, context_len, sinks=None):
         raw = self.masked_scores(query, key, context_len)  # unscaled QK^T, as the MMA produced it
         scores = raw.to(query.dtype).float() * self.spec.softmax_scale
-        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), value.float().repeat_interleave(self.spec.query_group_size, dim=1))
+        return torch.einsum(
+            "hqk,khd->qhd", scores.softmax(-1), value.float().repeat_interleave(self.spec.query_group_size, dim=1)
+        )
 
 
 class WindowOffByOne(TorchNaiveBackend):
@@ -97,8 +100,11 @@ class DecodeReadsOnePastEnd(TorchNaiveBackend):
             kv = [self.gather(plane, metadata.block_table[request], seq_len + 1) for plane in planes]
             key, value = (kv[0], kv[0][..., : self.spec.v_head_dim]) if self.spec.kind == "mla" else kv
             out[start:end] = self.attend(query[start:end], key, value, seq_len).to(out.dtype)
-        multi = [r for r in range(len(metadata.seq_lens))
-                 if metadata.query_start_loc[r + 1] - metadata.query_start_loc[r] != 1]
+        multi = [
+            r
+            for r in range(len(metadata.seq_lens))
+            if metadata.query_start_loc[r + 1] - metadata.query_start_loc[r] != 1
+        ]
         if multi:
             scratch = out.clone()
             super().forward(query, kv_cache, metadata, scratch)
@@ -116,7 +122,9 @@ class DecodeReadsOnePastEnd(TorchNaiveBackend):
         return plane[slots]
 
     def visible(self, query_positions, key_positions):
-        return torch.ones(query_positions.shape[0], key_positions.shape[0], dtype=torch.bool, device=key_positions.device)
+        return torch.ones(
+            query_positions.shape[0], key_positions.shape[0], dtype=torch.bool, device=key_positions.device
+        )
 
 
 class NondeterministicSplits(TorchNaiveBackend):
@@ -256,7 +264,9 @@ class HeadTileWithoutHeadMask(TorchNaiveBackend):
                 position = seq_len - (end - token)
                 rows = torch.zeros_like(query[token : token + 1])
                 rows[:, :stray] = query[token + 1, :stray]  # the next token's first heads, taken as this token's
-                out[token + 1, :stray] = self.attend(rows, key[: position + 1], value[: position + 1], position)[0, :stray]
+                out[token + 1, :stray] = self.attend(rows, key[: position + 1], value[: position + 1], position)[
+                    0, :stray
+                ]
 
 
 class AssumesContiguousBlockTable(TorchNaiveBackend):
@@ -361,7 +371,7 @@ class RecomputesScale(TorchNaiveBackend):
     name = "planted_recomputes_scale"
 
     def softmax_scale(self) -> float:
-        return self.spec.head_dim ** -0.5
+        return self.spec.head_dim**-0.5
 
 
 class AccumulatesInInputDtype(TorchNaiveBackend):

@@ -1,6 +1,7 @@
 """Planted log-sum-exp defects, each torch_naive claiming ``returns_lse`` with one convention slip
 of a kind a merge then compounds: base 2 (FlashInfer's default) handed over as natural log, and
 the learned sink's term left out of the LSE while the output includes it."""
+
 from __future__ import annotations
 
 import math

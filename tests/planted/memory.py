@@ -4,6 +4,7 @@ memory check exists for them.
 The CPU ones (plain PyTorch) show the NaN-poison pass; the Triton ones are the issue's three
 GPU defects, each an extra access beside our correct Triton backend, masked so numerics passes.
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,9 +50,21 @@ def _triton_defects():
 
     @triton.jit
     def masked_extra_read_kernel(
-        v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr, zero, num_blocks,
-        stride_table, stride_cache_block, stride_cache_token, stride_out_token,
-        NEXT_ROW: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        v_cache_ptr,
+        block_table_ptr,
+        query_start_loc_ptr,
+        seq_lens_ptr,
+        out_ptr,
+        zero,
+        num_blocks,
+        stride_table,
+        stride_cache_block,
+        stride_cache_token,
+        stride_out_token,
+        NEXT_ROW: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
     ):
         """Reads one more KV block per request and adds it with weight ``zero`` to head 0 of the
         request's first output row: the result is unchanged unless the block holds NaN."""
@@ -62,21 +75,34 @@ def _triton_defects():
         else:  # the entry after the request's last block (a loop bound one too far)
             entry = request * stride_table + blocks
         block = tl.load(block_table_ptr + entry).to(tl.int64)
-        # A block id read past the table is replaced by block 0 when outside the pool, so that outside compute-sanitizer the
+        # A block id read past the table is replaced by block 0 when outside the pool, so that
+        # outside compute-sanitizer the
         # defect reads garbage inside the pool rather than crashing the checks not looking for it.
         block = tl.where((block >= 0) & (block < num_blocks), block, 0)
         tokens = tl.arange(0, PAGE_SIZE)
         dims = tl.arange(0, BLOCK_D)
-        value = tl.load(v_cache_ptr + block * stride_cache_block + tokens[:, None] * stride_cache_token + dims[None, :],
-                        mask=dims[None, :] < HEAD_DIM, other=0.0)
+        value = tl.load(
+            v_cache_ptr + block * stride_cache_block + tokens[:, None] * stride_cache_token + dims[None, :],
+            mask=dims[None, :] < HEAD_DIM,
+            other=0.0,
+        )
         row = out_ptr + tl.load(query_start_loc_ptr + request) * stride_out_token + dims
         current = tl.load(row, mask=dims < HEAD_DIM)
         tl.store(row, current + zero * tl.sum(value.to(tl.float32), axis=0), mask=dims < HEAD_DIM)
 
     @triton.jit
-    def write_one_row_past_kernel(key_ptr, k_cache_ptr, slot_mapping_ptr, num_slots, stride_key_token,
-                                  stride_cache_block, stride_cache_token, PAGE_SIZE: tl.constexpr,
-                                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    def write_one_row_past_kernel(
+        key_ptr,
+        k_cache_ptr,
+        slot_mapping_ptr,
+        num_slots,
+        stride_key_token,
+        stride_cache_block,
+        stride_cache_token,
+        PAGE_SIZE: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         """A write_kv grid one program too large: the last program reads the slot mapping and the
         key one row past their ends (and writes head 0 there when the slot it read is in the pool)."""
         token = tl.program_id(0)
@@ -84,8 +110,11 @@ def _triton_defects():
         dims = tl.arange(0, BLOCK_D)
         key = tl.load(key_ptr + token * stride_key_token + dims, mask=dims < HEAD_DIM)
         if (slot >= 0) & (slot < num_slots):
-            tl.store(k_cache_ptr + (slot // PAGE_SIZE) * stride_cache_block + (slot % PAGE_SIZE) * stride_cache_token + dims,
-                     key, mask=dims < HEAD_DIM)
+            tl.store(
+                k_cache_ptr + (slot // PAGE_SIZE) * stride_cache_block + (slot % PAGE_SIZE) * stride_cache_token + dims,
+                key,
+                mask=dims < HEAD_DIM,
+            )
 
     class MaskedExtraRead(TritonAttentionBackend):
         next_row = False
@@ -94,9 +123,20 @@ def _triton_defects():
             super().forward(query, kv_cache, metadata, out)
             v_cache = kv_cache[1]  # [blocks, kv heads, page, dim]
             masked_extra_read_kernel[(metadata.num_reqs,)](
-                v_cache, metadata.block_table, metadata.query_start_loc, metadata.seq_lens, out, 0.0, v_cache.shape[0],
-                metadata.block_table.stride(0), v_cache.stride(0), v_cache.stride(2), out.stride(0),
-                NEXT_ROW=self.next_row, PAGE_SIZE=self.spec.block_size, HEAD_DIM=self.spec.head_dim,
+                v_cache,
+                metadata.block_table,
+                metadata.query_start_loc,
+                metadata.seq_lens,
+                out,
+                0.0,
+                v_cache.shape[0],
+                metadata.block_table.stride(0),
+                v_cache.stride(0),
+                v_cache.stride(2),
+                out.stride(0),
+                NEXT_ROW=self.next_row,
+                PAGE_SIZE=self.spec.block_size,
+                HEAD_DIM=self.spec.head_dim,
                 BLOCK_D=self.block_d,
             )
 
@@ -120,8 +160,15 @@ def _triton_defects():
             super().write_kv(kv_cache, key, value, slot_mapping)
             k_cache = kv_cache[0]
             write_one_row_past_kernel[(slot_mapping.shape[0] + 1,)](
-                key, k_cache, slot_mapping, k_cache.shape[0] * self.spec.block_size, key.stride(0),
-                k_cache.stride(0), k_cache.stride(2), PAGE_SIZE=self.spec.block_size, HEAD_DIM=self.spec.head_dim,
+                key,
+                k_cache,
+                slot_mapping,
+                k_cache.shape[0] * self.spec.block_size,
+                key.stride(0),
+                k_cache.stride(0),
+                k_cache.stride(2),
+                PAGE_SIZE=self.spec.block_size,
+                HEAD_DIM=self.spec.head_dim,
                 BLOCK_D=self.block_d,
             )
 

@@ -2,6 +2,7 @@
 -1), each torch_naive claiming that padding style with one bug of a kind that reached vLLM and
 FlashInfer users (vLLM #37442, #38436, #37815; FlashInfer #2883): a kernel that writes each
 request's last query token, an empty request's 0/0, a -1 row read as a block id."""
+
 from __future__ import annotations
 
 import torch
@@ -54,4 +55,8 @@ class ReadsBlockMinusOne(EmptyRequestsMixin, TorchNaiveBackend):
             slot = int(metadata.block_table[request, 0]) * self.spec.block_size
             if row < out.shape[0]:
                 value = planes[-1][slot].float()  # [Hkv, Dv] (MLA: the latent row)
-                out[row] = value[..., : self.spec.v_head_dim].repeat_interleave(self.spec.query_group_size, dim=0).to(out.dtype)
+                out[row] = (
+                    value[..., : self.spec.v_head_dim]
+                    .repeat_interleave(self.spec.query_group_size, dim=0)
+                    .to(out.dtype)
+                )

@@ -1,6 +1,7 @@
 """Planted learned-sink defects, each torch_naive with one bug of a kind that reached users: sinks
 dropped by the prefill kernel (FlashInfer's SM12x prefill, gpt-oss at 0.000 on GSM8K: vLLM
 #52148), the sink given a value (added to the numerator), sinks indexed by KV head."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,7 +30,8 @@ class AddsSinkToNumerator(TorchNaiveBackend):
         scores = self.masked_scores(query, key, context_len)  # [H, q, s]
         top = torch.maximum(scores.amax(-1), sinks.float()[:, None])  # [H, q]
         sink_weight = torch.exp(sinks.float()[:, None] - top) / (
-            torch.exp(scores - top[..., None]).sum(-1) + torch.exp(sinks.float()[:, None] - top))
+            torch.exp(scores - top[..., None]).sum(-1) + torch.exp(sinks.float()[:, None] - top)
+        )
         return out + sink_weight.transpose(0, 1)[..., None]
 
 
@@ -53,5 +55,9 @@ class FlashInferClaimingSinks(FlashInferBackend):
 
     def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None) -> None:
         for call in metadata.calls:
-            call.wrapper.run(query[call.token_start : call.token_end].contiguous(), kv_cache,
-                             out=out[call.token_start : call.token_end], sinks=sinks)
+            call.wrapper.run(
+                query[call.token_start : call.token_end].contiguous(),
+                kv_cache,
+                out=out[call.token_start : call.token_end],
+                sinks=sinks,
+            )

@@ -2,6 +2,7 @@
 torch backend (device lengths, no sync) with one bug that a look at one step, or at the handful a
 draft loop or a graph replay makes, cannot see: a host-side cache refreshed now and then, a sync
 every Nth step, a workspace regrown as the contexts grow and the old one kept."""
+
 from __future__ import annotations
 
 import torch

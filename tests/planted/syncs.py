@@ -1,6 +1,7 @@
 """Planted host syncs for the detector's GPU tests. Each line that syncs carries a marker
 comment; the tests find the expected line by its marker, so editing this file cannot silently
 break the attribution they check."""
+
 from __future__ import annotations
 
 import ctypes
@@ -51,11 +52,15 @@ def _cudart():
 def raw_cuda_memcpy_d2h(x):
     num_bytes = x.numel() * x.element_size()
     host = ctypes.create_string_buffer(num_bytes)
-    _cudart().cudaMemcpy(host, ctypes.c_void_p(x.data_ptr()), ctypes.c_size_t(num_bytes), 2)  # planted: raw_cuda_memcpy_d2h
+    _cudart().cudaMemcpy(
+        host, ctypes.c_void_p(x.data_ptr()), ctypes.c_size_t(num_bytes), 2
+    )  # planted: raw_cuda_memcpy_d2h
 
 
 def raw_stream_synchronize(x):
-    _cudart().cudaStreamSynchronize(ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))  # planted: raw_stream_synchronize
+    _cudart().cudaStreamSynchronize(
+        ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    )  # planted: raw_stream_synchronize
 
 
 PLANTED = [item, cpu, tolist, cuda_synchronize, event_synchronize, raw_cuda_memcpy_d2h, raw_stream_synchronize]
@@ -97,8 +102,12 @@ class SeqLensCpuInBuild(TorchNaiveBackend):
 
     name = "planted_seq_lens_cpu_in_build"
     capabilities = Capabilities(
-        kinds=frozenset({"mha", "mla"}), dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        sliding_window=True, logits_soft_cap=True, cuda_graphs=CGSupport.NEVER, needs_cpu_seq_lens=False,
+        kinds=frozenset({"mha", "mla"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        sliding_window=True,
+        logits_soft_cap=True,
+        cuda_graphs=CGSupport.NEVER,
+        needs_cpu_seq_lens=False,
         devices=frozenset({"cuda"}),
     )
 

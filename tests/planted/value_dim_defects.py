@@ -1,6 +1,7 @@
 """A planted defect of a value head dim other than the query/key one (DeepSeek-V3's prefill,
 192 / 128): torch_naive reading each token's value at an offset computed from the value's own
 width, as a kernel written for one head dim does, where the key before it is wider."""
+
 from __future__ import annotations
 
 from backends.torch_naive import TorchNaiveBackend

@@ -3,6 +3,7 @@ uniform-only as flashmla, verify-only as triton_mla) runs under both engine loop
 companion; each sees only what it claims (the planted backends below refuse anything else, as
 their kernels would); tokens equal plain decoding through one backend; the engine check runs
 them, reports the routing, and still fails a defect in the backend under test."""
+
 import dataclasses
 
 import pytest
@@ -11,11 +12,17 @@ import torch
 from backends.base import CommonAttentionMetadata, DeviceInfo
 from backends.torch_naive import TorchNaiveBackend
 from backends.utils import sub_batch
-from conformance.checks.engine import EngineCheck
 from conformance.cases.grammar import parse_case
+from conformance.checks.engine import EngineCheck
 from conformance.results import Verdict
-from reference_engine.attention_split import (Part, SplitAttention, companion_candidates, first_claiming, plan_parts,
-                                              resolve_companion)
+from reference_engine.attention_split import (
+    Part,
+    SplitAttention,
+    companion_candidates,
+    first_claiming,
+    plan_parts,
+    resolve_companion,
+)
 from reference_engine.batched_engine import BatchedEngine
 from reference_engine.core import EngineConfig
 from reference_engine.engine import Engine
@@ -67,7 +74,11 @@ def plain_tokens():
 def test_plan_parts_routes_by_what_the_backend_claims():
     assert plan_parts([1, 1, 30, 4], DecodeOnly.capabilities) == [Part(0, 2, False), Part(2, 4, True)]
     assert plan_parts([4, 4, 1, 4, 30], UniformOnly.capabilities) == [
-        Part(0, 2, False), Part(2, 3, False), Part(3, 4, False), Part(4, 5, True)]
+        Part(0, 2, False),
+        Part(2, 3, False),
+        Part(3, 4, False),
+        Part(4, 5, True),
+    ]
     assert plan_parts([4, 4, 4], UniformOnly.capabilities) == [Part(0, 3, False)]  # a uniform step: one part, whole
     assert plan_parts([30, 9, 2, 4], VerifyOnly.capabilities) == [Part(0, 2, True), Part(2, 4, False)]
 
@@ -77,7 +88,7 @@ def test_split_engines_equal_plain_decoding(plain_tokens, backend, k):
     config = EngineConfig(backend=f"{HERE}:{backend}", num_spec_tokens=k, drafter="layer-skip:1", check_inputs=True)
     for scheduling in (False, True):
         engine = BatchedEngine(dataclasses.replace(config, async_scheduling=scheduling))
-        split, = engine.backend.splits
+        (split,) = engine.backend.splits
         assert isinstance(split, SplitAttention) and split.companion.name == "torch_naive"
         assert [out.tokens for out in engine.generate(PROMPTS, GREEDY)] == plain_tokens
         served = split.routing.to_dict()
@@ -103,9 +114,14 @@ def test_bad_prefill_backends_are_one_line_errors():
 
 def test_sub_batch_keeps_unknown_host_lengths_unknown_and_syncs_nothing():
     common = CommonAttentionMetadata.from_lengths(
-        query_start_loc=torch.tensor([0, 1, 5, 35], dtype=torch.int32), seq_lens=torch.tensor([9, 20, 30], dtype=torch.int32),
-        block_table=torch.zeros(3, 4, dtype=torch.int32), slot_mapping=torch.arange(35), query_starts=[0, 1, 5, 35],
-        host_seq_lens=[12, 23, 30], lengths_known=False)
+        query_start_loc=torch.tensor([0, 1, 5, 35], dtype=torch.int32),
+        seq_lens=torch.tensor([9, 20, 30], dtype=torch.int32),
+        block_table=torch.zeros(3, 4, dtype=torch.int32),
+        slot_mapping=torch.arange(35),
+        query_starts=[0, 1, 5, 35],
+        host_seq_lens=[12, 23, 30],
+        lengths_known=False,
+    )
     part = sub_batch(common, 1, 3)
     assert not part.has_host_seq_lens and part.max_seq_len == 30 and part.query_start_loc_cpu.tolist() == [0, 4, 34]
     assert part.slot_mapping[0] == 1 and common.device_to_host_copies == [] and part.device_to_host_copies == []
@@ -143,7 +159,10 @@ def test_trtllm_mla_claims_route_prefill_to_a_companion():
     # triton_mla is tried first on a GPU but verifies only up to 4 tokens: torch_naive takes the prefills.
     assert companion_candidates(spec, torch.device("cuda")) == ["triton_mla", "torch_naive"]
     hopper = DeviceInfo("cuda", "NVIDIA H200", (9, 0))
-    assert first_claiming(["triton_mla"], spec, hopper, every_batch=True)[1] == "triton_mla: does not serve every query length itself"
+    assert (
+        first_claiming(["triton_mla"], spec, hopper, every_batch=True)[1]
+        == "triton_mla: does not serve every query length itself"
+    )
     assert plan_parts([4, 4, 4, 37, 1], claims) == [Part(0, 3, False), Part(3, 4, True), Part(4, 5, False)]
 
 

@@ -2,6 +2,7 @@
 tokens of sync scheduling and of plain greedy decoding, for every scripted pattern and k in {1, 3, 5},
 with chunked prefill and with preemption; the host's optimistic bookkeeping is corrected exactly;
 planted async bugs are caught."""
+
 import dataclasses
 
 import pytest
@@ -9,7 +10,6 @@ import torch
 
 from backends.base import CGSupport
 from backends.torch_naive import TorchNaiveBackend
-
 from reference_engine.batched_engine import BatchedEngine, InputCheckFailed
 from reference_engine.core import EngineConfig
 from reference_engine.engine import Engine
@@ -64,8 +64,14 @@ def test_a_step_landing_while_scheduling_keeps_the_blocks_just_allocated(max_tok
     prompts = PROMPTS + [[5, 6, 5, 6, 5, 6, 5]]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     plain = [out.tokens for out in Engine(EngineConfig()).generate(prompts, params)]
-    engine, outputs = run(prompts=prompts, params=params, num_blocks=6, num_spec_tokens=3, drafter="scripted:first:1",
-                          async_scheduling=True)
+    engine, outputs = run(
+        prompts=prompts,
+        params=params,
+        num_blocks=6,
+        num_spec_tokens=3,
+        drafter="scripted:first:1",
+        async_scheduling=True,
+    )
     assert [out.tokens for out in outputs] == plain
     assert sum(out.preemptions for out in outputs) > 0
     engine.blocks.assert_all_free()
@@ -111,7 +117,12 @@ def test_optimistic_bookkeeping_is_corrected_exactly(plain_tokens, drafter):
 
 def test_eos_and_max_tokens_cut_what_the_step_in_flight_produced(plain_tokens):
     eos = plain_tokens[0][3]
-    _, outputs = run(prompts=PROMPTS[:1], params=SamplingParams(max_tokens=14, eos_token_id=eos), num_spec_tokens=3, drafter="scripted:all")
+    _, outputs = run(
+        prompts=PROMPTS[:1],
+        params=SamplingParams(max_tokens=14, eos_token_id=eos),
+        num_spec_tokens=3,
+        drafter="scripted:all",
+    )
     assert outputs[0].tokens == plain_tokens[0][: plain_tokens[0].index(eos) + 1]
 
 
@@ -175,7 +186,9 @@ def test_eagle_drafts_what_the_per_request_engine_drafts(plain_tokens, monkeypat
 
     expected, _ = per_request_drafts(monkeypatch, EagleDrafter, "eagle", PROMPTS, GREEDY)
     for scheduling in (False, True):
-        engine = DraftRecordingEngine(EngineConfig(num_spec_tokens=3, drafter="eagle", async_scheduling=scheduling, check_inputs=True))
+        engine = DraftRecordingEngine(
+            EngineConfig(num_spec_tokens=3, drafter="eagle", async_scheduling=scheduling, check_inputs=True)
+        )
         engine.recorded = {}
         assert [out.tokens for out in engine.generate(PROMPTS, GREEDY)] == plain_tokens
         assert_same_drafts(expected, engine.recorded)
@@ -194,8 +207,15 @@ def test_ngram_drafts_what_the_per_request_engine_drafts(monkeypatch, num_blocks
     expected, drafted = per_request_drafts(monkeypatch, NgramDrafter, "ngram", prompts, params)
     assert drafted == plain
     for scheduling in (False, True):
-        engine = DraftRecordingEngine(EngineConfig(num_spec_tokens=3, drafter="ngram", async_scheduling=scheduling,
-                                                   num_blocks=num_blocks, check_inputs=True))
+        engine = DraftRecordingEngine(
+            EngineConfig(
+                num_spec_tokens=3,
+                drafter="ngram",
+                async_scheduling=scheduling,
+                num_blocks=num_blocks,
+                check_inputs=True,
+            )
+        )
         engine.recorded = {}
         outputs = engine.generate(prompts, params)
         assert [out.tokens for out in outputs] == plain
@@ -232,7 +252,9 @@ def test_speculative_sampling_with_a_one_hot_target_emits_the_greedy_tokens(plai
 
 def test_scripted_drafter_refuses_sampling():
     with pytest.raises(ValueError, match="scripts greedy runs only"):
-        BatchedEngine(EngineConfig(num_spec_tokens=2, drafter="scripted:all")).generate(PROMPTS, SamplingParams(temperature=1.0))
+        BatchedEngine(EngineConfig(num_spec_tokens=2, drafter="scripted:all")).generate(
+            PROMPTS, SamplingParams(temperature=1.0)
+        )
 
 
 class PaddingOnlyGraphs(StepGraphs):
@@ -265,42 +287,56 @@ def test_padded_uniform_steps_reuse_their_buffers_and_match_plain(plain_tokens, 
     prompts = PROMPTS + [[3, 1, 4]]  # five requests: uniform steps pad to 8 rows
     plain = [out.tokens for out in Engine(EngineConfig()).generate(prompts, GREEDY)]
     for scheduling in (False, True):
-        backend = "tests.reference_engine.test_batched_engine:" + ("DraftStepUpdateNaive" if one_graph_draft_loop else "TorchNaiveBackend")
-        engine = BatchedEngine(EngineConfig(backend=backend, num_spec_tokens=3, drafter=drafter, async_scheduling=scheduling,
-                                            check_inputs=True))
+        backend = "tests.reference_engine.test_batched_engine:" + (
+            "DraftStepUpdateNaive" if one_graph_draft_loop else "TorchNaiveBackend"
+        )
+        engine = BatchedEngine(
+            EngineConfig(
+                backend=backend, num_spec_tokens=3, drafter=drafter, async_scheduling=scheduling, check_inputs=True
+            )
+        )
         engine.graphs = PaddingOnlyGraphs(engine)
         assert [out.tokens for out in engine.generate(prompts, GREEDY)] == plain
         assert "verify" in engine.graphs.keys and any(shape.padded and shape.num_reqs == 8 for shape in engine._buffers)
-        expected = next((name for name in ("scripted", "ngram") if drafter.startswith(name)),
-                        "draft loop" if one_graph_draft_loop else "draft step")
+        expected = next(
+            (name for name in ("scripted", "ngram") if drafter.startswith(name)),
+            "draft loop" if one_graph_draft_loop else "draft step",
+        )
         assert expected in engine.graphs.keys
         assert int(engine.state.num_computed[engine.spare_slot]) == 0  # padding rows never commit
 
 
-
 def test_step_inputs_torch_and_triton_agree_under_the_interpreter():
+    import os
     import subprocess
     import sys
-    import os
 
     script = (
         "import torch\n"
         "from reference_engine.step_inputs import RowLayout, prepare_torch, prepare_triton\n"
         "g = torch.Generator().manual_seed(0)\n"
-        "layout = RowLayout(slots=torch.tensor([2, 0, 1]), query_start_loc=torch.tensor([0, 4, 5, 8], dtype=torch.int32),\n"
+        "layout = RowLayout(slots=torch.tensor([2, 0, 1]), "
+        "query_start_loc=torch.tensor([0, 4, 5, 8], dtype=torch.int32),\n"
         "    token_row=torch.tensor([0, 0, 0, 0, 1, 2, 2, 2]), host_ids=torch.tensor([0, 0, 0, 0, 0, 11, 12, 13]),\n"
         "    is_decode=torch.tensor([1, 1, 0]), num_valid=torch.tensor([3, 0, 2]),\n"
         "    block_table=torch.randint(1, 50, (3, 6), generator=g, dtype=torch.int32))\n"
         "starts = torch.tensor([37, 5, 16], dtype=torch.int32)\n"
         "last = torch.tensor([101, 102, 103]); drafts = torch.randint(0, 99, (3, 4), generator=g)\n"
         "for step in (0, 2, 3):\n"
-        "    a = prepare_torch(starts, last, drafts, layout, step, 16); b = prepare_triton(starts, last, drafts, layout, step, 16)\n"
+        "    a = prepare_torch(starts, last, drafts, layout, step, 16); "
+        "b = prepare_triton(starts, last, drafts, layout, step, 16)\n"
         "    for name in ('input_ids', 'positions', 'slot_mapping', 'seq_lens'):\n"
-        "        assert torch.equal(getattr(a, name), getattr(b, name)), (step, name, getattr(a, name), getattr(b, name))\n"
+        "        assert torch.equal(getattr(a, name), getattr(b, "
+        "name)), (step, name, getattr(a, name), getattr(b, name))\n"
         "print('agree', a.slot_mapping.tolist())\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "TRITON_INTERPRET": "1"})
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "agree" in result.stdout
 
@@ -308,10 +344,15 @@ def test_step_inputs_torch_and_triton_agree_under_the_interpreter():
 def test_step_inputs_follow_the_device_state():
     from reference_engine.step_inputs import RowLayout, prepare_torch
 
-    layout = RowLayout(slots=torch.tensor([1, 0]), query_start_loc=torch.tensor([0, 3, 5], dtype=torch.int32),
-                       token_row=torch.tensor([0, 0, 0, 1, 1]), host_ids=torch.tensor([0, 0, 0, 8, 9]),
-                       is_decode=torch.tensor([1, 0]), num_valid=torch.tensor([3, 2]),
-                       block_table=torch.tensor([[4, 5], [6, 7]], dtype=torch.int32))
+    layout = RowLayout(
+        slots=torch.tensor([1, 0]),
+        query_start_loc=torch.tensor([0, 3, 5], dtype=torch.int32),
+        token_row=torch.tensor([0, 0, 0, 1, 1]),
+        host_ids=torch.tensor([0, 0, 0, 8, 9]),
+        is_decode=torch.tensor([1, 0]),
+        num_valid=torch.tensor([3, 2]),
+        block_table=torch.tensor([[4, 5], [6, 7]], dtype=torch.int32),
+    )
     drafts = torch.tensor([[70, 71], [80, 81]])
     step = prepare_torch(torch.tensor([15, 3], dtype=torch.int32), torch.tensor([50, 60]), drafts, layout, 0, 16)
     assert step.input_ids.tolist() == [60, 80, 81, 8, 9]  # slot 1: last token then its drafts
@@ -324,12 +365,23 @@ def test_a_draft_row_stops_at_its_last_draft():
     """Draft step 2 of a loop of 3: the row with 1 draft stays at its step 0 and writes nothing."""
     from reference_engine.step_inputs import RowLayout, prepare_torch
 
-    layout = RowLayout(slots=torch.tensor([0, 1]), query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
-                       token_row=torch.tensor([0, 1]), host_ids=torch.zeros(2, dtype=torch.long),
-                       is_decode=torch.tensor([1, 1]), num_valid=torch.tensor([3, 1]),
-                       block_table=torch.tensor([[4, 5], [6, 0]], dtype=torch.int32))
-    step = prepare_torch(torch.tensor([20, 16], dtype=torch.int32), torch.tensor([50, 60]),
-                         torch.tensor([[70, 71, 72], [80, 81, 82]]), layout, 2, 16)
+    layout = RowLayout(
+        slots=torch.tensor([0, 1]),
+        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
+        token_row=torch.tensor([0, 1]),
+        host_ids=torch.zeros(2, dtype=torch.long),
+        is_decode=torch.tensor([1, 1]),
+        num_valid=torch.tensor([3, 1]),
+        block_table=torch.tensor([[4, 5], [6, 0]], dtype=torch.int32),
+    )
+    step = prepare_torch(
+        torch.tensor([20, 16], dtype=torch.int32),
+        torch.tensor([50, 60]),
+        torch.tensor([[70, 71, 72], [80, 81, 82]]),
+        layout,
+        2,
+        16,
+    )
     assert step.positions.tolist() == [22, 16]
     assert step.seq_lens.tolist() == [23, 17]  # 17 tokens fit the row's one block; 19 would not
     assert step.slot_mapping.tolist() == [5 * 16 + 6, -1]
@@ -345,7 +397,9 @@ class AllocationBoundBackend(TorchNaiveBackend):
         for request, seq_len in enumerate(metadata.seq_lens):
             pages = metadata.block_table[request, : -(-seq_len // self.spec.block_size)]
             if pages.numel() * self.spec.block_size < seq_len or bool((pages == 0).any()):
-                raise AssertionError(f"request row {request}: seq_len {seq_len} reaches past its blocks {pages.tolist()}")
+                raise AssertionError(
+                    f"request row {request}: seq_len {seq_len} reaches past its blocks {pages.tolist()}"
+                )
         super().forward(query, kv_cache, metadata, out)
 
 

@@ -1,6 +1,7 @@
 """The batched engine on a GPU with the Triton backend, CUDA graphs on: async == sync == plain
 (or differing only at fp32-confirmed near-ties), graphs replayed, no host-blocking sync in a
 steady-state async step, and the engine check passing."""
+
 import dataclasses
 
 import pytest
@@ -27,8 +28,18 @@ def test_triton_async_equals_sync_with_graphs_and_no_syncs(drafter, temperature)
     if temperature and drafter.startswith("scripted"):
         pytest.skip("the scripted drafter follows greedy runs")
     device = torch.device("cuda")
-    config = EngineConfig(model=PRESETS["tiny-d128"], backend="triton", device="cuda", dtype=torch.bfloat16, num_spec_tokens=3,
-                          drafter=drafter, max_num_reqs=8, num_blocks=256, cuda_graphs=True, check_inputs=True)
+    config = EngineConfig(
+        model=PRESETS["tiny-d128"],
+        backend="triton",
+        device="cuda",
+        dtype=torch.bfloat16,
+        num_spec_tokens=3,
+        drafter=drafter,
+        max_num_reqs=8,
+        num_blocks=256,
+        cuda_graphs=True,
+        check_inputs=True,
+    )
     model = LlamaModel.random(config.model, 0, torch.bfloat16, device)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (5, 17, 33, 64, 9, 40, 21, 3)]
@@ -61,9 +72,18 @@ class TritonWithoutDraftStepUpdate(TritonAttentionBackend):
 @pytest.mark.parametrize("drafter", ["layer-skip", "eagle"])
 def test_one_draft_step_graph_replayed_k_times(drafter):
     device = torch.device("cuda")
-    config = EngineConfig(model=PRESETS["tiny-d128"], backend=f"{__name__}:TritonWithoutDraftStepUpdate", device="cuda",
-                          dtype=torch.bfloat16, num_spec_tokens=3, drafter=drafter, max_num_reqs=8, num_blocks=256,
-                          cuda_graphs=True, check_inputs=True)
+    config = EngineConfig(
+        model=PRESETS["tiny-d128"],
+        backend=f"{__name__}:TritonWithoutDraftStepUpdate",
+        device="cuda",
+        dtype=torch.bfloat16,
+        num_spec_tokens=3,
+        drafter=drafter,
+        max_num_reqs=8,
+        num_blocks=256,
+        cuda_graphs=True,
+        check_inputs=True,
+    )
     model = LlamaModel.random(config.model, 0, torch.bfloat16, device)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (12, 30, 7, 50)]
@@ -80,23 +100,38 @@ class TritonPaddingRowsOnly(TritonAttentionBackend):
     """triton claiming only padding rows of its own: the engine pads its graphs as SGLang does."""
 
     name = "triton_padding_rows_only"
-    capabilities = dataclasses.replace(TritonAttentionBackend.capabilities, padding_styles=frozenset({PaddingStyle.ROWS}))
+    capabilities = dataclasses.replace(
+        TritonAttentionBackend.capabilities, padding_styles=frozenset({PaddingStyle.ROWS})
+    )
 
 
 PLANTED = "tests.planted.graph_backends"
 
 
-@pytest.mark.parametrize("backend,twin,equal", [
-    ("triton", f"{__name__}:TritonPaddingRowsOnly", True),
-    (f"{PLANTED}:WritesLastTokenOfEmptyRequests", f"{PLANTED}:GraphSafeEmptyRequests", False)])
+@pytest.mark.parametrize(
+    "backend,twin,equal",
+    [
+        ("triton", f"{__name__}:TritonPaddingRowsOnly", True),
+        (f"{PLANTED}:WritesLastTokenOfEmptyRequests", f"{PLANTED}:GraphSafeEmptyRequests", False),
+    ],
+)
 def test_graph_padding_with_vllms_empty_requests(backend, twin, equal):
     """Three prompts under graphs of four rows: every decode step padded with one request, which
     for a backend claiming vLLM's style is empty (query and seq_len 0, block-table row -1). Right
     kernels emit what they emit padded with rows; a kernel whose empty request writes over the
     previous request's last token emits other tokens than its twin without that defect."""
     device = torch.device("cuda")
-    config = EngineConfig(model=PRESETS["tiny-d128"], backend=backend, device="cuda", dtype=torch.bfloat16, max_num_reqs=4,
-                          num_blocks=128, num_spec_tokens=3, drafter="layer-skip", cuda_graphs=True)
+    config = EngineConfig(
+        model=PRESETS["tiny-d128"],
+        backend=backend,
+        device="cuda",
+        dtype=torch.bfloat16,
+        max_num_reqs=4,
+        num_blocks=128,
+        num_spec_tokens=3,
+        drafter="layer-skip",
+        cuda_graphs=True,
+    )
     model = LlamaModel.random(config.model, 0, torch.bfloat16, device)
     prompts = [[3, 14, 15, 92, 65], list(range(40, 73)), list(range(7, 19))]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -104,5 +139,7 @@ def test_graph_padding_with_vllms_empty_requests(backend, twin, equal):
     tokens = [o.tokens for o in engine.generate(prompts, params)]
     assert engine.graphs.replays > 0
     assert any(buffers.verify_padding is not None for buffers in engine._buffers.values())
-    reference = [o.tokens for o in BatchedEngine(dataclasses.replace(config, backend=twin), model).generate(prompts, params)]
+    reference = [
+        o.tokens for o in BatchedEngine(dataclasses.replace(config, backend=twin), model).generate(prompts, params)
+    ]
     assert (tokens == reference) == equal

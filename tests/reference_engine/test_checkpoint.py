@@ -1,5 +1,6 @@
 """The checkpoint loader on tiny Llama / Qwen2 / EAGLE checkpoints written here, checked against an
 independent forward written straight from the Hugging Face tensor names."""
+
 import json
 import math
 
@@ -11,9 +12,17 @@ from reference_engine.checkpoint import CheckpointError, load_eagle_head, load_m
 from reference_engine.core import EngineConfig
 from reference_engine.engine import Engine
 
-CONFIG = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "intermediate_size": 48, "vocab_size": 64, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
-          "max_position_embeddings": 256}
+CONFIG = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 48,
+    "vocab_size": 64,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 256,
+}
 
 
 def hf_tensors(model_type: str, generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -23,20 +32,26 @@ def hf_tensors(model_type: str, generator: torch.Generator) -> dict[str, torch.T
     def rand(*shape):
         return torch.randn(*shape, generator=generator) / math.sqrt(shape[-1])
 
-    tensors = {"model.embed_tokens.weight": torch.randn(64, hidden, generator=generator),
-               "model.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator), "lm_head.weight": rand(64, hidden) * 3}
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(64, hidden, generator=generator),
+        "model.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+        "lm_head.weight": rand(64, hidden) * 3,
+    }
     for layer in range(2):
         prefix = f"model.layers.{layer}."
-        tensors.update({
-            prefix + "input_layernorm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
-            prefix + "post_attention_layernorm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
-            prefix + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
-            prefix + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
-            prefix + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
-            prefix + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
-            prefix + "mlp.gate_proj.weight": rand(inter, hidden), prefix + "mlp.up_proj.weight": rand(inter, hidden),
-            prefix + "mlp.down_proj.weight": rand(hidden, inter),
-        })
+        tensors.update(
+            {
+                prefix + "input_layernorm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+                prefix + "post_attention_layernorm.weight": 1 + 0.1 * torch.randn(hidden, generator=generator),
+                prefix + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+                prefix + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+                prefix + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+                prefix + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+                prefix + "mlp.gate_proj.weight": rand(inter, hidden),
+                prefix + "mlp.up_proj.weight": rand(inter, hidden),
+                prefix + "mlp.down_proj.weight": rand(hidden, inter),
+            }
+        )
         if model_type == "qwen2":
             for name, size in (("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim)):
                 tensors[prefix + f"self_attn.{name}_proj.bias"] = 0.1 * torch.randn(size, generator=generator)
@@ -60,15 +75,26 @@ def reference_logits(t: dict[str, torch.Tensor], ids: list[int], has_bias: bool)
     for layer in range(2):
         p = f"model.layers.{layer}."
         h = norm(x, t[p + "input_layernorm.weight"])
-        q, k, v = (h @ t[p + f"self_attn.{n}_proj.weight"].T + (t[p + f"self_attn.{n}_proj.bias"] if has_bias else 0) for n in "qkv")
+        q, k, v = (
+            h @ t[p + f"self_attn.{n}_proj.weight"].T + (t[p + f"self_attn.{n}_proj.bias"] if has_bias else 0)
+            for n in "qkv"
+        )
         q, k, v = q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)
         q, k = q * angles.cos() + rotate_half(q) * angles.sin(), k * angles.cos() + rotate_half(k) * angles.sin()
         k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(head_dim)
         scores = scores.masked_fill(torch.ones(len(ids), len(ids)).triu(1).bool(), float("-inf"))
-        x = x + torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(len(ids), -1) @ t[p + "self_attn.o_proj.weight"].T
+        x = (
+            x
+            + torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(len(ids), -1)
+            @ t[p + "self_attn.o_proj.weight"].T
+        )
         h = norm(x, t[p + "post_attention_layernorm.weight"])
-        x = x + (torch.nn.functional.silu(h @ t[p + "mlp.gate_proj.weight"].T) * (h @ t[p + "mlp.up_proj.weight"].T)) @ t[p + "mlp.down_proj.weight"].T
+        x = (
+            x
+            + (torch.nn.functional.silu(h @ t[p + "mlp.gate_proj.weight"].T) * (h @ t[p + "mlp.up_proj.weight"].T))
+            @ t[p + "mlp.down_proj.weight"].T
+        )
     return norm(x, t["model.norm.weight"]) @ t["lm_head.weight"].T
 
 
@@ -80,7 +106,9 @@ def test_loaded_model_matches_the_hugging_face_definition(tmp_path, model_type):
     model = load_model(tmp_path, torch.float32, torch.device("cpu"))
     engine = Engine(EngineConfig(model=model.config), model)
     prompt = [3, 17, 42, 5, 9, 60, 1]
-    torch.testing.assert_close(engine.score(prompt), reference_logits(tensors, prompt, model_type == "qwen2"), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        engine.score(prompt), reference_logits(tensors, prompt, model_type == "qwen2"), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_eagle_head_loads_and_drafts(tmp_path):
@@ -90,7 +118,11 @@ def test_eagle_head_loads_and_drafts(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     head_dir = tmp_path / "eagle"
     head_dir.mkdir()
-    head = {name.replace("model.layers.0.", "layers.0."): value for name, value in tensors.items() if name.startswith("model.layers.0.")}
+    head = {
+        name.replace("model.layers.0.", "layers.0."): value
+        for name, value in tensors.items()
+        if name.startswith("model.layers.0.")
+    }
     head.pop("layers.0.input_layernorm.weight")  # as EAGLE-1 heads ship
     head["fc.weight"] = torch.randn(32, 64, generator=generator) / 8
     save_file(head, str(head_dir / "model.safetensors"))

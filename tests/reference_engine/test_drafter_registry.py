@@ -2,6 +2,7 @@
 defined here, registered under its own spec name, runs in both loops (the per-request engine, the
 batched engine sync and async) with no change to either, and greedy speculative decoding with it
 emits exactly the tokens of plain greedy decoding."""
+
 import pytest
 import torch
 
@@ -62,8 +63,12 @@ def assert_equal_to_plain(outputs, plain_tokens) -> None:
 
 @pytest.mark.parametrize("loop", ["per-request", "batched sync", "batched async"])
 def test_a_drafter_defined_here_runs_in_both_loops_equal_to_plain(registered, plain_tokens, loop):
-    config = EngineConfig(num_spec_tokens=3, drafter="repeat", async_scheduling=loop == "batched async",
-                          check_inputs=loop != "per-request")
+    config = EngineConfig(
+        num_spec_tokens=3,
+        drafter="repeat",
+        async_scheduling=loop == "batched async",
+        check_inputs=loop != "per-request",
+    )
     engine = (Engine if loop == "per-request" else BatchedEngine)(config)
     assert type(engine.drafter) is RepeatDrafter
     outputs = engine.generate(PROMPTS, GREEDY)

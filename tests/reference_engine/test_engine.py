@@ -1,6 +1,7 @@
 """The reference engine on a CPU with torch_naive in fp32: greedy speculative decoding produces
 exactly the tokens of greedy decoding without it, for every drafter and acceptance pattern, with
 chunked prefill and with preemption; no KV block leaks; bad input is refused clearly."""
+
 import math
 
 import pytest
@@ -21,8 +22,19 @@ def plain_tokens():
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
-@pytest.mark.parametrize("drafter", ["scripted:all", "scripted:none", "scripted:first:1", "scripted:random:0.6", "layer-skip:1", "eagle",
-                                     "ngram", "ngram:1"])
+@pytest.mark.parametrize(
+    "drafter",
+    [
+        "scripted:all",
+        "scripted:none",
+        "scripted:first:1",
+        "scripted:random:0.6",
+        "layer-skip:1",
+        "eagle",
+        "ngram",
+        "ngram:1",
+    ],
+)
 def test_greedy_speculative_equals_greedy_plain(plain_tokens, k, drafter):
     outputs = Engine(EngineConfig(num_spec_tokens=k, drafter=drafter)).generate(PROMPTS, GREEDY)
     assert [out.tokens for out in outputs] == plain_tokens
@@ -34,12 +46,18 @@ def test_greedy_speculative_equals_greedy_plain(plain_tokens, k, drafter):
 
 
 def test_chunked_prefill_and_a_tight_budget_change_nothing(plain_tokens):
-    outputs = Engine(EngineConfig(max_num_tokens=8, num_spec_tokens=3, drafter="scripted:random:0.5")).generate(PROMPTS, GREEDY)
+    outputs = Engine(EngineConfig(max_num_tokens=8, num_spec_tokens=3, drafter="scripted:random:0.5")).generate(
+        PROMPTS, GREEDY
+    )
     assert [out.tokens for out in outputs] == plain_tokens
 
 
 def test_preemption_by_recompute_changes_nothing(plain_tokens):
-    engine = Engine(EngineConfig(num_blocks=6, block_size=16, num_spec_tokens=2, drafter="scripted:first:1", check_device_state=True))
+    engine = Engine(
+        EngineConfig(
+            num_blocks=6, block_size=16, num_spec_tokens=2, drafter="scripted:first:1", check_device_state=True
+        )
+    )
     outputs = engine.generate(PROMPTS, GREEDY)
     assert [out.tokens for out in outputs] == plain_tokens
     assert sum(out.preemptions for out in outputs) > 0  # the pool really was too small for all at once
@@ -131,9 +149,15 @@ def test_equality_tool_finds_and_explains_a_divergence():
     why = explain(engine, prompt[:-1], prompt[-1:], top, second)
     assert (why.rank_of_plain, why.rank_of_spec) == (0, 1)
     assert why.magnitude == pytest.approx(float(logits[[top, second]].abs().max()), rel=1e-5)
-    assert why.margin == pytest.approx(float(logits[top] - logits[second]), rel=1e-5) == pytest.approx(why.behind_top, rel=1e-5)
+    assert (
+        why.margin
+        == pytest.approx(float(logits[top] - logits[second]), rel=1e-5)
+        == pytest.approx(why.behind_top, rel=1e-5)
+    )
     third = logits.topk(3).indices[2].item()  # two choices, neither the top: how far the further one is below it
-    assert explain(engine, prompt[:-1], prompt[-1:], second, third).behind_top == pytest.approx(float(logits[top] - logits[third]), rel=1e-5)
+    assert explain(engine, prompt[:-1], prompt[-1:], second, third).behind_top == pytest.approx(
+        float(logits[top] - logits[third]), rel=1e-5
+    )
 
 
 def test_near_tie_rule():
@@ -190,5 +214,5 @@ def test_rounding_step_is_the_dtype_spacing_at_the_magnitude():
     from reference_engine.equality import rounding_step
 
     assert rounding_step(torch.bfloat16, 8.0) == 0.0625 and rounding_step(torch.bfloat16, 15.9) == 0.0625
-    assert rounding_step(torch.float16, 8.0) == 2.0 ** -7 and rounding_step(torch.bfloat16, 0.0) == 0.0
+    assert rounding_step(torch.float16, 8.0) == 2.0**-7 and rounding_step(torch.bfloat16, 0.0) == 0.0
     assert float(torch.tensor(8.0 + 0.0625 / 2.1, dtype=torch.bfloat16)) == 8.0  # below half a step: rounds away

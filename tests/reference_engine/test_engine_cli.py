@@ -5,12 +5,26 @@ import pytest
 
 
 def engine(*args):
-    return subprocess.run([sys.executable, "-m", "conformance.cli", "engine", "run", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "conformance.cli", "engine", "run", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_engine_run_prints_speed_and_acceptance():
-    completed = engine("--spec-tokens", "2", "--drafter", "scripted:random:0.7", "--num-prompts", "3", "--max-tokens", "12",
-                       "--prompt-len", "20", "--device", "cpu")
+    completed = engine(
+        "--spec-tokens",
+        "2",
+        "--drafter",
+        "scripted:random:0.7",
+        "--num-prompts",
+        "3",
+        "--max-tokens",
+        "12",
+        "--prompt-len",
+        "20",
+        "--device",
+        "cpu",
+    )
     assert completed.returncode == 0, completed.stderr
     for metric in ("throughput", "TPOT", "mean acceptance length", "draft acceptance"):
         assert metric in completed.stdout
@@ -39,8 +53,27 @@ def bench(tmp_path, *args, drafters="scripted:random:0.7"):
     from conformance import cli as conformance_cli
 
     out = tmp_path / "bench.json"
-    code = conformance_cli.main(["engine", "bench", "--device", "cpu", "--spec-tokens", "2", "--num-prompts", "2",
-                                 "--max-tokens", "6", "--prompt-len", "8", "--json", str(out), "--drafters", drafters, *args])
+    code = conformance_cli.main(
+        [
+            "engine",
+            "bench",
+            "--device",
+            "cpu",
+            "--spec-tokens",
+            "2",
+            "--num-prompts",
+            "2",
+            "--max-tokens",
+            "6",
+            "--prompt-len",
+            "8",
+            "--json",
+            str(out),
+            "--drafters",
+            drafters,
+            *args,
+        ]
+    )
     return code, json.loads(out.read_text())["results"] if out.exists() else None
 
 
@@ -103,13 +136,17 @@ def test_engine_bench_repeats_time_each_engine_round_by_round(monkeypatch, tmp_p
     assert code == 0
     assert [kind for kind, _ in calls] == ["timed"] * 6 + ["counted"] * 2
     sync_engine, async_engine = calls[0][1], calls[1][1]
-    assert all(engine is expected for (_, engine), expected in zip(calls, [sync_engine, async_engine] * 4))  # the same two
+    assert all(
+        engine is expected for (_, engine), expected in zip(calls, [sync_engine, async_engine] * 4)
+    )  # the same two
     assert sum(engine is sync_engine for engine in warm_ups) == 4  # one warm-up, three timed runs
     assert sum(engine is async_engine for engine in warm_ups) == 4
     result = results[0]
     assert result["sync"]["tpot_ms_runs"] == [4.0, 1.0, 2.0] and result["async"]["tpot_ms_runs"] == [2.0, 3.0, 1.5]
     assert result["sync"]["tpot_ms"] == 2.0 and result["async"]["tpot_ms"] == 2.0  # the median run of each
-    assert len(result["sync"]["host_ms_per_step_runs"]) == 3 and all(ms > 0 for ms in result["async"]["host_ms_per_step_runs"])
+    assert len(result["sync"]["host_ms_per_step_runs"]) == 3 and all(
+        ms > 0 for ms in result["async"]["host_ms_per_step_runs"]
+    )
     assert result["async_over_sync_tpot_runs"] == [0.5, 3.0, 0.75]  # paired by round
     assert result["async_over_sync_tpot"] == statistics.median([0.5, 3.0, 0.75])
 
@@ -150,8 +187,29 @@ def test_engine_bench_json_names_its_device_and_leaves_gpu_only_figures_empty_of
     from conformance import cli as conformance_cli
 
     out = tmp_path / "bench.json"
-    assert conformance_cli.main(["engine", "bench", "--device", "cpu", "--spec-tokens", "1", "--num-prompts", "1",
-                                 "--max-tokens", "3", "--prompt-len", "4", "--json", str(out), "--drafters", "layer-skip"]) == 0
+    assert (
+        conformance_cli.main(
+            [
+                "engine",
+                "bench",
+                "--device",
+                "cpu",
+                "--spec-tokens",
+                "1",
+                "--num-prompts",
+                "1",
+                "--max-tokens",
+                "3",
+                "--prompt-len",
+                "4",
+                "--json",
+                str(out),
+                "--drafters",
+                "layer-skip",
+            ]
+        )
+        == 0
+    )
     written = json.loads(out.read_text())
     assert written["device"] == "cpu"
     measured = written["results"][0]["async"]

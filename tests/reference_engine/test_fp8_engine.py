@@ -1,16 +1,23 @@
 """The reference engine over an fp8 KV cache: fp8 pools, each layer its own scales, and greedy
 speculative decoding (sync and async) emitting the plain greedy tokens."""
+
 import dataclasses
 
 import torch
 
 from reference_engine.batched_engine import BatchedEngine
 from reference_engine.core import EngineConfig
-from reference_engine.model import LlamaModel, PRESETS
+from reference_engine.model import PRESETS, LlamaModel
 from reference_engine.sampling import SamplingParams
 
-CONFIG = EngineConfig(model=PRESETS["tiny"], backend="torch_naive", kv_cache_dtype=torch.float8_e4m3fn,
-                      num_blocks=64, max_num_reqs=4, max_num_tokens=128)
+CONFIG = EngineConfig(
+    model=PRESETS["tiny"],
+    backend="torch_naive",
+    kv_cache_dtype=torch.float8_e4m3fn,
+    num_blocks=64,
+    max_num_reqs=4,
+    max_num_tokens=128,
+)
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26]]
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 

@@ -1,5 +1,6 @@
 """GPU idle inside steps (reference_engine.gpu_timeline): the trace arithmetic on the CPU, the
 step ranges through the real profiler on the CPU, and a planted mid-step host stall on the GPU."""
+
 import json
 import time
 from types import SimpleNamespace
@@ -7,7 +8,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from reference_engine.gpu_timeline import STEP_RANGE, StepActivity, profile_in_step_idle, step_activity, summarize, union_length
+from reference_engine.gpu_timeline import (
+    STEP_RANGE,
+    StepActivity,
+    profile_in_step_idle,
+    step_activity,
+    summarize,
+    union_length,
+)
 from reference_engine.metrics import StepTimer
 
 
@@ -22,7 +30,14 @@ def span(ts, dur, tid=1):
 
 
 def launch(ts, correlation, category="cuda_runtime", tid=1):
-    return {"cat": category, "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": tid, "args": {"correlation": correlation}}
+    return {
+        "cat": category,
+        "name": "cudaLaunchKernel",
+        "ts": ts,
+        "dur": 1,
+        "tid": tid,
+        "args": {"correlation": correlation},
+    }
 
 
 def activity(ts, dur, correlation, category="kernel"):
@@ -31,13 +46,23 @@ def activity(ts, dur, correlation, category="kernel"):
 
 def test_each_activity_belongs_to_the_step_whose_range_launched_it():
     events = [
-        span(0, 50), span(100, 50),
-        launch(5, 1), launch(10, 2, "cuda_driver"), launch(20, 3),  # step 0: a kernel, a Triton kernel, a graph
-        activity(1000, 10, 1), activity(1010, 5, 2), activity(1030, 10, 3), activity(1035, 10, 3),  # 15 idle at 1015..1030
-        launch(110, 4), activity(1100, 20, 4, "gpu_memcpy"), activity(1110, 20, 5, "gpu_memset"),
+        span(0, 50),
+        span(100, 50),
+        launch(5, 1),
+        launch(10, 2, "cuda_driver"),
+        launch(20, 3),  # step 0: a kernel, a Triton kernel, a graph
+        activity(1000, 10, 1),
+        activity(1010, 5, 2),
+        activity(1030, 10, 3),
+        activity(1035, 10, 3),  # 15 idle at 1015..1030
+        launch(110, 4),
+        activity(1100, 20, 4, "gpu_memcpy"),
+        activity(1110, 20, 5, "gpu_memset"),
         launch(112, 5),
-        launch(60, 6), activity(1050, 40, 6),  # launched between steps: no step's
-        launch(120, 7, tid=2), activity(1200, 40, 7),  # another thread's launch during step 1: not step 1's
+        launch(60, 6),
+        activity(1050, 40, 6),  # launched between steps: no step's
+        launch(120, 7, tid=2),
+        activity(1200, 40, 7),  # another thread's launch during step 1: not step 1's
         {"cat": "cpu_op", "name": "aten::add", "ts": 11, "dur": 3, "tid": 1},
     ]
     steps = step_activity(events)

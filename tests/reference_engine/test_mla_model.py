@@ -1,5 +1,6 @@
 """The MLA variant: absorbed attention through the backend equals the non-absorbed formula, and
 greedy speculative decoding stays exact with it."""
+
 import dataclasses
 import math
 
@@ -25,8 +26,13 @@ def non_absorbed_logits(model, ids):
         half = x.shape[-1] // 2
         frequencies = config.rope_theta ** (-torch.arange(half).float() / half)
         angles = positions.float()[:, None, None] * frequencies
-        return torch.cat([x[..., :half] * angles.cos() - x[..., half:] * angles.sin(),
-                          x[..., :half] * angles.sin() + x[..., half:] * angles.cos()], dim=-1)
+        return torch.cat(
+            [
+                x[..., :half] * angles.cos() - x[..., half:] * angles.sin(),
+                x[..., :half] * angles.sin() + x[..., half:] * angles.cos(),
+            ],
+            dim=-1,
+        )
 
     x = model.embed.weight[ids]
     h = rms_norm(x, layer.input_norm, config.rms_norm_eps)

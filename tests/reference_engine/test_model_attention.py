@@ -1,14 +1,15 @@
 """A model's attention in the engine: MLA's prefill decompressed through the backend that claims
 that layer (beside the absorbed decode, or beside a built-in that decodes), and windowed layers
 alternating with full ones, each group with a backend and metadata of its own."""
+
 import dataclasses
 
 import pytest
 import torch
 
 from backends.torch_naive import TorchNaiveBackend
-from conformance.checks.engine import EngineCheck, model_for
 from conformance.cases.grammar import parse_case
+from conformance.checks.engine import EngineCheck, model_for
 from conformance.results import Verdict
 from reference_engine.batched_engine import BatchedEngine
 from reference_engine.core import EngineConfig
@@ -52,13 +53,16 @@ def tokens(engine_cls, backend: str, **changes) -> list[list[int]]:
 
 def test_plans_follow_the_claims():
     def roles(backend_cls, **options):
-        return [(plan.backend_cls.name, plan.prefill_cls and plan.prefill_cls.name)
-                for plan in plan_attention(backend_cls, MLA, torch.float32, 16, None, CPU, **options)]
+        return [
+            (plan.backend_cls.name, plan.prefill_cls and plan.prefill_cls.name)
+            for plan in plan_attention(backend_cls, MLA, torch.float32, 16, None, CPU, **options)
+        ]
 
     assert roles(TorchNaiveBackend) == [("torch_naive", "torch_naive")]
     assert roles(AbsorbedOnly) == [("absorbed_only", None)]
     assert roles(PrefillOnly) == [("torch_naive", "prefill_only")]  # a built-in decodes
     assert roles(PrefillOnly, decompressed_prefill=False) == [("torch_naive", None)]
+
     class OneHeadDim(PrefillOnly):  # claims neither MLA nor a value dim of its own
         capabilities = dataclasses.replace(PrefillOnly.capabilities, distinct_value_head_dim=False)
 
@@ -75,8 +79,11 @@ def test_decompressed_prefill_equals_absorbed(engine_cls):
 
 
 def test_prefills_go_decompressed_and_decodes_absorbed():
-    engine = BatchedEngine(EngineConfig(model=MLA, backend=f"{HERE}:PrefillOnly", max_num_tokens=32, num_spec_tokens=3,
-                                        drafter="layer-skip:1"))
+    engine = BatchedEngine(
+        EngineConfig(
+            model=MLA, backend=f"{HERE}:PrefillOnly", max_num_tokens=32, num_spec_tokens=3, drafter="layer-skip:1"
+        )
+    )
     engine.generate(PROMPTS, GREEDY)
     served = engine.backend.routing.to_dict()
     prefill, absorbed = served["prefill_only (MLA prefill, decompressed)"], served["torch_naive (absorbed)"]
@@ -101,7 +108,9 @@ def test_the_engine_check_catches_a_prefill_defect_through_the_mla_model():
     assert result.verdict == Verdict.PASS, result.reason
     assert "prefill_only (MLA prefill, decompressed) served" in result.reason
     result = EngineCheck().run_case(PrefillValueOffset, case, CPU)
-    assert result.verdict == Verdict.FAIL and "MLA prefill decompressed vs every request absorbed" in result.reason, result.reason
+    assert result.verdict == Verdict.FAIL and "MLA prefill decompressed vs every request absorbed" in result.reason, (
+        result.reason
+    )
 
 
 def test_an_mla_case_is_an_mla_backends_even_where_another_claims_its_models_prefill():
@@ -122,7 +131,10 @@ def test_windowed_layers_alternate_with_full_ones():
     model = LlamaModel.random(config, 0, torch.float32, CPU)
 
     def run(model_config, **changes):
-        return [out.tokens for out in BatchedEngine(EngineConfig(model=model_config, **changes), model).generate(PROMPTS, GREEDY)]
+        return [
+            out.tokens
+            for out in BatchedEngine(EngineConfig(model=model_config, **changes), model).generate(PROMPTS, GREEDY)
+        ]
 
     alternating = run(config)
     assert alternating != run(dataclasses.replace(config, sliding_window=None))  # the window bites

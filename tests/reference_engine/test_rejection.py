@@ -1,6 +1,7 @@
 """Rejection sampling is lossless: emitted tokens follow the target distribution whatever the
 drafter proposes. Checked statistically on a small vocabulary with known p and q; planted wrong
 samplers must fail the same checks."""
+
 import pytest
 import torch
 
@@ -20,7 +21,9 @@ def distributions(seed=0):
 def run(seed=1):
     target, draft = distributions()
     generator = torch.Generator().manual_seed(seed)
-    drafts = torch.stack([torch.multinomial(draft[i], ROWS, replacement=True, generator=generator) for i in range(DRAFTS)], dim=1)
+    drafts = torch.stack(
+        [torch.multinomial(draft[i], ROWS, replacement=True, generator=generator) for i in range(DRAFTS)], dim=1
+    )
     tokens, emitted = rejection.probabilistic_rejection(
         drafts, draft.expand(ROWS, -1, -1), target.expand(ROWS, -1, -1), torch.full((ROWS,), DRAFTS), generator
     )
@@ -90,7 +93,9 @@ def test_padded_drafts_take_their_bonus_from_the_right_position():
     counts = torch.zeros(VOCAB)
     for seed in range(2000):
         generator = torch.Generator().manual_seed(seed)
-        tokens, emitted = rejection.probabilistic_rejection(drafts, fixed_draft, target[None], torch.tensor([1]), generator)
+        tokens, emitted = rejection.probabilistic_rejection(
+            drafts, fixed_draft, target[None], torch.tensor([1]), generator
+        )
         assert tokens[0, 2] == -1 and emitted[0] <= 2
         if tokens[0, 0] == drafts[0, 0] and emitted[0] == 2:
             counts[tokens[0, 1]] += 1

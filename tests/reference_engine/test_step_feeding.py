@@ -1,6 +1,7 @@
 """Whether the host kept the GPU fed (reference_engine.metrics: ``StepTimer.drained``, ``feeding``):
 the arithmetic on the CPU; on the GPU, a stand-in loop that queues ahead and one that holds the GPU
 up inside every step."""
+
 import time
 from types import SimpleNamespace
 
@@ -11,12 +12,25 @@ from reference_engine.metrics import StepTimer, feeding
 
 
 def record(uniform=True, captured=False, schedule=1e-3, launch=2e-3, wait=3e-3, land=1e-3):
-    return SimpleNamespace(uniform_decode=uniform, captured=captured, host_schedule_s=schedule, host_launch_s=launch,
-                           host_wait_s=wait, host_land_s=land)
+    return SimpleNamespace(
+        uniform_decode=uniform,
+        captured=captured,
+        host_schedule_s=schedule,
+        host_launch_s=launch,
+        host_wait_s=wait,
+        host_land_s=land,
+    )
 
 
 def test_fed_steps_are_the_decode_steps_queued_whole_and_captures_are_left_out():
-    records = [record(uniform=False), record(), record(captured=True), record(), record(wait=5e-3), record(uniform=False)]
+    records = [
+        record(uniform=False),
+        record(),
+        record(captured=True),
+        record(),
+        record(wait=5e-3),
+        record(uniform=False),
+    ]
     drained = [False, True, True, False, False]  # steps 1..5
     step_ms = [9.0, 4.0, 50.0, 6.0, 4.5, 7.0]
     fraction, fed, period = feeding(records, drained, step_ms)

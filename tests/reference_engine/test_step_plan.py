@@ -1,5 +1,6 @@
 """The typed step plan: rows as the host plans them, uploaded in one copy as the same type, and the
 host's lengths for the verify step and each draft step."""
+
 import torch
 
 from reference_engine.handoff import Uploader
@@ -9,10 +10,32 @@ from reference_engine.step_plan import HostLengths, StepRows
 def planned() -> StepRows[list[int]]:
     rows = StepRows.empty()
     common = dict(host_last_token=-1, width=3, num_spec_tokens=2)
-    rows.add_row(slot=4, host_ids=[0, 0, 0], inputs_from_device=True, decode=True, num_valid=3, num_drafts=2,
-                 produces=True, host_start=10, capacity=32, block_ids=[7], **common)
-    rows.add_row(slot=1, host_ids=[5, 6], inputs_from_device=False, decode=False, num_valid=2, num_drafts=0,
-                 produces=False, host_start=0, capacity=16, block_ids=[2, 3], **common)
+    rows.add_row(
+        slot=4,
+        host_ids=[0, 0, 0],
+        inputs_from_device=True,
+        decode=True,
+        num_valid=3,
+        num_drafts=2,
+        produces=True,
+        host_start=10,
+        capacity=32,
+        block_ids=[7],
+        **common,
+    )
+    rows.add_row(
+        slot=1,
+        host_ids=[5, 6],
+        inputs_from_device=False,
+        decode=False,
+        num_valid=2,
+        num_drafts=0,
+        produces=False,
+        host_start=0,
+        capacity=16,
+        block_ids=[2, 3],
+        **common,
+    )
     return rows
 
 

@@ -27,6 +27,7 @@ first layout of each kind); from the decode case also a draft loop of k = 4 unde
 backend (memcheck: its pools are zeroed). A case given with ``--case`` always runs. A case's children run side by
 side: each is mostly compute-sanitizer's start-up and JIT compiles under it, CPU work.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -45,17 +46,17 @@ from typing import Any
 import torch
 
 from backends.base import AttentionBackend
+from conformance.cases.grammar import Case, format_layer
 from conformance.checks.base import Check
 from conformance.checks.engine import engine_skip_reason
 from conformance.checks.evidence import EvidenceItem, without
+from conformance.checks.memory import sanitizer
 from conformance.checks.nan_poison import nan_poison_pass
 from conformance.harness.allocation_map import AllocationMap
-from conformance.cases.grammar import Case, format_layer
 from conformance.harness.graphs import cuda_graph_skip_reason
 from conformance.harness.step import prepare_case
 from conformance.process_exit import describe_exit
 from conformance.results import CaseResult, Verdict
-from conformance.checks.memory import sanitizer
 
 # The mixed case is the small one (43 query tokens): initcheck prints a report per 32 bytes of a
 # copy it thinks never written, and each costs the child time (a copy of flash-attn-4's output:
@@ -85,7 +86,9 @@ SANITIZED_STAGES = {
 
 class MemoryCheck(Check):
     name = "memory"
-    question = "no access outside its allocations, no read of a KV slot no request owns, no write outside the slot mapping?"
+    question = (
+        "no access outside its allocations, no read of a KV slot no request owns, no write outside the slot mapping?"
+    )
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         super().__init__(options)
@@ -123,9 +126,13 @@ class MemoryCheck(Check):
         return None if first == layer else f"memory runs a subset: the first {case.spec.kind} layout ({first})"
 
     def details(self) -> dict[str, Any]:
-        return {"passes": ["nan-poison", *sanitizer.TOOLS], "subset": list(MEMORY_TAGS),
-                "draft_loop_steps": 4, "engine_stage_tools": list(SANITIZED_STAGES["engine"].tools),
-                "sanitizer": sanitizer.find_tool()}
+        return {
+            "passes": ["nan-poison", *sanitizer.TOOLS],
+            "subset": list(MEMORY_TAGS),
+            "draft_loop_steps": 4,
+            "engine_stage_tools": list(SANITIZED_STAGES["engine"].tools),
+            "sanitizer": sanitizer.find_tool(),
+        }
 
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
         backend_file = Path(inspect.getfile(backend_cls)).name
@@ -155,11 +162,21 @@ class MemoryCheck(Check):
                 # Counted but not read back (past the print limit, or not understood): never a pass.
                 unread = (run.error_count or 0) - len(run.reports)
                 if not found and unread > 0:
-                    found = [{"tool": tool, "stage": stage, "phase": "", "what": f"{unread} errors not read back",
-                              "place": "the tool's report (past its print limit, or not understood here):\n" + run.output_tail}]
+                    found = [
+                        {
+                            "tool": tool,
+                            "stage": stage,
+                            "phase": "",
+                            "what": f"{unread} errors not read back",
+                            "place": "the tool's report (past its print limit, or not understood here):\n"
+                            + run.output_tail,
+                        }
+                    ]
                 if not found and run.returncode != 0:
-                    raise RuntimeError(f"the sanitized child ({tool}, {stage}) exited with status {run.returncode} "
-                                       f"and no report:\n{run.output_tail}")
+                    raise RuntimeError(
+                        f"the sanitized child ({tool}, {stage}) exited with status {run.returncode} "
+                        f"and no report:\n{run.output_tail}"
+                    )
                 findings += found
             if unsupported:
                 break
@@ -167,13 +184,30 @@ class MemoryCheck(Check):
             first = findings[0]
             more = f" (and {len(findings) - 1} more)" if len(findings) > 1 else ""
             kernel = f" in {first['kernel'][:80]}" if first.get("kernel") else ""
-            reason = f"{first['tool']}, {first['stage']}, {first['phase']}: {first['what']}{kernel} at {first['place']}{more}"
-            return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics, evidence={"findings": findings})
+            reason = (
+                f"{first['tool']}, {first['stage']}, {first['phase']}: "
+                f"{first['what']}{kernel} at {first['place']}{more}"
+            )
+            return CaseResult(
+                case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics, evidence={"findings": findings}
+            )
         if unsupported:
-            return CaseResult(case.id, Verdict.SKIP, f"NaN-poison pass clean; compute-sanitizer cannot check this device: "
-                              f"{unsupported}", tag=case.tag, metrics=metrics)
-        return CaseResult(case.id, Verdict.PASS, "clean under NaN poison, memcheck and initcheck ("
-                          + ", ".join(self.stages(backend_cls, case, device)) + ")", tag=case.tag, metrics=metrics)
+            return CaseResult(
+                case.id,
+                Verdict.SKIP,
+                f"NaN-poison pass clean; compute-sanitizer cannot check this device: {unsupported}",
+                tag=case.tag,
+                metrics=metrics,
+            )
+        return CaseResult(
+            case.id,
+            Verdict.PASS,
+            "clean under NaN poison, memcheck and initcheck ("
+            + ", ".join(self.stages(backend_cls, case, device))
+            + ")",
+            tag=case.tag,
+            metrics=metrics,
+        )
 
     @staticmethod
     def stages(backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> list[str]:
@@ -192,8 +226,9 @@ def poison_pass(backend_cls: type[AttentionBackend], case: Case, device: torch.d
     return nan_poison_pass(prepare_case(backend_cls, case, device, poison=False))
 
 
-def run_child(backend_cls: type[AttentionBackend], case: Case, stage: str,
-              tool: str | None) -> tuple[sanitizer.SanitizerRun, AllocationMap]:
+def run_child(
+    backend_cls: type[AttentionBackend], case: Case, stage: str, tool: str | None
+) -> tuple[sanitizer.SanitizerRun, AllocationMap]:
     """One child (``conformance.checks.memory.sanitized_case``) under ``tool``, and the map of what it
     allocated. An eager stage under a tool runs with PyTorch's caching allocator off: each tensor
     is then its own allocation, and memcheck sees a read one element past any of them."""
@@ -207,15 +242,22 @@ def run_child(backend_cls: type[AttentionBackend], case: Case, stage: str,
     tool_path = (sanitizer.find_tool() or "compute-sanitizer") if tool else None
     with tempfile.TemporaryDirectory(prefix="conformance-memory-") as workdir:
         out_path = Path(workdir, "out.json")
-        run = sanitizer.run(tool_path, tool or stage, [backend, case.id, stage, str(out_path)], env, CHILD_TIMEOUT_S,
-                            api_copies=not replays_graphs)
+        run = sanitizer.run(
+            tool_path,
+            tool or stage,
+            [backend, case.id, stage, str(out_path)],
+            env,
+            CHILD_TIMEOUT_S,
+            api_copies=not replays_graphs,
+        )
         run.written = json.loads(out_path.read_text()) if out_path.exists() else None
         where = AllocationMap.load(out_path) if out_path.exists() and tool else AllocationMap()
     return run, where
 
 
-def timed_child(backend_cls: type[AttentionBackend], case: Case, stage: str,
-                tool: str) -> tuple[sanitizer.SanitizerRun, AllocationMap, float]:
+def timed_child(
+    backend_cls: type[AttentionBackend], case: Case, stage: str, tool: str
+) -> tuple[sanitizer.SanitizerRun, AllocationMap, float]:
     """``run_child``, and its wall time in seconds (with the case's other children beside it)."""
     started = time.perf_counter()
     run, where = run_child(backend_cls, case, stage, tool)
@@ -228,5 +270,12 @@ def run_poison_pass(backend_cls: type[AttentionBackend], case: Case) -> tuple[li
     run, _ = run_child(backend_cls, case, "nan-poison", None)
     if run.returncode == 0 and run.written is not None:
         return run.written["findings"], run.written["metrics"]
-    return [{"tool": "nan-poison", "stage": "step", "phase": "", "what": f"the step's process {describe_exit(run.returncode)}",
-             "place": "its output:\n" + run.output_tail}], {}
+    return [
+        {
+            "tool": "nan-poison",
+            "stage": "step",
+            "phase": "",
+            "what": f"the step's process {describe_exit(run.returncode)}",
+            "place": "its output:\n" + run.output_tail,
+        }
+    ], {}

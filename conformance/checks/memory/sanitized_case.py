@@ -18,6 +18,7 @@ read one element past any of them. CUDA graph capture needs the caching allocato
 draft-loop stage runs with it on: memcheck sees there only accesses outside its segments. The
 engine's pools are zeroed (``allocate_kv_cache``), so only memcheck runs the engine stage.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,10 +29,10 @@ from pathlib import Path
 import torch
 
 from backends import registry
-from conformance.harness.allocation_map import AllocationMap
 from conformance.cases.grammar import parse_case
-from conformance.harness.step import PoolFill, prepare_case, run_step
 from conformance.checks.memory.sanitizer import PHASE_MARKER
+from conformance.harness.allocation_map import AllocationMap
+from conformance.harness.step import PoolFill, prepare_case, run_step
 
 STAGES = ("step", "draft-loop", "engine", "nan-poison")
 DRAFT_STEPS = 4
@@ -72,8 +73,13 @@ def run_draft_loop_stage(backend_cls, case, map_path: Path) -> None:
     # The graph batch's padding row has length 1 and a block-table row of zeros: it reads block 0
     # slot 0, which the harness hands it, so that one slot is written; the rest of block 0 stays fresh.
     reserved_slot = torch.zeros(1, dtype=torch.int64, device=buffers.kv_cache.device)
-    buffers.backend.write_kv(buffers.kv_cache, buffers.key[:1], None if buffers.value is None else buffers.value[:1],
-                             reserved_slot, **buffers.layer)
+    buffers.backend.write_kv(
+        buffers.kv_cache,
+        buffers.key[:1],
+        None if buffers.value is None else buffers.value[:1],
+        reserved_slot,
+        **buffers.layer,
+    )
     drafted_table = torch.cat([drafted.block_table, torch.zeros_like(drafted.block_table[:1])])
     where = AllocationMap()
     where.add_pool(buffers.kv_cache, drafted_table, drafted.seq_lens + [1], case.spec.block_size, buffers.num_blocks)
@@ -93,11 +99,23 @@ def memory_engine(backend_cls, case, device: torch.device):
     from reference_engine.core import EngineConfig
 
     model, prompts = model_and_prompts(case, device, ENGINE_PROMPTS)
-    engine = BatchedEngine(EngineConfig(
-        model=model.config, backend=f"{backend_cls.__module__}:{backend_cls.__qualname__}", device=str(device),
-        dtype=case.spec.dtype, block_size=case.spec.block_size, num_blocks=32, max_num_reqs=len(prompts),
-        max_num_tokens=64, num_spec_tokens=SPEC_TOKENS, drafter=ATTENTION_DRAFTER, cuda_graphs=False,
-        **cache_config(case)), model)
+    engine = BatchedEngine(
+        EngineConfig(
+            model=model.config,
+            backend=f"{backend_cls.__module__}:{backend_cls.__qualname__}",
+            device=str(device),
+            dtype=case.spec.dtype,
+            block_size=case.spec.block_size,
+            num_blocks=32,
+            max_num_reqs=len(prompts),
+            max_num_tokens=64,
+            num_spec_tokens=SPEC_TOKENS,
+            drafter=ATTENTION_DRAFTER,
+            cuda_graphs=False,
+            **cache_config(case),
+        ),
+        model,
+    )
     return engine, prompts
 
 
@@ -105,7 +123,9 @@ def run_engine_stage(backend_cls, case, map_path: Path) -> None:
     from reference_engine.sampling import SamplingParams
 
     engine, prompts = memory_engine(backend_cls, case, torch.device("cuda"))
-    where = AllocationMap(unmapped="an allocation outside the KV pools (the engine's inputs and state, or the backend's own)")
+    where = AllocationMap(
+        unmapped="an allocation outside the KV pools (the engine's inputs and state, or the backend's own)"
+    )
     for layer, (pool, prefill_pool) in enumerate(engine.kv_caches):
         # A backend serving only some batches runs beside a companion: a pool for each; an MLA
         # model whose prefill runs decompressed has that backend's pool too.
@@ -129,8 +149,12 @@ def run_poison_stage(backend_cls, case, out_path: Path) -> None:
 def main(argv: list[str]) -> int:
     backend, case_id, stage, out_path = argv
     backend_cls, case = registry.load(backend), parse_case(case_id)
-    run = {"step": run_step_stage, "draft-loop": run_draft_loop_stage, "engine": run_engine_stage,
-           "nan-poison": run_poison_stage}[stage]
+    run = {
+        "step": run_step_stage,
+        "draft-loop": run_draft_loop_stage,
+        "engine": run_engine_stage,
+        "nan-poison": run_poison_stage,
+    }[stage]
     run(backend_cls, case, Path(out_path))
     print(PHASE_MARKER + "done", flush=True)
     return 0

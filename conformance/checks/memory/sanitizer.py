@@ -5,6 +5,7 @@ and synchronizes after it, so every report the tool prints lands under the phase
 the kernel. The tool's host backtrace carries the Python frames of the launch (``Host Frame: fn
 in file.py:line``); those are kept, the native frames dropped.
 """
+
 from __future__ import annotations
 
 import functools
@@ -81,7 +82,9 @@ class Report:
     def is_kernel_fault(self) -> bool:
         return not (self.is_api_error or self.is_host_api)
 
-    def is_set_aside(self, where: AllocationMap, backend_file: str | None, tool: str, after_fault: bool = False) -> bool:
+    def is_set_aside(
+        self, where: AllocationMap, backend_file: str | None, tool: str, after_fault: bool = False
+    ) -> bool:
         """Not a finding: an API error that follows a kernel fault (``after_fault``: a consequence,
         the fault is its own report) or is an entry-point probe; the harness's own copy (a host API
         report with no frame in ``backend_file``); or, under initcheck, the backend copying out of
@@ -119,11 +122,11 @@ def parse(text: str) -> tuple[list[Report], int | None, str | None]:
     phase, current, error_count, unsupported = "", None, None, None
     for raw in text.splitlines():
         if raw.startswith(PHASE_MARKER):
-            phase, current = raw[len(PHASE_MARKER):].strip(), None
+            phase, current = raw[len(PHASE_MARKER) :].strip(), None
             continue
         if not raw.startswith(PREFIX):
             continue
-        line = raw[len(PREFIX) + 1:]  # a record's first line follows one space, its details more
+        line = raw[len(PREFIX) + 1 :]  # a record's first line follows one space, its details more
         body = line.strip()
         if any(marker in body for marker in UNSUPPORTED_MARKERS):
             unsupported = unsupported or body
@@ -150,7 +153,9 @@ def parse(text: str) -> tuple[list[Report], int | None, str | None]:
 def _read_detail(report: Report, body: str) -> None:
     if body.startswith("at ") and not report.kernel:
         report.kernel = re.sub(r"\+0x[0-9a-f]+", "", body[3:]).strip()
-    elif body.startswith(("Address ", "Access to ", "Uninitialized access ")):  # initcheck's words, memcheck's, a host API's
+    elif body.startswith(
+        ("Address ", "Access to ", "Uninitialized access ")
+    ):  # initcheck's words, memcheck's, a host API's
         match = re.match(r"(?:Address|Access to|Uninitialized access (?:at|to)) (0x[0-9a-fA-F]+)\s*(.*)", body)
         if match:
             report.address = int(match.group(1), 16)
@@ -160,14 +165,15 @@ def _read_detail(report: Report, body: str) -> None:
         report.nearest = int(match.group(1), 16) if match else None
         report.detail = f"{report.detail} {body}".strip()
     elif body.startswith("Host Frame:"):
-        frame = body[len("Host Frame:"):].strip()
+        frame = body[len("Host Frame:") :].strip()
         match = re.fullmatch(r"\S+ in (\S+\.py):\d+", frame)
         if match and match.group(1) not in LAUNCHER_FILES:
             report.frames.insert(0, frame)  # the tool prints the innermost frame first
 
 
-def partition(reports: list[Report], where: AllocationMap, tool: str,
-              backend_file: str | None = None) -> tuple[list[Report], list[Report]]:
+def partition(
+    reports: list[Report], where: AllocationMap, tool: str, backend_file: str | None = None
+) -> tuple[list[Report], list[Report]]:
     """(reports that are findings, reports ``Report.is_set_aside`` names), read in the tool's order
     so that an API error counts as a consequence only after a kernel fault printed before it."""
     kept: list[Report] = []
@@ -179,7 +185,9 @@ def partition(reports: list[Report], where: AllocationMap, tool: str,
     return kept, set_aside
 
 
-def findings(reports: list[Report], where: AllocationMap, tool: str, stage: str, backend_file: str | None = None) -> list[dict]:
+def findings(
+    reports: list[Report], where: AllocationMap, tool: str, stage: str, backend_file: str | None = None
+) -> list[dict]:
     """The reports ``partition`` keeps, as ``grouped`` findings."""
     return grouped(partition(reports, where, tool, backend_file)[0], where, tool, stage)
 
@@ -196,9 +204,16 @@ def grouped(kept: list[Report], where: AllocationMap, tool: str, stage: str) -> 
             groups[key]["count"] += 1
             continue
         groups[key] = {
-            "tool": tool, "stage": stage, "what": report.what, "kernel": kernel, "phase": report.phase,
-            "place": place, "address": None if report.address is None else hex(report.address),
-            "sanitizer_detail": report.detail, "launch": report.frames[-6:], "count": 1,
+            "tool": tool,
+            "stage": stage,
+            "what": report.what,
+            "kernel": kernel,
+            "phase": report.phase,
+            "place": place,
+            "address": None if report.address is None else hex(report.address),
+            "sanitizer_detail": report.detail,
+            "launch": report.frames[-6:],
+            "count": 1,
         }
     return list(groups.values())[:MAX_FINDINGS]
 
@@ -207,7 +222,9 @@ def grouped(kept: list[Report], where: AllocationMap, tool: str, stage: str) -> 
 def has_option(tool_path: str, option: str) -> bool:
     """Whether this compute-sanitizer knows ``option`` (its --help lists it)."""
     try:
-        listed = subprocess.run([tool_path, "--help"], capture_output=True, text=True, timeout=60, errors="replace").stdout
+        listed = subprocess.run(
+            [tool_path, "--help"], capture_output=True, text=True, timeout=60, errors="replace"
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return False
     return option in listed
@@ -226,13 +243,27 @@ def command(tool_path: str | None, tool: str, child_args: list[str], api_copies:
     return [tool_path, *options, *child]
 
 
-def run(tool_path: str | None, tool: str, child_args: list[str], env: dict[str, str], timeout_s: float,
-        api_copies: bool = True) -> SanitizerRun:
+def run(
+    tool_path: str | None,
+    tool: str,
+    child_args: list[str],
+    env: dict[str, str],
+    timeout_s: float,
+    api_copies: bool = True,
+) -> SanitizerRun:
     """Run the child under ``tool``; its output is read whole (the reports and markers interleave
     on one stream). A child past ``timeout_s`` is killed and reported as such."""
     try:
-        completed = subprocess.run(command(tool_path, tool, child_args, api_copies), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, env=env, timeout=timeout_s, text=True, errors="replace")
+        completed = subprocess.run(
+            command(tool_path, tool, child_args, api_copies),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            timeout=timeout_s,
+            text=True,
+            errors="replace",
+        )
     except subprocess.TimeoutExpired as expired:
         output = expired.stdout if isinstance(expired.stdout, str) else (expired.stdout or b"").decode(errors="replace")
         return SanitizerRun(tool, -9, parse(output)[0], None, None, f"killed after {timeout_s:g} s\n" + output[-3000:])

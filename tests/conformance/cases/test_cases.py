@@ -3,10 +3,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conformance.harness.batch import materialize
 from conformance.cases.grammar import DEFAULT_PADDING_TOKENS as NUM_PADDING_TOKENS
-from conformance.cases.grammar import CaseSyntaxError, __doc__ as GRAMMAR, parse_case
+from conformance.cases.grammar import CaseSyntaxError, parse_case
+from conformance.cases.grammar import __doc__ as GRAMMAR
 from conformance.cases.suites import suite
+from conformance.harness.batch import materialize
 
 
 @pytest.mark.parametrize("name", ["smoke", "standard", "full"])
@@ -37,7 +38,14 @@ def test_grammar_details():
     assert not case.permute_blocks
 
     mla = parse_case("mla-h128:4096+1").spec
-    assert (mla.kind, mla.num_heads, mla.kv_lora_rank, mla.rope_dim, mla.head_dim, mla.block_size) == ("mla", 128, 512, 64, 576, 64)
+    assert (mla.kind, mla.num_heads, mla.kv_lora_rank, mla.rope_dim, mla.head_dim, mla.block_size) == (
+        "mla",
+        128,
+        512,
+        64,
+        576,
+        64,
+    )
     assert parse_case("100+1", default_seed=5).seed == 5
 
 
@@ -151,13 +159,23 @@ def test_layout_and_data_attributes_round_trip_and_reject_nonsense():
     assert case.strided and case.padding == 0 and case.data == "edges"
     assert parse_case(case.id) == case and "strided-pad0-edges" in case.id
     assert parse_case("gqa-h4/2-d16:20+2").id == "gqa-h4/2-d16-bf16-p16:20+2@0"  # defaults stay out of the id
-    for bad, message in (("gqa-outliers-edges:1+1", "both set the data profile"), ("gqa-pad5000:1+1", "padding rows must be")):
+    for bad, message in (
+        ("gqa-outliers-edges:1+1", "both set the data profile"),
+        ("gqa-pad5000:1+1", "padding rows must be"),
+    ):
         with pytest.raises(CaseSyntaxError, match=message):
             parse_case(bad)
 
 
 def test_a_big_pool_puts_every_owned_block_past_two_to_the_31_elements_of_its_plane_and_id_two_to_the_16():
-    from conformance.harness.batch import BIG_POOL_BLOCK_IDS, BIG_POOL_ELEMENTS, assign_blocks, big_pool_skip_reason, case_generator, pool_size
+    from conformance.harness.batch import (
+        BIG_POOL_BLOCK_IDS,
+        BIG_POOL_ELEMENTS,
+        assign_blocks,
+        big_pool_skip_reason,
+        case_generator,
+        pool_size,
+    )
 
     big = [case for case in suite("standard") if case.big_pool]
     assert {case.spec.kind for case in big} == {"mha", "mla"} and parse_case(big[0].id) == big[0]
@@ -167,7 +185,10 @@ def test_a_big_pool_puts_every_owned_block_past_two_to_the_31_elements_of_its_pl
         table, num_blocks = assign_blocks(case, case_generator(case))
         owned = table[table > 0]
         assert int(owned.min()) >= BIG_POOL_BLOCK_IDS == 2**16
-        assert int(owned.min()) * plane_block >= BIG_POOL_ELEMENTS and num_blocks == pool_size(case) == int(owned.max()) + 1
+        assert (
+            int(owned.min()) * plane_block >= BIG_POOL_ELEMENTS
+            and num_blocks == pool_size(case) == int(owned.max()) + 1
+        )
         small = replace(case, big_pool=False)
         assert pool_size(small) * plane_block < BIG_POOL_ELEMENTS // 16  # the other cases' pools stay far below
         assert big_pool_skip_reason(case, torch.device("cpu")).startswith("bigpool runs on a GPU")

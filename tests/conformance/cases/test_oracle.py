@@ -1,4 +1,5 @@
 """The oracle against a hand-written formula and against torch SDPA, on tiny inputs."""
+
 import math
 
 import pytest
@@ -33,7 +34,14 @@ def handwritten(query, key, value, context_len, scale, window=None, cap=None):
 
 @pytest.mark.parametrize(
     "context_len,num_queries,num_heads,num_kv_heads,window,cap",
-    [(0, 1, 2, 2, None, None), (5, 3, 4, 2, None, None), (0, 6, 4, 1, None, None), (7, 2, 2, 1, 4, None), (3, 4, 2, 2, None, 1.5), (6, 3, 4, 2, 3, 2.0)],
+    [
+        (0, 1, 2, 2, None, None),
+        (5, 3, 4, 2, None, None),
+        (0, 6, 4, 1, None, None),
+        (7, 2, 2, 1, 4, None),
+        (3, 4, 2, 2, None, 1.5),
+        (6, 3, 4, 2, 3, 2.0),
+    ],
 )
 def test_matches_handwritten_formula(context_len, num_queries, num_heads, num_kv_heads, window, cap):
     generator = torch.Generator().manual_seed(context_len * 31 + num_queries)
@@ -41,7 +49,9 @@ def test_matches_handwritten_formula(context_len, num_queries, num_heads, num_kv
     query = torch.randn(num_queries, num_heads, 5, generator=generator)
     key = torch.randn(seq_len, num_kv_heads, 5, generator=generator)
     value = torch.randn(seq_len, num_kv_heads, 3, generator=generator)
-    got = attention_reference(query, key, value, context_len=context_len, scale=0.7, sliding_window=window, logits_soft_cap=cap)
+    got = attention_reference(
+        query, key, value, context_len=context_len, scale=0.7, sliding_window=window, logits_soft_cap=cap
+    )
     expected = handwritten(query, key, value, context_len, 0.7, window, cap)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
@@ -67,7 +77,9 @@ def test_matches_torch_sdpa_gqa_prefill():
     key = torch.randn(7, 2, 16, generator=generator, dtype=torch.float64)
     value = torch.randn(7, 2, 16, generator=generator, dtype=torch.float64)
     expected = torch.nn.functional.scaled_dot_product_attention(
-        query.transpose(0, 1), key.repeat_interleave(4, 1).transpose(0, 1), value.repeat_interleave(4, 1).transpose(0, 1),
+        query.transpose(0, 1),
+        key.repeat_interleave(4, 1).transpose(0, 1),
+        value.repeat_interleave(4, 1).transpose(0, 1),
         is_causal=True,
     ).transpose(0, 1)
     torch.testing.assert_close(attention_reference(query, key, value, context_len=0, scale=0.25), expected)

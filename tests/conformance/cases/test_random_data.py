@@ -2,10 +2,9 @@ import pytest
 import torch
 
 from conformance.cases import random_data
-from conformance.harness.batch import materialize
 from conformance.cases.grammar import parse_case
 from conformance.cases.random_data import mix32, normal_tensors
-
+from conformance.harness.batch import materialize
 
 
 def reference_mix32(v: int) -> int:
@@ -26,7 +25,9 @@ def reference_number(seed: int, stream: int, index: int) -> float:
     for counter in (2 * index, 2 * index + 1):
         bits = reference_mix32(reference_mix32(counter) ^ key) & 0xFFFFFFFF
         total += (bits & 0xFFFF) + (bits >> 16)
-    scaled = torch.tensor(float(total - 2 * 0xFFFF), dtype=torch.float32) * torch.tensor(random_data.UNIT_VARIANCE_SCALE, dtype=torch.float32)
+    scaled = torch.tensor(float(total - 2 * 0xFFFF), dtype=torch.float32) * torch.tensor(
+        random_data.UNIT_VARIANCE_SCALE, dtype=torch.float32
+    )
     return float(scaled)
 
 
@@ -103,8 +104,12 @@ def test_cpu_and_gpu_draw_the_same_bits():
     for cpu, gpu in zip(draw(99, *shapes), draw(99, *shapes, device="cuda")):
         assert torch.equal(cpu, gpu.cpu())
     # A whole case, its data profiles applied on each device.
-    for case_id in ("gqa-h8/2-d64-outliers:300+1,40+4", "gqa-h8/2-d64-w32-edges:100+3", "mla-h16-d512+64-fp16:200+2",
-                    "mha-h4-d128-fp32-share1:50+1,70+2"):
+    for case_id in (
+        "gqa-h8/2-d64-outliers:300+1,40+4",
+        "gqa-h8/2-d64-w32-edges:100+3",
+        "mla-h16-d512+64-fp16:200+2",
+        "mha-h4-d128-fp32-share1:50+1,70+2",
+    ):
         case = parse_case(case_id)
         cpu, gpu = materialize(case, "cpu"), materialize(case, "cuda")
         assert torch.equal(cpu.query, gpu.query.cpu()), case_id

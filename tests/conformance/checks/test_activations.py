@@ -2,15 +2,16 @@
 tokens, exact in every dtype; and the blind spot they close: an accumulator kept in the input
 dtype across KV tiles passes zero-mean data at every length and fails these, by more the longer
 the context (the margins the standard suite's long cases are sized by)."""
+
 import pytest
 import torch
 
 import conformance.harness.batch as batch_module
+from conformance.cases.case_data import HEAVY_EVERY, HEAVY_OFFSET, OUTLIER_VALUE_CHANNEL, OUTLIER_VALUE_MEAN
+from conformance.cases.grammar import parse_case
 from conformance.checks.comparison import TOLERANCES
 from conformance.checks.numerics import NumericsCheck
 from conformance.harness.batch import materialize
-from conformance.cases.case_data import HEAVY_EVERY, HEAVY_OFFSET, OUTLIER_VALUE_CHANNEL, OUTLIER_VALUE_MEAN
-from conformance.cases.grammar import parse_case
 from conformance.results import Verdict
 from tests.planted.input_defects import AccumulatesInInputDtype
 
@@ -39,9 +40,14 @@ def margin(case_text: str) -> tuple[Verdict, float]:
     return result.verdict, abs(got - expected) / (atol + rtol * abs(expected))
 
 
-@pytest.mark.parametrize("case_text,at_least", [("gqa-h4/2-d64-bf16-p16:4096+1,4000+1@0", 1.2),
-                                                ("gqa-h4/2-d64-bf16-p16:16384+1@0", 10.0),
-                                                ("gqa-h4/2-d64-fp16-p16:32768+1@0", 5.0)])
+@pytest.mark.parametrize(
+    "case_text,at_least",
+    [
+        ("gqa-h4/2-d64-bf16-p16:4096+1,4000+1@0", 1.2),
+        ("gqa-h4/2-d64-bf16-p16:16384+1@0", 10.0),
+        ("gqa-h4/2-d64-fp16-p16:32768+1@0", 5.0),
+    ],
+)
 def test_a_half_precision_accumulator_fails_activation_like_data(case_text, at_least):
     verdict, ratio = margin(case_text)
     assert verdict == Verdict.FAIL and ratio >= at_least, ratio
@@ -49,6 +55,9 @@ def test_a_half_precision_accumulator_fails_activation_like_data(case_text, at_l
 
 def test_zero_mean_data_hid_it_at_every_length(monkeypatch):
     monkeypatch.setattr(batch_module, "shape_activations", lambda case, keys, values: None)
-    for case_text in ("gqa-h4/2-d64-bf16-p16:4096+1,4000+1@0", "gqa-h4/2-d64-bf16-p16:32768+1@0",
-                      "gqa-h4/2-d64-fp16-p16:32768+1@0"):
+    for case_text in (
+        "gqa-h4/2-d64-bf16-p16:4096+1,4000+1@0",
+        "gqa-h4/2-d64-bf16-p16:32768+1@0",
+        "gqa-h4/2-d64-fp16-p16:32768+1@0",
+    ):
         assert margin(case_text)[0] == Verdict.PASS, case_text

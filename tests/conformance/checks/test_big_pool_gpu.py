@@ -1,15 +1,16 @@
 """``bigpool`` at its real size on a GPU: every owned block past 2**31 elements of its plane. A
 read whose offset is computed in 32 bits fails there and passes the same batch in a small pool;
 our Triton backends (offsets widened to 64 bits) pass both."""
+
 import pytest
 import torch
 
 from backends.torch_naive import TorchNaiveBackend
 from backends.triton.backend import TritonAttentionBackend
 from backends.triton.mla_backend import TritonMLABackend
+from conformance.cases.grammar import parse_case
 from conformance.checks.numerics import NumericsCheck
 from conformance.harness.batch import big_pool_skip_reason
-from conformance.cases.grammar import parse_case
 from conformance.results import Verdict
 from tests.planted.input_defects import Int32ElementOffsets
 
@@ -34,7 +35,9 @@ def test_32_bit_offsets_fail_only_in_the_big_pool(case_id):
     assert result.verdict == Verdict.FAIL and "beyond tolerance" in result.reason, result.reason
 
 
-@pytest.mark.parametrize("backend,case_id", [(TritonAttentionBackend, GQA), (TritonMLABackend, MLA)], ids=["triton", "triton_mla"])
+@pytest.mark.parametrize(
+    "backend,case_id", [(TritonAttentionBackend, GQA), (TritonMLABackend, MLA)], ids=["triton", "triton_mla"]
+)
 def test_our_triton_backends_pass_the_big_pool(backend, case_id):
     result = numerics(backend, case_id)
     assert result.verdict == Verdict.PASS, result.reason

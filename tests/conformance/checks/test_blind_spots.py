@@ -1,6 +1,7 @@
 """Each blind spot the harness used to have is closed: the planted defect that hid behind it now
 fails, by a wide margin (``tolerance_ratio``: the worst element's error over its allowed error),
 on every seed — while the correct baseline passes the very same cases."""
+
 import pytest
 import torch
 
@@ -52,7 +53,9 @@ def test_planted_defects_fail_by_a_wide_margin_on_every_seed(defect, case_id):
 
 def test_a_window_off_by_one_was_narrow_on_plain_data_and_is_wide_on_edge_data():
     plain = [numerics(input_defects.WindowOffByOne, f"gqa-h4/2-d32-bf16-p16-w256:1000+1,600+4@{s}") for s in SEEDS]
-    edges = [numerics(input_defects.WindowOffByOne, f"gqa-h4/2-d32-bf16-p16-w256-edges:1000+1,600+4@{s}") for s in SEEDS]
+    edges = [
+        numerics(input_defects.WindowOffByOne, f"gqa-h4/2-d32-bf16-p16-w256-edges:1000+1,600+4@{s}") for s in SEEDS
+    ]
     assert min(r.metrics["tolerance_ratio"] for r in plain) < WIDE_MARGIN  # why the edges profile exists
     assert min(r.metrics["tolerance_ratio"] for r in edges) >= 10 * WIDE_MARGIN
 
@@ -64,14 +67,22 @@ def test_an_over_read_returns_the_poison():
 
 # (defect, case, what the reason says, the minimum tolerance ratio). Scores kept in bf16 lose about
 # half a logit at a logit of 256: a precision loss, not a boundary, so its margin is smaller.
-@pytest.mark.parametrize("defect,case_id,expected,margin", [
-    (input_defects.AssumesContiguousQuery, "gqa-h4/2-d32-bf16-p16-strided:30+1,20+4,0+9", "NaN", WIDE_MARGIN),
-    (input_defects.AssumesContiguousQuery, "mla-h4-d32+8-bf16-p16-strided:30+1,20+4", "NaN", WIDE_MARGIN),
-    (input_defects.AssumesContiguousOutput, "gqa-h4/2-d32-bf16-p16-strided:30+1,20+4,0+9", "outside the strided output view", WIDE_MARGIN),
-    (input_defects.SoftmaxWithoutMax, "gqa-h4/2-d32-bf16-p16-outliers:30+1,20+4,0+9", "NaN", WIDE_MARGIN),
-    (input_defects.SoftmaxWithoutMax, "mla-h4-d32+8-fp16-p16-outliers:30+1,20+4", "NaN", WIDE_MARGIN),
-    (input_defects.ScoresInInputDtype, "gqa-h4/2-d32-bf16-p16-outliers:300+1,20+4,0+9", "beyond tolerance", 5.0),
-])
+@pytest.mark.parametrize(
+    "defect,case_id,expected,margin",
+    [
+        (input_defects.AssumesContiguousQuery, "gqa-h4/2-d32-bf16-p16-strided:30+1,20+4,0+9", "NaN", WIDE_MARGIN),
+        (input_defects.AssumesContiguousQuery, "mla-h4-d32+8-bf16-p16-strided:30+1,20+4", "NaN", WIDE_MARGIN),
+        (
+            input_defects.AssumesContiguousOutput,
+            "gqa-h4/2-d32-bf16-p16-strided:30+1,20+4,0+9",
+            "outside the strided output view",
+            WIDE_MARGIN,
+        ),
+        (input_defects.SoftmaxWithoutMax, "gqa-h4/2-d32-bf16-p16-outliers:30+1,20+4,0+9", "NaN", WIDE_MARGIN),
+        (input_defects.SoftmaxWithoutMax, "mla-h4-d32+8-fp16-p16-outliers:30+1,20+4", "NaN", WIDE_MARGIN),
+        (input_defects.ScoresInInputDtype, "gqa-h4/2-d32-bf16-p16-outliers:300+1,20+4,0+9", "beyond tolerance", 5.0),
+    ],
+)
 def test_input_property_defects_fail_only_where_the_property_varies(defect, case_id, expected, margin):
     plain_id = case_id.replace("-strided", "").replace("-outliers", "")
     assert numerics(defect, plain_id).verdict == Verdict.PASS  # the blind spot: held fixed, it hides
@@ -85,7 +96,11 @@ def test_input_property_defects_fail_only_where_the_property_varies(defect, case
 def test_the_smoke_and_standard_suites_vary_every_input_property():
     for name in ("smoke", "standard"):
         cases = suite(name)
-        assert any(c.strided for c in cases) and any(c.data == "outliers" for c in cases) and any(c.data == "edges" for c in cases)
+        assert (
+            any(c.strided for c in cases)
+            and any(c.data == "outliers" for c in cases)
+            and any(c.data == "edges" for c in cases)
+        )
     standard = suite("standard")
     assert {c.padding for c in standard} >= {0, 3, 64}
     assert any(c.spec.scale is not None for c in standard)
@@ -158,7 +173,10 @@ def test_the_standard_suite_has_a_group_that_is_not_a_power_of_two_and_one_of_si
 
 def test_a_head_tile_without_a_head_mask_passes_sixteen_heads_and_the_suite_has_eight():
     """It fails 8 heads (above, on every seed)."""
-    assert numerics(input_defects.HeadTileWithoutHeadMask, "mla-h16-d32+8-bf16-p16:300+1,700+1,40+4").verdict == Verdict.PASS
+    assert (
+        numerics(input_defects.HeadTileWithoutHeadMask, "mla-h16-d32+8-bf16-p16:300+1,700+1,40+4").verdict
+        == Verdict.PASS
+    )
     assert 8 in {case.spec.num_heads for case in suite("standard") if case.spec.kind == "mla"}
 
 

@@ -1,17 +1,20 @@
 """A new check is one file and one registry line: it then shows up in the CLI's defaults, the
 terminal, HTML, Markdown and JUnit reports and the pytest plugin, with its evidence described
 by the check itself."""
+
 import xml.etree.ElementTree as ElementTree
 
 import pytest
 import torch
 from rich.console import Console
 
-from conformance.report import html as report_html, junit as report_junit, markdown as report_markdown
 from conformance.cases.suites import suite
 from conformance.checks import CHECKS, default_checks
-from conformance.run.runner import RunOptions, run
+from conformance.report import html as report_html
+from conformance.report import junit as report_junit
+from conformance.report import markdown as report_markdown
 from conformance.report.terminal import print_report
+from conformance.run.runner import RunOptions, run
 from tests.planted.extra_check import LongestQueryCheck
 
 EVIDENCE = "longest query: 4 tokens in request 0"
@@ -47,8 +50,15 @@ def test_a_registered_check_runs_by_default_and_every_report_shows_it(registered
 
 def test_the_pytest_plugin_collects_a_registered_check(registered, pytester):
     pytester.makepyfile("")
-    outcome = pytester.runpytest_inprocess("--conformance-backend", "torch_naive", "--conformance-device", "cpu",
-                                           "--conformance-check", LongestQueryCheck.name, "-q")
+    outcome = pytester.runpytest_inprocess(
+        "--conformance-backend",
+        "torch_naive",
+        "--conformance-device",
+        "cpu",
+        "--conformance-check",
+        LongestQueryCheck.name,
+        "-q",
+    )
     text = outcome.stdout.str()
     assert f"conformance[{LongestQueryCheck.name}-" in text
     assert EVIDENCE in text

@@ -1,9 +1,10 @@
 """Every layer parameter matters on every path somewhere in the standard suite (by the margin),
 and docs/checks.md shows that matrix as it is."""
+
 from pathlib import Path
 
-from conformance.checks.coverage import MARGIN, parameter_coverage, coverage_table
 from conformance.cases.suites import suite
+from conformance.checks.coverage import MARGIN, coverage_table, parameter_coverage
 
 CHECKS_DOC = Path(__file__).resolve().parents[3] / "docs" / "checks.md"
 
@@ -13,7 +14,7 @@ def test_every_parameter_matters_on_every_path_and_the_docs_show_the_matrix():
     empty = [cell for cell, found in coverage.items() if found is None]
     assert not empty, f"no standard case makes these matter by {MARGIN}×: {empty}"
     text = CHECKS_DOC.read_text()
-    section = text[text.index("### Every parameter at work on every path"):]
+    section = text[text.index("### Every parameter at work on every path") :]
     assert "\n".join(coverage_table(coverage)) in section, "docs/checks.md's parameter × path matrix is stale"
 
 
@@ -28,8 +29,8 @@ def test_a_cap_over_small_logits_covers_nothing():
 def test_a_parameter_dropped_on_one_path_fails_on_the_case_the_matrix_names():
     import torch
 
-    from conformance.checks.numerics import NumericsCheck
     from conformance.cases.grammar import parse_case
+    from conformance.checks.numerics import NumericsCheck
     from conformance.results import Verdict
     from tests.planted import input_defects
 

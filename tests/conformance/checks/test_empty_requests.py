@@ -1,14 +1,15 @@
 """vLLM's empty padding requests (``0+0``): the grammar, the block-table rows, who may run them,
 torch_naive against the oracle, and the planted empty-request defects each failing numerics."""
+
 import pytest
 import torch
 
 from backends.base import PaddingStyle
 from backends.torch_naive import TorchNaiveBackend
-from conformance.checks.numerics import NumericsCheck
-from conformance.harness.batch import materialize
 from conformance.cases.grammar import CaseSyntaxError, parse_case
 from conformance.cases.suites import suite
+from conformance.checks.numerics import NumericsCheck
+from conformance.harness.batch import materialize
 from conformance.results import Verdict
 from tests.planted import padding_defects
 from tests.planted.graph_backends import TorchGraphSafe
@@ -48,8 +49,14 @@ def test_torch_naive_leaves_every_real_row_exact_around_empty_requests(case_text
     assert result.verdict == Verdict.PASS, result.reason
 
 
-@pytest.mark.parametrize("defect", [padding_defects.WritesLastTokenOfEachRequest, padding_defects.EmptyRequestWritesNaN,
-                                    padding_defects.ReadsBlockMinusOne])
+@pytest.mark.parametrize(
+    "defect",
+    [
+        padding_defects.WritesLastTokenOfEachRequest,
+        padding_defects.EmptyRequestWritesNaN,
+        padding_defects.ReadsBlockMinusOne,
+    ],
+)
 @pytest.mark.parametrize("case_text", [AT_THE_END, IN_BETWEEN])
 def test_planted_empty_request_defects_fail_numerics(defect, case_text):
     result = NumericsCheck().run_case(defect, parse_case(case_text), CPU)

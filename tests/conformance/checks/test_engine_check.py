@@ -2,6 +2,7 @@
 max_seq_len as exact passes the attention checks but fails here, under async scheduling only; a
 backend whose update_for_draft_step forgets the last row fails on its drafts, which its output
 and its acceptance counts do not show."""
+
 import dataclasses
 
 import torch
@@ -40,8 +41,27 @@ def test_engine_check_is_listed_and_runs_from_the_cli(tmp_path):
     import subprocess
     import sys
 
-    completed = subprocess.run([sys.executable, "-m", "conformance.cli", "run", "--backend", "torch_naive", "--suite", "smoke",
-                                "--check", "engine", "--device", "cpu", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "conformance.cli",
+            "run",
+            "--backend",
+            "torch_naive",
+            "--suite",
+            "smoke",
+            "--check",
+            "engine",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "engine" in completed.stdout
 
@@ -63,4 +83,6 @@ def test_engine_check_compares_the_draft_update_path_with_rebuilt_metadata():
         digests = result.evidence["verified_drafts_digest"]
         assert digests["update_for_draft_step"] == digests["metadata_rebuilt"]
         result = EngineCheck().run_case(ForgetsLastRowOnCpu, case, cpu)
-        assert result.verdict == Verdict.FAIL and "update_for_draft_step drafts other tokens" in result.reason, result.reason
+        assert result.verdict == Verdict.FAIL and "update_for_draft_step drafts other tokens" in result.reason, (
+            result.reason
+        )

@@ -1,9 +1,10 @@
 """The error maps of a numerics failure point where the defect is."""
+
 import torch
 
+from conformance.cases.grammar import parse_case
 from conformance.checks.error_map import error_map, summary
 from conformance.checks.numerics import NumericsCheck
-from conformance.cases.grammar import parse_case
 from conformance.results import Verdict
 from tests.planted import defects
 

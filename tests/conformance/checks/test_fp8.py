@@ -1,14 +1,15 @@
 """The fp8 KV cache: the contract's quantization, the grammar, the two questions numerics asks
 (what write_kv stored, what forward computed from it), torch_naive passing them, and each planted
 fp8 defect failing by a wide margin."""
+
 import pytest
 import torch
 
 from backends.base import AttentionSpec, Capabilities
 from backends.torch_naive import TorchNaiveBackend
-from conformance.checks.numerics import NumericsCheck
 from conformance.cases.grammar import CaseSyntaxError, parse_case
 from conformance.cases.kv_quantization import quantize, ulps_apart
+from conformance.checks.numerics import NumericsCheck
 from conformance.results import Verdict
 from tests.planted import fp8_defects
 
@@ -31,10 +32,16 @@ def test_ulps_count_fp8_numbers_between_two_stored_values():
     assert ulps_apart(a, b).tolist() == [1, 3, 0, 252, 2]
 
 
-@pytest.mark.parametrize("text,message", [
-    ("gqa-kscale2:1+1", "fp8 cache's scales"), ("mla-fp8e4m3-vscale2:1+1", "one scale"),
-    ("gqa-fp8e4m3-fp8e5m2:1+1", "both set the KV-cache dtype"), ("gqa-fp8e4m3-vscale0:1+1", "above 0"), ("gqa-fp8e4m3-kscaleinf:1+1", "finite"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("gqa-kscale2:1+1", "fp8 cache's scales"),
+        ("mla-fp8e4m3-vscale2:1+1", "one scale"),
+        ("gqa-fp8e4m3-fp8e5m2:1+1", "both set the KV-cache dtype"),
+        ("gqa-fp8e4m3-vscale0:1+1", "above 0"),
+        ("gqa-fp8e4m3-kscaleinf:1+1", "finite"),
+    ],
+)
 def test_bad_fp8_cases_are_refused(text, message):
     with pytest.raises(CaseSyntaxError, match=message):
         parse_case(text)
@@ -49,16 +56,23 @@ def test_fp8_case_ids_round_trip_and_carry_their_scales():
 
 def test_a_backend_without_the_claim_says_exactly_why():
     spec = parse_case("gqa-h8/2-d64-fp8e4m3:1+1").spec
-    assert Capabilities(devices=frozenset({"cpu"})).unsupported_reason(spec, CPU) == \
-        "KV cache fp8e4m3 not supported (fp8 caches supported: none)"
+    assert (
+        Capabilities(devices=frozenset({"cpu"})).unsupported_reason(spec, CPU)
+        == "KV cache fp8e4m3 not supported (fp8 caches supported: none)"
+    )
     assert TorchNaiveBackend.unsupported_reason(spec, CPU) is None
     with pytest.raises(ValueError, match="neither the compute dtype nor an fp8 format"):
         AttentionSpec("mha", 4, 2, 64, torch.bfloat16, kv_cache_dtype=torch.float16)
 
 
-FP8_CASES = ["gqa-h4/2-d32-bf16-fp8e4m3-p16:40+1,20+4,0+9", "mla-h4-d32+8-bf16-fp8e4m3-p16:40+1,20+4",
-             "gqa-h4/2-d32-fp16-fp8e5m2-p16:40+1,20+4", "gqa-h4/1-d64-fp16-fp8e4m3-p16-w24-pad0-edges:50+4,3+1,100+1",
-             "gqa-h4/2-d64-bf16-fp8e4m3-p16-outliers-strided:40+1,20+4", "gqa-h4/2-d32-fp32-fp8e4m3-kscale0.03-vscale7:30+2"]
+FP8_CASES = [
+    "gqa-h4/2-d32-bf16-fp8e4m3-p16:40+1,20+4,0+9",
+    "mla-h4-d32+8-bf16-fp8e4m3-p16:40+1,20+4",
+    "gqa-h4/2-d32-fp16-fp8e5m2-p16:40+1,20+4",
+    "gqa-h4/1-d64-fp16-fp8e4m3-p16-w24-pad0-edges:50+4,3+1,100+1",
+    "gqa-h4/2-d64-bf16-fp8e4m3-p16-outliers-strided:40+1,20+4",
+    "gqa-h4/2-d32-fp32-fp8e4m3-kscale0.03-vscale7:30+2",
+]
 
 
 @pytest.mark.parametrize("case_text", FP8_CASES)
@@ -109,8 +123,13 @@ class DequantizesIntoComputeDtype(TorchNaiveBackend):
         return super().dequantize(stored, scale).to(self.spec.dtype).float()
 
 
-@pytest.mark.parametrize("case_text", ["mla-h16-d512+64-bf16-fp8e4m3-p64-edges:63+1,64+1,127+1,700+1",
-                                       "gqa-h8/2-d128-bf16-fp8e4m3-p16-edges:1+1,16+1,100+1,1000+1,3000+1"])
+@pytest.mark.parametrize(
+    "case_text",
+    [
+        "mla-h16-d512+64-bf16-fp8e4m3-p64-edges:63+1,64+1,127+1,700+1",
+        "gqa-h8/2-d128-bf16-fp8e4m3-p16-edges:1+1,16+1,100+1,1000+1,3000+1",
+    ],
+)
 def test_dequantizing_into_the_compute_dtype_passes_where_exact_tolerance_alone_would_not(case_text):
     """A few large scores sharing the softmax make the rounding of every dequantized key up to 2.4×
     the output tolerance. Both ways of dequantizing follow the contract; the comparison adds the

@@ -1,24 +1,28 @@
 """fp8 KV cache on a real GPU: the triton backend's kernels quantize and dequantize as the
 contract says on every path (eager, CUDA graphs, the draft loop, the engine), a device scale read
 on the host is a sync the syncs check reports, and a write_kv that stores by truncation fails."""
+
 import pytest
 import torch
 
 from backends.triton.backend import TritonAttentionBackend
 from backends.triton.mla_backend import TritonMLABackend
+from conformance.cases.grammar import parse_case
 from conformance.checks.draft_loop import DraftLoopCheck
 from conformance.checks.engine import EngineCheck
 from conformance.checks.graphs import GraphsCheck
 from conformance.checks.numerics import NumericsCheck
 from conformance.checks.syncs import SyncsCheck
-from conformance.cases.grammar import parse_case
 from conformance.results import Verdict
 from tests.planted import fp8_defects
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
-CASES = ["gqa-h8/2-d128-bf16-fp8e4m3-p16:100+1,30+4,0+40,2000+1", "gqa-h8/2-d64-fp16-fp8e5m2-p32:300+4,17+1",
-         "gqa-h8/2-d128-bf16-fp8e4m3-p16-w64-cap30-strided:500+4,20+1"]
+CASES = [
+    "gqa-h8/2-d128-bf16-fp8e4m3-p16:100+1,30+4,0+40,2000+1",
+    "gqa-h8/2-d64-fp16-fp8e5m2-p32:300+4,17+1",
+    "gqa-h8/2-d128-bf16-fp8e4m3-p16-w64-cap30-strided:500+4,20+1",
+]
 
 
 @pytest.mark.parametrize("case_text", CASES)
@@ -27,8 +31,10 @@ def test_triton_stores_and_attends_fp8_as_the_contract_says(case_text):
     assert result.verdict == Verdict.PASS, result.reason
 
 
-@pytest.mark.parametrize("case_text", ["mla-h16-d512+64-bf16-fp8e4m3-p64:1+1,700+1,64+4,2500+8",
-                                       "mla-h128-d512+64-bf16-fp8e5m2-p64:900+4,63+1"])
+@pytest.mark.parametrize(
+    "case_text",
+    ["mla-h16-d512+64-bf16-fp8e4m3-p64:1+1,700+1,64+4,2500+8", "mla-h128-d512+64-bf16-fp8e5m2-p64:900+4,63+1"],
+)
 def test_triton_mla_stores_and_attends_an_fp8_latent_cache(case_text):
     result = NumericsCheck().run_case(TritonMLABackend, parse_case(case_text), CUDA)
     assert result.verdict == Verdict.PASS, result.reason
@@ -36,7 +42,9 @@ def test_triton_mla_stores_and_attends_an_fp8_latent_cache(case_text):
 
 @pytest.mark.parametrize("check", [GraphsCheck, DraftLoopCheck, EngineCheck])
 def test_triton_fp8_under_graphs_in_the_draft_loop_and_in_the_engine(check):
-    result = check().run_case(TritonAttentionBackend, parse_case("gqa-h8/2-d128-bf16-fp8e4m3-p16:100+1,30+1,250+1"), CUDA)
+    result = check().run_case(
+        TritonAttentionBackend, parse_case("gqa-h8/2-d128-bf16-fp8e4m3-p16:100+1,30+1,250+1"), CUDA
+    )
     assert result.verdict == Verdict.PASS, result.reason
 
 
@@ -89,9 +97,11 @@ def test_scales_read_on_the_device_replay_and_scales_made_per_step_cannot_be_cap
     assert result.verdict == Verdict.FAIL and "capture" in result.reason, result.reason
 
 
-VENDOR_FP8 = [("flashinfer", "gqa-h32/8-d128-bf16-fp8e4m3-kscale0.03-vscale7-p16:100+1,30+4,0+40,2000+1"),
-              ("flashinfer", "gqa-h32/8-d128-bf16-fp8e4m3-kscale0.03-vscale7-p16:100+1,30+1,2000+1"),
-              ("flashinfer", "gqa-h8/2-d128-fp16-fp8e5m2-p16-w64:300+4,17+1,0+90")]
+VENDOR_FP8 = [
+    ("flashinfer", "gqa-h32/8-d128-bf16-fp8e4m3-kscale0.03-vscale7-p16:100+1,30+4,0+40,2000+1"),
+    ("flashinfer", "gqa-h32/8-d128-bf16-fp8e4m3-kscale0.03-vscale7-p16:100+1,30+1,2000+1"),
+    ("flashinfer", "gqa-h8/2-d128-fp16-fp8e5m2-p16-w64:300+4,17+1,0+90"),
+]
 
 
 @pytest.mark.parametrize(("name", "case_text"), VENDOR_FP8)
@@ -118,8 +128,11 @@ def test_flashinfer_mla_rounds_its_fp8_scale_to_bf16():
     reason = claiming.unsupported_reason(parse_case(edges.format("", "700+1")).spec, CUDA)
     if reason:
         pytest.skip(reason)
-    for text in ("mla-h16-d512+64-bf16-fp8e4m3-p64:1+1,700+1,64+4,2500+4", edges.format("kscale0.125-", "63+1,64+1,127+1,700+1"),
-                 edges.format("kscale0.125-", "700+1,2500+1,3000+1")):
+    for text in (
+        "mla-h16-d512+64-bf16-fp8e4m3-p64:1+1,700+1,64+4,2500+4",
+        edges.format("kscale0.125-", "63+1,64+1,127+1,700+1"),
+        edges.format("kscale0.125-", "700+1,2500+1,3000+1"),
+    ):
         result = NumericsCheck().run_case(claiming, parse_case(text), CUDA)
         assert result.verdict == Verdict.PASS, (text, result.reason)
     result = NumericsCheck().run_case(claiming, parse_case(edges.format("", "700+1,2500+1,3000+1")), CUDA)

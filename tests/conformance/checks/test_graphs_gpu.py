@@ -1,5 +1,6 @@
 """graphs and draft-loop on a real GPU: a graph-safe backend passes; each planted defect fails
 for its own reason."""
+
 import subprocess
 import sys
 
@@ -8,8 +9,8 @@ import torch
 
 from backends.torch_naive import TorchNaiveBackend
 from conformance.cases.grammar import parse_case
-from conformance.checks.draft_loop import DraftLoopCheck
 from conformance.checks.determinism import DeterminismCheck
+from conformance.checks.draft_loop import DraftLoopCheck
 from conformance.checks.engine import EngineCheck
 from conformance.checks.graphs import GraphsCheck
 from conformance.results import RunResult, Verdict
@@ -50,9 +51,13 @@ def test_a_masked_read_only_under_capture_fails_the_nan_replays_and_the_nan_draf
     defect = planted.MasksOnlyScoresUnderCapture
     assert NumericsCheck().run_case(defect, DECODE, CUDA).verdict == Verdict.PASS  # eager, it reads exactly
     result = GraphsCheck().run_case(defect, DECODE, CUDA)
-    assert result.verdict == Verdict.FAIL and "B1" in result.reason and "NaN in every unowned slot" in result.reason, result.reason
+    assert result.verdict == Verdict.FAIL and "B1" in result.reason and "NaN in every unowned slot" in result.reason, (
+        result.reason
+    )
     result = DraftLoopCheck().run_case(defect, DECODE, CUDA)
-    assert result.verdict == Verdict.FAIL and "k=7" in result.reason and "NaN in every unowned slot" in result.reason, result.reason
+    assert result.verdict == Verdict.FAIL and "k=7" in result.reason and "NaN in every unowned slot" in result.reason, (
+        result.reason
+    )
 
 
 def test_host_lengths_in_forward_fail_capture_naming_the_sync():
@@ -98,9 +103,27 @@ def test_flashinfer_graph_below_max_num_reqs_needs_its_own_wrapper(tmp_path):
     # Its replays read freed plan buffers: wrong values or an illegal address, which would poison
     # this test process's CUDA context; so it runs isolated, as `conformance run` runs it.
     completed = subprocess.run(
-        [sys.executable, "-m", "conformance.cli", "run", "--backend", "tests.planted.graph_backends:FlashInferOneGraphWrapper",
-         "--check", "graphs", "--case", case.id, "--device", "cuda", "--json", str(tmp_path / "r.json"), "--quiet"],
-        capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "conformance.cli",
+            "run",
+            "--backend",
+            "tests.planted.graph_backends:FlashInferOneGraphWrapper",
+            "--check",
+            "graphs",
+            "--case",
+            case.id,
+            "--device",
+            "cuda",
+            "--json",
+            str(tmp_path / "r.json"),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert completed.returncode == 1, completed.stderr[-2000:]
     result = RunResult.load(tmp_path / "r.json").backends[0].checks[0].cases[0]
     assert result.verdict == Verdict.CRASH or "differs from the oracle" in result.reason, result.reason
@@ -139,7 +162,9 @@ def test_engine_drafts_through_the_backend_under_graphs():
     result = EngineCheck().run_case(planted.TorchGraphSafe, case, CUDA)
     assert result.verdict == Verdict.PASS and "layer-skip drafting under CUDA graphs" in result.reason, result.reason
     result = EngineCheck().run_case(planted.ForgetsLastRowInDraftUpdate, case, CUDA)
-    assert result.verdict == Verdict.FAIL and "update_for_draft_step drafts other tokens" in result.reason, result.reason
+    assert result.verdict == Verdict.FAIL and "update_for_draft_step drafts other tokens" in result.reason, (
+        result.reason
+    )
 
 
 def test_empty_padding_requests_in_the_draft_loop_and_graphs():

@@ -1,12 +1,13 @@
 """Inputs come back as they went in, and output rows past the real tokens stay untouched: each
 planted backend is right on its own output and fails for what it changed, in every check."""
+
 import pytest
 import torch
 
 from backends.torch_naive import TorchNaiveBackend
+from conformance.cases.grammar import parse_case
 from conformance.checks.determinism import DeterminismCheck
 from conformance.checks.numerics import NumericsCheck
-from conformance.cases.grammar import parse_case
 from conformance.harness.input_watch import InputWatch
 from conformance.results import Verdict
 from tests.planted import input_defects
@@ -29,7 +30,11 @@ def test_a_changed_input_or_a_written_padding_row_fails_every_check(defect, reas
 
 
 def test_the_watch_sees_changes_swaps_and_shifts_but_not_a_rewrite_of_the_same_bits():
-    for change in (lambda t: t[3].add_(1), lambda t: t.index_copy_(0, torch.tensor([1, 2]), t[[2, 1]]), lambda t: t.copy_(t.roll(1))):
+    for change in (
+        lambda t: t[3].add_(1),
+        lambda t: t.index_copy_(0, torch.tensor([1, 2]), t[[2, 1]]),
+        lambda t: t.copy_(t.roll(1)),
+    ):
         tensor = torch.arange(8.0)
         watch = InputWatch.of({"x": tensor})
         change(tensor)

@@ -1,13 +1,14 @@
 """The log-sum-exp output (``returns_lse``): the oracle's against a direct formula, torch_naive
 against the oracle on every path (sinks, fp8, a value head dim of its own, MLA), and the planted
 convention slips failing numerics."""
+
 import pytest
 import torch
 
 from backends.torch_naive import TorchNaiveBackend
-from conformance.checks.numerics import NumericsCheck
 from conformance.cases.grammar import parse_case
 from conformance.cases.oracle import attention_reference
+from conformance.checks.numerics import NumericsCheck
 from conformance.results import Verdict
 from tests.planted import lse_defects
 
@@ -17,7 +18,9 @@ SINKS = "gqa-h8/2-d64-bf16-attnsinks-lse:30+4,0+20,17+1"
 
 def test_the_oracle_lse_is_the_log_of_each_softmax_denominator():
     generator = torch.Generator().manual_seed(1)
-    query, key, value = (torch.randn(shape, generator=generator, dtype=torch.float64) for shape in ((3, 4, 8), (7, 2, 8), (7, 2, 6)))
+    query, key, value = (
+        torch.randn(shape, generator=generator, dtype=torch.float64) for shape in ((3, 4, 8), (7, 2, 8), (7, 2, 6))
+    )
     sinks = torch.tensor([0.5, 3.0, -1.0, 9.0])
     _, lse = attention_reference(query, key, value, context_len=4, scale=0.3, sinks=sinks, return_lse=True)
     for head in range(4):
@@ -27,8 +30,15 @@ def test_the_oracle_lse_is_the_log_of_each_softmax_denominator():
         torch.testing.assert_close(lse[:, head], total.log())
 
 
-@pytest.mark.parametrize("case_text", [SINKS, "gqa-h8/2-d64-bf16-fp8e4m3-outliers-lse:30+4,0+20", "mla-h4-d32+8-fp16-p16-lse:30+4,17+1",
-                                       "mha-h4-d192/128-bf16-p64-scale0.13524-lse:30+4,0+40,0+0"])
+@pytest.mark.parametrize(
+    "case_text",
+    [
+        SINKS,
+        "gqa-h8/2-d64-bf16-fp8e4m3-outliers-lse:30+4,0+20",
+        "mla-h4-d32+8-fp16-p16-lse:30+4,17+1",
+        "mha-h4-d192/128-bf16-p64-scale0.13524-lse:30+4,0+40,0+0",
+    ],
+)
 def test_torch_naive_returns_the_lse_on_every_path(case_text):
     assert parse_case(case_text).lse
     result = NumericsCheck().run_case(TorchNaiveBackend, parse_case(case_text), CPU)
@@ -45,8 +55,14 @@ def test_an_lse_case_is_skipped_by_a_backend_that_returns_none_and_only_asks_whe
     from conformance.checks.base import lse_skip_reason
     from tests.planted.fp8_defects import DropsScaleOnDecode
 
-    assert "returns_lse=False" in lse_skip_reason(type("NoLse", (TorchNaiveBackend,), {
-        "capabilities": __import__("dataclasses").replace(TorchNaiveBackend.capabilities, returns_lse=False)}), parse_case(SINKS))
+    assert "returns_lse=False" in lse_skip_reason(
+        type(
+            "NoLse",
+            (TorchNaiveBackend,),
+            {"capabilities": __import__("dataclasses").replace(TorchNaiveBackend.capabilities, returns_lse=False)},
+        ),
+        parse_case(SINKS),
+    )
     # Without the attribute forward is never handed an lse buffer: a subclass whose forward does
     # not take one (most planted defects) still runs every other case.
     assert not parse_case("gqa-h8/2-d64-bf16-fp8e4m3:30+4").lse

@@ -1,20 +1,20 @@
 """The memory check without a GPU: compute-sanitizer's output (real, recorded on an H100) read back
 as findings placed in the harness's tensors, the NaN-poison pass on planted CPU defects, the
 subset and the SKIP paths."""
+
 from pathlib import Path
 
 import pytest
 import torch
 
 from backends.torch_naive import TorchNaiveBackend
-from conformance.checks import memory
-from conformance.checks.memory import MemoryCheck, poison_pass
-from conformance.checks.numerics import NumericsCheck
-from conformance.harness.allocation_map import Allocation, AllocationMap, PoolLayout
 from conformance.cases.grammar import parse_case
 from conformance.cases.suites import standard_suite
+from conformance.checks import memory
+from conformance.checks.memory import MemoryCheck, poison_pass, sanitizer
+from conformance.checks.numerics import NumericsCheck
+from conformance.harness.allocation_map import Allocation, AllocationMap, PoolLayout
 from conformance.results import Verdict
-from conformance.checks.memory import sanitizer
 from tests.planted.memory import ReadsWholeLastBlock, WritesNextSlot
 
 OUTPUT = Path(__file__).parent / "sanitizer_output"
@@ -69,15 +69,18 @@ def test_pool_addresses_are_placed_by_block_slot_and_owner():
         return 4096 + 2 * (block * pool.stride(0) + plane * pool.stride(1) + slot * pool.stride(2))
 
     assert layout.describe(address(3, 1, 2)) == "KV pool block 3 slot 2 (request 1's position 18, within its length 20)"
-    assert layout.describe(address(3, 0, 4)) == "KV pool block 3 slot 4 (past request 1's length: position 20, length 20)"
+    assert (
+        layout.describe(address(3, 0, 4)) == "KV pool block 3 slot 4 (past request 1's length: position 20, length 20)"
+    )
     assert layout.describe(address(5, 0, 0)) == "KV pool block 5 slot 0 (a block no request owns)"
     ambiguous = PoolLayout(4096, [16, 16, 8], [128, 8, 1], 2, 16, 16)  # 16 blocks of 16 slots: which is which?
     assert ambiguous.describe(4096 + 100) == "KV pool, byte 100"
 
 
 def test_allocation_map_round_trips_and_places_addresses_outside_the_pool(tmp_path):
-    where = AllocationMap([Allocation("seq_lens", 1000, 16)],
-                          PoolLayout(5000, [4, 16, 8], [128, 8, 1], 2, 16, 4, {"1": [[0, 0, 5]]}))
+    where = AllocationMap(
+        [Allocation("seq_lens", 1000, 16)], PoolLayout(5000, [4, 16, 8], [128, 8, 1], 2, 16, 4, {"1": [[0, 0, 5]]})
+    )
     where.allocations.append(Allocation("KV pool", 5000, 4 * 128 * 2))
     where.save(tmp_path / "map.json")
     loaded = AllocationMap.load(tmp_path / "map.json")
@@ -138,9 +141,11 @@ def poison_pass_in_process(monkeypatch):
 
 def fake_run(output: str, where: AllocationMap, returncode: int = 1):
     """``run_child`` as if compute-sanitizer had printed ``output``."""
+
     def run_child(backend_cls, case, stage, tool):
         reports, errors, unsupported = sanitizer.parse(output)
         return sanitizer.SanitizerRun(tool, returncode, reports, errors, unsupported, output[-300:]), where
+
     return run_child
 
 
@@ -149,10 +154,15 @@ def test_a_sanitizer_report_fails_the_case_with_evidence_every_report_shows(monk
     monkeypatch.setattr(memory, "run_child", fake_run(output, AllocationMap([BLOCK_TABLE])))
     result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
     assert result.verdict == Verdict.FAIL
-    assert result.reason.startswith("memcheck, step, forward: Invalid __global__ read of size 4 bytes in masked_extra_read_kernel")
+    assert result.reason.startswith(
+        "memcheck, step, forward: Invalid __global__ read of size 4 bytes in masked_extra_read_kernel"
+    )
     assert "just past the end of block_table (48 bytes)" in result.reason
     labels = [item.label for item in MemoryCheck.describe_evidence(result.evidence)]
-    assert labels[0] == "memcheck (step, forward): Invalid __global__ read of size 4 bytes ×2" and "launched from" in labels
+    assert (
+        labels[0] == "memcheck (step, forward): Invalid __global__ read of size 4 bytes ×2"
+        and "launched from" in labels
+    )
 
 
 def test_counted_errors_that_cannot_be_read_still_fail(monkeypatch):
@@ -180,10 +190,12 @@ def test_a_child_that_dies_without_a_report_is_an_error(monkeypatch):
 
 
 def test_host_api_reports_count_only_when_the_backend_copies_the_harness_s_memory():
-    record = ("========= Host API memory access error at host access to 0x7f0000000000 of size 65,536 bytes\n"
-              "=========     Uninitialized access at 0x7f0000000040 on access by cudaMemcpyAsync source\n"
-              "=========     Saved host backtrace up to driver entry point at kernel launch time\n"
-              "=========         Host Frame: {frame}\n========= \n")
+    record = (
+        "========= Host API memory access error at host access to 0x7f0000000000 of size 65,536 bytes\n"
+        "=========     Uninitialized access at 0x7f0000000040 on access by cudaMemcpyAsync source\n"
+        "=========     Saved host backtrace up to driver entry point at kernel launch time\n"
+        "=========         Host Frame: {frame}\n========= \n"
+    )
     harness = sanitizer.parse(record.format(frame="replay in graphs.py:139"))[0]
     backend = sanitizer.parse(record.format(frame="forward in flashmla.py:71"))[0]
     pool = AllocationMap([Allocation("KV pool", 0x7F0000000000, 1 << 20)])
@@ -238,7 +250,11 @@ def test_an_uninitialized_copy_inside_a_graph_replay_is_the_harness_s_and_passes
 
 
 def test_errors_past_the_print_limit_behind_set_aside_reports_still_fail(monkeypatch):
-    output = (OUTPUT / "initcheck-graph-replay-copy.txt").read_text().replace("ERROR SUMMARY: 1 error", "ERROR SUMMARY: 2045 errors")
+    output = (
+        (OUTPUT / "initcheck-graph-replay-copy.txt")
+        .read_text()
+        .replace("ERROR SUMMARY: 1 error", "ERROR SUMMARY: 2045 errors")
+    )
     monkeypatch.setattr(memory, "run_child", fake_run(output, AllocationMap(), 0))
     result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
     assert result.verdict == Verdict.FAIL and "2044 errors not read back" in result.reason
@@ -264,10 +280,19 @@ def test_each_stage_runs_with_the_allocator_and_copy_checks_its_execution_allows
         return sanitizer.SanitizerRun(tool, 0, [], 0)
 
     monkeypatch.setattr(sanitizer, "run", run)
-    for stage, tool in (("step", "initcheck"), ("engine", "memcheck"), ("draft-loop", "initcheck"), ("nan-poison", None)):
+    for stage, tool in (
+        ("step", "initcheck"),
+        ("engine", "memcheck"),
+        ("draft-loop", "initcheck"),
+        ("nan-poison", None),
+    ):
         memory.run_child(TorchNaiveBackend, CASE, stage, tool)
-    assert seen == {("step", "initcheck"): ("1", True), ("engine", "memcheck"): ("1", True),
-                    ("draft-loop", "initcheck"): (None, False), ("nan-poison", "nan-poison"): (None, True)}
+    assert seen == {
+        ("step", "initcheck"): ("1", True),
+        ("engine", "memcheck"): ("1", True),
+        ("draft-loop", "initcheck"): (None, False),
+        ("nan-poison", "nan-poison"): (None, True),
+    }
 
 
 def test_a_report_in_the_engine_stage_fails_the_case_under_its_stage(monkeypatch):
@@ -280,18 +305,26 @@ def test_a_report_in_the_engine_stage_fails_the_case_under_its_stage(monkeypatch
     def run_child(backend_cls, case, stage, tool):
         text = output if stage == "engine" else clean
         reports, errors, unsupported = sanitizer.parse(text)
-        return sanitizer.SanitizerRun(tool, 0, reports, errors, unsupported, text[-300:]), AllocationMap(unmapped="outside")
+        return sanitizer.SanitizerRun(tool, 0, reports, errors, unsupported, text[-300:]), AllocationMap(
+            unmapped="outside"
+        )
 
     monkeypatch.setattr(memory, "run_child", run_child)
     result = MemoryCheck().run_case(TorchNaiveBackend, parse_case("gqa-h4/2-d64-bf16-p16:1+1,40+1"), CPU)
-    assert result.verdict == Verdict.FAIL and result.reason.startswith("memcheck, engine, forward: Invalid __global__ read")
+    assert result.verdict == Verdict.FAIL and result.reason.startswith(
+        "memcheck, engine, forward: Invalid __global__ read"
+    )
 
 
 def test_set_aside_reports_are_counted_by_kind_and_do_not_fail(monkeypatch):
-    api_error = ('========= Program hit CUDA_ERROR_NOT_FOUND (error 500) due to "named symbol not found" on CUDA API call '
-                 'to cuGetProcAddress.\n=========     Saved host backtrace up to driver entry point at error\n'
-                 '=========         Host Frame: forward in torch_naive.py:40\n========= \n')
-    monkeypatch.setattr(memory, "run_child", fake_run(api_error * 3 + "========= ERROR SUMMARY: 3 errors\n", AllocationMap(), 0))
+    api_error = (
+        '========= Program hit CUDA_ERROR_NOT_FOUND (error 500) due to "named symbol not found" on CUDA API call '
+        "to cuGetProcAddress.\n=========     Saved host backtrace up to driver entry point at error\n"
+        "=========         Host Frame: forward in torch_naive.py:40\n========= \n"
+    )
+    monkeypatch.setattr(
+        memory, "run_child", fake_run(api_error * 3 + "========= ERROR SUMMARY: 3 errors\n", AllocationMap(), 0)
+    )
     result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
     assert result.verdict == Verdict.PASS, result.reason
     assert result.metrics["memcheck step set aside"] == 3
@@ -302,10 +335,14 @@ def test_set_aside_reports_are_counted_by_kind_and_do_not_fail(monkeypatch):
 def test_a_failing_api_call_counts_unless_it_follows_a_fault_or_probes_an_entry_point(monkeypatch):
     """A library that ignores its own failed CUDA call fails the case; the same report after a
     kernel fault is that fault's consequence, and a cuGetProcAddress miss is a probe."""
-    failed_copy = ('========= Program hit cudaErrorInvalidValue (error 1) due to "invalid argument" on CUDA API call to '
-                   'cudaMemcpyAsync.\n=========     Saved host backtrace up to driver entry point at error\n'
-                   '=========         Host Frame: forward in torch_naive.py:40\n========= \n')
-    monkeypatch.setattr(memory, "run_child", fake_run(failed_copy + "========= ERROR SUMMARY: 1 error\n", AllocationMap(), 0))
+    failed_copy = (
+        '========= Program hit cudaErrorInvalidValue (error 1) due to "invalid argument" on CUDA API call to '
+        "cudaMemcpyAsync.\n=========     Saved host backtrace up to driver entry point at error\n"
+        "=========         Host Frame: forward in torch_naive.py:40\n========= \n"
+    )
+    monkeypatch.setattr(
+        memory, "run_child", fake_run(failed_copy + "========= ERROR SUMMARY: 1 error\n", AllocationMap(), 0)
+    )
     result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
     assert result.verdict == Verdict.FAIL and "cudaMemcpyAsync" in result.reason, result.reason
 

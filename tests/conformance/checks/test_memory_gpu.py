@@ -1,15 +1,15 @@
 """The memory check on a real GPU under compute-sanitizer: our Triton backend is clean; each
 planted defect fails memory, in the pass and the place it exists to show (numerics' NaN-poison
 pass sees only those whose stray access lands on an unowned slot)."""
+
 import pytest
 import torch
 
 from backends.triton.backend import TritonAttentionBackend
-from conformance.checks.memory import MemoryCheck
-from conformance.checks.numerics import NumericsCheck
 from conformance.cases.grammar import parse_case
+from conformance.checks.memory import MemoryCheck, sanitizer
+from conformance.checks.numerics import NumericsCheck
 from conformance.results import Verdict
-from conformance.checks.memory import sanitizer
 from tests.planted import memory as planted
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(sanitizer.find_tool() is None, reason="needs compute-sanitizer")]
@@ -50,8 +50,11 @@ def test_a_read_one_block_past_the_end_is_seen_three_ways(step_stage_only):
     found = findings(planted.ReadsBlockPastEnd, DECODE)
     assert found[("memcheck", "just past the end of block_table")]["phase"] == "forward"
     # Which of block 0's slots the tool prints first can depend on the order the threads ran in.
-    in_block_0 = [finding for (tool, place), finding in found.items()
-                  if tool == "initcheck" and place.startswith("KV pool block 0 slot ")]
+    in_block_0 = [
+        finding
+        for (tool, place), finding in found.items()
+        if tool == "initcheck" and place.startswith("KV pool block 0 slot ")
+    ]
     assert in_block_0 and in_block_0[0]["launch"][-1].startswith("forward in memory.py"), list(found)
     assert any(tool == "nan-poison" for tool, _ in found)
 

@@ -1,4 +1,5 @@
 """The numerics check passes the baseline and fails every planted defect."""
+
 import pytest
 import torch
 
@@ -15,14 +16,18 @@ CPU = torch.device("cpu")
 
 def run_suite(backend_cls, cases):
     check = NumericsCheck()
-    results = [check.run_case(backend_cls, case, CPU) for case in cases if not check.case_skip_reason(backend_cls, case, CPU)]
+    results = [
+        check.run_case(backend_cls, case, CPU) for case in cases if not check.case_skip_reason(backend_cls, case, CPU)
+    ]
     return check.summarize(results)[0], results
 
 
 def test_torch_naive_passes_the_smoke_suite():
     verdict, results = run_suite(TorchNaiveBackend, suite("smoke"))
     assert verdict == Verdict.PASS and len(results) == len(suite("smoke"))
-    assert all(result.metrics["max_rel_error"] < 1e-2 for result in results)  # outputs near 8 (the outlier value channel)
+    assert all(
+        result.metrics["max_rel_error"] < 1e-2 for result in results
+    )  # outputs near 8 (the outlier value channel)
     # The NaN-poison pass ran on every case, and the step wrote exactly its own slots.
     cases = {case.id: case for case in suite("smoke")}
     assert all(result.metrics["nan-poison slots written"] == cases[result.case].num_tokens for result in results)
@@ -79,11 +84,27 @@ def test_compare_locates_the_worst_element():
 # The later passes, in order: each one's planted defect, the reason it fails with, its error
 # metric, and the cases (the earlier passes must be right on all of them).
 LATER_PASSES = [
-    (input_defects.CachesPoolViewsByShape, "a second layer", "second layer max abs error",
-     ["gqa-h4/2-d32-bf16-p16:40+1,20+4", "mla-h4-d32+8-bf16-p16:40+1,20+4", "gqa-h4/2-d32-bf16-p16-strided:40+1,20+4"]),
+    (
+        input_defects.CachesPoolViewsByShape,
+        "a second layer",
+        "second layer max abs error",
+        [
+            "gqa-h4/2-d32-bf16-p16:40+1,20+4",
+            "mla-h4-d32+8-bf16-p16:40+1,20+4",
+            "gqa-h4/2-d32-bf16-p16-strided:40+1,20+4",
+        ],
+    ),
     # Every other pass builds once per backend, so a plan cached by shape is always the right one there.
-    (input_defects.ReusesPlanForSameShape, "two steps in flight: the next step (", "in-flight max abs error",
-     ["gqa-h4/2-d32-bf16-p16:40+1,20+4,300+1", "mla-h4-d32+8-bf16-p16:40+1,20+4", "gqa-h4/2-d32-bf16-p16:100+1x3,7+1"]),
+    (
+        input_defects.ReusesPlanForSameShape,
+        "two steps in flight: the next step (",
+        "in-flight max abs error",
+        [
+            "gqa-h4/2-d32-bf16-p16:40+1,20+4,300+1",
+            "mla-h4-d32+8-bf16-p16:40+1,20+4",
+            "gqa-h4/2-d32-bf16-p16:100+1x3,7+1",
+        ],
+    ),
 ]
 
 

@@ -1,16 +1,17 @@
 """Learned attention sinks (``attnsinks``): the grammar, the oracle against an independent
 formula, torch_naive against the oracle on every path, and the planted sink defects each failing
 numerics on the path it breaks."""
+
 import pytest
 import torch
 
-from conformance.checks.numerics import NumericsCheck
-from conformance.harness.batch import materialize
+from backends.torch_naive import TorchNaiveBackend
 from conformance.cases.case_data import sink_logits
 from conformance.cases.grammar import CaseSyntaxError, parse_case
 from conformance.cases.oracle import attention_reference
+from conformance.checks.numerics import NumericsCheck
+from conformance.harness.batch import materialize
 from conformance.results import Verdict
-from backends.torch_naive import TorchNaiveBackend
 from tests.planted import sink_defects
 
 CPU = torch.device("cpu")
@@ -39,8 +40,9 @@ def test_the_sinks_belong_to_the_layer_and_differ_within_a_kv_group():
 def test_the_oracle_weighs_the_sink_as_a_key_that_has_no_value():
     """Against the formula written out per head: the sink adds exp(sink) to the denominator only."""
     generator = torch.Generator().manual_seed(3)
-    query, key, value = (torch.randn(shape, generator=generator, dtype=torch.float64)
-                         for shape in ((3, 4, 8), (7, 2, 8), (7, 2, 8)))
+    query, key, value = (
+        torch.randn(shape, generator=generator, dtype=torch.float64) for shape in ((3, 4, 8), (7, 2, 8), (7, 2, 8))
+    )
     sinks = torch.tensor([0.5, 3.0, -1.0, 9.0])
     scale = 0.3
     got = attention_reference(query, key, value, context_len=4, scale=scale, sinks=sinks)
@@ -54,16 +56,28 @@ def test_the_oracle_weighs_the_sink_as_a_key_that_has_no_value():
         torch.testing.assert_close(got[:, head], expected)
 
 
-@pytest.mark.parametrize("case_text", [DECODE, PREFILL, "gqa-h8/2-d64-fp16-w16-attnsinks-edges:0+40,30+1",
-                                       "gqa-h8/2-d64-bf16-fp8e4m3-attnsinks:30+4,0+20"])
+@pytest.mark.parametrize(
+    "case_text",
+    [
+        DECODE,
+        PREFILL,
+        "gqa-h8/2-d64-fp16-w16-attnsinks-edges:0+40,30+1",
+        "gqa-h8/2-d64-bf16-fp8e4m3-attnsinks:30+4,0+20",
+    ],
+)
 def test_torch_naive_attends_with_the_sinks_on_every_path(case_text):
     result = NumericsCheck().run_case(TorchNaiveBackend, parse_case(case_text), CPU)
     assert result.verdict == Verdict.PASS, result.reason
 
 
-@pytest.mark.parametrize(("defect", "caught_on_decode"), [(sink_defects.IgnoresSinksInPrefill, False),
-                                                         (sink_defects.AddsSinkToNumerator, True),
-                                                         (sink_defects.ReadsSinksPerKVHead, True)])
+@pytest.mark.parametrize(
+    ("defect", "caught_on_decode"),
+    [
+        (sink_defects.IgnoresSinksInPrefill, False),
+        (sink_defects.AddsSinkToNumerator, True),
+        (sink_defects.ReadsSinksPerKVHead, True),
+    ],
+)
 def test_planted_sink_defects_fail_numerics_by_a_wide_margin_on_the_path_they_break(defect, caught_on_decode):
     prefill = NumericsCheck().run_case(defect, parse_case(PREFILL), CPU)
     assert prefill.verdict == Verdict.FAIL and prefill.metrics["tolerance_ratio"] > 10, prefill.reason

@@ -1,14 +1,15 @@
 """steady: 256 consecutive decode steps, every one watched. On the CPU its output path (a host
 cache refreshed now and then shows at the step it skips); on a GPU its syncs and memory (a sync
 every 64th step, a workspace regrown and kept), and the built-in backends passing."""
+
 import pytest
 import torch
 
 from backends import registry
-from conformance.checks import default_checks
-from conformance.checks.steady import SteadyCheck, steady_look
 from conformance.cases.grammar import parse_case
 from conformance.cases.suites import suite
+from conformance.checks import default_checks
+from conformance.checks.steady import SteadyCheck, steady_look
 from conformance.results import Verdict
 from tests.planted import steady_defects
 from tests.planted.graph_backends import TorchGraphSafe
@@ -29,16 +30,25 @@ def test_it_runs_by_default_once_per_kind_and_cache_format_on_small_decode_batch
     assert "CUDA" in check.skip_reason(TorchGraphSafe, CPU)
     torch_naive = registry.load("torch_naive")
     chosen = [case for case in suite("standard") if check.case_skip_reason(torch_naive, case, CPU) is None]
-    assert {(case.spec.kind, case.spec.fp8_kv_cache) for case in chosen} == {("mha", False), ("mha", True), ("mla", False), ("mla", True)}
+    assert {(case.spec.kind, case.spec.fp8_kv_cache) for case in chosen} == {
+        ("mha", False),
+        ("mha", True),
+        ("mla", False),
+        ("mla", True),
+    }
     assert all(case.max_query_len == 1 and case.num_reqs <= 8 for case in chosen)
     assert len(chosen) == len({(case.spec.kind, case.spec.kv_cache_dtype) for case in chosen})
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("defect,expected", [
-    (steady_defects.SyncsEveryNthBuild, "host sync(s) over 256 decode steps, in steps 63, 127, 191, 255"),
-    (steady_defects.KeepsEveryWorkspace, "device memory held after a step grew"),
-    (steady_defects.SkipsRefreshEveryNthBuild, "decode step 63 of 256 differs")])
+@pytest.mark.parametrize(
+    "defect,expected",
+    [
+        (steady_defects.SyncsEveryNthBuild, "host sync(s) over 256 decode steps, in steps 63, 127, 191, 255"),
+        (steady_defects.KeepsEveryWorkspace, "device memory held after a step grew"),
+        (steady_defects.SkipsRefreshEveryNthBuild, "decode step 63 of 256 differs"),
+    ],
+)
 def test_planted_defects_fail_on_a_gpu(defect, expected):
     cuda = torch.device("cuda")
     assert steady_look(TorchGraphSafe, DECODE, cuda).verdict == Verdict.PASS
@@ -63,4 +73,5 @@ def test_an_input_changed_in_place_fails_naming_the_step_and_call():
 
     result = steady_look(ScalesQueryInPlace, DECODE, CPU, steps=8)
     assert result.verdict == Verdict.FAIL and result.reason.startswith(
-        "the backend changed an input it was handed: step 0: forward changed query"), result.reason
+        "the backend changed an input it was handed: step 0: forward changed query"
+    ), result.reason

@@ -2,13 +2,14 @@
 stream instead of the current one reads that layer's pool and inputs before they exist. Its two
 steps in flight run there too: a backend whose next build overwrites a pinned buffer that the
 queued step's copy has not read yet gets the next step's lengths."""
+
 import pytest
 import torch
 
 from backends.torch_naive import TorchNaiveBackend
 from backends.triton.backend import TritonAttentionBackend
-from conformance.checks.numerics import NumericsCheck
 from conformance.cases.grammar import parse_case
+from conformance.checks.numerics import NumericsCheck
 from conformance.results import Verdict
 from tests.planted.graph_backends import StagesLengthsInOnePinnedBuffer, TorchGraphSafe
 from tests.planted.input_defects import LaunchesOnTheDefaultStream
@@ -33,5 +34,7 @@ def test_a_build_that_overwrites_a_queued_steps_pinned_lengths_fails_two_steps_i
     assert NumericsCheck().run_case(TorchGraphSafe, CASE, CUDA).verdict == Verdict.PASS
     result = NumericsCheck().run_case(StagesLengthsInOnePinnedBuffer, CASE, CUDA)
     assert result.verdict == Verdict.FAIL, result.reason
-    assert result.reason.startswith("two steps in flight: this step (the next one built before it ran) is wrong"), result.reason
+    assert result.reason.startswith("two steps in flight: this step (the next one built before it ran) is wrong"), (
+        result.reason
+    )
     assert result.metrics["mismatched"] == 0 and result.metrics["second layer max abs error"] < 0.1

@@ -1,4 +1,5 @@
 """The syncs check's verdicts and per-phase counts, on recorded events (CPU)."""
+
 from conformance.checks.syncs import phase_counts, syncs_verdict
 from conformance.results import Verdict
 from host_syncs.events import SyncEvent

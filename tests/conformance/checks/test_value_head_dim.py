@@ -1,14 +1,15 @@
 """A value head dim other than the query/key one (``dQK/V``; DeepSeek-V3's MLA prefill as vLLM
 runs it, 192 / 128): the grammar, the claim, torch_naive against the oracle, and a planted value
 offset that only a distinct value dim exposes."""
+
 import pytest
 import torch
 
 from backends.torch_naive import TorchNaiveBackend
-from conformance.checks.numerics import NumericsCheck
-from conformance.harness.batch import materialize
 from conformance.cases.grammar import CaseSyntaxError, parse_case
 from conformance.cases.suites import suite
+from conformance.checks.numerics import NumericsCheck
+from conformance.harness.batch import materialize
 from conformance.results import Verdict
 from tests.planted.graph_backends import TorchGraphSafe
 from tests.planted.value_dim_defects import ValueOffsetFromValueDim
@@ -22,7 +23,11 @@ def test_the_grammar_gives_query_key_and_value_head_dims():
     assert (case.spec.head_dim, case.spec.v_head_dim) == (192, 128) and parse_case(case.id) == case
     assert parse_case("gqa-d128/128:1+1").spec == parse_case("gqa-d128:1+1").spec  # the same dim twice is one
     batch = materialize(case, CPU)
-    assert batch.keys[0].shape[-1] == 192 and batch.values[0].shape[-1] == 128 and batch.reference_output().shape[-1] == 128
+    assert (
+        batch.keys[0].shape[-1] == 192
+        and batch.values[0].shape[-1] == 128
+        and batch.reference_output().shape[-1] == 128
+    )
     with pytest.raises(CaseSyntaxError):
         parse_case("mla-d512/128:1+1")
     assert any(c.spec.v_head_dim != c.spec.head_dim and c.spec.kind == "mha" for c in suite("standard"))

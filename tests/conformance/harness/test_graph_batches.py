@@ -1,10 +1,18 @@
 """Graph batch planning per CGSupport level and the replay sequence (CPU)."""
+
 import pytest
 
 from backends.base import CGSupport
-from conformance.harness.batch import materialize
 from conformance.cases.grammar import parse_case
-from conformance.harness.graph_batches import NO_PADDING, fits, graph_class_reason, graph_shape, padding_rows, replay_batches
+from conformance.harness.batch import materialize
+from conformance.harness.graph_batches import (
+    NO_PADDING,
+    fits,
+    graph_class_reason,
+    graph_shape,
+    padding_rows,
+    replay_batches,
+)
 
 DECODE = parse_case("gqa-h4/2-d32-fp16-p16:100+1,30+1,7+1")
 VERIFY = parse_case("gqa-h4/2-d32-fp16-p16:100+4,30+4")

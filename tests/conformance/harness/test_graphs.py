@@ -1,4 +1,5 @@
 """The graph harness's memory-frugal comparisons (CPU-runnable)."""
+
 import torch
 
 from conformance.harness.graphs import FREED_MEMORY_FILL, canaries_written, count_different
@@ -25,8 +26,8 @@ def test_the_persistent_block_table_is_a_column_slice_of_a_wider_table():
     that packs the rows in build() would freeze the capture's copy into the graph."""
     from backends.base import CGSupport
     from backends.torch_naive import TorchNaiveBackend
-    from conformance.harness.batch import TABLE_GUARD_COLUMNS, materialize
     from conformance.cases.grammar import parse_case
+    from conformance.harness.batch import TABLE_GUARD_COLUMNS, materialize
     from conformance.harness.graph_batches import graph_shape, replay_batches
     from conformance.harness.graphs import GraphBuffers
 
@@ -39,5 +40,7 @@ def test_the_persistent_block_table_is_a_column_slice_of_a_wider_table():
     loaded = buffers.load(batch, with_host_lengths=True)
     assert loaded.common.block_table is buffers.block_table
     assert torch.equal(buffers.block_table[: case.num_reqs, : batch.block_table.shape[1]], batch.block_table)
-    guards = buffers.block_table.as_strided((shape.num_reqs, TABLE_GUARD_COLUMNS), (width + TABLE_GUARD_COLUMNS, 1), width)
+    guards = buffers.block_table.as_strided(
+        (shape.num_reqs, TABLE_GUARD_COLUMNS), (width + TABLE_GUARD_COLUMNS, 1), width
+    )
     assert torch.count_nonzero(guards) == 0  # the guard columns name block 0

@@ -1,6 +1,7 @@
 """What the gate reads and writes cannot be turned against it: compare sees NEW's new failures
 wherever they are, a results file with duplicates or broken metrics is a usage error, and a
 backend's strings render as text in every report."""
+
 import json
 import re
 import subprocess
@@ -10,15 +11,22 @@ import xml.etree.ElementTree as ElementTree
 import pytest
 from rich.console import Console
 
-from conformance.report import html as report_html, junit as report_junit, markdown as report_markdown
+from conformance.report import html as report_html
+from conformance.report import junit as report_junit
+from conformance.report import markdown as report_markdown
 from conformance.report.compare import CompareError, compare_runs
 from conformance.report.terminal import print_report
 from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
 
 
 def passing(name="mine", checks=("numerics",)) -> BackendResult:
-    return BackendResult(name, True, checks=[CheckResult(check, Verdict.PASS, "1 PASS", [CaseResult("gqa:5+1@0", Verdict.PASS)])
-                                             for check in checks])
+    return BackendResult(
+        name,
+        True,
+        checks=[
+            CheckResult(check, Verdict.PASS, "1 PASS", [CaseResult("gqa:5+1@0", Verdict.PASS)]) for check in checks
+        ],
+    )
 
 
 def failing_check(name: str) -> CheckResult:
@@ -27,8 +35,12 @@ def failing_check(name: str) -> CheckResult:
 
 def test_compare_catches_a_new_failing_check_that_the_baseline_lacks():
     base = RunResult({}, [passing()], "standard", ["numerics"])
-    new = RunResult({}, [BackendResult("mine", True, checks=[*passing().checks, failing_check("graphs")])], "standard",
-                    ["numerics", "graphs"])
+    new = RunResult(
+        {},
+        [BackendResult("mine", True, checks=[*passing().checks, failing_check("graphs")])],
+        "standard",
+        ["numerics", "graphs"],
+    )
     regressions = [f for f in compare_runs(base, new) if f.regression]
     assert [(f.check, f.case) for f in regressions] == [("graphs", "gqa:5+1@0")]
     assert "check absent from BASE" in regressions[0].what
@@ -36,9 +48,16 @@ def test_compare_catches_a_new_failing_check_that_the_baseline_lacks():
 
 def test_compare_catches_a_new_failing_backend_and_one_that_failed_to_load():
     base = RunResult({}, [passing()], "standard", ["numerics"])
-    new = RunResult({}, [passing(), BackendResult("other", True, checks=[failing_check("numerics")]),
-                         BackendResult("broken", True, checks=[CheckResult("numerics", Verdict.ERROR, "cannot import x")])],
-                    "standard", ["numerics"])
+    new = RunResult(
+        {},
+        [
+            passing(),
+            BackendResult("other", True, checks=[failing_check("numerics")]),
+            BackendResult("broken", True, checks=[CheckResult("numerics", Verdict.ERROR, "cannot import x")]),
+        ],
+        "standard",
+        ["numerics"],
+    )
     regressions = [f for f in compare_runs(base, new) if f.regression]
     assert {f.backend for f in regressions} == {"other", "broken"}
     assert compare_runs(base, RunResult({}, [passing(), passing("other")], "standard", ["numerics"])) == []
@@ -60,8 +79,15 @@ def test_compare_refuses_duplicates_in_either_file(which, duplicate):
         compare_runs(base, new)
 
 
-@pytest.mark.parametrize("thresholds", [{"error_growth": float("inf")}, {"error_growth": float("nan")},
-                                        {"bench_threshold": float("inf")}, {"bench_threshold": 0.0}])
+@pytest.mark.parametrize(
+    "thresholds",
+    [
+        {"error_growth": float("inf")},
+        {"error_growth": float("nan")},
+        {"bench_threshold": float("inf")},
+        {"bench_threshold": 0.0},
+    ],
+)
 def test_compare_thresholds_must_be_finite_and_in_range(thresholds):
     run = RunResult({}, [passing()], "standard", ["numerics"])
     with pytest.raises(CompareError):
@@ -69,19 +95,37 @@ def test_compare_thresholds_must_be_finite_and_in_range(thresholds):
 
 
 def _document(**case_fields) -> dict:
-    return {"schema_version": 1, "suite": "standard", "checks": ["numerics"], "backends": [
-        {"name": "mine", "available": True, "checks": [{"name": "numerics", "verdict": "PASS", "cases": [
-            {"case": "gqa:5+1@0", "verdict": "PASS", **case_fields}]}]}]}
+    return {
+        "schema_version": 1,
+        "suite": "standard",
+        "checks": ["numerics"],
+        "backends": [
+            {
+                "name": "mine",
+                "available": True,
+                "checks": [
+                    {
+                        "name": "numerics",
+                        "verdict": "PASS",
+                        "cases": [{"case": "gqa:5+1@0", "verdict": "PASS", **case_fields}],
+                    }
+                ],
+            }
+        ],
+    }
 
 
-@pytest.mark.parametrize("document,message", [
-    (_document(metrics={"max_abs_error": "abc"}), "max_abs_error is 'abc'"),
-    (_document(metrics={"max_abs_error": float("nan")}), "not a finite number"),
-    (_document(metrics={"forward_us": float("inf")}), "forward_us"),
-    (_document(metrics={"forward_us": True}), "forward_us"),
-    ({**_document(), "schema_version": True}, "schema_version True"),
-    ([1, 2], "JSON object"),
-])
+@pytest.mark.parametrize(
+    "document,message",
+    [
+        (_document(metrics={"max_abs_error": "abc"}), "max_abs_error is 'abc'"),
+        (_document(metrics={"max_abs_error": float("nan")}), "not a finite number"),
+        (_document(metrics={"forward_us": float("inf")}), "forward_us"),
+        (_document(metrics={"forward_us": True}), "forward_us"),
+        ({**_document(), "schema_version": True}, "schema_version True"),
+        ([1, 2], "JSON object"),
+    ],
+)
 def test_compare_and_report_refuse_broken_results_files(tmp_path, document, message):
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
     good.write_text(json.dumps(_document()))
@@ -92,19 +136,31 @@ def test_compare_and_report_refuse_broken_results_files(tmp_path, document, mess
         assert completed.stderr.count("\n") == 1 and message in completed.stderr and "Traceback" not in completed.stderr
 
 
-HOSTILE = ("\x1b[2J\x1b[H\x1b]0;owned\x07\x1b[31mred\x1b[0m \x00\x08\x0b\x0c\x7f\x9b \ud800 "
-           "| col | \n# Injected heading\n| a | b |\n<script>alert(1)</script> `tick` **bold** ]]> &amp;")
+HOSTILE = (
+    "\x1b[2J\x1b[H\x1b]0;owned\x07\x1b[31mred\x1b[0m \x00\x08\x0b\x0c\x7f\x9b \ud800 "
+    "| col | \n# Injected heading\n| a | b |\n<script>alert(1)</script> `tick` **bold** ]]> &amp;"
+)
 
 
 def hostile_run() -> RunResult:
-    case = CaseResult("gqa:5+1@0", Verdict.CRASH, HOSTILE, tag=HOSTILE,
-                      evidence={"stderr_tail": HOSTILE, "traceback": HOSTILE})
-    failed = CaseResult("gqa:9+1@0", Verdict.FAIL, HOSTILE, evidence={"worst": {"request": 0, "token": 0, "head": 0,
-                                                                               "channel": 0, "got": 1.0, "expected": 2.0}})
-    return RunResult({"command": HOSTILE, "git_sha": HOSTILE, "gpu": HOSTILE}, [
-        BackendResult(HOSTILE, True, checks=[CheckResult("numerics", Verdict.CRASH, HOSTILE, [case, failed])]),
-        BackendResult("unavailable", False, HOSTILE, checks=[CheckResult("numerics", Verdict.SKIP, HOSTILE)]),
-    ], "standard", ["numerics"])
+    case = CaseResult(
+        "gqa:5+1@0", Verdict.CRASH, HOSTILE, tag=HOSTILE, evidence={"stderr_tail": HOSTILE, "traceback": HOSTILE}
+    )
+    failed = CaseResult(
+        "gqa:9+1@0",
+        Verdict.FAIL,
+        HOSTILE,
+        evidence={"worst": {"request": 0, "token": 0, "head": 0, "channel": 0, "got": 1.0, "expected": 2.0}},
+    )
+    return RunResult(
+        {"command": HOSTILE, "git_sha": HOSTILE, "gpu": HOSTILE},
+        [
+            BackendResult(HOSTILE, True, checks=[CheckResult("numerics", Verdict.CRASH, HOSTILE, [case, failed])]),
+            BackendResult("unavailable", False, HOSTILE, checks=[CheckResult("numerics", Verdict.SKIP, HOSTILE)]),
+        ],
+        "standard",
+        ["numerics"],
+    )
 
 
 def test_junit_stays_parseable_whatever_a_backend_prints(tmp_path):
@@ -137,12 +193,19 @@ def test_html_escapes_everything():
 
 
 def test_publish_keeps_every_file_inside_out(tmp_path):
-    run = RunResult({}, [BackendResult("../../escaped", True, checks=[CheckResult("numerics", Verdict.PASS)])], "standard",
-                    ["numerics"])
+    run = RunResult(
+        {},
+        [BackendResult("../../escaped", True, checks=[CheckResult("numerics", Verdict.PASS)])],
+        "standard",
+        ["numerics"],
+    )
     run.save(tmp_path / "r.json")
     out = tmp_path / "a" / "b" / "out"
-    completed = subprocess.run([sys.executable, "-m", "conformance.report.publish", str(tmp_path / "r.json"),
-                                "--out", str(out)], capture_output=True, text=True)
+    completed = subprocess.run(
+        [sys.executable, "-m", "conformance.report.publish", str(tmp_path / "r.json"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
     assert completed.returncode == 0, completed.stderr
     written = sorted(path.relative_to(tmp_path).as_posix() for path in tmp_path.rglob("*") if path.is_file())
     assert written == ["a/b/out/README.md", "a/b/out/_.._escaped.html", "a/b/out/_.._escaped.json", "r.json"]

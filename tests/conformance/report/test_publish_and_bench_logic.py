@@ -1,5 +1,6 @@
 """CPU coverage for code whose real inputs come from GPU runs: publishing results, the bench
 check's traffic model, the bench ratio annotation and the terminal bench table."""
+
 import json
 import subprocess
 import sys
@@ -11,14 +12,21 @@ from conformance.cases.suites import suite
 from conformance.checks import default_checks
 from conformance.checks.bench import traffic
 from conformance.report.publish import split_by_backend, table_checks, verdict_table
+from conformance.report.terminal import bench_table
 from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
 from conformance.run.runner import annotate_bench_ratios
-from conformance.report.terminal import bench_table
 
 
 def bench_result(name: str, forward_us: float) -> BackendResult:
-    metrics = {"forward_us": forward_us, "build_us": 1.0, "replay_us": None, "GBps": 1000.0, "roofline_fraction": 0.5,
-               "copy_GBps": 4000.0, "bf16_TFLOPs": 700.0}
+    metrics = {
+        "forward_us": forward_us,
+        "build_us": 1.0,
+        "replay_us": None,
+        "GBps": 1000.0,
+        "roofline_fraction": 0.5,
+        "copy_GBps": 4000.0,
+        "bf16_TFLOPs": 700.0,
+    }
     case = CaseResult("gqa:4096+1x64@0", Verdict.PASS, tag="decode b64 ctx4096", metrics=metrics)
     return BackendResult(name, True, checks=[CheckResult("bench", Verdict.PASS, "1 PASS", [case])])
 
@@ -54,21 +62,48 @@ def test_bench_suite_shapes():
 
 
 def test_publish_writes_one_json_and_html_per_backend_and_a_table(tmp_path):
-    run = RunResult({"gpu": "NVIDIA H200"}, [
-        BackendResult("a", True, checks=[CheckResult("numerics", Verdict.PASS, "", [CaseResult("gqa:1+1@0", Verdict.PASS)])]),
-        BackendResult("b", False, "needs SM100"),
-    ], "standard", ["numerics"])
+    run = RunResult(
+        {"gpu": "NVIDIA H200"},
+        [
+            BackendResult(
+                "a", True, checks=[CheckResult("numerics", Verdict.PASS, "", [CaseResult("gqa:1+1@0", Verdict.PASS)])]
+            ),
+            BackendResult("b", False, "needs SM100"),
+        ],
+        "standard",
+        ["numerics"],
+    )
     run.save(tmp_path / "all.json")
     bench = RunResult({"gpu": "NVIDIA H200"}, [bench_result("a", 100.0)], "bench", ["bench"])
     bench.save(tmp_path / "bench.json")
     # A backend benched in a process of its own (flash_attn's CuTe DSL): one table with the rest.
     RunResult({"gpu": "NVIDIA H200"}, [bench_result("c", 200.0)], "bench", ["bench"]).save(tmp_path / "bench-c.json")
-    completed = subprocess.run([sys.executable, "-m", "conformance.report.publish", str(tmp_path / "all.json"), "--bench",
-                                str(tmp_path / "bench.json"), str(tmp_path / "bench-c.json"), "--out", str(tmp_path / "reports")],
-                               capture_output=True, text=True)
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "conformance.report.publish",
+            str(tmp_path / "all.json"),
+            "--bench",
+            str(tmp_path / "bench.json"),
+            str(tmp_path / "bench-c.json"),
+            "--out",
+            str(tmp_path / "reports"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert completed.returncode == 0, completed.stderr
     out = tmp_path / "reports"
-    assert {p.name for p in out.iterdir()} == {"a.json", "a.html", "b.json", "b.html", "bench.json", "bench.html", "README.md"}
+    assert {p.name for p in out.iterdir()} == {
+        "a.json",
+        "a.html",
+        "b.json",
+        "b.html",
+        "bench.json",
+        "bench.html",
+        "README.md",
+    }
     assert json.loads((out / "a.json").read_text())["environment"]["gpu"] == "NVIDIA H200"
     readme = (out / "README.md").read_text()
     assert "| a | NVIDIA H200 | PASS 1/1 |" in readme and "not available: needs SM100" in readme
@@ -83,7 +118,9 @@ def test_publish_merges_one_backends_runs_split_by_check():
         results = [CheckResult(name, verdict, "", [CaseResult("gqa:1+1@0", verdict)]) for name in checks]
         return RunResult({"gpu": "H100"}, [BackendResult("a", True, checks=results, wall_s=wall_s)], "standard", checks)
 
-    merged = split_by_backend([run(["graphs", "draft-loop"], 10.0), run(["numerics", "graphs"], 5.0, Verdict.FAIL)])["a"]
+    merged = split_by_backend([run(["graphs", "draft-loop"], 10.0), run(["numerics", "graphs"], 5.0, Verdict.FAIL)])[
+        "a"
+    ]
     backend = merged.backends[0]
     assert [check.name for check in backend.checks] == ["numerics", "graphs", "draft-loop"]  # the run's order
     assert backend.check("graphs").verdict == Verdict.FAIL  # the later file wins
@@ -93,15 +130,28 @@ def test_publish_merges_one_backends_runs_split_by_check():
 def test_publish_refuses_to_mix_suites(tmp_path):
     for name in ("standard", "full"):
         RunResult({}, [BackendResult("a", True)], name, []).save(tmp_path / f"{name}.json")
-    completed = subprocess.run([sys.executable, "-m", "conformance.report.publish", str(tmp_path / "standard.json"),
-                                str(tmp_path / "full.json"), "--out", str(tmp_path / "reports")], capture_output=True, text=True)
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "conformance.report.publish",
+            str(tmp_path / "standard.json"),
+            str(tmp_path / "full.json"),
+            "--out",
+            str(tmp_path / "reports"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert completed.returncode == 2 and "different suites (full, standard)" in completed.stderr
     assert "Traceback" not in completed.stderr
 
 
 def test_an_opt_in_check_published_alone_gets_a_table_of_its_own():
     memory = CheckResult("memory", Verdict.FAIL, "", [CaseResult("mla:1+1@0", Verdict.FAIL)])
-    alone = split_by_backend([RunResult({"gpu": "H100"}, [BackendResult("a", True, checks=[memory])], "standard", ["memory"])])
+    alone = split_by_backend(
+        [RunResult({"gpu": "H100"}, [BackendResult("a", True, checks=[memory])], "standard", ["memory"])]
+    )
     assert table_checks(alone) == ["memory"]
     numerics = CheckResult("numerics", Verdict.PASS, "", [CaseResult("gqa:1+1@0", Verdict.PASS)])
     beside = split_by_backend([RunResult({}, [BackendResult("a", True, checks=[numerics, memory])], "standard", [])])

@@ -1,4 +1,5 @@
 """HTML, JUnit and Markdown writers, compare, and the HTML report in a real browser."""
+
 import json
 import re
 import shutil
@@ -7,45 +8,117 @@ import sys
 import xml.etree.ElementTree as ElementTree
 
 import pytest
-
 from rich.console import Console
 
-from conformance.report import html as report_html, junit as report_junit, markdown as report_markdown
+from conformance.report import html as report_html
+from conformance.report import junit as report_junit
+from conformance.report import markdown as report_markdown
 from conformance.report.compare import CompareError, compare_runs
-from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
 from conformance.report.terminal import print_report
+from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
 
-SYNC_EVENT = {"kind": "sync", "api": "cudaStreamSynchronize", "blocking": True, "num_bytes": None, "direction": None,
-              "nested": [], "phase": "build", "source": "mypkg/attn.py:42 in build: lens = seq_lens.cpu()",
-              "stack": ["harness.py:10 in run_step", "mypkg/attn.py:42 in build"]}
+SYNC_EVENT = {
+    "kind": "sync",
+    "api": "cudaStreamSynchronize",
+    "blocking": True,
+    "num_bytes": None,
+    "direction": None,
+    "nested": [],
+    "phase": "build",
+    "source": "mypkg/attn.py:42 in build: lens = seq_lens.cpu()",
+    "stack": ["harness.py:10 in run_step", "mypkg/attn.py:42 in build"],
+}
 
 
 def crafted() -> RunResult:
-    numerics = CheckResult("numerics", Verdict.FAIL, "1 PASS, 1 FAIL", [
-        CaseResult("gqa:1+1@0", Verdict.PASS, metrics={"max_abs_error": 1e-3}),
-        CaseResult("gqa:9+4@0", Verdict.FAIL, "12 of 64 elements beyond tolerance", tag="spec-verify",
-                   metrics={"max_abs_error": 0.4}, evidence={"worst": {"request": 0, "token": 2, "head": 1}}),
-    ])
-    syncs = CheckResult("syncs", Verdict.FAIL, "1 FAIL", [
-        CaseResult("gqa:9+1@0", Verdict.FAIL, "1 host sync(s) although host lengths were given",
-                   evidence={"with_host_lengths": [SYNC_EVENT]}),
-    ])
-    graphs = CheckResult("graphs", Verdict.CRASH, "1 CRASH", [
-        CaseResult("gqa:5+1@0", Verdict.CRASH, "backend process killed by signal SIGSEGV while running this case",
-                   evidence={"stderr_tail": "Fatal Python error: Segmentation fault", "failing_batch": "gqa:80+1@1"}),
-    ])
-    draft = CheckResult("draft-loop", Verdict.ERROR, "1 ERROR", [
-        CaseResult("gqa:5+1@0", Verdict.ERROR, "ValueError: no", evidence={"traceback": "Traceback ...\nValueError: no"}),
-    ])
-    bench = CheckResult("bench", Verdict.PASS, "1 PASS", [
-        CaseResult("gqa:4096+1x64@0", Verdict.PASS, tag="decode b64 ctx4096", metrics={
-            "forward_us": 300.0, "build_us": 1.0, "replay_us": 290.0, "GBps": 3500.0, "roofline_fraction": 0.83, "ratio_to_fastest": 1.0}),
-    ])
+    numerics = CheckResult(
+        "numerics",
+        Verdict.FAIL,
+        "1 PASS, 1 FAIL",
+        [
+            CaseResult("gqa:1+1@0", Verdict.PASS, metrics={"max_abs_error": 1e-3}),
+            CaseResult(
+                "gqa:9+4@0",
+                Verdict.FAIL,
+                "12 of 64 elements beyond tolerance",
+                tag="spec-verify",
+                metrics={"max_abs_error": 0.4},
+                evidence={"worst": {"request": 0, "token": 2, "head": 1}},
+            ),
+        ],
+    )
+    syncs = CheckResult(
+        "syncs",
+        Verdict.FAIL,
+        "1 FAIL",
+        [
+            CaseResult(
+                "gqa:9+1@0",
+                Verdict.FAIL,
+                "1 host sync(s) although host lengths were given",
+                evidence={"with_host_lengths": [SYNC_EVENT]},
+            ),
+        ],
+    )
+    graphs = CheckResult(
+        "graphs",
+        Verdict.CRASH,
+        "1 CRASH",
+        [
+            CaseResult(
+                "gqa:5+1@0",
+                Verdict.CRASH,
+                "backend process killed by signal SIGSEGV while running this case",
+                evidence={"stderr_tail": "Fatal Python error: Segmentation fault", "failing_batch": "gqa:80+1@1"},
+            ),
+        ],
+    )
+    draft = CheckResult(
+        "draft-loop",
+        Verdict.ERROR,
+        "1 ERROR",
+        [
+            CaseResult(
+                "gqa:5+1@0", Verdict.ERROR, "ValueError: no", evidence={"traceback": "Traceback ...\nValueError: no"}
+            ),
+        ],
+    )
+    bench = CheckResult(
+        "bench",
+        Verdict.PASS,
+        "1 PASS",
+        [
+            CaseResult(
+                "gqa:4096+1x64@0",
+                Verdict.PASS,
+                tag="decode b64 ctx4096",
+                metrics={
+                    "forward_us": 300.0,
+                    "build_us": 1.0,
+                    "replay_us": 290.0,
+                    "GBps": 3500.0,
+                    "roofline_fraction": 0.83,
+                    "ratio_to_fastest": 1.0,
+                },
+            ),
+        ],
+    )
     mine = BackendResult("mine", True, checks=[numerics, syncs, graphs, draft, bench])
-    other = BackendResult("vendor", False, "needs compute capability SM100; this GPU (NVIDIA H200) is SM90",
-                          checks=[CheckResult(c, Verdict.SKIP, "backend unavailable") for c in ("numerics", "syncs", "graphs", "draft-loop", "bench")])
-    return RunResult({"gpu": "NVIDIA H200", "command": "conformance run", "time": "now"}, [mine, other], "standard",
-                     ["numerics", "syncs", "graphs", "draft-loop", "bench"])
+    other = BackendResult(
+        "vendor",
+        False,
+        "needs compute capability SM100; this GPU (NVIDIA H200) is SM90",
+        checks=[
+            CheckResult(c, Verdict.SKIP, "backend unavailable")
+            for c in ("numerics", "syncs", "graphs", "draft-loop", "bench")
+        ],
+    )
+    return RunResult(
+        {"gpu": "NVIDIA H200", "command": "conformance run", "time": "now"},
+        [mine, other],
+        "standard",
+        ["numerics", "syncs", "graphs", "draft-loop", "bench"],
+    )
 
 
 def test_html_has_every_backend_and_check_and_the_evidence():
@@ -65,7 +138,11 @@ def test_every_report_shows_the_evidence_each_check_describes():
     run = crafted()
     console = Console(record=True, width=200)
     print_report(console, run)
-    texts = {"terminal": console.export_text(), "junit": report_junit.render(run), "markdown": report_markdown.render(run)}
+    texts = {
+        "terminal": console.export_text(),
+        "junit": report_junit.render(run),
+        "markdown": report_markdown.render(run),
+    }
     for name, text in texts.items():
         assert "request 0, token 2, head 1" in text, name  # numerics: the worst element
         assert "mypkg/attn.py:42 in build" in text, name  # syncs: the line to change
@@ -76,9 +153,15 @@ def test_every_report_shows_the_evidence_each_check_describes():
 def test_evidence_of_a_check_this_version_does_not_know_is_shown_as_it_is():
     """A results file from another version may name a check missing here: its evidence keys are
     shown as they are (the base description), never dropped."""
-    case = CaseResult("gqa:9+1@0", Verdict.FAIL, "wrong", evidence={"stale_rows": [3, 7], "trace": "line one\nline two"})
-    run = RunResult({}, [BackendResult("mine", True, checks=[CheckResult("retired-check", Verdict.FAIL, "1 FAIL", [case])])],
-                    "standard", ["retired-check"])
+    case = CaseResult(
+        "gqa:9+1@0", Verdict.FAIL, "wrong", evidence={"stale_rows": [3, 7], "trace": "line one\nline two"}
+    )
+    run = RunResult(
+        {},
+        [BackendResult("mine", True, checks=[CheckResult("retired-check", Verdict.FAIL, "1 FAIL", [case])])],
+        "standard",
+        ["retired-check"],
+    )
     console = Console(record=True, width=200)
     print_report(console, run)
     for text in (console.export_text(), report_junit.render(run), report_html.render(run)):
@@ -175,45 +258,100 @@ def test_compare_cli_exit_codes(tmp_path):
     _with(base, 0, "bench", 0, forward_us=200.0).save(tmp_path / "faster.json")
 
     def gate(new):
-        return subprocess.run([sys.executable, "-m", "conformance.cli", "compare", str(tmp_path / "base.json"), str(tmp_path / new)],
-                              capture_output=True, text=True).returncode
+        return subprocess.run(
+            [sys.executable, "-m", "conformance.cli", "compare", str(tmp_path / "base.json"), str(tmp_path / new)],
+            capture_output=True,
+            text=True,
+        ).returncode
 
     assert gate("slower.json") == 1 and gate("faster.json") == 0 and gate("base.json") == 0
-    missing = subprocess.run([sys.executable, "-m", "conformance.cli", "compare", str(tmp_path / "base.json"), "nope.json"],
-                             capture_output=True, text=True)
+    missing = subprocess.run(
+        [sys.executable, "-m", "conformance.cli", "compare", str(tmp_path / "base.json"), "nope.json"],
+        capture_output=True,
+        text=True,
+    )
     assert missing.returncode == 2 and "no such file" in missing.stderr
     _without_case(base, "numerics", 0).save(tmp_path / "fewer.json")
     assert gate("fewer.json") == 1
-    accepted = subprocess.run([sys.executable, "-m", "conformance.cli", "compare", str(tmp_path / "base.json"),
-                               str(tmp_path / "fewer.json"), "--accept-missing"], capture_output=True, text=True)
+    accepted = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "conformance.cli",
+            "compare",
+            str(tmp_path / "base.json"),
+            str(tmp_path / "fewer.json"),
+            "--accept-missing",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert accepted.returncode == 0 and "1 accepted" in accepted.stdout, accepted.stdout
-    negative = subprocess.run([sys.executable, "-m", "conformance.cli", "compare", str(tmp_path / "base.json"),
-                               str(tmp_path / "base.json"), "--error-growth", "-1"], capture_output=True, text=True)
+    negative = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "conformance.cli",
+            "compare",
+            str(tmp_path / "base.json"),
+            str(tmp_path / "base.json"),
+            "--error-growth",
+            "-1",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert negative.returncode == 2 and "--error-growth -1" in negative.stderr
 
 
 def test_report_command_writes_all_three(tmp_path):
     crafted().save(tmp_path / "r.json")
     completed = subprocess.run(
-        [sys.executable, "-m", "conformance.cli", "report", str(tmp_path / "r.json"), "-o", str(tmp_path / "r.html"),
-         "--junit", str(tmp_path / "r.xml"), "--markdown", str(tmp_path / "r.md")], capture_output=True, text=True)
+        [
+            sys.executable,
+            "-m",
+            "conformance.cli",
+            "report",
+            str(tmp_path / "r.json"),
+            "-o",
+            str(tmp_path / "r.html"),
+            "--junit",
+            str(tmp_path / "r.xml"),
+            "--markdown",
+            str(tmp_path / "r.md"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert completed.returncode == 0, completed.stderr
     assert all((tmp_path / name).stat().st_size > 0 for name in ("r.html", "r.xml", "r.md"))
 
 
 def _chromium() -> str | None:
-    return next((shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome") if shutil.which(name)), None)
+    return next(
+        (shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome") if shutil.which(name)), None
+    )
 
 
 def _screenshot(browser: str, page, width: int, tmp_path, name: str):
     import numpy
     from PIL import Image
 
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
-             "--disable-background-networking", "--no-first-run"]
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--hide-scrollbars",
+        "--disable-background-networking",
+        "--no-first-run",
+    ]
     shot = tmp_path / f"{name}.png"
-    subprocess.run([browser, *flags, f"--screenshot={shot}", f"--window-size={width},1600", page.as_uri()],
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        [browser, *flags, f"--screenshot={shot}", f"--window-size={width},1600", page.as_uri()],
+        capture_output=True,
+        timeout=120,
+    )
     return numpy.asarray(Image.open(shot).convert("RGB")).astype(int)
 
 
@@ -227,20 +365,24 @@ def with_a_numerics_failure_and_every_check() -> RunResult:
     check, the last column the only ERROR: off screen, its colour would be missing."""
     import torch
 
+    from conformance.cases.grammar import parse_case
     from conformance.checks import CHECKS
     from conformance.checks.numerics import NumericsCheck
-    from conformance.cases.grammar import parse_case
     from tests.planted import defects
 
     run = crafted()
-    failure = NumericsCheck().run_case(defects.CausalOffByOne, parse_case("gqa-h4/2-d32-fp32-p16-edges:30+40@0"),
-                                       torch.device("cpu"))
+    failure = NumericsCheck().run_case(
+        defects.CausalOffByOne, parse_case("gqa-h4/2-d32-fp32-p16-edges:30+40@0"), torch.device("cpu")
+    )
     assert failure.verdict == Verdict.FAIL and "key_map" in failure.evidence
     mine = run.backends[0]
     mine.checks[0].cases.append(failure)
     names = list(CHECKS) + ["a-check-added-later"]
     mine.checks = [check for check in mine.checks if check.name != "draft-loop"] + [
-        CheckResult(name, Verdict.PASS, "116 PASS, 55 SKIP") for name in names if name not in {c.name for c in mine.checks}]
+        CheckResult(name, Verdict.PASS, "116 PASS, 55 SKIP")
+        for name in names
+        if name not in {c.name for c in mine.checks}
+    ]
     mine.checks.append(CheckResult("zz-last", Verdict.ERROR, "1 ERROR, 170 PASS"))
     run.checks = [check.name for check in mine.checks]
     return run
@@ -255,10 +397,14 @@ def test_report_renders_in_a_real_browser(tmp_path, monkeypatch):
     run = with_a_numerics_failure_and_every_check()
     report = tmp_path / "report.html"
     report_html.write_html(run, report)
-    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", report.as_uri()],
-                         capture_output=True, text=True, timeout=120)
-    assert "id=\"summary\"" in dom.stdout and dom.stdout.count("class=\"verdict") >= 10
-    assert dom.stdout.count("<svg class=\"map\"") == 2
+    dom = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", report.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert 'id="summary"' in dom.stdout and dom.stdout.count('class="verdict') >= 10
+    assert dom.stdout.count('<svg class="map"') == 2
     pixels = _screenshot(browser, report, 1280, tmp_path, "report")
     # The summary is the first thing on the page: every verdict colour, the last column's ERROR too.
     for verdict in (Verdict.PASS, Verdict.FAIL, Verdict.CRASH, Verdict.ERROR):
@@ -268,7 +414,7 @@ def test_report_renders_in_a_real_browser(tmp_path, monkeypatch):
     report_html.write_html(run, plain)
     without_maps = _screenshot(browser, plain, 1280, tmp_path, "plain")
     rows = min(len(pixels), len(without_maps))
-    changed = (abs(pixels[:rows] - without_maps[:rows]).sum(axis=-1) > 0)
+    changed = abs(pixels[:rows] - without_maps[:rows]).sum(axis=-1) > 0
     assert changed.sum() > 20_000  # two maps of hundreds of coloured cells
 
 
@@ -280,18 +426,28 @@ def test_every_failure_says_how_to_reproduce_it_alone_and_junit_carries_the_time
     command = "conformance run --backend mine --check numerics --case gqa:9+4@0 --device cuda"
     console = Console(record=True, width=200)
     print_report(console, run)
-    for name, text in (("terminal", console.export_text()), ("html", report_html.render(run)),
-                       ("markdown", report_markdown.render(run)), ("junit", report_junit.render(run))):
+    for name, text in (
+        ("terminal", console.export_text()),
+        ("html", report_html.render(run)),
+        ("markdown", report_markdown.render(run)),
+        ("junit", report_junit.render(run)),
+    ):
         assert command in text, name
     root = ElementTree.fromstring(report_junit.render(run).encode())
-    assert {case.get("time") for case in root.iter("testcase") if case.get("classname") == "conformance.mine.numerics"} == {"1.250"}
+    assert {
+        case.get("time") for case in root.iter("testcase") if case.get("classname") == "conformance.mine.numerics"
+    } == {"1.250"}
 
 
 def test_the_same_traceback_is_printed_once_with_the_cases_it_hit():
     error = {"traceback": "Traceback (most recent call last):\n  File x\nValueError: the same"}
     cases = [CaseResult(f"gqa:{n}+1@0", Verdict.ERROR, "ValueError: the same", evidence=dict(error)) for n in (5, 6, 7)]
-    run = RunResult({}, [BackendResult("mine", True, checks=[CheckResult("numerics", Verdict.ERROR, "3 ERROR", cases)])],
-                    "standard", ["numerics"])
+    run = RunResult(
+        {},
+        [BackendResult("mine", True, checks=[CheckResult("numerics", Verdict.ERROR, "3 ERROR", cases)])],
+        "standard",
+        ["numerics"],
+    )
     console = Console(record=True, width=200)
     print_report(console, run)
     text = console.export_text()

@@ -1,6 +1,7 @@
 """The gate is not fooled by a backend that exits quietly, changes the harness's state, writes into
 its events channel, misbehaves while being imported, or leaves processes behind. Each test runs a
 planted backend of tests/planted/gate that passed the gate before these defences existed."""
+
 import json
 import os
 import signal
@@ -27,8 +28,9 @@ def job(backend, cases, checks=("numerics",)):
 
 
 def conformance(*args, cwd=None, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "conformance", *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "conformance", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout
+    )
 
 
 def verdicts(events):
@@ -37,8 +39,11 @@ def verdicts(events):
 
 @pytest.mark.parametrize("backend", ["ExitsQuietly", "RaisesSystemExit"])
 def test_an_exit_with_status_0_mid_run_is_a_crash_and_the_rest_still_runs(backend):
-    events = run_isolated(job(f"{GATE}.backends:{backend}", [SMALL, LARGE, OTHER], ("numerics", "determinism")),
-                          lambda e: None, case_timeout_s=120)
+    events = run_isolated(
+        job(f"{GATE}.backends:{backend}", [SMALL, LARGE, OTHER], ("numerics", "determinism")),
+        lambda e: None,
+        case_timeout_s=120,
+    )
     for check in ("numerics", "determinism"):
         assert events.results[(check, parse_case(LARGE).id)].verdict == Verdict.CRASH
         assert "exited with status 0 before finishing" in events.results[(check, parse_case(LARGE).id)].reason
@@ -46,8 +51,21 @@ def test_an_exit_with_status_0_mid_run_is_a_crash_and_the_rest_still_runs(backen
 
 
 def test_the_cli_fails_a_backend_that_exits_quietly(tmp_path):
-    completed = conformance("run", "--backend", f"{GATE}.backends:ExitsQuietly", "--case", SMALL, "--case", LARGE,
-                            "--check", "numerics,determinism", "--device", "cpu", "--json", str(tmp_path / "r.json"))
+    completed = conformance(
+        "run",
+        "--backend",
+        f"{GATE}.backends:ExitsQuietly",
+        "--case",
+        SMALL,
+        "--case",
+        LARGE,
+        "--check",
+        "numerics,determinism",
+        "--device",
+        "cpu",
+        "--json",
+        str(tmp_path / "r.json"),
+    )
     assert completed.returncode == 1, completed.stdout + completed.stderr
     result = RunResult.load(tmp_path / "r.json")
     assert [check.verdict for check in result.backends[0].checks] == [Verdict.CRASH, Verdict.CRASH]
@@ -109,14 +127,30 @@ def test_the_channel_reports_forged_dropped_repeated_and_truncated_lines(tmp_pat
         assert [event["event"] for event in reader.read()] == [TAMPERING]
 
 
-@pytest.mark.parametrize("module,verdict,why", [
-    ("import_segfault", "CRASH", "killed by signal SIGSEGV"),
-    ("import_hang", "CRASH", "ran past the time limit of 8 s"),
-])
+@pytest.mark.parametrize(
+    "module,verdict,why",
+    [
+        ("import_segfault", "CRASH", "killed by signal SIGSEGV"),
+        ("import_hang", "CRASH", "ran past the time limit of 8 s"),
+    ],
+)
 def test_an_import_that_crashes_or_hangs_costs_that_backend_only(tmp_path, module, verdict, why):
     started = time.monotonic()
-    completed = conformance("run", "--backend", f"torch_naive,{GATE}.{module}:Backend", "--case", SMALL,
-                            "--check", "numerics", "--device", "cpu", "--timeout", "8", "--json", str(tmp_path / "r.json"))
+    completed = conformance(
+        "run",
+        "--backend",
+        f"torch_naive,{GATE}.{module}:Backend",
+        "--case",
+        SMALL,
+        "--check",
+        "numerics",
+        "--device",
+        "cpu",
+        "--timeout",
+        "8",
+        "--json",
+        str(tmp_path / "r.json"),
+    )
     assert completed.returncode == 1, completed.stdout + completed.stderr
     naive, broken = RunResult.load(tmp_path / "r.json").backends
     assert naive.check("numerics").verdict == Verdict.PASS
@@ -125,9 +159,21 @@ def test_an_import_that_crashes_or_hangs_costs_that_backend_only(tmp_path, modul
 
 
 def test_an_import_that_changes_directory_does_not_move_the_results(tmp_path):
-    completed = conformance("run", "--backend", f"{GATE}.import_chdir:Backend", "--case", SMALL, "--check", "numerics",
-                            "--device", "cpu", "--out", "out", cwd=tmp_path,
-                            env=dict(os.environ, PYTHONPATH=str(Path.cwd())))
+    completed = conformance(
+        "run",
+        "--backend",
+        f"{GATE}.import_chdir:Backend",
+        "--case",
+        SMALL,
+        "--check",
+        "numerics",
+        "--device",
+        "cpu",
+        "--out",
+        "out",
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(Path.cwd())),
+    )
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert (tmp_path / "out" / "results.json").exists()
 
@@ -142,8 +188,20 @@ def test_a_broken_entry_point_is_one_row_and_the_others_run(tmp_path):
     listed = conformance("list", "--device", "cpu", env=env)
     assert listed.returncode == 0 and "broken_one" in listed.stdout and "torch_naive" in listed.stdout
     assert "MY_BACKEND_HOME" in listed.stdout
-    completed = conformance("run", "--backend", "torch_naive,broken_one", "--case", SMALL, "--check", "numerics",
-                            "--device", "cpu", "--json", str(tmp_path / "r.json"), env=env)
+    completed = conformance(
+        "run",
+        "--backend",
+        "torch_naive,broken_one",
+        "--case",
+        SMALL,
+        "--check",
+        "numerics",
+        "--device",
+        "cpu",
+        "--json",
+        str(tmp_path / "r.json"),
+        env=env,
+    )
     assert completed.returncode == 1, completed.stdout + completed.stderr
     naive, broken = RunResult.load(tmp_path / "r.json").backends
     assert naive.check("numerics").verdict == Verdict.PASS
@@ -151,7 +209,9 @@ def test_a_broken_entry_point_is_one_row_and_the_others_run(tmp_path):
 
 
 def test_a_mistyped_module_class_is_a_usage_error():
-    completed = conformance("run", "--backend", "tests.planted.no_such_module:Backend", "--case", SMALL, "--device", "cpu")
+    completed = conformance(
+        "run", "--backend", "tests.planted.no_such_module:Backend", "--case", SMALL, "--device", "cpu"
+    )
     assert completed.returncode == 2 and completed.stderr.count("\n") == 1 and "No module named" in completed.stderr
 
 
@@ -180,10 +240,28 @@ def test_processes_a_backend_leaves_behind_end_with_its_worker(tmp_path, monkeyp
 def test_a_killed_run_takes_its_workers_processes_with_it(tmp_path):
     pids_file = tmp_path / "pids"
     env = dict(os.environ, PLANTED_PIDS_FILE=str(pids_file))
-    run = subprocess.Popen([sys.executable, "-m", "conformance", "run", "--backend", f"{GATE}.backends:LeavesProcessesAndHangs",
-                            "--case", SMALL, "--check", "numerics",
-                            "--device", "cpu", "--json", str(tmp_path / "r.json")], env=env,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "conformance",
+            "run",
+            "--backend",
+            f"{GATE}.backends:LeavesProcessesAndHangs",
+            "--case",
+            SMALL,
+            "--check",
+            "numerics",
+            "--device",
+            "cpu",
+            "--json",
+            str(tmp_path / "r.json"),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 120
     while not (pids_file.exists() and len(pids_file.read_text().split()) == 2):
         assert run.poll() is None and time.monotonic() < deadline
@@ -203,9 +281,27 @@ def test_a_killed_run_takes_its_workers_processes_with_it(tmp_path):
 
 def test_two_runs_on_one_results_file_the_second_refuses(tmp_path):
     results = tmp_path / "r.json"
-    first = subprocess.Popen([sys.executable, "-m", "conformance", "run", "--backend", "tests.planted.defects:Hangs",
-                              "--case", SMALL, "--check", "numerics", "--device", "cpu", "--json", str(results)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "conformance",
+            "run",
+            "--backend",
+            "tests.planted.defects:Hangs",
+            "--case",
+            SMALL,
+            "--check",
+            "numerics",
+            "--device",
+            "cpu",
+            "--json",
+            str(results),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         lock = results.with_name("r.json.lock")
         deadline = time.monotonic() + 60
@@ -233,15 +329,25 @@ def test_results_are_written_with_the_users_umask(tmp_path):
 
 
 def test_the_runs_own_process_never_imports_backend_code(tmp_path):
-    code = ("import sys; from conformance.cli import main; "
-            f"rc = main(['run', '--backend', 'torch_naive,{GATE}.backends:ExitsQuietly', '--case', '{SMALL}', "
-            f"'--check', 'numerics', '--device', 'cpu', '--json', {str(tmp_path / 'r.json')!r}, '--quiet']); "
-            "print('IMPORTED', sorted(m for m in sys.modules if m.startswith(('tests.planted', 'backends.torch_naive', "
-            "'backends.triton', 'backends.flash')))); print('RC', rc)")
+    code = (
+        "import sys; from conformance.cli import main; "
+        f"rc = main(['run', '--backend', 'torch_naive,{GATE}.backends:ExitsQuietly', '--case', '{SMALL}', "
+        f"'--check', 'numerics', '--device', 'cpu', '--json', {str(tmp_path / 'r.json')!r}, '--quiet']); "
+        "print('IMPORTED', sorted(m for m in sys.modules if m.startswith(('tests.planted', 'backends.torch_naive', "
+        "'backends.triton', 'backends.flash')))); print('RC', rc)"
+    )
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert "RC 0" in completed.stdout, completed.stdout + completed.stderr
     assert "IMPORTED []" in completed.stdout
-    listed = subprocess.run([sys.executable, "-c", "import sys; from conformance.cli import main; main(['list', '--device', 'cpu']); "
-                             "print('IMPORTED', [m for m in sys.modules if m.startswith(('backends.torch_naive', 'backends.triton'))])"],
-                            capture_output=True, text=True, timeout=300)
+    listed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from conformance.cli import main; main(['list', '--device', 'cpu']); "
+            "print('IMPORTED', [m for m in sys.modules if m.startswith(('backends.torch_naive', 'backends.triton'))])",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert "IMPORTED []" in listed.stdout, listed.stdout + listed.stderr

@@ -1,5 +1,6 @@
 """Big-pool cases take the GPU in turns: the lock is exclusive across holders, and a case without
 a big pool (or off the GPU) never waits for it."""
+
 import threading
 import time
 

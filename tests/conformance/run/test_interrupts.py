@@ -1,5 +1,6 @@
 """A real SIGINT or SIGTERM to a running ``conformance run``: the worker is stopped, what finished
 is written marked interrupted, nothing is left behind, and the exit code says which signal."""
+
 import json
 import os
 import signal
@@ -33,10 +34,27 @@ def start_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     results.write_text("{}")  # an older run's file: must not survive looking current
     env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    command = [sys.executable, "-m", "conformance", "run", "--backend", "tests.planted.defects:HangsOnLongSequence",
-               "--case", FINISHES, "--case", HANGS, "--check", "numerics", "--device", "cpu", "--json", str(results)]
-    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                           start_new_session=True)  # its own group: killpg reaches it and no test runner
+    command = [
+        sys.executable,
+        "-m",
+        "conformance",
+        "run",
+        "--backend",
+        "tests.planted.defects:HangsOnLongSequence",
+        "--case",
+        FINISHES,
+        "--case",
+        HANGS,
+        "--check",
+        "numerics",
+        "--device",
+        "cpu",
+        "--json",
+        str(results),
+    ]
+    run = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )  # its own group: killpg reaches it and no test runner
     journal = results.with_name("results.json.journal")
     deadline = time.monotonic() + 120
     while not (journal.exists() and '"result"' in journal.read_text()):
@@ -63,7 +81,10 @@ def test_a_signal_stops_the_run_and_keeps_what_finished(tmp_path, signum, to_gro
     assert data["interrupted"] is True
     cases = {case["case"]: (case["verdict"], case["reason"]) for case in data["backends"][0]["checks"][0]["cases"]}
     # The hung case did not finish: ERROR "not run", never a PASS by omission.
-    assert cases == {FINISHES: ("PASS", ""), HANGS: ("ERROR", f"not run: the run was interrupted by {signal.Signals(signum).name}")}
+    assert cases == {
+        FINISHES: ("PASS", ""),
+        HANGS: ("ERROR", f"not run: the run was interrupted by {signal.Signals(signum).name}"),
+    }
     assert data["backends"][0]["checks"][0]["verdict"] == "ERROR"
     assert "planted_hangs" in stdout or "HangsOnLongSequence" in stdout  # the table of what finished
     deadline = time.monotonic() + 10
@@ -79,9 +100,25 @@ def test_a_signal_in_the_first_seconds_is_handled_like_a_later_one(tmp_path, del
     """While torch is still importing: no traceback, the old results gone, an interrupted file."""
     results = tmp_path / "results.json"
     results.write_text("{}")
-    run = subprocess.Popen([sys.executable, "-m", "conformance", "run", "--case", FINISHES, "--check", "numerics",
-                            "--device", "cpu", "--json", str(results)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "conformance",
+            "run",
+            "--case",
+            FINISHES,
+            "--check",
+            "numerics",
+            "--device",
+            "cpu",
+            "--json",
+            str(results),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(delay_s)
     run.send_signal(signal.SIGINT)
     stdout, stderr = run.communicate(timeout=120)
@@ -95,12 +132,17 @@ def test_compare_and_report_refuse_interrupted_results_unless_allowed(tmp_path):
 
     RunResult({}, [BackendResult("a", True)], "standard", [], interrupted=True).save(tmp_path / "partial.json")
     RunResult({}, [BackendResult("a", True)], "standard", []).save(tmp_path / "base.json")
-    for command in (["compare", str(tmp_path / "base.json"), str(tmp_path / "partial.json")],
-                    ["report", str(tmp_path / "partial.json"), "-o", str(tmp_path / "r.html")]):
+    for command in (
+        ["compare", str(tmp_path / "base.json"), str(tmp_path / "partial.json")],
+        ["report", str(tmp_path / "partial.json"), "-o", str(tmp_path / "r.html")],
+    ):
         refused = subprocess.run([sys.executable, "-m", "conformance", *command], capture_output=True, text=True)
-        assert refused.returncode == 2 and "interrupted run" in refused.stderr and "--allow-interrupted" in refused.stderr
-        allowed = subprocess.run([sys.executable, "-m", "conformance", *command, "--allow-interrupted"],
-                                 capture_output=True, text=True)
+        assert (
+            refused.returncode == 2 and "interrupted run" in refused.stderr and "--allow-interrupted" in refused.stderr
+        )
+        allowed = subprocess.run(
+            [sys.executable, "-m", "conformance", *command, "--allow-interrupted"], capture_output=True, text=True
+        )
         assert allowed.returncode == 0, allowed.stderr
 
 

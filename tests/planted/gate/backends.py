@@ -1,4 +1,5 @@
 """Run-time gate breakers (the import-time ones are modules of their own beside this one)."""
+
 from __future__ import annotations
 
 import os
@@ -75,8 +76,10 @@ class LeavesProcesses(TorchNaiveBackend):
     def build(self, common):
         if not getattr(self, "_started", False):
             self._started = True
-            helpers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]),
-                       subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)]
+            helpers = [
+                subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]),
+                subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True),
+            ]
             path = os.environ.get("PLANTED_PIDS_FILE")
             if path:
                 with open(path, "a") as pids:

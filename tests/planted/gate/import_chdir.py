@@ -1,5 +1,6 @@
 """A backend module whose import changes the working directory (a library that chdirs to its
 own data directory): results must still land where the command said."""
+
 import os
 import tempfile
 

@@ -1,4 +1,5 @@
 """A backend module whose import never returns (a lock held by a process that died)."""
+
 import time
 
 from backends.torch_naive import TorchNaiveBackend

@@ -1,4 +1,5 @@
 """A backend module whose import kills the interpreter (a native extension built for another ABI)."""
+
 import os
 import signal
 
