@@ -18,7 +18,7 @@ from conformance.cases.grammar import parse_case
 from conformance.checks.bench import _l2_flusher, time_gpu
 from conformance.harness.step import poisoned_output, prepare_case
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.benchmark]
 
 SHAPES = {
     "decode b64 ctx4096": ("gqa-h32/8-d128-bf16-p16:4096+1x64", ["triton", "flashinfer", "trtllm"]),
