@@ -4,7 +4,7 @@ An element passes when |out - ref| <= atol + rtol * |ref| (numpy's ``isclose``),
 chosen by dtype. Inputs are rounded to the dtype before the oracle sees them, so the tolerance
 covers only what a kernel does: low-precision products and accumulation, softmax in fp32, and
 the final rounding of the output. fp32 allows TF32 matmuls. An fp8 layer's comparison adds the
-oracle's ``rounding_allowance`` (``stored_cache``): dequantizing into the compute dtype is allowed.
+rounding allowance ``stored_cache.oracle`` returns: dequantizing into the compute dtype is allowed.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ scores): both attend over the dequantized cache as the contract says, and they d
 rounding of every key and value, which moves a score of magnitude s by about s × 2^-9 in bf16.
 Where a few large scores share the softmax (edges data) that reached 2.4× the output tolerance
 (``test_fp8``). Rounding the scale itself is not allowed: every number then moves the same way. So
-``rounding_allowance`` is how far the oracle over the cache rounded to
+the allowance ``oracle`` returns is how far the oracle over the cache rounded to
 the layer's dtype lies from the exact one, element by element; the comparison adds it to the
 tolerance (an output within tolerance of either oracle passes).
 """
@@ -64,17 +64,14 @@ def expected_output(prepared: PreparedCase, *, negated: bool = False) -> torch.T
 
 
 def oracle(prepared: PreparedCase, *, negated: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(``expected_output``, ``rounding_allowance``): what a comparison of the step's output needs."""
-    return expected_output(prepared, negated=negated), rounding_allowance(prepared, negated=negated)
-
-
-def rounding_allowance(prepared: PreparedCase, *, negated: bool = False) -> torch.Tensor | None:
-    """[num_tokens, H, Dv] float64 for an fp8 layer: |oracle over the stored cache dequantized
-    exactly − oracle over it dequantized into the layer's dtype| (module docstring); None for a
-    cache in the compute dtype, which holds its numbers exactly."""
+    """What a comparison of the step's output needs: (``expected_output``, the rounding allowance).
+    The allowance, for an fp8 layer, is |oracle over the stored cache dequantized exactly − oracle
+    over it dequantized into the layer's dtype| (module docstring); None for a cache in the compute
+    dtype, which holds its numbers exactly. The exact oracle is solved once for both."""
     if prepared.scales is None:
-        return None
-    return (_solve(prepared, negated=negated)[0] - _solve(prepared, negated=negated, rounded=True)[0]).abs()
+        return expected_output(prepared, negated=negated), None
+    exact = _solve(prepared, negated=negated)[0]
+    return exact, (exact - _solve(prepared, negated=negated, rounded=True)[0]).abs()
 
 
 def expected_lse(prepared: PreparedCase) -> torch.Tensor:
