@@ -6,6 +6,6 @@ install command; nothing that needs Triton runs there.
 """
 
 INSTALL_HINT = "pip install 'specdec-conformance[triton]'"
-# How the MLA kernel reads a KV tile (``mla_kernels`` says what each is): plain ints, so that the
-# claims import without Triton.
-GATHER, PAGE, TMA = 0, 1, 2
+# How an MLA KV tile is read (``mla_kernels`` says what the first three are; GLUON is the Gluon
+# kernel's TMA ring, ``mla_gluon``): plain ints, so that the claims import without Triton.
+GATHER, PAGE, TMA, GLUON = 0, 1, 2, 3

@@ -9,7 +9,7 @@ import torch
 
 from backends.base import FP8_KV_DTYPES, AttentionSpec, BackendLimits, Capabilities, CGSupport, KVScales, PaddingStyle
 from backends.fp8 import to_cache
-from backends.triton import GATHER, INSTALL_HINT, PAGE, TMA
+from backends.triton import GATHER, GLUON, INSTALL_HINT, PAGE, TMA
 from backends.triton.backend import (
     DECODE_VARIANTS,
     FP8_GPUS,
@@ -28,6 +28,10 @@ try:
 except ModuleNotFoundError as missing:  # an extra: the claims import, availability names the install
     if missing.name != "triton":
         raise
+try:
+    from backends.triton import mla_gluon
+except ImportError:  # a Triton without Gluon's Hopper API (older, or none): the Triton kernel serves
+    mla_gluon = None
 
 ROWS_PER_PROGRAM = 64  # tokens x heads per tile; 64 x 512 fp32 accumulator (swept on an H200: best of 16/32/64)
 BLOCK_N = 64  # KV positions per tile
@@ -36,7 +40,7 @@ NUM_WARPS = 8
 # Per way of reading a tile: pipeline stages, and programs wanted per SM when picking the split
 # count. Swept on an H100 (tests/benchmarks/tune_triton_mla.py).
 NUM_STAGES = {GATHER: 3, PAGE: 2, TMA: 2}
-PROGRAMS_PER_MULTIPROCESSOR = {GATHER: 2, PAGE: 2, TMA: 1}
+PROGRAMS_PER_MULTIPROCESSOR = {GATHER: 2, PAGE: 2, TMA: 1, GLUON: 1}
 # Tiles of fewer rows read faster with masked loads than by TMA (16 heads decode: 130 against
 # 152 µs, H100), so TMA serves only the full 64-row tiles.
 TMA_MIN_ROWS = 64
@@ -51,6 +55,11 @@ class _Tiling:
 def tiling(num_heads: int, decode_q: int) -> _Tiling:
     heads = max(1, min(triton.next_power_of_2(num_heads), ROWS_PER_PROGRAM // decode_q))
     return _Tiling(heads, max(16, triton.next_power_of_2(heads * decode_q)))
+
+
+def has_wgmma(device: torch.device) -> bool:
+    """Hopper itself (SM90): the Gluon kernel's warpgroup MMA exists nowhere else."""
+    return mla_gluon is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def has_tma(device: torch.device) -> bool:
@@ -75,12 +84,16 @@ def tma_reads(spec: AttentionSpec, kv_cache: torch.Tensor) -> bool:
     )
 
 
-def tile_read(spec: AttentionSpec, block_m: int, kv_cache: torch.Tensor, tma: bool) -> int:
-    """How the kernel reads a KV tile: GATHER, PAGE or TMA (``mla_kernels`` says what each is);
-    ``tma``: the device has it (``has_tma``)."""
+def tile_read(spec: AttentionSpec, block_m: int, kv_cache: torch.Tensor, tma: bool, wgmma: bool = False) -> int:
+    """How a KV tile is read: GATHER, PAGE or TMA by the Triton kernel (``mla_kernels`` says what
+    each is), or GLUON, the Gluon kernel's TMA ring (``mla_gluon``); ``tma`` and ``wgmma``: the
+    device has them (``has_tma``, ``has_wgmma``)."""
     if spec.block_size % BLOCK_N:
         return GATHER
-    return TMA if tma and block_m >= TMA_MIN_ROWS and tma_reads(spec, kv_cache) else PAGE
+    if not (tma and block_m >= TMA_MIN_ROWS and tma_reads(spec, kv_cache)):
+        return PAGE
+    gluon = wgmma and block_m == mla_gluon.ROWS and spec.block_size % mla_gluon.BLOCK_N == 0
+    return GLUON if gluon and mla_gluon.serves(spec.kv_lora_rank, spec.rope_dim) else TMA
 
 
 class TritonMLABackend(DeviceLengthsBackend):
@@ -105,18 +118,24 @@ class TritonMLABackend(DeviceLengthsBackend):
         self.upcast_dot = interpreting() and spec.dtype == torch.bfloat16
         self.allocate_split_buffers(spec.kv_lora_rank)
         self.tma = has_tma(self.device)  # asked once: forward runs every step
+        self.wgmma = has_wgmma(self.device)
         self._descriptors: tuple[tuple, TensorDescriptor, TensorDescriptor] | None = None
 
-    def descriptors(self, kv_cache: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor]:
-        """TMA descriptors of the latent and rope columns of the cache's rows, made once per pool."""
-        key = (kv_cache.data_ptr(), kv_cache.shape, BLOCK_N)
+    def descriptors(self, kv_cache: torch.Tensor, read: int) -> tuple:
+        """TMA descriptors of the latent and rope columns of the cache's rows, made once per pool
+        (Triton's for the TMA read, Gluon's for the Gluon kernel)."""
+        key = (kv_cache.data_ptr(), kv_cache.shape, read, BLOCK_N)
         if self._descriptors is None or self._descriptors[0] != key:
-            rows, rank = kv_cache.view(-1, kv_cache.shape[-1]), self.spec.kv_lora_rank
-            self._descriptors = (
-                key,
-                TensorDescriptor.from_tensor(rows[:, :rank], [BLOCK_N, rank]),
-                TensorDescriptor.from_tensor(rows[:, rank:], [BLOCK_N, self.spec.rope_dim]),
-            )
+            rank = self.spec.kv_lora_rank
+            if read == GLUON:
+                pair = mla_gluon.descriptors(kv_cache, rank)
+            else:
+                rows = kv_cache.view(-1, kv_cache.shape[-1])
+                pair = (
+                    TensorDescriptor.from_tensor(rows[:, :rank], [BLOCK_N, rank]),
+                    TensorDescriptor.from_tensor(rows[:, rank:], [BLOCK_N, self.spec.rope_dim]),
+                )
+            self._descriptors = (key, *pair)
         return self._descriptors[1:]
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -160,11 +179,58 @@ class TritonMLABackend(DeviceLengthsBackend):
         decode_q = metadata.decode_q
         tiles = tiling(spec.num_heads, decode_q)
         head_blocks = triton.cdiv(spec.num_heads, tiles.heads_per_program)
-        read = tile_read(spec, tiles.block_m, kv_cache, self.tma)
+        read = tile_read(spec, tiles.block_m, kv_cache, self.tma, self.wgmma)
         num_splits = self.splits_for(metadata.num_reqs, decode_q, head_blocks, PROGRAMS_PER_MULTIPROCESSOR[read])
+        grid = (head_blocks, limits.max_num_reqs, num_splits)
+        if read == GLUON:
+            self._forward_gluon(grid, query, kv_cache, metadata, out, tiles, num_splits)
+        else:
+            self._forward_triton(grid, read, query, kv_cache, metadata, out, tiles, num_splits, scales)
+        self.merge_splits(out, metadata, num_splits, spec.kv_lora_rank)
+
+    def _forward_gluon(self, grid, query, kv_cache, metadata: TritonMetadata, out, tiles: _Tiling, num_splits: int):
+        spec = self.spec
+        latent_desc, rope_desc = self.descriptors(kv_cache, GLUON)
+        mla_gluon.mla_gluon_kernel[grid](
+            query,
+            kv_cache,
+            latent_desc,
+            rope_desc,
+            metadata.block_table,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            self.partial_out,
+            self.partial_lse,
+            out,
+            metadata.num_reqs,
+            num_splits,
+            spec.softmax_scale * LOG2E,
+            query.stride(0),
+            query.stride(1),
+            out.stride(0),
+            out.stride(1),
+            metadata.block_table.stride(0),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            NUM_HEADS=spec.num_heads,
+            HEADS_PER_PROGRAM=tiles.heads_per_program,
+            DECODE_Q=metadata.decode_q,
+            LATENT=spec.kv_lora_rank,
+            ROPE=spec.rope_dim,
+            BLOCK_N=mla_gluon.BLOCK_N,
+            PAGE_SIZE=spec.block_size,
+            NUM_STAGES=mla_gluon.NUM_STAGES,
+            ONE_SPLIT=num_splits == 1,
+            num_warps=mla_gluon.WARPS,
+        )
+
+    def _forward_triton(
+        self, grid, read, query, kv_cache, metadata: TritonMetadata, out, tiles: _Tiling, num_splits, scales
+    ):
+        spec = self.spec
         # Without TMA the descriptor arguments go unused; the cache stands in for them.
-        latent_desc, rope_desc = self.descriptors(kv_cache) if read == TMA else (kv_cache, kv_cache)
-        mla_kernels.mla_decode_split_kernel[(head_blocks, limits.max_num_reqs, num_splits)](
+        latent_desc, rope_desc = self.descriptors(kv_cache, read) if read == TMA else (kv_cache, kv_cache)
+        mla_kernels.mla_decode_split_kernel[grid](
             query,
             kv_cache,
             latent_desc,
@@ -188,7 +254,7 @@ class TritonMLABackend(DeviceLengthsBackend):
             self.device_scales(scales)[0] if spec.fp8_kv_cache else metadata.seq_lens,
             NUM_HEADS=spec.num_heads,
             HEADS_PER_PROGRAM=tiles.heads_per_program,
-            DECODE_Q=decode_q,
+            DECODE_Q=metadata.decode_q,
             BLOCK_M=tiles.block_m,
             LATENT=spec.kv_lora_rank,
             ROPE=spec.rope_dim,
@@ -203,4 +269,3 @@ class TritonMLABackend(DeviceLengthsBackend):
             num_warps=NUM_WARPS if spec.kv_lora_rank >= 256 else 4,
             num_stages=NUM_STAGES[read],
         )
-        self.merge_splits(out, metadata, num_splits, spec.kv_lora_rank)

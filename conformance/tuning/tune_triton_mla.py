@@ -2,8 +2,10 @@
 
 For each MLA (512 + 64) decode / spec-verify shape: FlashMLA's time, then ours for each way of
 reading a tile (masked loads per page, or TMA where the tile allows it), tiling (rows per program,
-BLOCK_N, warps, stages) and split target (programs wanted per SM). Prints forward µs (CUDA events,
-L2 flushed) and the ratio to FlashMLA in the same run."""
+BLOCK_N, warps, stages) and split target (programs wanted per SM), then the Gluon kernel
+(``mla_gluon``, Hopper, 64-row tiles) for each tile size and ring depth. Prints forward µs (CUDA
+events, L2 flushed) and the ratio to FlashMLA in the same run. ``--gluon`` sweeps the Gluon kernel
+only."""
 
 import sys
 
@@ -29,13 +31,38 @@ TILINGS = [
 ]  # rows, BLOCK_N, warps, stages
 PROGRAMS_PER_SM = (1, 2, 4)
 READS = {"page": mla_backend.PAGE, "tma": mla_backend.TMA}
+GLUON_TILINGS = [(64, 2), (32, 3), (32, 4)]  # BLOCK_N, stages (64 x 2 and 32 x 4 fill shared memory)
+
+
+def sweep_gluon(sweep: Sweep) -> None:
+    """The Gluon kernel's tile sizes and ring depths, where it serves the shape."""
+    from backends.triton import mla_gluon
+
+    timed, shipped = sweep.timed, (mla_gluon.BLOCK_N, mla_gluon.NUM_STAGES)
+    tiles = mla_backend.tiling(timed.case.spec.num_heads, timed.metadata.decode_q)
+    if tiles.block_m != mla_gluon.ROWS:
+        print(f"{sweep.name:24s} gluon: not served ({tiles.block_m}-row tiles)", flush=True)
+        return
+    shipped_tile_read, mla_backend.tile_read = mla_backend.tile_read, lambda *args: mla_backend.TMA
+    print(sweep.line("triton tma (before the Gluon kernel)"), flush=True)
+    mla_backend.tile_read = shipped_tile_read
+    for block_n, stages in GLUON_TILINGS:
+        mla_gluon.BLOCK_N, mla_gluon.NUM_STAGES = block_n, stages
+        timed.backend._descriptors = None  # a new box
+        print(sweep.line(f"gluon block_n={block_n:3d} stages={stages}"), flush=True)
+    mla_gluon.BLOCK_N, mla_gluon.NUM_STAGES = shipped
+    timed.backend._descriptors = None
 
 
 def main(names: list[str]) -> None:
     device = torch.device("cuda")
     shipped_tile_read = mla_backend.tile_read
-    for name in names or CASES:
+    gluon_only = "--gluon" in names
+    for name in [name for name in names if name != "--gluon"] or CASES:
         sweep = Sweep(name, CASES[name], "flashmla", "triton_mla", device)
+        sweep_gluon(sweep)
+        if gluon_only:
+            continue
         metadata, heads = sweep.timed.metadata, sweep.timed.case.spec.num_heads
         settings = [(read, tiling, per_sm) for read in READS for tiling in TILINGS for per_sm in PROGRAMS_PER_SM]
         for read, (rows, block_n, warps, stages), per_sm in settings:
