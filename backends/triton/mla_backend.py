@@ -221,6 +221,7 @@ class TritonMLABackend(DeviceLengthsBackend):
             PAGE_SIZE=spec.block_size,
             NUM_STAGES=mla_gluon.NUM_STAGES,
             ONE_SPLIT=num_splits == 1,
+            EARLY_COPY=mla_gluon.EARLY_COPY,
             num_warps=mla_gluon.WARPS,
         )
 

@@ -47,6 +47,7 @@ WARPS = 8  # two warpgroups
 # Positions per KV tile and stages in the ring, swept on an H100 (conformance.tuning.tune_triton_mla).
 BLOCK_N = 64
 NUM_STAGES = 2
+EARLY_COPY = True
 BLOCK_M = gl.constexpr(ROWS)
 NUM_WARPS = gl.constexpr(WARPS)
 
@@ -147,6 +148,7 @@ def mla_gluon_kernel(
     PAGE_SIZE: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     ONE_SPLIT: gl.constexpr,
+    EARLY_COPY: gl.constexpr,
 ):
     head_block = gl.program_id(0)  # grid (head blocks, requests, splits), as mla_decode_split_kernel
     request = gl.program_id(1)
@@ -274,25 +276,42 @@ def mla_gluon_kernel(
     acc = warpgroup_mma_init(acc)
     for tile in range(num_full):
         ring = tile % NUM_STAGES
+        freed = (tile + NUM_STAGES - 1) % NUM_STAGES
+        if EARLY_COPY:
+            # The previous tile's P V done first: its stage takes the next copy before these scores run.
+            out = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _issue_tile(
+                latent_desc,
+                rope_desc,
+                bars.index(freed),
+                latent_stages.index(freed),
+                rope_stages.index(freed),
+                block_entries,
+                start + (tile + NUM_STAGES - 1) * BLOCK_N,
+                PAGE_SIZE,
+                (tile > 0) & (tile + NUM_STAGES - 1 < num_full),
+            )
         mbarrier.wait(bars.index(ring), (tile // NUM_STAGES) & 1)
         scores = warpgroup_mma(
             q_latent, latent_stages.index(ring).permute((1, 0)), zero_scores, use_acc=False, is_async=True
         )
         scores = warpgroup_mma(q_rope, rope_stages.index(ring).permute((1, 0)), scores, is_async=True)
-        # Retires the previous tile's P V too (wgmma groups complete in order): its stage is free.
-        scores, out = warpgroup_mma_wait(num_outstanding=0, deps=(scores, acc))
-        freed = (tile + NUM_STAGES - 1) % NUM_STAGES
-        _issue_tile(
-            latent_desc,
-            rope_desc,
-            bars.index(freed),
-            latent_stages.index(freed),
-            rope_stages.index(freed),
-            block_entries,
-            start + (tile + NUM_STAGES - 1) * BLOCK_N,
-            PAGE_SIZE,
-            (tile > 0) & (tile + NUM_STAGES - 1 < num_full),
-        )
+        if EARLY_COPY:
+            scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
+        else:
+            # Retires the previous tile's P V too (wgmma groups complete in order): its stage is free.
+            scores, out = warpgroup_mma_wait(num_outstanding=0, deps=(scores, acc))
+            _issue_tile(
+                latent_desc,
+                rope_desc,
+                bars.index(freed),
+                latent_stages.index(freed),
+                rope_stages.index(freed),
+                block_entries,
+                start + (tile + NUM_STAGES - 1) * BLOCK_N,
+                PAGE_SIZE,
+                (tile > 0) & (tile + NUM_STAGES - 1 < num_full),
+            )
         tile_start = start + tile * BLOCK_N
         probabilities, rescale, row_max, row_sum = _softmax_step(
             scores, tile_start, end, s_positions, s_valid, row_max, row_sum, scale_log2, BLOCK_N, S_LAYOUT
