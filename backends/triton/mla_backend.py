@@ -124,7 +124,7 @@ class TritonMLABackend(DeviceLengthsBackend):
     def descriptors(self, kv_cache: torch.Tensor, read: int) -> tuple:
         """TMA descriptors of the latent and rope columns of the cache's rows, made once per pool
         (Triton's for the TMA read, Gluon's for the Gluon kernel)."""
-        key = (kv_cache.data_ptr(), kv_cache.shape, read, BLOCK_N)
+        key = (kv_cache.data_ptr(), kv_cache.shape, read, BLOCK_N, getattr(mla_gluon, "LATENT_CHUNK", 0))
         if self._descriptors is None or self._descriptors[0] != key:
             rank = self.spec.kv_lora_rank
             if read == GLUON:
@@ -221,7 +221,6 @@ class TritonMLABackend(DeviceLengthsBackend):
             PAGE_SIZE=spec.block_size,
             NUM_STAGES=mla_gluon.NUM_STAGES,
             ONE_SPLIT=num_splits == 1,
-            EARLY_COPY=mla_gluon.EARLY_COPY,
             num_warps=mla_gluon.WARPS,
         )
 

@@ -47,21 +47,49 @@ WARPS = 8  # two warpgroups
 # Positions per KV tile and stages in the ring, swept on an H100 (conformance.tuning.tune_triton_mla).
 BLOCK_N = 64
 NUM_STAGES = 2
-EARLY_COPY = True
+# Columns per TMA copy of the latent: each lands on its own mbarrier, so a tile's scores start on
+# its first columns while the rest are in flight (FlashMLA copies and waits 64 columns at a time).
+LATENT_CHUNK = 64
 BLOCK_M = gl.constexpr(ROWS)
 NUM_WARPS = gl.constexpr(WARPS)
 
 
 @gluon.jit
 def _issue_tile(
-    latent_desc, rope_desc, bar, latent_dst, rope_dst, block_entries, tile_start, PAGE_SIZE: gl.constexpr, pred
+    latent_desc, rope_desc, bars, stage, latent_dst, rope_dst, block_entries, tile_start, PAGE_SIZE: gl.constexpr, pred
 ):
-    """Start the TMA copy of the tile at ``tile_start`` (inside one page) into a ring stage."""
+    """Start the TMA copies of the tile at ``tile_start`` (inside one page) into ring stage
+    ``stage``: one per LATENT_CHUNK latent columns, then the rope columns, each on its barrier."""
+    CHUNK: gl.constexpr = latent_desc.block_type.shape[1]
+    CHUNKS: gl.constexpr = latent_dst.shape[1] // CHUNK
     block = gl.load(block_entries + tile_start // PAGE_SIZE, mask=pred, other=0)
     row = block * PAGE_SIZE + tile_start % PAGE_SIZE
-    mbarrier.expect(bar, latent_desc.block_type.nbytes + rope_desc.block_type.nbytes, pred=pred)
-    _tma_load(latent_desc, [row, 0], bar, latent_dst, pred=pred)
+    for chunk in gl.static_range(CHUNKS):
+        bar = bars.index(stage * (CHUNKS + 1) + chunk)
+        mbarrier.expect(bar, latent_desc.block_type.nbytes, pred=pred)
+        _tma_load(latent_desc, [row, chunk * CHUNK], bar, latent_dst.slice(chunk * CHUNK, CHUNK, dim=1), pred=pred)
+    bar = bars.index(stage * (CHUNKS + 1) + CHUNKS)
+    mbarrier.expect(bar, rope_desc.block_type.nbytes, pred=pred)
     _tma_load(rope_desc, [row, 0], bar, rope_dst, pred=pred)
+
+
+@gluon.jit
+def _scores(q_latent, q_rope, latent_stage, rope_stage, bars, stage, phase, zero_scores, CHUNK: gl.constexpr):
+    """``Q K^T`` of a ring stage's tile, each column chunk's product issued as soon as its copy lands."""
+    CHUNKS: gl.constexpr = latent_stage.shape[1] // CHUNK
+    scores = zero_scores
+    for chunk in gl.static_range(CHUNKS):
+        mbarrier.wait(bars.index(stage * (CHUNKS + 1) + chunk), phase)
+        scores = warpgroup_mma(
+            q_latent.slice(chunk * CHUNK, CHUNK, dim=1),
+            latent_stage.slice(chunk * CHUNK, CHUNK, dim=1).permute((1, 0)),
+            scores,
+            use_acc=chunk > 0,
+            is_async=True,
+        )
+    mbarrier.wait(bars.index(stage * (CHUNKS + 1) + CHUNKS), phase)
+    scores = warpgroup_mma(q_rope, rope_stage.permute((1, 0)), scores, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
 
 
 @gluon.jit
@@ -148,7 +176,6 @@ def mla_gluon_kernel(
     PAGE_SIZE: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     ONE_SPLIT: gl.constexpr,
-    EARLY_COPY: gl.constexpr,
 ):
     head_block = gl.program_id(0)  # grid (head blocks, requests, splits), as mla_decode_split_kernel
     request = gl.program_id(1)
@@ -204,9 +231,11 @@ def mla_gluon_kernel(
     )
     latent_stages = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, LATENT], latent_desc.layout)
     rope_stages = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, ROPE], rope_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for stage in gl.static_range(NUM_STAGES):
-        mbarrier.init(bars.index(stage), count=1)
+    CHUNK: gl.constexpr = latent_desc.block_type.shape[1]
+    BARRIERS: gl.constexpr = NUM_STAGES * (LATENT // CHUNK + 1)  # per stage: each latent chunk, the rope
+    bars = gl.allocate_shared_memory(gl.int64, [BARRIERS, 1], mbarrier.MBarrierLayout())
+    for barrier in gl.static_range(BARRIERS):
+        mbarrier.init(bars.index(barrier), count=1)
 
     _, _, s_valid, s_positions = _tile_rows(
         query_len, seq_len, first_head, HEADS_PER_PROGRAM, NUM_HEADS, DECODE_Q, S_ROWS
@@ -217,7 +246,8 @@ def mla_gluon_kernel(
         _issue_tile(
             latent_desc,
             rope_desc,
-            bars.index(stage),
+            bars,
+            stage,
             latent_stages.index(stage),
             rope_stages.index(stage),
             block_entries,
@@ -264,7 +294,8 @@ def mla_gluon_kernel(
     _issue_tile(
         latent_desc,
         rope_desc,
-        bars.index(last),
+        bars,
+        last,
         latent_stages.index(last),
         rope_stages.index(last),
         block_entries,
@@ -276,42 +307,32 @@ def mla_gluon_kernel(
     acc = warpgroup_mma_init(acc)
     for tile in range(num_full):
         ring = tile % NUM_STAGES
+        # The previous tile's P V done first: its stage takes the next copy before these scores run.
+        out = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         freed = (tile + NUM_STAGES - 1) % NUM_STAGES
-        if EARLY_COPY:
-            # The previous tile's P V done first: its stage takes the next copy before these scores run.
-            out = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _issue_tile(
-                latent_desc,
-                rope_desc,
-                bars.index(freed),
-                latent_stages.index(freed),
-                rope_stages.index(freed),
-                block_entries,
-                start + (tile + NUM_STAGES - 1) * BLOCK_N,
-                PAGE_SIZE,
-                (tile > 0) & (tile + NUM_STAGES - 1 < num_full),
-            )
-        mbarrier.wait(bars.index(ring), (tile // NUM_STAGES) & 1)
-        scores = warpgroup_mma(
-            q_latent, latent_stages.index(ring).permute((1, 0)), zero_scores, use_acc=False, is_async=True
+        _issue_tile(
+            latent_desc,
+            rope_desc,
+            bars,
+            freed,
+            latent_stages.index(freed),
+            rope_stages.index(freed),
+            block_entries,
+            start + (tile + NUM_STAGES - 1) * BLOCK_N,
+            PAGE_SIZE,
+            (tile > 0) & (tile + NUM_STAGES - 1 < num_full),
         )
-        scores = warpgroup_mma(q_rope, rope_stages.index(ring).permute((1, 0)), scores, is_async=True)
-        if EARLY_COPY:
-            scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
-        else:
-            # Retires the previous tile's P V too (wgmma groups complete in order): its stage is free.
-            scores, out = warpgroup_mma_wait(num_outstanding=0, deps=(scores, acc))
-            _issue_tile(
-                latent_desc,
-                rope_desc,
-                bars.index(freed),
-                latent_stages.index(freed),
-                rope_stages.index(freed),
-                block_entries,
-                start + (tile + NUM_STAGES - 1) * BLOCK_N,
-                PAGE_SIZE,
-                (tile > 0) & (tile + NUM_STAGES - 1 < num_full),
-            )
+        scores = _scores(
+            q_latent,
+            q_rope,
+            latent_stages.index(ring),
+            rope_stages.index(ring),
+            bars,
+            ring,
+            (tile // NUM_STAGES) & 1,
+            zero_scores,
+            CHUNK,
+        )
         tile_start = start + tile * BLOCK_N
         probabilities, rescale, row_max, row_sum = _softmax_step(
             scores, tile_start, end, s_positions, s_valid, row_max, row_sum, scale_log2, BLOCK_N, S_LAYOUT
@@ -322,8 +343,8 @@ def mla_gluon_kernel(
         _cta_barrier()
         acc = warpgroup_mma(p_smem, latent_stages.index(ring), out, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    for stage in gl.static_range(NUM_STAGES):
-        mbarrier.invalidate(bars.index(stage))
+    for barrier in gl.static_range(BARRIERS):
+        mbarrier.invalidate(bars.index(barrier))
 
     # The result: with one split the output itself; otherwise the split's normalised rows and
     # base-2 log-sum-exp for merge_splits_kernel (an empty split: -inf, so no weight).
@@ -355,12 +376,15 @@ def serves(latent: int, rope: int) -> bool:
 
 
 def descriptors(kv_cache: torch.Tensor, latent: int) -> tuple[TensorDescriptor, TensorDescriptor]:
-    """TMA descriptors of the latent and rope columns of the cache's rows, one tile's box each."""
+    """TMA descriptors of the latent and rope columns of the cache's rows: a box is one tile's
+    positions by LATENT_CHUNK latent columns, or by the whole rope."""
     rows = kv_cache.view(-1, kv_cache.shape[-1])
     dtype = gl.bfloat16 if kv_cache.dtype == torch.bfloat16 else gl.float16
-    return tuple(
-        TensorDescriptor.from_tensor(
-            cols, [BLOCK_N, cols.shape[1]], gl.NVMMASharedLayout.get_default_for([BLOCK_N, cols.shape[1]], dtype)
-        )
-        for cols in (rows[:, :latent], rows[:, latent:])
+
+    def descriptor(cols: torch.Tensor, width: int) -> TensorDescriptor:
+        box = [BLOCK_N, width]
+        return TensorDescriptor.from_tensor(cols, box, gl.NVMMASharedLayout.get_default_for(box, dtype))
+
+    return descriptor(rows[:, :latent], min(LATENT_CHUNK, latent)), descriptor(
+        rows[:, latent:], kv_cache.shape[-1] - latent
     )

@@ -31,14 +31,14 @@ TILINGS = [
 ]  # rows, BLOCK_N, warps, stages
 PROGRAMS_PER_SM = (1, 2, 4)
 READS = {"page": mla_backend.PAGE, "tma": mla_backend.TMA}
-GLUON_TILINGS = [(64, 2, False), (64, 2, True), (32, 4, True)]  # BLOCK_N, stages, early copy
+GLUON_TILINGS = [(64, 2, 512), (64, 2, 64), (64, 2, 128)]  # BLOCK_N, stages, latent columns per copy
 
 
 def sweep_gluon(sweep: Sweep) -> None:
     """The Gluon kernel's tile sizes and ring depths, where it serves the shape."""
     from backends.triton import mla_gluon
 
-    timed, shipped = sweep.timed, (mla_gluon.BLOCK_N, mla_gluon.NUM_STAGES, mla_gluon.EARLY_COPY)
+    timed, shipped = sweep.timed, (mla_gluon.BLOCK_N, mla_gluon.NUM_STAGES, mla_gluon.LATENT_CHUNK)
     tiles = mla_backend.tiling(timed.case.spec.num_heads, timed.metadata.decode_q)
     if tiles.block_m != mla_gluon.ROWS:
         print(f"{sweep.name:24s} gluon: not served ({tiles.block_m}-row tiles)", flush=True)
@@ -46,11 +46,11 @@ def sweep_gluon(sweep: Sweep) -> None:
     shipped_tile_read, mla_backend.tile_read = mla_backend.tile_read, lambda *args: mla_backend.TMA
     print(sweep.line("triton tma (before the Gluon kernel)"), flush=True)
     mla_backend.tile_read = shipped_tile_read
-    for block_n, stages, early in GLUON_TILINGS:
-        mla_gluon.BLOCK_N, mla_gluon.NUM_STAGES, mla_gluon.EARLY_COPY = block_n, stages, early
+    for block_n, stages, chunk in GLUON_TILINGS:
+        mla_gluon.BLOCK_N, mla_gluon.NUM_STAGES, mla_gluon.LATENT_CHUNK = block_n, stages, chunk
         timed.backend._descriptors = None  # a new box
-        print(sweep.line(f"gluon block_n={block_n:3d} stages={stages} early_copy={early:d}"), flush=True)
-    mla_gluon.BLOCK_N, mla_gluon.NUM_STAGES, mla_gluon.EARLY_COPY = shipped
+        print(sweep.line(f"gluon block_n={block_n:3d} stages={stages} latent_chunk={chunk}"), flush=True)
+    mla_gluon.BLOCK_N, mla_gluon.NUM_STAGES, mla_gluon.LATENT_CHUNK = shipped
     timed.backend._descriptors = None
 
 
