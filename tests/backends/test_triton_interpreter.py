@@ -123,14 +123,14 @@ def test_mla_tile_reads():
     """How triton_mla reads a KV tile, from the layer and the tile's rows (the cases above take each)."""
     import torch
 
-    from backends.triton.mla_backend import GATHER, PAGE, TMA, has_tma, tile_read
+    from backends.triton.mla_backend import GATHER, GLUON, PAGE, TMA, has_tma, has_wgmma, mla_gluon, tile_read
     from conformance.cases.grammar import parse_case
 
-    def read(layer: str, block_m: int, cache: torch.Tensor | None = None, tma: bool = True) -> int:
+    def read(layer: str, block_m: int, cache: torch.Tensor | None = None, tma: bool = True, wgmma: bool = False) -> int:
         spec = parse_case(layer + ":10+1").spec
         if cache is None:
             cache = torch.zeros(4, spec.block_size, spec.head_dim, dtype=spec.dtype)
-        return tile_read(spec, block_m, cache, tma)
+        return tile_read(spec, block_m, cache, tma, wgmma)
 
     assert has_tma(torch.device("cpu"))  # the interpreter
     assert read("mla-h4-d64+16-fp16-p16", 64) == GATHER  # a tile spans pages
@@ -141,6 +141,13 @@ def test_mla_tile_reads():
     assert read("mla-h16-d48+16-bf16-p64", 64) == PAGE  # latent not a power of two
     strided = torch.zeros(4, 64, 2 * 80, dtype=torch.bfloat16)[..., :80]
     assert read("mla-h16-d64+16-bf16-p64", 64, strided) == PAGE  # rows of the pool not contiguous
+    assert not has_wgmma(torch.device("cpu"))  # the Gluon kernel is Hopper's only
+    if mla_gluon is not None:  # on Hopper, the Gluon kernel takes the 64-row tiles TMA can copy
+        assert read("mla-h128-d512+64-bf16-p64", 64, wgmma=True) == GLUON
+        assert read("mla-h20-d64+16-fp16-p64", 64, wgmma=True) == GLUON
+        assert read("mla-h4-d64+16-bf16-p64", 16, wgmma=True) == PAGE  # 16-row tiles: the Triton kernel
+        assert read("mla-h128-d512+64-bf16-fp8e4m3-p64", 64, wgmma=True) == PAGE  # no fp8 tiles by TMA
+        assert read("mla-h16-d1024+64-bf16-p64", 64, wgmma=True) == TMA  # too wide for the ring
 
 
 def test_mla_tma_reads_no_slot_past_the_sequence():
