@@ -8,6 +8,7 @@
 #   bash reports/regenerate.sh all RUNS      # the three in turn
 #   bash reports/regenerate.sh memory RUNS   # the memory check (compute-sanitizer), into reports/memory/
 #   bash reports/regenerate.sh engine RUNS   # docs/engine.md's async-vs-sync table, into reports/engine/
+#   bash reports/regenerate.sh kernels RUNS  # docs/performance.md's kernel table: REPEATS (3) runs, into RUNS/
 #
 # One after another the backends take over 20 minutes on an H100, so they run side by side,
 # each backend's checks split over two processes (publish merges them back, summing the wall
@@ -87,6 +88,18 @@ run_engine() {
   done
 }
 
+# docs/performance.md's kernel table: our kernels and the vendors' on the same shapes, side by side in
+# one process per run, REPEATS runs back to back (RUNS/kernels-<i>.json); the table is their medians.
+run_kernels() {
+  local g=gqa-h32/8-d128-bf16-p16 m=mla-h128-d512+64-bf16-p64 s=mla-h16-d512+64-bf16-p64 i
+  for ((i = 1; i <= ${REPEATS:-3}; i++)); do
+    python -m conformance bench --backend triton,flashinfer,triton_mla,flashmla --quiet \
+      --case $g:4096+1x64 --case $g:4096+1x256 --case $g:4096+2x256 --case $g:4096+4x64 --case $g:4096+8x256 \
+      --case $m:4096+1x64 --case $m:4096+4x64 --case $m:4096+8x256 --case $s:4096+1x64 --case $s:4096+4x64 \
+      --json "$runs/kernels-$i.json" >"$runs/kernels-$i.log" 2>&1 || return
+  done
+}
+
 publish() {
   python -m conformance.report.publish "$runs/$suite"-*.json --bench "$runs"/bench*.json --out reports
 }
@@ -98,5 +111,6 @@ case "$phase" in
   all) run_checks; run_bench; publish ;;
   memory) run_memory ;;
   engine) run_engine ;;
-  *) echo "unknown phase $phase (checks, bench, publish, all, memory or engine)" >&2; exit 2 ;;
+  kernels) run_kernels ;;
+  *) echo "unknown phase $phase (checks, bench, publish, all, memory, engine or kernels)" >&2; exit 2 ;;
 esac
