@@ -28,7 +28,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
@@ -76,7 +75,7 @@ def _copy_partition(
     ONE_SPLIT: gl.constexpr,
 ):
     """One warp: each tile's TMA copies into the ring, a stage refilled once both warpgroups freed it."""
-    start, end, num_tiles, num_full, partial_start = ints[5], ints[6], ints[7], ints[8], ints[9]
+    start, end, num_tiles, partial_start = ints[5], ints[6], ints[7], ints[9]
     has_partial = partial_start < end
     for tile in range(num_tiles):
         stage = tile % 2
