@@ -29,10 +29,9 @@ except ModuleNotFoundError as missing:  # an extra: the claims import, availabil
     if missing.name != "triton":
         raise
 try:
-    from backends.triton import mla_gluon, mla_seesaw
+    from backends.triton import mla_gluon
 except ImportError:  # a Triton without Gluon's Hopper API (older, or none): the Triton kernel serves
-    mla_gluon = mla_seesaw = None
-SEESAW = True  # the warp-specialized Gluon kernel (mla_seesaw) rather than mla_gluon's
+    mla_gluon = None
 
 ROWS_PER_PROGRAM = 64  # tokens x heads per tile; 64 x 512 fp32 accumulator (swept on an H200: best of 16/32/64)
 BLOCK_N = 64  # KV positions per tile
@@ -192,7 +191,7 @@ class TritonMLABackend(DeviceLengthsBackend):
     def _forward_gluon(self, grid, query, kv_cache, metadata: TritonMetadata, out, tiles: _Tiling, num_splits: int):
         spec = self.spec
         latent_desc, rope_desc = self.descriptors(kv_cache, GLUON)
-        args = (
+        mla_gluon.mla_gluon_kernel[grid](
             query,
             kv_cache,
             latent_desc,
@@ -213,24 +212,17 @@ class TritonMLABackend(DeviceLengthsBackend):
             metadata.block_table.stride(0),
             kv_cache.stride(0),
             kv_cache.stride(1),
-        )
-        shape = dict(
             NUM_HEADS=spec.num_heads,
             HEADS_PER_PROGRAM=tiles.heads_per_program,
             DECODE_Q=metadata.decode_q,
             LATENT=spec.kv_lora_rank,
             ROPE=spec.rope_dim,
+            BLOCK_N=mla_gluon.BLOCK_N,
             PAGE_SIZE=spec.block_size,
+            NUM_STAGES=mla_gluon.NUM_STAGES,
             ONE_SPLIT=num_splits == 1,
+            num_warps=mla_gluon.WARPS,
         )
-        if SEESAW:
-            mla_seesaw.mla_seesaw_kernel[grid](
-                *args, **shape, num_warps=mla_seesaw.WARPS, maxnreg=mla_seesaw.MAX_REGISTERS
-            )
-        else:
-            mla_gluon.mla_gluon_kernel[grid](
-                *args, **shape, BLOCK_N=mla_gluon.BLOCK_N, NUM_STAGES=mla_gluon.NUM_STAGES, num_warps=mla_gluon.WARPS
-            )
 
     def _forward_triton(
         self, grid, read, query, kv_cache, metadata: TritonMetadata, out, tiles: _Tiling, num_splits, scales

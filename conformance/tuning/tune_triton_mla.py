@@ -31,7 +31,7 @@ TILINGS = [
 ]  # rows, BLOCK_N, warps, stages
 PROGRAMS_PER_SM = (1, 2, 4)
 READS = {"page": mla_backend.PAGE, "tma": mla_backend.TMA}
-GLUON_TILINGS = [(64, 2, 512)]  # BLOCK_N, stages, latent columns per copy
+GLUON_TILINGS = [(64, 2, 512), (64, 2, 64), (64, 2, 128)]  # BLOCK_N, stages, latent columns per copy
 
 
 def sweep_gluon(sweep: Sweep) -> None:
@@ -46,15 +46,11 @@ def sweep_gluon(sweep: Sweep) -> None:
     shipped_tile_read, mla_backend.tile_read = mla_backend.tile_read, lambda *args: mla_backend.TMA
     print(sweep.line("triton tma (before the Gluon kernel)"), flush=True)
     mla_backend.tile_read = shipped_tile_read
-    mla_backend.SEESAW = True
-    print(sweep.line("gluon seesaw (warp-specialized)"), flush=True)
-    mla_backend.SEESAW = False
     for block_n, stages, chunk in GLUON_TILINGS:
         mla_gluon.BLOCK_N, mla_gluon.NUM_STAGES, mla_gluon.LATENT_CHUNK = block_n, stages, chunk
         timed.backend._descriptors = None  # a new box
         print(sweep.line(f"gluon block_n={block_n:3d} stages={stages} latent_chunk={chunk}"), flush=True)
     mla_gluon.BLOCK_N, mla_gluon.NUM_STAGES, mla_gluon.LATENT_CHUNK = shipped
-    mla_backend.SEESAW = True
     timed.backend._descriptors = None
 
 
