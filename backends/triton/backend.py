@@ -41,8 +41,10 @@ except ModuleNotFoundError as missing:  # an extra: the claims import, availabil
 
 DECODE_VARIANTS = (1, 2, 4, 8)  # query lengths served by the split (flash-decoding) kernel
 PARTIAL_BUFFER_BYTES = 256 * 2**20  # cap on split-KV scratch; the split count shrinks to fit
-MAX_SPLITS = 16
-BLOCK_SPLITS = 16  # the merge kernel's tile over splits: one compiled variant for every split count
+# Splits a request may take: enough for one request of a long context to fill an H100 or H200
+# (its 132 SMs, each kv head or head block a program per split), not only a big batch.
+MAX_SPLITS = 64
+BLOCK_SPLITS = 16  # the merge kernel's tile over splits (it loops): one compiled variant for every split count
 LOG2E = 1.4426950408889634
 # Triton converts to and from e4m3 / e5m2 on Ada, Hopper and newer: the Capabilities fields that say so.
 FP8_GPUS = dict(

@@ -499,28 +499,40 @@ def merge_splits_kernel(
     query_start, query_len = decode_query(query_start_loc_ptr, request, num_reqs, DECODE_Q)
     if token >= query_len:
         return
+    # Any number of splits, BLOCK_SPLITS at a time: the largest log-sum-exp first, then the
+    # weighted sum of the splits' rows (in split order, so a step's bits depend only on its count).
     splits = tl.arange(0, BLOCK_SPLITS)
     partial_row = row * NUM_HEADS + head
-    lse = tl.load(partial_lse_ptr + partial_row * num_splits + splits, mask=splits < num_splits, other=float("-inf"))
-    top = tl.max(lse, axis=0)
+    top = float("-inf")
+    for first in range(0, num_splits, BLOCK_SPLITS):
+        lse = tl.load(
+            partial_lse_ptr + partial_row * num_splits + first + splits,
+            mask=first + splits < num_splits,
+            other=float("-inf"),
+        )
+        top = tl.maximum(top, tl.max(lse, axis=0))
     if HAS_SINKS:  # the learned sink joins the denominator once, over every split
         sink = tl.load(sinks_ptr + head) * LOG2E
         top = tl.maximum(top, sink)
-        weights = tl.exp2(lse - top)
-        total = tl.sum(weights, axis=0) + tl.exp2(sink - top)
+        total = tl.exp2(sink - top)
     else:
+        total = 0.0
+    dims = tl.arange(0, BLOCK_D)
+    out = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for first in range(0, num_splits, BLOCK_SPLITS):
+        in_range = first + splits < num_splits
+        lse = tl.load(partial_lse_ptr + partial_row * num_splits + first + splits, mask=in_range, other=float("-inf"))
         weights = tl.exp2(lse - top)
-        total = tl.sum(weights, axis=0)
-    weights = weights / total
+        total += tl.sum(weights, axis=0)
+        partial = tl.load(
+            partial_out_ptr + (partial_row * num_splits + first + splits)[:, None] * HEAD_DIM + dims[None, :],
+            mask=in_range[:, None] & (dims[None, :] < HEAD_DIM),
+            other=0.0,
+        )
+        out += tl.sum(partial * weights[:, None], axis=0)
+    out = out / total
     if RETURN_LSE:
         tl.store(lse_ptr + (query_start + token) * lse_stride + head, (top + tl.log2(total)) * LN2)
-    dims = tl.arange(0, BLOCK_D)
-    partial = tl.load(
-        partial_out_ptr + (partial_row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
-        mask=(splits[:, None] < num_splits) & (dims[None, :] < HEAD_DIM),
-        other=0.0,
-    )
-    out = tl.sum(partial * weights[:, None], axis=0)
     tl.store(
         out_ptr + (query_start + token) * stride_out_token + head * stride_out_head + dims,
         out.to(out_ptr.dtype.element_ty),

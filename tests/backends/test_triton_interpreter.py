@@ -171,3 +171,33 @@ def test_mla_tma_reads_no_slot_past_the_sequence():
     assert completed.stdout.startswith("([], {'nan-poison non-finite outputs': 0, 'nan-poison mismatched': 0"), (
         completed.stdout
     )
+
+
+def test_merge_folds_more_splits_than_its_tile():
+    """The merge kernel takes BLOCK_SPLITS splits at a time, so a request with more (one long
+    context alone on a big GPU takes up to MAX_SPLITS) goes through its loop: with 37 splits
+    (three tiles, the last partial; contexts long enough that more than one tile of splits holds
+    keys), learned sinks and the log-sum-exp asked for, the output and LSE equal the oracle's,
+    with NaN in every slot no request owns. Merging only the first tile of splits fails it."""
+    script = (
+        "import torch; from conformance.cases.grammar import parse_case; "
+        "from conformance.checks.memory import poison_pass; from conformance.checks.lse_pass import lse_findings; "
+        "from conformance.harness.step import prepare_case, run_step; from backends.triton import backend; "
+        "assert backend.BLOCK_SPLITS < 37 <= backend.MAX_SPLITS; "
+        "backend.TritonAttentionBackend.splits_for = lambda self, *args: 37; "
+        "case = parse_case('gqa-h8/2-d64-bf16-p16-attnsinks-lse:2400+1,1500+1'); cpu = torch.device('cpu'); "
+        "prepared = prepare_case(backend.TritonAttentionBackend, case, cpu); run_step(prepared); "
+        "assert lse_findings(prepared)[0] is None, lse_findings(prepared); "
+        "print(poison_pass(backend.TritonAttentionBackend, case, cpu))"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.startswith("([], {'nan-poison non-finite outputs': 0, 'nan-poison mismatched': 0"), (
+        completed.stdout
+    )
