@@ -182,90 +182,60 @@ class TritonMLABackend(DeviceLengthsBackend):
         read = tile_read(spec, tiles.block_m, kv_cache, self.tma, self.wgmma)
         num_splits = self.splits_for(metadata.num_reqs, decode_q, head_blocks, PROGRAMS_PER_MULTIPROCESSOR[read])
         grid = (head_blocks, limits.max_num_reqs, num_splits)
+        # Both kernels take the same operands (where a read has no descriptors, the cache stands in).
+        latent_desc, rope_desc = self.descriptors(kv_cache, read) if read in (TMA, GLUON) else (kv_cache, kv_cache)
+        operands = (
+            query,
+            kv_cache,
+            latent_desc,
+            rope_desc,
+            metadata.block_table,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            self.partial_out,
+            self.partial_lse,
+            out,
+            metadata.num_reqs,
+            num_splits,
+            spec.softmax_scale * LOG2E,
+            query.stride(0),
+            query.stride(1),
+            out.stride(0),
+            out.stride(1),
+            metadata.block_table.stride(0),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+        )
+        layer = dict(
+            NUM_HEADS=spec.num_heads,
+            HEADS_PER_PROGRAM=tiles.heads_per_program,
+            DECODE_Q=decode_q,
+            LATENT=spec.kv_lora_rank,
+            ROPE=spec.rope_dim,
+            PAGE_SIZE=spec.block_size,
+            ONE_SPLIT=num_splits == 1,
+        )
         if read == GLUON:
-            self._forward_gluon(grid, query, kv_cache, metadata, out, tiles, num_splits)
+            mla_gluon.mla_gluon_kernel[grid](
+                *operands,
+                **layer,
+                BLOCK_N=mla_gluon.BLOCK_N,
+                NUM_STAGES=mla_gluon.NUM_STAGES,
+                num_warps=mla_gluon.WARPS,
+            )
         else:
-            self._forward_triton(grid, read, query, kv_cache, metadata, out, tiles, num_splits, scales)
+            mla_kernels.mla_decode_split_kernel[grid](
+                *operands,
+                self.device_scales(scales)[0] if spec.fp8_kv_cache else metadata.seq_lens,
+                **layer,
+                BLOCK_M=tiles.block_m,
+                BLOCK_L=triton.next_power_of_2(spec.kv_lora_rank),
+                BLOCK_R=max(16, triton.next_power_of_2(spec.rope_dim)),
+                BLOCK_N=BLOCK_N,
+                TILE_READ=read,
+                UPCAST_DOT=self.upcast_dot,
+                KV_FP8=spec.fp8_kv_cache,
+                num_warps=NUM_WARPS if spec.kv_lora_rank >= 256 else 4,
+                num_stages=NUM_STAGES[read],
+            )
         self.merge_splits(out, metadata, num_splits, spec.kv_lora_rank)
-
-    def _forward_gluon(self, grid, query, kv_cache, metadata: TritonMetadata, out, tiles: _Tiling, num_splits: int):
-        spec = self.spec
-        latent_desc, rope_desc = self.descriptors(kv_cache, GLUON)
-        mla_gluon.mla_gluon_kernel[grid](
-            query,
-            kv_cache,
-            latent_desc,
-            rope_desc,
-            metadata.block_table,
-            metadata.query_start_loc,
-            metadata.seq_lens,
-            self.partial_out,
-            self.partial_lse,
-            out,
-            metadata.num_reqs,
-            num_splits,
-            spec.softmax_scale * LOG2E,
-            query.stride(0),
-            query.stride(1),
-            out.stride(0),
-            out.stride(1),
-            metadata.block_table.stride(0),
-            kv_cache.stride(0),
-            kv_cache.stride(1),
-            NUM_HEADS=spec.num_heads,
-            HEADS_PER_PROGRAM=tiles.heads_per_program,
-            DECODE_Q=metadata.decode_q,
-            LATENT=spec.kv_lora_rank,
-            ROPE=spec.rope_dim,
-            BLOCK_N=mla_gluon.BLOCK_N,
-            PAGE_SIZE=spec.block_size,
-            NUM_STAGES=mla_gluon.NUM_STAGES,
-            ONE_SPLIT=num_splits == 1,
-            num_warps=mla_gluon.WARPS,
-        )
-
-    def _forward_triton(
-        self, grid, read, query, kv_cache, metadata: TritonMetadata, out, tiles: _Tiling, num_splits, scales
-    ):
-        spec = self.spec
-        # Without TMA the descriptor arguments go unused; the cache stands in for them.
-        latent_desc, rope_desc = self.descriptors(kv_cache, read) if read == TMA else (kv_cache, kv_cache)
-        mla_kernels.mla_decode_split_kernel[grid](
-            query,
-            kv_cache,
-            latent_desc,
-            rope_desc,
-            metadata.block_table,
-            metadata.query_start_loc,
-            metadata.seq_lens,
-            self.partial_out,
-            self.partial_lse,
-            out,
-            metadata.num_reqs,
-            num_splits,
-            spec.softmax_scale * LOG2E,
-            query.stride(0),
-            query.stride(1),
-            out.stride(0),
-            out.stride(1),
-            metadata.block_table.stride(0),
-            kv_cache.stride(0),
-            kv_cache.stride(1),
-            self.device_scales(scales)[0] if spec.fp8_kv_cache else metadata.seq_lens,
-            NUM_HEADS=spec.num_heads,
-            HEADS_PER_PROGRAM=tiles.heads_per_program,
-            DECODE_Q=metadata.decode_q,
-            BLOCK_M=tiles.block_m,
-            LATENT=spec.kv_lora_rank,
-            ROPE=spec.rope_dim,
-            BLOCK_L=triton.next_power_of_2(spec.kv_lora_rank),
-            BLOCK_R=max(16, triton.next_power_of_2(spec.rope_dim)),
-            BLOCK_N=BLOCK_N,
-            PAGE_SIZE=spec.block_size,
-            TILE_READ=read,
-            UPCAST_DOT=self.upcast_dot,
-            ONE_SPLIT=num_splits == 1,
-            KV_FP8=spec.fp8_kv_cache,
-            num_warps=NUM_WARPS if spec.kv_lora_rank >= 256 else 4,
-            num_stages=NUM_STAGES[read],
-        )
