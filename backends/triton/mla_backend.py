@@ -38,7 +38,7 @@ BLOCK_N = 64  # KV positions per tile
 NUM_WARPS = 8
 
 # Per way of reading a tile: pipeline stages, and programs wanted per SM when picking the split
-# count. Swept on an H100 (tests/benchmarks/tune_triton_mla.py).
+# count. Swept on an H100 (python -m conformance.tuning.tune_triton_mla).
 NUM_STAGES = {GATHER: 3, PAGE: 2, TMA: 2}
 PROGRAMS_PER_MULTIPROCESSOR = {GATHER: 2, PAGE: 2, TMA: 1, GLUON: 1}
 # Tiles of fewer rows read faster with masked loads than by TMA (16 heads decode: 130 against
