@@ -190,7 +190,7 @@ class DeviceLengthsBackend(AttentionBackend):
         return metadata
 
 
-# The split kernel's launch, swept on an H100 by tests/benchmarks/tune_triton.py (decode and
+# The split kernel's launch, swept on an H100 by conformance/tuning/tune_triton.py (decode and
 # spec-verify, batch 1 to 256): 4 warps, 3 stages and 128-key tiles were best or within 1.3% of
 # the best on every shape. Head dim 256 keeps 32-key tiles (shared memory). Programs wanted per
 # SM, by decode variant: decode (q = 1) was fastest split into up to 8 per SM (batch 64: 2 splits,
