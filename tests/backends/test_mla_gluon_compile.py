@@ -45,11 +45,12 @@ def test_compiles_for_hopper_within_shared_memory(one_split, heads, decode_q):
     compiled = compile_for_sm90(one_split, heads, decode_q)
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx
-    # serves() promises the ring fits one SM's shared memory; the compiled kernel must agree.
+    # The width serves() admits fills the ring to one SM's shared memory; the compiled kernel agrees.
     assert mla_gluon.serves(512, 64)
     assert compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
 
 
-def test_serves_only_what_fits():
-    assert mla_gluon.serves(512, 64) and mla_gluon.serves(256, 64)
+def test_serves_only_the_widths_run_on_a_gpu():
+    assert mla_gluon.serves(512, 64)
+    assert not mla_gluon.serves(256, 64) and not mla_gluon.serves(64, 16)  # never run on a GPU
     assert not mla_gluon.serves(1024, 64)  # half the latent is past one wgmma's N of 256

@@ -144,10 +144,11 @@ def test_mla_tile_reads():
     assert not has_wgmma(torch.device("cpu"))  # the Gluon kernel is Hopper's only
     if mla_gluon is not None:  # on Hopper, the Gluon kernel takes the 64-row tiles TMA can copy
         assert read("mla-h128-d512+64-bf16-p64", 64, wgmma=True) == GLUON
-        assert read("mla-h20-d64+16-fp16-p64", 64, wgmma=True) == GLUON
+        assert read("mla-h20-d64+16-fp16-p64", 64, wgmma=True) == TMA  # widths never run through it on a GPU
         assert read("mla-h4-d64+16-bf16-p64", 16, wgmma=True) == PAGE  # 16-row tiles: the Triton kernel
         assert read("mla-h128-d512+64-bf16-fp8e4m3-p64", 64, wgmma=True) == PAGE  # no fp8 tiles by TMA
         assert read("mla-h16-d1024+64-bf16-p64", 64, wgmma=True) == TMA  # too wide for the ring
+        assert read("mla-h16-d512+64-fp16-p64", 64, wgmma=True) == GLUON
 
 
 def assert_exact_over_poison(script: str) -> None:
