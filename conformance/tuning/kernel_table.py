@@ -12,7 +12,8 @@ PAIRS = {"gqa": ("triton", "flashinfer"), "mla": ("triton_mla", "flashmla")}
 
 def forward_micros(path: str) -> dict[tuple[str, str], float]:
     """(backend, case) -> forward µs of one bench run."""
-    run = json.load(open(path))
+    with open(path) as file:
+        run = json.load(file)
     return {
         (backend["name"], case["case"]): case["metrics"]["forward_us"]
         for backend in run["backends"]
@@ -27,7 +28,14 @@ def spread(values: list[float], digits: int) -> str:
 
 
 def main(paths: list[str]) -> None:
-    runs = [forward_micros(path) for path in paths]
+    if not paths:
+        print("usage: python -m conformance.tuning.kernel_table RUNS/kernels-*.json", file=sys.stderr)
+        sys.exit(2)
+    try:
+        runs = [forward_micros(path) for path in paths]
+    except (OSError, ValueError, KeyError, TypeError) as error:  # a missing file, or not a bench JSON
+        print(f"kernel_table: {type(error).__name__}: {error}", file=sys.stderr)
+        sys.exit(2)
     cases = sorted({case for run in runs for _, case in run}, key=lambda case: (case[:3], case))
     print(f"{len(runs)} runs\n| shape | ours µs | vendor µs | ratio |\n|---|---|---|---|")
     for case in cases:
