@@ -29,11 +29,14 @@ backends=(${BACKENDS:-$all_backends})
 for backend in "${backends[@]}"; do
   [[ " $all_backends " == *" $backend "* ]] || { echo "unknown backend $backend (one of: $all_backends)" >&2; exit 2; }
 done
-# Two processes per backend: graphs + draft-loop (the longer), and every other check the registry
-# lists (so a check added there is published too).
+# Two processes per backend: graphs + draft-loop + engine, and every other check the registry
+# lists (so a check added there is published too). The engine check goes with the graphs, so that
+# the two take similar times (torch_naive, which runs no graphs, spent most of its time in the
+# engine check).
+first_group=graphs,draft-loop,engine
 other_checks=$(python -c "from conformance.checks import default_checks
-print(','.join(c for c in default_checks() if c not in ('graphs', 'draft-loop')))") || exit 2
-check_groups=(graphs,draft-loop "$other_checks")
+print(','.join(c for c in default_checks() if c not in '$first_group'.split(',')))") || exit 2
+check_groups=($first_group "$other_checks")
 max_jobs=${JOBS:-15}
 mkdir -p "$runs"
 

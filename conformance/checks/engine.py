@@ -37,7 +37,8 @@ synchronous loop: must equal 1;
    graphs where the backend claims them, host-blocking syncs per steady-state step (must be 0 for a
    backend claiming ``needs_cpu_seq_lens=False``), TPOT
    and GPU idle fraction (reported); k = 0 for a backend that cannot verify k + 1 tokens, so that
-   the steady steps are its own; not measured where a built-in decodes (MLA prefill's layer).
+   the steady steps are its own; not measured where a built-in decodes (MLA prefill's layer), nor for a
+   backend claiming ``needs_cpu_seq_lens=True`` (its syncs are allowed, so the count could not fail).
 
 A backend that serves only some batches (decode-only, uniform-only) runs every engine beside a
 companion that serves the rest, prefill chunks above all (``reference_engine.attention_split``,
@@ -230,6 +231,8 @@ class EngineCheck(Check):
             reason += f"; {len(evidence['near_ties'])} near-tie flip(s)"
         if runs.device.type == "cuda" and not runs.decodes:
             reason += "; steady-state steps not measured (a built-in decodes: this backend serves MLA's prefill)"
+        elif runs.device.type == "cuda" and not runs.measures_steady_steps:
+            reason += "; steady-state steps not measured (the backend claims needs_cpu_seq_lens: host syncs allowed)"
         if metrics.get("host_syncs_per_steady_step") is not None:
             reason += (
                 f"; {metrics['host_syncs_per_steady_step']:.2f} syncs/step, GPU idle {metrics['gpu_idle_fraction']:.1%}"

@@ -61,6 +61,16 @@ def test_engine_check_passes_triton():
     assert result.metrics["host_syncs_per_steady_step"] == 0
 
 
+def test_engine_check_skips_the_steady_measurement_where_syncs_are_allowed():
+    """torch_naive claims needs_cpu_seq_lens: its steady-state syncs could not fail the check, so
+    the long measured runs are not made (and the reason says so)."""
+    case = parse_case("gqa-h8/2-d64-bf16-p16:30+1,9+1@0")
+    result = EngineCheck().run_case(registry.load("torch_naive"), case, torch.device("cuda"))
+    assert result.verdict == Verdict.PASS, result.reason
+    assert "host_syncs_per_steady_step" not in result.metrics
+    assert "steady-state steps not measured (the backend claims needs_cpu_seq_lens" in result.reason
+
+
 class TritonWithoutDraftStepUpdate(TritonAttentionBackend):
     """triton claiming no ``draft_step_update``: the engine must capture ONE draft step and replay it
     k times, rebuilding metadata on the host between replays (how flashinfer-like backends draft)."""
