@@ -63,9 +63,9 @@ def _write_with_kernel(
         plane.stride(1),
         slot_mapping if scale is None else scale,
         slot_mapping,  # no scale: rows stored as they are
-        NUM_KV_HEADS=heads,
+        heads,
+        page_size,
         HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size,
         BLOCK_HEADS=triton.next_power_of_2(heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         HAS_VALUE=False,

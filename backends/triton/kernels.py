@@ -29,7 +29,10 @@ table width) are ``do_not_specialize``: Triton would otherwise compile a kernel 
 their classes (1, multiples of 16, the rest), which multiplied a suite's compiles. A single split
 keeps a kernel of its own, as Triton's ``num_splits == 1`` specialization gave it (its range and
 store fold away at compile time), through the explicit ``ONE_SPLIT`` constexpr: a split kernel has
-two variants.
+two variants. For the same reason the small kernels take as plain integers what shapes only their
+index arithmetic: the merge's head count and tokens per request, the cache write's KV head count
+and page size (as constexprs they made 48 and 42 of the 243 kernels a whole default GPU run
+compiled, each compile about half a second of CPU).
 """
 
 from __future__ import annotations
@@ -85,9 +88,9 @@ def write_kv_kernel(
     stride_cache_token,
     k_scale_ptr,
     v_scale_ptr,
-    NUM_KV_HEADS: tl.constexpr,
+    num_kv_heads,
+    page_size,
     HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_VALUE: tl.constexpr,
@@ -98,11 +101,11 @@ def write_kv_kernel(
     slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:  # graph padding: write nothing
         return
-    block = slot // PAGE_SIZE
-    offset = slot % PAGE_SIZE
+    block = slot // page_size
+    offset = slot % page_size
     heads = tl.arange(0, BLOCK_HEADS)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
-    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+    mask = (heads < num_kv_heads) & (dims < HEAD_DIM)
     destination = block * stride_cache_block + heads * stride_cache_head + offset * stride_cache_token + dims
     key = tl.load(key_ptr + token * stride_key_token + heads * stride_key_head + dims, mask=mask)
     key = _quantized(key, k_scale_ptr, QUANTIZE, FP8_MAX)
@@ -114,7 +117,7 @@ def write_kv_kernel(
 
 
 @triton.jit
-def decode_query(query_start_loc_ptr, request, num_reqs, DECODE_Q: tl.constexpr):
+def decode_query(query_start_loc_ptr, request, num_reqs, DECODE_Q):
     """A decode or spec-verify request's new tokens: (first token, how many).
 
     How many is 0 for a program with nothing to serve: one past the batch (grids are sized from
@@ -484,8 +487,8 @@ def merge_splits_kernel(
     sinks_ptr,
     lse_ptr,
     lse_stride,
-    NUM_HEADS: tl.constexpr,
-    DECODE_Q: tl.constexpr,
+    num_heads,
+    decode_q,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
@@ -494,15 +497,15 @@ def merge_splits_kernel(
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
-    request = row // DECODE_Q
-    token = row % DECODE_Q
-    query_start, query_len = decode_query(query_start_loc_ptr, request, num_reqs, DECODE_Q)
+    request = row // decode_q
+    token = row % decode_q
+    query_start, query_len = decode_query(query_start_loc_ptr, request, num_reqs, decode_q)
     if token >= query_len:
         return
     # Any number of splits, BLOCK_SPLITS at a time: the largest log-sum-exp first, then the
     # weighted sum of the splits' rows (in split order, so a step's bits depend only on its count).
     splits = tl.arange(0, BLOCK_SPLITS)
-    partial_row = row * NUM_HEADS + head
+    partial_row = row * num_heads + head
     top = float("-inf")
     for first in range(0, num_splits, BLOCK_SPLITS):
         lse = tl.load(

@@ -3,6 +3,8 @@
 Triton specializes integer arguments by value class (1, multiples of 16, the rest) unless told not
 to; for the request count, the split count and the block-table width that multiplied a suite's
 compiles (a cold standard run of the triton backend compiled for minutes) without a faster kernel.
+The small kernels take head counts, tokens per request and the page size as plain integers, so two
+layers that differ only there share them.
 """
 
 import pytest
@@ -47,3 +49,20 @@ def test_two_decode_kernels_and_one_merge_kernel_serve_every_request_and_split_c
     added = {name: compiled(kernel) - before[name] for name, kernel in watched.items()}
     # The decode kernel's two: one split (ONE_SPLIT, writes the output) and any other count.
     assert added == {"decode": 2, "merge": 1}, added
+
+
+@pytest.mark.gpu
+def test_the_merge_and_the_cache_write_serve_every_head_count_and_page_size():
+    device = torch.device("cuda")
+    watched = {"merge": kernels.merge_splits_kernel, "write": kernels.write_kv_kernel}
+    # Both decode with several splits (a merge), spec-verify too (tokens per request 1 and 4);
+    # they differ in query heads (40, 24) and page size (32, 16), not in KV heads, width or dtype.
+    layers = ["gqa-h40/8-d64-fp16-p32", "gqa-h24/8-d64-fp16-p16"]
+    counts = []
+    for layer in layers:
+        for batch in ("4000+1x3", "4000+4x3"):
+            prepared = prepare_case(TritonAttentionBackend, parse_case(f"{layer}:{batch}"), device)
+            assert torch.isfinite(run_step(prepared)).all()
+        torch.cuda.synchronize()
+        counts.append({name: compiled(kernel) for name, kernel in watched.items()})
+    assert counts[1] == counts[0], counts
