@@ -3,7 +3,7 @@
 # project root:
 #
 #   bash reports/regenerate.sh checks RUNS   # every backend's checks, side by side, into RUNS/
-#   bash reports/regenerate.sh bench RUNS    # the benchmark, alone on the GPU, into RUNS/
+#   bash reports/regenerate.sh bench RUNS    # the benchmark, REPEATS (3) runs alone on the GPU, into RUNS/
 #   bash reports/regenerate.sh publish RUNS  # reports/ from what RUNS/ holds
 #   bash reports/regenerate.sh all RUNS      # the three in turn
 #   bash reports/regenerate.sh memory RUNS   # the memory check (compute-sanitizer), into reports/memory/
@@ -70,12 +70,16 @@ run_memory() {
   python -m conformance.report.publish "$runs"/memory-*.json --out reports/memory
 }
 
+# REPEATS (3) runs back to back; publish takes each case's median run and keeps every run's times.
 run_bench() {
-  python -m conformance bench --backend triton,flashinfer,trtllm,triton_mla,flashmla,torch_naive --quiet \
-    --json "$runs/bench.json" >"$runs/bench.log" 2>&1
-  # Its own process (see FLASH_ATTN_PATH), right after, on the same GPU; published in one table.
-  env "$(with_path flash_attn)" python -m conformance bench --backend flash_attn --quiet \
-    --json "$runs/bench-flash_attn.json" >"$runs/bench-flash_attn.log" 2>&1
+  local i
+  for ((i = 1; i <= ${REPEATS:-3}; i++)); do
+    python -m conformance bench --backend triton,flashinfer,trtllm,triton_mla,flashmla,torch_naive --quiet \
+      --json "$runs/bench-$i.json" >"$runs/bench-$i.log" 2>&1
+    # Its own process (see FLASH_ATTN_PATH), right after, on the same GPU; published in one table.
+    env "$(with_path flash_attn)" python -m conformance bench --backend flash_attn --quiet \
+      --json "$runs/bench-$i-flash_attn.json" >"$runs/bench-$i-flash_attn.log" 2>&1
+  done
 }
 
 # docs/engine.md's async-vs-sync table (triton, k = 3, both drafters, tiny-d128 and 1b), alone on the

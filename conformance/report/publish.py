@@ -8,8 +8,9 @@ A backend may come from several runs split by ``--check`` (so that backends can 
 each check in its own process): its checks are merged, a later file winning for a check that
 appears twice, and its wall time is the sum. All files must be of one suite. Several bench files
 (backends that cannot share one process, such as FlashAttention's and FlashInfer's CuTe DSL
-versions) publish as one table, under the first file's environment. Nothing is computed here that
-a run did not measure.
+versions) publish as one table, under the first file's environment; a backend in several bench
+files was run that many times, and its median run is published with every run's times beside it
+(``bench_runs``). Nothing is computed here that a run did not measure.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from conformance.checks import CHECKS, default_checks
+from conformance.report.bench_runs import BenchRunsError, fold_bench_runs
 from conformance.report.html import write_html
 from conformance.report.safe_text import markdown_inline
 from conformance.results import BackendResult, RunResult
@@ -155,17 +157,23 @@ def main() -> None:
         *verdict_table(per_backend),
     ]
     if args.bench:
-        runs = [RunResult.load(path) for path in args.bench]
-        bench = replace(runs[0], backends=[backend for run in runs for backend in run.backends])
+        try:
+            bench, repeats = fold_bench_runs([RunResult.load(path) for path in args.bench])
+        except (BenchRunsError, OSError, ValueError) as error:
+            parser.exit(2, f"conformance.report.publish: {error}\n")
         bench.save(out / "bench.json")
         write_html(bench, out / "bench.html")
         ceilings = next(
             (c.metrics for b in bench.backends for ch in b.checks for c in ch.cases if c.metrics.get("copy_GBps")), {}
         )
+        runs = (
+            "one `conformance bench` run" + "; not repeated: read them as one measurement, not as headline figures"
+            if repeats < 2
+            else f"the median of {repeats} `conformance bench` runs; `bench.json` keeps every run's"
+        )
         lines += [
             "",
-            f"## Bench numbers (one `conformance bench` run, {bench.environment.get('gpu', '')}; not repeated: "
-            "read them as one measurement, not as headline figures)",
+            f"## Bench numbers ({bench.environment.get('gpu', '')}, {runs})",
             "",
             f"Forward time, CUDA events, L2 flushed, median. Ceilings measured in the same run: copy "
             f"{ceilings.get('copy_GBps', 0):.0f} GB/s (read + write), "
