@@ -1,0 +1,37 @@
+"""One forward of each named backend on one case, each inside an NVTX range named after it, for
+Nsight Compute:
+
+    ncu --nvtx --nvtx-include 'forward/' --section SpeedOfLight --section Occupancy \\
+        --section WarpStateStats python -m conformance.tuning.profile_case CASE BACKEND[,BACKEND ...]
+
+Only the forwards' kernels are profiled (``forward/``), not the case's preparation (cache writes,
+poison fills). A warm-up forward runs first, outside the range, so no compile or lazy set-up is
+measured."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from conformance.tuning.timed_case import TimedCase
+
+USAGE = "usage: python -m conformance.tuning.profile_case CASE BACKEND[,BACKEND ...]"
+
+
+def main(arguments: list[str]) -> None:
+    if len(arguments) != 2:
+        raise SystemExit(USAGE)
+    case, backends = arguments[0], arguments[1].split(",")
+    for name in backends:
+        timed = TimedCase(name, case, torch.device("cuda"))
+        timed.forward()
+        torch.cuda.synchronize()
+        with torch.cuda.nvtx.range(f"forward/{name}"):
+            timed.forward()
+        torch.cuda.synchronize()
+        del timed
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
