@@ -4,8 +4,9 @@ Nsight Compute:
     ncu --nvtx --nvtx-include 'forward/' --section SpeedOfLight --section Occupancy \\
         --section WarpStateStats python -m conformance.tuning.profile_case CASE BACKEND[,BACKEND ...]
 
-Only the forwards' kernels are profiled (``forward/``), not the case's preparation (cache writes,
-poison fills). A warm-up forward runs first, outside the range, so no compile or lazy set-up is
+Only the forwards' kernels are profiled (the push/pop range ``forward``: ncu's filter reads a slash
+as the end of a range's name, so the backends share the name and their kernels' names tell them
+apart), not the case's preparation (cache writes, poison fills). A warm-up forward runs first, outside the range, so no compile or lazy set-up is
 measured."""
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def main(arguments: list[str]) -> None:
         timed = TimedCase(name, case, torch.device("cuda"))
         timed.forward()
         torch.cuda.synchronize()
-        with torch.cuda.nvtx.range(f"forward/{name}"):
+        with torch.cuda.nvtx.range("forward"):
             timed.forward()
         torch.cuda.synchronize()
         del timed
