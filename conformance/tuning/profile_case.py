@@ -1,13 +1,12 @@
-"""One forward of each named backend on one case, each inside an NVTX range named after it, for
-Nsight Compute:
+"""One forward of each named backend on one case, inside an NVTX range, for Nsight Compute:
 
     ncu --nvtx --nvtx-include 'forward/' --section SpeedOfLight --section Occupancy \\
         --section WarpStateStats python -m conformance.tuning.profile_case CASE BACKEND[,BACKEND ...]
 
 Only the forwards' kernels are profiled (the push/pop range ``forward``: ncu's filter reads a slash
 as the end of a range's name, so the backends share the name and their kernels' names tell them
-apart), not the case's preparation (cache writes, poison fills). A warm-up forward runs first, outside the range, so no compile or lazy set-up is
-measured."""
+apart), not the case's preparation (cache writes, poison fills). A warm-up forward runs first,
+outside the range, so no compile or lazy set-up is measured."""
 
 from __future__ import annotations
 
