@@ -69,14 +69,11 @@ def decode_variant(max_query_len: int) -> int:
     return next((q for q in DECODE_VARIANTS if q >= max_query_len), DECODE_VARIANTS[-1])
 
 
-def min_split_tokens() -> int:
-    return 16 if interpreting() else 256
-
-
-def num_kv_splits(limits: BackendLimits, bytes_per_split: int) -> int:
-    """The most KV splits a step may use: at least ``min_split_tokens()`` keys each at the longest
-    context, and scratch within PARTIAL_BUFFER_BYTES at ``bytes_per_split``."""
-    by_length = triton.cdiv(limits.max_model_len, min_split_tokens())
+def num_kv_splits(limits: BackendLimits, bytes_per_split: int, floor_tokens: int) -> int:
+    """The most KV splits a step may use: at least ``floor_tokens`` keys each at the longest
+    context (16 under the interpreter), and scratch within PARTIAL_BUFFER_BYTES at
+    ``bytes_per_split``."""
+    by_length = triton.cdiv(limits.max_model_len, 16 if interpreting() else floor_tokens)
     by_memory = max(1, PARTIAL_BUFFER_BYTES // max(1, bytes_per_split))
     return max(1, min(MAX_SPLITS, by_length, by_memory))
 
@@ -106,6 +103,8 @@ class DeviceLengthsBackend(AttentionBackend):
     ``build`` and ``update_for_draft_step`` only reference the step's device tensors (no host
     lengths, no copies). Also the split-KV scratch."""
 
+    split_floor_tokens = 256  # the fewest keys a split may have at the longest context
+
     @staticmethod
     def device_scales(scales: KVScales | None) -> tuple[torch.Tensor, torch.Tensor]:
         """An fp8 layer's (k, v) scale tensors, which the kernels read on the device."""
@@ -116,8 +115,9 @@ class DeviceLengthsBackend(AttentionBackend):
         """Partial outputs and log-sum-exps for every (request, decode token, head, split) of the
         longest decode variant, once; shorter variants fit more splits in the same scratch."""
         partial_rows = self.limits.max_num_reqs * DECODE_VARIANTS[-1] * self.spec.num_heads
-        self.partial_row_capacity = partial_rows * num_kv_splits(self.limits, partial_rows * value_dim * 4)
-        self.max_splits = num_kv_splits(self.limits, 1)
+        floor = self.split_floor_tokens
+        self.partial_row_capacity = partial_rows * num_kv_splits(self.limits, partial_rows * value_dim * 4, floor)
+        self.max_splits = num_kv_splits(self.limits, 1, floor)
         self.multiprocessors = multiprocessors(self.device)
         self.partial_out = torch.empty(self.partial_row_capacity * value_dim, dtype=torch.float32, device=self.device)
         self.partial_lse = torch.empty(self.partial_row_capacity, dtype=torch.float32, device=self.device)
@@ -222,6 +222,12 @@ class TritonAttentionBackend(DeviceLengthsBackend):
         required_modules=("triton",),
         install_hint=INSTALL_HINT,
     )
+    # 128, not 256: at 512 keys the floor of 256 left a single request 2 or 3 splits, 8 or 24
+    # programs on 132 SMs. With 128, spec-verify q = 2 / 4 / 8 at batch 1 and 512 keys took 0.95 /
+    # 0.98 / 1.09x FlashInfer's time against 1.11 / 1.13 / 1.29x, every other GQA bench shape within
+    # a run's noise; 64 was slower at 4096 keys (1.24 against 1.12x). H100, one run of
+    # ``python -m conformance.tuning.tune_split_floor``. triton_mla keeps 256 (not swept).
+    split_floor_tokens = 128
 
     def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
         super().__init__(spec, limits, device)

@@ -1,7 +1,7 @@
 """The split-KV floor of triton's decode kernel on every GQA bench shape:
 ``python -m conformance.tuning.tune_split_floor [TOKENS ...]`` (default 256 128 64).
 
-A step may split a request's keys only into pieces of at least ``min_split_tokens()`` keys at the
+A step may split a request's keys only into pieces of at least ``split_floor_tokens`` keys at the
 longest context, so a short context gets few splits (512 keys: 2 or 3) however few programs its
 batch launches. For each bench shape of the GQA layer: FlashInfer's forward time, then ours with
 each floor, prepared afresh (the scratch and the split cap are sized at allocation), all in one
@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from backends.triton import backend as triton_backend
+from backends.triton.backend import TritonAttentionBackend
 from conformance.cases.grammar import format_case
 from conformance.cases.suites import bench_suite
 from conformance.tuning.timed_case import TimedCase
@@ -24,7 +24,7 @@ FLOORS = (256, 128, 64)
 def main(arguments: list[str]) -> None:
     floors = [int(argument) for argument in arguments] or list(FLOORS)
     device = torch.device("cuda")
-    shipped = triton_backend.min_split_tokens
+    shipped = TritonAttentionBackend.split_floor_tokens
     for case in bench_suite():
         if case.spec.kind == "mla":
             continue
@@ -32,12 +32,12 @@ def main(arguments: list[str]) -> None:
         vendor = TimedCase("flashinfer", text, device).micros()
         cells = []
         for floor in floors:
-            triton_backend.min_split_tokens = lambda floor=floor: floor
+            TritonAttentionBackend.split_floor_tokens = floor
             timed = TimedCase("triton", text, device)
             micros = timed.micros()
             cells.append(f"floor {floor:3d}: {micros:8.1f} µs x{micros / vendor:4.2f}")
             del timed
-        triton_backend.min_split_tokens = shipped
+        TritonAttentionBackend.split_floor_tokens = shipped
         print(f"{text:52s} flashinfer {vendor:8.1f} µs | " + " | ".join(cells), flush=True)
         torch.cuda.empty_cache()
 

@@ -97,9 +97,10 @@ def test_decode_variants_and_split_counts():
     from backends.triton.mla_backend import tiling
 
     assert [decode_variant(q) for q in (1, 2, 3, 4, 5, 8, 100)] == [1, 2, 4, 4, 8, 8, 8]
-    assert num_kv_splits(BackendLimits(64, 256, 4096), 1) == 16
-    assert num_kv_splits(BackendLimits(64, 256, 300), 1) == 2
-    assert num_kv_splits(BackendLimits(64, 256, 4096), 200 * 2**20) == 1  # memory cap wins
+    assert num_kv_splits(BackendLimits(64, 256, 4096), 1, 256) == 16
+    assert num_kv_splits(BackendLimits(64, 256, 4096), 1, 128) == 32
+    assert num_kv_splits(BackendLimits(64, 256, 300), 1, 256) == 2
+    assert num_kv_splits(BackendLimits(64, 256, 4096), 200 * 2**20, 256) == 1  # memory cap wins
     assert (tiling(128, 1).heads_per_program, tiling(128, 1).block_m) == (64, 64)
     assert (tiling(128, 8).heads_per_program, tiling(128, 8).block_m) == (8, 64)
     assert (tiling(4, 1).heads_per_program, tiling(4, 1).block_m) == (4, 16)
