@@ -106,9 +106,9 @@ def test_decode_variants_and_split_counts():
     assert (tiling(4, 1).heads_per_program, tiling(4, 1).block_m) == (4, 16)
 
     # A step's split count: as many programs as fill the GPU, within the scratch and the longest
-    # context; 8 KV heads per request.
+    # context (2048 keys: 16 splits of triton's floor of 128); 8 KV heads per request.
     spec = AttentionSpec(kind="mha", num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
-    backend = TritonAttentionBackend(spec, BackendLimits(64, 512, 4096), torch.device("cpu"))
+    backend = TritonAttentionBackend(spec, BackendLimits(64, 512, 2048), torch.device("cpu"))
     backend.multiprocessors = 128
     assert backend.max_splits == 16
     assert [backend.splits_for(n, 1, 8, 4) for n in (1, 4, 16, 64)] == [16, 16, 4, 1]  # 512 programs wanted
