@@ -43,8 +43,9 @@ def folded_case(cases: list[CaseResult]) -> CaseResult:
     """One case's runs as one: the median run's metrics, every run's forward time, the median
     in-run ratio, the worst verdict."""
     timed = [case for case in cases if case.metrics.get("forward_us") is not None]
-    if not timed:
-        return replace(cases[0], verdict=worst(case.verdict for case in cases))
+    if not timed:  # skipped, or failed, in every run: the worst run as it was
+        verdict = worst(case.verdict for case in cases)
+        return next(case for case in cases if case.verdict == verdict)
     median = sorted(timed, key=lambda case: case.metrics["forward_us"])[(len(timed) - 1) // 2]
     metrics = dict(median.metrics)
     metrics["forward_us_runs"] = [case.metrics["forward_us"] for case in timed]

@@ -113,3 +113,13 @@ def test_publish_says_how_many_runs_its_bench_numbers_are_the_median_of(tmp_path
         [*command[:-1], str(tmp_path / "all.json"), "--out", str(tmp_path / "out")], capture_output=True, text=True
     )
     assert completed.returncode == 2 and completed.stderr.count("\n") == 1, completed.stderr
+
+
+def test_a_case_that_never_ran_to_a_time_is_published_as_its_worst_run():
+    runs = []
+    for verdict in (Verdict.SKIP, Verdict.CRASH, Verdict.SKIP):
+        case = CaseResult(CASE, verdict, reason=f"{verdict.value} here", tag="decode b64 ctx4096")
+        backend = BackendResult("ours", True, checks=[CheckResult("bench", verdict, "", [case])])
+        runs.append(RunResult({}, [backend], "bench", ["bench"]))
+    case = published_case(fold_bench_runs(runs)[0], "ours")
+    assert (case.verdict, case.reason) == (Verdict.CRASH, "CRASH here")
