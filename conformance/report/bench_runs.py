@@ -35,8 +35,10 @@ def runs_per_backend(runs: list[RunResult]) -> dict[str, list[BackendResult]]:
     return per_backend
 
 
-def lower_median(values: list[float]) -> float:
-    return sorted(values)[(len(values) - 1) // 2]
+def lower_middle(items: list, key=None):
+    """The median item, the lower of the middle two for an even count (an item that was measured,
+    never an average of two)."""
+    return sorted(items, key=key)[(len(items) - 1) // 2]
 
 
 def folded_case(cases: list[CaseResult]) -> CaseResult:
@@ -46,7 +48,7 @@ def folded_case(cases: list[CaseResult]) -> CaseResult:
     if not timed:  # skipped, or failed, in every run: the worst run as it was
         verdict = worst(case.verdict for case in cases)
         return next(case for case in cases if case.verdict == verdict)
-    median = sorted(timed, key=lambda case: case.metrics["forward_us"])[(len(timed) - 1) // 2]
+    median = lower_middle(timed, key=lambda case: case.metrics["forward_us"])
     metrics = dict(median.metrics)
     metrics["forward_us_runs"] = [case.metrics["forward_us"] for case in timed]
     ratios = [case.metrics["ratio_to_fastest"] for case in timed if "ratio_to_fastest" in case.metrics]
@@ -73,7 +75,7 @@ def folded_backend(runs: list[BackendResult]) -> BackendResult:
         check = CheckResult(first.name, verdict, "", cases, details)
         check.summary = f"{check.tally()}, median of {len(same)} run{'s' if len(same) > 1 else ''}"
         checks.append(check)
-    wall = lower_median([run.wall_s for run in runs])
+    wall = lower_middle([run.wall_s for run in runs])
     return replace(runs[0], checks=checks, wall_s=wall)
 
 

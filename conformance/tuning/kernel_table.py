@@ -3,23 +3,21 @@
 the vendor's, median (min–max) over the runs, and the ratio, taken within each run (both kernels
 timed in the same process) and then its median (min–max)."""
 
-import json
 import statistics
 import sys
+
+from conformance.results import RunResult
 
 PAIRS = {"gqa": ("triton", "flashinfer"), "mla": ("triton_mla", "flashmla")}
 
 
 def forward_micros(path: str) -> dict[tuple[str, str], float]:
     """(backend, case) -> forward µs of one bench run."""
-    with open(path) as file:
-        run = json.load(file)
+    run = RunResult.load(path)
     return {
-        (backend["name"], case["case"]): case["metrics"]["forward_us"]
-        for backend in run["backends"]
-        for check in backend["checks"]
-        for case in check["cases"]
-        if "forward_us" in case.get("metrics", {})
+        (backend.name, case.case): case.metrics["forward_us"]
+        for backend in run.backends
+        for case in backend.bench_cases()
     }
 
 

@@ -1,21 +1,23 @@
 """``conformance.tuning.kernel_table``: the kernel table's medians come from several bench runs, and
 each ratio is taken inside one run (ours against the vendor timed in the same process)."""
 
-import json
 import subprocess
 import sys
 
 import pytest
 
+from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
 from conformance.tuning.kernel_table import main
 
 
 def bench_run(path, micros: dict[tuple[str, str], float]) -> str:
-    backends = {}
+    cases: dict[str, list[CaseResult]] = {}
     for (backend, case), forward_us in micros.items():
-        backends.setdefault(backend, []).append({"case": case, "metrics": {"forward_us": forward_us}})
-    run = {"backends": [{"name": name, "checks": [{"cases": cases}]} for name, cases in backends.items()]}
-    path.write_text(json.dumps(run))
+        cases.setdefault(backend, []).append(CaseResult(case, Verdict.PASS, metrics={"forward_us": forward_us}))
+    backends = [
+        BackendResult(name, True, checks=[CheckResult("bench", Verdict.PASS, "", rows)]) for name, rows in cases.items()
+    ]
+    RunResult({}, backends, "bench", ["bench"]).save(path)
     return str(path)
 
 
