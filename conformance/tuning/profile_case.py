@@ -14,6 +14,9 @@ import sys
 
 import torch
 
+from backends import registry
+from backends.registry import BackendLookupError
+from conformance.cases.grammar import CaseSyntaxError, parse_case
 from conformance.tuning.timed_case import TimedCase
 
 USAGE = "usage: python -m conformance.tuning.profile_case CASE BACKEND[,BACKEND ...]"
@@ -21,8 +24,16 @@ USAGE = "usage: python -m conformance.tuning.profile_case CASE BACKEND[,BACKEND 
 
 def main(arguments: list[str]) -> None:
     if len(arguments) != 2:
-        raise SystemExit(USAGE)
+        print(USAGE, file=sys.stderr)
+        sys.exit(2)
     case, backends = arguments[0], arguments[1].split(",")
+    try:  # bad input says so in one line before any GPU work
+        parse_case(case)
+        for name in backends:
+            registry.resolve(name)
+    except (CaseSyntaxError, BackendLookupError) as error:
+        print(f"profile_case: {error}", file=sys.stderr)
+        sys.exit(2)
     for name in backends:
         timed = TimedCase(name, case, torch.device("cuda"))
         timed.forward()

@@ -22,6 +22,9 @@ FLOORS = (256, 128, 64)
 
 
 def main(arguments: list[str]) -> None:
+    if not all(argument.isdigit() and int(argument) > 0 for argument in arguments):
+        print("usage: python -m conformance.tuning.tune_split_floor [TOKENS ...] (positive integers)", file=sys.stderr)
+        sys.exit(2)
     floors = [int(argument) for argument in arguments] or list(FLOORS)
     device = torch.device("cuda")
     shipped = TritonAttentionBackend.split_floor_tokens
