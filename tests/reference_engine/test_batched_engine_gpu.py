@@ -61,6 +61,17 @@ def test_engine_check_passes_triton():
     assert result.metrics["host_syncs_per_steady_step"] == 0
 
 
+def test_engine_check_fails_a_backend_that_syncs_once_in_many_steady_steps():
+    """A planted defect that claims needs_cpu_seq_lens=False and reads a length from the device on
+    every 64th build: only the long steady-state look (at least STEADY_STEPS steps) sees it."""
+    from tests.planted.steady_defects import SyncsEveryNthBuild
+
+    case = parse_case("gqa-h8/2-d64-bf16-p16:30+1,9+1@0")
+    result = EngineCheck().run_case(SyncsEveryNthBuild, case, torch.device("cuda"))
+    assert result.verdict == Verdict.FAIL, result.reason
+    assert "host syncs per steady-state async step while claiming needs_cpu_seq_lens=False" in result.reason
+
+
 def test_engine_check_skips_the_steady_measurement_where_syncs_are_allowed():
     """torch_naive claims needs_cpu_seq_lens: its steady-state syncs could not fail the check, so
     the long measured runs are not made (and the reason says so)."""
