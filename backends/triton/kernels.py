@@ -497,6 +497,7 @@ def merge_splits_kernel(
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
+    columns = tl.program_id(2) * BLOCK_D  # the output's columns are spread over programs too
     request = row // decode_q
     token = row % decode_q
     query_start, query_len = decode_query(query_start_loc_ptr, request, num_reqs, decode_q)
@@ -520,7 +521,7 @@ def merge_splits_kernel(
         total = tl.exp2(sink - top)
     else:
         total = 0.0
-    dims = tl.arange(0, BLOCK_D)
+    dims = columns + tl.arange(0, BLOCK_D)
     out = tl.zeros([BLOCK_D], dtype=tl.float32)
     for first in range(0, num_splits, BLOCK_SPLITS):
         in_range = first + splits < num_splits
@@ -534,7 +535,7 @@ def merge_splits_kernel(
         )
         out += tl.sum(partial * weights[:, None], axis=0)
     out = out / total
-    if RETURN_LSE:
+    if RETURN_LSE and columns == 0:
         tl.store(lse_ptr + (query_start + token) * lse_stride + head, (top + tl.log2(total)) * LN2)
     tl.store(
         out_ptr + (query_start + token) * stride_out_token + head * stride_out_head + dims,
