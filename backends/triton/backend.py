@@ -45,11 +45,6 @@ PARTIAL_BUFFER_BYTES = 256 * 2**20  # cap on split-KV scratch; the split count s
 # (its 132 SMs, each kv head or head block a program per split), not only a big batch.
 MAX_SPLITS = 64
 BLOCK_SPLITS = 16  # the merge kernel's tile over splits (it loops): one compiled variant for every split count
-# The merge kernel's columns a program: one program a (row, head) left a single 32k request's
-# merge 32 programs (10.9 µs against FlashInfer's 6.0 in 264 blocks, ncu on an H100), so the
-# output's columns are spread over programs as well. Each output element is computed as before
-# (the same splits in the same order), so its bits do not change. Not yet measured on a GPU.
-MERGE_COLUMNS = 64
 LOG2E = 1.4426950408889634
 # Triton converts to and from e4m3 / e5m2 on Ada, Hopper and newer: the Capabilities fields that say so.
 FP8_GPUS = dict(
@@ -109,6 +104,7 @@ class DeviceLengthsBackend(AttentionBackend):
     lengths, no copies). Also the split-KV scratch."""
 
     split_floor_tokens = 256  # the fewest keys a split may have at the longest context
+    merge_columns: int | None = None  # output columns one merge program folds (None: the whole row)
 
     @staticmethod
     def device_scales(scales: KVScales | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +148,7 @@ class DeviceLengthsBackend(AttentionBackend):
         layer's learned sinks into their denominators, once; the rows' log-sum-exp into ``lse``)."""
         if num_splits == 1:
             return  # the split kernel wrote the output itself
-        columns = min(MERGE_COLUMNS, triton.next_power_of_2(value_dim))
+        columns = triton.next_power_of_2(min(self.merge_columns or value_dim, value_dim))
         rows = self.limits.max_num_reqs * metadata.decode_q
         kernels.merge_splits_kernel[(rows, self.spec.num_heads, triton.cdiv(value_dim, columns))](
             self.partial_out,
@@ -235,6 +231,15 @@ class TritonAttentionBackend(DeviceLengthsBackend):
     # a run's noise; 64 was slower at 4096 keys (1.24 against 1.12x). H100, one run of
     # ``python -m conformance.tuning.tune_split_floor``. triton_mla keeps 256 (not swept).
     split_floor_tokens = 128
+    # The merge spreads a row's 128 output columns over two programs: one program a (row, head)
+    # left a single 32k request's merge 32 programs (10.9 us against FlashInfer's 6.0 in 264 blocks,
+    # Nsight Compute, H100). With 64 columns a program, batch 1 at 32k keys went from 1.11 / 1.13x
+    # FlashInfer's time to 1.08 / 1.11x (decode / verify q = 8) and q = 8 at 4096 keys from 1.13 to
+    # 1.10x; batch 8 did not move (H100, two A/B runs side by side). Each output element is folded
+    # from the same splits in the same order, so its bits do not change. triton_mla keeps whole
+    # rows: its 128 heads already fill the GPU, and eight programs of a 512-wide row took 5-23 %
+    # longer in the same runs.
+    merge_columns = 64
 
     def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
         super().__init__(spec, limits, device)

@@ -187,7 +187,7 @@ def test_merge_folds_more_splits_than_its_tile():
     (three tiles, the last partial; contexts long enough that more than one tile of splits holds
     keys), learned sinks and the log-sum-exp asked for, the output and LSE equal the oracle's,
     with NaN in every slot no request owns; a value head dim of 128 is two programs' columns
-    (MERGE_COLUMNS), the log-sum-exp written by the first. Merging only the first tile of splits
+    (the backend's merge_columns), the log-sum-exp written by the first. Merging only the first tile of splits
     fails it, and so does a merge that writes only its first columns."""
     script = (
         "import torch; from conformance.cases.grammar import parse_case; "
@@ -195,7 +195,7 @@ def test_merge_folds_more_splits_than_its_tile():
         "from conformance.harness.step import prepare_case, run_step; from backends.triton import backend; "
         "assert backend.BLOCK_SPLITS < 37 <= backend.MAX_SPLITS; "
         "backend.TritonAttentionBackend.splits_for = lambda self, *args: 37; "
-        "assert backend.MERGE_COLUMNS < 128; "
+        "assert backend.TritonAttentionBackend.merge_columns < 128; "
         "case = parse_case('gqa-h8/2-d128-bf16-p16-attnsinks-lse:2400+1,1500+1'); cpu = torch.device('cpu'); "
         "prepared = prepare_case(backend.TritonAttentionBackend, case, cpu); run_step(prepared); "
         "assert lse_findings(prepared)[0] is None, lse_findings(prepared); "
