@@ -3,12 +3,21 @@ author's own test run, and fixtures.
 
     pytest --conformance-backend mypkg.attn:MyBackend [--conformance-suite smoke]
            [--conformance-check numerics,syncs] [--conformance-case ID ...] [--conformance-device cuda]
-           [--conformance-allow-skip]
+           [--conformance-allow-skip] [--conformance-json results.json]
 
-adds one test item per check x case (``conformance[numerics-gqa-h32/8-...]``): PASS passes, SKIP
-skips with the reason, FAIL / ERROR fail with the evidence; a check that skips as a whole (CUDA
-graphs on a CPU) is one skipped item, not one per case. The checks default to the CLI's. Items
-run in the pytest process (no crash isolation: use ``conformance run`` for that).
+adds one test item per check x case (``conformance[numerics-gqa-h32/8-...]``; with several
+backends, ``conformance[triton-numerics-...]``): PASS passes, SKIP skips with the reason, FAIL /
+ERROR fail with the evidence; a check that skips as a whole (CUDA graphs on a CPU) is one skipped
+item, not one per case. The checks default to the CLI's. Each case runs as a ``conformance run``
+child runs it (``execution.run_case``, the harness sealed), in the pytest process: no crash
+isolation there; use ``conformance run``, or pytest-xdist, for that.
+
+Over several GPUs (pytest-xdist): ``pytest -n 8 --dist loadgroup --conformance-backend a,b``.
+Each worker takes one GPU (``pytest_gpus``), a backend's check stays on one worker (its items
+share a check instance and compiled kernels), the results of every worker are merged into one
+results JSON and reports (``pytest_results``), a big-pool case still takes its GPU's turn, and a
+worker that dies under a case (or hangs past ``--conformance-timeout``) makes that case CRASH
+while a fresh worker goes on.
 
 A green run must mean something ran: when the requested device is absent (``cuda`` without a
 GPU), the backend is unavailable on it, or every conformance item skipped, the items fail (or
@@ -19,18 +28,25 @@ It also brings ``host_syncs``'s ``forbid_host_syncs`` fixture (see ``host_syncs.
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import shlex
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 
+from conformance.pytest_gpus import WORKER_GPU_KEY, GpuChoiceError, choose_gpus, worker_gpu
+from conformance.pytest_results import PlannedCase, ResultCollector, event_property
 from host_syncs.pytest_fixture import forbid_host_syncs, pytest_runtest_call  # noqa: F401 - registered with this plugin
 
 
 def pytest_addoption(parser) -> None:
     group = parser.getgroup("conformance", "attention-backend conformance suite")
     group.addoption(
-        "--conformance-backend", help="backend to check: a built-in name, an entry point, or pkg.module:Class"
+        "--conformance-backend",
+        help="backend(s) to check, comma-separated: a built-in name, an entry point, or pkg.module:Class",
     )
     group.addoption(
         "--conformance-suite",
@@ -45,15 +61,49 @@ def pytest_addoption(parser) -> None:
         default=None,
         help="run this case id instead of the suite (repeatable; a failing item prints its own)",
     )
+    group.addoption("--conformance-seed", type=int, default=None, help="draw the suite's data with this seed")
     group.addoption("--conformance-device", default=None, help="cpu or cuda (default: cuda when visible)")
     group.addoption(
         "--conformance-allow-skip",
         action="store_true",
         help="let an absent device, an unavailable backend or an all-skipped run skip instead of fail",
     )
+    group.addoption(
+        "--conformance-sync-detector",
+        default="auto",
+        choices=("auto", "cupti", "torch"),
+        help="host-sync detector for the syncs check (default auto)",
+    )
+    group.addoption(
+        "--conformance-prefill-backend",
+        default="auto",
+        help="the engine check's prefill backend beside a decode-only one (default auto)",
+    )
+    group.addoption("--conformance-json", help="write the run's results JSON here (one file, every worker merged)")
+    group.addoption("--conformance-html", help="also write the HTML report here")
+    group.addoption("--conformance-markdown", help="also write the Markdown summary here")
+    group.addoption(
+        "--conformance-gpus",
+        default=None,
+        help="with pytest-xdist (-n N): 'all' or GPU indices (0,1); worker gwK takes the K-th, round robin "
+        "(default under -n: all)",
+    )
+    group.addoption(
+        "--conformance-group",
+        default="check",
+        choices=("check", "backend"),
+        help="with --dist loadgroup: what stays on one worker, a backend's check (default) or the whole backend",
+    )
+    group.addoption(
+        "--conformance-timeout",
+        type=float,
+        default=None,
+        help="with pytest-xdist: seconds a case may run before its worker is ended (the case is CRASH and a "
+        "fresh worker goes on)",
+    )
 
 
-class BackendExited(Exception):
+class BackendExited(BaseException):
     """The backend asked the process to end in the middle of a case (``os._exit``, ``sys.exit``):
     in an isolated run that is a CRASH of the case; here it must not end pytest with status 0."""
 
@@ -88,53 +138,218 @@ class ConformanceFailure(Exception):
         self.result = result
 
 
-_RAN_KEY = pytest.StashKey[list]()  # conformance items that ran a case (not skipped)
+@dataclass
+class Plan:
+    """What the options ask for, decided once per process: the backends (loaded after the harness
+    was sealed), checks, cases, device, and the check options a ``conformance run`` passes."""
+
+    backends: list[str]
+    classes: dict[str, type]
+    checks: list[str]
+    cases: list
+    device: torch.device
+    cannot_run: dict[str, str | None]  # backend -> why it cannot run on this device (None: it can)
+    check_options: dict[str, Any]
+    suite: str
+    seal: Any
+
+    def item_name(self, backend: str, check: str, case_id: str | None) -> str:
+        parts = ([backend] if len(self.backends) > 1 else []) + [check] + ([case_id] if case_id else [])
+        return f"conformance[{'-'.join(parts)}]"
+
+    def groups(self, by: str) -> dict[str, str]:
+        """Every item's name (whole-check items too) -> what stays on one xdist worker: a backend's
+        check (its items share one check instance and its kernels), or the whole backend."""
+        return {
+            self.item_name(backend, check, case_id): backend if by == "backend" else f"{backend}-{check}"
+            for backend in self.backends
+            for check in self.checks
+            for case_id in [None, *(case.id for case in self.cases)]
+        }
+
+    def case_items(self) -> dict[str, PlannedCase]:
+        return {
+            self.item_name(backend, check, case.id): PlannedCase(backend, check, case)
+            for backend in self.backends
+            for check in self.checks
+            for case in self.cases
+        }
+
+
+_PLAN_KEY = pytest.StashKey[Plan]()
+_GPUS_KEY = pytest.StashKey[list]()
+_COLLECTOR_KEY = pytest.StashKey[ResultCollector]()
+
+
+def _plan(config) -> Plan:
+    from dataclasses import replace
+
+    from backends import registry
+    from backends.base import DeviceInfo
+    from conformance.cases.grammar import CaseSyntaxError, parse_case
+    from conformance.cases.suites import suite
+    from conformance.checks import CHECKS, default_checks
+    from conformance.run.seal import Seal
+    from reference_engine.device_flag import DeviceError, resolve_device
+
+    _guard_exits()
+    seal = Seal.take()  # before any backend is imported, as a run's child takes it
+    names = [name.strip() for name in config.getoption("conformance_backend").split(",") if name.strip()]
+    if not names or len(set(names)) != len(names):
+        raise pytest.UsageError("--conformance-backend needs backend names, each once")
+    seed = config.getoption("conformance_seed")
+    try:
+        classes = {name: registry.load(name) for name in names}
+        given = config.getoption("conformance_case")
+        if given:
+            cases = [parse_case(text, default_seed=seed or 0) for text in given]
+        else:
+            cases = suite(config.getoption("conformance_suite"))
+            cases = cases if seed is None else [replace(case, seed=seed) for case in cases]
+    except (registry.BackendLookupError, CaseSyntaxError) as error:
+        raise pytest.UsageError(str(error)) from None
+    option = config.getoption("conformance_check")
+    checks = default_checks() if option is None else [name.strip() for name in option.split(",") if name.strip()]
+    unknown = [name for name in checks if name not in CHECKS]
+    if unknown or not checks:
+        raise pytest.UsageError(
+            f"unknown check {unknown[0]!r} (choose from {', '.join(CHECKS)})"
+            if unknown
+            else "--conformance-check names no check"
+        )
+    try:
+        device, absent = resolve_device(config.getoption("conformance_device"), "--conformance-device"), None
+    except DeviceError as error:
+        if not error.absent:
+            raise pytest.UsageError(str(error)) from None
+        device, absent = torch.device("cpu"), str(error)
+    cannot_run = {}
+    for name, backend_cls in classes.items():
+        unavailable = None if absent else backend_cls.availability_reason(DeviceInfo.of(device))
+        cannot_run[name] = absent or (f"{name} is not available on {device}: {unavailable}" if unavailable else None)
+    suite_name = "custom" if config.getoption("conformance_case") else config.getoption("conformance_suite")
+    options = {
+        "sync_detector": config.getoption("conformance_sync_detector"),
+        "prefill_backend": config.getoption("conformance_prefill_backend"),
+        "suite": suite_name,
+    }
+    return Plan(names, classes, checks, cases, device, cannot_run, options, suite_name, seal)
+
+
+def _distributed(config) -> bool:
+    """This process is pytest-xdist's controller of workers (``-n N``, N > 0)."""
+    return config.getoption("dist", "no") != "no" and not hasattr(config, "workerinput")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config) -> None:
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput and WORKER_GPU_KEY in workerinput:  # before anything here initializes CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = workerinput[WORKER_GPU_KEY]
+    if workerinput and "workercount" in workerinput:
+        # The workers share the cores: torch's default of one thread a core in each of them
+        # oversubscribes the machine, and OpenMP's spinning threads then slow every worker many times.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workerinput["workercount"]))
+    gpus = config.getoption("conformance_gpus")
+    if _distributed(config):
+        if gpus is not None or torch.cuda.is_available():
+            try:
+                config.stash[_GPUS_KEY] = choose_gpus(gpus or "all", "--conformance-gpus")
+            except GpuChoiceError as error:
+                raise pytest.UsageError(str(error)) from None
+    elif gpus is not None and workerinput is None:
+        raise pytest.UsageError("--conformance-gpus spreads items over pytest-xdist workers: add -n N")
+    if not config.getoption("conformance_backend"):
+        return
+    plan = config.stash[_PLAN_KEY] = _plan(config)
+    if workerinput is None:  # the process that reports: the controller, or the only one
+        collector = ResultCollector(
+            plan.backends, plan.classes, plan.checks, plan.cases, plan.check_options, plan.suite, plan.case_items()
+        )
+        config.stash[_COLLECTOR_KEY] = collector
+        config.pluginmanager.register(collector, "conformance-results")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """pytest-xdist's controller, starting a worker: the GPU it takes."""
+    gpus = node.config.stash.get(_GPUS_KEY, None)
+    if gpus:
+        node.workerinput[WORKER_GPU_KEY] = worker_gpu(gpus, node.gateway.id)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` with conformance items: their groups from the plan (``pytest_schedule``)."""
+    plan = config.stash.get(_PLAN_KEY, None)
+    if plan is None or config.getoption("dist") != "loadgroup":
+        return None
+    from conformance.pytest_schedule import conformance_groups
+
+    return conformance_groups(plan.groups(config.getoption("conformance_group")))(config, log)
 
 
 class ConformanceItem(pytest.Item):
-    """One check on one case; or, with ``case=None``, a check that skips as a whole here, or
-    (``cannot_run``) a backend or device that cannot run at all."""
+    """One check on one case of one backend; or, with ``case=None``, a check that skips as a whole
+    here, or (``cannot_run``) a backend or device that cannot run at all."""
 
-    def __init__(self, *, backend_cls, check, case, device, cannot_run: str | None = None, **kwargs) -> None:
+    def __init__(self, *, backend, check, case, plan: Plan, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.backend_cls, self.check, self.case, self.device, self.cannot_run = (
-            backend_cls,
-            check,
-            case,
-            device,
-            cannot_run,
-        )
+        self.backend, self.check, self.case, self.plan = backend, check, case, plan
+        self.backend_cls = plan.classes[backend]
+        self.device = plan.device
+        self.cannot_run = plan.cannot_run[backend]
+
+    def emit(self, event: dict[str, Any]) -> None:
+        """The item's result as an event, carried in its report to the process that reports."""
+        self.user_properties.append(event_property(self.backend, event))
 
     def runtest(self) -> None:
-        from conformance.results import Verdict
-        from conformance.run.gpu_turns import big_pool_turn
+        from conformance.results import CaseResult, Verdict
 
         if self.cannot_run:
+            self.emit({"event": "unavailable", "reason": self.cannot_run})
             if self.config.getoption("conformance_allow_skip"):
                 pytest.skip(self.cannot_run)
             pytest.fail(f"{self.cannot_run} (--conformance-allow-skip to skip instead)", pytrace=False)
-        reason = self.check.skip_reason(self.backend_cls, self.device) or self.check.case_skip_reason(
-            self.backend_cls, self.case, self.device
-        )
-        if reason:
+        reason = self.check.skip_reason(self.backend_cls, self.device)
+        if reason or self.case is None:
+            self.emit({"event": "check_skipped", "check": self.check.name, "reason": reason})
             pytest.skip(reason)
-        _guard["in_case"] = True
-        try:
-            with big_pool_turn(self.case, self.device):
-                result = self.check.run(self.backend_cls, self.case, self.device)
-        except SystemExit as error:
-            raise BackendExited(f"the backend raised SystemExit({error.code!r}) during the case") from None
-        finally:
-            _guard["in_case"] = False
+        reason = self.check.case_skip_reason(self.backend_cls, self.case, self.device)
+        result = CaseResult(self.case.id, Verdict.SKIP, reason, tag=self.case.tag) if reason else self.run_case()
+        self.emit({"event": "result", "check": self.check.name, "result": result.to_dict()})
         if result.verdict == Verdict.SKIP:
             pytest.skip(result.reason)
-        self.config.stash[_RAN_KEY].append(self.nodeid)
         if result.verdict != Verdict.PASS:
             raise ConformanceFailure(result)
 
+    def run_case(self):
+        from conformance.results import CaseResult, Verdict
+        from conformance.run.execution import run_case, tampered
+
+        timeout = self.config.getoption("conformance_timeout")
+        watched = timeout is not None and hasattr(self.config, "workerinput")
+        if watched:  # ends the worker (C-level _exit, past the exit guard): xdist reports the item crashed
+            faulthandler.dump_traceback_later(timeout, exit=True)
+        _guard["in_case"] = True
+        try:
+            result, _ = run_case(self.check, self.backend_cls, self.case, self.device)
+        except (SystemExit, BackendExited) as error:
+            reason = (
+                f"the backend raised SystemExit({error.code!r}) during the case"
+                if isinstance(error, SystemExit)
+                else str(error)
+            )
+            result = CaseResult(self.case.id, Verdict.CRASH, reason, tag=self.case.tag)
+        finally:
+            _guard["in_case"] = False
+            if watched:
+                faulthandler.cancel_dump_traceback_later()
+        changes = self.plan.seal.changes()
+        return tampered(result, changes) if changes else result
+
     def repr_failure(self, excinfo, style=None):
-        if isinstance(excinfo.value, BackendExited):
-            return f"CRASH: {excinfo.value}\ncase: {self.case.id}\n{self.rerun()}"
         if isinstance(excinfo.value, ConformanceFailure):
             from conformance.checks.evidence import plain_lines
 
@@ -151,7 +366,7 @@ class ConformanceItem(pytest.Item):
         return "rerun: " + shlex.join(
             [
                 "pytest",
-                f"--conformance-backend={self.config.getoption('conformance_backend')}",
+                f"--conformance-backend={self.backend}",
                 f"--conformance-check={self.check.name}",
                 f"--conformance-case={self.case.id}",
             ]
@@ -161,77 +376,54 @@ class ConformanceItem(pytest.Item):
         return self.path, None, f"conformance {self.check.name} {self.case.id if self.case else ''}"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which appends each item's group to its node id
 def pytest_collection_modifyitems(session, config, items) -> None:
-    target = config.getoption("conformance_backend")
-    if not target:
+    plan = config.stash.get(_PLAN_KEY, None)
+    if plan is None:
         return
-    from backends import registry
-    from backends.base import DeviceInfo
-    from conformance.cases.grammar import CaseSyntaxError, parse_case
-    from conformance.cases.suites import suite
-    from conformance.checks import CHECKS, default_checks, make_check
-    from reference_engine.device_flag import DeviceError, resolve_device
+    from conformance.checks import make_check
 
-    _guard_exits()
-    try:
-        backend_cls = registry.load(target)
-        given = config.getoption("conformance_case")
-        cases = [parse_case(text) for text in given] if given else suite(config.getoption("conformance_suite"))
-    except (registry.BackendLookupError, CaseSyntaxError) as error:
-        raise pytest.UsageError(str(error)) from None
-    option = config.getoption("conformance_check")
-    checks = default_checks() if option is None else [name.strip() for name in option.split(",") if name.strip()]
-    unknown = [name for name in checks if name not in CHECKS]
-    if unknown or not checks:
-        raise pytest.UsageError(
-            f"unknown check {unknown[0]!r} (choose from {', '.join(CHECKS)})"
-            if unknown
-            else "--conformance-check names no check"
-        )
-    try:
-        device, cannot_run = resolve_device(config.getoption("conformance_device"), "--conformance-device"), None
-    except DeviceError as error:
-        if not error.absent:
-            raise pytest.UsageError(str(error)) from None
-        device, cannot_run = torch.device("cpu"), str(error)
-    if cannot_run is None:
-        unavailable = backend_cls.availability_reason(DeviceInfo.of(device))
-        cannot_run = f"{target} is not available on {device}: {unavailable}" if unavailable else None
-    config.stash[_RAN_KEY] = []
-    for check_name in checks:
-        check = make_check(check_name)  # one instance per check, as a run has: some keep state across cases
-        whole = cannot_run or check.skip_reason(backend_cls, device)
-        if whole:  # one item, not one per case: the count says what really ran
-            items.append(
-                ConformanceItem.from_parent(
+    for backend in plan.backends:
+        cannot_run = plan.cannot_run[backend]
+        for check_name in plan.checks:
+            check = make_check(check_name, plan.check_options)  # one instance per check, as in a run
+            whole = cannot_run or check.skip_reason(plan.classes[backend], plan.device)
+            for case in [None] if whole else plan.cases:  # a whole skip is one item: the count says what ran
+                item = ConformanceItem.from_parent(
                     session,
-                    name=f"conformance[{check_name}]",
-                    backend_cls=backend_cls,
-                    check=check,
-                    case=None,
-                    device=device,
-                    cannot_run=cannot_run,
-                )
-            )
-            continue
-        for case in cases:
-            items.append(
-                ConformanceItem.from_parent(
-                    session,
-                    name=f"conformance[{check_name}-{case.id}]",
-                    backend_cls=backend_cls,
+                    name=plan.item_name(backend, check_name, case.id if case else None),
+                    backend=backend,
                     check=check,
                     case=case,
-                    device=device,
+                    plan=plan,
                 )
-            )
+                items.append(item)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    """Every conformance item skipped: nothing was checked, and that must not read as green."""
+    """The results document, where asked for; and every conformance item skipped: nothing was
+    checked, and that must not read as green."""
     config = session.config
-    ran = config.stash.get(_RAN_KEY, None)
-    if ran is None or ran or config.getoption("conformance_allow_skip") or exitstatus != pytest.ExitCode.OK:
+    collector = config.stash.get(_COLLECTOR_KEY, None)
+    if collector is None:
+        return
+    plan = config.stash[_PLAN_KEY]
+    interrupted = exitstatus == pytest.ExitCode.INTERRUPTED or bool(session.shouldstop)
+    gpus = config.stash.get(_GPUS_KEY, None)
+    extra = {"pytest_workers": config.getoption("numprocesses", None) or 0, "gpus": gpus} if gpus else {}
+    result = collector.run_result(plan.device, interrupted, extra)
+    if config.getoption("conformance_json"):
+        result.save(config.getoption("conformance_json"))
+    if config.getoption("conformance_html") or config.getoption("conformance_markdown"):
+        from conformance.cli import write_reports
+
+        write_reports(
+            result,
+            html=config.getoption("conformance_html"),
+            junit=None,
+            markdown=config.getoption("conformance_markdown"),
+        )
+    if result.ran_anything() or config.getoption("conformance_allow_skip") or exitstatus != pytest.ExitCode.OK:
         return
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:

@@ -147,6 +147,26 @@ def tampered(result: CaseResult, changes: list[str]) -> CaseResult:
     )
 
 
+def run_case(check: Check, backend_cls, case: Case, device: torch.device) -> tuple[CaseResult, bool]:
+    """One case that runs (its skip already decided), as every runner runs it: the GPU's big-pool
+    turn, the device synchronized inside the case (an asynchronous kernel fault is this case's),
+    a backend's exception its ERROR, the case's wall time, its cached memory released. Returns the
+    result and whether the process must stop (a sticky CUDA error: the context is unusable, and
+    the result is CRASH)."""
+    started = time.perf_counter()
+    try:
+        with big_pool_turn(case, device):
+            result = check.run(backend_cls, case, device)
+            _synchronize(device)
+    except Exception as error:  # noqa: BLE001 - a backend error is a result, not our crash
+        if any(marker in str(error) for marker in _STICKY_CUDA_ERRORS):
+            return _error_result(case, error, Verdict.CRASH), True
+        result = _error_result(case, error, Verdict.ERROR)
+    result.seconds = round(time.perf_counter() - started, 3)
+    _release_cached_memory(device)
+    return result, False
+
+
 def execute(job: Job, emit: Emit) -> bool:
     """Run the job; returns False when it stopped early on a fatal error."""
     seal = Seal.take()  # before the backend is imported: what the harness loaded is the harness's
@@ -166,25 +186,10 @@ def execute(job: Job, emit: Emit) -> bool:
         if item.skip:
             result = CaseResult(case.id, Verdict.SKIP, item.skip, tag=case.tag)
         else:
-            started = time.perf_counter()
-            try:
-                with big_pool_turn(case, device):
-                    result = check.run(backend_cls, case, device)
-                    _synchronize(device)  # an asynchronous kernel fault belongs to this case
-            except Exception as error:  # noqa: BLE001 - a backend error is a result, not our crash
-                if any(marker in str(error) for marker in _STICKY_CUDA_ERRORS):
-                    emit(
-                        {
-                            "event": "fatal",
-                            "check": check_name,
-                            "case": case.id,
-                            "result": _error_result(case, error, Verdict.CRASH).to_dict(),
-                        }
-                    )
-                    return False
-                result = _error_result(case, error, Verdict.ERROR)
-            result.seconds = round(time.perf_counter() - started, 3)
-            _release_cached_memory(device)
+            result, fatal = run_case(check, backend_cls, case, device)
+            if fatal:
+                emit({"event": "fatal", "check": check_name, "case": case.id, "result": result.to_dict()})
+                return False
         changes = seal.changes()  # also what the import or the plan changed, on the first case
         if changes:
             result = tampered(result, changes)

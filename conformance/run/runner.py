@@ -43,7 +43,7 @@ class Progress:
     def backend_finished(self, result: BackendResult) -> None: ...
 
 
-def _assemble(
+def assemble_checks(
     checks: list[str], cases: list[Case], events: BackendEvents, options: dict[str, Any], not_run: str
 ) -> list[CheckResult]:
     """Each check's result from what the children reported. A case no child reported keeps the
@@ -108,7 +108,7 @@ def run_backend(name: str, probe: Probe, options: RunOptions, progress: Progress
             "",
             ref.origin,
             claims,
-            _assemble(options.checks, options.cases, events, options.check_options, not_run),
+            assemble_checks(options.checks, options.cases, events, options.check_options, not_run),
             wall_s=time.monotonic() - started,
         )
 

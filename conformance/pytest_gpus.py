@@ -1,0 +1,60 @@
+"""Which GPU each pytest-xdist worker takes (``--conformance-gpus``).
+
+The controller resolves the option once against the GPUs it sees, and gives each worker one of
+them in its ``workerinput`` (worker ``gwN`` takes the N-th, round robin, so ``-n 4`` over two GPUs
+puts two workers on each). The worker sets ``CUDA_VISIBLE_DEVICES`` to that one GPU in
+``pytest_configure``, before anything in it initializes CUDA: its ``cuda`` device is then that GPU,
+and every case it runs stays there.
+
+A GPU is named as the controller's ``CUDA_VISIBLE_DEVICES`` names it (an index, a UUID or a MIG
+name), so a run restricted from outside (``CUDA_VISIBLE_DEVICES=2,3``) stays inside it.
+"""
+
+from __future__ import annotations
+
+import os
+
+WORKER_GPU_KEY = "conformance_gpu"
+
+
+class GpuChoiceError(ValueError):
+    """A ``--conformance-gpus`` value this machine cannot honour: one line for the user."""
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` entries for a child."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [entry.strip() for entry in listed.split(",") if entry.strip()]
+    import torch
+
+    return [str(index) for index in range(torch.cuda.device_count())]
+
+
+def choose_gpus(option: str, flag: str = "--gpus") -> list[str]:
+    """``all`` or comma-separated indices into the visible GPUs (as ``cuda:N`` counts them);
+    ``flag`` names the option in the error."""
+    visible = visible_gpus()
+    if not visible:
+        raise GpuChoiceError(f"{flag} {option}: no CUDA device is visible on this machine")
+    if option.strip() == "all":
+        return visible
+    try:
+        indices = [int(part) for part in option.split(",") if part.strip()]
+    except ValueError:
+        raise GpuChoiceError(f"{flag} {option!r}: give 'all' or GPU indices such as 0,1") from None
+    if not indices:
+        raise GpuChoiceError(f"{flag} {option!r}: give 'all' or GPU indices such as 0,1")
+    wrong = [index for index in indices if not 0 <= index < len(visible)]
+    if wrong:
+        seen = f"this machine sees {len(visible)}: 0-{len(visible) - 1}"
+        raise GpuChoiceError(f"{flag}: there is no GPU {wrong[0]} ({seen})")
+    if len(set(indices)) != len(indices):
+        raise GpuChoiceError(f"{flag} {option!r} names a GPU more than once")
+    return [visible[index] for index in indices]
+
+
+def worker_gpu(gpus: list[str], worker_id: str) -> str:
+    """The GPU of worker ``gwN``: the N-th, round robin (a worker restarted after a crash gets a
+    new number, and so possibly another GPU of the list)."""
+    return gpus[int(worker_id.removeprefix("gw")) % len(gpus)]

@@ -1,0 +1,117 @@
+"""The plugin's results document: every item's result gathered where pytest reports, into the
+``RunResult`` a ``conformance run`` writes (``--conformance-json``, ``--conformance-html``,
+``--conformance-markdown``).
+
+Each conformance item carries its result as an event (the same events an isolated child sends,
+``conformance.run.execution``) in its report's ``user_properties``, which pytest-xdist sends from
+the worker that ran it to the controller. The controller (or the only process, without xdist)
+feeds them to one ``BackendEvents`` per backend and assembles the checks exactly as the runner
+does. An item whose worker died under it (a crash, an ``exit`` from C code, a hang past
+``--conformance-timeout``) has a report but no event: its case is CRASH. A case nobody reported
+is ERROR "not run", as in a ``conformance run``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from conformance.cases.grammar import Case
+from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
+from conformance.run.environment import collect_environment
+from conformance.run.isolation import BackendEvents
+from conformance.run.runner import annotate_bench_ratios, assemble_checks
+
+EVENT_PROPERTY = "conformance_event"  # the user_properties key of an item's result event
+
+
+def event_property(backend: str, event: dict[str, Any]) -> tuple[str, str]:
+    """What an item appends to its ``user_properties``: JSON text, which every xdist transport carries."""
+    return EVENT_PROPERTY, json.dumps({"backend": backend, "event": event})
+
+
+@dataclass
+class PlannedCase:
+    backend: str
+    check: str
+    case: Case
+
+
+@dataclass
+class ResultCollector:
+    """Registered as a plugin on the reporting process; ``case_items`` maps a case item's name
+    (``conformance[...]``) to what it runs, for the reports that carry no event."""
+
+    backends: list[str]
+    backend_classes: dict[str, type]
+    checks: list[str]
+    cases: list[Case]
+    check_options: dict[str, Any]
+    suite: str
+    case_items: dict[str, PlannedCase]
+    events: dict[str, BackendEvents] = field(default_factory=dict)
+    unavailable: dict[str, str] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def pytest_runtest_logreport(self, report) -> None:
+        recorded = [json.loads(value) for key, value in report.user_properties if key == EVENT_PROPERTY]
+        for item in recorded:
+            self._record(item["backend"], item["event"])
+        planned = self.case_items.get(item_name(report.nodeid))
+        if planned is None:
+            return
+        if report.when == "call" or (report.failed and not recorded):
+            self.seconds[planned.backend] = self.seconds.get(planned.backend, 0.0) + (report.duration or 0.0)
+        if report.failed and not recorded and not self._reported(planned):
+            # The worker died under the item (xdist reports it "crashed"), or the plugin itself failed.
+            text = (report.longreprtext or "the item failed without a result").strip().splitlines()[0]
+            verdict = Verdict.CRASH if "crashed" in text else Verdict.ERROR
+            reason = (
+                "the worker process died while running it (a crash, an exit, or a hang past --conformance-timeout): "
+                + text
+                if verdict == Verdict.CRASH
+                else text
+            )
+            result = CaseResult(planned.case.id, verdict, reason[:400], tag=planned.case.tag)
+            self._record(planned.backend, {"event": "result", "check": planned.check, "result": result.to_dict()})
+
+    def _record(self, backend: str, event: dict[str, Any]) -> None:
+        if event["event"] == "unavailable":
+            self.unavailable[backend] = event["reason"]
+        else:
+            self.events.setdefault(backend, BackendEvents()).record(event)
+
+    def _reported(self, planned: PlannedCase) -> bool:
+        events = self.events.get(planned.backend)
+        return events is not None and (planned.check, planned.case.id) in events.results
+
+    def run_result(self, device, interrupted: bool, environment_extra: dict[str, Any]) -> RunResult:
+        from backends import registry
+
+        not_run = "not run: the run was interrupted" if interrupted else "not run: no pytest worker reported this case"
+        results = []
+        for name in self.backends:
+            ref, backend_cls = registry.resolve(name), self.backend_classes[name]
+            claims = backend_cls.capabilities.to_dict()
+            if name in self.unavailable:
+                reason = self.unavailable[name]
+                checks = [CheckResult(check, Verdict.SKIP, f"backend unavailable: {reason}") for check in self.checks]
+                results.append(BackendResult(name, False, reason, ref.origin, claims, checks))
+                continue
+            events = self.events.get(name, BackendEvents())
+            checks = assemble_checks(self.checks, self.cases, events, self.check_options, not_run)
+            # Process-seconds: the items' times summed over every worker that ran them.
+            wall_s = round(self.seconds.get(name, 0.0), 3)
+            results.append(BackendResult(name, True, "", ref.origin, claims, checks, wall_s=wall_s))
+        annotate_bench_ratios(results)
+        environment = {**collect_environment(device), **environment_extra}
+        return RunResult(environment, results, self.suite, list(self.checks), interrupted=interrupted)
+
+
+def item_name(nodeid: str) -> str:
+    """A conformance item's name from its node id: pytest-xdist's ``--dist loadgroup`` appends
+    ``@group`` to it, and a case id holds ``@seed`` itself, so the name ends at its last ``]``."""
+    start = nodeid.find("conformance[")
+    end = nodeid.rfind("]")
+    return nodeid[start : end + 1] if start >= 0 and end > start else nodeid
