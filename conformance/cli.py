@@ -33,6 +33,7 @@ from conformance.cases.grammar import __doc__ as CASE_GRAMMAR
 from conformance.cases.suites import suite
 from conformance.checks import CHECKS, default_checks
 from conformance.harness.batch import footprint_bytes
+from conformance.pytest_gpus import GpuChoiceError, choose_gpus
 from conformance.report.compare import ACCEPTABLE, CompareError, compare_runs
 from conformance.report.html import write_html
 from conformance.report.junit import write_junit
@@ -47,6 +48,7 @@ from conformance.run.probe import Probe, probe_backends
 from conformance.run.results_lock import ResultsInUse, ResultsLock
 from conformance.run.runner import RunOptions, probe, run
 from conformance.scaffold import ScaffoldError, camel, write_skeleton
+from conformance.sharded_run import ShardedRun, ShardFailed, ShardingUnavailable, require_xdist, run_sharded
 from reference_engine.cli import add_engine_parser, run_engine
 from reference_engine.device_flag import DeviceError, resolve_device
 
@@ -239,18 +241,63 @@ def command_run(args: argparse.Namespace, console: Console) -> int:
     cases = _cases(args)
     _check_case_sizes(cases, device)
     _check_seconds(("--timeout", args.timeout), ("--backend-timeout", args.backend_timeout))
+    sharded = _sharded_run(args, names, checks, cases, device)
     json_path = _output_paths(args)
     try:
         lock = ResultsLock(json_path).acquire()
     except ResultsInUse as error:
         raise UsageError(str(error)) from None
     try:
-        return _locked_run(args, console, names, checks, cases, device, json_path)
+        return _locked_run(args, console, names, checks, cases, device, json_path, sharded)
     finally:
         lock.release()
 
 
-def _locked_run(args, console: Console, names, checks, cases, device: torch.device, json_path: Path) -> int:
+def _sharded_run(args, names, checks, cases, device: torch.device) -> ShardedRun | None:
+    """``--gpus`` / ``--workers``: the run over pytest-xdist workers (``sharded_run``), checked
+    before any work; None for a run of the usual kind."""
+    if args.gpus is None and args.workers is None:
+        return None
+    option = "--gpus" if args.gpus is not None else "--workers"
+    for given, conflict in (
+        (args.command == "bench", "bench times backends side by side on one GPU"),
+        (args.in_process, "--in-process"),
+        (args.backend_timeout is not None, "--backend-timeout"),
+    ):
+        if given:
+            raise UsageError(f"{option} cannot be combined with {conflict}")
+    if args.workers is not None and args.workers < 1:
+        raise UsageError(f"--workers {args.workers}: give at least 1")
+    try:
+        require_xdist()
+    except ShardingUnavailable as error:
+        raise UsageError(str(error)) from None
+    gpus = None
+    if args.gpus is not None:
+        if device.type != "cuda" or (device.index or 0) != 0:
+            raise UsageError(f"--gpus picks the GPUs itself: drop --device {args.device}")
+        try:
+            gpus = choose_gpus(args.gpus)
+        except GpuChoiceError as error:
+            raise (NothingToRun if error.absent else UsageError)(str(error)) from None
+    return ShardedRun(
+        backends=names,
+        checks=checks,
+        cases=cases,
+        suite=None if args.case else args.suite,
+        seed=args.seed,
+        device=device.type,
+        gpus=args.gpus,
+        workers=args.workers or len(gpus),
+        case_timeout_s=args.timeout,
+        sync_detector=args.sync_detector,
+        prefill_backend=args.prefill_backend,
+    )
+
+
+def _locked_run(
+    args, console: Console, names, checks, cases, device: torch.device, json_path: Path, sharded: ShardedRun | None
+) -> int:
     journal = None
     options = RunOptions(
         backends=names,
@@ -277,13 +324,22 @@ def _locked_run(args, console: Console, names, checks, cases, device: torch.devi
             json_path.unlink(
                 missing_ok=True
             )  # an interrupted run must not leave an older run's results looking current
-            with reporter(progress_console) as progress:
-                journal = Journal(json_path, progress)
-                result = run(options, journal)
+            if sharded is None:
+                with reporter(progress_console) as progress:
+                    journal = Journal(json_path, progress)
+                    result = run(options, journal)
     except Interrupted as interrupted:
         return _stop_interrupted(interrupted, options, json_path, journal, console)
-    result.save(json_path)
-    journal.remove()
+    if sharded is None:
+        result.save(json_path)
+        journal.remove()
+    else:
+        signum = run_sharded(sharded, json_path, args.quiet)
+        result = RunResult.load(json_path)
+        if signum is not None:
+            interrupted = Interrupted(signum)
+            interrupted.partial = result
+            return _stop_interrupted(interrupted, options, json_path, None, console)
     write_reports(result, html=args.html, junit=args.junit, markdown=args.markdown)
 
     if not any(backend.available for backend in result.backends):
@@ -378,6 +434,17 @@ def _add_run_arguments(parser: argparse.ArgumentParser, default_suite: str | Non
     )
     parser.add_argument(
         "--in-process", action="store_true", help="no child process (for a debugger); a crash ends the run"
+    )
+    parser.add_argument(
+        "--gpus",
+        help="all | 0,1,...: spread the run over these GPUs, one pytest-xdist worker each (more with "
+        "--workers), one merged report",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        help="pytest-xdist worker processes (default: one a GPU of --gpus); without --gpus they take "
+        "every visible GPU in turn, or share the CPU's cores",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -620,6 +687,9 @@ def main(argv: list[str] | None = None) -> int:
     except NothingToRun as error:
         print(f"conformance: {error}", file=sys.stderr)
         return EXIT_NOTHING_RAN
+    except ShardFailed as error:  # pytest itself failed under --gpus / --workers: its last line
+        print(f"conformance: {error}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print("conformance: interrupted", file=sys.stderr)
         return 130

@@ -18,7 +18,12 @@ WORKER_GPU_KEY = "conformance_gpu"
 
 
 class GpuChoiceError(ValueError):
-    """A ``--conformance-gpus`` value this machine cannot honour: one line for the user."""
+    """A ``--conformance-gpus`` value this machine cannot honour: one line for the user;
+    ``absent`` when the machine has no GPU at all."""
+
+    def __init__(self, message: str, absent: bool = False) -> None:
+        super().__init__(message)
+        self.absent = absent
 
 
 def visible_gpus() -> list[str]:
@@ -36,7 +41,7 @@ def choose_gpus(option: str, flag: str = "--gpus") -> list[str]:
     ``flag`` names the option in the error."""
     visible = visible_gpus()
     if not visible:
-        raise GpuChoiceError(f"{flag} {option}: no CUDA device is visible on this machine")
+        raise GpuChoiceError(f"{flag} {option}: no CUDA device is visible on this machine", absent=True)
     if option.strip() == "all":
         return visible
     try:

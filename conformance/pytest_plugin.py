@@ -266,6 +266,13 @@ def pytest_configure(config) -> None:
         collector = ResultCollector(
             plan.backends, plan.classes, plan.checks, plan.cases, plan.check_options, plan.suite, plan.case_items()
         )
+        if config.getoption("conformance_json"):
+            from pathlib import Path
+
+            from conformance.run.journal import Journal
+            from conformance.run.runner import Progress
+
+            collector.journal = Journal(Path(config.getoption("conformance_json")), Progress())
         config.stash[_COLLECTOR_KEY] = collector
         config.pluginmanager.register(collector, "conformance-results")
 
@@ -410,10 +417,12 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     plan = config.stash[_PLAN_KEY]
     interrupted = exitstatus == pytest.ExitCode.INTERRUPTED or bool(session.shouldstop)
     gpus = config.stash.get(_GPUS_KEY, None)
-    extra = {"pytest_workers": config.getoption("numprocesses", None) or 0, "gpus": gpus} if gpus else {}
+    workers = config.getoption("numprocesses", None) if _distributed(config) else None
+    extra = {**({"pytest_workers": workers} if workers else {}), **({"gpus": gpus} if gpus else {})}
     result = collector.run_result(plan.device, interrupted, extra)
     if config.getoption("conformance_json"):
         result.save(config.getoption("conformance_json"))
+        collector.journal.remove()
     if config.getoption("conformance_html") or config.getoption("conformance_markdown"):
         from conformance.cli import write_reports
 

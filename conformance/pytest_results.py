@@ -21,6 +21,7 @@ from conformance.cases.grammar import Case
 from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
 from conformance.run.environment import collect_environment
 from conformance.run.isolation import BackendEvents
+from conformance.run.journal import Journal
 from conformance.run.runner import annotate_bench_ratios, assemble_checks
 
 EVENT_PROPERTY = "conformance_event"  # the user_properties key of an item's result event
@@ -53,6 +54,7 @@ class ResultCollector:
     events: dict[str, BackendEvents] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    journal: Journal | None = None  # each event as it lands, so that a run killed outright keeps it
 
     def pytest_runtest_logreport(self, report) -> None:
         recorded = [json.loads(value) for key, value in report.user_properties if key == EVENT_PROPERTY]
@@ -65,18 +67,22 @@ class ResultCollector:
             self.seconds[planned.backend] = self.seconds.get(planned.backend, 0.0) + (report.duration or 0.0)
         if report.failed and not recorded and not self._reported(planned):
             # The worker died under the item (xdist reports it "crashed"), or the plugin itself failed.
-            text = (report.longreprtext or "the item failed without a result").strip().splitlines()[0]
-            verdict = Verdict.CRASH if "crashed" in text else Verdict.ERROR
+            lines = (report.longreprtext or "").strip().splitlines() or ["the item failed without a result"]
+            crash = next((line for line in lines if "crashed while running" in line), None)
+            verdict = Verdict.CRASH if crash else Verdict.ERROR
+            worker = crash.split("'")[1] if crash and crash.count("'") >= 2 else "?"
             reason = (
-                "the worker process died while running it (a crash, an exit, or a hang past --conformance-timeout): "
-                + text
-                if verdict == Verdict.CRASH
-                else text
+                f"pytest worker {worker} died during the case: a crash, an exit from C code, or a hang past "
+                "--timeout (a fresh worker went on with the rest)"
+                if crash
+                else lines[-1]
             )
             result = CaseResult(planned.case.id, verdict, reason[:400], tag=planned.case.tag)
             self._record(planned.backend, {"event": "result", "check": planned.check, "result": result.to_dict()})
 
     def _record(self, backend: str, event: dict[str, Any]) -> None:
+        if self.journal is not None:
+            self.journal.event(backend, event)
         if event["event"] == "unavailable":
             self.unavailable[backend] = event["reason"]
         else:

@@ -6,6 +6,11 @@ no longer the ``_nodeid`` attribute xdist rewrites), and a conformance item's id
 id that holds ``@seed`` itself. So the controller's scheduler takes a conformance item's group
 from the run's plan instead, by its name; every other item (the author's own tests, with their
 ``xdist_group`` marks) is grouped as xdist groups it.
+
+When a worker dies, xdist's group scheduling gives the rest of its group to another worker, but
+the item it died in too, which then kills that worker as well, until xdist runs out of restarts
+and every case left is "not run". Here the item a worker died in is reported once (CRASH) and not
+run again; the rest of its group goes on elsewhere.
 """
 
 from __future__ import annotations
@@ -22,5 +27,15 @@ def conformance_groups(groups: dict[str, str]) -> type[LoadGroupScheduling]:
         def _split_scope(self, nodeid: str) -> str:
             group = groups.get(item_name(nodeid))
             return f"conformance:{group}" if group is not None else super()._split_scope(nodeid)
+
+        def remove_node(self, node) -> str | None:
+            crashed = None
+            for work_unit in self.assigned_work.get(node, {}).values():
+                crashed = next((nodeid for nodeid, completed in work_unit.items() if not completed), None)
+                if crashed is not None:
+                    work_unit[crashed] = True  # xdist reports it crashed; a fresh worker takes the rest
+                    break
+            requeued = super().remove_node(node)
+            return crashed if crashed is not None else requeued
 
     return ConformanceGroupScheduling
