@@ -274,12 +274,12 @@ def _sharded_run(args, names, checks, cases, device: torch.device) -> ShardedRun
         raise UsageError(str(error)) from None
     gpus = None
     if args.gpus is not None:
-        if device.type != "cuda" or (device.index or 0) != 0:
-            raise UsageError(f"--gpus picks the GPUs itself: drop --device {args.device}")
         try:
             gpus = choose_gpus(args.gpus)
         except GpuChoiceError as error:
             raise (NothingToRun if error.absent else UsageError)(str(error)) from None
+        if device.type != "cuda" or (device.index or 0) != 0:
+            raise UsageError(f"--gpus picks the GPUs itself: drop --device {args.device}")
     return ShardedRun(
         backends=names,
         checks=checks,

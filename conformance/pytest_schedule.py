@@ -29,13 +29,19 @@ def conformance_groups(groups: dict[str, str]) -> type[LoadGroupScheduling]:
             return f"conformance:{group}" if group is not None else super()._split_scope(nodeid)
 
         def remove_node(self, node) -> str | None:
+            """xdist's own, but the item the node died in is marked done, and only groups with
+            items left go back in the queue (a group with none would be sent to a fresh worker as
+            an empty batch, after which nothing asks for more work and the run waits forever)."""
+            workload = self.assigned_work.pop(node)
             crashed = None
-            for work_unit in self.assigned_work.get(node, {}).values():
+            for work_unit in workload.values():
                 crashed = next((nodeid for nodeid, completed in work_unit.items() if not completed), None)
                 if crashed is not None:
                     work_unit[crashed] = True  # xdist reports it crashed; a fresh worker takes the rest
                     break
-            requeued = super().remove_node(node)
-            return crashed if crashed is not None else requeued
+            self.workqueue.update({scope: unit for scope, unit in workload.items() if not all(unit.values())})
+            for other in self.assigned_work:
+                self._reschedule(other)
+            return crashed
 
     return ConformanceGroupScheduling

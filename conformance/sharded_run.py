@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conformance.cases.grammar import Case
-from conformance.run.isolation import child_env
+from conformance.run.isolation import DIE_WITH_PARENT, child_env
 
 PYTEST_USAGE_ERROR = 4
 
@@ -120,7 +120,12 @@ def run_sharded(run: ShardedRun, json_path: Path, quiet: bool) -> int | None:
         env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
         command = [sys.executable, "-m", "pytest", *run.pytest_arguments(json_path, Path(folder))]
         child = subprocess.Popen(
-            command, env=env, stdout=subprocess.DEVNULL if quiet else sys.stderr, stderr=subprocess.PIPE, text=True
+            command,
+            env=env,
+            stdout=subprocess.DEVNULL if quiet else sys.stderr,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=DIE_WITH_PARENT,  # a killed `conformance` leaves no pytest (and so no workers) behind
         )
 
         def forward(signum, frame) -> None:

@@ -10,17 +10,17 @@
 #   bash reports/regenerate.sh engine RUNS   # docs/engine.md's async-vs-sync table, into reports/engine/
 #   bash reports/regenerate.sh kernels RUNS  # docs/performance.md's kernel table: REPEATS (3) runs, into RUNS/
 #
-# One after another the backends take over 20 minutes on an H100, so they run side by side,
-# each backend's checks split over two processes (publish merges them back, summing the wall
-# time). The benchmark runs alone: its timings need the GPU to itself. SUITE=full runs the full
-# suite (reports/ publishes one suite: the standard one unless SUITE says otherwise); TIMEOUT bounds
-# each process's time in seconds (--backend-timeout); JOBS how many run at once (default 15; the full suite's
-# 32k-context and batch-256 cases need fewer on an 80 GB GPU); BACKENDS (space-separated) runs a subset.
+# One after another the backends take over 20 minutes on an H100, so `checks` runs them side by
+# side: one `conformance run --gpus` over pytest-xdist workers, a backend's check a unit of work,
+# spread over every GPU of the machine (GPUS: all, or indices such as 0,1), JOBS workers (default 8
+# a GPU) sharing them. The benchmark runs alone: its timings need the GPU to itself. SUITE=full runs
+# the full suite (reports/ publishes one suite: the standard one unless SUITE says otherwise);
+# TIMEOUT bounds each case's time in seconds (--timeout, default 900); BACKENDS (space-separated)
+# runs a subset.
 set -uo pipefail
 phase=${1:?usage: regenerate.sh checks|bench|publish|all RUNS_DIR}
 runs=${2:?usage: regenerate.sh checks|bench|publish|all RUNS_DIR}
 suite=${SUITE:-standard}
-limit=(${TIMEOUT:+--backend-timeout "$TIMEOUT"})  # a bound on each process; per case, --timeout's default holds
 all_backends="torch_naive triton triton_mla flashinfer flashinfer_mla trtllm flashmla trtllm_mla flash_attn"
 # flash-attn-4 needs a CuTe DSL (nvidia-cutlass-dsl 4.5) that FlashInfer's own CuTe DSL kernels do
 # not import with: FLASH_ATTN_PATH (PYTHONPATH entries) is added for flash_attn's processes only.
@@ -29,35 +29,26 @@ backends=(${BACKENDS:-$all_backends})
 for backend in "${backends[@]}"; do
   [[ " $all_backends " == *" $backend "* ]] || { echo "unknown backend $backend (one of: $all_backends)" >&2; exit 2; }
 done
-# Two processes per backend: graphs + draft-loop + engine, and every other check the registry
-# lists (so a check added there is published too). The engine check goes with the graphs, so that
-# the two take similar times (torch_naive, which runs no graphs, spent most of its time in the
-# engine check).
-first_group=graphs,draft-loop,engine
-other_checks=$(python -c "from conformance.checks import default_checks
-print(','.join(c for c in default_checks() if c not in '$first_group'.split(',')))") || exit 2
-check_groups=($first_group "$other_checks")
-max_jobs=${JOBS:-15}
+limit=(${TIMEOUT:+--timeout "$TIMEOUT"})  # a bound on each case
+gpus=${GPUS:-all}
 mkdir -p "$runs"
 
 run_checks() {
+  local gpu_count together=()
+  gpu_count=$(python -c "import sys; from conformance.pytest_gpus import choose_gpus; print(len(choose_gpus(sys.argv[1])))" "$gpus") || exit 2
   # Side by side, CPU work (drawing data, compiling kernels) must not oversubscribe the cores.
   export OMP_NUM_THREADS=1
-  for group in "${check_groups[@]}"; do
-    for backend in "${backends[@]}"; do
-      [[ $backend == trtllm_mla ]] && continue  # below: one process
-      while (( $(jobs -rp | wc -l) >= max_jobs )); do wait -n; done
-      env "$(with_path "$backend")" python -m conformance run --backend "$backend" --suite "$suite" --check "$group" --quiet \
-        "${limit[@]}" --json "$runs/$suite-$backend-${group%%,*}.json" >"$runs/$suite-$backend-${group%%,*}.log" 2>&1 &
-    done
-  done
-  # Exits 3 where its GPU cannot run it (Hopper); the JSON still records why.
-  if [[ " ${backends[*]} " == *" trtllm_mla "* ]]; then
-    while (( $(jobs -rp | wc -l) >= max_jobs )); do wait -n; done
-    python -m conformance run --backend trtllm_mla --suite "$suite" --quiet "${limit[@]}" \
-      --json "$runs/$suite-trtllm_mla.json" >"$runs/$suite-trtllm_mla.log" 2>&1 &
+  for backend in "${backends[@]}"; do [[ $backend == flash_attn ]] || together+=("$backend"); done
+  if ((${#together[@]})); then
+    python -m conformance run --backend "$(IFS=,; echo "${together[*]}")" --suite "$suite" --gpus "$gpus" \
+      --workers "${JOBS:-$((8 * gpu_count))}" --quiet "${limit[@]}" --json "$runs/$suite.json" >"$runs/$suite.log" 2>&1
   fi
-  wait
+  # Its own run (see FLASH_ATTN_PATH), after the others, on the same GPUs.
+  if [[ " ${backends[*]} " == *" flash_attn "* ]]; then
+    env "$(with_path flash_attn)" python -m conformance run --backend flash_attn --suite "$suite" --gpus "$gpus" \
+      --quiet "${limit[@]}" --json "$runs/$suite-flash_attn.json" >"$runs/$suite-flash_attn.log" 2>&1
+  fi
+  return 0  # a run that found failures still wrote its results: publish shows them
 }
 
 # The memory check, one backend after another (its cost per backend is part of what it reports),
@@ -108,7 +99,7 @@ run_kernels() {
 }
 
 publish() {
-  python -m conformance.report.publish "$runs/$suite"-*.json --bench "$runs"/bench*.json --out reports
+  python -m conformance.report.publish "$runs/$suite".json "$runs/$suite"-*.json --bench "$runs"/bench*.json --out reports
 }
 
 case "$phase" in

@@ -1,0 +1,148 @@
+"""The suite over pytest-xdist workers: ``conformance run --workers/--gpus`` and the plugin under
+``pytest -n``. The merged results must equal a serial run's, case for case."""
+
+import subprocess
+import sys
+
+import pytest
+
+from conformance.pytest_gpus import GpuChoiceError, choose_gpus, worker_gpu
+from conformance.results import RunResult
+from tests.conformance.test_cli import conformance
+from tests.conformance.test_pytest_plugin import plugin_args
+
+pytest.importorskip("xdist")
+
+CRASHES = "tests.planted.defects:CrashesOnLargeBatch"
+
+
+def verdicts(result: RunResult) -> dict[tuple[str, str, str], str]:
+    """Every check's and case's verdict and reason, by backend, check and case."""
+    table = {}
+    for backend in result.backends:
+        for check in backend.checks:
+            table[(backend.name, check.name, "")] = f"{check.verdict.value}: {check.summary}"
+            for case in check.cases:
+                reason = case.reason if case.verdict.value != "CRASH" else ""  # how the process died differs
+                table[(backend.name, check.name, case.case)] = f"{case.verdict.value}: {reason}"
+    return table
+
+
+def test_workers_on_the_cpu_give_the_serial_runs_results_case_for_case(tmp_path):
+    # A passing backend, a failing one, and one that kills its process on batches of more than 3
+    # requests: its worker dies in those cases (CRASH, once each) and a fresh one takes the rest.
+    backends = f"torch_naive,tests.planted.defects:WrongScale,{CRASHES}"
+    common = ["run", "--backend", backends, "--suite", "smoke", "--device", "cpu", "--quiet"]
+    serial = conformance(*common, "--json", str(tmp_path / "serial.json"))
+    sharded = conformance(*common, "--workers", "2", "--json", str(tmp_path / "sharded.json"))
+    assert serial.returncode == sharded.returncode == 1, sharded.stderr
+    serial_result, sharded_result = RunResult.load(tmp_path / "serial.json"), RunResult.load(tmp_path / "sharded.json")
+    assert verdicts(sharded_result) == verdicts(serial_result)
+    crashed = sharded_result.backends[2].check("numerics")
+    assert crashed.verdict.value == "CRASH" and "pytest worker gw" in next(
+        case.reason for case in crashed.cases if case.verdict.value == "CRASH"
+    )
+    assert sharded_result.environment["pytest_workers"] == 2
+    assert "FAIL" in sharded.stdout and "WrongScale" in sharded.stdout  # the usual report, from the merged results
+    assert not (tmp_path / "sharded.json.journal").exists()
+
+
+@pytest.mark.parametrize(
+    "args,status,message",
+    [
+        (["--workers", "0"], 2, "--workers 0: give at least 1"),
+        (["--workers", "2", "--in-process"], 2, "cannot be combined with --in-process"),
+        (["--workers", "2", "--backend-timeout", "60"], 2, "cannot be combined with --backend-timeout"),
+    ],
+)
+def test_bad_sharding_options_are_one_line_errors(tmp_path, args, status, message):
+    completed = conformance("run", "--suite", "smoke", "--device", "cpu", "--out", str(tmp_path), *args)
+    assert completed.returncode == status, completed.stderr
+    assert message in completed.stderr and len(completed.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_bench_is_not_sharded(tmp_path):
+    completed = conformance("bench", "--workers", "2", "--out", str(tmp_path))
+    # Without a GPU bench stops first (exit 3); with one, --workers is refused (exit 2).
+    assert completed.returncode in (2, 3) and len(completed.stderr.strip().splitlines()) == 1
+    if completed.returncode == 2:
+        assert "bench times backends side by side on one GPU" in completed.stderr
+
+
+def test_gpus_without_a_gpu_is_nothing_to_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    completed = conformance("run", "--suite", "smoke", "--gpus", "all", "--out", str(tmp_path))
+    assert completed.returncode == 3, completed.stderr
+    assert "no CUDA device is visible" in completed.stderr
+
+
+def test_gpu_choice_follows_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,GPU-abc")
+    assert choose_gpus("all") == ["3", "5", "GPU-abc"]
+    assert choose_gpus("2,0") == ["GPU-abc", "3"]
+    for bad, message in (("3", "there is no GPU 3"), ("0,0", "more than once"), ("x", "give 'all' or GPU indices")):
+        with pytest.raises(GpuChoiceError, match=message):
+            choose_gpus(bad)
+    assert [worker_gpu(["3", "5"], f"gw{n}") for n in range(5)] == ["3", "5", "3", "5", "3"]
+
+
+def test_the_plugin_under_pytest_xdist_writes_one_merged_results_file(pytester, tmp_path):
+    pytester.makepyfile("def test_own():\n    pass\n")
+    json_path = tmp_path / "merged.json"
+    result = pytester.runpytest_subprocess(
+        *plugin_args(),
+        "-n",
+        "2",
+        "--dist",
+        "loadgroup",
+        "-v",
+        "--conformance-backend",
+        "torch_naive,tests.planted.defects:WrongScale",
+        "--conformance-suite",
+        "smoke",
+        "--conformance-check",
+        "numerics,determinism",
+        "--conformance-device",
+        "cpu",
+        f"--conformance-json={json_path}",
+    )
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    merged = RunResult.load(json_path)
+    assert [backend.name for backend in merged.backends] == ["torch_naive", "tests.planted.defects:WrongScale"]
+    assert [check.verdict.value for check in merged.backends[1].checks] == ["FAIL", "PASS"]
+    assert all(len(check.cases) == 9 for backend in merged.backends for check in backend.checks)
+    # Each backend's check ran on one worker: "[gwN] ... conformance[<backend>-<check>-..." lines.
+    workers: dict[str, set[str]] = {}
+    for line in result.stdout.lines:
+        if line.startswith("[gw") and "conformance[" in line:
+            group = line.split("conformance[")[1].split("-gqa")[0].split("-mla")[0]
+            workers.setdefault(group, set()).add(line.split("]")[0])
+    assert len(workers) == 4 and all(len(ran_on) == 1 for ran_on in workers.values()), workers
+
+
+def test_gpus_in_the_plugin_needs_xdist(pytester):
+    pytester.makepyfile("def test_own():\n    pass\n")
+    result = pytester.runpytest(
+        *plugin_args(), "--conformance-backend", "torch_naive", "--conformance-gpus", "all", "-p", "no:xdist"
+    )
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--conformance-gpus spreads items over pytest-xdist workers: add -n N*"])
+
+
+@pytest.mark.gpu
+def test_two_workers_sharing_one_gpu_give_the_serial_runs_results(tmp_path):
+    common = ["run", "--backend", "triton,torch_naive", "--suite", "smoke", "--quiet"]
+    serial = conformance(*common, "--json", str(tmp_path / "serial.json"))
+    sharded = conformance(*common, "--gpus", "0", "--workers", "2", "--json", str(tmp_path / "sharded.json"))
+    assert serial.returncode == sharded.returncode == 0, sharded.stdout + sharded.stderr
+    serial_result, sharded_result = RunResult.load(tmp_path / "serial.json"), RunResult.load(tmp_path / "sharded.json")
+    assert verdicts(sharded_result) == verdicts(serial_result)
+    assert sharded_result.environment["gpus"] == ["0"] and sharded_result.environment["pytest_workers"] == 2
+
+
+def test_sharded_run_module_has_no_gpu_work_at_import():
+    # The CLI imports it on every run: it must not touch CUDA or import pytest.
+    code = "import sys, conformance.sharded_run; print('pytest' in sys.modules, 'xdist' in sys.modules)"
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert completed.stdout.split() == ["False", "False"]
