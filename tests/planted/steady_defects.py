@@ -61,3 +61,26 @@ class KeepsEveryWorkspace(TorchGraphSafe):
         if size not in self.workspaces:
             self.workspaces[size] = torch.empty(size * 4096, dtype=torch.float32, device=self.device)
         return super().build(common)
+
+
+class SyncsOnTheSecondBuild(TorchGraphSafe):
+    """Reads the longest length from the device (``.item()``, a blocking sync) on one build only,
+    the ``sync_on``-th: the second is a sync in the steady state, one step after the first."""
+
+    name = "planted_syncs_on_the_second_build"
+    sync_on = 2
+    builds = 0
+
+    def build(self, common):
+        self.builds += 1
+        if self.builds == self.sync_on:
+            self.longest = int(common.seq_lens.max().item())
+        return super().build(common)
+
+
+class SyncsOnTheFirstBuild(SyncsOnTheSecondBuild):
+    """The same sync on the first build only: a lazy initialisation, which the steady check (as the
+    syncs check's warm-up step) does not count."""
+
+    name = "planted_syncs_on_the_first_build"
+    sync_on = 1
