@@ -31,7 +31,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -152,6 +152,7 @@ class Plan:
     check_options: dict[str, Any]
     suite: str
     seal: Any
+    skips: dict = field(default_factory=dict)  # (backend, check) -> case id -> skip reason, as decided
 
     def item_name(self, backend: str, check: str, case_id: str | None) -> str:
         parts = ([backend] if len(self.backends) > 1 else []) + [check] + ([case_id] if case_id else [])
@@ -323,13 +324,26 @@ class ConformanceItem(pytest.Item):
         if reason or self.case is None:
             self.emit({"event": "check_skipped", "check": self.check.name, "reason": reason})
             pytest.skip(reason)
-        reason = self.check.case_skip_reason(self.backend_cls, self.case, self.device)
+        reason = self.case_skip_reason()
         result = CaseResult(self.case.id, Verdict.SKIP, reason, tag=self.case.tag) if reason else self.run_case()
         self.emit({"event": "result", "check": self.check.name, "result": result.to_dict()})
         if result.verdict == Verdict.SKIP:
             pytest.skip(result.reason)
         if result.verdict != Verdict.PASS:
             raise ConformanceFailure(result)
+
+    def case_skip_reason(self) -> str | None:
+        """The check's skip decision for this case, made as a run makes it: for every case of the
+        suite in order, once a process. Some checks decide from the cases before (the engine check
+        runs one case per layout), so a worker that starts in the middle of a group (a fresh one
+        after a crash) first asks about the cases before its own, and decides as one worker would."""
+        decided = self.plan.skips.setdefault((self.backend, self.check.name), {})
+        for case in self.plan.cases:
+            if case.id not in decided:
+                decided[case.id] = self.check.case_skip_reason(self.backend_cls, case, self.device)
+            if case.id == self.case.id:
+                return decided[case.id]
+        raise AssertionError(f"{self.case.id} is not a case of this run")
 
     def run_case(self):
         from conformance.results import CaseResult, Verdict

@@ -1,8 +1,10 @@
 """The suite over pytest-xdist workers: ``conformance run --workers/--gpus`` and the plugin under
 ``pytest -n``. The merged results must equal a serial run's, case for case."""
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,8 +14,11 @@ from tests.conformance.test_cli import conformance
 from tests.conformance.test_pytest_plugin import plugin_args
 
 pytest.importorskip("xdist")
+ROOT = Path(__file__).resolve().parents[2]
 
 CRASHES = "tests.planted.defects:CrashesOnLargeBatch"
+# The smoke cases with more than 3 requests, on which CrashesOnLargeBatch kills its process.
+CRASHING_CASES = ("gqa-h4/2-d64-fp32-p16:1+1,15+1,16+1,40+1@0", "gqa-h4/2-d64-fp32-p16:0+24,30+8,17+1x2@0")
 
 
 def verdicts(result: RunResult) -> dict[tuple[str, str, str], str]:
@@ -37,11 +42,21 @@ def test_workers_on_the_cpu_give_the_serial_runs_results_case_for_case(tmp_path)
     sharded = conformance(*common, "--workers", "2", "--json", str(tmp_path / "sharded.json"))
     assert serial.returncode == sharded.returncode == 1, sharded.stderr
     serial_result, sharded_result = RunResult.load(tmp_path / "serial.json"), RunResult.load(tmp_path / "sharded.json")
-    assert verdicts(sharded_result) == verdicts(serial_result)
-    crashed = sharded_result.backends[2].check("numerics")
-    assert crashed.verdict.value == "CRASH" and "pytest worker gw" in next(
-        case.reason for case in crashed.cases if case.verdict.value == "CRASH"
-    )
+    # The crashing backend apart: a serial run stops a backend after its fourth crash (the rest "not
+    # run"), a sharded one runs every case in a fresh worker.
+    same = {key: value for key, value in verdicts(sharded_result).items() if key[0] != CRASHES}
+    assert same == {key: value for key, value in verdicts(serial_result).items() if key[0] != CRASHES}
+    # It is torch_naive but for the crashes: each case torch_naive ran, it passes, or CRASHes (once,
+    # in a worker of its own) where a batch has more than 3 requests (every engine run: its model
+    # serves several prompts at once); and what torch_naive skipped it
+    # skips, the engine check's one case per layout included, decided again by the fresh worker
+    # that took over after a crash.
+    for check, naive in zip(sharded_result.backends[2].checks, serial_result.backends[0].checks):
+        for case, naive_case in zip(check.cases, naive.cases):
+            crashes = naive_case.verdict.value == "PASS" and (case.case in CRASHING_CASES or check.name == "engine")
+            expected = "CRASH" if crashes else naive_case.verdict.value
+            assert case.verdict.value == expected, (check.name, case)
+            assert not crashes or "pytest worker gw" in case.reason
     assert sharded_result.environment["pytest_workers"] == 2
     assert "FAIL" in sharded.stdout and "WrongScale" in sharded.stdout  # the usual report, from the merged results
     assert not (tmp_path / "sharded.json.journal").exists()
@@ -87,8 +102,9 @@ def test_gpu_choice_follows_cuda_visible_devices(monkeypatch):
     assert [worker_gpu(["3", "5"], f"gw{n}") for n in range(5)] == ["3", "5", "3", "5", "3"]
 
 
-def test_the_plugin_under_pytest_xdist_writes_one_merged_results_file(pytester, tmp_path):
+def test_the_plugin_under_pytest_xdist_writes_one_merged_results_file(pytester, tmp_path, monkeypatch):
     pytester.makepyfile("def test_own():\n    pass\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     json_path = tmp_path / "merged.json"
     result = pytester.runpytest_subprocess(
         *plugin_args(),
