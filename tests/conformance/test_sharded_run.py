@@ -153,7 +153,12 @@ def test_two_workers_sharing_one_gpu_give_the_serial_runs_results(tmp_path):
     sharded = conformance(*common, "--gpus", "0", "--workers", "2", "--json", str(tmp_path / "sharded.json"))
     assert serial.returncode == sharded.returncode == 0, sharded.stdout + sharded.stderr
     serial_result, sharded_result = RunResult.load(tmp_path / "serial.json"), RunResult.load(tmp_path / "sharded.json")
-    assert verdicts(sharded_result) == verdicts(serial_result)
+    # Verdicts case for case; on a GPU some reasons carry measurements (memory, timings) that differ
+    # from run to run.
+    serial_verdicts = {key: value.split(":")[0] for key, value in verdicts(serial_result).items()}
+    sharded_verdicts = {key: value.split(":")[0] for key, value in verdicts(sharded_result).items()}
+    differing = {key: (sharded_verdicts.get(key), serial_verdicts.get(key)) for key in serial_verdicts.keys() | sharded_verdicts.keys() if sharded_verdicts.get(key) != serial_verdicts.get(key)}
+    assert not differing, differing
     assert sharded_result.environment["gpus"] == ["0"] and sharded_result.environment["pytest_workers"] == 2
 
 
