@@ -157,7 +157,12 @@ def test_two_workers_sharing_one_gpu_give_the_serial_runs_results(tmp_path):
     # from run to run.
     serial_verdicts = {key: value.split(":")[0] for key, value in verdicts(serial_result).items()}
     sharded_verdicts = {key: value.split(":")[0] for key, value in verdicts(sharded_result).items()}
-    differing = {key: (sharded_verdicts.get(key), serial_verdicts.get(key)) for key in serial_verdicts.keys() | sharded_verdicts.keys() if sharded_verdicts.get(key) != serial_verdicts.get(key)}
+    keys = serial_verdicts.keys() | sharded_verdicts.keys()
+    differing = {
+        key: (sharded_verdicts.get(key), serial_verdicts.get(key))
+        for key in keys
+        if sharded_verdicts.get(key) != serial_verdicts.get(key)
+    }
     assert not differing, differing
     assert sharded_result.environment["gpus"] == ["0"] and sharded_result.environment["pytest_workers"] == 2
 
