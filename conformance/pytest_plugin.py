@@ -247,12 +247,14 @@ def pytest_configure(config) -> None:
     workerinput = getattr(config, "workerinput", None)
     if workerinput and WORKER_GPU_KEY in workerinput:  # before anything here initializes CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = workerinput[WORKER_GPU_KEY]
-    if workerinput and "workercount" in workerinput:
+    if workerinput and "workercount" in workerinput and config.getoption("conformance_backend"):
         # The workers share the cores: torch's default of one thread a core in each of them
         # oversubscribes the machine, and OpenMP's spinning threads then slow every worker many times.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workerinput["workercount"]))
     gpus = config.getoption("conformance_gpus")
-    if _distributed(config):
+    # Workers take GPUs only in a conformance run: an author's own `pytest -n 4`, with this plugin
+    # merely installed, keeps its GPUs as it had them.
+    if _distributed(config) and (config.getoption("conformance_backend") or gpus is not None):
         if gpus is not None or torch.cuda.is_available():
             try:
                 config.stash[_GPUS_KEY] = choose_gpus(gpus or "all", "--conformance-gpus")
