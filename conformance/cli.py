@@ -15,6 +15,7 @@ import importlib.metadata
 import json
 import math
 import os
+import shlex
 import signal
 import sys
 from dataclasses import replace
@@ -336,6 +337,8 @@ def _locked_run(
     else:
         signum = run_sharded(sharded, json_path, args.quiet)
         result = RunResult.load(json_path)
+        result.environment["command"] = shlex.join(["conformance", *sys.argv[1:]])  # not pytest's
+        result.save(json_path)
         if signum is not None:
             interrupted = Interrupted(signum)
             interrupted.partial = result

@@ -14,6 +14,8 @@ is ERROR "not run", as in a ``conformance run``.
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,7 +113,8 @@ class ResultCollector:
             wall_s = round(self.seconds.get(name, 0.0), 3)
             results.append(BackendResult(name, True, "", ref.origin, claims, checks, wall_s=wall_s))
         annotate_bench_ratios(results)
-        environment = {**collect_environment(device), **environment_extra}
+        command = shlex.join(["pytest", *sys.argv[1:]])  # collect_environment names a `conformance` command
+        environment = {**collect_environment(device), "command": command, **environment_extra}
         return RunResult(environment, results, self.suite, list(self.checks), interrupted=interrupted)
 
 
