@@ -158,11 +158,12 @@ class Plan:
         parts = ([backend] if len(self.backends) > 1 else []) + [check] + ([case_id] if case_id else [])
         return f"conformance[{'-'.join(parts)}]"
 
-    def groups(self, by: str) -> dict[str, str]:
-        """Every item's name (whole-check items too) -> what stays on one xdist worker: a backend's
-        check (its items share one check instance and its kernels), or the whole backend."""
+    def groups(self, by: str) -> dict[str, tuple[str, str]]:
+        """Every item's name (whole-check items too) -> (what stays on one xdist worker: a
+        backend's check, whose items share one check instance and its kernels, or the whole
+        backend; the backend)."""
         return {
-            self.item_name(backend, check, case_id): backend if by == "backend" else f"{backend}-{check}"
+            self.item_name(backend, check, case_id): (backend if by == "backend" else f"{backend}-{check}", backend)
             for backend in self.backends
             for check in self.checks
             for case_id in [None, *(case.id for case in self.cases)]

@@ -22,7 +22,7 @@ from typing import Any
 from conformance.cases.grammar import Case
 from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
 from conformance.run.environment import collect_environment
-from conformance.run.isolation import BackendEvents
+from conformance.run.isolation import MAX_CRASHES, BackendEvents
 from conformance.run.journal import Journal
 from conformance.run.runner import annotate_bench_ratios, assemble_checks
 
@@ -108,7 +108,11 @@ class ResultCollector:
                 results.append(BackendResult(name, False, reason, ref.origin, claims, checks))
                 continue
             events = self.events.get(name, BackendEvents())
-            checks = assemble_checks(self.checks, self.cases, events, self.check_options, not_run)
+            crashes = sum(1 for result in events.results.values() if result.verdict == Verdict.CRASH)
+            reason = not_run
+            if crashes > MAX_CRASHES and not interrupted:  # the scheduler gave the backend up
+                reason = f"not run: the backend's pytest workers crashed or hung {crashes} times"
+            checks = assemble_checks(self.checks, self.cases, events, self.check_options, reason)
             # Process-seconds: the items' times summed over every worker that ran them.
             wall_s = round(self.seconds.get(name, 0.0), 3)
             results.append(BackendResult(name, True, "", ref.origin, claims, checks, wall_s=wall_s))

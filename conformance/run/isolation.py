@@ -240,13 +240,16 @@ def _run_child(
     return run
 
 
+MAX_CRASHES = 3  # a backend's crashes and hangs a run gets over; past them its other cases are not run
+
+
 def run_isolated(
     job: Job,
     on_event: Emit,
     *,
     case_timeout_s: float,
     backend_timeout_s: float | None = None,
-    max_crashes: int = 3,
+    max_crashes: int = MAX_CRASHES,
     events: BackendEvents | None = None,
 ) -> BackendEvents:
     """Run ``job`` in child processes; returns what they reported, CRASH rows included.

@@ -172,3 +172,35 @@ def test_sharded_run_module_has_no_gpu_work_at_import():
     code = "import sys, conformance.sharded_run; print('pytest' in sys.modules, 'xdist' in sys.modules)"
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert completed.stdout.split() == ["False", "False"]
+
+
+def test_a_backend_that_hangs_is_given_up_after_its_fourth_worker_death_as_in_a_serial_run(tmp_path):
+    # Every case but the shortest hangs: each hang ends its worker at --timeout. After the fourth,
+    # no more of that backend's cases run (not one --timeout each); the other backend is untouched.
+    completed = conformance(
+        "run",
+        "--backend",
+        "tests.planted.defects:HangsOnLongSequence,torch_naive",
+        "--suite",
+        "smoke",
+        "--check",
+        "numerics,determinism",
+        "--device",
+        "cpu",
+        "--workers",
+        "2",
+        "--timeout",
+        "10",
+        "--quiet",
+        "--json",
+        str(tmp_path / "hangs.json"),
+    )
+    assert completed.returncode == 1, completed.stderr
+    hangs, naive = RunResult.load(tmp_path / "hangs.json").backends
+    cases = [case for check in hangs.checks for case in check.cases]
+    assert sum(case.verdict.value == "CRASH" for case in cases) == 4
+    assert all(
+        case.verdict.value == "CRASH" or case.reason == "not run: the backend's pytest workers crashed or hung 4 times"
+        for case in cases
+    )
+    assert all(check.verdict.value == "PASS" for check in naive.checks)
