@@ -261,7 +261,7 @@ def _sharded_run(args, names, checks, cases, device: torch.device) -> ShardedRun
         return None
     option = "--gpus" if args.gpus is not None else "--workers"
     for given, conflict in (
-        (args.command == "bench", "bench times backends side by side on one GPU"),
+        (args.command == "bench" or "bench" in checks, "bench times backends side by side on one GPU"),
         (args.in_process, "--in-process"),
         (args.backend_timeout is not None, "--backend-timeout"),
     ):
