@@ -23,7 +23,17 @@ FLOORS = (
     {"checks"},
     {"run"},
     {"report"},
-    {"cli", "__main__", "pytest_plugin", "scaffold", "tuning"},
+    {
+        "cli",
+        "__main__",
+        "pytest_plugin",
+        "pytest_gpus",
+        "pytest_results",
+        "pytest_schedule",
+        "sharded_run",
+        "scaffold",
+        "tuning",
+    },
 )
 
 
