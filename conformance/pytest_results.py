@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conformance.cases.grammar import Case
-from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
+from conformance.results import BackendResult, CaseResult, RunResult, Verdict
 from conformance.run.environment import collect_environment
 from conformance.run.isolation import MAX_CRASHES, BackendEvents
 from conformance.run.journal import Journal
-from conformance.run.runner import annotate_bench_ratios, assemble_checks
+from conformance.run.runner import annotate_bench_ratios, assemble_checks, unavailable_checks
 
 EVENT_PROPERTY = "conformance_event"  # the user_properties key of an item's result event
 
@@ -104,7 +104,7 @@ class ResultCollector:
             claims = backend_cls.capabilities.to_dict()
             if name in self.unavailable:
                 reason = self.unavailable[name]
-                checks = [CheckResult(check, Verdict.SKIP, f"backend unavailable: {reason}") for check in self.checks]
+                checks = unavailable_checks(self.checks, reason)
                 results.append(BackendResult(name, False, reason, ref.origin, claims, checks))
                 continue
             events = self.events.get(name, BackendEvents())

@@ -69,6 +69,11 @@ def assemble_checks(
     return results
 
 
+def unavailable_checks(checks: list[str], reason: str) -> list[CheckResult]:
+    """Every check of a backend that cannot run on this device: SKIP, saying why."""
+    return [CheckResult(check, Verdict.SKIP, f"backend unavailable: {reason}") for check in checks]
+
+
 def _failed_to_load(name: str, probe: Probe, options: RunOptions) -> BackendResult:
     """A backend whose import raised, crashed or hung: every check carries why, as a failure."""
     checks = [CheckResult(check, probe.failure_verdict, probe.failure or "") for check in options.checks]
@@ -84,7 +89,7 @@ def run_backend(name: str, probe: Probe, options: RunOptions, progress: Progress
     claims = probe.claims
     if probe.unavailable:
         reason = probe.unavailable
-        checks = [CheckResult(check, Verdict.SKIP, f"backend unavailable: {reason}") for check in options.checks]
+        checks = unavailable_checks(options.checks, reason)
         result = BackendResult(name, False, reason, ref.origin, claims, checks)
         progress.backend_finished(result)
         return result
@@ -186,10 +191,7 @@ def _not_started(name: str, probe: Probe, options: RunOptions, not_run: str) -> 
                 probe.unavailable or "",
                 probe.ref.origin,
                 probe.claims,
-                [
-                    CheckResult(check, Verdict.SKIP, f"backend unavailable: {probe.unavailable}")
-                    for check in options.checks
-                ],
+                unavailable_checks(options.checks, probe.unavailable or ""),
             )
         )
     return BackendResult(
