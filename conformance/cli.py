@@ -18,7 +18,6 @@ import os
 import shlex
 import signal
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,9 +28,9 @@ from rich.text import Text
 
 from backends import registry
 from backends.base import DeviceInfo
-from conformance.cases.grammar import CaseSyntaxError, parse_case
+from conformance.cases.grammar import CaseSyntaxError
 from conformance.cases.grammar import __doc__ as CASE_GRAMMAR
-from conformance.cases.suites import suite
+from conformance.cases.suites import chosen_cases
 from conformance.checks import CHECKS, default_checks
 from conformance.harness.batch import footprint_bytes
 from conformance.pytest_gpus import GpuChoiceError, choose_gpus
@@ -109,15 +108,14 @@ def _probes(options: RunOptions) -> dict[str, Probe]:
 
 def _cases(args: argparse.Namespace):
     try:
-        if args.case:
-            cases = [parse_case(text, default_seed=0 if args.seed is None else args.seed) for text in args.case]
-            _no_repeats("--case", [case.id for case in cases])
-            return cases
-        cases = suite(args.suite)
-        # --seed with a suite draws the suite's data anew (the ids say which seed).
-        return cases if args.seed is None else [replace(case, seed=args.seed) for case in cases]
+        return _no_repeats_cases(chosen_cases(args.case, args.suite, args.seed))
     except CaseSyntaxError as error:
         raise UsageError(str(error)) from None
+
+
+def _no_repeats_cases(cases):
+    _no_repeats("--case", [case.id for case in cases])
+    return cases
 
 
 def _check_case_sizes(cases, device: torch.device) -> None:

@@ -184,12 +184,11 @@ _COLLECTOR_KEY = pytest.StashKey[ResultCollector]()
 
 
 def _plan(config) -> Plan:
-    from dataclasses import replace
 
     from backends import registry
     from backends.base import DeviceInfo
-    from conformance.cases.grammar import CaseSyntaxError, parse_case
-    from conformance.cases.suites import suite
+    from conformance.cases.grammar import CaseSyntaxError
+    from conformance.cases.suites import chosen_cases
     from conformance.checks import CHECKS, default_checks
     from conformance.run.seal import Seal
     from reference_engine.device_flag import DeviceError, resolve_device
@@ -202,12 +201,7 @@ def _plan(config) -> Plan:
     seed = config.getoption("conformance_seed")
     try:
         classes = {name: registry.load(name) for name in names}
-        given = config.getoption("conformance_case")
-        if given:
-            cases = [parse_case(text, default_seed=seed or 0) for text in given]
-        else:
-            cases = suite(config.getoption("conformance_suite"))
-            cases = cases if seed is None else [replace(case, seed=seed) for case in cases]
+        cases = chosen_cases(config.getoption("conformance_case"), config.getoption("conformance_suite"), seed)
     except (registry.BackendLookupError, CaseSyntaxError) as error:
         raise pytest.UsageError(str(error)) from None
     option = config.getoption("conformance_check")

@@ -438,3 +438,13 @@ def suite(name: str) -> list[Case]:
     if name not in SUITES:
         raise CaseSyntaxError(f"unknown suite {name!r} (choose from {', '.join(SUITES)})")
     return SUITES[name]()
+
+
+def chosen_cases(case_texts: list[str] | None, suite_name: str, seed: int | None) -> list[Case]:
+    """A run's cases, as every entry point reads its options: the ``--case`` texts (a text without
+    ``@SEED`` takes ``seed``, else 0), or else the suite, re-seeded when ``seed`` is given (the
+    same shapes with new data; the ids say which seed)."""
+    if case_texts:
+        return [parse_case(text, default_seed=0 if seed is None else seed) for text in case_texts]
+    cases = suite(suite_name)
+    return cases if seed is None else [replace(case, seed=seed) for case in cases]
