@@ -149,6 +149,7 @@ class Plan:
     cases: list
     device: torch.device
     cannot_run: dict[str, str | None]  # backend -> why it cannot run on this device (None: it can)
+    unavailable: dict[str, str | None]  # the same reason as the results say it (without the backend's name)
     check_options: dict[str, Any]
     suite: str
     seal: Any
@@ -219,17 +220,18 @@ def _plan(config) -> Plan:
         if not error.absent:
             raise pytest.UsageError(str(error)) from None
         device, absent = torch.device("cpu"), str(error)
-    cannot_run = {}
+    cannot_run, why = {}, {}
     for name, backend_cls in classes.items():
         unavailable = None if absent else backend_cls.availability_reason(DeviceInfo.of(device))
         cannot_run[name] = absent or (f"{name} is not available on {device}: {unavailable}" if unavailable else None)
+        why[name] = absent or unavailable
     suite_name = "custom" if config.getoption("conformance_case") else config.getoption("conformance_suite")
     options = {
         "sync_detector": config.getoption("conformance_sync_detector"),
         "prefill_backend": config.getoption("conformance_prefill_backend"),
         "suite": suite_name,
     }
-    return Plan(names, classes, checks, cases, device, cannot_run, options, suite_name, seal)
+    return Plan(names, classes, checks, cases, device, cannot_run, why, options, suite_name, seal)
 
 
 def _distributed(config) -> bool:
@@ -313,7 +315,7 @@ class ConformanceItem(pytest.Item):
         from conformance.results import CaseResult, Verdict
 
         if self.cannot_run:
-            self.emit({"event": "unavailable", "reason": self.cannot_run})
+            self.emit({"event": "unavailable", "reason": self.plan.unavailable[self.backend]})
             if self.config.getoption("conformance_allow_skip"):
                 pytest.skip(self.cannot_run)
             pytest.fail(f"{self.cannot_run} (--conformance-allow-skip to skip instead)", pytrace=False)
