@@ -41,10 +41,12 @@ class PlannedCase:
     case: Case
 
 
-@dataclass
+@dataclass(eq=False)
 class ResultCollector:
     """Registered as a plugin on the reporting process; ``case_items`` maps a case item's name
-    (``conformance[...]``) to what it runs, for the reports that carry no event."""
+    (``conformance[...]``) to what it runs, for the reports that carry no event. Compared by
+    identity (``eq=False``) so that it stays hashable: pytest 9.0 keeps the plugins whose fixtures
+    it has parsed in a set."""
 
     backends: list[str]
     backend_classes: dict[str, type]
