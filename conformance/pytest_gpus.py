@@ -1,10 +1,12 @@
 """Which GPU each pytest-xdist worker takes (``--conformance-gpus``).
 
-The controller resolves the option once against the GPUs it sees, and gives each worker one of
-them in its ``workerinput`` (worker ``gwN`` takes the N-th, round robin, so ``-n 4`` over two GPUs
-puts two workers on each). The worker sets ``CUDA_VISIBLE_DEVICES`` to that one GPU in
-``pytest_configure``, before anything in it initializes CUDA: its ``cuda`` device is then that GPU,
-and every case it runs stays there.
+The controller resolves the option once against the GPUs it sees and writes each worker's one GPU
+into that worker's execnet spec as ``CUDA_VISIBLE_DEVICES`` (``pytest_xdist_setupnodes``): the
+N-th worker takes the N-th GPU, round robin, so ``-n 4`` over two GPUs puts two workers on each.
+execnet sets the variable in the worker's process before pytest starts there, so no conftest or
+plugin of the author's can initialize CUDA on another GPU first; and a worker that xdist starts in
+place of one that died reuses the dead one's spec, so it takes the same GPU (the workers stay
+spread as they were).
 
 A GPU is named as the controller's ``CUDA_VISIBLE_DEVICES`` names it (an index, a UUID or a MIG
 name), so a run restricted from outside (``CUDA_VISIBLE_DEVICES=2,3``) stays inside it.
@@ -13,8 +15,6 @@ name), so a run restricted from outside (``CUDA_VISIBLE_DEVICES=2,3``) stays ins
 from __future__ import annotations
 
 import os
-
-WORKER_GPU_KEY = "conformance_gpu"
 
 
 class GpuChoiceError(ValueError):
@@ -59,7 +59,8 @@ def choose_gpus(option: str, flag: str = "--gpus") -> list[str]:
     return [visible[index] for index in indices]
 
 
-def worker_gpu(gpus: list[str], worker_id: str) -> str:
-    """The GPU of worker ``gwN``: the N-th, round robin (a worker restarted after a crash gets a
-    new number, and so possibly another GPU of the list)."""
-    return gpus[int(worker_id.removeprefix("gw")) % len(gpus)]
+def assign_gpus(gpus: list[str], specs) -> list[str]:
+    """Each worker's GPU written into its execnet spec, round robin; returns the GPUs used."""
+    for index, spec in enumerate(specs):
+        spec.env["CUDA_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
+    return gpus[: len(specs)]

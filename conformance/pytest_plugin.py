@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 import torch
 
-from conformance.pytest_gpus import WORKER_GPU_KEY, GpuChoiceError, choose_gpus, worker_gpu
+from conformance.pytest_gpus import GpuChoiceError, assign_gpus, choose_gpus
 from conformance.pytest_results import PlannedCase, ResultCollector, event_property
 from host_syncs.pytest_fixture import forbid_host_syncs, pytest_runtest_call  # noqa: F401 - registered with this plugin
 
@@ -242,8 +242,6 @@ def _distributed(config) -> bool:
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config) -> None:
     workerinput = getattr(config, "workerinput", None)
-    if workerinput and WORKER_GPU_KEY in workerinput:  # before anything here initializes CUDA
-        os.environ["CUDA_VISIBLE_DEVICES"] = workerinput[WORKER_GPU_KEY]
     if workerinput and "workercount" in workerinput and config.getoption("conformance_backend"):
         # The workers share the cores: torch's default of one thread a core in each of them
         # oversubscribes the machine, and OpenMP's spinning threads then slow every worker many times.
@@ -278,11 +276,12 @@ def pytest_configure(config) -> None:
 
 
 @pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node) -> None:
-    """pytest-xdist's controller, starting a worker: the GPU it takes."""
-    gpus = node.config.stash.get(_GPUS_KEY, None)
+def pytest_xdist_setupnodes(config, specs) -> None:
+    """pytest-xdist's controller, before it starts the workers: the GPU each takes, in its
+    process's environment (``pytest_gpus``); the results name the GPUs used."""
+    gpus = config.stash.get(_GPUS_KEY, None)
     if gpus:
-        node.workerinput[WORKER_GPU_KEY] = worker_gpu(gpus, node.gateway.id)
+        config.stash[_GPUS_KEY] = assign_gpus(gpus, specs)
 
 
 @pytest.hookimpl(optionalhook=True)

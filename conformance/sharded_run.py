@@ -126,6 +126,9 @@ def run_sharded(run: ShardedRun, json_path: Path, quiet: bool) -> int | None:
             stderr=subprocess.PIPE,
             text=True,
             preexec_fn=DIE_WITH_PARENT,  # a killed `conformance` leaves no pytest (and so no workers) behind
+            # Out of the terminal's foreground group: Ctrl-C reaches pytest only as the one SIGINT
+            # passed on below (a second one cuts its writing of the results short).
+            start_new_session=True,
         )
 
         def forward(signum, frame) -> None:

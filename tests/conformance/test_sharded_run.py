@@ -1,19 +1,24 @@
 """The suite over pytest-xdist workers: ``conformance run --workers/--gpus`` and the plugin under
 ``pytest -n``. The merged results must equal a serial run's, case for case."""
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from conformance.pytest_gpus import GpuChoiceError, choose_gpus, worker_gpu
+from conformance.pytest_gpus import GpuChoiceError, assign_gpus, choose_gpus
 from conformance.results import RunResult
+from tests.conformance.run.test_interrupts import FINISHES, HANGS, alive, children, start_run
 from tests.conformance.test_cli import conformance
 from tests.conformance.test_pytest_plugin import plugin_args
 
 pytest.importorskip("xdist")
+execnet = pytest.importorskip("execnet")  # xdist's transport, installed with it
 ROOT = Path(__file__).resolve().parents[2]
 
 CRASHES = "tests.planted.defects:CrashesOnLargeBatch"
@@ -102,7 +107,57 @@ def test_gpu_choice_follows_cuda_visible_devices(monkeypatch):
     for bad, message in (("3", "there is no GPU 3"), ("0,0", "more than once"), ("x", "give 'all' or GPU indices")):
         with pytest.raises(GpuChoiceError, match=message):
             choose_gpus(bad)
-    assert [worker_gpu(["3", "5"], f"gw{n}") for n in range(5)] == ["3", "5", "3", "5", "3"]
+
+
+GPU_PROBE = """
+import os
+import time
+from pathlib import Path
+
+LOG = Path(os.environ["GPU_LOG"])
+
+
+def record(what):
+    with LOG.open("a") as log:
+        log.write(f"{os.environ['PYTEST_XDIST_WORKER']} {os.environ.get('CUDA_VISIBLE_DEVICES')} {what}\\n")
+
+
+def test_dies_once():
+    marker = LOG.with_suffix(".died")
+    if not marker.exists():
+        marker.touch()
+        record("died")
+        os._exit(1)
+
+
+@pytest.mark.parametrize("n", range(30))
+def test_sees(n):
+    time.sleep(0.1)
+    record(f"test {AT_IMPORT}")
+"""
+
+
+def test_each_worker_has_its_gpu_before_conftest_and_a_restarted_one_keeps_it(pytester, tmp_path, monkeypatch):
+    # The controller "sees" GPUs 7 and 9 (no CUDA is needed to hand them out); one worker takes
+    # the first. What a conftest reads at import is that GPU already; the worker started after it
+    # died (gw1) takes the dead one's GPU, not the next in turn.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7,9")
+    monkeypatch.setenv("GPU_LOG", str(tmp_path / "gpus.log"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    pytester.makeconftest("import os\nAT_IMPORT = os.environ.get('CUDA_VISIBLE_DEVICES')\n")
+    pytester.makepyfile("import pytest\nfrom conftest import AT_IMPORT\n" + GPU_PROBE)
+    result = pytester.runpytest_subprocess(*plugin_args(), "-n", "1", "--conformance-gpus", "all")
+    result.assert_outcomes(passed=30, failed=1)
+    lines = [line.split() for line in (tmp_path / "gpus.log").read_text().splitlines()]
+    assert {(worker, gpu) for worker, gpu, *_ in lines} == {("gw0", "7"), ("gw1", "7")}, lines
+    assert all(line[3] == "7" for line in lines if line[2] == "test"), lines
+
+
+def test_workers_take_the_gpus_round_robin():
+    specs = [execnet.XSpec("popen") for _ in range(5)]
+    assert assign_gpus(["3", "5"], specs) == ["3", "5"]
+    assert [spec.env["CUDA_VISIBLE_DEVICES"] for spec in specs] == ["3", "5", "3", "5", "3"]
+    assert assign_gpus(["3", "5", "6"], specs[:2]) == ["3", "5"]  # the results name only the GPUs used
 
 
 def test_the_plugin_under_pytest_xdist_writes_one_merged_results_file(pytester, tmp_path, monkeypatch):
@@ -207,3 +262,30 @@ def test_a_backend_that_hangs_is_given_up_after_its_fourth_worker_death_as_in_a_
         for case in cases
     )
     assert all(check.verdict.value == "PASS" for check in naive.checks)
+
+
+def descendants(pid: int) -> list[int]:
+    found = children(pid)
+    return found + [grandchild for child in found for grandchild in descendants(child)]
+
+
+def test_ctrl_c_stops_a_sharded_run_and_keeps_what_finished(tmp_path):
+    # Ctrl-C in a terminal signals the whole foreground group; the CLI alone passes it to pytest
+    # once (a second SIGINT there cut its writing short with a traceback). A SIGINT to the CLI
+    # alone takes the same path from there.
+    run, results = start_run(tmp_path, ("--workers", "2"))
+    processes = descendants(run.pid)
+    assert len(processes) >= 2, "pytest and its workers"
+    os.killpg(run.pid, signal.SIGINT)
+    stdout, stderr = run.communicate(timeout=120)
+    assert run.returncode == 130, stdout + stderr
+    assert "interrupted by SIGINT" in stderr and "Traceback" not in stderr
+    data = json.loads(results.read_text())
+    assert data["interrupted"] is True
+    cases = {case["case"]: (case["verdict"], case["reason"]) for case in data["backends"][0]["checks"][0]["cases"]}
+    assert cases == {FINISHES: ("PASS", ""), HANGS: ("ERROR", "not run: the run was interrupted")}, cases
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in processes), "a pytest process survived the run"
+    assert not results.with_name("results.json.journal").exists()

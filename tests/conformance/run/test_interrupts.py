@@ -29,7 +29,7 @@ def alive(pid: int) -> bool:
         return False
 
 
-def start_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+def start_run(tmp_path: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
     results = tmp_path / "results.json"
     results.write_text("{}")  # an older run's file: must not survive looking current
     env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"))
@@ -51,6 +51,7 @@ def start_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
         "cpu",
         "--json",
         str(results),
+        *extra,
     ]
     run = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
