@@ -154,6 +154,7 @@ class Plan:
     suite: str
     seal: Any
     skips: dict = field(default_factory=dict)  # (backend, check) -> case id -> skip reason, as decided
+    stopped: str | None = None  # why this process must run no more cases (a sticky CUDA error)
 
     def item_name(self, backend: str, check: str, case_id: str | None) -> str:
         parts = ([backend] if len(self.backends) > 1 else []) + [check] + ([case_id] if case_id else [])
@@ -353,7 +354,12 @@ class ConformanceItem(pytest.Item):
             faulthandler.dump_traceback_later(timeout, exit=True)
         _guard["in_case"] = True
         try:
-            result, _ = run_case(self.check, self.backend_cls, self.case, self.device)
+            result, fatal = run_case(self.check, self.backend_cls, self.case, self.device)
+            if fatal:
+                self.plan.stopped = (
+                    f"a sticky CUDA error in {self.backend}'s case {self.case.id} left this process's CUDA "
+                    "context unusable"
+                )
         except (SystemExit, BackendExited) as error:
             reason = (
                 f"the backend raised SystemExit({error.code!r}) during the case"
@@ -395,6 +401,22 @@ class ConformanceItem(pytest.Item):
         return self.path, None, f"conformance {self.check.name} {self.case.id if self.case else ''}"
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """After a case whose sticky CUDA error left the context unusable (its result reported), no
+    case may run in this process, as no case runs after it in a ``conformance run`` child. A
+    pytest-xdist worker ends, so that a fresh one takes the rest (the controller counts the
+    item's crash once; its result is the CRASH already sent). Without xdist the session stops,
+    and the cases left are "not run", saying why."""
+    outcome = yield
+    plan = item.config.stash.get(_PLAN_KEY, None)
+    if plan is not None and plan.stopped:
+        if hasattr(item.config, "workerinput"):
+            os._exit(70)  # outside a case: the exit guard lets it through
+        item.session.shouldfail = plan.stopped  # as -x stops: a failed run, not an interrupted one
+    return outcome
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which appends each item's group to its node id
 def pytest_collection_modifyitems(session, config, items) -> None:
     plan = config.stash.get(_PLAN_KEY, None)
@@ -431,7 +453,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     gpus = config.stash.get(_GPUS_KEY, None)
     workers = config.getoption("numprocesses", None) if _distributed(config) else None
     extra = {**({"pytest_workers": workers} if workers else {}), **({"gpus": gpus} if gpus else {})}
-    result = collector.run_result(plan.device, interrupted, extra)
+    result = collector.run_result(plan.device, interrupted, extra, plan.stopped)
     if config.getoption("conformance_json"):
         result.save(config.getoption("conformance_json"))
         collector.journal.remove()

@@ -96,10 +96,15 @@ class ResultCollector:
         events = self.events.get(planned.backend)
         return events is not None and (planned.check, planned.case.id) in events.results
 
-    def run_result(self, device, interrupted: bool, environment_extra: dict[str, Any]) -> RunResult:
+    def run_result(
+        self, device, interrupted: bool, environment_extra: dict[str, Any], stopped: str | None = None
+    ) -> RunResult:
+        """``stopped``: why the only process ran no more cases (the cases left are "not run" for it)."""
         from backends import registry
 
-        not_run = "not run: the run was interrupted" if interrupted else "not run: no pytest worker reported this case"
+        not_run = "not run: no pytest worker reported this case"
+        if interrupted or stopped:
+            not_run = "not run: the run was interrupted" if interrupted else f"not run: {stopped}"
         results = []
         for name in self.backends:
             ref, backend_cls = registry.resolve(name), self.backend_classes[name]

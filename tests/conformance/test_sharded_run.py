@@ -289,3 +289,46 @@ def test_ctrl_c_stops_a_sharded_run_and_keeps_what_finished(tmp_path):
         time.sleep(0.1)
     assert not any(alive(pid) for pid in processes), "a pytest process survived the run"
     assert not results.with_name("results.json.journal").exists()
+
+
+FAULTS = "tests.planted.defects:FaultsOnLongSequence"
+FAULTING_CASE = "gqa-h4/1-d64-fp16-p16-w24-pad0-edges:50+4,3+1,100+1@0"  # the smoke suite's one sequence past 80
+
+
+def test_a_sticky_cuda_error_ends_its_worker_and_a_fresh_one_runs_the_rest(tmp_path):
+    # The fault poisons every later forward of its process, torch_naive's too. One worker runs
+    # both backends' groups in turn: torch_naive's must run in a fresh process, as in a serial run.
+    common = ["run", "--backend", f"{FAULTS},torch_naive", "--suite", "smoke", "--check", "numerics"]
+    common += ["--device", "cpu", "--quiet"]
+    serial = conformance(*common, "--json", str(tmp_path / "serial.json"))
+    sharded = conformance(*common, "--workers", "1", "--json", str(tmp_path / "sharded.json"))
+    assert serial.returncode == sharded.returncode == 1, sharded.stderr
+    serial_result, sharded_result = RunResult.load(tmp_path / "serial.json"), RunResult.load(tmp_path / "sharded.json")
+    assert verdicts(sharded_result) == verdicts(serial_result)
+    faults, naive = sharded_result.backends
+    crashed = [case for case in faults.checks[0].cases if case.verdict.value == "CRASH"]
+    assert [case.case for case in crashed] == [FAULTING_CASE] and "illegal memory access" in crashed[0].reason
+    assert naive.checks[0].verdict.value == "PASS"
+
+
+def test_without_xdist_a_sticky_cuda_error_stops_the_session_saying_why(pytester, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    json_path = tmp_path / "stopped.json"
+    result = pytester.runpytest_subprocess(
+        *plugin_args(),
+        "--conformance-backend",
+        f"{FAULTS},torch_naive",
+        "--conformance-check",
+        "numerics",
+        "--conformance-device",
+        "cpu",
+        f"--conformance-json={json_path}",
+    )
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    faults, naive = RunResult.load(json_path).backends
+    assert [case.case for case in faults.checks[0].cases if case.verdict.value != "PASS"] == [FAULTING_CASE]
+    reasons = {case.reason for case in naive.checks[0].cases}
+    assert reasons == {
+        f"not run: a sticky CUDA error in {FAULTS}'s case {FAULTING_CASE} left this process's CUDA context unusable"
+    }
+    assert not RunResult.load(json_path).interrupted

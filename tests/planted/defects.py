@@ -85,6 +85,26 @@ class CrashesOnLargeBatch(TorchNaiveBackend):
         super().forward(query, kv_cache, metadata, out)
 
 
+STICKY_FAULT = "CUDA error: an illegal memory access was encountered"
+
+
+def _faulted_forward(self, query, kv_cache, metadata, out):
+    raise RuntimeError(STICKY_FAULT)
+
+
+class FaultsOnLongSequence(TorchNaiveBackend):
+    """An out-of-bounds read on a sequence past 80 tokens, which on a GPU leaves the process's
+    CUDA context unusable: every later kernel of the process fails with the same error, another
+    backend's too (here: torch_naive's forward, wherever this process runs it)."""
+
+    name = "planted_faults_on_long_sequence"
+
+    def forward(self, query, kv_cache, metadata, out):
+        if max(metadata.seq_lens) > 80:
+            TorchNaiveBackend.forward = _faulted_forward
+        super().forward(query, kv_cache, metadata, out)
+
+
 class Hangs(TorchNaiveBackend):
     name = "planted_hangs"
 
