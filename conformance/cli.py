@@ -18,6 +18,7 @@ import os
 import shlex
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -42,11 +43,12 @@ from conformance.report.output_paths import OutputPathError, check_directory, ch
 from conformance.report.safe_text import visible
 from conformance.report.terminal import LineProgress, RichProgress, print_report
 from conformance.results import RunResult
+from conformance.run.environment import collect_environment
 from conformance.run.interrupts import Interrupted, release_signals, stopping_on_signals
 from conformance.run.journal import Journal
 from conformance.run.probe import Probe, probe_backends
 from conformance.run.results_lock import ResultsInUse, ResultsLock
-from conformance.run.runner import RunOptions, probe, run
+from conformance.run.runner import RunOptions, failed_to_load, probe, run
 from conformance.scaffold import ScaffoldError, camel, write_skeleton
 from conformance.sharded_run import ShardedRun, ShardFailed, ShardingUnavailable, require_xdist, run_sharded
 from reference_engine.cli import add_engine_parser, run_engine
@@ -333,10 +335,7 @@ def _locked_run(
         result.save(json_path)
         journal.remove()
     else:
-        signum = run_sharded(sharded, json_path, args.quiet)
-        result = RunResult.load(json_path)
-        result.environment["command"] = shlex.join(["conformance", *sys.argv[1:]])  # not pytest's
-        result.save(json_path)
+        signum, result = _run_sharded(sharded, options, json_path, args.quiet)
         if signum is not None:
             interrupted = Interrupted(signum)
             interrupted.partial = result
@@ -354,6 +353,28 @@ def _locked_run(
         print("conformance: nothing could run here: every case was skipped", file=sys.stderr)
         return EXIT_NOTHING_RAN
     return EXIT_OK
+
+
+def _run_sharded(
+    sharded: ShardedRun, options: RunOptions, json_path: Path, quiet: bool
+) -> tuple[int | None, RunResult]:
+    """The run over pytest-xdist workers, of the backends whose probe could load them; a backend
+    whose import raised, crashed or hung is its row from the probe, as in a serial run (in pytest
+    it would stop the whole session, or hang it). Returns the signal that stopped it, or None."""
+    loadable = [name for name in sharded.backends if not options.probes[name].failure]
+    signum = None
+    if loadable:
+        signum = run_sharded(replace(sharded, backends=loadable), json_path, quiet)
+        result = RunResult.load(json_path)
+    else:
+        result = RunResult(collect_environment(options.device), [], options.suite, list(options.checks))
+    rows = {backend.name: backend for backend in result.backends}
+    result.backends = [
+        rows.get(name) or failed_to_load(name, options.probes[name], options) for name in sharded.backends
+    ]
+    result.environment["command"] = shlex.join(["conformance", *sys.argv[1:]])  # not pytest's
+    result.save(json_path)
+    return signum, result
 
 
 def _stop_interrupted(

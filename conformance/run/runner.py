@@ -74,7 +74,7 @@ def unavailable_checks(checks: list[str], reason: str) -> list[CheckResult]:
     return [CheckResult(check, Verdict.SKIP, f"backend unavailable: {reason}") for check in checks]
 
 
-def _failed_to_load(name: str, probe: Probe, options: RunOptions) -> BackendResult:
+def failed_to_load(name: str, probe: Probe, options: RunOptions) -> BackendResult:
     """A backend whose import raised, crashed or hung: every check carries why, as a failure."""
     checks = [CheckResult(check, probe.failure_verdict, probe.failure or "") for check in options.checks]
     return BackendResult(name, True, "", probe.ref.origin, {}, checks)
@@ -83,7 +83,7 @@ def _failed_to_load(name: str, probe: Probe, options: RunOptions) -> BackendResu
 def run_backend(name: str, probe: Probe, options: RunOptions, progress: Progress) -> BackendResult:
     ref = probe.ref
     if probe.failure:
-        result = _failed_to_load(name, probe, options)
+        result = failed_to_load(name, probe, options)
         progress.backend_finished(result)
         return result
     claims = probe.claims
@@ -183,7 +183,7 @@ def run(options: RunOptions, progress: Progress | None = None) -> RunResult:
 def _not_started(name: str, probe: Probe, options: RunOptions, not_run: str) -> BackendResult:
     if probe.failure or probe.unavailable:
         return (
-            _failed_to_load(name, probe, options)
+            failed_to_load(name, probe, options)
             if probe.failure
             else BackendResult(
                 name,

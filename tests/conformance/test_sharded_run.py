@@ -37,8 +37,10 @@ def verdicts(result: RunResult) -> dict[tuple[str, str, str], str]:
 
 
 def test_workers_on_the_cpu_give_the_serial_runs_results_case_for_case(tmp_path):
-    # A passing backend, a failing one, and one that cannot run on a CPU (its reason as a serial run words it).
+    # A passing backend, a failing one, one that cannot run on a CPU (its reason as a serial run
+    # words it), and one whose import raises (its row from the probe: in pytest it stopped the session).
     backends = "torch_naive,tests.planted.defects:WrongScale,tests.planted.defects:NeedsBlackwell"
+    backends += ",tests.planted.broken_module:Backend"
     common = ["run", "--backend", backends, "--suite", "smoke", "--device", "cpu", "--quiet"]
     serial = conformance(*common, "--json", str(tmp_path / "serial.json"))
     sharded = conformance(*common, "--workers", "2", "--json", str(tmp_path / "sharded.json"))
@@ -46,6 +48,7 @@ def test_workers_on_the_cpu_give_the_serial_runs_results_case_for_case(tmp_path)
     serial_result, sharded_result = RunResult.load(tmp_path / "serial.json"), RunResult.load(tmp_path / "sharded.json")
     assert verdicts(sharded_result) == verdicts(serial_result)
     assert [b.reason for b in sharded_result.backends] == [b.reason for b in serial_result.backends]
+    assert [b.name for b in sharded_result.backends] == [b.name for b in serial_result.backends]
     assert sharded_result.environment["pytest_workers"] == 2
     assert sharded_result.environment["command"].startswith("conformance run")
     assert "FAIL" in sharded.stdout and "WrongScale" in sharded.stdout  # the usual report, from the merged results
