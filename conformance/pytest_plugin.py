@@ -153,6 +153,7 @@ class Plan:
     check_options: dict[str, Any]
     suite: str
     seal: Any
+    import_changes: dict[str, list[str]]  # backend -> what its import changed: its first case's ERROR here
     skips: dict = field(default_factory=dict)  # (backend, check) -> case id -> skip reason, as decided
     stopped: str | None = None  # why this process must run no more cases (a sticky CUDA error)
 
@@ -201,8 +202,11 @@ def _plan(config) -> Plan:
     if not names or len(set(names)) != len(names):
         raise pytest.UsageError("--conformance-backend needs backend names, each once")
     seed = config.getoption("conformance_seed")
+    classes, import_changes = {}, {}
     try:
-        classes = {name: registry.load(name) for name in names}
+        for name in names:
+            classes[name] = registry.load(name)
+            import_changes[name] = seal.changes()  # put back; charged to this backend, not the first case run
         cases = chosen_cases(config.getoption("conformance_case"), config.getoption("conformance_suite"), seed)
     except (registry.BackendLookupError, CaseSyntaxError) as error:
         raise pytest.UsageError(str(error)) from None
@@ -232,7 +236,7 @@ def _plan(config) -> Plan:
         "prefill_backend": config.getoption("conformance_prefill_backend"),
         "suite": suite_name,
     }
-    return Plan(names, classes, checks, cases, device, cannot_run, why, options, suite_name, seal)
+    return Plan(names, classes, checks, cases, device, cannot_run, why, options, suite_name, seal, import_changes)
 
 
 def _distributed(config) -> bool:
@@ -313,6 +317,7 @@ class ConformanceItem(pytest.Item):
 
     def runtest(self) -> None:
         from conformance.results import CaseResult, Verdict
+        from conformance.run.execution import tampered
 
         if self.cannot_run:
             self.emit({"event": "unavailable", "reason": self.plan.unavailable[self.backend]})
@@ -325,6 +330,11 @@ class ConformanceItem(pytest.Item):
             pytest.skip(reason)
         reason = self.case_skip_reason()
         result = CaseResult(self.case.id, Verdict.SKIP, reason, tag=self.case.tag) if reason else self.run_case()
+        # As a run's child checks after each case: what changed since, and on this backend's first
+        # case in this process, what its import changed.
+        changes = self.plan.import_changes.pop(self.backend, []) + self.plan.seal.changes()
+        if changes:
+            result = tampered(result, changes)
         self.emit({"event": "result", "check": self.check.name, "result": result.to_dict()})
         if result.verdict == Verdict.SKIP:
             pytest.skip(result.reason)
@@ -346,7 +356,7 @@ class ConformanceItem(pytest.Item):
 
     def run_case(self):
         from conformance.results import CaseResult, Verdict
-        from conformance.run.execution import run_case, tampered
+        from conformance.run.execution import run_case
 
         timeout = self.config.getoption("conformance_timeout")
         watched = timeout is not None and hasattr(self.config, "workerinput")
@@ -371,8 +381,7 @@ class ConformanceItem(pytest.Item):
             _guard["in_case"] = False
             if watched:
                 faulthandler.cancel_dump_traceback_later()
-        changes = self.plan.seal.changes()
-        return tampered(result, changes) if changes else result
+        return result
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, ConformanceFailure):

@@ -298,20 +298,27 @@ FAULTS = "tests.planted.defects:FaultsOnLongSequence"
 FAULTING_CASE = "gqa-h4/1-d64-fp16-p16-w24-pad0-edges:50+4,3+1,100+1@0"  # the smoke suite's one sequence past 80
 
 
-def test_a_sticky_cuda_error_ends_its_worker_and_a_fresh_one_runs_the_rest(tmp_path):
-    # The fault poisons every later forward of its process, torch_naive's too. One worker runs
-    # both backends' groups in turn: torch_naive's must run in a fresh process, as in a serial run.
-    common = ["run", "--backend", f"{FAULTS},torch_naive", "--suite", "smoke", "--check", "numerics"]
-    common += ["--device", "cpu", "--quiet"]
+IMPORT_CHANGES = "tests.planted.gate.import_changes_state:Backend"
+
+
+def test_one_backends_process_wide_harm_stays_its_own_in_a_worker(tmp_path):
+    # One worker runs every group in turn, as a serial run's children run the backends. The fault
+    # poisons every later forward of its process: the next backends must run in a fresh worker.
+    # The other backend's import changed a harness setting (in every worker, since each imports
+    # every backend): that is its own first case's ERROR, not the first case the worker runs.
+    common = ["run", "--backend", f"{FAULTS},{IMPORT_CHANGES},torch_naive", "--suite", "smoke", "--check"]
+    common += ["numerics", "--device", "cpu", "--quiet"]
     serial = conformance(*common, "--json", str(tmp_path / "serial.json"))
     sharded = conformance(*common, "--workers", "1", "--json", str(tmp_path / "sharded.json"))
     assert serial.returncode == sharded.returncode == 1, sharded.stderr
     serial_result, sharded_result = RunResult.load(tmp_path / "serial.json"), RunResult.load(tmp_path / "sharded.json")
     assert verdicts(sharded_result) == verdicts(serial_result)
-    faults, naive = sharded_result.backends
-    crashed = [case for case in faults.checks[0].cases if case.verdict.value == "CRASH"]
+    faults, changes, naive = (backend.checks[0].cases for backend in sharded_result.backends)
+    crashed = [case for case in faults if case.verdict.value == "CRASH"]
     assert [case.case for case in crashed] == [FAULTING_CASE] and "illegal memory access" in crashed[0].reason
-    assert naive.checks[0].verdict.value == "PASS"
+    assert [case.verdict.value for case in faults if case.verdict.value != "CRASH"] == ["PASS"] * 8
+    assert changes[0].verdict.value == "ERROR" and "float32 matmul precision" in changes[0].reason
+    assert all(case.verdict.value == "PASS" for case in [*changes[1:], *naive])
 
 
 def test_without_xdist_a_sticky_cuda_error_stops_the_session_saying_why(pytester, tmp_path, monkeypatch):
