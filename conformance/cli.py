@@ -281,6 +281,9 @@ def _sharded_run(args, names, checks, cases, device: torch.device) -> ShardedRun
             raise (NothingToRun if error.absent else UsageError)(str(error)) from None
         if device.type != "cuda" or (device.index or 0) != 0:
             raise UsageError(f"--gpus picks the GPUs itself: drop --device {args.device}")
+    gpus_option = args.gpus
+    if gpus_option is None and device.type == "cuda" and device.index is not None:
+        gpus_option = str(device.index)  # --workers on --device cuda:N: every worker on that GPU, no other
     return ShardedRun(
         backends=names,
         checks=checks,
@@ -288,7 +291,7 @@ def _sharded_run(args, names, checks, cases, device: torch.device) -> ShardedRun
         suite=None if args.case else args.suite,
         seed=args.seed,
         device=device.type,
-        gpus=args.gpus,
+        gpus=gpus_option,
         workers=args.workers or len(gpus),
         case_timeout_s=args.timeout,
         sync_detector=args.sync_detector,

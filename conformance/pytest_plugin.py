@@ -118,13 +118,16 @@ def _guard_exits() -> None:
     C code cannot be caught in-process: ``conformance run`` isolates that."""
     import os
     import posix
+    import threading
 
     if _guard["pid"] is not None:
         return
     real_exit = os._exit
 
     def guarded_exit(status: int) -> None:
-        if _guard["in_case"] and os.getpid() == _guard["pid"]:
+        # The main thread runs the cases; another thread's exit is not the backend's (execnet's
+        # receiver ends a worker whose controller is gone with os._exit, from its own thread).
+        if _guard["in_case"] and os.getpid() == _guard["pid"] and threading.current_thread() is threading.main_thread():
             raise BackendExited(f"the backend called os._exit({status}) during the case")
         real_exit(status)
 

@@ -259,9 +259,13 @@ def test_a_backend_that_hangs_is_given_up_after_its_fourth_worker_death_as_in_a_
     assert completed.returncode == 1, completed.stderr
     hangs, naive = RunResult.load(tmp_path / "hangs.json").backends
     cases = [case for check in hangs.checks for case in check.cases]
-    assert sum(case.verdict.value == "CRASH" for case in cases) == 4
+    crashes = sum(case.verdict.value == "CRASH" for case in cases)
+    # The fourth gives the backend up; a case of it that the other worker is already running may
+    # still hang to its end: a fifth, never more.
+    assert crashes in (4, 5), crashes
     assert all(
-        case.verdict.value == "CRASH" or case.reason == "not run: the backend's pytest workers crashed or hung 4 times"
+        case.verdict.value == "CRASH"
+        or case.reason == f"not run: the backend's pytest workers crashed or hung {crashes} times"
         for case in cases
     )
     assert all(check.verdict.value == "PASS" for check in naive.checks)
@@ -342,3 +346,20 @@ def test_without_xdist_a_sticky_cuda_error_stops_the_session_saying_why(pytester
         f"not run: a sticky CUDA error in {FAULTS}'s case {FAULTING_CASE} left this process's CUDA context unusable"
     }
     assert not RunResult.load(json_path).interrupted
+
+
+def test_workers_on_one_named_gpu_stay_on_it():
+    # `--device cuda:1 --workers 2` puts both workers on GPU 1, not on every GPU of the machine.
+    from argparse import Namespace
+
+    import torch
+
+    from conformance.cli import _sharded_run
+
+    args = Namespace(
+        gpus=None, workers=2, command="run", in_process=False, backend_timeout=None, case=None, suite="smoke",
+        seed=None, timeout=60.0, sync_detector="auto", prefill_backend="auto", device="cuda:1",
+    )  # fmt: skip
+    run = _sharded_run(args, ["torch_naive"], ["numerics"], [], torch.device("cuda:1"))
+    assert (run.gpus, run.workers, run.device) == ("1", 2, "cuda")
+    assert _sharded_run(args, ["torch_naive"], ["numerics"], [], torch.device("cuda")).gpus is None  # every GPU
