@@ -14,6 +14,7 @@ name), so a run restricted from outside (``CUDA_VISIBLE_DEVICES=2,3``) stays ins
 
 from __future__ import annotations
 
+import itertools
 import os
 
 
@@ -30,7 +31,9 @@ def visible_gpus() -> list[str]:
     """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` entries for a child."""
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed is not None:
-        return [entry.strip() for entry in listed.split(",") if entry.strip()]
+        entries = [entry.strip() for entry in listed.split(",") if entry.strip()]
+        # CUDA ignores the list from its first negative entry on: "-1" is the usual way to hide every GPU.
+        return list(itertools.takewhile(lambda entry: not entry.startswith("-"), entries))
     import torch
 
     return [str(index) for index in range(torch.cuda.device_count())]

@@ -96,15 +96,16 @@ def test_bench_is_not_sharded(tmp_path):
         assert "bench times backends side by side on one GPU" in completed.stderr
 
 
-def test_gpus_without_a_gpu_is_nothing_to_run(tmp_path, monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+@pytest.mark.parametrize("hidden", ["", "-1"])
+def test_gpus_without_a_gpu_is_nothing_to_run(tmp_path, monkeypatch, hidden):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
     completed = conformance("run", "--suite", "smoke", "--gpus", "all", "--out", str(tmp_path))
     assert completed.returncode == 3, completed.stderr
     assert "no CUDA device is visible" in completed.stderr
 
 
 def test_gpu_choice_follows_cuda_visible_devices(monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,GPU-abc")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,GPU-abc,-1,4")
     assert choose_gpus("all") == ["3", "5", "GPU-abc"]
     assert choose_gpus("2,0") == ["GPU-abc", "3"]
     for bad, message in (("3", "there is no GPU 3"), ("0,0", "more than once"), ("x", "give 'all' or GPU indices")):
