@@ -110,12 +110,9 @@ def _probes(options: RunOptions) -> dict[str, Probe]:
 
 def _cases(args: argparse.Namespace):
     try:
-        return _no_repeats_cases(chosen_cases(args.case, args.suite, args.seed))
+        cases = chosen_cases(args.case, args.suite, args.seed)
     except CaseSyntaxError as error:
         raise UsageError(str(error)) from None
-
-
-def _no_repeats_cases(cases):
     _no_repeats("--case", [case.id for case in cases])
     return cases
 

@@ -85,8 +85,8 @@ def pytest_addoption(parser) -> None:
     group.addoption(
         "--conformance-gpus",
         default=None,
-        help="with pytest-xdist (-n N): 'all' or GPU indices (0,1); worker gwK takes the K-th, round robin "
-        "(default under -n: all)",
+        help="with pytest-xdist (-n N): 'all' or GPU indices (0,1); the K-th worker takes the K-th, round "
+        "robin (default under -n: all)",
     )
     group.addoption(
         "--conformance-group",
@@ -213,6 +213,10 @@ def _plan(config) -> Plan:
         cases = chosen_cases(config.getoption("conformance_case"), config.getoption("conformance_suite"), seed)
     except (registry.BackendLookupError, CaseSyntaxError) as error:
         raise pytest.UsageError(str(error)) from None
+    ids = [case.id for case in cases]
+    repeated = next((case_id for case_id in ids if ids.count(case_id) > 1), None)
+    if repeated:  # two items of one name: one result would stand for both
+        raise pytest.UsageError(f"--conformance-case names {repeated!r} more than once")
     option = config.getoption("conformance_check")
     checks = default_checks() if option is None else [name.strip() for name in option.split(",") if name.strip()]
     unknown = [name for name in checks if name not in CHECKS]

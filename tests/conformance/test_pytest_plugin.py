@@ -88,6 +88,15 @@ def test_a_device_that_is_not_one_is_a_usage_error(pytester):
     result.stderr.fnmatch_lines(["*--conformance-device 'tpu' is not a device*"])
 
 
+def test_a_case_named_twice_is_a_usage_error(pytester):
+    case = "gqa-h2/1-d16-fp32:5+1"
+    result = run_plugin(
+        pytester, "--conformance-backend", "torch_naive", "--conformance-case", case, "--conformance-case", case
+    )
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--conformance-case names 'gqa-h2/1-d16-fp32-p16:5+1@0' more than once*"])
+
+
 def test_checks_that_skip_as_a_whole_are_one_item_and_all_skipped_fails(pytester):
     # torch_naive claims no CUDA graphs: graphs and draft-loop are one skipped item each. The
     # default checks are the CLI's (engine and determinism included).
