@@ -39,6 +39,8 @@ import torch
 
 from conformance.pytest_gpus import GpuChoiceError, assign_gpus, choose_gpus
 from conformance.pytest_results import PlannedCase, ResultCollector, event_property
+from conformance.run import exit_guard
+from conformance.run.reaper import Spawned
 from host_syncs.pytest_fixture import forbid_host_syncs, pytest_runtest_call  # noqa: F401 - registered with this plugin
 
 
@@ -103,38 +105,6 @@ def pytest_addoption(parser) -> None:
     )
 
 
-class BackendExited(BaseException):
-    """The backend asked the process to end in the middle of a case (``os._exit``, ``sys.exit``):
-    in an isolated run that is a CRASH of the case; here it must not end pytest with status 0."""
-
-
-_guard = {"pid": None, "in_case": False}
-
-
-def _guard_exits() -> None:
-    """``os._exit`` made to raise while a conformance item runs, in this process only (a forked
-    child's ``os._exit`` is its normal way out). Installed before the backend is imported, so a
-    backend that took ``from os import _exit`` gets the guarded one too. An ``exit`` called from
-    C code cannot be caught in-process: ``conformance run`` isolates that."""
-    import os
-    import posix
-    import threading
-
-    if _guard["pid"] is not None:
-        return
-    real_exit = os._exit
-
-    def guarded_exit(status: int) -> None:
-        # The main thread runs the cases; another thread's exit is not the backend's (execnet's
-        # receiver ends a worker whose controller is gone with os._exit, from its own thread).
-        if _guard["in_case"] and os.getpid() == _guard["pid"] and threading.current_thread() is threading.main_thread():
-            raise BackendExited(f"the backend called os._exit({status}) during the case")
-        real_exit(status)
-
-    _guard["pid"] = os.getpid()
-    os._exit = posix._exit = guarded_exit
-
-
 class ConformanceFailure(Exception):
     def __init__(self, result) -> None:
         super().__init__(result.reason)
@@ -157,8 +127,10 @@ class Plan:
     suite: str
     seal: Any
     import_changes: dict[str, list[str]]  # backend -> what its import changed: its first case's ERROR here
+    load_failures: dict[str, tuple[Any, str]]  # backend -> (verdict, why) for one whose import raised or exited
     skips: dict = field(default_factory=dict)  # (backend, check) -> case id -> skip reason, as decided
     stopped: str | None = None  # why this process must run no more cases (a sticky CUDA error)
+    processes: Spawned = field(default_factory=Spawned)  # what backends started here: ended with the session
 
     def item_name(self, backend: str, check: str, case_id: str | None) -> str:
         parts = ([backend] if len(self.backends) > 1 else []) + [check] + ([case_id] if case_id else [])
@@ -196,23 +168,33 @@ def _plan(config) -> Plan:
     from conformance.cases.grammar import CaseSyntaxError
     from conformance.cases.suites import chosen_cases
     from conformance.checks import CHECKS, default_checks
+    from conformance.run.probe import load_backend
     from conformance.run.seal import Seal
     from reference_engine.device_flag import DeviceError, resolve_device
 
-    _guard_exits()
+    exit_guard.install()
     seal = Seal.take()  # before any backend is imported, as a run's child takes it
     names = [name.strip() for name in config.getoption("conformance_backend").split(",") if name.strip()]
     if not names or len(set(names)) != len(names):
         raise pytest.UsageError("--conformance-backend needs backend names, each once")
     seed = config.getoption("conformance_seed")
-    classes, import_changes = {}, {}
     try:
-        for name in names:
-            classes[name] = registry.load(name)
-            import_changes[name] = seal.changes()  # put back; charged to this backend, not the first case run
+        refs = [registry.resolve(name) for name in names]
         cases = chosen_cases(config.getoption("conformance_case"), config.getoption("conformance_suite"), seed)
     except (registry.BackendLookupError, CaseSyntaxError) as error:
         raise pytest.UsageError(str(error)) from None
+    classes, import_changes, load_failures = {}, {}, {}
+    for ref in refs:
+        # As a run's probe loads it: a typo is the command's mistake; an import that raises or
+        # exits is that backend's ERROR or CRASH, and the other backends run.
+        loaded = load_backend(ref)
+        if loaded.mistyped:
+            raise pytest.UsageError(loaded.failure)
+        if loaded.failure:
+            load_failures[ref.name] = (loaded.failure_verdict, loaded.failure)
+        else:
+            classes[ref.name] = loaded.backend_cls
+            import_changes[ref.name] = seal.changes()  # put back; charged to this backend, not the first case run
     ids = [case.id for case in cases]
     repeated = next((case_id for case_id in ids if ids.count(case_id) > 1), None)
     if repeated:  # two items of one name: one result would stand for both
@@ -232,7 +214,7 @@ def _plan(config) -> Plan:
         if not error.absent:
             raise pytest.UsageError(str(error)) from None
         device, absent = torch.device("cpu"), str(error)
-    cannot_run, why = {}, {}
+    cannot_run, why = dict.fromkeys(load_failures), dict.fromkeys(load_failures)
     for name, backend_cls in classes.items():
         unavailable = None if absent else backend_cls.availability_reason(DeviceInfo.of(device))
         cannot_run[name] = absent or (f"{name} is not available on {device}: {unavailable}" if unavailable else None)
@@ -243,7 +225,9 @@ def _plan(config) -> Plan:
         "prefill_backend": config.getoption("conformance_prefill_backend"),
         "suite": suite_name,
     }
-    return Plan(names, classes, checks, cases, device, cannot_run, why, options, suite_name, seal, import_changes)
+    return Plan(
+        names, classes, checks, cases, device, cannot_run, why, options, suite_name, seal, import_changes, load_failures
+    )
 
 
 def _distributed(config) -> bool:
@@ -274,7 +258,14 @@ def pytest_configure(config) -> None:
     plan = config.stash[_PLAN_KEY] = _plan(config)
     if workerinput is None:  # the process that reports: the controller, or the only one
         collector = ResultCollector(
-            plan.backends, plan.classes, plan.checks, plan.cases, plan.check_options, plan.suite, plan.case_items()
+            plan.backends,
+            plan.classes,
+            plan.checks,
+            plan.cases,
+            plan.check_options,
+            plan.suite,
+            plan.case_items(),
+            load_failures=plan.load_failures,
         )
         if config.getoption("conformance_json"):
             from pathlib import Path
@@ -314,7 +305,7 @@ class ConformanceItem(pytest.Item):
     def __init__(self, *, backend, check, case, plan: Plan, **kwargs) -> None:
         super().__init__(**kwargs)
         self.backend, self.check, self.case, self.plan = backend, check, case, plan
-        self.backend_cls = plan.classes[backend]
+        self.backend_cls = plan.classes.get(backend)  # None: its import failed (plan.load_failures)
         self.device = plan.device
         self.cannot_run = plan.cannot_run[backend]
 
@@ -326,6 +317,9 @@ class ConformanceItem(pytest.Item):
         from conformance.results import CaseResult, Verdict
         from conformance.run.execution import tampered
 
+        if self.backend in self.plan.load_failures:  # its results row comes from the plan, as a run's from its probe
+            verdict, why = self.plan.load_failures[self.backend]
+            pytest.fail(f"{verdict.value}: {why}", pytrace=False)
         if self.cannot_run:
             self.emit({"event": "unavailable", "reason": self.plan.unavailable[self.backend]})
             if self.config.getoption("conformance_allow_skip"):
@@ -362,30 +356,21 @@ class ConformanceItem(pytest.Item):
         raise AssertionError(f"{self.case.id} is not a case of this run")
 
     def run_case(self):
-        from conformance.results import CaseResult, Verdict
         from conformance.run.execution import run_case
 
         timeout = self.config.getoption("conformance_timeout")
         watched = timeout is not None and hasattr(self.config, "workerinput")
         if watched:  # ends the worker (C-level _exit, past the exit guard): xdist reports the item crashed
             faulthandler.dump_traceback_later(timeout, exit=True)
-        _guard["in_case"] = True
         try:
-            result, fatal = run_case(self.check, self.backend_cls, self.case, self.device)
+            with self.plan.processes.watching():  # what the backend starts is ended with the session
+                result, fatal = run_case(self.check, self.backend_cls, self.case, self.device)
             if fatal:
                 self.plan.stopped = (
                     f"a sticky CUDA error in {self.backend}'s case {self.case.id} left this process's CUDA "
                     "context unusable"
                 )
-        except (SystemExit, BackendExited) as error:
-            reason = (
-                f"the backend raised SystemExit({error.code!r}) during the case"
-                if isinstance(error, SystemExit)
-                else str(error)
-            )
-            result = CaseResult(self.case.id, Verdict.CRASH, reason, tag=self.case.tag)
         finally:
-            _guard["in_case"] = False
             if watched:
                 faulthandler.cancel_dump_traceback_later()
         return result
@@ -428,7 +413,7 @@ def pytest_runtest_protocol(item, nextitem):
     plan = item.config.stash.get(_PLAN_KEY, None)
     if plan is not None and plan.stopped:
         if hasattr(item.config, "workerinput"):
-            os._exit(70)  # outside a case: the exit guard lets it through
+            exit_guard.real_exit(70)
         item.session.shouldfail = plan.stopped  # as -x stops: a failed run, not an interrupted one
     return outcome
 
@@ -444,7 +429,7 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         cannot_run = plan.cannot_run[backend]
         for check_name in plan.checks:
             check = make_check(check_name, plan.check_options)  # one instance per check, as in a run
-            whole = cannot_run or check.skip_reason(plan.classes[backend], plan.device)
+            whole = backend in plan.load_failures or cannot_run or check.skip_reason(plan.classes[backend], plan.device)
             for case in [None] if whole else plan.cases:  # a whole skip is one item: the count says what ran
                 item = ConformanceItem.from_parent(
                     session,
@@ -461,10 +446,12 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     """The results document, where asked for; and every conformance item skipped: nothing was
     checked, and that must not read as green."""
     config = session.config
+    plan = config.stash.get(_PLAN_KEY, None)
+    if plan is not None:
+        plan.processes.end()
     collector = config.stash.get(_COLLECTOR_KEY, None)
     if collector is None:
         return
-    plan = config.stash[_PLAN_KEY]
     interrupted = exitstatus == pytest.ExitCode.INTERRUPTED or bool(session.shouldstop)
     gpus = config.stash.get(_GPUS_KEY, None)
     workers = config.getoption("numprocesses", None) if _distributed(config) else None

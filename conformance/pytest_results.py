@@ -24,7 +24,7 @@ from conformance.results import BackendResult, CaseResult, RunResult, Verdict
 from conformance.run.environment import collect_environment
 from conformance.run.isolation import MAX_CRASHES, BackendEvents
 from conformance.run.journal import Journal
-from conformance.run.runner import annotate_bench_ratios, assemble_checks, unavailable_checks
+from conformance.run.runner import annotate_bench_ratios, assemble_checks, failed_backend, unavailable_checks
 
 EVENT_PROPERTY = "conformance_event"  # the user_properties key of an item's result event
 
@@ -59,11 +59,14 @@ class ResultCollector:
     unavailable: dict[str, str] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     journal: Journal | None = None  # each event as it lands, so that a run killed outright keeps it
+    load_failures: dict[str, tuple[Verdict, str]] = field(default_factory=dict)  # backend -> its import's verdict
 
     def pytest_runtest_logreport(self, report) -> None:
+        # An item's events ride on each of its later phases' reports (call, then teardown): taken once, from the call.
         recorded = [json.loads(value) for key, value in report.user_properties if key == EVENT_PROPERTY]
-        for item in recorded:
-            self._record(item["backend"], item["event"])
+        if report.when == "call":
+            for item in recorded:
+                self._record(item["backend"], item["event"])
         planned = self.case_items.get(item_name(report.nodeid))
         if planned is None:
             return
@@ -107,8 +110,12 @@ class ResultCollector:
             not_run = "not run: the run was interrupted" if interrupted else f"not run: {stopped}"
         results = []
         for name in self.backends:
-            ref, backend_cls = registry.resolve(name), self.backend_classes[name]
-            claims = backend_cls.capabilities.to_dict()
+            ref = registry.resolve(name)
+            if name in self.load_failures:  # its import raised or exited: every check says so, as a run's probe row
+                verdict, why = self.load_failures[name]
+                results.append(failed_backend(name, ref.origin, verdict, why, self.checks))
+                continue
+            claims = self.backend_classes[name].capabilities.to_dict()
             if name in self.unavailable:
                 reason = self.unavailable[name]
                 checks = unavailable_checks(self.checks, reason)

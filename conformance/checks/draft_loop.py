@@ -101,7 +101,7 @@ class DraftLoop:
             keep=slots,
             num_blocks=buffers.num_blocks,
             fill=fill,
-            scales=buffers.scales,
+            scales=buffers.handed.scales,
         )
         if slots.numel():
             buffers.backend.write_kv(buffers.kv_cache, key, value, slots, **buffers.layer)

@@ -26,15 +26,21 @@ from backends.base import (
     CGSupport,
     CommonAttentionMetadata,
     PaddingStyle,
-    forward_arguments,
-    layer_arguments,
 )
 from conformance.cases.case_data import sink_logits
 from conformance.cases.grammar import Case
 from conformance.harness.batch import PagedBatch, guarded_block_table, pool_size
 from conformance.harness.graph_batches import GraphShape, padding_rows
-from conformance.harness.input_watch import InputWatch
-from conformance.harness.step import PoolFill, PreparedCase, allocate_pool, as_bits, case_scales, write_poison
+from conformance.harness.input_watch import InputWatch, PoolWatch
+from conformance.harness.step import (
+    HandedLayer,
+    PoolFill,
+    PreparedCase,
+    allocate_pool,
+    as_bits,
+    case_scales,
+    write_poison,
+)
 
 PADDING_KEY_VALUE = 7.0  # garbage that padding rows carry: it must land nowhere. Each load adds
 # its index, so a stray write of one replay differs from what an earlier one left behind.
@@ -66,12 +72,13 @@ class GraphBuffers:
         self.backend = backend_cls(spec, limits, device)
         self.num_blocks = max(pool_size(case) for case in cases)
         self.kv_cache = allocate_pool(self.backend, self.num_blocks, fill)
-        # An fp8 layer's scales: persistent device tensors, as an engine's layer holds them.
+        # An fp8 layer's scales (the harness's, which the oracle reads) and its learned sinks; the
+        # backend is handed copies, persistent device tensors as an engine's layer holds them.
         self.scales = case_scales(cases[0], device)
-        self.layer = layer_arguments(self.scales)  # write_kv's keywords
-        # ... and forward's: the scales and the layer's learned sinks, persistent like its weights.
         sinks = sink_logits(spec).to(device) if spec.attention_sinks else None
-        self.forward_layer = forward_arguments(self.scales, sinks)
+        self.handed = HandedLayer.copy_of(self.scales, sinks)
+        self.layer = self.handed.write_kv  # write_kv's keywords
+        self.forward_layer = self.handed.forward  # forward's: the scales and the sinks
         max_blocks = shape.max_model_len // spec.block_size
         int32 = dict(dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(shape.num_reqs + 1, **int32)
@@ -105,7 +112,7 @@ class GraphBuffers:
             keep=slots,
             num_blocks=self.num_blocks,
             fill=fill or self.fill,
-            scales=self.scales,
+            scales=self.handed.scales,
         )
         if slots.numel():
             self.backend.write_kv(self.kv_cache, key, value, slots, **self.layer)
@@ -163,12 +170,14 @@ class GraphBuffers:
                 "block_table": self.block_table,
                 "query_start_loc_cpu": common.query_start_loc_cpu,
                 "host seq_lens": common.host_seq_lens,
-            }
+            },
+            keywords={**self.layer, **self.forward_layer},
+            pool=PoolWatch.of(self.kv_cache, self.num_blocks, self.spec.block_size, self.slot_mapping),
         )
 
     def prepared(self, batch: PagedBatch) -> PreparedCase:
         """``batch`` over these buffers' backend, pool and scales (what its expected output is read from)."""
-        return PreparedCase(batch, self.backend, self.kv_cache, scales=self.scales)
+        return PreparedCase(batch, self.backend, self.kv_cache, scales=self.scales, handed=self.handed)
 
     def add_step_rows(self, cache: torch.Tensor, loaded: LoadedBatch) -> None:
         """Write the step's real rows into ``cache`` (a copy of the cache taken before the step),

@@ -8,11 +8,19 @@ read on the host between the calls, so a watched step still runs as an engine's 
 behind a busy stream, or with the next step built while it is in flight). ``changes()``, after the
 step has run, compares the fingerprints and, for a changed tensor, finds its first changed element
 against the copy. Host tensors (the host lengths) are compared directly.
+
+The layer's own keywords (an fp8 layer's ``scales``, learned ``sinks``, any keyword added later)
+are watched whole, whatever they hold: every tensor in them as above, every host number by value
+(``scales.k_scale``). The KV pool is watched outside the blocks the step writes: a digest per
+block (``PoolWatch``), since a copy of a full-suite pool would not fit beside it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -32,28 +40,135 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack([bits.sum(), (bits * positions).sum()])
 
 
+def keyword_inputs(keywords: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Callable[[], Any]]]:
+    """Every tensor and every host value (read back through a getter) inside a call's keywords,
+    named by their path (``scales.k_scale_tensor``): dataclasses and sequences are walked."""
+    tensors: dict[str, torch.Tensor] = {}
+    values: dict[str, Callable[[], Any]] = {}
+
+    def walk(name: str, value: Any, read: Callable[[], Any]) -> None:
+        if isinstance(value, torch.Tensor):
+            tensors[name] = value
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for item in dataclasses.fields(value):
+                walk(f"{name}.{item.name}", getattr(value, item.name), lambda v=value, n=item.name: getattr(v, n))
+        elif isinstance(value, (list, tuple)):
+            for index, element in enumerate(value):
+                walk(f"{name}[{index}]", element, lambda v=value, i=index: v[i])
+        else:
+            values[name] = read
+
+    for name, value in keywords.items():
+        walk(name, value, lambda v=value: v)
+    return tensors, values
+
+
+def _same(was: Any, now: Any) -> bool:
+    if isinstance(was, float) and isinstance(now, float) and math.isnan(was) and math.isnan(now):
+        return True
+    return type(was) is type(now) and was == now
+
+
+@dataclass
+class PoolWatch:
+    """The KV pool outside the blocks a step writes: a digest per block before the step and after
+    each call. A block holding a slot of the step is left out (the NaN-poison pass checks those
+    slot by slot); every other block must come back bit for bit."""
+
+    pool: torch.Tensor
+    block_dim: int
+    written: torch.Tensor  # bool [num_blocks]: blocks the step's slots lie in
+    before: torch.Tensor = None
+
+    CHUNK_ELEMENTS = 1 << 24  # digests are made a few blocks at a time: no int64 copy of a whole pool
+
+    @classmethod
+    def of(cls, pool: torch.Tensor, num_blocks: int, block_size: int, slots: torch.Tensor) -> "PoolWatch | None":
+        """None when the pool's layout does not say which dimension is the block (no single
+        dimension of ``num_blocks``)."""
+        dims = [dim for dim, extent in enumerate(pool.shape) if extent == num_blocks]
+        if len(dims) != 1:
+            return None
+        # Padding rows' slot -1 lands in a spare last entry; no host read (the step may be queued).
+        written = torch.zeros(num_blocks + 1, dtype=torch.bool, device=pool.device)
+        slots = slots.to(pool.device).long()
+        blocks = torch.where(slots >= 0, torch.div(slots, block_size, rounding_mode="floor"), num_blocks)
+        written[blocks] = True
+        watch = cls(pool, dims[0], written[:num_blocks])
+        watch.before = watch.digest()
+        return watch
+
+    def digest(self) -> torch.Tensor:
+        """[num_blocks, 2] int64: each block's sum of bit patterns and their position-weighted sum."""
+        blocks = self.pool.movedim(self.block_dim, 0)
+        per_block = max(1, blocks[0].numel())
+        step = max(1, self.CHUNK_ELEMENTS // per_block)
+        parts = []
+        for start in range(0, blocks.shape[0], step):
+            bits = _bits(blocks[start : start + step]).view(-1, per_block).long()
+            positions = torch.arange(1, per_block + 1, device=bits.device, dtype=torch.int64)
+            parts.append(torch.stack([bits.sum(1), (bits * positions).sum(1)], dim=1))
+        return torch.cat(parts)
+
+    def changed_blocks(self, digest: torch.Tensor) -> list[int]:
+        differs = (digest != self.before).any(dim=1) & ~self.written
+        return differs.nonzero().flatten().tolist()
+
+
 @dataclass
 class InputWatch:
     tensors: dict[str, torch.Tensor]
+    values: dict[str, Callable[[], Any]] = field(default_factory=dict)  # host values: name -> how to read it now
     copies: dict[str, torch.Tensor] = field(default_factory=dict)
+    value_copies: dict[str, Any] = field(default_factory=dict)
     before: dict[str, torch.Tensor] = field(default_factory=dict)
     after: list[tuple[str, dict[str, torch.Tensor]]] = field(default_factory=list)
+    pool: PoolWatch | None = None
+    pool_after: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
     @classmethod
-    def of(cls, tensors: dict[str, torch.Tensor | None]) -> "InputWatch":
-        watch = cls({name: tensor for name, tensor in tensors.items() if tensor is not None and tensor.numel()})
+    def of(
+        cls,
+        tensors: dict[str, torch.Tensor | None],
+        keywords: dict[str, Any] | None = None,
+        pool: PoolWatch | None = None,
+    ) -> "InputWatch":
+        """``keywords``: the layer's keyword arguments, watched whole (``keyword_inputs``);
+        ``pool``: the KV pool outside the step's blocks."""
+        keyword_tensors, values = keyword_inputs(keywords or {})
+        given = {**tensors, **keyword_tensors}
+        watch = cls({name: tensor for name, tensor in given.items() if tensor is not None and tensor.numel()}, values)
         for name, tensor in watch.tensors.items():
             watch.copies[name] = tensor.clone()
             watch.before[name] = fingerprint(tensor)
+        watch.value_copies = {name: read() for name, read in values.items()}
+        watch.pool = pool
         return watch
 
     def called(self, call: str) -> None:
         """Fingerprint every watched tensor after ``call`` returned (queued, not waited for)."""
         self.after.append((call, {name: fingerprint(tensor) for name, tensor in self.tensors.items()}))
+        if self.pool is not None:
+            self.pool_after.append((call, self.pool.digest()))
 
     def changes(self) -> list[str]:
-        """Per changed tensor: the first call after which it differed, and its first changed element."""
+        """Per changed input: the first call after which it differed, and its first changed element
+        (a host value: what it became; the pool: the blocks outside the step's that changed)."""
         found = []
+        for name, read in self.values.items():
+            now = read()
+            if not _same(self.value_copies[name], now):
+                found.append(f"the step's calls changed {name} ({self.value_copies[name]!r} → {now!r})")
+        if self.pool is not None:
+            for call, digest in self.pool_after:
+                blocks = self.pool.changed_blocks(digest)
+                if blocks:
+                    shown = ", ".join(map(str, blocks[:4])) + (", …" if len(blocks) > 4 else "")
+                    found.append(
+                        f"{call} changed the KV pool outside the blocks the step writes "
+                        f"({len(blocks)} block(s): {shown})"
+                    )
+                    break
         for name, tensor in self.tensors.items():
             call = next((call for call, prints in self.after if not torch.equal(prints[name], self.before[name])), None)
             if call is None:

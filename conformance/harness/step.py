@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
@@ -29,7 +29,7 @@ from backends.base import (
 from conformance.cases.case_data import poison_key_value
 from conformance.cases.grammar import Case
 from conformance.harness.batch import PagedBatch, materialize
-from conformance.harness.input_watch import InputWatch
+from conformance.harness.input_watch import InputWatch, PoolWatch
 
 POISON_CHUNK_SLOTS = 1 << 16  # poison is written in chunks: a full-suite pool has ~1M slots
 OUTPUT_GUARD_COLUMNS = 64  # extra columns of a strided output's buffer; they must stay NaN
@@ -57,27 +57,61 @@ def _no_record(name: str, tensor: torch.Tensor | None) -> None:
     pass
 
 
+@dataclass(frozen=True)
+class HandedLayer:
+    """What a backend is handed of a layer's own inputs (its fp8 scales, its learned sinks):
+    copies made once per layer, persistent like a layer's weights, and watched. The harness keeps
+    the originals, which the oracle reads: a backend that changes what it was handed fails the
+    watch and cannot move the reference it is judged against."""
+
+    scales: KVScales | None
+    sinks: torch.Tensor | None
+
+    @classmethod
+    def copy_of(cls, scales: KVScales | None, sinks: torch.Tensor | None) -> "HandedLayer":
+        if scales is not None:
+            scales = replace(
+                scales, k_scale_tensor=scales.k_scale_tensor.clone(), v_scale_tensor=scales.v_scale_tensor.clone()
+            )
+        return cls(scales, None if sinks is None else sinks.clone())
+
+    @property
+    def write_kv(self) -> dict[str, Any]:
+        """The keywords of this layer's ``write_kv``: its scales, for an fp8 cache."""
+        return layer_arguments(self.scales)
+
+    @property
+    def forward(self) -> dict[str, Any]:
+        """The keywords of this layer's ``forward``: its scales and its learned sinks, where it has them."""
+        return forward_arguments(self.scales, self.sinks)
+
+
 @dataclass
 class PreparedCase:
     batch: PagedBatch
     backend: AttentionBackend
     kv_cache: torch.Tensor
     metadata: Any = None  # what the last step's ``build`` returned (a second layer's forward reuses it)
-    scales: KVScales | None = None  # an fp8 layer's scales, handed to write_kv and forward
+    scales: KVScales | None = None  # an fp8 layer's scales (the harness's: the oracle reads these)
+    handed: HandedLayer | None = None  # the copies write_kv and forward are handed (made here when not given)
+
+    def __post_init__(self) -> None:
+        if self.handed is None:
+            self.handed = HandedLayer.copy_of(self.scales, self.batch.sinks)
 
     def over(self, batch: PagedBatch) -> "PreparedCase":
         """Another batch (the same requests reordered, a subset) over this layer's backend, pool and scales."""
-        return PreparedCase(batch, self.backend, self.kv_cache, scales=self.scales)
+        return PreparedCase(batch, self.backend, self.kv_cache, scales=self.scales, handed=self.handed)
 
     @property
     def layer(self) -> dict[str, Any]:
-        """The keywords of this layer's ``write_kv``: its scales, for an fp8 cache."""
-        return layer_arguments(self.scales)
+        """The keywords of this layer's ``write_kv`` (``HandedLayer``)."""
+        return self.handed.write_kv
 
     @property
     def forward_layer(self) -> dict[str, Any]:
-        """The keywords of this layer's ``forward``: its scales and its learned sinks, where it has them."""
-        return forward_arguments(self.scales, self.batch.sinks)
+        """The keywords of this layer's ``forward`` (``HandedLayer``)."""
+        return self.handed.forward
 
 
 def case_scales(case: Case, device: torch.device | str, factor: float = 1.0) -> KVScales | None:
@@ -195,9 +229,10 @@ def prepare_layer(
     """A layer's pool for ``batch``: allocated, poisoned, the history written through ``write_kv``
     with this layer's ``scales``."""
     kv_cache = allocate_pool(backend, batch.num_blocks, fill)
+    handed = HandedLayer.copy_of(scales, batch.sinks)
     key, value, slots = batch.history_rows()
     if poison:
-        write_poison(backend, kv_cache, batch, keep=slots, fill=fill, scales=scales)
+        write_poison(backend, kv_cache, batch, keep=slots, fill=fill, scales=handed.scales)
     key, value = engine_kv_views(batch.case, key, value)
     for name, tensor in (
         ("KV pool", kv_cache),
@@ -207,8 +242,8 @@ def prepare_layer(
     ):
         record(name, tensor)
     if slots.numel():
-        backend.write_kv(kv_cache, key, value, slots, **layer_arguments(scales))
-    return PreparedCase(batch, backend, kv_cache, scales=scales)
+        backend.write_kv(kv_cache, key, value, slots, **handed.write_kv)
+    return PreparedCase(batch, backend, kv_cache, scales=scales, handed=handed)
 
 
 def engine_kv_views(
@@ -323,6 +358,7 @@ def launch_step(
             if tensor is not None:
                 negate_(tensor)
     common = step.common
+    batch = prepared.batch
     step.watch = watch = InputWatch.of(
         {
             "query": step.query,
@@ -335,7 +371,9 @@ def launch_step(
             "slot_mapping (metadata)": common.slot_mapping,
             "query_start_loc_cpu": common.query_start_loc_cpu,
             "host seq_lens": common.host_seq_lens,
-        }
+        },
+        keywords={**prepared.layer, **prepared.forward_layer},
+        pool=PoolWatch.of(prepared.kv_cache, batch.num_blocks, batch.spec.block_size, step.slots),
     )
     if metadata is None:
         with phase("build"):

@@ -29,6 +29,7 @@ from backends import registry
 from conformance.cases.grammar import Case, parse_case
 from conformance.checks import Check, make_check
 from conformance.results import CaseResult, Verdict
+from conformance.run import exit_guard
 from conformance.run.gpu_turns import big_pool_turn
 from conformance.run.seal import Seal
 
@@ -109,6 +110,11 @@ def _error_result(case: Case, error: BaseException, verdict: Verdict) -> CaseRes
     return CaseResult(case.id, verdict, summary, tag=case.tag, evidence={"traceback": traceback.format_exc()[-4000:]})
 
 
+def _crash_result(case: Case, reason: str, own: CaseResult | None = None) -> CaseResult:
+    evidence = {"traceback": traceback.format_exc()[-4000:]} if own is None else own.evidence
+    return CaseResult(case.id, Verdict.CRASH, reason, tag=case.tag, evidence=evidence)
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -154,14 +160,21 @@ def run_case(check: Check, backend_cls, case: Case, device: torch.device) -> tup
     result and whether the process must stop (a sticky CUDA error: the context is unusable, and
     the result is CRASH)."""
     started = time.perf_counter()
+    attempts: list[str] = []
     try:
-        with big_pool_turn(case, device):
+        with exit_guard.watching("the case") as attempts, big_pool_turn(case, device):
             result = check.run(backend_cls, case, device)
             _synchronize(device)
     except Exception as error:  # noqa: BLE001 - a backend error is a result, not our crash
         if any(marker in str(error) for marker in _STICKY_CUDA_ERRORS):
             return _error_result(case, error, Verdict.CRASH), True
         result = _error_result(case, error, Verdict.ERROR)
+    except BaseException as error:  # an exit the backend asked for: its CRASH on every path, never the run's end
+        if exit_guard.is_interrupt(error):
+            raise
+        result = _crash_result(case, exit_guard.crash_reason(error))
+    if attempts:  # os._exit on a thread of the backend's: the thread ended, the process would have
+        result = _crash_result(case, attempts[0] + " during the case", result)
     result.seconds = round(time.perf_counter() - started, 3)
     _release_cached_memory(device)
     return result, False
@@ -170,7 +183,8 @@ def run_case(check: Check, backend_cls, case: Case, device: torch.device) -> tup
 def execute(job: Job, emit: Emit) -> bool:
     """Run the job; returns False when it stopped early on a fatal error."""
     seal = Seal.take()  # before the backend is imported: what the harness loaded is the harness's
-    backend_cls = registry.load(job.backend)
+    with exit_guard.watching("its import"):
+        backend_cls = registry.load(job.backend)
     device = torch.device(job.device)
     items = list(plan(job, backend_cls, device))  # every case, reported ones too: the same skips as a fresh run
     emit(plan_event(items))

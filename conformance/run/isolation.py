@@ -33,6 +33,7 @@ from typing import Any
 
 from conformance.process_exit import describe_exit
 from conformance.results import CaseResult, Verdict
+from conformance.run import exit_guard
 from conformance.run.channel import TAMPERING, ChannelReader, new_key
 from conformance.run.execution import Emit, Job, execute
 from conformance.run.reaper import Reaper, exited
@@ -300,6 +301,8 @@ def _blame_and_resume(run: ChildRun, recorder: _Recorder) -> bool:
     how = describe_exit(run.returncode)
     if run.returncode == 0:
         how += " before finishing (a backend that calls exit() or raises SystemExit)"
+    elif run.returncode == exit_guard.EXIT_FROM_C:
+        how = "ended: the backend called exit() from C code"
     if run.running:
         recorder.blame(run.running, f"backend process {how} while running this case", run.stderr_tail)
     elif not run.fatal_reported:
@@ -346,5 +349,13 @@ def run_in_process(job: Job, on_event: Emit, *, events: BackendEvents | None = N
         events.record(event)
         on_event(event)
 
-    execute(job, record)
+    try:
+        with exit_guard.watching("the run"):  # backend code outside a case (its plan's skip decisions)
+            execute(job, record)
+    except BaseException as error:  # noqa: BLE001 - an exit the backend asked for ends its rows, not the run
+        if exit_guard.is_interrupt(error):
+            raise
+        reason = exit_guard.crash_reason(error, "the run, outside any case")
+        for event in not_run(job, events, Verdict.CRASH, reason):
+            record(event)
     return events

@@ -23,6 +23,7 @@ from typing import Any
 from backends.registry import BackendLookupError, BackendRef
 from conformance.process_exit import describe_exit
 from conformance.results import Verdict
+from conformance.run import exit_guard
 from conformance.run.isolation import DIE_WITH_PARENT, child_env
 
 
@@ -38,19 +39,52 @@ class Probe:
     mistyped: bool = False  # a pkg.module:Class that names no module or class: the user's mistake, not the backend's
 
 
+@dataclass
+class Loaded:
+    """A backend's class, or why it could not be imported."""
+
+    backend_cls: Any = None
+    failure: str | None = None
+    failure_verdict: Verdict = Verdict.ERROR  # CRASH: the import asked the process to end
+    mistyped: bool = False
+
+
+def load_backend(ref: BackendRef) -> Loaded:
+    """Import the backend as every path does (a run's probe, ``--in-process``, the pytest
+    plugin): an import that raises is the backend's ERROR, one that asks the process to end
+    (``os._exit``, ``sys.exit``) its CRASH, a module:Class that names nothing a typo."""
+    from backends import registry
+
+    try:
+        with exit_guard.watching("its import"):
+            return Loaded(registry.load(ref))
+    except BackendLookupError as error:
+        return Loaded(failure=str(error), mistyped=ref.origin == "module:Class" and _names_nothing(ref, error))
+    except BaseException as error:  # an exit asked for at import: the backend's CRASH, not the run's end
+        if exit_guard.is_interrupt(error):
+            raise
+        reason = f"cannot load backend {ref.name!r}: {exit_guard.crash_reason(error, 'its import')}"
+        return Loaded(failure=reason, failure_verdict=Verdict.CRASH)
+
+
 def answer(ref: BackendRef, device_text: str) -> dict[str, Any]:
     """The child's answer for one backend (also used in-process, for ``--in-process`` runs)."""
     import torch
 
-    from backends import registry
     from backends.base import DeviceInfo
 
-    try:
-        backend_cls = registry.load(ref)
-    except BackendLookupError as error:
-        return {"failure": str(error), "mistyped": ref.origin == "module:Class" and _names_nothing(ref, error)}
+    loaded = load_backend(ref)
+    if loaded.failure:
+        return {
+            "failure": loaded.failure,
+            "mistyped": loaded.mistyped,
+            "crashed": loaded.failure_verdict == Verdict.CRASH,
+        }
     info = DeviceInfo.of(torch.device(device_text))
-    return {"claims": backend_cls.capabilities.to_dict(), "unavailable": backend_cls.availability_reason(info)}
+    return {
+        "claims": loaded.backend_cls.capabilities.to_dict(),
+        "unavailable": loaded.backend_cls.availability_reason(info),
+    }
 
 
 def _names_nothing(ref: BackendRef, error: BackendLookupError) -> bool:
@@ -89,6 +123,7 @@ def _probe_from(ref: BackendRef, data: dict[str, Any]) -> Probe:
         claims=data.get("claims") or {},
         unavailable=data.get("unavailable"),
         failure=data.get("failure"),
+        failure_verdict=Verdict.CRASH if data.get("crashed") else Verdict.ERROR,
         mistyped=bool(data.get("mistyped")),
     )
 

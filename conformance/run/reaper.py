@@ -16,12 +16,14 @@ of reach.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -138,3 +140,45 @@ class Reaper:
         self.sentinel.wait()
         if self.prctl is not None:
             self.prctl(PR_SET_CHILD_SUBREAPER, 0)
+
+
+class Spawned:
+    """The processes backend code started in a process that no worker group ends with (the
+    pytest plugin's): each is recorded as a case ends, and ``end`` kills those still running.
+    While a case runs, this process is a subreaper, so a helper that daemonized (a double fork)
+    comes back to it instead of to init."""
+
+    def __init__(self) -> None:
+        self.pids: set[int] = set()
+        self.prctl = _prctl()
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        before = children()
+        if self.prctl is not None:
+            self.prctl(PR_SET_CHILD_SUBREAPER, 1)
+        try:
+            yield
+        finally:
+            if self.prctl is not None:
+                self.prctl(PR_SET_CHILD_SUBREAPER, 0)
+            self.pids |= children() - before
+
+    def end(self) -> None:
+        if self.prctl is not None:  # what the killed ones orphan comes back here, to be killed too
+            self.prctl(PR_SET_CHILD_SUBREAPER, 1)
+        others = children() - self.pids
+        try:
+            for _ in range(10):
+                left = children() - others
+                if not left:
+                    return
+                for pid in left:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                        os.waitpid(pid, 0)
+                    except (ProcessLookupError, ChildProcessError, PermissionError):
+                        pass
+        finally:
+            if self.prctl is not None:
+                self.prctl(PR_SET_CHILD_SUBREAPER, 0)

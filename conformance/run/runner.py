@@ -74,10 +74,13 @@ def unavailable_checks(checks: list[str], reason: str) -> list[CheckResult]:
     return [CheckResult(check, Verdict.SKIP, f"backend unavailable: {reason}") for check in checks]
 
 
-def failed_to_load(name: str, probe: Probe, options: RunOptions) -> BackendResult:
+def failed_backend(name: str, origin: str, verdict: Verdict, why: str, checks: list[str]) -> BackendResult:
     """A backend whose import raised, crashed or hung: every check carries why, as a failure."""
-    checks = [CheckResult(check, probe.failure_verdict, probe.failure or "") for check in options.checks]
-    return BackendResult(name, True, "", probe.ref.origin, {}, checks)
+    return BackendResult(name, True, "", origin, {}, [CheckResult(check, verdict, why) for check in checks])
+
+
+def failed_to_load(name: str, probe: Probe, options: RunOptions) -> BackendResult:
+    return failed_backend(name, probe.ref.origin, probe.failure_verdict, probe.failure or "", options.checks)
 
 
 def run_backend(name: str, probe: Probe, options: RunOptions, progress: Progress) -> BackendResult:

@@ -402,3 +402,41 @@ class AccumulatesInInputDtype(TorchNaiveBackend):
             total = total * alpha + weights.sum(-1, keepdim=True)
             running_max = new_max
         return (acc.float() / total).permute(1, 0, 2)
+
+
+class ClampsSinksInPlace(TorchNaiveBackend):
+    """Clamps the layer's learned sinks it was handed to zero from below, in place (a kernel
+    that sanitizes its inputs where they lie), then attends with them: its output matches an
+    oracle that reads the same, changed tensor, and every later layer and step gets other sinks."""
+
+    name = "planted_clamps_sinks_in_place"
+
+    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None, **keywords):
+        if sinks is not None:
+            sinks.clamp_(min=0.0)
+        super().forward(query, kv_cache, metadata, out, scales=scales, sinks=sinks, **keywords)
+
+
+class RescalesKVScalesInPlace(TorchNaiveBackend):
+    """Folds a factor into the layer's fp8 key scale tensor in place and leaves NaN in the value
+    scale tensor (a scale "prepared" for its kernel where it lies), then dequantizes with the
+    layer's host floats: its own output is right, the layer's device scales are not."""
+
+    name = "planted_rescales_kv_scales_in_place"
+
+    def forward(self, query, kv_cache, metadata, out, scales=None, **keywords):
+        if scales is not None:
+            scales.k_scale_tensor.mul_(3)
+            scales.v_scale_tensor.fill_(float("nan"))
+        super().forward(query, kv_cache, metadata, out, scales=scales, **keywords)
+
+
+class WritesOutsideItsBlocks(TorchNaiveBackend):
+    """Zeroes the pool's last block in ``forward`` (a workspace it took to be its own, carved
+    from the end of the pool): a block this step neither writes nor reads."""
+
+    name = "planted_writes_outside_its_blocks"
+
+    def forward(self, query, kv_cache, metadata, out, **keywords):
+        kv_cache[-1].zero_()
+        super().forward(query, kv_cache, metadata, out, **keywords)

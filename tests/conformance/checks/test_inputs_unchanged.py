@@ -18,6 +18,17 @@ DEFECTS = [
     (input_defects.ScalesQueryInPlace, "forward changed query (first at [0, 0, 0]"),
     (input_defects.TurnsSeqLensIntoContextLens, "build changed seq_lens (first at [0]: 14 → 10)"),
     (input_defects.ZeroesTheWholeOutput, "forward wrote 3 output rows past the step's 11 real tokens"),
+    (input_defects.WritesOutsideItsBlocks, "forward changed the KV pool outside the blocks the step writes"),
+]
+# The layer's own keywords: learned sinks, an fp8 layer's device scales (their host floats are
+# what torch_naive dequantizes with, so its output stays right).
+LAYER_DEFECTS = [
+    (input_defects.ClampsSinksInPlace, "gqa-h4/2-d32-fp32-p16-attnsinks:10+4,0+6,30+1", "forward changed sinks"),
+    (
+        input_defects.RescalesKVScalesInPlace,
+        "gqa-h4/2-d32-bf16-fp8e4m3-p16:10+4,0+6,30+1",
+        "forward changed scales.k_scale_tensor (first at [0]: 0.1 → 0.3); forward changed scales.v_scale_tensor",
+    ),
 ]
 
 
@@ -27,6 +38,60 @@ def test_a_changed_input_or_a_written_padding_row_fails_every_check(defect, reas
     assert check().run(TorchNaiveBackend, CASE, CPU).verdict == Verdict.PASS
     result = check().run(defect, CASE, CPU)
     assert result.verdict == Verdict.FAIL and reason in result.reason, result.reason
+
+
+@pytest.mark.parametrize("defect,case_text,reason", LAYER_DEFECTS)
+@pytest.mark.parametrize("check", [NumericsCheck, DeterminismCheck])
+def test_a_layer_input_changed_in_place_fails_and_the_oracle_keeps_its_own(defect, case_text, reason, check):
+    case = parse_case(case_text)
+    assert check().run(TorchNaiveBackend, case, CPU).verdict == Verdict.PASS
+    result = check().run(defect, case, CPU)
+    assert result.verdict == Verdict.FAIL and reason in result.reason, result.reason
+
+
+def test_the_oracle_reads_the_harness_copies_of_sinks_and_scales():
+    # What the backend is handed is a copy: changing it leaves the layer's own (the oracle's) as drawn.
+    from conformance.harness.step import prepare_case
+
+    for case_text in ("gqa-h4/2-d32-fp32-p16-attnsinks:30+1", "gqa-h4/2-d32-bf16-fp8e4m3-p16:30+1"):
+        prepared = prepare_case(TorchNaiveBackend, parse_case(case_text), CPU)
+        handed = prepared.forward_layer
+        if "sinks" in handed:
+            handed["sinks"].zero_()
+            assert prepared.batch.sinks.abs().sum() > 0
+        if "scales" in handed:
+            handed["scales"].k_scale_tensor.zero_()
+            assert float(prepared.scales.k_scale_tensor) == pytest.approx(0.1) and prepared.scales.k_scale == 0.1
+
+
+def test_the_watch_reads_host_numbers_inside_keywords_and_the_pool_outside_the_written_blocks():
+    from dataclasses import dataclass
+
+    from conformance.harness.input_watch import PoolWatch
+
+    @dataclass
+    class Layer:  # a keyword a later contract may add: host numbers and tensors inside an object
+        factor: float
+        table: list
+
+    layer = Layer(2.0, [torch.ones(3)])
+    watch = InputWatch.of({}, keywords={"layer": layer})
+    layer.factor = 3.0
+    layer.table[0][1] = 5.0
+    watch.called("forward")
+    changes = watch.changes()
+    assert "the step's calls changed layer.factor (2.0 → 3.0)" in changes
+    assert any(change.startswith("forward changed layer.table[0] (first at [1]: 1 → 5)") for change in changes)
+
+    pool = torch.zeros(6, 4, 2)  # 6 blocks of 4 slots
+    slots = torch.tensor([9, -1])  # the step writes slot 9 (block 2); -1 is a padding row
+    watch = InputWatch.of({}, pool=PoolWatch.of(pool, 6, 4, slots))
+    pool[2, 1] = 1.0  # its own block: the NaN-poison pass's business, not the watch's
+    watch.called("write_kv")
+    assert watch.changes() == []
+    pool[5, 3, 1] = 1.0
+    watch.called("forward")
+    assert watch.changes() == ["forward changed the KV pool outside the blocks the step writes (1 block(s): 5)"]
 
 
 def test_the_watch_sees_changes_swaps_and_shifts_but_not_a_rewrite_of_the_same_bits():

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
+import threading
 import time
 
 from backends.torch_naive import TorchNaiveBackend
@@ -16,8 +18,9 @@ def _large(metadata) -> bool:
 
 
 class ExitsQuietly(TorchNaiveBackend):
-    """A C++ library calling exit(0) on a path it cannot handle: the process ends with status 0
-    on any batch of more than 3 requests, before the case (or any later one) is reported."""
+    """A library calling os._exit(0) on a path it cannot handle, on any batch of more than 3
+    requests: unguarded, the process would end with status 0 before the case (or any later one)
+    is reported."""
 
     name = "planted_exits_quietly"
 
@@ -94,3 +97,53 @@ class LeavesProcessesAndHangs(LeavesProcesses):
 
     def forward(self, query, kv_cache, metadata, out):
         time.sleep(3600)
+
+
+class ExitsFromC(TorchNaiveBackend):
+    """A C library calling exit(0) on a path it cannot handle (what os._exit's guard cannot turn
+    into an exception), on any batch of more than 3 requests."""
+
+    name = "planted_exits_from_c"
+
+    def forward(self, query, kv_cache, metadata, out):
+        if _large(metadata):
+            ctypes.CDLL(None).exit(0)
+        super().forward(query, kv_cache, metadata, out)
+
+
+class ExitsOnAThread(TorchNaiveBackend):
+    """A watchdog thread of the backend's that ends the process with os._exit(0) (a library's
+    fatal-error path run off the main thread), on any batch of more than 3 requests."""
+
+    name = "planted_exits_on_a_thread"
+
+    def forward(self, query, kv_cache, metadata, out):
+        if _large(metadata):
+            watchdog = threading.Thread(target=os._exit, args=(0,), name="watchdog")
+            watchdog.start()
+            watchdog.join()
+        super().forward(query, kv_cache, metadata, out)
+
+
+class RaisesKeyboardInterrupt(TorchNaiveBackend):
+    """Raises KeyboardInterrupt on any batch of more than 3 requests (a library that turns its own
+    SIGINT handling into the exception), or any other BaseException: no signal came."""
+
+    name = "planted_raises_keyboard_interrupt"
+
+    def forward(self, query, kv_cache, metadata, out):
+        if _large(metadata):
+            raise KeyboardInterrupt
+        super().forward(query, kv_cache, metadata, out)
+
+
+class ExitsFromCWithoutCleanup(TorchNaiveBackend):
+    """C's _exit(0) (no exit handler runs, not even the guard's), on any batch of more than 3
+    requests: the process is simply gone, with status 0."""
+
+    name = "planted_exits_from_c_without_cleanup"
+
+    def forward(self, query, kv_cache, metadata, out):
+        if _large(metadata):
+            ctypes.CDLL(None)._exit(0)
+        super().forward(query, kv_cache, metadata, out)
