@@ -11,11 +11,12 @@ A case's id is its whole definition, in the same compact grammar ``--case`` acce
                     prefill as vLLM runs it: d192/128)
       fp16|bf16|fp32 dtype                 (default bf16)
       fp8e4m3|fp8e5m2 an fp8 KV cache with per-tensor scales (default: the cache in the dtype)
-      kscaleX vscaleX the fp8 cache's key and value scales (default 0.1 and 4; MLA: kscale only)
+      kscaleX vscaleX the fp8 cache's key and value scales (default 0.1 and 4; MLA: kscale only;
+                    from 0.01 to 10000)
       pN            KV block (page) size   (default p16; MLA default p64)
       wN            sliding window         (a token sees itself and the N-1 before it)
-      capX          logits soft cap
-      scaleX        softmax scale          (default 1/sqrt(head dim))
+      capX          logits soft cap        (from 0.000001 to 1000000; no exponents: 0.00001)
+      scaleX        softmax scale          (default 1/sqrt(head dim); the same range)
       shareN        the first N blocks of every request are one shared prefix
       linear        blocks in order (default: physical blocks randomly permuted)
       strided       query, key and value are views into one fused QKV projection, the output a
@@ -52,6 +53,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from decimal import Decimal
 
 import torch
 
@@ -64,6 +66,7 @@ MAX_PADDING_TOKENS = 1024
 MAX_TOKENS_PER_REQUEST = 1 << 22  # 4M tokens: beyond any model's context, and beyond any device's memory here
 MAX_REQUESTS = 1 << 16
 MAX_SEED = 2**63 - 1
+MIN_VALUE_DIM = 3  # a key or value row's channels the harness's data needs (probes, means)
 
 
 class CaseSyntaxError(ValueError):
@@ -194,7 +197,19 @@ def _float(text: str, what: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise CaseSyntaxError(f"{what} {text!r} is not a number") from None
+        hint = " (write it without an exponent: 0.00001, not 1e-05)" if text.lower().endswith("e") else ""
+        raise CaseSyntaxError(f"{what} {text!r} is not a number{hint}") from None
+
+
+# What the harness can draw data for in every compute dtype, measured with torch_naive over every
+# dtype, both fp8 formats and each data profile: fp16's range runs out past these (the probe
+# query grows as 1 / key scale, the stored values × a large value scale overflow).
+FLOAT_RANGES = {
+    "scale": (1e-6, 1e6),
+    "soft cap": (1e-6, 1e6),
+    "key scale": (0.01, 10000.0),
+    "value scale": (0.01, 10000.0),
+}
 
 
 def parse_batch(text: str) -> tuple[tuple[int, int], ...]:
@@ -331,16 +346,28 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
     if window is not None and window < 1:
         raise CaseSyntaxError(f"w{window}: a sliding window holds at least 1 token")
     for name, value in (("soft cap", cap), ("scale", scale), ("key scale", k_scale), ("value scale", v_scale)):
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise CaseSyntaxError(f"{name} {value:g}: must be a finite number above 0")
+        low, high = FLOAT_RANGES[name]
+        if value is not None and not (math.isfinite(value) and low <= value <= high):
+            raise CaseSyntaxError(
+                f"{name} {_format_number(value) if math.isfinite(value) else value}: must be a finite number "
+                f"from {_format_number(low)} to {_format_number(high)}"
+            )
     if not is_mla and num_kv_heads >= 1 and num_heads % num_kv_heads:
         raise CaseSyntaxError(f"{num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
     if block_size < 1 or num_heads < 1 or num_kv_heads < 1:
         raise CaseSyntaxError("block size and head counts must be positive")
-    dims = {"latent dim": kv_lora_rank, "rope dim": rope_dim} if is_mla else {"head dim": head_dim}
-    for name, value in dims.items():
-        if value < 1:
-            raise CaseSyntaxError(f"{name} {value}: must be at least 1")
+    # The harness's data holds its probes and means in a value's first three channels.
+    dims = (
+        {"latent dim": (kv_lora_rank, MIN_VALUE_DIM), "rope dim": (rope_dim, 1)}
+        if is_mla
+        else {
+            "head dim": (head_dim, MIN_VALUE_DIM),
+            "value head dim": (head_dim if value_head_dim is None else value_head_dim, MIN_VALUE_DIM),
+        }
+    )
+    for name, (value, least) in dims.items():
+        if value < least:
+            raise CaseSyntaxError(f"{name} {value}: must be at least {least}")
     if value_head_dim == head_dim:
         value_head_dim = None  # d128/128 is d128
     if is_mla and sinks:
@@ -407,7 +434,10 @@ def parse_case(text: str, default_seed: int = 0) -> Case:
 
 
 def _format_number(value: float) -> str:
-    return f"{value:g}"
+    """The shortest digits that read back as exactly ``value``, without an exponent: a layer's
+    attributes are split at "-", and 1e-05 would be cut in two."""
+    text = format(Decimal(repr(float(value))), "f")
+    return text.rstrip("0").rstrip(".") if "." in text else text
 
 
 def format_layer(spec: AttentionSpec, options: LayerOptions = LayerOptions()) -> str:

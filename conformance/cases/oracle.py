@@ -98,12 +98,15 @@ def mla_reference(
     kv_lora_rank: int,
     context_len: int,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA for one request: every head attends over one shared latent entry per token.
 
     query [q, H, kv_lora_rank + rope_dim]; latent [s, kv_lora_rank + rope_dim]. Scores use the
-    whole entry (latent part and rope part); values are the latent part alone.
+    whole entry (latent part and rope part); values are the latent part alone. The window and the
+    cap act on those scores as on any other attention's.
     Returns [q, H, kv_lora_rank] float64.
     """
     return attention_reference(
@@ -112,6 +115,8 @@ def mla_reference(
         latent[:, None, :kv_lora_rank],
         context_len=context_len,
         scale=scale,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
         return_lse=return_lse,
     )
 
@@ -138,12 +143,7 @@ def layer_reference(
     }
     if spec.kind == "mla":
         return mla_reference(
-            query,
-            key,
-            kv_lora_rank=spec.kv_lora_rank,
-            context_len=context_len,
-            scale=options["scale"],
-            return_lse=return_lse,
+            query, key, kv_lora_rank=spec.kv_lora_rank, context_len=context_len, return_lse=return_lse, **options
         )
     return attention_reference(
         query, key, value, context_len=context_len, sinks=sinks, return_lse=return_lse, **options

@@ -68,7 +68,7 @@ def test_grammar_details():
         ("gqa-h32/8-h16:10+1", "both set the heads"),
         ("gqa-strided-strided:10+1", "strided is given twice"),
         ("gqa-w0:10+1", "w0: a sliding window holds at least 1 token"),
-        ("gqa-scalenan:10+1", "scale nan: must be a finite number above 0"),
+        ("gqa-scalenan:10+1", "scale nan: must be a finite number from 0.000001 to 1000000"),
         ("gqa-scale0:10+1", "scale 0: must be"),
         ("gqa-capinf:10+1", "soft cap inf: must be"),
         ("gqa-cap-5:10+1", "not understood"),
