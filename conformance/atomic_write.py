@@ -21,7 +21,9 @@ def write_atomically(path: str | Path, text: str) -> None:
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(handle, 0o666 & ~_umask())  # mkstemp makes 0600: results are for the user's readers too
-        with os.fdopen(handle, "w") as stream:
+        # UTF-8 whatever the locale; a lone surrogate (an undecodable file name in a backend's
+        # message) is written as its escape, never the reason a report is lost.
+        with os.fdopen(handle, "w", encoding="utf-8", errors="backslashreplace") as stream:
             stream.write(text)
         os.replace(temporary, path)
     except BaseException:

@@ -36,10 +36,8 @@ from conformance.checks import CHECKS, default_checks
 from conformance.harness.batch import footprint_bytes
 from conformance.pytest_gpus import GpuChoiceError, choose_gpus
 from conformance.report.compare import ACCEPTABLE, CompareError, compare_runs
-from conformance.report.html import write_html
-from conformance.report.junit import write_junit
-from conformance.report.markdown import write_markdown
 from conformance.report.output_paths import OutputPathError, check_directory, check_files
+from conformance.report.outputs import UndrawableResults, Written, write_outputs
 from conformance.report.safe_text import visible
 from conformance.report.terminal import LineProgress, RichProgress, print_report
 from conformance.results import RunResult
@@ -322,31 +320,36 @@ def _locked_run(
     try:
         with stopping_on_signals():
             options.probes = _probes(options)  # before any file is touched: a mistyped module:Class is exit 2
-            json_path.unlink(
-                missing_ok=True
-            )  # an interrupted run must not leave an older run's results looking current
+            # An interrupted run must not leave an older run's results, or its reports, looking current.
+            for path in (json_path, args.html, args.junit, args.markdown):
+                if path:
+                    Path(path).unlink(missing_ok=True)
             if sharded is None:
                 with reporter(progress_console) as progress:
                     journal = Journal(json_path, progress)
                     result = run(options, journal)
     except Interrupted as interrupted:
         return _stop_interrupted(interrupted, options, json_path, journal, console)
-    if sharded is None:
-        result.save(json_path)
-        journal.remove()
-    else:
+    if sharded is not None:
         signum, result = _run_sharded(sharded, options, json_path, args.quiet)
         if signum is not None:
             interrupted = Interrupted(signum)
             interrupted.partial = result
             return _stop_interrupted(interrupted, options, json_path, None, console)
-    write_reports(result, html=args.html, junit=args.junit, markdown=args.markdown)
-
-    if not any(backend.available for backend in result.backends):
+    written = write_outputs(result, json_path, {"html": args.html, "junit": args.junit, "markdown": args.markdown})
+    _settle_journal(journal, json_path, written)
+    if not any(backend.available for backend in result.backends) and not written.failed:
         # Decided from the claims before any kernel ran: one line, as CI logs want it.
         raise NothingToRun("; ".join(f"{b.name}: {b.reason}" for b in result.backends))
     print_report(console, result)
-    console.print(f"\nresults: {json_path}", highlight=False)
+    if json_path in written.written:
+        console.print(f"\nresults: {json_path}", highlight=False, soft_wrap=True)
+    reports = [str(path) for path in written.written if path != json_path]
+    if reports:
+        console.print(f"reports: {', '.join(reports)}", highlight=False, soft_wrap=True)
+    if written.failed:
+        print(f"conformance: error: {_unwritten(written, journal, json_path)}", file=sys.stderr)
+        return EXIT_FAILED
     if result.any_failure():
         return EXIT_FAILED
     if not result.ran_anything():
@@ -372,9 +375,26 @@ def _run_sharded(
     result.backends = [
         rows.get(name) or failed_to_load(name, options.probes[name], options) for name in sharded.backends
     ]
-    result.environment["command"] = shlex.join(["conformance", *sys.argv[1:]])  # not pytest's
-    result.save(json_path)
+    result.environment["command"] = shlex.join(["conformance", *sys.argv[1:]])  # not pytest's (written with the rest)
     return signum, result
+
+
+def _settle_journal(journal: Journal | None, json_path: Path, written: Written) -> None:
+    """The journal goes once the results file holds what it held; otherwise it is what was kept."""
+    if journal is None:
+        return
+    if json_path in written.written:
+        journal.remove()
+    else:
+        journal.close()
+
+
+def _unwritten(written: Written, journal: Journal | None, json_path: Path) -> str:
+    """One line: what could not be written, what was, and where the finished cases are."""
+    line = written.summary()
+    if json_path not in written.written:
+        line += "; " + (journal.kept() if journal is not None else "the table above is all that was kept")
+    return line
 
 
 def _stop_interrupted(
@@ -383,13 +403,14 @@ def _stop_interrupted(
     """What finished, written marked ``"interrupted": true`` (the other reports are not written:
     ``conformance report --allow-interrupted`` makes them from it), and the table of it."""
     result = interrupted.partial or RunResult({}, [], options.suite, list(options.checks), interrupted=True)
-    result.save(json_path)
-    if journal is not None:
-        journal.remove()
+    written = Written()
+    written.write(json_path, result.to_json())
+    _settle_journal(journal, json_path, written)
     print_report(console, result)
+    where = f"{json_path}, marked interrupted" if not written.failed else _unwritten(written, journal, json_path)
     print(
         f"conformance: interrupted by {signal.Signals(interrupted.signum).name}: the cases that finished are in "
-        f"{json_path}, marked interrupted",
+        f"{where}",
         file=sys.stderr,
     )
     return interrupted.exit_code
@@ -487,15 +508,11 @@ def _output_paths(args: argparse.Namespace) -> Path:
             raise UsageError(f"{option}: an empty path")
     option = "--json" if args.json is not None else "--out"
     results = args.json if args.json is not None else check_directory("--out", args.out or DEFAULT_OUT) / "results.json"
-    files = check_files({option: results, "--html": args.html, "--junit": args.junit, "--markdown": args.markdown})
+    files = check_files(
+        {option: results, "--html": args.html, "--junit": args.junit, "--markdown": args.markdown},
+        results=Path(results),
+    )
     return files[option]
-
-
-def write_reports(result: RunResult, *, html: str | None, junit: str | None, markdown: str | None) -> None:
-    for path, writer in ((html, write_html), (junit, write_junit), (markdown, write_markdown)):
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            writer(result, path)
 
 
 def _load_results(path: str, allow_interrupted: bool = False) -> RunResult:
@@ -507,6 +524,8 @@ def _load_results(path: str, allow_interrupted: bool = False) -> RunResult:
         raise UsageError(f"{path}: no such file") from None
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise UsageError(f"{path}: not a conformance results file ({type(error).__name__}: {error})") from None
+    except RecursionError:
+        raise UsageError(f"{path}: not a conformance results file (nested too deeply to read)") from None
     if result.interrupted and not allow_interrupted:
         raise UsageError(
             f"{path}: the partial results of an interrupted run (only the cases that finished); "
@@ -519,11 +538,18 @@ def command_report(args: argparse.Namespace, console: Console) -> int:
     result = _load_results(args.results, args.allow_interrupted)
     if not (args.output or args.junit or args.markdown):
         raise UsageError("report needs -o FILE.html, --junit FILE or --markdown FILE")
-    check_files({"-o": args.output, "--junit": args.junit, "--markdown": args.markdown})
-    write_reports(result, html=args.output, junit=args.junit, markdown=args.markdown)
-    for path in (args.output, args.junit, args.markdown):
-        if path:
-            console.print(f"wrote {path}", highlight=False)
+    check_files(
+        {"-o": args.output, "--junit": args.junit, "--markdown": args.markdown}, inputs={"RESULTS": args.results}
+    )
+    try:
+        written = write_outputs(result, None, {"html": args.output, "junit": args.junit, "markdown": args.markdown})
+    except UndrawableResults as error:
+        raise UsageError(f"{args.results}: {error}") from None
+    for path in written.written:
+        console.print(f"wrote {path}", highlight=False, soft_wrap=True)
+    if written.failed:
+        print(f"conformance: error: {written.summary()}", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_OK
 
 

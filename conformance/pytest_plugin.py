@@ -32,6 +32,7 @@ import faulthandler
 import os
 import shlex
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,8 +40,10 @@ import torch
 
 from conformance.pytest_gpus import GpuChoiceError, assign_gpus, choose_gpus
 from conformance.pytest_results import PlannedCase, ResultCollector, event_property
+from conformance.report.output_paths import OutputPathError, check_files
 from conformance.run import exit_guard
 from conformance.run.reaper import Spawned
+from conformance.run.results_lock import ResultsInUse, ResultsLock
 from host_syncs.pytest_fixture import forbid_host_syncs, pytest_runtest_call  # noqa: F401 - registered with this plugin
 
 
@@ -159,6 +162,7 @@ class Plan:
 _PLAN_KEY = pytest.StashKey[Plan]()
 _GPUS_KEY = pytest.StashKey[list]()
 _COLLECTOR_KEY = pytest.StashKey[ResultCollector]()
+_LOCK_KEY = pytest.StashKey[Any]()
 
 
 def _plan(config) -> Plan:
@@ -257,6 +261,7 @@ def pytest_configure(config) -> None:
         return
     plan = config.stash[_PLAN_KEY] = _plan(config)
     if workerinput is None:  # the process that reports: the controller, or the only one
+        _claim_outputs(config)
         collector = ResultCollector(
             plan.backends,
             plan.classes,
@@ -268,14 +273,47 @@ def pytest_configure(config) -> None:
             load_failures=plan.load_failures,
         )
         if config.getoption("conformance_json"):
-            from pathlib import Path
-
             from conformance.run.journal import Journal
             from conformance.run.runner import Progress
 
             collector.journal = Journal(Path(config.getoption("conformance_json")), Progress())
         config.stash[_COLLECTOR_KEY] = collector
         config.pluginmanager.register(collector, "conformance-results")
+
+
+def _outputs(config) -> dict[str, str | None]:
+    return {
+        "--conformance-json": config.getoption("conformance_json"),
+        "--conformance-html": config.getoption("conformance_html"),
+        "--conformance-markdown": config.getoption("conformance_markdown"),
+    }
+
+
+def _claim_outputs(config) -> None:
+    """As a ``conformance run`` does before any work: every output path writable and distinct,
+    none the lock or journal of the results; the results file's lock taken for the session (a
+    run already writing it is refused); an earlier session's files removed, so that an
+    interrupted one leaves none of them looking current."""
+    outputs = _outputs(config)
+    json_path = outputs["--conformance-json"]
+    try:
+        check_files(outputs, results=Path(json_path) if json_path else None)
+        if json_path:
+            config.stash[_LOCK_KEY] = ResultsLock(Path(json_path)).acquire()
+    except OutputPathError as error:
+        raise pytest.UsageError(str(error)) from None
+    except ResultsInUse as error:
+        if error.owner != os.getppid():  # `conformance run --workers` holds it for the pytest it started
+            raise pytest.UsageError(str(error)) from None
+    for path in outputs.values():
+        if path:
+            Path(path).unlink(missing_ok=True)
+
+
+def pytest_unconfigure(config) -> None:
+    lock = config.stash.get(_LOCK_KEY, None)
+    if lock is not None:
+        lock.release()
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -457,24 +495,42 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     workers = config.getoption("numprocesses", None) if _distributed(config) else None
     extra = {**({"pytest_workers": workers} if workers else {}), **({"gpus": gpus} if gpus else {})}
     result = collector.run_result(plan.device, interrupted, extra, plan.stopped)
-    if config.getoption("conformance_json"):
-        result.save(config.getoption("conformance_json"))
-        collector.journal.remove()
-    if config.getoption("conformance_html") or config.getoption("conformance_markdown"):
-        from conformance.cli import write_reports
-
-        write_reports(
-            result,
-            html=config.getoption("conformance_html"),
-            junit=None,
-            markdown=config.getoption("conformance_markdown"),
-        )
+    _write_outputs(session, result, collector)
     if result.ran_anything() or config.getoption("conformance_allow_skip") or exitstatus != pytest.ExitCode.OK:
         return
+    _complain(config, "every conformance item was skipped, nothing was checked (--conformance-allow-skip to accept)")
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _complain(config, line: str) -> None:
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
-        reporter.write_line(
-            "conformance: every conformance item was skipped, nothing was checked (--conformance-allow-skip to accept)",
-            red=True,
-        )
-    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        reporter.write_line(f"conformance: {line}", red=True)
+
+
+def _write_outputs(session, result, collector) -> None:
+    """The results JSON and the reports, as a run writes them: each on its own (one that cannot be
+    written is one line and a failed session, the others still written), the reports not from an
+    interrupted session (``conformance report --allow-interrupted`` makes them from its JSON)."""
+    from conformance.report.outputs import write_outputs  # after the last case: the seal is done with
+
+    config = session.config
+    json_path = config.getoption("conformance_json")
+    reports = (
+        {}
+        if result.interrupted
+        else {
+            "html": config.getoption("conformance_html"),
+            "markdown": config.getoption("conformance_markdown"),
+        }
+    )
+    written = write_outputs(result, Path(json_path) if json_path else None, reports)
+    if collector.journal is not None:
+        if json_path and Path(json_path) in written.written:
+            collector.journal.remove()
+        else:
+            collector.journal.close()
+    if written.failed:
+        kept = f"; {collector.journal.kept()}" if collector.journal is not None and json_path else ""
+        _complain(config, f"{written.summary()}{kept}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

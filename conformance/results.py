@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 import json
 import math
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -64,16 +66,57 @@ def _to_json(result) -> dict[str, Any]:
     return data
 
 
-def _from_json(result_class, data: dict[str, Any], **nested):
+def _conforms(value: Any, hint: Any) -> bool:
+    """Whether a JSON value is of a field's declared type (a float field takes an integer, no
+    field takes a boolean for a number; a dict's keys are strings, its values anything)."""
+    if hint is Any:
+        return True
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_conforms(value, option) for option in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint in (str, bool):
+        return type(value) is hint
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return isinstance(value, str) and value in {member.value for member in hint}
+    if typing.get_origin(hint) is dict:
+        return isinstance(value, dict) and all(isinstance(key, str) for key in value)
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_conforms(element, item) for element in value)
+    return False
+
+
+def _from_json(result_class, data: Any, **nested):
     """The inverse of ``_to_json``: missing keys take the field's default, unknown keys are ignored
-    (a newer writer's extra field), ``nested`` names the list fields of results and their class."""
-    known = {f.name for f in fields(result_class)}
-    values = {name: value for name, value in data.items() if name in known}
-    if "verdict" in values:
-        values["verdict"] = Verdict(values["verdict"])
-    for name, item_class in nested.items():
-        values[name] = [item_class.from_dict(item) for item in values.get(name, [])]
+    (a newer writer's extra field), ``nested`` names the list fields of results and their class.
+    A value not of its field's type is a ValueError naming it: a file this suite did not write."""
+    what = result_class.__name__
+    if not isinstance(data, dict):
+        raise ValueError(f"a {what} is a JSON object, not {type(data).__name__}")
+    hints = typing.get_type_hints(result_class)
+    values = {}
+    for name in (f.name for f in fields(result_class)):
+        if name not in data:
+            continue
+        value = data[name]
+        if name in nested:
+            if not isinstance(value, list):
+                raise ValueError(f"{what}.{name} is {type(value).__name__}, not a list")
+            value = [nested[name].from_dict(item) for item in value]
+        elif not _conforms(value, hints[name]):
+            shown = repr(value) if len(repr(value)) <= 40 else type(value).__name__
+            raise ValueError(f"{what}.{name} is {shown}, not {_type_name(hints[name])}")
+        values[name] = Verdict(value) if name == "verdict" else value
     return result_class(**values)
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
 @dataclass
@@ -193,8 +236,11 @@ class RunResult:
 
     INTERRUPTED_NOTE = "Interrupted (SIGINT/SIGTERM): only the cases that finished are here; the rest did not run."
 
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
     def save(self, path: str | Path) -> None:
-        write_atomically(path, json.dumps(self.to_dict(), indent=1) + "\n")
+        write_atomically(path, self.to_json())
 
     @staticmethod
     def load(path: str | Path) -> "RunResult":

@@ -8,7 +8,8 @@
   above a floor, so noise around zero is not a regression);
 * bench regression: a case's forward time more than ``bench_threshold`` slower than BASE's;
 * coverage lost, which would otherwise let a gate pass on less evidence: a backend, check or case
-  of BASE absent from NEW, a case that went from PASS to SKIP, a different suite. Each can be
+  of BASE absent from NEW, a case that went from PASS to SKIP, a different suite, a passing case
+  whose max abs error or forward time is gone or 0 in NEW (it measured nothing). Each can be
   accepted knowingly (``accept``: "missing", "skips", "suite"); accepted ones are listed, not failed.
 Improvements are listed too, and never fail the gate. A backend, check or case listed twice in
 either file, and a threshold that is not a finite number in range, are usage errors.
@@ -23,6 +24,10 @@ from typing import Collection
 from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
 
 ERROR_FLOOR = 1e-4  # absolute max-abs-error below which growth is noise
+# The measurements the gate compares: one present in BASE and absent or 0 in NEW (a comparison or
+# a timing that measured nothing: no output is exact against float64, no forward takes 0 µs) is
+# lost coverage, not an improvement.
+MEASURED = ("max_abs_error", "forward_us")
 ACCEPTABLE = ("missing", "skips", "suite")  # coverage losses a user may accept knowingly
 
 
@@ -160,6 +165,13 @@ def _compare_check(
             )
         if before is None:
             continue
+        for key in MEASURED:  # a measurement that vanished: a gate on it would pass on nothing
+            old_value, new_value = before.metrics.get(key), case.metrics.get(key)
+            if case.verdict == Verdict.PASS and old_value and not new_value:
+                now = "absent" if new_value is None else f"{new_value!r}"
+                findings.append(
+                    coverage(backend, check, case.case, f"{key} {old_value:.3g} in BASE, {now} in NEW", "missing")
+                )
         if before.verdict == Verdict.PASS and case.verdict == Verdict.SKIP:
             findings.append(coverage(backend, check, case.case, f"PASS → SKIP: {case.reason}", "skips"))
         old_error, new_error = before.metrics.get("max_abs_error"), case.metrics.get("max_abs_error")

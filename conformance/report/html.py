@@ -9,15 +9,37 @@ roofline fraction) → the environment block.
 
 from __future__ import annotations
 
+import html
 import json
 import math
-from html import escape
 from typing import Any
 
 from conformance.atomic_write import write_atomically
 from conformance.checks import check_class
 from conformance.report.reproduce import reproduce_command
+from conformance.report.safe_text import visible
 from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
+
+
+def escape(text: Any) -> str:
+    """Any text as HTML shows it: markup escaped, control characters and lone surrogates shown as
+    their escapes (a raw NUL, ESC or BEL from a backend's message would otherwise reach the page)."""
+    return html.escape(visible(str(text)))
+
+
+def _shown(value: Any) -> str:
+    """An environment value as the page shows it: an unknown one (None) as a dash, not "None"."""
+    return "—" if value is None or value == "" else escape(value)
+
+
+def _key_values(data: dict[str, Any]) -> str:
+    """A check's details as a two-column table: nested values as compact JSON."""
+    rows = "".join(
+        f"<tr><th>{escape(key)}</th><td>{escape(value if isinstance(value, str) else json.dumps(value))}</td></tr>"
+        for key, value in data.items()
+    )
+    return f"<table class='numbers details'>{rows}</table>"
+
 
 VERDICT_COLOURS = {
     Verdict.PASS: "#2e7d32",
@@ -204,9 +226,7 @@ def _case_rows(check_name: str, cases: list[CaseResult], with_evidence: bool, re
 def check_section(backend: BackendResult, check: CheckResult, run: RunResult) -> str:
     failing = [case for case in check.cases if case.verdict.is_failure]
     details = (
-        f"<details><summary>check details</summary><pre>{escape(json.dumps(check.details, indent=1))}</pre></details>"
-        if check.details
-        else ""
+        f"<details><summary>check details</summary>{_key_values(check.details)}</details>" if check.details else ""
     )
     parts = [
         f"<h3 id='{escape(backend.name)}-{escape(check.name)}'>{escape(backend.name)} / {escape(check.name)}: "
@@ -291,9 +311,7 @@ def bench_section(run: RunResult) -> str:
 
 
 def render(run: RunResult) -> str:
-    environment = "".join(
-        f"<tr><th>{escape(str(k))}</th><td>{escape(str(v))}</td></tr>" for k, v in run.environment.items()
-    )
+    environment = "".join(f"<tr><th>{escape(k)}</th><td>{_shown(v)}</td></tr>" for k, v in run.environment.items())
     sections = []
     for backend in run.backends:
         if not backend.available:

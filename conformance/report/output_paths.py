@@ -60,8 +60,30 @@ def check_distinct(paths: dict[str, Path | None]) -> None:
         seen[resolved] = option
 
 
-def check_files(files: dict[str, str | Path | None]) -> dict[str, Path | None]:
-    """Each given file (option -> path, None when not asked for) writable, and no two the same."""
+def companions(results: Path) -> dict[Path, str]:
+    """The files a run keeps beside its results while it goes: its lock and its journal (an
+    output written there would be deleted with them, or truncate them mid-run)."""
+    return {
+        results.with_name(results.name + ".lock"): f"the lock of {results}",
+        results.with_name(results.name + ".journal"): f"the journal of {results}",
+    }
+
+
+def check_files(
+    files: dict[str, str | Path | None],
+    *,
+    inputs: dict[str, str | Path] | None = None,
+    results: Path | None = None,
+) -> dict[str, Path | None]:
+    """Each given file (option -> path, None when not asked for) writable, no two the same, none
+    an input of the command (``inputs``: what it names, -> path) and none the lock or journal of
+    the run's ``results``."""
+    taken = {Path(path).resolve(): f"the input {path} ({what})" for what, path in (inputs or {}).items()}
+    if results is not None:
+        taken.update({path.resolve(): what for path, what in companions(results).items()})
+    for option, path in files.items():
+        if path and Path(path).resolve() in taken:
+            raise OutputPathError(f"{option} {path}: is {taken[Path(path).resolve()]}; name another file")
     checked = {option: check_writable(option, path) if path else None for option, path in files.items()}
     check_distinct(checked)
     return checked

@@ -38,7 +38,9 @@ def xml_safe(text: str) -> str:
 
 
 _MARKDOWN_INLINE = re.compile(r"([\\`*_\[\]|~])")  # emphasis, code, links, table cells, strikethrough
-_MARKDOWN_BLOCK_START = re.compile(r"^(\s*)([#+\-=]|\d+[.)])")  # a heading, list or rule where a line starts
+# A heading, list or rule where a line starts: the punctuation that makes it one is escaped ("1\." not "\1.",
+# which shows its backslash: only punctuation takes one).
+_MARKDOWN_BLOCK_START = re.compile(r"^(\s*(?:\d+)?)([#+\-=]|(?<=\d)[.)])")
 
 
 def markdown_inline(text: str) -> str:

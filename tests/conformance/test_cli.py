@@ -42,7 +42,7 @@ def test_smoke_run_passes_and_writes_json(tmp_path):
         (["run", "--suite", "smoke", "--seed", "-3"], "seed -3"),
         (["run", "--case", "gqa-scalenan:10+1"], "scale nan"),
         (["run", "--case", "4000000+1x60000", "--device", "cpu"], "GiB of host memory; this machine has"),
-        (["run", "--case", "gqa-d0:5+1"], "head dim 0: must be at least 1"),
+        (["run", "--case", "gqa-d0:5+1"], "head dim 0: must be at least 3"),
         (["run", "--case", "mla-d0+64:5+1"], "latent dim 0"),
         (["run", "--case", "gqa-h4/0:5+1"], "head counts must be positive"),
         (["run", "--timeout", "inf"], "--timeout inf: must be a finite, positive number"),

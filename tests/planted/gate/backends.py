@@ -147,3 +147,14 @@ class ExitsFromCWithoutCleanup(TorchNaiveBackend):
         if _large(metadata):
             ctypes.CDLL(None)._exit(0)
         super().forward(query, kv_cache, metadata, out)
+
+
+class RaisesUndecodableText(TorchNaiveBackend):
+    """Raises an error whose text holds an undecodable file name (a lone surrogate, as
+    os.fsdecode makes of byte 0xff) and raw control characters (a terminal escape, NUL, BEL)."""
+
+    name = "planted_raises_undecodable_text"
+
+    def forward(self, query, kv_cache, metadata, out):
+        name = os.fsdecode(b"/models/\xff.bin")
+        raise RuntimeError(f"cannot open {name}: " + "\x1b[2J\x00\x07\x9b")
