@@ -269,10 +269,7 @@ class Capabilities:
     def availability_reason(self, device: "torch.device | str | DeviceInfo") -> str | None:
         """Why this backend cannot run at all on ``device``; None when it can."""
         info = DeviceInfo.of(device)
-        missing = [m for m in self.required_modules if importlib.util.find_spec(m.split(".")[0]) is None]
-        if missing:
-            hint = f": {self.install_hint}" if self.install_hint else ""
-            return f"missing Python package {', '.join(missing)}{hint}"
+        # The machine first: a package installed here would not help a backend that cannot run on it.
         if info.type not in self.devices:
             return f"runs on {_format_set(self.devices)}, not {info.type}"
         if info.type == "cuda" and info.compute_capability is None:
@@ -280,6 +277,10 @@ class Capabilities:
         if self.compute_capabilities is not None and info.compute_capability not in self.compute_capabilities:
             wanted = ", ".join(f"SM{a}{b}" for a, b in sorted(self.compute_capabilities))
             return f"needs compute capability {wanted}; this GPU ({info.name}) is {info.sm}"
+        missing = [m for m in self.required_modules if importlib.util.find_spec(m.split(".")[0]) is None]
+        if missing:
+            hint = f": {self.install_hint}" if self.install_hint else ""
+            return f"missing Python package {', '.join(missing)}{hint}"
         return None
 
     def unsupported_reason(self, spec: AttentionSpec, device: "torch.device | str | DeviceInfo") -> str | None:

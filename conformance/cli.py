@@ -158,7 +158,7 @@ LIST_COLUMNS = (
     "host lengths",
     "draft update",
     "deterministic",
-    "batch-invariant",
+    "batch invariant",
 )
 
 
@@ -174,11 +174,11 @@ def _list_row(name: str, probe_: Probe) -> dict[str, str]:
         "kinds": ",".join(claims["kinds"]),
         "max query": ("any" if max_query is None else str(max_query))
         + (", uniform" if claims["uniform_query_len"] else ""),
-        "graphs": claims["cuda_graphs"],
+        "graphs": claims["cuda_graphs"].lower().replace("_", " "),
         "host lengths": "needed" if claims["needs_cpu_seq_lens"] else "not needed",
         "draft update": "yes" if claims["draft_step_update"] else "no",
         "deterministic": "claimed" if claims["deterministic"] else "no",
-        "batch-invariant": "claimed" if claims["batch_invariant"] else "no",
+        "batch invariant": "claimed" if claims["batch_invariant"] else "no",
     }
 
 
@@ -210,15 +210,28 @@ def command_list(args: argparse.Namespace, console: Console) -> int:
         title=f"backends (here: {device.name}{', ' + device.sm if device.compute_capability else ''})",
         title_justify="left",
     )
-    for column in LIST_COLUMNS:
-        table.add_column(column, no_wrap=column == "backend", overflow="fold")
-    for row in rows:
-        here = visible(row["here"], one_line=True)
+    # Five columns, every cell wrapping at spaces, the longest word of each (an install command's
+    # package) kept whole: ten narrow ones folded words mid-way in a 120-column terminal.
+    cells = [
+        {
+            "backend": row["backend"],
+            "origin": row["origin"],
+            "here": row["here"],
+            "serves": ", ".join(f"{column} {row[column]}" for column in ("kinds", "max query") if column in row),
+            "claims": "; ".join(f"{column}: {row[column]}" for column in LIST_COLUMNS[5:] if column in row),
+        }
+        for row in rows
+    ]
+    for column in cells[0] if cells else ():
+        words = [word for cell in cells for word in visible(cell[column], one_line=True).split()]
+        table.add_column(column, no_wrap=column == "backend", min_width=min(max(map(len, words), default=1), 40))
+    for cell in cells:
+        here = visible(cell["here"], one_line=True)
         style = "green" if here == "available" else "red" if here.startswith("cannot load") else "yellow"
         table.add_row(
             *[
-                Text(visible(row.get(column, ""), one_line=True), style=style if column == "here" else "")
-                for column in LIST_COLUMNS
+                Text(visible(text, one_line=True), style=style if column == "here" else "")
+                for column, text in cell.items()
             ]
         )
     console.print(table)
@@ -417,6 +430,10 @@ def _stop_interrupted(
 
 
 DEFAULT_SUITE_HELP = "standard on a GPU; quick, the standard suite's smaller cases, on a CPU"
+SUITES_HELP = (
+    "smoke is 9 small cases, one of each kind of batch, for a first try: not a gate (no fp8 cache, sinks, "
+    "log-sum-exp, empty requests, long context); quick and standard are the gates"
+)
 
 
 def default_suite(device: torch.device) -> str:
@@ -436,7 +453,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser, default_suite: str | Non
     parser.add_argument(
         "--suite",
         default=default_suite,
-        help=f"smoke | quick | standard | full | bench (default: {default_suite or DEFAULT_SUITE_HELP})",
+        help=f"smoke | quick | standard | full | bench (default: {default_suite or DEFAULT_SUITE_HELP}). {SUITES_HELP}",
     )
     parser.add_argument(
         "--case", action="append", help="an ad-hoc case, instead of the suite (repeatable; grammar below)"

@@ -31,6 +31,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import shlex
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,8 +57,9 @@ def pytest_addoption(parser) -> None:
     group.addoption(
         "--conformance-suite",
         default="smoke",
-        help="smoke | quick | standard | full (default smoke: seconds inside your own test run; the "
-        "`conformance run` command defaults to standard on a GPU, quick on a CPU)",
+        help="smoke | quick | standard | full (default smoke: seconds inside your own test run, one case of each "
+        "kind of batch; not a gate: no fp8 cache, sinks, log-sum-exp, empty requests or long context. quick and "
+        "standard are the gates; `conformance run` defaults to standard on a GPU, quick on a CPU)",
     )
     group.addoption("--conformance-check", default=None, help="comma-separated checks (default: the CLI's)")
     group.addoption(
@@ -182,6 +184,8 @@ def _plan(config) -> Plan:
     if not names or len(set(names)) != len(names):
         raise pytest.UsageError("--conformance-backend needs backend names, each once")
     seed = config.getoption("conformance_seed")
+    if os.getcwd() not in sys.path:  # a pkg.module:Class in the current folder loads as `conformance run` loads it
+        sys.path.insert(0, os.getcwd())
     try:
         refs = [registry.resolve(name) for name in names]
         cases = chosen_cases(config.getoption("conformance_case"), config.getoption("conformance_suite"), seed)
@@ -336,6 +340,14 @@ def pytest_xdist_make_scheduler(config, log):
     return conformance_groups(plan.groups(config.getoption("conformance_group")))(config, log)
 
 
+class BackendCollector(pytest.Collector):
+    """A backend's items' parent: their node ids read ``BACKEND::conformance[...]`` (a summary line
+    names the backend, not an empty path). The items are made in ``pytest_collection_modifyitems``."""
+
+    def collect(self):
+        return []
+
+
 class ConformanceItem(pytest.Item):
     """One check on one case of one backend; or, with ``case=None``, a check that skips as a whole
     here, or (``cannot_run``) a backend or device that cannot run at all."""
@@ -426,9 +438,11 @@ class ConformanceItem(pytest.Item):
 
     def rerun(self) -> str:
         """The command that runs this item alone (its node id holds '/' and ':', which pytest's
-        command line does not take back)."""
+        command line does not take back); ``python -m`` finds pytest wherever the package is."""
         return "rerun: " + shlex.join(
             [
+                "python",
+                "-m",
                 "pytest",
                 f"--conformance-backend={self.backend}",
                 f"--conformance-check={self.check.name}",
@@ -465,12 +479,13 @@ def pytest_collection_modifyitems(session, config, items) -> None:
 
     for backend in plan.backends:
         cannot_run = plan.cannot_run[backend]
+        parent = BackendCollector.from_parent(session, name=backend, nodeid=backend)
         for check_name in plan.checks:
             check = make_check(check_name, plan.check_options)  # one instance per check, as in a run
             whole = backend in plan.load_failures or cannot_run or check.skip_reason(plan.classes[backend], plan.device)
             for case in [None] if whole else plan.cases:  # a whole skip is one item: the count says what ran
                 item = ConformanceItem.from_parent(
-                    session,
+                    parent,
                     name=plan.item_name(backend, check_name, case.id if case else None),
                     backend=backend,
                     check=check,

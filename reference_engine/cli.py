@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -289,6 +290,8 @@ def run_engine(args: argparse.Namespace, console: Console, usage_error) -> int:
         return bench_engine(args, console, usage_error)
     device, dtype_name = _device_and_dtype(args, usage_error)
     dtype = DTYPE_NAMES[dtype_name]
+    status = Console(stderr=True)  # what it is doing, as it goes: a load or a long generation is minutes
+    status.print(f"engine: loading {args.model} ({dtype_name}, {device})", highlight=False)
     model, tokenizer = _load_model(args, dtype, device, usage_error)
     try:
         eagle = load_eagle_head(args.eagle, model.config, dtype, device) if args.eagle else None
@@ -300,11 +303,25 @@ def run_engine(args: argparse.Namespace, console: Console, usage_error) -> int:
         params = _sampling(args, tokenizer, temperature=args.temperature, seed=args.seed)
     except ValueError as error:
         raise usage_error(str(error)) from None
-    with Progress(TextColumn("generating"), BarColumn(), TimeElapsedColumn(), console=console, transient=True) as bar:
+    status.print(
+        f"engine: generating {args.num_prompts} x {args.max_tokens} tokens, {_speculation(args)}, "
+        f"{_sampling_words(args)}",
+        highlight=False,
+    )
+    started = time.monotonic()
+    with Progress(
+        TextColumn("generating"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        console=status,
+        transient=True,
+        disable=not status.is_terminal,  # a log gets the lines around it, not a bar's leftovers
+    ) as bar:
         bar.add_task("tokens", total=None)
         outputs, metrics = _measure(
             engine, prompts, params, usage_error, detect_syncs=args.detect_syncs, step_idle=args.step_idle
         )
+    status.print(f"engine: done in {time.monotonic() - started:.1f} s", highlight=False)
     table = Table(
         title=f"reference engine — {args.model}, {args.backend}, {dtype_name}, {device.type}, {args.loop} loop",
         title_justify="left",
@@ -322,7 +339,8 @@ def run_engine(args: argparse.Namespace, console: Console, usage_error) -> int:
             + f" (prompt {prompt_lens[0]}"
             + (f"-{prompt_lens[-1]})" if prompt_lens[-1] != prompt_lens[0] else ")"),
         ),
-        ("speculation", f"k={args.spec_tokens}, drafter {args.drafter}" if args.spec_tokens else "off"),
+        ("speculation", _speculation(args)),
+        ("sampling", _sampling_words(args)),
         *_metric_rows(metrics),
         ("preemptions", str(sum(out.preemptions for out in outputs))),
     ]
@@ -340,6 +358,14 @@ def run_engine(args: argparse.Namespace, console: Console, usage_error) -> int:
             )
         )
     return 0
+
+
+def _speculation(args: argparse.Namespace) -> str:
+    return f"k={args.spec_tokens}, drafter {args.drafter}" if args.spec_tokens else "no speculation"
+
+
+def _sampling_words(args: argparse.Namespace) -> str:
+    return "greedy (temperature 0)" if not args.temperature else f"temperature {args.temperature:g}, seed {args.seed}"
 
 
 def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int:

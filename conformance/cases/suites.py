@@ -66,7 +66,9 @@ def _cases(layer: str, batches: list[tuple[str, str]]) -> list[Case]:
 
 
 def smoke_suite() -> list[Case]:
-    """Seconds on a CPU: one of each kind of batch on small layers."""
+    """Seconds on a CPU: one of each kind of batch on small layers (a softmax scale of its own on
+    one of them: every backend must honour it). Not a gate: no fp8 cache, learned sinks,
+    log-sum-exp or empty requests, no long context or large batch; ``quick`` and ``standard`` are."""
     return (
         _cases(
             "gqa-h4/2-d64-fp32-p16",
@@ -77,7 +79,7 @@ def smoke_suite() -> list[Case]:
             ],
         )
         + _cases("gqa-h4/1-d64-bf16-p16-w24-cap20", [("sliding window, soft cap", "0+40,50+4,3+1")])
-        + _cases("gqa-h4/2-d64-fp16-p16-share2", [("prefix sharing", "40+1,32+4,60+1")])
+        + _cases("gqa-h4/2-d64-fp16-p16-scale0.25-share2", [("prefix sharing, softmax scale 0.25", "40+1,32+4,60+1")])
         + _cases("mla-h4-d64+16-bf16-p16", [("decode", "1+1,40+1"), ("spec-verify k=3", "30+4")])
         + _cases("gqa-h4/2-d64-bf16-p16-strided-outliers", [("strided views, large logits", "40+1,20+4,0+9")])
         + _cases("gqa-h4/1-d64-fp16-p16-w24-pad0-edges", [("window edges, no padding", "50+4,3+1,100+1")])

@@ -113,9 +113,12 @@ def key_map(
     along = error @ values.T - (error * reference).sum(-1, keepdim=True)  # [q, s]
     length = (
         (values * values).sum(-1)[None, :] - 2 * reference @ values.T + (reference * reference).sum(-1, keepdim=True)
-    ).clamp_min(1e-300)
-    explained = along.square() / (length * (error * error).sum(-1, keepdim=True).clamp_min(1e-300))
-    signed = explained.clamp(max=1.0) * along.sign() * wrong.cpu()[:, None]
+    ).clamp_min(0)
+    # Nothing to explain where the error is 0, no direction where a key's value is the output (a
+    # token that sees one key): 0 there, not 0/0 (a NaN that a summary took for the worst cell).
+    denominator = length * (error * error).sum(-1, keepdim=True)
+    explained = torch.where(denominator > 0, along.square() / denominator.clamp_min(1e-300), torch.zeros_like(along))
+    signed = torch.where(wrong.cpu()[:, None], explained.clamp(max=1.0) * along.sign(), torch.zeros_like(along))
     rows, columns = _edges(signed.shape[0], MAX_ROWS), _edges(signed.shape[1], MAX_COLUMNS)
     return Grid(
         kind="key",
@@ -184,16 +187,16 @@ def summary(grid: dict[str, Any]) -> str:
     if grid["kind"] == "error":
         beyond = sum(1 for value in values if value > 1)
         worst = "NaN/Inf" if max(values) == float("inf") else f"{max(values):.3g}× the tolerance"
-        return (
-            f"{beyond} of {len(values)} (token, head) cells past the tolerance; worst {worst} "
-            "(the HTML report draws the map)"
-        )
-    best = max(range(len(values)), key=lambda index: abs(values[index]))
+        return f"{beyond} of {len(values)} (token, head) cells past the tolerance; worst {worst}"
+    finite = [index for index, value in enumerate(values) if value != float("inf")]
+    if not finite or not any(values[index] for index in finite):
+        return "no single key explains the error"
+    best = max(finite, key=lambda index: abs(values[index]))
     row, column = divmod(best, len(grid["values"][0]))
     keys = grid["column_edges"][column], grid["column_edges"][column + 1] - 1
     tokens = grid["row_edges"][row], grid["row_edges"][row + 1] - 1
     what = "extra" if values[best] > 0 else "missing"
     return (
         f"{what} weight on keys {keys[0]}–{keys[1]} explains {abs(values[best]):.0%} of the error of tokens "
-        f"{tokens[0]}–{tokens[1]} (the HTML report draws the map)"
+        f"{tokens[0]}–{tokens[1]}"
     )

@@ -62,6 +62,7 @@ def worst_element(worst: WorstElement | None) -> list[EvidenceItem]:
 
 
 MAP_KEYS = {"error_map": "error map", "key_map": "key map"}  # the ``error_map`` grids a comparison writes
+DRAWN_IN_HTML = " (the HTML report draws the map)"  # after a map's summary, where no picture is drawn
 
 
 def maps(evidence: dict[str, Any]) -> list[EvidenceItem]:
@@ -106,7 +107,8 @@ def plain_lines(items: Iterable[EvidenceItem], block_lines: int | None = None) -
     lines = []
     for item in items:
         if not item.block:
-            lines.append(f"{item.label}: {item.text}" if item.label else item.text)
+            text = item.text + (DRAWN_IN_HTML if item.grid else "")
+            lines.append(f"{item.label}: {text}" if item.label else text)
             continue
         if item.label:
             lines.append(f"{item.label}:")

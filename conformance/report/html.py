@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import re
 from typing import Any
 
 from conformance.atomic_write import write_atomically
@@ -25,6 +26,12 @@ def escape(text: Any) -> str:
     """Any text as HTML shows it: markup escaped, control characters and lone surrogates shown as
     their escapes (a raw NUL, ESC or BEL from a backend's message would otherwise reach the page)."""
     return html.escape(visible(str(text)))
+
+
+def breakable(text: Any) -> str:
+    """A backend's (or case's) name, escaped, allowed to break after its separators only
+    (``pkg.module:Class`` breaks at "." and ":", not mid-word)."""
+    return re.sub(r"([.:_/,+@-])", r"\1<wbr>", escape(text))
 
 
 def _shown(value: Any) -> str:
@@ -97,7 +104,7 @@ def summary_matrix(run: RunResult) -> str:
         for name in run.checks:
             check = backend.check(name)
             cells.append(_verdict_cell(check.verdict, _check_detail(check)) if check else "<td></td>")
-        label = escape(backend.name) + (
+        label = breakable(backend.name) + (
             "" if backend.available else f"<br><span class='dim'>{escape(backend.reason)}</span>"
         )
         rows.append(f"<tr><th>{label}</th>{''.join(cells)}</tr>")
@@ -216,7 +223,7 @@ def _case_rows(check_name: str, cases: list[CaseResult], with_evidence: bool, re
         if reproduce is not None:
             evidence = f"<p>reproduce: <code class='repro'>{escape(reproduce(case))}</code></p>{evidence}"
         rows.append(
-            f"<tr>{_verdict_cell(case.verdict)}<td><code>{escape(case.case)}</code><br><span "
+            f"<tr>{_verdict_cell(case.verdict)}<td><code>{breakable(case.case)}</code><br><span "
             f"class='dim'>{escape(case.tag)}</span></td>"
             f"<td>{escape(case.reason)}{evidence}</td></tr>"
         )
@@ -229,7 +236,7 @@ def check_section(backend: BackendResult, check: CheckResult, run: RunResult) ->
         f"<details><summary>check details</summary>{_key_values(check.details)}</details>" if check.details else ""
     )
     parts = [
-        f"<h3 id='{escape(backend.name)}-{escape(check.name)}'>{escape(backend.name)} / {escape(check.name)}: "
+        f"<h3 id='{escape(backend.name)}-{escape(check.name)}'>{breakable(backend.name)} / {escape(check.name)}: "
         f"{check.verdict.value}</h3><p>{escape(check.summary)}</p>{details}"
     ]
     if failing:
@@ -320,7 +327,7 @@ def render(run: RunResult) -> str:
             if check.name != "bench":
                 sections.append(check_section(backend, check, run))
     unavailable = "".join(
-        f"<li><b>{escape(b.name)}</b>: {escape(b.reason)}</li>" for b in run.backends if not b.available
+        f"<li><b>{breakable(b.name)}</b>: {escape(b.reason)}</li>" for b in run.backends if not b.available
     )
     title = (
         f"conformance — {escape(run.suite)} — "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from conformance.atomic_write import write_atomically
 from conformance.checks import check_class
+from conformance.checks.evidence import DRAWN_IN_HTML
 from conformance.report.reproduce import reproduce_command
 from conformance.report.safe_text import markdown_code, markdown_inline
 from conformance.results import RunResult
@@ -54,6 +55,7 @@ def render(run: RunResult) -> str:
                 f"  - {markdown_inline(item.label)}"
                 if item.block
                 else f"  - {markdown_inline(item.label)}: {markdown_code(item.text)}"
+                + (markdown_inline(DRAWN_IN_HTML) if item.grid else "")
                 for item in items
             ]
         if len(failures) > MAX_FAILURES:

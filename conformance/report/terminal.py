@@ -160,9 +160,14 @@ class LineProgress(RunProgress):
             self._print(f"{visible(result.name)}: done in {result.wall_s:.1f} s")
 
 
+NAME_WIDTH = 40  # a backend's name stays on one line up to this many characters
+
+
 def summary_table(run: RunResult) -> Table:
     table = Table(title="conformance results", title_justify="left")
-    table.add_column("backend", style="bold", overflow="fold")  # a name is never cut: `triton` vs `triton_mla`
+    # A name is never cut (`triton` vs `triton_mla`) and kept whole up to NAME_WIDTH: past it, folded.
+    longest = max((len(visible(backend.name, one_line=True)) for backend in run.backends), default=7)
+    table.add_column("backend", style="bold", overflow="fold", min_width=min(longest, NAME_WIDTH))
     for check in run.checks:
         table.add_column(check, overflow="fold")
     for backend in run.backends:
@@ -278,4 +283,20 @@ def print_report(console: Console, run: RunResult) -> None:
                 f"{escape(visible(backend.reason, one_line=True))}",
                 highlight=False,
             )
+    if run.suite == "custom":  # cases named one by one: each that did not run says why
+        print_skips(console, run)
     print_failures(console, run)
+
+
+def print_skips(console: Console, run: RunResult) -> None:
+    for backend in run.backends:
+        for check in backend.checks:
+            for case in check.cases:
+                if case.verdict == Verdict.SKIP:
+                    console.print(
+                        f"{visible(backend.name, one_line=True)} / {check.name}: SKIP "
+                        f"{visible(case.case, one_line=True)}: {visible(case.reason, one_line=True)}",
+                        markup=False,
+                        highlight=False,
+                        style="dim",
+                    )

@@ -51,6 +51,13 @@ def write_skeleton(name: str, directory: str | Path = ".") -> list[Path]:
             raise ScaffoldError(f"{path} exists: not overwritten")
     if importlib.util.find_spec(name) is not None:  # `torch`, `backends`: the new module would shadow it
         raise ScaffoldError(f"a module named {name!r} is already importable here: choose another name")
-    for path, template in files.items():
-        path.write_text(render((HERE / template).read_text(), name))
+    written: list[Path] = []
+    try:
+        for path, template in files.items():
+            path.write_text(render((HERE / template).read_text(), name))
+            written.append(path)
+    except OSError as error:  # a read-only folder, a full disk: nothing half-written is left behind
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise ScaffoldError(f"cannot write into {directory}: {error.strerror or error}") from None
     return list(files)

@@ -188,7 +188,7 @@ def test_a_failing_item_prints_the_command_that_reruns_it_alone_and_that_command
         "--conformance-device",
         "cpu",
     )
-    rerun = next(line for line in result.stdout.lines if line.startswith("rerun: pytest "))
+    rerun = next(line for line in result.stdout.lines if line.startswith("rerun: python -m pytest "))
     case = rerun.split("--conformance-case=")[1].strip("'")
     again = run_plugin(
         pytester,

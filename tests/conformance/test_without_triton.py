@@ -62,3 +62,11 @@ def test_the_default_backend_runs_without_triton(no_triton, tmp_path):
         env=no_triton,
     )
     assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-2000:]
+
+
+def test_without_the_interpreter_a_cpu_is_the_reason_not_the_package(no_triton):
+    # Installing triton would not let the kernels run on a CPU: the device is named first.
+    env = {key: value for key, value in no_triton.items() if key != "TRITON_INTERPRET"}
+    listed = conformance("list", "--format", "json", "--device", "cpu", env=env)
+    rows = {row["backend"]: row for row in json.loads(listed.stdout)["backends"]}
+    assert rows["triton"]["here"] == rows["triton_mla"]["here"] == "runs on cuda, not cpu"

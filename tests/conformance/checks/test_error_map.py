@@ -6,7 +6,7 @@ from conformance.cases.grammar import parse_case
 from conformance.checks.error_map import error_map, summary
 from conformance.checks.numerics import NumericsCheck
 from conformance.results import Verdict
-from tests.planted import defects
+from tests.planted import defects, input_defects
 
 CPU = torch.device("cpu")
 
@@ -37,3 +37,15 @@ def test_the_error_map_pools_a_long_batch_and_marks_nan():
     flat = [(r, c, v) for r, row in enumerate(grid["values"]) for c, v in enumerate(row) if v is None or v > 1]
     assert [(c, v) for _, c, v in flat] == [(0, 500.0), (2, None)]
     assert "worst NaN/Inf" in summary(grid)
+
+
+def test_a_window_off_by_one_in_a_prefill_names_the_key_outside_the_window():
+    # A prefill's first tokens see fewer keys than the window and are right (error exactly 0; token 0's
+    # output is key 0's value): those rows once made 0/0, which the summary took for the worst cell.
+    case = parse_case("gqa-h4/1-d64-bf16-p16-w24-cap20:0+40,50+4,3+1")
+    result = NumericsCheck().run_case(input_defects.WindowOffByOne, case, CPU)
+    key_map = result.evidence["key_map"]
+    assert all(value is not None for row in key_map["values"] for value in row)
+    line = summary(key_map)
+    assert line.startswith("extra weight on keys 2–2 explains") and "of the error of tokens 26–26" in line, line
+    assert "HTML" not in line  # the plain renderers add that; the HTML draws the map beside it
