@@ -136,3 +136,47 @@ def test_the_html_shows_no_none_and_check_details_as_a_table(tmp_path):
     environment = page.split("id='environment'>")[1]
     assert "None" not in environment and "<td>—</td>" in environment
     assert "<table class='numbers details'>" in page and '"tolerance"' not in page
+
+
+def test_the_markdown_footer_shows_a_version_as_written():
+    from conformance.report import markdown
+    from conformance.results import RunResult
+
+    text = markdown.render(RunResult({"command": "conformance run", "version": "0.1.0"}, [], "quick", []))
+    assert "· 0\\.1.0</sub>" in text  # a backslash before the dot (rendered "0.1.0"), not "\\0.1.0"
+
+
+def _options(parser) -> dict[str, set[str]]:
+    """Every subcommand (``run``, ``engine run``) and its long options, from the CLI's own parser."""
+    import argparse
+
+    found: dict[str, set[str]] = {}
+
+    def walk(prefix: str, parser) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(f"{prefix} {name}".strip(), sub)
+            else:
+                found.setdefault(prefix, set()).update(
+                    option for option in action.option_strings if option.startswith("--") and option != "--help"
+                )
+
+    walk("", parser)
+    return found
+
+
+def test_the_cli_reference_names_every_command_and_option():
+    from conformance.cli import build_parser
+
+    reference = (ROOT / "docs" / "cli.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for command, options in _options(build_parser()).items():
+        if command:
+            assert f"conformance {command}" in reference, command
+        for option in options:
+            assert option in reference, (command, option)
+    synopsis = readme.split("## Run it")[1].split("```")[1]
+    for option in _options(build_parser())["run"]:
+        assert option in synopsis, option
+    assert "conformance new-backend" in synopsis and "--version" in synopsis
