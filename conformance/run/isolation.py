@@ -300,7 +300,7 @@ def _blame_and_resume(run: ChildRun, recorder: _Recorder) -> bool:
         return True
     how = describe_exit(run.returncode)
     if run.returncode == 0:
-        how += " before finishing (a backend that calls exit() or raises SystemExit)"
+        how += " before finishing (an exit from native code that no exit handler saw, such as _exit(0))"
     elif run.returncode == exit_guard.EXIT_FROM_C:
         how = "ended: the backend called exit() from C code"
     if run.running:

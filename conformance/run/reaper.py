@@ -69,6 +69,21 @@ def children() -> set[int]:
     return found
 
 
+def kill_children_but(kept: set[int]) -> None:
+    """Kill and reap every child of this process not in ``kept``, again until none is left
+    (killing one can orphan its own children onto this process, a subreaper)."""
+    for _ in range(10):
+        strays = children() - kept
+        if not strays:
+            return
+        for pid in strays:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError, PermissionError):
+                pass
+
+
 def exited(child: subprocess.Popen) -> bool:
     """Whether the child exited, without reaping it (its pid and group id stay reserved)."""
     if child.returncode is not None:
@@ -119,16 +134,7 @@ class Reaper:
         return returncode
 
     def sweep(self) -> None:
-        for _ in range(10):  # killing an orphan can orphan its own children: again until none is left
-            strays = children() - self.before
-            if not strays:
-                return
-            for pid in strays:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                except (ProcessLookupError, ChildProcessError, PermissionError):
-                    pass
+        kill_children_but(self.before)
 
     def close(self) -> None:
         self.sweep()
@@ -167,18 +173,8 @@ class Spawned:
     def end(self) -> None:
         if self.prctl is not None:  # what the killed ones orphan comes back here, to be killed too
             self.prctl(PR_SET_CHILD_SUBREAPER, 1)
-        others = children() - self.pids
         try:
-            for _ in range(10):
-                left = children() - others
-                if not left:
-                    return
-                for pid in left:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                        os.waitpid(pid, 0)
-                    except (ProcessLookupError, ChildProcessError, PermissionError):
-                        pass
+            kill_children_but(children() - self.pids)
         finally:
             if self.prctl is not None:
                 self.prctl(PR_SET_CHILD_SUBREAPER, 0)

@@ -16,6 +16,7 @@ import pytest
 from conformance.cases.grammar import parse_case
 from conformance.results import RunResult
 from conformance.run.exit_guard import EXIT_FROM_C
+from tests.conformance.run.test_gate import _alive
 from tests.conformance.test_pytest_plugin import plugin_args
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -113,13 +114,6 @@ def test_an_import_that_exits_is_that_backends_crash_on_every_path(tmp_path):
         exits, naive = json.loads(results.read_text())["backends"]
         assert [(check["verdict"], check["summary"]) for check in exits["checks"]] == [("CRASH", reason)], path
         assert naive["checks"][0]["verdict"] == "PASS", path
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads processes from /proc (Linux)")
