@@ -90,10 +90,11 @@ class PoolWatch:
         if len(dims) != 1:
             return None
         # Padding rows' slot -1 lands in a spare last entry; no host read (the step may be queued).
-        written = torch.zeros(num_blocks + 1, dtype=torch.bool, device=pool.device)
+        # scatter_, not written[blocks] = True: that index_put_ waits for the stream on the host
+        # (measured on an H200: it hid a backend launching on the default stream).
         slots = slots.to(pool.device).long()
         blocks = torch.where(slots >= 0, torch.div(slots, block_size, rounding_mode="floor"), num_blocks)
-        written[blocks] = True
+        written = torch.zeros(num_blocks + 1, dtype=torch.bool, device=pool.device).scatter_(0, blocks, True)
         watch = cls(pool, dims[0], written[:num_blocks])
         watch.before = watch.digest()
         return watch
