@@ -8,6 +8,7 @@ place nobody may write, loses the results. ``check_writable`` tries what the wri
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -27,8 +28,10 @@ def check_writable(option: str, path: str | Path) -> Path:
         raise OutputPathError(f"{option} {path}: exists and is not a regular file")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe"):
-            pass
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe") as probe:
+            probe.write(b"x")  # a byte, flushed: a full disk is found now, not after the run
+            probe.flush()
+            os.fsync(probe.fileno())
     except OSError as error:
         raise OutputPathError(f"{option} {path}: cannot write there ({error.strerror or error})") from None
     return path

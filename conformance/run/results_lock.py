@@ -47,8 +47,11 @@ class ResultsLock:
             if same:
                 break
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        try:  # the pid only names the owner in another run's message: a full disk must not stop this one
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError:
+            pass
         self.fd = fd
         return self
 

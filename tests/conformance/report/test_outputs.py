@@ -269,3 +269,56 @@ def test_the_plugin_checks_its_output_paths_before_the_session(tmp_path):
         completed = plugin(tmp_path, *args)
         assert completed.returncode == pytest.ExitCode.USAGE_ERROR and message in completed.stderr, completed.stderr
         assert "passed" not in completed.stdout  # refused before any item ran
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 64 KiB tmpfs filled up (root, and a kernel that lets this sandbox mount one; else skipped)."""
+    mount = tmp_path / "full"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode(errors='replace').strip()}")
+    try:
+        try:
+            with open(mount / "filler", "wb") as filler:
+                while True:
+                    filler.write(b"\0" * 4096)
+                    filler.flush()
+        except OSError:  # full
+            pass
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def test_a_disk_already_full_is_refused_before_the_run(full_disk):
+    completed = conformance("run", "--case", SMALL, "--device", "cpu", "--json", full_disk / "r.json")
+    assert completed.returncode == 2 and completed.stderr.count("\n") == 1, completed.stderr
+    assert "cannot write there (No space left on device)" in completed.stderr
+
+
+def test_the_lock_is_held_when_the_pid_cannot_be_written(tmp_path, monkeypatch):
+    from conformance.run import results_lock
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(results_lock.os, "write", full)
+    lock = results_lock.ResultsLock(tmp_path / "r.json").acquire()
+    monkeypatch.undo()
+    try:  # held all the same: another run is refused
+        other = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import pathlib; from conformance.run.results_lock import ResultsLock; "
+                f"ResultsLock(pathlib.Path({str(tmp_path / 'r.json')!r})).acquire()",
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        assert other.returncode == 1 and "ResultsInUse" in other.stderr, other.stderr
+    finally:
+        lock.release()
