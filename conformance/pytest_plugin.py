@@ -520,6 +520,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 def _complain(config, line: str) -> None:
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
+        reporter.ensure_newline()  # after a line of progress dots
         reporter.write_line(f"conformance: {line}", red=True)
 
 
