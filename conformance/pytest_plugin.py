@@ -520,7 +520,8 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 def _complain(config, line: str) -> None:
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
-        reporter.ensure_newline()  # after a line of progress dots
+        if reporter._tw.width_of_current_line:  # after a line of progress dots
+            reporter._tw.line()
         reporter.write_line(f"conformance: {line}", red=True)
 
 
