@@ -40,8 +40,11 @@ def test_missing_flashinfer_gives_the_install_command():
 
     if importlib.util.find_spec("flashinfer") is not None:
         return
-    for backend in (FlashInferBackend, FlashInferMLABackend, TrtllmBackend, TrtllmMLABackend):
+    for backend in (FlashInferBackend, FlashInferMLABackend, TrtllmBackend):
         assert "pip install 'specdec-conformance[flashinfer]'" in backend.availability_reason(H200)
+    # On a GPU it cannot run on, the GPU is the reason (the package would not help); on one it can, the package.
+    assert TrtllmMLABackend.availability_reason(H200).startswith("needs compute capability SM100")
+    assert "pip install 'specdec-conformance[flashinfer]'" in TrtllmMLABackend.availability_reason(B200)
     assert "pip install 'specdec-conformance[flashmla]'" in FlashMLABackend.availability_reason(H200)
 
 
@@ -235,8 +238,9 @@ def test_flash_attn_kernel_arguments_and_availability():
     claims = dataclasses.replace(FlashAttnBackend.capabilities, required_modules=())
     assert claims.availability_reason(H200) is None
     assert claims.availability_reason(B200) == "needs compute capability SM90; this GPU (NVIDIA B200) is SM100"
-    if importlib.util.find_spec("flash_attn") is None:
-        assert FlashAttnBackend.availability_reason("cpu").startswith(
+    if importlib.util.find_spec("flash_attn") is None:  # the machine first: on a CPU that is the reason
+        assert FlashAttnBackend.availability_reason("cpu") == "runs on cuda, not cpu"
+        assert FlashAttnBackend.availability_reason(H200).startswith(
             "missing Python package flash_attn.cute: pip install"
         )
     spec = AttentionSpec(

@@ -38,7 +38,7 @@ def test_ulps_count_fp8_numbers_between_two_stored_values():
         ("gqa-kscale2:1+1", "fp8 cache's scales"),
         ("mla-fp8e4m3-vscale2:1+1", "one scale"),
         ("gqa-fp8e4m3-fp8e5m2:1+1", "both set the KV-cache dtype"),
-        ("gqa-fp8e4m3-vscale0:1+1", "above 0"),
+        ("gqa-fp8e4m3-vscale0:1+1", "value scale 0: must be a finite number from 0.01 to 10000"),
         ("gqa-fp8e4m3-kscaleinf:1+1", "finite"),
     ],
 )
