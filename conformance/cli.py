@@ -158,7 +158,7 @@ LIST_COLUMNS = (
     "host lengths",
     "draft update",
     "deterministic",
-    "batch invariant",
+    "batch-invariant",
 )
 
 
@@ -174,11 +174,11 @@ def _list_row(name: str, probe_: Probe) -> dict[str, str]:
         "kinds": ",".join(claims["kinds"]),
         "max query": ("any" if max_query is None else str(max_query))
         + (", uniform" if claims["uniform_query_len"] else ""),
-        "graphs": claims["cuda_graphs"].lower().replace("_", " "),
+        "graphs": claims["cuda_graphs"],
         "host lengths": "needed" if claims["needs_cpu_seq_lens"] else "not needed",
         "draft update": "yes" if claims["draft_step_update"] else "no",
         "deterministic": "claimed" if claims["deterministic"] else "no",
-        "batch invariant": "claimed" if claims["batch_invariant"] else "no",
+        "batch-invariant": "claimed" if claims["batch_invariant"] else "no",
     }
 
 
@@ -211,14 +211,19 @@ def command_list(args: argparse.Namespace, console: Console) -> int:
         title_justify="left",
     )
     # Five columns, every cell wrapping at spaces, the longest word of each (an install command's
-    # package) kept whole: ten narrow ones folded words mid-way in a 120-column terminal.
+    # package) kept whole: ten narrow ones folded words mid-way in a 120-column terminal. Only the
+    # table words the graphs claim for wrapping; plain and json keep the claim's name.
     cells = [
         {
             "backend": row["backend"],
             "origin": row["origin"],
             "here": row["here"],
             "serves": ", ".join(f"{column} {row[column]}" for column in ("kinds", "max query") if column in row),
-            "claims": "; ".join(f"{column}: {row[column]}" for column in LIST_COLUMNS[5:] if column in row),
+            "claims": "; ".join(
+                f"{column}: {row[column].lower().replace('_', ' ') if column == 'graphs' else row[column]}"
+                for column in LIST_COLUMNS[5:]
+                if column in row
+            ),
         }
         for row in rows
     ]

@@ -78,7 +78,7 @@ class PoolWatch:
     pool: torch.Tensor
     block_dim: int
     written: torch.Tensor  # bool [num_blocks]: blocks the step's slots lie in
-    before: torch.Tensor = None
+    before: torch.Tensor | None = None  # the digest before the step (set by ``of``)
 
     CHUNK_ELEMENTS = 1 << 24  # digests are made a few blocks at a time: no int64 copy of a whole pool
 
@@ -104,10 +104,10 @@ class PoolWatch:
         blocks = self.pool.movedim(self.block_dim, 0)
         per_block = max(1, blocks[0].numel())
         step = max(1, self.CHUNK_ELEMENTS // per_block)
+        positions = torch.arange(1, per_block + 1, device=self.pool.device, dtype=torch.int64)
         parts = []
         for start in range(0, blocks.shape[0], step):
             bits = _bits(blocks[start : start + step]).view(-1, per_block).long()
-            positions = torch.arange(1, per_block + 1, device=bits.device, dtype=torch.int64)
             parts.append(torch.stack([bits.sum(1), (bits * positions).sum(1)], dim=1))
         return torch.cat(parts)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ElementTree
 
-from conformance.atomic_write import write_atomically
 from conformance.checks import check_class
 from conformance.checks.evidence import plain_lines
 from conformance.report.reproduce import reproduce_command
@@ -76,7 +75,3 @@ def render(run: RunResult) -> str:
         root.set(key, str(value))
     ElementTree.indent(root)
     return ElementTree.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
-
-
-def write_junit(run: RunResult, path) -> None:
-    write_atomically(path, render(run))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from conformance.atomic_write import write_atomically
 from conformance.checks import check_class
 from conformance.checks.evidence import DRAWN_IN_HTML
 from conformance.report.reproduce import reproduce_command
@@ -67,7 +66,3 @@ def render(run: RunResult) -> str:
         "",
     ]
     return "\n".join(lines)
-
-
-def write_markdown(run: RunResult, path) -> None:
-    write_atomically(path, render(run))
