@@ -211,18 +211,22 @@ def use_fp8_range(case, query: torch.Tensor, keys: list[torch.Tensor], values: l
                 (key if value is None else value)[..., channel].abs_()
 
 
-def sink_logits(spec: AttentionSpec) -> torch.Tensor:
+def sink_logits(spec: AttentionSpec, layer: int = 0) -> torch.Tensor:
     """A layer's learned attention sinks (``attnsinks``), float32 [num_heads] on the CPU, like
     gpt-oss's: most heads' a few units (``SINK_QUARTERS``), every fourth head's large
     (``LARGE_SINK_QUARTERS``: the sink takes most of the weight, so a backend that drops it is
     far off). Multiples of 1/4, exact in every dtype; one per query head, differing across the
     heads of a KV group, so a sink read per KV head is wrong. A layer's, not a batch's: every
-    batch over one layer (a graph's replays, the engine's steps) sees the same sinks."""
+    batch over one layer (a graph's replays, the engine's steps) sees the same sinks.
+
+    ``layer`` > 0: another layer of the same model, whose sinks are layer 0's rolled by ``layer``
+    heads: every large sink sits on another head, so a backend that keeps one layer's sinks for
+    the next (in a persistent copy, in the step's metadata every layer shares) is far off."""
     heads = spec.num_heads
     generator = torch.Generator().manual_seed(SINK_SEED + heads)
     usual = torch.randint(*SINK_QUARTERS, (heads,), generator=generator)
     large = torch.randint(*LARGE_SINK_QUARTERS, (heads,), generator=generator)
-    return torch.where(torch.arange(heads) % 4 == 3, large, usual).float() / 4
+    return (torch.where(torch.arange(heads) % 4 == 3, large, usual).float() / 4).roll(layer)
 
 
 def poison_key_value(case) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -39,11 +39,18 @@ def forward_with_lse(prepared: PreparedCase) -> tuple[torch.Tensor, torch.Tensor
 
 
 def lse_findings(prepared: PreparedCase) -> tuple[str | None, dict[str, Any]]:
-    """The step just run, again with an ``lse`` buffer: (what is wrong or None, metrics). Rows
-    past the real tokens must stay NaN."""
+    """The step just run, again with an ``lse`` buffer: (what is wrong or None, metrics)."""
+    return judge_lse(prepared, forward_with_lse(prepared)[1])
+
+
+def judge_lse(prepared: PreparedCase, lse: torch.Tensor) -> tuple[str | None, dict[str, Any]]:
+    """``lse`` (the buffer a forward of ``prepared``'s step was handed, NaN before it, padding rows
+    included) against the oracle's: (what is wrong or None, metrics). Rows past the real tokens
+    must stay NaN. Eager passes and graph replays alike: a replay's buffer is refilled with NaN
+    first, so an LSE written only eagerly (a captured path launched without it) stays NaN."""
     batch = prepared.batch
-    spec, tokens, padding = batch.spec, batch.case.num_tokens, batch.case.padding
-    _, lse = forward_with_lse(prepared)
+    spec, tokens = batch.spec, batch.case.num_tokens
+    padding = lse.shape[0] - tokens
     expected = expected_lse(prepared)
     got = lse[:tokens].double()
     error = (got - expected).abs()

@@ -35,11 +35,13 @@ context (``lse_merge``).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from backends.base import AttentionBackend, dtype_name
+from conformance.cases.case_data import sink_logits
 from conformance.cases.grammar import Case
 from conformance.checks.base import Check
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle, how_far_off, worst_place
@@ -64,11 +66,14 @@ SECOND_LAYER_SCALES = 2.5  # an fp8 second layer's scales, of the first's: a bac
 
 
 def second_layer(prepared: PreparedCase) -> PreparedCase:
-    """Another layer of the same step: a copy of the pool, or for an fp8 layer a pool of its own
-    written with other scales (``SECOND_LAYER_SCALES``), as a model's layers have."""
-    if prepared.scales is None:
-        return PreparedCase(prepared.batch, prepared.backend, prepared.kv_cache.clone())
+    """Another layer of the same step, with what a model's next layer has of its own: a copy of
+    the pool (for an fp8 layer a pool written with other scales, ``SECOND_LAYER_SCALES``) and its
+    own learned sinks (``sink_logits(spec, layer=1)``)."""
     batch = prepared.batch
+    if batch.sinks is not None:
+        batch = replace(batch, sinks=sink_logits(batch.spec, layer=1).to(batch.device), _reference=None)
+    if prepared.scales is None:
+        return PreparedCase(batch, prepared.backend, prepared.kv_cache.clone())
     return prepare_layer(batch, prepared.backend, case_scales(batch.case, batch.device, SECOND_LAYER_SCALES))
 
 
@@ -204,10 +209,12 @@ class NumericsCheck(Check):
         worst = evidence["worst"]
         maps = failure_maps(layer, out.neg(), expected, worst, atol, rtol, "a second layer", negated=True)
         scales = "" if layer.scales is None else f"; fp8 scales {_scales(layer)} instead of the first layer's"
+        sinks = "" if batch.sinks is None else "; learned sinks of its own"
         reason = (
-            f"a second layer (this step's metadata, no build; its own pool; query, key and value negated{scales}) "
+            f"a second layer (this step's metadata, no build; its own pool; query, key and value negated{scales}"
+            f"{sinks}) "
             f"is wrong: {how_far_off(errors)}, worst (negated back) at {worst_place(worst)} — state kept from the "
-            "first layer's pool, scales or forward, or (on a GPU) work launched on another stream than the "
+            "first layer's pool, scales, sinks or forward, or (on a GPU) work launched on another stream than the "
             "current one"
         )
         return CaseResult(

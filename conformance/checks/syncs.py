@@ -1,10 +1,15 @@
 """syncs: does the backend block the host on the device in build, write_kv or forward?
 
 Each case runs one warm-up step (lazy initialisation and JIT compilation are not the hot path),
-then one watched step, twice: (a) with host lengths given, (b) without them, as an async
-scheduler would call it. Any blocking event in (a) is FAIL for every backend: it had what it
-needed. Any in (b) is FAIL for a backend claiming ``needs_cpu_seq_lens=False``, and reported
-with its source lines (not failed) for one that claims True.
+then watched steps, twice: (a) with host lengths given, (b) without them, as an async scheduler
+would call it. The watched steps are the case's step and the steps right after its batch changed,
+as requests join and leave a serving engine's batch nearly every step (``compositions``): its
+last request gone, an empty request in its place (where the backend claims vLLM's padding
+requests), the request back. A backend that re-plans only when the batch changes (reading the
+longest length back when the number of requests differs from its last build) syncs only there.
+Any blocking event in (a) is FAIL for every backend: it had what it needed. Any in (b) is FAIL
+for a backend claiming ``needs_cpu_seq_lens=False``, and reported with its source lines (not
+failed) for one that claims True.
 """
 
 from __future__ import annotations
@@ -14,10 +19,10 @@ from typing import Any
 
 import torch
 
-from backends.base import AttentionBackend
+from backends.base import AttentionBackend, PaddingStyle
 from conformance.cases.grammar import Case
 from conformance.checks.base import Check
-from conformance.harness.step import prepare_case, run_step
+from conformance.harness.step import PreparedCase, prepare_case, run_step
 from conformance.results import CaseResult, Verdict
 from host_syncs.detector import detect_host_syncs
 from host_syncs.events import SyncEvent
@@ -53,12 +58,37 @@ def syncs_verdict(
 
 
 def phase_counts(events: list[SyncEvent]) -> dict[str, int]:
-    return {phase: sum(1 for event in events if event.blocking and event.phase == phase) for phase in PHASES}
+    return {phase: sum(1 for event in events if event.blocking and call_of(event) == phase) for phase in PHASES}
+
+
+def call_of(event: SyncEvent) -> str:
+    """The backend call of an event recorded in phase ``"<call>"`` or ``"<call>, <which step>"``."""
+    return event.phase.split(",")[0]
+
+
+def compositions(prepared: PreparedCase, backend_cls: type[AttentionBackend]) -> list[tuple[str, PreparedCase]]:
+    """The watched steps, in order, each ``(label, step)``: the case's step, then each right
+    after the batch changed (a one-request batch has nothing to drop: its step alone)."""
+    steps = [("", prepared)]
+    batch = prepared.batch
+    if batch.case.num_reqs < 2:
+        return steps
+    fewer = batch.reordered(list(range(batch.case.num_reqs - 1)))
+    steps.append(("after its last request left", prepared.over(fewer)))
+    if PaddingStyle.EMPTY_REQUESTS in backend_cls.capabilities.padding_styles:
+        steps.append(("after an empty request took its place", prepared.over(fewer.with_empty_request())))
+    steps.append(("after it joined again", prepared))
+    return steps
 
 
 def source_counts(mode: str, events: list[SyncEvent]) -> dict[str, int]:
     counts = Counter(f"{mode} | {event.kind} {event.api} | {event.source or 'unknown frame'}" for event in events)
     return dict(counts)
+
+
+def _labelled(detector, label: str):
+    """The detector's phase for each backend call, named with the step it is in."""
+    return lambda call: detector.phase(f"{call}, {label}" if label else call)
 
 
 class SyncsCheck(Check):
@@ -82,21 +112,26 @@ class SyncsCheck(Check):
 
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
         prepared = prepare_case(backend_cls, case, device)
+        steps = compositions(prepared, backend_cls)
         events: dict[str, list[SyncEvent]] = {}
         strategy = blind_spots = fallback = ""
         for mode, with_host_lengths in MODES.items():
             run_step(prepared, with_host_lengths=with_host_lengths)  # warm-up
             torch.cuda.synchronize(device)
-            with detect_host_syncs(self.strategy, only_in_phases=True) as detector:
-                run_step(prepared, with_host_lengths=with_host_lengths, phase=detector.phase)
-            torch.cuda.synchronize(device)
-            events[mode] = detector.events
-            strategy, blind_spots, fallback = detector.strategy_name, detector.blind_spots, detector.fallback_reason
+            events[mode] = []
+            for label, step in steps:
+                with detect_host_syncs(self.strategy, only_in_phases=True) as detector:
+                    run_step(step, with_host_lengths=with_host_lengths, phase=_labelled(detector, label))
+                torch.cuda.synchronize(device)
+                events[mode] += detector.events
+                strategy, blind_spots = detector.strategy_name, detector.blind_spots
+                fallback = fallback or detector.fallback_reason
         verdict, reason = syncs_verdict(
             backend_cls.capabilities.needs_cpu_seq_lens, events["with_host_lengths"], events["without_host_lengths"]
         )
         metrics = {
             "strategy": strategy,
+            "steps_watched": [label or "the case's step" for label, _ in steps],
             "blind_spots": blind_spots,  # the detector's standing caveat, the same for every case: the details say it
             **{f"{mode}_blocking": phase_counts(mode_events) for mode, mode_events in events.items()},
             **{f"{mode}_info": sum(1 for e in mode_events if not e.blocking) for mode, mode_events in events.items()},

@@ -81,6 +81,23 @@ class PagedBatch:
             self.sinks,
         )
 
+    def with_empty_request(self) -> "PagedBatch":
+        """This batch and one empty request after it (query and sequence length 0, block-table row
+        -1: vLLM's padding request), as a step whose last request was replaced by padding has it."""
+        case = replace(self.case, batch=self.case.batch + ((0, 0),), shared_prefix_blocks=0)
+        empty_row = torch.full((1, self.block_table.shape[1]), -1, dtype=self.block_table.dtype)
+        value = self.values[-1]
+        return PagedBatch(
+            case,
+            self.device,
+            self.query,
+            self.keys + [self.keys[-1][:0]],
+            self.values + [None if value is None else value[:0]],
+            torch.cat([self.block_table, empty_row]),
+            self.num_blocks,
+            self.sinks,
+        )
+
     def reference_output(self) -> torch.Tensor:
         """The oracle's answer for every new token: [num_tokens, H, Dv] float64, on the device.
         Computed once per batch: a batch's data never changes after it is drawn."""
