@@ -20,10 +20,11 @@ from backends.base import AttentionBackend, CommonAttentionMetadata, PaddingStyl
 from conformance.cases.grammar import Case
 from conformance.checks.base import Check
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle, worst_place
+from conformance.checks.lse_pass import judge_lse
 from conformance.harness.batch import PagedBatch, materialize
 from conformance.harness.graph_batches import GraphShape
-from conformance.harness.graphs import GraphBuffers, cuda_graph_skip_reason, warm_up
-from conformance.harness.step import PoolFill, write_poison
+from conformance.harness.graphs import GraphBuffers, GraphLayer, cuda_graph_skip_reason, step_layers, warm_up
+from conformance.harness.step import PoolFill
 from conformance.harness.stored_cache import oracle
 from conformance.results import CaseResult, Verdict
 
@@ -46,8 +47,57 @@ def draft_padding(backend_cls: type[AttentionBackend], num_steps: int) -> Paddin
     return backend_cls.capabilities.graph_padding
 
 
+class DraftBanks:
+    """One layer's per-step inputs (the query row, key row and value row of request r at draft
+    step s, as the layer holds them: ``GraphLayer.rows``) and what each step left in its buffers
+    (the output, the LSE where asked)."""
+
+    def __init__(self, layer: GraphLayer, drafted: PagedBatch, contexts: list[int], num_steps: int):
+        n = len(contexts)
+        self.layer = layer
+        self.query = layer.rows(drafted.query).view(n, num_steps, *drafted.query.shape[1:])
+        self.key = layer.rows(torch.stack([drafted.keys[r][c : c + num_steps] for r, c in enumerate(contexts)]))
+        self.value = (
+            None
+            if drafted.values[0] is None
+            else layer.rows(torch.stack([drafted.values[r][c : c + num_steps] for r, c in enumerate(contexts)]))
+        )
+        self.out = torch.full(
+            (n, num_steps, *layer.out.shape[1:]), float("nan"), dtype=layer.out.dtype, device=layer.out.device
+        )
+        self.lse = (
+            None
+            if layer.lse is None
+            else torch.full((n, num_steps, layer.lse.shape[1]), float("nan"), device=layer.lse.device)
+        )
+
+    def advance(self, step: torch.Tensor) -> None:
+        """Device-only: this layer's inputs of draft step ``step`` (a one-element device tensor)."""
+        layer, n = self.layer, self.query.shape[0]
+        layer.query[:n].copy_(self.query.index_select(1, step).squeeze(1))
+        layer.key[:n].copy_(self.key.index_select(1, step).squeeze(1))
+        if self.value is not None:
+            layer.value[:n].copy_(self.value.index_select(1, step).squeeze(1))
+
+    def keep(self, step: torch.Tensor) -> None:
+        """Device-only: bank what draft step ``step`` wrote."""
+        layer, n = self.layer, self.query.shape[0]
+        self.out.index_copy_(1, step, layer.out[:n].unsqueeze(1))
+        if self.lse is not None:
+            self.lse.index_copy_(1, step, layer.lse[:n].unsqueeze(1))
+
+    def clear(self) -> None:
+        """NaN in every banked output and LSE and in the layer's LSE buffer: a replay that writes
+        nothing leaves NaN, not what the warm-up wrote."""
+        self.out.fill_(float("nan"))
+        for tensor in (self.lse, self.layer.lse):
+            if tensor is not None:
+                tensor.fill_(float("nan"))
+
+
 class DraftLoop:
-    """The buffers, device-side advance and per-step bookkeeping of one k-step draft loop."""
+    """The buffers, device-side advance and per-step bookkeeping of one k-step draft loop, over
+    ``layers`` layers (each its own pool, scales, sinks: ``GraphLayer``) sharing one metadata."""
 
     def __init__(
         self,
@@ -59,6 +109,7 @@ class DraftLoop:
         fill: PoolFill = PoolFill.LOUD,
         padding: PaddingStyle = PaddingStyle.ROWS,
         shape_steps: Callable[[PagedBatch], None] | None = None,
+        layers: int = 1,
     ):
         self.num_steps = num_steps
         self.num_real = case.num_reqs
@@ -89,65 +140,54 @@ class DraftLoop:
             max_model_len=-(-(max(contexts) + num_steps) // block) * block,
             uniform=True,
         )
-        self.buffers = GraphBuffers(backend_cls, shape, [self.drafted.case], device, fill, padding)
+        self.buffers = GraphBuffers(
+            backend_cls, shape, [self.drafted.case], device, fill, padding, layers=layers, lse=case.lse
+        )
         self.host_lengths = backend_cls.capabilities.needs_cpu_seq_lens
         buffers, drafted, n = self.buffers, self.drafted, self.num_real
-
-        key, value, slots = drafted.history_rows()
-        write_poison(
-            buffers.backend,
-            buffers.kv_cache,
-            drafted,
-            keep=slots,
-            num_blocks=buffers.num_blocks,
-            fill=fill,
-            scales=buffers.handed.scales,
-        )
-        if slots.numel():
-            buffers.backend.write_kv(buffers.kv_cache, key, value, slots, **buffers.layer)
-        # Per-step banks: the query row, KV row and slot of request r at draft step s.
-        self.query_bank = drafted.query.view(n, num_steps, *drafted.query.shape[1:])
-        self.key_bank = torch.stack([drafted.keys[r][c : c + num_steps] for r, c in enumerate(contexts)])
-        self.value_bank = (
-            None
-            if drafted.values[0] is None
-            else torch.stack([drafted.values[r][c : c + num_steps] for r, c in enumerate(contexts)])
-        )
+        buffers.write_history(drafted)
+        self.banks = [DraftBanks(layer, drafted, contexts, num_steps) for layer in buffers.layers]
         self.slot_bank = torch.stack([drafted.slots(r, range(c, c + num_steps)) for r, c in enumerate(contexts)]).to(
             device
         )
         self.context_lens = torch.tensor(contexts, dtype=torch.int32, device=device)
-        self.rows = torch.arange(n, device=device)
         self.step = torch.zeros((), dtype=torch.int64, device=device)
-        self.out_bank = torch.full(
-            (n, num_steps, *buffers.out.shape[1:]), float("nan"), dtype=buffers.out.dtype, device=device
-        )
 
         buffers.query_start_loc.copy_(torch.tensor(self.starts, dtype=torch.int32))
         buffers.seq_lens.fill_(self.padding_len)
         buffers.block_table.fill_(-1 if empty else 0)
         buffers.block_table[:n, : drafted.block_table.shape[1]].copy_(drafted.block_table)
         buffers.slot_mapping.fill_(-1)
-        buffers.query.zero_()
-        buffers.key.fill_(7.0)
-        if buffers.value is not None:
-            buffers.value.fill_(-7.0)
+        for layer in buffers.layers:
+            layer.query.zero_()
+            layer.key.fill_(7.0)
+            if layer.value is not None:
+                layer.value.fill_(-7.0)
         self.advance()
+
+    @property
+    def out_bank(self) -> torch.Tensor:
+        """Layer 0's outputs, [request, step, H, Dv]."""
+        return self.banks[0].out
 
     def advance(self) -> None:
         """Device-only: lengths, slots and inputs of draft step ``self.step`` (captured as kernels)."""
         buffers, n, step = self.buffers, self.num_real, self.step.view(1)
         buffers.seq_lens[:n].copy_(self.context_lens + self.step.to(torch.int32) + 1)
         buffers.slot_mapping[:n].copy_(self.slot_bank.index_select(1, step).view(n))
-        buffers.query[:n].copy_(self.query_bank.index_select(1, step).squeeze(1))
-        buffers.key[:n].copy_(self.key_bank.index_select(1, step).squeeze(1))
-        if buffers.value is not None:
-            buffers.value[:n].copy_(self.value_bank.index_select(1, step).squeeze(1))
+        for bank in self.banks:
+            bank.advance(step)
 
     def finish_step(self) -> None:
-        n = self.num_real
-        self.out_bank.index_copy_(1, self.step.view(1), self.buffers.out[:n].unsqueeze(1))
+        for bank in self.banks:
+            bank.keep(self.step.view(1))
         self.step.add_(1)
+
+    def restart(self) -> None:
+        """Back to draft step 0 with every bank cleared (before the replay that is judged)."""
+        self.step.zero_()
+        for bank in self.banks:
+            bank.clear()
 
     def common(self, step: int) -> CommonAttentionMetadata:
         """What the host knows at draft step ``step``: every request gained exactly one token."""
@@ -164,23 +204,44 @@ class DraftLoop:
         )
 
     def first_failing_step(self, atol: float, rtol: float) -> tuple[int | None, dict[str, Any]]:
+        """The first draft step whose output (of any layer) differs from the oracle, with the
+        comparison's metrics and worst element (``layer``: which layer, where there are several)."""
         # Every draft step's rows are in the cache now; a step sees only positions up to its own.
-        reference, allowance = oracle(self.buffers.prepared(self.drafted))
-        reference = reference.view(self.num_real, self.num_steps, *self.out_bank.shape[2:])
-        allowance = None if allowance is None else allowance.view_as(reference)
         starts = list(range(self.num_real + 1))
-        for step in range(self.num_steps):
-            passed, metrics, evidence = compare_with_oracle(
-                self.out_bank[:, step],
-                reference[:, step],
-                starts,
-                atol,
-                rtol,
-                None if allowance is None else allowance[:, step],
-            )
-            if not passed:
-                return step, {**metrics, **evidence}
-        return None, {}
+        failures = []
+        for bank in self.banks:
+            layer = bank.layer
+            reference, allowance = oracle(self.buffers.prepared(self.drafted, layer), negated=layer.negated)
+            reference = reference.view(self.num_real, self.num_steps, *bank.out.shape[2:])
+            allowance = None if allowance is None else allowance.view_as(reference)
+            for step in range(self.num_steps):
+                passed, metrics, evidence = compare_with_oracle(
+                    bank.out[:, step],
+                    reference[:, step],
+                    starts,
+                    atol,
+                    rtol,
+                    None if allowance is None else allowance[:, step],
+                )
+                if not passed:
+                    failures.append((step, {**metrics, **evidence, "layer": layer.index}))
+                    break
+        if not failures:
+            return None, {}
+        return min(failures, key=lambda failure: failure[0])
+
+    def lse_problem(self) -> str | None:
+        """Where the LSE is asked for: every layer's banked LSE against the oracle's (tokens
+        numbered request by request, each request's draft steps in order), or None."""
+        for bank in self.banks:
+            if bank.lse is None:
+                continue
+            layer = bank.layer
+            prepared = self.buffers.prepared(self.drafted, layer)
+            problem, _ = judge_lse(prepared, bank.lse.flatten(0, 1), negated=layer.negated)
+            if problem:
+                return f"layer {layer.index}: {problem}" if len(self.banks) > 1 else problem
+        return None
 
 
 def run_one_graph_loop(loop: DraftLoop, warm: bool = True) -> None:
@@ -203,8 +264,7 @@ def run_one_graph_loop(loop: DraftLoop, warm: bool = True) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         steps(metadata)
-    loop.step.zero_()
-    loop.out_bank.fill_(float("nan"))
+    loop.restart()
     graph.replay()
     torch.cuda.synchronize()
 
@@ -227,8 +287,7 @@ def run_rebuilt_loop(loop: DraftLoop, warm: bool = True) -> None:
     metadata = backend.build_for_capture(loop.common(0))
     with torch.cuda.graph(step_graph):
         one_step(metadata)
-    loop.step.zero_()
-    loop.out_bank.fill_(float("nan"))
+    loop.restart()
     for step in range(loop.num_steps):
         advance_graph.replay()
         backend.build(loop.common(step))
@@ -259,17 +318,36 @@ class DraftLoopCheck(Check):
         metrics: dict[str, Any] = {"mode": mode}
         for num_steps, padding_row, warm, fill in DRAFT_RUNS:
             padding = draft_padding(backend_cls, num_steps)
-            loop = DraftLoop(backend_cls, case, num_steps, device, padding_row=padding_row, fill=fill, padding=padding)
+            loop = DraftLoop(
+                backend_cls,
+                case,
+                num_steps,
+                device,
+                padding_row=padding_row,
+                fill=fill,
+                padding=padding,
+                layers=step_layers(case),
+            )
             (run_one_graph_loop if one_graph else run_rebuilt_loop)(loop, warm=warm)
             failing, details = loop.first_failing_step(atol, rtol)
-            if failing is not None:
-                layout = (
-                    f"padding last ({padding.value})" if padding_row else "no padding row (the last row a real request)"
+            layout = (
+                f"padding last ({padding.value})" if padding_row else "no padding row (the last row a real request)"
+            )
+            layout += "" if warm else ", captured without warm-up"
+            layout += ", NaN in every unowned slot" if fill == PoolFill.NAN else ""
+            lse_problem = loop.lse_problem() if failing is None else None
+            if lse_problem:
+                return CaseResult(
+                    case.id,
+                    Verdict.FAIL,
+                    f"k={num_steps} ({layout}): the LSE of the draft steps under graphs — {lse_problem} — {mode}",
+                    tag=case.tag,
+                    metrics={**metrics, "k": num_steps},
                 )
-                layout += "" if warm else ", captured without warm-up"
-                layout += ", NaN in every unowned slot" if fill == PoolFill.NAN else ""
+            if failing is not None:
+                layer = f" (layer {details['layer']}: its own pool, scales and sinks)" if details["layer"] else ""
                 reason = (
-                    f"k={num_steps} ({layout}): draft step {failing + 1} of {num_steps} differs from the oracle "
+                    f"k={num_steps} ({layout}): draft step {failing + 1} of {num_steps}{layer} differs from the oracle "
                     f"({details['mismatched']} elements, max abs error {details['max_abs_error']:.3g}, worst at "
                     f"{worst_place(details['worst'])}) — {mode}"
                 )

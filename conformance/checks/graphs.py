@@ -38,6 +38,7 @@ from backends.base import AttentionBackend
 from conformance.cases.grammar import Case
 from conformance.checks.base import Check
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle, worst_place
+from conformance.checks.lse_pass import judge_lse
 from conformance.harness.batch import PagedBatch, materialize
 from conformance.harness.graph_batches import (
     Replay,
@@ -49,11 +50,14 @@ from conformance.harness.graph_batches import (
 )
 from conformance.harness.graphs import (
     GraphBuffers,
+    GraphLayer,
+    LoadedBatch,
     canaries_written,
     count_different,
     cuda_graph_skip_reason,
     fill_freed_memory,
     graph_pool_bytes,
+    step_layers,
     warm_up,
 )
 from conformance.harness.step import PoolFill, run_step
@@ -148,7 +152,8 @@ class GraphsCheck(Check):
         self.drawn = {c: materialize(c, device) for c in {case, *(r.case for r in replays[:1])}}
 
         # 1. Warm-up, capture, replays.
-        buffers = GraphBuffers(backend_cls, shape, all_cases, device)
+        layers = dict(layers=step_layers(case), lse=case.lse)
+        buffers = GraphBuffers(backend_cls, shape, all_cases, device, **layers)
         loaded = buffers.load(self._batch(case, device), with_host_lengths=self.host_lengths)
         warm_up(functools.partial(_step_with_fresh_metadata, buffers, loaded.common))
         try:
@@ -216,7 +221,7 @@ class GraphsCheck(Check):
 
         del graph, buffers
         # 3. Capture as the very first call of a fresh backend instance (the process is warm now).
-        first = GraphBuffers(backend_cls, shape, all_cases, device)
+        first = GraphBuffers(backend_cls, shape, all_cases, device, **layers)
         loaded = first.load(self._batch(case, device), with_host_lengths=self.host_lengths)
         try:
             graph = capture(first, first.backend.build_for_capture(loaded.common))
@@ -252,13 +257,15 @@ class GraphsCheck(Check):
         nondeterministic=None,
         fill: PoolFill | None = None,
     ):
-        """Load, build, replay, compare; None when right, else (reason, failing case, errors, evidence)."""
-        atol, rtol = self.tolerance
+        """Load, build, replay, compare every layer; None when right, else (reason, failing case,
+        errors, evidence)."""
         loaded = buffers.load(self._batch(replay_case, buffers.device), with_host_lengths=self.host_lengths, fill=fill)
         watch = buffers.watch(loaded.common)
         buffers.backend.build(loaded.common)
         watch.called("build")
-        expected_cache = buffers.kv_cache.clone()  # the cache before the replay; its own rows are added below
+        # Each layer's cache before the replay (its own rows are added below), NaN in its LSE.
+        expected_caches = [layer.kv_cache.clone() for layer in buffers.layers]
+        buffers.clear_lse()
         graph.replay()
         watch.called("the replay")
         torch.cuda.synchronize()
@@ -270,33 +277,15 @@ class GraphsCheck(Check):
                 {},
                 {},
             )
-        replayed = buffers.out[: loaded.real_tokens].clone()
-        reference, allowance = oracle(buffers.prepared(loaded.batch))
-        passed, errors, evidence = compare_with_oracle(
-            replayed, reference, loaded.batch.query_start_loc, atol, rtol, allowance
-        )
-        if not passed:
-            return (
-                f"replay of {what} differs from the oracle: {errors['mismatched']} elements, max abs error "
-                f"{errors['max_abs_error']:.3g}, worst at {worst_place(evidence['worst'])}",
-                replay_case,
-                errors,
-                evidence,
-            )
-        buffers.add_step_rows(expected_cache, loaded)
-        stray = count_different(buffers.kv_cache, expected_cache)
-        del expected_cache
-        if stray:
-            return (
-                f"replay of {what} changed {stray} cache elements outside "
-                "the batch's own slots (padding rows must write nothing)",
-                replay_case,
-                {},
-                {},
-            )
+        for layer, expected_cache in zip(buffers.layers, expected_caches):
+            problem = self._layer_problem(buffers, layer, loaded, expected_cache, what, replay_case)
+            if problem:
+                return problem
+        del expected_caches
         if metrics is None:
             return None
         # Eager on the same state, and a second replay of it (determinism).
+        replayed = buffers.out[: loaded.real_tokens].clone()
         buffers.step(buffers.backend.build(loaded.common))
         torch.cuda.synchronize()
         eager = buffers.out[: loaded.real_tokens].clone()
@@ -307,6 +296,54 @@ class GraphsCheck(Check):
         torch.cuda.synchronize()
         if not torch.equal(buffers.out[: loaded.real_tokens], replayed):
             nondeterministic.append(what)
+        return None
+
+    def _layer_problem(
+        self,
+        buffers: GraphBuffers,
+        layer: GraphLayer,
+        loaded: LoadedBatch,
+        expected_cache: torch.Tensor,
+        what: str,
+        replay_case: Case,
+    ):
+        """One layer of a replay: its output and (where asked) its LSE against the oracle, its
+        cache against the cache before plus the batch's own rows."""
+        atol, rtol = self.tolerance
+        real = loaded.real_tokens
+        which = f"{what}, layer {layer.index} (its own pool, scales and sinks)" if layer.index else what
+        prepared = buffers.prepared(loaded.batch, layer)
+        reference, allowance = oracle(prepared, negated=layer.negated)
+        passed, errors, evidence = compare_with_oracle(
+            layer.out[:real], reference, loaded.batch.query_start_loc, atol, rtol, allowance
+        )
+        if not passed:
+            return (
+                f"replay of {which} differs from the oracle: {errors['mismatched']} elements, max abs error "
+                f"{errors['max_abs_error']:.3g}, worst at {worst_place(evidence['worst'])}",
+                replay_case,
+                errors,
+                evidence,
+            )
+        if layer.lse is not None:
+            problem, _ = judge_lse(prepared, layer.lse[:real], negated=layer.negated)
+            if problem:
+                return (
+                    f"replay of {which}: {problem} (the LSE buffer held NaN before the replay)",
+                    replay_case,
+                    {},
+                    {},
+                )
+        buffers.add_step_rows(expected_cache, loaded, layer)
+        stray = count_different(layer.kv_cache, expected_cache)
+        if stray:
+            return (
+                f"replay of {which} changed {stray} cache elements outside "
+                "the batch's own slots (padding rows must write nothing)",
+                replay_case,
+                {},
+                {},
+            )
         return None
 
     def _batch(self, case: Case, device: torch.device) -> PagedBatch:

@@ -43,20 +43,25 @@ def lse_findings(prepared: PreparedCase) -> tuple[str | None, dict[str, Any]]:
     return judge_lse(prepared, forward_with_lse(prepared)[1])
 
 
-def judge_lse(prepared: PreparedCase, lse: torch.Tensor) -> tuple[str | None, dict[str, Any]]:
+def judge_lse(prepared: PreparedCase, lse: torch.Tensor, *, negated: bool = False) -> tuple[str | None, dict[str, Any]]:
     """``lse`` (the buffer a forward of ``prepared``'s step was handed, NaN before it, padding rows
     included) against the oracle's: (what is wrong or None, metrics). Rows past the real tokens
     must stay NaN. Eager passes and graph replays alike: a replay's buffer is refilled with NaN
-    first, so an LSE written only eagerly (a captured path launched without it) stays NaN."""
+    first, so an LSE written only eagerly (a captured path launched without it) stays NaN.
+    ``negated``: a later layer's step, run negated (``expected_lse``)."""
     batch = prepared.batch
     spec, tokens = batch.spec, batch.case.num_tokens
     padding = lse.shape[0] - tokens
-    expected = expected_lse(prepared)
+    expected = expected_lse(prepared, negated=negated)
     got = lse[:tokens].double()
     error = (got - expected).abs()
     allowed = LSE_ATOL + LSE_RTOL * expected.abs() + query_rounding(batch)
     bad = ~(error <= allowed)  # NaN counts as bad
-    metrics = {"lse_max_abs_error": float(error.nan_to_num(float("inf")).max()) if error.numel() else 0.0}
+    metrics = {
+        "lse_max_abs_error": float(error.nan_to_num(float("inf")).max()) if error.numel() else 0.0,
+        # the worst element's error over its allowed error (a NaN: inf)
+        "lse_tolerance_ratio": float((error / allowed).nan_to_num(float("inf")).max()) if error.numel() else 0.0,
+    }
     if padding and not lse[tokens:].isnan().all():
         return (
             f"forward wrote the lse of {int((~lse[tokens:].isnan()).any(-1).sum())} rows past the step's real tokens",

@@ -35,13 +35,11 @@ context (``lse_merge``).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
 
 from backends.base import AttentionBackend, dtype_name
-from conformance.cases.case_data import sink_logits
 from conformance.cases.grammar import Case
 from conformance.checks.base import Check
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle, how_far_off, worst_place
@@ -53,6 +51,7 @@ from conformance.harness.step import (
     PreparedCase,
     WroteOutsideOutput,
     case_scales,
+    layer_batch,
     prepare_case,
     prepare_layer,
     run_step,
@@ -62,19 +61,16 @@ from conformance.harness.stored_cache import oracle, write_findings
 from conformance.results import CaseResult, Verdict
 
 STORED_PASS = "the stored fp8 cache: write_kv's numbers against the contract's quantization"
-SECOND_LAYER_SCALES = 2.5  # an fp8 second layer's scales, of the first's: a backend must not keep the first's
 
 
 def second_layer(prepared: PreparedCase) -> PreparedCase:
     """Another layer of the same step, with what a model's next layer has of its own: a copy of
-    the pool (for an fp8 layer a pool written with other scales, ``SECOND_LAYER_SCALES``) and its
-    own learned sinks (``sink_logits(spec, layer=1)``)."""
-    batch = prepared.batch
-    if batch.sinks is not None:
-        batch = replace(batch, sinks=sink_logits(batch.spec, layer=1).to(batch.device), _reference=None)
+    the pool (for an fp8 layer a pool written with its own scales) and its own learned sinks
+    (``layer_batch``, ``case_scales``)."""
+    batch = layer_batch(prepared.batch, 1)
     if prepared.scales is None:
         return PreparedCase(batch, prepared.backend, prepared.kv_cache.clone())
-    return prepare_layer(batch, prepared.backend, case_scales(batch.case, batch.device, SECOND_LAYER_SCALES))
+    return prepare_layer(batch, prepared.backend, case_scales(batch.case, batch.device, layer=1))
 
 
 def _scales(layer: PreparedCase) -> str:

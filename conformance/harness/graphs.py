@@ -17,6 +17,7 @@ then) freezes the capture's copy into the graph, and every replay reads the capt
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ from backends.base import (
     BackendLimits,
     CGSupport,
     CommonAttentionMetadata,
+    KVScales,
     PaddingStyle,
 )
 from conformance.cases.case_data import sink_logits
@@ -39,6 +41,7 @@ from conformance.harness.step import (
     allocate_pool,
     as_bits,
     case_scales,
+    layer_batch,
     write_poison,
 )
 
@@ -54,37 +57,33 @@ class LoadedBatch:
     real_slots: torch.Tensor  # the step's own slots (the only cache entries a replay may change)
 
 
-class GraphBuffers:
+class GraphLayer:
+    """One layer of the step a graph holds, with everything a model's layer has of its own: its
+    pool, its fp8 scales (the harness's, which the oracle reads; the backend is handed copies,
+    persistent device tensors as an engine's layer holds them), its learned sinks, and its
+    persistent query, key, value, output and (``lse``) log-sum-exp buffers. Layer 0 holds the
+    batch as drawn; a later layer holds it negated, with scales and sinks of its own
+    (``case_scales``, ``layer_batch``): the same scores, the output negated, so a backend that
+    keeps anything of one layer for the next (its pool, its scales or sinks in the metadata both
+    layers share, a copy made on the first forward) is wrong on the second."""
+
     def __init__(
         self,
-        backend_cls: type[AttentionBackend],
+        index: int,
+        backend: AttentionBackend,
+        case: Case,
         shape: GraphShape,
-        cases: list[Case],
+        num_blocks: int,
+        fill: PoolFill,
+        lse: bool,
         device: torch.device,
-        fill: PoolFill = PoolFill.LOUD,
-        padding: PaddingStyle | None = None,
     ):
-        spec = cases[0].spec
-        self.fill = fill
-        self.spec, self.shape, self.device = spec, shape, device
-        self.padding_style = padding or backend_cls.capabilities.graph_padding
-        limits = BackendLimits(2 * shape.num_reqs, 2 * shape.num_tokens, shape.max_model_len)
-        self.backend = backend_cls(spec, limits, device)
-        self.num_blocks = max(pool_size(case) for case in cases)
-        self.kv_cache = allocate_pool(self.backend, self.num_blocks, fill)
-        # An fp8 layer's scales (the harness's, which the oracle reads) and its learned sinks; the
-        # backend is handed copies, persistent device tensors as an engine's layer holds them.
-        self.scales = case_scales(cases[0], device)
-        sinks = sink_logits(spec).to(device) if spec.attention_sinks else None
+        spec = case.spec
+        self.index, self.negated = index, index > 0
+        self.kv_cache = allocate_pool(backend, num_blocks, fill)
+        self.scales = case_scales(case, device, layer=index)
+        sinks = sink_logits(spec, index).to(device) if spec.attention_sinks else None
         self.handed = HandedLayer.copy_of(self.scales, sinks)
-        self.layer = self.handed.write_kv  # write_kv's keywords
-        self.forward_layer = self.handed.forward  # forward's: the scales and the sinks
-        max_blocks = shape.max_model_len // spec.block_size
-        int32 = dict(dtype=torch.int32, device=device)
-        self.query_start_loc = torch.zeros(shape.num_reqs + 1, **int32)
-        self.seq_lens = torch.zeros(shape.num_reqs, **int32)
-        self.block_table = guarded_block_table(shape.num_reqs, max_blocks, device)
-        self.slot_mapping = torch.full((shape.num_tokens,), -1, dtype=torch.int64, device=device)
         self.query = torch.zeros(shape.num_tokens, spec.num_heads, spec.head_dim, dtype=spec.dtype, device=device)
         kv_shape = (
             (shape.num_tokens, spec.head_dim)
@@ -98,24 +97,141 @@ class GraphBuffers:
             else torch.zeros(shape.num_tokens, spec.num_kv_heads, spec.v_head_dim, dtype=spec.dtype, device=device)
         )
         self.out = torch.zeros(shape.num_tokens, spec.num_heads, spec.v_head_dim, dtype=spec.dtype, device=device)
+        self.lse = (
+            torch.full((shape.num_tokens, spec.num_heads), float("nan"), dtype=torch.float32, device=device)
+            if lse
+            else None
+        )
+
+    @property
+    def name(self) -> str:
+        """How a reason names this layer's tensors: layer 0's plainly, a later one's with its number."""
+        return "" if self.index == 0 else f" (layer {self.index})"
+
+    @property
+    def forward_keywords(self) -> dict[str, Any]:
+        """``forward``'s keywords: the handed scales and sinks, and the LSE buffer where asked."""
+        return {**self.handed.forward, **({} if self.lse is None else {"lse": self.lse})}
+
+    def rows(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        """``tensor`` (rows of the batch as drawn) as this layer holds them: a later layer's negated."""
+        return tensor if not self.negated or tensor is None else tensor.neg()
+
+    def batch_of(self, batch: PagedBatch) -> PagedBatch:
+        """``batch`` with this layer's sinks (what its oracle reads)."""
+        return layer_batch(batch, self.index)
+
+
+STEP_LAYERS = 2  # layers a graph's step holds: a second one shows what a backend keeps of the first
+
+
+def step_layers(case: Case) -> int:
+    """How many layers a graph of ``case`` holds: ``STEP_LAYERS``, but one for a ``bigpool`` case
+    (its pool alone takes gigabytes, and a replay's comparison a copy of it)."""
+    return 1 if case.big_pool else STEP_LAYERS
+
+
+class GraphBuffers:
+    def __init__(
+        self,
+        backend_cls: type[AttentionBackend],
+        shape: GraphShape,
+        cases: list[Case],
+        device: torch.device,
+        fill: PoolFill = PoolFill.LOUD,
+        padding: PaddingStyle | None = None,
+        *,
+        layers: int = 1,
+        lse: bool = False,
+    ):
+        """``layers``: how many layers the step (and the graph) holds, each with its own pool,
+        scales, sinks and buffers (``GraphLayer``), all over one metadata. ``lse``: forward is
+        handed an LSE buffer."""
+        spec = cases[0].spec
+        self.fill = fill
+        self.spec, self.shape, self.device = spec, shape, device
+        self.padding_style = padding or backend_cls.capabilities.graph_padding
+        limits = BackendLimits(2 * shape.num_reqs, 2 * shape.num_tokens, shape.max_model_len)
+        self.backend = backend_cls(spec, limits, device)
+        self.num_blocks = max(pool_size(case) for case in cases)
+        self.layers = [
+            GraphLayer(index, self.backend, cases[0], shape, self.num_blocks, fill, lse, device)
+            for index in range(layers)
+        ]
+        max_blocks = shape.max_model_len // spec.block_size
+        int32 = dict(dtype=torch.int32, device=device)
+        self.query_start_loc = torch.zeros(shape.num_reqs + 1, **int32)
+        self.seq_lens = torch.zeros(shape.num_reqs, **int32)
+        self.block_table = guarded_block_table(shape.num_reqs, max_blocks, device)
+        self.slot_mapping = torch.full((shape.num_tokens,), -1, dtype=torch.int64, device=device)
         self.loads = 0
 
-    def load(self, batch: PagedBatch, *, with_host_lengths: bool, fill: PoolFill | None = None) -> LoadedBatch:
-        """Write ``batch`` (its history through the backend's eager write_kv, every other slot
-        poisoned with ``fill``, by default the buffers' own) into the buffers."""
-        case = batch.case
+    # Layer 0's, by the names the single-layer checks use.
+    @property
+    def first(self) -> GraphLayer:
+        return self.layers[0]
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.first.kv_cache
+
+    @property
+    def query(self) -> torch.Tensor:
+        return self.first.query
+
+    @property
+    def key(self) -> torch.Tensor:
+        return self.first.key
+
+    @property
+    def value(self) -> torch.Tensor | None:
+        return self.first.value
+
+    @property
+    def out(self) -> torch.Tensor:
+        return self.first.out
+
+    @property
+    def scales(self) -> KVScales | None:
+        return self.first.scales
+
+    @property
+    def handed(self) -> HandedLayer:
+        return self.first.handed
+
+    @property
+    def layer(self) -> dict[str, Any]:
+        """Layer 0's ``write_kv`` keywords."""
+        return self.first.handed.write_kv
+
+    @property
+    def forward_layer(self) -> dict[str, Any]:
+        """Layer 0's ``forward`` keywords."""
+        return self.first.forward_keywords
+
+    def write_history(self, batch: PagedBatch, fill: PoolFill | None = None) -> None:
+        """Every layer's pool: every slot but ``batch``'s history poisoned with ``fill`` (by
+        default the buffers' own), the history written through the backend's eager write_kv."""
         key, value, slots = batch.history_rows()
-        write_poison(
-            self.backend,
-            self.kv_cache,
-            batch,
-            keep=slots,
-            num_blocks=self.num_blocks,
-            fill=fill or self.fill,
-            scales=self.handed.scales,
-        )
-        if slots.numel():
-            self.backend.write_kv(self.kv_cache, key, value, slots, **self.layer)
+        for layer in self.layers:
+            write_poison(
+                self.backend,
+                layer.kv_cache,
+                batch,
+                keep=slots,
+                num_blocks=self.num_blocks,
+                fill=fill or self.fill,
+                scales=layer.handed.scales,
+            )
+            if slots.numel():
+                self.backend.write_kv(
+                    layer.kv_cache, layer.rows(key), layer.rows(value), slots, **layer.handed.write_kv
+                )
+
+    def load(self, batch: PagedBatch, *, with_host_lengths: bool, fill: PoolFill | None = None) -> LoadedBatch:
+        """Write ``batch`` (its history, ``write_history``) into the buffers."""
+        case = batch.case
+        self.write_history(batch, fill)
         padding = padding_rows(self.shape, case)
         if self.padding_style == PaddingStyle.EMPTY_REQUESTS:  # vLLM's: query and sequence length 0
             padding = [0] * len(padding)
@@ -133,14 +249,15 @@ class GraphBuffers:
         self.block_table[: case.num_reqs, : batch.block_table.shape[1]].copy_(batch.block_table)
         self.slot_mapping.fill_(-1)
         self.slot_mapping[:real].copy_(step_slots)
-        self.query.zero_()
-        self.query[:real].copy_(batch.query)
         self.loads += 1
-        self.key.fill_(PADDING_KEY_VALUE + self.loads)
-        self.key[:real].copy_(step_key)
-        if self.value is not None:
-            self.value.fill_(-PADDING_KEY_VALUE - self.loads)
-            self.value[:real].copy_(step_value)
+        for layer in self.layers:
+            layer.query.zero_()
+            layer.query[:real].copy_(layer.rows(batch.query))
+            layer.key.fill_(PADDING_KEY_VALUE + self.loads)
+            layer.key[:real].copy_(layer.rows(step_key))
+            if layer.value is not None:
+                layer.value.fill_(-PADDING_KEY_VALUE - self.loads)
+                layer.value[:real].copy_(layer.rows(step_value))
         common = CommonAttentionMetadata.from_lengths(
             query_start_loc=self.query_start_loc,
             seq_lens=self.seq_lens,
@@ -153,38 +270,64 @@ class GraphBuffers:
         return LoadedBatch(batch, common, real, step_slots)
 
     def step(self, metadata) -> None:
-        """What the graph holds: the step's KV write and the attention."""
-        self.backend.write_kv(self.kv_cache, self.key, self.value, self.slot_mapping, **self.layer)
-        self.backend.forward(self.query, self.kv_cache, metadata, self.out, **self.forward_layer)
+        """What the graph holds: every layer's KV write and attention, over one metadata."""
+        for layer in self.layers:
+            self.backend.write_kv(layer.kv_cache, layer.key, layer.value, self.slot_mapping, **layer.handed.write_kv)
+            self.backend.forward(layer.query, layer.kv_cache, metadata, layer.out, **layer.forward_keywords)
+
+    def clear_lse(self) -> None:
+        """NaN in every layer's LSE buffer: a replay that does not write it leaves NaN, not the
+        last eager step's numbers."""
+        for layer in self.layers:
+            if layer.lse is not None:
+                layer.lse.fill_(float("nan"))
 
     def watch(self, common: CommonAttentionMetadata) -> InputWatch:
         """The persistent inputs a replay reads, as they are now (``input_watch``)."""
-        return InputWatch.of(
-            {
-                "query": self.query,
-                "key": self.key,
-                "value": self.value,
-                "slot_mapping": self.slot_mapping,
-                "query_start_loc": self.query_start_loc,
-                "seq_lens": self.seq_lens,
-                "block_table": self.block_table,
-                "query_start_loc_cpu": common.query_start_loc_cpu,
-                "host seq_lens": common.host_seq_lens,
-            },
-            keywords={**self.layer, **self.forward_layer},
-            pool=PoolWatch.of(self.kv_cache, self.num_blocks, self.spec.block_size, self.slot_mapping),
+        tensors: dict[str, torch.Tensor | None] = {
+            "slot_mapping": self.slot_mapping,
+            "query_start_loc": self.query_start_loc,
+            "seq_lens": self.seq_lens,
+            "block_table": self.block_table,
+            "query_start_loc_cpu": common.query_start_loc_cpu,
+            "host seq_lens": common.host_seq_lens,
+        }
+        keywords: dict[str, Any] = {}
+        pools = {}
+        for layer in self.layers:
+            tensors.update(
+                {f"query{layer.name}": layer.query, f"key{layer.name}": layer.key, f"value{layer.name}": layer.value}
+            )
+            keywords.update(
+                {
+                    f"{name}{layer.name}": value
+                    for name, value in {**layer.handed.write_kv, **layer.handed.forward}.items()
+                }
+            )
+            pools[f"KV pool{layer.name}"] = PoolWatch.of(
+                layer.kv_cache, self.num_blocks, self.spec.block_size, self.slot_mapping
+            )
+        return InputWatch.of(tensors, keywords=keywords, pools=pools)
+
+    def prepared(self, batch: PagedBatch, layer: GraphLayer | None = None) -> PreparedCase:
+        """``batch`` over these buffers' backend and ``layer``'s (default: layer 0's) pool, scales
+        and sinks (what its expected output is read from)."""
+        layer = layer or self.first
+        return PreparedCase(
+            layer.batch_of(batch), self.backend, layer.kv_cache, scales=layer.scales, handed=layer.handed
         )
 
-    def prepared(self, batch: PagedBatch) -> PreparedCase:
-        """``batch`` over these buffers' backend, pool and scales (what its expected output is read from)."""
-        return PreparedCase(batch, self.backend, self.kv_cache, scales=self.scales, handed=self.handed)
-
-    def add_step_rows(self, cache: torch.Tensor, loaded: LoadedBatch) -> None:
-        """Write the step's real rows into ``cache`` (a copy of the cache taken before the step),
-        eagerly: what the cache must be after the step. In place: a full-suite pool is 8 GiB."""
+    def add_step_rows(self, cache: torch.Tensor, loaded: LoadedBatch, layer: GraphLayer | None = None) -> None:
+        """Write the step's real rows into ``cache`` (a copy of ``layer``'s cache taken before the
+        step), eagerly: what the cache must be after the step. In place: a full-suite pool is 8 GiB."""
+        layer = layer or self.first
         real = loaded.real_tokens
         self.backend.write_kv(
-            cache, self.key[:real], None if self.value is None else self.value[:real], loaded.real_slots, **self.layer
+            cache,
+            layer.key[:real],
+            None if layer.value is None else layer.value[:real],
+            loaded.real_slots,
+            **layer.handed.write_kv,
         )
 
 

@@ -124,18 +124,18 @@ class InputWatch:
     value_copies: dict[str, Any] = field(default_factory=dict)
     before: dict[str, torch.Tensor] = field(default_factory=dict)
     after: list[tuple[str, dict[str, torch.Tensor]]] = field(default_factory=list)
-    pool: PoolWatch | None = None
-    pool_after: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    pools: dict[str, PoolWatch] = field(default_factory=dict)  # name -> the pool outside the step's blocks
+    pools_after: list[tuple[str, dict[str, torch.Tensor]]] = field(default_factory=list)
 
     @classmethod
     def of(
         cls,
         tensors: dict[str, torch.Tensor | None],
         keywords: dict[str, Any] | None = None,
-        pool: PoolWatch | None = None,
+        pools: dict[str, PoolWatch | None] | None = None,
     ) -> "InputWatch":
-        """``keywords``: the layer's keyword arguments, watched whole (``keyword_inputs``);
-        ``pool``: the KV pool outside the step's blocks."""
+        """``keywords``: the layers' keyword arguments, watched whole (``keyword_inputs``);
+        ``pools``: each layer's KV pool outside the step's blocks, by name."""
         keyword_tensors, values = keyword_inputs(keywords or {})
         given = {**tensors, **keyword_tensors}
         watch = cls({name: tensor for name, tensor in given.items() if tensor is not None and tensor.numel()}, values)
@@ -143,14 +143,14 @@ class InputWatch:
             watch.copies[name] = tensor.clone()
             watch.before[name] = fingerprint(tensor)
         watch.value_copies = {name: read() for name, read in values.items()}
-        watch.pool = pool
+        watch.pools = {name: pool for name, pool in (pools or {}).items() if pool is not None}
         return watch
 
     def called(self, call: str) -> None:
         """Fingerprint every watched tensor after ``call`` returned (queued, not waited for)."""
         self.after.append((call, {name: fingerprint(tensor) for name, tensor in self.tensors.items()}))
-        if self.pool is not None:
-            self.pool_after.append((call, self.pool.digest()))
+        if self.pools:
+            self.pools_after.append((call, {name: pool.digest() for name, pool in self.pools.items()}))
 
     def changes(self) -> list[str]:
         """Per changed input: the first call after which it differed, and its first changed element
@@ -160,14 +160,13 @@ class InputWatch:
             now = read()
             if not _same(self.value_copies[name], now):
                 found.append(f"the step's calls changed {name} ({self.value_copies[name]!r} → {now!r})")
-        if self.pool is not None:
-            for call, digest in self.pool_after:
-                blocks = self.pool.changed_blocks(digest)
+        for name, pool in self.pools.items():
+            for call, digests in self.pools_after:
+                blocks = pool.changed_blocks(digests[name])
                 if blocks:
                     shown = ", ".join(map(str, blocks[:4])) + (", …" if len(blocks) > 4 else "")
                     found.append(
-                        f"{call} changed the KV pool outside the blocks the step writes "
-                        f"({len(blocks)} block(s): {shown})"
+                        f"{call} changed the {name} outside the blocks the step writes ({len(blocks)} block(s): {shown})"
                     )
                     break
         for name, tensor in self.tensors.items():

@@ -26,7 +26,7 @@ from backends.base import (
     forward_arguments,
     layer_arguments,
 )
-from conformance.cases.case_data import poison_key_value
+from conformance.cases.case_data import poison_key_value, sink_logits
 from conformance.cases.grammar import Case
 from conformance.harness.batch import PagedBatch, materialize
 from conformance.harness.input_watch import InputWatch, PoolWatch
@@ -114,13 +114,26 @@ class PreparedCase:
         return self.handed.forward
 
 
-def case_scales(case: Case, device: torch.device | str, factor: float = 1.0) -> KVScales | None:
-    """The case's fp8 scales (times ``factor``: another layer's) on ``device``; None for a cache in
-    the compute dtype."""
+def case_scales(case: Case, device: torch.device | str, layer: int = 0) -> KVScales | None:
+    """The fp8 scales of the case's layer ``layer`` on ``device`` (layer 0: the case's; each later
+    layer ``LAYER_SCALE_FACTOR`` times its predecessor's, as a model's layers have scales of their
+    own); None for a cache in the compute dtype."""
     if case.kv_scales is None:
         return None
     k_scale, v_scale = case.kv_scales
+    factor = LAYER_SCALE_FACTOR**layer
     return KVScales.on(device, k_scale * factor, v_scale * factor)
+
+
+LAYER_SCALE_FACTOR = 2.5  # a later layer's fp8 scales, of its predecessor's: a backend must not keep the first's
+
+
+def layer_batch(batch: PagedBatch, layer: int) -> PagedBatch:
+    """``batch`` as layer ``layer`` of the same step has it: its own learned sinks (``sink_logits``:
+    layer 0's rolled by ``layer`` heads), everything else shared."""
+    if layer == 0 or batch.sinks is None:
+        return batch
+    return replace(batch, sinks=sink_logits(batch.spec, layer).to(batch.device), _reference=None)
 
 
 BUSY_STREAM_CYCLES = 50_000_000  # GPU clocks, ~30 ms: longer than a backend's host work for one layer
@@ -373,7 +386,7 @@ def launch_step(
             "host seq_lens": common.host_seq_lens,
         },
         keywords={**prepared.layer, **prepared.forward_layer},
-        pool=PoolWatch.of(prepared.kv_cache, batch.num_blocks, batch.spec.block_size, step.slots),
+        pools={"KV pool": PoolWatch.of(prepared.kv_cache, batch.num_blocks, batch.spec.block_size, step.slots)},
     )
     if metadata is None:
         with phase("build"):

@@ -74,10 +74,12 @@ def oracle(prepared: PreparedCase, *, negated: bool = False) -> tuple[torch.Tens
     return exact, (exact - _solve(prepared, negated=negated, rounded=True)[0]).abs()
 
 
-def expected_lse(prepared: PreparedCase) -> torch.Tensor:
+def expected_lse(prepared: PreparedCase, *, negated: bool = False) -> torch.Tensor:
     """[num_tokens, H] float64: the oracle's log-sum-exp for ``prepared``'s step (natural log of
-    each softmax's denominator; an fp8 layer's over its stored cache)."""
-    return _solve(prepared)[1]
+    each softmax's denominator; an fp8 layer's over its stored cache). ``negated``: of the step
+    run negated, whose scores, and so its LSE, are the step's own (an fp8 layer's stored cache
+    holds the keys negated: its query is negated too)."""
+    return _solve(prepared, negated=negated and prepared.scales is not None)[1]
 
 
 def _solve(

@@ -70,7 +70,9 @@ class TorchGraphSafe(TorchNaiveBackend):
         k_scale, v_scale = fp8.scale_tensors(self.spec, scales)
         return (1.0, 1.0) if k_scale is None else (k_scale, v_scale)
 
-    def forward(self, query, kv_cache, metadata, out, scales=None) -> None:
+    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None, lse=None) -> None:
+        """Learned ``sinks`` and the ``lse`` are honoured here; only ``GraphSafeWithSinksAndLse``
+        claims them (the others' cases stay as they were)."""
         spec = self.spec
         k_scale, v_scale = self.device_scales(scales)
         request, position, seq_len = self.token_lengths(metadata)
@@ -93,7 +95,12 @@ class TorchGraphSafe(TorchNaiveBackend):
         scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
         if self.zero_unowned_values:  # a zero weight does not cancel what the slot holds: 0 × NaN = NaN
             values = values.masked_fill(~visible[:, :, None, None], 0.0)
+        if sinks is not None:  # one more logit per query head, whose value is 0
+            scores = torch.cat([scores, sinks.float()[None, :, None].expand(scores.shape[0], -1, 1)], dim=-1)
+            values = torch.cat([values, values.new_zeros(values.shape[0], 1, *values.shape[2:])], dim=1)
         out[: metadata.num_tokens] = torch.einsum("ths,tshd->thd", scores.softmax(-1), values).to(out.dtype)
+        if lse is not None:
+            lse[: metadata.num_tokens] = scores.logsumexp(-1)
 
 
 class StagesLengthsInOnePinnedBuffer(TorchGraphSafe):

@@ -1,12 +1,16 @@
 """Planted defects of state shared across layers: engines build a step's metadata once and call
 ``write_kv`` + ``forward`` for every layer, each with its own pool, fp8 scales and learned sinks.
-Each is torch_naive with one bug that a pass over a single layer cannot see."""
+Each is torch_naive (or, for the passes under CUDA graphs, the graph-safe torch backend) with one
+bug that a pass over a single layer cannot see; and an LSE written on the eager path only."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from backends.torch_naive import NaiveMetadata, TorchNaiveBackend
+from tests.planted.graph_backends import TorchGraphSafe
 
 
 @dataclasses.dataclass
@@ -57,3 +61,52 @@ class KeepsFirstSinks(TorchNaiveBackend):
                 self.kept = sinks.clone()
             sinks = self.kept
         super().forward(query, kv_cache, metadata, out, scales=scales, sinks=sinks, lse=lse)
+
+
+class GraphSafeWithSinksAndLse(TorchGraphSafe):
+    """The graph-safe torch backend claiming learned sinks and the LSE (a correct control)."""
+
+    name = "test_graph_safe_with_sinks_and_lse"
+    capabilities = dataclasses.replace(TorchGraphSafe.capabilities, attention_sinks=True, returns_lse=True)
+
+
+class KeepsFirstScalesOnDevice(TorchGraphSafe):
+    """Copies the fp8 scale tensors of its first forward into buffers of its own (graph-safe: read
+    on the device at replay) and dequantizes every later forward with them, whatever layer calls."""
+
+    name = "planted_keeps_first_scales_on_device"
+    kept = None
+
+    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None, lse=None):
+        if scales is not None:
+            if self.kept is None:
+                self.kept = dataclasses.replace(
+                    scales, k_scale_tensor=scales.k_scale_tensor.clone(), v_scale_tensor=scales.v_scale_tensor.clone()
+                )
+            scales = self.kept
+        super().forward(query, kv_cache, metadata, out, scales=scales, sinks=sinks, lse=lse)
+
+
+class GraphSafeKeepsFirstSinks(GraphSafeWithSinksAndLse):
+    """``KeepsFirstSinks``, graph-safe: the first forward's sinks copied once, used by every layer."""
+
+    name = "planted_graph_safe_keeps_first_sinks"
+    kept = None
+
+    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None, lse=None):
+        if sinks is not None:
+            if self.kept is None:
+                self.kept = sinks.clone()
+            sinks = self.kept
+        super().forward(query, kv_cache, metadata, out, scales=scales, sinks=sinks, lse=lse)
+
+
+class LseOnlyEager(GraphSafeWithSinksAndLse):
+    """Writes the LSE on its eager path and launches its captured path without it (a second
+    kernel variant, chosen when the stream is capturing): a replay leaves the buffer as it was."""
+
+    name = "planted_lse_only_eager"
+
+    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None, lse=None):
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        super().forward(query, kv_cache, metadata, out, scales=scales, sinks=sinks, lse=None if capturing else lse)

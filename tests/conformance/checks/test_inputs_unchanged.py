@@ -85,7 +85,7 @@ def test_the_watch_reads_host_numbers_inside_keywords_and_the_pool_outside_the_w
 
     pool = torch.zeros(6, 4, 2)  # 6 blocks of 4 slots
     slots = torch.tensor([9, -1])  # the step writes slot 9 (block 2); -1 is a padding row
-    watch = InputWatch.of({}, pool=PoolWatch.of(pool, 6, 4, slots))
+    watch = InputWatch.of({}, pools={"KV pool": PoolWatch.of(pool, 6, 4, slots)})
     pool[2, 1] = 1.0  # its own block: the NaN-poison pass's business, not the watch's
     watch.called("write_kv")
     assert watch.changes() == []
