@@ -52,15 +52,14 @@ def _cudart():
 def raw_cuda_memcpy_d2h(x):
     num_bytes = x.numel() * x.element_size()
     host = ctypes.create_string_buffer(num_bytes)
-    _cudart().cudaMemcpy(
-        host, ctypes.c_void_p(x.data_ptr()), ctypes.c_size_t(num_bytes), 2
-    )  # planted: raw_cuda_memcpy_d2h
+    # One line each: Python 3.12 names a multi-line call by its first line, 3.11 by its last.
+    pointer, size = ctypes.c_void_p(x.data_ptr()), ctypes.c_size_t(num_bytes)
+    _cudart().cudaMemcpy(host, pointer, size, 2)  # planted: raw_cuda_memcpy_d2h
 
 
 def raw_stream_synchronize(x):
-    _cudart().cudaStreamSynchronize(
-        ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    )  # planted: raw_stream_synchronize
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    _cudart().cudaStreamSynchronize(stream)  # planted: raw_stream_synchronize
 
 
 PLANTED = [item, cpu, tolist, cuda_synchronize, event_synchronize, raw_cuda_memcpy_d2h, raw_stream_synchronize]
