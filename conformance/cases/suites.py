@@ -140,6 +140,9 @@ def _variant_cases() -> list[Case]:
             ("scale 0.25: decode", "100+1,2000+1"),
             ("scale 0.25: spec-verify k=3", "500+4,30+4"),
             ("scale 0.25: mixed prefill + decode", "0+200,700+64,300+1x2"),
+            # Second cases on every path (docs/checks.md, "Every parameter at work on every path").
+            ("scale 0.25: decode at block ends", "15+1,16+1,17+1"),
+            ("scale 0.25: mixed, small", "0+24,70+8,300+1x3,50+4x2"),
         ],
     )
     # A cap matters only on logits past it: large logits (near 256) under a cap of 30, every path.
@@ -149,6 +152,8 @@ def _variant_cases() -> list[Case]:
             ("cap 30, large logits: decode", "1+1,500+1,3000+1"),
             ("cap 30, large logits: spec-verify k=3", "300+4,1200+4"),
             ("cap 30, large logits: mixed", "0+200,700+64,3000+1x2"),
+            ("cap 30, large logits: decode at block ends", "15+1,16+1,17+1"),
+            ("cap 30, large logits: mixed, small", "0+24,70+8,300+1x3,50+4x2"),
         ],
     )
     # DeepSeek-V3's MLA scale: 1/sqrt(192) times its YaRN mscale squared (0.1 ln 40 + 1)^2, not 1/sqrt(576).
@@ -313,7 +318,37 @@ def standard_suite() -> list[Case]:
             ("DeepSeek-V3 prefill: chunked, long context", "1024+256,0+300,4096+512"),
         ],
     )
-    return cases + _variant_cases() + _sink_cases() + _empty_request_cases()
+    return cases + _variant_cases() + _sink_cases() + _empty_request_cases() + _tensor_parallel_cases()
+
+
+_TP_BATCHES = (  # small: every split of every layer runs them on every backend
+    ("decode", "1+1,15+1,16+1,17+1,1000+1"),
+    ("spec-verify k=3", "60+4,900+4"),
+    ("mixed, small", "0+24,70+8,300+1x3,50+4x2"),
+)
+
+
+def _tensor_parallel_cases() -> list[Case]:
+    """Each model layer's heads divided by the tensor-parallel size, as vLLM's attention tests
+    sweep them: TP 1, 2 and 8, small batches on each split the suite does not already hold.
+    (Qwen3-235B-A22B's 64/4 at TP 2 is the log-sum-exp's group of 16, in ``_sink_cases``; at TP 8,
+    its 4 KV heads replicated, Llama-3-70B's 8/1.)"""
+    cases = []
+    for tp, layer in ((1, "gqa-h64/8-d128-bf16-p16"), (2, "gqa-h32/4-d128-bf16-p16"), (8, "gqa-h8/1-d128-bf16-p16")):
+        cases += _cases(layer, [(f"TP {tp}, Llama-3-70B's layer: {tag}", batch) for tag, batch in _TP_BATCHES])
+    # gpt-oss's 64/8 × 64 with its learned sinks (TP 1: ``_sink_cases``).
+    for tp, layer in ((2, "gqa-h32/4-d64-bf16-p16-attnsinks"), (8, "gqa-h8/1-d64-bf16-p16-attnsinks")):
+        cases += _cases(layer, [(f"TP {tp}, gpt-oss's layer: {tag}", batch) for tag, batch in _TP_BATCHES])
+    # DeepSeek-V3's 128 MLA heads (TP 1: mla-h128; TP 8: mla-h16), with its YaRN scale.
+    cases += _cases(
+        "mla-h64-d512+64-bf16-p64-scale0.13524",
+        [
+            ("TP 2, DeepSeek-V3's layer: decode", "1+1,63+1,64+1,65+1,700+1"),
+            ("TP 2, DeepSeek-V3's layer: spec-verify k=3", "60+4,900+4"),
+            ("TP 2, DeepSeek-V3's layer: mixed, small", "0+24,70+8,700+1x3,50+4x2"),
+        ],
+    )
+    return cases
 
 
 def _empty_request_cases() -> list[Case]:
@@ -340,7 +375,7 @@ GPT_OSS = "gqa-h64/8-d64-bf16-p16"  # gpt-oss-20b/120b attention: 64 query heads
 
 def _sink_cases() -> list[Case]:
     """Learned attention sinks on gpt-oss's layer: every path, its alternate layers' window of 128
-    (edges: the keys just outside the window dominate), and an fp8 cache."""
+    (edges: the keys just outside the window dominate), and an fp8 cache; and the log-sum-exp."""
     cases = _cases(
         GPT_OSS + "-attnsinks",
         [
@@ -361,6 +396,17 @@ def _sink_cases() -> list[Case]:
     # and MLA decode's (what decode-context parallelism merges).
     cases += _cases(GPT_OSS + "-attnsinks-lse", [("learned sinks, log-sum-exp: mixed", "0+64,300+4,1000+1")])
     cases += _cases("mla-h16-d512+64-bf16-p64-lse", [("log-sum-exp: decode and verify", "700+1,64+4,2500+1")])
+    # The log-sum-exp of each query head, not of its KV head's first (or of the query head
+    # numbered as its KV head): groups of 8 (Llama-3-70B) and 16 (Qwen3-235B-A22B at TP 2).
+    for group, layer in ((8, "gqa-h64/8-d128-bf16-p16-lse"), (16, "gqa-h32/2-d128-bf16-p16-lse")):
+        cases += _cases(
+            layer,
+            [
+                (f"log-sum-exp, group of {group}: decode", "1+1,100+1,1000+1"),
+                (f"log-sum-exp, group of {group}: spec-verify k=3", "30+4,300+4"),
+                (f"log-sum-exp, group of {group}: mixed", "0+24,70+8,300+1x2"),
+            ],
+        )
     return cases
 
 

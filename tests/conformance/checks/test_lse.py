@@ -51,6 +51,31 @@ def test_planted_lse_slips_fail_numerics(defect):
     assert result.verdict == Verdict.FAIL and result.reason.startswith("lse:"), result.reason
 
 
+# The standard suite's lse cases of a group of 8 (Llama-3-70B) and of 16 (Qwen3-235B-A22B at TP 2):
+# decode, verify and prefill rows in one batch each.
+GROUPS = ("gqa-h64/8-d128-bf16-p16-lse:0+24,70+8,300+1x2", "gqa-h32/2-d128-bf16-p16-lse:0+24,70+8,300+1x2")
+
+
+@pytest.mark.parametrize("case_text", GROUPS)
+@pytest.mark.parametrize(
+    "defect", [lse_defects.LsePerKVHead, lse_defects.LseOfGroupsFirstHead, lse_defects.LseWrittenAtKVHeadSlot]
+)
+def test_an_lse_kept_per_kv_head_fails_numerics_by_ten_times_the_tolerance(defect, case_text):
+    from conformance.cases.suites import suite
+
+    case = parse_case(case_text)
+    assert case in suite("standard") and case.spec.query_group_size in (8, 16)
+    result = NumericsCheck().run_case(defect, case, CPU)
+    assert result.verdict == Verdict.FAIL and result.reason.startswith("lse:"), result.reason
+    assert result.metrics["lse_tolerance_ratio"] >= 10, result.metrics
+
+
+@pytest.mark.parametrize("case_text", GROUPS)
+def test_torch_naive_passes_the_group_cases(case_text):
+    result = NumericsCheck().run_case(TorchNaiveBackend, parse_case(case_text), CPU)
+    assert result.verdict == Verdict.PASS and result.metrics["lse_tolerance_ratio"] < 1, result.reason
+
+
 def test_an_lse_case_is_skipped_by_a_backend_that_returns_none_and_only_asks_where_it_says_so():
     from conformance.checks.base import lse_skip_reason
     from tests.planted.fp8_defects import DropsScaleOnDecode
