@@ -6,7 +6,9 @@ by captured kernels indexed by a device step counter, never by the host. A backe
 inside it between steps; any other backend gets a captured advance and a captured one-step
 graph, with its ``build`` called on the host between them (as vLLM's EAGLE proposer does). Every
 step's output is compared with the oracle; the first failing step is named. Stale
-position-dependent metadata (DeepSeek-V4 with MTP > 2) fails here at step 2 or later.
+position-dependent metadata (DeepSeek-V4 with MTP > 2) fails here at step 2 or later. Each step
+runs two layers over one metadata, each with its own pool, scales and sinks (``GraphLayer``), and
+on an ``lse`` case every layer's LSE of every step is banked and judged against the oracle's.
 """
 
 from __future__ import annotations

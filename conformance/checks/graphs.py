@@ -1,7 +1,10 @@
 """graphs: captured once for batch A, replayed for batches B1..Bn — still right?
 
-Driven by the claimed CGSupport (NEVER → SKIP). Three captures per case, each a way engines
-really meet a backend:
+Driven by the claimed CGSupport (NEVER → SKIP). Each graph holds two layers over one metadata
+(``harness.graphs.GraphLayer``: each its own pool, fp8 scales, learned sinks and buffers; a
+``bigpool`` case's one), and every replay judges both; on an ``lse`` case each layer's LSE buffer
+is refilled with NaN before every replay and judged against the oracle's (``lse_pass.judge_lse``).
+Three captures per case, each a way engines really meet a backend:
 
 1. **Warm-up, capture, replays.** Eager warm-up, ``build_for_capture``, capture of ``write_kv`` +
    ``forward``; then for each B — longer and shorter contexts, new block tables, fewer requests,

@@ -8,11 +8,13 @@ Each case is stepped four times over the same batch (``comparison`` says what "e
    multiplied by a zero weight turns the output NaN where the loud pass saw nothing; and the pool
    must change in the step's own slots only.
 3. **A second layer**: engines build a step's metadata once and call ``write_kv`` + ``forward``
-   for every layer, each with its own pool. So the step runs once more with the metadata the last
-   pass built (no ``build``), on a new pool holding the first one negated, with the query, key and
-   value negated: the scores are the same, the output must be the first layer's negated. A
-   backend that keeps something of the first pool (a view, a descriptor, a pointer cached by
-   shape) or that changes the metadata inside ``forward`` fails here. On a GPU this pass runs on
+   for every layer, each with its own pool, fp8 scales and learned sinks. So the step runs once
+   more with the metadata the last pass built (no ``build``), on a new pool holding the first one
+   negated, with the query, key and value negated, and the layer's own scales and sinks
+   (``layer_batch``, ``case_scales``): the scores are the same, the output must be the first
+   layer's negated over its own scales and sinks. A backend that keeps something of the first
+   pool (a view, a descriptor, a pointer cached by shape), keeps the first layer's scales or sinks
+   (in the metadata, in a copy) or changes the metadata inside ``forward`` fails here. On a GPU this pass runs on
    a side stream kept busy first (``harness.on_a_busy_stream``), where its pool and inputs are
    negated: a backend that launches on another stream than the current one reads them unready.
 4. **Two steps in flight**: an async scheduler builds step N+1 while step N is still queued on the
