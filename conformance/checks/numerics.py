@@ -192,6 +192,7 @@ class NumericsCheck(Check):
             out.neg(), expected, batch.query_start_loc, atol, rtol, allowance
         )
         metrics["second layer max abs error"] = errors["max_abs_error"]
+        metrics["second layer tolerance_ratio"] = errors["tolerance_ratio"]
         stored = write_findings(layer, negated=True)
         if passed and stored:
             return CaseResult(
