@@ -18,11 +18,13 @@ time, what a step costs when the loop is GPU-bound. The profiler's busy time is 
 it leaves out the gaps between a graph's kernels, which are the GPU's own cost.
 
 Host syncs come from the detector (``host_syncs``), one phase per loop iteration. A
-steady-state iteration launches a uniform decode step that captured no graph and is neither the
-first decode step nor one where requests join or leave. The detector's CUPTI callbacks cost host
-time on every CUDA call (they tripled the host launch time per step on an H100), so it runs in a
-second pass over the same prompts: every time and the idle fraction come from the first pass,
-which runs without it.
+steady-state iteration launches a uniform decode step that captured no graph, also right after
+the batch changed (a request left: fewer requests than the step before; requests joined: the first
+decode step after their prefill), so a backend that syncs only when the number of requests
+changes is seen. Prefill and mixed steps are not counted (``batch_change`` says why). The
+detector's CUPTI callbacks cost host time on every CUDA call (they tripled the host launch time per
+step on an H100), so it runs in a second pass over the same prompts: every time and the idle
+fraction come from the first pass, which runs without it.
 """
 
 from __future__ import annotations
@@ -141,19 +143,30 @@ class EngineMetrics:
         return asdict(self)
 
 
-def steady_iterations(engine) -> list[int]:
-    """Loop iterations whose launched step is steady-state decode (see the module docstring)."""
+def steady_iterations(engine) -> dict[int, str]:
+    """Loop iterations whose launched step is steady-state decode (see the module docstring), each
+    with the change of batch it came right after: "" (none), "leave" or "join" (``batch_change``)."""
     records = engine.steps
-    steady = []
-    for previous, record in zip(records, records[1:]):
-        if (
-            record.uniform_decode
-            and previous.uniform_decode
-            and record.num_reqs == previous.num_reqs
-            and not record.captured
-        ):
-            steady.append(record.iteration)
-    return steady
+    return {
+        record.iteration: batch_change(previous, record)
+        for previous, record in zip(records, records[1:])
+        if record.uniform_decode and not record.captured  # a capture is a one-time cost
+    }
+
+
+def batch_change(previous, record) -> str:
+    """How the batch of a uniform decode step ``record`` differs from the step before: "leave"
+    (fewer requests), "join" (after a prefill or mixed step: requests joined and their prefill is
+    done, the run's first decode step too; or more requests: under async, a request the host
+    thought finished, awaiting its results, is back), or "" (the same number of requests).
+
+    The prefill and mixed steps themselves are not steady state: the iteration that launches a
+    joining request's prefill syncs in the engine itself (entering a slot writes the request's
+    per-slot device state from host numbers, ``tensor[slot] = value``: a synchronous copy each),
+    and a companion backend that may need host lengths serves them for a decode-only backend."""
+    if not previous.uniform_decode or record.num_reqs > previous.num_reqs:
+        return "join"
+    return "leave" if record.num_reqs < previous.num_reqs else ""
 
 
 def measure(engine, prompts, params, *, detect_syncs: bool = False, strategy: str = "auto", step_idle: bool = False):

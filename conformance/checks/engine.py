@@ -13,10 +13,19 @@ model runs its prefills through the backend too where it claims that layer
 (the CPU default, a minute long) the kind alone; in fp32 where the backend claims it: there the
 dtypes differ only in rounding, and bf16 and fp16 matrix products are many times slower.
 
+Judged first, against an independent reference: plain decoding (no speculation, sync) through
+the backend must give the tokens of the same engine run (model, prompts, dtype, block size, fp8
+cache format and scales, sampling, MLA prefill path) through ``torch_naive``, the suite's plain
+PyTorch backend. Every other claim compares the backend with itself, so an error it makes the same
+way in every run passes them: state shared across layers, such as the first layer's learned sinks
+or fp8 scales kept in a persistent copy, or in the step's metadata that every layer reads, for
+every layer (each layer of the engine's model has sinks and scales of its own). Where the backend
+is torch_naive itself, or torch_naive cannot run the layout, the evidence and the reason say so.
+
 0. for an MLA model whose prefills run decompressed: plain decoding again with every request
    absorbed; the two paths must agree (a prefill kernel's value offset, scale or context shows here);
 
-1. plain decoding (no speculation), the reference;
+1. plain decoding (no speculation), the reference of the claims below;
 2. speculative decoding, k = 3, scripted drafter at 50 % acceptance (a rejection in most steps),
 synchronous loop: must equal 1;
 3. the same, asynchronous loop with the debug input checks on: must equal 2 token for token, and no
@@ -39,6 +48,12 @@ synchronous loop: must equal 1;
    and GPU idle fraction (reported); k = 0 for a backend that cannot verify k + 1 tokens, so that
    the steady steps are its own; not measured where a built-in decodes (MLA prefill's layer), nor for a
    backend claiming ``needs_cpu_seq_lens=True`` (its syncs are allowed, so the count could not fail).
+   The batch changes inside the measured window, as continuous batching changes it: twice as many
+   requests as the engine's four slots, each with its own max_tokens (``STEADY_MAX_TOKENS``), so
+   requests leave and waiting ones join; the decode steps right after a request left or joined
+   are counted too (``reference_engine.metrics.steady_iterations``), and the window must hold at
+   least one of each (else an ERROR, as for too few steps). The metrics report how many
+   (``composition_changes_measured``, ``joins_measured``, ``leaves_measured``).
 
 A backend that serves only some batches (decode-only, uniform-only) runs every engine beside a
 companion that serves the rest, prefill chunks above all (``reference_engine.attention_split``,
@@ -63,11 +78,20 @@ from backends.base import AttentionBackend
 from conformance.cases.grammar import Case
 from conformance.checks.base import Check
 from conformance.checks.engine_model import is_mla_prefill_layer, model_for
-from conformance.checks.engine_runs import ATTENTION_DRAFTER, DRAFTER, SPEC_TOKENS, EngineRuns, TooFewSteadySteps
+from conformance.checks.engine_runs import (
+    ATTENTION_DRAFTER,
+    DRAFTER,
+    REFERENCE,
+    SPEC_TOKENS,
+    EngineRuns,
+    TooFewSteadySteps,
+)
 from conformance.results import CaseResult, Verdict
 from reference_engine.attention_split import AUTO, Routing
 from reference_engine.equality import NEAR_TIE
 from reference_engine.model_attention import plan_attention
+
+REFERENCE_LABEL = f"plain vs {REFERENCE} (an independent reference)"
 
 
 def layout_key(case: Case, device: torch.device, suite: str | None = None) -> tuple:
@@ -116,9 +140,11 @@ def engine_skip_reason(
 class EngineCheck(Check):
     name = "engine"
     question = (
-        "Does the reference engine, async and sync, produce the same tokens through this backend, with no host syncs?"
+        "Does the reference engine, async and sync, produce the same tokens through this backend as through "
+        "torch_naive, with no host syncs?"
     )
     evidence_labels = {
+        "independent_reference": f"compared with {REFERENCE}",
         "near_ties": "near-tie flips (explained, not failures)",
         "verified_drafts_digest": "verified drafts' digest",
         "accepted_drafts": "accepted drafts per prompt",
@@ -191,6 +217,9 @@ class EngineCheck(Check):
         """The check's claims in the order they are judged, each ``(label, function)``: the function
         returns the problem, or None. The engine runs they compare are made once, when first needed."""
         drafting = runs.drafting
+        # First, against an independent reference: the other claims compare the backend with
+        # itself, so an error it makes the same way in every run passes them all.
+        table = [(REFERENCE_LABEL, self._reference_claim(runs))]
         same: list[tuple[str, Callable[[], list], Callable[[], list]]] = []
         if runs.decompressed_prefill:
             # MLA's two paths must agree: prefills decompressed through this backend, and the same
@@ -204,7 +233,7 @@ class EngineCheck(Check):
             (f"{drafting}, sync vs plain", lambda: runs.drafted_sync, lambda: runs.plain),
             (f"{drafting}, async vs plain", lambda: runs.drafted_async, lambda: runs.plain),
         ]
-        table = [(label, self._same_tokens(runs, label, got, expected)) for label, got, expected in same]
+        table += [(label, self._same_tokens(runs, label, got, expected)) for label, got, expected in same]
         if backend_cls.capabilities.draft_step_update:
             table.append(("update_for_draft_step drafts what rebuilt metadata drafts", runs.draft_update_problem))
         if runs.graphs:
@@ -223,10 +252,29 @@ class EngineCheck(Check):
 
         return claim
 
+    def _reference_claim(self, runs: EngineRuns) -> Callable[[], str | None]:
+        """Plain decoding must equal the same run through torch_naive; where that run cannot be
+        made (torch_naive itself, or a layout it does not claim), the evidence and reason say so."""
+        same = self._same_tokens(runs, REFERENCE_LABEL, lambda: runs.plain, lambda: runs.reference)
+
+        def claim() -> str | None:
+            if runs.reference_missing:
+                runs.evidence["independent_reference"] = f"not compared: {runs.reference_missing}"
+                return None
+            problem = same()
+            if problem is None:
+                runs.evidence["independent_reference"] = f"plain decoding gave {REFERENCE}'s tokens"
+            return problem
+
+        return claim
+
     @staticmethod
     def _pass_reason(runs: EngineRuns) -> str:
         evidence, metrics = runs.evidence, runs.metrics
-        reason = f"async == sync == plain, also with {runs.drafting}"
+        equal = "async == sync == plain" + ("" if runs.reference_missing else f" == {REFERENCE}")
+        reason = f"{equal}, also with {runs.drafting}"
+        if runs.reference_missing:
+            reason += f"; not compared with {REFERENCE} ({runs.reference_missing})"
         if evidence.get("near_ties"):
             reason += f"; {len(evidence['near_ties'])} near-tie flip(s)"
         if runs.device.type == "cuda" and not runs.decodes:
@@ -235,7 +283,9 @@ class EngineCheck(Check):
             reason += "; steady-state steps not measured (the backend claims needs_cpu_seq_lens: host syncs allowed)"
         if metrics.get("host_syncs_per_steady_step") is not None:
             reason += (
-                f"; {metrics['host_syncs_per_steady_step']:.2f} syncs/step, GPU idle {metrics['gpu_idle_fraction']:.1%}"
+                f"; {metrics['host_syncs_per_steady_step']:.2f} syncs/step ({metrics['steady_steps']} steps, "
+                f"{metrics['composition_changes_measured']} right after a request joined or left), "
+                f"GPU idle {metrics['gpu_idle_fraction']:.1%}"
             )
         return reason
 

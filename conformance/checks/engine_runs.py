@@ -1,10 +1,13 @@
 """The engine runs one engine-check case compares, each made once, when a claim first needs it
 (``EngineCheck._claims``), and the claims that need more than two runs' tokens.
 
-Every run is a fresh ``BatchedEngine`` over the same model, prompts and backend; they differ in
-speculation (none, the scripted drafter, drafting through the backend), scheduling (sync or
-async), CUDA graphs and MLA's decompressed prefill. A run is deterministic given those, so the order
-in which claims ask for them does not change what they hold.
+Every run is a fresh ``BatchedEngine`` over the same model and prompts; they differ in speculation
+(none, the scripted drafter, drafting through the backend), scheduling (sync or async), CUDA graphs
+and MLA's decompressed prefill. All but one run through the backend under test; the reference run
+goes through torch_naive, the suite's independent reference, so that an error the backend makes the
+same way in every run (a first layer's state kept for every layer) has something to differ from. A
+run is deterministic given those, so the order in which claims ask for them does not change what
+they hold.
 """
 
 from __future__ import annotations
@@ -22,8 +25,18 @@ from reference_engine.attention_split import AUTO, Routing
 from reference_engine.model_attention import plan_attention
 
 SPEC_TOKENS = 3
+# The independent reference: plain PyTorch, one request at a time, sharing no kernel with any
+# other backend (imported only when a case runs: the run's own process never imports backends).
+REFERENCE = "torch_naive"
 STEADY_STEPS = 128  # the measured run's steady-state steps, at least
-STEADY_TOKENS = 400  # tokens per prompt that give them: at most k + 1 = 4 a step, prompts of up to 64 in 512
+# The measured run's requests: the four prompts twice, each with its own max_tokens, through the
+# engine's four request slots, so the batch changes inside the measured window as continuous
+# batching changes it. The first four finish one by one and each finish lets a waiting request
+# join; the joiners finish one by one with none waiting, so the batch shrinks 4 → 3 → 2 → 1. At
+# 1 + k = 4 tokens a step at most, these give well over STEADY_STEPS decode steps (about 200 at
+# the scripted drafter's acceptance, twice as many at k = 0); every request fits in 512 positions.
+STEADY_MAX_TOKENS = (60, 120, 180, 240, 300, 200, 100, 150)
+WARM_UP_MAX_TOKENS = (10, 20, 30, 40)  # finishing apart: every padded graph size, 4, 2 and 1, seen twice
 DRAFTER = "scripted:random:0.5"
 ATTENTION_DRAFTER = "layer-skip"  # drafts through the backend under test
 
@@ -102,6 +115,31 @@ class EngineRuns:
         expensive part of the check: 70 % of torch_naive's engine time) would gate nothing."""
         return self.device.type == "cuda" and self.decodes and not self.backend_cls.capabilities.needs_cpu_seq_lens
 
+    @functools.cached_property
+    def reference_missing(self) -> str | None:
+        """Why the plain run is not compared with the same run through torch_naive, or None: the
+        backend under test is torch_naive itself, or torch_naive cannot run this model here."""
+        from backends import registry
+
+        reference_cls = registry.load(REFERENCE)
+        if self.backend_cls is reference_cls:
+            return f"the backend under test is {REFERENCE} itself"
+        spec = self.case.spec
+        try:
+            plan_attention(
+                reference_cls,
+                self.model.config,
+                spec.dtype,
+                spec.block_size,
+                spec.kv_cache_dtype,
+                self.device,
+                AUTO,
+                self.decompressed_prefill,
+            )
+        except ValueError as error:
+            return f"{REFERENCE} cannot run this model here: {error}"
+        return None
+
     # The runs -----------------------------------------------------------------------------------
 
     def engine_for(self, **changes):
@@ -120,6 +158,25 @@ class EngineRuns:
     def plain(self) -> list[list[int]]:
         """Plain decoding (no speculation), synchronous: the reference."""
         return self.tokens(num_spec_tokens=0, drafter="none", async_scheduling=False)
+
+    @functools.cached_property
+    def reference(self) -> list[list[int]]:
+        """``plain`` through torch_naive: the same model, prompts, dtype, block size, KV-cache format
+        and scales, sampling, and MLA prefill path (decompressed where the backend's plan
+        decompresses it: torch_naive claims that layer too). Not in ``routings``: what torch_naive
+        served is not the backend's."""
+        from reference_engine.batched_engine import BatchedEngine
+
+        config = dataclasses.replace(
+            self.base,
+            backend=REFERENCE,
+            prefill_backend=AUTO,
+            num_spec_tokens=0,
+            drafter="none",
+            async_scheduling=False,
+            decompressed_mla_prefill=self.decompressed_prefill,
+        )
+        return [out.tokens for out in BatchedEngine(config, self.model).generate(self.prompts, self.params)]
 
     @functools.cached_property
     def absorbed(self) -> list[list[int]]:
@@ -204,53 +261,90 @@ class EngineRuns:
         )
 
     def steady_problem(self) -> str | None:
-        """The async loop measured over at least STEADY_STEPS steady-state steps, under CUDA graphs:
-        host syncs per step must be 0 for a backend claiming needs_cpu_seq_lens=False. A decode-only
-        backend's k + 1 verify rows would go to the companion, so it is measured decoding plainly."""
-        from reference_engine.metrics import measure
-        from reference_engine.sampling import SamplingParams
+        """The async loop measured over at least STEADY_STEPS steady-state steps, under CUDA graphs,
+        with requests joining and leaving among them (``STEADY_MAX_TOKENS``): host syncs per step
+        must be 0 for a backend claiming needs_cpu_seq_lens=False. A backend that syncs only when
+        the batch changes shows only where it changes. A decode-only backend's k + 1 verify rows
+        would go to the companion, so it is measured decoding plainly."""
+        from reference_engine.metrics import measure, steady_iterations
 
-        capabilities = self.backend_cls.capabilities
-        verifies = capabilities.query_len_reason(SPEC_TOKENS + 1) is None
-        block = self.case.spec.block_size
-        engine = self.engine_for(
+        engine = self.steady_engine()
+        # Warm-up: JIT, and the graph captures of every padded batch size the measured run reaches.
+        engine.generate(self.prompts, steady_params(WARM_UP_MAX_TOKENS))
+        prompts, params = self.steady_workload()
+        _, measured = measure(
+            engine, prompts, params, detect_syncs=True, strategy=self.options.get("sync_detector", "auto")
+        )
+        changes = list(steady_iterations(engine).values())  # the detector's pass: the engine's last run
+        self.record_steady(measured, changes)
+        self.require_steady_window(measured.steady_steps, changes)
+        self.evidence["host_sync_sources"] = measured.host_sync_sources
+        syncs = measured.host_syncs_per_steady_step
+        if self.backend_cls.capabilities.needs_cpu_seq_lens or not syncs:
+            return None
+        return (
+            f"{syncs:.2f} host syncs per steady-state async step while claiming needs_cpu_seq_lens=False "
+            f"(over {measured.steady_steps} steps, {len(changes) - changes.count('')} of them right after a "
+            f"request joined or left): {'; '.join(measured.host_sync_sources[:2])}"
+        )
+
+    def steady_engine(self):
+        """The measured engine: async, CUDA graphs, the scripted drafter (plain decoding for a
+        backend that cannot verify k + 1 tokens), a pool no request can run out of."""
+        verifies = self.backend_cls.capabilities.query_len_reason(SPEC_TOKENS + 1) is None
+        slots = self.base.max_num_reqs
+        return self.engine_for(
             num_spec_tokens=SPEC_TOKENS if verifies else 0,
             drafter=DRAFTER if verifies else "none",
             cuda_graphs=True,
-            num_blocks=4 * -(-(64 + STEADY_TOKENS + SPEC_TOKENS + 1) // block) + 1,
+            num_blocks=slots * -(-self.model.config.max_model_len // self.case.spec.block_size) + 1,
         )
-        engine.generate(
-            self.prompts, SamplingParams(max_tokens=2 * SPEC_TOKENS + 4, ignore_eos=True)
-        )  # warm-up: JIT, graph captures
-        # A long look: at least STEADY_STEPS steady steps (a backend syncing or re-planning only
-        # every Nth step shows there), the prompts decoding far past the checked run.
-        steady = SamplingParams(max_tokens=STEADY_TOKENS, ignore_eos=True)
-        _, measured = measure(
-            engine, self.prompts, steady, detect_syncs=True, strategy=self.options.get("sync_detector", "auto")
-        )
+
+    def steady_workload(self) -> tuple[list[list[int]], list]:
+        """The measured run's prompts (the check's, again and again) and their sampling, one
+        ``STEADY_MAX_TOKENS`` entry each."""
+        count = len(STEADY_MAX_TOKENS)
+        return [self.prompts[index % len(self.prompts)] for index in range(count)], steady_params(STEADY_MAX_TOKENS)
+
+    def record_steady(self, measured, changes: list[str]) -> None:
+        """The measured figures, and how many measured steps came right after the batch changed."""
+        figures = measured.to_dict()
+        for key in (
+            "tpot_ms",
+            "gpu_idle_fraction",
+            "host_syncs_per_steady_step",
+            "steady_steps",
+            "acceptance_length",
+            "graph_replays",
+        ):
+            self.metrics[key] = figures[key]
         self.metrics.update(
             {
-                key: measured.to_dict()[key]
-                for key in (
-                    "tpot_ms",
-                    "gpu_idle_fraction",
-                    "host_syncs_per_steady_step",
-                    "steady_steps",
-                    "acceptance_length",
-                    "graph_replays",
-                )
+                "composition_changes_measured": len(changes) - changes.count(""),
+                "joins_measured": changes.count("join"),
+                "leaves_measured": changes.count("leave"),
             }
         )
-        if measured.steady_steps < STEADY_STEPS:
+
+    @staticmethod
+    def require_steady_window(steady_steps: int, changes: list[str]) -> None:
+        """The window must hold what the claim watches: STEADY_STEPS steps (a backend syncing or
+        re-planning only every Nth step shows there), a join and a leave among them; else ERROR."""
+        if steady_steps < STEADY_STEPS:
             raise TooFewSteadySteps(
-                f"the measured run had {measured.steady_steps} steady-state steps, fewer than the "
+                f"the measured run had {steady_steps} steady-state steps, fewer than the "
                 f"{STEADY_STEPS} the engine check watches"
             )
-        self.evidence["host_sync_sources"] = measured.host_sync_sources
-        syncs = measured.host_syncs_per_steady_step
-        if capabilities.needs_cpu_seq_lens or not syncs:
-            return None
-        return (
-            f"{syncs:.2f} host syncs per steady-state async step while claiming needs_cpu_seq_lens=False: "
-            f"{'; '.join(measured.host_sync_sources[:2])}"
-        )
+        missing = [word for change, word in (("join", "joined"), ("leave", "left")) if change not in changes]
+        if missing:
+            raise TooFewSteadySteps(
+                f"none of the measured run's {steady_steps} steady-state steps came right after a request "
+                f"{' or '.join(missing)}: the engine check watches the steps where the batch changes too"
+            )
+
+
+def steady_params(max_tokens: tuple[int, ...]):
+    """One greedy SamplingParams per request, with these max_tokens."""
+    from reference_engine.sampling import SamplingParams
+
+    return [SamplingParams(max_tokens=tokens, ignore_eos=True) for tokens in max_tokens]

@@ -107,7 +107,13 @@ def test_the_engine_check_catches_a_prefill_defect_through_the_mla_model():
     result = check.run_case(PrefillOnly, case, CPU)
     assert result.verdict == Verdict.PASS, result.reason
     assert "prefill_only (MLA prefill, decompressed) served" in result.reason
+    # The independent reference (torch_naive's engine) is judged first and catches it; so does the
+    # comparison of MLA's two paths, the check's own, without it.
     result = EngineCheck().run_case(PrefillValueOffset, case, CPU)
+    assert result.verdict == Verdict.FAIL and "plain vs torch_naive" in result.reason, result.reason
+    from tests.conformance.checks.test_engine_reference import SelfComparisonsOnly
+
+    result = SelfComparisonsOnly().run_case(PrefillValueOffset, case, CPU)
     assert result.verdict == Verdict.FAIL and "MLA prefill decompressed vs every request absorbed" in result.reason, (
         result.reason
     )
