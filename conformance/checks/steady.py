@@ -1,17 +1,37 @@
-"""steady: 256 consecutive decode steps of a small batch, every request one token longer each step,
-as an engine's decode loop runs them: ``build``, ``write_kv``, ``forward``, eagerly, with host
-lengths only where the backend claims it needs them (as under async scheduling).
+"""steady: 256 steps of continuous batching, as a serving engine's async spec-decode loop runs
+them: requests finish and others join (several at once, or one in the place of another, so that
+the number of requests goes up and down and also stays the same while the requests change), and
+each step's query lengths are decode (1) or spec-verify (k + 1), as the backend's claims allow,
+mixed within a step unless it takes only uniform batches (``harness.continuous_batch``).
+``build``, ``write_kv``, ``forward``, eagerly, the backend handed the first rows of persistent
+buffers, with host lengths only where it claims it needs them (as under async scheduling).
+
+A joining request arrives with its context in the pool, written through ``write_kv`` before its
+first step as its prefill left it, not as a prefill row of a mixed step: a decode-only or
+uniform-only backend serves no prefill (an engine sends those to a companion backend), each step
+stays within the limits one backend instance was built for, and what is asked here is whether the
+backend's state follows the batch from step to step; prefill numerics are numerics'.
 
 A backend that misbehaves only now and then passes every check that watches one step: a host-side
-cache refreshed every Nth step, a workspace regrown as the contexts grow, a sync or an allocation
-on some steps only, memory that creeps up. Here every step is watched:
+cache refreshed every Nth step, a sync or an allocation on some steps only, a workspace regrown
+as the contexts grow, memory that creeps up. A fixed batch (every request one token longer each
+step) hides more: a backend that re-plans, with a host sync, only when the number of requests
+changes, or reuses a plan when the batch's shape (requests, tokens) comes back with other
+requests in it, or writes its log-sum-exp only on the steps it re-planned, is right there; in a
+serving engine the batch changes nearly every step. Here every step is watched:
 
 * host syncs: the detector records every call of every step but the first (whose module loads
   and compiles the syncs check's warm-up step allows too; a phase each); any blocking sync is a
   FAIL naming the step and the line;
 * every input handed to ``build``, ``write_kv`` and ``forward`` comes back as it went in (the
   input watch, compared after each step: the harness's read, outside the watched calls);
-* every step's output against the oracle (the first wrong step is named);
+* every step's output against the float64 oracle (the first wrong step is named, with its batch:
+  its requests, query and sequence lengths, who joined and who left);
+* the log-sum-exp, on every step, where the backend claims ``returns_lse``: ``forward`` is handed
+  an ``lse`` buffer refilled with NaN before each step and compared with the oracle's, within
+  ``lse_pass``'s tolerance (an fp8 cache's plus how far dequantizing into the compute dtype moves
+  it, as for the output);
+* the output and lse rows after the ones a step was handed must stay NaN;
 * device memory held after each step (``torch.cuda.memory_allocated``): it may not grow past the
   level after the warm-up steps by more than ``GROWTH_BYTES`` (a leak, or a buffer regrown and
   kept); the caching allocator's allocations and new segments per steady step are reported, and
@@ -19,8 +39,13 @@ on some steps only, memory that creeps up. Here every step is watched:
   ``cuMemAlloc``: PyTorch's new segments and a backend's own alike), with its step and line.
   Reported, not failed: PyTorch's allocator may grow a segment as the contexts grow.
 
-It runs once per attention kind and KV-cache format, on the first decode case (query length 1)
-of at most ``MAX_REQUESTS`` requests, and on CUDA only: syncs and device memory exist only there.
+Each request's keys are ramped (``ramp_newest_keys``): its newest key outscores every earlier one
+at every step, so a length one short fails by far more than the tolerance wherever it happens.
+
+It runs once per attention kind and KV-cache format, on CUDA only (syncs and device memory exist
+only there), from the first decode case (query length 1) of at most ``MAX_REQUESTS`` requests:
+its requests are the first step's batch, and the joining requests are of its layer, with
+contexts near its requests'.
 """
 
 from __future__ import annotations
@@ -33,9 +58,18 @@ import torch
 from backends.base import AttentionBackend
 from conformance.cases.grammar import Case
 from conformance.checks.base import Check
-from conformance.checks.comparison import TOLERANCES, worst_place
-from conformance.checks.draft_loop import DraftLoop
+from conformance.checks.comparison import TOLERANCES, compare_with_oracle, worst_place
+from conformance.checks.lse_pass import LSE_ATOL, LSE_RTOL, query_rounding
 from conformance.harness.batch import PagedBatch
+from conformance.harness.continuous_batch import (
+    MAX_REQUESTS,
+    SPEC_TOKENS,
+    ContinuousBatch,
+    Schedule,
+    continuous_batching,
+)
+from conformance.harness.step import PreparedCase
+from conformance.harness.stored_cache import expected_lse, oracle
 from conformance.results import CaseResult, Verdict
 from host_syncs.detector import detect_host_syncs
 from host_syncs.events import DEVICE_ALLOC
@@ -43,17 +77,18 @@ from host_syncs.events import DEVICE_ALLOC
 STEPS = 256
 WARM_STEPS = 16  # lazy initialisation and JIT compiles happen here; memory is measured from here on
 UNWATCHED_SYNC_STEPS = 1  # the first call's module loads and compiles (see steady_look)
-MAX_REQUESTS = 8
 GROWTH_BYTES = 1 << 20
 MAX_EVENTS_KEPT = 10
 
 
 def ramp_newest_keys(batch: PagedBatch) -> None:
-    """Each step's key outscores every earlier one: probe channel ``i + 1`` for step ``i`` (exact
-    integers up to 256 in every dtype; the probe query makes a unit about one logit), so a step
-    that misses its newest key (a length one short, a stale copy of the lengths) is wrong by far
-    more than the tolerance at every step, not only at the first few that edges data shape. An fp8
-    cache could not store the ramp: its look watches syncs and memory, its outputs less sharply."""
+    """Each request's keys over its steps outscore every earlier one: probe channel ``j + 1`` for
+    its ``j``-th new token (exact integers up to 256 in every dtype: a request is handed at most
+    ``continuous_batch.MAX_BUDGET`` tokens; the probe query makes a unit about one logit), so a
+    step that misses its newest key (a length one short, a stale copy of the lengths) is wrong by
+    far more than the tolerance at every step, not only at the first few that edges data shape. An
+    fp8 cache could not store the ramp: its look watches syncs and memory, its outputs less
+    sharply."""
     spec = batch.case.spec
     if spec.fp8_kv_cache:
         return
@@ -76,11 +111,23 @@ def memory_counters(device: torch.device) -> dict[str, int]:
 
 
 def steady_look(
-    backend_cls: type[AttentionBackend], case: Case, device: torch.device, steps: int = STEPS, strategy: str = "auto"
+    backend_cls: type[AttentionBackend],
+    case: Case,
+    device: torch.device,
+    steps: int = STEPS,
+    strategy: str = "auto",
+    schedule: Schedule | None = None,
 ) -> CaseResult:
-    """``steps`` decode steps of ``case``'s requests, each watched; the verdict and its evidence."""
-    loop = DraftLoop(backend_cls, case, steps, device, padding_row=False, shape_steps=ramp_newest_keys)
+    """``steps`` steps of continuous batching from ``case``'s requests (or ``schedule``'s steps:
+    ``continuous_batch.fixed_batch`` is one batch decoding), each watched; the verdict and its
+    evidence."""
+    capabilities = backend_cls.capabilities
+    if schedule is None:
+        schedule = continuous_batching(case, steps, capabilities)
+    steps = len(schedule.steps)
+    loop = ContinuousBatch(backend_cls, case, schedule, device, shape_steps=ramp_newest_keys)
     buffers, backend = loop.buffers, loop.buffers.backend
+    with_lse = capabilities.returns_lse
     after: list[dict[str, int]] = []
     watch_syncs = device.type == "cuda"
     detector = detect_host_syncs(strategy, only_in_phases=True) if watch_syncs else None
@@ -104,8 +151,9 @@ def steady_look(
 
     with detector if detector is not None else contextlib.nullcontext():
         for step in range(steps):
-            loop.advance()
-            common = loop.common(step)
+            common = loop.load(step, lengths_known=capabilities.needs_cpu_seq_lens)
+            handed = loop.handed(step)
+            lse = {"lse": handed["lse"]} if with_lse else {}
             watch = buffers.watch(common)  # every input must come back as it went in, at every step
             metadata = watched(step, "build", watch, lambda: backend.build(common))
             watched(
@@ -113,7 +161,7 @@ def steady_look(
                 "write_kv",
                 watch,
                 lambda: backend.write_kv(
-                    buffers.kv_cache, buffers.key, buffers.value, buffers.slot_mapping, **buffers.layer
+                    buffers.kv_cache, handed["key"], handed["value"], handed["slot_mapping"], **buffers.layer
                 ),
             )
             watched(
@@ -121,10 +169,10 @@ def steady_look(
                 "forward",
                 watch,
                 lambda: backend.forward(
-                    buffers.query, buffers.kv_cache, metadata, buffers.out, **buffers.forward_layer
+                    handed["query"], buffers.kv_cache, metadata, handed["out"], **buffers.forward_layer, **lse
                 ),
             )
-            loop.finish_step()
+            loop.finish_step(step)
             changed = [f"step {step}: {change}" for change in watch.changes()]  # the harness's read: outside the phases
             del watch
             after.append(memory_counters(device))
@@ -137,10 +185,14 @@ def steady_look(
             f"the backend changed an input it was handed: {'; '.join(changed)}",
             tag=case.tag,
             metrics={"steps": len(after)},
+            evidence={"failing_step_batch": schedule.describe(len(after) - 1)},
         )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    summary = schedule.summary()
     metrics, evidence = _memory_metrics(after, steps)
+    metrics.update({key: summary[key] for key in SCHEDULE_METRICS})
+    metrics["lse_checked"] = with_lse
     steady = max(steps - WARM_STEPS, 1)
     metrics["steady_allocations_per_step"] = inside["allocations"] / steady
     metrics["steady_new_segments"] = inside["segments"]
@@ -155,51 +207,185 @@ def steady_look(
         evidence["syncs"] = [event.to_dict() for event in blocking[:MAX_EVENTS_KEPT]]
         first = blocking[0]
         steps_hit = sorted({_step_of(event) for event in blocking})
+        evidence["failing_step_batch"] = schedule.describe(steps_hit[0])
         return CaseResult(
             case.id,
             Verdict.FAIL,
-            f"{len(blocking)} host sync(s) over {steps} decode steps, in steps "
+            f"{len(blocking)} host sync(s) over {steps} steps, in steps "
             f"{_steps_text(steps_hit)}; first in {first.phase}: {first.describe()}",
             tag=case.tag,
             metrics=metrics,
             evidence=evidence,
         )
+    prepared = buffers.prepared(loop.batch)
     atol, rtol = TOLERANCES[case.spec.dtype]
-    failing, details = loop.first_failing_step(atol, rtol)
+    reference, allowance = oracle(prepared)
+    failing = loop.first_bad_step(_mismatched_rows(loop.out_bank, reference, allowance, atol, rtol))
     if failing is not None:
-        evidence["worst"] = details.get("worst")
+        rows = loop.step_rows(failing)
+        _, errors, found = compare_with_oracle(
+            loop.out_bank.index_select(0, rows),
+            reference.index_select(0, rows.to(reference.device)),
+            loop.host_starts[failing],
+            atol,
+            rtol,
+            None if allowance is None else allowance.index_select(0, rows.to(allowance.device)),
+        )
+        evidence.update(worst=found["worst"], failing_step_batch=schedule.describe(failing))
         return CaseResult(
             case.id,
             Verdict.FAIL,
-            f"decode step {failing} of {steps} differs from the oracle "
-            f"({details['mismatched']} elements, max abs error {details['max_abs_error']:.3g}, worst at "
-            f"{worst_place(details['worst'])}); every step before it was right",
+            f"step {failing} of {steps} differs from the oracle ({errors['mismatched']} elements, max abs "
+            f"error {errors['max_abs_error']:.3g}, worst at {worst_place(found['worst'])}; "
+            f"{_batch_text(schedule, failing)}); every step before it was right",
             tag=case.tag,
             metrics={**metrics, "first_failing_step": failing},
             evidence=evidence,
         )
+    spill = loop.first_spill(steps)
+    if spill is not None:
+        step, what = spill
+        evidence["failing_step_batch"] = schedule.describe(step)
+        return CaseResult(
+            case.id,
+            Verdict.FAIL,
+            f"step {step} of {steps}: forward wrote {what} rows past the {schedule.steps[step].num_tokens} it was "
+            "handed (the rows after them in the same buffer must stay as they were)",
+            tag=case.tag,
+            metrics={**metrics, "first_failing_step": step},
+            evidence=evidence,
+        )
+    if with_lse:
+        problem, lse_metrics = _lse_problem(loop, prepared, steps)
+        metrics.update(lse_metrics)
+        if problem is not None:
+            step, text = problem
+            evidence["failing_step_batch"] = schedule.describe(step)
+            return CaseResult(
+                case.id,
+                Verdict.FAIL,
+                text,
+                tag=case.tag,
+                metrics={**metrics, "first_failing_step": step},
+                evidence=evidence,
+            )
     growth = metrics["memory_growth_bytes"]
     if growth > GROWTH_BYTES:
         return CaseResult(
             case.id,
             Verdict.FAIL,
             f"device memory held after a step grew by {growth / 2**20:.1f} MiB over "
-            f"{steps - WARM_STEPS} steady decode steps (first past {GROWTH_BYTES >> 20} MiB at step "
+            f"{steps - WARM_STEPS} steady steps (first past {GROWTH_BYTES >> 20} MiB at step "
             f"{metrics['memory_growth_step']}): a leak, or a buffer regrown and kept",
             tag=case.tag,
             metrics=metrics,
             evidence=evidence,
         )
     measured = "no host sync, " if watch_syncs else ""
+    checked_lse = ", its log-sum-exp too" if with_lse else ""
     return CaseResult(
         case.id,
         Verdict.PASS,
-        f"{steps} decode steps: {measured}every step equal to the oracle, device memory "
-        f"flat ({metrics['steady_allocations_per_step']:.1f} allocations and "
+        f"{steps} steps ({_schedule_text(summary)}): {measured}every step equal to the oracle{checked_lse}, "
+        f"device memory flat ({metrics['steady_allocations_per_step']:.1f} allocations and "
         f"{metrics['steady_new_segments']} new segments over the steady steps)",
         tag=case.tag,
         metrics=metrics,
         evidence=evidence,
+    )
+
+
+SCHEDULE_METRICS = (
+    "requests_seen",
+    "joins",
+    "leaves",
+    "steps_same_count_other_requests",
+    "requests_per_step",
+    "query_lens",
+    "steps_with_mixed_query_lens",
+    "max_tokens_per_step",
+)
+
+
+def _mismatched_rows(
+    out: torch.Tensor,
+    reference: torch.Tensor,
+    allowance: torch.Tensor | None,
+    atol: float,
+    rtol: float,
+    chunk_rows: int = 1024,
+) -> torch.Tensor:
+    """bool [rows]: the rows with an element beyond ``compare_with_oracle``'s test (NaN counts),
+    a chunk of rows at a time (the float64 differences of a whole bank would take its memory
+    several times over)."""
+    bad = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
+    for start in range(0, out.shape[0], chunk_rows):
+        got = out[start : start + chunk_rows].double()
+        expected = reference[start : start + chunk_rows].to(got.device)
+        allowed = atol + rtol * expected.abs()
+        if allowance is not None:
+            allowed = allowed + allowance[start : start + chunk_rows].to(got.device)
+        wrong = ((got - expected).abs() > allowed) | ~torch.isfinite(got)
+        bad[start : start + chunk_rows] = wrong.flatten(1).any(dim=1)
+    return bad
+
+
+def _lse_problem(
+    loop: ContinuousBatch, prepared: PreparedCase, steps: int
+) -> tuple[tuple[int, str] | None, dict[str, Any]]:
+    """(the first step whose log-sum-exp is beyond ``lse_pass``'s tolerance (NaN: not written) and
+    what is wrong there, or None; metrics). An fp8 cache's tolerance adds how far the oracle over
+    the cache dequantized into the compute dtype lies from the exact one (``stored_cache.oracle``'s
+    allowance, for the LSE)."""
+    expected = expected_lse(prepared)
+    allowed = LSE_ATOL + LSE_RTOL * expected.abs() + query_rounding(loop.batch)
+    if prepared.scales is not None:
+        allowed = allowed + (expected - expected_lse(prepared, rounded=True)).abs()
+    got = loop.lse_bank.double()
+    error = (got - expected).abs()
+    bad = ~(error <= allowed)  # NaN counts as bad
+    metrics = {"lse_max_abs_error": float(error.nan_to_num(float("inf")).max()) if error.numel() else 0.0}
+    step = loop.first_bad_step(bad.any(dim=1))
+    if step is None:
+        return None, metrics
+    rows = loop.rows_of_step[step]
+    step_bad = bad[rows]
+    token, head = divmod(int(step_bad.flatten().nonzero()[0]), step_bad.shape[1])
+    starts = loop.host_starts[step]
+    request = max(r for r in range(len(starts) - 1) if starts[r] <= token)
+    value = float(got[rows[token], head])
+    shown = "NaN (not written)" if value != value else f"{value:.6g}"
+    text = (
+        f"step {step} of {steps}: lse: {int(step_bad.sum())} of {step_bad.numel()} beyond |Δ| <= {LSE_ATOL:g} + "
+        f"{LSE_RTOL:g}·|lse| + the query's rounding (natural log); first at request {request} token "
+        f"{token - starts[request]} head {head}: got {shown}, expected {float(expected[rows[token], head]):.6g} "
+        f"(allowed {float(allowed[rows[token], head]):.3g}; {_batch_text(loop.schedule, step)}); every step "
+        "before it was right"
+    )
+    return (step, text), metrics
+
+
+def _batch_text(schedule: Schedule, step: int) -> str:
+    """A step's batch in words: its requests and query lengths, who joined and who left."""
+    described = schedule.describe(step)
+    text = f"its batch {len(described['requests'])} requests, query lengths {_lengths(described['query_lens'])}"
+    if described["joined"]:
+        text += f", {len(described['joined'])} just joined"
+    if described["left"]:
+        text += f", {len(described['left'])} just left"
+    return text
+
+
+def _lengths(values: list[int]) -> str:
+    return ",".join(map(str, values))
+
+
+def _schedule_text(summary: dict[str, Any]) -> str:
+    low, high = summary["requests_per_step"]
+    requests = f"{low}" if low == high else f"{low} to {high}"
+    return (
+        f"{summary['joins']} joins, {summary['leaves']} leaves, {requests} requests a step, query lengths "
+        f"{_lengths(summary['query_lens'])}"
     )
 
 
@@ -232,8 +418,14 @@ def _phase(detector, name: str):
 
 class SteadyCheck(Check):
     name = "steady"
-    question = f"{STEPS} consecutive decode steps: no host sync, no memory growth, every step right?"
-    evidence_labels = {"new_segment_steps": "steady steps in which PyTorch's allocator made a new segment"}
+    question = (
+        f"{STEPS} steps of continuous batching (requests joining and leaving, decode and spec-verify "
+        "query lengths): no host sync, inputs unchanged, no memory growth, every step right?"
+    )
+    evidence_labels = {
+        "new_segment_steps": "steady steps in which PyTorch's allocator made a new segment",
+        "failing_step_batch": "the failing step's batch (requests by row, query and sequence lengths, joined, left)",
+    }
     sync_event_labels = {"syncs": "host syncs", "device_allocations": "device allocations in steady steps (reported)"}
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
@@ -246,7 +438,13 @@ class SteadyCheck(Check):
         return None
 
     def details(self) -> dict[str, Any]:
-        return {"steps": STEPS, "warm_steps": WARM_STEPS, "growth_bytes": GROWTH_BYTES}
+        return {
+            "steps": STEPS,
+            "warm_steps": WARM_STEPS,
+            "growth_bytes": GROWTH_BYTES,
+            "max_requests": MAX_REQUESTS,
+            "verify_query_len": SPEC_TOKENS + 1,
+        }
 
     def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
         if any(query != 1 for _, query in case.batch) or not 1 <= case.num_reqs <= MAX_REQUESTS:

@@ -166,7 +166,8 @@ class InputWatch:
                 if blocks:
                     shown = ", ".join(map(str, blocks[:4])) + (", …" if len(blocks) > 4 else "")
                     found.append(
-                        f"{call} changed the {name} outside the blocks the step writes ({len(blocks)} block(s): {shown})"
+                        f"{call} changed the {name} outside the blocks the step writes "
+                        f"({len(blocks)} block(s): {shown})"
                     )
                     break
         for name, tensor in self.tensors.items():

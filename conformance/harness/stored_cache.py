@@ -74,12 +74,13 @@ def oracle(prepared: PreparedCase, *, negated: bool = False) -> tuple[torch.Tens
     return exact, (exact - _solve(prepared, negated=negated, rounded=True)[0]).abs()
 
 
-def expected_lse(prepared: PreparedCase, *, negated: bool = False) -> torch.Tensor:
+def expected_lse(prepared: PreparedCase, *, negated: bool = False, rounded: bool = False) -> torch.Tensor:
     """[num_tokens, H] float64: the oracle's log-sum-exp for ``prepared``'s step (natural log of
     each softmax's denominator; an fp8 layer's over its stored cache). ``negated``: of the step
     run negated, whose scores, and so its LSE, are the step's own (an fp8 layer's stored cache
-    holds the keys negated: its query is negated too)."""
-    return _solve(prepared, negated=negated and prepared.scales is not None)[1]
+    holds the keys negated: its query is negated too). ``rounded``: an fp8 layer's cache dequantized
+    into the compute dtype (``oracle``'s allowance, for the LSE)."""
+    return _solve(prepared, negated=negated and prepared.scales is not None, rounded=rounded)[1]
 
 
 def _solve(

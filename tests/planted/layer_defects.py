@@ -9,6 +9,7 @@ import dataclasses
 
 import torch
 
+from backends.base import KVScales
 from backends.torch_naive import NaiveMetadata, TorchNaiveBackend
 from tests.planted.graph_backends import TorchGraphSafe
 
@@ -48,18 +49,41 @@ class StashesScalesInMetadata(TorchNaiveBackend):
         super().forward(query, kv_cache, metadata, out, scales=scales, sinks=sinks, lse=lse)
 
 
-class KeepsFirstSinks(TorchNaiveBackend):
+class KeepsFirstLayerSinks(TorchNaiveBackend):
     """Copies the sinks of its first forward into a persistent buffer (as a backend that stages
-    per-head constants once) and attends with that buffer ever after, whatever layer calls."""
+    per-head constants once for its kernel, or for a CUDA graph, does) and attends with that
+    buffer from then on: every layer it serves gets layer 0's sinks."""
 
-    name = "planted_keeps_first_sinks"
-    kept = None
+    name = "planted_keeps_first_layer_sinks"
 
-    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None, lse=None):
+    def __init__(self, spec, limits, device):
+        super().__init__(spec, limits, device)
+        self.kept_sinks: torch.Tensor | None = None
+
+    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None, lse=None) -> None:
         if sinks is not None:
-            if self.kept is None:
-                self.kept = sinks.clone()
-            sinks = self.kept
+            if self.kept_sinks is None:
+                self.kept_sinks = sinks.clone()
+            sinks = self.kept_sinks
+        super().forward(query, kv_cache, metadata, out, scales=scales, sinks=sinks, lse=lse)
+
+
+class KeepsFirstLayerScales(TorchNaiveBackend):
+    """Writes with each layer's fp8 scales, but its attention dequantizes with a copy of the scales
+    its first forward saw (a descale staged once, as for a CUDA graph, and never refreshed): every
+    later layer reads its cache at layer 0's scale, its keys and values off by the ratio of the two."""
+
+    name = "planted_keeps_first_layer_scales"
+
+    def __init__(self, spec, limits, device):
+        super().__init__(spec, limits, device)
+        self.kept_scales: KVScales | None = None
+
+    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None, lse=None) -> None:
+        if scales is not None:
+            if self.kept_scales is None:
+                self.kept_scales = KVScales.on(self.device, scales.k_scale, scales.v_scale)
+            scales = self.kept_scales
         super().forward(query, kv_cache, metadata, out, scales=scales, sinks=sinks, lse=lse)
 
 
@@ -88,7 +112,7 @@ class KeepsFirstScalesOnDevice(TorchGraphSafe):
 
 
 class GraphSafeKeepsFirstSinks(GraphSafeWithSinksAndLse):
-    """``KeepsFirstSinks``, graph-safe: the first forward's sinks copied once, used by every layer."""
+    """``KeepsFirstLayerSinks``, graph-safe: the first forward's sinks copied once, used by every layer."""
 
     name = "planted_graph_safe_keeps_first_sinks"
     kept = None

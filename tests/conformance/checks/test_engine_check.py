@@ -20,7 +20,7 @@ from conformance.results import Verdict
 from reference_engine.batched_engine import StepRecord
 from reference_engine.metrics import steady_iterations
 from tests.planted import graph_backends
-from tests.planted.engine_layer_defects import SyncsWhenBatchChanges
+from tests.planted.steady_defects import SyncsWhenBatchChanges
 
 CASE = parse_case("gqa-h4/2-d32-fp32-p16:30+1,9+1@0")
 
@@ -166,5 +166,5 @@ def test_engine_check_fails_a_backend_that_syncs_when_the_batch_changes():
     result = EngineCheck().run_case(SyncsWhenBatchChanges, case, cuda)
     assert result.verdict == Verdict.FAIL, result.reason
     assert "host syncs per steady-state async step while claiming needs_cpu_seq_lens=False" in result.reason
-    assert "engine_layer_defects.py" in result.reason, result.reason
+    assert "layer_defects.py" in result.reason, result.reason
     assert EngineCheck().run_case(registry.load("torch_naive"), case, cuda).verdict == Verdict.PASS

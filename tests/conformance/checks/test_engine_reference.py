@@ -16,7 +16,7 @@ from conformance.checks.engine import REFERENCE_LABEL, EngineCheck
 from conformance.checks.engine_runs import EngineRuns
 from conformance.results import Verdict
 from tests.conformance.checks.test_engine_check import GraphSafeOnCpu
-from tests.planted.engine_layer_defects import KeepsFirstLayerScales, KeepsFirstLayerSinks
+from tests.planted.layer_defects import KeepsFirstLayerScales, KeepsFirstLayerSinks
 
 CPU = torch.device("cpu")
 SINKS = parse_case("gqa-h4/2-d32-fp32-p16-attnsinks:30+1")  # gpt-oss's layout, small

@@ -32,7 +32,7 @@ def test_a_later_layers_sinks_are_its_own_and_every_large_one_moved():
     "defect,case_text",
     [
         (layer_defects.StashesSinksInMetadata, SINKS),
-        (layer_defects.KeepsFirstSinks, SINKS),
+        (layer_defects.KeepsFirstLayerSinks, SINKS),
         (layer_defects.StashesScalesInMetadata, FP8),
     ],
     ids=lambda value: getattr(value, "__name__", "case"),
@@ -63,7 +63,7 @@ DECODE_SINKS = "gqa-h8/2-d32-bf16-p16-attnsinks:30+1,20+1"
 def test_the_draft_loop_runs_two_layers_each_its_own():
     loop = eager_loop(TorchNaiveBackend, DECODE_SINKS)
     assert len(loop.banks) == 2 and loop.first_failing_step(*TOLERANCES[torch.bfloat16]) == (None, {})
-    failing, details = eager_loop(layer_defects.KeepsFirstSinks, DECODE_SINKS).first_failing_step(
+    failing, details = eager_loop(layer_defects.KeepsFirstLayerSinks, DECODE_SINKS).first_failing_step(
         *TOLERANCES[torch.bfloat16]
     )
     assert failing == 0 and details["layer"] == 1

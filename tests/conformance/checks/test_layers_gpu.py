@@ -66,7 +66,7 @@ def test_an_lse_written_only_eagerly_fails_under_graphs_and_passes_numerics():
 
 
 def test_a_sync_only_when_the_batch_changes_fails_syncs():
-    from tests.planted.engine_layer_defects import SyncsWhenBatchChanges
+    from tests.planted.steady_defects import SyncsWhenBatchChanges
 
     case = parse_case("gqa-h8/2-d64-bf16-p16:100+1,30+4,250+1")
     result = SyncsCheck().run_case(SyncsWhenBatchChanges, case, CUDA)
