@@ -166,5 +166,5 @@ def test_engine_check_fails_a_backend_that_syncs_when_the_batch_changes():
     result = EngineCheck().run_case(SyncsWhenBatchChanges, case, cuda)
     assert result.verdict == Verdict.FAIL, result.reason
     assert "host syncs per steady-state async step while claiming needs_cpu_seq_lens=False" in result.reason
-    assert "layer_defects.py" in result.reason, result.reason
+    assert "steady_defects.py" in result.reason, result.reason
     assert EngineCheck().run_case(registry.load("torch_naive"), case, cuda).verdict == Verdict.PASS
