@@ -1,7 +1,8 @@
 """Planted defects of state shared across layers: engines build a step's metadata once and call
 ``write_kv`` + ``forward`` for every layer, each with its own pool, fp8 scales and learned sinks.
 Each is torch_naive (or, for the passes under CUDA graphs, the graph-safe torch backend) with one
-bug that a pass over a single layer cannot see; and an LSE written on the eager path only."""
+bug that a pass over a single layer cannot see; and an LSE written on the eager path only. (The
+fp8 scales kept in the step's metadata: ``fp8_defects.KeepsFirstLayerScales``.)"""
 
 from __future__ import annotations
 
@@ -34,21 +35,6 @@ class StashesSinksInMetadata(TorchNaiveBackend):
         super().forward(query, kv_cache, metadata, out, scales=scales, sinks=sinks, lse=lse)
 
 
-class StashesScalesInMetadata(TorchNaiveBackend):
-    """Keeps the fp8 scales of the first forward of a step in its metadata (read back once per
-    step to save a host read per layer): every later layer dequantizes with the first layer's."""
-
-    name = "planted_stashes_scales_in_metadata"
-
-    def build(self, common):
-        return StashingMetadata(**vars(super().build(common)))
-
-    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None, lse=None):
-        if scales is not None:
-            scales = metadata.stashed.setdefault("scales", scales)
-        super().forward(query, kv_cache, metadata, out, scales=scales, sinks=sinks, lse=lse)
-
-
 class KeepsFirstLayerSinks(TorchNaiveBackend):
     """Copies the sinks of its first forward into a persistent buffer (as a backend that stages
     per-head constants once for its kernel, or for a CUDA graph, does) and attends with that
@@ -68,12 +54,12 @@ class KeepsFirstLayerSinks(TorchNaiveBackend):
         super().forward(query, kv_cache, metadata, out, scales=scales, sinks=sinks, lse=lse)
 
 
-class KeepsFirstLayerScales(TorchNaiveBackend):
+class KeepsFirstScalesInACopy(TorchNaiveBackend):
     """Writes with each layer's fp8 scales, but its attention dequantizes with a copy of the scales
     its first forward saw (a descale staged once, as for a CUDA graph, and never refreshed): every
     later layer reads its cache at layer 0's scale, its keys and values off by the ratio of the two."""
 
-    name = "planted_keeps_first_layer_scales"
+    name = "planted_keeps_first_scales_in_a_copy"
 
     def __init__(self, spec, limits, device):
         super().__init__(spec, limits, device)

@@ -16,7 +16,7 @@ from conformance.checks.engine import REFERENCE_LABEL, EngineCheck
 from conformance.checks.engine_runs import EngineRuns
 from conformance.results import Verdict
 from tests.conformance.checks.test_engine_check import GraphSafeOnCpu
-from tests.planted.layer_defects import KeepsFirstLayerScales, KeepsFirstLayerSinks
+from tests.planted.layer_defects import KeepsFirstLayerSinks, KeepsFirstScalesInACopy
 
 CPU = torch.device("cpu")
 SINKS = parse_case("gqa-h4/2-d32-fp32-p16-attnsinks:30+1")  # gpt-oss's layout, small
@@ -37,7 +37,7 @@ class NaiveUnderAnotherName(TorchNaiveBackend):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("defect", "case"), [(KeepsFirstLayerSinks, SINKS), (KeepsFirstLayerScales, FP8)])
+@pytest.mark.parametrize(("defect", "case"), [(KeepsFirstLayerSinks, SINKS), (KeepsFirstScalesInACopy, FP8)])
 def test_first_layer_state_kept_for_every_layer_passes_the_self_comparisons_and_fails_the_reference(defect, case):
     result = SelfComparisonsOnly().run_case(defect, case, CPU)
     assert result.verdict == Verdict.PASS, result.reason

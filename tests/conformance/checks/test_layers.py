@@ -13,7 +13,7 @@ from conformance.checks.draft_loop import DraftLoop
 from conformance.checks.numerics import NumericsCheck
 from conformance.harness.graphs import STEP_LAYERS
 from conformance.results import Verdict
-from tests.planted import layer_defects, lse_defects
+from tests.planted import fp8_defects, layer_defects, lse_defects
 
 CPU = torch.device("cpu")
 SINKS = "gqa-h8/2-d32-bf16-p16-attnsinks:30+1,20+4,0+9"
@@ -33,7 +33,7 @@ def test_a_later_layers_sinks_are_its_own_and_every_large_one_moved():
     [
         (layer_defects.StashesSinksInMetadata, SINKS),
         (layer_defects.KeepsFirstLayerSinks, SINKS),
-        (layer_defects.StashesScalesInMetadata, FP8),
+        (fp8_defects.KeepsFirstLayerScales, FP8),
     ],
     ids=lambda value: getattr(value, "__name__", "case"),
 )
@@ -68,7 +68,7 @@ def test_the_draft_loop_runs_two_layers_each_its_own():
     )
     assert failing == 0 and details["layer"] == 1
     failing, details = eager_loop(
-        layer_defects.StashesScalesInMetadata, "gqa-h8/2-d32-bf16-fp8e4m3-p16:30+1,20+1"
+        fp8_defects.KeepsFirstLayerScales, "gqa-h8/2-d32-bf16-fp8e4m3-p16:30+1,20+1"
     ).first_failing_step(*TOLERANCES[torch.bfloat16])
     assert failing == 0 and details["layer"] == 1
 
