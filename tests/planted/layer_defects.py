@@ -35,16 +35,12 @@ class StashesSinksInMetadata(TorchNaiveBackend):
         super().forward(query, kv_cache, metadata, out, scales=scales, sinks=sinks, lse=lse)
 
 
-class KeepsFirstLayerSinks(TorchNaiveBackend):
+class KeepsFirstSinks:
     """Copies the sinks of its first forward into a persistent buffer (as a backend that stages
     per-head constants once for its kernel, or for a CUDA graph, does) and attends with that
-    buffer from then on: every layer it serves gets layer 0's sinks."""
+    buffer from then on: every layer it serves gets layer 0's sinks. (A mixin over a backend.)"""
 
-    name = "planted_keeps_first_layer_sinks"
-
-    def __init__(self, spec, limits, device):
-        super().__init__(spec, limits, device)
-        self.kept_sinks: torch.Tensor | None = None
+    kept_sinks: torch.Tensor | None = None
 
     def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None, lse=None) -> None:
         if sinks is not None:
@@ -52,6 +48,12 @@ class KeepsFirstLayerSinks(TorchNaiveBackend):
                 self.kept_sinks = sinks.clone()
             sinks = self.kept_sinks
         super().forward(query, kv_cache, metadata, out, scales=scales, sinks=sinks, lse=lse)
+
+
+class KeepsFirstLayerSinks(KeepsFirstSinks, TorchNaiveBackend):
+    """``KeepsFirstSinks`` over torch_naive."""
+
+    name = "planted_keeps_first_layer_sinks"
 
 
 class KeepsFirstScalesInACopy(TorchNaiveBackend):
@@ -97,18 +99,10 @@ class KeepsFirstScalesOnDevice(TorchGraphSafe):
         super().forward(query, kv_cache, metadata, out, scales=scales, sinks=sinks, lse=lse)
 
 
-class GraphSafeKeepsFirstSinks(GraphSafeWithSinksAndLse):
-    """``KeepsFirstLayerSinks``, graph-safe: the first forward's sinks copied once, used by every layer."""
+class GraphSafeKeepsFirstSinks(KeepsFirstSinks, GraphSafeWithSinksAndLse):
+    """``KeepsFirstSinks``, graph-safe: the copy is read on the device at every replay."""
 
     name = "planted_graph_safe_keeps_first_sinks"
-    kept = None
-
-    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None, lse=None):
-        if sinks is not None:
-            if self.kept is None:
-                self.kept = sinks.clone()
-            sinks = self.kept
-        super().forward(query, kv_cache, metadata, out, scales=scales, sinks=sinks, lse=lse)
 
 
 class LseOnlyEager(GraphSafeWithSinksAndLse):
