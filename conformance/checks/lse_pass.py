@@ -55,7 +55,7 @@ def judge_lse(prepared: PreparedCase, lse: torch.Tensor, *, negated: bool = Fals
     expected = expected_lse(prepared, negated=negated)
     got = lse[:tokens].double()
     error = (got - expected).abs()
-    allowed = LSE_ATOL + LSE_RTOL * expected.abs() + query_rounding(batch)
+    allowed = lse_allowed(prepared, expected, negated=negated)
     bad = ~(error <= allowed)  # NaN counts as bad
     metrics = {
         "lse_max_abs_error": float(error.nan_to_num(float("inf")).max()) if error.numel() else 0.0,
@@ -75,6 +75,17 @@ def judge_lse(prepared: PreparedCase, lse: torch.Tensor, *, negated: bool = Fals
         f"rounding (natural log); first at token {token} head {head}: got {float(got[token, head]):.6g}, expected "
         f"{float(expected[token, head]):.6g} (allowed {float(allowed[token, head]):.3g})"
     ), metrics
+
+
+def lse_allowed(prepared: PreparedCase, expected: torch.Tensor, *, negated: bool = False) -> torch.Tensor:
+    """[num_tokens, H]: how far each of the step's LSEs may lie from ``expected`` (the oracle's):
+    ``LSE_ATOL`` + ``LSE_RTOL``·|lse| + the query's rounding, and for an fp8 layer how far the
+    oracle over its cache dequantized into the compute dtype lies from the exact one (as the
+    output's allowance: ``stored_cache.oracle``). Every pass that judges an LSE uses it."""
+    allowed = LSE_ATOL + LSE_RTOL * expected.abs() + query_rounding(prepared.batch)
+    if prepared.scales is not None:
+        allowed = allowed + (expected - expected_lse(prepared, negated=negated, rounded=True)).abs()
+    return allowed
 
 
 def query_rounding(batch) -> torch.Tensor:

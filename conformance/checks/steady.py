@@ -59,7 +59,7 @@ from backends.base import AttentionBackend
 from conformance.cases.grammar import Case
 from conformance.checks.base import Check
 from conformance.checks.comparison import TOLERANCES, compare_with_oracle, worst_place
-from conformance.checks.lse_pass import LSE_ATOL, LSE_RTOL, query_rounding
+from conformance.checks.lse_pass import LSE_ATOL, LSE_RTOL, lse_allowed
 from conformance.harness.batch import PagedBatch
 from conformance.harness.continuous_batch import (
     MAX_REQUESTS,
@@ -219,6 +219,13 @@ def steady_look(
         )
     prepared = buffers.prepared(loop.batch)
     atol, rtol = TOLERANCES[case.spec.dtype]
+
+    def failed_at(step: int, reason: str) -> CaseResult:
+        """The verdict for the first step that went wrong, with its batch."""
+        evidence["failing_step_batch"] = schedule.describe(step)
+        metrics_now = {**metrics, "first_failing_step": step}
+        return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics_now, evidence=evidence)
+
     reference, allowance = oracle(prepared)
     failing = loop.first_bad_step(_mismatched_rows(loop.out_bank, reference, allowance, atol, rtol))
     if failing is not None:
@@ -231,44 +238,26 @@ def steady_look(
             rtol,
             None if allowance is None else allowance.index_select(0, rows.to(allowance.device)),
         )
-        evidence.update(worst=found["worst"], failing_step_batch=schedule.describe(failing))
-        return CaseResult(
-            case.id,
-            Verdict.FAIL,
+        evidence["worst"] = found["worst"]
+        return failed_at(
+            failing,
             f"step {failing} of {steps} differs from the oracle ({errors['mismatched']} elements, max abs "
             f"error {errors['max_abs_error']:.3g}, worst at {worst_place(found['worst'])}; "
             f"{_batch_text(schedule, failing)}); every step before it was right",
-            tag=case.tag,
-            metrics={**metrics, "first_failing_step": failing},
-            evidence=evidence,
         )
     spill = loop.first_spill(steps)
     if spill is not None:
         step, what = spill
-        evidence["failing_step_batch"] = schedule.describe(step)
-        return CaseResult(
-            case.id,
-            Verdict.FAIL,
+        return failed_at(
+            step,
             f"step {step} of {steps}: forward wrote {what} rows past the {schedule.steps[step].num_tokens} it was "
             "handed (the rows after them in the same buffer must stay as they were)",
-            tag=case.tag,
-            metrics={**metrics, "first_failing_step": step},
-            evidence=evidence,
         )
     if with_lse:
         problem, lse_metrics = _lse_problem(loop, prepared, steps)
         metrics.update(lse_metrics)
         if problem is not None:
-            step, text = problem
-            evidence["failing_step_batch"] = schedule.describe(step)
-            return CaseResult(
-                case.id,
-                Verdict.FAIL,
-                text,
-                tag=case.tag,
-                metrics={**metrics, "first_failing_step": step},
-                evidence=evidence,
-            )
+            return failed_at(*problem)
     growth = metrics["memory_growth_bytes"]
     if growth > GROWTH_BYTES:
         return CaseResult(
@@ -333,14 +322,10 @@ def _mismatched_rows(
 def _lse_problem(
     loop: ContinuousBatch, prepared: PreparedCase, steps: int
 ) -> tuple[tuple[int, str] | None, dict[str, Any]]:
-    """(the first step whose log-sum-exp is beyond ``lse_pass``'s tolerance (NaN: not written) and
-    what is wrong there, or None; metrics). An fp8 cache's tolerance adds how far the oracle over
-    the cache dequantized into the compute dtype lies from the exact one (``stored_cache.oracle``'s
-    allowance, for the LSE)."""
+    """(the first step whose log-sum-exp is beyond ``lse_pass.lse_allowed`` (NaN: not written) and
+    what is wrong there, or None; metrics)."""
     expected = expected_lse(prepared)
-    allowed = LSE_ATOL + LSE_RTOL * expected.abs() + query_rounding(loop.batch)
-    if prepared.scales is not None:
-        allowed = allowed + (expected - expected_lse(prepared, rounded=True)).abs()
+    allowed = lse_allowed(prepared, expected)
     got = loop.lse_bank.double()
     error = (got - expected).abs()
     bad = ~(error <= allowed)  # NaN counts as bad

@@ -108,3 +108,22 @@ def test_the_step_merged_from_its_two_pieces_by_their_lses_equals_the_oracle_and
         problem, metrics = merge_findings(prepared)
         assert (problem is not None) == caught, problem
     assert not merge_applies(prepare_case(TorchNaiveBackend, parse_case(SINKS), CPU))  # a sink would count twice
+
+
+def test_an_fp8_layers_lse_is_judged_with_the_dequantization_allowance_and_still_fails_defects():
+    """``lse_pass.lse_allowed``, shared by every pass that judges an LSE, adds an fp8 layer's
+    rounding allowance: torch_naive passes an fp8 lse case; the LSE defects still fail it by far."""
+    import torch
+
+    from backends.torch_naive import TorchNaiveBackend
+    from conformance.cases.grammar import parse_case
+    from conformance.checks.numerics import NumericsCheck
+    from conformance.results import Verdict
+    from tests.planted.lse_defects import LseInBaseTwo, LsePerKVHead
+
+    case = parse_case("gqa-h8/2-d64-bf16-fp8e4m3-p16-lse:30+1,20+4,0+9")
+    cpu = torch.device("cpu")
+    assert NumericsCheck().run_case(TorchNaiveBackend, case, cpu).verdict == Verdict.PASS
+    for defect in (LseInBaseTwo, LsePerKVHead):
+        result = NumericsCheck().run_case(defect, case, cpu)
+        assert result.verdict == Verdict.FAIL and result.metrics["lse_tolerance_ratio"] >= 10, result.reason
