@@ -427,7 +427,7 @@ class ConformanceItem(pytest.Item):
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, ConformanceFailure):
-            from conformance.checks.evidence import plain_lines
+            from conformance.harness.evidence import plain_lines
 
             result = excinfo.value.result
             evidence = plain_lines(self.check.describe_evidence(result.evidence), block_lines=40)

@@ -13,8 +13,8 @@ import torch
 
 from backends.base import AttentionBackend
 from conformance.cases.grammar import Case
-from conformance.checks.evidence import MAP_KEYS, EvidenceItem, labelled, maps, sync_events, without, worst_element
 from conformance.harness.batch import big_pool_skip_reason
+from conformance.harness.evidence import MAP_KEYS, EvidenceItem, labelled, maps, sync_events, without, worst_element
 from conformance.harness.step import WroteOutsideOutput
 from conformance.results import CaseResult, Verdict, worst
 

@@ -77,8 +77,8 @@ import torch
 from backends.base import AttentionBackend
 from conformance.cases.grammar import Case
 from conformance.checks.base import Check
-from conformance.checks.engine_model import is_mla_prefill_layer, model_for
-from conformance.checks.engine_runs import (
+from conformance.harness.engine_model import is_mla_prefill_layer, model_for
+from conformance.harness.engine_runs import (
     ATTENTION_DRAFTER,
     DRAFTER,
     REFERENCE,

@@ -40,9 +40,8 @@ import torch
 from backends.base import AttentionBackend
 from conformance.cases.grammar import Case
 from conformance.checks.base import Check
-from conformance.checks.comparison import TOLERANCES, compare_with_oracle, worst_place
-from conformance.checks.lse_pass import judge_lse
 from conformance.harness.batch import PagedBatch, materialize
+from conformance.harness.comparison import TOLERANCES, compare_with_oracle, worst_place
 from conformance.harness.graph_batches import (
     Replay,
     fits,
@@ -63,6 +62,7 @@ from conformance.harness.graphs import (
     step_layers,
     warm_up,
 )
+from conformance.harness.lse_pass import judge_lse
 from conformance.harness.step import PoolFill, run_step
 from conformance.harness.stored_cache import oracle
 from conformance.results import CaseResult, Verdict

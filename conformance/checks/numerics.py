@@ -44,11 +44,11 @@ import torch
 from backends.base import AttentionBackend, dtype_name
 from conformance.cases.grammar import Case
 from conformance.checks.base import Check
-from conformance.checks.comparison import TOLERANCES, compare_with_oracle, how_far_off, worst_place
-from conformance.checks.error_map import failure_maps
-from conformance.checks.lse_merge import merge_applies, merge_findings
-from conformance.checks.lse_pass import lse_findings
-from conformance.checks.nan_poison import nan_poison_pass
+from conformance.harness.comparison import TOLERANCES, compare_with_oracle, how_far_off, worst_place
+from conformance.harness.error_map import failure_maps
+from conformance.harness.lse_merge import merge_applies, merge_findings
+from conformance.harness.lse_pass import lse_findings
+from conformance.harness.nan_poison import nan_poison_pass
 from conformance.harness.step import (
     PreparedCase,
     WroteOutsideOutput,

@@ -58,9 +58,8 @@ import torch
 from backends.base import AttentionBackend
 from conformance.cases.grammar import Case
 from conformance.checks.base import Check
-from conformance.checks.comparison import TOLERANCES, compare_with_oracle, worst_place
-from conformance.checks.lse_pass import LSE_ATOL, LSE_RTOL, lse_allowed
 from conformance.harness.batch import PagedBatch
+from conformance.harness.comparison import TOLERANCES, compare_with_oracle, worst_place
 from conformance.harness.continuous_batch import (
     MAX_REQUESTS,
     SPEC_TOKENS,
@@ -68,6 +67,7 @@ from conformance.harness.continuous_batch import (
     Schedule,
     continuous_batching,
 )
+from conformance.harness.lse_pass import LSE_ATOL, LSE_RTOL, lse_allowed
 from conformance.harness.step import PreparedCase
 from conformance.harness.stored_cache import expected_lse, oracle
 from conformance.results import CaseResult, Verdict

@@ -163,7 +163,7 @@ def _span(edges: list[int], index: int) -> str:
 
 
 def heatmap(grid: dict[str, Any]) -> str:
-    """A map (``conformance.checks.error_map.Grid``) as inline SVG: one rectangle per cell with a
+    """A map (``conformance.harness.error_map.Grid``) as inline SVG: one rectangle per cell with a
     hover title, axis ranges at the ends, a legend; on the key map, the keys the oracle lets a
     token see shaded grey beneath, so a misplaced edge shows beside the real one."""
     values, rows, columns = grid["values"], grid["row_edges"], grid["column_edges"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ElementTree
 
 from conformance.checks import check_class
-from conformance.checks.evidence import plain_lines
+from conformance.harness.evidence import plain_lines
 from conformance.report.reproduce import reproduce_command
 from conformance.report.safe_text import xml_safe
 from conformance.results import CaseResult, RunResult, Verdict

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from conformance.checks import check_class
-from conformance.checks.evidence import DRAWN_IN_HTML
+from conformance.harness.evidence import DRAWN_IN_HTML
 from conformance.report.reproduce import reproduce_command
 from conformance.report.safe_text import markdown_code, markdown_inline
 from conformance.results import RunResult

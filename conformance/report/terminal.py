@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from conformance.checks import check_class
-from conformance.checks.evidence import plain_lines
+from conformance.harness.evidence import plain_lines
 from conformance.report.reproduce import reproduce_command
 from conformance.report.safe_text import visible
 from conformance.results import BackendResult, CaseResult, RunResult, Verdict

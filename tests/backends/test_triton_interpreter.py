@@ -191,7 +191,7 @@ def test_merge_folds_more_splits_than_its_tile():
     fails it, and so does a merge that writes only its first columns."""
     script = (
         "import torch; from conformance.cases.grammar import parse_case; "
-        "from conformance.checks.memory import poison_pass; from conformance.checks.lse_pass import lse_findings; "
+        "from conformance.checks.memory import poison_pass; from conformance.harness.lse_pass import lse_findings; "
         "from conformance.harness.step import prepare_case, run_step; from backends.triton import backend; "
         "assert backend.BLOCK_SPLITS < 37 <= backend.MAX_SPLITS; "
         "backend.TritonAttentionBackend.splits_for = lambda self, *args: 37; "

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from conformance.checks.base import Check
-from conformance.checks.evidence import EvidenceItem, labelled, without
+from conformance.harness.evidence import EvidenceItem, labelled, without
 from conformance.results import CaseResult, Verdict
 
 

@@ -49,11 +49,11 @@ from backends.base import AttentionBackend
 from conformance.cases.grammar import Case, format_layer
 from conformance.checks.base import Check
 from conformance.checks.engine import engine_skip_reason
-from conformance.checks.evidence import EvidenceItem, without
 from conformance.checks.memory import sanitizer
-from conformance.checks.nan_poison import nan_poison_pass
 from conformance.harness.allocation_map import AllocationMap
+from conformance.harness.evidence import EvidenceItem, without
 from conformance.harness.graphs import cuda_graph_skip_reason
+from conformance.harness.nan_poison import nan_poison_pass
 from conformance.harness.step import prepare_case
 from conformance.process_exit import describe_exit
 from conformance.results import CaseResult, Verdict

@@ -65,7 +65,7 @@ def run_step_stage(backend_cls, case, map_path: Path) -> None:
 
 
 def run_draft_loop_stage(backend_cls, case, map_path: Path) -> None:
-    from conformance.checks.draft_loop import DraftLoop, run_one_graph_loop, run_rebuilt_loop
+    from conformance.harness.draft_loop import DraftLoop, run_one_graph_loop, run_rebuilt_loop
 
     with phase("draft-loop setup (history write_kv)"):
         loop = DraftLoop(backend_cls, case, DRAFT_STEPS, torch.device("cuda"), padding_row=True, fill=PoolFill.FRESH)
@@ -93,8 +93,8 @@ def run_draft_loop_stage(backend_cls, case, map_path: Path) -> None:
 
 def memory_engine(backend_cls, case, device: torch.device):
     """The engine stage's engine (async, k = 3 drafted through the backend, eager) and its prompts."""
-    from conformance.checks.engine_model import cache_config, model_and_prompts
-    from conformance.checks.engine_runs import ATTENTION_DRAFTER, SPEC_TOKENS
+    from conformance.harness.engine_model import cache_config, model_and_prompts
+    from conformance.harness.engine_runs import ATTENTION_DRAFTER, SPEC_TOKENS
     from reference_engine.batched_engine import BatchedEngine
     from reference_engine.core import EngineConfig
 

@@ -9,9 +9,9 @@ import torch
 import conformance.harness.batch as batch_module
 from conformance.cases.case_data import HEAVY_EVERY, HEAVY_OFFSET, OUTLIER_VALUE_CHANNEL, OUTLIER_VALUE_MEAN
 from conformance.cases.grammar import parse_case
-from conformance.checks.comparison import TOLERANCES
 from conformance.checks.numerics import NumericsCheck
 from conformance.harness.batch import materialize
+from conformance.harness.comparison import TOLERANCES
 from conformance.results import Verdict
 from tests.planted.input_defects import AccumulatesInInputDtype
 

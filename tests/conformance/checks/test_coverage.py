@@ -4,7 +4,7 @@ docs/checks.md shows that matrix as it is."""
 from pathlib import Path
 
 from conformance.cases.suites import suite
-from conformance.checks.coverage import CASES_PER_CELL, MARGIN, coverage_table, parameter_coverage
+from conformance.harness.coverage import CASES_PER_CELL, MARGIN, coverage_table, parameter_coverage
 
 CHECKS_DOC = Path(__file__).resolve().parents[3] / "docs" / "checks.md"
 

@@ -14,8 +14,8 @@ import torch
 from backends import registry
 from conformance.cases.grammar import parse_case
 from conformance.checks.engine import EngineCheck
-from conformance.checks.engine_runs import STEADY_STEPS, EngineRuns, TooFewSteadySteps
 from conformance.checks.numerics import NumericsCheck
+from conformance.harness.engine_runs import STEADY_STEPS, EngineRuns, TooFewSteadySteps
 from conformance.results import Verdict
 from reference_engine.batched_engine import StepRecord
 from reference_engine.metrics import steady_iterations

@@ -13,7 +13,7 @@ from backends import registry
 from backends.torch_naive import TorchNaiveBackend
 from conformance.cases.grammar import parse_case
 from conformance.checks.engine import REFERENCE_LABEL, EngineCheck
-from conformance.checks.engine_runs import EngineRuns
+from conformance.harness.engine_runs import EngineRuns
 from conformance.results import Verdict
 from tests.conformance.checks.test_engine_check import GraphSafeOnCpu
 from tests.planted.layer_defects import KeepsFirstLayerSinks, KeepsFirstScalesInACopy

@@ -3,8 +3,8 @@
 import torch
 
 from conformance.cases.grammar import parse_case
-from conformance.checks.error_map import error_map, summary
 from conformance.checks.numerics import NumericsCheck
+from conformance.harness.error_map import error_map, summary
 from conformance.results import Verdict
 from tests.planted import defects, input_defects
 

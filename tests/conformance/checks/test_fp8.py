@@ -134,7 +134,7 @@ def test_dequantizing_into_the_compute_dtype_passes_where_exact_tolerance_alone_
     """A few large scores sharing the softmax make the rounding of every dequantized key up to 2.4×
     the output tolerance. Both ways of dequantizing follow the contract; the comparison adds the
     distance between the two oracles."""
-    from conformance.checks.comparison import TOLERANCES, compare_with_oracle
+    from conformance.harness.comparison import TOLERANCES, compare_with_oracle
     from conformance.harness.step import prepare_case, run_step
     from conformance.harness.stored_cache import oracle
 

@@ -8,9 +8,9 @@ import torch
 from backends.torch_naive import TorchNaiveBackend
 from conformance.cases.case_data import sink_logits
 from conformance.cases.grammar import parse_case
-from conformance.checks.comparison import TOLERANCES
-from conformance.checks.draft_loop import DraftLoop
 from conformance.checks.numerics import NumericsCheck
+from conformance.harness.comparison import TOLERANCES
+from conformance.harness.draft_loop import DraftLoop
 from conformance.harness.graphs import STEP_LAYERS
 from conformance.results import Verdict
 from tests.planted import fp8_defects, layer_defects, lse_defects

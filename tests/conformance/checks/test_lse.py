@@ -98,7 +98,7 @@ def test_an_lse_case_is_skipped_by_a_backend_that_returns_none_and_only_asks_whe
 def test_the_step_merged_from_its_two_pieces_by_their_lses_equals_the_oracle_and_a_base_two_lse_breaks_it():
     """vLLM's MLA prefill with context: the context piece (null keys) and the new-token piece,
     joined by merge_attn_states' rule; called on its own, the merge catches an LSE in base 2 too."""
-    from conformance.checks.lse_merge import merge_applies, merge_findings
+    from conformance.harness.lse_merge import merge_applies, merge_findings
     from conformance.harness.step import prepare_case, run_step
 
     for backend, caught in ((TorchNaiveBackend, False), (lse_defects.LseInBaseTwo, True)):

@@ -6,8 +6,8 @@ import torch
 from backends.torch_naive import TorchNaiveBackend
 from conformance.cases.grammar import parse_case
 from conformance.cases.suites import suite
-from conformance.checks.comparison import compare_with_oracle
 from conformance.checks.numerics import NumericsCheck
+from conformance.harness.comparison import compare_with_oracle
 from conformance.results import Verdict
 from tests.planted import defects, input_defects
 

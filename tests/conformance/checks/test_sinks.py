@@ -108,7 +108,7 @@ def test_flashinfer_handed_the_sinks_fails_numerics_on_a_gpu():
 
 def test_the_engine_runs_a_model_whose_layers_have_sinks_and_catches_sinks_dropped_in_prefill():
     from conformance.checks.engine import EngineCheck
-    from conformance.checks.engine_model import model_and_prompts
+    from conformance.harness.engine_model import model_and_prompts
 
     case = parse_case("gqa-h8/2-d64-bf16-attnsinks:1+1")
     model, _ = model_and_prompts(case, CPU, (4,))

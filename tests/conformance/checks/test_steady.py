@@ -16,9 +16,9 @@ from backends.torch_naive import TorchNaiveBackend
 from conformance.cases.grammar import parse_case
 from conformance.cases.suites import suite
 from conformance.checks import default_checks
-from conformance.checks.lse_pass import lse_findings
 from conformance.checks.steady import WARM_STEPS, SteadyCheck, steady_look
 from conformance.harness.continuous_batch import MAX_BUDGET, continuous_batching, fixed_batch
+from conformance.harness.lse_pass import lse_findings
 from conformance.harness.step import prepare_case, run_step
 from conformance.results import Verdict
 from tests.planted import steady_defects

@@ -83,14 +83,14 @@ def test_a_changed_tolerance_is_an_error_naming_it_and_is_put_back():
     events = run_isolated(job(f"{GATE}.backends:LoosensTolerances", [SMALL, OTHER]), lambda e: None, case_timeout_s=120)
     for case in (SMALL, OTHER):
         result = events.results[("numerics", parse_case(case).id)]
-        assert result.verdict == Verdict.ERROR and "conformance.checks.comparison.TOLERANCES" in result.reason
+        assert result.verdict == Verdict.ERROR and "conformance.harness.comparison.TOLERANCES" in result.reason
         assert result.evidence["harness_state_changed"]
 
 
 def test_the_seal_names_torch_settings_and_replaced_functions_and_restores_them():
     import torch
 
-    from conformance.checks import comparison, numerics
+    from conformance.harness import comparison, numerics
     from conformance.results import CaseResult
     from conformance.run.seal import Seal
 

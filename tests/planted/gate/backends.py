@@ -49,7 +49,7 @@ class LoosensTolerances(WrongScale):
     name = "planted_loosens_tolerances"
 
     def forward(self, query, kv_cache, metadata, out):
-        from conformance.checks import comparison
+        from conformance.harness import comparison
 
         for dtype in comparison.TOLERANCES:
             comparison.TOLERANCES[dtype] = (1e9, 1e9)

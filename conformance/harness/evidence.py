@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable, TypedDict
 
-from conformance.checks.error_map import summary
+from conformance.harness.error_map import summary
 
 SHORT_TEXT = 120  # characters: a structured value up to this long stays on one line
 

@@ -29,9 +29,9 @@ import torch
 from conformance.cases.grammar import Case
 from conformance.cases.kv_quantization import dequantize, quantize
 from conformance.cases.oracle import layer_reference
-from conformance.checks.comparison import TOLERANCES
-from conformance.checks.lse_pass import LSE_ATOL, LSE_RTOL, query_rounding
 from conformance.harness.batch import PagedBatch, materialize
+from conformance.harness.comparison import TOLERANCES
+from conformance.harness.lse_pass import LSE_ATOL, LSE_RTOL, query_rounding
 
 MARGIN = 10.0  # how far (× the tolerance) the answer without the parameter must be
 CASES_PER_CELL = 2  # distinct cases per (parameter, path): a defect may hide on one case's data

@@ -20,7 +20,7 @@ import torch
 
 from backends.base import AttentionBackend
 from conformance.cases.grammar import Case
-from conformance.checks.engine_model import cache_config, model_and_prompts
+from conformance.harness.engine_model import cache_config, model_and_prompts
 from reference_engine.attention_split import AUTO, Routing
 from reference_engine.model_attention import plan_attention
 

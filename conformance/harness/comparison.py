@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from conformance.checks.evidence import WorstElement
+from conformance.harness.evidence import WorstElement
 
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {  # dtype: (atol, rtol)
     torch.float32: (1e-3, 1e-3),

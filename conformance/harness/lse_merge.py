@@ -22,9 +22,9 @@ from dataclasses import replace
 
 import torch
 
-from conformance.checks.comparison import TOLERANCES
-from conformance.checks.lse_pass import forward_with_lse
 from conformance.harness.batch import PagedBatch, materialize
+from conformance.harness.comparison import TOLERANCES
+from conformance.harness.lse_pass import forward_with_lse
 from conformance.harness.step import PreparedCase, prepare_layer, run_step
 
 NULL_LOGIT = 2000.0  # the null key's score: exp(-2000) is 0 in fp32 and in float64

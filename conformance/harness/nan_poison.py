@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from conformance.checks.comparison import TOLERANCES, compare_with_oracle, how_far_off, worst_place
 from conformance.harness.allocation_map import AllocationMap
 from conformance.harness.batch import PagedBatch
+from conformance.harness.comparison import TOLERANCES, compare_with_oracle, how_far_off, worst_place
 from conformance.harness.step import (
     ChangedInput,
     PoolFill,
