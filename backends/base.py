@@ -51,7 +51,7 @@ import enum
 import importlib.util
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
@@ -172,16 +172,35 @@ class KVScales:
         return cls(k_scale, v_scale, tensor(k_scale), tensor(v_scale))
 
 
-def layer_arguments(scales: KVScales | None) -> dict[str, Any]:
-    """The keywords of one layer's ``write_kv``: ``scales=`` for an fp8 layer, nothing otherwise
-    (a backend without an fp8 claim never sees the keyword)."""
-    return {} if scales is None else {"scales": scales}
+@dataclass(frozen=True)
+class LayerParameters:
+    """What one layer hands ``write_kv`` and ``forward`` beyond the step's tensors: one typed object,
+    the same for every backend, so that a feature to come is one more field here, not one more
+    keyword in every signature. A field is None where the layer has no such thing; a backend reads
+    only the fields of the features it claims (``Capabilities.features``).
+
+    * ``scales``: an fp8 layer's ``KVScales`` (``write_kv`` stores ``value / scale``; ``forward``
+      attends over ``stored × scale``).
+    * ``sinks``: a layer's learned sink logits, float32 ``[num_heads]`` on the device (gpt-oss).
+    * ``lse``: ``forward`` only: float32 ``[rows, num_heads]`` where a backend that claims the
+      log-sum-exp writes it for the first ``num_actual_tokens`` rows.
+
+    Scales and sinks belong to a layer, like its weights: every layer of a step hands its own with
+    the same metadata, and a backend keeps none of them between calls."""
+
+    scales: KVScales | None = None
+    sinks: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+
+    def for_write(self) -> "LayerParameters":
+        """What ``write_kv`` is handed: the layer less ``forward``'s outputs."""
+        return self if self.lse is None else replace(self, lse=None)
+
+    def with_lse(self, lse: torch.Tensor | None) -> "LayerParameters":
+        return replace(self, lse=lse)
 
 
-def forward_arguments(scales: KVScales | None, sinks: torch.Tensor | None) -> dict[str, Any]:
-    """The keywords of one layer's ``forward``: its fp8 scales and its learned sinks, each only
-    where the layer has them."""
-    return {**layer_arguments(scales), **({} if sinks is None else {"sinks": sinks})}
+PLAIN_LAYER = LayerParameters()  # a layer with none of them: the compute-dtype cache, no sinks, no LSE
 
 
 @dataclass(frozen=True)
@@ -488,11 +507,15 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def write_kv(
-        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None, slot_mapping: torch.Tensor
+        self,
+        kv_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        slot_mapping: torch.Tensor,
+        layer: LayerParameters = PLAIN_LAYER,
     ) -> None:
-        """Store ``key``/``value`` rows at ``slot_mapping``; a slot of -1 writes nothing. A backend
-        that claims an fp8 cache takes ``scales: KVScales`` too (keyword; given for fp8 layers only)
-        and stores each value quantized as the module docstring says."""
+        """Store ``key``/``value`` rows at ``slot_mapping``; a slot of -1 writes nothing. For an fp8
+        layer (``layer.scales``) each value is stored quantized as the module docstring says."""
 
     def read_kv(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What ``write_kv`` stored at ``slot_mapping`` (every slot >= 0), as stored (the cache
@@ -517,6 +540,14 @@ class AttentionBackend(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not claim draft_step_update")
 
     @abc.abstractmethod
-    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor) -> None:
-        """Attention for the first ``num_actual_tokens`` rows of ``query``, written into ``out``.
-        fp8 layers pass ``scales: KVScales`` too, layers with learned sinks ``sinks`` (keywords)."""
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+        out: torch.Tensor,
+        layer: LayerParameters = PLAIN_LAYER,
+    ) -> None:
+        """Attention for the first ``num_actual_tokens`` rows of ``query``, written into ``out``, with
+        the layer's scales and sinks, and its log-sum-exp written to ``layer.lse`` where handed one
+        (``LayerParameters``)."""
