@@ -15,21 +15,24 @@ Conventions shared by every backend and the harness:
   ``query`` is ``[T, num_heads, kv_lora_rank + rope_dim]``; output ``[T, num_heads, kv_lora_rank]``.
 * Token ``i`` of request ``r`` sits at position ``seq_lens[r] - query_len[r] + i`` and attends
   causally to every earlier position of its own request (within the sliding window, if any).
-* fp8 KV cache (``AttentionSpec.kv_cache_dtype`` ``float8_e4m3fn`` or ``float8_e5m2``, claimed in
-  ``Capabilities.kv_cache_dtypes``): ``write_kv`` and ``forward`` get the layer's ``KVScales``
-  (keyword ``scales``). ``write_kv`` stores ``value / scale`` rounded to the nearest fp8 number,
+* Features (``backends.features``): what a case may ask beyond attention over a cache in the
+  compute dtype; a backend claims each by name in ``Capabilities.features``. What a layer hands
+  ``write_kv`` and ``forward`` for them is one ``LayerParameters`` (scales, sinks, the LSE buffer).
+* fp8 KV cache (``AttentionSpec.kv_cache_dtype`` ``float8_e4m3fn`` or ``float8_e5m2``: features
+  ``fp8_e4m3_kv_cache``, ``fp8_e5m2_kv_cache``): ``write_kv`` and ``forward`` get the layer's
+  ``KVScales`` (``layer.scales``). ``write_kv`` stores ``value / scale`` rounded to the nearest fp8 number,
   ties to even, saturated to the format's largest finite magnitude (448 for e4m3, 57344 for
   e5m2), as vLLM's cache writers do; ``forward`` computes the attention of the dequantized cache
   (``stored × scale``). Keys use ``k_scale``, values ``v_scale``; MLA's latent entry uses
   ``k_scale`` alone (DeepSeek's one scale). Scales belong to a layer, not to the backend: every
   layer of a step may pass other scales with the same metadata. ``read_kv`` returns what
   ``write_kv`` stored, so the harness can check both halves separately.
-* Log-sum-exp (``Capabilities.returns_lse``): ``forward`` may be handed ``lse`` (keyword), a
+* Log-sum-exp (feature ``lse``): ``forward`` may be handed ``layer.lse``, a
   float32 ``[rows, num_heads]`` tensor; a backend that claims it writes, for each of the first
   ``num_actual_tokens`` rows and each head, the natural log of its softmax's denominator,
   ``log(Σ_j exp(s_j) + exp(sink))`` over the scaled, soft-capped, visible logits: what merges
   partial results (vLLM's ``merge_attn_states``, MLA prefill over context chunks) consume.
-* Padding (``PaddingStyle``, claimed in ``Capabilities.padding_styles``): an engine pads a batch to
+* Padding (``PaddingStyle``; empty requests are feature ``empty_requests``): an engine pads a batch to
   a captured graph's shape with padding *rows* (requests of at least one token, seq_len =
   query_len, block-table rows 0, slots -1: ``ROWS``, every backend) or, as vLLM does, with *empty
   requests* (query length 0, so ``query_start_loc`` repeats, seq_len 0, block-table rows -1:
@@ -37,7 +40,7 @@ Conventions shared by every backend and the harness:
   nothing for an empty request: no output row (it has none; ``query_start_loc[r + 1] - 1`` is the
   previous request's last token), no cache slot, and it reads no block of a -1 row.
 * Learned attention sinks (``AttentionSpec.attention_sinks``, claimed by
-  ``Capabilities.attention_sinks``; gpt-oss): ``forward`` gets the layer's ``sinks`` (keyword), a
+  feature ``attention_sinks``; gpt-oss): ``forward`` gets the layer's ``sinks`` (``layer.sinks``), a
   float32 device tensor ``[num_heads]``, one logit per *query* head, persistent like a layer's
   weights. Each query head's softmax gains one term in its denominator and none in its numerator:
   ``out = Σ_j exp(s_j − m) v_j / (Σ_j exp(s_j − m) + exp(sink_h − m))`` (any common ``m``), on
@@ -47,6 +50,7 @@ Conventions shared by every backend and the harness:
 from __future__ import annotations
 
 import abc
+import dataclasses
 import enum
 import importlib.util
 import math
@@ -55,6 +59,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
+
+from backends.features import EMPTY_REQUESTS, FEATURES, Feature, Needs
+from backends.layer_kinds import LAYER_KINDS, LayerKind
 
 FP8_KV_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 
@@ -113,21 +120,18 @@ class AttentionSpec:
     rope_dim: int = 0  # MLA only
 
     def __post_init__(self) -> None:
-        if self.kind not in ("mha", "mla"):
-            raise ValueError(f"kind must be 'mha' or 'mla', not {self.kind!r}")
-        if self.kind == "mla":
-            if self.num_kv_heads != 1:
-                raise ValueError("MLA has one latent KV head (num_kv_heads=1)")
-            if self.head_dim != self.kv_lora_rank + self.rope_dim or self.kv_lora_rank <= 0:
-                raise ValueError("MLA head_dim must equal kv_lora_rank + rope_dim")
+        if self.kind not in LAYER_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(map(repr, LAYER_KINDS))}, not {self.kind!r}")
+        self.layout.validate(self)
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         if self.kv_cache_dtype not in (None, self.dtype) and self.kv_cache_dtype not in FP8_KV_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} is neither the compute dtype nor an fp8 format")
-        if self.value_head_dim is not None and (self.kind == "mla" or self.value_head_dim < 1):
-            raise ValueError("value_head_dim is an MHA/GQA layer's (MLA's value is its latent), and at least 1")
-        if self.attention_sinks and self.kind == "mla":
-            raise ValueError("learned attention sinks are an MHA/GQA layer's (gpt-oss), not MLA's")
+
+    @property
+    def layout(self) -> LayerKind:
+        """The layer kind's object (``backends.layer_kinds``): what differs between MHA and MLA."""
+        return LAYER_KINDS[self.kind]
 
     @property
     def fp8_kv_cache(self) -> bool:
@@ -139,9 +143,7 @@ class AttentionSpec:
 
     @property
     def v_head_dim(self) -> int:
-        if self.kind == "mla":
-            return self.kv_lora_rank
-        return self.head_dim if self.value_head_dim is None else self.value_head_dim
+        return self.layout.v_head_dim(self)
 
     @property
     def softmax_scale(self) -> float:
@@ -250,40 +252,94 @@ def _format_set(values) -> str:
     return ", ".join(sorted(str(v) for v in values))
 
 
+def _sm_names(capabilities: "frozenset[tuple[int, int]] | None") -> list[str] | None:
+    return None if capabilities is None else [f"SM{a}{b}" for a, b in sorted(capabilities)]
+
+
+def plain(value: Any) -> Any:
+    """A claim's value as JSON holds it: dtypes by their case-grammar names, enums and features by
+    name, sets sorted, mappings with plain keys; every field of ``Capabilities`` goes through here
+    (or through its field's own ``encode``), so a new field needs no line in ``to_dict``."""
+    if isinstance(value, enum.Enum):  # before int: CGSupport is an IntEnum
+        return value.name
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.dtype):
+        return kv_dtype_name(value)
+    if isinstance(value, Feature):
+        return value.name
+    if isinstance(value, (set, frozenset)):
+        return sorted(plain(item) for item in value)
+    if isinstance(value, (list, tuple)):
+        return [plain(item) for item in value]
+    if isinstance(value, dict):
+        return {plain(key): plain(item) for key, item in sorted(value.items(), key=lambda pair: str(plain(pair[0])))}
+    if dataclasses.is_dataclass(value):
+        return {item.name: _encoded(item, getattr(value, item.name)) for item in dataclasses.fields(value)}
+    raise TypeError(f"no plain form for {type(value).__name__}")
+
+
+def _encoded(field_: dataclasses.Field, value: Any) -> Any:
+    encode = field_.metadata.get("encode")
+    return encode(value) if encode else plain(value)
+
+
+@dataclass(frozen=True)
+class GpuLimit:
+    """The GPUs a claimed feature runs on, where fewer than the backend's, and why."""
+
+    compute_capabilities: frozenset[tuple[int, int]] = field(metadata={"encode": _sm_names})
+    why: str = ""
+
+
+SERVES = {"list": "serves"}  # a field ``conformance list`` shows as what a backend serves
+CLAIMS = {"list": "claims"}  # ... as what it claims
+
+
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend claims. Every claim is verified by a check; claim only what passes."""
+    """What a backend claims. Every claim is verified by a check; claim only what passes.
 
-    kinds: frozenset[str] = frozenset({"mha"})
-    dtypes: frozenset[torch.dtype] = frozenset({torch.float16, torch.bfloat16})
-    kv_cache_dtypes: frozenset[torch.dtype] = frozenset()  # fp8 cache formats (FP8_KV_DTYPES) besides the compute dtype
-    kv_cache_note: str = ""  # why the fp8 formats not in kv_cache_dtypes are not claimed (said in their SKIP)
-    # The GPUs an fp8 cache runs on, where fewer than the backend's (None: all of them), and why.
-    fp8_compute_capabilities: frozenset[tuple[int, int]] | None = None
-    fp8_device_note: str = ""
-    head_dims: frozenset[int] | None = None  # None: any
-    block_sizes: frozenset[int] | None = None  # None: any
-    num_heads: frozenset[int] | None = None  # None: any (MLA kernels often fix a few)
-    max_query_len: int | None = None  # None: prefill too; 1: decode only; k: spec-verify up to k
-    uniform_query_len: bool = False  # True: every request of a batch has the same query length
-    sliding_window: bool = False
-    logits_soft_cap: bool = False
-    attention_sinks: bool = False  # forward takes ``sinks``, one learned logit per query head
-    distinct_value_head_dim: bool = False  # value/output head dim other than the query/key one (d192/128)
-    returns_lse: bool = False  # forward fills ``lse`` when handed one (the module docstring)
-    padding_styles: frozenset[PaddingStyle] = frozenset({PaddingStyle.ROWS})  # the padding it accepts
-    sinks_note: str = ""  # why learned sinks are not claimed (said in their SKIP)
-    value_head_dim_note: str = ""  # why a value head dim of its own is not claimed
-    lse_note: str = ""  # why the log-sum-exp is not returned
-    cuda_graphs: CGSupport = CGSupport.NEVER
-    needs_cpu_seq_lens: bool = True  # False promises zero host syncs when host lengths are absent
-    draft_step_update: bool = False  # update_for_draft_step can advance metadata in place
-    deterministic: bool = False  # bitwise-equal output for identical inputs, eager and graph replay
-    batch_invariant: bool = False  # a request's output bits do not depend on the rest of the batch
+    Three kinds of claim: the layouts it serves (kinds, dtypes, head dims, block sizes, head
+    counts, query lengths: limits a case's shape must fall within); the contract's features
+    (``backends.features``: fp8 caches, sinks, a value head dim of its own, the LSE, empty
+    requests, ...), each claimed by name in ``features`` or, with the reason a SKIP gives, in
+    ``not_claimed``; and behaviours the checks measure (graphs, host lengths, draft update,
+    determinism). A field's ``list`` metadata puts it in ``conformance list`` (what a backend
+    serves, or what it claims); every field is in ``to_dict``."""
+
+    # What it serves: limits a case's layout must fall within (None: any).
+    kinds: frozenset[str] = field(default=frozenset({"mha"}), metadata=SERVES)
+    dtypes: frozenset[torch.dtype] = field(default=frozenset({torch.float16, torch.bfloat16}), metadata=SERVES)
+    head_dims: frozenset[int] | None = field(default=None, metadata=SERVES)
+    block_sizes: frozenset[int] | None = field(default=None, metadata=SERVES)
+    num_heads: frozenset[int] | None = field(default=None, metadata=SERVES)  # MLA kernels often fix a few
+    max_query_len: int | None = field(default=None, metadata=SERVES)  # None: prefill too; 1: decode only
+    uniform_query_len: bool = field(default=False, metadata=SERVES)  # every request of a batch the same length
+    # The contract's features (backends.features): claimed, or why not (said in the SKIP), and
+    # where a feature runs on fewer GPUs than the backend.
+    features: frozenset[Feature] = field(default=frozenset(), metadata=CLAIMS)
+    not_claimed: dict[Feature, str] = field(default_factory=dict)
+    feature_gpus: dict[Feature, GpuLimit] = field(default_factory=dict)
+    # What the checks measure it to do.
+    cuda_graphs: CGSupport = field(default=CGSupport.NEVER, metadata=CLAIMS)
+    needs_cpu_seq_lens: bool = field(default=True, metadata=CLAIMS)  # False: no host sync without host lengths
+    draft_step_update: bool = field(default=False, metadata=CLAIMS)  # update_for_draft_step advances in place
+    deterministic: bool = field(default=False, metadata=CLAIMS)  # bitwise-equal output, eager and replay
+    batch_invariant: bool = field(default=False, metadata=CLAIMS)  # a request's bits independent of the batch
+    # Where it runs.
     devices: frozenset[str] = frozenset({"cuda"})
-    compute_capabilities: frozenset[tuple[int, int]] | None = None  # None: any
+    compute_capabilities: frozenset[tuple[int, int]] | None = field(default=None, metadata={"encode": _sm_names})
     required_modules: tuple[str, ...] = ()
     install_hint: str = ""  # the command that installs required_modules
+
+    def __post_init__(self) -> None:
+        claimed_and_not = sorted(str(f) for f in self.not_claimed if f in self.features)
+        if claimed_and_not:
+            raise ValueError(f"Capabilities.not_claimed names {', '.join(claimed_and_not)}, claimed in features")
+
+    def supports(self, feature_: Feature) -> bool:
+        return feature_ in self.features
 
     def availability_reason(self, device: "torch.device | str | DeviceInfo") -> str | None:
         """Why this backend cannot run at all on ``device``; None when it can."""
@@ -294,7 +350,7 @@ class Capabilities:
         if info.type == "cuda" and info.compute_capability is None:
             return "no CUDA device is visible"
         if self.compute_capabilities is not None and info.compute_capability not in self.compute_capabilities:
-            wanted = ", ".join(f"SM{a}{b}" for a, b in sorted(self.compute_capabilities))
+            wanted = ", ".join(_sm_names(self.compute_capabilities))
             return f"needs compute capability {wanted}; this GPU ({info.name}) is {info.sm}"
         missing = [m for m in self.required_modules if importlib.util.find_spec(m.split(".")[0]) is None]
         if missing:
@@ -302,61 +358,64 @@ class Capabilities:
             return f"missing Python package {', '.join(missing)}{hint}"
         return None
 
+    def skip_reason(self, needs: Needs, device: "torch.device | str | DeviceInfo") -> str | None:
+        """The one rule table: why this backend cannot run a case asking ``needs`` on ``device``
+        (the machine, then the layout's limits, then each feature of ``backends.features`` the
+        case asks for, then its query lengths); None when it can."""
+        return (
+            self.availability_reason(device)
+            or self.layout_reason(needs.spec)
+            or self.feature_reason(needs, device)
+            or (self.query_len_reason(needs.max_query_len, list(needs.query_lens)) if needs.query_lens else None)
+        )
+
     def unsupported_reason(self, spec: AttentionSpec, device: "torch.device | str | DeviceInfo") -> str | None:
-        """The human reason this backend cannot run ``spec`` on ``device``; None when it can."""
-        reason = self.availability_reason(device)
-        if reason:
-            return reason
-        info = DeviceInfo.of(device)
+        """Why this backend cannot run layer ``spec`` on ``device`` (any batch); None when it can."""
+        return self.skip_reason(Needs(spec), device)
+
+    def layout_reason(self, spec: AttentionSpec) -> str | None:
         if spec.kind not in self.kinds:
             return f"{spec.kind.upper()} not supported (supports {_format_set(self.kinds)})"
         if spec.dtype not in self.dtypes:
             return (
                 f"dtype {dtype_name(spec.dtype)} not supported (supports {_format_set(map(dtype_name, self.dtypes))})"
             )
-        if spec.effective_kv_cache_dtype != spec.dtype and spec.kv_cache_dtype not in self.kv_cache_dtypes:
-            claimed = _format_set(map(kv_dtype_name, self.kv_cache_dtypes)) or "none"
-            why = f": {self.kv_cache_note}" if self.kv_cache_note else ""
-            return f"KV cache {kv_dtype_name(spec.kv_cache_dtype)} not supported (fp8 caches supported: {claimed}){why}"
-        fp8_gpus = self.fp8_compute_capabilities
-        if spec.fp8_kv_cache and fp8_gpus is not None and info.compute_capability not in (None, *fp8_gpus):
-            wanted = ", ".join(f"SM{a}{b}" for a, b in sorted(fp8_gpus))
-            return (
-                f"an fp8 KV cache needs compute capability {wanted} ({self.fp8_device_note}); this GPU "
-                f"({info.name}) is {info.sm}"
-            )
-        if self.head_dims is not None and spec.head_dim not in self.head_dims:
-            return f"head_dim {spec.head_dim} not supported (supports {_format_set(self.head_dims)})"
-        if self.block_sizes is not None and spec.block_size not in self.block_sizes:
-            return f"block size {spec.block_size} not supported (supports {_format_set(self.block_sizes)})"
-        if self.num_heads is not None and spec.num_heads not in self.num_heads:
-            return f"{spec.num_heads} query heads not supported (supports {_format_set(self.num_heads)})"
-        if spec.sliding_window is not None and not self.sliding_window:
-            return "sliding window not supported"
-        if spec.logits_soft_cap is not None and not self.logits_soft_cap:
-            return "logits soft cap not supported"
-        if spec.value_head_dim not in (None, spec.head_dim) and not self.distinct_value_head_dim:
-            why = f": {self.value_head_dim_note}" if self.value_head_dim_note else ""
-            return (
-                f"a value head dim ({spec.value_head_dim}) other than the query/key head dim ({spec.head_dim}) "
-                f"not supported{why}"
-            )
-        if spec.attention_sinks and not self.attention_sinks:
-            return "learned attention sinks not supported" + (f": {self.sinks_note}" if self.sinks_note else "")
+        for what, claimed, value in (
+            ("head_dim {} not supported", self.head_dims, spec.head_dim),
+            ("block size {} not supported", self.block_sizes, spec.block_size),
+            ("{} query heads not supported", self.num_heads, spec.num_heads),
+        ):
+            if claimed is not None and value not in claimed:
+                return f"{what.format(value)} (supports {_format_set(claimed)})"
+        return None
+
+    def feature_reason(self, needs: Needs, device: "torch.device | str | DeviceInfo") -> str | None:
+        """The first feature ``needs`` asks for that this backend does not serve on ``device``."""
+        for feature_ in FEATURES.values():
+            if not feature_.asked(needs):
+                continue
+            if not self.supports(feature_):
+                why = self.not_claimed.get(feature_)
+                return f"{feature_.words(needs)} not supported" + (f": {why}" if why else "")
+            limit = self.feature_gpus.get(feature_)
+            info = DeviceInfo.of(device)
+            if limit is not None and info.compute_capability not in (None, *limit.compute_capabilities):
+                wanted = ", ".join(_sm_names(limit.compute_capabilities))
+                return (
+                    f"{feature_.words(needs)} needs compute capability {wanted} ({limit.why}); this GPU "
+                    f"({info.name}) is {info.sm}"
+                )
         return None
 
     @property
     def graph_padding(self) -> PaddingStyle:
         """How an engine pads a CUDA graph's batch for this backend: vLLM's empty requests where
         claimed (the harder for a kernel), else padding rows."""
-        return PaddingStyle.EMPTY_REQUESTS if PaddingStyle.EMPTY_REQUESTS in self.padding_styles else PaddingStyle.ROWS
+        return PaddingStyle.EMPTY_REQUESTS if self.supports(EMPTY_REQUESTS) else PaddingStyle.ROWS
 
     def query_len_reason(self, max_query_len: int, query_lens: "list[int] | None" = None) -> str | None:
-        if query_lens is not None and 0 in query_lens and PaddingStyle.EMPTY_REQUESTS not in self.padding_styles:
-            return (
-                "empty requests (query length 0, vLLM's graph padding) not accepted "
-                f"(padding styles: {_format_set(style.value for style in self.padding_styles)})"
-            )
+        """Why a batch of these query lengths is past the claimed limits (an empty request is a
+        feature: ``skip_reason``)."""
         if self.max_query_len is not None and max_query_len > self.max_query_len:
             return f"query length {max_query_len} exceeds the claimed maximum {self.max_query_len}"
         if self.uniform_query_len and query_lens is not None and len(set(query_lens)) > 1:
@@ -366,35 +425,8 @@ class Capabilities:
         return None
 
     def to_dict(self) -> dict[str, Any]:
-        def listed(values):
-            return None if values is None else sorted(values)
-
-        return {
-            "kinds": sorted(self.kinds),
-            "dtypes": sorted(dtype_name(d) for d in self.dtypes),
-            "kv_cache_dtypes": sorted(kv_dtype_name(d) for d in self.kv_cache_dtypes),
-            "head_dims": listed(self.head_dims),
-            "block_sizes": listed(self.block_sizes),
-            "num_heads": listed(self.num_heads),
-            "max_query_len": self.max_query_len,
-            "uniform_query_len": self.uniform_query_len,
-            "sliding_window": self.sliding_window,
-            "logits_soft_cap": self.logits_soft_cap,
-            "attention_sinks": self.attention_sinks,
-            "distinct_value_head_dim": self.distinct_value_head_dim,
-            "returns_lse": self.returns_lse,
-            "padding_styles": sorted(style.value for style in self.padding_styles),
-            "cuda_graphs": self.cuda_graphs.name,
-            "needs_cpu_seq_lens": self.needs_cpu_seq_lens,
-            "draft_step_update": self.draft_step_update,
-            "deterministic": self.deterministic,
-            "batch_invariant": self.batch_invariant,
-            "devices": sorted(self.devices),
-            "compute_capabilities": None
-            if self.compute_capabilities is None
-            else [f"SM{a}{b}" for a, b in sorted(self.compute_capabilities)],
-            "required_modules": list(self.required_modules),
-        }
+        """Every claim, by field name (``plain``)."""
+        return plain(self)
 
 
 @dataclass

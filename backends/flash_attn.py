@@ -21,7 +21,16 @@ from typing import Any
 
 import torch
 
-from backends.base import AttentionBackend, AttentionSpec, Capabilities, CGSupport, CommonAttentionMetadata
+from backends.base import (
+    PLAIN_LAYER,
+    AttentionBackend,
+    AttentionSpec,
+    Capabilities,
+    CGSupport,
+    CommonAttentionMetadata,
+    LayerParameters,
+)
+from backends.features import ATTENTION_SINKS, FP8_KV_CACHES, LOGITS_SOFT_CAP, LSE, SLIDING_WINDOW, VALUE_HEAD_DIM
 from backends.paged_write import write_paged_rows
 
 INSTALL_HINT = "pip install 'specdec-conformance[flash-attn]'"
@@ -68,19 +77,23 @@ class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
     capabilities = Capabilities(
         kinds=frozenset({"mha"}),
-        kv_cache_note="flash-attn-4's fp8 attention is for SM100 and quantizes the query too (q_descale), which the "
-        "contract does not hand a backend",
-        sinks_note="not claimed until measured: flash-attn-4 was not installed on the GPU machines of the session "
-        "that added learned sinks",
-        value_head_dim_note="flash-attn-4 runs (hdim_qk, hdim_v) = (192, 128) on Blackwell only (its interface's "
-        "supported features); this adapter runs on SM90",
-        lse_note="flash-attn-4 returns one, but it is not claimed until measured: flash-attn-4 was not installed on "
-        "the GPU machines of the session that added the LSE",
+        not_claimed={
+            **dict.fromkeys(
+                FP8_KV_CACHES,
+                "flash-attn-4's fp8 attention is for SM100 and quantizes the query too (q_descale), which the "
+                "contract does not hand a backend",
+            ),
+            ATTENTION_SINKS: "not claimed until measured: flash-attn-4 was not installed on the GPU machines of the "
+            "session that added learned sinks",
+            VALUE_HEAD_DIM: "flash-attn-4 runs (hdim_qk, hdim_v) = (192, 128) on Blackwell only (its interface's "
+            "supported features); this adapter runs on SM90",
+            LSE: "flash-attn-4 returns one, but it is not claimed until measured: flash-attn-4 was not installed on "
+            "the GPU machines of the session that added the LSE",
+        },
         head_dims=frozenset({64, 128}),
         block_sizes=frozenset({16, 32, 64}),  # 256: fails on SM90
         max_query_len=None,
-        sliding_window=True,
-        logits_soft_cap=True,
+        features=frozenset({SLIDING_WINDOW, LOGITS_SOFT_CAP}),
         cuda_graphs=CGSupport.ALWAYS,
         needs_cpu_seq_lens=False,
         draft_step_update=True,
@@ -101,7 +114,7 @@ class FlashAttnBackend(AttentionBackend):
         spec = self.spec
         return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
 
-    def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
+    def write_kv(self, kv_cache, key, value, slot_mapping, layer: LayerParameters = PLAIN_LAYER) -> None:
         write_paged_rows(kv_cache[0], key, slot_mapping, self.spec.block_size)
         write_paged_rows(kv_cache[1], value, slot_mapping, self.spec.block_size)
 
@@ -119,7 +132,7 @@ class FlashAttnBackend(AttentionBackend):
         )
         return metadata
 
-    def forward(self, query, kv_cache, metadata: FlashAttnMetadata, out) -> None:
+    def forward(self, query, kv_cache, metadata: FlashAttnMetadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
         arguments = kernel_arguments(self.spec, query, kv_cache, metadata, out)
         result, _ = self.kernel(**arguments)
         if arguments["out"] is None:  # a strided output: the kernel wrote a buffer of its own

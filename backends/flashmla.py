@@ -15,13 +15,16 @@ from typing import Any
 import torch
 
 from backends.base import (
+    PLAIN_LAYER,
     AttentionBackend,
     AttentionSpec,
     BackendLimits,
     Capabilities,
     CGSupport,
     CommonAttentionMetadata,
+    LayerParameters,
 )
+from backends.features import FP8_KV_CACHES
 from backends.paged_write import write_paged_rows
 from backends.vendor_layout import packed
 
@@ -42,8 +45,11 @@ class FlashMLABackend(AttentionBackend):
     capabilities = Capabilities(
         kinds=frozenset({"mla"}),
         dtypes=frozenset({torch.bfloat16}),
-        kv_cache_note="FlashMLA's fp8 decode on SM90 takes the query in fp8 too, with its own scale (descale_q), "
-        "which the contract does not hand a backend",
+        not_claimed=dict.fromkeys(
+            FP8_KV_CACHES,
+            "FlashMLA's fp8 decode on SM90 takes the query in fp8 too, with its own scale (descale_q), "
+            "which the contract does not hand a backend",
+        ),
         head_dims=frozenset({576}),
         block_sizes=frozenset({64}),
         num_heads=frozenset({16, 32, 64, 128}),
@@ -68,7 +74,7 @@ class FlashMLABackend(AttentionBackend):
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.spec.block_size, 1, self.spec.head_dim)
 
-    def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
+    def write_kv(self, kv_cache, key, value, slot_mapping, layer: LayerParameters = PLAIN_LAYER) -> None:
         write_paged_rows(kv_cache[:, :, 0], key, slot_mapping, self.spec.block_size)
 
     def build(self, common: CommonAttentionMetadata) -> FlashMLAMetadata:
@@ -78,7 +84,7 @@ class FlashMLABackend(AttentionBackend):
         schedule, _ = self.flash_mla.get_mla_metadata()  # filled on the device by the first forward
         return FlashMLAMetadata(common.block_table, common.seq_lens, schedule, common.num_reqs, query_len)
 
-    def forward(self, query, kv_cache, metadata: FlashMLAMetadata, out) -> None:
+    def forward(self, query, kv_cache, metadata: FlashMLAMetadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
         spec = self.spec
         tokens = metadata.num_reqs * metadata.query_len
         result, _ = self.flash_mla.flash_mla_with_kvcache(

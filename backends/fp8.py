@@ -30,7 +30,7 @@ def from_cache(stored: torch.Tensor, scale: float) -> torch.Tensor:
 def required(scales: "KVScales | None") -> "KVScales":
     """An fp8 layer's scales, or a clear error for a caller that left them out."""
     if scales is None:
-        raise ValueError("an fp8 KV cache needs the layer's scales (the `scales` keyword of write_kv and forward)")
+        raise ValueError("an fp8 KV cache needs the layer's scales (``layer.scales`` of write_kv and forward)")
     return scales
 
 

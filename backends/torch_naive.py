@@ -12,13 +12,23 @@ from dataclasses import dataclass
 import torch
 
 from backends.base import (
-    FP8_KV_DTYPES,
+    PLAIN_LAYER,
     AttentionBackend,
     Capabilities,
     CGSupport,
     CommonAttentionMetadata,
     KVScales,
-    PaddingStyle,
+    LayerParameters,
+)
+from backends.features import (
+    ATTENTION_SINKS,
+    EMPTY_REQUESTS,
+    FP8_E4M3,
+    FP8_E5M2,
+    LOGITS_SOFT_CAP,
+    LSE,
+    SLIDING_WINDOW,
+    VALUE_HEAD_DIM,
 )
 from backends.fp8 import from_cache, to_cache
 from backends.paged_write import write_paged_rows
@@ -36,14 +46,10 @@ class TorchNaiveBackend(AttentionBackend):
     capabilities = Capabilities(
         kinds=frozenset({"mha", "mla"}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        kv_cache_dtypes=FP8_KV_DTYPES,
         max_query_len=None,
-        sliding_window=True,
-        logits_soft_cap=True,
-        attention_sinks=True,
-        distinct_value_head_dim=True,
-        returns_lse=True,
-        padding_styles=frozenset(PaddingStyle),
+        features=frozenset(
+            {FP8_E4M3, FP8_E5M2, SLIDING_WINDOW, LOGITS_SOFT_CAP, ATTENTION_SINKS, VALUE_HEAD_DIM, LSE, EMPTY_REQUESTS}
+        ),
         cuda_graphs=CGSupport.NEVER,
         needs_cpu_seq_lens=True,
         draft_step_update=False,
@@ -73,9 +79,9 @@ class TorchNaiveBackend(AttentionBackend):
             return [kv_cache.view(-1, 1, self.spec.head_dim)]
         return [plane.flatten(0, 1) for plane in self.block_planes(kv_cache)]
 
-    def write_kv(self, kv_cache, key, value, slot_mapping, scales: KVScales | None = None) -> None:
+    def write_kv(self, kv_cache, key, value, slot_mapping, layer: LayerParameters = PLAIN_LAYER) -> None:
         rows = [key] if self.spec.kind == "mla" else [key, value]
-        for plane, rows_, scale in zip(self.block_planes(kv_cache), rows, self.scale_floats(scales)):
+        for plane, rows_, scale in zip(self.block_planes(kv_cache), rows, self.scale_floats(layer.scales)):
             stored = rows_ if scale is None else self.quantize(rows_, scale, plane.dtype)
             write_paged_rows(plane, stored, slot_mapping, self.spec.block_size)
 
@@ -88,7 +94,7 @@ class TorchNaiveBackend(AttentionBackend):
         if not self.spec.fp8_kv_cache:
             return [None, None]
         if scales is None:
-            raise ValueError("an fp8 KV cache needs the layer's scales (the `scales` keyword of write_kv and forward)")
+            raise ValueError("an fp8 KV cache needs the layer's scales (``layer.scales`` of write_kv and forward)")
         return [scales.k_scale, scales.v_scale]
 
     def read_kv(self, kv_cache, slot_mapping):
@@ -110,12 +116,10 @@ class TorchNaiveBackend(AttentionBackend):
         kv_cache,
         metadata: NaiveMetadata,
         out,
-        scales: KVScales | None = None,
-        sinks: torch.Tensor | None = None,
-        lse: torch.Tensor | None = None,
+        layer: LayerParameters = PLAIN_LAYER,
     ) -> None:
         planes = self.slot_planes(kv_cache)
-        plane_scales = self.scale_floats(scales)
+        plane_scales = self.scale_floats(layer.scales)
         for request, seq_len in enumerate(metadata.seq_lens):
             start, end = metadata.query_start_loc[request], metadata.query_start_loc[request + 1]
             if end == start:
@@ -124,10 +128,10 @@ class TorchNaiveBackend(AttentionBackend):
             kv = [rows if scale is None else self.dequantize(rows, scale) for rows, scale in zip(kv, plane_scales)]
             key, value = (kv[0], kv[0][..., : self.spec.v_head_dim]) if self.spec.kind == "mla" else kv
             context_len = seq_len - (end - start)
-            request_sinks = self.request_sinks(sinks, end - start)
+            request_sinks = self.request_sinks(layer.sinks, end - start)
             out[start:end] = self.attend(query[start:end], key, value, context_len, request_sinks).to(out.dtype)
-            if lse is not None:
-                lse[start:end] = self.log_sum_exp(query[start:end], key, context_len, request_sinks)
+            if layer.lse is not None:
+                layer.lse[start:end] = self.log_sum_exp(query[start:end], key, context_len, request_sinks)
 
     def dequantize(self, stored: torch.Tensor, scale: float) -> torch.Tensor:
         """The numbers an fp8 cache's stored elements stand for, in float32."""

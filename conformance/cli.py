@@ -11,15 +11,16 @@ Exit codes:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import json
-import math
 import os
 import shlex
 import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -28,10 +29,8 @@ from rich.table import Table
 from rich.text import Text
 
 from backends import registry
-from backends.base import DeviceInfo
-from conformance.cases.grammar import CaseSyntaxError
+from backends.base import Capabilities, DeviceInfo
 from conformance.cases.grammar import __doc__ as CASE_GRAMMAR
-from conformance.cases.suites import chosen_cases
 from conformance.checks import CHECKS, default_checks
 from conformance.harness.batch import footprint_bytes
 from conformance.pytest_gpus import GpuChoiceError, choose_gpus
@@ -43,14 +42,27 @@ from conformance.report.terminal import LineProgress, RichProgress, print_report
 from conformance.results import RunResult
 from conformance.run.environment import collect_environment
 from conformance.run.interrupts import Interrupted, release_signals, stopping_on_signals
+from conformance.run.isolation import Probe, probe_backends
 from conformance.run.journal import Journal
-from conformance.run.probe import Probe, probe_backends
 from conformance.run.results_lock import ResultsInUse, ResultsLock
-from conformance.run.runner import RunOptions, failed_to_load, probe, run
+from conformance.run.runner import (
+    SYNC_DETECTORS,
+    OptionError,
+    RunOptions,
+    backend_names,
+    check_names,
+    check_options,
+    failed_to_load,
+    positive_seconds,
+    probe,
+    run,
+    run_cases,
+    run_device,
+    run_suite,
+)
 from conformance.scaffold import ScaffoldError, camel, write_skeleton
 from conformance.sharded_run import ShardedRun, ShardFailed, ShardingUnavailable, require_xdist, run_sharded
 from reference_engine.cli import add_engine_parser, run_engine
-from reference_engine.device_flag import DeviceError, resolve_device
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOTHING_RAN = 0, 1, 2, 3
 DEFAULT_BACKEND = "torch_naive"
@@ -65,54 +77,11 @@ class NothingToRun(Exception):
     """Nothing can run on this machine: one line, exit status 3."""
 
 
-def _split(values: list[str]) -> list[str]:
-    return [item.strip() for value in values for item in value.split(",") if item.strip()]
-
-
-def _device(text: str | None) -> torch.device:
-    try:
-        return resolve_device(text)
-    except DeviceError as error:
-        raise (NothingToRun if error.absent else UsageError)(str(error)) from None
-
-
-def _no_repeats(option: str, names: list[str]) -> list[str]:
-    repeated = sorted({name for name in names if names.count(name) > 1})
-    if repeated:
-        raise UsageError(f"{option} names {repeated[0]!r} more than once")
-    return names
-
-
-def _backend_names(values: list[str]) -> list[str]:
-    """Names that resolve (built-in, entry point, or pkg.module:Class). Nothing is imported here:
-    the run's own process never imports backend code (``conformance.run.probe``)."""
-    names = _split(values) if values else [DEFAULT_BACKEND]
-    if not names:
-        raise UsageError("--backend needs at least one name")
-    for name in names:
-        try:
-            registry.resolve(name)
-        except registry.BackendLookupError as error:
-            raise UsageError(str(error)) from None
-    return _no_repeats("--backend", names)
-
-
-def _probes(options: RunOptions) -> dict[str, Probe]:
-    """Each backend asked in a child; a pkg.module:Class that names nothing is a typo: exit 2."""
-    probes = probe(options)
+def _refuse_typos(probes: dict[str, Probe]) -> None:
+    """A pkg.module:Class that names nothing is a typo: exit 2 (the child that imported it says so)."""
     for probe_ in probes.values():
         if probe_.mistyped:
             raise UsageError(probe_.failure)
-    return probes
-
-
-def _cases(args: argparse.Namespace):
-    try:
-        cases = chosen_cases(args.case, args.suite, args.seed)
-    except CaseSyntaxError as error:
-        raise UsageError(str(error)) from None
-    _no_repeats("--case", [case.id for case in cases])
-    return cases
 
 
 def _check_case_sizes(cases, device: torch.device) -> None:
@@ -132,61 +101,35 @@ def _check_case_sizes(cases, device: torch.device) -> None:
                 )
 
 
-def _checks(values: list[str] | None) -> list[str]:
-    names = _split(values) if values else default_checks()
-    if not names:
-        raise UsageError("--check needs at least one check name")
-    unknown = [name for name in names if name not in CHECKS]
-    if unknown:
-        raise UsageError(f"unknown check {unknown[0]!r} (choose from {', '.join(CHECKS)})")
-    return _no_repeats("--check", names)
+# The claims ``conformance list`` shows, in field order: every field of ``Capabilities`` whose
+# metadata names its group (what the backend serves, what it claims).
+LISTED = {field.name: field.metadata["list"] for field in dataclasses.fields(Capabilities) if "list" in field.metadata}
 
 
-def _check_seconds(*limits: tuple[str, float | None]) -> None:
-    for flag, seconds in limits:
-        if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
-            raise UsageError(f"{flag} {seconds:g}: must be a finite, positive number of seconds")
-
-
-LIST_COLUMNS = (
-    "backend",
-    "origin",
-    "here",
-    "kinds",
-    "max query",
-    "graphs",
-    "host lengths",
-    "draft update",
-    "deterministic",
-    "batch-invariant",
-)
+def _claim_text(value: Any) -> str:
+    """A claim's JSON value in a word or a list: None is any, a flag yes or no."""
+    if value is None:
+        return "any"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list):
+        return ",".join(map(str, value)) or "none"
+    return str(value)
 
 
 def _list_row(name: str, probe_: Probe) -> dict[str, str]:
     if probe_.failure:
         return {"backend": name, "origin": probe_.ref.origin, "here": f"cannot load: {probe_.failure}"}
-    claims = probe_.claims
-    max_query = claims["max_query_len"]
-    return {
-        "backend": name,
-        "origin": probe_.ref.origin,
-        "here": "available" if probe_.unavailable is None else probe_.unavailable,
-        "kinds": ",".join(claims["kinds"]),
-        "max query": ("any" if max_query is None else str(max_query))
-        + (", uniform" if claims["uniform_query_len"] else ""),
-        "graphs": claims["cuda_graphs"],
-        "host lengths": "needed" if claims["needs_cpu_seq_lens"] else "not needed",
-        "draft update": "yes" if claims["draft_step_update"] else "no",
-        "deterministic": "claimed" if claims["deterministic"] else "no",
-        "batch-invariant": "claimed" if claims["batch_invariant"] else "no",
-    }
+    here = "available" if probe_.unavailable is None else probe_.unavailable
+    claims = {field: _claim_text(probe_.claims[field]) for field in LISTED if field in probe_.claims}
+    return {"backend": name, "origin": probe_.ref.origin, "here": here, **claims}
 
 
 def command_list(args: argparse.Namespace, console: Console) -> int:
     """A table on a terminal (names never cut: long cells wrap); ``plain`` (one line a backend,
     nothing cut: the default in a pipe) and ``json`` for scripts."""
-    _check_seconds(("--timeout", args.timeout))
-    torch_device = _device(args.device)
+    positive_seconds(("--timeout", args.timeout))
+    torch_device = run_device(args.device, "--device")
     device = DeviceInfo.of(torch_device)
     rows = [
         _list_row(name, probe_)
@@ -202,7 +145,7 @@ def command_list(args: argparse.Namespace, console: Console) -> int:
             print(
                 "  ".join(
                     [visible(row["backend"], one_line=True), f"[{row['origin']}]", visible(row["here"], one_line=True)]
-                    + [f"{column}={row[column]}" for column in LIST_COLUMNS[3:] if column in row]
+                    + [f"{field}={row[field]}" for field in LISTED if field in row]
                 )
             )
         return EXIT_OK
@@ -212,18 +155,21 @@ def command_list(args: argparse.Namespace, console: Console) -> int:
     )
     # Five columns, every cell wrapping at spaces, the longest word of each (an install command's
     # package) kept whole: ten narrow ones folded words mid-way in a 120-column terminal. Only the
-    # table words the graphs claim for wrapping; plain and json keep the claim's name.
+    # table words the claims for wrapping (a space after each comma, none in a name); plain and
+    # json keep each claim's name and value as the results JSON has them.
     cells = [
         {
             "backend": row["backend"],
             "origin": row["origin"],
             "here": row["here"],
-            "serves": ", ".join(f"{column} {row[column]}" for column in ("kinds", "max query") if column in row),
-            "claims": "; ".join(
-                f"{column}: {row[column].lower().replace('_', ' ') if column == 'graphs' else row[column]}"
-                for column in LIST_COLUMNS[5:]
-                if column in row
-            ),
+            **{
+                group: "; ".join(
+                    f"{field.replace('_', ' ')}: {row[field].replace(',', ', ').replace('_', ' ').lower()}"
+                    for field in LISTED
+                    if LISTED[field] == group and field in row
+                )
+                for group in ("serves", "claims")
+            },
         }
         for row in rows
     ]
@@ -244,17 +190,17 @@ def command_list(args: argparse.Namespace, console: Console) -> int:
 
 
 def command_run(args: argparse.Namespace, console: Console) -> int:
-    names = _backend_names(args.backend)
+    names = backend_names(args.backend or [DEFAULT_BACKEND], "--backend")
     if args.prefill_backend != "auto":
-        _backend_names([args.prefill_backend])
-    checks = _checks(args.check)
-    device = _device(args.device)
+        backend_names([args.prefill_backend], "--prefill-backend")
+    checks = check_names(args.check, "--check")
+    device = run_device(args.device, "--device")
     if args.command == "bench" and device.type != "cuda":
         raise NothingToRun("benchmarks need a CUDA device: run `conformance bench` on a machine with one")
     args.suite = args.suite or default_suite(device)
-    cases = _cases(args)
+    cases = run_cases(args.case, args.suite, args.seed, "--case")
     _check_case_sizes(cases, device)
-    _check_seconds(("--timeout", args.timeout), ("--backend-timeout", args.backend_timeout))
+    positive_seconds(("--timeout", args.timeout), ("--backend-timeout", args.backend_timeout))
     sharded = _sharded_run(args, names, checks, cases, device)
     json_path = _output_paths(args)
     try:
@@ -316,40 +262,48 @@ def _locked_run(
     args, console: Console, names, checks, cases, device: torch.device, json_path: Path, sharded: ShardedRun | None
 ) -> int:
     journal = None
+    suite = run_suite(args.case, args.suite)
     options = RunOptions(
         backends=names,
         checks=checks,
         cases=cases,
         device=device,
-        suite="custom" if args.case else args.suite,
+        suite=suite,
         case_timeout_s=args.timeout,
         backend_timeout_s=args.backend_timeout,
         in_process=args.in_process,
-        check_options={
-            "sync_detector": args.sync_detector,
-            "prefill_backend": args.prefill_backend,
-            "suite": "custom" if args.case else args.suite,
-        },
+        check_options=check_options(args.sync_detector, args.prefill_backend, suite),
     )
+    outputs = (json_path, json_path.with_name(json_path.name + ".journal"), args.html, args.junit, args.markdown)
+
+    def ready(probes: dict[str, Probe]) -> None:
+        """Every backend asked (the first by the child that runs it): a typo is exit 2 before any
+        file is touched; then an interrupted run must not leave an older run's results, or its
+        reports, looking current."""
+        _refuse_typos(probes)
+        for path in outputs:
+            if path:
+                Path(path).unlink(missing_ok=True)
+
+    options.ready = ready
+    probes: dict[str, Probe] = {}
     progress_console = Console(stderr=True, quiet=args.quiet)
     if not progress_console.is_terminal:  # CI logs: one line per event, wide enough to stay whole
         progress_console = Console(stderr=True, quiet=args.quiet, width=160)
     reporter = RichProgress if progress_console.is_terminal else LineProgress
     try:
         with stopping_on_signals():
-            options.probes = _probes(options)  # before any file is touched: a mistyped module:Class is exit 2
-            # An interrupted run must not leave an older run's results, or its reports, looking current.
-            for path in (json_path, args.html, args.junit, args.markdown):
-                if path:
-                    Path(path).unlink(missing_ok=True)
             if sharded is None:
                 with reporter(progress_console) as progress:
                     journal = Journal(json_path, progress)
-                    result = run(options, journal)
+                    result = run(options, journal)  # calls ready() once every backend has been asked
+            else:
+                probes = probe(options)
+                ready(probes)
     except Interrupted as interrupted:
         return _stop_interrupted(interrupted, options, json_path, journal, console)
     if sharded is not None:
-        signum, result = _run_sharded(sharded, options, json_path, args.quiet)
+        signum, result = _run_sharded(sharded, options, probes, json_path, args.quiet)
         if signum is not None:
             interrupted = Interrupted(signum)
             interrupted.partial = result
@@ -377,12 +331,12 @@ def _locked_run(
 
 
 def _run_sharded(
-    sharded: ShardedRun, options: RunOptions, json_path: Path, quiet: bool
+    sharded: ShardedRun, options: RunOptions, probes: dict[str, Probe], json_path: Path, quiet: bool
 ) -> tuple[int | None, RunResult]:
     """The run over pytest-xdist workers, of the backends whose probe could load them; a backend
     whose import raised, crashed or hung is its row from the probe, as in a serial run (in pytest
     it would stop the whole session, or hang it). Returns the signal that stopped it, or None."""
-    loadable = [name for name in sharded.backends if not options.probes[name].failure]
+    loadable = [name for name in sharded.backends if not probes[name].failure]
     signum = None
     if loadable:
         signum = run_sharded(replace(sharded, backends=loadable), json_path, quiet)
@@ -390,9 +344,7 @@ def _run_sharded(
     else:
         result = RunResult(collect_environment(options.device), [], options.suite, list(options.checks))
     rows = {backend.name: backend for backend in result.backends}
-    result.backends = [
-        rows.get(name) or failed_to_load(name, options.probes[name], options) for name in sharded.backends
-    ]
+    result.backends = [rows.get(name) or failed_to_load(name, probes[name], options) for name in sharded.backends]
     result.environment["command"] = shlex.join(["conformance", *sys.argv[1:]])  # not pytest's (written with the rest)
     return signum, result
 
@@ -488,7 +440,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser, default_suite: str | Non
     parser.add_argument(
         "--sync-detector",
         default="auto",
-        choices=["auto", "cupti", "torch"],
+        choices=SYNC_DETECTORS,
         help="host-sync detector for the syncs check (default auto: cupti when installed, else torch)",
     )
     parser.add_argument(
@@ -746,6 +698,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             args.check = ["bench"]
         return command_run(args, console)
+    except OptionError as error:  # checked as the pytest plugin checks its options (conformance.run.runner)
+        if error.absent:  # a device this machine lacks
+            print(f"conformance: {error}", file=sys.stderr)
+            return EXIT_NOTHING_RAN
+        print(f"conformance: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
     except (
         UsageError,
         OutputPathError,

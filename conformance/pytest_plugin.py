@@ -45,6 +45,17 @@ from conformance.report.output_paths import OutputPathError, check_files
 from conformance.run import exit_guard
 from conformance.run.reaper import Spawned
 from conformance.run.results_lock import ResultsInUse, ResultsLock
+from conformance.run.runner import (
+    SYNC_DETECTORS,
+    OptionError,
+    backend_names,
+    check_names,
+    check_options,
+    positive_seconds,
+    run_cases,
+    run_device,
+    run_suite,
+)
 from host_syncs.pytest_fixture import forbid_host_syncs, pytest_runtest_call  # noqa: F401 - registered with this plugin
 
 
@@ -78,7 +89,7 @@ def pytest_addoption(parser) -> None:
     group.addoption(
         "--conformance-sync-detector",
         default="auto",
-        choices=("auto", "cupti", "torch"),
+        choices=SYNC_DETECTORS,
         help="host-sync detector for the syncs check (default auto)",
     )
     group.addoption(
@@ -171,29 +182,35 @@ def _plan(config) -> Plan:
 
     from backends import registry
     from backends.base import DeviceInfo
-    from conformance.cases.grammar import CaseSyntaxError
-    from conformance.cases.suites import chosen_cases
-    from conformance.checks import CHECKS, default_checks
-    from conformance.run.probe import load_backend
+    from conformance.run.execution import load_backend
     from conformance.run.seal import Seal
-    from reference_engine.device_flag import DeviceError, resolve_device
 
     exit_guard.install()
     seal = Seal.take()  # before any backend is imported, as a run's child takes it
-    names = [name.strip() for name in config.getoption("conformance_backend").split(",") if name.strip()]
-    if not names or len(set(names)) != len(names):
-        raise pytest.UsageError("--conformance-backend needs backend names, each once")
-    seed = config.getoption("conformance_seed")
     if os.getcwd() not in sys.path:  # a pkg.module:Class in the current folder loads as `conformance run` loads it
         sys.path.insert(0, os.getcwd())
-    try:
-        refs = [registry.resolve(name) for name in names]
-        cases = chosen_cases(config.getoption("conformance_case"), config.getoption("conformance_suite"), seed)
-    except (registry.BackendLookupError, CaseSyntaxError) as error:
+    case_texts, suite = config.getoption("conformance_case"), config.getoption("conformance_suite")
+    option = config.getoption("conformance_check")
+    try:  # each option checked as `conformance run` checks its flag, in the same words
+        names = backend_names([config.getoption("conformance_backend")], "--conformance-backend")
+        prefill = config.getoption("conformance_prefill_backend")
+        if prefill != "auto":
+            backend_names([prefill], "--conformance-prefill-backend")
+        cases = run_cases(case_texts, suite, config.getoption("conformance_seed"), "--conformance-case")
+        checks = check_names(None if option is None else [option], "--conformance-check")
+        positive_seconds(("--conformance-timeout", config.getoption("conformance_timeout")))
+        try:
+            device, absent = run_device(config.getoption("conformance_device"), "--conformance-device"), None
+        except OptionError as error:
+            if not error.absent:
+                raise
+            device, absent = torch.device("cpu"), str(error)  # each item fails (or skips) saying so
+    except OptionError as error:
         raise pytest.UsageError(str(error)) from None
+    refs = [registry.resolve(name) for name in names]
     classes, import_changes, load_failures = {}, {}, {}
     for ref in refs:
-        # As a run's probe loads it: a typo is the command's mistake; an import that raises or
+        # As a run's child loads it: a typo is the command's mistake; an import that raises or
         # exits is that backend's ERROR or CRASH, and the other backends run.
         loaded = load_backend(ref)
         if loaded.mistyped:
@@ -203,36 +220,13 @@ def _plan(config) -> Plan:
         else:
             classes[ref.name] = loaded.backend_cls
             import_changes[ref.name] = seal.changes()  # put back; charged to this backend, not the first case run
-    ids = [case.id for case in cases]
-    repeated = next((case_id for case_id in ids if ids.count(case_id) > 1), None)
-    if repeated:  # two items of one name: one result would stand for both
-        raise pytest.UsageError(f"--conformance-case names {repeated!r} more than once")
-    option = config.getoption("conformance_check")
-    checks = default_checks() if option is None else [name.strip() for name in option.split(",") if name.strip()]
-    unknown = [name for name in checks if name not in CHECKS]
-    if unknown or not checks:
-        raise pytest.UsageError(
-            f"unknown check {unknown[0]!r} (choose from {', '.join(CHECKS)})"
-            if unknown
-            else "--conformance-check names no check"
-        )
-    try:
-        device, absent = resolve_device(config.getoption("conformance_device"), "--conformance-device"), None
-    except DeviceError as error:
-        if not error.absent:
-            raise pytest.UsageError(str(error)) from None
-        device, absent = torch.device("cpu"), str(error)
     cannot_run, why = dict.fromkeys(load_failures), dict.fromkeys(load_failures)
     for name, backend_cls in classes.items():
         unavailable = None if absent else backend_cls.availability_reason(DeviceInfo.of(device))
         cannot_run[name] = absent or (f"{name} is not available on {device}: {unavailable}" if unavailable else None)
         why[name] = absent or unavailable
-    suite_name = "custom" if config.getoption("conformance_case") else config.getoption("conformance_suite")
-    options = {
-        "sync_detector": config.getoption("conformance_sync_detector"),
-        "prefill_backend": config.getoption("conformance_prefill_backend"),
-        "suite": suite_name,
-    }
+    suite_name = run_suite(case_texts, suite)
+    options = check_options(config.getoption("conformance_sync_detector"), prefill, suite_name)
     return Plan(
         names, classes, checks, cases, device, cannot_run, why, options, suite_name, seal, import_changes, load_failures
     )
@@ -393,17 +387,12 @@ class ConformanceItem(pytest.Item):
             raise ConformanceFailure(result)
 
     def case_skip_reason(self) -> str | None:
-        """The check's skip decision for this case, made as a run makes it: for every case of the
-        suite in order, once a process. Some checks decide from the cases before (the engine check
-        runs one case per layout), so a worker that starts in the middle of a group (a fresh one
-        after a crash) first asks about the cases before its own, and decides as one worker would."""
-        decided = self.plan.skips.setdefault((self.backend, self.check.name), {})
-        for case in self.plan.cases:
-            if case.id not in decided:
-                decided[case.id] = self.check.case_skip_reason(self.backend_cls, case, self.device)
-            if case.id == self.case.id:
-                return decided[case.id]
-        raise AssertionError(f"{self.case.id} is not a case of this run")
+        """The check's skip decision for this case: its plan of the suite's cases (``Check.plan``),
+        made once a process, the same in every worker."""
+        key = (self.backend, self.check.name)
+        if key not in self.plan.skips:
+            self.plan.skips[key] = self.check.plan(self.backend_cls, self.plan.cases, self.device)
+        return self.plan.skips[key][self.case.id]
 
     def run_case(self):
         from conformance.run.execution import run_case

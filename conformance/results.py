@@ -132,9 +132,26 @@ class CaseResult:
     def to_dict(self) -> dict[str, Any]:
         return _to_json(self)
 
+    @classmethod
+    def of(cls, case: str, tag: str, outcome: "Outcome") -> "CaseResult":
+        """The result of case ``case`` (its id) from what its check said."""
+        return cls(case, outcome.verdict, outcome.reason, tag, outcome.metrics, outcome.evidence)
+
     @staticmethod
     def from_dict(data: dict[str, Any]) -> "CaseResult":
         return _from_json(CaseResult, data)
+
+
+@dataclass
+class Outcome:
+    """What a check says of one case: the verdict, why, the figures and the evidence. The runner
+    makes it the case's ``CaseResult`` (``CaseResult.of``): the case's id and tag are the runner's
+    to stamp, never a check's."""
+
+    verdict: Verdict
+    reason: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    evidence: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

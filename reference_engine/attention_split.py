@@ -23,7 +23,15 @@ from typing import Any, Callable
 import torch
 
 from backends import registry
-from backends.base import AttentionBackend, AttentionSpec, BackendLimits, Capabilities, CommonAttentionMetadata
+from backends.base import (
+    PLAIN_LAYER,
+    AttentionBackend,
+    AttentionSpec,
+    BackendLimits,
+    Capabilities,
+    CommonAttentionMetadata,
+    LayerParameters,
+)
 from backends.utils import sub_batch
 
 AUTO = "auto"
@@ -205,9 +213,9 @@ class SplitAttention(AttentionBackend):
     def allocate_kv_cache(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.backend.allocate_kv_cache(num_blocks), self.companion.allocate_kv_cache(num_blocks)
 
-    def write_kv(self, kv_cache, key, value, slot_mapping, **layer) -> None:
-        self.backend.write_kv(kv_cache[0], key, value, slot_mapping, **layer)
-        self.companion.write_kv(kv_cache[1], key, value, slot_mapping, **layer)
+    def write_kv(self, kv_cache, key, value, slot_mapping, layer: LayerParameters = PLAIN_LAYER) -> None:
+        self.backend.write_kv(kv_cache[0], key, value, slot_mapping, layer=layer)
+        self.companion.write_kv(kv_cache[1], key, value, slot_mapping, layer=layer)
 
     def read_kv(self, kv_cache, slot_mapping):
         return self.backend.read_kv(kv_cache[0], slot_mapping)
@@ -239,9 +247,12 @@ class SplitAttention(AttentionBackend):
         (call,) = metadata
         return [dataclasses.replace(call, metadata=call.backend.update_for_draft_step(call.metadata, common))]
 
-    def forward(self, query, kv_cache, metadata: list[Call], out, **layer) -> None:
+    def forward(self, query, kv_cache, metadata: list[Call], out, layer: LayerParameters = PLAIN_LAYER) -> None:
         for call in metadata:
-            call.backend.forward(call.rows(query), self._cache(kv_cache, call), call.metadata, call.rows(out), **layer)
+            rows = layer if layer.lse is None else layer.with_lse(call.rows(layer.lse))  # its rows' LSE, as its out
+            call.backend.forward(
+                call.rows(query), self._cache(kv_cache, call), call.metadata, call.rows(out), layer=rows
+            )
 
 
 def attention_for(

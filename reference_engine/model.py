@@ -176,10 +176,10 @@ class DecoderLayer(torch.nn.Module):
         value = qkv[:, q_size + kv_size :].view(tokens, config.num_kv_heads, config.head_dim).contiguous()
         query, key = apply_rope(query, positions, config.rope_theta), apply_rope(key, positions, config.rope_theta)
         view = step.attention(layer)
-        view.backend.write_kv(view.kv_cache, key, value, step.slot_mapping, **step.layer(layer))
+        parameters = step.layer(layer, self.sinks)
+        view.backend.write_kv(view.kv_cache, key, value, step.slot_mapping, layer=parameters)
         out = torch.empty(tokens, config.num_heads, config.head_dim, dtype=normed.dtype, device=normed.device)
-        sinks = {} if self.sinks is None else {"sinks": self.sinks}
-        view.backend.forward(query, view.kv_cache, view.metadata, out, **step.layer(layer), **sinks)
+        view.backend.forward(query, view.kv_cache, view.metadata, out, layer=parameters)
         return self.o_proj(out.view(tokens, q_size))
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, step: StepInputs, layer: int) -> torch.Tensor:
@@ -225,10 +225,10 @@ class LatentAttention(torch.nn.Module):
         latent = rms_norm(down[:, :rank], self.kv_norm, config.rms_norm_eps)
         k_pe = apply_rope(down[:, None, rank:], positions, config.rope_theta)[:, 0]
         entry = torch.cat([latent, k_pe], dim=-1).contiguous()
-        view, arguments = step.attention(layer), step.layer(layer)
-        view.backend.write_kv(view.kv_cache, entry, None, step.slot_mapping, **arguments)
+        view, parameters = step.attention(layer), step.layer(layer)
+        view.backend.write_kv(view.kv_cache, entry, None, step.slot_mapping, layer=parameters)
         if view.prefill is not None:
-            key, value = self.decompress(entry, view.backend.spec, arguments.get("scales"))
+            key, value = self.decompress(entry, view.backend.spec, parameters.scales)
             view.prefill.write_kv(view.prefill_cache, key, value, step.slot_mapping)
         out = torch.empty(tokens, heads, config.v_head_dim, dtype=normed.dtype, device=normed.device)
         absorbed = None
@@ -245,7 +245,7 @@ class LatentAttention(torch.nn.Module):
                 absorbed = torch.cat([per_head_product("thn,hnr->thr", q_nope, self.w_uk), q_pe], dim=-1).contiguous()
             rows = call.rows(absorbed)
             latent_out = torch.empty(rows.shape[0], heads, rank, dtype=normed.dtype, device=normed.device)
-            call.backend.forward(rows, view.kv_cache, call.metadata, latent_out, **arguments)
+            call.backend.forward(rows, view.kv_cache, call.metadata, latent_out, layer=parameters)
             call.rows(out).copy_(per_head_product("thr,hrv->thv", latent_out, self.w_uv))
         return self.o_proj(out.reshape(tokens, -1))
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from backends.base import KVScales, layer_arguments
+from backends.base import KVScales, LayerParameters
 from reference_engine.rejection import PLACEHOLDER
 
 if TYPE_CHECKING:
@@ -48,9 +48,10 @@ class StepInputs:
     slot_mapping: torch.Tensor
     kv_scales: list[KVScales] | None = None  # an fp8 cache's scales, per layer (each layer its own)
 
-    def layer(self, index: int) -> dict:
-        """The keywords of layer ``index``'s write_kv and forward: its scales, for an fp8 cache."""
-        return layer_arguments(None if self.kv_scales is None else self.kv_scales[index])
+    def layer(self, index: int, sinks: torch.Tensor | None = None) -> LayerParameters:
+        """Layer ``index``'s parameters for write_kv and forward: its scales, for an fp8 cache, and
+        ``sinks``, the learned sinks of the layer's module where it has them."""
+        return LayerParameters(scales=None if self.kv_scales is None else self.kv_scales[index], sinks=sinks)
 
     def attention(self, index: int) -> LayerView:
         """Layer ``index``'s backends, caches and metadata this step."""

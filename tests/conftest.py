@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -8,6 +10,20 @@ try:
     import triton  # noqa: F401
 except ImportError:  # a machine without Triton runs the tests that do not need it
     pass
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    # pyproject's addopts run the tests on two pytest-xdist workers (CI: a CPU machine). One process
+    # instead, unless -n is on the command line: for timings (tests/benchmarks: pytest-benchmark
+    # times nothing under xdist) and where a CUDA device is visible (the GPU tests were proven one
+    # process at a time on one GPU).
+    if getattr(config.option, "numprocesses", None) is None:  # no xdist (-p no:xdist)
+        return
+    given = any(arg.startswith(("-n", "--numprocesses")) for arg in config.invocation_params.args)
+    timings = config.getoption("--benchmarks") or config.getoption("benchmark_only", False)
+    if timings or (not given and torch.cuda.is_available()):
+        config.option.numprocesses = 0
 
 
 def pytest_collection_modifyitems(config, items):
@@ -39,6 +55,12 @@ def pytest_ignore_collect(collection_path, config):
 
 
 def pytest_configure(config):
+    if hasattr(config, "workerinput") and "OMP_NUM_THREADS" not in os.environ:
+        # A pytest-xdist worker (the test command runs -n 2): one thread, in this process and in
+        # every process its tests start (the CLI, its children). With a thread a core in every
+        # process, their OpenMP threads spin against each other: tests took several times as long.
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
     # The fixtures of conformance.pytest_plugin, also where the package is not installed (the GPU
     # machine runs from a checkout): register it unless its entry point already did.
     import conformance.pytest_plugin as plugin

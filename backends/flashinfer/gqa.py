@@ -43,15 +43,16 @@ import torch
 
 from backends import fp8
 from backends.base import (
-    FP8_KV_DTYPES,
+    PLAIN_LAYER,
     AttentionBackend,
     AttentionSpec,
     BackendLimits,
     Capabilities,
     CGSupport,
     CommonAttentionMetadata,
-    KVScales,
+    LayerParameters,
 )
+from backends.features import ATTENTION_SINKS, FP8_E4M3, FP8_E5M2, LOGITS_SOFT_CAP, LSE, SLIDING_WINDOW, VALUE_HEAD_DIM
 from backends.flashinfer import FA2_COMPUTE_CAPABILITIES, new_workspace, runs_on
 from backends.flashinfer.paged_layout import paged_layout
 from backends.flashinfer.plan_staging import PlanStaging
@@ -84,16 +85,14 @@ class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     capabilities = Capabilities(
         kinds=frozenset({"mha"}),
-        kv_cache_dtypes=FP8_KV_DTYPES,
         head_dims=frozenset({64, 128, 192, 256}),
         block_sizes=frozenset({16, 32, 64}),
         max_query_len=None,
-        sliding_window=True,
-        logits_soft_cap=True,
-        distinct_value_head_dim=True,
-        returns_lse=True,
-        sinks_note="FlashInfer 0.7.2's FA2 wrappers take `sinks`, but on SM90 their output misses them (H200: "
-        "every learned-sinks case FAILed numerics, error 2.6 on outputs near 0.04)",
+        features=frozenset({FP8_E4M3, FP8_E5M2, SLIDING_WINDOW, LOGITS_SOFT_CAP, VALUE_HEAD_DIM, LSE}),
+        not_claimed={
+            ATTENTION_SINKS: "FlashInfer 0.7.2's FA2 wrappers take `sinks`, but on SM90 their output misses them "
+            "(H200: every learned-sinks case FAILed numerics, error 2.6 on outputs near 0.04)"
+        },
         cuda_graphs=CGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
         needs_cpu_seq_lens=True,
         draft_step_update=False,
@@ -181,8 +180,8 @@ class FlashInferBackend(AttentionBackend):
             return kv_cache[..., : self.spec.head_dim], kv_cache[..., self.spec.head_dim :]
         return kv_cache[:, 0], kv_cache[:, 1]
 
-    def write_kv(self, kv_cache, key, value, slot_mapping, scales: KVScales | None = None) -> None:
-        k_scale, v_scale = fp8.scale_tensors(self.spec, scales)
+    def write_kv(self, kv_cache, key, value, slot_mapping, layer: LayerParameters = PLAIN_LAYER) -> None:
+        k_scale, v_scale = fp8.scale_tensors(self.spec, layer.scales)
         keys, values = self.key_value(kv_cache)
         write_paged_rows(keys, key, slot_mapping, self.spec.block_size, k_scale)
         write_paged_rows(values, value, slot_mapping, self.spec.block_size, v_scale)
@@ -258,13 +257,15 @@ class FlashInferBackend(AttentionBackend):
         kv_cache,
         metadata: FlashInferMetadata,
         out,
-        scales: KVScales | None = None,
-        lse: torch.Tensor | None = None,
+        layer: LayerParameters = PLAIN_LAYER,
     ) -> None:
+        lse = layer.lse
         # FlashInfer folds k_scale into the softmax scale and multiplies its output by v_scale: host
         # floats (vLLM's ``_k_scale_float``), fixed per layer, so a captured graph may bake them.
         scaled = (
-            dict(zip(("k_scale", "v_scale"), fp8.scale_floats(self.spec, scales))) if self.spec.fp8_kv_cache else {}
+            dict(zip(("k_scale", "v_scale"), fp8.scale_floats(self.spec, layer.scales)))
+            if self.spec.fp8_kv_cache
+            else {}
         )
         pages = self.key_value(kv_cache) if self.value_dim else kv_cache
         for call in metadata.calls:

@@ -13,15 +13,18 @@ import torch
 
 from backends import fp8
 from backends.base import (
+    PLAIN_LAYER,
     AttentionBackend,
     AttentionSpec,
     BackendLimits,
     Capabilities,
     CGSupport,
     CommonAttentionMetadata,
+    GpuLimit,
     KVScales,
-    PaddingStyle,
+    LayerParameters,
 )
+from backends.features import EMPTY_REQUESTS, FP8_KV_CACHES
 from backends.flashinfer import FA2_COMPUTE_CAPABILITIES, new_workspace, runs_on
 from backends.flashinfer.paged_layout import paged_layout
 from backends.paged_write import read_paged_rows, write_paged_rows
@@ -58,16 +61,18 @@ class FlashInferMLABackend(AttentionBackend):
         # Not claimed: measured, H100 (docs/findings.md). The fp8 path below stays, tested by a
         # subclass that claims it (tests/backends/test_flashinfer_mla_fp8_gpu.py), so that a fixed
         # FlashInfer shows as a passing test, to claim again.
-        kv_cache_note=(
+        not_claimed=dict.fromkeys(
+            FP8_KV_CACHES,
             "FlashInfer 0.7.2's FA3 MLA kernel rounds the layer's scale to bf16 before it dequantizes "
             "(k_scale 0.1 becomes 0.10009765625): outputs up to 1.65x past the tolerance where a few "
-            "large scores share the softmax, measured on an H100; its MLA kernels take e4m3 only"
+            "large scores share the softmax, measured on an H100; its MLA kernels take e4m3 only",
         ),
-        fp8_compute_capabilities=frozenset({(9, 0)}),
-        fp8_device_note="FlashInfer's fp8 MLA plan: its FA3 kernels",
+        feature_gpus=dict.fromkeys(
+            FP8_KV_CACHES, GpuLimit(frozenset({(9, 0)}), "FlashInfer's fp8 MLA plan: its FA3 kernels")
+        ),
         head_dims=frozenset({576}),
         block_sizes=frozenset({16, 32, 64}),
-        padding_styles=frozenset(PaddingStyle),  # measured: H200, numerics
+        features=frozenset({EMPTY_REQUESTS}),  # measured: H200, numerics
         max_query_len=8,
         cuda_graphs=CGSupport.NEVER,
         needs_cpu_seq_lens=True,
@@ -85,8 +90,9 @@ class FlashInferMLABackend(AttentionBackend):
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.spec.block_size, self.spec.head_dim)
 
-    def write_kv(self, kv_cache, key, value, slot_mapping, scales: KVScales | None = None) -> None:
-        write_paged_rows(kv_cache, key, slot_mapping, self.spec.block_size, fp8.scale_tensors(self.spec, scales)[0])
+    def write_kv(self, kv_cache, key, value, slot_mapping, layer: LayerParameters = PLAIN_LAYER) -> None:
+        k_scale = fp8.scale_tensors(self.spec, layer.scales)[0]
+        write_paged_rows(kv_cache, key, slot_mapping, self.spec.block_size, k_scale)
 
     def read_kv(self, kv_cache, slot_mapping):
         return read_paged_rows(kv_cache, slot_mapping, self.spec.block_size), None
@@ -95,10 +101,12 @@ class FlashInferMLABackend(AttentionBackend):
         self.wrapper.plan(**plan_arguments(self.spec, common, self.metadata_class))
         return FlashInferMLAMetadata(common.num_actual_tokens)
 
-    def forward(self, query, kv_cache, metadata: FlashInferMLAMetadata, out, scales: KVScales | None = None) -> None:
+    def forward(
+        self, query, kv_cache, metadata: FlashInferMLAMetadata, out, layer: LayerParameters = PLAIN_LAYER
+    ) -> None:
         tokens = metadata.num_tokens
         target, land = packed_output(out[:tokens])
-        self.wrapper.run(query=packed(query[:tokens]), kv_cache=kv_cache, out=target, **self._fp8_scales(scales))
+        self.wrapper.run(query=packed(query[:tokens]), kv_cache=kv_cache, out=target, **self._fp8_scales(layer.scales))
         land()
 
     def _fp8_scales(self, scales: KVScales | None) -> dict:

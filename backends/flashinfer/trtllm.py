@@ -1,7 +1,7 @@
 """``trtllm``: FlashInfer's trtllm_batch_decode_with_kv_cache — every input on the device
 (trtllm-gen kernels on SM100, XQA kernels on SM90). ``max_seq_len`` is the host's upper bound.
 Its fp8 path (an e4m3 cache written by our write kernel, the scales folded into the kernel's two
-GEMM scales) is not claimed: see ``kv_cache_note``."""
+GEMM scales) is not claimed: see ``not_claimed``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from backends import fp8
-from backends.base import Capabilities, CGSupport, CommonAttentionMetadata, KVScales
+from backends.base import PLAIN_LAYER, Capabilities, CGSupport, CommonAttentionMetadata, LayerParameters
+from backends.features import ATTENTION_SINKS, FP8_KV_CACHES
 from backends.flashinfer import DeviceLengthsEntryPoint, packed_rows, runs_on
 from backends.paged_write import read_paged_rows, write_paged_rows
 from backends.vendor_layout import packed, packed_output
@@ -31,11 +32,14 @@ class TrtllmBackend(DeviceLengthsEntryPoint):
         # The fp8 path below runs, but XQA computes in fp8 ("xqa will run fp8 calculation"): on an
         # H200 its e4m3 decode missed the bf16 tolerance by up to 10.8x (error 74 on an output of
         # 342), so it is not the attention of the dequantized cache the contract asks for.
-        kv_cache_note="XQA's e4m3 path on SM90 computes in fp8 and missed the tolerance by up to 10.8x on an H200 "
-        "(max error 74 on an output of 342); e5m2 it does not take; trtllm-gen (SM100) is untested here",
+        not_claimed=dict.fromkeys(
+            FP8_KV_CACHES,
+            "XQA's e4m3 path on SM90 computes in fp8 and missed the tolerance by up to 10.8x on an H200 "
+            "(max error 74 on an output of 342); e5m2 it does not take; trtllm-gen (SM100) is untested here",
+        ),
         head_dims=frozenset({64, 128}),
         block_sizes=frozenset({16, 32, 64}),
-        attention_sinks=True,
+        features=frozenset({ATTENTION_SINKS}),
         max_query_len=1,
         cuda_graphs=CGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
         needs_cpu_seq_lens=False,
@@ -49,8 +53,8 @@ class TrtllmBackend(DeviceLengthsEntryPoint):
         spec = self.spec
         return (num_blocks, 2, spec.num_kv_heads, spec.block_size, spec.head_dim)
 
-    def write_kv(self, kv_cache, key, value, slot_mapping, scales: KVScales | None = None) -> None:
-        k_scale, v_scale = fp8.scale_tensors(self.spec, scales)
+    def write_kv(self, kv_cache, key, value, slot_mapping, layer: LayerParameters = PLAIN_LAYER) -> None:
+        k_scale, v_scale = fp8.scale_tensors(self.spec, layer.scales)
         write_paged_rows(kv_cache[:, 0].transpose(1, 2), key, slot_mapping, self.spec.block_size, k_scale)
         write_paged_rows(kv_cache[:, 1].transpose(1, 2), value, slot_mapping, self.spec.block_size, v_scale)
 
@@ -69,13 +73,12 @@ class TrtllmBackend(DeviceLengthsEntryPoint):
         kv_cache,
         metadata: TrtllmMetadata,
         out,
-        scales: KVScales | None = None,
-        sinks: torch.Tensor | None = None,
+        layer: LayerParameters = PLAIN_LAYER,
     ) -> None:
         tokens = metadata.num_tokens
         # The kernel's two GEMM scales carry the fp8 scales (host floats, fixed per layer, as vLLM
         # passes them): scores × softmax_scale × k_scale, output × v_scale.
-        k_scale, v_scale = fp8.scale_floats(self.spec, scales)
+        k_scale, v_scale = fp8.scale_floats(self.spec, layer.scales)
         target, land = packed_output(out[:tokens])
         self.kernel(
             query=packed(query[:tokens]),
@@ -88,6 +91,6 @@ class TrtllmBackend(DeviceLengthsEntryPoint):
             bmm2_scale=v_scale,
             out=target,
             kv_layout="HND",
-            sinks=sinks,
+            sinks=layer.sinks,
         )
         land()

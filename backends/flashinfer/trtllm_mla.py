@@ -9,7 +9,16 @@ from typing import Any
 
 import torch
 
-from backends.base import AttentionSpec, BackendLimits, Capabilities, CGSupport, CommonAttentionMetadata
+from backends.base import (
+    PLAIN_LAYER,
+    AttentionSpec,
+    BackendLimits,
+    Capabilities,
+    CGSupport,
+    CommonAttentionMetadata,
+    LayerParameters,
+)
+from backends.features import FP8_KV_CACHES
 from backends.flashinfer import DeviceLengthsEntryPoint, packed_rows, runs_on
 from backends.paged_write import write_paged_rows
 from backends.vendor_layout import packed, packed_output
@@ -52,8 +61,11 @@ class TrtllmMLABackend(DeviceLengthsEntryPoint):
     capabilities = Capabilities(
         kinds=frozenset({"mla"}),
         dtypes=frozenset({torch.bfloat16}),
-        kv_cache_note="trtllm-gen's e4m3 MLA path is not claimed until it passes on a Blackwell GPU, which this "
-        "project has not had",
+        not_claimed=dict.fromkeys(
+            FP8_KV_CACHES,
+            "trtllm-gen's e4m3 MLA path is not claimed until it passes on a Blackwell GPU, which this "
+            "project has not had",
+        ),
         head_dims=frozenset({576}),
         block_sizes=frozenset({32, 64}),
         max_query_len=8,
@@ -69,7 +81,7 @@ class TrtllmMLABackend(DeviceLengthsEntryPoint):
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.spec.block_size, self.spec.head_dim)
 
-    def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
+    def write_kv(self, kv_cache, key, value, slot_mapping, layer: LayerParameters = PLAIN_LAYER) -> None:
         write_paged_rows(kv_cache, key, slot_mapping, self.spec.block_size)
 
     def build(self, common: CommonAttentionMetadata) -> TrtllmMLAMetadata:
@@ -78,7 +90,7 @@ class TrtllmMLABackend(DeviceLengthsEntryPoint):
             raise ValueError("trtllm_mla needs the same query length for every request of a batch")
         return TrtllmMLAMetadata(common.block_table, common.seq_lens, common.num_reqs, query_len)
 
-    def forward(self, query, kv_cache, metadata: TrtllmMLAMetadata, out) -> None:
+    def forward(self, query, kv_cache, metadata: TrtllmMLAMetadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
         target, land = packed_output(out)
         self.kernel(**kernel_arguments(self.spec, self.limits, query, kv_cache, self.workspace, metadata, target))
         land()

@@ -17,15 +17,27 @@ import torch
 
 from backends import fp8
 from backends.base import (
-    FP8_KV_DTYPES,
+    PLAIN_LAYER,
     AttentionBackend,
     AttentionSpec,
     BackendLimits,
     Capabilities,
     CGSupport,
     CommonAttentionMetadata,
+    GpuLimit,
     KVScales,
-    PaddingStyle,
+    LayerParameters,
+)
+from backends.features import (
+    ATTENTION_SINKS,
+    EMPTY_REQUESTS,
+    FP8_E4M3,
+    FP8_E5M2,
+    FP8_KV_CACHES,
+    LOGITS_SOFT_CAP,
+    LSE,
+    SLIDING_WINDOW,
+    VALUE_HEAD_DIM,
 )
 from backends.fp8 import to_cache
 from backends.paged_write import write_paged_rows
@@ -46,10 +58,9 @@ PARTIAL_BUFFER_BYTES = 256 * 2**20  # cap on split-KV scratch; the split count s
 MAX_SPLITS = 64
 BLOCK_SPLITS = 16  # the merge kernel's tile over splits (it loops): one compiled variant for every split count
 LOG2E = 1.4426950408889634
-# Triton converts to and from e4m3 / e5m2 on Ada, Hopper and newer: the Capabilities fields that say so.
-FP8_GPUS = dict(
-    fp8_compute_capabilities=frozenset({(8, 9), (9, 0), (10, 0), (10, 3), (12, 0)}),
-    fp8_device_note="Triton's fp8 conversions",
+# Triton converts to and from e4m3 / e5m2 on Ada, Hopper and newer.
+FP8_GPUS = dict.fromkeys(
+    FP8_KV_CACHES, GpuLimit(frozenset({(8, 9), (9, 0), (10, 0), (10, 3), (12, 0)}), "Triton's fp8 conversions")
 )
 # The interpreter has no multiprocessors; this stand-in and a short minimum split make the CPU
 # tests run one split (output written directly) and several (merged) on small cases.
@@ -209,15 +220,12 @@ class TritonAttentionBackend(DeviceLengthsBackend):
         kinds=frozenset({"mha"}),
         head_dims=frozenset({64, 128, 192, 256}),
         block_sizes=frozenset({16, 32, 64}),
-        kv_cache_dtypes=FP8_KV_DTYPES,
-        **FP8_GPUS,
         max_query_len=None,
-        sliding_window=True,
-        logits_soft_cap=True,
-        attention_sinks=True,
-        distinct_value_head_dim=True,
-        returns_lse=True,
-        padding_styles=frozenset(PaddingStyle),  # an empty request's programs return before reading anything
+        # An empty request's programs return before reading anything.
+        features=frozenset(
+            {FP8_E4M3, FP8_E5M2, SLIDING_WINDOW, LOGITS_SOFT_CAP, ATTENTION_SINKS, VALUE_HEAD_DIM, LSE, EMPTY_REQUESTS}
+        ),
+        feature_gpus=FP8_GPUS,
         cuda_graphs=CGSupport.ALWAYS,
         needs_cpu_seq_lens=False,
         draft_step_update=True,
@@ -268,7 +276,8 @@ class TritonAttentionBackend(DeviceLengthsBackend):
             return kv_cache[..., : self.spec.head_dim], kv_cache[..., self.spec.head_dim :]
         return kv_cache[0], kv_cache[1]
 
-    def write_kv(self, kv_cache, key, value, slot_mapping, scales: KVScales | None = None) -> None:
+    def write_kv(self, kv_cache, key, value, slot_mapping, layer: LayerParameters = PLAIN_LAYER) -> None:
+        scales = layer.scales
         k_cache, v_cache = self.planes(kv_cache)
         if self.spec.v_head_dim != self.spec.head_dim:  # each plane by the paged writer, in its own width
             for plane, rows, scale in zip((k_cache, v_cache), (key, value), fp8.scale_tensors(self.spec, scales)):
@@ -319,13 +328,12 @@ class TritonAttentionBackend(DeviceLengthsBackend):
         kv_cache,
         metadata: TritonMetadata,
         out,
-        scales: KVScales | None = None,
-        sinks: torch.Tensor | None = None,
-        lse: torch.Tensor | None = None,
+        layer: LayerParameters = PLAIN_LAYER,
     ) -> None:
         spec, limits = self.spec, self.limits
+        scales, sinks, lse = layer.scales, layer.sinks, layer.lse
         if spec.attention_sinks and sinks is None:
-            raise ValueError("a layer with learned attention sinks needs them (the `sinks` keyword of forward)")
+            raise ValueError("a layer with learned attention sinks needs them (``layer.sinks`` of forward)")
         sinks_ptr = metadata.seq_lens if sinks is None else sinks  # read only with HAS_SINKS
         lse_args = (self.partial_lse, 0) if lse is None else (lse, lse.stride(0))  # written only with RETURN_LSE
         k_cache, v_cache = self.planes(kv_cache)

@@ -7,7 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.base import FP8_KV_DTYPES, AttentionSpec, BackendLimits, Capabilities, CGSupport, KVScales, PaddingStyle
+from backends.base import (
+    PLAIN_LAYER,
+    AttentionSpec,
+    BackendLimits,
+    Capabilities,
+    CGSupport,
+    LayerParameters,
+)
+from backends.features import EMPTY_REQUESTS, FP8_E4M3, FP8_E5M2
 from backends.fp8 import to_cache
 from backends.triton import GATHER, GLUON, INSTALL_HINT, PAGE, TMA
 from backends.triton.backend import (
@@ -101,10 +109,9 @@ class TritonMLABackend(DeviceLengthsBackend):
     capabilities = Capabilities(
         kinds=frozenset({"mla"}),
         block_sizes=frozenset({16, 32, 64}),
-        kv_cache_dtypes=FP8_KV_DTYPES,
-        **FP8_GPUS,
         max_query_len=DECODE_VARIANTS[-1],
-        padding_styles=frozenset(PaddingStyle),
+        features=frozenset({FP8_E4M3, FP8_E5M2, EMPTY_REQUESTS}),
+        feature_gpus=FP8_GPUS,
         cuda_graphs=CGSupport.ALWAYS,
         needs_cpu_seq_lens=False,
         draft_step_update=True,
@@ -141,11 +148,11 @@ class TritonMLABackend(DeviceLengthsBackend):
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.spec.block_size, self.spec.head_dim)
 
-    def write_kv(self, kv_cache, key, value, slot_mapping, scales: KVScales | None = None) -> None:
+    def write_kv(self, kv_cache, key, value, slot_mapping, layer: LayerParameters = PLAIN_LAYER) -> None:
         quantize = self.spec.fp8_kv_cache
         if quantize and interpreting():  # the interpreter flushes e4m3 subnormals (see TritonAttentionBackend)
-            key, quantize = to_cache(key, self.device_scales(scales)[0], kv_cache.dtype), False
-        k_scale = self.device_scales(scales)[0] if quantize else slot_mapping  # unread without QUANTIZE
+            key, quantize = to_cache(key, self.device_scales(layer.scales)[0], kv_cache.dtype), False
+        k_scale = self.device_scales(layer.scales)[0] if quantize else slot_mapping  # unread without QUANTIZE
         kernels.write_kv_kernel[(slot_mapping.shape[0],)](
             key,
             key,
@@ -174,7 +181,7 @@ class TritonMLABackend(DeviceLengthsBackend):
     def read_kv(self, kv_cache, slot_mapping):
         return kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping], None
 
-    def forward(self, query, kv_cache, metadata: TritonMetadata, out, scales: KVScales | None = None) -> None:
+    def forward(self, query, kv_cache, metadata: TritonMetadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
         spec, limits = self.spec, self.limits
         decode_q = metadata.decode_q
         tiles = tiling(spec.num_heads, decode_q)
@@ -206,7 +213,7 @@ class TritonMLABackend(DeviceLengthsBackend):
             kv_cache.stride(0),
             kv_cache.stride(1),
         )
-        layer = dict(
+        constants = dict(
             NUM_HEADS=spec.num_heads,
             HEADS_PER_PROGRAM=tiles.heads_per_program,
             DECODE_Q=decode_q,
@@ -218,7 +225,7 @@ class TritonMLABackend(DeviceLengthsBackend):
         if read == GLUON:
             mla_gluon.mla_gluon_kernel[grid](
                 *operands,
-                **layer,
+                **constants,
                 BLOCK_N=mla_gluon.BLOCK_N,
                 NUM_STAGES=mla_gluon.NUM_STAGES,
                 num_warps=mla_gluon.WARPS,
@@ -226,8 +233,8 @@ class TritonMLABackend(DeviceLengthsBackend):
         else:
             mla_kernels.mla_decode_split_kernel[grid](
                 *operands,
-                self.device_scales(scales)[0] if spec.fp8_kv_cache else metadata.seq_lens,
-                **layer,
+                self.device_scales(layer.scales)[0] if spec.fp8_kv_cache else metadata.seq_lens,
+                **constants,
                 BLOCK_M=tiles.block_m,
                 BLOCK_L=triton.next_power_of_2(spec.kv_lora_rank),
                 BLOCK_R=max(16, triton.next_power_of_2(spec.rope_dim)),

@@ -58,6 +58,7 @@ from decimal import Decimal
 import torch
 
 from backends.base import DTYPE_NAMES, AttentionSpec, dtype_name, kv_dtype_name
+from backends.features import Needs
 from conformance.cases.kv_quantization import DEFAULT_K_SCALE, DEFAULT_V_SCALE, FP8_DTYPES
 
 DATA_PROFILES = ("normal", "outliers", "edges")
@@ -86,7 +87,7 @@ class Case:
     big_pool: bool = False  # the pool past 2**31 elements a plane, owned blocks at its top (see batch)
     k_scale: float | None = None  # an fp8 cache's scales; None: the default (kv_quantization)
     v_scale: float | None = None
-    lse: bool = False  # forward is also asked for the step's log-sum-exp (a backend claiming returns_lse)
+    lse: bool = False  # forward is also asked for the step's log-sum-exp (feature ``lse``)
     tag: str = field(default="", compare=False)  # a human label ("decode"), not part of the id
 
     def __post_init__(self) -> None:
@@ -114,7 +115,7 @@ class Case:
             raise CaseSyntaxError(f"pad{self.padding}: padding rows must be between 0 and {MAX_PADDING_TOKENS}")
         if not self.spec.fp8_kv_cache and (self.k_scale is not None or self.v_scale is not None):
             raise CaseSyntaxError("kscale and vscale are an fp8 cache's scales: give fp8e4m3 or fp8e5m2 too")
-        if self.spec.kind == "mla" and self.v_scale is not None:
+        if self.v_scale is not None and not self.spec.layout.separate_value:
             raise CaseSyntaxError("MLA's latent cache has one scale: give kscale, not vscale")
         if self.shared_prefix_blocks:
             needed = self.shared_prefix_blocks * self.spec.block_size
@@ -148,9 +149,7 @@ class Case:
         if not self.spec.fp8_kv_cache:
             return None
         k_scale = DEFAULT_K_SCALE if self.k_scale is None else self.k_scale
-        if self.spec.kind == "mla":
-            return k_scale, k_scale
-        return k_scale, DEFAULT_V_SCALE if self.v_scale is None else self.v_scale
+        return self.spec.layout.scales(k_scale, DEFAULT_V_SCALE if self.v_scale is None else self.v_scale)
 
     @property
     def num_reqs(self) -> int:
@@ -165,6 +164,11 @@ class Case:
         return max(query for _, query in self.batch)
 
     @property
+    def needs(self) -> Needs:
+        """What this case asks of a backend (``backends.features``: the features its attributes ask for)."""
+        return Needs(self.spec, tuple(query for _, query in self.batch), self.lse)
+
+    @property
     def empty_requests(self) -> int:
         """How many requests are 0+0: vLLM's padding requests (query length 0, sequence length 0)."""
         return sum(1 for request in self.batch if request == (0, 0))
@@ -177,7 +181,7 @@ class Case:
     def kv_elements(self) -> int:
         """Key and value numbers the case holds (MLA: its latent and rope rows): what a CPU run's
         time grows with."""
-        row = self.spec.head_dim if self.spec.kind == "mla" else 2 * self.spec.num_kv_heads * self.spec.head_dim
+        row = self.spec.layout.cache_row(self.spec)
         return sum(context + query for context, query in self.batch) * row
 
 

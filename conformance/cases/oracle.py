@@ -141,10 +141,13 @@ def layer_reference(
         "logits_soft_cap": spec.logits_soft_cap,
         **options,
     }
-    if spec.kind == "mla":
-        return mla_reference(
-            query, key, kv_lora_rank=spec.kv_lora_rank, context_len=context_len, return_lse=return_lse, **options
-        )
+    layout = spec.layout  # MLA: one latent head, its latent part the value (``LayerKind``)
     return attention_reference(
-        query, key, value, context_len=context_len, sinks=sinks, return_lse=return_lse, **options
+        query,
+        layout.key_heads(key),
+        layout.value_heads(spec, key, value),
+        context_len=context_len,
+        sinks=sinks,
+        return_lse=return_lse,
+        **options,
     )

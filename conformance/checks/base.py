@@ -7,7 +7,7 @@ loses nothing but the case that was running.
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar, Hashable
 
 import torch
 
@@ -15,18 +15,31 @@ from backends.base import AttentionBackend
 from conformance.cases.grammar import Case
 from conformance.harness.batch import big_pool_skip_reason
 from conformance.harness.evidence import MAP_KEYS, EvidenceItem, labelled, maps, sync_events, without, worst_element
-from conformance.harness.step import WroteOutsideOutput
-from conformance.results import CaseResult, Verdict, worst
+from conformance.results import CaseResult, Outcome, Verdict, worst
+
+Plan = dict[str, "str | None"]  # case id -> why the case is SKIP, None where it runs
 
 
-def lse_skip_reason(backend_cls: type[AttentionBackend], case: Case) -> str | None:
-    """Why an ``lse`` case cannot ask this backend for its log-sum-exp, or None."""
-    if case.lse and not backend_cls.capabilities.returns_lse:
-        note = backend_cls.capabilities.lse_note
-        return "returns no log-sum-exp (the case asks forward for one; claims returns_lse=False)" + (
-            f": {note}" if note else ""
-        )
-    return None
+def first_of_each(
+    cases: list[Case],
+    key: Callable[[Case], Hashable],
+    reason: Callable[[Case], "str | None"],
+    covered: str,
+    before: Callable[[Case], "str | None"] = lambda case: None,
+) -> Plan:
+    """A plan that runs one case of each ``key``: the first whose ``reason`` is None; each later
+    one SKIPs with ``covered`` naming it. ``before`` rules a case out before its key is looked at."""
+    plan: Plan = {}
+    first: dict[Hashable, str] = {}
+    for case in cases:
+        why = before(case)
+        if not why and key(case) in first:
+            why = covered.format(first[key(case)])
+        why = why or reason(case)
+        if not why:
+            first[key(case)] = case.id
+        plan[case.id] = why
+    return plan
 
 
 class Check(abc.ABC):
@@ -45,25 +58,22 @@ class Check(abc.ABC):
         """Why the whole check does not apply here (a claim the backend does not make, a CPU run)."""
         return None
 
+    def plan(self, backend_cls: type[AttentionBackend], cases: list[Case], device: torch.device) -> Plan:
+        """Each case's SKIP reason (None: it runs), decided for the whole list at once and from
+        nothing else: the same cases plan the same in every process, in any order of asking. A
+        check that runs one case of each kind of layout overrides this (``first_of_each``)."""
+        return {case.id: self.case_skip_reason(backend_cls, case, device) for case in cases}
+
     def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
-        return (
-            backend_cls.unsupported_reason(case.spec, device)
-            or backend_cls.capabilities.query_len_reason(case.max_query_len, [query for _, query in case.batch])
-            or lse_skip_reason(backend_cls, case)
-            or big_pool_skip_reason(case, device)
-        )
+        """One case's own reason: the backend's claims against what the case needs (one rule
+        table: ``Capabilities.skip_reason``), and a pool too big for this device."""
+        return backend_cls.capabilities.skip_reason(case.needs, device) or big_pool_skip_reason(case, device)
 
     @abc.abstractmethod
-    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
-        """Run one case; raise only for a backend error (reported as ERROR)."""
-
-    def run(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
-        """``run_case``, where a step that wrote where it may not (a tensor it was handed, output
-        rows past its real tokens: ``harness.WroteOutsideOutput``) is a FAIL in any check."""
-        try:
-            return self.run_case(backend_cls, case, device)
-        except WroteOutsideOutput as error:
-            return CaseResult(case.id, Verdict.FAIL, str(error), tag=case.tag)
+    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> Outcome:
+        """Run one case and judge it; raise only for a backend error (the runner makes it ERROR). A
+        step that wrote where it may not (``harness.WroteOutsideOutput``) raises to the runner too,
+        which makes it the case's FAIL in any check."""
 
     @classmethod
     def describe_evidence(cls, evidence: dict[str, Any]) -> list[EvidenceItem]:

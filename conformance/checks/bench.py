@@ -22,7 +22,7 @@ from conformance.cases.grammar import Case
 from conformance.checks.base import Check
 from conformance.harness.graph_batches import graph_class_reason
 from conformance.harness.step import poisoned_output, prepare_case
-from conformance.results import CaseResult, Verdict
+from conformance.results import Outcome, Verdict
 
 BUILD_CALLS = 200
 TIMED_CALLS = 30
@@ -84,9 +84,7 @@ def traffic(case: Case) -> tuple[float, float]:
     spec = case.spec
     element = torch.finfo(spec.dtype).bits // 8
     cache_element = torch.finfo(spec.effective_kv_cache_dtype).bits // 8
-    kv_bytes_per_token = (
-        spec.head_dim if spec.kind == "mla" else 2 * spec.num_kv_heads * spec.head_dim
-    ) * cache_element
+    kv_bytes_per_token = spec.layout.cache_row(spec) * cache_element
     kv_bytes = sum(context + query for context, query in case.batch) * kv_bytes_per_token
     io_bytes = case.num_tokens * spec.num_heads * (spec.head_dim + spec.v_head_dim) * element
     flops = sum(
@@ -108,7 +106,7 @@ class BenchCheck(Check):
     def skip_reason(self, backend_cls: type[AttentionBackend], device: torch.device) -> str | None:
         return None if device.type == "cuda" else "benchmarks need a CUDA device"
 
-    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
+    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> Outcome:
         if self._ceilings is None:
             self._ceilings = measure_ceilings(device)
             self._flush = _l2_flusher(device)
@@ -119,19 +117,21 @@ class BenchCheck(Check):
         query = torch.cat([batch.query, batch.query.new_zeros(case.padding, *batch.query.shape[1:])])
         out = poisoned_output(batch)
         layer = prepared.forward_layer
-        backend.write_kv(prepared.kv_cache, key, value, slots, **prepared.layer)
+        backend.write_kv(prepared.kv_cache, key, value, slots, layer=prepared.layer)
         metadata = backend.build(common)
 
         build_us = time_cpu(lambda: backend.build(common))
         metadata = backend.build(common)
-        forward_us = time_gpu(lambda: backend.forward(query, prepared.kv_cache, metadata, out, **layer), self._flush)
+        forward_us = time_gpu(
+            lambda: backend.forward(query, prepared.kv_cache, metadata, out, layer=layer), self._flush
+        )
         replay_us = None
         claims = backend_cls.capabilities.cuda_graphs
         if claims != CGSupport.NEVER and graph_class_reason(claims, case) is None:
             graph = torch.cuda.CUDAGraph()
             capture_metadata = backend.build_for_capture(common)
             with torch.cuda.graph(graph):
-                backend.forward(query, prepared.kv_cache, capture_metadata, out, **layer)
+                backend.forward(query, prepared.kv_cache, capture_metadata, out, layer=layer)
             replay_us = time_gpu(graph.replay, self._flush)
         moved, flops = traffic(case)
         bandwidth = moved / forward_us / 1e3
@@ -148,4 +148,4 @@ class BenchCheck(Check):
             **self._ceilings,
         }
         summary = f"forward {forward_us:.1f} µs ({bandwidth:.0f} GB/s), build {build_us:.1f} µs"
-        return CaseResult(case.id, Verdict.PASS, summary, tag=case.tag, metrics=metrics)
+        return Outcome(Verdict.PASS, summary, metrics=metrics)

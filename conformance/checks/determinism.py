@@ -22,7 +22,7 @@ from backends.base import AttentionBackend
 from conformance.cases.grammar import Case
 from conformance.checks.base import Check
 from conformance.harness.step import prepare_case, run_step
-from conformance.results import CaseResult, Verdict
+from conformance.results import CaseResult, Outcome, Verdict
 
 
 def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -61,7 +61,7 @@ class DeterminismCheck(Check):
     question = "bitwise-equal on identical inputs; a request's output independent of the rest of the batch?"
     evidence_labels = {"deterministic": "not deterministic", "batch_invariant": "not batch-invariant"}
 
-    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
+    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> Outcome:
         claims = backend_cls.capabilities
         prepared = prepare_case(backend_cls, case, device)
         host_lengths = claims.needs_cpu_seq_lens
@@ -94,15 +94,13 @@ class DeterminismCheck(Check):
         ]
         if broken:
             reason = "; ".join(f"claims {name} but {evidence[name]}" for name in broken)
-            return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics, evidence=evidence)
+            return Outcome(Verdict.FAIL, reason, metrics=metrics, evidence=evidence)
         measured = ", ".join(
             f"{name} {'yes' if value else 'no'}{'' if getattr(claims, name) else ' (not claimed)'}"
             for name, value in metrics.items()
             if value is not None
         )
-        return CaseResult(
-            case.id, Verdict.PASS, f"measured: {measured}", tag=case.tag, metrics=metrics, evidence=evidence
-        )
+        return Outcome(Verdict.PASS, f"measured: {measured}", metrics=metrics, evidence=evidence)
 
     def aggregate(self, cases: list[CaseResult]) -> dict[str, Any]:
         """Whether the measurements would support each claim over the whole run."""

@@ -21,7 +21,7 @@ from conformance.harness.draft_loop import (
 )
 from conformance.harness.graphs import cuda_graph_skip_reason, step_layers
 from conformance.harness.step import PoolFill
-from conformance.results import CaseResult, Verdict
+from conformance.results import Outcome, Verdict
 
 
 class DraftLoopCheck(Check):
@@ -36,7 +36,7 @@ class DraftLoopCheck(Check):
             return "the draft loop starts from decode batches (query length 1)"
         return super().case_skip_reason(backend_cls, case, device)
 
-    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
+    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> Outcome:
         one_graph = backend_cls.capabilities.draft_step_update
         mode = (
             "one graph for all k steps (draft_step_update)"
@@ -66,11 +66,9 @@ class DraftLoopCheck(Check):
             layout += ", NaN in every unowned slot" if fill == PoolFill.NAN else ""
             lse_problem = loop.lse_problem() if failing is None else None
             if lse_problem:
-                return CaseResult(
-                    case.id,
+                return Outcome(
                     Verdict.FAIL,
                     f"k={num_steps} ({layout}): the LSE of the draft steps under graphs — {lse_problem} — {mode}",
-                    tag=case.tag,
                     metrics={**metrics, "k": num_steps},
                 )
             if failing is not None:
@@ -80,20 +78,16 @@ class DraftLoopCheck(Check):
                     f"({details['mismatched']} elements, max abs error {details['max_abs_error']:.3g}, worst at "
                     f"{worst_place(details['worst'])}) — {mode}"
                 )
-                return CaseResult(
-                    case.id,
+                return Outcome(
                     Verdict.FAIL,
                     reason,
-                    tag=case.tag,
                     metrics={**metrics, "k": num_steps, "first_failing_step": failing + 1},
                     evidence={"worst": details.get("worst")},
                 )
         padded = " and ".join(sorted({draft_padding(backend_cls, k).value for k, row, *_ in DRAFT_RUNS if row}))
-        return CaseResult(
-            case.id,
+        return Outcome(
             Verdict.PASS,
             f"k in {DRAFT_STEPS} (with and without padding ({padded}), captured with and "
             f"without warm-up, unowned slots loud and NaN): every step equal to the oracle — {mode}",
-            tag=case.tag,
             metrics=metrics,
         )

@@ -76,7 +76,7 @@ import torch
 
 from backends.base import AttentionBackend
 from conformance.cases.grammar import Case
-from conformance.checks.base import Check
+from conformance.checks.base import Check, Plan, first_of_each
 from conformance.harness.engine_model import is_mla_prefill_layer, model_for
 from conformance.harness.engine_runs import (
     ATTENTION_DRAFTER,
@@ -86,7 +86,7 @@ from conformance.harness.engine_runs import (
     EngineRuns,
     TooFewSteadySteps,
 )
-from conformance.results import CaseResult, Verdict
+from conformance.results import Outcome, Verdict
 from reference_engine.attention_split import AUTO, Routing
 from reference_engine.equality import NEAR_TIE
 from reference_engine.model_attention import plan_attention
@@ -152,21 +152,19 @@ class EngineCheck(Check):
         "attention_routing": "batches and tokens each backend served (prefill/decode split)",
     }
 
-    def __init__(self, options: dict[str, Any] | None = None) -> None:
-        super().__init__(options)
-        self.covered: dict[tuple, str] = {}
-
     def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
-        key = layout_key(case, device, self.options.get("suite"))
-        if key in self.covered:
-            return f"layout covered by {self.covered[key]}"
-        reason = engine_skip_reason(
+        return engine_skip_reason(
             backend_cls, engine_case(backend_cls, case, device), device, self.options.get("prefill_backend", AUTO)
         )
-        if reason:
-            return reason
-        self.covered[key] = case.id
-        return None
+
+    def plan(self, backend_cls: type[AttentionBackend], cases: list[Case], device: torch.device) -> Plan:
+        """One engine run per layout (``layout_key``): the first case of each that the engine can run."""
+        return first_of_each(
+            cases,
+            lambda case: layout_key(case, device, self.options.get("suite")),
+            lambda case: self.case_skip_reason(backend_cls, case, device),
+            "layout covered by {}",
+        )
 
     def details(self) -> dict[str, Any]:
         return {
@@ -177,10 +175,10 @@ class EngineCheck(Check):
             "sync_detector": self.options.get("sync_detector", "auto"),
         }
 
-    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
+    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> Outcome:
         routings: list[Routing] = []  # a split backend's: which backend served the attention calls of each engine run
         ran = engine_case(backend_cls, case, device)
-        result = dataclasses.replace(self._run_engines(backend_cls, ran, device, routings), case=case.id)
+        result = self._run_engines(backend_cls, ran, device, routings)
         if ran is not case:
             result.reason += " (the model in fp32: a CPU run)"
         served = Routing.total(routings)
@@ -192,7 +190,7 @@ class EngineCheck(Check):
 
     def _run_engines(
         self, backend_cls: type[AttentionBackend], case: Case, device: torch.device, routings: list[Routing]
-    ) -> CaseResult:
+    ) -> Outcome:
         from reference_engine.batched_engine import InputCheckFailed
 
         runs = EngineRuns(backend_cls, case, device, routings, self.options)
@@ -200,16 +198,12 @@ class EngineCheck(Check):
             for _, claim in self._claims(backend_cls, runs):
                 problem = claim()
                 if problem:
-                    return CaseResult(
-                        case.id, Verdict.FAIL, problem, tag=case.tag, metrics=runs.metrics, evidence=runs.evidence
-                    )
+                    return Outcome(Verdict.FAIL, problem, metrics=runs.metrics, evidence=runs.evidence)
         except InputCheckFailed as error:
-            return CaseResult(case.id, Verdict.FAIL, f"async loop: {error}", tag=case.tag)
+            return Outcome(Verdict.FAIL, f"async loop: {error}")
         except TooFewSteadySteps as error:
-            return CaseResult(case.id, Verdict.ERROR, str(error), tag=case.tag, metrics=runs.metrics)
-        return CaseResult(
-            case.id, Verdict.PASS, self._pass_reason(runs), tag=case.tag, metrics=runs.metrics, evidence=runs.evidence
-        )
+            return Outcome(Verdict.ERROR, str(error), metrics=runs.metrics)
+        return Outcome(Verdict.PASS, self._pass_reason(runs), metrics=runs.metrics, evidence=runs.evidence)
 
     def _claims(
         self, backend_cls: type[AttentionBackend], runs: EngineRuns

@@ -65,7 +65,7 @@ from conformance.harness.graphs import (
 from conformance.harness.lse_pass import judge_lse
 from conformance.harness.step import PoolFill, run_step
 from conformance.harness.stored_cache import oracle
-from conformance.results import CaseResult, Verdict
+from conformance.results import Outcome, Verdict
 from host_syncs.detector import detect_host_syncs
 
 
@@ -129,13 +129,13 @@ class GraphsCheck(Check):
             backend_cls.capabilities.cuda_graphs, case
         )
 
-    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
+    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> Outcome:
         try:
             return self._run_case(backend_cls, case, device)
         finally:
             self.drawn = {}  # device memory of the case's batches goes with the case
 
-    def _run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
+    def _run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> Outcome:
         support = backend_cls.capabilities.cuda_graphs
         self.host_lengths = backend_cls.capabilities.needs_cpu_seq_lens
         replays = replay_batches(case, support)
@@ -162,11 +162,9 @@ class GraphsCheck(Check):
         try:
             graph = capture(buffers, buffers.backend.build_for_capture(loaded.common))
         except CaptureFailed as failure:
-            return CaseResult(
-                case.id,
+            return Outcome(
                 Verdict.FAIL,
                 f"capture failed: {failure}",
-                tag=case.tag,
                 metrics=metrics,
                 evidence={"capture_events": failure.events},
             )
@@ -229,11 +227,9 @@ class GraphsCheck(Check):
         try:
             graph = capture(first, first.backend.build_for_capture(loaded.common))
         except CaptureFailed as failure:
-            return CaseResult(
-                case.id,
+            return Outcome(
                 Verdict.FAIL,
                 f"capture as the first call after construction failed: {failure}",
-                tag=case.tag,
                 metrics=metrics,
                 evidence={"capture_events": failure.events},
             )
@@ -247,7 +243,7 @@ class GraphsCheck(Check):
         )
         if nondeterministic:
             reason += f"; two replays of one state differ bitwise ({nondeterministic[0]}; determinism not claimed)"
-        return CaseResult(case.id, Verdict.PASS, reason, tag=case.tag, metrics=metrics)
+        return Outcome(Verdict.PASS, reason, metrics=metrics)
 
     def _replay(
         self,
@@ -358,7 +354,7 @@ class GraphsCheck(Check):
         batch = materialize(replace(larger, padding=0), buffers.device)
         key, value, slots = batch.history_rows()
         if slots.numel():
-            buffers.backend.write_kv(buffers.kv_cache, key, value, slots, **buffers.layer)
+            buffers.backend.write_kv(buffers.kv_cache, key, value, slots, layer=buffers.layer)
         prepared = buffers.prepared(batch)
         out = run_step(prepared, with_host_lengths=self.host_lengths)
         torch.cuda.synchronize()
@@ -374,9 +370,9 @@ class GraphsCheck(Check):
             evidence,
         )
 
-    def _fail(self, case, problem, metrics) -> CaseResult:
+    def _fail(self, case, problem, metrics) -> Outcome:
         reason, failing_case, errors, evidence = problem
         evidence = dict(evidence)
         if failing_case is not None:
             evidence["failing_batch"] = failing_case.id
-        return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics={**metrics, **errors}, evidence=evidence)
+        return Outcome(Verdict.FAIL, reason, metrics={**metrics, **errors}, evidence=evidence)

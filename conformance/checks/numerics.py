@@ -51,8 +51,8 @@ from conformance.harness.lse_pass import lse_findings
 from conformance.harness.nan_poison import nan_poison_pass
 from conformance.harness.step import (
     PreparedCase,
-    WroteOutsideOutput,
     case_scales,
+    during,
     layer_batch,
     prepare_case,
     prepare_layer,
@@ -60,7 +60,7 @@ from conformance.harness.step import (
     run_steps_in_flight,
 )
 from conformance.harness.stored_cache import oracle, write_findings
-from conformance.results import CaseResult, Verdict
+from conformance.results import Outcome, Verdict
 
 STORED_PASS = "the stored fp8 cache: write_kv's numbers against the contract's quantization"
 
@@ -78,7 +78,7 @@ def second_layer(prepared: PreparedCase) -> PreparedCase:
 def _scales(layer: PreparedCase) -> str:
     """An fp8 layer's scales as a reason names them (MLA: its one scale)."""
     k_scale, v_scale = layer.scales.k_scale, layer.scales.v_scale
-    return f"k {k_scale:g}" if layer.batch.spec.kind == "mla" else f"k {k_scale:g}, v {v_scale:g}"
+    return f"k {k_scale:g}, v {v_scale:g}" if layer.batch.spec.layout.separate_value else f"k {k_scale:g}"
 
 
 class NumericsCheck(Check):
@@ -94,12 +94,9 @@ class NumericsCheck(Check):
             "tolerances": {dtype_name(dtype): {"atol": a, "rtol": r} for dtype, (a, r) in TOLERANCES.items()},
         }
 
-    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
+    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> Outcome:
         prepared = prepare_case(backend_cls, case, device)
-        try:
-            out = run_step(prepared, with_host_lengths=True)
-        except WroteOutsideOutput as error:
-            return CaseResult(case.id, Verdict.FAIL, str(error), tag=case.tag)
+        out = run_step(prepared, with_host_lengths=True)
         reference, allowance = oracle(prepared)
         stored = write_findings(prepared)
         atol, rtol = TOLERANCES[case.spec.dtype]
@@ -108,11 +105,9 @@ class NumericsCheck(Check):
         )
         metrics.update(atol=atol, rtol=rtol)
         if passed and stored:
-            return CaseResult(
-                case.id,
+            return Outcome(
                 Verdict.FAIL,
                 f"{stored['what']}: {stored['place']}",
-                tag=case.tag,
                 metrics=metrics,
                 evidence={"pass": STORED_PASS, "stored": stored.get("worst")},
             )
@@ -122,7 +117,7 @@ class NumericsCheck(Check):
                 failed = later_pass(prepared, metrics)
                 if failed:
                     return failed
-            return CaseResult(case.id, Verdict.PASS, tag=case.tag, metrics=metrics)
+            return Outcome(Verdict.PASS, metrics=metrics)
         what = how_far_off(metrics) + (" (unwritten rows stay NaN)" if metrics["non_finite"] else "")
         reason = (
             f"{what}; max abs error {metrics['max_abs_error']:.3g} (atol {atol:g}, rtol {rtol:g}); worst at "
@@ -132,14 +127,13 @@ class NumericsCheck(Check):
             reason += f"; and {stored['what']}: {stored['place']}"
         evidence["pass"] = "loud poison: every KV slot no request owns holds a dominant key and a loud value"
         evidence.update(failure_maps(prepared, out, reference, evidence["worst"], atol, rtol, "loud poison"))
-        return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics, evidence=evidence)
+        return Outcome(Verdict.FAIL, reason, metrics=metrics, evidence=evidence)
 
     @staticmethod
-    def _lse(prepared: PreparedCase, metrics: dict[str, Any]) -> CaseResult | None:
+    def _lse(prepared: PreparedCase, metrics: dict[str, Any]) -> Outcome | None:
         """For an ``lse`` case: the step's log-sum-exp against the oracle's."""
         if not prepared.batch.case.lse:
             return None
-        case = prepared.batch.case
         problem, lse_metrics = lse_findings(prepared)
         metrics.update(lse_metrics)
         if problem is None and merge_applies(prepared):  # and the LSE at work: vLLM's MLA prefill merge
@@ -147,19 +141,16 @@ class NumericsCheck(Check):
             metrics.update(merge_metrics)
         if problem is None:
             return None
-        return CaseResult(
-            case.id,
+        return Outcome(
             Verdict.FAIL,
             problem,
-            tag=case.tag,
             metrics=metrics,
             evidence={"pass": "log-sum-exp: the same step, forward handed an lse buffer"},
         )
 
     @staticmethod
-    def _nan_poison(prepared: PreparedCase, metrics: dict[str, Any]) -> CaseResult | None:
+    def _nan_poison(prepared: PreparedCase, metrics: dict[str, Any]) -> Outcome | None:
         """The second pass (see the module docstring)."""
-        case = prepared.batch.case
         findings, poison_metrics = nan_poison_pass(prepared)
         metrics.update(poison_metrics)
         if not findings:
@@ -171,20 +162,16 @@ class NumericsCheck(Check):
         worst = next((finding["worst"] for finding in findings if "worst" in finding), None)
         if worst:
             evidence["worst"] = worst
-        return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics, evidence=evidence)
+        return Outcome(Verdict.FAIL, reason, metrics=metrics, evidence=evidence)
 
     @staticmethod
-    def _second_layer(prepared: PreparedCase, metrics: dict[str, Any]) -> CaseResult | None:
+    def _second_layer(prepared: PreparedCase, metrics: dict[str, Any]) -> Outcome | None:
         """The third pass: another layer of the same step (see the module docstring)."""
         batch = prepared.batch
         case = batch.case
-        try:  # its pool and its inputs are negated in run_step
+        with during("a second layer's forward", metrics):  # its pool and its inputs are negated in run_step
             layer = second_layer(prepared)
             out = run_step(layer, metadata=prepared.metadata, negated=True)
-        except WroteOutsideOutput as error:
-            return CaseResult(
-                case.id, Verdict.FAIL, f"a second layer's forward: {error}", tag=case.tag, metrics=metrics
-            )
         atol, rtol = TOLERANCES[case.spec.dtype]
         expected, allowance = oracle(layer, negated=True)
         expected = expected.neg()
@@ -195,11 +182,9 @@ class NumericsCheck(Check):
         metrics["second layer tolerance_ratio"] = errors["tolerance_ratio"]
         stored = write_findings(layer, negated=True)
         if passed and stored:
-            return CaseResult(
-                case.id,
+            return Outcome(
                 Verdict.FAIL,
                 f"a second layer (fp8 scales {_scales(layer)}): {stored['what']}: {stored['place']}",
-                tag=case.tag,
                 metrics=metrics,
                 evidence={"pass": STORED_PASS, "stored": stored.get("worst")},
             )
@@ -216,17 +201,15 @@ class NumericsCheck(Check):
             "first layer's pool, scales, sinks or forward, or (on a GPU) work launched on another stream than the "
             "current one"
         )
-        return CaseResult(
-            case.id,
+        return Outcome(
             Verdict.FAIL,
             reason,
-            tag=case.tag,
             metrics=metrics,
             evidence={"pass": "a second layer: the step's metadata reused, a new pool", "worst": worst, **maps},
         )
 
     @staticmethod
-    def _steps_in_flight(prepared: PreparedCase, metrics: dict[str, Any]) -> CaseResult | None:
+    def _steps_in_flight(prepared: PreparedCase, metrics: dict[str, Any]) -> Outcome | None:
         """The fourth pass: the next step built while this one is queued (see the module docstring)."""
         batch = prepared.batch
         case = batch.case
@@ -239,10 +222,8 @@ class NumericsCheck(Check):
                 None if rows is None else torch.cat([rows[starts[request] : starts[request + 1]] for request in order])
             )
 
-        try:
+        with during("two steps in flight", metrics):
             outputs = run_steps_in_flight([prepared, later])
-        except WroteOutsideOutput as error:
-            return CaseResult(case.id, Verdict.FAIL, f"two steps in flight: {error}", tag=case.tag, metrics=metrics)
         atol, rtol = TOLERANCES[case.spec.dtype]
         worst_error = 0.0
         for label, out, expected, allowed, step, requests in (
@@ -285,11 +266,9 @@ class NumericsCheck(Check):
                 "non_blocking=True, a workspace), or a plan reused for a batch of the same shape"
             )
             metrics["in-flight max abs error"] = errors["max_abs_error"]
-            return CaseResult(
-                case.id,
+            return Outcome(
                 Verdict.FAIL,
                 reason,
-                tag=case.tag,
                 metrics=metrics,
                 evidence={
                     "pass": "two steps in flight: the next step built before this one ran",

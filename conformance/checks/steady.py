@@ -56,8 +56,9 @@ from typing import Any
 import torch
 
 from backends.base import AttentionBackend
+from backends.features import LSE
 from conformance.cases.grammar import Case
-from conformance.checks.base import Check
+from conformance.checks.base import Check, Plan, first_of_each
 from conformance.harness.batch import PagedBatch
 from conformance.harness.comparison import TOLERANCES, compare_with_oracle, worst_place
 from conformance.harness.continuous_batch import (
@@ -70,7 +71,7 @@ from conformance.harness.continuous_batch import (
 from conformance.harness.lse_pass import LSE_ATOL, LSE_RTOL, lse_allowed
 from conformance.harness.step import PreparedCase
 from conformance.harness.stored_cache import expected_lse, oracle
-from conformance.results import CaseResult, Verdict
+from conformance.results import Outcome, Verdict
 from host_syncs.detector import detect_host_syncs
 from host_syncs.events import DEVICE_ALLOC
 
@@ -117,7 +118,7 @@ def steady_look(
     steps: int = STEPS,
     strategy: str = "auto",
     schedule: Schedule | None = None,
-) -> CaseResult:
+) -> Outcome:
     """``steps`` steps of continuous batching from ``case``'s requests (or ``schedule``'s steps:
     ``continuous_batch.fixed_batch`` is one batch decoding), each watched; the verdict and its
     evidence."""
@@ -127,7 +128,7 @@ def steady_look(
     steps = len(schedule.steps)
     loop = ContinuousBatch(backend_cls, case, schedule, device, shape_steps=ramp_newest_keys)
     buffers, backend = loop.buffers, loop.buffers.backend
-    with_lse = capabilities.returns_lse
+    with_lse = capabilities.supports(LSE)
     after: list[dict[str, int]] = []
     watch_syncs = device.type == "cuda"
     detector = detect_host_syncs(strategy, only_in_phases=True) if watch_syncs else None
@@ -153,7 +154,7 @@ def steady_look(
         for step in range(steps):
             common = loop.load(step, lengths_known=capabilities.needs_cpu_seq_lens)
             handed = loop.handed(step)
-            lse = {"lse": handed["lse"]} if with_lse else {}
+            layer = buffers.forward_layer.with_lse(handed["lse"]) if with_lse else buffers.forward_layer
             watch = buffers.watch(common)  # every input must come back as it went in, at every step
             metadata = watched(step, "build", watch, lambda: backend.build(common))
             watched(
@@ -161,16 +162,14 @@ def steady_look(
                 "write_kv",
                 watch,
                 lambda: backend.write_kv(
-                    buffers.kv_cache, handed["key"], handed["value"], handed["slot_mapping"], **buffers.layer
+                    buffers.kv_cache, handed["key"], handed["value"], handed["slot_mapping"], layer=buffers.layer
                 ),
             )
             watched(
                 step,
                 "forward",
                 watch,
-                lambda: backend.forward(
-                    handed["query"], buffers.kv_cache, metadata, handed["out"], **buffers.forward_layer, **lse
-                ),
+                lambda: backend.forward(handed["query"], buffers.kv_cache, metadata, handed["out"], layer=layer),
             )
             loop.finish_step(step)
             changed = [f"step {step}: {change}" for change in watch.changes()]  # the harness's read: outside the phases
@@ -179,11 +178,9 @@ def steady_look(
             if changed:
                 break
     if changed:
-        return CaseResult(
-            case.id,
+        return Outcome(
             Verdict.FAIL,
             f"the backend changed an input it was handed: {'; '.join(changed)}",
-            tag=case.tag,
             metrics={"steps": len(after)},
             evidence={"failing_step_batch": schedule.describe(len(after) - 1)},
         )
@@ -208,23 +205,21 @@ def steady_look(
         first = blocking[0]
         steps_hit = sorted({_step_of(event) for event in blocking})
         evidence["failing_step_batch"] = schedule.describe(steps_hit[0])
-        return CaseResult(
-            case.id,
+        return Outcome(
             Verdict.FAIL,
             f"{len(blocking)} host sync(s) over {steps} steps, in steps "
             f"{_steps_text(steps_hit)}; first in {first.phase}: {first.describe()}",
-            tag=case.tag,
             metrics=metrics,
             evidence=evidence,
         )
     prepared = buffers.prepared(loop.batch)
     atol, rtol = TOLERANCES[case.spec.dtype]
 
-    def failed_at(step: int, reason: str) -> CaseResult:
+    def failed_at(step: int, reason: str) -> Outcome:
         """The verdict for the first step that went wrong, with its batch."""
         evidence["failing_step_batch"] = schedule.describe(step)
         metrics_now = {**metrics, "first_failing_step": step}
-        return CaseResult(case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics_now, evidence=evidence)
+        return Outcome(Verdict.FAIL, reason, metrics=metrics_now, evidence=evidence)
 
     reference, allowance = oracle(prepared)
     failing = loop.first_bad_step(_mismatched_rows(loop.out_bank, reference, allowance, atol, rtol))
@@ -260,25 +255,21 @@ def steady_look(
             return failed_at(*problem)
     growth = metrics["memory_growth_bytes"]
     if growth > GROWTH_BYTES:
-        return CaseResult(
-            case.id,
+        return Outcome(
             Verdict.FAIL,
             f"device memory held after a step grew by {growth / 2**20:.1f} MiB over "
             f"{steps - WARM_STEPS} steady steps (first past {GROWTH_BYTES >> 20} MiB at step "
             f"{metrics['memory_growth_step']}): a leak, or a buffer regrown and kept",
-            tag=case.tag,
             metrics=metrics,
             evidence=evidence,
         )
     measured = "no host sync, " if watch_syncs else ""
     checked_lse = ", its log-sum-exp too" if with_lse else ""
-    return CaseResult(
-        case.id,
+    return Outcome(
         Verdict.PASS,
         f"{steps} steps ({_schedule_text(summary)}): {measured}every step equal to the oracle{checked_lse}, "
         f"device memory flat ({metrics['steady_allocations_per_step']:.1f} allocations and "
         f"{metrics['steady_new_segments']} new segments over the steady steps)",
-        tag=case.tag,
         metrics=metrics,
         evidence=evidence,
     )
@@ -413,10 +404,6 @@ class SteadyCheck(Check):
     }
     sync_event_labels = {"syncs": "host syncs", "device_allocations": "device allocations in steady steps (reported)"}
 
-    def __init__(self, options: dict[str, Any] | None = None) -> None:
-        super().__init__(options)
-        self.covered: dict[tuple, str] = {}
-
     def skip_reason(self, backend_cls: type[AttentionBackend], device: torch.device) -> str | None:
         if device.type != "cuda":
             return "host syncs and device memory exist only on a CUDA device (run with --device cuda)"
@@ -431,17 +418,25 @@ class SteadyCheck(Check):
             "verify_query_len": SPEC_TOKENS + 1,
         }
 
-    def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
+    @staticmethod
+    def _not_decode(case: Case) -> str | None:
         if any(query != 1 for _, query in case.batch) or not 1 <= case.num_reqs <= MAX_REQUESTS:
             return f"the steady look starts from decode batches (query length 1) of at most {MAX_REQUESTS} requests"
-        key = (case.spec.kind, case.spec.kv_cache_dtype if case.spec.fp8_kv_cache else None)
-        if key in self.covered:
-            return f"steady look covered by {self.covered[key]}"
-        reason = super().case_skip_reason(backend_cls, case, device)
-        if reason:
-            return reason
-        self.covered[key] = case.id
         return None
 
-    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
+    def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
+        return self._not_decode(case) or super().case_skip_reason(backend_cls, case, device)
+
+    def plan(self, backend_cls: type[AttentionBackend], cases: list[Case], device: torch.device) -> Plan:
+        """One steady look per attention kind and KV-cache format: the first decode batch of each
+        that the backend runs."""
+        return first_of_each(
+            cases,
+            lambda case: (case.spec.kind, case.spec.kv_cache_dtype if case.spec.fp8_kv_cache else None),
+            lambda case: self.case_skip_reason(backend_cls, case, device),
+            "steady look covered by {}",
+            before=self._not_decode,
+        )
+
+    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> Outcome:
         return steady_look(backend_cls, case, device, strategy=self.options.get("sync_detector", "auto"))

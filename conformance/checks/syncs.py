@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
-from backends.base import AttentionBackend, PaddingStyle
+from backends.base import AttentionBackend
+from backends.features import EMPTY_REQUESTS
 from conformance.cases.grammar import Case
 from conformance.checks.base import Check
 from conformance.harness.step import PreparedCase, prepare_case, run_step
-from conformance.results import CaseResult, Verdict
+from conformance.results import CaseResult, Outcome, Verdict
 from host_syncs.detector import detect_host_syncs
 from host_syncs.events import SyncEvent
 
@@ -75,7 +76,7 @@ def compositions(prepared: PreparedCase, backend_cls: type[AttentionBackend]) ->
         return steps
     fewer = batch.reordered(list(range(batch.case.num_reqs - 1)))
     steps.append(("after its last request left", prepared.over(fewer)))
-    if PaddingStyle.EMPTY_REQUESTS in backend_cls.capabilities.padding_styles:
+    if backend_cls.capabilities.supports(EMPTY_REQUESTS):
         steps.append(("after an empty request took its place", prepared.over(fewer.with_empty_request())))
     steps.append(("after it joined again", prepared))
     return steps
@@ -110,7 +111,7 @@ class SyncsCheck(Check):
     def details(self) -> dict[str, Any]:
         return {"requested_strategy": self.strategy, "phases": list(PHASES)}
 
-    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
+    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> Outcome:
         prepared = prepare_case(backend_cls, case, device)
         steps = compositions(prepared, backend_cls)
         events: dict[str, list[SyncEvent]] = {}
@@ -144,7 +145,7 @@ class SyncsCheck(Check):
         }
         if fallback:
             evidence["cupti_unavailable"] = fallback
-        return CaseResult(case.id, verdict, reason, tag=case.tag, metrics=metrics, evidence=evidence)
+        return Outcome(verdict, reason, metrics=metrics, evidence=evidence)
 
     def aggregate(self, cases: list[CaseResult]) -> dict[str, Any]:
         ran = [case for case in cases if case.metrics.get("strategy")]

@@ -125,10 +125,7 @@ class PagedBatch:
     def head_values(self, request: int, head: int) -> torch.Tensor:
         """[seq_len, Dv]: the values query head ``head`` of ``request`` attends over (MLA: the
         latent part of the shared entry)."""
-        spec = self.spec
-        if spec.kind == "mla":
-            return self.keys[request][:, : spec.kv_lora_rank]
-        return self.values[request][:, head // spec.query_group_size]
+        return self.spec.layout.head_values(self.spec, self.keys[request], self.values[request], head)
 
     def _rows(self, positions_of) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         keys, values, slots = [], [], []
@@ -220,7 +217,7 @@ def filler_blocks(case: Case) -> int:
     if not case.big_pool:
         return 0
     spec = case.spec
-    row = spec.head_dim if spec.kind == "mla" else spec.num_kv_heads * spec.head_dim
+    row = spec.layout.plane_row(spec)
     return max(-(-BIG_POOL_ELEMENTS // (row * spec.block_size)), BIG_POOL_BLOCK_IDS)
 
 
@@ -235,7 +232,7 @@ def footprint_bytes(case: Case) -> tuple[int, int]:
     on the host, and the block pool on the device. A case the machine cannot hold is refused
     before it runs, instead of failing as a backend error."""
     spec = case.spec
-    row = spec.head_dim if spec.kind == "mla" else 2 * spec.num_kv_heads * spec.head_dim
+    row = spec.layout.cache_row(spec)
     tokens = sum(context + query for context, query in case.batch)
     return tokens * row * 4, pool_size(case) * spec.block_size * row * spec.dtype.itemsize
 
@@ -306,18 +303,18 @@ def materialize(case: Case, device: torch.device | str) -> PagedBatch:
     spec = case.spec
     generator = case_generator(case)
     block_table, num_blocks = assign_blocks(case, generator)
+    layout = spec.layout
     seed = int(torch.randint(2**31, (1,), generator=generator))
     shapes = []  # per request its keys (and values), then every request's new tokens' queries
     for context_len, query_len in case.batch:
         seq_len = context_len + query_len
-        if spec.kind == "mla":
-            shapes.append((seq_len, spec.head_dim))
-        else:
-            shapes += [(seq_len, spec.num_kv_heads, spec.head_dim), (seq_len, spec.num_kv_heads, spec.v_head_dim)]
+        shapes += [shape for shape in (layout.key_shape(spec, seq_len), layout.value_shape(spec, seq_len)) if shape]
     shapes.append((case.num_tokens, spec.num_heads, spec.head_dim))
     *history, query = normal_tensors(seed, shapes, device)
-    keys: list[torch.Tensor] = history if spec.kind == "mla" else history[0::2]
-    values: list[torch.Tensor | None] = [None] * len(keys) if spec.kind == "mla" else history[1::2]
+    if layout.separate_value:
+        keys, values = history[0::2], history[1::2]
+    else:
+        keys, values = history, [None] * len(history)
     shape_activations(case, keys, values)
     apply_profile(case, query, keys)
     if case.kv_scales:

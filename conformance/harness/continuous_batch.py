@@ -309,7 +309,7 @@ class ContinuousBatch:
             keep=torch.empty(0, dtype=torch.int64),
             num_blocks=buffers.num_blocks,
             fill=PoolFill.LOUD,
-            scales=buffers.handed.scales,
+            layer=buffers.layer,
         )
         # Banks in the batch's token order: request by request, each its new tokens in order.
         self.offsets = [0]
@@ -383,7 +383,7 @@ class ContinuousBatch:
             key = batch.keys[r][:context]
             value = None if batch.values[r] is None else batch.values[r][:context]
             slots = batch.slots(r, range(0, context)).to(self.device)
-            buffers.backend.write_kv(buffers.kv_cache, key, value, slots, **buffers.layer)
+            buffers.backend.write_kv(buffers.kv_cache, key, value, slots, layer=buffers.layer)
 
     def load(self, step: int, *, lengths_known: bool) -> CommonAttentionMetadata:
         """Step ``step``'s inputs into the persistent buffers (device copies only; the output and

@@ -40,9 +40,8 @@ DRAFT_STEPS = tuple(run[0] for run in DRAFT_RUNS)
 
 def draft_padding(backend_cls: type[AttentionBackend], num_steps: int) -> PaddingStyle:
     """The padding row's style: vLLM's empty request where claimed; the longest loop pads with a
-    row of its own where the backend claims both (SGLang's style), so that both are watched."""
-    styles = backend_cls.capabilities.padding_styles
-    if num_steps == DRAFT_RUNS[-1][0] and PaddingStyle.ROWS in styles:
+    row of its own (SGLang's style, which every backend takes), so that both are watched."""
+    if num_steps == DRAFT_RUNS[-1][0]:
         return PaddingStyle.ROWS
     return backend_cls.capabilities.graph_padding
 

@@ -17,7 +17,6 @@ then) freezes the capture's copy into the graph, and every replay reads the capt
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -27,6 +26,7 @@ from backends.base import (
     CGSupport,
     CommonAttentionMetadata,
     KVScales,
+    LayerParameters,
     PaddingStyle,
 )
 from conformance.cases.case_data import sink_logits
@@ -85,17 +85,9 @@ class GraphLayer:
         sinks = sink_logits(spec, index).to(device) if spec.attention_sinks else None
         self.handed = HandedLayer.copy_of(self.scales, sinks)
         self.query = torch.zeros(shape.num_tokens, spec.num_heads, spec.head_dim, dtype=spec.dtype, device=device)
-        kv_shape = (
-            (shape.num_tokens, spec.head_dim)
-            if spec.kind == "mla"
-            else (shape.num_tokens, spec.num_kv_heads, spec.head_dim)
-        )
-        self.key = torch.zeros(kv_shape, dtype=spec.dtype, device=device)
-        self.value = (
-            None
-            if spec.kind == "mla"
-            else torch.zeros(shape.num_tokens, spec.num_kv_heads, spec.v_head_dim, dtype=spec.dtype, device=device)
-        )
+        self.key = torch.zeros(spec.layout.key_shape(spec, shape.num_tokens), dtype=spec.dtype, device=device)
+        value_shape = spec.layout.value_shape(spec, shape.num_tokens)
+        self.value = None if value_shape is None else torch.zeros(value_shape, dtype=spec.dtype, device=device)
         self.out = torch.zeros(shape.num_tokens, spec.num_heads, spec.v_head_dim, dtype=spec.dtype, device=device)
         self.lse = (
             torch.full((shape.num_tokens, spec.num_heads), float("nan"), dtype=torch.float32, device=device)
@@ -109,9 +101,14 @@ class GraphLayer:
         return "" if self.index == 0 else f" (layer {self.index})"
 
     @property
-    def forward_keywords(self) -> dict[str, Any]:
-        """``forward``'s keywords: the handed scales and sinks, and the LSE buffer where asked."""
-        return {**self.handed.forward, **({} if self.lse is None else {"lse": self.lse})}
+    def parameters(self) -> LayerParameters:
+        """``write_kv``'s parameters: the handed scales and sinks."""
+        return self.handed.parameters
+
+    @property
+    def forward_parameters(self) -> LayerParameters:
+        """``forward``'s parameters: the handed scales and sinks, and the LSE buffer where asked."""
+        return self.parameters if self.lse is None else self.parameters.with_lse(self.lse)
 
     def rows(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """``tensor`` (rows of the batch as drawn) as this layer holds them: a later layer's negated."""
@@ -200,14 +197,14 @@ class GraphBuffers:
         return self.first.handed
 
     @property
-    def layer(self) -> dict[str, Any]:
-        """Layer 0's ``write_kv`` keywords."""
-        return self.first.handed.write_kv
+    def layer(self) -> LayerParameters:
+        """Layer 0's ``write_kv`` parameters."""
+        return self.first.parameters
 
     @property
-    def forward_layer(self) -> dict[str, Any]:
-        """Layer 0's ``forward`` keywords."""
-        return self.first.forward_keywords
+    def forward_layer(self) -> LayerParameters:
+        """Layer 0's ``forward`` parameters (its LSE buffer where asked)."""
+        return self.first.forward_parameters
 
     def write_history(self, batch: PagedBatch, fill: PoolFill | None = None) -> None:
         """Every layer's pool: every slot but ``batch``'s history poisoned with ``fill`` (by
@@ -221,12 +218,10 @@ class GraphBuffers:
                 keep=slots,
                 num_blocks=self.num_blocks,
                 fill=fill or self.fill,
-                scales=layer.handed.scales,
+                layer=layer.parameters,
             )
             if slots.numel():
-                self.backend.write_kv(
-                    layer.kv_cache, layer.rows(key), layer.rows(value), slots, **layer.handed.write_kv
-                )
+                self.backend.write_kv(layer.kv_cache, layer.rows(key), layer.rows(value), slots, layer=layer.parameters)
 
     def load(self, batch: PagedBatch, *, with_host_lengths: bool, fill: PoolFill | None = None) -> LoadedBatch:
         """Write ``batch`` (its history, ``write_history``) into the buffers."""
@@ -272,8 +267,8 @@ class GraphBuffers:
     def step(self, metadata) -> None:
         """What the graph holds: every layer's KV write and attention, over one metadata."""
         for layer in self.layers:
-            self.backend.write_kv(layer.kv_cache, layer.key, layer.value, self.slot_mapping, **layer.handed.write_kv)
-            self.backend.forward(layer.query, layer.kv_cache, metadata, layer.out, **layer.forward_keywords)
+            self.backend.write_kv(layer.kv_cache, layer.key, layer.value, self.slot_mapping, layer=layer.parameters)
+            self.backend.forward(layer.query, layer.kv_cache, metadata, layer.out, layer=layer.forward_parameters)
 
     def clear_lse(self) -> None:
         """NaN in every layer's LSE buffer: a replay that does not write it leaves NaN, not the
@@ -292,22 +287,17 @@ class GraphBuffers:
             "query_start_loc_cpu": common.query_start_loc_cpu,
             "host seq_lens": common.host_seq_lens,
         }
-        keywords: dict[str, Any] = {}
+        parameters: dict[str, LayerParameters] = {}
         pools = {}
         for layer in self.layers:
             tensors.update(
                 {f"query{layer.name}": layer.query, f"key{layer.name}": layer.key, f"value{layer.name}": layer.value}
             )
-            keywords.update(
-                {
-                    f"{name}{layer.name}": value
-                    for name, value in {**layer.handed.write_kv, **layer.handed.forward}.items()
-                }
-            )
+            parameters[layer.name] = layer.parameters
             pools[f"KV pool{layer.name}"] = PoolWatch.of(
                 layer.kv_cache, self.num_blocks, self.spec.block_size, self.slot_mapping
             )
-        return InputWatch.of(tensors, keywords=keywords, pools=pools)
+        return InputWatch.of(tensors, layers=parameters, pools=pools)
 
     def prepared(self, batch: PagedBatch, layer: GraphLayer | None = None) -> PreparedCase:
         """``batch`` over these buffers' backend and ``layer``'s (default: layer 0's) pool, scales
@@ -327,7 +317,7 @@ class GraphBuffers:
             layer.key[:real],
             None if layer.value is None else layer.value[:real],
             loaded.real_slots,
-            **layer.handed.write_kv,
+            layer=layer.parameters,
         )
 
 

@@ -9,10 +9,11 @@ behind a busy stream, or with the next step built while it is in flight). ``chan
 step has run, compares the fingerprints and, for a changed tensor, finds its first changed element
 against the copy. Host tensors (the host lengths) are compared directly.
 
-The layer's own keywords (an fp8 layer's ``scales``, learned ``sinks``, any keyword added later)
-are watched whole, whatever they hold: every tensor in them as above, every host number by value
-(``scales.k_scale``). The KV pool is watched outside the blocks the step writes: a digest per
-block (``PoolWatch``), since a copy of a full-suite pool would not fit beside it.
+The layer's own inputs, its ``LayerParameters`` (an fp8 layer's ``scales``, learned ``sinks``, any
+field added later; not ``lse``, an output the backend writes), are watched whole, whatever they
+hold: every tensor in them as above, every host number by value (``scales.k_scale``). The KV
+pool is watched outside the blocks the step writes: a digest per block (``PoolWatch``), since a
+copy of a full-suite pool would not fit beside it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+from backends.base import LayerParameters
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -40,26 +43,36 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack([bits.sum(), (bits * positions).sum()])
 
 
-def keyword_inputs(keywords: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Callable[[], Any]]]:
-    """Every tensor and every host value (read back through a getter) inside a call's keywords,
-    named by their path (``scales.k_scale_tensor``): dataclasses and sequences are walked."""
+def layer_inputs(
+    layers: dict[str, LayerParameters],
+) -> tuple[dict[str, torch.Tensor], dict[str, Callable[[], Any]]]:
+    """Every tensor and every host value (read back through a getter) inside each layer's
+    parameters but its ``lse`` (``for_write``: the inputs), named by their path
+    (``scales.k_scale_tensor``) and then the layer's key in ``layers`` (``""``, `` (layer 1)``):
+    dataclasses and sequences are walked, so a field added to ``LayerParameters`` is watched too."""
     tensors: dict[str, torch.Tensor] = {}
     values: dict[str, Callable[[], Any]] = {}
 
-    def walk(name: str, value: Any, read: Callable[[], Any]) -> None:
+    def walk(name: str, suffix: str, value: Any, read: Callable[[], Any]) -> None:
         if isinstance(value, torch.Tensor):
-            tensors[name] = value
+            tensors[name + suffix] = value
         elif dataclasses.is_dataclass(value) and not isinstance(value, type):
             for item in dataclasses.fields(value):
-                walk(f"{name}.{item.name}", getattr(value, item.name), lambda v=value, n=item.name: getattr(v, n))
+                walk(
+                    f"{name}.{item.name}", suffix, getattr(value, item.name), lambda v=value, n=item.name: getattr(v, n)
+                )
         elif isinstance(value, (list, tuple)):
             for index, element in enumerate(value):
-                walk(f"{name}[{index}]", element, lambda v=value, i=index: v[i])
+                walk(f"{name}[{index}]", suffix, element, lambda v=value, i=index: v[i])
         else:
-            values[name] = read
+            values[name + suffix] = read
 
-    for name, value in keywords.items():
-        walk(name, value, lambda v=value: v)
+    for suffix, layer in layers.items():
+        inputs = layer.for_write()
+        for item in dataclasses.fields(inputs):
+            value = getattr(inputs, item.name)
+            if value is not None:  # a feature the layer lacks
+                walk(item.name, suffix, value, lambda v=inputs, n=item.name: getattr(v, n))
     return tensors, values
 
 
@@ -131,13 +144,14 @@ class InputWatch:
     def of(
         cls,
         tensors: dict[str, torch.Tensor | None],
-        keywords: dict[str, Any] | None = None,
+        layers: dict[str, LayerParameters] | None = None,
         pools: dict[str, PoolWatch | None] | None = None,
     ) -> "InputWatch":
-        """``keywords``: the layers' keyword arguments, watched whole (``keyword_inputs``);
-        ``pools``: each layer's KV pool outside the step's blocks, by name."""
-        keyword_tensors, values = keyword_inputs(keywords or {})
-        given = {**tensors, **keyword_tensors}
+        """``layers``: each layer's ``LayerParameters`` by the suffix its inputs are named with
+        (``""`` for a step's one layer), watched whole (``layer_inputs``); ``pools``: each layer's KV
+        pool outside the step's blocks, by name."""
+        layer_tensors, values = layer_inputs(layers or {})
+        given = {**tensors, **layer_tensors}
         watch = cls({name: tensor for name, tensor in given.items() if tensor is not None and tensor.numel()}, values)
         for name, tensor in watch.tensors.items():
             watch.copies[name] = tensor.clone()

@@ -1,4 +1,4 @@
-"""The log-sum-exp a backend returns (``Capabilities.returns_lse``), against the oracle's.
+"""The log-sum-exp a backend returns (feature ``lse``), against the oracle's.
 
 What consumes it (vLLM's ``merge_attn_states``: MLA prefill over context chunks, cascade and
 decode-context-parallel attention) weighs two partial outputs by ``exp(lse_a − lse_b)``, so an
@@ -34,7 +34,9 @@ def forward_with_lse(prepared: PreparedCase) -> tuple[torch.Tensor, torch.Tensor
     query = torch.cat([batch.query, batch.query.new_zeros(padding, *batch.query.shape[1:])])
     out = torch.empty(tokens + padding, spec.num_heads, spec.v_head_dim, dtype=spec.dtype, device=batch.device)
     lse = torch.full((tokens + padding, spec.num_heads), float("nan"), dtype=torch.float32, device=batch.device)
-    prepared.backend.forward(query, prepared.kv_cache, prepared.metadata, out, **prepared.forward_layer, lse=lse)
+    prepared.backend.forward(
+        query, prepared.kv_cache, prepared.metadata, out, layer=prepared.forward_layer.with_lse(lse)
+    )
     return out, lse
 
 
@@ -104,7 +106,7 @@ def query_rounding(batch) -> torch.Tensor:
         if end == start:
             continue
         query, key = batch.query[start:end], batch.keys[request]
-        key = key[:, None, :] if spec.kind == "mla" else key  # MLA's absorbed scores: one latent head
+        key = spec.layout.key_heads(key)  # MLA's absorbed scores: one latent head
         mean_key = attention_reference(
             query,
             key,

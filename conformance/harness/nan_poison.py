@@ -41,7 +41,7 @@ def nan_poison_pass(prepared: PreparedCase) -> tuple[list[dict], dict]:
     history's. The step's own slots are NaN before it too, as they are before a real step."""
     batch, pool = prepared.batch, prepared.kv_cache
     history_slots = batch.history_rows()[2]
-    write_poison(prepared.backend, pool, batch, keep=history_slots, fill=PoolFill.NAN, scales=prepared.handed.scales)
+    write_poison(prepared.backend, pool, batch, keep=history_slots, fill=PoolFill.NAN, layer=prepared.layer)
     before = pool.clone()
     try:
         out = run_step(prepared)

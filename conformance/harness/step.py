@@ -19,12 +19,12 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 
 from backends.base import (
+    PLAIN_LAYER,
     AttentionBackend,
     AttentionSpec,
     CommonAttentionMetadata,
     KVScales,
-    forward_arguments,
-    layer_arguments,
+    LayerParameters,
 )
 from conformance.cases.case_data import poison_key_value, sink_logits
 from conformance.cases.grammar import Case
@@ -59,13 +59,13 @@ def _no_record(name: str, tensor: torch.Tensor | None) -> None:
 
 @dataclass(frozen=True)
 class HandedLayer:
-    """What a backend is handed of a layer's own inputs (its fp8 scales, its learned sinks):
-    copies made once per layer, persistent like a layer's weights, and watched. The harness keeps
-    the originals, which the oracle reads: a backend that changes what it was handed fails the
-    watch and cannot move the reference it is judged against."""
+    """What a backend is handed of a layer's own inputs (its fp8 scales, its learned sinks), as the
+    ``LayerParameters`` of its ``write_kv`` and ``forward``: copies made once per layer, persistent
+    like a layer's weights, and watched. The harness keeps the originals, which the oracle reads: a
+    backend that changes what it was handed fails the watch and cannot move the reference it is
+    judged against. No ``lse``: a pass that asks for it adds its own buffer (``with_lse``)."""
 
-    scales: KVScales | None
-    sinks: torch.Tensor | None
+    parameters: LayerParameters
 
     @classmethod
     def copy_of(cls, scales: KVScales | None, sinks: torch.Tensor | None) -> "HandedLayer":
@@ -73,17 +73,11 @@ class HandedLayer:
             scales = replace(
                 scales, k_scale_tensor=scales.k_scale_tensor.clone(), v_scale_tensor=scales.v_scale_tensor.clone()
             )
-        return cls(scales, None if sinks is None else sinks.clone())
+        return cls(LayerParameters(scales=scales, sinks=None if sinks is None else sinks.clone()))
 
     @property
-    def write_kv(self) -> dict[str, Any]:
-        """The keywords of this layer's ``write_kv``: its scales, for an fp8 cache."""
-        return layer_arguments(self.scales)
-
-    @property
-    def forward(self) -> dict[str, Any]:
-        """The keywords of this layer's ``forward``: its scales and its learned sinks, where it has them."""
-        return forward_arguments(self.scales, self.sinks)
+    def scales(self) -> KVScales | None:
+        return self.parameters.scales
 
 
 @dataclass
@@ -104,14 +98,14 @@ class PreparedCase:
         return PreparedCase(batch, self.backend, self.kv_cache, scales=self.scales, handed=self.handed)
 
     @property
-    def layer(self) -> dict[str, Any]:
-        """The keywords of this layer's ``write_kv`` (``HandedLayer``)."""
-        return self.handed.write_kv
+    def layer(self) -> LayerParameters:
+        """This layer's ``write_kv`` parameters (the handed copies, ``HandedLayer``)."""
+        return self.handed.parameters.for_write()
 
     @property
-    def forward_layer(self) -> dict[str, Any]:
-        """The keywords of this layer's ``forward`` (``HandedLayer``)."""
-        return self.handed.forward
+    def forward_layer(self) -> LayerParameters:
+        """This layer's ``forward`` parameters: its handed scales and sinks, no ``lse`` (``lse_pass`` adds one)."""
+        return self.handed.parameters
 
 
 def case_scales(case: Case, device: torch.device | str, layer: int = 0) -> KVScales | None:
@@ -179,10 +173,11 @@ def write_poison(
     keep: torch.Tensor,
     num_blocks: int | None = None,
     fill: PoolFill = PoolFill.LOUD,
-    scales: KVScales | None = None,
+    layer: LayerParameters = PLAIN_LAYER,
 ) -> None:
     """Poison every slot of the pool (``num_blocks``, default the batch's) except ``keep`` (the
-    history's slots)."""
+    history's slots), through ``write_kv`` with ``layer`` (an fp8 layer's scales)."""
+    layer = layer.for_write()
     if fill == PoolFill.FRESH:
         return
     if fill == PoolFill.NAN and kv_cache.element_size() == 1:
@@ -192,7 +187,7 @@ def write_poison(
         kv_cache.view(torch.uint8).fill_(0xFF)
         key, value, slots = batch.history_rows()
         if slots.numel():
-            backend.write_kv(kv_cache, key, value, slots, **layer_arguments(scales))
+            backend.write_kv(kv_cache, key, value, slots, layer=layer)
         return
     spec = batch.spec
     poisoned = torch.ones((num_blocks or batch.num_blocks) * spec.block_size, dtype=torch.bool)
@@ -211,7 +206,7 @@ def write_poison(
             if value_row is None
             else value_row.to(spec.dtype).to(batch.device).expand(count, *value_row.shape).contiguous()
         )
-        backend.write_kv(kv_cache, key, value, chunk, **layer_arguments(scales))
+        backend.write_kv(kv_cache, key, value, chunk, layer=layer)
 
 
 def prepare_case(
@@ -245,7 +240,7 @@ def prepare_layer(
     handed = HandedLayer.copy_of(scales, batch.sinks)
     key, value, slots = batch.history_rows()
     if poison:
-        write_poison(backend, kv_cache, batch, keep=slots, fill=fill, scales=handed.scales)
+        write_poison(backend, kv_cache, batch, keep=slots, fill=fill, layer=handed.parameters)
     key, value = engine_kv_views(batch.case, key, value)
     for name, tensor in (
         ("KV pool", kv_cache),
@@ -255,7 +250,7 @@ def prepare_layer(
     ):
         record(name, tensor)
     if slots.numel():
-        backend.write_kv(kv_cache, key, value, slots, **handed.write_kv)
+        backend.write_kv(kv_cache, key, value, slots, layer=handed.parameters.for_write())
     return PreparedCase(batch, backend, kv_cache, scales=scales, handed=handed)
 
 
@@ -305,7 +300,22 @@ def _no_phase(name: str) -> ContextManager[None]:
 
 class WroteOutsideOutput(AssertionError):
     """The step wrote where it may not: into the output buffer outside the real tokens' rows of
-    the ``out`` view it was given, or (``ChangedInput``) into a tensor it was handed as input."""
+    the ``out`` view it was given, or (``ChangedInput``) into a tensor it was handed as input. The
+    runner makes it the case's FAIL (``metrics``: what the check had measured before)."""
+
+    def __init__(self, message: str, metrics: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.metrics = dict(metrics or {})
+
+
+@contextlib.contextmanager
+def during(what: str, metrics: dict[str, Any]) -> Iterator[None]:
+    """A step that writes where it may not inside says which pass it was (``what``) and keeps the
+    figures measured before it."""
+    try:
+        yield
+    except WroteOutsideOutput as error:
+        raise type(error)(f"{what}: {error}", {**metrics, **error.metrics}) from error
 
 
 class ChangedInput(WroteOutsideOutput):
@@ -385,7 +395,7 @@ def launch_step(
             "query_start_loc_cpu": common.query_start_loc_cpu,
             "host seq_lens": common.host_seq_lens,
         },
-        keywords={**prepared.layer, **prepared.forward_layer},
+        layers={"": prepared.forward_layer},
         pools={"KV pool": PoolWatch.of(prepared.kv_cache, batch.num_blocks, batch.spec.block_size, step.slots)},
     )
     if metadata is None:
@@ -394,10 +404,10 @@ def launch_step(
         watch.called("build")
     prepared.metadata = metadata
     with phase("write_kv"):
-        backend.write_kv(prepared.kv_cache, step.key, step.value, step.slots, **prepared.layer)
+        backend.write_kv(prepared.kv_cache, step.key, step.value, step.slots, layer=prepared.layer)
     watch.called("write_kv")
     with phase("forward"):
-        backend.forward(step.query, prepared.kv_cache, metadata, step.out, **prepared.forward_layer)
+        backend.forward(step.query, prepared.kv_cache, metadata, step.out, layer=prepared.forward_layer)
     watch.called("forward")
 
 

@@ -45,10 +45,9 @@ def attended_values(prepared: PreparedCase, request: int, head: int, *, negated:
         return batch.head_values(request, head)
     key, value = _stored(prepared, request)
     spec = batch.spec
-    if spec.kind == "mla":
-        values = dequantize(key[:, : spec.kv_lora_rank], prepared.scales.k_scale)
-    else:
-        values = dequantize(value[:, head // spec.query_group_size], prepared.scales.v_scale)
+    # The kind's own scales: MLA's one latent entry is dequantized by k_scale (``LayerKind.scales``).
+    v_scale = spec.layout.scales(prepared.scales.k_scale, prepared.scales.v_scale)[1]
+    values = dequantize(spec.layout.head_values(spec, key, value, head), v_scale)
     return values.neg() if negated else values
 
 

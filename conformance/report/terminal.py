@@ -19,6 +19,7 @@ from conformance.harness.evidence import plain_lines
 from conformance.report.reproduce import reproduce_command
 from conformance.report.safe_text import visible
 from conformance.results import BackendResult, CaseResult, RunResult, Verdict
+from conformance.run.runner import CUSTOM_SUITE
 from conformance.run.runner import Progress as RunProgress
 
 VERDICT_STYLES = {
@@ -283,7 +284,7 @@ def print_report(console: Console, run: RunResult) -> None:
                 f"{escape(visible(backend.reason, one_line=True))}",
                 highlight=False,
             )
-    if run.suite == "custom":  # cases named one by one: each that did not run says why
+    if run.suite == CUSTOM_SUITE:  # cases named one by one: each that did not run says why
         print_skips(console, run)
     print_failures(console, run)
 

@@ -1,10 +1,14 @@
 """Runs checks over cases for one backend and reports each step as an event.
 
-The same loop serves the isolated child (``conformance.run.worker``, events to a signed channel)
-and ``--in-process`` runs (events to a callback). Events:
+The same loop serves the isolated child (``conformance.run.isolation``, events to a signed
+channel) and ``--in-process`` runs (events to a callback). Events:
 
+    {"event": "backend", "claims", "unavailable"} or {"event": "backend", "failure", "mistyped", "crashed"}
+        first: what the backend is here (``answer``), or why it could not be imported; a backend
+        that cannot run here ends the job there (the parent makes its row from this answer, and
+        never imports backend code to ask)
     {"event": "plan", "checks": {check: reason | null}, "cases": {check: {case: skip reason | null}}}
-        first: what every check and case will be (a parent that never imports the backend accounts
+        next: what every check and case will be (a parent that never imports the backend accounts
         for what no child ran from it)
     {"event": "check_skipped", "check", "reason"}
     {"event": "start", "check", "case"}
@@ -26,9 +30,12 @@ from typing import Any, Callable, Iterator
 import torch
 
 from backends import registry
+from backends.base import DeviceInfo
+from backends.registry import BackendLookupError, BackendRef
 from conformance.cases.grammar import Case, parse_case
 from conformance.checks import Check, make_check
-from conformance.results import CaseResult, Verdict
+from conformance.harness.step import WroteOutsideOutput
+from conformance.results import CaseResult, Outcome, Verdict
 from conformance.run import exit_guard
 from conformance.run.gpu_turns import big_pool_turn
 from conformance.run.seal import Seal
@@ -80,6 +87,58 @@ def job_cases(job: Job) -> list[Case]:
 
 
 @dataclass
+class Loaded:
+    """A backend's class, or why it could not be imported."""
+
+    backend_cls: Any = None
+    failure: str | None = None
+    failure_verdict: Verdict = Verdict.ERROR  # CRASH: the import asked the process to end
+    mistyped: bool = False
+
+
+def load_backend(ref: BackendRef) -> Loaded:
+    """Import the backend as every path does (a run's child, the probe child, ``--in-process``,
+    the pytest plugin): an import that raises is the backend's ERROR, one that asks the process to
+    end (``os._exit``, ``sys.exit``) its CRASH, a module:Class that names nothing a typo."""
+    try:
+        with exit_guard.watching("its import"):
+            return Loaded(registry.load(ref))
+    except BackendLookupError as error:
+        return Loaded(failure=str(error), mistyped=ref.origin == "module:Class" and _names_nothing(ref, error))
+    except BaseException as error:  # an exit asked for at import: the backend's CRASH, not the run's end
+        if exit_guard.is_interrupt(error):
+            raise
+        reason = f"cannot load backend {ref.name!r}: {exit_guard.crash_reason(error, 'its import')}"
+        return Loaded(failure=reason, failure_verdict=Verdict.CRASH)
+
+
+def _names_nothing(ref: BackendRef, error: BackendLookupError) -> bool:
+    """The module itself does not exist, or has no such class: a typo on the command line (a
+    missing dependency inside the module is the backend's failure)."""
+    module_name = ref.target.partition(":")[0]
+    cause = error.__cause__
+    if isinstance(cause, ModuleNotFoundError):
+        return cause.name is not None and (module_name == cause.name or module_name.startswith(cause.name + "."))
+    return cause is None and "is not an AttentionBackend subclass" in str(error)
+
+
+def answer(loaded: Loaded, device_text: str) -> dict[str, Any]:
+    """What a loaded backend is on the device (its claims, and why it cannot run here: None when it
+    can), or why it could not be loaded: a run's child says it first, the probe child for each
+    backend it is asked about."""
+    if loaded.failure:
+        return {
+            "failure": loaded.failure,
+            "mistyped": loaded.mistyped,
+            "crashed": loaded.failure_verdict == Verdict.CRASH,
+        }
+    return {
+        "claims": loaded.backend_cls.capabilities.to_dict(),
+        "unavailable": loaded.backend_cls.availability_reason(DeviceInfo.of(torch.device(device_text))),
+    }
+
+
+@dataclass
 class Planned:
     """One check's whole-check skip (``case`` None, ``skip`` the reason), or one of its cases with
     its skip reason (None: it runs)."""
@@ -91,9 +150,8 @@ class Planned:
 
 
 def plan(job: Job, backend_cls, device: torch.device) -> Iterator[Planned]:
-    """Every check and case of the job, in order, with its skip reason. A resumed child plans the
-    whole job again, reported cases too: some checks keep state (the engine check runs one case
-    per layout), and it must decide as the first child did."""
+    """Every check and case of the job, in order, with its skip reason (``Check.plan``: from the
+    whole list of cases, so a resumed child plans as the first one did)."""
     cases = job_cases(job)
     for check_name in job.checks:
         check = make_check(check_name, job.options)
@@ -101,8 +159,9 @@ def plan(job: Job, backend_cls, device: torch.device) -> Iterator[Planned]:
         if reason:
             yield Planned(check_name, check, None, reason)
             continue
+        skips = check.plan(backend_cls, cases, device)
         for case in cases:
-            yield Planned(check_name, check, case, check.case_skip_reason(backend_cls, case, device))
+            yield Planned(check_name, check, case, skips[case.id])
 
 
 def _error_result(case: Case, error: BaseException, verdict: Verdict) -> CaseResult:
@@ -139,18 +198,39 @@ def plan_event(items: list[Planned]) -> dict[str, Any]:
     return {"event": "plan", "checks": checks, "cases": cases}
 
 
-def tampered(result: CaseResult, changes: list[str]) -> CaseResult:
-    """The case's result when the harness's own state changed while it ran."""
+def tampered(result: CaseResult, changes: list[str], *, channel: bool = False) -> CaseResult:
+    """The case's result when what its verdict rests on was tampered with while it ran: the
+    harness's own state (``changes``, each put back), or, with ``channel``, the events channel
+    (``changes``: the lines the harness did not write, seen by the parent). Every path turns such a
+    result ERROR here, naming the case's own verdict and keeping the changes in its evidence."""
+    verdict = result.verdict.value
+    if channel:
+        more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+        reason = f"the events channel was tampered with while this case ran: {changes[0]}{more}"
+        reason += f"; the case's own verdict was {verdict}"
+    else:
+        reason = f"the backend changed the harness's state: {'; '.join(changes)} (put back; the case's own verdict was "
+        reason += f"{verdict})"
     return CaseResult(
         result.case,
         Verdict.ERROR,
-        f"the backend changed the harness's state: {'; '.join(changes)} (put back; the case's own verdict was "
-        f"{result.verdict.value})",
+        reason,
         tag=result.tag,
         metrics=result.metrics,
-        evidence={**result.evidence, "harness_state_changed": changes},
+        evidence={**result.evidence, "channel_tampering" if channel else "harness_state_changed": list(changes)},
         seconds=result.seconds,
     )
+
+
+def judge(check: Check, backend_cls, case: Case, device: torch.device) -> CaseResult:
+    """The check's outcome as the case's result, stamped with its id and tag: the one place a step
+    that wrote where it may not (``WroteOutsideOutput``: a tensor it was handed, output rows past
+    its real tokens) becomes the case's FAIL, in every check."""
+    try:
+        outcome = check.run_case(backend_cls, case, device)
+    except WroteOutsideOutput as error:
+        outcome = Outcome(Verdict.FAIL, str(error), metrics=error.metrics)
+    return CaseResult.of(case.id, case.tag, outcome)
 
 
 def run_case(check: Check, backend_cls, case: Case, device: torch.device) -> tuple[CaseResult, bool]:
@@ -163,7 +243,7 @@ def run_case(check: Check, backend_cls, case: Case, device: torch.device) -> tup
     attempts: list[str] = []
     try:
         with exit_guard.watching("the case") as attempts, big_pool_turn(case, device):
-            result = check.run(backend_cls, case, device)
+            result = judge(check, backend_cls, case, device)
             _synchronize(device)
     except Exception as error:  # noqa: BLE001 - a backend error is a result, not our crash
         if any(marker in str(error) for marker in _STICKY_CUDA_ERRORS):
@@ -180,11 +260,28 @@ def run_case(check: Check, backend_cls, case: Case, device: torch.device) -> tup
     return result, False
 
 
+def _load_and_answer(job: Job, emit: Emit):
+    """The job's backend imported, and the ``backend`` event saying what it is here; None when it
+    cannot run here (a name that no longer resolves, an import that failed, a device it does not
+    run on)."""
+    try:
+        ref = registry.resolve(job.backend)
+    except BackendLookupError as error:
+        emit({"event": "backend", "failure": str(error), "mistyped": False, "crashed": False})
+        return None
+    loaded = load_backend(ref)
+    said = answer(loaded, job.device)
+    emit({"event": "backend", **said})
+    return None if loaded.failure or said.get("unavailable") else loaded.backend_cls
+
+
 def execute(job: Job, emit: Emit) -> bool:
     """Run the job; returns False when it stopped early on a fatal error."""
     seal = Seal.take()  # before the backend is imported: what the harness loaded is the harness's
-    with exit_guard.watching("its import"):
-        backend_cls = registry.load(job.backend)
+    backend_cls = _load_and_answer(job, emit)
+    if backend_cls is None:  # it cannot run here: its answer says why, and that is the whole job
+        emit({"event": "done"})
+        return True
     device = torch.device(job.device)
     items = list(plan(job, backend_cls, device))  # every case, reported ones too: the same skips as a fresh run
     emit(plan_event(items))

@@ -1,5 +1,10 @@
 """Each backend runs in a child process, so a segfault, an abort, an illegal memory access or a
-hang becomes a CRASH row naming the case it was running, and the run goes on.
+hang becomes a CRASH row naming the case it was running, and the run goes on. Both sides are
+here: the parent, which never imports backend code, and the child
+(``python -m conformance.run.isolation JOB.json EVENTS``), whose first event says what its
+backend is here (its claims and availability, or why its import failed: ``execution.answer``),
+before it plans and runs the cases. A child that dies or hangs before saying it costs that
+backend its row, with the reason the probe child gives (``import_failure``).
 
 After a crash, or a case that runs past the per-case time limit (the child is killed), a fresh
 child resumes with the cases not yet reported (up to ``max_crashes`` times). Past the optional
@@ -10,6 +15,11 @@ A child is finished only when it reported every case and then ``done`` on the si
 channel (``channel.py``): any exit before that, status 0 included, is a crash of the running case.
 The parent never imports the backend: what a check or case would have been (SKIP on this device,
 or run) comes from the plan the first child announces.
+
+The probe child (``python -m conformance.run.isolation --ask DEVICE``) answers for many backends
+at once, importing each in turn: ``conformance list``, a sharded run, and the backends of a run
+after its first (so that a typo among them is refused before any file is touched); the run's first
+backend is answered by the child that then runs it.
 
 The child runs in its own process group, which the parent kills whenever a child ends, early or
 not (``reaper.py``: also the processes that left the group, and the groups of a run that died);
@@ -22,6 +32,7 @@ import ctypes
 import itertools
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -31,11 +42,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from backends.registry import BackendRef
 from conformance.process_exit import describe_exit
 from conformance.results import CaseResult, Verdict
 from conformance.run import exit_guard
-from conformance.run.channel import TAMPERING, ChannelReader, new_key
-from conformance.run.execution import Emit, Job, execute
+from conformance.run.channel import TAMPERING, ChannelReader, ChannelWriter, new_key
+from conformance.run.execution import Emit, Job, answer, execute, load_backend, tampered
 from conformance.run.reaper import Reaper, exited
 
 STDERR_TAIL_CHARS = 4000
@@ -51,6 +63,7 @@ class BackendEvents:
     skipped_checks: dict[str, str] = field(default_factory=dict)
     planned_checks: dict[str, str | None] | None = None  # check -> its whole-check skip reason
     planned_cases: dict[str, dict[str, str | None]] = field(default_factory=dict)  # check -> case -> skip reason
+    answer: dict[str, Any] | None = None  # the first child's "backend" event: what the backend is here
 
     def record(self, event: dict[str, Any]) -> None:
         kind = event["event"]
@@ -61,6 +74,20 @@ class BackendEvents:
             self.skipped_checks[event["check"]] = event["reason"]
         elif kind == "plan" and self.planned_checks is None:
             self.planned_checks, self.planned_cases = event["checks"], event["cases"]
+        elif kind == "backend" and self.answer is None:
+            self.answer = event
+
+    def whole_skip(self, check: str) -> str | None:
+        """Why ``check`` skips as a whole on this device (reported, or planned), or None."""
+        return self.skipped_checks.get(check) or (self.planned_checks or {}).get(check)
+
+    def unreported(self, check: str, case: str, tag: str, verdict: Verdict, reason: str) -> CaseResult:
+        """A case of ``check`` that no child reported: the SKIP the plan gave it on this device, or
+        else ``verdict`` with ``reason`` (also for every case when no child lived long enough to
+        announce a plan). Never silently absent: every path (the children's parent, the runner,
+        the pytest plugin's results) accounts for such a case here."""
+        skip = self.planned_cases.get(check, {}).get(case)
+        return CaseResult(case, Verdict.SKIP if skip else verdict, skip or reason, tag=tag)
 
 
 def _tail(path: Path) -> str:
@@ -94,34 +121,25 @@ DIE_WITH_PARENT = _die_with_parent_hook()
 
 
 def not_run(job: Job, events: BackendEvents, verdict: Verdict, reason: str) -> list[dict[str, Any]]:
-    """Result events for every case no child reported: SKIP where the plan the first child
-    announced says it would have skipped on this device, else ``verdict`` with ``reason`` (also
-    for every case when no child lived long enough to announce a plan)."""
+    """Events for every check and case no child reported (``BackendEvents.unreported``)."""
     out: list[dict[str, Any]] = []
     for check in job.checks:
         if check in events.skipped_checks:
             continue
-        whole_skip = (events.planned_checks or {}).get(check)
+        whole_skip = events.whole_skip(check)
         if whole_skip:
             out.append({"event": "check_skipped", "check": check, "reason": whole_skip})
             continue
-        skips = events.planned_cases.get(check, {})
         for case in job.cases:
-            if (check, case["id"]) in events.results:
-                continue
-            skip = skips.get(case["id"])
-            result = (
-                CaseResult(case["id"], Verdict.SKIP, skip, tag=case.get("tag", ""))
-                if skip
-                else CaseResult(case["id"], verdict, reason, tag=case.get("tag", ""))
-            )
-            out.append({"event": "result", "check": check, "result": result.to_dict()})
+            if (check, case["id"]) not in events.results:
+                result = events.unreported(check, case["id"], case.get("tag", ""), verdict, reason)
+                out.append({"event": "result", "check": check, "result": result.to_dict()})
     return out
 
 
 def _start_worker(job_path: Path, events_path: Path, log, key: bytes) -> subprocess.Popen:
     child = subprocess.Popen(
-        [sys.executable, "-m", "conformance.run.worker", str(job_path), str(events_path)],
+        [sys.executable, "-m", "conformance.run.isolation", str(job_path), str(events_path)],
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.PIPE,
@@ -151,6 +169,7 @@ class ChildRun:
     hung: str | None = None  # the time limit it ran past
     past_deadline: bool = False
     stderr_tail: str = ""
+    answered: dict[str, Any] | None = None  # its "backend" event: what it said its backend is
 
 
 class _Recorder:
@@ -215,6 +234,8 @@ def _run_child(
                         recorder.forged.append(event["what"])
                         continue
                     run.running = (event["check"], event["case"]) if event["event"] == "start" else None
+                    if event["event"] == "backend":
+                        run.answered = event
                     run.fatal_reported |= event["event"] == "fatal"
                     if event["event"] == "done":
                         finished_at = time.monotonic()
@@ -269,6 +290,12 @@ def run_isolated(
                 run = _run_child(
                     job, attempt, workdir, key, reaper, recorder, case_timeout_s, backend_timeout_s, deadline
                 )
+                if events.answer is None:  # it died or hung importing the backend: that backend's row
+                    recorder.record({"event": "backend", **_unloadable(job.backend, run, case_timeout_s)})
+                    break
+                failure = (run.answered or {}).get("failure")
+                if failure and attempt > 0:  # a fresh child could not load what the first one ran
+                    recorder.mark_remaining(Verdict.CRASH if run.answered.get("crashed") else Verdict.ERROR, failure)
                 if run.finished:
                     if recorder.forged:  # after the last case: charged to the last result reported
                         _charge_last(events, recorder.forged, on_event)
@@ -284,6 +311,31 @@ def run_isolated(
     finally:
         reaper.close()
     return events
+
+
+def import_failure(name: str, *, hung: str | None = None, returncode: int | None = None, output: str = "") -> str:
+    """Why a backend could not be loaded when the process importing it hung past ``hung`` (a time
+    limit, in words) or ended (``returncode``, the last line of its ``output``): the same words
+    from the probe child and from a run's child that dies before saying what its backend is."""
+    if hung:
+        why = f"importing it ran past {hung}"
+    else:
+        how = describe_exit(returncode)
+        lines = output.strip().splitlines()
+        why = f"the process importing it {'was ' * how.startswith('killed')}{how}" + (
+            f": {lines[-1][:300]}" if lines else ""
+        )
+    return f"cannot load backend {name!r}: {why}"
+
+
+def _unloadable(name: str, run: ChildRun, case_timeout_s: float) -> dict[str, Any]:
+    """The answer of a child that died or hung before giving one: its backend's CRASH."""
+    if run.hung:
+        limit = run.hung if run.past_deadline else f"the time limit of {case_timeout_s:g} s (--timeout)"
+        failure = import_failure(name, hung=limit)
+    else:
+        failure = import_failure(name, returncode=run.returncode, output=run.stderr_tail)
+    return {"failure": failure, "mistyped": False, "crashed": True}
 
 
 def _blame_and_resume(run: ChildRun, recorder: _Recorder) -> bool:
@@ -317,19 +369,7 @@ def _blame_and_resume(run: ChildRun, recorder: _Recorder) -> bool:
 def _charged_with_tampering(event: dict[str, Any], forged: list[str]) -> dict[str, Any]:
     """A result event turned ERROR because the channel carried lines the harness did not write
     while its case ran."""
-    result = CaseResult.from_dict(event["result"])
-    result = CaseResult(
-        result.case,
-        Verdict.ERROR,
-        f"the events channel was tampered with while this case ran: {forged[0]}"
-        + (f" (and {len(forged) - 1} more)" if len(forged) > 1 else "")
-        + f"; the case's own verdict was {result.verdict.value}",
-        tag=result.tag,
-        metrics=result.metrics,
-        evidence={**result.evidence, "channel_tampering": list(forged)},
-        seconds=result.seconds,
-    )
-    return {**event, "result": result.to_dict()}
+    return {**event, "result": tampered(CaseResult.from_dict(event["result"]), forged, channel=True).to_dict()}
 
 
 def _charge_last(events: BackendEvents, forged: list[str], on_event: Emit) -> None:
@@ -359,3 +399,159 @@ def run_in_process(job: Job, on_event: Emit, *, events: BackendEvents | None = N
         for event in not_run(job, events, Verdict.CRASH, reason):
             record(event)
     return events
+
+
+@dataclass
+class Probe:
+    """One backend as the run sees it before running it: a child's answer (``execution.answer``)."""
+
+    ref: BackendRef
+    claims: dict[str, Any] = field(default_factory=dict)
+    unavailable: str | None = None  # why it cannot run on this device (None: it can)
+    failure: str | None = None  # why it could not even be asked (import error, crash, hang)
+    failure_verdict: Verdict = Verdict.ERROR  # ERROR for a raised import error, CRASH for a dead or hung child
+    mistyped: bool = False  # a pkg.module:Class that names no module or class: the user's mistake, not the backend's
+
+    @staticmethod
+    def of(ref: BackendRef, said: dict[str, Any]) -> "Probe":
+        return Probe(
+            ref,
+            claims=said.get("claims") or {},
+            unavailable=said.get("unavailable"),
+            failure=said.get("failure"),
+            failure_verdict=Verdict.CRASH if said.get("crashed") else Verdict.ERROR,
+            mistyped=bool(said.get("mistyped")),
+        )
+
+
+def probe_in_process(refs: list[BackendRef], device_text: str) -> dict[str, Probe]:
+    return {ref.name: Probe.of(ref, answer(load_backend(ref), device_text)) for ref in refs}
+
+
+def probe_backends(refs: list[BackendRef], device_text: str, timeout_s: float) -> dict[str, Probe]:
+    """Each backend's claims and availability, asked in one probe child (``--ask``), which prints
+    one JSON line as it starts each backend and one with the answer; a backend whose import crashes
+    or runs past ``timeout_s`` gets a ``failure``, and a fresh child goes on with the rest."""
+    probes: dict[str, Probe] = {}
+    pending = list(refs)
+    while pending:
+        stderr_file = tempfile.TemporaryFile("w+")  # a file, not a pipe: an import that prints a lot cannot block
+        child = subprocess.Popen(
+            [sys.executable, "-m", "conformance.run.isolation", "--ask", device_text],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr_file,
+            text=True,
+            env=child_env(),
+            start_new_session=True,
+            preexec_fn=DIE_WITH_PARENT,
+        )
+        try:
+            child.stdin.write("".join(json.dumps(ref.__dict__) + "\n" for ref in pending))
+            child.stdin.close()
+        except OSError:
+            pass
+        current, buffer, deadline, hung, ended = None, b"", time.monotonic() + timeout_s, False, False
+        try:
+            while pending:
+                if b"\n" not in buffer:
+                    ready, _, _ = select.select([child.stdout], [], [], max(0.0, deadline - time.monotonic()))
+                    if not ready:
+                        hung = True
+                        break
+                    chunk = os.read(child.stdout.fileno(), 65536)  # unbuffered: select sees what is left
+                    if not chunk:
+                        ended = True  # it died
+                        break
+                    buffer += chunk
+                    continue
+                line, buffer = buffer.split(b"\n", 1)
+                data = json.loads(line)
+                if "start" in data:
+                    current, deadline = pending[0], time.monotonic() + timeout_s
+                    continue
+                probes[data["name"]] = Probe.of(pending.pop(0), data)
+                current = None
+        finally:
+            if ended:  # its output ended: let it finish dying, so its exit status says how
+                try:
+                    child.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    hung = True
+            _kill(child)
+        if pending:
+            blamed = current or pending[0]
+            stderr_file.seek(0)
+            limit = f"the time limit of {timeout_s:g} s (--timeout)" if hung else None
+            failure = import_failure(blamed.name, hung=limit, returncode=child.returncode, output=stderr_file.read())
+            probes[blamed.name] = Probe(blamed, failure=failure, failure_verdict=Verdict.CRASH)
+            pending.remove(blamed)
+        stderr_file.close()
+    return probes
+
+
+def _kill(child: subprocess.Popen) -> None:
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    child.wait()
+
+
+def _ask_main(device_text: str) -> int:
+    """The probe child: each backend named on standard input (one JSON line each) imported in turn,
+    and answered on standard output."""
+    answers = os.fdopen(os.dup(1), "w")  # a private copy of stdout: what a backend prints goes to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    start_dir = os.getcwd()
+    for line in sys.stdin:
+        ref = BackendRef(**json.loads(line))
+        answers.write(json.dumps({"start": ref.name}) + "\n")
+        answers.flush()
+        said = answer(load_backend(ref), device_text)
+        os.chdir(start_dir)  # an import that moved the process must not move the next one
+        answers.write(json.dumps({"name": ref.name, **said}) + "\n")
+        answers.flush()
+    return 0
+
+
+EXIT_FATAL = 70  # a run's child stopped on a fatal CUDA error (the parent starts a fresh one)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+KEEP_FREED_BYTES = 1 << 30
+
+
+def _keep_freed_memory() -> None:
+    """Let glibc keep freed memory (up to 1 GiB a block) for the next allocation instead of
+    returning it to the kernel: a case allocates and frees the same large tensors over and over,
+    and each fresh mapping is faulted in and zeroed again. Measured on the 2-core CPU machine: one
+    large standard case (numerics + determinism) 35 s → 26 s, system time 22 s → 4.6 s."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, KEEP_FREED_BYTES)
+        libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREED_BYTES)
+    except (OSError, AttributeError):  # not glibc: the allocator's defaults
+        pass
+
+
+def _child_main(job_path: str, events_path: str) -> int:
+    """A run's child: ``JOB.json EVENTS``, the channel's key on standard input (one hex line, read
+    before the backend is imported; standard input is then /dev/null). Each event is one flushed,
+    signed line (``channel.py``), so the parent keeps every result that landed before a crash and
+    can tell the harness's lines from anything else written there. The last event is ``done``: an
+    exit without it (status 0 included: a backend that calls ``exit``) is a crash of the case that
+    was running. Exit status 0: finished; 70: stopped on a fatal CUDA error."""
+    _keep_freed_memory()
+    key = bytes.fromhex(sys.stdin.readline().strip())
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    with open(job_path) as job_file:
+        job = Job.from_dict(json.load(job_file))
+    with open(events_path, "a", buffering=1) as events:
+        finished = execute(job, ChannelWriter(events, key).emit)
+    return 0 if finished else EXIT_FATAL
+
+
+if __name__ == "__main__":
+    sys.exit(_ask_main(sys.argv[2]) if sys.argv[1] == "--ask" else _child_main(*sys.argv[1:]))

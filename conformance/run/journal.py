@@ -1,6 +1,7 @@
 """The run's journal: each finished case as one JSON line beside the results file, written as the
 run goes, so that a run killed outright (SIGKILL, a lost machine) still leaves what finished.
-Removed once the results file is written (or the partial one, on SIGINT/SIGTERM)."""
+Opened at the first finished case (a run refused before any case touches no file), removed once
+the results file is written (or the partial one, on SIGINT/SIGTERM)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ class Journal(Progress):
         self.inner = inner
         self.lines = 0  # cases (and whole-check skips) the journal holds
         self.failure: str | None = None  # why it stopped being written (a full disk): the run goes on
+        self.file = None
+        self.opened = False
+
+    def _open(self) -> None:
+        self.opened = True
         try:
             self.file = open(self.path, "w", buffering=1, encoding="utf-8")
         except OSError as error:
@@ -31,6 +37,8 @@ class Journal(Progress):
         self.inner.backend_started(name, num_checks, num_cases)
 
     def event(self, name: str, event: dict[str, Any]) -> None:
+        if event["event"] in RECORDED_EVENTS and not self.opened:
+            self._open()
         if event["event"] in RECORDED_EVENTS and self.file is not None:
             try:
                 self.file.write(json.dumps({"backend": name, **event}) + "\n")

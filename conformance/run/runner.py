@@ -1,22 +1,120 @@
-"""A run: every requested backend through every requested check, each backend isolated."""
+"""A run: every requested backend through every requested check, each backend isolated; and the
+options a run takes, checked the same way for every entry point (the CLI's flags, the pytest
+plugin's ``--conformance-*`` options)."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from backends import registry
-from conformance.cases.grammar import Case
-from conformance.checks import make_check
-from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
+from backends.registry import BackendRef
+from conformance.cases.grammar import Case, CaseSyntaxError
+from conformance.cases.suites import chosen_cases
+from conformance.checks import CHECKS, default_checks, make_check
+from conformance.results import BackendResult, CheckResult, RunResult, Verdict
 from conformance.run.environment import collect_environment
 from conformance.run.execution import Job
 from conformance.run.interrupts import Interrupted
-from conformance.run.isolation import BackendEvents, run_in_process, run_isolated
-from conformance.run.probe import Probe, probe_backends, probe_in_process
+from conformance.run.isolation import (
+    BackendEvents,
+    Probe,
+    probe_backends,
+    probe_in_process,
+    run_in_process,
+    run_isolated,
+)
+from reference_engine.device_flag import DeviceError, resolve_device
+
+
+class OptionError(ValueError):
+    """An option a run cannot take, in one line; ``absent``: it names a device this machine lacks."""
+
+    def __init__(self, message: str, absent: bool = False) -> None:
+        super().__init__(message)
+        self.absent = absent
+
+
+def split_names(values: list[str]) -> list[str]:
+    """``["a,b", "c"]`` → ``["a", "b", "c"]``: a repeatable option of comma-separated names."""
+    return [item.strip() for value in values for item in value.split(",") if item.strip()]
+
+
+def _no_repeats(option: str, names: list[str]) -> list[str]:
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise OptionError(f"{option} names {repeated[0]!r} more than once")
+    return names
+
+
+def backend_names(values: list[str], option: str) -> list[str]:
+    """Names that resolve (built-in, entry point, or pkg.module:Class), each once. Nothing is
+    imported here: the run's own process never imports backend code (a child says what each is)."""
+    names = split_names(values)
+    if not names:
+        raise OptionError(f"{option} needs at least one name")
+    for name in names:
+        try:
+            registry.resolve(name)
+        except registry.BackendLookupError as error:
+            raise OptionError(str(error)) from None
+    return _no_repeats(option, names)
+
+
+def check_names(values: list[str] | None, option: str) -> list[str]:
+    """The checks named (default: ``default_checks()``), each a known one, each once."""
+    names = split_names(values) if values else default_checks()
+    if not names:
+        raise OptionError(f"{option} needs at least one check name")
+    unknown = [name for name in names if name not in CHECKS]
+    if unknown:
+        raise OptionError(f"unknown check {unknown[0]!r} (choose from {', '.join(CHECKS)})")
+    return _no_repeats(option, names)
+
+
+def run_cases(case_texts: list[str] | None, suite: str, seed: int | None, option: str) -> list[Case]:
+    """The ``--case`` cases, or else the suite's (``chosen_cases``), each once."""
+    try:
+        cases = chosen_cases(case_texts, suite, seed)
+    except CaseSyntaxError as error:
+        raise OptionError(str(error)) from None
+    _no_repeats(option, [case.id for case in cases])
+    return cases
+
+
+CUSTOM_SUITE = "custom"  # the suite a run records when its cases were named one by one
+
+
+def run_suite(case_texts: list[str] | None, suite: str) -> str:
+    """The suite a run records: ``custom`` for ``--case`` cases, else the suite's name."""
+    return CUSTOM_SUITE if case_texts else suite
+
+
+def run_device(text: str | None, option: str) -> torch.device:
+    """The device named (None: cuda when visible, else cpu)."""
+    try:
+        return resolve_device(text, option)
+    except DeviceError as error:
+        raise OptionError(str(error), absent=error.absent) from None
+
+
+def positive_seconds(*limits: tuple[str, float | None]) -> None:
+    """Each (option, seconds) given: a finite, positive number."""
+    for option, seconds in limits:
+        if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+            raise OptionError(f"{option} {seconds:g}: must be a finite, positive number of seconds")
+
+
+SYNC_DETECTORS = ("auto", "cupti", "torch")
+
+
+def check_options(sync_detector: str, prefill_backend: str, suite: str) -> dict[str, Any]:
+    """What the checks are told of the run's options (``make_check``)."""
+    return {"sync_detector": sync_detector, "prefill_backend": prefill_backend, "suite": suite}
 
 
 @dataclass
@@ -30,7 +128,9 @@ class RunOptions:
     backend_timeout_s: float | None = None  # all of one backend's cases
     in_process: bool = False
     check_options: dict[str, Any] = field(default_factory=dict)
-    probes: dict[str, Probe] | None = None  # asked already (the CLI asks before it touches any file)
+    # Told every backend's probe once all are known, before any case result is passed on (the CLI
+    # refuses a mistyped module:Class there, before it touches any file); raising stops the run.
+    ready: Callable[[dict[str, Probe]], None] | None = None
 
 
 class Progress:
@@ -52,17 +152,15 @@ def assemble_checks(
     results = []
     for check_name in checks:
         check = make_check(check_name, options)
-        whole_skip = events.skipped_checks.get(check_name) or (events.planned_checks or {}).get(check_name)
+        whole_skip = events.whole_skip(check_name)
         if whole_skip:
             results.append(CheckResult(check_name, Verdict.SKIP, whole_skip))
             continue
-        planned = events.planned_cases.get(check_name, {})
-
-        def unreported(case: Case) -> CaseResult:
-            skip = planned.get(case.id)
-            return CaseResult(case.id, Verdict.SKIP if skip else Verdict.ERROR, skip or not_run, tag=case.tag)
-
-        case_results = [events.results.get((check_name, case.id)) or unreported(case) for case in cases]
+        case_results = [
+            events.results.get((check_name, case.id))
+            or events.unreported(check_name, case.id, case.tag, Verdict.ERROR, not_run)
+            for case in cases
+        ]
         verdict, summary = check.summarize(case_results)
         details = {**check.details(), **check.aggregate(case_results)}
         results.append(CheckResult(check_name, verdict, summary, case_results, details=details))
@@ -83,39 +181,66 @@ def failed_to_load(name: str, probe: Probe, options: RunOptions) -> BackendResul
     return failed_backend(name, probe.ref.origin, probe.failure_verdict, probe.failure or "", options.checks)
 
 
-def run_backend(name: str, probe: Probe, options: RunOptions, progress: Progress) -> BackendResult:
-    ref = probe.ref
+def not_run_here(probe: Probe, options: RunOptions) -> BackendResult:
+    """A backend that cannot run here, as its probe says: its import failed (``failed_to_load``),
+    or it is unavailable on this device (every check SKIP, saying why)."""
     if probe.failure:
-        result = failed_to_load(name, probe, options)
-        progress.backend_finished(result)
-        return result
-    claims = probe.claims
-    if probe.unavailable:
-        reason = probe.unavailable
-        checks = unavailable_checks(options.checks, reason)
-        result = BackendResult(name, False, reason, ref.origin, claims, checks)
+        return failed_to_load(probe.ref.name, probe, options)
+    reason = probe.unavailable or ""
+    return BackendResult(
+        probe.ref.name, False, reason, probe.ref.origin, probe.claims, unavailable_checks(options.checks, reason)
+    )
+
+
+def _cannot_run(probe: Probe | None) -> bool:
+    return probe is not None and bool(probe.failure or probe.unavailable)
+
+
+def run_backend(
+    ref: BackendRef,
+    probe: Probe | None,
+    options: RunOptions,
+    progress: Progress,
+    asked: Callable[[Probe], None] = lambda probe: None,
+) -> BackendResult:
+    """One backend through the checks in its child. ``probe``: what it is, asked already; or None:
+    the child that runs it says it first, and ``asked`` hears it before any other event is passed
+    on. What its own child said decides its row (a child whose import failed after all included)."""
+    name = ref.name
+    if _cannot_run(probe):
+        result = not_run_here(probe, options)
         progress.backend_finished(result)
         return result
     job = Job(
-        backend=ref.target,
+        backend=name,  # resolved again in the child: its answer names the backend as the user did
         device=str(options.device),
         checks=list(options.checks),
         cases=[{"id": case.id, "tag": case.tag} for case in options.cases],
         options=options.check_options,
     )
-    progress.backend_started(name, len(options.checks), len(options.cases))
     started = time.monotonic()
+    if probe is not None:
+        progress.backend_started(name, len(options.checks), len(options.cases))
 
     def on_event(event: dict[str, Any]) -> None:
+        nonlocal probe
+        if event["event"] == "backend" and probe is None:
+            probe = Probe.of(ref, event)
+            asked(probe)
+            if not _cannot_run(probe):
+                progress.backend_started(name, len(options.checks), len(options.cases))
         progress.event(name, event)
 
     def finished(events: BackendEvents, not_run: str) -> BackendResult:
+        said = Probe.of(ref, events.answer) if events.answer is not None else probe
+        if _cannot_run(said):
+            return not_run_here(said, options)
         return BackendResult(
             name,
             True,
             "",
             ref.origin,
-            claims,
+            said.claims if said is not None else {},
             assemble_checks(options.checks, options.cases, events, options.check_options, not_run),
             wall_s=time.monotonic() - started,
         )
@@ -141,12 +266,23 @@ def run_backend(name: str, probe: Probe, options: RunOptions, progress: Progress
 
 
 def probe(options: RunOptions) -> dict[str, Probe]:
-    """Every backend's claims and availability, asked before the run (in a child process unless
-    ``--in-process``)."""
+    """Every backend's claims and availability, asked in one probe child (in this process with
+    ``--in-process``): for a sharded run, whose workers are pytest's."""
     refs = [registry.resolve(name) for name in options.backends]
     if options.in_process:
         return probe_in_process(refs, str(options.device))
     return probe_backends(refs, str(options.device), options.case_timeout_s)
+
+
+def _asked_ahead(options: RunOptions, refs: list[BackendRef]) -> dict[str, Probe | None]:
+    """What each backend is, asked before the run starts, but the first: the child that runs the
+    first backend says what it is (a run of one backend starts one child, not two). The others are
+    asked together in one probe child, so that a typo among them is refused before the first
+    backend's cases are reported."""
+    if options.in_process:
+        return dict(probe_in_process(refs, str(options.device)))
+    first, *others = refs
+    return {first.name: None, **probe_backends(others, str(options.device), options.case_timeout_s)}
 
 
 def annotate_bench_ratios(backends: list[BackendResult]) -> None:
@@ -166,15 +302,25 @@ def run(options: RunOptions, progress: Progress | None = None) -> RunResult:
     RunResult (marked interrupted) of every backend finished, what the current one finished, and
     every case not run as ERROR "not run"."""
     progress = progress or Progress()
-    probes = options.probes if options.probes is not None else probe(options)
+    refs = [registry.resolve(name) for name in options.backends]
+    probes: dict[str, Probe | None] = {}
     backends: list[BackendResult] = []
+
+    def asked(probe: Probe) -> None:
+        probes[probe.ref.name] = probe
+        if options.ready is not None and None not in probes.values():
+            options.ready(probes)
+
     try:
-        for name in options.backends:
-            backends.append(run_backend(name, probes[name], options, progress))
+        probes.update(_asked_ahead(options, refs))
+        if None not in probes.values():
+            asked(next(iter(probes.values())))
+        for ref in refs:
+            backends.append(run_backend(ref, probes[ref.name], options, progress, asked))
     except Interrupted as interrupted:
         backends += [interrupted.partial] if interrupted.partial is not None else []
-        for name in options.backends[len(backends) :]:
-            backends.append(_not_started(name, probes[name], options, interrupted.not_run))
+        for ref in refs[len(backends) :]:
+            backends.append(_not_started(ref, probes.get(ref.name), options, interrupted.not_run))
         interrupted.partial = RunResult(
             collect_environment(options.device), backends, options.suite, list(options.checks), interrupted=True
         )
@@ -183,25 +329,10 @@ def run(options: RunOptions, progress: Progress | None = None) -> RunResult:
     return RunResult(collect_environment(options.device), backends, options.suite, list(options.checks))
 
 
-def _not_started(name: str, probe: Probe, options: RunOptions, not_run: str) -> BackendResult:
-    if probe.failure or probe.unavailable:
-        return (
-            failed_to_load(name, probe, options)
-            if probe.failure
-            else BackendResult(
-                name,
-                False,
-                probe.unavailable or "",
-                probe.ref.origin,
-                probe.claims,
-                unavailable_checks(options.checks, probe.unavailable or ""),
-            )
-        )
+def _not_started(ref: BackendRef, probe: Probe | None, options: RunOptions, not_run: str) -> BackendResult:
+    if _cannot_run(probe):
+        return not_run_here(probe, options)
+    claims = probe.claims if probe is not None else {}
     return BackendResult(
-        name,
-        True,
-        "",
-        probe.ref.origin,
-        probe.claims,
-        [CheckResult(check, Verdict.ERROR, not_run) for check in options.checks],
+        ref.name, True, "", ref.origin, claims, [CheckResult(check, Verdict.ERROR, not_run) for check in options.checks]
     )

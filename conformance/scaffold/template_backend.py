@@ -18,7 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.base import AttentionBackend, Capabilities, CGSupport, CommonAttentionMetadata
+from backends.base import (
+    PLAIN_LAYER,
+    AttentionBackend,
+    Capabilities,
+    CGSupport,
+    CommonAttentionMetadata,
+    LayerParameters,
+)
+from backends.features import LOGITS_SOFT_CAP, SLIDING_WINDOW
 
 
 @dataclass
@@ -37,8 +45,7 @@ class TemplateBackend(AttentionBackend):
         kinds=frozenset({"mha"}),  # add "mla" once forward handles the absorbed latent cache
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         max_query_len=None,  # None: prefill too; 1: decode only; k: spec-verify up to k
-        sliding_window=True,
-        logits_soft_cap=True,
+        features=frozenset({SLIDING_WINDOW, LOGITS_SOFT_CAP}),  # the contract's features it serves (backends.features)
         cuda_graphs=CGSupport.NEVER,  # forward reads host lengths: nothing here can be captured
         needs_cpu_seq_lens=True,  # build reads seq_lens on the host: a sync when the engine lacks them
         devices=frozenset({"cpu", "cuda"}),
@@ -50,10 +57,13 @@ class TemplateBackend(AttentionBackend):
         spec = self.spec
         return (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
 
-    def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
+    def write_kv(self, kv_cache, key, value, slot_mapping, layer: LayerParameters = PLAIN_LAYER) -> None:
         """Store this step's key/value rows at their slots; slot -1 (a padding row) writes nothing.
         Rows with slot -1 are aimed at block 0, offset 0, and write back what it holds: masking
-        them on the host instead would need the slots on the host (a device-to-host sync)."""
+        them on the host instead would need the slots on the host (a device-to-host sync).
+        ``layer`` (``LayerParameters``) holds what a layer hands beyond the step's tensors: fp8
+        scales, learned sinks, an LSE buffer. Read only the fields of the features you claim
+        (none here)."""
         valid = (slot_mapping >= 0).view(-1, 1, 1)
         slots = slot_mapping.clamp(min=0)
         for plane, rows in zip(kv_cache, (key, value)):
@@ -66,7 +76,7 @@ class TemplateBackend(AttentionBackend):
         it; ``needs_cpu_seq_lens=True`` says so)."""
         return TemplateMetadata(common.query_start_loc_cpu.tolist(), common.seq_lens_cpu.tolist(), common.block_table)
 
-    def forward(self, query, kv_cache, metadata: TemplateMetadata, out) -> None:
+    def forward(self, query, kv_cache, metadata: TemplateMetadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
         """Attention of each request's new tokens over its cached sequence, into ``out``."""
         keys, values = (plane.view(-1, *plane.shape[2:]) for plane in kv_cache)
         for request, seq_len in enumerate(metadata.seq_lens):

@@ -19,14 +19,16 @@ class TimedCase:
         batch = self.prepared.batch
         key, value, slots = batch.step_rows()
         self.backend = self.prepared.backend
-        self.backend.write_kv(self.prepared.kv_cache, key, value, slots, **self.prepared.layer)
+        self.backend.write_kv(self.prepared.kv_cache, key, value, slots, layer=self.prepared.layer)
         self.metadata = self.backend.build(batch.common_metadata(with_host_lengths=True))
         self.query = torch.cat([batch.query, torch.zeros_like(batch.query[:3])])
         self.out = poisoned_output(batch)
         self.flush = _l2_flusher(device)
 
     def forward(self) -> torch.Tensor:
-        self.backend.forward(self.query, self.prepared.kv_cache, self.metadata, self.out, **self.prepared.forward_layer)
+        self.backend.forward(
+            self.query, self.prepared.kv_cache, self.metadata, self.out, layer=self.prepared.forward_layer
+        )
         return self.out
 
     def micros(self) -> float:

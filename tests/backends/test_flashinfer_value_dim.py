@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from backends.base import BackendLimits
+from backends.base import BackendLimits, LayerParameters
 from backends.flashinfer.gqa import FlashInferBackend
 from conformance.cases.grammar import parse_case
 from conformance.harness.batch import materialize
@@ -48,7 +48,13 @@ def test_flashinfer_runs_a_value_head_dim_of_its_own_through_fa2_with_its_lse_in
     (call,) = metadata.calls
     assert call.wrapper is backend.graph_decode[2] and call.wrapper.planned[-1]["head_dim_vo"] == 128
     lse = torch.zeros(2, 4)
-    backend.forward(torch.zeros(2, 4, 192).bfloat16(), cache, metadata, torch.zeros(2, 4, 128).bfloat16(), lse=lse)
+    backend.forward(
+        torch.zeros(2, 4, 192).bfloat16(),
+        cache,
+        metadata,
+        torch.zeros(2, 4, 128).bfloat16(),
+        layer=LayerParameters(lse=lse),
+    )
     handed = call.wrapper.ran[-1]
     assert handed["lse_base"] == "ln" and handed["return_lse"] and torch.equal(lse, torch.full((2, 4), 2.0))
     keys, values = call.wrapper.pages[-1]
@@ -67,7 +73,7 @@ def test_flashinfer_runs_a_value_head_dim_of_its_own_through_fa2_with_its_lse_in
         ordinary.allocate_kv_cache(4),
         metadata,
         torch.zeros(1, 4, 128).bfloat16(),
-        lse=lse,
+        layer=LayerParameters(lse=lse),
     )
     assert "lse_base" not in metadata.calls[0].wrapper.ran[-1]
     torch.testing.assert_close(lse, torch.full((1, 4), 2.0 * math.log(2)))

@@ -11,6 +11,7 @@ from conformance.checks.engine import EngineCheck
 from conformance.checks.graphs import GraphsCheck
 from conformance.checks.numerics import NumericsCheck
 from conformance.results import Verdict
+from conformance.run.execution import judge
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -37,12 +38,12 @@ def flashinfer_backend():
     ],
 )
 def test_numerics_and_lse(case_text):
-    result = NumericsCheck().run_case(flashinfer_backend(), parse_case(case_text), CUDA)
+    result = judge(NumericsCheck(), flashinfer_backend(), parse_case(case_text), CUDA)
     assert result.verdict == Verdict.PASS, result.reason
 
 
 def test_a_value_dim_decode_under_cuda_graphs():
-    result = GraphsCheck().run_case(flashinfer_backend(), parse_case(VALUE_DIM_DECODE.replace("-lse", "")), CUDA)
+    result = judge(GraphsCheck(), flashinfer_backend(), parse_case(VALUE_DIM_DECODE.replace("-lse", "")), CUDA)
     assert result.verdict == Verdict.PASS, result.reason
 
 
@@ -51,6 +52,6 @@ def test_the_engine_runs_mla_prefill_through_flashinfer():
     case = parse_case(DEEPSEEK_PREFILL)
     check = EngineCheck()
     assert check.case_skip_reason(backend, case, CUDA) is None
-    result = check.run_case(backend, case, CUDA)
+    result = judge(check, backend, case, CUDA)
     assert result.verdict == Verdict.PASS, result.reason
     assert "flashinfer (MLA prefill, decompressed) served" in result.reason, result.reason

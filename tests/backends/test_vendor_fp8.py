@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import backends.flashinfer as flashinfer_adapters
-from backends.base import BackendLimits, DeviceInfo, KVScales
+from backends.base import BackendLimits, DeviceInfo, KVScales, LayerParameters
 from backends.flash_attn import FlashAttnBackend
 from backends.flashinfer.gqa import FlashInferBackend
 from backends.flashinfer.mla import FlashInferMLABackend
@@ -61,7 +61,7 @@ def run_once(backend_cls, case: str, scales: KVScales | None):
     batch = materialize(parsed, "cpu")
     backend = backend_cls(parsed.spec, BackendLimits(8, 64, 256), torch.device("cpu"))
     cache = backend.allocate_kv_cache(16)
-    keywords = {} if scales is None else {"scales": scales}
+    layer = LayerParameters(scales=scales)
     spec = parsed.spec
     tokens = batch.common_metadata().num_actual_tokens
     key = (
@@ -71,11 +71,11 @@ def run_once(backend_cls, case: str, scales: KVScales | None):
     )
     value = torch.randn_like(key) * 100 if spec.kind != "mla" else None
     slots = batch.common_metadata().slot_mapping
-    backend.write_kv(cache, key, value, slots, **keywords)
+    backend.write_kv(cache, key, value, slots, layer=layer)
     metadata = backend.build(batch.common_metadata())
     out = torch.zeros(tokens, spec.num_heads, spec.v_head_dim, dtype=spec.dtype)
     backend.forward(
-        torch.zeros(tokens, spec.num_heads, spec.head_dim, dtype=spec.dtype), cache, metadata, out, **keywords
+        torch.zeros(tokens, spec.num_heads, spec.head_dim, dtype=spec.dtype), cache, metadata, out, layer=layer
     )
     return backend, cache, (key, value, slots)
 

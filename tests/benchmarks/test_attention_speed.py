@@ -39,17 +39,17 @@ def test_forward_speed(benchmark, shape, backend):
     prepared = prepare_case(backend_cls, case, device)
     batch = prepared.batch
     key, value, slots = batch.step_rows()
-    prepared.backend.write_kv(prepared.kv_cache, key, value, slots, **prepared.layer)
+    prepared.backend.write_kv(prepared.kv_cache, key, value, slots, layer=prepared.layer)
     metadata = prepared.backend.build(batch.common_metadata(with_host_lengths=True))
     query = torch.cat([batch.query, torch.zeros_like(batch.query[:3])])
     out = poisoned_output(batch)
 
     def step():
-        prepared.backend.forward(query, prepared.kv_cache, metadata, out, **prepared.forward_layer)
+        prepared.backend.forward(query, prepared.kv_cache, metadata, out, layer=prepared.forward_layer)
         torch.cuda.synchronize()
 
     forward_us = time_gpu(
-        lambda: prepared.backend.forward(query, prepared.kv_cache, metadata, out, **prepared.forward_layer),
+        lambda: prepared.backend.forward(query, prepared.kv_cache, metadata, out, layer=prepared.forward_layer),
         _l2_flusher(device),
     )
     benchmark.extra_info["forward_us"] = forward_us

@@ -16,13 +16,28 @@ def conformance(*args, cwd=None):
     )
 
 
-def test_smoke_run_passes_and_writes_json(tmp_path):
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory):
+    """One ``conformance run`` of the smoke suite (torch_naive, every default check, seed 7) over an
+    older run's results file, shared by the tests that read what it printed and wrote (each took a
+    command of its own, about as long as this one)."""
+    out = tmp_path_factory.mktemp("smoke-run")
+    (out / "results.json").write_text("an older run")
     completed = conformance(
-        "run", "--backend", "torch_naive", "--suite", "smoke", "--device", "cpu", "--out", str(tmp_path)
+        "run", "--backend", "torch_naive", "--suite", "smoke", "--device", "cpu", "--seed", "7", "--out", str(out)
     )
+    return completed, out
+
+
+SMOKE_RUN = pytest.mark.xdist_group("smoke_run")  # under pytest -n: the tests that share it on one worker
+
+
+@SMOKE_RUN
+def test_smoke_run_passes_and_writes_json(smoke_run):
+    completed, out = smoke_run
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "torch_naive" in completed.stdout and "PASS" in completed.stdout
-    result = RunResult.load(tmp_path / "results.json")
+    result = RunResult.load(out / "results.json")
     assert result.environment["device"] == "cpu" and result.environment["command"].startswith("conformance run")
     numerics = result.backends[0].check("numerics")
     assert numerics.verdict == Verdict.PASS and len(numerics.cases) == len(suite("smoke")) == 9
@@ -57,11 +72,20 @@ def test_smoke_run_passes_and_writes_json(tmp_path):
         (["run", "--case", "5+1", "--case", "5+1@0"], "--case names"),
     ],
 )
-def test_usage_errors_exit_2_with_one_line(args, message):
-    completed = conformance(*args)
+def test_usage_errors_exit_2_with_one_line(in_process, args, message):
+    completed = in_process(*args)
     assert completed.returncode == 2
     assert completed.stderr.count("\n") == 1 and message in completed.stderr
     assert "Traceback" not in completed.stderr + completed.stdout
+
+
+def test_a_usage_error_is_one_line_from_the_command_itself():
+    # The tests above call main() in this process; the command's own process (its imports, its
+    # exit) adds nothing to the line.
+    completed = conformance("run", "--backend", "no_such")
+    assert completed.returncode == 2, completed.stderr
+    assert completed.stderr.count("\n") == 1 and "unknown backend 'no_such'" in completed.stderr
+    assert completed.stdout == ""
 
 
 @pytest.mark.parametrize(
@@ -76,30 +100,31 @@ def test_usage_errors_exit_2_with_one_line(args, message):
         (lambda d: ["--json", str(d / "a.json"), "--markdown", str(d / "a.json")], "name the same file"),
     ],
 )
-def test_bad_output_paths_exit_2_before_any_work(tmp_path, make_args, message):
+def test_bad_output_paths_exit_2_before_any_work(in_process, tmp_path, make_args, message):
     (tmp_path / "file").write_text("")
-    completed = conformance("run", "--suite", "smoke", "--device", "cpu", *make_args(tmp_path))
+    completed = in_process("run", "--suite", "smoke", "--device", "cpu", *make_args(tmp_path))
     assert completed.returncode == 2, completed.stdout + completed.stderr
     assert completed.stderr.count("\n") == 1 and message in completed.stderr
     assert completed.stdout == ""  # nothing ran
 
 
-def test_engine_and_report_check_their_output_paths_first(tmp_path):
-    completed = conformance("engine", "run", "--json", str(tmp_path))
+def test_engine_and_report_check_their_output_paths_first(in_process, tmp_path):
+    completed = in_process("engine", "run", "--json", str(tmp_path))
     assert completed.returncode == 2 and "is a directory" in completed.stderr and completed.stderr.count("\n") == 1
     (tmp_path / "list.json").write_text("[1, 2]")
     for results, message in (
         (tmp_path, "is a directory, not a results file"),
         (tmp_path / "list.json", "not a conformance results file"),
     ):
-        completed = conformance("report", str(results), "-o", str(tmp_path / "r.html"))
+        completed = in_process("report", str(results), "-o", str(tmp_path / "r.html"))
         assert completed.returncode == 2 and message in completed.stderr, completed.stderr
 
 
-def test_a_run_removes_the_previous_results_first_and_applies_seed_to_a_suite(tmp_path):
+@SMOKE_RUN
+def test_a_run_removes_the_previous_results_first_and_applies_seed_to_a_suite(in_process, tmp_path, smoke_run):
     stale = tmp_path / "results.json"
     stale.write_text("an older run")
-    completed = conformance(
+    completed = in_process(
         "run",
         "--suite",
         "smoke",
@@ -114,33 +139,38 @@ def test_a_run_removes_the_previous_results_first_and_applies_seed_to_a_suite(tm
         "--json",
         str(stale),
     )
-    assert completed.returncode == 2 and stale.exists()  # a usage error touches nothing
-    completed = conformance(
-        "run", "--suite", "smoke", "--device", "cpu", "--check", "numerics", "--seed", "7", "--json", str(stale)
-    )
+    assert completed.returncode == 2 and stale.read_text() == "an older run"  # a usage error touches nothing
+    completed, out = smoke_run  # its --out held an older results.json too
     assert completed.returncode == 0, completed.stderr
-    cases = RunResult.load(stale).backends[0].check("numerics").cases
+    cases = RunResult.load(out / "results.json").backends[0].check("numerics").cases
     assert cases and all(case.case.endswith("@7") for case in cases)
-    assert not list(tmp_path.glob(".*.tmp"))  # written under a temporary name and renamed
+    assert not list(out.glob(".*.tmp"))  # written under a temporary name and renamed
 
 
-def test_planted_defect_exits_1_and_shows_its_evidence(tmp_path):
+@pytest.fixture(scope="module")
+def failing_run(tmp_path_factory):
+    """One run of a planted defect, a backend whose import raises and torch_naive, on one case:
+    exit 1, each backend its own row (two tests read it; each took a run of its own)."""
+    path = tmp_path_factory.mktemp("failing-run") / "r.json"
+    backends = "tests.planted.defects:WrongScale,tests.planted.broken_module:Backend,torch_naive"
     completed = conformance(
-        "run",
-        "--backend",
-        "tests.planted.defects:WrongScale,torch_naive",
-        "--case",
-        "gqa-h4/2-d32-fp32:30+2",
-        "--device",
-        "cpu",
-        "--json",
-        str(tmp_path / "r.json"),
-    )
+        "run", "--backend", backends, "--case", "gqa-h4/2-d32-fp32:30+2", "--check", "numerics", "--device", "cpu",
+        "--json", str(path),
+    )  # fmt: skip
+    return completed, path
+
+
+FAILING_RUN = pytest.mark.xdist_group("failing_run")  # under pytest -n: the tests that share it on one worker
+
+
+@FAILING_RUN
+def test_planted_defect_exits_1_and_shows_its_evidence(failing_run):
+    completed, path = failing_run
     assert completed.returncode == 1
     assert "worst at request 0" in completed.stdout
-    document = json.loads((tmp_path / "r.json").read_text())
+    document = json.loads(path.read_text())
     verdicts = {b["name"]: b["checks"][0]["verdict"] for b in document["backends"]}
-    assert verdicts == {"tests.planted.defects:WrongScale": "FAIL", "torch_naive": "PASS"}
+    assert verdicts["tests.planted.defects:WrongScale"] == "FAIL" and verdicts["torch_naive"] == "PASS", verdicts
 
 
 def test_nothing_runnable_here_exits_3_with_one_line(tmp_path):
@@ -174,6 +204,8 @@ def test_all_cases_skipped_exits_3(tmp_path):
         "tests.planted.defects:NeedsMissingPackage,torch_naive",
         "--case",
         "mla:10+1",
+        "--check",
+        "numerics",
         "--out",
         str(tmp_path),
     )
@@ -181,22 +213,12 @@ def test_all_cases_skipped_exits_3(tmp_path):
     assert completed.returncode == 0, completed.stdout
 
 
-def test_a_backend_module_that_raises_at_import_is_its_row_not_the_commands(tmp_path):
-    completed = conformance(
-        "run",
-        "--backend",
-        "tests.planted.broken_module:Backend,torch_naive",
-        "--case",
-        "gqa-h2/1-d16-fp32:5+1",
-        "--check",
-        "numerics",
-        "--device",
-        "cpu",
-        "--json",
-        str(tmp_path / "r.json"),
-    )
+@FAILING_RUN
+def test_a_backend_module_that_raises_at_import_is_its_row_not_the_commands(failing_run):
+    completed, path = failing_run
     assert completed.returncode == 1, completed.stdout + completed.stderr
-    broken, naive = RunResult.load(tmp_path / "r.json").backends
+    _, broken, naive = RunResult.load(path).backends
+    assert broken.name == "tests.planted.broken_module:Backend"
     assert (
         broken.check("numerics").verdict == Verdict.ERROR
         and "MY_BACKEND_HOME is not set" in broken.check("numerics").summary
@@ -214,16 +236,18 @@ def test_every_case_skipped_says_so_on_stderr(tmp_path):
     assert "every case was skipped" in completed.stderr and "every case was skipped" not in completed.stdout
 
 
-def test_ci_logs_get_a_line_per_finished_check_and_version_is_printed(tmp_path):
-    completed = conformance(
-        "run", "--suite", "smoke", "--device", "cpu", "--check", "numerics,graphs", "--out", str(tmp_path)
-    )
+@SMOKE_RUN
+def test_ci_logs_get_a_line_per_finished_check_and_version_is_printed(in_process, smoke_run):
+    from conformance.checks import default_checks
+
+    completed, _ = smoke_run
     assert completed.returncode == 0, completed.stderr
     lines = completed.stderr.splitlines()  # not a terminal: plain lines, as a CI log shows them
-    assert "torch_naive: 2 check(s) x 9 case(s)" in lines and "torch_naive / numerics: 9 PASS" in lines
+    assert f"torch_naive: {len(default_checks())} check(s) x 9 case(s)" in lines, lines
+    assert "torch_naive / numerics: 9 PASS" in lines
     assert "torch_naive / graphs: SKIP (claims cuda_graphs=NEVER)" in lines
     assert any(line.startswith("torch_naive: done in") for line in lines)
-    version = conformance("--version")
+    version = in_process("--version")
     assert version.returncode == 0 and version.stdout.startswith("conformance ")
 
 
@@ -239,25 +263,25 @@ def test_ci_logs_get_a_line_per_finished_check_and_version_is_printed(tmp_path):
         (["engine", "run", "--drafter", "layer-skip"], "drafts nothing without --spec-tokens"),
     ],
 )
-def test_engine_usage_errors_are_one_line(args, message):
-    completed = conformance(*args)
+def test_engine_usage_errors_are_one_line(in_process, args, message):
+    completed = in_process(*args)
     assert completed.returncode == 2 and completed.stderr.count("\n") == 1 and message in completed.stderr, (
         completed.stderr
     )
 
 
-def test_list_shows_every_backend():
+def test_list_shows_every_backend(in_process):
     from backends.registry import BUILTIN_BACKENDS as BUILTINS
 
-    completed = conformance("list", "--device", "cpu")
+    completed = in_process("list", "--device", "cpu")
     assert completed.returncode == 0, completed.stderr
     missing = [name for name in BUILTINS if name not in completed.stdout]
     assert not missing and len(BUILTINS) >= 9, missing
 
 
-def test_help_documents_the_case_grammar_and_exit_codes():
-    assert "LAYER" in conformance("run", "--help").stdout
-    assert "nothing could run here" in conformance("--help").stdout
+def test_help_documents_the_case_grammar_and_exit_codes(in_process):
+    assert "LAYER" in in_process("run", "--help").stdout
+    assert "nothing could run here" in in_process("--help").stdout
 
 
 def test_the_default_suite_on_a_cpu_is_quick(tmp_path):

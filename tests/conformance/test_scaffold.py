@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from conformance.run.execution import judge
 from conformance.scaffold import render, write_skeleton
 
 
@@ -48,10 +49,10 @@ def test_the_skeleton_fails_numerics_once_its_math_is_wrong():
     exec(compile(source.replace("* spec.softmax_scale", "* spec.softmax_scale * 0.5"), "broken.py", "exec"), namespace)
     case = parse_case("gqa-h4/2-d32-fp32-p16:10+4,0+6")
     check = NumericsCheck()
-    assert check.run_case(namespace["BrokenBackend"], case, torch.device("cpu")).verdict == Verdict.FAIL
+    assert judge(check, namespace["BrokenBackend"], case, torch.device("cpu")).verdict == Verdict.FAIL
     from conformance.scaffold.template_backend import TemplateBackend
 
-    assert check.run_case(TemplateBackend, case, torch.device("cpu")).verdict == Verdict.PASS
+    assert judge(check, TemplateBackend, case, torch.device("cpu")).verdict == Verdict.PASS
 
 
 @pytest.mark.parametrize(
@@ -63,9 +64,10 @@ def test_the_skeleton_fails_numerics_once_its_math_is_wrong():
         ("exists", "exists: not overwritten"),
     ],
 )
-def test_refusals_are_one_line_and_exit_2(tmp_path, name, message):
+def test_refusals_are_one_line_and_exit_2(in_process, tmp_path, monkeypatch, name, message):
     (tmp_path / "exists.py").write_text("")
-    completed = new_backend(name, cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    completed = in_process("new-backend", name)
     assert completed.returncode == 2 and message in completed.stderr and len(completed.stderr.splitlines()) == 1
     assert sorted(path.name for path in tmp_path.iterdir()) == ["exists.py"]
 

@@ -37,16 +37,31 @@ def verdicts(result: RunResult) -> dict[tuple[str, str, str], str]:
     return table
 
 
-def test_workers_on_the_cpu_give_the_serial_runs_results_case_for_case(tmp_path):
-    # A passing backend, a failing one, one that cannot run on a CPU (its reason as a serial run
-    # words it), and one whose import raises (its row from the probe: in pytest it stopped the session).
-    backends = "torch_naive,tests.planted.defects:WrongScale,tests.planted.defects:NeedsBlackwell"
-    backends += ",tests.planted.broken_module:Backend"
-    common = ["run", "--backend", backends, "--suite", "smoke", "--device", "cpu", "--quiet"]
-    serial = conformance(*common, "--json", str(tmp_path / "serial.json"))
+# A passing backend, a failing one, one that cannot run on a CPU (its reason as a serial run words
+# it), and one whose import raises (its row from the probe: in pytest it stopped the session).
+FOUR = "torch_naive,tests.planted.defects:WrongScale,tests.planted.defects:NeedsBlackwell"
+FOUR += ",tests.planted.broken_module:Backend"
+SERIAL_RUN = pytest.mark.xdist_group("sharded_serial_run")  # under pytest -n: the tests that share it on one worker
+
+
+@pytest.fixture(scope="module")
+def serial_run(tmp_path_factory):
+    """The serial run of FOUR over the smoke suite, every default check: what a sharded run must
+    equal, and torch_naive's engine check, what a crashing one must mirror."""
+    path = tmp_path_factory.mktemp("serial") / "serial.json"
+    completed = conformance(
+        "run", "--backend", FOUR, "--suite", "smoke", "--device", "cpu", "--quiet", "--json", str(path)
+    )
+    return completed, path
+
+
+@SERIAL_RUN
+def test_workers_on_the_cpu_give_the_serial_runs_results_case_for_case(tmp_path, serial_run):
+    common = ["run", "--backend", FOUR, "--suite", "smoke", "--device", "cpu", "--quiet"]
+    serial, serial_path = serial_run
     sharded = conformance(*common, "--workers", "2", "--json", str(tmp_path / "sharded.json"))
     assert serial.returncode == sharded.returncode == 1, sharded.stderr
-    serial_result, sharded_result = RunResult.load(tmp_path / "serial.json"), RunResult.load(tmp_path / "sharded.json")
+    serial_result, sharded_result = RunResult.load(serial_path), RunResult.load(tmp_path / "sharded.json")
     assert verdicts(sharded_result) == verdicts(serial_result)
     assert [b.reason for b in sharded_result.backends] == [b.reason for b in serial_result.backends]
     assert [b.name for b in sharded_result.backends] == [b.name for b in serial_result.backends]
@@ -56,16 +71,19 @@ def test_workers_on_the_cpu_give_the_serial_runs_results_case_for_case(tmp_path)
     assert not (tmp_path / "sharded.json.journal").exists()
 
 
-def test_a_worker_that_dies_in_a_case_makes_it_crash_once_and_a_fresh_worker_decides_as_one_would(tmp_path):
+@SERIAL_RUN
+def test_a_worker_that_dies_in_a_case_makes_it_crash_once_and_a_fresh_worker_decides_as_one_would(tmp_path, serial_run):
     # CrashesOnLargeBatch is torch_naive but for killing its process on a batch of more than 3
     # requests, which every engine run has (its model serves several prompts at once). Each engine
     # case torch_naive runs is then one CRASH, in a worker of its own; each it skips ("layout
     # covered by" an earlier case) is skipped too, decided again by the fresh worker that took over.
+    # What torch_naive's engine check does is the serial run's (FOUR's first backend).
     common = ["run", "--suite", "smoke", "--check", "engine", "--device", "cpu", "--quiet"]
-    naive = conformance(*common, "--backend", "torch_naive", "--json", str(tmp_path / "naive.json"))
     crashing = conformance(*common, "--backend", CRASHES, "--workers", "2", "--json", str(tmp_path / "crash.json"))
-    assert naive.returncode == 0 and crashing.returncode == 1, crashing.stderr
-    expected = RunResult.load(tmp_path / "naive.json").backends[0].check("engine").cases
+    naive = RunResult.load(serial_run[1]).backends[0]
+    assert naive.name == "torch_naive" and naive.check("engine").verdict.value == "PASS", naive.check("engine")
+    assert crashing.returncode == 1, crashing.stderr
+    expected = naive.check("engine").cases
     engine = RunResult.load(tmp_path / "crash.json").backends[0].check("engine")
     assert 0 < sum(case.verdict.value == "PASS" for case in expected) <= 3  # within the crashes a run allows
     assert [case.verdict.value for case in engine.cases] == [
@@ -82,15 +100,15 @@ def test_a_worker_that_dies_in_a_case_makes_it_crash_once_and_a_fresh_worker_dec
         (["--workers", "2", "--backend-timeout", "60"], 2, "cannot be combined with --backend-timeout"),
     ],
 )
-def test_bad_sharding_options_are_one_line_errors(tmp_path, args, status, message):
-    completed = conformance("run", "--suite", "smoke", "--device", "cpu", "--out", str(tmp_path), *args)
+def test_bad_sharding_options_are_one_line_errors(in_process, tmp_path, args, status, message):
+    completed = in_process("run", "--suite", "smoke", "--device", "cpu", "--out", str(tmp_path), *args)
     assert completed.returncode == status, completed.stderr
     assert message in completed.stderr and len(completed.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "results.json").exists()
 
 
-def test_bench_is_not_sharded(tmp_path):
-    completed = conformance("bench", "--workers", "2", "--out", str(tmp_path))
+def test_bench_is_not_sharded(in_process, tmp_path):
+    completed = in_process("bench", "--workers", "2", "--out", str(tmp_path))
     # Without a GPU bench stops first (exit 3); with one, --workers is refused (exit 2).
     assert completed.returncode in (2, 3) and len(completed.stderr.strip().splitlines()) == 1
     if completed.returncode == 2:
@@ -256,7 +274,7 @@ def test_a_backend_that_hangs_is_given_up_after_its_fourth_worker_death_as_in_a_
         "--workers",
         "1",
         "--timeout",
-        "10",
+        "4",  # a case that does not hang takes well under a second
         "--quiet",
         "--json",
         str(tmp_path / "hangs.json"),

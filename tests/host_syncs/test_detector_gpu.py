@@ -6,6 +6,7 @@ import torch
 from conformance.cases.grammar import parse_case
 from conformance.checks.syncs import SyncsCheck
 from conformance.results import Verdict
+from conformance.run.execution import judge
 from host_syncs import detect_host_syncs
 from tests.planted import syncs as planted
 
@@ -65,7 +66,7 @@ def test_torch_strategy_sees_pytorch_syncs_and_misses_raw_cuda(x):
 
 def test_syncs_check_fails_a_backend_that_copies_seq_lens_in_build_naming_the_line():
     case = parse_case("gqa-h8/2-d64-bf16-p16:100+1,30+4")
-    result = SyncsCheck().run_case(planted.SeqLensCpuInBuild, case, torch.device("cuda"))
+    result = judge(SyncsCheck(), planted.SeqLensCpuInBuild, case, torch.device("cuda"))
     assert result.verdict == Verdict.FAIL
     assert f"syncs.py:{marker_line('seq_lens_cpu_in_build')}" in result.reason
 
@@ -74,7 +75,7 @@ def test_syncs_check_reports_torch_naive_host_copies_without_failing_it():
     case = parse_case("gqa-h8/2-d64-bf16-p16:100+1,30+4")
     from backends.torch_naive import TorchNaiveBackend
 
-    result = SyncsCheck().run_case(TorchNaiveBackend, case, torch.device("cuda"))
+    result = judge(SyncsCheck(), TorchNaiveBackend, case, torch.device("cuda"))
     assert result.verdict == Verdict.PASS, result.reason
     assert sum(result.metrics["with_host_lengths_blocking"].values()) == 0
     assert result.metrics["without_host_lengths_blocking"]["build"] >= 1

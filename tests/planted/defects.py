@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from backends.base import Capabilities, CGSupport
+from backends.base import PLAIN_LAYER, Capabilities, CGSupport, LayerParameters
 from backends.torch_naive import TorchNaiveBackend
 
 
@@ -49,7 +49,7 @@ class WritesSlotMinusOne(TorchNaiveBackend):
 
     name = "planted_writes_slot_minus_one"
 
-    def write_kv(self, kv_cache, key, value, slot_mapping):
+    def write_kv(self, kv_cache, key, value, slot_mapping, layer: LayerParameters = PLAIN_LAYER):
         rows_per_plane = [key.view(key.shape[0], 1, -1)] if self.spec.kind == "mla" else [key, value]
         for plane, rows in zip(self.slot_planes(kv_cache), rows_per_plane):
             plane[slot_mapping] = rows.to(plane.dtype)
@@ -60,9 +60,9 @@ class ForgetsLastToken(TorchNaiveBackend):
 
     name = "planted_forgets_last_token"
 
-    def forward(self, query, kv_cache, metadata, out):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         scratch = out.clone()
-        super().forward(query, kv_cache, metadata, scratch)
+        super().forward(query, kv_cache, metadata, scratch, layer)
         last = metadata.query_start_loc[-1] - 1
         out[:last] = scratch[:last]
 
@@ -79,16 +79,16 @@ class CrashesOnLargeBatch(TorchNaiveBackend):
 
     name = "planted_crashes"
 
-    def forward(self, query, kv_cache, metadata, out):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         if len(metadata.seq_lens) > 3:
             os.kill(os.getpid(), signal.SIGSEGV)
-        super().forward(query, kv_cache, metadata, out)
+        super().forward(query, kv_cache, metadata, out, layer)
 
 
 STICKY_FAULT = "CUDA error: an illegal memory access was encountered"
 
 
-def _faulted_forward(self, query, kv_cache, metadata, out):
+def _faulted_forward(self, query, kv_cache, metadata, out, layer=None):
     raise RuntimeError(STICKY_FAULT)
 
 
@@ -99,16 +99,16 @@ class FaultsOnLongSequence(TorchNaiveBackend):
 
     name = "planted_faults_on_long_sequence"
 
-    def forward(self, query, kv_cache, metadata, out):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         if max(metadata.seq_lens) > 80:
             TorchNaiveBackend.forward = _faulted_forward
-        super().forward(query, kv_cache, metadata, out)
+        super().forward(query, kv_cache, metadata, out, layer)
 
 
 class Hangs(TorchNaiveBackend):
     name = "planted_hangs"
 
-    def forward(self, query, kv_cache, metadata, out):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         time.sleep(3600)
 
 
@@ -117,10 +117,10 @@ class HangsOnLongSequence(TorchNaiveBackend):
 
     name = "planted_hangs_on_long_sequence"
 
-    def forward(self, query, kv_cache, metadata, out):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         if max(metadata.seq_lens) > 8:
             time.sleep(3600)
-        super().forward(query, kv_cache, metadata, out)
+        super().forward(query, kv_cache, metadata, out, layer)
 
 
 class NeedsBlackwell(TorchNaiveBackend):

@@ -8,7 +8,7 @@ from typing import Any
 
 from conformance.checks.base import Check
 from conformance.harness.evidence import EvidenceItem, labelled, without
-from conformance.results import CaseResult, Verdict
+from conformance.results import Outcome, Verdict
 
 
 class LongestQueryCheck(Check):
@@ -21,11 +21,11 @@ class LongestQueryCheck(Check):
             without(evidence, "longest_query")
         )
 
-    def run_case(self, backend_cls, case, device) -> CaseResult:
+    def run_case(self, backend_cls, case, device) -> Outcome:
         if case.max_query_len == 1:
-            return CaseResult(case.id, Verdict.PASS, "decode only", tag=case.tag)
+            return Outcome(Verdict.PASS, "decode only")
         evidence = {
             "longest_query": f"{case.max_query_len} tokens in request "
             f"{max(range(case.num_reqs), key=lambda r: case.batch[r][1])}"
         }
-        return CaseResult(case.id, Verdict.FAIL, "a request verifies drafts", tag=case.tag, evidence=evidence)
+        return Outcome(Verdict.FAIL, "a request verifies drafts", evidence=evidence)

@@ -9,7 +9,8 @@ import dataclasses
 
 import torch
 
-from backends.base import KVScales
+from backends.base import PLAIN_LAYER, KVScales, LayerParameters
+from backends.features import FP8_E4M3
 from backends.flashinfer.mla import FlashInferMLABackend
 from backends.fp8 import from_cache, to_cache
 from backends.torch_naive import NaiveMetadata, TorchNaiveBackend
@@ -19,8 +20,9 @@ class DropsScaleOnDecode(TorchNaiveBackend):
     """Decode rows attend over the raw stored numbers (a fast decode path that forgot k_scale and
     v_scale, vLLM #42580); prefill rows are right."""
 
-    def forward(self, query, kv_cache, metadata: NaiveMetadata, out, scales=None) -> None:
-        super().forward(query, kv_cache, metadata, out, scales)
+    def forward(self, query, kv_cache, metadata: NaiveMetadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
+        super().forward(query, kv_cache, metadata, out, layer)
+        scales = layer.scales
         raw = KVScales(1.0, 1.0, scales.k_scale_tensor, scales.v_scale_tensor)
         for request in range(len(metadata.seq_lens)):
             start, end = metadata.query_start_loc[request], metadata.query_start_loc[request + 1]
@@ -28,7 +30,10 @@ class DropsScaleOnDecode(TorchNaiveBackend):
                 single = NaiveMetadata(
                     [0, 1], [metadata.seq_lens[request]], metadata.block_table[request : request + 1]
                 )
-                super().forward(query[start:end], kv_cache, single, out[start:end], raw)
+                lse = None if layer.lse is None else layer.lse[start:end]
+                super().forward(
+                    query[start:end], kv_cache, single, out[start:end], LayerParameters(raw, layer.sinks, lse)
+                )
 
 
 class SwapsKVScales(TorchNaiveBackend):
@@ -42,9 +47,10 @@ class SwapsKVScales(TorchNaiveBackend):
 class ScalesTwiceOnRead(TorchNaiveBackend):
     """Dequantizes with the scale applied twice (stored × scale²)."""
 
-    def forward(self, query, kv_cache, metadata, out, scales=None) -> None:
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
+        scales = layer.scales
         squared = KVScales(scales.k_scale**2, scales.v_scale**2, scales.k_scale_tensor, scales.v_scale_tensor)
-        super().forward(query, kv_cache, metadata, out, squared)
+        super().forward(query, kv_cache, metadata, out, dataclasses.replace(layer, scales=squared))
 
 
 class TruncatesOnWrite(TorchNaiveBackend):
@@ -77,21 +83,22 @@ class KeepsFirstLayerScales(TorchNaiveBackend):
         metadata.scales = None
         return metadata
 
-    def forward(self, query, kv_cache, metadata, out, scales=None) -> None:
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
         if getattr(metadata, "scales", None) is None:
-            metadata.scales = scales
-        super().forward(query, kv_cache, metadata, out, metadata.scales)
+            metadata.scales = layer.scales
+        super().forward(query, kv_cache, metadata, out, dataclasses.replace(layer, scales=metadata.scales))
 
 
 class ReadsDeviceScaleOnHost(TorchNaiveBackend):
     """Reads the device scale with ``.item()`` in forward: a host sync per layer (GPU: the syncs
     check sees it)."""
 
-    def forward(self, query, kv_cache, metadata, out, scales=None) -> None:
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
+        scales = layer.scales
         host = KVScales(
             scales.k_scale_tensor.item(), scales.v_scale_tensor.item(), scales.k_scale_tensor, scales.v_scale_tensor
         )
-        super().forward(query, kv_cache, metadata, out, host)
+        super().forward(query, kv_cache, metadata, out, dataclasses.replace(layer, scales=host))
 
 
 class FlashInferMLAClaimingE4M3(FlashInferMLABackend):
@@ -102,5 +109,7 @@ class FlashInferMLAClaimingE4M3(FlashInferMLABackend):
 
     name = "planted_flashinfer_mla_claiming_e4m3"
     capabilities = dataclasses.replace(
-        FlashInferMLABackend.capabilities, kv_cache_dtypes=frozenset({torch.float8_e4m3fn}), kv_cache_note=""
+        FlashInferMLABackend.capabilities,
+        features=FlashInferMLABackend.capabilities.features | {FP8_E4M3},
+        not_claimed={},
     )

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from backends import fp8
-from backends.base import FP8_KV_DTYPES, Capabilities, CGSupport, PaddingStyle
+from backends.base import PLAIN_LAYER, Capabilities, CGSupport, LayerParameters
+from backends.features import EMPTY_REQUESTS, FP8_E4M3, FP8_E5M2, LOGITS_SOFT_CAP, SLIDING_WINDOW
 from backends.flashinfer.gqa import FlashInferBackend
 from backends.torch_naive import NaiveMetadata, TorchNaiveBackend
 
@@ -31,9 +32,7 @@ class TorchGraphSafe(TorchNaiveBackend):
     capabilities = Capabilities(
         kinds=frozenset({"mha"}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        kv_cache_dtypes=FP8_KV_DTYPES,
-        sliding_window=True,
-        logits_soft_cap=True,
+        features=frozenset({FP8_E4M3, FP8_E5M2, SLIDING_WINDOW, LOGITS_SOFT_CAP}),
         cuda_graphs=CGSupport.ALWAYS,
         needs_cpu_seq_lens=False,
         draft_step_update=True,
@@ -70,11 +69,12 @@ class TorchGraphSafe(TorchNaiveBackend):
         k_scale, v_scale = fp8.scale_tensors(self.spec, scales)
         return (1.0, 1.0) if k_scale is None else (k_scale, v_scale)
 
-    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None, lse=None) -> None:
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
         """Learned ``sinks`` and the ``lse`` are honoured here; only ``GraphSafeWithSinksAndLse``
         claims them (the others' cases stay as they were)."""
         spec = self.spec
-        k_scale, v_scale = self.device_scales(scales)
+        sinks, lse = layer.sinks, layer.lse
+        k_scale, v_scale = self.device_scales(layer.scales)
         request, position, seq_len = self.token_lengths(metadata)
         block_size = spec.block_size
         # An eager batch's block table may be narrower than the static limit: gather what is there.
@@ -152,11 +152,11 @@ class MasksOnlyScoresUnderCapture(TorchGraphSafe):
     def build_for_capture(self, common):
         return TorchGraphSafe.build(self, common)
 
-    def forward(self, query, kv_cache, metadata, out) -> None:
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
         if isinstance(metadata, NaiveMetadata):
-            TorchNaiveBackend.forward(self, query, kv_cache, metadata, out)
+            TorchNaiveBackend.forward(self, query, kv_cache, metadata, out, layer)
         else:
-            super().forward(query, kv_cache, metadata, out)
+            super().forward(query, kv_cache, metadata, out, layer)
 
 
 class HostLengthsInForward(TorchGraphSafe):
@@ -164,9 +164,9 @@ class HostLengthsInForward(TorchGraphSafe):
 
     name = "planted_host_lengths_in_forward"
 
-    def forward(self, query, kv_cache, metadata, out) -> None:
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
         metadata.max_blocks = min(metadata.max_blocks, -(-int(metadata.seq_lens.max().item()) // self.spec.block_size))
-        super().forward(query, kv_cache, metadata, out)
+        super().forward(query, kv_cache, metadata, out, layer)
 
 
 class StaleDraftPositions(TorchGraphSafe):
@@ -206,7 +206,7 @@ class WritesPaddingIntoBlockZero(TorchGraphSafe):
 
     name = "planted_writes_padding_into_block_zero"
 
-    def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
+    def write_kv(self, kv_cache, key, value, slot_mapping, layer: LayerParameters = PLAIN_LAYER) -> None:
         slots = slot_mapping.clamp(min=0)
         for plane, rows in zip(self.slot_planes(kv_cache), (key, value)):
             plane.index_copy_(0, slots, rows.to(plane.dtype))
@@ -269,16 +269,16 @@ class AutotunesOnFirstCall(TorchGraphSafe):
 
     name = "planted_autotunes_on_first_call"
 
-    def forward(self, query, kv_cache, metadata, out) -> None:
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
         tuned = self.__dict__.setdefault("tuned", set())
         if metadata.num_tokens not in tuned:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            super().forward(query, kv_cache, metadata, out)
+            super().forward(query, kv_cache, metadata, out, layer)
             end.record()
             end.synchronize()
             tuned.add(metadata.num_tokens)
-        super().forward(query, kv_cache, metadata, out)
+        super().forward(query, kv_cache, metadata, out, layer)
 
 
 class NondeterministicReplays(TorchGraphSafe):
@@ -293,10 +293,10 @@ class NondeterministicReplays(TorchGraphSafe):
         super().__init__(spec, limits, device)
         self.calls = torch.zeros((), dtype=torch.int64, device=device)
 
-    def forward(self, query, kv_cache, metadata, out) -> None:
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
         self.calls.add_(1)
         scratch = torch.empty_like(out)
-        super().forward(query, kv_cache, metadata, scratch)
+        super().forward(query, kv_cache, metadata, scratch, layer)
         # Re-add the result in two halves whose boundary moves: different rounding each call.
         split = (self.calls % 7 + 1).to(torch.float32) / 8
         part = scratch[: metadata.num_tokens].float()
@@ -322,7 +322,9 @@ class GraphSafeEmptyRequests(TorchGraphSafe):
     token, so an empty request reads and writes nothing."""
 
     name = "test_graph_safe_empty_requests"
-    capabilities = dataclasses.replace(TorchGraphSafe.capabilities, padding_styles=frozenset(PaddingStyle))
+    capabilities = dataclasses.replace(
+        TorchGraphSafe.capabilities, features=TorchGraphSafe.capabilities.features | {EMPTY_REQUESTS}
+    )
 
 
 class WritesLastTokenOfEmptyRequests(GraphSafeEmptyRequests):
@@ -331,8 +333,8 @@ class WritesLastTokenOfEmptyRequests(GraphSafeEmptyRequests):
 
     name = "planted_writes_last_token_of_empty_requests"
 
-    def forward(self, query, kv_cache, metadata, out, scales=None) -> None:
-        super().forward(query, kv_cache, metadata, out, scales)
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
+        super().forward(query, kv_cache, metadata, out, layer)
         starts = metadata.query_start_loc
         empty = ((starts[1:] == starts[:-1]) & (starts[1:] > 0)).int()
         hit = torch.zeros(out.shape[0], dtype=torch.int32, device=out.device)

@@ -9,6 +9,7 @@ import dataclasses
 
 import torch
 
+from backends.base import PLAIN_LAYER, LayerParameters
 from backends.torch_naive import TorchNaiveBackend
 
 
@@ -26,9 +27,9 @@ class AssumesContiguousQuery(TorchNaiveBackend):
 
     name = "planted_assumes_contiguous_query"
 
-    def forward(self, query, kv_cache, metadata, out):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         packed = torch.as_strided(query, query.shape, contiguous_strides(query.shape), query.storage_offset())
-        super().forward(packed, kv_cache, metadata, out)
+        super().forward(packed, kv_cache, metadata, out, layer)
 
 
 class AssumesContiguousOutput(TorchNaiveBackend):
@@ -36,10 +37,10 @@ class AssumesContiguousOutput(TorchNaiveBackend):
 
     name = "planted_assumes_contiguous_output"
 
-    def forward(self, query, kv_cache, metadata, out):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         result = torch.empty(out.shape, dtype=out.dtype, device=out.device)
         result.copy_(out)
-        super().forward(query, kv_cache, metadata, result)
+        super().forward(query, kv_cache, metadata, result, layer)
         packed = torch.as_strided(out, out.shape, contiguous_strides(out.shape), out.storage_offset())
         packed.copy_(result)
 
@@ -91,7 +92,7 @@ class DecodeReadsOnePastEnd(TorchNaiveBackend):
 
     name = "planted_decode_reads_one_past_end"
 
-    def forward(self, query, kv_cache, metadata, out):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         planes = self.slot_planes(kv_cache)
         for request, seq_len in enumerate(metadata.seq_lens):
             start, end = metadata.query_start_loc[request], metadata.query_start_loc[request + 1]
@@ -107,7 +108,7 @@ class DecodeReadsOnePastEnd(TorchNaiveBackend):
         ]
         if multi:
             scratch = out.clone()
-            super().forward(query, kv_cache, metadata, scratch)
+            super().forward(query, kv_cache, metadata, scratch, layer)
             for r in multi:
                 rows = slice(metadata.query_start_loc[r], metadata.query_start_loc[r + 1])
                 out[rows] = scratch[rows]
@@ -138,9 +139,9 @@ class NondeterministicSplits(TorchNaiveBackend):
         super().__init__(spec, limits, device)
         self.calls = 0
 
-    def forward(self, query, kv_cache, metadata, out):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         self.calls += 1
-        super().forward(query, kv_cache, metadata, out)
+        super().forward(query, kv_cache, metadata, out, layer)
 
     def attend(self, query, key, value, context_len, sinks=None):
         return split_kv_attend(self, query, key, value, context_len, splits=1 + self.calls % 3)
@@ -153,9 +154,9 @@ class SplitsFollowTheBatch(TorchNaiveBackend):
     name = "planted_splits_follow_the_batch"
     capabilities = dataclasses.replace(TorchNaiveBackend.capabilities, deterministic=True, batch_invariant=True)
 
-    def forward(self, query, kv_cache, metadata, out):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         self.num_reqs = len(metadata.seq_lens)
-        super().forward(query, kv_cache, metadata, out)
+        super().forward(query, kv_cache, metadata, out, layer)
 
     def attend(self, query, key, value, context_len, sinks=None):
         return split_kv_attend(self, query, key, value, context_len, splits=max(1, 8 // self.num_reqs))
@@ -251,8 +252,8 @@ class HeadTileWithoutHeadMask(TorchNaiveBackend):
     name = "planted_head_tile_without_head_mask"
     tile = 16
 
-    def forward(self, query, kv_cache, metadata, out):
-        super().forward(query, kv_cache, metadata, out)
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
+        super().forward(query, kv_cache, metadata, out, layer)
         heads = self.spec.num_heads
         stray = -heads % self.tile
         planes = self.slot_planes(kv_cache)
@@ -303,9 +304,9 @@ class LaunchesOnTheDefaultStream(TorchNaiveBackend):
 
     name = "planted_launches_on_the_default_stream"
 
-    def forward(self, query, kv_cache, metadata, out):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         with torch.cuda.stream(torch.cuda.default_stream(query.device)):
-            super().forward(query, kv_cache, metadata, out)
+            super().forward(query, kv_cache, metadata, out, layer)
 
 
 class ScalesQueryInPlace(TorchNaiveBackend):
@@ -315,9 +316,9 @@ class ScalesQueryInPlace(TorchNaiveBackend):
 
     name = "planted_scales_query_in_place"
 
-    def forward(self, query, kv_cache, metadata, out, scales=None):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         query.mul_(self.spec.softmax_scale)
-        super().forward(query, kv_cache, metadata, out, scales)
+        super().forward(query, kv_cache, metadata, out, layer)
 
     def softmax_scale(self) -> float:
         return 1.0
@@ -342,9 +343,9 @@ class ZeroesTheWholeOutput(TorchNaiveBackend):
 
     name = "planted_zeroes_the_whole_output"
 
-    def forward(self, query, kv_cache, metadata, out, scales=None):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         out.zero_()
-        super().forward(query, kv_cache, metadata, out, scales)
+        super().forward(query, kv_cache, metadata, out, layer)
 
 
 class DropsCapOnDecode(TorchNaiveBackend):
@@ -411,10 +412,10 @@ class ClampsSinksInPlace(TorchNaiveBackend):
 
     name = "planted_clamps_sinks_in_place"
 
-    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None, **keywords):
-        if sinks is not None:
-            sinks.clamp_(min=0.0)
-        super().forward(query, kv_cache, metadata, out, scales=scales, sinks=sinks, **keywords)
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
+        if layer.sinks is not None:
+            layer.sinks.clamp_(min=0.0)
+        super().forward(query, kv_cache, metadata, out, layer)
 
 
 class RescalesKVScalesInPlace(TorchNaiveBackend):
@@ -424,11 +425,11 @@ class RescalesKVScalesInPlace(TorchNaiveBackend):
 
     name = "planted_rescales_kv_scales_in_place"
 
-    def forward(self, query, kv_cache, metadata, out, scales=None, **keywords):
-        if scales is not None:
-            scales.k_scale_tensor.mul_(3)
-            scales.v_scale_tensor.fill_(float("nan"))
-        super().forward(query, kv_cache, metadata, out, scales=scales, **keywords)
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
+        if layer.scales is not None:
+            layer.scales.k_scale_tensor.mul_(3)
+            layer.scales.v_scale_tensor.fill_(float("nan"))
+        super().forward(query, kv_cache, metadata, out, layer)
 
 
 class WritesOutsideItsBlocks(TorchNaiveBackend):
@@ -437,6 +438,6 @@ class WritesOutsideItsBlocks(TorchNaiveBackend):
 
     name = "planted_writes_outside_its_blocks"
 
-    def forward(self, query, kv_cache, metadata, out, **keywords):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         kv_cache[-1].zero_()
-        super().forward(query, kv_cache, metadata, out, **keywords)
+        super().forward(query, kv_cache, metadata, out, layer)

@@ -10,7 +10,8 @@ import dataclasses
 
 import torch
 
-from backends.base import KVScales
+from backends.base import PLAIN_LAYER, KVScales, LayerParameters
+from backends.features import ATTENTION_SINKS, LSE
 from backends.torch_naive import NaiveMetadata, TorchNaiveBackend
 from tests.planted.graph_backends import TorchGraphSafe
 
@@ -29,10 +30,10 @@ class StashesSinksInMetadata(TorchNaiveBackend):
     def build(self, common):
         return StashingMetadata(**vars(super().build(common)))
 
-    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None, lse=None):
-        if sinks is not None:
-            sinks = metadata.stashed.setdefault("sinks", sinks.clone())
-        super().forward(query, kv_cache, metadata, out, scales=scales, sinks=sinks, lse=lse)
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
+        if layer.sinks is not None:
+            layer = dataclasses.replace(layer, sinks=metadata.stashed.setdefault("sinks", layer.sinks.clone()))
+        super().forward(query, kv_cache, metadata, out, layer)
 
 
 class KeepsFirstSinks:
@@ -42,12 +43,12 @@ class KeepsFirstSinks:
 
     kept_sinks: torch.Tensor | None = None
 
-    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None, lse=None) -> None:
-        if sinks is not None:
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
+        if layer.sinks is not None:
             if self.kept_sinks is None:
-                self.kept_sinks = sinks.clone()
-            sinks = self.kept_sinks
-        super().forward(query, kv_cache, metadata, out, scales=scales, sinks=sinks, lse=lse)
+                self.kept_sinks = layer.sinks.clone()
+            layer = dataclasses.replace(layer, sinks=self.kept_sinks)
+        super().forward(query, kv_cache, metadata, out, layer)
 
 
 class KeepsFirstLayerSinks(KeepsFirstSinks, TorchNaiveBackend):
@@ -67,19 +68,21 @@ class KeepsFirstScalesInACopy(TorchNaiveBackend):
         super().__init__(spec, limits, device)
         self.kept_scales: KVScales | None = None
 
-    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None, lse=None) -> None:
-        if scales is not None:
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
+        if layer.scales is not None:
             if self.kept_scales is None:
-                self.kept_scales = KVScales.on(self.device, scales.k_scale, scales.v_scale)
-            scales = self.kept_scales
-        super().forward(query, kv_cache, metadata, out, scales=scales, sinks=sinks, lse=lse)
+                self.kept_scales = KVScales.on(self.device, layer.scales.k_scale, layer.scales.v_scale)
+            layer = dataclasses.replace(layer, scales=self.kept_scales)
+        super().forward(query, kv_cache, metadata, out, layer)
 
 
 class GraphSafeWithSinksAndLse(TorchGraphSafe):
     """The graph-safe torch backend claiming learned sinks and the LSE (a correct control)."""
 
     name = "test_graph_safe_with_sinks_and_lse"
-    capabilities = dataclasses.replace(TorchGraphSafe.capabilities, attention_sinks=True, returns_lse=True)
+    capabilities = dataclasses.replace(
+        TorchGraphSafe.capabilities, features=TorchGraphSafe.capabilities.features | {ATTENTION_SINKS, LSE}
+    )
 
 
 class KeepsFirstScalesOnDevice(TorchGraphSafe):
@@ -89,14 +92,15 @@ class KeepsFirstScalesOnDevice(TorchGraphSafe):
     name = "planted_keeps_first_scales_on_device"
     kept = None
 
-    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None, lse=None):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
+        scales = layer.scales
         if scales is not None:
             if self.kept is None:
                 self.kept = dataclasses.replace(
                     scales, k_scale_tensor=scales.k_scale_tensor.clone(), v_scale_tensor=scales.v_scale_tensor.clone()
                 )
-            scales = self.kept
-        super().forward(query, kv_cache, metadata, out, scales=scales, sinks=sinks, lse=lse)
+            layer = dataclasses.replace(layer, scales=self.kept)
+        super().forward(query, kv_cache, metadata, out, layer)
 
 
 class GraphSafeKeepsFirstSinks(KeepsFirstSinks, GraphSafeWithSinksAndLse):
@@ -111,6 +115,6 @@ class LseOnlyEager(GraphSafeWithSinksAndLse):
 
     name = "planted_lse_only_eager"
 
-    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None, lse=None):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        super().forward(query, kv_cache, metadata, out, scales=scales, sinks=sinks, lse=None if capturing else lse)
+        super().forward(query, kv_cache, metadata, out, layer.with_lse(None) if capturing else layer)

@@ -1,4 +1,4 @@
-"""Planted log-sum-exp defects, each torch_naive claiming ``returns_lse`` with one convention slip
+"""Planted log-sum-exp defects, each torch_naive claiming the ``lse`` feature with one convention slip
 of a kind a merge then compounds: base 2 (FlashInfer's default) handed over as natural log, the
 learned sink's term left out of the LSE while the output includes it, and the LSE kept per KV
 head rather than per query head (GQA and MLA: a head handed another head of its group's LSE, or

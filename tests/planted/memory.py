@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from backends.base import PLAIN_LAYER, LayerParameters
 from backends.torch_naive import TorchNaiveBackend
 
 
@@ -33,11 +34,11 @@ class WritesNextSlot(TorchNaiveBackend):
 
     name = "planted_writes_next_slot"
 
-    def write_kv(self, kv_cache, key, value, slot_mapping):
+    def write_kv(self, kv_cache, key, value, slot_mapping, layer: LayerParameters = PLAIN_LAYER):
         block_size = self.spec.block_size
         inside = (slot_mapping >= 0) & ((slot_mapping + 1) % block_size != 0)  # kept inside its block
-        super().write_kv(kv_cache, key, value, torch.where(inside, slot_mapping + 1, -1))
-        super().write_kv(kv_cache, key, value, slot_mapping)
+        super().write_kv(kv_cache, key, value, torch.where(inside, slot_mapping + 1, -1), layer)
+        super().write_kv(kv_cache, key, value, slot_mapping, layer)
 
 
 @functools.cache
@@ -119,8 +120,8 @@ def _triton_defects():
     class MaskedExtraRead(TritonAttentionBackend):
         next_row = False
 
-        def forward(self, query, kv_cache, metadata, out) -> None:
-            super().forward(query, kv_cache, metadata, out)
+        def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
+            super().forward(query, kv_cache, metadata, out, layer)
             v_cache = kv_cache[1]  # [blocks, kv heads, page, dim]
             masked_extra_read_kernel[(metadata.num_reqs,)](
                 v_cache,
@@ -156,8 +157,8 @@ def _triton_defects():
 
         name = "planted_writes_row_past_slot_mapping"
 
-        def write_kv(self, kv_cache, key, value, slot_mapping) -> None:
-            super().write_kv(kv_cache, key, value, slot_mapping)
+        def write_kv(self, kv_cache, key, value, slot_mapping, layer: LayerParameters = PLAIN_LAYER) -> None:
+            super().write_kv(kv_cache, key, value, slot_mapping, layer)
             k_cache = kv_cache[0]
             write_one_row_past_kernel[(slot_mapping.shape[0] + 1,)](
                 key,

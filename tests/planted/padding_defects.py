@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from backends.base import PLAIN_LAYER, LayerParameters
 from backends.torch_naive import TorchNaiveBackend
 
 
@@ -21,8 +22,8 @@ class WritesLastTokenOfEachRequest(EmptyRequestsMixin, TorchNaiveBackend):
     token, the one a sampler reads); an empty request's program has attended to nothing and
     writes zeros there, over the previous request's last token."""
 
-    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None) -> None:
-        super().forward(query, kv_cache, metadata, out, scales, sinks)
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
+        super().forward(query, kv_cache, metadata, out, layer)
         for request in self.empty_requests(metadata):
             last = metadata.query_start_loc[request + 1] - 1
             if last >= 0:
@@ -34,8 +35,8 @@ class EmptyRequestWritesNaN(EmptyRequestsMixin, TorchNaiveBackend):
     divides 0 by 0 and writes the NaN row at ``query_start_loc[r]``, the next request's first
     token or, at the end of the batch, a row past the real tokens."""
 
-    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None) -> None:
-        super().forward(query, kv_cache, metadata, out, scales, sinks)
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
+        super().forward(query, kv_cache, metadata, out, layer)
         for request in self.empty_requests(metadata):
             row = metadata.query_start_loc[request]
             if row < out.shape[0]:
@@ -47,8 +48,8 @@ class ReadsBlockMinusOne(EmptyRequestsMixin, TorchNaiveBackend):
     request's block-table row -1, block id -1 (Python: the pool's last block, another request's;
     a GPU: memory before the pool), and writes that key's value as the empty request's output."""
 
-    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None) -> None:
-        super().forward(query, kv_cache, metadata, out, scales, sinks)
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
+        super().forward(query, kv_cache, metadata, out, layer)
         planes = self.slot_planes(kv_cache)
         for request in self.empty_requests(metadata):
             row = metadata.query_start_loc[request]

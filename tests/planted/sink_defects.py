@@ -8,6 +8,8 @@ import dataclasses
 
 import torch
 
+from backends.base import PLAIN_LAYER, LayerParameters
+from backends.features import ATTENTION_SINKS
 from backends.flashinfer.gqa import FlashInferBackend
 from backends.torch_naive import TorchNaiveBackend
 
@@ -51,13 +53,17 @@ class FlashInferClaimingSinks(FlashInferBackend):
     H200 (FlashInfer 0.7.2.post1, FA2) the output misses the sinks."""
 
     name = "planted_flashinfer_claiming_sinks"
-    capabilities = dataclasses.replace(FlashInferBackend.capabilities, attention_sinks=True, sinks_note="")
+    capabilities = dataclasses.replace(
+        FlashInferBackend.capabilities,
+        features=FlashInferBackend.capabilities.features | {ATTENTION_SINKS},
+        not_claimed={},
+    )
 
-    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None) -> None:
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
         for call in metadata.calls:
             call.wrapper.run(
                 query[call.token_start : call.token_end].contiguous(),
                 kv_cache,
                 out=out[call.token_start : call.token_end],
-                sinks=sinks,
+                sinks=layer.sinks,
             )

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from backends.base import PLAIN_LAYER, LayerParameters
 from backends.torch_naive import NaiveMetadata, TorchNaiveBackend
 from tests.planted.graph_backends import TorchGraphSafe
 
@@ -158,6 +159,5 @@ class StaleLseUnlessReplanned(TorchNaiveBackend):
         self.planned_for = common.num_reqs
         return PlannedMetadata(**vars(metadata), replanned=replanned)
 
-    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None, lse=None):
-        returned = lse if metadata.replanned else None
-        super().forward(query, kv_cache, metadata, out, scales=scales, sinks=sinks, lse=returned)
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
+        super().forward(query, kv_cache, metadata, out, layer if metadata.replanned else layer.with_lse(None))

@@ -9,6 +9,7 @@ import ctypes
 import torch
 
 from backends.base import Capabilities, CGSupport
+from backends.features import LOGITS_SOFT_CAP, SLIDING_WINDOW
 from backends.torch_naive import TorchNaiveBackend
 
 
@@ -103,8 +104,7 @@ class SeqLensCpuInBuild(TorchNaiveBackend):
     capabilities = Capabilities(
         kinds=frozenset({"mha", "mla"}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        sliding_window=True,
-        logits_soft_cap=True,
+        features=frozenset({SLIDING_WINDOW, LOGITS_SOFT_CAP}),
         cuda_graphs=CGSupport.NEVER,
         needs_cpu_seq_lens=False,
         devices=frozenset({"cuda"}),

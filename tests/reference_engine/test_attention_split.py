@@ -15,6 +15,7 @@ from backends.utils import sub_batch
 from conformance.cases.grammar import parse_case
 from conformance.checks.engine import EngineCheck
 from conformance.results import Verdict
+from conformance.run.execution import judge
 from reference_engine.attention_split import (
     Part,
     SplitAttention,
@@ -132,12 +133,12 @@ def test_engine_check_runs_decode_only_and_uniform_only_backends():
     for backend in (DecodeOnly, UniformOnly):
         check = EngineCheck()
         assert check.case_skip_reason(backend, case, CPU) is None
-        result = check.run_case(backend, case, CPU)
+        result = judge(check, backend, case, CPU)
         assert result.verdict == Verdict.PASS, result.reason
         served = result.evidence["attention_routing"]
         assert served[backend.name]["batches"] > 0 and served["torch_naive"]["batches"] > 0, served
         assert f"{backend.name} served" in result.reason
-    result = EngineCheck().run_case(UniformForgetsLastToken, case, CPU)
+    result = judge(EngineCheck(), UniformForgetsLastToken, case, CPU)
     assert result.verdict == Verdict.FAIL, result.reason
     assert "attention_routing" in result.evidence
 

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from backends.base import CGSupport
+from backends.base import PLAIN_LAYER, CGSupport, LayerParameters
 from backends.torch_naive import TorchNaiveBackend
 from reference_engine.batched_engine import BatchedEngine, InputCheckFailed
 from reference_engine.core import EngineConfig
@@ -393,14 +393,14 @@ class AllocationBoundBackend(TorchNaiveBackend):
 
     name = "allocation_bound"
 
-    def forward(self, query, kv_cache, metadata, out) -> None:
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
         for request, seq_len in enumerate(metadata.seq_lens):
             pages = metadata.block_table[request, : -(-seq_len // self.spec.block_size)]
             if pages.numel() * self.spec.block_size < seq_len or bool((pages == 0).any()):
                 raise AssertionError(
                     f"request row {request}: seq_len {seq_len} reaches past its blocks {pages.tolist()}"
                 )
-        super().forward(query, kv_cache, metadata, out)
+        super().forward(query, kv_cache, metadata, out, layer)
 
 
 @pytest.mark.parametrize("scheduling", [False, True])

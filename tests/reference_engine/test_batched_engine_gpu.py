@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from backends import registry
-from backends.base import PaddingStyle
+from backends.features import EMPTY_REQUESTS
 from backends.triton.backend import TritonAttentionBackend
 from conformance.cases.grammar import parse_case
 from conformance.checks.engine import EngineCheck
 from conformance.results import Verdict
+from conformance.run.execution import judge
 from reference_engine.batched_engine import BatchedEngine
 from reference_engine.core import EngineConfig
 from reference_engine.metrics import measure
@@ -56,7 +57,7 @@ def test_triton_async_equals_sync_with_graphs_and_no_syncs(drafter, temperature)
 
 def test_engine_check_passes_triton():
     case = parse_case("gqa-h8/2-d64-bf16-p16:30+1,9+1@0")
-    result = EngineCheck().run_case(registry.load("triton"), case, torch.device("cuda"))
+    result = judge(EngineCheck(), registry.load("triton"), case, torch.device("cuda"))
     assert result.verdict == Verdict.PASS, result.reason
     assert result.metrics["host_syncs_per_steady_step"] == 0
 
@@ -67,7 +68,7 @@ def test_engine_check_fails_a_backend_that_syncs_once_in_many_steady_steps():
     from tests.planted.steady_defects import SyncsEveryNthBuild
 
     case = parse_case("gqa-h8/2-d64-bf16-p16:30+1,9+1@0")
-    result = EngineCheck().run_case(SyncsEveryNthBuild, case, torch.device("cuda"))
+    result = judge(EngineCheck(), SyncsEveryNthBuild, case, torch.device("cuda"))
     assert result.verdict == Verdict.FAIL, result.reason
     assert "host syncs per steady-state async step while claiming needs_cpu_seq_lens=False" in result.reason
 
@@ -76,7 +77,7 @@ def test_engine_check_skips_the_steady_measurement_where_syncs_are_allowed():
     """torch_naive claims needs_cpu_seq_lens: its steady-state syncs could not fail the check, so
     the long measured runs are not made (and the reason says so)."""
     case = parse_case("gqa-h8/2-d64-bf16-p16:30+1,9+1@0")
-    result = EngineCheck().run_case(registry.load("torch_naive"), case, torch.device("cuda"))
+    result = judge(EngineCheck(), registry.load("torch_naive"), case, torch.device("cuda"))
     assert result.verdict == Verdict.PASS, result.reason
     assert "host_syncs_per_steady_step" not in result.metrics
     assert "steady-state steps not measured (the backend claims needs_cpu_seq_lens" in result.reason
@@ -122,7 +123,8 @@ class TritonPaddingRowsOnly(TritonAttentionBackend):
 
     name = "triton_padding_rows_only"
     capabilities = dataclasses.replace(
-        TritonAttentionBackend.capabilities, padding_styles=frozenset({PaddingStyle.ROWS})
+        TritonAttentionBackend.capabilities,
+        features=TritonAttentionBackend.capabilities.features - {EMPTY_REQUESTS},
     )
 
 

@@ -7,10 +7,12 @@ import dataclasses
 import pytest
 import torch
 
+from backends.features import VALUE_HEAD_DIM
 from backends.torch_naive import TorchNaiveBackend
 from conformance.cases.grammar import parse_case
 from conformance.checks.engine import EngineCheck, model_for
 from conformance.results import Verdict
+from conformance.run.execution import judge
 from reference_engine.batched_engine import BatchedEngine
 from reference_engine.core import EngineConfig
 from reference_engine.engine import Engine
@@ -64,7 +66,9 @@ def test_plans_follow_the_claims():
     assert roles(PrefillOnly, decompressed_prefill=False) == [("torch_naive", None)]
 
     class OneHeadDim(PrefillOnly):  # claims neither MLA nor a value dim of its own
-        capabilities = dataclasses.replace(PrefillOnly.capabilities, distinct_value_head_dim=False)
+        capabilities = dataclasses.replace(
+            PrefillOnly.capabilities, features=PrefillOnly.capabilities.features - {VALUE_HEAD_DIM}
+        )
 
     with pytest.raises(ValueError, match="MLA not supported"):
         plan_attention(OneHeadDim, MLA, torch.float32, 16, None, CPU)
@@ -104,16 +108,16 @@ def test_the_engine_check_catches_a_prefill_defect_through_the_mla_model():
     assert model_for(case).attention == "mla"
     check = EngineCheck()
     assert check.case_skip_reason(PrefillOnly, case, CPU) is None
-    result = check.run_case(PrefillOnly, case, CPU)
+    result = judge(check, PrefillOnly, case, CPU)
     assert result.verdict == Verdict.PASS, result.reason
     assert "prefill_only (MLA prefill, decompressed) served" in result.reason
     # The independent reference (torch_naive's engine) is judged first and catches it; so does the
     # comparison of MLA's two paths, the check's own, without it.
-    result = EngineCheck().run_case(PrefillValueOffset, case, CPU)
+    result = judge(EngineCheck(), PrefillValueOffset, case, CPU)
     assert result.verdict == Verdict.FAIL and "plain vs torch_naive" in result.reason, result.reason
     from tests.conformance.checks.test_engine_reference import SelfComparisonsOnly
 
-    result = SelfComparisonsOnly().run_case(PrefillValueOffset, case, CPU)
+    result = judge(SelfComparisonsOnly(), PrefillValueOffset, case, CPU)
     assert result.verdict == Verdict.FAIL and "MLA prefill decompressed vs every request absorbed" in result.reason, (
         result.reason
     )
@@ -153,5 +157,5 @@ def test_the_engine_check_runs_a_windowed_layer_alternating():
     case = parse_case("gqa-h4/2-d32-fp32-p16-w128-attnsinks:30+1@0")
     config = model_for(case)
     assert config.alternating_window and config.sliding_window < 64 and config.attention_sinks
-    result = EngineCheck().run_case(TorchNaiveBackend, case, CPU)
+    result = judge(EngineCheck(), TorchNaiveBackend, case, CPU)
     assert result.verdict == Verdict.PASS, result.reason

@@ -47,7 +47,7 @@ import torch
 
 from backends.base import AttentionBackend
 from conformance.cases.grammar import Case, format_layer
-from conformance.checks.base import Check
+from conformance.checks.base import Check, Plan
 from conformance.checks.engine import engine_skip_reason
 from conformance.checks.memory import sanitizer
 from conformance.harness.allocation_map import AllocationMap
@@ -56,7 +56,7 @@ from conformance.harness.graphs import cuda_graph_skip_reason
 from conformance.harness.nan_poison import nan_poison_pass
 from conformance.harness.step import prepare_case
 from conformance.process_exit import describe_exit
-from conformance.results import CaseResult, Verdict
+from conformance.results import Outcome, Verdict
 
 # The mixed case is the small one (43 query tokens): initcheck prints a report per 32 bytes of a
 # copy it thinks never written, and each costs the child time (a copy of flash-attn-4's output:
@@ -90,10 +90,6 @@ class MemoryCheck(Check):
         "no access outside its allocations, no read of a KV slot no request owns, no write outside the slot mapping?"
     )
 
-    def __init__(self, options: dict[str, Any] | None = None) -> None:
-        super().__init__(options)
-        self.layers: dict[str, str] = {}  # kind -> the layout the subset runs on
-
     @classmethod
     def describe_evidence(cls, evidence: dict[str, Any]) -> list[EvidenceItem]:
         items = []
@@ -117,13 +113,24 @@ class MemoryCheck(Check):
 
     def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
         reason = super().case_skip_reason(backend_cls, case, device)
-        if reason or not case.tag:  # a case given with --case always runs
-            return reason
-        if case.tag not in MEMORY_TAGS:
+        if not reason and case.tag and case.tag not in MEMORY_TAGS:  # a case given with --case always runs
             return f"memory runs a subset: {', '.join(MEMORY_TAGS)}"
-        layer = format_layer(case.spec, case.layer_options)
-        first = self.layers.setdefault(case.spec.kind, layer)
-        return None if first == layer else f"memory runs a subset: the first {case.spec.kind} layout ({first})"
+        return reason
+
+    def plan(self, backend_cls: type[AttentionBackend], cases: list[Case], device: torch.device) -> Plan:
+        """The subset: the suite's cases tagged ``MEMORY_TAGS`` of the first layout of each kind (a
+        case given with --case always runs)."""
+        plan: Plan = {}
+        first_layout: dict[str, str] = {}  # kind -> the layout the subset runs on
+        for case in cases:
+            reason = self.case_skip_reason(backend_cls, case, device)
+            if not reason and case.tag:
+                layer = format_layer(case.spec, case.layer_options)
+                first = first_layout.setdefault(case.spec.kind, layer)
+                if first != layer:
+                    reason = f"memory runs a subset: the first {case.spec.kind} layout ({first})"
+            plan[case.id] = reason
+        return plan
 
     def details(self) -> dict[str, Any]:
         return {
@@ -134,7 +141,7 @@ class MemoryCheck(Check):
             "sanitizer": sanitizer.find_tool(),
         }
 
-    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> CaseResult:
+    def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> Outcome:
         backend_file = Path(inspect.getfile(backend_cls)).name
         stages = self.stages(backend_cls, case, device)
         children = [(stage, tool) for stage in stages for tool in SANITIZED_STAGES[stage].tools]
@@ -188,24 +195,18 @@ class MemoryCheck(Check):
                 f"{first['tool']}, {first['stage']}, {first['phase']}: "
                 f"{first['what']}{kernel} at {first['place']}{more}"
             )
-            return CaseResult(
-                case.id, Verdict.FAIL, reason, tag=case.tag, metrics=metrics, evidence={"findings": findings}
-            )
+            return Outcome(Verdict.FAIL, reason, metrics=metrics, evidence={"findings": findings})
         if unsupported:
-            return CaseResult(
-                case.id,
+            return Outcome(
                 Verdict.SKIP,
                 f"NaN-poison pass clean; compute-sanitizer cannot check this device: {unsupported}",
-                tag=case.tag,
                 metrics=metrics,
             )
-        return CaseResult(
-            case.id,
+        return Outcome(
             Verdict.PASS,
             "clean under NaN poison, memcheck and initcheck ("
             + ", ".join(self.stages(backend_cls, case, device))
             + ")",
-            tag=case.tag,
             metrics=metrics,
         )
 

@@ -78,7 +78,7 @@ def run_draft_loop_stage(backend_cls, case, map_path: Path) -> None:
         buffers.key[:1],
         None if buffers.value is None else buffers.value[:1],
         reserved_slot,
-        **buffers.layer,
+        layer=buffers.layer,
     )
     drafted_table = torch.cat([drafted.block_table, torch.zeros_like(drafted.block_table[:1])])
     where = AllocationMap()

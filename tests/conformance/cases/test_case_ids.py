@@ -13,6 +13,7 @@ from backends.torch_naive import TorchNaiveBackend
 from conformance.cases.grammar import FLOAT_RANGES, MAX_SEED, CaseSyntaxError, _format_number, parse_case
 from conformance.cases.suites import SUITES, chosen_cases
 from conformance.checks.numerics import NumericsCheck
+from conformance.run.execution import judge
 
 ATTRIBUTE = {"scale": "scale", "soft cap": "cap", "key scale": "kscale", "value scale": "vscale"}
 
@@ -109,14 +110,14 @@ def test_the_ends_of_every_range_run_and_pass_a_correct_backend(name, dtype):
     for value in FLOAT_RANGES[name]:
         for layer in layers:
             case = parse_case(f"{layer}-{dtype}-{prefix}{ATTRIBUTE[name]}{_format_number(value)}-outliers:40+4,9+1")
-            result = NumericsCheck().run(TorchNaiveBackend, case, torch.device("cpu"))
+            result = judge(NumericsCheck(), TorchNaiveBackend, case, torch.device("cpu"))
             assert result.verdict.value == "PASS", (case.id, result.reason)
 
 
 @pytest.mark.parametrize("text", ["mla-h4-d32+8-fp32-w24:60+4,9+1", "mla-h4-d32+8-bf16-cap5-outliers:60+4,9+1"])
 def test_an_mla_layers_window_and_cap_are_the_oracles_too(text):
     # The oracle once dropped them for MLA: a correct backend failed every such case.
-    result = NumericsCheck().run(TorchNaiveBackend, parse_case(text), torch.device("cpu"))
+    result = judge(NumericsCheck(), TorchNaiveBackend, parse_case(text), torch.device("cpu"))
     assert result.verdict.value == "PASS", result.reason
 
 

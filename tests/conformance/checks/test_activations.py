@@ -13,6 +13,7 @@ from conformance.checks.numerics import NumericsCheck
 from conformance.harness.batch import materialize
 from conformance.harness.comparison import TOLERANCES
 from conformance.results import Verdict
+from conformance.run.execution import judge
 from tests.planted.input_defects import AccumulatesInInputDtype
 
 CPU = torch.device("cpu")
@@ -33,7 +34,7 @@ def test_values_have_channel_means_an_outlier_channel_and_heavy_tokens():
 def margin(case_text: str) -> tuple[Verdict, float]:
     """The verdict and the worst element's error over its allowed error."""
     case = parse_case(case_text)
-    result = NumericsCheck().run_case(AccumulatesInInputDtype, case, CPU)
+    result = judge(NumericsCheck(), AccumulatesInInputDtype, case, CPU)
     atol, rtol = TOLERANCES[case.spec.dtype]
     got = float(result.reason.split("got ")[1].split(",")[0]) if "got " in result.reason else 0.0
     expected = float(result.reason.split("expected ")[1].rstrip(")")) if "expected " in result.reason else 1.0

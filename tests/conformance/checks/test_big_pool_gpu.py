@@ -12,6 +12,7 @@ from conformance.cases.grammar import parse_case
 from conformance.checks.numerics import NumericsCheck
 from conformance.harness.batch import big_pool_skip_reason
 from conformance.results import Verdict
+from conformance.run.execution import judge
 from tests.planted.input_defects import Int32ElementOffsets
 
 pytestmark = pytest.mark.gpu
@@ -24,7 +25,7 @@ def numerics(backend, case_id):
     case = parse_case(case_id)
     if big_pool_skip_reason(case, CUDA):
         pytest.skip(big_pool_skip_reason(case, CUDA))
-    return NumericsCheck().run_case(backend, case, CUDA)
+    return judge(NumericsCheck(), backend, case, CUDA)
 
 
 @pytest.mark.parametrize("case_id", [GQA, MLA], ids=["gqa", "mla"])

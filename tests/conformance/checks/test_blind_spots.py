@@ -12,6 +12,7 @@ from conformance.cases.suites import suite
 from conformance.checks.determinism import DeterminismCheck
 from conformance.checks.numerics import NumericsCheck
 from conformance.results import Verdict
+from conformance.run.execution import judge
 from tests.planted import defects, input_defects
 
 CPU = torch.device("cpu")
@@ -20,7 +21,7 @@ WIDE_MARGIN = 10.0
 
 
 def numerics(backend, case_id):
-    return NumericsCheck().run_case(backend, parse_case(case_id), CPU)
+    return judge(NumericsCheck(), backend, parse_case(case_id), CPU)
 
 
 # (defect, case without @seed, the minimum tolerance ratio on every seed)
@@ -110,10 +111,10 @@ def test_the_smoke_and_standard_suites_vary_every_input_property():
 
 def test_determinism_claims_are_verified():
     case = parse_case("gqa-h4/2-d32-fp32-p16:100+4,0+40,30+1")
-    assert DeterminismCheck().run_case(TorchNaiveBackend, case, CPU).verdict == Verdict.PASS
-    nondeterministic = DeterminismCheck().run_case(input_defects.NondeterministicSplits, case, CPU)
+    assert judge(DeterminismCheck(), TorchNaiveBackend, case, CPU).verdict == Verdict.PASS
+    nondeterministic = judge(DeterminismCheck(), input_defects.NondeterministicSplits, case, CPU)
     assert nondeterministic.verdict == Verdict.FAIL and "claims deterministic" in nondeterministic.reason
-    variant = DeterminismCheck().run_case(input_defects.SplitsFollowTheBatch, case, CPU)
+    variant = judge(DeterminismCheck(), input_defects.SplitsFollowTheBatch, case, CPU)
     assert variant.verdict == Verdict.FAIL and "claims batch_invariant" in variant.reason and "alone" in variant.reason
     # Not claimed: measured and reported, not failed.
     import dataclasses
@@ -121,7 +122,7 @@ def test_determinism_claims_are_verified():
     class Unclaimed(input_defects.SplitsFollowTheBatch):
         capabilities = dataclasses.replace(input_defects.SplitsFollowTheBatch.capabilities, batch_invariant=False)
 
-    unclaimed = DeterminismCheck().run_case(Unclaimed, case, CPU)
+    unclaimed = judge(DeterminismCheck(), Unclaimed, case, CPU)
     assert unclaimed.verdict == Verdict.PASS and unclaimed.metrics["batch_invariant"] is False
     assert "batch_invariant no (not claimed)" in unclaimed.reason
 
@@ -136,10 +137,13 @@ def test_poison_leaves_a_correct_backend_exact():
 @pytest.mark.parametrize("layer", ["gqa-h4/2-d32-bf16-p16", "mla-h4-d32+8-bf16-p16"])
 def test_offsets_in_32_bits_pass_a_small_pool_and_fail_a_big_one(layer, monkeypatch):
     """``bigpool`` at a scale a CPU holds: the pool's threshold and the defect's wrap both at 2**16
-    elements, where the real ones (2**31) need a GPU with 24 GiB (test_big_pool_gpu.py)."""
+    elements, where the real ones (2**31) need a GPU with 24 GiB (test_big_pool_gpu.py). Without
+    the floor of block ids past 2**16 (the test below): elements, not ids, are what wraps here, and
+    that floor alone made the pool 2**16 blocks (a GQA pool of 270 MB, every input digest a second)."""
     from conformance.harness import batch
 
     monkeypatch.setattr(batch, "BIG_POOL_ELEMENTS", 2**16)
+    monkeypatch.setattr(batch, "BIG_POOL_BLOCK_IDS", 0)
     monkeypatch.setattr(input_defects.Int32ElementOffsets, "offset_limit", 2**16)
     small, big = f"{layer}:300+1,40+4", f"{layer}-bigpool:300+1,40+4"
     assert numerics(input_defects.Int32ElementOffsets, small).verdict == Verdict.PASS

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from conformance.cases.suites import suite
 from conformance.harness.coverage import CASES_PER_CELL, MARGIN, coverage_table, parameter_coverage
+from conformance.run.execution import judge
 
 CHECKS_DOC = Path(__file__).resolve().parents[3] / "docs" / "checks.md"
 
@@ -42,8 +43,8 @@ def test_a_parameter_dropped_on_one_path_fails_on_the_case_the_matrix_names():
         (input_defects.RecomputesScale, "gqa-h8/2-d128-bf16-p16-scale0.25:500+4,30+4"),
     ):
         case = parse_case(case_text)
-        result = NumericsCheck().run_case(defect, case, cpu)
+        result = judge(NumericsCheck(), defect, case, cpu)
         assert result.verdict == Verdict.FAIL and result.metrics["tolerance_ratio"] > 10, (defect, result.reason)
     # The cap dropped on decode rows hides behind the suite's cap over small logits.
     small = parse_case("gqa-h8/2-d128-bf16-p16-cap30:1000+1,20+1")
-    assert NumericsCheck().run_case(input_defects.DropsCapOnDecode, small, cpu).verdict == Verdict.PASS
+    assert judge(NumericsCheck(), input_defects.DropsCapOnDecode, small, cpu).verdict == Verdict.PASS

@@ -5,12 +5,14 @@ import pytest
 import torch
 
 from backends.base import PaddingStyle
+from backends.features import EMPTY_REQUESTS
 from backends.torch_naive import TorchNaiveBackend
 from conformance.cases.grammar import CaseSyntaxError, parse_case
 from conformance.cases.suites import suite
 from conformance.checks.numerics import NumericsCheck
 from conformance.harness.batch import materialize
 from conformance.results import Verdict
+from conformance.run.execution import judge
 from tests.planted import padding_defects
 from tests.planted.graph_backends import TorchGraphSafe
 
@@ -35,9 +37,10 @@ def test_an_empty_request_is_0_plus_0_and_its_block_table_row_is_minus_one():
 def test_only_a_backend_claiming_empty_requests_runs_them():
     check = NumericsCheck()
     case = parse_case(AT_THE_END)
-    reason = TorchGraphSafe.capabilities.query_len_reason(case.max_query_len, [query for _, query in case.batch])
-    assert "empty requests" in reason and "rows" in reason
-    assert PaddingStyle.EMPTY_REQUESTS in TorchNaiveBackend.capabilities.padding_styles
+    reason = TorchGraphSafe.capabilities.feature_reason(case.needs, CPU)  # a CUDA backend: its features alone
+    assert reason.startswith("empty requests (query length 0, vLLM's graph padding) not supported"), reason
+    assert TorchGraphSafe.capabilities.graph_padding == PaddingStyle.ROWS
+    assert TorchNaiveBackend.capabilities.supports(EMPTY_REQUESTS)
     assert check.case_skip_reason(TorchNaiveBackend, parse_case(AT_THE_END), CPU) is None
     assert any(case.empty_requests for case in suite("standard") if case.spec.kind == "mla")
     assert any(case.empty_requests and case.batch[0] == (0, 0) for case in suite("standard"))
@@ -45,7 +48,7 @@ def test_only_a_backend_claiming_empty_requests_runs_them():
 
 @pytest.mark.parametrize("case_text", [AT_THE_END, IN_BETWEEN, "mla-h4-d32+8-bf16-p16:0+0,30+4,17+1,0+0"])
 def test_torch_naive_leaves_every_real_row_exact_around_empty_requests(case_text):
-    result = NumericsCheck().run_case(TorchNaiveBackend, parse_case(case_text), CPU)
+    result = judge(NumericsCheck(), TorchNaiveBackend, parse_case(case_text), CPU)
     assert result.verdict == Verdict.PASS, result.reason
 
 
@@ -59,5 +62,5 @@ def test_torch_naive_leaves_every_real_row_exact_around_empty_requests(case_text
 )
 @pytest.mark.parametrize("case_text", [AT_THE_END, IN_BETWEEN])
 def test_planted_empty_request_defects_fail_numerics(defect, case_text):
-    result = NumericsCheck().run_case(defect, parse_case(case_text), CPU)
+    result = judge(NumericsCheck(), defect, parse_case(case_text), CPU)
     assert result.verdict == Verdict.FAIL, result.reason

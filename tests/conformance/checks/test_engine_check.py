@@ -17,6 +17,7 @@ from conformance.checks.engine import EngineCheck
 from conformance.checks.numerics import NumericsCheck
 from conformance.harness.engine_runs import STEADY_STEPS, EngineRuns, TooFewSteadySteps
 from conformance.results import Verdict
+from conformance.run.execution import judge
 from reference_engine.batched_engine import StepRecord
 from reference_engine.metrics import steady_iterations
 from tests.planted import graph_backends
@@ -29,18 +30,21 @@ def test_engine_check_passes_torch_naive_once_per_layout():
     check = EngineCheck()
     cpu = torch.device("cpu")
     backend = registry.load("torch_naive")
-    result = check.run_case(backend, CASE, cpu)
+    result = judge(check, backend, CASE, cpu)
     assert result.verdict == Verdict.PASS, result.reason
     assert "async == sync == plain" in result.reason
     assert check.case_skip_reason(backend, CASE, cpu) is None
-    assert "covered by" in check.case_skip_reason(backend, CASE, cpu)
+    same_layout = parse_case("gqa-h4/2-d32-fp32-p16:12+1@3")  # another batch of the same layout
+    plan = check.plan(backend, [CASE, same_layout], cpu)
+    assert plan == {CASE.id: None, same_layout.id: f"layout covered by {CASE.id}"}
+    assert check.plan(backend, [same_layout, CASE], cpu)[CASE.id] == f"layout covered by {same_layout.id}"
 
 
 def test_engine_check_fails_a_backend_that_guesses_lengths_optimistically():
     backend = registry.load("tests.planted.defects:GuessesSeqLens")
     cpu = torch.device("cpu")
-    assert NumericsCheck().run_case(backend, CASE, cpu).verdict == Verdict.PASS  # exact lengths: fine
-    result = EngineCheck().run_case(backend, CASE, cpu)
+    assert judge(NumericsCheck(), backend, CASE, cpu).verdict == Verdict.PASS  # exact lengths: fine
+    result = judge(EngineCheck(), backend, CASE, cpu)
     assert result.verdict == Verdict.FAIL
     assert "async vs sync" in result.reason
 
@@ -86,11 +90,11 @@ def test_engine_check_compares_the_draft_update_path_with_rebuilt_metadata():
     cpu = torch.device("cpu")
     for dtype in ("fp32", "bf16"):
         case = parse_case(f"gqa-h4/2-d64-{dtype}-p16:30+1")
-        result = EngineCheck().run_case(GraphSafeOnCpu, case, cpu)
+        result = judge(EngineCheck(), GraphSafeOnCpu, case, cpu)
         assert result.verdict == Verdict.PASS, result.reason
         digests = result.evidence["verified_drafts_digest"]
         assert digests["update_for_draft_step"] == digests["metadata_rebuilt"]
-        result = EngineCheck().run_case(ForgetsLastRowOnCpu, case, cpu)
+        result = judge(EngineCheck(), ForgetsLastRowOnCpu, case, cpu)
         assert result.verdict == Verdict.FAIL and "update_for_draft_step drafts other tokens" in result.reason, (
             result.reason
         )
@@ -159,12 +163,12 @@ def test_engine_check_fails_a_backend_that_syncs_when_the_batch_changes():
     whose syncs its needs_cpu_seq_lens claim allows) pass."""
     cuda = torch.device("cuda")
     case = parse_case("gqa-h8/2-d64-bf16-p16:30+1,9+1@0")
-    result = EngineCheck().run_case(graph_backends.TorchGraphSafe, case, cuda)
+    result = judge(EngineCheck(), graph_backends.TorchGraphSafe, case, cuda)
     assert result.verdict == Verdict.PASS, result.reason
     assert result.metrics["host_syncs_per_steady_step"] == 0
     assert result.metrics["joins_measured"] and result.metrics["leaves_measured"], result.metrics
-    result = EngineCheck().run_case(SyncsWhenBatchChanges, case, cuda)
+    result = judge(EngineCheck(), SyncsWhenBatchChanges, case, cuda)
     assert result.verdict == Verdict.FAIL, result.reason
     assert "host syncs per steady-state async step while claiming needs_cpu_seq_lens=False" in result.reason
     assert "steady_defects.py" in result.reason, result.reason
-    assert EngineCheck().run_case(registry.load("torch_naive"), case, cuda).verdict == Verdict.PASS
+    assert judge(EngineCheck(), registry.load("torch_naive"), case, cuda).verdict == Verdict.PASS

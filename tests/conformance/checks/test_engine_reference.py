@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from backends import registry
+from backends.features import FP8_KV_CACHES
 from backends.torch_naive import TorchNaiveBackend
 from conformance.cases.grammar import parse_case
 from conformance.checks.engine import REFERENCE_LABEL, EngineCheck
 from conformance.harness.engine_runs import EngineRuns
 from conformance.results import Verdict
+from conformance.run.execution import judge
 from tests.conformance.checks.test_engine_check import GraphSafeOnCpu
 from tests.planted.layer_defects import KeepsFirstLayerSinks, KeepsFirstScalesInACopy
 
@@ -39,9 +41,9 @@ class NaiveUnderAnotherName(TorchNaiveBackend):
 @pytest.mark.slow
 @pytest.mark.parametrize(("defect", "case"), [(KeepsFirstLayerSinks, SINKS), (KeepsFirstScalesInACopy, FP8)])
 def test_first_layer_state_kept_for_every_layer_passes_the_self_comparisons_and_fails_the_reference(defect, case):
-    result = SelfComparisonsOnly().run_case(defect, case, CPU)
+    result = judge(SelfComparisonsOnly(), defect, case, CPU)
     assert result.verdict == Verdict.PASS, result.reason
-    result = EngineCheck().run_case(defect, case, CPU)
+    result = judge(EngineCheck(), defect, case, CPU)
     assert result.verdict == Verdict.FAIL, result.reason
     assert result.reason.startswith(f"{REFERENCE_LABEL}: prompt "), result.reason
 
@@ -54,10 +56,10 @@ def test_the_reference_claim_is_judged_first():
 
 @pytest.mark.parametrize("case", [SINKS, FP8], ids=["sinks", "fp8"])
 def test_torch_naive_and_a_copy_of_it_pass(case):
-    result = EngineCheck().run_case(registry.load("torch_naive"), case, CPU)
+    result = judge(EngineCheck(), registry.load("torch_naive"), case, CPU)
     assert result.verdict == Verdict.PASS, result.reason
     assert "not compared with torch_naive (the backend under test is torch_naive itself)" in result.reason
-    result = EngineCheck().run_case(NaiveUnderAnotherName, case, CPU)
+    result = judge(EngineCheck(), NaiveUnderAnotherName, case, CPU)
     assert result.verdict == Verdict.PASS, result.reason
     assert "plain == torch_naive" in result.reason
     assert result.evidence["independent_reference"] == "plain decoding gave torch_naive's tokens"
@@ -66,7 +68,7 @@ def test_torch_naive_and_a_copy_of_it_pass(case):
 def test_a_graph_safe_backend_with_an_fp8_cache_passes():
     """Another implementation of the math (device lengths, one batched product, the layer's device
     scales) gives torch_naive's tokens, scale for scale, layer by layer."""
-    result = EngineCheck().run_case(GraphSafeOnCpu, FP8, CPU)
+    result = judge(EngineCheck(), GraphSafeOnCpu, FP8, CPU)
     assert result.verdict == Verdict.PASS, result.reason
     assert "plain == torch_naive" in result.reason
 
@@ -75,7 +77,9 @@ def test_a_layout_torch_naive_cannot_run_is_said_not_skipped(monkeypatch):
     """Were an fp8 cache beyond torch_naive's claims, the claim says so (evidence and reason)
     instead of passing silently; no engine run is made for it."""
     naive = TorchNaiveBackend.capabilities
-    monkeypatch.setattr(TorchNaiveBackend, "capabilities", dataclasses.replace(naive, kv_cache_dtypes=frozenset()))
+    monkeypatch.setattr(
+        TorchNaiveBackend, "capabilities", dataclasses.replace(naive, features=naive.features - FP8_KV_CACHES)
+    )
     runs = EngineRuns(GraphSafeOnCpu, FP8, CPU, [], {})
     label, claim = EngineCheck()._claims(GraphSafeOnCpu, runs)[0]
     assert label == REFERENCE_LABEL and claim() is None

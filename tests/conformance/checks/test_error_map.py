@@ -6,6 +6,7 @@ from conformance.cases.grammar import parse_case
 from conformance.checks.numerics import NumericsCheck
 from conformance.harness.error_map import error_map, summary
 from conformance.results import Verdict
+from conformance.run.execution import judge
 from tests.planted import defects, input_defects
 
 CPU = torch.device("cpu")
@@ -13,7 +14,7 @@ CPU = torch.device("cpu")
 
 def test_a_causal_off_by_one_shows_as_extra_weight_on_the_next_key():
     case = parse_case("gqa-h4/2-d32-fp32-p16-edges:10+12@0")
-    result = NumericsCheck().run_case(defects.CausalOffByOne, case, CPU)
+    result = judge(NumericsCheck(), defects.CausalOffByOne, case, CPU)
     assert result.verdict == Verdict.FAIL
     key_map = result.evidence["key_map"]
     assert key_map["row_edges"][-1] == 12 and key_map["column_edges"][-1] == 22  # every token, every key
@@ -43,7 +44,7 @@ def test_a_window_off_by_one_in_a_prefill_names_the_key_outside_the_window():
     # A prefill's first tokens see fewer keys than the window and are right (error exactly 0; token 0's
     # output is key 0's value): those rows once made 0/0, which the summary took for the worst cell.
     case = parse_case("gqa-h4/1-d64-bf16-p16-w24-cap20:0+40,50+4,3+1")
-    result = NumericsCheck().run_case(input_defects.WindowOffByOne, case, CPU)
+    result = judge(NumericsCheck(), input_defects.WindowOffByOne, case, CPU)
     key_map = result.evidence["key_map"]
     assert all(value is not None for row in key_map["values"] for value in row)
     line = summary(key_map)

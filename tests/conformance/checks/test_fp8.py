@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from backends.base import AttentionSpec, Capabilities
+from backends.features import FP8_E4M3
 from backends.torch_naive import TorchNaiveBackend
 from conformance.cases.grammar import CaseSyntaxError, parse_case
 from conformance.cases.kv_quantization import quantize, ulps_apart
 from conformance.checks.numerics import NumericsCheck
 from conformance.results import Verdict
+from conformance.run.execution import judge
 from tests.planted import fp8_defects
 
 CPU = torch.device("cpu")
@@ -56,10 +58,9 @@ def test_fp8_case_ids_round_trip_and_carry_their_scales():
 
 def test_a_backend_without_the_claim_says_exactly_why():
     spec = parse_case("gqa-h8/2-d64-fp8e4m3:1+1").spec
-    assert (
-        Capabilities(devices=frozenset({"cpu"})).unsupported_reason(spec, CPU)
-        == "KV cache fp8e4m3 not supported (fp8 caches supported: none)"
-    )
+    assert Capabilities(devices=frozenset({"cpu"})).unsupported_reason(spec, CPU) == "KV cache fp8e4m3 not supported"
+    why = Capabilities(devices=frozenset({"cpu"}), not_claimed={FP8_E4M3: "its kernel computes in fp8"})
+    assert why.unsupported_reason(spec, CPU) == "KV cache fp8e4m3 not supported: its kernel computes in fp8"
     assert TorchNaiveBackend.unsupported_reason(spec, CPU) is None
     with pytest.raises(ValueError, match="neither the compute dtype nor an fp8 format"):
         AttentionSpec("mha", 4, 2, 64, torch.bfloat16, kv_cache_dtype=torch.float16)
@@ -77,7 +78,7 @@ FP8_CASES = [
 
 @pytest.mark.parametrize("case_text", FP8_CASES)
 def test_torch_naive_passes_every_fp8_pass(case_text):
-    result = NumericsCheck().run_case(TorchNaiveBackend, parse_case(case_text), CPU)
+    result = judge(NumericsCheck(), TorchNaiveBackend, parse_case(case_text), CPU)
     assert result.verdict == Verdict.PASS, result.reason
     assert result.metrics["nan-poison mismatched"] == 0
 
@@ -106,12 +107,12 @@ DEFECTS = [
 
 @pytest.mark.parametrize("defect,case_text,reason", [(d, c, r) for d, cases, r in DEFECTS for c in cases])
 def test_each_planted_fp8_defect_fails_numerics(defect, case_text, reason):
-    result = NumericsCheck().run_case(defect, parse_case(case_text), CPU)
+    result = judge(NumericsCheck(), defect, parse_case(case_text), CPU)
     assert result.verdict == Verdict.FAIL and reason in result.reason, result.reason
 
 
 def test_a_scale_applied_twice_fails_by_orders_of_magnitude():
-    result = NumericsCheck().run_case(fp8_defects.ScalesTwiceOnRead, parse_case(FP8_CASES[0]), CPU)
+    result = judge(NumericsCheck(), fp8_defects.ScalesTwiceOnRead, parse_case(FP8_CASES[0]), CPU)
     assert result.metrics["tolerance_ratio"] > 100
 
 
@@ -146,5 +147,5 @@ def test_dequantizing_into_the_compute_dtype_passes_where_exact_tolerance_alone_
     starts = prepared.batch.query_start_loc
     assert not compare_with_oracle(out, reference, starts, atol, rtol)[0]  # the exact oracle alone: a false alarm
     assert compare_with_oracle(out, reference, starts, atol, rtol, allowance)[0]
-    result = NumericsCheck().run_case(DequantizesIntoComputeDtype, case, CPU)
+    result = judge(NumericsCheck(), DequantizesIntoComputeDtype, case, CPU)
     assert result.verdict == Verdict.PASS, result.reason

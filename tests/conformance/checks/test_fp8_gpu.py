@@ -14,6 +14,7 @@ from conformance.checks.graphs import GraphsCheck
 from conformance.checks.numerics import NumericsCheck
 from conformance.checks.syncs import SyncsCheck
 from conformance.results import Verdict
+from conformance.run.execution import judge
 from tests.planted import fp8_defects
 
 pytestmark = pytest.mark.gpu
@@ -27,7 +28,7 @@ CASES = [
 
 @pytest.mark.parametrize("case_text", CASES)
 def test_triton_stores_and_attends_fp8_as_the_contract_says(case_text):
-    result = NumericsCheck().run_case(TritonAttentionBackend, parse_case(case_text), CUDA)
+    result = judge(NumericsCheck(), TritonAttentionBackend, parse_case(case_text), CUDA)
     assert result.verdict == Verdict.PASS, result.reason
 
 
@@ -36,26 +37,24 @@ def test_triton_stores_and_attends_fp8_as_the_contract_says(case_text):
     ["mla-h16-d512+64-bf16-fp8e4m3-p64:1+1,700+1,64+4,2500+8", "mla-h128-d512+64-bf16-fp8e5m2-p64:900+4,63+1"],
 )
 def test_triton_mla_stores_and_attends_an_fp8_latent_cache(case_text):
-    result = NumericsCheck().run_case(TritonMLABackend, parse_case(case_text), CUDA)
+    result = judge(NumericsCheck(), TritonMLABackend, parse_case(case_text), CUDA)
     assert result.verdict == Verdict.PASS, result.reason
 
 
 @pytest.mark.parametrize("check", [GraphsCheck, DraftLoopCheck, EngineCheck])
 def test_triton_fp8_under_graphs_in_the_draft_loop_and_in_the_engine(check):
-    result = check().run_case(
-        TritonAttentionBackend, parse_case("gqa-h8/2-d128-bf16-fp8e4m3-p16:100+1,30+1,250+1"), CUDA
-    )
+    result = judge(check(), TritonAttentionBackend, parse_case("gqa-h8/2-d128-bf16-fp8e4m3-p16:100+1,30+1,250+1"), CUDA)
     assert result.verdict == Verdict.PASS, result.reason
 
 
 def test_a_device_scale_read_on_the_host_is_a_sync():
     case = parse_case("gqa-h8/2-d128-bf16-fp8e4m3-p16:100+1,30+4")
-    result = SyncsCheck().run_case(fp8_defects.ReadsDeviceScaleOnHost, case, CUDA)
+    result = judge(SyncsCheck(), fp8_defects.ReadsDeviceScaleOnHost, case, CUDA)
     assert result.verdict == Verdict.FAIL and "forward" in result.reason, result.reason
 
 
 def test_truncation_fails_on_a_gpu_too():
-    result = NumericsCheck().run_case(fp8_defects.TruncatesOnWrite, parse_case(CASES[0]), CUDA)
+    result = judge(NumericsCheck(), fp8_defects.TruncatesOnWrite, parse_case(CASES[0]), CUDA)
     assert result.verdict == Verdict.FAIL and "write_kv rounded" in result.reason, result.reason
 
 
@@ -64,7 +63,7 @@ def test_the_write_kernel_quantizes_every_kind_of_number_as_the_contract_says(ca
     """Saturation at both ends, subnormals, signed zeros and NaN (kept NaN), against the
     harness's own quantizer, through the kernel that runs on a GPU (the CPU interpreter's path
     quantizes with torch)."""
-    from backends.base import BackendLimits, KVScales
+    from backends.base import BackendLimits, KVScales, LayerParameters
     from conformance.cases.kv_quantization import quantize, ulps_apart
 
     spec = parse_case(f"gqa-h1-d64-bf16-{cache}-p16:1+1").spec
@@ -76,7 +75,7 @@ def test_the_write_kernel_quantizes_every_kind_of_number_as_the_contract_says(ca
     rows.view(-1)[: special.numel()] = special
     rows = rows.to(torch.bfloat16).to(CUDA)
     slots = torch.arange(16, 80, device=CUDA)
-    backend.write_kv(pool, rows, rows.neg(), slots, scales=scales)
+    backend.write_kv(pool, rows, rows.neg(), slots, layer=LayerParameters(scales=scales))
     key, value = backend.read_kv(pool, slots)
     for stored, given, scale in ((key, rows, 0.1), (value, rows.neg(), 4.0)):
         expected = quantize(given, scale, spec.kv_cache_dtype)
@@ -91,9 +90,9 @@ FP8_GRAPH_CASE = "gqa-h8/2-d128-bf16-fp8e4m3-p16:100+1,30+1,250+1"
 def test_scales_read_on_the_device_replay_and_scales_made_per_step_cannot_be_captured():
     from tests.planted import graph_backends
 
-    control = GraphsCheck().run_case(graph_backends.TorchGraphSafe, parse_case(FP8_GRAPH_CASE), CUDA)
+    control = judge(GraphsCheck(), graph_backends.TorchGraphSafe, parse_case(FP8_GRAPH_CASE), CUDA)
     assert control.verdict == Verdict.PASS, control.reason
-    result = GraphsCheck().run_case(graph_backends.CopiesScalesPerStep, parse_case(FP8_GRAPH_CASE), CUDA)
+    result = judge(GraphsCheck(), graph_backends.CopiesScalesPerStep, parse_case(FP8_GRAPH_CASE), CUDA)
     assert result.verdict == Verdict.FAIL and "capture" in result.reason, result.reason
 
 
@@ -116,7 +115,7 @@ def test_vendor_adapters_store_and_attend_fp8_as_the_contract_says(name, case_te
     for check in (NumericsCheck(), GraphsCheck()):
         if check.skip_reason(backend, CUDA) or check.case_skip_reason(backend, case, CUDA):
             continue  # as a run skips it (flashinfer graphs decode batches only; flashinfer_mla none)
-        result = check.run_case(backend, case, CUDA)
+        result = judge(check, backend, case, CUDA)
         assert result.verdict == Verdict.PASS, (type(check).__name__, result.reason)
 
 
@@ -133,7 +132,7 @@ def test_flashinfer_mla_rounds_its_fp8_scale_to_bf16():
         edges.format("kscale0.125-", "63+1,64+1,127+1,700+1"),
         edges.format("kscale0.125-", "700+1,2500+1,3000+1"),
     ):
-        result = NumericsCheck().run_case(claiming, parse_case(text), CUDA)
+        result = judge(NumericsCheck(), claiming, parse_case(text), CUDA)
         assert result.verdict == Verdict.PASS, (text, result.reason)
-    result = NumericsCheck().run_case(claiming, parse_case(edges.format("", "700+1,2500+1,3000+1")), CUDA)
+    result = judge(NumericsCheck(), claiming, parse_case(edges.format("", "700+1,2500+1,3000+1")), CUDA)
     assert result.verdict == Verdict.FAIL and "beyond tolerance" in result.reason, result.reason

@@ -10,6 +10,7 @@ from conformance.checks.determinism import DeterminismCheck
 from conformance.checks.numerics import NumericsCheck
 from conformance.harness.input_watch import InputWatch
 from conformance.results import Verdict
+from conformance.run.execution import judge
 from tests.planted import input_defects
 
 CPU = torch.device("cpu")
@@ -20,7 +21,7 @@ DEFECTS = [
     (input_defects.ZeroesTheWholeOutput, "forward wrote 3 output rows past the step's 11 real tokens"),
     (input_defects.WritesOutsideItsBlocks, "forward changed the KV pool outside the blocks the step writes"),
 ]
-# The layer's own keywords: learned sinks, an fp8 layer's device scales (their host floats are
+# The layer's own parameters: learned sinks, an fp8 layer's device scales (their host floats are
 # what torch_naive dequantizes with, so its output stays right).
 LAYER_DEFECTS = [
     (input_defects.ClampsSinksInPlace, "gqa-h4/2-d32-fp32-p16-attnsinks:10+4,0+6,30+1", "forward changed sinks"),
@@ -35,8 +36,8 @@ LAYER_DEFECTS = [
 @pytest.mark.parametrize("defect,reason", DEFECTS)
 @pytest.mark.parametrize("check", [NumericsCheck, DeterminismCheck])
 def test_a_changed_input_or_a_written_padding_row_fails_every_check(defect, reason, check):
-    assert check().run(TorchNaiveBackend, CASE, CPU).verdict == Verdict.PASS
-    result = check().run(defect, CASE, CPU)
+    assert judge(check(), TorchNaiveBackend, CASE, CPU).verdict == Verdict.PASS
+    result = judge(check(), defect, CASE, CPU)
     assert result.verdict == Verdict.FAIL and reason in result.reason, result.reason
 
 
@@ -44,8 +45,8 @@ def test_a_changed_input_or_a_written_padding_row_fails_every_check(defect, reas
 @pytest.mark.parametrize("check", [NumericsCheck, DeterminismCheck])
 def test_a_layer_input_changed_in_place_fails_and_the_oracle_keeps_its_own(defect, case_text, reason, check):
     case = parse_case(case_text)
-    assert check().run(TorchNaiveBackend, case, CPU).verdict == Verdict.PASS
-    result = check().run(defect, case, CPU)
+    assert judge(check(), TorchNaiveBackend, case, CPU).verdict == Verdict.PASS
+    result = judge(check(), defect, case, CPU)
     assert result.verdict == Verdict.FAIL and reason in result.reason, result.reason
 
 
@@ -56,32 +57,30 @@ def test_the_oracle_reads_the_harness_copies_of_sinks_and_scales():
     for case_text in ("gqa-h4/2-d32-fp32-p16-attnsinks:30+1", "gqa-h4/2-d32-bf16-fp8e4m3-p16:30+1"):
         prepared = prepare_case(TorchNaiveBackend, parse_case(case_text), CPU)
         handed = prepared.forward_layer
-        if "sinks" in handed:
-            handed["sinks"].zero_()
+        if handed.sinks is not None:
+            handed.sinks.zero_()
             assert prepared.batch.sinks.abs().sum() > 0
-        if "scales" in handed:
-            handed["scales"].k_scale_tensor.zero_()
+        if handed.scales is not None:
+            handed.scales.k_scale_tensor.zero_()
             assert float(prepared.scales.k_scale_tensor) == pytest.approx(0.1) and prepared.scales.k_scale == 0.1
 
 
-def test_the_watch_reads_host_numbers_inside_keywords_and_the_pool_outside_the_written_blocks():
-    from dataclasses import dataclass
-
+def test_the_watch_reads_host_numbers_inside_the_layer_parameters_and_the_pool_outside_the_written_blocks():
+    from backends.base import KVScales, LayerParameters
     from conformance.harness.input_watch import PoolWatch
 
-    @dataclass
-    class Layer:  # a keyword a later contract may add: host numbers and tensors inside an object
-        factor: float
-        table: list
-
-    layer = Layer(2.0, [torch.ones(3)])
-    watch = InputWatch.of({}, keywords={"layer": layer})
-    layer.factor = 3.0
-    layer.table[0][1] = 5.0
+    scales = KVScales(2.0, 4.0, torch.ones(1), torch.ones(1))
+    lse = torch.zeros(3, 2)
+    layer = LayerParameters(scales=scales, sinks=torch.ones(3), lse=lse)
+    watch = InputWatch.of({}, layers={"": layer, " (layer 1)": LayerParameters(sinks=torch.ones(3))})
+    object.__setattr__(scales, "k_scale", 3.0)  # frozen, as a backend would have to get around
+    layer.sinks[1] = 5.0
+    lse.fill_(1.0)  # forward's output: written, not watched
     watch.called("forward")
     changes = watch.changes()
-    assert "the step's calls changed layer.factor (2.0 → 3.0)" in changes
-    assert any(change.startswith("forward changed layer.table[0] (first at [1]: 1 → 5)") for change in changes)
+    assert "the step's calls changed scales.k_scale (2.0 → 3.0)" in changes
+    assert any(change.startswith("forward changed sinks (first at [1]: 1 → 5)") for change in changes)
+    assert len(changes) == 2, changes
 
     pool = torch.zeros(6, 4, 2)  # 6 blocks of 4 slots
     slots = torch.tensor([9, -1])  # the step writes slot 9 (block 2); -1 is a padding row

@@ -13,6 +13,7 @@ from conformance.harness.comparison import TOLERANCES
 from conformance.harness.draft_loop import DraftLoop
 from conformance.harness.graphs import STEP_LAYERS
 from conformance.results import Verdict
+from conformance.run.execution import judge
 from tests.planted import fp8_defects, layer_defects, lse_defects
 
 CPU = torch.device("cpu")
@@ -39,8 +40,8 @@ def test_a_later_layers_sinks_are_its_own_and_every_large_one_moved():
 )
 def test_state_kept_from_the_first_layer_fails_numerics_second_layer_by_a_wide_margin(defect, case_text):
     case = parse_case(case_text)
-    assert NumericsCheck().run_case(TorchNaiveBackend, case, CPU).verdict == Verdict.PASS
-    result = NumericsCheck().run_case(defect, case, CPU)
+    assert judge(NumericsCheck(), TorchNaiveBackend, case, CPU).verdict == Verdict.PASS
+    result = judge(NumericsCheck(), defect, case, CPU)
     assert result.verdict == Verdict.FAIL and result.reason.startswith("a second layer"), result.reason
     assert result.metrics["second layer tolerance_ratio"] >= 10, result.metrics
 

@@ -1,15 +1,17 @@
-"""The log-sum-exp output (``returns_lse``): the oracle's against a direct formula, torch_naive
+"""The log-sum-exp output (feature ``lse``): the oracle's against a direct formula, torch_naive
 against the oracle on every path (sinks, fp8, a value head dim of its own, MLA), and the planted
 convention slips failing numerics."""
 
 import pytest
 import torch
 
+from backends.features import LSE
 from backends.torch_naive import TorchNaiveBackend
 from conformance.cases.grammar import parse_case
 from conformance.cases.oracle import attention_reference
 from conformance.checks.numerics import NumericsCheck
 from conformance.results import Verdict
+from conformance.run.execution import judge
 from tests.planted import lse_defects
 
 CPU = torch.device("cpu")
@@ -41,13 +43,13 @@ def test_the_oracle_lse_is_the_log_of_each_softmax_denominator():
 )
 def test_torch_naive_returns_the_lse_on_every_path(case_text):
     assert parse_case(case_text).lse
-    result = NumericsCheck().run_case(TorchNaiveBackend, parse_case(case_text), CPU)
+    result = judge(NumericsCheck(), TorchNaiveBackend, parse_case(case_text), CPU)
     assert result.verdict == Verdict.PASS and result.metrics["lse_max_abs_error"] < 1e-3, result.reason
 
 
 @pytest.mark.parametrize("defect", [lse_defects.LseInBaseTwo, lse_defects.LseWithoutTheSink])
 def test_planted_lse_slips_fail_numerics(defect):
-    result = NumericsCheck().run_case(defect, parse_case(SINKS), CPU)
+    result = judge(NumericsCheck(), defect, parse_case(SINKS), CPU)
     assert result.verdict == Verdict.FAIL and result.reason.startswith("lse:"), result.reason
 
 
@@ -65,33 +67,36 @@ def test_an_lse_kept_per_kv_head_fails_numerics_by_ten_times_the_tolerance(defec
 
     case = parse_case(case_text)
     assert case in suite("standard") and case.spec.query_group_size in (8, 16)
-    result = NumericsCheck().run_case(defect, case, CPU)
+    result = judge(NumericsCheck(), defect, case, CPU)
     assert result.verdict == Verdict.FAIL and result.reason.startswith("lse:"), result.reason
     assert result.metrics["lse_tolerance_ratio"] >= 10, result.metrics
 
 
 @pytest.mark.parametrize("case_text", GROUPS)
 def test_torch_naive_passes_the_group_cases(case_text):
-    result = NumericsCheck().run_case(TorchNaiveBackend, parse_case(case_text), CPU)
+    result = judge(NumericsCheck(), TorchNaiveBackend, parse_case(case_text), CPU)
     assert result.verdict == Verdict.PASS and result.metrics["lse_tolerance_ratio"] < 1, result.reason
 
 
 def test_an_lse_case_is_skipped_by_a_backend_that_returns_none_and_only_asks_where_it_says_so():
-    from conformance.checks.base import lse_skip_reason
     from tests.planted.fp8_defects import DropsScaleOnDecode
 
-    assert "returns_lse=False" in lse_skip_reason(
-        type(
-            "NoLse",
-            (TorchNaiveBackend,),
-            {"capabilities": __import__("dataclasses").replace(TorchNaiveBackend.capabilities, returns_lse=False)},
-        ),
-        parse_case(SINKS),
+    naive = TorchNaiveBackend.capabilities
+    no_lse = type(
+        "NoLse",
+        (TorchNaiveBackend,),
+        {"capabilities": __import__("dataclasses").replace(naive, features=naive.features - {LSE})},
     )
+    assert (
+        NumericsCheck()
+        .case_skip_reason(no_lse, parse_case(SINKS), CPU)
+        .startswith("the log-sum-exp (the case hands forward an lse buffer) not supported")
+    )
+    assert NumericsCheck().case_skip_reason(TorchNaiveBackend, parse_case(SINKS), CPU) is None
     # Without the attribute forward is never handed an lse buffer: a subclass whose forward does
     # not take one (most planted defects) still runs every other case.
     assert not parse_case("gqa-h8/2-d64-bf16-fp8e4m3:30+4").lse
-    result = NumericsCheck().run_case(DropsScaleOnDecode, parse_case("gqa-h8/2-d64-bf16-fp8e4m3:30+4,0+20"), CPU)
+    result = judge(NumericsCheck(), DropsScaleOnDecode, parse_case("gqa-h8/2-d64-bf16-fp8e4m3:30+4,0+20"), CPU)
     assert result.verdict == Verdict.PASS, result.reason  # no decode rows: its bug does not show, and no lse is asked
 
 
@@ -123,7 +128,7 @@ def test_an_fp8_layers_lse_is_judged_with_the_dequantization_allowance_and_still
 
     case = parse_case("gqa-h8/2-d64-bf16-fp8e4m3-p16-lse:30+1,20+4,0+9")
     cpu = torch.device("cpu")
-    assert NumericsCheck().run_case(TorchNaiveBackend, case, cpu).verdict == Verdict.PASS
+    assert judge(NumericsCheck(), TorchNaiveBackend, case, cpu).verdict == Verdict.PASS
     for defect in (LseInBaseTwo, LsePerKVHead):
-        result = NumericsCheck().run_case(defect, case, cpu)
+        result = judge(NumericsCheck(), defect, case, cpu)
         assert result.verdict == Verdict.FAIL and result.metrics["lse_tolerance_ratio"] >= 10, result.reason

@@ -15,6 +15,7 @@ from conformance.checks.memory import MemoryCheck, poison_pass, sanitizer
 from conformance.checks.numerics import NumericsCheck
 from conformance.harness.allocation_map import Allocation, AllocationMap, PoolLayout
 from conformance.results import Verdict
+from conformance.run.execution import judge
 from tests.planted.memory import ReadsWholeLastBlock, WritesNextSlot
 
 OUTPUT = Path(__file__).parent / "sanitizer_output"
@@ -102,7 +103,7 @@ def test_nan_poison_pass_is_clean_on_a_correct_backend(case):
 def test_a_masked_read_past_the_length_turns_nan_in_memory_and_in_numerics(case):
     [finding] = poison_pass(ReadsWholeLastBlock, case, CPU)[0]
     assert "NaN/Inf outputs with NaN in every slot no request owns" in finding["what"]
-    result = NumericsCheck().run_case(ReadsWholeLastBlock, case, CPU)  # its loud pass alone passes this
+    result = judge(NumericsCheck(), ReadsWholeLastBlock, case, CPU)  # its loud pass alone passes this
     assert result.verdict == Verdict.FAIL and "with NaN in every slot no request owns" in result.reason
     assert result.metrics["mismatched"] == 0 and result.metrics["nan-poison non-finite outputs"] > 0
 
@@ -112,7 +113,7 @@ def test_a_write_past_the_slot_mapping_inside_the_pool_is_placed(case):
     [finding] = poison_pass(WritesNextSlot, case, CPU)[0]
     assert finding["what"] == f"the pool changed outside the step's {case.num_tokens} slots"
     assert "past request 0's length: position 2, length 2" in finding["place"]
-    result = NumericsCheck().run_case(WritesNextSlot, case, CPU)
+    result = judge(NumericsCheck(), WritesNextSlot, case, CPU)
     assert result.verdict == Verdict.FAIL and "past request 0's length" in result.reason
     assert result.metrics["mismatched"] == 0  # every output right: only the pool shows the write
 
@@ -126,7 +127,8 @@ def test_skips_on_a_cpu_and_without_the_tool(monkeypatch):
 
 def test_the_subset_is_the_first_layout_of_each_kind_and_a_given_case_always_runs():
     check = MemoryCheck()
-    running = [case for case in standard_suite() if check.case_skip_reason(TorchNaiveBackend, case, CPU) is None]
+    plan = check.plan(TorchNaiveBackend, standard_suite(), CPU)
+    running = [case for case in standard_suite() if plan[case.id] is None]
     assert sorted({case.spec.kind for case in running}) == ["mha", "mla"]
     assert len({(case.spec.kind, case.spec.dtype, case.spec.block_size, case.strided) for case in running}) == 2
     assert {case.tag for case in running} <= set(memory.MEMORY_TAGS) and len(running) >= 7
@@ -152,7 +154,7 @@ def fake_run(output: str, where: AllocationMap, returncode: int = 1):
 def test_a_sanitizer_report_fails_the_case_with_evidence_every_report_shows(monkeypatch):
     output = (OUTPUT / "memcheck-block-table-overread.txt").read_text()
     monkeypatch.setattr(memory, "run_child", fake_run(output, AllocationMap([BLOCK_TABLE])))
-    result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
+    result = judge(MemoryCheck(), TorchNaiveBackend, CASE, CPU)
     assert result.verdict == Verdict.FAIL
     assert result.reason.startswith(
         "memcheck, step, forward: Invalid __global__ read of size 4 bytes in masked_extra_read_kernel"
@@ -168,25 +170,25 @@ def test_a_sanitizer_report_fails_the_case_with_evidence_every_report_shows(monk
 def test_counted_errors_that_cannot_be_read_still_fail(monkeypatch):
     unread = "=========     a detail line of a record this parser does not know\n========= ERROR SUMMARY: 3 errors\n"
     monkeypatch.setattr(memory, "run_child", fake_run(unread, AllocationMap()))
-    result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
+    result = judge(MemoryCheck(), TorchNaiveBackend, CASE, CPU)
     assert result.verdict == Verdict.FAIL and "3 errors" in result.reason
 
 
 def test_a_clean_run_passes_and_a_refusing_device_skips(monkeypatch):
     monkeypatch.setattr(memory, "run_child", fake_run("========= ERROR SUMMARY: 0 errors\n", AllocationMap(), 0))
-    result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
+    result = judge(MemoryCheck(), TorchNaiveBackend, CASE, CPU)
     assert result.verdict == Verdict.PASS and result.metrics["memcheck step errors"] == 0
     monkeypatch.setattr(memory, "run_child", fake_run("========= Error: Device not supported\n", AllocationMap()))
-    result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
+    result = judge(MemoryCheck(), TorchNaiveBackend, CASE, CPU)
     assert result.verdict == Verdict.SKIP and "cannot check this device: Error: Device not supported" in result.reason
-    result = MemoryCheck().run_case(WritesNextSlot, CASE, CPU)  # the poison pass still counts
+    result = judge(MemoryCheck(), WritesNextSlot, CASE, CPU)  # the poison pass still counts
     assert result.verdict == Verdict.FAIL and result.reason.startswith("nan-poison, step, write_kv")
 
 
 def test_a_child_that_dies_without_a_report_is_an_error(monkeypatch):
     monkeypatch.setattr(memory, "run_child", fake_run("ImportError: no module\n", AllocationMap()))
     with pytest.raises(RuntimeError, match="exited with status 1 and no report"):
-        MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
+        judge(MemoryCheck(), TorchNaiveBackend, CASE, CPU)
 
 
 def test_host_api_reports_count_only_when_the_backend_copies_the_harness_s_memory():
@@ -219,11 +221,11 @@ def test_the_decode_case_adds_the_engine_stage_under_memcheck_only(monkeypatch):
 
     monkeypatch.setattr(memory, "run_child", run_child)
     decode = parse_case("gqa-h4/2-d64-bf16-p16:1+1,40+1")
-    result = MemoryCheck().run_case(TorchNaiveBackend, decode, CPU)
+    result = judge(MemoryCheck(), TorchNaiveBackend, decode, CPU)
     assert result.verdict == Verdict.PASS, result.reason
     assert sorted(ran) == [("engine", "memcheck"), ("step", "initcheck"), ("step", "memcheck")]  # no graphs on a CPU
     ran.clear()
-    MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)  # verify rows: the step only
+    judge(MemoryCheck(), TorchNaiveBackend, CASE, CPU)  # verify rows: the step only
     assert [stage for stage, _ in ran] == ["step", "step"]
 
 
@@ -245,7 +247,7 @@ def test_an_uninitialized_copy_inside_a_graph_replay_is_the_harness_s_and_passes
     [report] = sanitizer.parse(output)[0]
     assert report.address == 0x7F697E600020 and report.frames[-1] == "replay in graphs.py:139"
     monkeypatch.setattr(memory, "run_child", fake_run(output, AllocationMap(), 0))
-    result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
+    result = judge(MemoryCheck(), TorchNaiveBackend, CASE, CPU)
     assert result.verdict == Verdict.PASS, result.reason
 
 
@@ -256,7 +258,7 @@ def test_errors_past_the_print_limit_behind_set_aside_reports_still_fail(monkeyp
         .replace("ERROR SUMMARY: 1 error", "ERROR SUMMARY: 2045 errors")
     )
     monkeypatch.setattr(memory, "run_child", fake_run(output, AllocationMap(), 0))
-    result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
+    result = judge(MemoryCheck(), TorchNaiveBackend, CASE, CPU)
     assert result.verdict == Verdict.FAIL and "2044 errors not read back" in result.reason
     assert result.metrics["memcheck step set aside"] == 1
 
@@ -310,7 +312,7 @@ def test_a_report_in_the_engine_stage_fails_the_case_under_its_stage(monkeypatch
         )
 
     monkeypatch.setattr(memory, "run_child", run_child)
-    result = MemoryCheck().run_case(TorchNaiveBackend, parse_case("gqa-h4/2-d64-bf16-p16:1+1,40+1"), CPU)
+    result = judge(MemoryCheck(), TorchNaiveBackend, parse_case("gqa-h4/2-d64-bf16-p16:1+1,40+1"), CPU)
     assert result.verdict == Verdict.FAIL and result.reason.startswith(
         "memcheck, engine, forward: Invalid __global__ read"
     )
@@ -325,7 +327,7 @@ def test_set_aside_reports_are_counted_by_kind_and_do_not_fail(monkeypatch):
     monkeypatch.setattr(
         memory, "run_child", fake_run(api_error * 3 + "========= ERROR SUMMARY: 3 errors\n", AllocationMap(), 0)
     )
-    result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
+    result = judge(MemoryCheck(), TorchNaiveBackend, CASE, CPU)
     assert result.verdict == Verdict.PASS, result.reason
     assert result.metrics["memcheck step set aside"] == 3
     [(kind, count)] = result.metrics["memcheck step set aside kinds"].items()
@@ -343,7 +345,7 @@ def test_a_failing_api_call_counts_unless_it_follows_a_fault_or_probes_an_entry_
     monkeypatch.setattr(
         memory, "run_child", fake_run(failed_copy + "========= ERROR SUMMARY: 1 error\n", AllocationMap(), 0)
     )
-    result = MemoryCheck().run_case(TorchNaiveBackend, CASE, CPU)
+    result = judge(MemoryCheck(), TorchNaiveBackend, CASE, CPU)
     assert result.verdict == Verdict.FAIL and "cudaMemcpyAsync" in result.reason, result.reason
 
     reports, _, _ = sanitizer.parse((OUTPUT / "memcheck-block-table-overread.txt").read_text())

@@ -10,6 +10,7 @@ from conformance.cases.grammar import parse_case
 from conformance.checks.memory import MemoryCheck, sanitizer
 from conformance.checks.numerics import NumericsCheck
 from conformance.results import Verdict
+from conformance.run.execution import judge
 from tests.planted import memory as planted
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(sanitizer.find_tool() is None, reason="needs compute-sanitizer")]
@@ -25,23 +26,23 @@ def step_stage_only(monkeypatch):
 
 
 def findings(backend_cls, case):
-    result = MemoryCheck().run_case(backend_cls, case, CUDA)
+    result = judge(MemoryCheck(), backend_cls, case, CUDA)
     assert result.verdict == Verdict.FAIL, result.reason
     return {(finding["tool"], finding["place"].split(" (")[0]): finding for finding in result.evidence["findings"]}
 
 
 def test_triton_is_clean_in_the_step_the_draft_loop_and_the_engine():
-    result = MemoryCheck().run_case(TritonAttentionBackend, DECODE, CUDA)
+    result = judge(MemoryCheck(), TritonAttentionBackend, DECODE, CUDA)
     assert result.verdict == Verdict.PASS, result.reason
     assert result.metrics["memcheck draft-loop errors"] == 0 and result.metrics["initcheck step errors"] == 0
     assert result.metrics["memcheck engine errors"] == 0
-    assert MemoryCheck().run_case(TritonAttentionBackend, VERIFY, CUDA).verdict == Verdict.PASS
+    assert judge(MemoryCheck(), TritonAttentionBackend, VERIFY, CUDA).verdict == Verdict.PASS
 
 
 def test_numerics_nan_pass_sees_a_masked_read_of_block_0():
     """Request 0's table entry past its last block is 0: the reserved block, NaN in numerics'
     second pass. Its loud pass alone passes the defect (0 × 16 = 0)."""
-    result = NumericsCheck().run_case(planted.ReadsBlockPastEnd, DECODE, CUDA)
+    result = judge(NumericsCheck(), planted.ReadsBlockPastEnd, DECODE, CUDA)
     assert result.verdict == Verdict.FAIL and "with NaN in every slot no request owns" in result.reason, result.reason
     assert result.metrics["mismatched"] == 0
 
@@ -79,6 +80,6 @@ def test_a_backend_beside_its_companion_runs_the_engine_stage(monkeypatch):
     from backends.triton.mla_backend import TritonMLABackend
 
     monkeypatch.setattr(MemoryCheck, "stages", staticmethod(lambda backend_cls, case, device: ["engine"]))
-    result = MemoryCheck().run_case(TritonMLABackend, parse_case("mla-h16-d512+64-bf16-p64:1+1,700+1"), CUDA)
+    result = judge(MemoryCheck(), TritonMLABackend, parse_case("mla-h16-d512+64-bf16-p64:1+1,700+1"), CUDA)
     assert result.verdict == Verdict.PASS, result.reason
     assert result.metrics["memcheck engine errors"] == 0

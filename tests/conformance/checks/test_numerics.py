@@ -9,6 +9,7 @@ from conformance.cases.suites import suite
 from conformance.checks.numerics import NumericsCheck
 from conformance.harness.comparison import compare_with_oracle
 from conformance.results import Verdict
+from conformance.run.execution import judge
 from tests.planted import defects, input_defects
 
 CPU = torch.device("cpu")
@@ -16,9 +17,8 @@ CPU = torch.device("cpu")
 
 def run_suite(backend_cls, cases):
     check = NumericsCheck()
-    results = [
-        check.run_case(backend_cls, case, CPU) for case in cases if not check.case_skip_reason(backend_cls, case, CPU)
-    ]
+    plan = check.plan(backend_cls, cases, CPU)
+    results = [judge(check, backend_cls, case, CPU) for case in cases if not plan[case.id]]
     return check.summarize(results)[0], results
 
 
@@ -46,8 +46,8 @@ PLANTED_DEFECT_CASES = {
 @pytest.mark.parametrize("defect,case_text", [(d, case) for d, cases in PLANTED_DEFECT_CASES.items() for case in cases])
 def test_each_planted_defect_fails(defect, case_text):
     case = parse_case(case_text)
-    assert NumericsCheck().run_case(TorchNaiveBackend, case, CPU).verdict == Verdict.PASS
-    result = NumericsCheck().run_case(defect, case, CPU)
+    assert judge(NumericsCheck(), TorchNaiveBackend, case, CPU).verdict == Verdict.PASS
+    result = judge(NumericsCheck(), defect, case, CPU)
     assert result.verdict == Verdict.FAIL, result
     if defect is defects.WritesSlotMinusOne:  # the input watch sees the pool's last block change first
         assert "write_kv changed the KV pool outside the blocks the step writes" in result.reason, result.reason
@@ -65,13 +65,13 @@ def test_each_planted_defect_fails_the_smoke_suite(defect):
 
 def test_off_by_one_is_invisible_to_pure_decode_and_caught_by_spec_verify():
     """Why the suite has spec-verify cases: a decode token has no future to leak."""
-    decode = NumericsCheck().run_case(defects.CausalOffByOne, parse_case("gqa-h4/2-d32-fp32:10+1,30+1"), CPU)
-    verify = NumericsCheck().run_case(defects.CausalOffByOne, parse_case("gqa-h4/2-d32-fp32:10+4,30+4"), CPU)
+    decode = judge(NumericsCheck(), defects.CausalOffByOne, parse_case("gqa-h4/2-d32-fp32:10+1,30+1"), CPU)
+    verify = judge(NumericsCheck(), defects.CausalOffByOne, parse_case("gqa-h4/2-d32-fp32:10+4,30+4"), CPU)
     assert decode.verdict == Verdict.PASS and verify.verdict == Verdict.FAIL
 
 
 def test_unwritten_rows_are_reported_as_non_finite():
-    result = NumericsCheck().run_case(defects.ForgetsLastToken, parse_case("gqa-h4/2-d32-fp32:10+2"), CPU)
+    result = judge(NumericsCheck(), defects.ForgetsLastToken, parse_case("gqa-h4/2-d32-fp32:10+2"), CPU)
     assert result.metrics["non_finite"] == 4 * 32 and "NaN" in result.reason
 
 
@@ -115,9 +115,9 @@ LATER_PASSES = [
 def test_each_later_pass_fails_its_defect_after_the_earlier_passes_were_right(index, case_text):
     defect, reason, metric, _ = LATER_PASSES[index]
     case = parse_case(case_text)
-    passed = NumericsCheck().run_case(TorchNaiveBackend, case, CPU)
+    passed = judge(NumericsCheck(), TorchNaiveBackend, case, CPU)
     assert passed.verdict == Verdict.PASS and passed.metrics[metric] < 0.1
-    result = NumericsCheck().run_case(defect, case, CPU)
+    result = judge(NumericsCheck(), defect, case, CPU)
     assert result.verdict == Verdict.FAIL and result.reason.startswith(reason), result.reason
     assert result.metrics["mismatched"] == 0 and result.metrics["nan-poison mismatched"] == 0
     assert all(result.metrics[earlier] < 0.1 for _, _, earlier, _ in LATER_PASSES[:index])

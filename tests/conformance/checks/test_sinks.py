@@ -12,6 +12,7 @@ from conformance.cases.oracle import attention_reference
 from conformance.checks.numerics import NumericsCheck
 from conformance.harness.batch import materialize
 from conformance.results import Verdict
+from conformance.run.execution import judge
 from tests.planted import sink_defects
 
 CPU = torch.device("cpu")
@@ -66,7 +67,7 @@ def test_the_oracle_weighs_the_sink_as_a_key_that_has_no_value():
     ],
 )
 def test_torch_naive_attends_with_the_sinks_on_every_path(case_text):
-    result = NumericsCheck().run_case(TorchNaiveBackend, parse_case(case_text), CPU)
+    result = judge(NumericsCheck(), TorchNaiveBackend, parse_case(case_text), CPU)
     assert result.verdict == Verdict.PASS, result.reason
 
 
@@ -79,9 +80,9 @@ def test_torch_naive_attends_with_the_sinks_on_every_path(case_text):
     ],
 )
 def test_planted_sink_defects_fail_numerics_by_a_wide_margin_on_the_path_they_break(defect, caught_on_decode):
-    prefill = NumericsCheck().run_case(defect, parse_case(PREFILL), CPU)
+    prefill = judge(NumericsCheck(), defect, parse_case(PREFILL), CPU)
     assert prefill.verdict == Verdict.FAIL and prefill.metrics["tolerance_ratio"] > 10, prefill.reason
-    decode = NumericsCheck().run_case(defect, parse_case(DECODE), CPU)
+    decode = judge(NumericsCheck(), defect, parse_case(DECODE), CPU)
     assert (decode.verdict == Verdict.FAIL) == caught_on_decode, decode.reason
 
 
@@ -102,7 +103,7 @@ def test_flashinfer_handed_the_sinks_fails_numerics_on_a_gpu():
     case = parse_case("gqa-h8/2-d128-bf16-attnsinks:1+1,30+1,200+1")  # head dim 128: the kernels the GPU bundle ships
     if not torch.cuda.is_available() or sink_defects.FlashInferClaimingSinks.unsupported_reason(case.spec, cuda):
         pytest.skip("needs a GPU with flashinfer")
-    result = NumericsCheck().run_case(sink_defects.FlashInferClaimingSinks, case, cuda)
+    result = judge(NumericsCheck(), sink_defects.FlashInferClaimingSinks, case, cuda)
     assert result.verdict == Verdict.FAIL and result.metrics["tolerance_ratio"] > 10, result.reason
 
 
@@ -113,7 +114,7 @@ def test_the_engine_runs_a_model_whose_layers_have_sinks_and_catches_sinks_dropp
     case = parse_case("gqa-h8/2-d64-bf16-attnsinks:1+1")
     model, _ = model_and_prompts(case, CPU, (4,))
     assert all(layer.sinks.dtype == torch.float32 and layer.sinks.shape == (8,) for layer in model.layers)
-    assert EngineCheck().run_case(TorchNaiveBackend, case, CPU).verdict == Verdict.PASS
+    assert judge(EngineCheck(), TorchNaiveBackend, case, CPU).verdict == Verdict.PASS
     # Verifying k + 1 tokens takes the prefill path, where the sinks go missing: the tokens change.
-    result = EngineCheck().run_case(sink_defects.IgnoresSinksInPrefill, case, CPU)
+    result = judge(EngineCheck(), sink_defects.IgnoresSinksInPrefill, case, CPU)
     assert result.verdict == Verdict.FAIL, result.reason

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from backends import registry
-from backends.base import Capabilities
+from backends.base import PLAIN_LAYER, Capabilities, LayerParameters
 from backends.torch_naive import TorchNaiveBackend
 from conformance.cases.grammar import parse_case
 from conformance.cases.suites import suite
@@ -21,6 +21,7 @@ from conformance.harness.continuous_batch import MAX_BUDGET, continuous_batching
 from conformance.harness.lse_pass import lse_findings
 from conformance.harness.step import prepare_case, run_step
 from conformance.results import Verdict
+from conformance.run.execution import judge
 from tests.planted import steady_defects
 from tests.planted.graph_backends import TorchGraphSafe
 
@@ -96,8 +97,9 @@ def test_the_lse_is_checked_on_every_step_where_claimed():
 class WritesLsePastItsRows(TorchNaiveBackend):
     """Writes one lse row more than it was handed (a kernel's grid over the limit's rows)."""
 
-    def forward(self, query, kv_cache, metadata, out, scales=None, sinks=None, lse=None):
-        super().forward(query, kv_cache, metadata, out, scales=scales, sinks=sinks, lse=lse)
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
+        super().forward(query, kv_cache, metadata, out, layer)
+        lse = layer.lse
         if lse is not None:
             torch.as_strided(lse, (lse.shape[0] + 1, lse.shape[1]), lse.stride())[-1] = 0.0
 
@@ -125,7 +127,8 @@ def test_it_runs_by_default_once_per_kind_and_cache_format_on_small_decode_batch
     check = SteadyCheck()
     assert "CUDA" in check.skip_reason(TorchGraphSafe, CPU)
     torch_naive = registry.load("torch_naive")
-    chosen = [case for case in suite("standard") if check.case_skip_reason(torch_naive, case, CPU) is None]
+    plan = check.plan(torch_naive, suite("standard"), CPU)
+    chosen = [case for case in suite("standard") if plan[case.id] is None]
     assert {(case.spec.kind, case.spec.fp8_kv_cache) for case in chosen} == {
         ("mha", False),
         ("mha", True),
@@ -183,7 +186,7 @@ def test_built_in_backends_hold_steady(name):
     check = SteadyCheck()
     for case in suite("standard"):
         if check.case_skip_reason(backend, case, cuda) is None:
-            result = check.run_case(backend, case, cuda)
+            result = judge(check, backend, case, cuda)
             assert result.verdict == Verdict.PASS, (case.id, result.reason)
 
 

@@ -11,6 +11,7 @@ from conformance.cases.suites import suite
 from conformance.checks.numerics import NumericsCheck
 from conformance.harness.batch import materialize
 from conformance.results import Verdict
+from conformance.run.execution import judge
 from tests.planted.graph_backends import TorchGraphSafe
 from tests.planted.value_dim_defects import ValueOffsetFromValueDim
 
@@ -39,12 +40,12 @@ def test_torch_naive_claims_it_and_a_backend_without_the_claim_says_why():
     spec = parse_case(DEEPSEEK).spec
     h200 = DeviceInfo("cuda", "NVIDIA H200", (9, 0))
     assert "value head dim (128)" in TorchGraphSafe.unsupported_reason(spec, h200)
-    result = NumericsCheck().run_case(TorchNaiveBackend, parse_case(DEEPSEEK), CPU)
+    result = judge(NumericsCheck(), TorchNaiveBackend, parse_case(DEEPSEEK), CPU)
     assert result.verdict == Verdict.PASS, result.reason
 
 
 def test_a_value_offset_taken_from_the_value_dim_fails_only_where_the_dims_differ():
-    result = NumericsCheck().run_case(ValueOffsetFromValueDim, parse_case(DEEPSEEK), CPU)
+    result = judge(NumericsCheck(), ValueOffsetFromValueDim, parse_case(DEEPSEEK), CPU)
     assert result.verdict == Verdict.FAIL and result.metrics["tolerance_ratio"] > 10, result.reason
-    same = NumericsCheck().run_case(ValueOffsetFromValueDim, parse_case("mha-h4-d64-bf16:30+4,0+40"), CPU)
+    same = judge(NumericsCheck(), ValueOffsetFromValueDim, parse_case("mha-h4-d64-bf16:30+4,0+40"), CPU)
     assert same.verdict == Verdict.PASS, same.reason

@@ -57,7 +57,7 @@ MALFORMED = [
 
 
 @pytest.mark.parametrize("path,value,message", MALFORMED)
-def test_a_malformed_results_file_is_one_line_and_no_file(tmp_path, path, value, message):
+def test_a_malformed_results_file_is_one_line_and_no_file(in_process, tmp_path, path, value, message):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(set_in(_document(), path, value)))
     good = tmp_path / "good.json"
@@ -67,29 +67,29 @@ def test_a_malformed_results_file_is_one_line_and_no_file(tmp_path, path, value,
         ["report", bad, "-o", outputs[0], "--junit", outputs[1], "--markdown", outputs[2]],
         ["compare", good, bad],
     ):
-        completed = conformance(*command)
+        completed = in_process(*command)
         assert completed.returncode == 2, completed.stderr
         assert completed.stderr.count("\n") == 1 and message in completed.stderr, completed.stderr
     assert not any(path.exists() for path in outputs)
 
 
-def test_evidence_no_report_can_draw_is_one_line_and_no_partial_file(tmp_path):
+def test_evidence_no_report_can_draw_is_one_line_and_no_partial_file(in_process, tmp_path):
     # A numerics FAIL whose "worst" is a number: the HTML draws it as a place, the JUnit file would not need it.
     document = _document(verdict="FAIL", reason="wrong", evidence={"worst": 5})
     set_in(document, ("backends", 0, "checks", 0, "verdict"), "FAIL")
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(document))
-    completed = conformance("report", bad, "--junit", tmp_path / "o.xml", "-o", tmp_path / "o.html")
+    completed = in_process("report", bad, "--junit", tmp_path / "o.xml", "-o", tmp_path / "o.html")
     assert completed.returncode == 2 and completed.stderr.count("\n") == 1, completed.stderr
     assert "cannot draw the" in completed.stderr and "Traceback" not in completed.stderr
     assert not (tmp_path / "o.xml").exists() and not (tmp_path / "o.html").exists()
 
 
-def test_deeply_nested_json_is_one_line(tmp_path):
+def test_deeply_nested_json_is_one_line(in_process, tmp_path):
     deep = tmp_path / "deep.json"
     deep.write_text(nested(100_000))
     for command in (["report", deep, "-o", tmp_path / "o.html"], ["compare", deep, deep]):
-        completed = conformance(*command)
+        completed = in_process(*command)
         assert completed.returncode == 2 and completed.stderr.count("\n") == 1, completed.stderr
         assert "nested too deeply" in completed.stderr
 
@@ -126,7 +126,7 @@ def test_any_string_renders_in_every_format_and_the_terminal(tmp_path):
     assert f"reports: {tmp_path / 'r.html'}, {tmp_path / 'r.xml'}, {tmp_path / 'r.md'}" in completed.stdout
 
 
-def test_outputs_that_would_overwrite_an_input_a_lock_or_a_journal_are_refused(tmp_path):
+def test_outputs_that_would_overwrite_an_input_a_lock_or_a_journal_are_refused(in_process, tmp_path):
     results = tmp_path / "r.json"
     results.write_text(json.dumps(_document()))
     for command in (
@@ -135,7 +135,7 @@ def test_outputs_that_would_overwrite_an_input_a_lock_or_a_journal_are_refused(t
         ["run", "--case", SMALL, "--device", "cpu", "--json", results, "--html", f"{results}.lock"],
         ["run", "--case", SMALL, "--device", "cpu", "--json", results, "--markdown", f"{results}.journal"],
     ):
-        completed = conformance(*command)
+        completed = in_process(*command)
         assert completed.returncode == 2 and completed.stderr.count("\n") == 1, (command, completed.stderr)
         assert "name another file" in completed.stderr
     assert json.loads(results.read_text()) == _document()

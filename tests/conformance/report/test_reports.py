@@ -16,6 +16,7 @@ from conformance.report import markdown as report_markdown
 from conformance.report.compare import CompareError, compare_runs
 from conformance.report.terminal import print_report
 from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
+from conformance.run.execution import judge
 
 SYNC_EVENT = {
     "kind": "sync",
@@ -251,56 +252,37 @@ def test_compare_treats_lost_coverage_as_a_regression_unless_accepted():
             compare_runs(base, base, **bad)
 
 
-def test_compare_cli_exit_codes(tmp_path):
+def test_compare_cli_exit_codes(in_process, tmp_path):
     base = crafted()
     base.save(tmp_path / "base.json")
     _with(base, 0, "bench", 0, forward_us=400.0).save(tmp_path / "slower.json")
     _with(base, 0, "bench", 0, forward_us=200.0).save(tmp_path / "faster.json")
 
     def gate(new):
-        return subprocess.run(
-            [sys.executable, "-m", "conformance.cli", "compare", str(tmp_path / "base.json"), str(tmp_path / new)],
-            capture_output=True,
-            text=True,
-        ).returncode
+        return in_process("compare", tmp_path / "base.json", tmp_path / new).returncode
 
-    assert gate("slower.json") == 1 and gate("faster.json") == 0 and gate("base.json") == 0
-    missing = subprocess.run(
-        [sys.executable, "-m", "conformance.cli", "compare", str(tmp_path / "base.json"), "nope.json"],
+    # The command's own exit status once; the rest through conformance.cli.main in this process.
+    slower = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "conformance.cli",
+            "compare",
+            str(tmp_path / "base.json"),
+            str(tmp_path / "slower.json"),
+        ],
         capture_output=True,
         text=True,
     )
+    assert slower.returncode == 1 and gate("slower.json") == 1, slower.stderr
+    assert gate("faster.json") == 0 and gate("base.json") == 0
+    missing = in_process("compare", tmp_path / "base.json", "nope.json")
     assert missing.returncode == 2 and "no such file" in missing.stderr
     _without_case(base, "numerics", 0).save(tmp_path / "fewer.json")
     assert gate("fewer.json") == 1
-    accepted = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "conformance.cli",
-            "compare",
-            str(tmp_path / "base.json"),
-            str(tmp_path / "fewer.json"),
-            "--accept-missing",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    accepted = in_process("compare", tmp_path / "base.json", tmp_path / "fewer.json", "--accept-missing")
     assert accepted.returncode == 0 and "1 accepted" in accepted.stdout, accepted.stdout
-    negative = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "conformance.cli",
-            "compare",
-            str(tmp_path / "base.json"),
-            str(tmp_path / "base.json"),
-            "--error-growth",
-            "-1",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    negative = in_process("compare", tmp_path / "base.json", tmp_path / "base.json", "--error-growth", "-1")
     assert negative.returncode == 2 and "--error-growth -1" in negative.stderr
 
 
@@ -371,8 +353,8 @@ def with_a_numerics_failure_and_every_check() -> RunResult:
     from tests.planted import defects
 
     run = crafted()
-    failure = NumericsCheck().run_case(
-        defects.CausalOffByOne, parse_case("gqa-h4/2-d32-fp32-p16-edges:30+40@0"), torch.device("cpu")
+    failure = judge(
+        NumericsCheck(), defects.CausalOffByOne, parse_case("gqa-h4/2-d32-fp32-p16-edges:30+40@0"), torch.device("cpu")
     )
     assert failure.verdict == Verdict.FAIL and "key_map" in failure.evidence
     mine = run.backends[0]

@@ -72,48 +72,77 @@ def run_plugin(tmp_path: Path, backend: str) -> tuple[subprocess.CompletedProces
     return completed, results
 
 
-def large_case(results: Path):
-    backend = RunResult.load(results).backends[0]
-    return {case.case: case for case in backend.checks[0].cases}[parse_case(LARGE).id]
+def large_case(results: Path, backend: str | None = None):
+    backends = RunResult.load(results).backends
+    found = backends[0] if backend is None else next(row for row in backends if row.name == backend)
+    return {case.case: case for case in found.checks[0].cases}[parse_case(LARGE).id]
 
 
+# One run a path holds every backend that exits from Python (and the one whose import exits, and
+# torch_naive after them: the run goes on past each); serial and --workers also the one that calls
+# exit() from C, which ends only a child or a worker there. Each exit's CRASH and reason is read
+# from its own row: a run a backend, as these tests once made, was 24 commands.
+IMPORT_EXITS = f"{GATE}.import_exits:X"
+FROM_C = f"{GATE}.backends:ExitsFromC"
+MERGED = [f"{GATE}.backends:{backend}" for backend in sorted(REASONS)] + [IMPORT_EXITS]
+EXITS = pytest.mark.xdist_group("exits")  # under pytest -n: the tests that share the runs on one worker
+
+
+@pytest.fixture(scope="module")
+def merged_runs(tmp_path_factory):
+    """``{path: (completed, results)}``, each path's run made once, by the first test that asks."""
+    runs = {}
+
+    def run(path: str):
+        if path not in runs:
+            folder = tmp_path_factory.mktemp(f"exits-{path}")
+            backends = MERGED + ([FROM_C] if path in ("serial", "workers") else []) + ["torch_naive"]
+            if path == "plugin":
+                runs[path] = run_plugin(folder, ",".join(backends))
+            else:
+                runs[path] = run_cli(folder, ",".join(backends), path)
+        return runs[path]
+
+    return run
+
+
+@EXITS
 @pytest.mark.parametrize("backend", sorted(REASONS))
-def test_an_exit_from_python_is_the_cases_crash_with_one_reason_on_every_path(tmp_path, backend):
+def test_an_exit_from_python_is_the_cases_crash_with_one_reason_on_every_path(merged_runs, backend):
     for path in (*PATHS, "plugin"):
-        completed, results = (
-            run_plugin(tmp_path, f"{GATE}.backends:{backend}")
-            if path == "plugin"
-            else run_cli(tmp_path, f"{GATE}.backends:{backend}", path)
-        )
+        completed, results = merged_runs(path)
         assert completed.returncode == 1, (path, completed.stdout[-2000:], completed.stderr[-2000:])
-        case = large_case(results)
+        case = large_case(results, f"{GATE}.backends:{backend}")
         assert (case.verdict.value, case.reason) == ("CRASH", REASONS[backend]), path
 
 
-def test_an_exit_from_c_code_never_ends_a_run_with_status_0(tmp_path):
-    backend = f"{GATE}.backends:ExitsFromC"
-    completed, results = run_cli(tmp_path, backend, "serial")
+@EXITS
+def test_an_exit_from_c_code_never_ends_a_run_with_status_0(tmp_path, merged_runs):
+    completed, results = merged_runs("serial")
     assert completed.returncode == 1
-    case = large_case(results)
+    case = large_case(results, FROM_C)
     assert case.verdict.value == "CRASH"
     assert case.reason == "backend process ended: the backend called exit() from C code while running this case"
-    completed, results = run_cli(tmp_path, backend, "workers")
-    assert completed.returncode == 1 and large_case(results).verdict.value == "CRASH"
+    completed, results = merged_runs("workers")
+    assert completed.returncode == 1 and large_case(results, FROM_C).verdict.value == "CRASH"
     # Where the process that reports is the one that ends: no results, but never status 0.
-    for completed, _ in (run_cli(tmp_path, backend, "in-process"), run_plugin(tmp_path, backend)):
+    for completed, _ in (run_cli(tmp_path, FROM_C, "in-process"), run_plugin(tmp_path, FROM_C)):
         assert completed.returncode == EXIT_FROM_C, completed.stderr[-2000:]
         assert "conformance: the backend called exit() from C code during the case" in completed.stderr
 
 
-def test_an_import_that_exits_is_that_backends_crash_on_every_path(tmp_path):
-    reason = f"cannot load backend '{GATE}.import_exits:X': the backend called os._exit(0) during its import"
+@EXITS
+def test_an_import_that_exits_is_that_backends_crash_on_every_path(merged_runs):
+    reason = f"cannot load backend '{IMPORT_EXITS}': the backend called os._exit(0) during its import"
     for path in (*PATHS, "plugin"):
-        backend = f"{GATE}.import_exits:X,torch_naive"
-        completed, results = run_plugin(tmp_path, backend) if path == "plugin" else run_cli(tmp_path, backend, path)
+        completed, results = merged_runs(path)
         assert completed.returncode == 1, (path, completed.stderr[-2000:])
-        exits, naive = json.loads(results.read_text())["backends"]
+        rows = {row["name"]: row for row in json.loads(results.read_text())["backends"]}
+        exits, naive = rows[IMPORT_EXITS], rows["torch_naive"]
         assert [(check["verdict"], check["summary"]) for check in exits["checks"]] == [("CRASH", reason)], path
         assert naive["checks"][0]["verdict"] == "PASS", path
+        # The run went on past every exit: each backend of it has its row, in the order asked.
+        assert list(rows) == MERGED + ([FROM_C] if path in ("serial", "workers") else []) + ["torch_naive"], path
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads processes from /proc (Linux)")

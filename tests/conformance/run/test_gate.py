@@ -90,7 +90,8 @@ def test_a_changed_tolerance_is_an_error_naming_it_and_is_put_back():
 def test_the_seal_names_torch_settings_and_replaced_functions_and_restores_them():
     import torch
 
-    from conformance.harness import comparison, numerics
+    from conformance.checks import numerics
+    from conformance.harness import comparison
     from conformance.results import CaseResult
     from conformance.run.seal import Seal
 
@@ -135,19 +136,16 @@ def test_the_channel_reports_forged_dropped_repeated_and_truncated_lines(tmp_pat
         assert [event["event"] for event in reader.read()] == [TAMPERING]
 
 
-@pytest.mark.parametrize(
-    "module,verdict,why",
-    [
-        ("import_segfault", "CRASH", "killed by signal SIGSEGV"),
-        ("import_hang", "CRASH", "ran past the time limit of 8 s"),
-    ],
-)
-def test_an_import_that_crashes_or_hangs_costs_that_backend_only(tmp_path, module, verdict, why):
+@pytest.fixture(scope="module")
+def broken_imports_run(tmp_path_factory):
+    """One run of torch_naive beside both backends whose import crashes or hangs: each costs its own
+    row only (the tests below read one each)."""
+    path = tmp_path_factory.mktemp("imports") / "r.json"
     started = time.monotonic()
     completed = conformance(
         "run",
         "--backend",
-        f"torch_naive,{GATE}.{module}:Backend",
+        f"torch_naive,{GATE}.import_segfault:Backend,{GATE}.import_hang:Backend",
         "--case",
         SMALL,
         "--check",
@@ -157,13 +155,27 @@ def test_an_import_that_crashes_or_hangs_costs_that_backend_only(tmp_path, modul
         "--timeout",
         "8",
         "--json",
-        str(tmp_path / "r.json"),
+        str(path),
     )
+    return completed, path, time.monotonic() - started
+
+
+@pytest.mark.xdist_group("gate_broken_imports")  # under pytest -n: the tests that share the run on one worker
+@pytest.mark.parametrize(
+    "module,verdict,why",
+    [
+        ("import_segfault", "CRASH", "killed by signal SIGSEGV"),
+        ("import_hang", "CRASH", "ran past the time limit of 8 s"),
+    ],
+)
+def test_an_import_that_crashes_or_hangs_costs_that_backend_only(broken_imports_run, module, verdict, why):
+    completed, path, seconds = broken_imports_run
     assert completed.returncode == 1, completed.stdout + completed.stderr
-    naive, broken = RunResult.load(tmp_path / "r.json").backends
-    assert naive.check("numerics").verdict == Verdict.PASS
+    backends = {backend.name: backend for backend in RunResult.load(path).backends}
+    assert backends["torch_naive"].check("numerics").verdict == Verdict.PASS
+    broken = backends[f"{GATE}.{module}:Backend"]
     assert broken.check("numerics").verdict.value == verdict and why in broken.check("numerics").summary
-    assert time.monotonic() - started < 120
+    assert seconds < 120
 
 
 def test_an_import_that_changes_directory_does_not_move_the_results(tmp_path):

@@ -128,7 +128,7 @@ def test_a_signal_in_the_first_seconds_is_handled_like_a_later_one(tmp_path, del
     assert json.loads(results.read_text())["interrupted"] is True
 
 
-def test_compare_and_report_refuse_interrupted_results_unless_allowed(tmp_path):
+def test_compare_and_report_refuse_interrupted_results_unless_allowed(in_process, tmp_path):
     from conformance.results import BackendResult, RunResult
 
     RunResult({}, [BackendResult("a", True)], "standard", [], interrupted=True).save(tmp_path / "partial.json")
@@ -137,13 +137,11 @@ def test_compare_and_report_refuse_interrupted_results_unless_allowed(tmp_path):
         ["compare", str(tmp_path / "base.json"), str(tmp_path / "partial.json")],
         ["report", str(tmp_path / "partial.json"), "-o", str(tmp_path / "r.html")],
     ):
-        refused = subprocess.run([sys.executable, "-m", "conformance", *command], capture_output=True, text=True)
+        refused = in_process(*command)
         assert (
             refused.returncode == 2 and "interrupted run" in refused.stderr and "--allow-interrupted" in refused.stderr
         )
-        allowed = subprocess.run(
-            [sys.executable, "-m", "conformance", *command, "--allow-interrupted"], capture_output=True, text=True
-        )
+        allowed = in_process(*command, "--allow-interrupted")
         assert allowed.returncode == 0, allowed.stderr
 
 

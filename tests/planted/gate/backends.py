@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+from backends.base import PLAIN_LAYER, LayerParameters
 from backends.torch_naive import TorchNaiveBackend
 from tests.planted.defects import WrongScale
 
@@ -24,10 +25,10 @@ class ExitsQuietly(TorchNaiveBackend):
 
     name = "planted_exits_quietly"
 
-    def forward(self, query, kv_cache, metadata, out):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         if _large(metadata):
             os._exit(0)
-        super().forward(query, kv_cache, metadata, out)
+        super().forward(query, kv_cache, metadata, out, layer)
 
 
 class RaisesSystemExit(TorchNaiveBackend):
@@ -36,10 +37,10 @@ class RaisesSystemExit(TorchNaiveBackend):
 
     name = "planted_raises_system_exit"
 
-    def forward(self, query, kv_cache, metadata, out):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         if _large(metadata):
             sys.exit()
-        super().forward(query, kv_cache, metadata, out)
+        super().forward(query, kv_cache, metadata, out, layer)
 
 
 class LoosensTolerances(WrongScale):
@@ -48,12 +49,12 @@ class LoosensTolerances(WrongScale):
 
     name = "planted_loosens_tolerances"
 
-    def forward(self, query, kv_cache, metadata, out):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         from conformance.harness import comparison
 
         for dtype in comparison.TOLERANCES:
             comparison.TOLERANCES[dtype] = (1e9, 1e9)
-        super().forward(query, kv_cache, metadata, out)
+        super().forward(query, kv_cache, metadata, out, layer)
 
 
 class ForgesEvents(WrongScale):
@@ -62,8 +63,8 @@ class ForgesEvents(WrongScale):
 
     name = "planted_forges_events"
 
-    def forward(self, query, kv_cache, metadata, out):
-        super().forward(query, kv_cache, metadata, out)
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
+        super().forward(query, kv_cache, metadata, out, layer)
         if len(sys.argv) > 2 and sys.argv[2].endswith(".jsonl"):
             with open(sys.argv[2], "a") as events:
                 events.write('{"event": "result", "check": "numerics", "result": {"case": "x", "verdict": "PASS"}}\n')
@@ -95,7 +96,7 @@ class LeavesProcessesAndHangs(LeavesProcesses):
 
     name = "planted_leaves_processes_and_hangs"
 
-    def forward(self, query, kv_cache, metadata, out):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         time.sleep(3600)
 
 
@@ -105,10 +106,10 @@ class ExitsFromC(TorchNaiveBackend):
 
     name = "planted_exits_from_c"
 
-    def forward(self, query, kv_cache, metadata, out):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         if _large(metadata):
             ctypes.CDLL(None).exit(0)
-        super().forward(query, kv_cache, metadata, out)
+        super().forward(query, kv_cache, metadata, out, layer)
 
 
 class ExitsOnAThread(TorchNaiveBackend):
@@ -117,12 +118,12 @@ class ExitsOnAThread(TorchNaiveBackend):
 
     name = "planted_exits_on_a_thread"
 
-    def forward(self, query, kv_cache, metadata, out):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         if _large(metadata):
             watchdog = threading.Thread(target=os._exit, args=(0,), name="watchdog")
             watchdog.start()
             watchdog.join()
-        super().forward(query, kv_cache, metadata, out)
+        super().forward(query, kv_cache, metadata, out, layer)
 
 
 class RaisesKeyboardInterrupt(TorchNaiveBackend):
@@ -131,10 +132,10 @@ class RaisesKeyboardInterrupt(TorchNaiveBackend):
 
     name = "planted_raises_keyboard_interrupt"
 
-    def forward(self, query, kv_cache, metadata, out):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         if _large(metadata):
             raise KeyboardInterrupt
-        super().forward(query, kv_cache, metadata, out)
+        super().forward(query, kv_cache, metadata, out, layer)
 
 
 class ExitsFromCWithoutCleanup(TorchNaiveBackend):
@@ -143,10 +144,10 @@ class ExitsFromCWithoutCleanup(TorchNaiveBackend):
 
     name = "planted_exits_from_c_without_cleanup"
 
-    def forward(self, query, kv_cache, metadata, out):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         if _large(metadata):
             ctypes.CDLL(None)._exit(0)
-        super().forward(query, kv_cache, metadata, out)
+        super().forward(query, kv_cache, metadata, out, layer)
 
 
 class RaisesUndecodableText(TorchNaiveBackend):
@@ -155,6 +156,6 @@ class RaisesUndecodableText(TorchNaiveBackend):
 
     name = "planted_raises_undecodable_text"
 
-    def forward(self, query, kv_cache, metadata, out):
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         name = os.fsdecode(b"/models/\xff.bin")
         raise RuntimeError(f"cannot open {name}: " + "\x1b[2J\x00\x07\x9b")

@@ -1,0 +1,90 @@
+"""The contract's features: what a case may ask of a backend beyond attention over a cache in its
+compute dtype, one row each of one table (``FEATURES``).
+
+A row says the feature's name (a backend claims it in ``Capabilities.features``, says why it does
+not in ``Capabilities.not_claimed``; the results JSON and ``conformance list`` show the name), the
+words a SKIP uses for it, and which cases ask for it (``asked``, read from the case's ``Needs``).
+``Capabilities.skip_reason`` reads the table and nothing else, so a new feature is one row here,
+the case attribute that asks for it (the case grammar) and what the oracle does with it; no check
+names a feature to decide whether a case runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from backends.base import AttentionSpec
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What one case asks of a backend: its layer, the query lengths of its batch, and what its
+    steps hand ``forward`` beyond the layer (an ``lse`` buffer)."""
+
+    spec: "AttentionSpec"
+    query_lens: tuple[int, ...] = ()
+    lse: bool = False
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens, default=0)
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One row of the table: a thing a case may ask that a backend claims or does not."""
+
+    name: str
+    words: Callable[[Needs], str]  # the feature as this case asks it, for "<words> not supported"
+    asked: Callable[[Needs], bool]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+FEATURES: dict[str, Feature] = {}
+
+
+def feature(name: str, words: str | Callable[[Needs], str], asked: Callable[[Needs], bool]) -> Feature:
+    """Add a row to ``FEATURES`` (in the order a SKIP reason tells them) and return it."""
+    if name in FEATURES:
+        raise ValueError(f"feature {name!r} is already in the table")
+    row = Feature(name, words if callable(words) else (lambda needs, text=words: text), asked)
+    FEATURES[name] = row
+    return row
+
+
+def by_name(name: str) -> Feature:
+    try:
+        return FEATURES[name]
+    except KeyError:
+        raise ValueError(f"unknown feature {name!r} (known: {', '.join(FEATURES)})") from None
+
+
+FP8_E4M3 = feature(
+    "fp8_e4m3_kv_cache", "KV cache fp8e4m3", lambda needs: needs.spec.kv_cache_dtype == torch.float8_e4m3fn
+)
+FP8_E5M2 = feature(
+    "fp8_e5m2_kv_cache", "KV cache fp8e5m2", lambda needs: needs.spec.kv_cache_dtype == torch.float8_e5m2
+)
+FP8_KV_CACHES = frozenset({FP8_E4M3, FP8_E5M2})
+SLIDING_WINDOW = feature("sliding_window", "sliding window", lambda needs: needs.spec.sliding_window is not None)
+LOGITS_SOFT_CAP = feature("logits_soft_cap", "logits soft cap", lambda needs: needs.spec.logits_soft_cap is not None)
+VALUE_HEAD_DIM = feature(
+    "value_head_dim",
+    lambda needs: (
+        f"a value head dim ({needs.spec.value_head_dim}) other than the query/key head dim ({needs.spec.head_dim})"
+    ),
+    lambda needs: needs.spec.value_head_dim not in (None, needs.spec.head_dim),
+)
+ATTENTION_SINKS = feature("attention_sinks", "learned attention sinks", lambda needs: needs.spec.attention_sinks)
+LSE = feature("lse", "the log-sum-exp (the case hands forward an lse buffer)", lambda needs: needs.lse)
+EMPTY_REQUESTS = feature(
+    "empty_requests",
+    "empty requests (query length 0, vLLM's graph padding)",
+    lambda needs: 0 in needs.query_lens,
+)

@@ -1,0 +1,148 @@
+"""The two kinds of attention layer the contract knows, one object each (``AttentionSpec.layout``):
+what differs between MHA/GQA and DeepSeek's absorbed MLA (the shape of a token's key and value,
+what a cache entry holds, which part of it the attention weighs, how many fp8 scales a layer has)
+is asked of the kind, so that code serving both never branches on its name.
+
+* MHA (GQA and MQA too): a token's key ``[num_kv_heads, head_dim]`` and value
+  ``[num_kv_heads, v_head_dim]``, two cache planes, a scale for each.
+* MLA (absorbed): one latent entry ``[kv_lora_rank + rope_dim]`` per token, no separate value (the
+  attention weighs the entry's first ``kv_lora_rank`` channels), one cache plane, one scale.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from backends.base import AttentionSpec
+
+
+class LayerKind(abc.ABC):
+    name: ClassVar[str]
+    separate_value: ClassVar[bool]  # a value (and its fp8 scale) of its own beside the key
+
+    @abc.abstractmethod
+    def validate(self, spec: "AttentionSpec") -> None:
+        """Raise ValueError for a spec this kind cannot have."""
+
+    @abc.abstractmethod
+    def v_head_dim(self, spec: "AttentionSpec") -> int:
+        """The value's (and the output's) head dim."""
+
+    @abc.abstractmethod
+    def key_shape(self, spec: "AttentionSpec", tokens: int) -> tuple[int, ...]:
+        """The shape of ``tokens`` tokens' keys (MLA: their latent entries)."""
+
+    @abc.abstractmethod
+    def value_shape(self, spec: "AttentionSpec", tokens: int) -> tuple[int, ...] | None:
+        """The shape of their values; None where the key is the value too."""
+
+    @abc.abstractmethod
+    def plane_row(self, spec: "AttentionSpec") -> int:
+        """Elements one token takes in one cache plane."""
+
+    @abc.abstractmethod
+    def cache_row(self, spec: "AttentionSpec") -> int:
+        """Elements one token's key and value take together."""
+
+    @abc.abstractmethod
+    def head_values(
+        self, spec: "AttentionSpec", key: torch.Tensor, value: torch.Tensor | None, head: int
+    ) -> torch.Tensor:
+        """``[seq, v_head_dim]``: what query head ``head`` weighs, from a request's keys and values."""
+
+    @abc.abstractmethod
+    def scales(self, k_scale: float, v_scale: float) -> tuple[float, float]:
+        """The (k, v) fp8 scales a layer has (MLA: one, the key's, for its one latent entry)."""
+
+    @abc.abstractmethod
+    def key_heads(self, key: torch.Tensor) -> torch.Tensor:
+        """Keys with a KV-head axis (``[seq, kv_heads, head_dim]``), as an MHA reference takes them."""
+
+    @abc.abstractmethod
+    def value_heads(self, spec: "AttentionSpec", key: torch.Tensor, value: torch.Tensor | None) -> torch.Tensor:
+        """Values with a KV-head axis (``[seq, kv_heads, v_head_dim]``), as an MHA reference takes them."""
+
+
+class MHA(LayerKind):
+    name = "mha"
+    separate_value = True
+
+    def validate(self, spec: "AttentionSpec") -> None:
+        if spec.value_head_dim is not None and spec.value_head_dim < 1:
+            raise ValueError("value_head_dim is an MHA/GQA layer's (MLA's value is its latent), and at least 1")
+
+    def v_head_dim(self, spec: "AttentionSpec") -> int:
+        return spec.head_dim if spec.value_head_dim is None else spec.value_head_dim
+
+    def key_shape(self, spec: "AttentionSpec", tokens: int) -> tuple[int, ...]:
+        return (tokens, spec.num_kv_heads, spec.head_dim)
+
+    def value_shape(self, spec: "AttentionSpec", tokens: int) -> tuple[int, ...] | None:
+        return (tokens, spec.num_kv_heads, spec.v_head_dim)
+
+    def plane_row(self, spec: "AttentionSpec") -> int:
+        return spec.num_kv_heads * spec.head_dim
+
+    def cache_row(self, spec: "AttentionSpec") -> int:
+        return 2 * spec.num_kv_heads * spec.head_dim
+
+    def head_values(self, spec, key, value, head):
+        return value[:, head // spec.query_group_size]
+
+    def scales(self, k_scale: float, v_scale: float) -> tuple[float, float]:
+        return k_scale, v_scale
+
+    def key_heads(self, key: torch.Tensor) -> torch.Tensor:
+        return key
+
+    def value_heads(self, spec, key, value):
+        return value
+
+
+class MLA(LayerKind):
+    name = "mla"
+    separate_value = False
+
+    def validate(self, spec: "AttentionSpec") -> None:
+        if spec.num_kv_heads != 1:
+            raise ValueError("MLA has one latent KV head (num_kv_heads=1)")
+        if spec.head_dim != spec.kv_lora_rank + spec.rope_dim or spec.kv_lora_rank <= 0:
+            raise ValueError("MLA head_dim must equal kv_lora_rank + rope_dim")
+        if spec.value_head_dim is not None:
+            raise ValueError("value_head_dim is an MHA/GQA layer's (MLA's value is its latent), and at least 1")
+        if spec.attention_sinks:
+            raise ValueError("learned attention sinks are an MHA/GQA layer's (gpt-oss), not MLA's")
+
+    def v_head_dim(self, spec: "AttentionSpec") -> int:
+        return spec.kv_lora_rank
+
+    def key_shape(self, spec: "AttentionSpec", tokens: int) -> tuple[int, ...]:
+        return (tokens, spec.head_dim)
+
+    def value_shape(self, spec: "AttentionSpec", tokens: int) -> tuple[int, ...] | None:
+        return None
+
+    def plane_row(self, spec: "AttentionSpec") -> int:
+        return spec.head_dim
+
+    def cache_row(self, spec: "AttentionSpec") -> int:
+        return spec.head_dim
+
+    def head_values(self, spec, key, value, head):
+        return key[:, : spec.kv_lora_rank]
+
+    def scales(self, k_scale: float, v_scale: float) -> tuple[float, float]:
+        return k_scale, k_scale
+
+    def key_heads(self, key: torch.Tensor) -> torch.Tensor:
+        return key[:, None, :]  # absorbed scores: one latent head
+
+    def value_heads(self, spec, key, value):
+        return key[:, None, : spec.kv_lora_rank]  # the entry's latent part is the value
+
+
+LAYER_KINDS: dict[str, LayerKind] = {kind.name: kind for kind in (MHA(), MLA())}
