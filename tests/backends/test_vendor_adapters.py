@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from backends.base import BackendLimits, DeviceInfo
@@ -110,6 +111,7 @@ def test_paged_writes_into_nhd_hnd_and_mla_layouts_skip_slot_minus_one():
     check_paged_writes(write_paged_rows)
 
 
+@pytest.mark.slow
 def test_paged_write_kernel_touches_no_memory_for_slot_minus_one():
     """The CUDA path (our Triton write kernel, run here by Triton's CPU interpreter) writes the same
     rows, and parks nothing on block 0: the pool's reserved block stays unread and unwritten. No

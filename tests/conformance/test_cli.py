@@ -16,23 +16,11 @@ def conformance(*args, cwd=None):
     )
 
 
-@pytest.fixture(scope="session")
-def smoke_run(tmp_path_factory):
-    """One ``conformance run`` of the smoke suite (torch_naive, every default check, seed 7) over an
-    older run's results file, shared by the tests that read what it printed and wrote (each took a
-    command of its own, about as long as this one)."""
-    out = tmp_path_factory.mktemp("smoke-run")
-    (out / "results.json").write_text("an older run")
-    completed = conformance(
-        "run", "--backend", "torch_naive", "--suite", "smoke", "--device", "cpu", "--seed", "7", "--out", str(out)
-    )
-    return completed, out
-
-
-SMOKE_RUN = pytest.mark.xdist_group("smoke_run")  # under pytest -n: the tests that share it on one worker
+SMOKE_RUN = pytest.mark.xdist_group("smoke_run")  # under pytest -n: the tests that share it (tests/conftest.py)
 
 
 @SMOKE_RUN
+@pytest.mark.slow
 def test_smoke_run_passes_and_writes_json(smoke_run):
     completed, out = smoke_run
     assert completed.returncode == 0, completed.stdout + completed.stderr
@@ -121,6 +109,7 @@ def test_engine_and_report_check_their_output_paths_first(in_process, tmp_path):
 
 
 @SMOKE_RUN
+@pytest.mark.slow
 def test_a_run_removes_the_previous_results_first_and_applies_seed_to_a_suite(in_process, tmp_path, smoke_run):
     stale = tmp_path / "results.json"
     stale.write_text("an older run")
@@ -164,6 +153,7 @@ FAILING_RUN = pytest.mark.xdist_group("failing_run")  # under pytest -n: the tes
 
 
 @FAILING_RUN
+@pytest.mark.slow
 def test_planted_defect_exits_1_and_shows_its_evidence(failing_run):
     completed, path = failing_run
     assert completed.returncode == 1
@@ -173,30 +163,47 @@ def test_planted_defect_exits_1_and_shows_its_evidence(failing_run):
     assert verdicts["tests.planted.defects:WrongScale"] == "FAIL" and verdicts["torch_naive"] == "PASS", verdicts
 
 
-def test_nothing_runnable_here_exits_3_with_one_line(tmp_path):
-    completed = conformance(
-        "run", "--backend", "tests.planted.defects:NeedsBlackwell", "--device", "cpu", "--out", str(tmp_path)
-    )
+@pytest.fixture(scope="module")
+def unrunnable_run(tmp_path_factory):
+    """One run of two backends that cannot run here, each for its own reason: exit 3, one line."""
+    out = tmp_path_factory.mktemp("unrunnable")
+    backends = "tests.planted.defects:NeedsBlackwell,tests.planted.defects:NeedsMissingPackage"
+    return conformance("run", "--backend", backends, "--device", "cpu", "--out", str(out)), out
+
+
+UNRUNNABLE_RUN = pytest.mark.xdist_group("unrunnable_run")  # under pytest -n: the tests that share it on one worker
+
+
+@UNRUNNABLE_RUN
+@pytest.mark.slow
+def test_nothing_runnable_here_exits_3_with_one_line(unrunnable_run):
+    completed, out = unrunnable_run
     assert completed.returncode == 3
-    assert completed.stderr.strip() == "conformance: tests.planted.defects:NeedsBlackwell: runs on cuda, not cpu"
-    assert RunResult.load(tmp_path / "results.json").backends[0].available is False
+    blackwell, missing = RunResult.load(out / "results.json").backends
+    assert blackwell.available is False and missing.available is False
+    assert blackwell.reason == "runs on cuda, not cpu"
+    expected = f"conformance: {blackwell.name}: runs on cuda, not cpu; {missing.name}: {missing.reason}"
+    assert completed.stderr.strip() == expected and completed.stderr.count("\n") == 1, completed.stderr
 
 
-def test_missing_package_exits_3_with_the_install_command(tmp_path):
-    completed = conformance("run", "--backend", "tests.planted.defects:NeedsMissingPackage", "--out", str(tmp_path))
+@UNRUNNABLE_RUN
+@pytest.mark.slow
+def test_missing_package_exits_3_with_the_install_command(unrunnable_run):
+    completed, _ = unrunnable_run
     assert completed.returncode == 3 and "pip install 'specdec-conformance[no_such_extra]'" in completed.stderr
 
 
-def test_cuda_requested_without_a_gpu_exits_3():
+def test_cuda_requested_without_a_gpu_exits_3(in_process):
     pytest.importorskip("torch")
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is visible")
-    completed = conformance("run", "--backend", "torch_naive", "--device", "cuda")
+    completed = in_process("run", "--backend", "torch_naive", "--device", "cuda")
     assert completed.returncode == 3 and "no CUDA device" in completed.stderr
 
 
+@pytest.mark.slow
 def test_all_cases_skipped_exits_3(tmp_path):
     completed = conformance(
         "run",
@@ -214,6 +221,7 @@ def test_all_cases_skipped_exits_3(tmp_path):
 
 
 @FAILING_RUN
+@pytest.mark.slow
 def test_a_backend_module_that_raises_at_import_is_its_row_not_the_commands(failing_run):
     completed, path = failing_run
     assert completed.returncode == 1, completed.stdout + completed.stderr
@@ -227,16 +235,28 @@ def test_a_backend_module_that_raises_at_import_is_its_row_not_the_commands(fail
     assert "Traceback" not in completed.stderr
 
 
-def test_every_case_skipped_says_so_on_stderr(tmp_path):
+@pytest.fixture(scope="module")
+def graphs_run(tmp_path_factory):
+    """``conformance run --check graphs`` on the CPU, no suite named: torch_naive claims no CUDA
+    graphs, so every case of the default suite is skipped (exit 3)."""
+    path = tmp_path_factory.mktemp("graphs-run") / "r.json"
+    return conformance("run", "--check", "graphs", "--device", "cpu", "--json", str(path)), path
+
+
+GRAPHS_RUN = pytest.mark.xdist_group("graphs_run")  # under pytest -n: the tests that share it on one worker
+
+
+@GRAPHS_RUN
+@pytest.mark.slow
+def test_every_case_skipped_says_so_on_stderr(graphs_run):
     # torch_naive claims no CUDA graphs: the graphs check alone runs nothing.
-    completed = conformance(
-        "run", "--check", "graphs", "--case", "gqa-fp32:10+1", "--device", "cpu", "--out", str(tmp_path)
-    )
+    completed, _ = graphs_run
     assert completed.returncode == 3, completed.stdout + completed.stderr
     assert "every case was skipped" in completed.stderr and "every case was skipped" not in completed.stdout
 
 
 @SMOKE_RUN
+@pytest.mark.slow
 def test_ci_logs_get_a_line_per_finished_check_and_version_is_printed(in_process, smoke_run):
     from conformance.checks import default_checks
 
@@ -284,12 +304,15 @@ def test_help_documents_the_case_grammar_and_exit_codes(in_process):
     assert "nothing could run here" in in_process("--help").stdout
 
 
-def test_the_default_suite_on_a_cpu_is_quick(tmp_path):
-    completed = conformance("run", "--check", "graphs", "--device", "cpu", "--json", str(tmp_path / "r.json"))
+@GRAPHS_RUN
+@pytest.mark.slow
+def test_the_default_suite_on_a_cpu_is_quick(graphs_run):
+    completed, path = graphs_run
     assert completed.returncode == 3, completed.stderr  # graphs skip on a CPU: nothing ran, but the suite is recorded
-    assert RunResult.load(tmp_path / "r.json").suite == "quick"
+    assert RunResult.load(path).suite == "quick"
 
 
+@pytest.mark.slow
 def test_a_ci_log_shows_life_during_a_long_case():
     import io
 

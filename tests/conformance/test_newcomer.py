@@ -31,6 +31,7 @@ def test_the_package_brings_pytest_for_its_plugin():
     assert any(line.startswith("pytest>=") and "extra ==" not in line for line in requires), requires
 
 
+@pytest.mark.slow
 def test_bare_pytest_loads_a_backend_from_the_current_folder_and_prints_a_rerun_that_works(tmp_path):
     (tmp_path / "my_attn.py").write_text(
         "from tests.planted.defects import WrongScale\n\nclass MyAttnBackend(WrongScale):\n    pass\n"
@@ -76,6 +77,7 @@ def test_smoke_catches_a_backend_that_ignores_the_softmax_scale_and_says_it_is_n
     )
 
 
+@pytest.mark.slow
 def test_list_keeps_every_word_whole_in_120_columns(in_process):
     import argparse
 
@@ -92,6 +94,7 @@ def test_list_keeps_every_word_whole_in_120_columns(in_process):
                 assert word in text.lower(), (word, row["backend"])
 
 
+@pytest.mark.slow
 def test_a_named_case_that_skips_says_why_in_the_terminal(tmp_path):
     completed = subprocess.run(
         [sys.executable, "-m", "conformance", "run", "--case", "gqa-h2/1-d16-fp32-bigpool:5+1", "--check"]
@@ -104,6 +107,7 @@ def test_a_named_case_that_skips_says_why_in_the_terminal(tmp_path):
     assert "torch_naive / numerics: SKIP gqa-h2/1-d16-fp32-p16-bigpool:5+1@0: " in completed.stdout, completed.stdout
 
 
+@pytest.mark.slow
 def test_engine_run_says_what_it_is_doing_and_its_sampling(tmp_path):
     completed = subprocess.run(
         [sys.executable, "-m", "conformance", "engine", "run", "--model", "tiny", "--num-prompts", "1"]

@@ -47,6 +47,7 @@ def test_list_names_the_install_command(no_triton):
     assert rows["torch_naive"]["here"] == "available"
 
 
+@pytest.mark.slow
 def test_the_default_backend_runs_without_triton(no_triton, tmp_path):
     completed = conformance(
         "run",
@@ -64,6 +65,7 @@ def test_the_default_backend_runs_without_triton(no_triton, tmp_path):
     assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_without_the_interpreter_a_cpu_is_the_reason_not_the_package(no_triton):
     # Installing triton would not let the kernels run on a CPU: the device is named first.
     env = {key: value for key, value in no_triton.items() if key != "TRITON_INTERPRET"}

@@ -1,6 +1,9 @@
 """``host_syncs`` stands alone: the fixture imports into a conftest without the conformance plugin."""
 
+import pytest
 
+
+@pytest.mark.slow
 def test_fixture_imports_alone_and_skips_without_cuda(pytester):
     import torch
 

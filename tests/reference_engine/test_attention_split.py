@@ -128,6 +128,7 @@ def test_sub_batch_keeps_unknown_host_lengths_unknown_and_syncs_nothing():
     assert part.slot_mapping[0] == 1 and common.device_to_host_copies == [] and part.device_to_host_copies == []
 
 
+@pytest.mark.slow
 def test_engine_check_runs_decode_only_and_uniform_only_backends():
     case = parse_case("gqa-h4/2-d32-fp32-p16:30+1@0")
     for backend in (DecodeOnly, UniformOnly):

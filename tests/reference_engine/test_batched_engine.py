@@ -306,6 +306,7 @@ def test_padded_uniform_steps_reuse_their_buffers_and_match_plain(plain_tokens, 
         assert int(engine.state.num_computed[engine.spare_slot]) == 0  # padding rows never commit
 
 
+@pytest.mark.slow
 def test_step_inputs_torch_and_triton_agree_under_the_interpreter():
     import os
     import subprocess

@@ -10,6 +10,7 @@ def engine(*args):
     )
 
 
+@pytest.mark.slow
 def test_engine_run_prints_speed_and_acceptance():
     completed = engine(
         "--spec-tokens",
@@ -40,8 +41,8 @@ def test_engine_run_prints_speed_and_acceptance():
         (["--dtype", "int8"], "--dtype"),
     ],
 )
-def test_engine_usage_errors(args, message):
-    completed = engine(*args, "--device", "cpu")
+def test_engine_usage_errors(in_process, args, message):
+    completed = in_process("engine", "run", *args, "--device", "cpu")
     assert completed.returncode == 2 and message in completed.stderr and "Traceback" not in completed.stderr
 
 
@@ -175,6 +176,7 @@ def test_engine_bench_measures_idle_inside_steps_after_every_timed_run(monkeypat
     assert result["async"]["gpu_idle_in_step_fraction"] == 0.25 and result["sync"]["gpu_busy_ms_per_step"] == 0.3
 
 
+@pytest.mark.slow
 def test_engine_run_step_idle_off_cuda_says_not_measured():
     completed = engine("--num-prompts", "2", "--max-tokens", "4", "--prompt-len", "8", "--device", "cpu", "--step-idle")
     assert completed.returncode == 0, completed.stderr

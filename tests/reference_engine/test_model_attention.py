@@ -103,6 +103,7 @@ def test_an_fp8_latent_cache_is_decompressed_as_stored():
     assert tokens(BatchedEngine, "torch_naive", **fp8) == tokens(BatchedEngine, f"{HERE}:AbsorbedOnly", **fp8)
 
 
+@pytest.mark.slow
 def test_the_engine_check_catches_a_prefill_defect_through_the_mla_model():
     case = parse_case("mha-h4-d48/32-fp32-p16:30+1@0")
     assert model_for(case).attention == "mla"

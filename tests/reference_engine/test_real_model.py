@@ -263,15 +263,9 @@ def test_fetch_model_offline_is_one_clear_line(tmp_path, monkeypatch):
         real_models.fetch(real_models.REAL_MODELS["smollm2-135m"], log=lambda line: None)
 
 
-def test_missing_real_model_is_a_usage_error(tmp_path):
-    env = {**os.environ, real_models.CACHE_ENV: str(tmp_path)}
-    completed = subprocess.run(
-        [sys.executable, "-m", "conformance.cli", "engine", "run", "--model", "smollm2-135m", "--device", "cpu"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+def test_missing_real_model_is_a_usage_error(in_process, tmp_path, monkeypatch):
+    monkeypatch.setenv(real_models.CACHE_ENV, str(tmp_path))
+    completed = in_process("engine", "run", "--model", "smollm2-135m", "--device", "cpu")
     assert (
         completed.returncode == 2
         and "fetch-model smollm2-135m" in completed.stderr
@@ -300,6 +294,7 @@ def smollm():
 
 
 @ON_ONE_WORKER
+@pytest.mark.slow
 def test_smollm_logits_match_llama_cpp_convention(smollm):
     model, tokenizer = smollm
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog.")
@@ -308,6 +303,7 @@ def test_smollm_logits_match_llama_cpp_convention(smollm):
 
 
 @ON_ONE_WORKER
+@pytest.mark.slow
 def test_smollm_knows_a_capital(smollm):
     model, tokenizer = smollm
     engine = Engine(EngineConfig(model=model.config, num_blocks=64), model)
@@ -320,6 +316,7 @@ def test_smollm_knows_a_capital(smollm):
 
 @ON_ONE_WORKER
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+@pytest.mark.slow
 def test_smollm_greedy_speculation_equals_plain(smollm, async_scheduling):
     """fp32 on the CPU: n-gram and layer-skip drafting (k = 3) emit the plain greedy tokens, token
     for token, on real text (the prompt set's code edit and email), and the n-gram drafter hits."""
@@ -327,7 +324,7 @@ def test_smollm_greedy_speculation_equals_plain(smollm, async_scheduling):
 
     model, tokenizer = smollm
     prompts = [tokenizer.user_turn(prompt.message) for prompt in (PROMPTS[3], PROMPTS[4])]
-    params = SamplingParams(max_tokens=20, eos_token_id=tokenizer.eos_token_id)
+    params = SamplingParams(max_tokens=12, eos_token_id=tokenizer.eos_token_id)
 
     def generate(drafter: str, k: int):
         config = EngineConfig(
@@ -342,7 +339,7 @@ def test_smollm_greedy_speculation_equals_plain(smollm, async_scheduling):
         return BatchedEngine(config, model).generate(prompts, params)
 
     plain = [out.tokens for out in generate("none", 0)]
-    assert min(map(len, plain)) >= 16  # tokens of each prompt really were compared, not an early end of turn
+    assert min(map(len, plain)) >= 12  # every token of each prompt really was compared, not an early end of turn
     accepted = {}
     for drafter in ("ngram", "layer-skip:15"):
         outputs = generate(drafter, 3)
@@ -371,7 +368,7 @@ def engine_run(smollm):
             "--num-prompts",
             "2",
             "--max-tokens",
-            "8",
+            "4",
             "--device",
             "cpu",
         ],
@@ -382,6 +379,7 @@ def engine_run(smollm):
 
 
 @ON_ONE_WORKER
+@pytest.mark.slow
 def test_engine_run_prints_the_text(engine_run):
     completed = engine_run
     assert completed.returncode == 0, completed.stderr
@@ -390,6 +388,7 @@ def test_engine_run_prints_the_text(engine_run):
 
 
 @ON_ONE_WORKER
+@pytest.mark.slow
 def test_engine_run_labels_each_prompt_and_its_reply_in_a_log(engine_run):
     completed = engine_run
     assert completed.returncode == 0, completed.stderr

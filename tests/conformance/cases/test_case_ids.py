@@ -122,6 +122,7 @@ def test_an_mla_layers_window_and_cap_are_the_oracles_too(text):
 
 
 @pytest.mark.parametrize("path", [[], ["--workers", "1"]])
+@pytest.mark.slow
 def test_a_tiny_scale_case_runs_end_to_end_serially_and_over_workers(tmp_path, path):
     import json
     import subprocess

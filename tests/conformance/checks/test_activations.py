@@ -54,6 +54,7 @@ def test_a_half_precision_accumulator_fails_activation_like_data(case_text, at_l
     assert verdict == Verdict.FAIL and ratio >= at_least, ratio
 
 
+@pytest.mark.slow
 def test_zero_mean_data_hid_it_at_every_length(monkeypatch):
     monkeypatch.setattr(batch_module, "shape_activations", lambda case, keys, values: None)
     for case_text in (

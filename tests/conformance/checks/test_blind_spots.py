@@ -152,6 +152,7 @@ def test_offsets_in_32_bits_pass_a_small_pool_and_fail_a_big_one(layer, monkeypa
     assert result.verdict == Verdict.FAIL and result.metrics["tolerance_ratio"] >= WIDE_MARGIN, result.reason
 
 
+@pytest.mark.slow
 def test_block_ids_in_16_bits_pass_a_small_pool_and_fail_a_big_mla_one(monkeypatch):
     """MLA's blocks are so large that 2**31 elements come at block 58,255, inside 16 bits: the big
     pool also puts every owned block past id 2**16. The real id floor, a small layer (84 MB)."""

@@ -3,6 +3,8 @@ docs/checks.md shows that matrix as it is."""
 
 from pathlib import Path
 
+import pytest
+
 from conformance.cases.suites import suite
 from conformance.harness.coverage import CASES_PER_CELL, MARGIN, coverage_table, parameter_coverage
 from conformance.run.execution import judge
@@ -10,6 +12,7 @@ from conformance.run.execution import judge
 CHECKS_DOC = Path(__file__).resolve().parents[3] / "docs" / "checks.md"
 
 
+@pytest.mark.slow
 def test_every_parameter_matters_on_every_path_and_the_docs_show_the_matrix():
     coverage = parameter_coverage(suite("standard"))
     short = {cell: found for cell, found in coverage.items() if len({case_id for case_id, _ in found}) < CASES_PER_CELL}
@@ -20,6 +23,7 @@ def test_every_parameter_matters_on_every_path_and_the_docs_show_the_matrix():
     assert "\n".join(coverage_table(coverage)) in section, "docs/checks.md's parameter × path matrix is stale"
 
 
+@pytest.mark.slow
 def test_a_cap_over_small_logits_covers_nothing():
     """Why the cap's cases hold large logits: the suite's other cap cases (logits of a few units)
     leave every cell of the cap empty."""

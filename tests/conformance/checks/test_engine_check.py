@@ -16,7 +16,7 @@ from conformance.cases.grammar import parse_case
 from conformance.checks.engine import EngineCheck
 from conformance.checks.numerics import NumericsCheck
 from conformance.harness.engine_runs import STEADY_STEPS, EngineRuns, TooFewSteadySteps
-from conformance.results import Verdict
+from conformance.results import RunResult, Verdict
 from conformance.run.execution import judge
 from reference_engine.batched_engine import StepRecord
 from reference_engine.metrics import steady_iterations
@@ -49,33 +49,15 @@ def test_engine_check_fails_a_backend_that_guesses_lengths_optimistically():
     assert "async vs sync" in result.reason
 
 
-def test_engine_check_is_listed_and_runs_from_the_cli(tmp_path):
-    import subprocess
-    import sys
-
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "conformance.cli",
-            "run",
-            "--backend",
-            "torch_naive",
-            "--suite",
-            "smoke",
-            "--check",
-            "engine",
-            "--device",
-            "cpu",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+@pytest.mark.slow
+@pytest.mark.xdist_group("smoke_run")  # under pytest -n: with the other tests of the shared run (tests/conftest.py)
+def test_engine_check_is_listed_and_runs_from_the_cli(smoke_run):
+    # The CLI's default checks on the smoke suite, torch_naive: the engine check among them.
+    completed, out = smoke_run
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "engine" in completed.stdout
+    engine = RunResult.load(out / "results.json").backends[0].check("engine")
+    assert engine.verdict == Verdict.PASS and engine.cases, engine
 
 
 class GraphSafeOnCpu(graph_backends.TorchGraphSafe):
@@ -86,6 +68,7 @@ class ForgetsLastRowOnCpu(graph_backends.ForgetsLastRowInDraftUpdate):
     capabilities = GraphSafeOnCpu.capabilities
 
 
+@pytest.mark.slow
 def test_engine_check_compares_the_draft_update_path_with_rebuilt_metadata():
     cpu = torch.device("cpu")
     for dtype in ("fp32", "bf16"):

@@ -55,6 +55,7 @@ def test_the_reference_claim_is_judged_first():
 
 
 @pytest.mark.parametrize("case", [SINKS, FP8], ids=["sinks", "fp8"])
+@pytest.mark.slow
 def test_torch_naive_and_a_copy_of_it_pass(case):
     result = judge(EngineCheck(), registry.load("torch_naive"), case, CPU)
     assert result.verdict == Verdict.PASS, result.reason
@@ -65,6 +66,7 @@ def test_torch_naive_and_a_copy_of_it_pass(case):
     assert result.evidence["independent_reference"] == "plain decoding gave torch_naive's tokens"
 
 
+@pytest.mark.slow
 def test_a_graph_safe_backend_with_an_fp8_cache_passes():
     """Another implementation of the math (device lengths, one batched product, the layer's device
     scales) gives torch_naive's tokens, scale for scale, layer by layer."""

@@ -66,6 +66,7 @@ def test_the_query_lengths_follow_the_claims():
     assert short["query_lens"] == [1, 2]
 
 
+@pytest.mark.slow
 def test_a_cache_refreshed_now_and_then_fails_at_the_step_it_skips():
     assert steady_look(TorchGraphSafe, DECODE, CPU, steps=70).verdict == Verdict.PASS
     result = steady_look(steady_defects.SkipsRefreshEveryNthBuild, DECODE, CPU, steps=70)

@@ -94,6 +94,7 @@ def test_a_run_of_another_suite_is_refused():
         fold_bench_runs([run_of(("ours", 100.0, 1.0, Verdict.PASS)), standard])
 
 
+@pytest.mark.slow
 def test_publish_says_how_many_runs_its_bench_numbers_are_the_median_of(tmp_path):
     for index, forward_us in enumerate((150.0, 100.0, 120.0)):
         run_of(("ours", forward_us, 1.0, Verdict.PASS)).save(tmp_path / f"bench-{index}.json")

@@ -126,12 +126,12 @@ def _document(**case_fields) -> dict:
         ([1, 2], "JSON object"),
     ],
 )
-def test_compare_and_report_refuse_broken_results_files(tmp_path, document, message):
+def test_compare_and_report_refuse_broken_results_files(in_process, tmp_path, document, message):
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
     good.write_text(json.dumps(_document()))
     bad.write_text(json.dumps(document))
     for command in (["compare", str(good), str(bad)], ["report", str(bad), "-o", str(tmp_path / "r.html")]):
-        completed = subprocess.run([sys.executable, "-m", "conformance", *command], capture_output=True, text=True)
+        completed = in_process(*command)
         assert completed.returncode == 2, completed.stderr
         assert completed.stderr.count("\n") == 1 and message in completed.stderr and "Traceback" not in completed.stderr
 
@@ -192,6 +192,7 @@ def test_html_escapes_everything():
     assert "<script>alert" not in text
 
 
+@pytest.mark.slow
 def test_publish_keeps_every_file_inside_out(tmp_path):
     run = RunResult(
         {},

@@ -94,6 +94,7 @@ def test_deeply_nested_json_is_one_line(in_process, tmp_path):
         assert "nested too deeply" in completed.stderr
 
 
+@pytest.mark.slow
 def test_any_string_renders_in_every_format_and_the_terminal(tmp_path):
     # A backend whose error text holds an undecodable file name (a lone surrogate) and raw control characters.
     completed = conformance(
@@ -141,6 +142,7 @@ def test_outputs_that_would_overwrite_an_input_a_lock_or_a_journal_are_refused(i
     assert json.loads(results.read_text()) == _document()
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_naming_what_was_kept(tmp_path, monkeypatch, capsys):
     # The results file and the journal cannot be written past the journal's first case; the reports can.
     from conformance import cli
@@ -183,6 +185,7 @@ def test_a_full_disk_is_one_line_naming_what_was_kept(tmp_path, monkeypatch, cap
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from /proc (Linux)")
+@pytest.mark.slow
 def test_an_interrupted_run_leaves_no_older_report_beside_its_results(tmp_path):
     reports = [tmp_path / "old.html", tmp_path / "old.xml", tmp_path / "old.md"]
     for path in reports:
@@ -219,6 +222,16 @@ def plugin(tmp_path, *args):
     )
 
 
+def plugin_in_process(pytester, *args):
+    """``plugin`` in this process (pytester's own run): for what the plugin refuses before its session."""
+    result = pytester.runpytest(
+        *plugin_args(), "-p", "no:cacheprovider", "-q", "--conformance-backend", "torch_naive", "--conformance-check",
+        "numerics", "--conformance-case", SMALL, "--conformance-device", "cpu", *map(str, args),
+    )  # fmt: skip
+    return subprocess.CompletedProcess(args, result.ret, result.stdout.str(), result.stderr.str())
+
+
+@pytest.mark.slow
 def test_the_plugin_refuses_a_results_file_another_run_holds(tmp_path):
     results = tmp_path / "r.json"
     journal = tmp_path / "r.json.journal"
@@ -247,13 +260,13 @@ def test_the_plugin_refuses_a_results_file_another_run_holds(tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc/self").exists(), reason="/proc: a place no process may create files, root too")
-def test_the_plugin_checks_its_output_paths_before_the_session_read_only(tmp_path):
-    completed = plugin(tmp_path, "--conformance-json", "/proc/conformance-results/r.json")
+def test_the_plugin_checks_its_output_paths_before_the_session_read_only(pytester):
+    completed = plugin_in_process(pytester, "--conformance-json", "/proc/conformance-results/r.json")
     assert completed.returncode == pytest.ExitCode.USAGE_ERROR and "cannot write there" in completed.stderr
     assert "INTERNALERROR" not in completed.stdout + completed.stderr
 
 
-def test_the_plugin_checks_its_output_paths_before_the_session(tmp_path):
+def test_the_plugin_checks_its_output_paths_before_the_session(pytester, tmp_path):
     (tmp_path / "a_folder").mkdir()
     for args, message in (
         (["--conformance-html", tmp_path / "a_folder"], "is a directory"),
@@ -266,7 +279,7 @@ def test_the_plugin_checks_its_output_paths_before_the_session(tmp_path):
             "name another file",
         ),
     ):
-        completed = plugin(tmp_path, *args)
+        completed = plugin_in_process(pytester, *args)
         assert completed.returncode == pytest.ExitCode.USAGE_ERROR and message in completed.stderr, completed.stderr
         assert "passed" not in completed.stdout  # refused before any item ran
 
@@ -296,6 +309,7 @@ def full_disk(tmp_path):
         subprocess.run(["umount", str(mount)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_a_disk_already_full_is_refused_before_the_run(full_disk):
     completed = conformance("run", "--case", SMALL, "--device", "cpu", "--json", full_disk / "r.json")
     assert completed.returncode == 2 and completed.stderr.count("\n") == 1, completed.stderr

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from rich.console import Console
 
 from conformance.cases.grammar import parse_case
@@ -61,6 +62,7 @@ def test_bench_suite_shapes():
     assert {case.num_reqs for case in cases} >= {1, 8, 64, 256}
 
 
+@pytest.mark.slow
 def test_publish_writes_one_json_and_html_per_backend_and_a_table(tmp_path):
     run = RunResult(
         {"gpu": "NVIDIA H200"},
@@ -127,6 +129,7 @@ def test_publish_merges_one_backends_runs_split_by_check():
     assert backend.wall_s == 15.0 and merged.checks == ["numerics", "graphs", "draft-loop"]
 
 
+@pytest.mark.slow
 def test_publish_refuses_to_mix_suites(tmp_path):
     for name in ("standard", "full"):
         RunResult({}, [BackendResult("a", True)], name, []).save(tmp_path / f"{name}.json")

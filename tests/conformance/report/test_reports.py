@@ -252,6 +252,7 @@ def test_compare_treats_lost_coverage_as_a_regression_unless_accepted():
             compare_runs(base, base, **bad)
 
 
+@pytest.mark.slow
 def test_compare_cli_exit_codes(in_process, tmp_path):
     base = crafted()
     base.save(tmp_path / "base.json")
@@ -286,6 +287,7 @@ def test_compare_cli_exit_codes(in_process, tmp_path):
     assert negative.returncode == 2 and "--error-growth -1" in negative.stderr
 
 
+@pytest.mark.slow
 def test_report_command_writes_all_three(tmp_path):
     crafted().save(tmp_path / "r.json")
     completed = subprocess.run(
@@ -370,6 +372,7 @@ def with_a_numerics_failure_and_every_check() -> RunResult:
     return run
 
 
+@pytest.mark.slow
 def test_report_renders_in_a_real_browser(tmp_path, monkeypatch):
     """Headless Chromium: the summary matrix of a run of every check fits 1,280 px, and a numerics
     failure's maps are drawn (the page with them differs from the page without them where they are)."""

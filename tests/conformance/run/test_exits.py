@@ -108,6 +108,7 @@ def merged_runs(tmp_path_factory):
 
 @EXITS
 @pytest.mark.parametrize("backend", sorted(REASONS))
+@pytest.mark.slow
 def test_an_exit_from_python_is_the_cases_crash_with_one_reason_on_every_path(merged_runs, backend):
     for path in (*PATHS, "plugin"):
         completed, results = merged_runs(path)
@@ -117,6 +118,7 @@ def test_an_exit_from_python_is_the_cases_crash_with_one_reason_on_every_path(me
 
 
 @EXITS
+@pytest.mark.slow
 def test_an_exit_from_c_code_never_ends_a_run_with_status_0(tmp_path, merged_runs):
     completed, results = merged_runs("serial")
     assert completed.returncode == 1
@@ -132,6 +134,7 @@ def test_an_exit_from_c_code_never_ends_a_run_with_status_0(tmp_path, merged_run
 
 
 @EXITS
+@pytest.mark.slow
 def test_an_import_that_exits_is_that_backends_crash_on_every_path(merged_runs):
     reason = f"cannot load backend '{IMPORT_EXITS}': the backend called os._exit(0) during its import"
     for path in (*PATHS, "plugin"):
@@ -146,6 +149,7 @@ def test_an_import_that_exits_is_that_backends_crash_on_every_path(merged_runs):
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads processes from /proc (Linux)")
+@pytest.mark.slow
 def test_the_plugin_leaves_no_process_a_backend_started_behind(tmp_path, monkeypatch):
     # One helper in its own process group, one in a session of its own (setsid): neither survives pytest.
     pids_file = tmp_path / "pids"

@@ -46,6 +46,7 @@ def verdicts(events):
         ("ExitsFromCWithoutCleanup", "backend process exited with status 0 before finishing"),
     ],
 )
+@pytest.mark.slow
 def test_an_exit_with_status_0_mid_run_is_a_crash_and_the_rest_still_runs(backend, reason):
     events = run_isolated(
         job(f"{GATE}.backends:{backend}", [SMALL, LARGE, OTHER], ("numerics", "determinism")),
@@ -58,6 +59,7 @@ def test_an_exit_with_status_0_mid_run_is_a_crash_and_the_rest_still_runs(backen
         assert events.results[(check, parse_case(OTHER).id)].verdict == Verdict.PASS  # the same or a fresh worker
 
 
+@pytest.mark.slow
 def test_the_cli_fails_a_backend_that_exits_quietly(tmp_path):
     completed = conformance(
         "run",
@@ -79,6 +81,7 @@ def test_the_cli_fails_a_backend_that_exits_quietly(tmp_path):
     assert [check.verdict for check in result.backends[0].checks] == [Verdict.CRASH, Verdict.CRASH]
 
 
+@pytest.mark.slow
 def test_a_changed_tolerance_is_an_error_naming_it_and_is_put_back():
     events = run_isolated(job(f"{GATE}.backends:LoosensTolerances", [SMALL, OTHER]), lambda e: None, case_timeout_s=120)
     for case in (SMALL, OTHER):
@@ -111,6 +114,7 @@ def test_the_seal_names_torch_settings_and_replaced_functions_and_restores_them(
     assert seal.changes() == []
 
 
+@pytest.mark.slow
 def test_a_forged_event_line_is_an_error_not_a_pass():
     events = run_isolated(job(f"{GATE}.backends:ForgesEvents", [SMALL, OTHER]), lambda e: None, case_timeout_s=120)
     for case in (SMALL, OTHER):
@@ -168,6 +172,7 @@ def broken_imports_run(tmp_path_factory):
         ("import_hang", "CRASH", "ran past the time limit of 8 s"),
     ],
 )
+@pytest.mark.slow
 def test_an_import_that_crashes_or_hangs_costs_that_backend_only(broken_imports_run, module, verdict, why):
     completed, path, seconds = broken_imports_run
     assert completed.returncode == 1, completed.stdout + completed.stderr
@@ -178,11 +183,27 @@ def test_an_import_that_crashes_or_hangs_costs_that_backend_only(broken_imports_
     assert seconds < 120
 
 
-def test_an_import_that_changes_directory_does_not_move_the_results(tmp_path):
+@pytest.fixture(scope="module")
+def entry_point_site(tmp_path_factory):
+    """A real installed distribution (a dist-info on the path) whose entry point fails to import;
+    the environment and folder of commands that see it."""
+    folder = tmp_path_factory.mktemp("entry-point")
+    dist = folder / "site" / "broken_vendor-0.1.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-vendor\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[conformance.backends]\nbroken_one = tests.planted.broken_module:Backend\n")
+    return folder, dict(os.environ, PYTHONPATH=os.pathsep.join([str(folder / "site"), str(Path.cwd())]))
+
+
+@pytest.fixture(scope="module")
+def entry_point_run(entry_point_site):
+    """One run, from that folder with ``--out out``, of a backend whose import changes directory,
+    torch_naive and the broken entry point (two tests read it; each took a run of its own)."""
+    folder, env = entry_point_site
     completed = conformance(
         "run",
         "--backend",
-        f"{GATE}.import_chdir:Backend",
+        f"{GATE}.import_chdir:Backend,torch_naive,broken_one",
         "--case",
         SMALL,
         "--check",
@@ -191,43 +212,39 @@ def test_an_import_that_changes_directory_does_not_move_the_results(tmp_path):
         "cpu",
         "--out",
         "out",
-        cwd=tmp_path,
-        env=dict(os.environ, PYTHONPATH=str(Path.cwd())),
+        cwd=folder,
+        env=env,
     )
-    assert completed.returncode == 0, completed.stdout + completed.stderr
-    assert (tmp_path / "out" / "results.json").exists()
+    return completed, folder / "out" / "results.json"
 
 
-def test_a_broken_entry_point_is_one_row_and_the_others_run(tmp_path):
-    """A real installed distribution (a dist-info on the path) whose entry point fails to import."""
-    dist = tmp_path / "site" / "broken_vendor-0.1.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-vendor\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[conformance.backends]\nbroken_one = tests.planted.broken_module:Backend\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(Path.cwd())]))
+ENTRY_POINT_RUN = pytest.mark.xdist_group("gate_entry_point_run")  # under pytest -n: its tests on one worker
+
+
+@ENTRY_POINT_RUN
+@pytest.mark.slow
+def test_an_import_that_changes_directory_does_not_move_the_results(entry_point_run):
+    completed, results = entry_point_run
+    assert results.exists(), completed.stdout + completed.stderr
+    chdir = RunResult.load(results).backends[0]
+    assert chdir.name == f"{GATE}.import_chdir:Backend" and chdir.check("numerics").verdict == Verdict.PASS
+
+
+@ENTRY_POINT_RUN
+@pytest.mark.slow
+def test_a_broken_entry_point_is_one_row_and_the_others_run(entry_point_site, entry_point_run):
+    folder, env = entry_point_site
     listed = conformance("list", "--device", "cpu", env=env)
     assert listed.returncode == 0 and "broken_one" in listed.stdout and "torch_naive" in listed.stdout
     assert "MY_BACKEND_HOME" in listed.stdout
-    completed = conformance(
-        "run",
-        "--backend",
-        "torch_naive,broken_one",
-        "--case",
-        SMALL,
-        "--check",
-        "numerics",
-        "--device",
-        "cpu",
-        "--json",
-        str(tmp_path / "r.json"),
-        env=env,
-    )
+    completed, results = entry_point_run
     assert completed.returncode == 1, completed.stdout + completed.stderr
-    naive, broken = RunResult.load(tmp_path / "r.json").backends
+    _, naive, broken = RunResult.load(results).backends
     assert naive.check("numerics").verdict == Verdict.PASS
     assert broken.check("numerics").verdict == Verdict.ERROR and "MY_BACKEND_HOME" in broken.check("numerics").summary
 
 
+@pytest.mark.slow
 def test_a_mistyped_module_class_is_a_usage_error():
     completed = conformance(
         "run", "--backend", "tests.planted.no_such_module:Backend", "--case", SMALL, "--device", "cpu"
@@ -243,6 +260,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads processes from /proc (Linux)")
+@pytest.mark.slow
 def test_processes_a_backend_leaves_behind_end_with_its_worker(tmp_path, monkeypatch):
     pids_file = tmp_path / "pids"
     monkeypatch.setenv("PLANTED_PIDS_FILE", str(pids_file))
@@ -257,6 +275,7 @@ def test_processes_a_backend_leaves_behind_end_with_its_worker(tmp_path, monkeyp
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads processes from /proc (Linux)")
+@pytest.mark.slow
 def test_a_killed_run_takes_its_workers_processes_with_it(tmp_path):
     pids_file = tmp_path / "pids"
     env = dict(os.environ, PLANTED_PIDS_FILE=str(pids_file))
@@ -290,7 +309,7 @@ def test_a_killed_run_takes_its_workers_processes_with_it(tmp_path):
     run.wait()
     pids = [int(line) for line in pids_file.read_text().split()]
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while _alive(pids[0]) and time.monotonic() < deadline:  # the other one may live on: not waited for
         time.sleep(0.1)
     # The helper in the worker's group dies with it; the one in a session of its own was out of
     # reach once the run was gone (docs/gating.md: as far as Linux allows).
@@ -299,6 +318,7 @@ def test_a_killed_run_takes_its_workers_processes_with_it(tmp_path):
         os.kill(pids[1], signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_two_runs_on_one_results_file_the_second_refuses(tmp_path):
     results = tmp_path / "r.json"
     first = subprocess.Popen(
@@ -348,26 +368,19 @@ def test_results_are_written_with_the_users_umask(tmp_path):
     assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o644
 
 
+@pytest.mark.slow
 def test_the_runs_own_process_never_imports_backend_code(tmp_path):
+    # One process: a run, then a list (what each imported is printed after it).
     code = (
         "import sys; from conformance.cli import main; "
         f"rc = main(['run', '--backend', 'torch_naive,{GATE}.backends:ExitsQuietly', '--case', '{SMALL}', "
         f"'--check', 'numerics', '--device', 'cpu', '--json', {str(tmp_path / 'r.json')!r}, '--quiet']); "
         "print('IMPORTED', sorted(m for m in sys.modules if m.startswith(('tests.planted', 'backends.torch_naive', "
-        "'backends.triton', 'backends.flash')))); print('RC', rc)"
+        "'backends.triton', 'backends.flash')))); print('RC', rc); "
+        "main(['list', '--device', 'cpu']); "
+        "print('LISTED', [m for m in sys.modules if m.startswith(('backends.torch_naive', 'backends.triton'))])"
     )
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert "RC 0" in completed.stdout, completed.stdout + completed.stderr
     assert "IMPORTED []" in completed.stdout
-    listed = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import sys; from conformance.cli import main; main(['list', '--device', 'cpu']); "
-            "print('IMPORTED', [m for m in sys.modules if m.startswith(('backends.torch_naive', 'backends.triton'))])",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert "IMPORTED []" in listed.stdout, listed.stdout + listed.stderr
+    assert "LISTED []" in completed.stdout, completed.stdout + completed.stderr

@@ -67,6 +67,7 @@ def start_run(tmp_path: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.P
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from /proc (Linux)")
 @pytest.mark.parametrize("signum,to_group", [(signal.SIGTERM, False), (signal.SIGINT, True), (signal.SIGINT, False)])
+@pytest.mark.slow
 def test_a_signal_stops_the_run_and_keeps_what_finished(tmp_path, signum, to_group):
     run, results = start_run(tmp_path)
     workers = children(run.pid)
@@ -97,6 +98,7 @@ def test_a_signal_stops_the_run_and_keeps_what_finished(tmp_path, signum, to_gro
 
 
 @pytest.mark.parametrize("delay_s", [0.3, 1.0])
+@pytest.mark.slow
 def test_a_signal_in_the_first_seconds_is_handled_like_a_later_one(tmp_path, delay_s):
     """While torch is still importing: no traceback, the old results gone, an interrupted file."""
     results = tmp_path / "results.json"

@@ -2,6 +2,7 @@
 
 import time
 
+import pytest
 import torch
 
 from conformance.cases.grammar import parse_case
@@ -19,6 +20,7 @@ def job(backend, cases):
     return Job(backend, "cpu", ["numerics"], [{"id": parse_case(text).id, "tag": ""} for text in cases])
 
 
+@pytest.mark.slow
 def test_crash_names_the_case_and_a_fresh_child_resumes():
     events = []
     result = run_isolated(
@@ -35,6 +37,7 @@ def test_crash_names_the_case_and_a_fresh_child_resumes():
     assert "stderr_tail" in crash.evidence
 
 
+@pytest.mark.slow
 def test_a_hung_case_is_killed_and_a_fresh_child_goes_on_with_the_next():
     started = time.monotonic()
     result = run_isolated(
@@ -46,6 +49,7 @@ def test_a_hung_case_is_killed_and_a_fresh_child_goes_on_with_the_next():
     assert time.monotonic() - started < 60  # not the hour the backend sleeps
 
 
+@pytest.mark.slow
 def test_past_the_backend_time_limit_the_rest_is_not_run():
     result = run_isolated(
         job("tests.planted.defects:Hangs", [SMALL, OTHER]), lambda e: None, case_timeout_s=600, backend_timeout_s=6
@@ -55,6 +59,7 @@ def test_past_the_backend_time_limit_the_rest_is_not_run():
     assert second.verdict == Verdict.ERROR and second.reason.startswith("not run")
 
 
+@pytest.mark.slow
 def test_after_the_crash_limit_cases_that_would_skip_stay_skip():
     cases = [LARGE, "gqa-h2/1-d16-fp32:6+1x4", "gqa-h2/1-d16-fp32:7+1x4", "gqa-h2/1-d16-fp32:8+1x4", OTHER]
     crashing = Job(
@@ -87,6 +92,7 @@ def test_a_raising_backend_is_an_error_with_its_traceback():
     assert "RaisesInBuild" in error.evidence["traceback"] or "build" in error.evidence["traceback"]
 
 
+@pytest.mark.slow
 def test_run_reports_every_backend_after_a_crash():
     options = RunOptions(
         backends=["tests.planted.defects:CrashesOnLargeBatch", "torch_naive"],

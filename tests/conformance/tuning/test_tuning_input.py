@@ -5,15 +5,20 @@ import sys
 
 import pytest
 
+SLOW = pytest.mark.slow
+
 
 @pytest.mark.parametrize(
     "args",
     [
         ["conformance.tuning.profile_case"],
-        ["conformance.tuning.profile_case", "gqa-h32/8-d128-bf16-p16:512+8", "no_such_backend"],
-        ["conformance.tuning.profile_case", "not a case", "triton"],
-        ["conformance.tuning.tune_split_floor", "128", "many"],
-        ["conformance.tuning.tune_split_floor", "0"],
+        # A process each (about two seconds): one of them in the inner loop (-m "not slow").
+        pytest.param(
+            ["conformance.tuning.profile_case", "gqa-h32/8-d128-bf16-p16:512+8", "no_such_backend"], marks=SLOW
+        ),
+        pytest.param(["conformance.tuning.profile_case", "not a case", "triton"], marks=SLOW),
+        pytest.param(["conformance.tuning.tune_split_floor", "128", "many"], marks=SLOW),
+        pytest.param(["conformance.tuning.tune_split_floor", "0"], marks=SLOW),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args):
