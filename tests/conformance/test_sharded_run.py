@@ -281,7 +281,7 @@ def test_a_backend_that_hangs_is_given_up_after_its_fourth_worker_death_as_in_a_
         "--workers",
         "1",
         "--timeout",
-        "3",  # a case that does not hang takes a small fraction of a second
+        "2",  # a case that does not hang takes a small fraction of a second
         "--quiet",
         "--json",
         str(tmp_path / "hangs.json"),
