@@ -177,8 +177,20 @@ def test_engine_bench_measures_idle_inside_steps_after_every_timed_run(monkeypat
 
 
 @pytest.mark.slow
-def test_engine_run_step_idle_off_cuda_says_not_measured():
-    completed = engine("--num-prompts", "2", "--max-tokens", "4", "--prompt-len", "8", "--device", "cpu", "--step-idle")
+def test_engine_run_step_idle_off_cuda_says_not_measured(in_process):
+    completed = in_process(
+        "engine",
+        "run",
+        "--num-prompts",
+        "2",
+        "--max-tokens",
+        "4",
+        "--prompt-len",
+        "8",
+        "--device",
+        "cpu",
+        "--step-idle",
+    )
     assert completed.returncode == 0, completed.stderr
     assert "GPU idle inside steps" in completed.stdout and "n/a" in completed.stdout
 

@@ -59,26 +59,14 @@ def test_an_exit_with_status_0_mid_run_is_a_crash_and_the_rest_still_runs(backen
         assert events.results[(check, parse_case(OTHER).id)].verdict == Verdict.PASS  # the same or a fresh worker
 
 
+@pytest.mark.xdist_group("gate_cli_run")  # under pytest -n: with the other tests of the shared run
 @pytest.mark.slow
-def test_the_cli_fails_a_backend_that_exits_quietly(tmp_path):
-    completed = conformance(
-        "run",
-        "--backend",
-        f"{GATE}.backends:ExitsQuietly",
-        "--case",
-        SMALL,
-        "--case",
-        LARGE,
-        "--check",
-        "numerics,determinism",
-        "--device",
-        "cpu",
-        "--json",
-        str(tmp_path / "r.json"),
-    )
+def test_the_cli_fails_a_backend_that_exits_quietly(gate_cli_run):
+    completed, path, _ = gate_cli_run
     assert completed.returncode == 1, completed.stdout + completed.stderr
-    result = RunResult.load(tmp_path / "r.json")
-    assert [check.verdict for check in result.backends[0].checks] == [Verdict.CRASH, Verdict.CRASH]
+    backends = {backend.name: backend for backend in RunResult.load(path).backends}
+    checks = backends[f"{GATE}.backends:ExitsQuietly"].checks
+    assert [check.verdict for check in checks] == [Verdict.CRASH, Verdict.CRASH]
 
 
 @pytest.mark.slow
@@ -141,19 +129,22 @@ def test_the_channel_reports_forged_dropped_repeated_and_truncated_lines(tmp_pat
 
 
 @pytest.fixture(scope="module")
-def broken_imports_run(tmp_path_factory):
-    """One run of torch_naive beside both backends whose import crashes or hangs: each costs its own
-    row only (the tests below read one each)."""
-    path = tmp_path_factory.mktemp("imports") / "r.json"
+def gate_cli_run(tmp_path_factory):
+    """One ``conformance run`` of torch_naive beside a backend that exits quietly and both whose
+    import crashes or hangs: each costs its own row only (the tests that read it each took a run of
+    their own)."""
+    path = tmp_path_factory.mktemp("gate-run") / "r.json"
     started = time.monotonic()
     completed = conformance(
         "run",
         "--backend",
-        f"torch_naive,{GATE}.import_segfault:Backend,{GATE}.import_hang:Backend",
+        f"torch_naive,{GATE}.backends:ExitsQuietly,{GATE}.import_segfault:Backend,{GATE}.import_hang:Backend",
         "--case",
         SMALL,
+        "--case",
+        LARGE,
         "--check",
-        "numerics",
+        "numerics,determinism",
         "--device",
         "cpu",
         "--timeout",
@@ -164,7 +155,7 @@ def broken_imports_run(tmp_path_factory):
     return completed, path, time.monotonic() - started
 
 
-@pytest.mark.xdist_group("gate_broken_imports")  # under pytest -n: the tests that share the run on one worker
+@pytest.mark.xdist_group("gate_cli_run")  # under pytest -n: the tests that share the run on one worker
 @pytest.mark.parametrize(
     "module,verdict,why",
     [
@@ -173,11 +164,11 @@ def broken_imports_run(tmp_path_factory):
     ],
 )
 @pytest.mark.slow
-def test_an_import_that_crashes_or_hangs_costs_that_backend_only(broken_imports_run, module, verdict, why):
-    completed, path, seconds = broken_imports_run
+def test_an_import_that_crashes_or_hangs_costs_that_backend_only(gate_cli_run, module, verdict, why):
+    completed, path, seconds = gate_cli_run
     assert completed.returncode == 1, completed.stdout + completed.stderr
     backends = {backend.name: backend for backend in RunResult.load(path).backends}
-    assert backends["torch_naive"].check("numerics").verdict == Verdict.PASS
+    assert all(check.verdict == Verdict.PASS for check in backends["torch_naive"].checks)
     broken = backends[f"{GATE}.{module}:Backend"]
     assert broken.check("numerics").verdict.value == verdict and why in broken.check("numerics").summary
     assert seconds < 120
@@ -244,9 +235,10 @@ def test_a_broken_entry_point_is_one_row_and_the_others_run(entry_point_site, en
     assert broken.check("numerics").verdict == Verdict.ERROR and "MY_BACKEND_HOME" in broken.check("numerics").summary
 
 
-@pytest.mark.slow
-def test_a_mistyped_module_class_is_a_usage_error():
-    completed = conformance(
+@pytest.mark.slow  # its probe is a process of its own
+def test_a_mistyped_module_class_is_a_usage_error(in_process, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default --out folder, were the error not found first
+    completed = in_process(
         "run", "--backend", "tests.planted.no_such_module:Backend", "--case", SMALL, "--device", "cpu"
     )
     assert completed.returncode == 2 and completed.stderr.count("\n") == 1 and "No module named" in completed.stderr
@@ -319,7 +311,7 @@ def test_a_killed_run_takes_its_workers_processes_with_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_runs_on_one_results_file_the_second_refuses(tmp_path):
+def test_two_runs_on_one_results_file_the_second_refuses(in_process, tmp_path):
     results = tmp_path / "r.json"
     first = subprocess.Popen(
         [
@@ -348,7 +340,7 @@ def test_two_runs_on_one_results_file_the_second_refuses(tmp_path):
         while not (lock.exists() and lock.read_text().strip()):
             assert first.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
-        second = conformance("run", "--case", SMALL, "--check", "numerics", "--device", "cpu", "--json", str(results))
+        second = in_process("run", "--case", SMALL, "--check", "numerics", "--device", "cpu", "--json", str(results))
         assert second.returncode == 2 and f"pid {first.pid}" in second.stderr and second.stderr.count("\n") == 1
     finally:
         os.killpg(first.pid, signal.SIGTERM)
