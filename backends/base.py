@@ -39,6 +39,23 @@ Conventions shared by every backend and the harness:
   ``EMPTY_REQUESTS``). A backend that claims the latter leaves every real row exact and writes
   nothing for an empty request: no output row (it has none; ``query_start_loc[r + 1] - 1`` is the
   previous request's last token), no cache slot, and it reads no block of a -1 row.
+* Sparse attention (``AttentionSpec.sparse_topk``, feature ``sparse_topk``; DeepSeek-V3.2's DSA,
+  an MLA layer): a lightning indexer chooses, for each query token, the positions it attends.
+  ``forward`` gets them as ``layer.topk_indices``, int32 ``[rows, sparse_topk]`` on the device, one
+  row per query row: positions inside the token's own request (0 is its first token), as vLLM's
+  indexer writes them, never cache slots; translating a position to a slot through the block
+  table is the backend's job. ``-1`` is no entry and may stand anywhere in a row. A token at
+  position ``p`` attends to the entries ``0 <= i <= p`` of its row and to nothing else: an entry
+  past its own position (``i > p``, even ``i >= seq_len``) is ignored, as causality says. A row
+  lists a position it attends at most once and, without a window part, holds at least one entry ``<= p`` (an
+  indexer's top-k over the token's visible positions does both); rows past ``num_actual_tokens``
+  (padding) are all -1.
+  With a window part (``sparse_window`` W, feature ``sparse_window``: DeepSeek-V4's sliding
+  part), the token also attends to the W most recent positions ``p - W + 1 .. p``, and its row
+  then lists only positions older than those (``i <= p - W``), so the two sets never overlap.
+  Each attended position is one term of the softmax (scale, cap and LSE as for dense attention).
+  Indices and lengths are step data, and position-derived metadata (a window's first position,
+  each token's position) must follow the positions: ``update_for_draft_step`` advances it.
 * Learned attention sinks (``AttentionSpec.attention_sinks``, claimed by
   feature ``attention_sinks``; gpt-oss): ``forward`` gets the layer's ``sinks`` (``layer.sinks``), a
   float32 device tensor ``[num_heads]``, one logit per *query* head, persistent like a layer's
@@ -118,6 +135,8 @@ class AttentionSpec:
     value_head_dim: int | None = None  # MHA: the value (and output) head dim where it is not head_dim
     kv_lora_rank: int = 0  # MLA only
     rope_dim: int = 0  # MLA only
+    sparse_topk: int | None = None  # MLA: each token attends to the positions of its layer.topk_indices row
+    sparse_window: int | None = None  # a sparse layer's window part: the W most recent positions too
 
     def __post_init__(self) -> None:
         if self.kind not in LAYER_KINDS:
@@ -125,6 +144,12 @@ class AttentionSpec:
         self.layout.validate(self)
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.sparse_topk is not None and self.sparse_topk < 1:
+            raise ValueError("sparse_topk: a sparse layer attends to at least 1 indexed position a token")
+        if self.sparse_window is not None and (self.sparse_topk is None or self.sparse_window < 1):
+            raise ValueError("sparse_window is a sparse layer's window part (give sparse_topk), at least 1 position")
+        if self.sparse_topk is not None and self.sliding_window is not None:
+            raise ValueError("a sparse layer's window is its window part (sparse_window), not a sliding window")
         if self.kv_cache_dtype not in (None, self.dtype) and self.kv_cache_dtype not in FP8_KV_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} is neither the compute dtype nor an fp8 format")
 
@@ -186,6 +211,8 @@ class LayerParameters:
     * ``sinks``: a layer's learned sink logits, float32 ``[num_heads]`` on the device (gpt-oss).
     * ``lse``: ``forward`` only: float32 ``[rows, num_heads]`` where a backend that claims the
       log-sum-exp writes it for the first ``num_actual_tokens`` rows.
+    * ``topk_indices``: ``forward`` only, a sparse layer's (``sparse_topk``): int32 ``[rows,
+      sparse_topk]``, each query row's indexed positions (module docstring), this step's.
 
     Scales and sinks belong to a layer, like its weights: every layer of a step hands its own with
     the same metadata, and a backend keeps none of them between calls."""
@@ -193,10 +220,14 @@ class LayerParameters:
     scales: KVScales | None = None
     sinks: torch.Tensor | None = None
     lse: torch.Tensor | None = None
+    topk_indices: torch.Tensor | None = None
 
     def for_write(self) -> "LayerParameters":
-        """What ``write_kv`` is handed: the layer less ``forward``'s outputs."""
-        return self if self.lse is None else replace(self, lse=None)
+        """What ``write_kv`` is handed: the layer less what only ``forward`` reads or writes."""
+        return self if self.lse is None and self.topk_indices is None else replace(self, lse=None, topk_indices=None)
+
+    def with_indices(self, topk_indices: torch.Tensor | None) -> "LayerParameters":
+        return replace(self, topk_indices=topk_indices)
 
     def with_lse(self, lse: torch.Tensor | None) -> "LayerParameters":
         return replace(self, lse=lse)

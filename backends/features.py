@@ -83,6 +83,16 @@ VALUE_HEAD_DIM = feature(
 )
 ATTENTION_SINKS = feature("attention_sinks", "learned attention sinks", lambda needs: needs.spec.attention_sinks)
 LSE = feature("lse", "the log-sum-exp (the case hands forward an lse buffer)", lambda needs: needs.lse)
+SPARSE_TOPK = feature(
+    "sparse_topk",
+    lambda needs: f"sparse attention over {needs.spec.sparse_topk} indexed positions a token (DeepSeek's DSA)",
+    lambda needs: needs.spec.sparse_topk is not None,
+)
+SPARSE_WINDOW = feature(
+    "sparse_window",
+    lambda needs: f"a sparse layer's window part ({needs.spec.sparse_window} most recent positions, DeepSeek-V4's)",
+    lambda needs: needs.spec.sparse_window is not None,
+)
 EMPTY_REQUESTS = feature(
     "empty_requests",
     "empty requests (query length 0, vLLM's graph padding)",

@@ -74,6 +74,8 @@ class MHA(LayerKind):
     def validate(self, spec: "AttentionSpec") -> None:
         if spec.value_head_dim is not None and spec.value_head_dim < 1:
             raise ValueError("value_head_dim is an MHA/GQA layer's (MLA's value is its latent), and at least 1")
+        if spec.sparse_topk is not None:
+            raise ValueError("sparse attention (sparse_topk) is an MLA layer's (DeepSeek's DSA)")
 
     def v_head_dim(self, spec: "AttentionSpec") -> int:
         return spec.head_dim if spec.value_head_dim is None else spec.value_head_dim

@@ -28,6 +28,8 @@ from backends.features import (
     LOGITS_SOFT_CAP,
     LSE,
     SLIDING_WINDOW,
+    SPARSE_TOPK,
+    SPARSE_WINDOW,
     VALUE_HEAD_DIM,
 )
 from backends.fp8 import from_cache, to_cache
@@ -48,7 +50,18 @@ class TorchNaiveBackend(AttentionBackend):
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         max_query_len=None,
         features=frozenset(
-            {FP8_E4M3, FP8_E5M2, SLIDING_WINDOW, LOGITS_SOFT_CAP, ATTENTION_SINKS, VALUE_HEAD_DIM, LSE, EMPTY_REQUESTS}
+            {
+                FP8_E4M3,
+                FP8_E5M2,
+                SLIDING_WINDOW,
+                LOGITS_SOFT_CAP,
+                ATTENTION_SINKS,
+                VALUE_HEAD_DIM,
+                LSE,
+                EMPTY_REQUESTS,
+                SPARSE_TOPK,
+                SPARSE_WINDOW,
+            }
         ),
         cuda_graphs=CGSupport.NEVER,
         needs_cpu_seq_lens=True,
@@ -129,9 +142,12 @@ class TorchNaiveBackend(AttentionBackend):
             key, value = (kv[0], kv[0][..., : self.spec.v_head_dim]) if self.spec.kind == "mla" else kv
             context_len = seq_len - (end - start)
             request_sinks = self.request_sinks(layer.sinks, end - start)
-            out[start:end] = self.attend(query[start:end], key, value, context_len, request_sinks).to(out.dtype)
+            indexed = None if layer.topk_indices is None else self.indexed(layer.topk_indices[start:end], context_len)
+            out[start:end] = self.attend(query[start:end], key, value, context_len, request_sinks, indexed).to(
+                out.dtype
+            )
             if layer.lse is not None:
-                layer.lse[start:end] = self.log_sum_exp(query[start:end], key, context_len, request_sinks)
+                layer.lse[start:end] = self.log_sum_exp(query[start:end], key, context_len, request_sinks, indexed)
 
     def dequantize(self, stored: torch.Tensor, scale: float) -> torch.Tensor:
         """The numbers an fp8 cache's stored elements stand for, in float32."""
@@ -160,6 +176,19 @@ class TorchNaiveBackend(AttentionBackend):
             seen &= query_positions[:, None] - key_positions[None, :] < self.spec.sliding_window
         return seen
 
+    def indexed(self, rows: torch.Tensor, context_len: int) -> torch.Tensor:
+        """[q, s] mask of a sparse layer: each token sees the positions its index row lists (-1 and
+        anything past its own position are no entries) and its window part, if the layer has one."""
+        seq_len = context_len + rows.shape[0]
+        query_positions = context_len + torch.arange(rows.shape[0], device=rows.device)
+        key_positions = torch.arange(seq_len, device=rows.device)
+        listed = (rows.long()[:, :, None] == key_positions[None, None, :]).any(dim=1)  # [q, s]
+        seen = listed & (key_positions[None, :] <= query_positions[:, None])
+        if self.spec.sparse_window is not None:
+            distance = query_positions[:, None] - key_positions[None, :]
+            seen |= (distance >= 0) & (distance < self.spec.sparse_window)
+        return seen
+
     def kv_head_of(self) -> list[int]:
         """The KV head each query head reads (query head h reads KV head h // group)."""
         return [head // self.spec.query_group_size for head in range(self.spec.num_heads)]
@@ -184,8 +213,9 @@ class TorchNaiveBackend(AttentionBackend):
         group = self.spec.query_group_size
         return self.kv_head_of() == [head // group for head in range(self.spec.num_heads)]
 
-    def masked_scores(self, query, key, context_len: int) -> torch.Tensor:
-        """[H, q, s] float32 logits (soft-capped), -inf where a query may not look."""
+    def masked_scores(self, query, key, context_len: int, indexed: torch.Tensor | None = None) -> torch.Tensor:
+        """[H, q, s] float32 logits (soft-capped), -inf where a query may not look (``indexed``: a
+        sparse layer's mask, besides)."""
         query, key = query.float(), key.float()
         if self.grouped():
             by_group = query.view(query.shape[0], key.shape[1], -1, query.shape[2])  # [q, Hkv, group, d]
@@ -200,7 +230,10 @@ class TorchNaiveBackend(AttentionBackend):
             scores = cap * torch.tanh(scores / cap)
         query_positions = context_len + torch.arange(query.shape[0], device=query.device)
         key_positions = torch.arange(key.shape[0], device=query.device)
-        return scores.masked_fill(~self.visible(query_positions, key_positions), float("-inf"))
+        seen = self.visible(query_positions, key_positions)
+        if indexed is not None:
+            seen = seen & indexed
+        return scores.masked_fill(~seen, float("-inf"))
 
     def with_sinks(self, scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
         """[H, q, s] logits, and each head's learned sink as one more column (a key without a value)."""
@@ -208,15 +241,15 @@ class TorchNaiveBackend(AttentionBackend):
             return scores
         return torch.cat([scores, sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)], dim=-1)
 
-    def log_sum_exp(self, query, key, context_len: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def log_sum_exp(self, query, key, context_len: int, sinks=None, indexed=None) -> torch.Tensor:
         """[q, H] float32: the natural log of each softmax's denominator, the sink's term included."""
-        return torch.logsumexp(self.with_sinks(self.masked_scores(query, key, context_len), sinks), dim=-1).T
+        return torch.logsumexp(self.with_sinks(self.masked_scores(query, key, context_len, indexed), sinks), dim=-1).T
 
-    def attend(self, query, key, value, context_len: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(self, query, key, value, context_len: int, sinks=None, indexed=None) -> torch.Tensor:
         """query [q, H, Dk], key [s, Hkv, Dk], value [s, Hkv, Dv] → [q, H, Dv], in float32.
         ``sinks`` [H]: each head's learned sink joins its softmax as one more logit, whose weight
-        is then dropped (it has no value)."""
-        scores = self.masked_scores(query, key, context_len)
+        is then dropped (it has no value). ``indexed``: a sparse layer's [q, s] mask."""
+        scores = self.masked_scores(query, key, context_len, indexed)
         probs = self.with_sinks(scores, sinks).softmax(dim=-1)[..., : scores.shape[-1]]
         value = value.float()
         if self.grouped():

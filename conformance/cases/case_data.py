@@ -244,3 +244,54 @@ def poison_key_value(case) -> tuple[torch.Tensor, torch.Tensor | None]:
     if data == "outliers":
         key[..., spec.head_dim - 2] = _exact_integer(OUTLIER_SHIFT_LOGIT / (32.0 * spec.softmax_scale))
     return key, value
+
+
+INDEX_SCORE_CHUNK = 1 << 22  # an indexer's random scores drawn for at most this many (token, position) pairs at once
+MESSY_PAST_FRACTION = 4  # a messyidx row: up to a quarter of its entries past the token's own position
+
+
+def topk_indices(case, generator: torch.Generator) -> torch.Tensor:
+    """A sparse case's index rows (``topkN``), int32 [num_tokens, topk] on the CPU, as an indexer
+    hands them (``backends.base``: positions inside the request, -1 for no entry): each token's top
+    ``topk`` of random scores over the positions it may index (``0 .. p``, or ``0 .. p - W`` with a
+    window part of W), -1 where it has fewer. Seeded by the case alone. ``messyidx`` (module
+    ``grammar``): each row shuffled (-1 between entries) and up to a quarter of its entries replaced
+    by positions past the token's own, some past its sequence: all of them to be ignored; the row
+    keeps its first entry that is not past the edge."""
+    spec = case.spec
+    topk, window = spec.sparse_topk, spec.sparse_window or 0
+    rows = []
+    for context_len, query_len in case.batch:
+        seq_len = context_len + query_len
+        positions = torch.arange(seq_len)
+        query_positions = context_len + torch.arange(query_len)
+        chunk = max(1, INDEX_SCORE_CHUNK // max(seq_len, 1))
+        for start in range(0, query_len, chunk):
+            mine = query_positions[start : start + chunk]
+            scores = torch.rand(len(mine), seq_len, generator=generator)
+            eligible = positions[None, :] <= (mine[:, None] - window)
+            scores = scores.masked_fill(~eligible, -1.0)
+            count = min(topk, seq_len)
+            best, chosen = scores.topk(count, dim=1) if count else (scores[:, :0], scores[:, :0].long())
+            row = torch.full((len(mine), topk), -1, dtype=torch.int64)
+            row[:, :count] = torch.where(best >= 0, chosen, -1)
+            if case.messy_indices:
+                row = _messy(row, mine, seq_len, spec.block_size, generator)
+            rows.append(row)
+    return torch.cat(rows).to(torch.int32) if rows else torch.zeros(0, topk, dtype=torch.int32)
+
+
+def _messy(row: torch.Tensor, mine: torch.Tensor, seq_len: int, block_size: int, generator) -> torch.Tensor:
+    """``row`` [q, topk] shuffled along each row, with up to a quarter of its entries (never its
+    first real one) replaced by positions past the token's own: up to two blocks past the sequence."""
+    tokens, topk = row.shape
+    keep = row[:, :1].clone()  # the top score's entry: every token keeps one to attend (when it has one)
+    order = torch.rand(tokens, topk, generator=generator).argsort(dim=1)
+    row = row.gather(1, order)
+    past = torch.rand(tokens, topk, generator=generator) < 1.0 / MESSY_PAST_FRACTION
+    reach = seq_len + 2 * block_size - mine  # positions mine+1 .. seq_len + 2 blocks - 1
+    offsets = 1 + (torch.rand(tokens, topk, generator=generator) * (reach[:, None] - 1).clamp(min=1)).long()
+    row = torch.where(past, mine[:, None] + offsets, row)
+    has_keep = (row == keep).any(dim=1, keepdim=True)
+    row[:, :1] = torch.where(has_keep, row[:, :1], keep)  # put the kept entry back where it was lost
+    return row

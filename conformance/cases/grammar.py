@@ -15,6 +15,11 @@ A case's id is its whole definition, in the same compact grammar ``--case`` acce
                     from 0.01 to 10000)
       pN            KV block (page) size   (default p16; MLA default p64)
       wN            sliding window         (a token sees itself and the N-1 before it)
+      topkN         sparse attention (MLA; DeepSeek's DSA): each token attends only to the N
+                    positions its indexer chose, handed to forward as ``topk_indices``
+      winN          a sparse layer's window part (DeepSeek-V4): the N most recent positions too
+      messyidx      index rows as a careless indexer could hand them: -1 between entries, entries
+                    past the token's own position and past its sequence (all to be ignored)
       capX          logits soft cap        (from 0.000001 to 1000000; no exponents: 0.00001)
       scaleX        softmax scale          (default 1/sqrt(head dim); the same range)
       shareN        the first N blocks of every request are one shared prefix
@@ -45,6 +50,7 @@ Examples:
     gqa-h32/8-d128-bf16-p16:4096+4x8        spec-verify, 1 + 3 drafts, batch 8
     mha-h16-d64-fp16-p32:1000+24,0+300,17+1 chunked prefill, prefill and a decode in one batch
     gqa-h8/2-d128-w256:2000+8@7             sliding window 256, seed 7
+    mla-h16-d512+64-topk64-win32:2000+2x4   sparse MLA verify: 64 indexed positions + a 32 window
     mla-h128-d512+64-bf16-p64:4096+1x64     DeepSeek-style absorbed MLA decode
 """
 
@@ -88,6 +94,7 @@ class Case:
     k_scale: float | None = None  # an fp8 cache's scales; None: the default (kv_quantization)
     v_scale: float | None = None
     lse: bool = False  # forward is also asked for the step's log-sum-exp (feature ``lse``)
+    messy_indices: bool = False  # a sparse layer's index rows with -1 between entries and past-causal ones
     tag: str = field(default="", compare=False)  # a human label ("decode"), not part of the id
 
     def __post_init__(self) -> None:
@@ -115,6 +122,8 @@ class Case:
             raise CaseSyntaxError(f"pad{self.padding}: padding rows must be between 0 and {MAX_PADDING_TOKENS}")
         if not self.spec.fp8_kv_cache and (self.k_scale is not None or self.v_scale is not None):
             raise CaseSyntaxError("kscale and vscale are an fp8 cache's scales: give fp8e4m3 or fp8e5m2 too")
+        if self.messy_indices and self.spec.sparse_topk is None:
+            raise CaseSyntaxError("messyidx is a sparse layer's index data: give topkN too")
         if self.v_scale is not None and not self.spec.layout.separate_value:
             raise CaseSyntaxError("MLA's latent cache has one scale: give kscale, not vscale")
         if self.shared_prefix_blocks:
@@ -141,6 +150,7 @@ class Case:
             self.k_scale,
             self.v_scale,
             self.lse,
+            self.messy_indices,
         )
 
     @property
@@ -242,6 +252,7 @@ class LayerOptions:
     k_scale: float | None = None
     v_scale: float | None = None
     lse: bool = False
+    messy_indices: bool = False
 
 
 _ATTRIBUTE_KINDS = (
@@ -253,6 +264,8 @@ _ATTRIBUTE_KINDS = (
     (r"d\d+([+/]\d+)?", "head dim"),
     (r"p\d+", "block size"),
     (r"w\d+", "sliding window"),
+    (r"topk\d+", "sparse top-k"),
+    (r"win\d+", "sparse window part"),
     (r"cap.+", "soft cap"),
     (r"scale.+", "scale"),
     (r"share\d+", "shared prefix"),
@@ -279,7 +292,8 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
     dtype, block_size = torch.bfloat16, 64 if is_mla else 16
     window = cap = scale = kv_cache_dtype = k_scale = v_scale = None
     share, permute, strided, data, padding, big_pool = 0, True, False, "normal", DEFAULT_PADDING_TOKENS, False
-    sinks = lse = False
+    sinks = lse = messy = False
+    topk = sparse_window = None
     value_head_dim = None
     kv_heads_given = False
     given: dict[str, str] = {}  # attribute kind -> the attribute that set it
@@ -308,6 +322,12 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
             sinks = True
         elif attr == "lse":
             lse = True
+        elif attr == "messyidx":
+            messy = True
+        elif match := re.fullmatch(r"topk(\d+)", attr):
+            topk = int(match.group(1))
+        elif match := re.fullmatch(r"win(\d+)", attr):
+            sparse_window = int(match.group(1))
         elif attr == "sinks":
             raise CaseSyntaxError(
                 f"'sinks' is ambiguous in {text!r}: write 'outliers' for the large-logit data profile "
@@ -349,6 +369,17 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
         num_kv_heads = num_heads  # mha, or hQ alone: one KV head per query head
     if window is not None and window < 1:
         raise CaseSyntaxError(f"w{window}: a sliding window holds at least 1 token")
+    if topk is not None and not is_mla:
+        raise CaseSyntaxError(f"topk{topk} in {text!r}: sparse attention is an MLA layer's (DeepSeek's DSA)")
+    if sparse_window is not None and topk is None:
+        raise CaseSyntaxError(f"win{sparse_window} in {text!r}: a window part is a sparse layer's: give topkN too")
+    if topk is not None and window is not None:
+        raise CaseSyntaxError(f"w{window} in {text!r}: a sparse layer's window is its window part: write win{window}")
+    if messy and topk is None:
+        raise CaseSyntaxError(f"messyidx in {text!r}: index data is a sparse layer's: give topkN too")
+    for name, value in (("topk", topk), ("win", sparse_window)):
+        if value is not None and value < 1:
+            raise CaseSyntaxError(f"{name}{value}: at least 1 position")
     for name, value in (("soft cap", cap), ("scale", scale), ("key scale", k_scale), ("value scale", v_scale)):
         low, high = FLOAT_RANGES[name]
         if value is not None and not (math.isfinite(value) and low <= value <= high):
@@ -393,6 +424,8 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
                 scale=scale,
                 kv_lora_rank=kv_lora_rank,
                 rope_dim=rope_dim,
+                sparse_topk=topk,
+                sparse_window=sparse_window,
             )
         else:
             spec = AttentionSpec(
@@ -411,7 +444,7 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
             )
     except ValueError as error:
         raise CaseSyntaxError(str(error)) from None
-    return spec, LayerOptions(share, permute, strided, data, padding, big_pool, k_scale, v_scale, lse)
+    return spec, LayerOptions(share, permute, strided, data, padding, big_pool, k_scale, v_scale, lse, messy)
 
 
 def parse_case(text: str, default_seed: int = 0) -> Case:
@@ -434,6 +467,7 @@ def parse_case(text: str, default_seed: int = 0) -> Case:
         options.k_scale,
         options.v_scale,
         options.lse,
+        options.messy_indices,
     )
 
 
@@ -462,6 +496,10 @@ def format_layer(spec: AttentionSpec, options: LayerOptions = LayerOptions()) ->
     parts.append(f"p{spec.block_size}")
     if spec.sliding_window is not None:
         parts.append(f"w{spec.sliding_window}")
+    if spec.sparse_topk is not None:
+        parts.append(f"topk{spec.sparse_topk}")
+    if spec.sparse_window is not None:
+        parts.append(f"win{spec.sparse_window}")
     if spec.logits_soft_cap is not None:
         parts.append(f"cap{_format_number(spec.logits_soft_cap)}")
     if spec.scale is not None:
@@ -480,6 +518,8 @@ def format_layer(spec: AttentionSpec, options: LayerOptions = LayerOptions()) ->
         parts.append(options.data)
     if options.lse:
         parts.append("lse")
+    if options.messy_indices:
+        parts.append("messyidx")
     if options.big_pool:
         parts.append("bigpool")
     return "-".join(parts)

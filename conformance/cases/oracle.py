@@ -30,6 +30,25 @@ def visible_keys(
     return allowed
 
 
+def indexed_keys(
+    topk_indices: torch.Tensor, context_len: int, seq_len: int, sparse_window: int | None = None
+) -> torch.Tensor:
+    """[q, seq_len] bool: which keys a sparse layer's new tokens see (``backends.base``): the
+    positions their index rows list, up to their own (an entry past it, -1, or past the sequence
+    is no key), and with a window part W the W most recent positions too."""
+    num_queries = topk_indices.shape[0]
+    query_positions = context_len + torch.arange(num_queries, device=topk_indices.device)
+    rows = topk_indices.long()
+    listed = (rows >= 0) & (rows <= query_positions[:, None])
+    seen = torch.zeros(num_queries, seq_len + 1, dtype=torch.bool, device=topk_indices.device)
+    seen.scatter_(1, torch.where(listed, rows, seq_len), True)  # unlisted entries land in a spare column
+    seen = seen[:, :seq_len]
+    if sparse_window is not None:
+        distance = query_positions[:, None] - torch.arange(seq_len, device=topk_indices.device)[None, :]
+        seen |= (distance >= 0) & (distance < sparse_window)
+    return seen
+
+
 def attention_reference(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -40,6 +59,8 @@ def attention_reference(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    topk_indices: torch.Tensor | None = None,
+    sparse_window: int | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of one request's new tokens over its whole sequence, in float64.
@@ -49,6 +70,8 @@ def attention_reference(
     Query head h reads KV head h // (H / Hkv). A token sees position j when j <= its own
     position and, with a sliding window W, when its position - j < W. ``sinks`` [H] (learned
     attention sinks): query head h's softmax denominator gains exp(sinks[h]), its numerator nothing.
+    ``topk_indices`` [q, topk] (a sparse layer): each token sees only the keys ``indexed_keys``
+    says (its listed positions up to its own, and the ``sparse_window`` most recent).
     Returns [q, H, Dv] float64; with ``return_lse``, also [q, H] float64: the natural log of each
     softmax's denominator, log Σ_j exp(s_j) (+ exp(sink)), over the scaled, capped, masked logits.
     """
@@ -65,10 +88,17 @@ def attention_reference(
     out = torch.empty(num_kv_heads, group_size, num_queries, value.shape[-1], dtype=torch.float64, device=query.device)
     lse = torch.empty(num_kv_heads, group_size, num_queries, dtype=torch.float64, device=query.device)
 
+    sparse = (
+        None
+        if topk_indices is None
+        else indexed_keys(topk_indices.to(query.device), context_len, seq_len, sparse_window)
+    )
     chunk_len = max(1, _LOGITS_ELEMENTS // (num_heads * max(seq_len, 1)))  # seq_len 0: an empty request
     for chunk_start in range(0, num_queries, chunk_len):
         chunk = slice(chunk_start, min(chunk_start + chunk_len, num_queries))
         allowed = visible_keys(context_len, range(chunk.start, chunk.stop), seq_len, sliding_window, query.device)
+        if sparse is not None:
+            allowed &= sparse[chunk]
         rows = query[:, :, chunk, :].reshape(num_kv_heads, -1, head_dim)  # [Hkv, group * q, Dk]
         logits = (rows @ key.transpose(1, 2)).view(num_kv_heads, group_size, -1, seq_len) * scale
         if logits_soft_cap is not None:
@@ -129,18 +159,23 @@ def layer_reference(
     *,
     context_len: int,
     sinks: torch.Tensor | None = None,
+    topk_indices: torch.Tensor | None = None,
     return_lse: bool = False,
     **options,
 ):
     """The oracle for one request of a layer of ``spec`` (an ``AttentionSpec``): absorbed MLA, or
-    MHA/GQA with the layer's window, cap and ``sinks``. ``options`` (scale, sliding_window,
-    logits_soft_cap) override the layer's: a parameter dropped or mis-applied."""
+    MHA/GQA with the layer's window, cap and ``sinks``; a sparse layer's tokens over the keys of
+    their ``topk_indices`` rows. ``options`` (scale, sliding_window, logits_soft_cap,
+    sparse_window) override the layer's: a parameter dropped or mis-applied."""
     options = {
         "scale": spec.softmax_scale,
         "sliding_window": spec.sliding_window,
         "logits_soft_cap": spec.logits_soft_cap,
+        "sparse_window": spec.sparse_window,
         **options,
     }
+    if spec.sparse_topk is not None and topk_indices is None:
+        raise ValueError("a sparse layer's oracle needs the request's index rows (topk_indices)")
     layout = spec.layout  # MLA: one latent head, its latent part the value (``LayerKind``)
     return attention_reference(
         query,
@@ -148,6 +183,7 @@ def layer_reference(
         layout.value_heads(spec, key, value),
         context_len=context_len,
         sinks=sinks,
+        topk_indices=topk_indices,
         return_lse=return_lse,
         **options,
     )

@@ -12,6 +12,7 @@ from typing import Any, Callable, ClassVar, Hashable
 import torch
 
 from backends.base import AttentionBackend
+from backends.features import Feature
 from conformance.cases.grammar import Case
 from conformance.harness.batch import big_pool_skip_reason
 from conformance.harness.evidence import MAP_KEYS, EvidenceItem, labelled, maps, sync_events, without, worst_element
@@ -51,8 +52,19 @@ class Check(abc.ABC):
     # The evidence keys that hold host-sync events (``SyncEventRecord`` lists), with their labels.
     sync_event_labels: ClassVar[dict[str, str]] = {}
 
+    # Features of the contract this check's harness does not drive yet, each with why: a case that
+    # asks for one is SKIP saying so (data: no check branches on a feature's name).
+    not_driven: ClassVar[dict[Feature, str]] = {}
+
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         self.options = options or {}
+
+    def not_driven_reason(self, case: Case) -> str | None:
+        """Why this check does not run ``case``'s features (``not_driven``); None when it does."""
+        for feature_, why in self.not_driven.items():
+            if feature_.asked(case.needs):
+                return f"the {self.name} check does not drive {feature_.words(case.needs)} yet ({why})"
+        return None
 
     def skip_reason(self, backend_cls: type[AttentionBackend], device: torch.device) -> str | None:
         """Why the whole check does not apply here (a claim the backend does not make, a CPU run)."""
@@ -67,7 +79,11 @@ class Check(abc.ABC):
     def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
         """One case's own reason: the backend's claims against what the case needs (one rule
         table: ``Capabilities.skip_reason``), and a pool too big for this device."""
-        return backend_cls.capabilities.skip_reason(case.needs, device) or big_pool_skip_reason(case, device)
+        return (
+            backend_cls.capabilities.skip_reason(case.needs, device)
+            or self.not_driven_reason(case)
+            or big_pool_skip_reason(case, device)
+        )
 
     @abc.abstractmethod
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> Outcome:

@@ -75,6 +75,7 @@ from typing import Any, Callable
 import torch
 
 from backends.base import AttentionBackend
+from backends.features import SPARSE_TOPK
 from conformance.cases.grammar import Case
 from conformance.checks.base import Check, Plan, first_of_each
 from conformance.harness.engine_model import is_mla_prefill_layer, model_for
@@ -139,6 +140,7 @@ def engine_skip_reason(
 
 class EngineCheck(Check):
     name = "engine"
+    not_driven = {SPARSE_TOPK: "the engine's models have no lightning indexer to choose the positions"}
     question = (
         "Does the reference engine, async and sync, produce the same tokens through this backend as through "
         "torch_naive, with no host syncs?"
@@ -153,8 +155,11 @@ class EngineCheck(Check):
     }
 
     def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
-        return engine_skip_reason(
-            backend_cls, engine_case(backend_cls, case, device), device, self.options.get("prefill_backend", AUTO)
+        prefill = self.options.get("prefill_backend", AUTO)
+        return (
+            backend_cls.capabilities.skip_reason(case.needs, device)
+            or self.not_driven_reason(case)
+            or engine_skip_reason(backend_cls, engine_case(backend_cls, case, device), device, prefill)
         )
 
     def plan(self, backend_cls: type[AttentionBackend], cases: list[Case], device: torch.device) -> Plan:

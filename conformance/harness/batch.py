@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from backends.base import BackendLimits, CommonAttentionMetadata
-from conformance.cases.case_data import apply_profile, shape_activations, sink_logits, use_fp8_range
+from conformance.cases.case_data import apply_profile, shape_activations, sink_logits, topk_indices, use_fp8_range
 from conformance.cases.grammar import Case
 from conformance.cases.oracle import layer_reference
 from conformance.cases.random_data import normal_tensors
@@ -34,6 +34,7 @@ class PagedBatch:
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32, host
     num_blocks: int  # block 0 (reserved) included
     sinks: torch.Tensor | None = None  # [H] float32 on the device: the layer's learned sink logits, if any
+    topk_indices: torch.Tensor | None = None  # a sparse layer's: [num_tokens, topk] int32 on the device
     _reference: torch.Tensor | None = field(default=None, repr=False, compare=False)  # the oracle's, once computed
 
     @property
@@ -69,6 +70,9 @@ class PagedBatch:
         """The same requests (same data, same blocks) as a batch of ``order``'s requests in that order."""
         starts = self.query_start_loc
         query = torch.cat([self.query[starts[r] : starts[r + 1]] for r in order])
+        indices = self.topk_indices
+        if indices is not None:
+            indices = torch.cat([indices[starts[r] : starts[r + 1]] for r in order])
         case = replace(self.case, batch=tuple(self.case.batch[r] for r in order), shared_prefix_blocks=0)
         return PagedBatch(
             case,
@@ -79,6 +83,7 @@ class PagedBatch:
             self.block_table[order],
             self.num_blocks,
             self.sinks,
+            indices,
         )
 
     def with_empty_request(self) -> "PagedBatch":
@@ -96,6 +101,7 @@ class PagedBatch:
             torch.cat([self.block_table, empty_row]),
             self.num_blocks,
             self.sinks,
+            self.topk_indices,
         )
 
     def reference_output(self) -> torch.Tensor:
@@ -117,10 +123,26 @@ class PagedBatch:
                     self.keys[request],
                     self.values[request],
                     context_len=context_len,
-                    sinks=self.sinks,
+                    **self.oracle_inputs(request),
                 )
             )
         return torch.cat(outputs)
+
+    def oracle_inputs(self, request: int) -> dict[str, torch.Tensor | None]:
+        """What the oracle reads of the layer for ``request`` beyond its rows: the layer's learned
+        sinks, and a sparse layer's index rows of the request's tokens."""
+        start, end = self.query_start_loc[request], self.query_start_loc[request + 1]
+        indices = None if self.topk_indices is None else self.topk_indices[start:end]
+        return {"sinks": self.sinks, "topk_indices": indices}
+
+    def handed_indices(self, rows: int) -> torch.Tensor | None:
+        """A copy of a sparse layer's index rows as ``forward`` is handed them, ``rows`` long: the
+        real tokens' rows, then -1 rows for the padding (``backends.base``)."""
+        if self.topk_indices is None:
+            return None
+        handed = torch.full((rows, self.topk_indices.shape[1]), -1, dtype=torch.int32, device=self.device)
+        handed[: self.topk_indices.shape[0]].copy_(self.topk_indices)
+        return handed
 
     def head_values(self, request: int, head: int) -> torch.Tensor:
         """[seq_len, Dv]: the values query head ``head`` of ``request`` attends over (MLA: the
@@ -329,6 +351,15 @@ def materialize(case: Case, device: torch.device | str) -> PagedBatch:
         return None if tensor is None else tensor.to(spec.dtype)
 
     sinks = sink_logits(spec).to(device) if spec.attention_sinks else None
+    indices = None if spec.sparse_topk is None else topk_indices(case, generator).to(device)
     return PagedBatch(
-        case, device, cast(query), [cast(k) for k in keys], [cast(v) for v in values], block_table, num_blocks, sinks
+        case,
+        device,
+        cast(query),
+        [cast(k) for k in keys],
+        [cast(v) for v in values],
+        block_table,
+        num_blocks,
+        sinks,
+        indices,
     )

@@ -144,9 +144,9 @@ def oracle(batch: PagedBatch, **changes) -> tuple[torch.Tensor, torch.Tensor]:
     case, spec = batch.case, batch.spec
     k_scale, v_scale = case.kv_scales or (None, None)
     used_k, used_v = changes.pop("k_scale", k_scale), changes.pop("v_scale", v_scale)
-    options = {"sinks": batch.sinks, **changes}
     outputs, sums = [], []
     for request, (context_len, _) in enumerate(case.batch):
+        options = {**batch.oracle_inputs(request), **changes}
         start, end = batch.query_start_loc[request], batch.query_start_loc[request + 1]
         key, value = batch.keys[request], batch.values[request]
         if k_scale is not None:

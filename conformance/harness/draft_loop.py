@@ -61,6 +61,8 @@ class DraftBanks:
             if drafted.values[0] is None
             else layer.rows(torch.stack([drafted.values[r][c : c + num_steps] for r, c in enumerate(contexts)]))
         )
+        # A sparse layer's index rows of each step (the indexer's output for that step's token).
+        self.indices = None if drafted.topk_indices is None else drafted.topk_indices.view(n, num_steps, -1)
         self.out = torch.full(
             (n, num_steps, *layer.out.shape[1:]), float("nan"), dtype=layer.out.dtype, device=layer.out.device
         )
@@ -77,6 +79,8 @@ class DraftBanks:
         layer.key[:n].copy_(self.key.index_select(1, step).squeeze(1))
         if self.value is not None:
             layer.value[:n].copy_(self.value.index_select(1, step).squeeze(1))
+        if self.indices is not None:
+            layer.topk_indices[:n].copy_(self.indices.index_select(1, step).squeeze(1))
 
     def keep(self, step: torch.Tensor) -> None:
         """Device-only: bank what draft step ``step`` wrote."""

@@ -94,6 +94,13 @@ class GraphLayer:
             if lse
             else None
         )
+        # A sparse layer's index rows, persistent as an engine's indexer output buffer is: -1 (no
+        # entry) in every row a load does not fill.
+        self.topk_indices = (
+            None
+            if spec.sparse_topk is None
+            else torch.full((shape.num_tokens, spec.sparse_topk), -1, dtype=torch.int32, device=device)
+        )
 
     @property
     def name(self) -> str:
@@ -107,8 +114,9 @@ class GraphLayer:
 
     @property
     def forward_parameters(self) -> LayerParameters:
-        """``forward``'s parameters: the handed scales and sinks, and the LSE buffer where asked."""
-        return self.parameters if self.lse is None else self.parameters.with_lse(self.lse)
+        """``forward``'s parameters: the handed scales and sinks, a sparse layer's index rows, and
+        the LSE buffer where asked."""
+        return self.parameters.with_indices(self.topk_indices).with_lse(self.lse)
 
     def rows(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """``tensor`` (rows of the batch as drawn) as this layer holds them: a later layer's negated."""
@@ -253,6 +261,9 @@ class GraphBuffers:
             if layer.value is not None:
                 layer.value.fill_(-PADDING_KEY_VALUE - self.loads)
                 layer.value[:real].copy_(layer.rows(step_value))
+            if layer.topk_indices is not None:
+                layer.topk_indices.fill_(-1)
+                layer.topk_indices[:real].copy_(batch.topk_indices)
         common = CommonAttentionMetadata.from_lengths(
             query_start_loc=self.query_start_loc,
             seq_lens=self.seq_lens,
@@ -291,7 +302,12 @@ class GraphBuffers:
         pools = {}
         for layer in self.layers:
             tensors.update(
-                {f"query{layer.name}": layer.query, f"key{layer.name}": layer.key, f"value{layer.name}": layer.value}
+                {
+                    f"query{layer.name}": layer.query,
+                    f"key{layer.name}": layer.key,
+                    f"value{layer.name}": layer.value,
+                    f"topk_indices{layer.name}": layer.topk_indices,
+                }
             )
             parameters[layer.name] = layer.parameters
             pools[f"KV pool{layer.name}"] = PoolWatch.of(

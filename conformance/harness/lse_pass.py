@@ -115,7 +115,8 @@ def query_rounding(batch) -> torch.Tensor:
             scale=spec.softmax_scale,
             sliding_window=spec.sliding_window,
             logits_soft_cap=spec.logits_soft_cap,
-            sinks=batch.sinks,
+            sparse_window=spec.sparse_window,
+            **batch.oracle_inputs(request),
         )
         bounds[start:end] = (query.double() * mean_key).square().sum(-1).sqrt()
     unit_roundoff = torch.finfo(spec.dtype).eps / 2

@@ -92,6 +92,9 @@ class PreparedCase:
     def __post_init__(self) -> None:
         if self.handed is None:
             self.handed = HandedLayer.copy_of(self.scales, self.batch.sinks)
+        # A sparse layer's index rows, as forward is handed them this step: a copy, padding rows -1.
+        case = self.batch.case
+        self.topk_indices = self.batch.handed_indices(case.num_tokens + case.padding)
 
     def over(self, batch: PagedBatch) -> "PreparedCase":
         """Another batch (the same requests reordered, a subset) over this layer's backend, pool and scales."""
@@ -104,8 +107,11 @@ class PreparedCase:
 
     @property
     def forward_layer(self) -> LayerParameters:
-        """This layer's ``forward`` parameters: its handed scales and sinks, no ``lse`` (``lse_pass`` adds one)."""
-        return self.handed.parameters
+        """This layer's ``forward`` parameters: its handed scales and sinks, a sparse layer's index
+        rows of this step, no ``lse`` (``lse_pass`` adds one)."""
+        if self.topk_indices is None:
+            return self.handed.parameters
+        return self.handed.parameters.with_indices(self.topk_indices)
 
 
 def case_scales(case: Case, device: torch.device | str, layer: int = 0) -> KVScales | None:

@@ -107,8 +107,8 @@ def _solve(
             dequantized(key, k_scale),
             dequantized(value, v_scale),
             context_len=context_len,
-            sinks=batch.sinks,
             return_lse=True,
+            **batch.oracle_inputs(request),
         )
         outputs.append(out)
         sums.append(lse)

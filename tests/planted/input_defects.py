@@ -51,8 +51,8 @@ class SoftmaxWithoutMax(TorchNaiveBackend):
 
     name = "planted_softmax_without_max"
 
-    def attend(self, query, key, value, context_len, sinks=None):
-        weights = torch.exp(self.masked_scores(query, key, context_len))  # exp(-inf) = 0; exp(>88) = inf
+    def attend(self, query, key, value, context_len, sinks=None, indexed=None):
+        weights = torch.exp(self.masked_scores(query, key, context_len, indexed))  # exp(-inf) = 0; exp(>88) = inf
         weights = weights / weights.sum(dim=-1, keepdim=True)
         return torch.einsum("hqk,khd->qhd", weights, value.float().repeat_interleave(self.spec.query_group_size, dim=1))
 
@@ -66,8 +66,8 @@ class ScoresInInputDtype(TorchNaiveBackend):
     def softmax_scale(self):
         return 1.0  # the scale is applied after the scores were rounded, below
 
-    def attend(self, query, key, value, context_len, sinks=None):
-        raw = self.masked_scores(query, key, context_len)  # unscaled QK^T, as the MMA produced it
+    def attend(self, query, key, value, context_len, sinks=None, indexed=None):
+        raw = self.masked_scores(query, key, context_len, indexed)  # unscaled QK^T, as the MMA produced it
         scores = raw.to(query.dtype).float() * self.spec.softmax_scale
         return torch.einsum(
             "hqk,khd->qhd", scores.softmax(-1), value.float().repeat_interleave(self.spec.query_group_size, dim=1)
@@ -143,7 +143,7 @@ class NondeterministicSplits(TorchNaiveBackend):
         self.calls += 1
         super().forward(query, kv_cache, metadata, out, layer)
 
-    def attend(self, query, key, value, context_len, sinks=None):
+    def attend(self, query, key, value, context_len, sinks=None, indexed=None):
         return split_kv_attend(self, query, key, value, context_len, splits=1 + self.calls % 3)
 
 
@@ -158,7 +158,7 @@ class SplitsFollowTheBatch(TorchNaiveBackend):
         self.num_reqs = len(metadata.seq_lens)
         super().forward(query, kv_cache, metadata, out, layer)
 
-    def attend(self, query, key, value, context_len, sinks=None):
+    def attend(self, query, key, value, context_len, sinks=None, indexed=None):
         return split_kv_attend(self, query, key, value, context_len, splits=max(1, 8 // self.num_reqs))
 
 
@@ -354,13 +354,13 @@ class DropsCapOnDecode(TorchNaiveBackend):
 
     name = "planted_drops_cap_on_decode"
 
-    def attend(self, query, key, value, context_len, sinks=None):
+    def attend(self, query, key, value, context_len, sinks=None, indexed=None):
         if query.shape[0] != 1 or self.spec.logits_soft_cap is None:
-            return super().attend(query, key, value, context_len, sinks)
+            return super().attend(query, key, value, context_len, sinks, indexed)
         capped = self.spec
         self.spec = dataclasses.replace(capped, logits_soft_cap=None)
         try:
-            return super().attend(query, key, value, context_len, sinks)
+            return super().attend(query, key, value, context_len, sinks, indexed)
         finally:
             self.spec = capped
 
@@ -385,8 +385,8 @@ class AccumulatesInInputDtype(TorchNaiveBackend):
     name = "planted_accumulates_in_input_dtype"
     TILE = 16
 
-    def attend(self, query, key, value, context_len, sinks=None):
-        scores = self.masked_scores(query, key, context_len)  # [H, q, s] fp32
+    def attend(self, query, key, value, context_len, sinks=None, indexed=None):
+        scores = self.masked_scores(query, key, context_len, indexed)  # [H, q, s] fp32
         values = value.float().repeat_interleave(self.spec.query_group_size, dim=1)  # [s, H, Dv]
         heads, queries = scores.shape[:2]
         low = query.dtype

@@ -25,11 +25,11 @@ class IgnoresSinksInPrefill(TorchNaiveBackend):
 class AddsSinkToNumerator(TorchNaiveBackend):
     """Counts the sink in the numerator too, as if it were a key whose value is 1 in every channel."""
 
-    def attend(self, query, key, value, context_len, sinks=None):
-        out = super().attend(query, key, value, context_len, sinks)
+    def attend(self, query, key, value, context_len, sinks=None, indexed=None):
+        out = super().attend(query, key, value, context_len, sinks, indexed)
         if sinks is None:
             return out
-        scores = self.masked_scores(query, key, context_len)  # [H, q, s]
+        scores = self.masked_scores(query, key, context_len, indexed)  # [H, q, s]
         top = torch.maximum(scores.amax(-1), sinks.float()[:, None])  # [H, q]
         sink_weight = torch.exp(sinks.float()[:, None] - top) / (
             torch.exp(scores - top[..., None]).sum(-1) + torch.exp(sinks.float()[:, None] - top)
