@@ -182,8 +182,11 @@ class TorchNaiveBackend(AttentionBackend):
         seq_len = context_len + rows.shape[0]
         query_positions = context_len + torch.arange(rows.shape[0], device=rows.device)
         key_positions = torch.arange(seq_len, device=rows.device)
-        listed = (rows.long()[:, :, None] == key_positions[None, None, :]).any(dim=1)  # [q, s]
-        seen = listed & (key_positions[None, :] <= query_positions[:, None])
+        entries = rows.long()
+        usable = (entries >= 0) & (entries <= query_positions[:, None])  # -1 and past its own position: no key
+        seen = torch.zeros(rows.shape[0], seq_len + 1, dtype=torch.bool, device=rows.device)
+        seen.scatter_(1, torch.where(usable, entries, seq_len), True)  # the unusable land in column seq_len
+        seen = seen[:, :seq_len]
         if self.spec.sparse_window is not None:
             distance = query_positions[:, None] - key_positions[None, :]
             seen |= (distance >= 0) & (distance < self.spec.sparse_window)

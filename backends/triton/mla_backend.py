@@ -15,7 +15,7 @@ from backends.base import (
     CGSupport,
     LayerParameters,
 )
-from backends.features import EMPTY_REQUESTS, FP8_E4M3, FP8_E5M2
+from backends.features import EMPTY_REQUESTS, FP8_E4M3, FP8_E5M2, SPARSE_TOPK, SPARSE_WINDOW
 from backends.fp8 import to_cache
 from backends.triton import GATHER, GLUON, INSTALL_HINT, PAGE, TMA
 from backends.triton.backend import (
@@ -27,6 +27,7 @@ from backends.triton.backend import (
     interpreter_devices,
     interpreting,
 )
+from backends.triton.sparse_mla import SparseMLARead
 
 try:
     import triton
@@ -110,7 +111,7 @@ class TritonMLABackend(DeviceLengthsBackend):
         kinds=frozenset({"mla"}),
         block_sizes=frozenset({16, 32, 64}),
         max_query_len=DECODE_VARIANTS[-1],
-        features=frozenset({FP8_E4M3, FP8_E5M2, EMPTY_REQUESTS}),
+        features=frozenset({FP8_E4M3, FP8_E5M2, EMPTY_REQUESTS, SPARSE_TOPK, SPARSE_WINDOW}),
         feature_gpus=FP8_GPUS,
         cuda_graphs=CGSupport.ALWAYS,
         needs_cpu_seq_lens=False,
@@ -127,6 +128,17 @@ class TritonMLABackend(DeviceLengthsBackend):
         self.tma = has_tma(self.device)  # asked once: forward runs every step
         self.wgmma = has_wgmma(self.device)
         self._descriptors: tuple[tuple, TensorDescriptor, TensorDescriptor] | None = None
+        # A sparse layer (DeepSeek's DSA) reads by index rows with a kernel of its own.
+        self.sparse = None if spec.sparse_topk is None else SparseMLARead(spec, limits, self.device, self.upcast_dot)
+
+    def build(self, common):
+        metadata = super().build(common)
+        return metadata if self.sparse is None else self.sparse.build(metadata)
+
+    def update_for_draft_step(self, metadata, common):
+        if self.sparse is None:
+            return super().update_for_draft_step(metadata, common)
+        return self.sparse.update_for_draft_step(metadata, common)
 
     def descriptors(self, kv_cache: torch.Tensor, read: int) -> tuple:
         """TMA descriptors of the latent and rope columns of the cache's rows, made once per pool
@@ -183,6 +195,9 @@ class TritonMLABackend(DeviceLengthsBackend):
 
     def forward(self, query, kv_cache, metadata: TritonMetadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
         spec, limits = self.spec, self.limits
+        if self.sparse is not None:
+            k_scale = self.device_scales(layer.scales)[0] if spec.fp8_kv_cache else None
+            return self.sparse.forward(query, kv_cache, metadata, out, layer, k_scale)
         decode_q = metadata.decode_q
         tiles = tiling(spec.num_heads, decode_q)
         head_blocks = triton.cdiv(spec.num_heads, tiles.heads_per_program)

@@ -289,8 +289,12 @@ def _messy(row: torch.Tensor, mine: torch.Tensor, seq_len: int, block_size: int,
     order = torch.rand(tokens, topk, generator=generator).argsort(dim=1)
     row = row.gather(1, order)
     past = torch.rand(tokens, topk, generator=generator) < 1.0 / MESSY_PAST_FRACTION
-    reach = seq_len + 2 * block_size - mine  # positions mine+1 .. seq_len + 2 blocks - 1
-    offsets = 1 + (torch.rand(tokens, topk, generator=generator) * (reach[:, None] - 1).clamp(min=1)).long()
+    # Half of them inside the sequence (a later token of the same step, where there is one), half
+    # in the two blocks past its end.
+    ahead = (seq_len - mine)[:, None]  # 1 for the request's last token
+    draw = torch.rand(tokens, topk, generator=generator)
+    inside = (torch.rand(tokens, topk, generator=generator) < 0.5) & (ahead > 1)
+    offsets = torch.where(inside, 1 + (draw * (ahead - 1)).long(), ahead + (draw * 2 * block_size).long())
     row = torch.where(past, mine[:, None] + offsets, row)
     has_keep = (row == keep).any(dim=1, keepdim=True)
     row[:, :1] = torch.where(has_keep, row[:, :1], keep)  # put the kept entry back where it was lost

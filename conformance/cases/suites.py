@@ -407,6 +407,41 @@ def _sink_cases() -> list[Case]:
                 (f"log-sum-exp, group of {group}: mixed", "0+24,70+8,300+1x2"),
             ],
         )
+    cases += _sparse_cases()
+    return cases
+
+
+def _sparse_cases() -> list[Case]:
+    """DeepSeek's sparse attention (DSA): V3.2's top 2048 positions of a lightning indexer over
+    128 heads (TP 1) and 16 (TP 8), contexts on both sides of 2048; V4's window part; index rows
+    with -1 between entries and entries past each token's position; the LSE; an fp8 cache."""
+    cases = _cases(
+        "mla-h16-d512+64-bf16-p64-topk2048",
+        [
+            ("sparse: decode past top-k", "4000+1,2048+1,2049+1,3000+1"),
+            ("sparse: decode within top-k", "1+1,100+1,2047+1"),
+            ("sparse: spec-verify k=3 (MTP)", "3000+4,500+4"),
+            ("sparse: mixed prefill + decode", "0+300,2500+64,4000+1"),
+        ],
+    )
+    cases += _cases(
+        "mla-h128-d512+64-bf16-p64-topk2048",
+        [("sparse, 128 heads: decode", "5000+1x4,700+1"), ("sparse, 128 heads: spec-verify k=1", "3000+2x4")],
+    )
+    cases += _cases(
+        "mla-h16-d512+64-bf16-p64-topk64-win128",
+        [
+            ("sparse window part: decode", "1000+1,100+1,127+1,128+1,192+1"),
+            ("sparse window part: spec-verify k=3", "1000+4,190+4"),
+            ("sparse window part: mixed prefill + decode", "0+300,800+64,3+1"),
+        ],
+    )
+    cases += _cases(
+        "mla-h16-d512+64-bf16-p64-topk256-messyidx-edges",
+        [("messy index rows: decode and verify", "2000+1,600+4,70+1"), ("messy index rows: mixed", "0+100,900+16")],
+    )
+    cases += _cases("mla-h16-d512+64-bf16-p64-topk256-win64-lse", [("sparse log-sum-exp: mixed", "0+64,700+4,1500+1")])
+    cases += _cases("mla-h16-d512+64-bf16-fp8e4m3-p64-topk256", [("sparse, fp8 cache: mixed", "0+100,900+4,2000+1")])
     return cases
 
 

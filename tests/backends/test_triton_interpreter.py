@@ -41,6 +41,11 @@ CASES = {
         "mla-h4-d64+16-bf16-p64:1+1,40+1,130+1",
         "mla-h4-d64+16-bf16-fp8e4m3-p16:40+1,20+4,1+1",  # an fp8 latent cache, its one scale
         "mla-h4-d64+16-bf16-p16:40+1,20+4,0+0x2",  # empty requests (vLLM's padding) at the end
+        # Sparse (DeepSeek's DSA): messy index rows and a window part; 20 heads (two head blocks)
+        # and dominant edge keys; an fp8 latent cache.
+        "mla-h4-d64+16-bf16-p16-topk16-win8-messyidx:60+2,9+4,0+0",
+        "mla-h20-d64+16-fp16-p32-topk40-edges:70+1,3+1,50+8",
+        "mla-h4-d64+16-bf16-fp8e4m3-p16-topk16:40+1,20+4",
     ],
 }
 

@@ -1,0 +1,120 @@
+"""``triton_mla``'s sparse read (DeepSeek's DSA, ``sparse_topk``): the metadata it builds and
+advances, and the launch of ``sparse_mla_kernels``.
+
+Each token's request and position are position-dependent metadata, made on the device in
+``build`` and remade in ``update_for_draft_step`` from the advanced ``seq_lens`` (stale positions
+would move every token's causal edge and window part: vLLM #41162's crash under MTP was such
+metadata left behind by the draft loop)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backends.base import AttentionSpec, BackendLimits, CommonAttentionMetadata, LayerParameters
+from backends.triton.backend import LOG2E, TritonMetadata
+
+try:
+    import triton
+
+    from backends.triton import sparse_mla_kernels
+except ModuleNotFoundError as missing:  # an extra: see backends.triton
+    if missing.name != "triton":
+        raise
+
+BLOCK_H = 16  # heads per program (tl.dot's smallest tile)
+BLOCK_N = 32  # index entries (or window positions) per tile
+POSITIONS_BLOCK = 64
+
+
+@dataclass
+class SparseMetadata(TritonMetadata):
+    token_request: torch.Tensor  # [max_num_tokens] int32: each token's request
+    token_position: torch.Tensor  # [max_num_tokens] int32: each token's position in its request
+    num_tokens: torch.Tensor  # [1] int32: the step's real tokens (query_start_loc[num_reqs])
+
+
+class SparseMLARead:
+    """The persistent buffers of a sparse layer's metadata, and its kernels' launches."""
+
+    def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device, upcast_dot: bool) -> None:
+        self.spec, self.upcast_dot = spec, upcast_dot
+        int32 = dict(dtype=torch.int32, device=device)
+        self.token_request = torch.zeros(limits.max_num_tokens, **int32)
+        self.token_position = torch.zeros(limits.max_num_tokens, **int32)
+        self.num_tokens = torch.zeros(1, **int32)
+
+    def build(self, metadata: TritonMetadata) -> SparseMetadata:
+        sparse = SparseMetadata(
+            **vars(metadata),
+            token_request=self.token_request,
+            token_position=self.token_position,
+            num_tokens=self.num_tokens,
+        )
+        self.place_tokens(sparse)
+        return sparse
+
+    def place_tokens(self, metadata: SparseMetadata) -> None:
+        """Each token's request and position, on the device, from the metadata's lengths."""
+        sparse_mla_kernels.sparse_positions_kernel[(metadata.num_reqs,)](
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            metadata.token_request,
+            metadata.token_position,
+            metadata.num_tokens,
+            metadata.num_reqs,
+            BLOCK=POSITIONS_BLOCK,
+        )
+
+    def update_for_draft_step(self, metadata: SparseMetadata, common: CommonAttentionMetadata) -> SparseMetadata:
+        metadata.query_start_loc, metadata.seq_lens, metadata.block_table = (
+            common.query_start_loc,
+            common.seq_lens,
+            common.block_table,
+        )
+        self.place_tokens(metadata)  # every position moved on by one
+        return metadata
+
+    def forward(self, query, kv_cache, metadata: SparseMetadata, out, layer: LayerParameters, k_scale) -> None:
+        spec = self.spec
+        if layer.topk_indices is None:
+            raise ValueError("a sparse layer's forward needs its index rows (layer.topk_indices)")
+        indices, lse = layer.topk_indices, layer.lse
+        grid = (query.shape[0], triton.cdiv(spec.num_heads, BLOCK_H))
+        sparse_mla_kernels.sparse_mla_kernel[grid](
+            query,
+            kv_cache,
+            metadata.block_table,
+            metadata.token_request,
+            metadata.token_position,
+            metadata.num_tokens,
+            indices,
+            out,
+            out if lse is None else lse,
+            metadata.seq_lens if k_scale is None else k_scale,
+            spec.softmax_scale * LOG2E,
+            query.stride(0),
+            query.stride(1),
+            out.stride(0),
+            out.stride(1),
+            indices.stride(0),
+            0 if lse is None else lse.stride(0),
+            metadata.block_table.stride(0),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            NUM_HEADS=spec.num_heads,
+            BLOCK_H=BLOCK_H,
+            LATENT=spec.kv_lora_rank,
+            ROPE=spec.rope_dim,
+            BLOCK_L=triton.next_power_of_2(spec.kv_lora_rank),
+            BLOCK_R=max(16, triton.next_power_of_2(spec.rope_dim)),
+            TOPK=spec.sparse_topk,
+            WINDOW=spec.sparse_window or 0,
+            BLOCK_N=BLOCK_N,
+            PAGE_SIZE=spec.block_size,
+            KV_FP8=k_scale is not None,
+            UPCAST_DOT=self.upcast_dot,
+            RETURN_LSE=lse is not None,
+            num_warps=4,
+        )

@@ -1,0 +1,186 @@
+"""Triton kernel for DeepSeek's sparse MLA (DSA): each query token attends to the positions its
+indexer chose (``layer.topk_indices``) and, with a window part, to its most recent positions.
+
+One program per (token, block of heads). The token's request and position come from the step's
+metadata (``SparseMetadata``, built on the device and advanced by ``update_for_draft_step``); its
+index row is read in tiles of ``BLOCK_N`` entries, each entry masked unless ``0 <= i <= position``
+and translated to a cache slot through the request's block-table row (the position → slot
+translation is the backend's, as the contract says), then the window part's positions
+``position - WINDOW + 1 .. position`` in tiles. Both feed one base-2 online softmax; the output and
+the natural-log LSE are written by the program itself (no split-KV: a row attends to at most
+``TOPK + WINDOW`` keys).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attend_tile(
+    q_latent,
+    q_rope,
+    cache_ptr,
+    block_row_ptr,
+    positions,
+    valid,
+    k_scale_ptr,
+    m_i,
+    l_i,
+    acc,
+    scale_log2,
+    stride_cache_block,
+    stride_cache_token,
+    LATENT: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """One tile of keys (``positions`` of the token's request, ``valid`` where attended) folded
+    into the running max ``m_i``, sum ``l_i`` and accumulator ``acc`` (base 2)."""
+    safe = tl.where(valid, positions, 0)
+    blocks = tl.load(block_row_ptr + safe // PAGE_SIZE, mask=valid, other=0)
+    rows = cache_ptr + blocks.to(tl.int64) * stride_cache_block + (safe % PAGE_SIZE) * stride_cache_token
+    latent_dims = tl.arange(0, BLOCK_L)
+    rope_dims = tl.arange(0, BLOCK_R)
+    latent = tl.load(
+        rows[:, None] + latent_dims[None, :], mask=valid[:, None] & (latent_dims < LATENT)[None, :], other=0.0
+    )
+    rope = tl.load(
+        rows[:, None] + LATENT + rope_dims[None, :], mask=valid[:, None] & (rope_dims < ROPE)[None, :], other=0.0
+    )
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr)
+        latent = (latent.to(tl.float32) * k_scale).to(q_latent.dtype)
+        rope = (rope.to(tl.float32) * k_scale).to(q_rope.dtype)
+    if UPCAST_DOT:  # the interpreter's numpy has no bf16 matmul
+        scores = tl.dot(q_latent.to(tl.float32), tl.trans(latent.to(tl.float32)))
+        scores += tl.dot(q_rope.to(tl.float32), tl.trans(rope.to(tl.float32)))
+    else:
+        scores = tl.dot(q_latent, tl.trans(latent)) + tl.dot(q_rope, tl.trans(rope))
+    scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep exp() finite
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if UPCAST_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p, latent.to(tl.float32))
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def sparse_mla_kernel(
+    query_ptr,
+    cache_ptr,
+    block_table_ptr,
+    token_request_ptr,
+    token_position_ptr,
+    num_tokens_ptr,
+    indices_ptr,
+    out_ptr,
+    lse_ptr,
+    k_scale_ptr,
+    scale_log2,
+    stride_q_token,
+    stride_q_head,
+    stride_out_token,
+    stride_out_head,
+    stride_indices,
+    stride_lse,
+    stride_block_table,
+    stride_cache_block,
+    stride_cache_token,
+    NUM_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    LATENT: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    TOPK: tl.constexpr,
+    WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    if token >= tl.load(num_tokens_ptr):  # a padding row, or a slot past this step's tokens
+        return
+    request = tl.load(token_request_ptr + token)
+    position = tl.load(token_position_ptr + token)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < NUM_HEADS
+    latent_dims = tl.arange(0, BLOCK_L)
+    rope_dims = tl.arange(0, BLOCK_R)
+    q_rows = query_ptr + token.to(tl.int64) * stride_q_token + heads[:, None] * stride_q_head
+    q_latent = tl.load(
+        q_rows + latent_dims[None, :], mask=head_ok[:, None] & (latent_dims < LATENT)[None, :], other=0.0
+    )
+    q_rope = tl.load(
+        q_rows + LATENT + rope_dims[None, :], mask=head_ok[:, None] & (rope_dims < ROPE)[None, :], other=0.0
+    )
+    block_row_ptr = block_table_ptr + request.to(tl.int64) * stride_block_table
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
+    offsets = tl.arange(0, BLOCK_N)
+    row_ptr = indices_ptr + token.to(tl.int64) * stride_indices
+    for start in range(0, TOPK, BLOCK_N):
+        entries = tl.load(row_ptr + start + offsets, mask=start + offsets < TOPK, other=-1)
+        valid = (entries >= 0) & (entries <= position)  # -1, and anything past the token: no key
+        m_i, l_i, acc = _attend_tile(
+            q_latent, q_rope, cache_ptr, block_row_ptr, entries, valid, k_scale_ptr, m_i, l_i, acc, scale_log2,
+            stride_cache_block, stride_cache_token, LATENT, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, KV_FP8, UPCAST_DOT,
+        )  # fmt: skip
+    if WINDOW > 0:
+        first = tl.maximum(position - WINDOW + 1, 0)
+        for start in range(0, WINDOW, BLOCK_N):
+            positions = first + start + offsets
+            valid = (positions <= position) & (start + offsets < WINDOW)
+            m_i, l_i, acc = _attend_tile(
+                q_latent, q_rope, cache_ptr, block_row_ptr, positions, valid, k_scale_ptr, m_i, l_i, acc, scale_log2,
+                stride_cache_block, stride_cache_token, LATENT, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, KV_FP8, UPCAST_DOT,
+            )  # fmt: skip
+    out = acc / l_i[:, None]
+    out_rows = out_ptr + token.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head
+    tl.store(
+        out_rows + latent_dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=head_ok[:, None] & (latent_dims < LATENT)[None, :],
+    )
+    if RETURN_LSE:
+        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # base 2 to natural
+        tl.store(lse_ptr + token.to(tl.int64) * stride_lse + heads, lse, mask=head_ok)
+
+
+@triton.jit
+def sparse_positions_kernel(
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    token_request_ptr,
+    token_position_ptr,
+    num_tokens_ptr,
+    num_reqs,
+    BLOCK: tl.constexpr,
+):
+    """Each token's request and position, from the device's ``query_start_loc`` and ``seq_lens``
+    (one program per request): what ``build`` makes and ``update_for_draft_step`` remakes."""
+    request = tl.program_id(0)
+    start = tl.load(query_start_loc_ptr + request)
+    end = tl.load(query_start_loc_ptr + request + 1)
+    context = tl.load(seq_lens_ptr + request) - (end - start)
+    for offset in range(0, end - start, BLOCK):
+        tokens = start + offset + tl.arange(0, BLOCK)
+        mine = tokens < end
+        tl.store(token_request_ptr + tokens, request, mask=mine)
+        tl.store(token_position_ptr + tokens, context + tokens - start, mask=mine)
+    if request == num_reqs - 1:
+        tl.store(num_tokens_ptr, end)
