@@ -347,6 +347,7 @@ class Capabilities:
     num_heads: frozenset[int] | None = field(default=None, metadata=SERVES)  # MLA kernels often fix a few
     max_query_len: int | None = field(default=None, metadata=SERVES)  # None: prefill too; 1: decode only
     uniform_query_len: bool = field(default=False, metadata=SERVES)  # every request of a batch the same length
+    only_with: frozenset[Feature] = field(default=frozenset(), metadata=SERVES)  # features every case must ask
     # The contract's features (backends.features): claimed, or why not (said in the SKIP), and
     # where a feature runs on fewer GPUs than the backend.
     features: frozenset[Feature] = field(default=frozenset(), metadata=CLAIMS)
@@ -405,6 +406,9 @@ class Capabilities:
         return self.skip_reason(Needs(spec), device)
 
     def layout_reason(self, spec: AttentionSpec) -> str | None:
+        lacking = sorted(feature_.name for feature_ in self.only_with if not feature_.asked(Needs(spec)))
+        if lacking:
+            return f"serves only layers with {', '.join(lacking)} (this layer has none)"
         if spec.kind not in self.kinds:
             return f"{spec.kind.upper()} not supported (supports {_format_set(self.kinds)})"
         if spec.dtype not in self.dtypes:

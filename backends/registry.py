@@ -21,6 +21,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "trtllm": "backends.flashinfer.trtllm:TrtllmBackend",
     "trtllm_mla": "backends.flashinfer.trtllm_mla:TrtllmMLABackend",
     "flashmla": "backends.flashmla:FlashMLABackend",
+    "flashmla_sparse": "backends.flashmla_sparse:FlashMLASparseBackend",
     "flash_attn": "backends.flash_attn:FlashAttnBackend",
 }
 

@@ -1,0 +1,167 @@
+"""``flashmla_sparse``: FlashMLA's sparse MLA kernel (DeepSeek's DSA, ``flash_mla_sparse_fwd`` of
+sgl-flash-mla) over a bf16 latent cache, for every query length: decode, MTP verify and prefill.
+
+The kernel takes, per query token, a list of rows of one flat key/value tensor (``kv [s_kv, 1,
+576]``) to attend, -1 (or anything past ``s_kv``) for none: the pool viewed as its slots is that
+tensor, and the adapter translates each token's index row (positions in its request) into slots
+through the block table, on the device, masking -1 and every entry past the token's own position,
+and appends its window part's slots. Each token's request and position are metadata made on the
+device in ``build`` and remade in ``update_for_draft_step``. The kernel serves 64 or 128 query heads
+on SM90; fewer are padded with zero queries (as vLLM pads them) and their outputs dropped.
+
+Not claimed: the fp8 cache (FlashMLA's sparse decode reads DeepSeek's own 656-byte fp8 layout, a
+cache format of its own), the LSE (the kernel returns a base-2 log-sum-exp in some releases and a
+natural one in others).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backends.base import (
+    PLAIN_LAYER,
+    AttentionBackend,
+    AttentionSpec,
+    BackendLimits,
+    Capabilities,
+    CGSupport,
+    CommonAttentionMetadata,
+    LayerParameters,
+)
+from backends.features import FP8_KV_CACHES, SPARSE_TOPK, SPARSE_WINDOW
+from backends.flashmla import INSTALL_HINT
+from backends.paged_write import write_paged_rows
+
+HEAD_MULTIPLE = 64  # the SM90 kernel's query heads: 64 or 128
+INDEX_MULTIPLE = 64  # entries a row: a multiple of the kernel's tile of 64 indices
+
+
+@dataclass
+class SparseSlotsMetadata:
+    block_table: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    token_request: torch.Tensor  # [max_num_tokens] int64
+    token_position: torch.Tensor  # [max_num_tokens] int64
+    num_tokens: torch.Tensor  # [1] int64: the step's real tokens, on the device
+
+
+class FlashMLASparseBackend(AttentionBackend):
+    name = "flashmla_sparse"
+    capabilities = Capabilities(
+        kinds=frozenset({"mla"}),
+        dtypes=frozenset({torch.bfloat16}),
+        head_dims=frozenset({576}),
+        block_sizes=frozenset({64}),
+        num_heads=frozenset({16, 32, 64, 128}),
+        features=frozenset({SPARSE_TOPK, SPARSE_WINDOW}),
+        only_with=frozenset({SPARSE_TOPK}),  # dense MLA is flashmla's
+        not_claimed=dict.fromkeys(
+            FP8_KV_CACHES,
+            "FlashMLA's sparse fp8 decode reads DeepSeek's 656-byte fp8_ds_mla layout, a cache format the "
+            "contract does not hand a backend yet",
+        ),
+        cuda_graphs=CGSupport.ALWAYS,
+        needs_cpu_seq_lens=False,
+        draft_step_update=True,
+        devices=frozenset({"cuda"}),
+        compute_capabilities=frozenset({(9, 0)}),
+        required_modules=("flash_mla",),
+        install_hint=INSTALL_HINT,
+    )
+
+    def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
+        super().__init__(spec, limits, device)
+        import flash_mla  # noqa: PLC0415 - optional dependency
+
+        self.flash_mla = flash_mla
+        self.padded_heads = -(-spec.num_heads // HEAD_MULTIPLE) * HEAD_MULTIPLE
+        self.padded_query = torch.zeros(
+            limits.max_num_tokens, self.padded_heads, spec.head_dim, dtype=spec.dtype, device=device
+        )
+        int64 = dict(dtype=torch.int64, device=device)
+        self.token_request = torch.zeros(limits.max_num_tokens, **int64)
+        self.token_position = torch.zeros(limits.max_num_tokens, **int64)
+        self.num_tokens = torch.zeros(1, **int64)
+        self.rows = torch.arange(limits.max_num_tokens, **int64)
+        entries = (spec.sparse_topk or 0) + (spec.sparse_window or 0)
+        self.row_entries = -(-entries // INDEX_MULTIPLE) * INDEX_MULTIPLE
+        self.window_offsets = torch.arange(spec.sparse_window or 0, **int64)
+
+    # [num_blocks, block_size, latent + rope]: one bf16 entry a token, as flashmla's.
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.spec.block_size, self.spec.head_dim)
+
+    def write_kv(self, kv_cache, key, value, slot_mapping, layer: LayerParameters = PLAIN_LAYER) -> None:
+        write_paged_rows(kv_cache, key, slot_mapping, self.spec.block_size)
+
+    def read_kv(self, kv_cache, slot_mapping):
+        return kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping], None
+
+    def build(self, common: CommonAttentionMetadata) -> SparseSlotsMetadata:
+        metadata = SparseSlotsMetadata(
+            common.block_table,
+            common.query_start_loc,
+            common.seq_lens,
+            self.token_request,
+            self.token_position,
+            self.num_tokens,
+        )
+        self.place_tokens(metadata)
+        return metadata
+
+    def update_for_draft_step(self, metadata: SparseSlotsMetadata, common: CommonAttentionMetadata):
+        metadata.block_table, metadata.query_start_loc, metadata.seq_lens = (
+            common.block_table,
+            common.query_start_loc,
+            common.seq_lens,
+        )
+        self.place_tokens(metadata)  # every position moved on by one
+        return metadata
+
+    def place_tokens(self, metadata: SparseSlotsMetadata) -> None:
+        """Each token's request and position, from the device's lengths (no host value)."""
+        starts = metadata.query_start_loc.long()
+        ends = starts[1:]
+        request = torch.searchsorted(ends, self.rows, right=True).clamp_(max=ends.shape[0] - 1)
+        context = metadata.seq_lens.long() - (ends - starts[:-1])
+        metadata.token_request.copy_(request)
+        metadata.token_position.copy_(context[request] + self.rows - starts[request])
+        metadata.num_tokens.copy_(starts[-1:])
+
+    def slots(self, metadata: SparseSlotsMetadata, topk_indices: torch.Tensor, tokens: int) -> torch.Tensor:
+        """[tokens, 1, row_entries] int32: each token's attended slots, -1 for none."""
+        block_size = self.spec.block_size
+        request = metadata.token_request[:tokens, None]
+        position = metadata.token_position[:tokens, None]
+        entries = topk_indices[:tokens].long()
+        if self.spec.sparse_window:
+            recent = position - (self.spec.sparse_window - 1) + self.window_offsets[None, :]
+            entries = torch.cat([entries, recent], dim=1)
+        usable = (entries >= 0) & (entries <= position)
+        entries = torch.where(usable, entries, 0)
+        blocks = metadata.block_table.long()[request, entries // block_size]
+        slots = torch.where(usable, blocks * block_size + entries % block_size, -1)
+        padded = torch.full((tokens, self.row_entries), -1, dtype=torch.int32, device=slots.device)
+        padded[:, : slots.shape[1]] = slots
+        return padded.view(tokens, 1, -1)
+
+    def forward(self, query, kv_cache, metadata: SparseSlotsMetadata, out, layer: LayerParameters = PLAIN_LAYER):
+        spec = self.spec
+        if layer.topk_indices is None:
+            raise ValueError("a sparse layer's forward needs its index rows (layer.topk_indices)")
+        tokens = query.shape[0]
+        queries = self.padded_query[:tokens]
+        queries[:, : spec.num_heads].copy_(query)
+        result = self.flash_mla.flash_mla_sparse_fwd(
+            queries,
+            kv_cache.view(-1, 1, spec.head_dim),
+            self.slots(metadata, layer.topk_indices, tokens),
+            spec.softmax_scale,
+            spec.kv_lora_rank,
+        )[0][:, : spec.num_heads]
+        # Only the step's real rows: rows past them (a graph's padding) keep what they held.
+        real = (self.rows[:tokens] < metadata.num_tokens).view(tokens, 1, 1)
+        out.copy_(torch.where(real, result.to(out.dtype), out))

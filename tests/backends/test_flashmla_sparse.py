@@ -1,0 +1,75 @@
+"""flashmla_sparse's own logic on the CPU: the translation of index rows into slots of the flat
+pool, the window part, the padded heads and entries, and writing only the step's real rows,
+against a stand-in for FlashMLA's sparse kernel that does what its documentation says (attend to
+the listed rows of ``kv``, -1 or past ``s_kv`` for none). The kernel itself runs on a GPU
+(``conformance run --backend flashmla_sparse``)."""
+
+import dataclasses
+import sys
+import types
+
+import pytest
+import torch
+
+from backends.flashmla_sparse import HEAD_MULTIPLE, INDEX_MULTIPLE, FlashMLASparseBackend
+from conformance.cases.grammar import parse_case
+from conformance.checks.numerics import NumericsCheck
+from conformance.results import Verdict
+from conformance.run.execution import judge
+
+CPU = torch.device("cpu")
+
+
+def documented_sparse_kernel(calls):
+    def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+        calls.append((q.shape, indices.shape))
+        s_kv = kv.shape[0]
+        rows = indices[:, 0].long()  # [s_q, topk]
+        valid = (rows >= 0) & (rows < s_kv)
+        keys = kv[:, 0][rows.clamp(0, s_kv - 1)].float()  # [s_q, topk, d_qk]
+        keys = torch.where(valid[..., None], keys, 0.0)  # an entry it skips is never read
+        scores = torch.einsum("qhd,qkd->qhk", q.float(), keys) * sm_scale
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        weights = scores.softmax(dim=-1)
+        out = torch.einsum("qhk,qkd->qhd", weights, keys[..., :d_v]).to(q.dtype)
+        return out, scores.amax(-1), torch.logsumexp(scores, -1)
+
+    return flash_mla_sparse_fwd
+
+
+@pytest.fixture
+def on_the_cpu(monkeypatch):
+    calls = []
+    monkeypatch.setitem(
+        sys.modules, "flash_mla", types.SimpleNamespace(flash_mla_sparse_fwd=documented_sparse_kernel(calls))
+    )
+
+    class OnTheCpu(FlashMLASparseBackend):
+        capabilities = dataclasses.replace(
+            FlashMLASparseBackend.capabilities, devices=frozenset({"cpu"}), compute_capabilities=None
+        )
+
+    return OnTheCpu, calls
+
+
+@pytest.mark.parametrize(
+    "case_text",
+    [
+        "mla-h16-d512+64-bf16-p64-topk64-win32-messyidx:300+4,70+1,0+0,5+1",  # window part, messy rows
+        "mla-h16-d512+64-bf16-p64-topk128-edges:0+70,200+2,130+1",  # prefill, verify, decode; edge keys
+        "mla-h16-d512+64-bf16-p64-topk64-strided:100+1,40+4",  # the query and output as views
+    ],
+)
+def test_the_adapter_translates_positions_to_slots_as_the_contract_says(on_the_cpu, case_text):
+    backend, calls = on_the_cpu
+    result = judge(NumericsCheck(), backend, parse_case(case_text), CPU)
+    assert result.verdict == Verdict.PASS, result.reason
+    heads, entries = calls[0][0][1], calls[0][1][2]
+    assert heads % HEAD_MULTIPLE == 0 and entries % INDEX_MULTIPLE == 0
+
+
+def test_a_dense_layer_is_not_served():
+    case = parse_case("mla-h16-d512+64-bf16-p64:100+1")
+    assert FlashMLASparseBackend.capabilities.layout_reason(case.spec) == (
+        "serves only layers with sparse_topk (this layer has none)"
+    )
