@@ -9,9 +9,10 @@ and appends its window part's slots. Each token's request and position are metad
 device in ``build`` and remade in ``update_for_draft_step``. The kernel serves 64 or 128 query heads
 on SM90; fewer are padded with zero queries (as vLLM pads them) and their outputs dropped.
 
-Not claimed: the fp8 cache (FlashMLA's sparse decode reads DeepSeek's own 656-byte fp8 layout, a
-cache format of its own), the LSE (the kernel returns a base-2 log-sum-exp in some releases and a
-natural one in others).
+On SM90 the kernel is FlashMLA's legacy one (``use_legacy=True``: the current kernels answer
+"only supported on SM100f architectures"); it returns the natural-log LSE. Not claimed: the fp8
+cache (FlashMLA's sparse decode reads DeepSeek's own 656-byte fp8 layout, a cache format the
+contract does not hand a backend yet).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from backends.base import (
     CommonAttentionMetadata,
     LayerParameters,
 )
-from backends.features import FP8_KV_CACHES, SPARSE_TOPK, SPARSE_WINDOW
+from backends.features import FP8_KV_CACHES, LSE, SPARSE_TOPK, SPARSE_WINDOW
 from backends.flashmla import INSTALL_HINT
 from backends.paged_write import write_paged_rows
 
@@ -56,7 +57,7 @@ class FlashMLASparseBackend(AttentionBackend):
         head_dims=frozenset({576}),
         block_sizes=frozenset({64}),
         num_heads=frozenset({16, 32, 64, 128}),
-        features=frozenset({SPARSE_TOPK, SPARSE_WINDOW}),
+        features=frozenset({SPARSE_TOPK, SPARSE_WINDOW, LSE}),
         only_with=frozenset({SPARSE_TOPK}),  # dense MLA is flashmla's
         not_claimed=dict.fromkeys(
             FP8_KV_CACHES,
@@ -155,13 +156,16 @@ class FlashMLASparseBackend(AttentionBackend):
         tokens = query.shape[0]
         queries = self.padded_query[:tokens]
         queries[:, : spec.num_heads].copy_(query)
-        result = self.flash_mla.flash_mla_sparse_fwd(
+        result, _, lse = self.flash_mla.flash_mla_sparse_fwd(
             queries,
             kv_cache.view(-1, 1, spec.head_dim),
             self.slots(metadata, layer.topk_indices, tokens),
             spec.softmax_scale,
             spec.kv_lora_rank,
-        )[0][:, : spec.num_heads]
+            use_legacy=True,  # SM90's kernel (claimed: compute capability 9.0 only)
+        )
         # Only the step's real rows: rows past them (a graph's padding) keep what they held.
-        real = (self.rows[:tokens] < metadata.num_tokens).view(tokens, 1, 1)
-        out.copy_(torch.where(real, result.to(out.dtype), out))
+        real = self.rows[:tokens] < metadata.num_tokens
+        out.copy_(torch.where(real.view(tokens, 1, 1), result[:, : spec.num_heads].to(out.dtype), out))
+        if layer.lse is not None:
+            layer.lse[:tokens].copy_(torch.where(real.view(tokens, 1), lse[:, : spec.num_heads], layer.lse[:tokens]))

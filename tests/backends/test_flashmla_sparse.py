@@ -21,8 +21,8 @@ CPU = torch.device("cpu")
 
 
 def documented_sparse_kernel(calls):
-    def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
-        calls.append((q.shape, indices.shape))
+    def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, use_legacy=False):
+        calls.append((q.shape, indices.shape, use_legacy))
         s_kv = kv.shape[0]
         rows = indices[:, 0].long()  # [s_q, topk]
         valid = (rows >= 0) & (rows < s_kv)
@@ -58,6 +58,7 @@ def on_the_cpu(monkeypatch):
         "mla-h16-d512+64-bf16-p64-topk64-win32-messyidx:300+4,70+1,0+0,5+1",  # window part, messy rows
         "mla-h16-d512+64-bf16-p64-topk128-edges:0+70,200+2,130+1",  # prefill, verify, decode; edge keys
         "mla-h16-d512+64-bf16-p64-topk64-strided:100+1,40+4",  # the query and output as views
+        "mla-h16-d512+64-bf16-p64-topk64-win32-lse:0+40,90+4,3+1",  # the LSE
     ],
 )
 def test_the_adapter_translates_positions_to_slots_as_the_contract_says(on_the_cpu, case_text):
@@ -65,7 +66,7 @@ def test_the_adapter_translates_positions_to_slots_as_the_contract_says(on_the_c
     result = judge(NumericsCheck(), backend, parse_case(case_text), CPU)
     assert result.verdict == Verdict.PASS, result.reason
     heads, entries = calls[0][0][1], calls[0][1][2]
-    assert heads % HEAD_MULTIPLE == 0 and entries % INDEX_MULTIPLE == 0
+    assert heads % HEAD_MULTIPLE == 0 and entries % INDEX_MULTIPLE == 0 and calls[0][2]  # SM90's legacy kernel
 
 
 def test_a_dense_layer_is_not_served():
