@@ -36,7 +36,7 @@ from backends.flashmla import INSTALL_HINT
 from backends.paged_write import write_paged_rows
 
 HEAD_MULTIPLE = 64  # the SM90 kernel's query heads: 64 or 128
-INDEX_MULTIPLE = 64  # entries a row: a multiple of the kernel's tile of 64 indices
+INDEX_MULTIPLE = 128  # entries a row: SM90's kernel takes two tiles of 64 indices at a time
 
 
 @dataclass

@@ -310,9 +310,10 @@ class GraphBuffers:
                 }
             )
             parameters[layer.name] = layer.parameters
-            pools[f"KV pool{layer.name}"] = PoolWatch.of(
-                layer.kv_cache, self.num_blocks, self.spec.block_size, self.slot_mapping
-            )
+            if self.fill != PoolFill.FRESH:  # a never-written pool is not digested (``step.pool_watch``)
+                pools[f"KV pool{layer.name}"] = PoolWatch.of(
+                    layer.kv_cache, self.num_blocks, self.spec.block_size, self.slot_mapping
+                )
         return InputWatch.of(tensors, layers=parameters, pools=pools)
 
     def prepared(self, batch: PagedBatch, layer: GraphLayer | None = None) -> PreparedCase:
@@ -320,7 +321,12 @@ class GraphBuffers:
         and sinks (what its expected output is read from)."""
         layer = layer or self.first
         return PreparedCase(
-            layer.batch_of(batch), self.backend, layer.kv_cache, scales=layer.scales, handed=layer.handed
+            layer.batch_of(batch),
+            self.backend,
+            layer.kv_cache,
+            scales=layer.scales,
+            handed=layer.handed,
+            fill=self.fill,
         )
 
     def add_step_rows(self, cache: torch.Tensor, loaded: LoadedBatch, layer: GraphLayer | None = None) -> None:

@@ -88,6 +88,7 @@ class PreparedCase:
     metadata: Any = None  # what the last step's ``build`` returned (a second layer's forward reuses it)
     scales: KVScales | None = None  # an fp8 layer's scales (the harness's: the oracle reads these)
     handed: HandedLayer | None = None  # the copies write_kv and forward are handed (made here when not given)
+    fill: PoolFill = PoolFill.LOUD  # what the pool's unowned slots hold
 
     def __post_init__(self) -> None:
         if self.handed is None:
@@ -98,7 +99,7 @@ class PreparedCase:
 
     def over(self, batch: PagedBatch) -> "PreparedCase":
         """Another batch (the same requests reordered, a subset) over this layer's backend, pool and scales."""
-        return PreparedCase(batch, self.backend, self.kv_cache, scales=self.scales, handed=self.handed)
+        return PreparedCase(batch, self.backend, self.kv_cache, scales=self.scales, handed=self.handed, fill=self.fill)
 
     @property
     def layer(self) -> LayerParameters:
@@ -257,7 +258,7 @@ def prepare_layer(
         record(name, tensor)
     if slots.numel():
         backend.write_kv(kv_cache, key, value, slots, layer=handed.parameters.for_write())
-    return PreparedCase(batch, backend, kv_cache, scales=scales, handed=handed)
+    return PreparedCase(batch, backend, kv_cache, scales=scales, handed=handed, fill=fill)
 
 
 def engine_kv_views(
@@ -372,6 +373,16 @@ def stage_step(
     return StagedStep(prepared, common, query, key, value, slots, out, whole)
 
 
+def pool_watch(prepared: PreparedCase, slots: torch.Tensor) -> dict[str, PoolWatch | None]:
+    """The pool outside the step's blocks, watched; not a never-written pool (``PoolFill.FRESH``,
+    the memory check's): its digest would read every slot no request owns, and compute-sanitizer's
+    initcheck would report the harness's own reads of them as the backend's."""
+    if prepared.fill == PoolFill.FRESH:
+        return {}
+    batch = prepared.batch
+    return {"KV pool": PoolWatch.of(prepared.kv_cache, batch.num_blocks, batch.spec.block_size, slots)}
+
+
 def launch_step(
     step: StagedStep,
     *,
@@ -387,7 +398,6 @@ def launch_step(
             if tensor is not None:
                 negate_(tensor)
     common = step.common
-    batch = prepared.batch
     step.watch = watch = InputWatch.of(
         {
             "query": step.query,
@@ -402,7 +412,7 @@ def launch_step(
             "host seq_lens": common.host_seq_lens,
         },
         layers={"": prepared.forward_layer},
-        pools={"KV pool": PoolWatch.of(prepared.kv_cache, batch.num_blocks, batch.spec.block_size, step.slots)},
+        pools=pool_watch(prepared, step.slots),
     )
     if metadata is None:
         with phase("build"):

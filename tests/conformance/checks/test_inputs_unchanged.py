@@ -109,3 +109,16 @@ def test_the_watch_sees_changes_swaps_and_shifts_but_not_a_rewrite_of_the_same_b
     tensor.copy_(tensor.clone())
     watch.called("forward")
     assert watch.changes() == []
+
+
+def test_a_never_written_pool_is_not_digested():
+    """The memory check's pool is never written outside the history (``PoolFill.FRESH``): a digest
+    of it would read every unowned slot, which compute-sanitizer's initcheck reports as the
+    backend's read of uninitialized memory (seen on an H200 as the harness's own reads)."""
+    from conformance.harness.step import PoolFill, launch_step, prepare_case, stage_step
+
+    case = parse_case("mla-h4-d32+16-bf16-p16:40+1,9+2")
+    for fill, watched in ((PoolFill.FRESH, False), (PoolFill.LOUD, True)):
+        step = stage_step(prepare_case(TorchNaiveBackend, case, torch.device("cpu"), fill=fill))
+        launch_step(step)
+        assert bool(step.watch.pools) == watched
