@@ -141,10 +141,17 @@ class FlashMLASparseBackend(AttentionBackend):
         if self.spec.sparse_window:
             recent = position - (self.spec.sparse_window - 1) + self.window_offsets[None, :]
             entries = torch.cat([entries, recent], dim=1)
-        usable = (entries >= 0) & (entries <= position)
+        real = self.rows[:tokens, None] < metadata.num_tokens
+        usable = (entries >= 0) & (entries <= position) & real
         entries = torch.where(usable, entries, 0)
         blocks = metadata.block_table.long()[request, entries // block_size]
         slots = torch.where(usable, blocks * block_size + entries % block_size, -1)
+        # A padding row (past the step's tokens) attends to the first token's own slot, which this
+        # step wrote: the kernel leaves a row with no entry unwritten, and the output's rows are
+        # all read below (the real ones kept); nothing else of the pool is read for it.
+        own = metadata.block_table.long()[request[:1, 0], position[:1, 0] // block_size] * block_size
+        own = own + position[:1, 0] % block_size
+        slots[:, :1] = torch.where(real, slots[:, :1], own)
         padded = torch.full((tokens, self.row_entries), -1, dtype=torch.int32, device=slots.device)
         padded[:, : slots.shape[1]] = slots
         return padded.view(tokens, 1, -1)

@@ -74,3 +74,31 @@ def test_a_dense_layer_is_not_served():
     assert FlashMLASparseBackend.capabilities.layout_reason(case.spec) == (
         "serves only layers with sparse_topk (this layer has none)"
     )
+
+
+def test_padding_rows_read_only_the_first_tokens_own_slot(on_the_cpu):
+    """A row past the step's tokens (a graph's padding) lists the first token's own slot and
+    nothing else: the kernel leaves a row without entries unwritten, and the window part of a
+    padding row's made-up position would reach past the sequence."""
+    from backends.base import BackendLimits, CommonAttentionMetadata
+
+    backend_cls, _ = on_the_cpu
+    spec = parse_case("mla-h16-d512+64-bf16-p64-topk64-win4:10+1").spec
+    backend = backend_cls(spec, BackendLimits(4, 8, 256), CPU)
+    table = torch.tensor([[3, 4], [5, 6]], dtype=torch.int32)
+    common = CommonAttentionMetadata.from_lengths(
+        query_start_loc=torch.tensor([0, 2, 3], dtype=torch.int32),
+        seq_lens=torch.tensor([10, 5], dtype=torch.int32),
+        block_table=table,
+        slot_mapping=torch.zeros(3, dtype=torch.int64),
+        query_starts=[0, 2, 3],
+        host_seq_lens=[10, 5],
+    )
+    metadata = backend.build(common)
+    rows = torch.full((5, 64), -1, dtype=torch.int32)
+    rows[:3, 0] = 0  # every real token lists position 0 of its request
+    slots = backend.slots(metadata, rows, 5)[:, 0]
+    own = 3 * 64 + 8  # token 0: request 0, position 8, block 3
+    assert slots[0, 0] == 3 * 64 and sorted(slots[0, 64:68].tolist()) == [3 * 64 + p for p in range(5, 9)]
+    for padding in slots[3:]:
+        assert padding[0] == own and (padding[1:] == -1).all()
