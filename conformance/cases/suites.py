@@ -429,7 +429,7 @@ def _sparse_cases() -> list[Case]:
         [("sparse, 128 heads: decode", "5000+1x4,700+1"), ("sparse, 128 heads: spec-verify k=1", "3000+2x4")],
     )
     cases += _cases(
-        "mla-h16-d512+64-bf16-p64-topk64-win128",
+        "mla-h16-d512+64-bf16-p64-topk64-win128-edges",
         [
             ("sparse window part: decode", "1000+1,100+1,127+1,128+1,192+1"),
             ("sparse window part: spec-verify k=3", "1000+4,190+4"),
@@ -440,7 +440,10 @@ def _sparse_cases() -> list[Case]:
         "mla-h16-d512+64-bf16-p64-topk256-messyidx-edges",
         [("messy index rows: decode and verify", "2000+1,600+4,70+1"), ("messy index rows: mixed", "0+100,900+16")],
     )
-    cases += _cases("mla-h16-d512+64-bf16-p64-topk256-win64-lse", [("sparse log-sum-exp: mixed", "0+64,700+4,1500+1")])
+    cases += _cases(
+        "mla-h16-d512+64-bf16-p64-topk256-win64-lse-edges",
+        [("sparse log-sum-exp: mixed", "0+100,700+4,1500+1"), ("sparse log-sum-exp: decode", "300+1,64+1,1000+1")],
+    )
     cases += _cases("mla-h16-d512+64-bf16-fp8e4m3-p64-topk256", [("sparse, fp8 cache: mixed", "0+100,900+4,2000+1")])
     return cases
 

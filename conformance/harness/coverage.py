@@ -65,7 +65,10 @@ class LayerParameter(Parameter):
     def how_wrong(self, batch: PagedBatch) -> torch.Tensor:
         right, wrong = answer(batch), answer(batch, **self.dropped(batch.case))
         atol, rtol = TOLERANCES[batch.spec.dtype]
-        return ((wrong - right).abs() / (atol + rtol * right.abs())).amax(dim=(1, 2))[None]
+        # A token left without any key (a sparse row with no entry once its window part is
+        # dropped) has no answer: it is not counted, so the margin comes from the others alone.
+        ratio = ((wrong - right).abs() / (atol + rtol * right.abs())).nan_to_num(nan=0.0)
+        return ratio.amax(dim=(1, 2))[None]
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,9 @@ PARAMETERS: tuple[Parameter, ...] = (
         lambda case: {"v_scale": 1.0},
     ),
     LayerParameter("learned sinks", lambda case: case.spec.attention_sinks, lambda case: {"sinks": None}),
+    LayerParameter(
+        "sparse window part", lambda case: case.spec.sparse_window is not None, lambda case: {"sparse_window": None}
+    ),
     LseHeadIndex(
         "log-sum-exp per query head",
         lambda case: case.lse and case.spec.query_group_size > 1,
