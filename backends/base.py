@@ -56,6 +56,19 @@ Conventions shared by every backend and the harness:
   Each attended position is one term of the softmax (scale, cap and LSE as for dense attention).
   Indices and lengths are step data, and position-derived metadata (a window's first position,
   each token's position) must follow the positions: ``update_for_draft_step`` advances it.
+* The indexer (``AttentionSpec.kind == "indexer"``: DeepSeek-V3.2's lightning indexer, the layer
+  that chooses a sparse layer's positions) is a layer of its own kind, served by a backend that
+  claims ``"indexer"`` in ``Capabilities.kinds`` through the same methods. ``write_kv`` stores each
+  token's index key ``[head_dim]`` (``value`` is None); with an fp8 cache (``kv_cache_dtype``
+  e4m3) it stores ``key / s`` rounded to the nearest e4m3 number, ``s`` the token's own scale, the
+  smallest power of two at least ``max|key| / 448`` (DeepSeek's ue8m0 scales), and ``read_kv``
+  returns ``(stored keys [n, head_dim], their scales [n] float32)``. ``forward`` gets the query
+  ``[T, num_heads, head_dim]`` and ``layer.index_weights`` (float32 ``[rows, num_heads]``: each
+  token's head weights, the softmax scale folded in, as the model computes them) and writes into
+  ``out`` (int32 ``[rows, sparse_topk]``), for each real token at position ``p``, the positions
+  ``s <= p`` of its own request with the largest logits ``Σ_h w_h · max(0, q_h · k_s)`` over the
+  dequantized stored keys: all of them (then -1) where the token has at most ``sparse_topk``, in
+  any order, each once. Rows past ``num_actual_tokens`` stay as they were.
 * Learned attention sinks (``AttentionSpec.attention_sinks``, claimed by
   feature ``attention_sinks``; gpt-oss): ``forward`` gets the layer's ``sinks`` (``layer.sinks``), a
   float32 device tensor ``[num_heads]``, one logit per *query* head, persistent like a layer's
@@ -121,7 +134,7 @@ class PaddingStyle(enum.Enum):
 class AttentionSpec:
     """What one attention layer asks of a backend."""
 
-    kind: str  # "mha" (covers GQA/MQA) or "mla"
+    kind: str  # "mha" (covers GQA/MQA), "mla", or "indexer" (DeepSeek-V3.2's lightning indexer)
     num_heads: int
     num_kv_heads: int
     head_dim: int  # MHA: per-head dim. MLA: kv_lora_rank + rope_dim.
@@ -213,6 +226,8 @@ class LayerParameters:
       log-sum-exp writes it for the first ``num_actual_tokens`` rows.
     * ``topk_indices``: ``forward`` only, a sparse layer's (``sparse_topk``): int32 ``[rows,
       sparse_topk]``, each query row's indexed positions (module docstring), this step's.
+    * ``index_weights``: ``forward`` only, an indexer's: float32 ``[rows, num_heads]``, each
+      token's head weights (module docstring), this step's.
 
     Scales and sinks belong to a layer, like its weights: every layer of a step hands its own with
     the same metadata, and a backend keeps none of them between calls."""
@@ -221,13 +236,17 @@ class LayerParameters:
     sinks: torch.Tensor | None = None
     lse: torch.Tensor | None = None
     topk_indices: torch.Tensor | None = None
+    index_weights: torch.Tensor | None = None
 
     def for_write(self) -> "LayerParameters":
         """What ``write_kv`` is handed: the layer less what only ``forward`` reads or writes."""
-        return self if self.lse is None and self.topk_indices is None else replace(self, lse=None, topk_indices=None)
+        return replace(self, lse=None, topk_indices=None, index_weights=None)
 
     def with_indices(self, topk_indices: torch.Tensor | None) -> "LayerParameters":
         return replace(self, topk_indices=topk_indices)
+
+    def with_weights(self, index_weights: torch.Tensor | None) -> "LayerParameters":
+        return replace(self, index_weights=index_weights)
 
     def with_lse(self, lse: torch.Tensor | None) -> "LayerParameters":
         return replace(self, lse=lse)

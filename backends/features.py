@@ -86,7 +86,7 @@ LSE = feature("lse", "the log-sum-exp (the case hands forward an lse buffer)", l
 SPARSE_TOPK = feature(
     "sparse_topk",
     lambda needs: f"sparse attention over {needs.spec.sparse_topk} indexed positions a token (DeepSeek's DSA)",
-    lambda needs: needs.spec.sparse_topk is not None,
+    lambda needs: needs.spec.sparse_topk is not None and needs.spec.layout.attends,
 )
 SPARSE_WINDOW = feature(
     "sparse_window",

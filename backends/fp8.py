@@ -50,3 +50,11 @@ def scale_floats(spec, scales: "KVScales | None") -> tuple[float, float]:
         return 1.0, 1.0
     scales = required(scales)
     return scales.k_scale, scales.v_scale
+
+
+def token_scales(rows: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """Each row's own scale (an indexer's keys, DeepSeek's ue8m0 scales): the smallest power of two
+    at least ``max|row| / largest``, float32 ``[n]``; 1 for a row of zeros."""
+    largest = torch.finfo(cache_dtype).max
+    amax = rows.float().abs().amax(dim=-1)
+    return torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / largest))), torch.ones_like(amax))

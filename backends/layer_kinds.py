@@ -1,4 +1,4 @@
-"""The two kinds of attention layer the contract knows, one object each (``AttentionSpec.layout``):
+"""The kinds of layer the contract knows, one object each (``AttentionSpec.layout``):
 what differs between MHA/GQA and DeepSeek's absorbed MLA (the shape of a token's key and value,
 what a cache entry holds, which part of it the attention weighs, how many fp8 scales a layer has)
 is asked of the kind, so that code serving both never branches on its name.
@@ -7,6 +7,9 @@ is asked of the kind, so that code serving both never branches on its name.
   ``[num_kv_heads, v_head_dim]``, two cache planes, a scale for each.
 * MLA (absorbed): one latent entry ``[kv_lora_rank + rope_dim]`` per token, no separate value (the
   attention weighs the entry's first ``kv_lora_rank`` channels), one cache plane, one scale.
+* The indexer (DeepSeek-V3.2's lightning indexer, the layer that chooses a sparse MLA layer's
+  positions): one index key ``[head_dim]`` per token, no value; its output is each token's top
+  ``sparse_topk`` positions, not an attention.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ if TYPE_CHECKING:
 class LayerKind(abc.ABC):
     name: ClassVar[str]
     separate_value: ClassVar[bool]  # a value (and its fp8 scale) of its own beside the key
+    attends: ClassVar[bool] = True  # its output is an attention over the keys (an indexer's: positions)
 
     @abc.abstractmethod
     def validate(self, spec: "AttentionSpec") -> None:
@@ -147,4 +151,55 @@ class MLA(LayerKind):
         return key[:, None, : spec.kv_lora_rank]  # the entry's latent part is the value
 
 
-LAYER_KINDS: dict[str, LayerKind] = {kind.name: kind for kind in (MHA(), MLA())}
+class Indexer(LayerKind):
+    """DeepSeek-V3.2's lightning indexer (``backends.base``: "The indexer"): ``num_heads`` index
+    heads of ``head_dim`` over one index key a token; ``v_head_dim`` is its output row's width, the
+    ``sparse_topk`` positions it chooses."""
+
+    name = "indexer"
+    separate_value = False
+    attends = False
+
+    def validate(self, spec: "AttentionSpec") -> None:
+        if spec.num_kv_heads != 1 or spec.sparse_topk is None:
+            raise ValueError("an indexer has one index key a token (num_kv_heads=1) and a top-k (sparse_topk)")
+        others = {
+            "value_head_dim": spec.value_head_dim,
+            "sliding_window": spec.sliding_window,
+            "logits_soft_cap": spec.logits_soft_cap,
+            "sparse_window": spec.sparse_window,
+        }
+        given = [name for name, value in others.items() if value is not None]
+        given += ["attention_sinks"] * spec.attention_sinks
+        if given:
+            raise ValueError(f"an indexer has no {', '.join(given)}")
+
+    def v_head_dim(self, spec: "AttentionSpec") -> int:
+        return spec.sparse_topk
+
+    def key_shape(self, spec: "AttentionSpec", tokens: int) -> tuple[int, ...]:
+        return (tokens, spec.head_dim)
+
+    def value_shape(self, spec: "AttentionSpec", tokens: int) -> tuple[int, ...] | None:
+        return None
+
+    def plane_row(self, spec: "AttentionSpec") -> int:
+        return spec.head_dim
+
+    def cache_row(self, spec: "AttentionSpec") -> int:
+        return spec.head_dim
+
+    def head_values(self, spec, key, value, head):
+        raise TypeError("an indexer weighs no values")
+
+    def scales(self, k_scale: float, v_scale: float) -> tuple[float, float]:
+        return k_scale, k_scale
+
+    def key_heads(self, key: torch.Tensor) -> torch.Tensor:
+        return key[:, None, :]
+
+    def value_heads(self, spec, key, value):
+        raise TypeError("an indexer weighs no values")
+
+
+LAYER_KINDS: dict[str, LayerKind] = {kind.name: kind for kind in (MHA(), MLA(), Indexer())}

@@ -14,6 +14,7 @@ ENTRY_POINT_GROUP = "conformance.backends"
 # Built-ins import lazily: a vendor adapter's module may need a package that is not installed.
 BUILTIN_BACKENDS: dict[str, str] = {
     "torch_naive": "backends.torch_naive:TorchNaiveBackend",
+    "torch_indexer": "backends.torch_indexer:TorchIndexerBackend",
     "triton": "backends.triton.backend:TritonAttentionBackend",
     "triton_mla": "backends.triton.mla_backend:TritonMLABackend",
     "flashinfer": "backends.flashinfer.gqa:FlashInferBackend",

@@ -94,7 +94,7 @@ def shape_activations(case, keys: list[torch.Tensor], values: list[torch.Tensor 
     """Per-channel means, an outlier value channel and heavy-tailed value tokens, in place on the
     float32 N(0, 1) data (module docstring)."""
     spec = case.spec
-    if not keys:
+    if not keys or not spec.layout.attends:  # an indexer's keys weigh no values
         return
     device = keys[0].device
     if spec.kind == "mla":  # the latent is the value too
@@ -233,9 +233,9 @@ def poison_key_value(case) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One poisoned slot's key and value (float32, CPU): [Hkv, Dk] and [Hkv, Dv] (MLA: [Dk], None)."""
     spec, data = case.spec, case.data
     logit = POISON_LOGIT + profile_max_logit(spec, data, case.max_seq_len)
-    if spec.kind == "mla":
+    if not spec.layout.separate_value:
         key = torch.zeros(spec.head_dim)
-        key[: spec.kv_lora_rank] = POISON_VALUE / 4  # the latent is the value too; its scores stay small
+        key[: spec.kv_lora_rank] = POISON_VALUE / 4  # MLA's latent is the value too; its scores stay small
         value = None
     else:
         key = torch.zeros(spec.num_kv_heads, spec.head_dim)
@@ -299,3 +299,16 @@ def _messy(row: torch.Tensor, mine: torch.Tensor, seq_len: int, block_size: int,
     has_keep = (row == keep).any(dim=1, keepdim=True)
     row[:, :1] = torch.where(has_keep, row[:, :1], keep)  # put the kept entry back where it was lost
     return row
+
+
+INDEX_WEIGHT_SEED = 0x1D_E7
+
+
+def index_weights(case, device: torch.device | str) -> torch.Tensor:
+    """An indexer case's head weights, float32 [num_tokens, num_heads] on ``device``: N(0, 1) over
+    sqrt(heads × head dim) (the model's projection with the softmax scale folded in), both signs,
+    seeded by the case alone."""
+    spec = case.spec
+    generator = torch.Generator().manual_seed(INDEX_WEIGHT_SEED + case.seed)
+    weights = torch.randn(case.num_tokens, spec.num_heads, generator=generator)
+    return (weights / math.sqrt(spec.num_heads * spec.head_dim)).to(device)

@@ -4,8 +4,9 @@ A case's id is its whole definition, in the same compact grammar ``--case`` acce
 
     LAYER ":" BATCH ["@" SEED]
 
-    LAYER  = KIND ("-" ATTR)*             KIND: gqa | mha | mla
-      hQ/KV or hQ   query / KV heads; hQ alone is MHA (default h32/8; MLA: h16, one latent KV head)
+    LAYER  = KIND ("-" ATTR)*             KIND: gqa | mha | mla | indexer
+      hQ/KV or hQ   query / KV heads; hQ alone is MHA (default h32/8; MLA: h16, one latent KV head;
+                    indexer: h64 index heads over one index key)
       dN            head dim               (default d128; MLA: d512+64, latent + rope)
       dQK/V         query/key head dim QK, value and output head dim V (DeepSeek-V3's MLA
                     prefill as vLLM runs it: d192/128)
@@ -17,7 +18,8 @@ A case's id is its whole definition, in the same compact grammar ``--case`` acce
       wN            sliding window         (a token sees itself and the N-1 before it)
       topkN         sparse attention (MLA; DeepSeek's DSA): each token attends only to the N
                     positions its indexer chose, handed to forward as ``topk_indices``
-      winN          a sparse layer's window part (DeepSeek-V4): the N most recent positions too
+      winN          a sparse layer's window part (DeepSeek-V4): the N most recent positions too;
+                    an indexer's topkN is how many positions it chooses a token
       messyidx      index rows as a careless indexer could hand them: -1 between entries, entries
                     past the token's own position and past its sequence (all to be ignored)
       capX          logits soft cap        (from 0.000001 to 1000000; no exponents: 0.00001)
@@ -51,6 +53,7 @@ Examples:
     mha-h16-d64-fp16-p32:1000+24,0+300,17+1 chunked prefill, prefill and a decode in one batch
     gqa-h8/2-d128-w256:2000+8@7             sliding window 256, seed 7
     mla-h16-d512+64-topk64-win32:2000+2x4   sparse MLA verify: 64 indexed positions + a 32 window
+    indexer-h64-d128-fp8e4m3-topk2048:5000+1x4  DeepSeek-V3.2's lightning indexer, fp8 index keys
     mla-h128-d512+64-bf16-p64:4096+1x64     DeepSeek-style absorbed MLA decode
 """
 
@@ -122,7 +125,7 @@ class Case:
             raise CaseSyntaxError(f"pad{self.padding}: padding rows must be between 0 and {MAX_PADDING_TOKENS}")
         if not self.spec.fp8_kv_cache and (self.k_scale is not None or self.v_scale is not None):
             raise CaseSyntaxError("kscale and vscale are an fp8 cache's scales: give fp8e4m3 or fp8e5m2 too")
-        if self.messy_indices and self.spec.sparse_topk is None:
+        if self.messy_indices and (self.spec.sparse_topk is None or not self.spec.layout.attends):
             raise CaseSyntaxError("messyidx is a sparse layer's index data: give topkN too")
         if self.v_scale is not None and not self.spec.layout.separate_value:
             raise CaseSyntaxError("MLA's latent cache has one scale: give kscale, not vscale")
@@ -284,12 +287,12 @@ def _attribute_kind(attr: str) -> str:
 
 def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
     kind_name, *attrs = text.split("-")
-    if kind_name not in ("gqa", "mha", "mla"):
-        raise CaseSyntaxError(f"layer kind {kind_name!r} is not gqa, mha or mla; {_GRAMMAR_HINT}")
-    is_mla = kind_name == "mla"
-    num_heads, num_kv_heads = (16, 1) if is_mla else (32, 8)
+    if kind_name not in ("gqa", "mha", "mla", "indexer"):
+        raise CaseSyntaxError(f"layer kind {kind_name!r} is not gqa, mha, mla or indexer; {_GRAMMAR_HINT}")
+    is_mla, is_indexer = kind_name == "mla", kind_name == "indexer"
+    num_heads, num_kv_heads = {"mla": (16, 1), "indexer": (64, 1)}.get(kind_name, (32, 8))
     head_dim, kv_lora_rank, rope_dim = 128, 512, 64
-    dtype, block_size = torch.bfloat16, 64 if is_mla else 16
+    dtype, block_size = torch.bfloat16, 64 if is_mla or is_indexer else 16
     window = cap = scale = kv_cache_dtype = k_scale = v_scale = None
     share, permute, strided, data, padding, big_pool = 0, True, False, "normal", DEFAULT_PADDING_TOKENS, False
     sinks = lse = messy = False
@@ -340,8 +343,9 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
         elif match := re.fullmatch(r"h(\d+)(?:/(\d+))?", attr):
             num_heads = int(match.group(1))
             if match.group(2):
-                if is_mla:
-                    raise CaseSyntaxError("MLA has one latent KV head: write hQ, not hQ/KV")
+                if is_mla or is_indexer:
+                    one = "MLA has one latent KV head" if is_mla else "an indexer has one index key a token"
+                    raise CaseSyntaxError(f"{one}: write hQ, not hQ/KV")
                 num_kv_heads, kv_heads_given = int(match.group(2)), True
         elif is_mla and (match := re.fullmatch(r"d(\d+)\+(\d+)", attr)):
             kv_lora_rank, rope_dim = int(match.group(1)), int(match.group(2))
@@ -365,18 +369,20 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
             f"mha has one KV head per query head, but {text!r} gives {num_heads}/{num_kv_heads}: "
             "write gqa for grouped heads"
         )
-    if not is_mla and not kv_heads_given and (kind_name == "mha" or "heads" in given):
+    if kind_name in ("gqa", "mha") and not kv_heads_given and (kind_name == "mha" or "heads" in given):
         num_kv_heads = num_heads  # mha, or hQ alone: one KV head per query head
     if window is not None and window < 1:
         raise CaseSyntaxError(f"w{window}: a sliding window holds at least 1 token")
-    if topk is not None and not is_mla:
+    if is_indexer and topk is None:
+        raise CaseSyntaxError(f"{text!r}: an indexer chooses topkN positions a token: give topkN")
+    if topk is not None and not (is_mla or is_indexer):
         raise CaseSyntaxError(f"topk{topk} in {text!r}: sparse attention is an MLA layer's (DeepSeek's DSA)")
     if sparse_window is not None and topk is None:
         raise CaseSyntaxError(f"win{sparse_window} in {text!r}: a window part is a sparse layer's: give topkN too")
-    if topk is not None and window is not None:
+    if topk is not None and window is not None and is_mla:
         raise CaseSyntaxError(f"w{window} in {text!r}: a sparse layer's window is its window part: write win{window}")
-    if messy and topk is None:
-        raise CaseSyntaxError(f"messyidx in {text!r}: index data is a sparse layer's: give topkN too")
+    if messy and (topk is None or is_indexer):
+        raise CaseSyntaxError(f"messyidx in {text!r}: index rows are a sparse MLA layer's data (mla-...-topkN)")
     for name, value in (("topk", topk), ("win", sparse_window)):
         if value is not None and value < 1:
             raise CaseSyntaxError(f"{name}{value}: at least 1 position")
@@ -410,7 +416,24 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
             f"attnsinks in {text!r}: learned attention sinks are an MHA/GQA layer's (gpt-oss), not MLA's"
         )
     try:
-        if is_mla:
+        if is_indexer:
+            spec = AttentionSpec(
+                kind="indexer",
+                num_heads=num_heads,
+                num_kv_heads=1,
+                head_dim=head_dim,
+                dtype=dtype,
+                block_size=block_size,
+                kv_cache_dtype=kv_cache_dtype,
+                sliding_window=window,
+                logits_soft_cap=cap,
+                scale=scale,
+                attention_sinks=sinks,
+                value_head_dim=value_head_dim,
+                sparse_topk=topk,
+                sparse_window=sparse_window,
+            )
+        elif is_mla:
             spec = AttentionSpec(
                 kind="mla",
                 num_heads=num_heads,
@@ -481,6 +504,8 @@ def _format_number(value: float) -> str:
 def format_layer(spec: AttentionSpec, options: LayerOptions = LayerOptions()) -> str:
     if spec.kind == "mla":
         parts = ["mla", f"h{spec.num_heads}", f"d{spec.kv_lora_rank}+{spec.rope_dim}"]
+    elif spec.kind == "indexer":
+        parts = ["indexer", f"h{spec.num_heads}", f"d{spec.head_dim}"]
     else:
         kind = "mha" if spec.num_kv_heads == spec.num_heads else "gqa"
         value_dim = "" if spec.v_head_dim == spec.head_dim else f"/{spec.v_head_dim}"

@@ -71,3 +71,14 @@ def ordinal(stored: torch.Tensor) -> torch.Tensor:
 def ulps_apart(stored: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
     """How many fp8 numbers lie between each stored element and the contract's (0: equal)."""
     return (ordinal(stored) - ordinal(expected)).abs()
+
+
+def token_scales(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An indexer's fp8 keys' scales as the contract defines them: per token, the smallest power of
+    two at least ``max|key| / largest`` (DeepSeek's ue8m0), float64 ``[n]``; 1 for a zero row. By
+    ``frexp``, apart from the backends' ``log2``: ``x = m · 2^e`` with ``0.5 <= m < 1`` needs
+    ``2^e``, or ``2^(e-1)`` when ``m`` is exactly one half."""
+    needed = keys.double().abs().amax(dim=-1) / largest(dtype)
+    mantissa, exponent = torch.frexp(needed)
+    power = torch.where(mantissa == 0.5, exponent - 1, exponent)
+    return torch.where(needed > 0, torch.ldexp(torch.ones_like(needed), power), torch.ones_like(needed))

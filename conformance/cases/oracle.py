@@ -187,3 +187,13 @@ def layer_reference(
         return_lse=return_lse,
         **options,
     )
+
+
+def index_logits(query: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, *, context_len: int) -> torch.Tensor:
+    """An indexer's logits for one request's new tokens, in float64: ``[q, s]``, token i (at
+    position context_len + i) over position j, ``Σ_h weights[i, h] · max(0, query[i, h] · keys[j])``,
+    -inf past the token's own position. query [q, H, D], keys [s, D] (dequantized), weights [q, H]."""
+    scores = torch.einsum("qhd,sd->qhs", query.double(), keys.double()).clamp(min=0)
+    logits = torch.einsum("qh,qhs->qs", weights.double(), scores)
+    seen = visible_keys(context_len, range(query.shape[0]), keys.shape[0], device=query.device)
+    return logits.masked_fill(~seen, float("-inf"))

@@ -445,6 +445,17 @@ def _sparse_cases() -> list[Case]:
         [("sparse log-sum-exp: mixed", "0+100,700+4,1500+1"), ("sparse log-sum-exp: decode", "300+1,64+1,1000+1")],
     )
     cases += _cases("mla-h16-d512+64-bf16-fp8e4m3-p64-topk256", [("sparse, fp8 cache: mixed", "0+100,900+4,2000+1")])
+    # The lightning indexer that chooses those positions: DeepSeek-V3.2's 64 heads of 128 over
+    # e4m3 keys with a power-of-two scale a token; bf16 keys; a top-k past and within the context.
+    cases += _cases(
+        "indexer-h64-d128-bf16-fp8e4m3-p64-topk2048",
+        [
+            ("indexer: decode past top-k", "4000+1,2048+1,2049+1"),
+            ("indexer: MTP verify", "3000+4,700+4"),
+            ("indexer: prefill with context, empty request", "0+300,2500+32,0+0"),
+        ],
+    )
+    cases += _cases("indexer-h64-d128-bf16-p64-topk512", [("indexer, bf16 keys: mixed", "0+64,900+4,1500+1")])
     return cases
 
 

@@ -16,6 +16,7 @@ from conformance.checks.determinism import DeterminismCheck
 from conformance.checks.draft_loop import DraftLoopCheck
 from conformance.checks.engine import EngineCheck
 from conformance.checks.graphs import GraphsCheck
+from conformance.checks.indexer import IndexerCheck
 from conformance.checks.memory import MemoryCheck
 from conformance.checks.numerics import NumericsCheck
 from conformance.checks.steady import SteadyCheck
@@ -36,6 +37,7 @@ CHECKS: dict[str, type[Check]] = {
     DraftLoopCheck.name: DraftLoopCheck,
     DeterminismCheck.name: DeterminismCheck,
     EngineCheck.name: EngineCheck,
+    IndexerCheck.name: IndexerCheck,
     MemoryCheck.name: MemoryCheck,
     BenchCheck.name: BenchCheck,
 }

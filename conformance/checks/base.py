@@ -52,15 +52,22 @@ class Check(abc.ABC):
     # The evidence keys that hold host-sync events (``SyncEventRecord`` lists), with their labels.
     sync_event_labels: ClassVar[dict[str, str]] = {}
 
-    # Features of the contract this check's harness does not drive yet, each with why: a case that
-    # asks for one is SKIP saying so (data: no check branches on a feature's name).
+    # The layer kinds whose output this check judges (an indexer's choice of positions is not an
+    # attention: the indexer check judges it), and the features of the contract its harness does
+    # not drive yet, each with why: a case of another kind, or asking for one, is SKIP saying so
+    # (data: no check branches on a kind's or a feature's name).
+    kinds: ClassVar[frozenset[str]] = frozenset({"mha", "mla"})
     not_driven: ClassVar[dict[Feature, str]] = {}
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         self.options = options or {}
 
     def not_driven_reason(self, case: Case) -> str | None:
-        """Why this check does not run ``case``'s features (``not_driven``); None when it does."""
+        """Why this check does not run ``case``'s layer kind (``kinds``) or features (``not_driven``);
+        None when it does."""
+        if case.spec.kind not in self.kinds:
+            judged = ", ".join(sorted(self.kinds))
+            return f"the {self.name} check judges {judged} layers, not {case.spec.kind}"
         for feature_, why in self.not_driven.items():
             if feature_.asked(case.needs):
                 return f"the {self.name} check does not drive {feature_.words(case.needs)} yet ({why})"

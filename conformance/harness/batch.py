@@ -351,7 +351,8 @@ def materialize(case: Case, device: torch.device | str) -> PagedBatch:
         return None if tensor is None else tensor.to(spec.dtype)
 
     sinks = sink_logits(spec).to(device) if spec.attention_sinks else None
-    indices = None if spec.sparse_topk is None else topk_indices(case, generator).to(device)
+    sparse = spec.sparse_topk is not None and spec.layout.attends  # an indexer's own output is its rows
+    indices = topk_indices(case, generator).to(device) if sparse else None
     return PagedBatch(
         case,
         device,

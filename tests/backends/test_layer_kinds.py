@@ -48,5 +48,5 @@ def test_an_mla_spec_it_cannot_have_is_refused(changes, message):
 
 
 def test_an_unknown_kind_is_refused():
-    with pytest.raises(ValueError, match="kind must be one of 'mha', 'mla', not 'gla'"):
+    with pytest.raises(ValueError, match="kind must be one of 'mha', 'mla', 'indexer', not 'gla'"):
         AttentionSpec("gla", num_heads=4, num_kv_heads=1, head_dim=40, dtype=torch.bfloat16)

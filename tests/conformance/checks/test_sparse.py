@@ -42,7 +42,7 @@ def test_the_grammar_reads_and_writes_a_sparse_layer():
         ("gqa-topk64:100+1", "is an MLA layer's"),
         ("mla-win64:100+1", "give topkN too"),
         ("mla-topk64-w64:100+1", "write win64"),
-        ("mla-messyidx:100+1", "give topkN too"),
+        ("mla-messyidx:100+1", "a sparse MLA layer's data"),
         ("mla-topk0:100+1", "at least 1"),
     ],
 )

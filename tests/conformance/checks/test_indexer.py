@@ -1,0 +1,116 @@
+"""DeepSeek-V3.2's lightning indexer as a layer kind: the grammar, the contract's per-token fp8
+scales, the judge of a choice of positions, torch_indexer, the planted indexer defects, and the
+attention checks that leave indexer cases to the indexer check."""
+
+import pytest
+import torch
+
+from backends.fp8 import token_scales as backend_token_scales
+from backends.torch_indexer import TorchIndexerBackend
+from backends.torch_naive import TorchNaiveBackend
+from conformance.cases.grammar import CaseSyntaxError, parse_case
+from conformance.cases.kv_quantization import token_scales
+from conformance.cases.oracle import index_logits
+from conformance.cases.suites import standard_suite
+from conformance.checks import CHECKS, make_check
+from conformance.checks.indexer import IndexerCheck
+from conformance.harness.index_choice import judge_rows
+from conformance.results import Verdict
+from conformance.run.execution import judge
+from tests.planted import indexer_defects
+
+CPU = torch.device("cpu")
+SMALL = "indexer-h8-d32-fp8e4m3-p16-topk16:40+1,20+4,0+30,0+0"
+
+
+def test_the_grammar_reads_and_writes_an_indexer():
+    case = parse_case("indexer-fp8e4m3-topk2048:5000+1")
+    assert (case.spec.kind, case.spec.num_heads, case.spec.head_dim, case.spec.block_size) == ("indexer", 64, 128, 64)
+    assert parse_case(case.id) == case
+
+
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        ("indexer-h8-d32:40+1", "give topkN"),
+        ("indexer-h8/2-topk4:40+1", "one index key a token"),
+        ("indexer-topk4-w8:40+1", "no sliding_window"),
+        ("indexer-topk4-win8:40+1", "no sparse_window"),
+        ("indexer-topk4-messyidx:40+1", "sparse MLA layer's data"),
+    ],
+)
+def test_what_an_indexer_has_not_is_a_syntax_error(text, words):
+    with pytest.raises(CaseSyntaxError, match=words):
+        parse_case(text)
+
+
+def test_the_per_token_scales_are_the_smallest_powers_of_two_over_the_largest_key():
+    keys = torch.tensor([[448.0, 1.0], [449.0, -3.0], [-0.5, 0.0], [0.0, 0.0], [224.0, 0.0]])
+    expected = torch.tensor([1.0, 2.0, 2.0**-9, 1.0, 0.5], dtype=torch.float64)
+    assert torch.equal(token_scales(keys, torch.float8_e4m3fn), expected)
+    assert torch.equal(backend_token_scales(keys, torch.float8_e4m3fn).double(), expected)  # the two agree
+
+
+def test_the_judge_lets_a_near_tie_go_either_way_and_names_every_broken_rule():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 1.0005, -1.0]])  # positions 0..4, token at position 4
+    tol = torch.tensor([0.01])
+
+    def problem(row):
+        return judge_rows(torch.tensor([row]), logits, tol, 4, 3, 0)[0]
+
+    assert problem([0, 1, 2]) is None and problem([3, 1, 0]) is None  # 1.0 and 1.0005: a near-tie
+    assert "below the k-th" in problem([0, 1, 4]).what
+    assert "past its own" in judge_rows(torch.tensor([[0, 1, 2]]), logits[:, :3], tol, 1, 3, 0)[0].what
+    assert "twice" in problem([0, 0, 1]).what
+    assert "chose 2 positions" in problem([0, 1, -1]).what
+    assert "an entry is a position or -1" in problem([0, 1, -5]).what
+
+
+def test_the_oracle_is_the_weighted_sum_of_each_heads_relu():
+    query = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])  # one token, two heads
+    keys = torch.tensor([[2.0, -3.0], [-1.0, 1.0]])
+    weights = torch.tensor([[0.5, 2.0]])
+    logits = index_logits(query, keys, weights, context_len=1)
+    assert logits.tolist() == [[0.5 * 2.0 + 2.0 * 0.0, 0.5 * 0.0 + 2.0 * 1.0]]
+
+
+@pytest.mark.parametrize(
+    "case_text",
+    [SMALL, "indexer-h8-d32-p16-topk16:40+1,20+4,0+30", "indexer-h16-d64-fp8e4m3-p64-topk64:300+1x2,100+4"],
+)
+def test_torch_indexer_chooses_as_the_oracle_ranks(case_text):
+    result = judge(IndexerCheck(), TorchIndexerBackend, parse_case(case_text), CPU)
+    assert result.verdict == Verdict.PASS, result.reason
+
+
+@pytest.mark.parametrize(
+    "defect,words",
+    [
+        (indexer_defects.TopKOverTheWholeSequence, "past its own"),
+        (indexer_defects.KeysWithoutTheirScales, "the tolerance"),
+        (indexer_defects.ReluOfTheSum, "the tolerance"),
+        (indexer_defects.ExactScales, "stored key scale"),
+    ],
+)
+def test_planted_indexer_defects_fail(defect, words):
+    result = judge(IndexerCheck(), defect, parse_case(SMALL), CPU)
+    assert result.verdict == Verdict.FAIL and words in result.reason, result.reason
+    assert result.metrics.get("tolerance_ratio", float("inf")) > 5
+
+
+def test_the_attention_checks_leave_indexer_cases_to_the_indexer_check():
+    case = parse_case(SMALL)
+    for name in CHECKS:
+        reason = make_check(name).case_skip_reason(TorchIndexerBackend, case, CPU)
+        assert (reason is None) == (name == "indexer"), (name, reason)
+    assert IndexerCheck().case_skip_reason(TorchNaiveBackend, case, CPU) == "INDEXER not supported (supports mha, mla)"
+    assert (
+        IndexerCheck()
+        .case_skip_reason(TorchIndexerBackend, parse_case("mla-h4-d32+16:40+1"), CPU)
+        .startswith("MLA not supported")
+    )
+
+
+def test_the_standard_suite_has_deepseeks_indexer():
+    indexer = [case for case in standard_suite() if case.spec.kind == "indexer"]
+    assert {case.spec.sparse_topk for case in indexer} >= {2048} and any(case.spec.fp8_kv_cache for case in indexer)

@@ -1,0 +1,53 @@
+"""Planted lightning-indexer defects, each torch_indexer with one bug of a kind an indexer kernel
+can have: the top-k over the whole sequence (the token's causal edge not applied: later tokens'
+keys chosen), the fp8 keys read without their per-token scales, the ReLU applied to the weighted
+sum instead of to each head's score, and scales that are not the contract's powers of two."""
+
+from __future__ import annotations
+
+import torch
+
+from backends.torch_indexer import TorchIndexerBackend
+
+
+class TopKOverTheWholeSequence(TorchIndexerBackend):
+    """Ranks every position of the request, the step's later tokens' too."""
+
+    def logits(self, query, keys, weights, context_len):
+        return super().logits(query, keys, weights, context_len=keys.shape[0])  # every position "visible"
+
+
+class KeysWithoutTheirScales(TorchIndexerBackend):
+    """Reads the stored e4m3 keys as they are, each token's scale left out."""
+
+    def keys(self, kv_cache, block_table_row, seq_len):
+        block_size = self.spec.block_size
+        blocks = block_table_row[: -(-seq_len // block_size)].long()
+        slots = (blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)).reshape(-1)[:seq_len]
+        return self.planes(kv_cache)[0][slots].float()
+
+
+class ReluOfTheSum(TorchIndexerBackend):
+    """Weighs the heads' raw scores and applies the ReLU once to their sum."""
+
+    def logits(self, query, keys, weights, context_len):
+        scores = torch.einsum("qhd,sd->qhs", query.float(), keys)
+        logits = torch.einsum("qh,qhs->qs", weights.float(), scores).clamp(min=0)
+        positions = context_len + torch.arange(query.shape[0], device=query.device)
+        causal = torch.arange(keys.shape[0], device=query.device)[None, :] <= positions[:, None]
+        return logits.masked_fill(~causal, float("-inf"))
+
+
+class ExactScales(TorchIndexerBackend):
+    """Stores each key over max|key| / 448 exactly, not the contract's power of two: the attention
+    of its own keys is as good, but a reader of DeepSeek's ue8m0 cache format would misread them."""
+
+    def write_kv(self, kv_cache, key, value, slot_mapping, layer=None):
+        from backends import torch_indexer
+
+        original = torch_indexer.token_scales
+        torch_indexer.token_scales = lambda rows, dtype: (rows.float().abs().amax(-1) / 448.0).clamp(min=1e-12)
+        try:
+            super().write_kv(kv_cache, key, value, slot_mapping)
+        finally:
+            torch_indexer.token_scales = original
