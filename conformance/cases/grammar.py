@@ -127,6 +127,8 @@ class Case:
             raise CaseSyntaxError("kscale and vscale are an fp8 cache's scales: give fp8e4m3 or fp8e5m2 too")
         if self.messy_indices and (self.spec.sparse_topk is None or not self.spec.layout.attends):
             raise CaseSyntaxError("messyidx is a sparse layer's index data: give topkN too")
+        if (self.k_scale is not None or self.v_scale is not None) and not self.spec.layout.attends:
+            raise CaseSyntaxError("an indexer's fp8 keys carry a scale each (write_kv computes it): no kscale or vscale")
         if self.v_scale is not None and not self.spec.layout.separate_value:
             raise CaseSyntaxError("MLA's latent cache has one scale: give kscale, not vscale")
         if self.shared_prefix_blocks:
@@ -158,8 +160,9 @@ class Case:
 
     @property
     def kv_scales(self) -> tuple[float, float] | None:
-        """(k_scale, v_scale) of an fp8 cache (MLA: v_scale is k_scale, unused); None otherwise."""
-        if not self.spec.fp8_kv_cache:
+        """(k_scale, v_scale) of an fp8 cache (MLA: v_scale is k_scale, unused); None otherwise, and
+        for an indexer, whose fp8 keys carry a scale each that ``write_kv`` computes."""
+        if not self.spec.fp8_kv_cache or not self.spec.layout.attends:
             return None
         k_scale = DEFAULT_K_SCALE if self.k_scale is None else self.k_scale
         return self.spec.layout.scales(k_scale, DEFAULT_V_SCALE if self.v_scale is None else self.v_scale)
