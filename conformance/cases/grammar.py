@@ -128,7 +128,9 @@ class Case:
         if self.messy_indices and (self.spec.sparse_topk is None or not self.spec.layout.attends):
             raise CaseSyntaxError("messyidx is a sparse layer's index data: give topkN too")
         if (self.k_scale is not None or self.v_scale is not None) and not self.spec.layout.attends:
-            raise CaseSyntaxError("an indexer's fp8 keys carry a scale each (write_kv computes it): no kscale or vscale")
+            raise CaseSyntaxError(
+                "an indexer's fp8 keys carry a scale each (write_kv computes it): no kscale or vscale"
+            )
         if self.v_scale is not None and not self.spec.layout.separate_value:
             raise CaseSyntaxError("MLA's latent cache has one scale: give kscale, not vscale")
         if self.shared_prefix_blocks:
