@@ -324,6 +324,9 @@ class ContinuousBatch:
             else torch.cat([batch.values[r][span.start : span.stop] for r, span in enumerate(new)])
         )
         self.slot_bank = torch.cat([batch.slots(r, span) for r, span in enumerate(new)]).to(device)
+        # A sparse layer's index rows, drawn for each request's tokens at their positions: in the
+        # batch's token order already, as the query's.
+        self.index_bank = batch.topk_indices
         self.table = batch.block_table.to(device)
         self.total_tokens = self.offsets[-1]
         self.out_bank = torch.full(
@@ -399,6 +402,9 @@ class ContinuousBatch:
             buffers.value[:tokens].copy_(self.value_bank.index_select(0, rows))
         buffers.slot_mapping.fill_(-1)
         buffers.slot_mapping[:tokens].copy_(self.slot_bank.index_select(0, rows))
+        if self.index_bank is not None:
+            buffers.first.topk_indices.fill_(-1)
+            buffers.first.topk_indices[:tokens].copy_(self.index_bank.index_select(0, rows))
         buffers.query_start_loc[: count + 1].copy_(starts)
         buffers.seq_lens[:count].copy_(seq_lens)
         buffers.block_table[:count, : self.table.shape[1]].copy_(self.table.index_select(0, requests))

@@ -155,11 +155,22 @@ def test_a_backend_without_the_claim_skips_a_sparse_case_saying_so():
     assert reason.startswith("sparse attention over 2048 indexed positions a token (DeepSeek's DSA) not supported")
 
 
-@pytest.mark.parametrize("check", [SteadyCheck(), EngineCheck()])
-def test_checks_that_do_not_drive_sparse_layers_say_so(check):
-    case = parse_case("mla-h4-d32+16-bf16-p16-topk16:40+1x2")
-    reason = check.case_skip_reason(TorchNaiveBackend, case, CPU)
-    assert reason.startswith(f"the {check.name} check does not drive sparse attention"), reason
+def test_the_steady_look_hands_each_admitted_token_its_row():
+    """Continuous batching over a sparse layer with a window part (the steady look's schedule,
+    driven on the CPU): torch_naive right at every step; a window placed per request fails at the
+    first step with a verify row."""
+    from conformance.checks.steady import steady_look
+
+    case = parse_case("mla-h4-d32+16-bf16-p16-topk16-win8:60+1,20+1,9+1")
+    assert steady_look(TorchNaiveBackend, case, CPU, steps=40, strategy="torch").verdict == Verdict.PASS
+    result = steady_look(sparse_defects.WindowOfTheRequestsLastToken, case, CPU, steps=40, strategy="torch")
+    assert result.verdict == Verdict.FAIL and "differs from the oracle" in result.reason, result.reason
+
+
+def test_the_engine_check_says_it_does_not_drive_sparse_layers():
+    check = EngineCheck()
+    reason = check.case_skip_reason(TorchNaiveBackend, parse_case("mla-h4-d32+16-bf16-p16-topk16:40+1x2"), CPU)
+    assert reason.startswith("the engine check does not drive sparse attention"), reason
 
 
 def test_the_standard_suite_has_deepseeks_sparse_layers():
@@ -219,6 +230,19 @@ def test_triton_mla_advances_its_token_positions_in_a_draft_step(module, backend
     first, second = completed.stdout.split("\n")[:2]
     assert first == "[4, 39, 16]"
     assert second == ("[5, 40, 17]" if advanced else "[4, 39, 16]")
+
+
+@pytest.mark.gpu
+def test_the_steady_look_runs_a_sparse_layer_on_a_gpu():
+    """Continuous batching over a sparse layer with a window part: each admitted token is handed
+    its own index row, every step judged."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from backends.triton.mla_backend import TritonMLABackend
+
+    case = parse_case("mla-h16-d512+64-bf16-p64-topk64-win32:300+1,100+1,40+1")
+    result = judge(SteadyCheck(), TritonMLABackend, case, torch.device("cuda"))
+    assert result.verdict == Verdict.PASS, result.reason
 
 
 @pytest.mark.gpu
