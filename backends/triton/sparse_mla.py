@@ -57,7 +57,8 @@ class SparseMLARead:
 
     def place_tokens(self, metadata: SparseMetadata) -> None:
         """Each token's request and position, on the device, from the metadata's lengths."""
-        sparse_mla_kernels.sparse_positions_kernel[(metadata.num_reqs,)](
+        chunks = triton.cdiv(max(metadata.max_query_len, 1), POSITIONS_BLOCK)  # a host int: no sync
+        sparse_mla_kernels.sparse_positions_kernel[(metadata.num_reqs, chunks)](
             metadata.query_start_loc,
             metadata.seq_lens,
             metadata.token_request,
@@ -73,6 +74,7 @@ class SparseMLARead:
             common.seq_lens,
             common.block_table,
         )
+        metadata.max_query_len = common.max_query_len
         self.place_tokens(metadata)  # every position moved on by one
         return metadata
 

@@ -172,15 +172,15 @@ def sparse_positions_kernel(
     BLOCK: tl.constexpr,
 ):
     """Each token's request and position, from the device's ``query_start_loc`` and ``seq_lens``
-    (one program per request): what ``build`` makes and ``update_for_draft_step`` remakes."""
+    (a program per request and ``BLOCK`` of its tokens; the grid's second dimension covers the
+    step's longest query): what ``build`` makes and ``update_for_draft_step`` remakes."""
     request = tl.program_id(0)
     start = tl.load(query_start_loc_ptr + request)
     end = tl.load(query_start_loc_ptr + request + 1)
     context = tl.load(seq_lens_ptr + request) - (end - start)
-    for offset in range(0, end - start, BLOCK):
-        tokens = start + offset + tl.arange(0, BLOCK)
-        mine = tokens < end
-        tl.store(token_request_ptr + tokens, request, mask=mine)
-        tl.store(token_position_ptr + tokens, context + tokens - start, mask=mine)
-    if request == num_reqs - 1:
+    tokens = start + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mine = tokens < end
+    tl.store(token_request_ptr + tokens, request, mask=mine)
+    tl.store(token_position_ptr + tokens, context + tokens - start, mask=mine)
+    if (request == num_reqs - 1) & (tl.program_id(1) == 0):
         tl.store(num_tokens_ptr, end)

@@ -123,7 +123,7 @@ def test_torch_naive_holds_steady_over_mla_and_fp8_caches(case_id):
     assert result.verdict == Verdict.PASS, result.reason
 
 
-def test_it_runs_by_default_once_per_kind_and_cache_format_on_small_decode_batches():
+def test_it_runs_by_default_once_per_kind_cache_format_and_sparsity_on_small_decode_batches():
     assert "steady" in default_checks()
     check = SteadyCheck()
     assert "CUDA" in check.skip_reason(TorchGraphSafe, CPU)
@@ -137,7 +137,10 @@ def test_it_runs_by_default_once_per_kind_and_cache_format_on_small_decode_batch
         ("mla", True),
     }
     assert all(case.max_query_len == 1 and case.num_reqs <= 8 for case in chosen)
-    assert len(chosen) == len({(case.spec.kind, case.spec.kv_cache_dtype) for case in chosen})
+    assert any(case.spec.sparse_topk for case in chosen)  # a sparse layer apart from the dense ones
+    assert len(chosen) == len(
+        {(case.spec.kind, case.spec.kv_cache_dtype, case.spec.sparse_topk is not None) for case in chosen}
+    )
 
 
 @pytest.mark.gpu
