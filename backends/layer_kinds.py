@@ -109,9 +109,33 @@ class MHA(LayerKind):
         return value
 
 
-class MLA(LayerKind):
-    name = "mla"
+class OneEntry(LayerKind):
+    """A kind with one entry a token and no value of its own (MLA's latent, an indexer's key):
+    one cache plane, one fp8 scale."""
+
     separate_value = False
+
+    def key_shape(self, spec: "AttentionSpec", tokens: int) -> tuple[int, ...]:
+        return (tokens, spec.head_dim)
+
+    def value_shape(self, spec: "AttentionSpec", tokens: int) -> tuple[int, ...] | None:
+        return None
+
+    def plane_row(self, spec: "AttentionSpec") -> int:
+        return spec.head_dim
+
+    def cache_row(self, spec: "AttentionSpec") -> int:
+        return spec.head_dim
+
+    def scales(self, k_scale: float, v_scale: float) -> tuple[float, float]:
+        return k_scale, k_scale
+
+    def key_heads(self, key: torch.Tensor) -> torch.Tensor:
+        return key[:, None, :]  # one entry shared by every query head
+
+
+class MLA(OneEntry):
+    name = "mla"
 
     def validate(self, spec: "AttentionSpec") -> None:
         if spec.num_kv_heads != 1:
@@ -126,38 +150,19 @@ class MLA(LayerKind):
     def v_head_dim(self, spec: "AttentionSpec") -> int:
         return spec.kv_lora_rank
 
-    def key_shape(self, spec: "AttentionSpec", tokens: int) -> tuple[int, ...]:
-        return (tokens, spec.head_dim)
-
-    def value_shape(self, spec: "AttentionSpec", tokens: int) -> tuple[int, ...] | None:
-        return None
-
-    def plane_row(self, spec: "AttentionSpec") -> int:
-        return spec.head_dim
-
-    def cache_row(self, spec: "AttentionSpec") -> int:
-        return spec.head_dim
-
     def head_values(self, spec, key, value, head):
         return key[:, : spec.kv_lora_rank]
-
-    def scales(self, k_scale: float, v_scale: float) -> tuple[float, float]:
-        return k_scale, k_scale
-
-    def key_heads(self, key: torch.Tensor) -> torch.Tensor:
-        return key[:, None, :]  # absorbed scores: one latent head
 
     def value_heads(self, spec, key, value):
         return key[:, None, : spec.kv_lora_rank]  # the entry's latent part is the value
 
 
-class Indexer(LayerKind):
+class Indexer(OneEntry):
     """DeepSeek-V3.2's lightning indexer (``backends.base``: "The indexer"): ``num_heads`` index
     heads of ``head_dim`` over one index key a token; ``v_head_dim`` is its output row's width, the
     ``sparse_topk`` positions it chooses."""
 
     name = "indexer"
-    separate_value = False
     attends = False
 
     def validate(self, spec: "AttentionSpec") -> None:
@@ -177,26 +182,8 @@ class Indexer(LayerKind):
     def v_head_dim(self, spec: "AttentionSpec") -> int:
         return spec.sparse_topk
 
-    def key_shape(self, spec: "AttentionSpec", tokens: int) -> tuple[int, ...]:
-        return (tokens, spec.head_dim)
-
-    def value_shape(self, spec: "AttentionSpec", tokens: int) -> tuple[int, ...] | None:
-        return None
-
-    def plane_row(self, spec: "AttentionSpec") -> int:
-        return spec.head_dim
-
-    def cache_row(self, spec: "AttentionSpec") -> int:
-        return spec.head_dim
-
     def head_values(self, spec, key, value, head):
         raise TypeError("an indexer weighs no values")
-
-    def scales(self, k_scale: float, v_scale: float) -> tuple[float, float]:
-        return k_scale, k_scale
-
-    def key_heads(self, key: torch.Tensor) -> torch.Tensor:
-        return key[:, None, :]
 
     def value_heads(self, spec, key, value):
         raise TypeError("an indexer weighs no values")

@@ -420,56 +420,27 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
         raise CaseSyntaxError(
             f"attnsinks in {text!r}: learned attention sinks are an MHA/GQA layer's (gpt-oss), not MLA's"
         )
+    # What each kind's spec is made of; every attribute that does not apply to it was refused
+    # above, or is refused by its LayerKind.
+    shape = {
+        "mla": dict(num_kv_heads=1, head_dim=kv_lora_rank + rope_dim, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim),
+        "indexer": dict(num_kv_heads=1, head_dim=head_dim, value_head_dim=value_head_dim),
+    }.get(kind_name, dict(num_kv_heads=num_kv_heads, head_dim=head_dim, value_head_dim=value_head_dim))
     try:
-        if is_indexer:
-            spec = AttentionSpec(
-                kind="indexer",
-                num_heads=num_heads,
-                num_kv_heads=1,
-                head_dim=head_dim,
-                dtype=dtype,
-                block_size=block_size,
-                kv_cache_dtype=kv_cache_dtype,
-                sliding_window=window,
-                logits_soft_cap=cap,
-                scale=scale,
-                attention_sinks=sinks,
-                value_head_dim=value_head_dim,
-                sparse_topk=topk,
-                sparse_window=sparse_window,
-            )
-        elif is_mla:
-            spec = AttentionSpec(
-                kind="mla",
-                num_heads=num_heads,
-                num_kv_heads=1,
-                head_dim=kv_lora_rank + rope_dim,
-                dtype=dtype,
-                block_size=block_size,
-                kv_cache_dtype=kv_cache_dtype,
-                sliding_window=window,
-                logits_soft_cap=cap,
-                scale=scale,
-                kv_lora_rank=kv_lora_rank,
-                rope_dim=rope_dim,
-                sparse_topk=topk,
-                sparse_window=sparse_window,
-            )
-        else:
-            spec = AttentionSpec(
-                kind="mha",
-                num_heads=num_heads,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-                dtype=dtype,
-                block_size=block_size,
-                kv_cache_dtype=kv_cache_dtype,
-                sliding_window=window,
-                logits_soft_cap=cap,
-                scale=scale,
-                attention_sinks=sinks,
-                value_head_dim=value_head_dim,
-            )
+        spec = AttentionSpec(
+            kind="mha" if kind_name == "gqa" else kind_name,
+            num_heads=num_heads,
+            dtype=dtype,
+            block_size=block_size,
+            kv_cache_dtype=kv_cache_dtype,
+            sliding_window=window,
+            logits_soft_cap=cap,
+            scale=scale,
+            attention_sinks=sinks,
+            sparse_topk=topk,
+            sparse_window=sparse_window,
+            **shape,
+        )
     except ValueError as error:
         raise CaseSyntaxError(str(error)) from None
     return spec, LayerOptions(share, permute, strided, data, padding, big_pool, k_scale, v_scale, lse, messy)
