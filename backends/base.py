@@ -47,9 +47,9 @@ Conventions shared by every backend and the harness:
   table is the backend's job. ``-1`` is no entry and may stand anywhere in a row. A token at
   position ``p`` attends to the entries ``0 <= i <= p`` of its row and to nothing else: an entry
   past its own position (``i > p``, even ``i >= seq_len``) is ignored, as causality says. A row
-  lists a position it attends at most once and, without a window part, holds at least one entry ``<= p`` (an
-  indexer's top-k over the token's visible positions does both); rows past ``num_actual_tokens``
-  (padding) are all -1.
+  lists a position it attends at most once and, without a window part, holds at least one entry
+  ``<= p`` (an indexer's top-k over the token's visible positions does both); rows past
+  ``num_actual_tokens`` (padding) are all -1.
   With a window part (``sparse_window`` W, feature ``sparse_window``: DeepSeek-V4's sliding
   part), the token also attends to the W most recent positions ``p - W + 1 .. p``, and its row
   then lists only positions older than those (``i <= p - W``), so the two sets never overlap.
@@ -148,7 +148,7 @@ class AttentionSpec:
     value_head_dim: int | None = None  # MHA: the value (and output) head dim where it is not head_dim
     kv_lora_rank: int = 0  # MLA only
     rope_dim: int = 0  # MLA only
-    sparse_topk: int | None = None  # MLA: each token attends to the positions of its layer.topk_indices row
+    sparse_topk: int | None = None  # MLA: attends to its layer.topk_indices row; an indexer: how many it chooses
     sparse_window: int | None = None  # a sparse layer's window part: the W most recent positions too
 
     def __post_init__(self) -> None:
