@@ -131,6 +131,8 @@ class TorchNaiveBackend(AttentionBackend):
         out,
         layer: LayerParameters = PLAIN_LAYER,
     ) -> None:
+        if self.spec.sparse_topk is not None and layer.topk_indices is None:
+            raise ValueError("a sparse layer's forward needs its index rows (layer.topk_indices)")
         planes = self.slot_planes(kv_cache)
         plane_scales = self.scale_floats(layer.scales)
         for request, seq_len in enumerate(metadata.seq_lens):

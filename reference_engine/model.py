@@ -43,6 +43,11 @@ class ModelConfig:
     qk_nope_dim: int = 0
     qk_rope_dim: int = 0
     v_head_dim: int = 0
+    # DeepSeek's sparse MLA (DSA): each token attends to the index_topk positions a stand-in indexer
+    # chooses (``strided_indices``: no learned lightning indexer yet), and to its index_window most
+    # recent ones where that is set (DeepSeek-V4's window part).
+    index_topk: int | None = None
+    index_window: int | None = None
 
     def layer_spec(
         self, layer: int, dtype: torch.dtype, block_size: int, kv_cache_dtype: torch.dtype | None = None
@@ -60,6 +65,8 @@ class ModelConfig:
                 rope_dim=self.qk_rope_dim,
                 scale=self.mla_scale,
                 kv_cache_dtype=kv_cache_dtype,
+                sparse_topk=self.index_topk,
+                sparse_window=self.index_window,
             )
         windowed = self.sliding_window is not None and not (self.alternating_window and layer % 2)
         return AttentionSpec(
@@ -83,8 +90,9 @@ class ModelConfig:
     def prefill_spec(self, dtype: torch.dtype, block_size: int) -> AttentionSpec | None:
         """MLA's prefill as vLLM and SGLang run it: ordinary attention over the decompressed keys
         (qk = nope + rope per head) and values (v per head), in the compute dtype (what a prefill
-        gathers from an fp8 cache is dequantized). None for an MHA model."""
-        if self.attention != "mla":
+        gathers from an fp8 cache is dequantized). None for an MHA model, and for a sparse one
+        (DeepSeek's sparse prefill runs absorbed, over the latents, as its decode does)."""
+        if self.attention != "mla" or self.index_topk is not None:
             return None
         qk = self.qk_nope_dim + self.qk_rope_dim
         return AttentionSpec(
@@ -109,6 +117,18 @@ PRESETS = {
     "tiny-d128": ModelConfig(hidden_size=512, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=1024),
     "tiny-mla": ModelConfig(
         attention="mla", num_heads=4, kv_lora_rank=64, qk_nope_dim=32, qk_rope_dim=16, v_head_dim=32
+    ),
+    # DeepSeek's sparse MLA (DSA) in miniature: every layer attends to 32 positions a token (the
+    # engine's stand-in indexer, ``strided_indices``) and to its 8 most recent (V4's window part).
+    "tiny-dsa": ModelConfig(
+        attention="mla",
+        num_heads=4,
+        kv_lora_rank=64,
+        qk_nope_dim=32,
+        qk_rope_dim=16,
+        v_head_dim=32,
+        index_topk=32,
+        index_window=8,
     ),
     "small": ModelConfig(
         vocab_size=4096,
@@ -200,6 +220,17 @@ def per_head_product(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.T
     return torch.einsum(equation, a.float(), b.float()).to(a.dtype)
 
 
+def strided_indices(positions: torch.Tensor, topk: int, window: int | None) -> torch.Tensor:
+    """A stand-in for DeepSeek's lightning indexer, on the device (graph-safe, no host value):
+    each token at position p chooses ``topk`` of the n = p + 1 - window positions it may index
+    (those older than its window part), spread evenly (``j · n // topk``), or all of them, then -1,
+    where it has no more. int32 [tokens, topk], positions in the request (the contract's rows)."""
+    eligible = (positions.long() + 1 - (window or 0)).clamp(min=0)[:, None]
+    j = torch.arange(topk, device=positions.device)[None, :]
+    spread = torch.where(eligible > topk, j * eligible // topk, torch.where(j < eligible, j, -1))
+    return spread.to(torch.int32)
+
+
 class LatentAttention(torch.nn.Module):
     """DeepSeek-style MLA, absorbed: the cache holds one latent entry [c_kv | rope(k_pe)] per token;
     each head's query is moved into the latent space (q_nope · W_uk) so attention runs over the
@@ -227,6 +258,9 @@ class LatentAttention(torch.nn.Module):
         entry = torch.cat([latent, k_pe], dim=-1).contiguous()
         view, parameters = step.attention(layer), step.layer(layer)
         view.backend.write_kv(view.kv_cache, entry, None, step.slot_mapping, layer=parameters)
+        indices = (
+            None if config.index_topk is None else strided_indices(positions, config.index_topk, config.index_window)
+        )
         if view.prefill is not None:
             key, value = self.decompress(entry, view.backend.spec, parameters.scales)
             view.prefill.write_kv(view.prefill_cache, key, value, step.slot_mapping)
@@ -245,7 +279,8 @@ class LatentAttention(torch.nn.Module):
                 absorbed = torch.cat([per_head_product("thn,hnr->thr", q_nope, self.w_uk), q_pe], dim=-1).contiguous()
             rows = call.rows(absorbed)
             latent_out = torch.empty(rows.shape[0], heads, rank, dtype=normed.dtype, device=normed.device)
-            call.backend.forward(rows, view.kv_cache, call.metadata, latent_out, layer=parameters)
+            called = parameters if indices is None else parameters.with_indices(call.rows(indices))
+            call.backend.forward(rows, view.kv_cache, call.metadata, latent_out, layer=called)
             call.rows(out).copy_(per_head_product("thr,hrv->thv", latent_out, self.w_uv))
         return self.o_proj(out.reshape(tokens, -1))
 

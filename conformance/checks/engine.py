@@ -75,7 +75,6 @@ from typing import Any, Callable
 import torch
 
 from backends.base import AttentionBackend
-from backends.features import SPARSE_TOPK
 from conformance.cases.grammar import Case
 from conformance.checks.base import Check, Plan, first_of_each
 from conformance.harness.engine_model import is_mla_prefill_layer, model_for
@@ -140,7 +139,6 @@ def engine_skip_reason(
 
 class EngineCheck(Check):
     name = "engine"
-    not_driven = {SPARSE_TOPK: "the engine's models have no lightning indexer to choose the positions"}
     question = (
         "Does the reference engine, async and sync, produce the same tokens through this backend as through "
         "torch_naive, with no host syncs?"

@@ -10,6 +10,8 @@ import torch
 from conformance.cases.grammar import Case
 
 ENGINE_WINDOW = 48  # a windowed layer's window in the engine: shorter than its prompts and outputs, so it bites
+ENGINE_TOPK = 24  # a sparse layer's top-k in the engine: fewer than its prompts' tokens, so it bites
+ENGINE_INDEX_WINDOW = 8  # and its window part, where it has one
 
 
 def cache_config(case: Case) -> dict[str, Any]:
@@ -25,7 +27,8 @@ def is_mla_prefill_layer(spec) -> bool:
 def model_for(case: Case):
     """The engine's model for a case's layer: a Llama-style model (windowed cases: windowed layers
     alternating with full ones, as gpt-oss's and Gemma 2's do; sinks cases: every layer's own
-    sinks), an MLA model for MLA's layer, and for MLA prefill's layer (a value head dim other than
+    sinks), an MLA model for MLA's layer (a sparse layer's: sparse, its rows from the engine's
+    stand-in indexer), and for MLA prefill's layer (a value head dim other than
     the key's) a DeepSeek-style MLA model whose prefill it is."""
     from reference_engine.model import ModelConfig
 
@@ -39,6 +42,8 @@ def model_for(case: Case):
             qk_rope_dim=spec.rope_dim,
             qk_nope_dim=64,
             v_head_dim=64,
+            index_topk=None if spec.sparse_topk is None else min(spec.sparse_topk, ENGINE_TOPK),
+            index_window=None if spec.sparse_window is None else ENGINE_INDEX_WINDOW,
             **common,
         )
     if is_mla_prefill_layer(spec):

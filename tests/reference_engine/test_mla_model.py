@@ -66,3 +66,21 @@ def test_greedy_speculative_equals_plain_with_mla(drafter):
     plain = Engine(EngineConfig(model=config)).generate(prompts, params)
     speculative = Engine(EngineConfig(model=config, num_spec_tokens=3, drafter=drafter)).generate(prompts, params)
     assert [o.tokens for o in speculative] == [o.tokens for o in plain]
+
+
+@pytest.mark.parametrize("drafter", ["scripted:random:0.5", "layer-skip:1", "eagle"])
+def test_greedy_speculative_equals_plain_with_sparse_mla(drafter):
+    """DeepSeek's sparse MLA (``tiny-dsa``: a top-32 of the stand-in indexer and a window part of 8)
+    over prompts longer than both: drafting through the sparse layers stays exact, and the layers
+    are sparse (their logits differ from the dense model's)."""
+    config = PRESETS["tiny-dsa"]
+    prompts = [list(range(3, 80)), list(range(10, 110)), [1, 2, 3]]
+    params = SamplingParams(max_tokens=12)
+    plain = Engine(EngineConfig(model=config)).generate(prompts, params)
+    speculative = Engine(EngineConfig(model=config, num_spec_tokens=3, drafter=drafter)).generate(prompts, params)
+    assert [o.tokens for o in speculative] == [o.tokens for o in plain]
+    dense = dataclasses.replace(config, index_topk=None, index_window=None)
+    prompt = list(range(3, 80))
+    assert not torch.allclose(
+        Engine(EngineConfig(model=config)).score(prompt), Engine(EngineConfig(model=dense)).score(prompt)
+    )
