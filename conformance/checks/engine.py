@@ -95,13 +95,16 @@ REFERENCE_LABEL = f"plain vs {REFERENCE} (an independent reference)"
 
 
 def layout_key(case: Case, device: torch.device, suite: str | None = None) -> tuple:
-    """One engine scenario per attention kind, KV-cache format, dtype, learned sinks, sliding window
-    and value head dim (on a CPU, all but the dtype; in the quick suite, per kind): the first such
-    case's shapes (and an fp8 cache's scales) stand in."""
+    """One engine scenario per attention kind, sparse or dense, KV-cache format, dtype, learned
+    sinks, sliding window (or window part) and value head dim (on a CPU, all but the dtype; in the
+    quick suite, per kind, sparse or dense): the first such case's shapes (and an fp8 cache's
+    scales) stand in."""
     spec = case.spec
+    sparse = spec.sparse_topk is not None
     if suite == "quick":
-        return (spec.kind,)
-    key = spec.kind, spec.attention_sinks, spec.sliding_window is not None, is_mla_prefill_layer(spec)
+        return (spec.kind, sparse)
+    windowed = spec.sliding_window is not None or spec.sparse_window is not None
+    key = spec.kind, sparse, spec.attention_sinks, windowed, is_mla_prefill_layer(spec)
     if device.type == "cpu":
         return key + (spec.fp8_kv_cache,)
     return key + (spec.kv_cache_dtype if spec.fp8_kv_cache else None, spec.dtype)
