@@ -379,3 +379,33 @@ class EagleHead(torch.nn.Module):
         hidden = self.fc(torch.cat([target.embed(input_ids), features], dim=-1))
         hidden = self.layer(hidden, positions, step, 0)
         return rms_norm(hidden, target.final_norm, target.config.rms_norm_eps)
+
+
+class MtpHead(EagleHead):
+    """DeepSeek's multi-token prediction module (MTP): the draft token's embedding and the previous
+    position's hidden state, each RMS-normed (``enorm``, ``hnorm``), concatenated and projected
+    (``fc``, DeepSeek's ``eh_proj``), then one transformer block of the target's own layer kind
+    (for a sparse model, sparse attention), the target's final norm and its shared LM head. One
+    module, reused for every draft step (as vLLM runs DeepSeek-V3.2 with k > 1)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.enorm = torch.nn.Parameter(torch.ones(config.hidden_size))
+        self.hnorm = torch.nn.Parameter(torch.ones(config.hidden_size))
+
+    @staticmethod
+    def random(config: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device) -> "MtpHead":
+        head = MtpHead(config)
+        head.load_state_dict(
+            EagleHead.random(config, seed, torch.float32, torch.device("cpu")).state_dict(), strict=False
+        )
+        return head.to(device=device, dtype=dtype).eval()
+
+    @torch.no_grad()
+    def forward(self, target, input_ids, features, positions, step):
+        eps = target.config.rms_norm_eps
+        joined = torch.cat(
+            [rms_norm(target.embed(input_ids), self.enorm, eps), rms_norm(features, self.hnorm, eps)], dim=-1
+        )
+        hidden = self.layer(self.fc(joined), positions, step, 0)
+        return rms_norm(hidden, target.final_norm, eps)

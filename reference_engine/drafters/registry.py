@@ -7,6 +7,7 @@ from __future__ import annotations
 from reference_engine.drafters.base import Drafter
 from reference_engine.drafters.eagle import EagleDrafter
 from reference_engine.drafters.layer_skip import LayerSkipDrafter
+from reference_engine.drafters.mtp import MtpDrafter
 from reference_engine.drafters.ngram import NgramDrafter
 from reference_engine.drafters.none import NoDrafter
 from reference_engine.drafters.scripted import ScriptedDrafter
@@ -16,6 +17,7 @@ DRAFTERS: dict[str, type[Drafter]] = {
     for drafter in (
         NoDrafter,
         EagleDrafter,
+        MtpDrafter,
         ScriptedDrafter,
         NgramDrafter,
         LayerSkipDrafter,

@@ -68,7 +68,7 @@ def test_greedy_speculative_equals_plain_with_mla(drafter):
     assert [o.tokens for o in speculative] == [o.tokens for o in plain]
 
 
-@pytest.mark.parametrize("drafter", ["scripted:random:0.5", "layer-skip:1", "eagle"])
+@pytest.mark.parametrize("drafter", ["scripted:random:0.5", "layer-skip:1", "eagle", "mtp"])
 def test_greedy_speculative_equals_plain_with_sparse_mla(drafter):
     """DeepSeek's sparse MLA (``tiny-dsa``: a top-32 of the stand-in indexer and a window part of 8)
     over prompts longer than both: drafting through the sparse layers stays exact, and the layers
@@ -84,3 +84,23 @@ def test_greedy_speculative_equals_plain_with_sparse_mla(drafter):
     assert not torch.allclose(
         Engine(EngineConfig(model=config)).score(prompt), Engine(EngineConfig(model=dense)).score(prompt)
     )
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_mtp_drafting_through_sparse_layers_async_equals_sync_equals_plain(k):
+    """DeepSeek's MTP module drafting k tokens (one module reused, as vLLM runs it) through the
+    sparse layers, in the batched engine: async scheduling and sync both give plain decoding's
+    tokens, and every draft step runs the head through the backend (drafts are proposed)."""
+    from reference_engine.batched_engine import BatchedEngine
+
+    config = PRESETS["tiny-dsa"]
+    prompts = [list(range(3, 80)), list(range(10, 110)), [1, 2, 3]]
+    params = SamplingParams(max_tokens=12)
+    plain = [o.tokens for o in Engine(EngineConfig(model=config)).generate(prompts, params)]
+    for scheduling in (False, True):
+        engine = BatchedEngine(
+            EngineConfig(model=config, num_spec_tokens=k, drafter="mtp", async_scheduling=scheduling, check_inputs=True)
+        )
+        outputs = engine.generate(prompts, params)
+        assert [o.tokens for o in outputs] == plain
+        assert all(o.drafted > 0 for o in outputs)
