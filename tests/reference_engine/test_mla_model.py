@@ -104,3 +104,22 @@ def test_mtp_drafting_through_sparse_layers_async_equals_sync_equals_plain(k):
         outputs = engine.generate(prompts, params)
         assert [o.tokens for o in outputs] == plain
         assert all(o.drafted > 0 for o in outputs)
+
+
+@pytest.mark.gpu
+def test_mtp_drafting_through_sparse_layers_on_a_gpu():
+    """The same on a CUDA device, fp32 through torch_naive (exact), with async scheduling and
+    the MTP module drafting 4 tokens a step."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from reference_engine.batched_engine import BatchedEngine
+
+    config = PRESETS["tiny-dsa"]
+    prompts = [list(range(3, 80)), list(range(10, 110)), [1, 2, 3]]
+    params = SamplingParams(max_tokens=12)
+    plain = [o.tokens for o in Engine(EngineConfig(model=config, device="cuda")).generate(prompts, params)]
+    engine = BatchedEngine(
+        EngineConfig(model=config, device="cuda", num_spec_tokens=4, drafter="mtp", async_scheduling=True)
+    )
+    outputs = engine.generate(prompts, params)
+    assert [o.tokens for o in outputs] == plain and all(o.drafted > 0 for o in outputs)
