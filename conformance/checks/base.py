@@ -12,7 +12,6 @@ from typing import Any, Callable, ClassVar, Hashable
 import torch
 
 from backends.base import AttentionBackend
-from backends.features import Feature
 from conformance.cases.grammar import Case
 from conformance.harness.batch import big_pool_skip_reason
 from conformance.harness.evidence import MAP_KEYS, EvidenceItem, labelled, maps, sync_events, without, worst_element
@@ -53,24 +52,17 @@ class Check(abc.ABC):
     sync_event_labels: ClassVar[dict[str, str]] = {}
 
     # The layer kinds whose output this check judges (an indexer's choice of positions is not an
-    # attention: the indexer check judges it), and the features of the contract its harness does
-    # not drive yet, each with why: a case of another kind, or asking for one, is SKIP saying so
-    # (data: no check branches on a kind's or a feature's name).
+    # attention: the indexer check judges it): a case of another kind is SKIP saying so (data: no
+    # check branches on a kind's name).
     kinds: ClassVar[frozenset[str]] = frozenset({"mha", "mla"})
-    not_driven: ClassVar[dict[Feature, str]] = {}
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         self.options = options or {}
 
-    def not_driven_reason(self, case: Case) -> str | None:
-        """Why this check does not run ``case``'s layer kind (``kinds``) or features (``not_driven``);
-        None when it does."""
+    def kind_reason(self, case: Case) -> str | None:
+        """Why this check does not judge ``case``'s layer kind (``kinds``); None when it does."""
         if case.spec.kind not in self.kinds:
-            judged = ", ".join(sorted(self.kinds))
-            return f"the {self.name} check judges {judged} layers, not {case.spec.kind}"
-        for feature_, why in self.not_driven.items():
-            if feature_.asked(case.needs):
-                return f"the {self.name} check does not drive {feature_.words(case.needs)} yet ({why})"
+            return f"the {self.name} check judges {', '.join(sorted(self.kinds))} layers, not {case.spec.kind}"
         return None
 
     def skip_reason(self, backend_cls: type[AttentionBackend], device: torch.device) -> str | None:
@@ -88,7 +80,7 @@ class Check(abc.ABC):
         table: ``Capabilities.skip_reason``), and a pool too big for this device."""
         return (
             backend_cls.capabilities.skip_reason(case.needs, device)
-            or self.not_driven_reason(case)
+            or self.kind_reason(case)
             or big_pool_skip_reason(case, device)
         )
 

@@ -159,7 +159,7 @@ class EngineCheck(Check):
         prefill = self.options.get("prefill_backend", AUTO)
         return (
             backend_cls.capabilities.skip_reason(case.needs, device)
-            or self.not_driven_reason(case)
+            or self.kind_reason(case)
             or engine_skip_reason(backend_cls, engine_case(backend_cls, case, device), device, prefill)
         )
 
