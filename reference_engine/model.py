@@ -4,6 +4,7 @@ layers and next-token distributions are neither flat nor one-hot."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -111,25 +112,16 @@ class ModelConfig:
         return 1.0 / math.sqrt(self.qk_nope_dim + self.qk_rope_dim)
 
 
+TINY_MLA = ModelConfig(attention="mla", num_heads=4, kv_lora_rank=64, qk_nope_dim=32, qk_rope_dim=16, v_head_dim=32)
+
 PRESETS = {
     "tiny": ModelConfig(),
     # head_dim 128: the shape whose FlashInfer kernels the GPU bundle ships prebuilt.
     "tiny-d128": ModelConfig(hidden_size=512, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=1024),
-    "tiny-mla": ModelConfig(
-        attention="mla", num_heads=4, kv_lora_rank=64, qk_nope_dim=32, qk_rope_dim=16, v_head_dim=32
-    ),
+    "tiny-mla": TINY_MLA,
     # DeepSeek's sparse MLA (DSA) in miniature: every layer attends to 32 positions a token (the
     # engine's stand-in indexer, ``strided_indices``) and to its 8 most recent (V4's window part).
-    "tiny-dsa": ModelConfig(
-        attention="mla",
-        num_heads=4,
-        kv_lora_rank=64,
-        qk_nope_dim=32,
-        qk_rope_dim=16,
-        v_head_dim=32,
-        index_topk=32,
-        index_window=8,
-    ),
+    "tiny-dsa": dataclasses.replace(TINY_MLA, index_topk=32, index_window=8),
     "small": ModelConfig(
         vocab_size=4096,
         hidden_size=512,
