@@ -69,6 +69,14 @@ Conventions shared by every backend and the harness:
   ``s <= p`` of its own request with the largest logits ``Σ_h w_h · max(0, q_h · k_s)`` over the
   dequantized stored keys: all of them (then -1) where the token has at most ``sparse_topk``, in
   any order, each once. Rows past ``num_actual_tokens`` stay as they were.
+* DeepSeek's fp8_ds_mla cache (``AttentionSpec.kv_scale_block`` 128 on an MLA layer with an e4m3
+  cache, feature ``fp8_ds_mla_kv_cache``): the scales are the cache's own, not the layer's.
+  ``write_kv`` stores each token's latent in tiles of 128 values, each tile as ``x / s`` rounded to
+  the nearest e4m3 number with ``s = max(max|x| / 448, FLT_MIN)`` in float32 (vLLM's writer), and
+  its rope part as given; ``layer.scales`` is None. vLLM's layout is 656 bytes a token (512 e4m3,
+  four float32 scales, 64 bf16 rope values); a backend may lay it out as it likes, and its
+  ``read_kv`` returns each token's entry dequantized, float32 ``[n, head_dim]`` (latent × its
+  tile's scale, then the rope part), and None.
 * Learned attention sinks (``AttentionSpec.attention_sinks``, claimed by
   feature ``attention_sinks``; gpt-oss): ``forward`` gets the layer's ``sinks`` (``layer.sinks``), a
   float32 device tensor ``[num_heads]``, one logit per *query* head, persistent like a layer's
@@ -150,6 +158,7 @@ class AttentionSpec:
     rope_dim: int = 0  # MLA only
     sparse_topk: int | None = None  # MLA: attends to its layer.topk_indices row; an indexer: how many it chooses
     sparse_window: int | None = None  # a sparse layer's window part: the W most recent positions too
+    kv_scale_block: int | None = None  # MLA fp8: a scale per this many latent values a token (fp8_ds_mla: 128)
 
     def __post_init__(self) -> None:
         if self.kind not in LAYER_KINDS:
@@ -163,6 +172,14 @@ class AttentionSpec:
             raise ValueError("sparse_window is a sparse layer's window part (give sparse_topk), at least 1 position")
         if self.sparse_topk is not None and self.sliding_window is not None:
             raise ValueError("a sparse layer's window is its window part (sparse_window), not a sliding window")
+        if self.kv_scale_block is not None and not (
+            self.kind == "mla"
+            and self.kv_cache_dtype == torch.float8_e4m3fn
+            and self.kv_lora_rank % self.kv_scale_block == 0
+        ):
+            raise ValueError(
+                "kv_scale_block is an MLA layer's e4m3 cache (DeepSeek's fp8_ds_mla), its latent whole blocks"
+            )
         if self.kv_cache_dtype not in (None, self.dtype) and self.kv_cache_dtype not in FP8_KV_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} is neither the compute dtype nor an fp8 format")
 

@@ -66,12 +66,20 @@ def by_name(name: str) -> Feature:
 
 
 FP8_E4M3 = feature(
-    "fp8_e4m3_kv_cache", "KV cache fp8e4m3", lambda needs: needs.spec.kv_cache_dtype == torch.float8_e4m3fn
+    "fp8_e4m3_kv_cache",
+    "KV cache fp8e4m3",
+    # per-tensor scales; DeepSeek's fp8_ds_mla (e4m3 too, its scales its own) is a row of its own
+    lambda needs: needs.spec.kv_cache_dtype == torch.float8_e4m3fn and needs.spec.kv_scale_block is None,
 )
 FP8_E5M2 = feature(
     "fp8_e5m2_kv_cache", "KV cache fp8e5m2", lambda needs: needs.spec.kv_cache_dtype == torch.float8_e5m2
 )
 FP8_KV_CACHES = frozenset({FP8_E4M3, FP8_E5M2})
+FP8_DS_MLA = feature(
+    "fp8_ds_mla_kv_cache",
+    "DeepSeek's fp8_ds_mla KV cache (e4m3 latent, a float32 scale per 128 values a token, the rope part unquantized)",
+    lambda needs: needs.spec.kv_scale_block is not None,
+)
 SLIDING_WINDOW = feature("sliding_window", "sliding window", lambda needs: needs.spec.sliding_window is not None)
 LOGITS_SOFT_CAP = feature("logits_soft_cap", "logits soft cap", lambda needs: needs.spec.logits_soft_cap is not None)
 VALUE_HEAD_DIM = feature(

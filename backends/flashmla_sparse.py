@@ -10,9 +10,10 @@ device in ``build`` and remade in ``update_for_draft_step``. The kernel serves 6
 on SM90; fewer are padded with zero queries (as vLLM pads them) and their outputs dropped.
 
 On SM90 the kernel is FlashMLA's legacy one (``use_legacy=True``: the current kernels answer
-"only supported on SM100f architectures"); it returns the natural-log LSE. Not claimed: the fp8
-cache (FlashMLA's sparse decode reads DeepSeek's own 656-byte fp8 layout, a cache format the
-contract does not hand a backend yet).
+"only supported on SM100f architectures"); it returns the natural-log LSE. Not claimed: an fp8
+cache, per-tensor (FlashMLA's sparse fp8 kernels read DeepSeek's fp8_ds_mla layout) or fp8_ds_mla
+(its sparse decode over that layout, ``flash_mla_with_kvcache(is_fp8_kvcache=True, indices=...)``,
+is not adapted yet).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from backends.base import (
     CommonAttentionMetadata,
     LayerParameters,
 )
-from backends.features import FP8_KV_CACHES, LSE, SPARSE_TOPK, SPARSE_WINDOW
+from backends.features import FP8_DS_MLA, FP8_KV_CACHES, LSE, SPARSE_TOPK, SPARSE_WINDOW
 from backends.flashmla import INSTALL_HINT
 from backends.paged_write import write_paged_rows
 
@@ -59,11 +60,12 @@ class FlashMLASparseBackend(AttentionBackend):
         num_heads=frozenset({16, 32, 64, 128}),
         features=frozenset({SPARSE_TOPK, SPARSE_WINDOW, LSE}),
         only_with=frozenset({SPARSE_TOPK}),  # dense MLA is flashmla's
-        not_claimed=dict.fromkeys(
-            FP8_KV_CACHES,
-            "FlashMLA's sparse fp8 decode reads DeepSeek's 656-byte fp8_ds_mla layout, a cache format the "
-            "contract does not hand a backend yet",
-        ),
+        not_claimed={
+            **dict.fromkeys(
+                FP8_KV_CACHES, "FlashMLA's sparse fp8 kernels read DeepSeek's fp8_ds_mla layout, not a per-tensor scale"
+            ),
+            FP8_DS_MLA: "FlashMLA's sparse fp8 decode over fp8_ds_mla is not adapted yet (not measured on a GPU)",
+        },
         cuda_graphs=CGSupport.ALWAYS,
         needs_cpu_seq_lens=False,
         draft_step_update=True,

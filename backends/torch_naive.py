@@ -23,6 +23,7 @@ from backends.base import (
 from backends.features import (
     ATTENTION_SINKS,
     EMPTY_REQUESTS,
+    FP8_DS_MLA,
     FP8_E4M3,
     FP8_E5M2,
     LOGITS_SOFT_CAP,
@@ -33,6 +34,7 @@ from backends.features import (
     VALUE_HEAD_DIM,
 )
 from backends.fp8 import from_cache, to_cache
+from backends.fp8_ds_mla import DsMlaLayout
 from backends.paged_write import write_paged_rows
 
 
@@ -61,6 +63,7 @@ class TorchNaiveBackend(AttentionBackend):
                 EMPTY_REQUESTS,
                 SPARSE_TOPK,
                 SPARSE_WINDOW,
+                FP8_DS_MLA,
             }
         ),
         cuda_graphs=CGSupport.NEVER,
@@ -71,14 +74,26 @@ class TorchNaiveBackend(AttentionBackend):
         devices=frozenset({"cpu", "cuda"}),
     )
 
+    def __init__(self, spec, limits, device) -> None:
+        super().__init__(spec, limits, device)
+        # DeepSeek's fp8_ds_mla: a token's entry packed as vLLM packs it (its own scales inside).
+        self.packed = None if spec.kv_scale_block is None else DsMlaLayout(spec)
+
     # Layout: MHA [num_blocks, block_size, kv_heads, head_dim + v_head_dim], a token's key then its
     # value (their head dims may differ: d192/128), so that K and V each view as [num_slots,
-    # kv_heads, dim]; MLA [num_blocks, block_size, kv_lora_rank + rope_dim].
+    # kv_heads, dim]; MLA [num_blocks, block_size, kv_lora_rank + rope_dim] (fp8_ds_mla: its bytes).
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         spec = self.spec
+        if self.packed is not None:
+            return (num_blocks, spec.block_size, self.packed.row_bytes)
         if spec.kind == "mla":
             return (num_blocks, spec.block_size, spec.head_dim)
         return (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim + spec.v_head_dim)
+
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        if self.packed is None:
+            return super().allocate_kv_cache(num_blocks)
+        return torch.zeros(self.kv_cache_shape(num_blocks), dtype=torch.uint8, device=self.device)
 
     def block_planes(self, kv_cache: torch.Tensor) -> list[torch.Tensor]:
         """The cache as [num_blocks, block_size, ...] views: [K, V] for MHA, [latent] for MLA."""
@@ -89,13 +104,14 @@ class TorchNaiveBackend(AttentionBackend):
     def slot_planes(self, kv_cache: torch.Tensor) -> list[torch.Tensor]:
         """The cache as per-slot views: [K, V] for MHA, [latent] for MLA."""
         if self.spec.kind == "mla":
-            return [kv_cache.view(-1, 1, self.spec.head_dim)]
+            return [kv_cache.view(-1, 1, kv_cache.shape[-1])]
         return [plane.flatten(0, 1) for plane in self.block_planes(kv_cache)]
 
     def write_kv(self, kv_cache, key, value, slot_mapping, layer: LayerParameters = PLAIN_LAYER) -> None:
         rows = [key] if self.spec.kind == "mla" else [key, value]
         for plane, rows_, scale in zip(self.block_planes(kv_cache), rows, self.scale_floats(layer.scales)):
             stored = rows_ if scale is None else self.quantize(rows_, scale, plane.dtype)
+            stored = stored if self.packed is None else self.packed.pack(rows_)
             write_paged_rows(plane, stored, slot_mapping, self.spec.block_size)
 
     def quantize(self, rows: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
@@ -104,7 +120,7 @@ class TorchNaiveBackend(AttentionBackend):
 
     def scale_floats(self, scales: KVScales | None) -> list[float | None]:
         """The key and value planes' scales (MLA: its one plane's), or None for a compute-dtype cache."""
-        if not self.spec.fp8_kv_cache:
+        if not self.spec.fp8_kv_cache or self.packed is not None:  # fp8_ds_mla's scales are the cache's own
             return [None, None]
         if scales is None:
             raise ValueError("an fp8 KV cache needs the layer's scales (``layer.scales`` of write_kv and forward)")
@@ -113,7 +129,7 @@ class TorchNaiveBackend(AttentionBackend):
     def read_kv(self, kv_cache, slot_mapping):
         planes = self.slot_planes(kv_cache)
         if self.spec.kind == "mla":
-            return planes[0][slot_mapping, 0], None
+            return self.entries(planes[0][slot_mapping])[:, 0], None
         return planes[0][slot_mapping], planes[1][slot_mapping]
 
     def build(self, common: CommonAttentionMetadata) -> NaiveMetadata:
@@ -139,7 +155,7 @@ class TorchNaiveBackend(AttentionBackend):
             start, end = metadata.query_start_loc[request], metadata.query_start_loc[request + 1]
             if end == start:
                 continue
-            kv = [self.gather(plane, metadata.block_table[request], seq_len) for plane in planes]
+            kv = [self.entries(self.gather(plane, metadata.block_table[request], seq_len)) for plane in planes]
             kv = [rows if scale is None else self.dequantize(rows, scale) for rows, scale in zip(kv, plane_scales)]
             key, value = (kv[0], kv[0][..., : self.spec.v_head_dim]) if self.spec.kind == "mla" else kv
             context_len = seq_len - (end - start)
@@ -150,6 +166,10 @@ class TorchNaiveBackend(AttentionBackend):
             )
             if layer.lse is not None:
                 layer.lse[start:end] = self.log_sum_exp(query[start:end], key, context_len, request_sinks, indexed)
+
+    def entries(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of a plane as the attention reads them: as stored, or fp8_ds_mla's unpacked."""
+        return rows if self.packed is None else self.packed.unpack(rows[:, 0])[:, None, :]
 
     def dequantize(self, stored: torch.Tensor, scale: float) -> torch.Tensor:
         """The numbers an fp8 cache's stored elements stand for, in float32."""

@@ -12,6 +12,8 @@ A case's id is its whole definition, in the same compact grammar ``--case`` acce
                     prefill as vLLM runs it: d192/128)
       fp16|bf16|fp32 dtype                 (default bf16)
       fp8e4m3|fp8e5m2 an fp8 KV cache with per-tensor scales (default: the cache in the dtype)
+      fp8dsmla      DeepSeek's fp8_ds_mla cache (MLA): e4m3 latent, a float32 scale per 128 values
+                    a token, written by write_kv, the rope part unquantized
       kscaleX vscaleX the fp8 cache's key and value scales (default 0.1 and 4; MLA: kscale only;
                     from 0.01 to 10000)
       pN            KV block (page) size   (default p16; MLA default p64)
@@ -68,7 +70,7 @@ import torch
 
 from backends.base import DTYPE_NAMES, AttentionSpec, dtype_name, kv_dtype_name
 from backends.features import Needs
-from conformance.cases.kv_quantization import DEFAULT_K_SCALE, DEFAULT_V_SCALE, FP8_DTYPES
+from conformance.cases.kv_quantization import DEFAULT_K_SCALE, DEFAULT_V_SCALE, DS_MLA_SCALE_BLOCK, FP8_DTYPES
 
 DATA_PROFILES = ("normal", "outliers", "edges")
 DEFAULT_PADDING_TOKENS = 3
@@ -127,9 +129,10 @@ class Case:
             raise CaseSyntaxError("kscale and vscale are an fp8 cache's scales: give fp8e4m3 or fp8e5m2 too")
         if self.messy_indices and (self.spec.sparse_topk is None or not self.spec.layout.attends):
             raise CaseSyntaxError("messyidx is a sparse layer's index data: give topkN too")
-        if (self.k_scale is not None or self.v_scale is not None) and not self.spec.layout.attends:
+        if (self.k_scale is not None or self.v_scale is not None) and self.kv_scales is None:
             raise CaseSyntaxError(
-                "an indexer's fp8 keys carry a scale each (write_kv computes it): no kscale or vscale"
+                "this cache's fp8 scales are its own (write_kv computes them: an indexer's keys, fp8_ds_mla): "
+                "no kscale or vscale"
             )
         if self.v_scale is not None and not self.spec.layout.separate_value:
             raise CaseSyntaxError("MLA's latent cache has one scale: give kscale, not vscale")
@@ -163,9 +166,9 @@ class Case:
     @property
     def kv_scales(self) -> tuple[float, float] | None:
         """(k_scale, v_scale) of an fp8 cache (MLA: v_scale is k_scale, unused); None otherwise, and
-        for an indexer, whose fp8 keys carry a scale each that ``write_kv`` computes."""
-        if not self.spec.fp8_kv_cache or not self.spec.layout.attends:
-            return None
+        for a cache whose scales are its own, computed by ``write_kv`` (an indexer's keys, fp8_ds_mla)."""
+        if not self.spec.fp8_kv_cache or not self.spec.layout.attends or self.spec.kv_scale_block is not None:
+            return None  # no fp8 cache, or one whose scales are its own (an indexer's keys, fp8_ds_mla)
         k_scale = DEFAULT_K_SCALE if self.k_scale is None else self.k_scale
         return self.spec.layout.scales(k_scale, DEFAULT_V_SCALE if self.v_scale is None else self.v_scale)
 
@@ -265,7 +268,7 @@ class LayerOptions:
 
 _ATTRIBUTE_KINDS = (
     (r"fp16|bf16|fp32", "dtype"),
-    (r"fp8e4m3|fp8e5m2", "KV-cache dtype"),
+    (r"fp8e4m3|fp8e5m2|fp8dsmla", "KV-cache dtype"),
     (r"kscale.+", "key scale"),
     (r"vscale.+", "value scale"),
     (r"h\d+(/\d+)?", "heads"),
@@ -301,7 +304,7 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
     window = cap = scale = kv_cache_dtype = k_scale = v_scale = None
     share, permute, strided, data, padding, big_pool = 0, True, False, "normal", DEFAULT_PADDING_TOKENS, False
     sinks = lse = messy = False
-    topk = sparse_window = None
+    topk = sparse_window = scale_block = None
     value_head_dim = None
     kv_heads_given = False
     given: dict[str, str] = {}  # attribute kind -> the attribute that set it
@@ -316,6 +319,8 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
             dtype = DTYPE_NAMES[attr]
         elif attr.startswith("fp8") and attr[3:] in FP8_DTYPES:
             kv_cache_dtype = FP8_DTYPES[attr[3:]]
+        elif attr == "fp8dsmla":
+            kv_cache_dtype, scale_block = FP8_DTYPES["e4m3"], DS_MLA_SCALE_BLOCK
         elif match := re.fullmatch(r"kscale(.+)", attr):
             k_scale = _float(match.group(1), "key scale")
         elif match := re.fullmatch(r"vscale(.+)", attr):
@@ -423,9 +428,17 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
     # What each kind's spec is made of; every attribute that does not apply to it was refused
     # above, or is refused by its LayerKind.
     shape = {
-        "mla": dict(num_kv_heads=1, head_dim=kv_lora_rank + rope_dim, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim),
+        "mla": dict(
+            num_kv_heads=1,
+            head_dim=kv_lora_rank + rope_dim,
+            kv_lora_rank=kv_lora_rank,
+            rope_dim=rope_dim,
+            kv_scale_block=scale_block,
+        ),
         "indexer": dict(num_kv_heads=1, head_dim=head_dim, value_head_dim=value_head_dim),
     }.get(kind_name, dict(num_kv_heads=num_kv_heads, head_dim=head_dim, value_head_dim=value_head_dim))
+    if scale_block is not None and not is_mla:
+        raise CaseSyntaxError(f"fp8dsmla in {text!r}: DeepSeek's fp8_ds_mla is an MLA layer's cache")
     try:
         spec = AttentionSpec(
             kind="mha" if kind_name == "gqa" else kind_name,
@@ -487,7 +500,9 @@ def format_layer(spec: AttentionSpec, options: LayerOptions = LayerOptions()) ->
         value_dim = "" if spec.v_head_dim == spec.head_dim else f"/{spec.v_head_dim}"
         parts = [kind, f"h{spec.num_heads}/{spec.num_kv_heads}", f"d{spec.head_dim}{value_dim}"]
     parts.append(dtype_name(spec.dtype))
-    if spec.fp8_kv_cache:
+    if spec.kv_scale_block is not None:
+        parts.append("fp8dsmla")
+    elif spec.fp8_kv_cache:
         parts.append(kv_dtype_name(spec.kv_cache_dtype))
         parts += [
             f"{name}{_format_number(value)}"

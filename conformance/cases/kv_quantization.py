@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 FP8_DTYPES: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+DS_MLA_SCALE_BLOCK = 128  # latent values a scale of DeepSeek's fp8_ds_mla cache covers
 ONE_ULP_FRACTION = 0.01  # of the stored elements: rounding-boundary cases, not a rounding rule
 DEFAULT_K_SCALE = 0.1  # far from 1 and not a power of two: a dropped, swapped or doubled scale
 DEFAULT_V_SCALE = 4.0  # moves scores or outputs by an order of magnitude
@@ -82,3 +83,20 @@ def token_scales(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     mantissa, exponent = torch.frexp(needed)
     power = torch.where(mantissa == 0.5, exponent - 1, exponent)
     return torch.where(needed > 0, torch.ldexp(torch.ones_like(needed), power), torch.ones_like(needed))
+
+
+def block_scales(latent: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """DeepSeek's fp8_ds_mla scales as the contract defines them: for each token and each block of
+    ``block`` latent values, ``max(max|x| / largest, FLT_MIN)`` in float32 (vLLM's writer), float32
+    ``[n, L / block]``."""
+    tiles = latent.float().reshape(latent.shape[0], -1, block)
+    return (tiles.abs().amax(dim=-1) / largest(dtype)).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def block_quantize(latent: torch.Tensor, block: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(stored ``[n, L]`` in ``dtype``, scales ``[n, L / block]``): each block over its own scale,
+    rounded to nearest even (``quantize``'s rule, element by element)."""
+    scales = block_scales(latent, block, dtype)
+    scaled = latent.double().reshape(latent.shape[0], -1, block) / scales.double()[..., None]
+    limit = largest(dtype)
+    return scaled.clamp(-limit, limit).float().to(dtype).reshape(latent.shape), scales

@@ -445,6 +445,14 @@ def _sparse_cases() -> list[Case]:
         [("sparse log-sum-exp: mixed", "0+100,700+4,1500+1"), ("sparse log-sum-exp: decode", "300+1,64+1,1000+1")],
     )
     cases += _cases("mla-h16-d512+64-bf16-fp8e4m3-p64-topk256", [("sparse, fp8 cache: mixed", "0+100,900+4,2000+1")])
+    # DeepSeek-V3.2 as vLLM serves it: the fp8_ds_mla cache (a scale per 128 latent values a token).
+    cases += _cases(
+        "mla-h16-d512+64-bf16-fp8dsmla-p64-topk2048",
+        [
+            ("sparse, fp8_ds_mla: decode and MTP verify", "4000+1,2049+1,3000+4"),
+            ("sparse, fp8_ds_mla: mixed", "0+200,2500+16"),
+        ],
+    )
     # The lightning indexer that chooses those positions: DeepSeek-V3.2's 64 heads of 128 over
     # e4m3 keys with a power-of-two scale a token; bf16 keys; a top-k past and within the context.
     cases += _cases(

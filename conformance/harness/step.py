@@ -173,6 +173,24 @@ def as_bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
 
 
+def negate_pool(prepared: PreparedCase) -> None:
+    """The layer's pool negated, in place: element by element where its elements are numbers (fp8
+    too); a pool of bytes (a packed format, DeepSeek's fp8_ds_mla: scales inside each entry)
+    written again through ``write_kv``, poison and history negated, which is what the same cache
+    written from negated rows holds."""
+    kv_cache = prepared.kv_cache
+    if kv_cache.is_floating_point():
+        negate_(kv_cache)
+        return
+    batch = prepared.batch
+    key, value, slots = batch.history_rows()
+    write_poison(prepared.backend, kv_cache, batch, keep=slots, layer=prepared.layer, negated=True)
+    if slots.numel():
+        prepared.backend.write_kv(
+            kv_cache, key.neg(), None if value is None else value.neg(), slots, layer=prepared.layer
+        )
+
+
 def write_poison(
     backend: AttentionBackend,
     kv_cache: torch.Tensor,
@@ -181,9 +199,11 @@ def write_poison(
     num_blocks: int | None = None,
     fill: PoolFill = PoolFill.LOUD,
     layer: LayerParameters = PLAIN_LAYER,
+    negated: bool = False,
 ) -> None:
     """Poison every slot of the pool (``num_blocks``, default the batch's) except ``keep`` (the
-    history's slots), through ``write_kv`` with ``layer`` (an fp8 layer's scales)."""
+    history's slots), through ``write_kv`` with ``layer`` (an fp8 layer's scales); ``negated``: the
+    poison negated (a negated layer's pool, ``negate_pool``)."""
     layer = layer.for_write()
     if fill == PoolFill.FRESH:
         return
@@ -201,6 +221,8 @@ def write_poison(
     poisoned[keep.cpu()] = False
     slots = poisoned.nonzero().flatten()
     key_row, value_row = poison_key_value(batch.case)
+    if negated:
+        key_row, value_row = key_row.neg(), None if value_row is None else value_row.neg()
     if fill == PoolFill.NAN:
         key_row = torch.full_like(key_row, float("nan"))
         value_row = None if value_row is None else torch.full_like(value_row, float("nan"))
@@ -394,7 +416,8 @@ def launch_step(
     prepared = step.prepared
     backend = prepared.backend
     if negated:
-        for tensor in (prepared.kv_cache, step.query, step.key, step.value):
+        negate_pool(prepared)
+        for tensor in (step.query, step.key, step.value):
             if tensor is not None:
                 negate_(tensor)
     common = step.common

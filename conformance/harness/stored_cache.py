@@ -23,9 +23,23 @@ from typing import Any
 
 import torch
 
-from conformance.cases.kv_quantization import ONE_ULP_FRACTION, dequantize, largest, quantize, ulps_apart
+from conformance.cases.kv_quantization import (
+    ONE_ULP_FRACTION,
+    block_quantize,
+    dequantize,
+    largest,
+    quantize,
+    ulps_apart,
+)
 from conformance.cases.oracle import layer_reference
 from conformance.harness.step import PreparedCase
+
+
+def quantized(prepared: PreparedCase) -> bool:
+    """Whether the layer's cache holds its numbers quantized: an fp8 cache with the layer's scales,
+    or DeepSeek's fp8_ds_mla, whose scales are its own (its ``read_kv`` returns the entries
+    dequantized)."""
+    return prepared.scales is not None or prepared.batch.spec.kv_scale_block is not None
 
 
 def _stored(prepared: PreparedCase, request: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -41,12 +55,14 @@ def attended_values(prepared: PreparedCase, request: int, head: int, *, negated:
     ``expected_output`` has them (an fp8 layer's: its stored cache, dequantized); ``negated``: of a
     step run negated, the values negated back."""
     batch = prepared.batch
-    if prepared.scales is None:
+    if not quantized(prepared):
         return batch.head_values(request, head)
     key, value = _stored(prepared, request)
     spec = batch.spec
-    # The kind's own scales: MLA's one latent entry is dequantized by k_scale (``LayerKind.scales``).
-    v_scale = spec.layout.scales(prepared.scales.k_scale, prepared.scales.v_scale)[1]
+    # The kind's own scales: MLA's one latent entry is dequantized by k_scale (``LayerKind.scales``);
+    # fp8_ds_mla's entries come back dequantized.
+    scales = prepared.scales
+    v_scale = 1.0 if scales is None else spec.layout.scales(scales.k_scale, scales.v_scale)[1]
     values = dequantize(spec.layout.head_values(spec, key, value, head), v_scale)
     return values.neg() if negated else values
 
@@ -56,7 +72,7 @@ def expected_output(prepared: PreparedCase, *, negated: bool = False) -> torch.T
     the step whose query, key, value and pool were negated, ``run_step(negated=True)``). For an
     fp8 layer, of the cache as stored, after the step."""
     batch = prepared.batch
-    if prepared.scales is None:
+    if not quantized(prepared):
         reference = batch.reference_output()
         return reference.neg() if negated else reference
     return _solve(prepared, negated=negated)[0]
@@ -67,7 +83,7 @@ def oracle(prepared: PreparedCase, *, negated: bool = False) -> tuple[torch.Tens
     The allowance, for an fp8 layer, is |oracle over the stored cache dequantized exactly − oracle
     over it dequantized into the layer's dtype| (module docstring); None for a cache in the compute
     dtype, which holds its numbers exactly. The exact oracle is solved once for both."""
-    if prepared.scales is None:
+    if not quantized(prepared):
         return expected_output(prepared, negated=negated), None
     exact = _solve(prepared, negated=negated)[0]
     return exact, (exact - _solve(prepared, negated=negated, rounded=True)[0]).abs()
@@ -79,7 +95,7 @@ def expected_lse(prepared: PreparedCase, *, negated: bool = False, rounded: bool
     run negated, whose scores, and so its LSE, are the step's own (an fp8 layer's stored cache
     holds the keys negated: its query is negated too). ``rounded``: an fp8 layer's cache dequantized
     into the compute dtype (``oracle``'s allowance, for the LSE)."""
-    return _solve(prepared, negated=negated and prepared.scales is not None, rounded=rounded)[1]
+    return _solve(prepared, negated=negated and quantized(prepared), rounded=rounded)[1]
 
 
 def _solve(
@@ -88,9 +104,10 @@ def _solve(
     """(output, log-sum-exp) of the oracle over the cache as the step leaves it: the batch's own
     rows, or an fp8 layer's stored ones dequantized (``rounded``: into the layer's dtype)."""
     batch, spec, scales = prepared.batch, prepared.batch.spec, prepared.scales
+    stored = quantized(prepared)
 
     def dequantized(rows: torch.Tensor | None, scale: float) -> torch.Tensor | None:
-        if rows is None or scales is None:
+        if rows is None or not stored:
             return rows
         exact = dequantize(rows, scale)
         return exact.to(spec.dtype).double() if rounded else exact
@@ -99,7 +116,7 @@ def _solve(
     for request, (context_len, _) in enumerate(batch.case.batch):
         start, end = batch.query_start_loc[request], batch.query_start_loc[request + 1]
         query = batch.query[start:end].neg() if negated else batch.query[start:end]
-        key, value = _stored(prepared, request) if scales is not None else (batch.keys[request], batch.values[request])
+        key, value = _stored(prepared, request) if stored else (batch.keys[request], batch.values[request])
         k_scale, v_scale = (scales.k_scale, scales.v_scale) if scales is not None else (1.0, 1.0)
         out, lse = layer_reference(
             spec,
@@ -140,6 +157,8 @@ def write_findings(prepared: PreparedCase, *, negated: bool = False) -> dict[str
     ``write_kv`` was given (one fp8 step off allowed on ``ONE_ULP_FRACTION`` of them); else what is
     wrong and where first: ``{"what", "place", "worst"}``."""
     batch, scales = prepared.batch, prepared.scales
+    if batch.spec.kv_scale_block is not None:
+        return _block_write_findings(prepared, negated=negated)
     if scales is None:
         return None
     dtype = batch.spec.kv_cache_dtype
@@ -194,3 +213,45 @@ def write_findings(prepared: PreparedCase, *, negated: bool = False) -> dict[str
         "(dequantized)"
     )
     return {"what": what, "place": where, "worst": worst}
+
+
+def _block_write_findings(prepared: PreparedCase, *, negated: bool = False) -> dict[str, Any] | None:
+    """``write_findings`` for DeepSeek's fp8_ds_mla: each token's latent, read back dequantized,
+    over the contract's scales of its blocks (``block_quantize``) must be the contract's e4m3 numbers
+    (one step off allowed on ``ONE_ULP_FRACTION`` of them), and its rope part exactly as given. A
+    block stored over another scale (one a token, say) lands between the contract's numbers."""
+    batch, spec = prepared.batch, prepared.batch.spec
+    latent_dim, block = spec.kv_lora_rank, spec.kv_scale_block
+    elements = one_step = 0
+    for request in range(batch.case.num_reqs):
+        entry, _ = _stored(prepared, request)
+        given = batch.keys[request].neg() if negated else batch.keys[request]
+        if not given.shape[0]:
+            continue
+        expected, scales = block_quantize(given[:, :latent_dim], block, spec.kv_cache_dtype)
+        over = entry[:, :latent_dim].double().cpu().reshape(-1, latent_dim // block, block)
+        requantized = (over / scales.double()[..., None]).reshape(-1, latent_dim).float().to(spec.kv_cache_dtype)
+        apart = ulps_apart(requantized, expected)
+        elements += apart.numel()
+        one_step += int((apart == 1).sum())
+        if bool((apart > 1).any()):
+            position, channel = (apart > 1).nonzero()[0].tolist()
+            return {
+                "what": "the cache read back (read_kv) holds a latent number more than one e4m3 step from the "
+                f"contract's (its block of {block} over max(max|x| / 448, FLT_MIN)): write_kv stored it, or read_kv "
+                "dequantizes it, wrong",
+                "place": f"request {request} position {position} channel {channel}",
+            }
+        rope = entry[:, latent_dim:].double().cpu()
+        if not torch.equal(rope, given[:, latent_dim:].double().cpu()):
+            position = int((rope != given[:, latent_dim:].double().cpu()).any(dim=1).nonzero()[0])
+            return {
+                "what": "write_kv changed the rope part (stored unquantized)",
+                "place": f"request {request} position {position}",
+            }
+    if one_step > ONE_ULP_FRACTION * elements:
+        return {
+            "what": f"write_kv rounded {one_step} of {elements} latent numbers one e4m3 step away from the contract's",
+            "place": "every request",
+        }
+    return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from backends.base import PLAIN_LAYER, LayerParameters
+from backends.fp8_ds_mla import DsMlaLayout
 from backends.torch_naive import TorchNaiveBackend
 from backends.triton.mla_backend import TritonMLABackend
 
@@ -127,3 +128,30 @@ class StalePositionsInDraftSteps(TritonMLABackend):
             common.block_table,
         )
         return metadata
+
+
+class _OneScaleAToken(DsMlaLayout):
+    def pack(self, entry):
+        latent = entry[:, : self.latent].float()
+        # Every block stored over the token's one scale (max over the whole latent): a per-128 layout
+        # filled with per-token scales.
+        one = (latent.abs().amax(dim=-1, keepdim=True) / torch.finfo(torch.float8_e4m3fn).max).clamp(
+            min=torch.finfo(torch.float32).tiny
+        )
+        tiled = entry.clone()
+        packed = super().pack(tiled)
+        scales = one.expand(-1, self.blocks).contiguous()
+        stored = (latent / one).clamp(-448, 448).to(torch.float8_e4m3fn)
+        packed[:, : self.latent] = stored.view(torch.uint8)
+        packed[:, self.latent : self.latent + 4 * self.blocks] = scales.view(torch.uint8).reshape(entry.shape[0], -1)
+        return packed
+
+
+class ScalesPerTokenInDsMla(TorchNaiveBackend):
+    """DeepSeek's fp8_ds_mla with one scale a token copied into each block's place (the per-128
+    scales applied per token): blocks of small numbers lose their precision."""
+
+    def __init__(self, spec, limits, device) -> None:
+        super().__init__(spec, limits, device)
+        if self.packed is not None:
+            self.packed = _OneScaleAToken(spec)

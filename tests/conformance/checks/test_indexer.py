@@ -37,7 +37,7 @@ def test_the_grammar_reads_and_writes_an_indexer():
         ("indexer-topk4-w8:40+1", "no sliding_window"),
         ("indexer-topk4-win8:40+1", "no sparse_window"),
         ("indexer-topk4-messyidx:40+1", "sparse MLA layer's data"),
-        ("indexer-topk4-fp8e4m3-kscale0.5:40+1", "carry a scale each"),
+        ("indexer-topk4-fp8e4m3-kscale0.5:40+1", "scales are its own"),
     ],
 )
 def test_what_an_indexer_has_not_is_a_syntax_error(text, words):
