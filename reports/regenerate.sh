@@ -21,7 +21,8 @@ set -uo pipefail
 phase=${1:?usage: regenerate.sh checks|bench|publish|all RUNS_DIR}
 runs=${2:?usage: regenerate.sh checks|bench|publish|all RUNS_DIR}
 suite=${SUITE:-standard}
-all_backends="torch_naive triton triton_mla flashinfer flashinfer_mla trtllm flashmla trtllm_mla flash_attn"
+# Every built-in backend, from the registry (the one list of them).
+all_backends=$(python -c "from backends.registry import BUILTIN_BACKENDS; print(' '.join(BUILTIN_BACKENDS))") || exit 2
 # flash-attn-4 needs a CuTe DSL (nvidia-cutlass-dsl 4.5) that FlashInfer's own CuTe DSL kernels do
 # not import with: FLASH_ATTN_PATH (PYTHONPATH entries) is added for flash_attn's processes only.
 with_path() { if [[ $1 == flash_attn && -n ${FLASH_ATTN_PATH:-} ]]; then echo "PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$FLASH_ATTN_PATH"; else echo "PYTHONPATH=${PYTHONPATH:-}"; fi; }
