@@ -118,6 +118,20 @@ def bench_table(bench: RunResult) -> list[str]:
     return lines
 
 
+KEPT_FROM = "## How this publication was made"  # this heading and all below it are written by hand
+
+
+def kept_notebook(readme: Path) -> str:
+    """What a republish keeps of an earlier ``README.md``: its hand-written part, from
+    ``KEPT_FROM`` on (how the publication was made, and the notebook of measurements after it);
+    nothing where there is no earlier file or no such heading."""
+    if not readme.exists():
+        return ""
+    text = readme.read_text()
+    start = text.find("\n" + KEPT_FROM)
+    return text[start + 1 :] if start >= 0 else ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="+")
@@ -181,7 +195,9 @@ def main() -> None:
             "",
             *bench_table(bench),
         ]
-    (out / "README.md").write_text("\n".join(lines) + "\n")
+    readme = out / "README.md"
+    kept = kept_notebook(readme)
+    readme.write_text("\n".join(lines) + "\n" + (f"\n{kept}" if kept else ""))
     print(f"wrote {len(per_backend)} backend files and README.md to {out}")
 
 

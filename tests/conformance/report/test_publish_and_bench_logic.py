@@ -76,6 +76,9 @@ def test_publish_writes_one_json_and_html_per_backend_and_a_table(tmp_path):
         ["numerics"],
     )
     run.save(tmp_path / "all.json")
+    (tmp_path / "reports").mkdir()
+    notebook = "## How this publication was made\n\nby hand.\n\n## Runs after this publication\n\n- a run.\n"
+    (tmp_path / "reports" / "README.md").write_text("# Published results\n\nold table\n\n" + notebook)
     bench = RunResult({"gpu": "NVIDIA H200"}, [bench_result("a", 100.0)], "bench", ["bench"])
     bench.save(tmp_path / "bench.json")
     # A backend benched in a process of its own (flash_attn's CuTe DSL): one table with the rest.
@@ -113,6 +116,7 @@ def test_publish_writes_one_json_and_html_per_backend_and_a_table(tmp_path):
     assert "GQA decode b64 ctx4096 | 100 µs (1000 GB/s) | 200 µs" in readme, readme
     assert [b["name"] for b in json.loads((out / "bench.json").read_text())["backends"]] == ["a", "c"]
     assert set(split_by_backend([run])) == {"a", "b"}
+    assert readme.endswith(notebook) and "old table" not in readme  # the hand-written part kept, the rest new
 
 
 def test_publish_merges_one_backends_runs_split_by_check():
