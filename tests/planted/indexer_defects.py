@@ -38,16 +38,37 @@ class ReluOfTheSum(TorchIndexerBackend):
         return logits.masked_fill(~causal, float("-inf"))
 
 
-class ExactScales(TorchIndexerBackend):
-    """Stores each key over max|key| / 448 exactly, not the contract's power of two: the attention
-    of its own keys is as good, but a reader of DeepSeek's ue8m0 cache format would misread them."""
+class _OwnScales(TorchIndexerBackend):
+    """torch_indexer whose keys are written over ``scales(rows)`` instead of the contract's."""
+
+    @staticmethod
+    def scales(rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def write_kv(self, kv_cache, key, value, slot_mapping, layer=None):
         from backends import torch_indexer
 
         original = torch_indexer.token_scales
-        torch_indexer.token_scales = lambda rows, dtype: (rows.float().abs().amax(-1) / 448.0).clamp(min=1e-12)
+        torch_indexer.token_scales = lambda rows, dtype: self.scales(rows)
         try:
             super().write_kv(kv_cache, key, value, slot_mapping)
         finally:
             torch_indexer.token_scales = original
+
+
+class ExactScales(_OwnScales):
+    """Stores each key over max|key| / 448 exactly, not the contract's power of two: the attention
+    of its own keys is as good, but a reader of DeepSeek's ue8m0 cache format would misread them."""
+
+    @staticmethod
+    def scales(rows):
+        return (rows.float().abs().amax(-1) / 448.0).clamp(min=1e-12)
+
+
+class KeysQuantizedWithoutTheirScales(_OwnScales):
+    """Stores each key cast to e4m3 as it is (a scale of 1, the per-token scale never computed):
+    keys past 448 saturate, small ones fall among e4m3's subnormals."""
+
+    @staticmethod
+    def scales(rows):
+        return torch.ones(rows.shape[0], device=rows.device)

@@ -91,6 +91,7 @@ def test_torch_indexer_chooses_as_the_oracle_ranks(case_text):
         (indexer_defects.KeysWithoutTheirScales, "the tolerance"),
         (indexer_defects.ReluOfTheSum, "the tolerance"),
         (indexer_defects.ExactScales, "stored key scale"),
+        (indexer_defects.KeysQuantizedWithoutTheirScales, "stored key scale 1,"),
     ],
 )
 def test_planted_indexer_defects_fail(defect, words):
