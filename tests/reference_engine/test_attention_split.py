@@ -134,6 +134,8 @@ def test_engine_check_runs_decode_only_and_uniform_only_backends():
     for backend in (DecodeOnly, UniformOnly):
         check = EngineCheck()
         assert check.case_skip_reason(backend, case, CPU) is None
+        # The case's batch is not the engine's: a mixed one is runnable too (a companion prefills).
+        assert check.case_skip_reason(backend, parse_case("gqa-h4/2-d32-fp32-p16:0+20,30+4,7+1"), CPU) is None
         result = judge(check, backend, case, CPU)
         assert result.verdict == Verdict.PASS, result.reason
         served = result.evidence["attention_routing"]
