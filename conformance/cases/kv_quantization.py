@@ -43,9 +43,10 @@ def largest(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
-def quantize(values: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+def quantize(values: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The contract's stored form of ``values``: ``values / scale`` in float64, saturated, rounded
-    to the nearest ``dtype`` number (ties to even). NaN stays NaN."""
+    to the nearest ``dtype`` number (ties to even). NaN stays NaN. ``scale``: one float, or a tensor
+    that broadcasts against ``values`` (a scale a row)."""
     limit = largest(dtype)
     scaled = (values.double() / scale).clamp(-limit, limit)
     # Through float32 (torch casts to fp8 from it): that can round differently from the float64
@@ -97,6 +98,5 @@ def block_quantize(latent: torch.Tensor, block: int, dtype: torch.dtype) -> tupl
     """(stored ``[n, L]`` in ``dtype``, scales ``[n, L / block]``): each block over its own scale,
     rounded to nearest even (``quantize``'s rule, element by element)."""
     scales = block_scales(latent, block, dtype)
-    scaled = latent.double().reshape(latent.shape[0], -1, block) / scales.double()[..., None]
-    limit = largest(dtype)
-    return scaled.clamp(-limit, limit).float().to(dtype).reshape(latent.shape), scales
+    blocks = latent.reshape(latent.shape[0], -1, block)
+    return quantize(blocks, scales.double()[..., None], dtype).reshape(latent.shape), scales
