@@ -42,7 +42,7 @@ def test_bare_pytest_loads_a_backend_from_the_current_folder_and_prints_a_rerun_
     bare = (
         [str(pytest_script)]
         if pytest_script.exists()
-        else [sys.executable, "-c", "import pytest; pytest.console_main()"]
+        else [sys.executable, "-c", "import pytest; raise SystemExit(pytest.console_main())"]
     )
     completed = subprocess.run(bare + command, capture_output=True, text=True, cwd=tmp_path, env=env())
     assert completed.returncode == 1 and "No module named" not in completed.stdout + completed.stderr
