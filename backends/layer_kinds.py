@@ -36,6 +36,13 @@ class LayerKind(abc.ABC):
     def v_head_dim(self, spec: "AttentionSpec") -> int:
         """The value's (and the output's) head dim."""
 
+    def output_shape(self, spec: "AttentionSpec", rows: int) -> tuple[int, ...]:
+        """What ``forward`` writes into for ``rows`` query rows: an attention's values."""
+        return (rows, spec.num_heads, self.v_head_dim(spec))
+
+    def output_dtype(self, spec: "AttentionSpec") -> torch.dtype:
+        return spec.dtype
+
     @abc.abstractmethod
     def key_shape(self, spec: "AttentionSpec", tokens: int) -> tuple[int, ...]:
         """The shape of ``tokens`` tokens' keys (MLA: their latent entries)."""
@@ -181,6 +188,12 @@ class Indexer(OneEntry):
 
     def v_head_dim(self, spec: "AttentionSpec") -> int:
         return spec.sparse_topk
+
+    def output_shape(self, spec: "AttentionSpec", rows: int) -> tuple[int, ...]:
+        return (rows, spec.sparse_topk)  # each token's chosen positions
+
+    def output_dtype(self, spec: "AttentionSpec") -> torch.dtype:
+        return torch.int32
 
     def head_values(self, spec, key, value, head):
         raise TypeError("an indexer weighs no values")

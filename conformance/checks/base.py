@@ -12,10 +12,14 @@ from typing import Any, Callable, ClassVar, Hashable
 import torch
 
 from backends.base import AttentionBackend
+from backends.layer_kinds import LAYER_KINDS
 from conformance.cases.grammar import Case
 from conformance.harness.batch import big_pool_skip_reason
 from conformance.harness.evidence import MAP_KEYS, EvidenceItem, labelled, maps, sync_events, without, worst_element
 from conformance.results import CaseResult, Outcome, Verdict, worst
+
+ATTENTION_KINDS = frozenset(name for name, kind in LAYER_KINDS.items() if kind.attends)
+EVERY_KIND = frozenset(LAYER_KINDS)
 
 Plan = dict[str, "str | None"]  # case id -> why the case is SKIP, None where it runs
 
@@ -51,10 +55,10 @@ class Check(abc.ABC):
     # The evidence keys that hold host-sync events (``SyncEventRecord`` lists), with their labels.
     sync_event_labels: ClassVar[dict[str, str]] = {}
 
-    # The layer kinds whose output this check judges (an indexer's choice of positions is not an
-    # attention: the indexer check judges it): a case of another kind is SKIP saying so (data: no
-    # check branches on a kind's name).
-    kinds: ClassVar[frozenset[str]] = frozenset({"mha", "mla"})
+    # The layer kinds whose output this check judges: a case of another kind is SKIP saying so
+    # (data: no check branches on a kind's name). By default the attentions; a check that drives
+    # steps and holds each answer against the oracle's (``harness.answers``) judges every kind.
+    kinds: ClassVar[frozenset[str]] = ATTENTION_KINDS
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         self.options = options or {}

@@ -20,7 +20,7 @@ import torch
 
 from backends.base import AttentionBackend
 from conformance.cases.grammar import Case
-from conformance.checks.base import Check
+from conformance.checks.base import EVERY_KIND, Check
 from conformance.harness.step import prepare_case, run_step
 from conformance.results import CaseResult, Outcome, Verdict
 
@@ -29,8 +29,8 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
     differs = (a != b) & ~(torch.isnan(a) & torch.isnan(b))
     index = tuple(int(i) for i in differs.nonzero()[0])
     return (
-        f"{int(differs.sum())} elements differ, first at (token, head, "
-        f"channel) {index}: {float(a[index])!r} vs {float(b[index])!r}"
+        f"{int(differs.sum())} elements differ, first at {index} (token, then head and channel, or an "
+        f"indexer's entry): {float(a[index])!r} vs {float(b[index])!r}"
     )
 
 
@@ -58,6 +58,7 @@ def batch_variants(batch: tuple[tuple[int, int], ...]) -> list[tuple[str, list[i
 
 class DeterminismCheck(Check):
     name = "determinism"
+    kinds = EVERY_KIND
     question = "bitwise-equal on identical inputs; a request's output independent of the rest of the batch?"
     evidence_labels = {"deterministic": "not deterministic", "batch_invariant": "not batch-invariant"}
 

@@ -9,7 +9,7 @@ import torch
 
 from backends.base import AttentionBackend
 from conformance.cases.grammar import Case
-from conformance.checks.base import Check
+from conformance.checks.base import EVERY_KIND, Check
 from conformance.harness.comparison import TOLERANCES, worst_place
 from conformance.harness.draft_loop import (
     DRAFT_RUNS,
@@ -26,6 +26,7 @@ from conformance.results import Outcome, Verdict
 
 class DraftLoopCheck(Check):
     name = "draft-loop"
+    kinds = EVERY_KIND
     question = "k draft steps under CUDA graphs, positions advanced on device: every step right?"
 
     def skip_reason(self, backend_cls: type[AttentionBackend], device: torch.device) -> str | None:

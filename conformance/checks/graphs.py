@@ -39,9 +39,10 @@ import torch
 
 from backends.base import AttentionBackend
 from conformance.cases.grammar import Case
-from conformance.checks.base import Check
+from conformance.checks.base import EVERY_KIND, Check
+from conformance.harness.answers import answer_for
 from conformance.harness.batch import PagedBatch, materialize
-from conformance.harness.comparison import TOLERANCES, compare_with_oracle, worst_place
+from conformance.harness.comparison import TOLERANCES, worst_place
 from conformance.harness.graph_batches import (
     Replay,
     fits,
@@ -113,6 +114,7 @@ def capture(buffers: GraphBuffers, metadata) -> torch.cuda.CUDAGraph:
 
 class GraphsCheck(Check):
     name = "graphs"
+    kinds = EVERY_KIND
     question = (
         "capture with batch A (also as the first call, and before a larger "
         "shape), replay with B1..Bn: equal to eager and to the oracle?"
@@ -313,7 +315,7 @@ class GraphsCheck(Check):
         which = f"{what}, layer {layer.index} (its own pool, scales and sinks)" if layer.index else what
         prepared = buffers.prepared(loaded.batch, layer)
         reference, allowance = oracle(prepared, negated=layer.negated)
-        passed, errors, evidence = compare_with_oracle(
+        passed, errors, evidence = answer_for(prepared.batch.spec).compare(
             layer.out[:real], reference, loaded.batch.query_start_loc, atol, rtol, allowance
         )
         if not passed:
@@ -359,7 +361,9 @@ class GraphsCheck(Check):
         out = run_step(prepared, with_host_lengths=self.host_lengths)
         torch.cuda.synchronize()
         reference, allowance = oracle(prepared)
-        passed, errors, evidence = compare_with_oracle(out, reference, batch.query_start_loc, atol, rtol, allowance)
+        passed, errors, evidence = answer_for(batch.spec).compare(
+            out, reference, batch.query_start_loc, atol, rtol, allowance
+        )
         if passed:
             return None
         return (

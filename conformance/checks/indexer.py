@@ -18,17 +18,15 @@ from typing import Any
 import torch
 
 from backends.base import AttentionBackend
-from conformance.cases.case_data import index_weights
 from conformance.cases.grammar import Case
 from conformance.cases.kv_quantization import ONE_ULP_FRACTION, quantize, token_scales, ulps_apart
-from conformance.cases.oracle import index_logits
+from conformance.cases.oracle import index_logits, index_tolerance
 from conformance.checks.base import Check
-from conformance.harness.index_choice import judge_rows, tolerance
+from conformance.harness.answers import CHOICE
+from conformance.harness.index_choice import judge_rows
 from conformance.harness.input_watch import InputWatch
-from conformance.harness.step import ChangedInput, pool_watch, prepare_case
+from conformance.harness.step import ChangedInput, output_buffer, pool_watch, prepare_case
 from conformance.results import Outcome, Verdict
-
-UNWRITTEN = -2  # what every output row holds before forward: never a position, nor -1
 
 
 class IndexerCheck(Check):
@@ -42,15 +40,13 @@ class IndexerCheck(Check):
 
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> Outcome:
         prepared = prepare_case(backend_cls, case, device)
-        batch, backend, spec = prepared.batch, prepared.backend, case.spec
-        rows = case.num_tokens + case.padding
+        batch, backend = prepared.batch, prepared.backend
         common = batch.common_metadata()
         key, _, slots = batch.step_rows()
         query = torch.cat([batch.query, batch.query.new_zeros(case.padding, *batch.query.shape[1:])])
-        weights = torch.zeros(rows, spec.num_heads, device=device)
-        weights[: case.num_tokens] = index_weights(case, device)
-        layer = prepared.forward_layer.with_weights(weights.clone())
-        out = torch.full((rows, spec.sparse_topk), UNWRITTEN, dtype=torch.int32, device=device)
+        layer = prepared.forward_layer  # its head weights: copies, padding rows 0
+        weights = batch.token_inputs["index_weights"]
+        out = output_buffer(batch, case.padding)[0]
         watch = InputWatch.of(
             {
                 "query": query,
@@ -73,7 +69,7 @@ class IndexerCheck(Check):
         if changed:
             raise ChangedInput("the backend changed an input it was handed: " + "; ".join(changed))
         padding = out[case.num_tokens :]
-        if bool((padding != UNWRITTEN).any()):
+        if bool(CHOICE.written(padding).any()):
             return Outcome(Verdict.FAIL, "forward wrote output rows past the step's real tokens (padding rows)")
         stored_problem, stored_metrics, keys = self._stored(backend, prepared, batch)
         if stored_problem:
@@ -128,7 +124,7 @@ class IndexerCheck(Check):
                 continue
             query = batch.query[start:end]
             logits = index_logits(query, keys[request].to(query.device), weights[start:end], context_len=context_len)
-            tolerances = tolerance(query, keys[request], weights[start:end])
+            tolerances = index_tolerance(query, keys[request], weights[start:end])
             problem, miss = judge_rows(
                 out[start:end], logits, tolerances, context_len, case.spec.sparse_topk, first_token=start
             )

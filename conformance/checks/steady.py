@@ -58,9 +58,10 @@ import torch
 from backends.base import AttentionBackend
 from backends.features import LSE
 from conformance.cases.grammar import Case
-from conformance.checks.base import Check, Plan, first_of_each
+from conformance.checks.base import EVERY_KIND, Check, Plan, first_of_each
+from conformance.harness.answers import answer_for
 from conformance.harness.batch import PagedBatch
-from conformance.harness.comparison import TOLERANCES, compare_with_oracle, worst_place
+from conformance.harness.comparison import TOLERANCES, worst_place
 from conformance.harness.continuous_batch import (
     MAX_REQUESTS,
     SPEC_TOKENS,
@@ -222,10 +223,11 @@ def steady_look(
         return Outcome(Verdict.FAIL, reason, metrics=metrics_now, evidence=evidence)
 
     reference, allowance = oracle(prepared)
-    failing = loop.first_bad_step(_mismatched_rows(loop.out_bank, reference, allowance, atol, rtol))
+    answer = answer_for(case.spec)
+    failing = loop.first_bad_step(answer.mismatched_rows(loop.out_bank, reference, allowance, atol, rtol))
     if failing is not None:
         rows = loop.step_rows(failing)
-        _, errors, found = compare_with_oracle(
+        _, errors, found = answer.compare(
             loop.out_bank.index_select(0, rows),
             reference.index_select(0, rows.to(reference.device)),
             loop.host_starts[failing],
@@ -285,29 +287,6 @@ SCHEDULE_METRICS = (
     "steps_with_mixed_query_lens",
     "max_tokens_per_step",
 )
-
-
-def _mismatched_rows(
-    out: torch.Tensor,
-    reference: torch.Tensor,
-    allowance: torch.Tensor | None,
-    atol: float,
-    rtol: float,
-    chunk_rows: int = 1024,
-) -> torch.Tensor:
-    """bool [rows]: the rows with an element beyond ``compare_with_oracle``'s test (NaN counts),
-    a chunk of rows at a time (the float64 differences of a whole bank would take its memory
-    several times over)."""
-    bad = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
-    for start in range(0, out.shape[0], chunk_rows):
-        got = out[start : start + chunk_rows].double()
-        expected = reference[start : start + chunk_rows].to(got.device)
-        allowed = atol + rtol * expected.abs()
-        if allowance is not None:
-            allowed = allowed + allowance[start : start + chunk_rows].to(got.device)
-        wrong = ((got - expected).abs() > allowed) | ~torch.isfinite(got)
-        bad[start : start + chunk_rows] = wrong.flatten(1).any(dim=1)
-    return bad
 
 
 def _lse_problem(
@@ -394,6 +373,7 @@ def _phase(detector, name: str):
 
 class SteadyCheck(Check):
     name = "steady"
+    kinds = EVERY_KIND
     question = (
         f"{STEPS} steps of continuous batching (requests joining and leaving, decode and spec-verify "
         "query lengths): no host sync, inputs unchanged, no memory growth, every step right?"

@@ -22,7 +22,7 @@ import torch
 from backends.base import AttentionBackend
 from backends.features import EMPTY_REQUESTS
 from conformance.cases.grammar import Case
-from conformance.checks.base import Check
+from conformance.checks.base import EVERY_KIND, Check
 from conformance.harness.step import PreparedCase, prepare_case, run_step
 from conformance.results import CaseResult, Outcome, Verdict
 from host_syncs.detector import detect_host_syncs
@@ -94,6 +94,7 @@ def _labelled(detector, label: str):
 
 class SyncsCheck(Check):
     name = "syncs"
+    kinds = EVERY_KIND
     question = "host↔device syncs in build + write_kv + forward, with and without host lengths?"
 
     evidence_labels = {"cupti_unavailable": "detector fell back (CUPTI unavailable)"}

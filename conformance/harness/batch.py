@@ -13,10 +13,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from backends.base import BackendLimits, CommonAttentionMetadata
-from conformance.cases.case_data import apply_profile, shape_activations, sink_logits, topk_indices, use_fp8_range
+from conformance.cases.case_data import apply_profile, shape_activations, sink_logits, use_fp8_range
 from conformance.cases.grammar import Case
 from conformance.cases.oracle import layer_reference
 from conformance.cases.random_data import normal_tensors
+from conformance.harness import token_inputs
 
 BIG_POOL_ELEMENTS = 2**31  # a bigpool case's owned blocks start past this many elements of their plane
 BIG_POOL_BLOCK_IDS = 2**16  # ... and at block ids past this, where a block id kept in 16 bits has wrapped
@@ -34,7 +35,9 @@ class PagedBatch:
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32, host
     num_blocks: int  # block 0 (reserved) included
     sinks: torch.Tensor | None = None  # [H] float32 on the device: the layer's learned sink logits, if any
-    topk_indices: torch.Tensor | None = None  # a sparse layer's: [num_tokens, topk] int32 on the device
+    # The layer's per-token inputs (``token_inputs``), [num_tokens, ...] on the device: a sparse
+    # layer's index rows, an indexer's head weights.
+    token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     _reference: torch.Tensor | None = field(default=None, repr=False, compare=False)  # the oracle's, once computed
 
     @property
@@ -70,9 +73,10 @@ class PagedBatch:
         """The same requests (same data, same blocks) as a batch of ``order``'s requests in that order."""
         starts = self.query_start_loc
         query = torch.cat([self.query[starts[r] : starts[r + 1]] for r in order])
-        indices = self.topk_indices
-        if indices is not None:
-            indices = torch.cat([indices[starts[r] : starts[r + 1]] for r in order])
+        inputs = {
+            name: torch.cat([rows[starts[r] : starts[r + 1]] for r in order])
+            for name, rows in self.token_inputs.items()
+        }
         case = replace(self.case, batch=tuple(self.case.batch[r] for r in order), shared_prefix_blocks=0)
         return PagedBatch(
             case,
@@ -83,7 +87,7 @@ class PagedBatch:
             self.block_table[order],
             self.num_blocks,
             self.sinks,
-            indices,
+            inputs,
         )
 
     def with_empty_request(self) -> "PagedBatch":
@@ -101,7 +105,7 @@ class PagedBatch:
             torch.cat([self.block_table, empty_row]),
             self.num_blocks,
             self.sinks,
-            self.topk_indices,
+            self.token_inputs,
         )
 
     def reference_output(self) -> torch.Tensor:
@@ -126,23 +130,24 @@ class PagedBatch:
                     **self.oracle_inputs(request),
                 )
             )
-        return torch.cat(outputs)
+        return joined(outputs)
 
     def oracle_inputs(self, request: int) -> dict[str, torch.Tensor | None]:
         """What the oracle reads of the layer for ``request`` beyond its rows: the layer's learned
-        sinks, and a sparse layer's index rows of the request's tokens."""
+        sinks, and the per-token inputs of the request's tokens (a sparse layer's index rows, an
+        indexer's head weights)."""
         start, end = self.query_start_loc[request], self.query_start_loc[request + 1]
-        indices = None if self.topk_indices is None else self.topk_indices[start:end]
-        return {"sinks": self.sinks, "topk_indices": indices}
+        return {"sinks": self.sinks, **{name: rows[start:end] for name, rows in self.token_inputs.items()}}
 
-    def handed_indices(self, rows: int) -> torch.Tensor | None:
-        """A copy of a sparse layer's index rows as ``forward`` is handed them, ``rows`` long: the
-        real tokens' rows, then -1 rows for the padding (``backends.base``)."""
-        if self.topk_indices is None:
-            return None
-        handed = torch.full((rows, self.topk_indices.shape[1]), -1, dtype=torch.int32, device=self.device)
-        handed[: self.topk_indices.shape[0]].copy_(self.topk_indices)
-        return handed
+    @property
+    def topk_indices(self) -> torch.Tensor | None:
+        """A sparse layer's index rows, [num_tokens, topk] int32; None for a dense layer."""
+        return self.token_inputs.get("topk_indices")
+
+    def handed_inputs(self, rows: int) -> dict[str, torch.Tensor]:
+        """Copies of the layer's per-token inputs as ``forward`` is handed them, ``rows`` long: the
+        real tokens' rows, then padding rows (``token_inputs``)."""
+        return token_inputs.handed(self.spec, self.token_inputs, rows, self.device)
 
     def head_values(self, request: int, head: int) -> torch.Tensor:
         """[seq_len, Dv]: the values query head ``head`` of ``request`` attends over (MLA: the
@@ -320,6 +325,15 @@ def assign_blocks(case: Case, generator: torch.Generator) -> tuple[torch.Tensor,
     return table, lowest + total
 
 
+def joined(answers: list[torch.Tensor]) -> torch.Tensor:
+    """Each request's oracle answers, one after another. An indexer's answer for a request is as
+    wide as its sequence: each is widened to the batch's longest with -inf (positions it has not)."""
+    width = max((answer.shape[-1] for answer in answers), default=0)
+    return torch.cat(
+        [torch.nn.functional.pad(answer, (0, width - answer.shape[-1]), value=float("-inf")) for answer in answers]
+    )
+
+
 def materialize(case: Case, device: torch.device | str) -> PagedBatch:
     device = torch.device(device)
     spec = case.spec
@@ -351,8 +365,7 @@ def materialize(case: Case, device: torch.device | str) -> PagedBatch:
         return None if tensor is None else tensor.to(spec.dtype)
 
     sinks = sink_logits(spec).to(device) if spec.attention_sinks else None
-    sparse = spec.sparse_topk is not None and spec.layout.attends  # an indexer's own output is its rows
-    indices = topk_indices(case, generator).to(device) if sparse else None
+    inputs = token_inputs.drawn(case, generator, device)
     return PagedBatch(
         case,
         device,
@@ -362,5 +375,5 @@ def materialize(case: Case, device: torch.device | str) -> PagedBatch:
         block_table,
         num_blocks,
         sinks,
-        indices,
+        inputs,
     )

@@ -9,11 +9,12 @@ rounding allowance ``stored_cache.oracle`` returns: dequantizing into the comput
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from conformance.harness.evidence import WorstElement
+if TYPE_CHECKING:  # evidence imports what imports this module
+    from conformance.harness.evidence import WorstElement
 
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {  # dtype: (atol, rtol)
     torch.float32: (1e-3, 1e-3),
@@ -62,7 +63,7 @@ def compare_with_oracle(
         # the margin by which a defect fails, or a correct backend passes.
         "tolerance_ratio": float(torch.where(non_finite, torch.full_like(diff, float("inf")), diff / allowed).max()),
     }
-    evidence: dict[str, WorstElement] = {
+    evidence: "dict[str, WorstElement]" = {
         "worst": {
             "request": request,
             "token": token - query_start_loc[request],
@@ -73,6 +74,29 @@ def compare_with_oracle(
         }
     }
     return not bool(mismatched.any()), metrics, evidence
+
+
+def mismatched_rows(
+    out: torch.Tensor,
+    reference: torch.Tensor,
+    allowance: torch.Tensor | None,
+    atol: float,
+    rtol: float,
+    chunk_rows: int = 1024,
+) -> torch.Tensor:
+    """bool [rows]: the rows with an element beyond ``compare_with_oracle``'s test (NaN counts),
+    a chunk of rows at a time (the float64 differences of a whole bank would take its memory
+    several times over)."""
+    bad = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
+    for start in range(0, out.shape[0], chunk_rows):
+        got = out[start : start + chunk_rows].double()
+        expected = reference[start : start + chunk_rows].to(got.device)
+        allowed = atol + rtol * expected.abs()
+        if allowance is not None:
+            allowed = allowed + allowance[start : start + chunk_rows].to(got.device)
+        wrong = ((got - expected).abs() > allowed) | ~torch.isfinite(got)
+        bad[start : start + chunk_rows] = wrong.flatten(1).any(dim=1)
+    return bad
 
 
 def how_far_off(errors: dict[str, Any]) -> str:

@@ -36,6 +36,8 @@ import torch
 
 from backends.base import AttentionBackend, Capabilities, CommonAttentionMetadata, PaddingStyle
 from conformance.cases.grammar import Case
+from conformance.harness import token_inputs
+from conformance.harness.answers import answer_for
 from conformance.harness.batch import PagedBatch, materialize
 from conformance.harness.graph_batches import GraphShape
 from conformance.harness.graphs import GraphBuffers
@@ -324,14 +326,13 @@ class ContinuousBatch:
             else torch.cat([batch.values[r][span.start : span.stop] for r, span in enumerate(new)])
         )
         self.slot_bank = torch.cat([batch.slots(r, span) for r, span in enumerate(new)]).to(device)
-        # A sparse layer's index rows, drawn for each request's tokens at their positions: in the
-        # batch's token order already, as the query's.
-        self.index_bank = batch.topk_indices
+        # The per-token inputs (a sparse layer's index rows, an indexer's head weights), drawn for
+        # each request's tokens at their positions: in the batch's token order already, as the query's.
+        self.input_banks = batch.token_inputs
         self.table = batch.block_table.to(device)
         self.total_tokens = self.offsets[-1]
-        self.out_bank = torch.full(
-            (self.total_tokens, spec.num_heads, spec.v_head_dim), float("nan"), dtype=spec.dtype, device=device
-        )
+        self.answer = answer_for(spec)
+        self.out_bank = self.answer.empty(spec, self.total_tokens, device)[0]
         self.lse_bank = torch.full(
             (self.total_tokens, spec.num_heads), float("nan"), dtype=torch.float32, device=device
         )
@@ -402,13 +403,15 @@ class ContinuousBatch:
             buffers.value[:tokens].copy_(self.value_bank.index_select(0, rows))
         buffers.slot_mapping.fill_(-1)
         buffers.slot_mapping[:tokens].copy_(self.slot_bank.index_select(0, rows))
-        if self.index_bank is not None:
-            buffers.first.topk_indices.fill_(-1)
-            buffers.first.topk_indices[:tokens].copy_(self.index_bank.index_select(0, rows))
+        token_inputs.load(
+            buffers.spec,
+            buffers.first.token_inputs,
+            {name: bank.index_select(0, rows) for name, bank in self.input_banks.items()},
+        )
         buffers.query_start_loc[: count + 1].copy_(starts)
         buffers.seq_lens[:count].copy_(seq_lens)
         buffers.block_table[:count, : self.table.shape[1]].copy_(self.table.index_select(0, requests))
-        buffers.out.fill_(float("nan"))
+        buffers.out.fill_(self.answer.unwritten)
         self.lse.fill_(float("nan"))
         this = self.schedule.steps[step]
         return CommonAttentionMetadata.from_lengths(
@@ -442,7 +445,7 @@ class ContinuousBatch:
         buffers = self.buffers
         self.out_bank.index_copy_(0, rows, buffers.out[:tokens])
         self.lse_bank.index_copy_(0, rows, self.lse[:tokens])
-        self.spilled[step, 0] = ~torch.isnan(buffers.out[tokens:]).all()
+        self.spilled[step, 0] = self.answer.written(buffers.out[tokens:]).any()
         self.spilled[step, 1] = ~torch.isnan(self.lse[tokens:]).all()
 
     def first_spill(self, steps: int) -> tuple[int, str] | None:

@@ -20,8 +20,8 @@ import torch
 
 from backends.base import AttentionBackend, CommonAttentionMetadata, PaddingStyle
 from conformance.cases.grammar import Case
+from conformance.harness.answers import answer_for
 from conformance.harness.batch import PagedBatch, materialize
-from conformance.harness.comparison import compare_with_oracle
 from conformance.harness.graph_batches import GraphShape
 from conformance.harness.graphs import GraphBuffers, GraphLayer, warm_up
 from conformance.harness.lse_pass import judge_lse
@@ -61,10 +61,12 @@ class DraftBanks:
             if drafted.values[0] is None
             else layer.rows(torch.stack([drafted.values[r][c : c + num_steps] for r, c in enumerate(contexts)]))
         )
-        # A sparse layer's index rows of each step (the indexer's output for that step's token).
-        self.indices = None if drafted.topk_indices is None else drafted.topk_indices.view(n, num_steps, -1)
+        # The per-token inputs of each step (a sparse layer's index rows: the indexer's output for
+        # that step's token; an indexer's head weights).
+        self.token_inputs = {name: rows.view(n, num_steps, -1) for name, rows in drafted.token_inputs.items()}
+        self.answer = answer_for(drafted.spec)
         self.out = torch.full(
-            (n, num_steps, *layer.out.shape[1:]), float("nan"), dtype=layer.out.dtype, device=layer.out.device
+            (n, num_steps, *layer.out.shape[1:]), self.answer.unwritten, dtype=layer.out.dtype, device=layer.out.device
         )
         self.lse = (
             None
@@ -79,8 +81,8 @@ class DraftBanks:
         layer.key[:n].copy_(self.key.index_select(1, step).squeeze(1))
         if self.value is not None:
             layer.value[:n].copy_(self.value.index_select(1, step).squeeze(1))
-        if self.indices is not None:
-            layer.topk_indices[:n].copy_(self.indices.index_select(1, step).squeeze(1))
+        for name, rows in self.token_inputs.items():
+            layer.token_inputs[name][:n].copy_(rows.index_select(1, step).squeeze(1))
 
     def keep(self, step: torch.Tensor) -> None:
         """Device-only: bank what draft step ``step`` wrote."""
@@ -92,7 +94,7 @@ class DraftBanks:
     def clear(self) -> None:
         """NaN in every banked output and LSE and in the layer's LSE buffer: a replay that writes
         nothing leaves NaN, not what the warm-up wrote."""
-        self.out.fill_(float("nan"))
+        self.out.fill_(self.answer.unwritten)
         for tensor in (self.lse, self.layer.lse):
             if tensor is not None:
                 tensor.fill_(float("nan"))
@@ -215,10 +217,10 @@ class DraftLoop:
         for bank in self.banks:
             layer = bank.layer
             reference, allowance = oracle(self.buffers.prepared(self.drafted, layer), negated=layer.negated)
-            reference = reference.view(self.num_real, self.num_steps, *bank.out.shape[2:])
+            reference = reference.view(self.num_real, self.num_steps, *reference.shape[1:])
             allowance = None if allowance is None else allowance.view_as(reference)
             for step in range(self.num_steps):
-                passed, metrics, evidence = compare_with_oracle(
+                passed, metrics, evidence = bank.answer.compare(
                     bank.out[:, step],
                     reference[:, step],
                     starts,

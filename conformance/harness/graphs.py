@@ -16,7 +16,7 @@ then) freezes the capture's copy into the graph, and every replay reads the capt
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -31,6 +31,7 @@ from backends.base import (
 )
 from conformance.cases.case_data import sink_logits
 from conformance.cases.grammar import Case
+from conformance.harness import token_inputs
 from conformance.harness.batch import PagedBatch, guarded_block_table, pool_size
 from conformance.harness.graph_batches import GraphShape, padding_rows
 from conformance.harness.input_watch import InputWatch, PoolWatch
@@ -88,19 +89,17 @@ class GraphLayer:
         self.key = torch.zeros(spec.layout.key_shape(spec, shape.num_tokens), dtype=spec.dtype, device=device)
         value_shape = spec.layout.value_shape(spec, shape.num_tokens)
         self.value = None if value_shape is None else torch.zeros(value_shape, dtype=spec.dtype, device=device)
-        self.out = torch.zeros(shape.num_tokens, spec.num_heads, spec.v_head_dim, dtype=spec.dtype, device=device)
+        self.out = torch.zeros(
+            spec.layout.output_shape(spec, shape.num_tokens), dtype=spec.layout.output_dtype(spec), device=device
+        )
         self.lse = (
             torch.full((shape.num_tokens, spec.num_heads), float("nan"), dtype=torch.float32, device=device)
             if lse
             else None
         )
-        # A sparse layer's index rows, persistent as an engine's indexer output buffer is: -1 (no
-        # entry) in every row a load does not fill.
-        self.topk_indices = (
-            None
-            if spec.sparse_topk is None
-            else torch.full((shape.num_tokens, spec.sparse_topk), -1, dtype=torch.int32, device=device)
-        )
+        # The layer's per-token inputs (a sparse layer's index rows, an indexer's head weights),
+        # persistent as an engine's indexer output buffer is: padding in every row a load does not fill.
+        self.token_inputs = token_inputs.buffers(spec, shape.num_tokens, device)
 
     @property
     def name(self) -> str:
@@ -114,9 +113,9 @@ class GraphLayer:
 
     @property
     def forward_parameters(self) -> LayerParameters:
-        """``forward``'s parameters: the handed scales and sinks, a sparse layer's index rows, and
-        the LSE buffer where asked."""
-        return self.parameters.with_indices(self.topk_indices).with_lse(self.lse)
+        """``forward``'s parameters: the handed scales and sinks, the per-token inputs, and the LSE
+        buffer where asked."""
+        return replace(self.parameters, **self.token_inputs).with_lse(self.lse)
 
     def rows(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """``tensor`` (rows of the batch as drawn) as this layer holds them: a later layer's negated."""
@@ -261,9 +260,7 @@ class GraphBuffers:
             if layer.value is not None:
                 layer.value.fill_(-PADDING_KEY_VALUE - self.loads)
                 layer.value[:real].copy_(layer.rows(step_value))
-            if layer.topk_indices is not None:
-                layer.topk_indices.fill_(-1)
-                layer.topk_indices[:real].copy_(batch.topk_indices)
+            token_inputs.load(self.spec, layer.token_inputs, batch.token_inputs)
         common = CommonAttentionMetadata.from_lengths(
             query_start_loc=self.query_start_loc,
             seq_lens=self.seq_lens,
@@ -306,7 +303,7 @@ class GraphBuffers:
                     f"query{layer.name}": layer.query,
                     f"key{layer.name}": layer.key,
                     f"value{layer.name}": layer.value,
-                    f"topk_indices{layer.name}": layer.topk_indices,
+                    **{f"{name}{layer.name}": rows for name, rows in layer.token_inputs.items()},
                 }
             )
             parameters[layer.name] = layer.parameters

@@ -6,10 +6,10 @@ token has up to k.
 
 The tolerance is what rounding each head's score ``q_h · k`` to bf16 once (half a unit in the last
 place, 2^-8 of it) can move a logit: ``2^-8 · max_s Σ_h |w_h| · |q_h · k_s|`` per token, the largest
-weighted score magnitude a key of its request reaches. Products of bf16 queries and e4m3 keys (times
-power-of-two scales) are exact in fp32 and their fp32 sums far closer; a key dequantized without
-its scale, a logit without its weights or its ReLU, or a top-k over positions the token may not
-index moves far more."""
+weighted score magnitude a key of its request reaches (``cases.oracle.index_tolerance``).
+Products of bf16 queries and e4m3 keys (times power-of-two scales) are exact in fp32 and their fp32
+sums far closer; a key dequantized without its scale, a logit without its weights or its ReLU, or a
+top-k over positions the token may not index moves far more."""
 
 from __future__ import annotations
 
@@ -17,21 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-INDEX_RTOL = 2.0**-8  # bf16's unit roundoff
-
 
 @dataclass
 class ChoiceProblem:
     token: int  # among the batch's tokens
     what: str
-
-
-def tolerance(query: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """[q] float64: each token's logit tolerance (module docstring). query [q, H, D], keys [s, D]."""
-    if not keys.numel():
-        return torch.zeros(query.shape[0], dtype=torch.float64)
-    scores = torch.einsum("qhd,sd->qhs", query.double(), keys.double().to(query.device)).abs()
-    return INDEX_RTOL * torch.einsum("qh,qhs->qs", weights.double().abs(), scores).amax(dim=1).cpu()
 
 
 def judge_rows(

@@ -28,6 +28,7 @@ from backends.base import (
 )
 from conformance.cases.case_data import poison_key_value, sink_logits
 from conformance.cases.grammar import Case
+from conformance.harness.answers import answer_for
 from conformance.harness.batch import PagedBatch, materialize
 from conformance.harness.input_watch import InputWatch, PoolWatch
 
@@ -93,9 +94,10 @@ class PreparedCase:
     def __post_init__(self) -> None:
         if self.handed is None:
             self.handed = HandedLayer.copy_of(self.scales, self.batch.sinks)
-        # A sparse layer's index rows, as forward is handed them this step: a copy, padding rows -1.
+        # The layer's per-token inputs (a sparse layer's index rows, an indexer's head weights) as
+        # forward is handed them this step: copies, then padding rows.
         case = self.batch.case
-        self.topk_indices = self.batch.handed_indices(case.num_tokens + case.padding)
+        self.token_inputs = self.batch.handed_inputs(case.num_tokens + case.padding)
 
     def over(self, batch: PagedBatch) -> "PreparedCase":
         """Another batch (the same requests reordered, a subset) over this layer's backend, pool and scales."""
@@ -108,11 +110,9 @@ class PreparedCase:
 
     @property
     def forward_layer(self) -> LayerParameters:
-        """This layer's ``forward`` parameters: its handed scales and sinks, a sparse layer's index
-        rows of this step, no ``lse`` (``lse_pass`` adds one)."""
-        if self.topk_indices is None:
-            return self.handed.parameters
-        return self.handed.parameters.with_indices(self.topk_indices)
+        """This layer's ``forward`` parameters: its handed scales and sinks, its per-token inputs of
+        this step, no ``lse`` (``lse_pass`` adds one)."""
+        return replace(self.handed.parameters, **self.token_inputs)
 
 
 def case_scales(case: Case, device: torch.device | str, layer: int = 0) -> KVScales | None:
@@ -311,12 +311,10 @@ def fused_qkv_views(spec: AttentionSpec, query: torch.Tensor | None, key: torch.
 
 
 def output_buffer(batch: PagedBatch, padding: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, whole buffer): NaN everywhere. Strided cases get a view into a wider buffer."""
-    spec = batch.spec
-    rows, width = batch.case.num_tokens + padding, spec.num_heads * spec.v_head_dim
+    """(out, whole buffer): unwritten everywhere (an attention's NaN, ``answers``). Strided cases
+    get a view into a wider buffer."""
     guard = OUTPUT_GUARD_COLUMNS if batch.case.strided else 0
-    whole = torch.full((rows, width + guard), float("nan"), dtype=spec.dtype, device=batch.device)
-    return whole[:, :width].view(rows, spec.num_heads, spec.v_head_dim), whole
+    return answer_for(batch.spec).empty(batch.spec, batch.case.num_tokens + padding, batch.device, guard)
 
 
 def poisoned_output(batch: PagedBatch, padding: int | None = None) -> torch.Tensor:
@@ -459,16 +457,17 @@ def step_output(step: StagedStep) -> torch.Tensor:
         raise ChangedInput("the backend changed an input it was handed: " + "; ".join(changed))
     whole, out = step.whole, step.out
     real = step.prepared.batch.case.num_tokens
-    guard = whole[:, out.shape[1] * out.shape[2] :]
-    if guard.numel() and not bool(torch.isnan(guard).all()):
-        written = int((~torch.isnan(guard)).sum())
+    written_by = answer_for(step.prepared.batch.spec).written
+    guard = whole[:, out[0].numel() :]
+    if guard.numel() and bool(written_by(guard).any()):
+        written = int(written_by(guard).sum())
         raise WroteOutsideOutput(
             f"forward wrote {written} elements outside the strided output view it was given "
             "(it assumed a contiguous output)"
         )
     past = out[real:]
-    if past.numel() and not bool(torch.isnan(past).all()):
-        rows = int((~torch.isnan(past)).flatten(1).any(dim=1).sum())
+    if past.numel() and bool(written_by(past).any()):
+        rows = int(written_by(past).flatten(1).any(dim=1).sum())
         raise WroteOutsideOutput(
             f"forward wrote {rows} output rows past the step's {real} real tokens (padding rows' "
             "outputs must stay as they were: the contract writes the first num_actual_tokens rows)"

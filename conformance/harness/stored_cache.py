@@ -32,6 +32,7 @@ from conformance.cases.kv_quantization import (
     ulps_apart,
 )
 from conformance.cases.oracle import layer_reference
+from conformance.harness.answers import answer_for
 from conformance.harness.step import PreparedCase
 
 
@@ -74,7 +75,7 @@ def expected_output(prepared: PreparedCase, *, negated: bool = False) -> torch.T
     batch = prepared.batch
     if not quantized(prepared):
         reference = batch.reference_output()
-        return reference.neg() if negated else reference
+        return answer_for(batch.spec).negated(reference) if negated else reference
     return _solve(prepared, negated=negated)[0]
 
 

@@ -100,11 +100,14 @@ def test_planted_indexer_defects_fail(defect, words):
     assert result.metrics.get("tolerance_ratio", float("inf")) > 5
 
 
-def test_the_attention_checks_leave_indexer_cases_to_the_indexer_check():
+STEP_CHECKS = {"indexer", "syncs", "graphs", "draft-loop", "steady", "determinism"}
+
+
+def test_the_checks_that_drive_steps_judge_an_indexer_and_the_attention_checks_leave_it():
     case = parse_case(SMALL)
     for name in CHECKS:
-        reason = make_check(name).case_skip_reason(TorchIndexerBackend, case, CPU)
-        assert (reason is None) == (name == "indexer"), (name, reason)
+        reason = make_check(name).kind_reason(case)
+        assert (reason is None) == (name in STEP_CHECKS), (name, reason)
     assert IndexerCheck().case_skip_reason(TorchNaiveBackend, case, CPU) == "INDEXER not supported (supports mha, mla)"
     assert (
         IndexerCheck()
