@@ -359,6 +359,16 @@ class GpuLimit:
     why: str = ""
 
 
+@dataclass(frozen=True)
+class OnlyWith:
+    """The features a claimed feature is served with, where a backend serves it on some layers only
+    (DeepSeek's fp8_ds_mla by a sparse kernel alone, say): a case asking it without every one of
+    them SKIPs, quoting ``why``."""
+
+    features: frozenset[Feature]
+    why: str = ""
+
+
 SERVES = {"list": "serves"}  # a field ``conformance list`` shows as what a backend serves
 CLAIMS = {"list": "claims"}  # ... as what it claims
 
@@ -371,9 +381,10 @@ class Capabilities:
     counts, query lengths: limits a case's shape must fall within); the contract's features
     (``backends.features``: fp8 caches, sinks, a value head dim of its own, the LSE, empty
     requests, ...), each claimed by name in ``features`` or, with the reason a SKIP gives, in
-    ``not_claimed``; and behaviours the checks measure (graphs, host lengths, draft update,
-    determinism). A field's ``list`` metadata puts it in ``conformance list`` (what a backend
-    serves, or what it claims); every field is in ``to_dict``."""
+    ``not_claimed`` (``feature_only_with``: one claimed for the layers that ask some other
+    features too, and why not without them); and behaviours the checks measure (graphs, host
+    lengths, draft update, determinism). A field's ``list`` metadata puts it in ``conformance
+    list`` (what a backend serves, or what it claims); every field is in ``to_dict``."""
 
     # What it serves: limits a case's layout must fall within (None: any).
     kinds: frozenset[str] = field(default=frozenset({"mha"}), metadata=SERVES)
@@ -389,6 +400,7 @@ class Capabilities:
     features: frozenset[Feature] = field(default=frozenset(), metadata=CLAIMS)
     not_claimed: dict[Feature, str] = field(default_factory=dict)
     feature_gpus: dict[Feature, GpuLimit] = field(default_factory=dict)
+    feature_only_with: dict[Feature, OnlyWith] = field(default_factory=dict)  # a claim for some layers only
     # What the checks measure it to do.
     cuda_graphs: CGSupport = field(default=CGSupport.NEVER, metadata=CLAIMS)
     needs_cpu_seq_lens: bool = field(default=True, metadata=CLAIMS)  # False: no host sync without host lengths
@@ -405,6 +417,11 @@ class Capabilities:
         claimed_and_not = sorted(str(f) for f in self.not_claimed if f in self.features)
         if claimed_and_not:
             raise ValueError(f"Capabilities.not_claimed names {', '.join(claimed_and_not)}, claimed in features")
+        limited_unclaimed = sorted(str(f) for f in self.feature_only_with if f not in self.features)
+        if limited_unclaimed:
+            raise ValueError(
+                f"Capabilities.feature_only_with names {', '.join(limited_unclaimed)}, not claimed in features"
+            )
 
     def supports(self, feature_: Feature) -> bool:
         return feature_ in self.features
@@ -468,6 +485,12 @@ class Capabilities:
             if not self.supports(feature_):
                 why = self.not_claimed.get(feature_)
                 return f"{feature_.words(needs)} not supported" + (f": {why}" if why else "")
+            only_with = self.feature_only_with.get(feature_)
+            lacking = sorted(f.name for f in only_with.features if not f.asked(needs)) if only_with else []
+            if lacking:
+                return f"{feature_.words(needs)} not supported without {', '.join(lacking)}" + (
+                    f": {only_with.why}" if only_with.why else ""
+                )
             limit = self.feature_gpus.get(feature_)
             info = DeviceInfo.of(device)
             if limit is not None and info.compute_capability not in (None, *limit.compute_capabilities):

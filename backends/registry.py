@@ -17,6 +17,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "torch_indexer": "backends.torch_indexer:TorchIndexerBackend",
     "triton": "backends.triton.backend:TritonAttentionBackend",
     "triton_mla": "backends.triton.mla_backend:TritonMLABackend",
+    "triton_indexer": "backends.triton.indexer:TritonIndexerBackend",
     "flashinfer": "backends.flashinfer.gqa:FlashInferBackend",
     "flashinfer_mla": "backends.flashinfer.mla:FlashInferMLABackend",
     "trtllm": "backends.flashinfer.trtllm:TrtllmBackend",

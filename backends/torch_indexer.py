@@ -16,6 +16,7 @@ import torch
 from backends.base import (
     PLAIN_LAYER,
     AttentionBackend,
+    AttentionSpec,
     Capabilities,
     CGSupport,
     CommonAttentionMetadata,
@@ -35,19 +36,14 @@ class IndexerMetadata:
     block_table: torch.Tensor
 
 
-class TorchIndexerBackend(AttentionBackend):
-    name = "torch_indexer"
-    capabilities = Capabilities(
-        kinds=frozenset({"indexer"}),
-        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        max_query_len=None,
-        features=frozenset({FP8_E4M3, EMPTY_REQUESTS}),
-        cuda_graphs=CGSupport.NEVER,
-        needs_cpu_seq_lens=True,
-        deterministic=True,
-        batch_invariant=True,
-        devices=frozenset({"cpu", "cuda"}),
-    )
+class IndexerKeyCache:
+    """An indexer's key cache (the module docstring's layout): its shape, ``write_kv`` and
+    ``read_kv``, shared by every indexer backend that keeps this layout (``torch_indexer``,
+    ``triton_indexer``). Plain PyTorch, no host value read: ``write_kv`` is graph-safe (on CUDA the
+    rows go through our Triton write kernel, ``paged_write``)."""
+
+    spec: AttentionSpec
+    device: torch.device
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         extra = SCALE_BYTES if self.spec.fp8_kv_cache else 0
@@ -78,6 +74,21 @@ class TorchIndexerBackend(AttentionBackend):
     def read_kv(self, kv_cache, slot_mapping):
         keys, scales = self.planes(kv_cache)
         return keys[slot_mapping], None if scales is None else scales[slot_mapping]
+
+
+class TorchIndexerBackend(IndexerKeyCache, AttentionBackend):
+    name = "torch_indexer"
+    capabilities = Capabilities(
+        kinds=frozenset({"indexer"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        max_query_len=None,
+        features=frozenset({FP8_E4M3, EMPTY_REQUESTS}),
+        cuda_graphs=CGSupport.NEVER,
+        needs_cpu_seq_lens=True,
+        deterministic=True,
+        batch_invariant=True,
+        devices=frozenset({"cpu", "cuda"}),
+    )
 
     def build(self, common: CommonAttentionMetadata) -> IndexerMetadata:
         return IndexerMetadata(common.query_start_loc_cpu.tolist(), common.seq_lens_cpu.tolist(), common.block_table)

@@ -13,6 +13,7 @@ import torch
 
 from backends import fp8
 from backends.base import AttentionSpec, KVScales
+from reference_engine.lightning_indexer import LightningIndexer
 
 if TYPE_CHECKING:
     from reference_engine.step_inputs import StepInputs
@@ -44,11 +45,14 @@ class ModelConfig:
     qk_nope_dim: int = 0
     qk_rope_dim: int = 0
     v_head_dim: int = 0
-    # DeepSeek's sparse MLA (DSA): each token attends to the index_topk positions a stand-in indexer
-    # chooses (``strided_indices``: no learned lightning indexer yet), and to its index_window most
-    # recent ones where that is set (DeepSeek-V4's window part).
+    # DeepSeek's sparse MLA (DSA): each token attends to the index_topk positions its layer's
+    # lightning indexer chooses (index_heads of index_head_dim, keys in an fp8 cache of its own:
+    # ``lightning_indexer``), and to its index_window most recent ones where that is set
+    # (DeepSeek-V4's window part).
     index_topk: int | None = None
     index_window: int | None = None
+    index_heads: int = 4
+    index_head_dim: int = 32
 
     def layer_spec(
         self, layer: int, dtype: torch.dtype, block_size: int, kv_cache_dtype: torch.dtype | None = None
@@ -80,6 +84,22 @@ class ModelConfig:
             kv_cache_dtype=kv_cache_dtype,
             attention_sinks=self.attention_sinks,
             sliding_window=self.sliding_window if windowed else None,
+        )
+
+    def indexer_spec(self, layer: int, dtype: torch.dtype, block_size: int) -> AttentionSpec | None:
+        """Layer ``layer``'s lightning indexer (DeepSeek's keeps its keys in e4m3, each with its own
+        scale); None for a dense layer."""
+        if self.index_topk is None:
+            return None
+        return AttentionSpec(
+            kind="indexer",
+            num_heads=self.index_heads,
+            num_kv_heads=1,
+            head_dim=self.index_head_dim,
+            dtype=dtype,
+            block_size=block_size,
+            sparse_topk=self.index_topk,
+            kv_cache_dtype=torch.float8_e4m3fn,
         )
 
     def attention_spec(
@@ -119,8 +139,8 @@ PRESETS = {
     # head_dim 128: the shape whose FlashInfer kernels the GPU bundle ships prebuilt.
     "tiny-d128": ModelConfig(hidden_size=512, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=1024),
     "tiny-mla": TINY_MLA,
-    # DeepSeek's sparse MLA (DSA) in miniature: every layer attends to 32 positions a token (the
-    # engine's stand-in indexer, ``strided_indices``) and to its 8 most recent (V4's window part).
+    # DeepSeek's sparse MLA (DSA) in miniature: every layer attends to the 32 positions a token its
+    # lightning indexer chooses and to its 8 most recent (V4's window part).
     "tiny-dsa": dataclasses.replace(TINY_MLA, index_topk=32, index_window=8),
     "small": ModelConfig(
         vocab_size=4096,
@@ -212,17 +232,6 @@ def per_head_product(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.T
     return torch.einsum(equation, a.float(), b.float()).to(a.dtype)
 
 
-def strided_indices(positions: torch.Tensor, topk: int, window: int | None) -> torch.Tensor:
-    """A stand-in for DeepSeek's lightning indexer, on the device (graph-safe, no host value):
-    each token at position p chooses ``topk`` of the n = p + 1 - window positions it may index
-    (those older than its window part), spread evenly (``j · n // topk``), or all of them, then -1,
-    where it has no more. int32 [tokens, topk], positions in the request (the contract's rows)."""
-    eligible = (positions.long() + 1 - (window or 0)).clamp(min=0)[:, None]
-    j = torch.arange(topk, device=positions.device)[None, :]
-    spread = torch.where(eligible > topk, j * eligible // topk, torch.where(j < eligible, j, -1))
-    return spread.to(torch.int32)
-
-
 class LatentAttention(torch.nn.Module):
     """DeepSeek-style MLA, absorbed: the cache holds one latent entry [c_kv | rope(k_pe)] per token;
     each head's query is moved into the latent space (q_nope · W_uk) so attention runs over the
@@ -238,6 +247,7 @@ class LatentAttention(torch.nn.Module):
         self.w_uk = torch.nn.Parameter(torch.empty(heads, nope, rank))  # latent → per-head key (nope part)
         self.w_uv = torch.nn.Parameter(torch.empty(heads, rank, config.v_head_dim))  # latent → per-head value
         self.o_proj = torch.nn.Linear(heads * config.v_head_dim, config.hidden_size, bias=False)
+        self.indexer = LightningIndexer(config) if config.index_topk is not None else None
 
     def forward(self, normed: torch.Tensor, positions: torch.Tensor, step: StepInputs, layer: int) -> torch.Tensor:
         config = self.config
@@ -251,7 +261,7 @@ class LatentAttention(torch.nn.Module):
         view, parameters = step.attention(layer), step.layer(layer)
         view.backend.write_kv(view.kv_cache, entry, None, step.slot_mapping, layer=parameters)
         indices = (
-            None if config.index_topk is None else strided_indices(positions, config.index_topk, config.index_window)
+            None if self.indexer is None else self.indexer(normed, positions, step.indexer(layer), step.slot_mapping)
         )
         if view.prefill is not None:
             key, value = self.decompress(entry, view.backend.spec, parameters.scales)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -31,8 +31,10 @@ from backends.base import (
     AttentionBackend,
     AttentionSpec,
     BackendLimits,
+    Capabilities,
     CommonAttentionMetadata,
 )
+from backends.features import EMPTY_REQUESTS
 from reference_engine.attention_split import (
     AUTO,
     Call,
@@ -46,17 +48,44 @@ from reference_engine.attention_split import (
     runs,
     serves_every_batch,
 )
+from reference_engine.lightning_indexer import IndexerView
 
 
 @dataclass(frozen=True)
 class GroupPlan:
-    """The classes that serve one group of layers (equal specs)."""
+    """The classes that serve one group of layers (equal specs): their attention, or (``indexes``)
+    their lightning indexer."""
 
     layers: tuple[int, ...]
     spec: AttentionSpec
     backend_cls: type[AttentionBackend]  # the layers' spec; with a prefill backend, the decodes only
     prefill_spec: AttentionSpec | None = None
     prefill_cls: type[AttentionBackend] | None = None
+    indexes: bool = False
+
+
+def indexer_candidates(device: torch.device) -> list[str]:
+    """The built-in indexers tried, in order, where the backend under test is none: Triton's on a
+    GPU (no host lengths, graph-safe), else the plain-PyTorch one."""
+    return (["triton_indexer"] if device.type == "cuda" else []) + ["torch_indexer"]
+
+
+def plan_indexers(
+    backend_cls: type[AttentionBackend], model, dtype: torch.dtype, block_size: int, device: torch.device
+) -> list[GroupPlan]:
+    """Who chooses a sparse model's positions: the backend under test where it claims the model's
+    indexer, else the first built-in that does (ValueError, one line, when none can)."""
+    specs = [model.indexer_spec(layer, dtype, block_size) for layer in range(model.num_layers)]
+    plans = []
+    for spec in dict.fromkeys(spec for spec in specs if spec is not None):
+        serving = backend_cls
+        if backend_cls.unsupported_reason(spec, device):
+            serving, why = first_claiming(indexer_candidates(device), spec, device, every_batch=True)
+            if serving is None:
+                raise ValueError(f"no built-in indexer serves the model's ({why})")
+        layers = tuple(index for index, other in enumerate(specs) if other == spec)
+        plans.append(GroupPlan(layers, spec, serving, indexes=True))
+    return plans
 
 
 def plan_attention(
@@ -74,6 +103,7 @@ def plan_attention(
     for the prefill path), by a built-in where the backend claims only MLA's prefill."""
     specs = [model.layer_spec(layer, dtype, block_size, kv_cache_dtype) for layer in range(model.num_layers)]
     prefill_spec = model.prefill_spec(dtype, block_size)
+    indexers = plan_indexers(backend_cls, model, dtype, block_size, device)
     # The prefill backend serves whole prefills: a decode-only kernel that claims the layer cannot.
     claims_prefill = (
         prefill_spec is not None
@@ -85,12 +115,12 @@ def plan_attention(
     for spec in dict.fromkeys(specs):
         serving = backend_cls
         reason = backend_cls.unsupported_reason(spec, device)
-        if reason and not claims_prefill:
+        if reason and not (claims_prefill or indexers[:1] and indexers[0].backend_cls is backend_cls):
             raise ValueError(reason)
-        if reason:  # the backend under test serves MLA's prefill only: a built-in decodes beside it
+        if reason:  # the backend under test serves MLA's prefill or the indexer only: a built-in decodes
             serving, why = first_claiming(companion_candidates(spec, device), spec, device, every_batch=False)
             if serving is None:
-                raise ValueError(f"it serves MLA's prefill only and no built-in decodes beside it ({why})")
+                raise ValueError(f"no built-in serves the model's attention beside it ({why})")
         resolve_companion(serving, spec, device, requested)
         layers = tuple(index for index, other in enumerate(specs) if other == spec)
         plans.append(
@@ -98,7 +128,7 @@ def plan_attention(
                 layers, spec, serving, prefill_spec if decompresses else None, backend_cls if decompresses else None
             )
         )
-    return plans
+    return plans + indexers
 
 
 @dataclass(frozen=True)
@@ -144,10 +174,12 @@ class ModelAttention:
             )
             for plan in plans
         ]
-        self.group_of = {layer: index for index, group in enumerate(self.groups) for layer in group.plan.layers}
+        self.group_of, self.indexer_of = {}, {}
+        for index, group in enumerate(self.groups):
+            for layer in group.plan.layers:
+                (self.indexer_of if group.plan.indexes else self.group_of)[layer] = index
         self.decode_threshold = decode_threshold
-        # Every group runs one backend class: the steps the engine captures and drafts are the first's.
-        self.capabilities = self.groups[0].backend.capabilities
+        self.capabilities = captured_together([group.backend.capabilities for group in self.groups])
         self.routing = Routing()  # MLA with a prefill backend: the batches and tokens each route served
 
     @property
@@ -159,11 +191,13 @@ class ModelAttention:
         """What each backend served, counted as steps are built: the MLA routes and the companions'."""
         return [self.routing] + [backend.routing for backend in self.splits if isinstance(backend, SplitAttention)]
 
-    def allocate_kv_cache(self, num_blocks: int, layer: int = 0) -> tuple[Any, Any]:
-        """Layer ``layer``'s caches: its backend's and MLA's prefill mirror (or None)."""
+    def allocate_kv_cache(self, num_blocks: int, layer: int = 0) -> "LayerCaches":
+        """Layer ``layer``'s caches: its backend's, MLA's prefill mirror and its indexer's (or None)."""
         group = self.groups[self.group_of[layer]]
         prefill = group.prefill.allocate_kv_cache(num_blocks) if group.prefill else None
-        return group.backend.allocate_kv_cache(num_blocks), prefill
+        indexer = self.indexer_of.get(layer)
+        index_cache = None if indexer is None else self.groups[indexer].backend.allocate_kv_cache(num_blocks)
+        return LayerCaches(group.backend.allocate_kv_cache(num_blocks), prefill, index_cache)
 
     def _label(self, group: Group):
         def label(backend: AttentionBackend) -> str | None:
@@ -198,7 +232,35 @@ class ModelAttention:
             )
         return updated
 
-    def view(self, layer: int, metadata: list[list[Call]], kv_cache: tuple[Any, Any]) -> LayerView:
+    def view(self, layer: int, metadata: list[list[Call]], kv_cache: "LayerCaches") -> LayerView:
         index = self.group_of[layer]
         group = self.groups[index]
-        return LayerView(group.backend, kv_cache[0], group.prefill, kv_cache[1], metadata[index])
+        return LayerView(group.backend, kv_cache.attention, group.prefill, kv_cache.prefill, metadata[index])
+
+    def indexer_view(self, layer: int, metadata: list[list[Call]], kv_cache: "LayerCaches") -> IndexerView:
+        """Layer ``layer``'s lightning indexer this step (a sparse model's)."""
+        index = self.indexer_of[layer]
+        return IndexerView(self.groups[index].backend, kv_cache.indexer, metadata[index])
+
+
+class LayerCaches(NamedTuple):
+    """One layer's caches: its attention's, MLA's prefill mirror (or None), its indexer's (or None)."""
+
+    attention: Any
+    prefill: Any = None
+    indexer: Any = None
+
+
+def captured_together(claims: list[Capabilities]) -> Capabilities:
+    """What an engine may do with a step every group's backend serves: the first's claims (the
+    steps the engine captures and drafts are its), with each graph-related one only as far as every
+    group's backend makes it (a sparse model's indexer captured beside its attention)."""
+    first = claims[0]
+    empty_padding = all(claim.supports(EMPTY_REQUESTS) for claim in claims)  # vLLM's graph padding style
+    return dataclasses.replace(
+        first,
+        features=first.features if empty_padding else first.features - {EMPTY_REQUESTS},
+        cuda_graphs=min(claim.cuda_graphs for claim in claims),
+        draft_step_update=all(claim.draft_step_update for claim in claims),
+        needs_cpu_seq_lens=any(claim.needs_cpu_seq_lens for claim in claims),
+    )

@@ -35,6 +35,7 @@ from backends.base import KVScales, LayerParameters
 from reference_engine.rejection import PLACEHOLDER
 
 if TYPE_CHECKING:
+    from reference_engine.lightning_indexer import IndexerView
     from reference_engine.model_attention import LayerView, ModelAttention
 
 
@@ -56,6 +57,10 @@ class StepInputs:
     def attention(self, index: int) -> LayerView:
         """Layer ``index``'s backends, caches and metadata this step."""
         return self.backend.view(index, self.metadata, self.kv_caches[index])
+
+    def indexer(self, index: int) -> IndexerView:
+        """Layer ``index``'s lightning indexer, its cache and metadata this step (a sparse model's)."""
+        return self.backend.indexer_view(index, self.metadata, self.kv_caches[index])
 
 
 @dataclass

@@ -1,5 +1,11 @@
 """``triton_mla``: absorbed MLA decode and spec-verify (query length up to 8) over the latent
-paged cache, split-KV with a merge kernel; graph-safe, needing no host lengths (as ``triton``)."""
+paged cache, split-KV with a merge kernel; graph-safe, needing no host lengths (as ``triton``).
+
+A sparse layer (DeepSeek's DSA) reads by index rows with a kernel of its own (``sparse_mla``),
+over the latent cache or DeepSeek's fp8_ds_mla: vLLM's 656-byte entries, packed by
+``backends.fp8_ds_mla`` on the device (torch_naive's packer, so the bytes are its bytes) and
+dequantized block by block in the sparse kernel. The dense split-KV kernel reads a latent of one
+dtype, so fp8_ds_mla is claimed for sparse layers only (``feature_only_with``)."""
 
 from __future__ import annotations
 
@@ -14,9 +20,12 @@ from backends.base import (
     Capabilities,
     CGSupport,
     LayerParameters,
+    OnlyWith,
 )
-from backends.features import EMPTY_REQUESTS, FP8_E4M3, FP8_E5M2, SPARSE_TOPK, SPARSE_WINDOW
+from backends.features import EMPTY_REQUESTS, FP8_DS_MLA, FP8_E4M3, FP8_E5M2, SPARSE_TOPK, SPARSE_WINDOW
 from backends.fp8 import to_cache
+from backends.fp8_ds_mla import DsMlaLayout
+from backends.paged_write import write_paged_rows
 from backends.triton import GATHER, GLUON, INSTALL_HINT, PAGE, TMA
 from backends.triton.backend import (
     DECODE_VARIANTS,
@@ -105,14 +114,22 @@ def tile_read(spec: AttentionSpec, block_m: int, kv_cache: torch.Tensor, tma: bo
     return GLUON if gluon and mla_gluon.serves(spec.kv_lora_rank, spec.rope_dim) else TMA
 
 
+# Why a dense layer over fp8_ds_mla SKIPs (the SKIP quotes it).
+DS_MLA_DENSE = (
+    "triton_mla reads fp8_ds_mla's packed entries in its sparse kernel only; its dense split-KV kernel "
+    "reads a latent of one dtype"
+)
+
+
 class TritonMLABackend(DeviceLengthsBackend):
     name = "triton_mla"
     capabilities = Capabilities(
         kinds=frozenset({"mla"}),
         block_sizes=frozenset({16, 32, 64}),
         max_query_len=DECODE_VARIANTS[-1],
-        features=frozenset({FP8_E4M3, FP8_E5M2, EMPTY_REQUESTS, SPARSE_TOPK, SPARSE_WINDOW}),
-        feature_gpus=FP8_GPUS,
+        features=frozenset({FP8_E4M3, FP8_E5M2, EMPTY_REQUESTS, SPARSE_TOPK, SPARSE_WINDOW, FP8_DS_MLA}),
+        feature_gpus={**FP8_GPUS, FP8_DS_MLA: FP8_GPUS[FP8_E4M3]},
+        feature_only_with={FP8_DS_MLA: OnlyWith(frozenset({SPARSE_TOPK}), DS_MLA_DENSE)},
         cuda_graphs=CGSupport.ALWAYS,
         needs_cpu_seq_lens=False,
         draft_step_update=True,
@@ -130,6 +147,10 @@ class TritonMLABackend(DeviceLengthsBackend):
         self._descriptors: tuple[tuple, TensorDescriptor, TensorDescriptor] | None = None
         # A sparse layer (DeepSeek's DSA) reads by index rows with a kernel of its own.
         self.sparse = None if spec.sparse_topk is None else SparseMLARead(spec, limits, self.device, self.upcast_dot)
+        # DeepSeek's fp8_ds_mla: a token's entry packed as vLLM packs it (its own scales inside).
+        self.packed = None if spec.kv_scale_block is None else DsMlaLayout(spec)
+        if self.packed is not None and self.sparse is None:
+            raise ValueError(f"fp8_ds_mla on a dense layer: {DS_MLA_DENSE}")
 
     def build(self, common):
         metadata = super().build(common)
@@ -158,9 +179,21 @@ class TritonMLABackend(DeviceLengthsBackend):
         return self._descriptors[1:]
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        if self.packed is not None:  # fp8_ds_mla: a token's bytes
+            return (num_blocks, self.spec.block_size, self.packed.row_bytes)
         return (num_blocks, self.spec.block_size, self.spec.head_dim)
 
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        if self.packed is None:
+            return super().allocate_kv_cache(num_blocks)
+        return torch.zeros(self.kv_cache_shape(num_blocks), dtype=torch.uint8, device=self.device)
+
     def write_kv(self, kv_cache, key, value, slot_mapping, layer: LayerParameters = PLAIN_LAYER) -> None:
+        if self.packed is not None:
+            # fp8_ds_mla: each row packed by torch_naive's packer (vectorised on the device, no
+            # host read), its bytes written by the paged writer (slot -1: nothing).
+            write_paged_rows(kv_cache, self.packed.pack(key), slot_mapping, self.spec.block_size)
+            return
         quantize = self.spec.fp8_kv_cache
         if quantize and interpreting():  # the interpreter flushes e4m3 subnormals (see TritonAttentionBackend)
             key, quantize = to_cache(key, self.device_scales(layer.scales)[0], kv_cache.dtype), False
@@ -191,12 +224,16 @@ class TritonMLABackend(DeviceLengthsBackend):
         )
 
     def read_kv(self, kv_cache, slot_mapping):
-        return kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping], None
+        rows = kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping]
+        if self.packed is not None:  # fp8_ds_mla: the entries dequantized, float32 (as torch_naive's)
+            return self.packed.unpack(rows), None
+        return rows, None
 
     def forward(self, query, kv_cache, metadata: TritonMetadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
         spec, limits = self.spec, self.limits
         if self.sparse is not None:
-            k_scale = self.device_scales(layer.scales)[0] if spec.fp8_kv_cache else None
+            per_tensor = spec.fp8_kv_cache and self.packed is None  # fp8_ds_mla's scales are its entries'
+            k_scale = self.device_scales(layer.scales)[0] if per_tensor else None
             return self.sparse.forward(query, kv_cache, metadata, out, layer, k_scale)
         decode_q = metadata.decode_q
         tiles = tiling(spec.num_heads, decode_q)

@@ -79,6 +79,8 @@ class SparseMLARead:
         return metadata
 
     def forward(self, query, kv_cache, metadata: SparseMetadata, out, layer: LayerParameters, k_scale) -> None:
+        """``k_scale``: an fp8 cache's one scale (device tensor), None otherwise; DeepSeek's
+        fp8_ds_mla (``spec.kv_scale_block``) has its scales inside each entry, a pool of bytes."""
         spec = self.spec
         if layer.topk_indices is None:
             raise ValueError("a sparse layer's forward needs its index rows (layer.topk_indices)")
@@ -116,6 +118,8 @@ class SparseMLARead:
             BLOCK_N=BLOCK_N,
             PAGE_SIZE=spec.block_size,
             KV_FP8=k_scale is not None,
+            DS_MLA=spec.kv_scale_block is not None,
+            SCALE_BLOCK=spec.kv_scale_block or 1,
             UPCAST_DOT=self.upcast_dot,
             RETURN_LSE=lse is not None,
             num_warps=4,

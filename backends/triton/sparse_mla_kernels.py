@@ -9,6 +9,11 @@ translation is the backend's, as the contract says), then the window part's posi
 ``position - WINDOW + 1 .. position`` in tiles. Both feed one base-2 online softmax; the output and
 the natural-log LSE are written by the program itself (no split-KV: a row attends to at most
 ``TOPK + WINDOW`` keys).
+
+The cache is the latent entry in the compute dtype, or in fp8 with the layer's one scale
+(``KV_FP8``), or DeepSeek's fp8_ds_mla (``DS_MLA``): each entry a row of bytes, its e4m3 latent
+dequantized in the kernel by the float32 scale of its block of ``SCALE_BLOCK`` values, its rope
+part read as the compute dtype; gathered by the same index rows and window as the others.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ def _attend_tile(
     BLOCK_R: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr,
+    DS_MLA: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
     """One tile of keys (``positions`` of the token's request, ``valid`` where attended) folded
@@ -47,12 +55,31 @@ def _attend_tile(
     rows = cache_ptr + blocks.to(tl.int64) * stride_cache_block + (safe % PAGE_SIZE) * stride_cache_token
     latent_dims = tl.arange(0, BLOCK_L)
     rope_dims = tl.arange(0, BLOCK_R)
-    latent = tl.load(
-        rows[:, None] + latent_dims[None, :], mask=valid[:, None] & (latent_dims < LATENT)[None, :], other=0.0
-    )
-    rope = tl.load(
-        rows[:, None] + LATENT + rope_dims[None, :], mask=valid[:, None] & (rope_dims < ROPE)[None, :], other=0.0
-    )
+    latent_mask = valid[:, None] & (latent_dims < LATENT)[None, :]
+    rope_mask = valid[:, None] & (rope_dims < ROPE)[None, :]
+    if DS_MLA:
+        # DeepSeek's fp8_ds_mla entry, a row of bytes: LATENT e4m3 values, a float32 scale per
+        # SCALE_BLOCK of them, then the rope part in the compute dtype. Each value is dequantized
+        # by its block's scale in float32, then rounded to the compute dtype for the dots.
+        # (The tile seen as [BLOCK_N, blocks, SCALE_BLOCK] times each row's scales: of three ways
+        # compiled for SM90, this one spilled least, nothing without a window part; a select per
+        # block spilled more, a scale gathered per value most.)
+        stored = tl.load(rows[:, None] + latent_dims[None, :], mask=latent_mask, other=0)
+        values = stored.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        tiles = tl.arange(0, BLOCK_L // SCALE_BLOCK)
+        scale_rows = (rows + LATENT).to(tl.pointer_type(tl.float32))
+        scales = tl.load(
+            scale_rows[:, None] + tiles[None, :],
+            mask=valid[:, None] & (tiles < LATENT // SCALE_BLOCK)[None, :],
+            other=0.0,
+        )
+        by_tile = tl.reshape(values, [BLOCK_N, BLOCK_L // SCALE_BLOCK, SCALE_BLOCK]) * scales[:, :, None]
+        latent = tl.reshape(by_tile, [BLOCK_N, BLOCK_L]).to(q_latent.dtype)
+        rope_rows = (rows + LATENT + 4 * (LATENT // SCALE_BLOCK)).to(tl.pointer_type(q_rope.dtype))
+        rope = tl.load(rope_rows[:, None] + rope_dims[None, :], mask=rope_mask, other=0.0)
+    else:
+        latent = tl.load(rows[:, None] + latent_dims[None, :], mask=latent_mask, other=0.0)
+        rope = tl.load(rows[:, None] + LATENT + rope_dims[None, :], mask=rope_mask, other=0.0)
     if KV_FP8:
         k_scale = tl.load(k_scale_ptr)
         latent = (latent.to(tl.float32) * k_scale).to(q_latent.dtype)
@@ -108,6 +135,8 @@ def sparse_mla_kernel(
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr,
+    DS_MLA: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     RETURN_LSE: tl.constexpr,
 ):
@@ -138,7 +167,8 @@ def sparse_mla_kernel(
         valid = (entries >= 0) & (entries <= position)  # -1, and anything past the token: no key
         m_i, l_i, acc = _attend_tile(
             q_latent, q_rope, cache_ptr, block_row_ptr, entries, valid, k_scale_ptr, m_i, l_i, acc, scale_log2,
-            stride_cache_block, stride_cache_token, LATENT, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, KV_FP8, UPCAST_DOT,
+            stride_cache_block, stride_cache_token, LATENT, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, KV_FP8, DS_MLA,
+            SCALE_BLOCK, BLOCK_N, UPCAST_DOT,
         )  # fmt: skip
     if WINDOW > 0:
         first = tl.maximum(position - WINDOW + 1, 0)
@@ -147,7 +177,8 @@ def sparse_mla_kernel(
             valid = (positions <= position) & (start + offsets < WINDOW)
             m_i, l_i, acc = _attend_tile(
                 q_latent, q_rope, cache_ptr, block_row_ptr, positions, valid, k_scale_ptr, m_i, l_i, acc, scale_log2,
-                stride_cache_block, stride_cache_token, LATENT, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, KV_FP8, UPCAST_DOT,
+                stride_cache_block, stride_cache_token, LATENT, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, KV_FP8, DS_MLA,
+                SCALE_BLOCK, BLOCK_N, UPCAST_DOT,
             )  # fmt: skip
     out = acc / l_i[:, None]
     out_rows = out_ptr + token.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head

@@ -76,8 +76,8 @@ import torch
 
 from backends.base import AttentionBackend
 from conformance.cases.grammar import Case
-from conformance.checks.base import Check, Plan, first_of_each
-from conformance.harness.engine_model import is_mla_prefill_layer, model_for
+from conformance.checks.base import EVERY_KIND, Check, Plan, first_of_each
+from conformance.harness.engine_model import cache_config, is_mla_prefill_layer, model_for
 from conformance.harness.engine_runs import (
     ATTENTION_DRAFTER,
     DRAFTER,
@@ -133,7 +133,13 @@ def engine_skip_reason(
         )
     try:  # a backend serving only some batches (decode-only, uniform-only) needs a companion
         plan_attention(
-            backend_cls, model_for(case), spec.dtype, spec.block_size, spec.kv_cache_dtype, device, prefill_backend
+            backend_cls,
+            model_for(case),
+            spec.dtype,
+            spec.block_size,
+            cache_config(case).get("kv_cache_dtype"),
+            device,
+            prefill_backend,
         )
     except ValueError as error:
         return str(error)
@@ -142,6 +148,7 @@ def engine_skip_reason(
 
 class EngineCheck(Check):
     name = "engine"
+    kinds = EVERY_KIND  # an indexer runs as a sparse model's, beside a built-in attention
     question = (
         "Does the reference engine, async and sync, produce the same tokens through this backend as through "
         "torch_naive, with no host syncs?"

@@ -27,13 +27,27 @@ def is_mla_prefill_layer(spec) -> bool:
 def model_for(case: Case):
     """The engine's model for a case's layer: a Llama-style model (windowed cases: windowed layers
     alternating with full ones, as gpt-oss's and Gemma 2's do; sinks cases: every layer's own
-    sinks), an MLA model for MLA's layer (a sparse layer's: sparse, its rows from the engine's
-    stand-in indexer), and for MLA prefill's layer (a value head dim other than
-    the key's) a DeepSeek-style MLA model whose prefill it is."""
+    sinks), an MLA model for MLA's layer (a sparse layer's: sparse, its rows from each layer's
+    lightning indexer), a sparse MLA model for an indexer's (the case's index heads and head dim),
+    and for MLA prefill's layer (a value head dim other than the key's) a DeepSeek-style MLA model
+    whose prefill it is."""
     from reference_engine.model import ModelConfig
 
     spec = case.spec
     common = dict(vocab_size=512, hidden_size=256, num_layers=2, intermediate_size=512, max_model_len=512)
+    if spec.kind == "indexer":
+        return ModelConfig(
+            attention="mla",
+            num_heads=4,
+            kv_lora_rank=64,
+            qk_rope_dim=16,
+            qk_nope_dim=64,
+            v_head_dim=64,
+            index_topk=min(spec.sparse_topk, ENGINE_TOPK),
+            index_heads=spec.num_heads,
+            index_head_dim=spec.head_dim,
+            **common,
+        )
     if spec.kind == "mla":
         return ModelConfig(
             attention="mla",

@@ -87,7 +87,7 @@ class EngineRuns:
             self.model.config,
             spec.dtype,
             spec.block_size,
-            spec.kv_cache_dtype,
+            cache_config(self.case).get("kv_cache_dtype"),
             device,
             self.prefill_backend,
         )
@@ -105,8 +105,10 @@ class EngineRuns:
 
     @property
     def decodes(self) -> bool:
-        """The backend under test decodes every layer (MLA prefill's layer: a built-in decodes)."""
-        return all(plan.backend_cls is self.backend_cls for plan in self.plans)
+        """The backend under test serves every layer of its case's role each step: the attention
+        (MLA prefill's layer: a built-in decodes), or a sparse model's indexer."""
+        indexes = not self.case.spec.layout.attends
+        return all(plan.backend_cls is self.backend_cls for plan in self.plans if plan.indexes == indexes)
 
     @property
     def measures_steady_steps(self) -> bool:
@@ -131,7 +133,7 @@ class EngineRuns:
                 self.model.config,
                 spec.dtype,
                 spec.block_size,
-                spec.kv_cache_dtype,
+                cache_config(self.case).get("kv_cache_dtype"),
                 self.device,
                 AUTO,
                 self.decompressed_prefill,

@@ -10,13 +10,15 @@ import json
 import pytest
 import torch
 
-from backends.base import Capabilities, DeviceInfo, GpuLimit
+from backends.base import Capabilities, DeviceInfo, GpuLimit, OnlyWith
 from backends.features import (
     EMPTY_REQUESTS,
     FEATURES,
+    FP8_DS_MLA,
     FP8_E4M3,
     FP8_E5M2,
     LSE,
+    SPARSE_TOPK,
     Needs,
     by_name,
     feature,
@@ -89,6 +91,25 @@ def test_a_claimed_feature_on_fewer_gpus_says_which_and_why():
     assert caps.skip_reason(Needs(spec), A100) == (
         "KV cache fp8e4m3 needs compute capability SM90 (its FA3 kernels); this GPU (NVIDIA A100) is SM80"
     )
+
+
+def test_a_feature_claimed_only_with_another_says_why_without_it():
+    sparse = parse_case("mla-h4-d512+16-bf16-fp8dsmla-p16-topk16:40+1").needs
+    dense = parse_case("mla-h4-d512+16-bf16-fp8dsmla-p16:40+1").needs
+    caps = Capabilities(
+        kinds=frozenset({"mla"}),
+        features=frozenset({FP8_DS_MLA, SPARSE_TOPK}),
+        feature_only_with={FP8_DS_MLA: OnlyWith(frozenset({SPARSE_TOPK}), "its sparse kernel alone reads it")},
+    )
+    assert caps.skip_reason(sparse, H100) is None
+    assert caps.skip_reason(dense, H100) == (
+        f"{FP8_DS_MLA.words(dense)} not supported without sparse_topk: its sparse kernel alone reads it"
+    )
+    assert caps.to_dict()["feature_only_with"] == {
+        "fp8_ds_mla_kv_cache": {"features": ["sparse_topk"], "why": "its sparse kernel alone reads it"}
+    }
+    with pytest.raises(ValueError, match="feature_only_with names fp8_ds_mla_kv_cache, not claimed in features"):
+        Capabilities(feature_only_with={FP8_DS_MLA: OnlyWith(frozenset({SPARSE_TOPK}))})
 
 
 def test_a_reason_for_a_claimed_feature_is_a_contradiction():

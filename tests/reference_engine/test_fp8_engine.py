@@ -29,7 +29,9 @@ def tokens(config: EngineConfig, model) -> list[list[int]]:
 def test_an_fp8_engine_keeps_fp8_pools_with_scales_per_layer_and_spec_equals_plain():
     model = LlamaModel.random(CONFIG.model, 0, torch.float32, torch.device("cpu"))
     engine = BatchedEngine(CONFIG, model)
-    assert all(cache.dtype == torch.float8_e4m3fn for cache, _ in engine.kv_caches)  # (the layer's, MLA prefill's)
+    assert all(
+        caches.attention.dtype == torch.float8_e4m3fn for caches in engine.kv_caches
+    )
     assert len({scales.k_scale for scales in engine.kv_scales}) == CONFIG.model.num_layers
     plain = tokens(CONFIG, model)
     for drafter in ("layer-skip", "scripted:random:0.5"):

@@ -123,3 +123,36 @@ def test_mtp_drafting_through_sparse_layers_on_a_gpu():
     )
     outputs = engine.generate(prompts, params)
     assert [o.tokens for o in outputs] == plain and all(o.drafted > 0 for o in outputs)
+
+
+def test_each_sparse_layers_lightning_indexer_chooses_from_the_tokens_and_leaves_the_window_part_alone():
+    """``tiny-dsa``'s rows come from a learned indexer (an fp8 key cache of its own, through
+    torch_indexer on a CPU): they depend on the prompt, hold at most top-k entries, and none inside
+    the window part (the window attends those itself)."""
+    from reference_engine.lightning_indexer import LightningIndexer
+
+    config = PRESETS["tiny-dsa"]
+    chosen = []
+    original = LightningIndexer.forward
+
+    def recording(self, normed, positions, view, slot_mapping):
+        rows = original(self, normed, positions, view, slot_mapping)
+        chosen.append((positions.clone(), rows.clone(), type(view.backend).__name__))
+        return rows
+
+    LightningIndexer.forward = recording
+    try:
+        for prompt in (list(range(3, 80)), list(range(200, 277))):
+            Engine(EngineConfig(model=config)).generate([prompt], SamplingParams(max_tokens=2))
+    finally:
+        LightningIndexer.forward = original
+    assert {name for _, _, name in chosen} == {"TorchIndexerBackend"}
+    assert len(chosen) == 2 * 2 * config.num_layers  # two prompts, a prefill and a decode step, every layer
+    for positions, rows, _ in chosen:
+        assert rows.shape[1] == config.index_topk
+        entries = rows >= 0
+        assert bool((rows[entries] <= (positions[:, None] - config.index_window).expand_as(rows)[entries]).all())
+        late = positions >= config.index_topk + 2 * config.index_window
+        assert bool(entries[late].any(dim=1).all())  # a long context's token indexes some older position
+    first, second = chosen[0][1], chosen[2 * config.num_layers][1]
+    assert not torch.equal(first, second)  # another prompt, other keys, another choice

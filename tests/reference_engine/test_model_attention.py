@@ -94,7 +94,7 @@ def test_prefills_go_decompressed_and_decodes_absorbed():
     # 59 prompt tokens in chunks of up to 32 tokens; a chunk of at most 1 + k tokens (the 3-token
     # prompt, a chunk's tail) is absorbed as a verify is.
     assert 40 <= prefill["tokens"] <= 59 - 3 and absorbed["batches"] > 10, served
-    _, mirror = engine.kv_caches[0]
+    mirror = engine.kv_caches[0].prefill
     assert mirror.shape[-1] == 48 + 32  # the prefill backend's [key | value] rows
 
 

@@ -95,5 +95,7 @@ def test_one_scale_a_token_fails_the_stored_cache():
 
 def test_backends_without_the_claim_say_why():
     needs = parse_case("mla-h16-d512+64-fp8dsmla-topk64:100+1").needs
-    assert "fp8_ds_mla KV cache" in TritonMLABackend.capabilities.feature_reason(needs, H200)
     assert "not adapted yet" in FlashMLASparseBackend.capabilities.feature_reason(needs, H200)
+    # triton_mla claims it for sparse layers only (tests/backends/test_triton_mla_fp8_ds_mla.py).
+    dense = parse_case("mla-h16-d512+64-fp8dsmla:100+1").needs
+    assert "not supported without sparse_topk" in TritonMLABackend.capabilities.feature_reason(dense, H200)

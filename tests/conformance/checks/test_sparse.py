@@ -177,18 +177,13 @@ def test_the_steady_look_hands_each_admitted_token_its_row():
     ],
 )
 def test_the_engine_runs_a_sparse_model_through_the_backend(backend, passes):
-    """The engine check's model for a sparse layer is sparse (its rows from the engine's stand-in
+    """The engine check's model for a sparse layer is sparse (its rows from each layer's lightning
     indexer): a backend that gets the rows or the window part wrong decodes other tokens than
     torch_naive does."""
-    from reference_engine.model import strided_indices
-
     case = parse_case("mla-h4-d32+16-bf16-p16-topk16-win8:40+1x2")
     assert EngineCheck().case_skip_reason(backend, case, CPU) is None
     result = judge(EngineCheck(), backend, case, CPU)
     assert (result.verdict == Verdict.PASS) == passes, result.reason
-    rows = strided_indices(torch.tensor([0, 10, 40]), 8, 4)
-    assert rows[0].tolist() == [-1] * 8 and rows[1].tolist() == [0, 1, 2, 3, 4, 5, 6, -1]
-    assert len(set(rows[2].tolist())) == 8 and int(rows[2].max()) <= 40 - 4
 
 
 def test_the_standard_suite_has_deepseeks_sparse_layers():
