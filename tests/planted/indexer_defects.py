@@ -1,13 +1,20 @@
 """Planted lightning-indexer defects, each torch_indexer with one bug of a kind an indexer kernel
 can have: the top-k over the whole sequence (the token's causal edge not applied: later tokens'
 keys chosen), the fp8 keys read without their per-token scales, the ReLU applied to the weighted
-sum instead of to each head's score, and scales that are not the contract's powers of two."""
+sum instead of to each head's score, and scales that are not the contract's powers of two; and
+triton_indexer with one bug each that a single eager step cannot show (stale positions in draft
+steps, weights kept from a graph's capture, a host sync, a plan kept per batch size)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
+from backends.base import PLAIN_LAYER
 from backends.torch_indexer import TorchIndexerBackend
+from backends.triton.indexer import TritonIndexerBackend
+from backends.triton.sparse_mla import SparseMetadata
 
 
 class TopKOverTheWholeSequence(TorchIndexerBackend):
@@ -72,3 +79,63 @@ class KeysQuantizedWithoutTheirScales(_OwnScales):
     @staticmethod
     def scales(rows):
         return torch.ones(rows.shape[0], device=rows.device)
+
+
+# Defects of a graph-safe indexer (triton_indexer) that only the checks driving steps see: each
+# chooses right in one eager step, as the indexer check runs it.
+class StaleIndexerPositionsInDraftSteps(TritonIndexerBackend):
+    """``update_for_draft_step`` takes the advanced lengths but keeps each token's position
+    from the first build: every draft step chooses among the positions of the first, one
+    fewer than it has (vLLM #41162's class, in the indexer)."""
+
+    def update_for_draft_step(self, metadata, common):
+        metadata.query_start_loc, metadata.seq_lens, metadata.block_table = (
+            common.query_start_loc,
+            common.seq_lens,
+            common.block_table,
+        )
+        return metadata
+
+
+class WeightsKeptFromCapture(TritonIndexerBackend):
+    """Copies the head weights it is handed on its first forward into a buffer of its own and
+    reads that one from then on (a layer's weights cached like a constant): right in the step
+    it was captured in, wrong in every replay with another step's weights."""
+
+    kept = None
+
+    def forward(self, query, kv_cache, metadata, out, layer=PLAIN_LAYER):
+        if self.kept is None:
+            self.kept = layer.index_weights.clone()
+        super().forward(query, kv_cache, metadata, out, layer=replace(layer, index_weights=self.kept))
+
+
+class LongestSequenceOnTheHost(TritonIndexerBackend):
+    """Sizes its logits by the batch's longest sequence, read back from the device in
+    ``build`` (``int(seq_lens.max())``): a host sync every step, though it claims none."""
+
+    def build(self, common):
+        metadata = super().build(common)
+        metadata.longest = int(common.seq_lens.max())
+        return metadata
+
+
+class RequestsPlacedOncePerBatchSize(TritonIndexerBackend):
+    """Places each token's request and position again only when the number of requests
+    changes (a plan cached by batch size): after a request leaves and another joins, the
+    tokens are placed as the old batch had them."""
+
+    placed_for = None
+
+    def build(self, common):
+        metadata = super(TritonIndexerBackend, self).build(common)  # the lengths, no token placed
+        if self.placed_for != metadata.num_reqs:
+            self.placed_for = metadata.num_reqs
+            return self.positions.build(metadata)
+        read = self.positions
+        return SparseMetadata(
+            **vars(metadata),
+            token_request=read.token_request,
+            token_position=read.token_position,
+            num_tokens=read.num_tokens,
+        )
