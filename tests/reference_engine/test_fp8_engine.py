@@ -29,9 +29,7 @@ def tokens(config: EngineConfig, model) -> list[list[int]]:
 def test_an_fp8_engine_keeps_fp8_pools_with_scales_per_layer_and_spec_equals_plain():
     model = LlamaModel.random(CONFIG.model, 0, torch.float32, torch.device("cpu"))
     engine = BatchedEngine(CONFIG, model)
-    assert all(
-        caches.attention.dtype == torch.float8_e4m3fn for caches in engine.kv_caches
-    )
+    assert all(caches.attention.dtype == torch.float8_e4m3fn for caches in engine.kv_caches)
     assert len({scales.k_scale for scales in engine.kv_scales}) == CONFIG.model.num_layers
     plain = tokens(CONFIG, model)
     for drafter in ("layer-skip", "scripted:random:0.5"):
