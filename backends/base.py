@@ -94,7 +94,7 @@ import importlib.util
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -267,6 +267,13 @@ class LayerParameters:
 
     def with_lse(self, lse: torch.Tensor | None) -> "LayerParameters":
         return replace(self, lse=lse)
+
+    def rows_of(self, cut: Callable[[torch.Tensor], torch.Tensor]) -> "LayerParameters":
+        """These parameters for a run of the step's rows (an engine handing part of a step to another
+        backend): every field with a row per query row (``lse``, ``topk_indices``,
+        ``index_weights``) cut by ``cut``; scales and sinks are the layer's, whole."""
+        per_row = {"lse": self.lse, "topk_indices": self.topk_indices, "index_weights": self.index_weights}
+        return replace(self, **{name: cut(rows) for name, rows in per_row.items() if rows is not None})
 
 
 PLAIN_LAYER = LayerParameters()  # a layer with none of them: the compute-dtype cache, no sinks, no LSE

@@ -24,7 +24,10 @@ class DsMlaLayout:
         """``entry`` [n, latent + rope] in the compute dtype → uint8 [n, row_bytes]."""
         latent = entry[:, : self.latent].float().reshape(entry.shape[0], self.blocks, self.block)
         largest = torch.finfo(E4M3).max
-        scales = (latent.abs().amax(dim=-1) / largest).clamp(min=torch.finfo(torch.float32).tiny)  # [n, blocks]
+        amax = latent.abs().amax(dim=-1)  # [n, blocks]
+        # Divided by a tensor: CUDA divides a tensor by a Python number as a product with its
+        # reciprocal, which rounds some quotients one float32 step off vLLM's division.
+        scales = (amax / torch.full_like(amax, largest)).clamp(min=torch.finfo(torch.float32).tiny)
         stored = (latent / scales[..., None]).clamp(-largest, largest).to(E4M3).reshape(entry.shape[0], self.latent)
         rope = entry[:, self.latent :].to(self.rope_dtype).contiguous()
         parts = [stored.view(torch.uint8), scales.contiguous().view(torch.uint8), rope.view(torch.uint8)]

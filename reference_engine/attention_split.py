@@ -249,9 +249,12 @@ class SplitAttention(AttentionBackend):
 
     def forward(self, query, kv_cache, metadata: list[Call], out, layer: LayerParameters = PLAIN_LAYER) -> None:
         for call in metadata:
-            rows = layer if layer.lse is None else layer.with_lse(call.rows(layer.lse))  # its rows' LSE, as its out
             call.backend.forward(
-                call.rows(query), self._cache(kv_cache, call), call.metadata, call.rows(out), layer=rows
+                call.rows(query),
+                self._cache(kv_cache, call),
+                call.metadata,
+                call.rows(out),
+                layer=layer.rows_of(call.rows),
             )
 
 

@@ -90,8 +90,9 @@ def block_scales(latent: torch.Tensor, block: int, dtype: torch.dtype) -> torch.
     """DeepSeek's fp8_ds_mla scales as the contract defines them: for each token and each block of
     ``block`` latent values, ``max(max|x| / largest, FLT_MIN)`` in float32 (vLLM's writer), float32
     ``[n, L / block]``."""
-    tiles = latent.float().reshape(latent.shape[0], -1, block)
-    return (tiles.abs().amax(dim=-1) / largest(dtype)).clamp(min=torch.finfo(torch.float32).tiny)
+    amax = latent.float().reshape(latent.shape[0], -1, block).abs().amax(dim=-1)
+    # A tensor divisor: CUDA would multiply by the reciprocal of a Python number (``fp8_ds_mla``).
+    return (amax / torch.full_like(amax, largest(dtype))).clamp(min=torch.finfo(torch.float32).tiny)
 
 
 def block_quantize(latent: torch.Tensor, block: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -229,7 +229,7 @@ def _block_write_findings(prepared: PreparedCase, *, negated: bool = False) -> d
         given = batch.keys[request].neg() if negated else batch.keys[request]
         if not given.shape[0]:
             continue
-        expected, scales = block_quantize(given[:, :latent_dim], block, spec.kv_cache_dtype)
+        expected, scales = block_quantize(given[:, :latent_dim].cpu(), block, spec.kv_cache_dtype)
         over = entry[:, :latent_dim].double().cpu().reshape(-1, latent_dim // block, block)
         requantized = (over / scales.double()[..., None]).reshape(-1, latent_dim).float().to(spec.kv_cache_dtype)
         apart = ulps_apart(requantized, expected)

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from backends.base import CommonAttentionMetadata, DeviceInfo
+from backends.base import CommonAttentionMetadata, DeviceInfo, LayerParameters
 from backends.torch_naive import TorchNaiveBackend
 from backends.utils import sub_batch
 from conformance.cases.grammar import parse_case
@@ -175,3 +175,42 @@ def test_an_empty_request_joins_its_neighbours_run():
     assert plan_parts([4, 4, 0, 0], UniformOnly.capabilities) == [Part(0, 4, False)]
     assert plan_parts([0, 4, 4], UniformOnly.capabilities) == [Part(0, 3, False)]
     assert plan_parts([30, 0, 1], DecodeOnly.capabilities) == [Part(0, 2, True), Part(2, 3, False)]
+
+
+def test_a_split_sparse_model_hands_each_backend_its_own_rows_of_indices(monkeypatch):
+    """A sparse model (``tiny-dsa``) through a backend that serves verify batches beside
+    torch_naive: each part of a step gets the index rows of its own tokens, one a query row (a
+    companion handed the whole step's rows attends other tokens' positions, some with none left:
+    NaN, seen on an H200), and the split engine decodes as torch_naive alone does."""
+    from reference_engine.model import PRESETS
+
+    handed = []
+    forward = TorchNaiveBackend.forward
+
+    def counting(self, query, kv_cache, metadata, out, layer=None):
+        handed.append((query.shape[0], layer.topk_indices.shape[0]))
+        forward(self, query, kv_cache, metadata, out, layer=layer)
+
+    prompts = [list(range(3, 6)), list(range(10, 33)), list(range(40, 80)), list(range(100, 164))]
+    params = SamplingParams(max_tokens=6)
+    config = EngineConfig(model=PRESETS["tiny-dsa"], max_num_reqs=4, max_num_tokens=128, async_scheduling=False)
+    plain = [out.tokens for out in BatchedEngine(config).generate(prompts, params)]
+    monkeypatch.setattr(TorchNaiveBackend, "forward", counting)
+    engine = BatchedEngine(dataclasses.replace(config, backend=f"{HERE}:VerifyOnly"))
+    assert [out.tokens for out in engine.generate(prompts, params)] == plain
+    assert handed and all(rows == indices for rows, indices in handed), handed
+    (split, _) = engine.backend.splits  # the attention's split, then the indexer
+    assert split.routing.to_dict()["torch_naive"]["batches"] > 0
+
+
+def test_a_part_of_a_step_gets_its_rows_of_every_per_row_parameter():
+    layer = LayerParameters(
+        sinks=torch.zeros(4),
+        lse=torch.arange(10.0)[:, None],
+        topk_indices=torch.arange(10)[:, None],
+        index_weights=torch.arange(10.0)[:, None],
+    )
+    part = layer.rows_of(lambda rows: rows[3:5])
+    assert part.sinks is layer.sinks
+    for rows in (part.lse, part.topk_indices, part.index_weights):
+        assert rows.flatten().tolist() == [3, 4]
