@@ -4,7 +4,8 @@ Driven by the claimed CGSupport (NEVER → SKIP). Each graph holds two layers ov
 (``harness.graphs.GraphLayer``: each its own pool, fp8 scales, learned sinks and buffers; a
 ``bigpool`` case's one), and every replay judges both; on an ``lse`` case each layer's LSE buffer
 is refilled with NaN before every replay and judged against the oracle's (``lse_pass.judge_lse``).
-Three captures per case, each a way engines really meet a backend:
+Three captures per case (four where the backend claims vLLM's empty requests), each a way
+engines really meet a backend:
 
 1. **Warm-up, capture, replays.** Eager warm-up, ``build_for_capture``, capture of ``write_kv`` +
    ``forward``; then for each B — longer and shorter contexts, new block tables, fewer requests,
@@ -27,6 +28,12 @@ Three captures per case, each a way engines really meet a backend:
    last on purpose: by then the *process* is warm (cuBLAS handles, kernels loaded and compiled),
    as in an engine that captures after its profiling run, so only the instance's own laziness
    is tested.
+4. **Capture over empty requests only.** Where the backend claims vLLM's empty requests, a fresh
+   instance captures a batch in which every request is one (query and sequence length 0, block-table
+   rows -1: what an engine's warm-up and dummy captures hand it; vLLM #51970 is an illegal access
+   captured over all-zero indexer lengths), then A is loaded, built and replayed: a backend that
+   sizes a grid, a split count or a bound from the lengths it was captured over computes nothing,
+   or reads out of bounds, for every real batch after.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from typing import Any
 import torch
 
 from backends.base import AttentionBackend
+from backends.features import EMPTY_REQUESTS
 from conformance.cases.grammar import Case
 from conformance.checks.base import EVERY_KIND, Check
 from conformance.harness.answers import answer_for
@@ -238,10 +246,31 @@ class GraphsCheck(Check):
         problem = self._replay(first, graph, case, "A, captured as the backend's first call")
         if problem:
             return self._fail(case, problem, metrics)
+        del graph, first
+
+        # 4. Captured over empty requests only (every length 0), then A: where the backend claims
+        #    vLLM's empty requests, whose warm-up and dummy captures hand it such batches.
+        idle_capture = backend_cls.capabilities.supports(EMPTY_REQUESTS)
+        if idle_capture:
+            idle = GraphBuffers(backend_cls, shape, all_cases, device, **layers)
+            common = idle.load_idle(with_host_lengths=self.host_lengths)
+            try:
+                graph = capture(idle, idle.backend.build_for_capture(common))
+            except CaptureFailed as failure:
+                return Outcome(
+                    Verdict.FAIL,
+                    f"capture over empty requests only (every length 0) failed: {failure}",
+                    metrics=metrics,
+                    evidence={"capture_events": failure.events},
+                )
+            problem = self._replay(idle, graph, case, "A, in a graph captured over empty requests only")
+            if problem:
+                return self._fail(case, problem, metrics)
 
         reason = (
-            f"{len(replays)} replays equal to the oracle (also captured as the first call, and replayed after a "
-            "larger eager shape); cache untouched outside each batch's slots"
+            f"{len(replays)} replays equal to the oracle (also captured as the first call"
+            + (", captured over empty requests only" if idle_capture else "")
+            + ", and replayed after a larger eager shape); cache untouched outside each batch's slots"
         )
         if nondeterministic:
             reason += f"; two replays of one state differ bitwise ({nondeterministic[0]}; determinism not claimed)"

@@ -230,6 +230,34 @@ class GraphBuffers:
             if slots.numel():
                 self.backend.write_kv(layer.kv_cache, layer.rows(key), layer.rows(value), slots, layer=layer.parameters)
 
+    def load_idle(self, *, with_host_lengths: bool) -> CommonAttentionMetadata:
+        """Every request of the graph's shape an empty one (query and sequence length 0, block-table
+        row -1, no slot, nothing in any query, key or per-token input): the batch a warm-up or a
+        dummy capture hands a backend (vLLM #51970: an illegal access captured over all-zero
+        indexer lengths). The metadata to capture over."""
+        self.query_start_loc.zero_()
+        self.seq_lens.zero_()
+        self.block_table.fill_(-1)
+        self.slot_mapping.fill_(-1)
+        for layer in self.layers:
+            layer.query.zero_()
+            layer.key.zero_()
+            if layer.value is not None:
+                layer.value.zero_()
+            token_inputs.load(
+                self.spec, layer.token_inputs, {name: rows[:0] for name, rows in layer.token_inputs.items()}
+            )
+        requests = self.shape.num_reqs
+        return CommonAttentionMetadata.from_lengths(
+            query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens,
+            block_table=self.block_table,
+            slot_mapping=self.slot_mapping,
+            query_starts=[0] * (requests + 1),
+            host_seq_lens=[0] * requests,
+            lengths_known=with_host_lengths,
+        )
+
     def load(self, batch: PagedBatch, *, with_host_lengths: bool, fill: PoolFill | None = None) -> LoadedBatch:
         """Write ``batch`` (its history, ``write_history``) into the buffers."""
         case = batch.case

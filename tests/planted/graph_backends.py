@@ -340,3 +340,32 @@ class WritesLastTokenOfEmptyRequests(GraphSafeEmptyRequests):
         hit = torch.zeros(out.shape[0], dtype=torch.int32, device=out.device)
         hit.scatter_add_(0, (starts[1:] - 1).clamp(min=0).long(), empty)  # no host read: capturable
         out.masked_fill_(hit[:, None, None] > 0, 0.0)
+
+
+class GraphSafeWithEmptyRequests(TorchGraphSafe):
+    """TorchGraphSafe claiming vLLM's empty requests (it serves them: a request with no token is
+    never gathered), so the graphs check also captures it over empty requests only."""
+
+    name = "test_graph_safe_with_empty_requests"
+    capabilities = dataclasses.replace(
+        TorchGraphSafe.capabilities, features=TorchGraphSafe.capabilities.features | {EMPTY_REQUESTS}
+    )
+
+
+class SkipsAnIdleBatchAtCapture(GraphSafeWithEmptyRequests):
+    """Looks, when a graph is built, whether the batch has anything to attend, and captures no
+    attention at all when every length is 0 (a dummy capture's batch): every replay of that graph
+    then leaves its output as it was. The class of vLLM #51970, an illegal access in a graph
+    captured over all-zero indexer lengths: the lengths of the capture decide what the graph does."""
+
+    name = "planted_skips_an_idle_batch_at_capture"
+
+    def build_for_capture(self, common):
+        metadata = self.build(common)
+        metadata.idle = int(common.seq_lens.max()) == 0  # read before the capture begins
+        return metadata
+
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
+        if getattr(metadata, "idle", False):
+            return  # nothing to attend
+        super().forward(query, kv_cache, metadata, out, layer=layer)

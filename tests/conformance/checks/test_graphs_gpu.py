@@ -181,3 +181,13 @@ def test_empty_padding_requests_in_the_draft_loop_and_graphs():
     assert result.verdict == Verdict.FAIL and "k=2 (padding last (empty requests))" in result.reason, result.reason
     assert "draft step 1 of 2" in result.reason, result.reason
     assert judge(GraphsCheck(), defect, DECODE, CUDA).verdict == Verdict.FAIL
+
+
+def test_a_graph_captured_over_empty_requests_only_must_replay_every_batch_right():
+    """vLLM #51970's class: what the capture's all-zero lengths decide is baked into the graph. A
+    backend serving empty requests passes the fourth capture; one that captures nothing for an idle
+    batch fails it, and only it."""
+    passing = judge(GraphsCheck(), planted.GraphSafeWithEmptyRequests, MIXED, CUDA)
+    assert passing.verdict == Verdict.PASS and "empty requests only" in passing.reason, passing.reason
+    result = judge(GraphsCheck(), planted.SkipsAnIdleBatchAtCapture, MIXED, CUDA)
+    assert result.verdict == Verdict.FAIL and "captured over empty requests only" in result.reason, result.reason
