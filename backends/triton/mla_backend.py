@@ -130,7 +130,10 @@ class TritonMLABackend(DeviceLengthsBackend):
         features=frozenset({FP8_E4M3, FP8_E5M2, EMPTY_REQUESTS, SPARSE_TOPK, SPARSE_WINDOW, FP8_DS_MLA}),
         feature_gpus={**FP8_GPUS, FP8_DS_MLA: FP8_GPUS[FP8_E4M3]},
         feature_only_with={FP8_DS_MLA: OnlyWith(frozenset({SPARSE_TOPK}), DS_MLA_DENSE)},
-        cuda_graphs=CGSupport.ALWAYS,
+        # Uniform batches: the dense kernel's tiling follows the batch's query length (its decode
+        # variant), so a graph serves the query length it was captured for; an H200 run showed a
+        # graph captured over empty requests (variant 1) replaying a verify batch with no output.
+        cuda_graphs=CGSupport.UNIFORM_BATCH,
         needs_cpu_seq_lens=False,
         draft_step_update=True,
         devices=interpreter_devices(),

@@ -28,7 +28,8 @@ engines really meet a backend:
    last on purpose: by then the *process* is warm (cuBLAS handles, kernels loaded and compiled),
    as in an engine that captures after its profiling run, so only the instance's own laziness
    is tested.
-4. **Capture over empty requests only.** Where the backend claims vLLM's empty requests, a fresh
+4. **Capture over empty requests only.** Where the backend claims vLLM's empty requests and graphs of
+   any batch (ALWAYS: a uniform graph is captured for its own query length), a fresh
    instance captures a batch in which every request is one (query and sequence length 0, block-table
    rows -1: what an engine's warm-up and dummy captures hand it; vLLM #51970 is an illegal access
    captured over all-zero indexer lengths), then A is loaded, built and replayed: a backend that
@@ -44,7 +45,7 @@ from typing import Any
 
 import torch
 
-from backends.base import AttentionBackend
+from backends.base import AttentionBackend, CGSupport
 from backends.features import EMPTY_REQUESTS
 from conformance.cases.grammar import Case
 from conformance.checks.base import EVERY_KIND, Check
@@ -249,8 +250,8 @@ class GraphsCheck(Check):
         del graph, first
 
         # 4. Captured over empty requests only (every length 0), then A: where the backend claims
-        #    vLLM's empty requests, whose warm-up and dummy captures hand it such batches.
-        idle_capture = backend_cls.capabilities.supports(EMPTY_REQUESTS)
+        #    vLLM's empty requests and graphs of any batch, whose dummy captures hand it such batches.
+        idle_capture = support == CGSupport.ALWAYS and backend_cls.capabilities.supports(EMPTY_REQUESTS)
         if idle_capture:
             idle = GraphBuffers(backend_cls, shape, all_cases, device, **layers)
             common = idle.load_idle(with_host_lengths=self.host_lengths)
