@@ -343,13 +343,22 @@ class WritesLastTokenOfEmptyRequests(GraphSafeEmptyRequests):
 
 
 class GraphSafeWithEmptyRequests(TorchGraphSafe):
-    """TorchGraphSafe claiming vLLM's empty requests (it serves them: a request with no token is
-    never gathered), so the graphs check also captures it over empty requests only."""
+    """TorchGraphSafe claiming vLLM's empty requests, so the graphs check also captures it over
+    empty requests only. Empty requests pad a graph's batch without rows of their own, so the
+    step's real token count is a device value: every row of the output buffer is computed and only
+    the real ones (below ``query_start_loc[-1]``) are kept."""
 
     name = "test_graph_safe_with_empty_requests"
     capabilities = dataclasses.replace(
         TorchGraphSafe.capabilities, features=TorchGraphSafe.capabilities.features | {EMPTY_REQUESTS}
     )
+
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
+        rows = query.shape[0]
+        real = torch.arange(rows, device=self.device) < metadata.query_start_loc[-1]
+        kept = out.clone()
+        super().forward(query, kv_cache, dataclasses.replace(metadata, num_tokens=rows), out, layer=layer)
+        out.copy_(torch.where(real[:, None, None], out, kept))
 
 
 class SkipsAnIdleBatchAtCapture(GraphSafeWithEmptyRequests):

@@ -272,3 +272,19 @@ def test_the_draft_loop_catches_stale_sparse_positions_on_a_gpu():
     assert judge(DraftLoopCheck(), TritonMLABackend, case, cuda).verdict == Verdict.PASS
     result = judge(DraftLoopCheck(), sparse_defects.StalePositionsInDraftSteps, case, cuda)
     assert result.verdict == Verdict.FAIL and "step" in result.reason, result.reason
+
+
+@pytest.mark.parametrize(
+    "backend,clean",
+    [(TorchNaiveBackend, True), (sparse_defects.MinusOneIsSlotMinusOne, False)],
+)
+def test_the_memory_checks_nan_poison_pass_sees_an_index_read_outside_the_requests_slots(backend, clean):
+    """The memory check's NaN-poison pass over a sparse layer (rows with -1 entries: a top-k
+    wider than the context): a -1 read as slot -1 takes the pool's last slot, NaN there, and the
+    output turns NaN; the reference reads only its requests' slots."""
+    from conformance.harness.nan_poison import nan_poison_pass
+    from conformance.harness.step import prepare_case
+
+    case = parse_case("mla-h4-d32+16-bf16-p16-topk64:40+1,20+4")
+    findings, _ = nan_poison_pass(prepare_case(backend, case, CPU))
+    assert (not findings) == clean, findings
