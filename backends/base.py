@@ -262,9 +262,6 @@ class LayerParameters:
     def with_indices(self, topk_indices: torch.Tensor | None) -> "LayerParameters":
         return replace(self, topk_indices=topk_indices)
 
-    def with_weights(self, index_weights: torch.Tensor | None) -> "LayerParameters":
-        return replace(self, index_weights=index_weights)
-
     def with_lse(self, lse: torch.Tensor | None) -> "LayerParameters":
         return replace(self, lse=lse)
 

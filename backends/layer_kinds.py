@@ -43,6 +43,11 @@ class LayerKind(abc.ABC):
     def output_dtype(self, spec: "AttentionSpec") -> torch.dtype:
         return spec.dtype
 
+    def stored_entries(self, key: torch.Tensor, value: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What ``read_kv`` returned, as the kind's attention reads it: its keys and values as they
+        are (an fp8 layer's scale is the layer's, applied by the reader)."""
+        return key, value
+
     @abc.abstractmethod
     def key_shape(self, spec: "AttentionSpec", tokens: int) -> tuple[int, ...]:
         """The shape of ``tokens`` tokens' keys (MLA: their latent entries)."""
@@ -191,6 +196,11 @@ class Indexer(OneEntry):
 
     def output_shape(self, spec: "AttentionSpec", rows: int) -> tuple[int, ...]:
         return (rows, spec.sparse_topk)  # each token's chosen positions
+
+    def stored_entries(self, key, value):
+        if value is None:  # keys in the compute dtype
+            return key, None
+        return key.double() * value.double()[:, None], None  # each fp8 key times its own scale
 
     def output_dtype(self, spec: "AttentionSpec") -> torch.dtype:
         return torch.int32

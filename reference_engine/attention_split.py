@@ -41,10 +41,20 @@ def serves_every_batch(capabilities: Capabilities) -> bool:
     return capabilities.max_query_len is None and not capabilities.uniform_query_len
 
 
+# Per layer kind, the built-ins that serve it: Triton's (no host lengths, graph-safe) and the
+# plain-PyTorch one (any layout, any device).
+BUILTINS = {
+    "mha": ("triton", "torch_naive"),
+    "mla": ("triton_mla", "torch_naive"),
+    "indexer": ("triton_indexer", "torch_indexer"),
+}
+
+
 def companion_candidates(spec: AttentionSpec, device: torch.device) -> list[str]:
-    """The built-ins tried, in order, as the companion: Triton's where it compiles (no host lengths,
-    graph-safe), else the plain-PyTorch backend (any layout, any device)."""
-    return ([{"mha": "triton", "mla": "triton_mla"}[spec.kind]] if device.type == "cuda" else []) + ["torch_naive"]
+    """The built-ins tried, in order, as the companion (or a sparse model's indexer): Triton's where
+    it compiles, else the plain-PyTorch backend."""
+    triton, plain = BUILTINS[spec.kind]
+    return ([triton] if device.type == "cuda" else []) + [plain]
 
 
 def resolve_companion(

@@ -53,6 +53,7 @@ class ModelConfig:
     index_window: int | None = None
     index_heads: int = 4
     index_head_dim: int = 32
+    index_kv_cache_dtype: torch.dtype | None = torch.float8_e4m3fn  # DeepSeek's: e4m3, a scale a token
 
     def layer_spec(
         self, layer: int, dtype: torch.dtype, block_size: int, kv_cache_dtype: torch.dtype | None = None
@@ -87,8 +88,8 @@ class ModelConfig:
         )
 
     def indexer_spec(self, layer: int, dtype: torch.dtype, block_size: int) -> AttentionSpec | None:
-        """Layer ``layer``'s lightning indexer (DeepSeek's keeps its keys in e4m3, each with its own
-        scale); None for a dense layer."""
+        """Layer ``layer``'s lightning indexer (its keys in ``index_kv_cache_dtype``: DeepSeek's in
+        e4m3, each with its own scale); None for a dense layer."""
         if self.index_topk is None:
             return None
         return AttentionSpec(
@@ -99,7 +100,7 @@ class ModelConfig:
             dtype=dtype,
             block_size=block_size,
             sparse_topk=self.index_topk,
-            kv_cache_dtype=torch.float8_e4m3fn,
+            kv_cache_dtype=self.index_kv_cache_dtype,
         )
 
     def attention_spec(

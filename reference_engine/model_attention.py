@@ -64,12 +64,6 @@ class GroupPlan:
     indexes: bool = False
 
 
-def indexer_candidates(device: torch.device) -> list[str]:
-    """The built-in indexers tried, in order, where the backend under test is none: Triton's on a
-    GPU (no host lengths, graph-safe), else the plain-PyTorch one."""
-    return (["triton_indexer"] if device.type == "cuda" else []) + ["torch_indexer"]
-
-
 def plan_indexers(
     backend_cls: type[AttentionBackend], model, dtype: torch.dtype, block_size: int, device: torch.device
 ) -> list[GroupPlan]:
@@ -80,9 +74,10 @@ def plan_indexers(
     for spec in dict.fromkeys(spec for spec in specs if spec is not None):
         serving = backend_cls
         if backend_cls.unsupported_reason(spec, device):
-            serving, why = first_claiming(indexer_candidates(device), spec, device, every_batch=True)
+            serving, why = first_claiming(companion_candidates(spec, device), spec, device, every_batch=True)
             if serving is None:
                 raise ValueError(f"no built-in indexer serves the model's ({why})")
+        resolve_companion(serving, spec, device)  # an indexer serving only some batches: a built-in beside it
         layers = tuple(index for index, other in enumerate(specs) if other == spec)
         plans.append(GroupPlan(layers, spec, serving, indexes=True))
     return plans
@@ -169,7 +164,8 @@ class ModelAttention:
         self.groups = [
             Group(
                 plan,
-                attention_for(plan.backend_cls, plan.spec, limits, device, requested),
+                # --prefill-backend names the attention's companion; an indexer's is a built-in's.
+                attention_for(plan.backend_cls, plan.spec, limits, device, AUTO if plan.indexes else requested),
                 plan.prefill_cls(plan.prefill_spec, limits, device) if plan.prefill_cls else None,
             )
             for plan in plans

@@ -301,14 +301,10 @@ def _messy(row: torch.Tensor, mine: torch.Tensor, seq_len: int, block_size: int,
     return row
 
 
-INDEX_WEIGHT_SEED = 0x1D_E7
-
-
-def index_weights(case, device: torch.device | str) -> torch.Tensor:
-    """An indexer case's head weights, float32 [num_tokens, num_heads] on ``device``: N(0, 1) over
+def index_weights(case, generator: torch.Generator) -> torch.Tensor:
+    """An indexer case's head weights, float32 [num_tokens, num_heads] on the CPU: N(0, 1) over
     sqrt(heads × head dim) (the model's projection with the softmax scale folded in), both signs,
-    seeded by the case alone."""
+    drawn from the batch's generator (another batch of the same seed, another step's weights)."""
     spec = case.spec
-    generator = torch.Generator().manual_seed(INDEX_WEIGHT_SEED + case.seed)
     weights = torch.randn(case.num_tokens, spec.num_heads, generator=generator)
-    return (weights / math.sqrt(spec.num_heads * spec.head_dim)).to(device)
+    return weights / math.sqrt(spec.num_heads * spec.head_dim)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from conformance.cases.kv_quantization import quantize, token_scales
-
 # Queries are processed in chunks so that the float64 logits of all heads, [H, q, s], stay under
 # this many elements (256 MiB) however long the request.
 _LOGITS_ELEMENTS = 1 << 25
@@ -177,8 +175,9 @@ def layer_reference(
         "sparse_window": spec.sparse_window,
         **options,
     }
-    if not spec.layout.attends:  # an indexer: its answer is a choice of positions (no LSE)
-        return index_reference(spec, query, key, index_weights, context_len=context_len)
+    if not spec.layout.attends:  # an indexer: its answer is a choice of positions, it has no LSE
+        reference = index_reference(query, key, index_weights, context_len=context_len)
+        return (reference, None) if return_lse else reference
     if spec.sparse_topk is not None and topk_indices is None:
         raise ValueError("a sparse layer's oracle needs the request's index rows (topk_indices)")
     layout = spec.layout  # MLA: one latent head, its latent part the value (``LayerKind``)
@@ -207,16 +206,12 @@ def index_tolerance(query: torch.Tensor, keys: torch.Tensor, weights: torch.Tens
     return INDEX_RTOL * torch.einsum("qh,qhs->qs", weights.double().abs(), scores).amax(dim=1).cpu()
 
 
-def index_reference(spec, query: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, *, context_len: int):
+def index_reference(query: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, *, context_len: int):
     """An indexer's answer for one request's new tokens, as every check but ``indexer`` (which
-    asks about the stored keys first) holds a choice against it (``harness.answers``): float64
-    ``[q, s]``, the logits (``index_logits``) over the keys as the contract stores them (an fp8
-    cache: each key quantized over its own ue8m0 scale, dequantized), in units of each token's
+    asks about the stored keys first, and names a wrong choice in words) holds a choice against it
+    (``harness.answers``): float64 ``[q, s]``, the logits (``index_logits``) over ``keys`` (an fp8
+    cache's as the backend stored them, dequantized: ``stored_cache``), in units of each token's
     tolerance (``index_tolerance``); -inf past each token's own position."""
-    keys = keys.double()
-    if spec.fp8_kv_cache:
-        scales = token_scales(keys, spec.kv_cache_dtype)[:, None]
-        keys = quantize(keys, scales, spec.kv_cache_dtype).double() * scales
     tolerance = index_tolerance(query, keys, weights).clamp(min=1e-300).to(query.device)
     return index_logits(query, keys, weights, context_len=context_len) / tolerance[:, None]
 

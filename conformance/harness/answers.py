@@ -42,6 +42,10 @@ class Answer(abc.ABC):
         """bool, element by element: what a backend wrote (no longer ``unwritten``)."""
         return tensor != self.unwritten
 
+    def canonical(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` in the form two equal answers share bit for bit (what determinism compares)."""
+        return out
+
     @abc.abstractmethod
     def negated(self, reference: torch.Tensor) -> torch.Tensor:
         """The oracle's answer for the step run negated (query, keys and values): a later layer's."""
@@ -86,6 +90,9 @@ class Choice(Answer):
 
     def negated(self, reference: torch.Tensor) -> torch.Tensor:
         return reference  # Σ_h w_h·relu(q_h·k): a negated query over negated keys scores the same
+
+    def canonical(self, out: torch.Tensor) -> torch.Tensor:
+        return out.sort(dim=-1).values  # a choice is a set: its order is the backend's
 
     def misses(self, out: torch.Tensor, reference: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per row: how many tolerances its worst choice lies beyond the k-th largest logit (inf
@@ -143,8 +150,14 @@ class Choice(Answer):
         }
         return not bool(wrong.any()), metrics, evidence
 
-    def mismatched_rows(self, out, reference, allowance, atol, rtol):
-        return ~(self.misses(out, reference)[0] <= 1.0)
+    def mismatched_rows(self, out, reference, allowance, atol, rtol, chunk_rows: int = 1024):
+        """A chunk of rows at a time, as ``comparison.mismatched_rows`` (a steady bank's logits
+        over its longest request, several float64 copies of them, would take its memory)."""
+        bad = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
+        for start in range(0, out.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            bad[rows] = ~(self.misses(out[rows], reference[rows])[0] <= 1.0)
+        return bad
 
 
 VALUES, CHOICE = Values(), Choice()

@@ -109,7 +109,8 @@ class PagedBatch:
         )
 
     def reference_output(self) -> torch.Tensor:
-        """The oracle's answer for every new token: [num_tokens, H, Dv] float64, on the device.
+        """The oracle's answer for every new token, float64 on the device: an attention's
+        [num_tokens, H, Dv], an indexer's logits over the batch's longest request (``answers``).
         Computed once per batch: a batch's data never changes after it is drawn."""
         if self._reference is None:
             self._reference = self._solve()

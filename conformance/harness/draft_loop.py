@@ -92,8 +92,9 @@ class DraftBanks:
             self.lse.index_copy_(1, step, layer.lse[:n].unsqueeze(1))
 
     def clear(self) -> None:
-        """NaN in every banked output and LSE and in the layer's LSE buffer: a replay that writes
-        nothing leaves NaN, not what the warm-up wrote."""
+        """Every banked output unwritten (an attention's NaN, ``answers``), NaN in every banked LSE
+        and in the layer's LSE buffer: a replay that writes nothing leaves that, not what the
+        warm-up wrote."""
         self.out.fill_(self.answer.unwritten)
         for tensor in (self.lse, self.layer.lse):
             if tensor is not None:

@@ -46,6 +46,7 @@ def model_for(case: Case):
             index_topk=min(spec.sparse_topk, ENGINE_TOPK),
             index_heads=spec.num_heads,
             index_head_dim=spec.head_dim,
+            index_kv_cache_dtype=spec.kv_cache_dtype,
             **common,
         )
     if spec.kind == "mla":

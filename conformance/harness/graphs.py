@@ -32,6 +32,7 @@ from backends.base import (
 from conformance.cases.case_data import sink_logits
 from conformance.cases.grammar import Case
 from conformance.harness import token_inputs
+from conformance.harness.answers import answer_for
 from conformance.harness.batch import PagedBatch, guarded_block_table, pool_size
 from conformance.harness.graph_batches import GraphShape, padding_rows
 from conformance.harness.input_watch import InputWatch, PoolWatch
@@ -306,10 +307,12 @@ class GraphBuffers:
             self.backend.write_kv(layer.kv_cache, layer.key, layer.value, self.slot_mapping, layer=layer.parameters)
             self.backend.forward(layer.query, layer.kv_cache, metadata, layer.out, layer=layer.forward_parameters)
 
-    def clear_lse(self) -> None:
-        """NaN in every layer's LSE buffer: a replay that does not write it leaves NaN, not the
-        last eager step's numbers."""
+    def clear_outputs(self) -> None:
+        """Every layer's output unwritten (an attention's NaN, ``answers``) and its LSE NaN: a
+        replay that writes nothing leaves that, not the last eager step's numbers."""
+        unwritten = answer_for(self.spec).unwritten
         for layer in self.layers:
+            layer.out.fill_(unwritten)
             if layer.lse is not None:
                 layer.lse.fill_(float("nan"))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, ContextManager, Iterator
 
@@ -458,7 +459,7 @@ def step_output(step: StagedStep) -> torch.Tensor:
     whole, out = step.whole, step.out
     real = step.prepared.batch.case.num_tokens
     written_by = answer_for(step.prepared.batch.spec).written
-    guard = whole[:, out[0].numel() :]
+    guard = whole[:, math.prod(out.shape[1:]) :]
     if guard.numel() and bool(written_by(guard).any()):
         written = int(written_by(guard).sum())
         raise WroteOutsideOutput(

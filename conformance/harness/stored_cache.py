@@ -33,14 +33,15 @@ from conformance.cases.kv_quantization import (
 )
 from conformance.cases.oracle import layer_reference
 from conformance.harness.answers import answer_for
+from conformance.harness.batch import joined
 from conformance.harness.step import PreparedCase
 
 
 def quantized(prepared: PreparedCase) -> bool:
-    """Whether the layer's cache holds its numbers quantized: an fp8 cache with the layer's scales,
-    or DeepSeek's fp8_ds_mla, whose scales are its own (its ``read_kv`` returns the entries
-    dequantized)."""
-    return prepared.scales is not None or prepared.batch.spec.kv_scale_block is not None
+    """Whether the layer's cache holds its numbers quantized: an fp8 cache, with the layer's scales,
+    DeepSeek's fp8_ds_mla (its scales its own: ``read_kv`` returns the entries dequantized) or an
+    indexer's (a scale a token, which ``read_kv`` returns beside the keys)."""
+    return prepared.batch.spec.fp8_kv_cache
 
 
 def _stored(prepared: PreparedCase, request: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -69,7 +70,8 @@ def attended_values(prepared: PreparedCase, request: int, head: int, *, negated:
 
 
 def expected_output(prepared: PreparedCase, *, negated: bool = False) -> torch.Tensor:
-    """[num_tokens, H, Dv] float64: the oracle's attention for ``prepared``'s step (``negated``: of
+    """The oracle's answer for ``prepared``'s step, float64 (an attention's ``[num_tokens, H, Dv]``,
+    an indexer's logits in tolerances: ``harness.answers``) (``negated``: of
     the step whose query, key, value and pool were negated, ``run_step(negated=True)``). For an
     fp8 layer, of the cache as stored, after the step."""
     batch = prepared.batch
@@ -87,6 +89,8 @@ def oracle(prepared: PreparedCase, *, negated: bool = False) -> tuple[torch.Tens
     if not quantized(prepared):
         return expected_output(prepared, negated=negated), None
     exact = _solve(prepared, negated=negated)[0]
+    if not prepared.batch.spec.layout.attends:  # an indexer's logits carry their own tolerance
+        return exact, None
     return exact, (exact - _solve(prepared, negated=negated, rounded=True)[0]).abs()
 
 
@@ -117,7 +121,11 @@ def _solve(
     for request, (context_len, _) in enumerate(batch.case.batch):
         start, end = batch.query_start_loc[request], batch.query_start_loc[request + 1]
         query = batch.query[start:end].neg() if negated else batch.query[start:end]
-        key, value = _stored(prepared, request) if stored else (batch.keys[request], batch.values[request])
+        key, value = (
+            spec.layout.stored_entries(*_stored(prepared, request))
+            if stored
+            else (batch.keys[request], batch.values[request])
+        )
         k_scale, v_scale = (scales.k_scale, scales.v_scale) if scales is not None else (1.0, 1.0)
         out, lse = layer_reference(
             spec,
@@ -130,7 +138,7 @@ def _solve(
         )
         outputs.append(out)
         sums.append(lse)
-    return torch.cat(outputs), torch.cat(sums)
+    return joined(outputs), None if None in sums else torch.cat(sums)
 
 
 def _place(

@@ -51,7 +51,7 @@ TOKEN_INPUTS = (
         torch.float32,
         lambda spec: spec.num_heads,
         lambda spec: not spec.layout.attends,
-        lambda case, generator: case_data.index_weights(case, "cpu"),
+        case_data.index_weights,
     ),
 )
 

@@ -111,8 +111,9 @@ class WeightsKeptFromCapture(TritonIndexerBackend):
 
 
 class LongestSequenceOnTheHost(TritonIndexerBackend):
-    """Sizes its logits by the batch's longest sequence, read back from the device in
-    ``build`` (``int(seq_lens.max())``): a host sync every step, though it claims none."""
+    """Reads the batch's longest sequence back from the device in ``build``
+    (``int(seq_lens.max())``, as a kernel sized by it would): a host sync every step, though it
+    claims none."""
 
     def build(self, common):
         metadata = super().build(common)

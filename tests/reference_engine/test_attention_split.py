@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from backends.base import CommonAttentionMetadata, DeviceInfo, LayerParameters
+from backends.torch_indexer import TorchIndexerBackend
 from backends.torch_naive import TorchNaiveBackend
 from backends.utils import sub_batch
 from conformance.cases.grammar import parse_case
@@ -214,3 +215,32 @@ def test_a_part_of_a_step_gets_its_rows_of_every_per_row_parameter():
     assert part.sinks is layer.sinks
     for rows in (part.lse, part.topk_indices, part.index_weights):
         assert rows.flatten().tolist() == [3, 4]
+
+
+class DecodeOnlyIndexer(TorchIndexerBackend):  # an indexer kernel of decode batches only (paged logits)
+    name = "decode_only_indexer"
+    capabilities = dataclasses.replace(TorchIndexerBackend.capabilities, max_query_len=1)
+
+    def build(self, common: CommonAttentionMetadata):
+        reason = self.capabilities.query_len_reason(common.max_query_len, common.query_lens_cpu.tolist())
+        if reason:
+            raise ValueError(f"{self.name}: {reason}")
+        return super().build(common)
+
+
+def test_an_indexer_serving_decodes_only_runs_beside_a_built_in_indexer():
+    """The backend under test a sparse model's indexer that serves decode batches only: the model's
+    attention goes to a built-in, its prefills' choices to torch_indexer beside it, and the tokens
+    are torch_naive's with torch_indexer alone."""
+    from reference_engine.model import PRESETS
+
+    prompts = [list(range(3, 60)), list(range(10, 50))]
+    params = SamplingParams(max_tokens=6)
+    config = EngineConfig(model=PRESETS["tiny-dsa"], async_scheduling=False)
+    plain = [out.tokens for out in BatchedEngine(config).generate(prompts, params)]
+    engine = BatchedEngine(dataclasses.replace(config, backend=f"{HERE}:DecodeOnlyIndexer"))
+    assert [out.tokens for out in engine.generate(prompts, params)] == plain
+    (_, indexer) = engine.backend.splits
+    assert isinstance(indexer, SplitAttention) and indexer.companion.name == "torch_indexer"
+    served = indexer.routing.to_dict()
+    assert served["decode_only_indexer"]["batches"] > 0 and served["torch_indexer"]["batches"] > 0, served

@@ -95,3 +95,25 @@ def test_each_row_passes_or_fails_as_the_indexer_checks_judge_says(step):
                 agreed += 1
                 failed += problem is not None
     assert agreed > 100 and failed > 40
+
+
+def test_the_choice_judge_on_ties_minus_ones_and_short_rows():
+    """Logits in tolerances: token 0 at position 4 (five visible), token 1 at position 1 (two
+    visible, fewer than k = 3)."""
+    inf = float("inf")
+    reference = torch.tensor([[9.0, 5.0, 5.0, 1.0, -3.0], [2.0, 7.0, -inf, -inf, -inf]], dtype=torch.float64)
+
+    def misses(rows):
+        return CHOICE.misses(torch.tensor(rows, dtype=torch.int32), reference)[0].tolist()
+
+    assert misses([[0, 1, 2], [0, 1, -1]]) == [0.0, 0.0]
+    assert misses([[0, 2, 1], [-1, 1, 0]]) == [0.0, 0.0]  # any order, -1 anywhere
+    assert misses([[2, 0, 1], [1, -1, 0]]) == [0.0, 0.0]
+    assert misses([[0, 1, 3], [0, 1, -1]])[0] == 4.0  # chose 1.0 where the k-th is 5.0: 4 tolerances
+    assert misses([[0, 1, 1], [0, 1, -1]])[0] == inf  # a position twice
+    assert misses([[0, 1, 2], [0, -1, -1]])[1] == inf  # one of the two it has
+    assert misses([[0, 1, 2], [0, 1, 2]])[1] == inf  # a position past its own
+    assert misses([[0, 1, -2], [0, 1, -1]])[0] == inf  # unwritten
+    near = reference.clone()
+    near[0, 3] = 4.5  # within one tolerance of the k-th (5.0): either may be chosen
+    assert CHOICE.misses(torch.tensor([[0, 1, 3], [0, 1, -1]], dtype=torch.int32), near)[0].tolist() == [0.5, 0.0]
