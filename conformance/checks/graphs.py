@@ -235,19 +235,10 @@ class GraphsCheck(Check):
         # 3. Capture as the very first call of a fresh backend instance (the process is warm now).
         first = GraphBuffers(backend_cls, shape, all_cases, device, **layers)
         loaded = first.load(self._batch(case, device), with_host_lengths=self.host_lengths)
-        try:
-            graph = capture(first, first.backend.build_for_capture(loaded.common))
-        except CaptureFailed as failure:
-            return Outcome(
-                Verdict.FAIL,
-                f"capture as the first call after construction failed: {failure}",
-                metrics=metrics,
-                evidence={"capture_events": failure.events},
-            )
-        problem = self._replay(first, graph, case, "A, captured as the backend's first call")
-        if problem:
-            return self._fail(case, problem, metrics)
-        del graph, first
+        failed = self._fresh_capture(first, loaded.common, case, metrics, "as the backend's first call")
+        if failed:
+            return failed
+        del first
 
         # 4. Captured over empty requests only (every length 0), then A: where the backend claims
         #    vLLM's empty requests and graphs of any batch, whose dummy captures hand it such batches.
@@ -255,18 +246,9 @@ class GraphsCheck(Check):
         if idle_capture:
             idle = GraphBuffers(backend_cls, shape, all_cases, device, **layers)
             common = idle.load_idle(with_host_lengths=self.host_lengths)
-            try:
-                graph = capture(idle, idle.backend.build_for_capture(common))
-            except CaptureFailed as failure:
-                return Outcome(
-                    Verdict.FAIL,
-                    f"capture over empty requests only (every length 0) failed: {failure}",
-                    metrics=metrics,
-                    evidence={"capture_events": failure.events},
-                )
-            problem = self._replay(idle, graph, case, "A, in a graph captured over empty requests only")
-            if problem:
-                return self._fail(case, problem, metrics)
+            failed = self._fresh_capture(idle, common, case, metrics, "over empty requests only (every length 0)")
+            if failed:
+                return failed
 
         reason = (
             f"{len(replays)} replays equal to the oracle (also captured as the first call"
@@ -276,6 +258,21 @@ class GraphsCheck(Check):
         if nondeterministic:
             reason += f"; two replays of one state differ bitwise ({nondeterministic[0]}; determinism not claimed)"
         return Outcome(Verdict.PASS, reason, metrics=metrics)
+
+    def _fresh_capture(self, buffers: GraphBuffers, common, case: Case, metrics, how: str) -> Outcome | None:
+        """A fresh instance's capture over ``common`` (``how`` says which), then A loaded, built
+        and replayed in it; None when right, else the case's FAIL."""
+        try:
+            graph = capture(buffers, buffers.backend.build_for_capture(common))
+        except CaptureFailed as failure:
+            return Outcome(
+                Verdict.FAIL,
+                f"capture {how} failed: {failure}",
+                metrics=metrics,
+                evidence={"capture_events": failure.events},
+            )
+        problem = self._replay(buffers, graph, case, f"A, captured {how}")
+        return self._fail(case, problem, metrics) if problem else None
 
     def _replay(
         self,

@@ -15,6 +15,7 @@ from backends.base import PLAIN_LAYER
 from backends.torch_indexer import TorchIndexerBackend
 from backends.triton.indexer import TritonIndexerBackend
 from backends.triton.sparse_mla import SparseMetadata
+from tests.planted.sparse_defects import KeepsBuildPositions
 
 
 class TopKOverTheWholeSequence(TorchIndexerBackend):
@@ -83,18 +84,10 @@ class KeysQuantizedWithoutTheirScales(_OwnScales):
 
 # Defects of a graph-safe indexer (triton_indexer) that only the checks driving steps see: each
 # chooses right in one eager step, as the indexer check runs it.
-class StaleIndexerPositionsInDraftSteps(TritonIndexerBackend):
-    """``update_for_draft_step`` takes the advanced lengths but keeps each token's position
-    from the first build: every draft step chooses among the positions of the first, one
-    fewer than it has (vLLM #41162's class, in the indexer)."""
-
-    def update_for_draft_step(self, metadata, common):
-        metadata.query_start_loc, metadata.seq_lens, metadata.block_table = (
-            common.query_start_loc,
-            common.seq_lens,
-            common.block_table,
-        )
-        return metadata
+class StaleIndexerPositionsInDraftSteps(KeepsBuildPositions, TritonIndexerBackend):
+    """triton_indexer whose draft update keeps each token's position from the first build: every
+    draft step chooses among the positions of the first, one fewer than it has (vLLM #41162's
+    class, in the indexer)."""
 
 
 class WeightsKeptFromCapture(TritonIndexerBackend):

@@ -116,10 +116,9 @@ class DropsTheWindowPart(TorchNaiveBackend):
         return listed & (keys[None, :] <= query_positions[:, None])
 
 
-class StalePositionsInDraftSteps(TritonMLABackend):
-    """triton_mla whose ``update_for_draft_step`` re-points the lengths but keeps every token's
-    position from ``build``: the causal edge and the window part stay at the first draft step
-    (vLLM #41162: the sparse layer's window metadata not rebuilt in MTP's draft steps)."""
+class KeepsBuildPositions:
+    """``update_for_draft_step`` re-points the lengths but keeps every token's position from
+    ``build`` (a mixin for the Triton backends whose sparse metadata places tokens)."""
 
     def update_for_draft_step(self, metadata, common):
         metadata.query_start_loc, metadata.seq_lens, metadata.block_table = (
@@ -128,6 +127,12 @@ class StalePositionsInDraftSteps(TritonMLABackend):
             common.block_table,
         )
         return metadata
+
+
+class StalePositionsInDraftSteps(KeepsBuildPositions, TritonMLABackend):
+    """triton_mla whose draft update keeps every token's position from ``build``: the causal edge
+    and the window part stay at the first draft step (vLLM #41162: the sparse layer's window
+    metadata not rebuilt in MTP's draft steps)."""
 
 
 class _OneScaleAToken(DsMlaLayout):

@@ -147,7 +147,7 @@ def test_workspace_grown_at_a_new_shape_fails_the_replay_after_it():
 def test_autotuning_on_the_first_call_fails_the_first_call_capture_naming_the_sync():
     result = judge(GraphsCheck(), planted.AutotunesOnFirstCall, DECODE, CUDA)
     assert result.verdict == Verdict.FAIL, result.reason
-    assert result.reason.startswith("capture as the first call after construction failed"), result.reason
+    assert result.reason.startswith("capture as the backend's first call failed"), result.reason
     assert f"graph_backends.py:{marker_line('end.synchronize()')}" in result.reason, result.reason
 
 
