@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 E4M3 = torch.float8_e4m3fn
+DS_MLA_SCALE_BLOCK = 128  # latent values one scale covers (vLLM's fp8_ds_mla: four a 512-value latent)
 
 
 class DsMlaLayout:

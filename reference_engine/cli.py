@@ -22,6 +22,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from backends.base import DTYPE_NAMES
+from backends.fp8_ds_mla import DS_MLA_SCALE_BLOCK
 from reference_engine.batched_engine import BatchedEngine
 from reference_engine.checkpoint import CheckpointError, load_eagle_head, load_model
 from reference_engine.core import EngineConfig
@@ -76,10 +77,11 @@ def add_engine_parser(commands) -> None:
         parser.add_argument("--dtype", default=None, help="fp32 | fp16 | bf16 (default: fp32 on cpu, bf16 on cuda)")
         parser.add_argument(
             "--kv-cache-dtype",
-            choices=["auto", "fp8e4m3", "fp8e5m2"],
+            choices=list(KV_CACHE_FORMATS),
             default="auto",
-            help="the KV cache's format: auto (the model's dtype) or fp8 with per-layer scales "
-            "(k 0.1, v 4 times 1 + layer/2; the backend must claim it) (default auto)",
+            help="the KV cache's format: auto (the model's dtype), fp8 with per-layer scales "
+            "(k 0.1, v 4 times 1 + layer/2), or DeepSeek's fp8_ds_mla (an MLA model's: e4m3 latent, "
+            "a scale per 128 values in each entry); the backend must claim it (default auto)",
         )
         parser.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks (default 1024)")
         parser.add_argument("--max-num-tokens", type=int, default=512, help="token budget per step (default 512)")
@@ -164,7 +166,13 @@ def _load_model(args, dtype, device, usage_error) -> tuple[LlamaModel, Tokenizer
     raise usage_error(f"--model {args.model!r}: not one of {', '.join([*PRESETS, *REAL_MODELS])} and not a directory")
 
 
-KV_CACHE_DTYPES = {"auto": None, "fp8e4m3": torch.float8_e4m3fn, "fp8e5m2": torch.float8_e5m2}
+# --kv-cache-dtype: (kv_cache_dtype, kv_scale_block) of EngineConfig.
+KV_CACHE_FORMATS = {
+    "auto": (None, None),
+    "fp8e4m3": (torch.float8_e4m3fn, None),
+    "fp8e5m2": (torch.float8_e5m2, None),
+    "fp8_ds_mla": (torch.float8_e4m3fn, DS_MLA_SCALE_BLOCK),
+}
 
 
 def _make_engine(args, model, eagle, dtype, device, loop: str, drafter: str, usage_error):
@@ -183,7 +191,8 @@ def _make_engine(args, model, eagle, dtype, device, loop: str, drafter: str, usa
         async_scheduling=loop == "async",
         cuda_graphs=args.cuda_graphs and device.type == "cuda",
         check_inputs=getattr(args, "check_inputs", False),
-        kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_dtype],
+        kv_cache_dtype=KV_CACHE_FORMATS[args.kv_cache_dtype][0],
+        kv_scale_block=KV_CACHE_FORMATS[args.kv_cache_dtype][1],
     )
     try:
         return (Engine if loop == "simple" else BatchedEngine)(config, model, eagle)

@@ -40,6 +40,9 @@ class EngineConfig:
     # kv_scales times (1 + l / 2), so that every layer has scales of its own.
     kv_cache_dtype: torch.dtype | None = None
     kv_scales: tuple[float, float] = (0.1, 4.0)
+    # DeepSeek's fp8_ds_mla (an MLA model, kv_cache_dtype e4m3): a float32 scale per this many latent
+    # values, inside each cache entry and computed by write_kv; the layers then have no scales.
+    kv_scale_block: int | None = None
     block_size: int = 16
     num_blocks: int = 256
     max_num_reqs: int = 16
@@ -108,6 +111,7 @@ class EngineCore:
                 self.device,
                 config.prefill_backend,
                 config.decompressed_mla_prefill,
+                kv_scale_block=config.kv_scale_block,
             )
         except ValueError as error:
             raise ValueError(f"backend {config.backend} cannot run this model here: {error}") from None
@@ -134,7 +138,7 @@ class EngineCore:
     def layer_scales(self, num_layers: int) -> list[KVScales] | None:
         """Each layer's fp8 scales (device tensors made once: graphs read them), or None."""
         config = self.config
-        if config.kv_cache_dtype is None or config.kv_cache_dtype == config.dtype:
+        if config.kv_cache_dtype is None or config.kv_cache_dtype == config.dtype or config.kv_scale_block:
             return None
         k_scale, v_scale = config.kv_scales
         return [

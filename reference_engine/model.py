@@ -13,6 +13,7 @@ import torch
 
 from backends import fp8
 from backends.base import AttentionSpec, KVScales
+from backends.fp8_ds_mla import DsMlaLayout
 from reference_engine.lightning_indexer import LightningIndexer
 
 if TYPE_CHECKING:
@@ -56,9 +57,15 @@ class ModelConfig:
     index_kv_cache_dtype: torch.dtype | None = torch.float8_e4m3fn  # DeepSeek's: e4m3, a scale a token
 
     def layer_spec(
-        self, layer: int, dtype: torch.dtype, block_size: int, kv_cache_dtype: torch.dtype | None = None
+        self,
+        layer: int,
+        dtype: torch.dtype,
+        block_size: int,
+        kv_cache_dtype: torch.dtype | None = None,
+        kv_scale_block: int | None = None,
     ) -> AttentionSpec:
-        """Layer ``layer``'s attention (MLA: absorbed, over the latent cache)."""
+        """Layer ``layer``'s attention (MLA: absorbed, over the latent cache; ``kv_scale_block``:
+        DeepSeek's fp8_ds_mla, an MLA layer's, ValueError for any other)."""
         if self.attention == "mla":
             return AttentionSpec(
                 kind="mla",
@@ -71,6 +78,7 @@ class ModelConfig:
                 rope_dim=self.qk_rope_dim,
                 scale=self.mla_scale,
                 kv_cache_dtype=kv_cache_dtype,
+                kv_scale_block=kv_scale_block,
                 sparse_topk=self.index_topk,
                 sparse_window=self.index_window,
             )
@@ -85,6 +93,7 @@ class ModelConfig:
             kv_cache_dtype=kv_cache_dtype,
             attention_sinks=self.attention_sinks,
             sliding_window=self.sliding_window if windowed else None,
+            kv_scale_block=kv_scale_block,
         )
 
     def indexer_spec(self, layer: int, dtype: torch.dtype, block_size: int) -> AttentionSpec | None:
@@ -293,7 +302,10 @@ class LatentAttention(torch.nn.Module):
         """Per-head keys [T, heads, nope + rope] and values [T, heads, v] from latent entries, as
         a prefill reads them from the cache: an fp8 cache's entries dequantized first."""
         config = self.config
-        if spec.fp8_kv_cache:
+        if spec.kv_scale_block is not None:  # DeepSeek's fp8_ds_mla: the entry's own block scales
+            layout = DsMlaLayout(spec)
+            entry = layout.unpack(layout.pack(entry)).to(entry.dtype)
+        elif spec.fp8_kv_cache:
             scale = fp8.required(scales).k_scale
             entry = fp8.from_cache(fp8.to_cache(entry, scale, spec.kv_cache_dtype), scale).to(entry.dtype)
         latent, k_pe = entry[:, : config.kv_lora_rank], entry[:, config.kv_lora_rank :]

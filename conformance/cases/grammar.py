@@ -70,7 +70,8 @@ import torch
 
 from backends.base import DTYPE_NAMES, AttentionSpec, dtype_name, kv_dtype_name
 from backends.features import Needs
-from conformance.cases.kv_quantization import DEFAULT_K_SCALE, DEFAULT_V_SCALE, DS_MLA_SCALE_BLOCK, FP8_DTYPES
+from backends.fp8_ds_mla import DS_MLA_SCALE_BLOCK
+from conformance.cases.kv_quantization import DEFAULT_K_SCALE, DEFAULT_V_SCALE, FP8_DTYPES
 
 DATA_PROFILES = ("normal", "outliers", "edges")
 DEFAULT_PADDING_TOKENS = 3

@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 
 FP8_DTYPES: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-DS_MLA_SCALE_BLOCK = 128  # latent values a scale of DeepSeek's fp8_ds_mla cache covers
 ONE_ULP_FRACTION = 0.01  # of the stored elements: rounding-boundary cases, not a rounding rule
 DEFAULT_K_SCALE = 0.1  # far from 1 and not a power of two: a dropped, swapped or doubled scale
 DEFAULT_V_SCALE = 4.0  # moves scores or outputs by an order of magnitude

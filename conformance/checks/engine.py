@@ -104,7 +104,7 @@ def layout_key(case: Case, device: torch.device, suite: str | None = None) -> tu
     if suite == "quick":
         return (spec.kind, sparse)
     windowed = spec.sliding_window is not None or spec.sparse_window is not None
-    key = spec.kind, sparse, spec.attention_sinks, windowed, is_mla_prefill_layer(spec)
+    key = spec.kind, sparse, spec.attention_sinks, windowed, is_mla_prefill_layer(spec), spec.kv_scale_block
     if device.type == "cpu":
         return key + (spec.fp8_kv_cache,)
     return key + (spec.kv_cache_dtype if spec.fp8_kv_cache else None, spec.dtype)
@@ -140,6 +140,7 @@ def engine_skip_reason(
             cache_config(case).get("kv_cache_dtype"),
             device,
             prefill_backend,
+            kv_scale_block=cache_config(case).get("kv_scale_block"),
         )
     except ValueError as error:
         return str(error)

@@ -15,8 +15,12 @@ ENGINE_INDEX_WINDOW = 8  # and its window part, where it has one
 
 
 def cache_config(case: Case) -> dict[str, Any]:
-    """The EngineConfig fields of the case's KV cache: an fp8 format and its scales, or nothing."""
-    return dict(kv_cache_dtype=case.spec.kv_cache_dtype, kv_scales=case.kv_scales) if case.kv_scales else {}
+    """The EngineConfig fields of the case's attention cache: an fp8 format and its scales,
+    DeepSeek's fp8_ds_mla (its scales its own), or nothing (an indexer's keys are its model's)."""
+    spec = case.spec
+    if spec.kv_scale_block is not None:
+        return dict(kv_cache_dtype=spec.kv_cache_dtype, kv_scale_block=spec.kv_scale_block)
+    return dict(kv_cache_dtype=spec.kv_cache_dtype, kv_scales=case.kv_scales) if case.kv_scales else {}
 
 
 def is_mla_prefill_layer(spec) -> bool:

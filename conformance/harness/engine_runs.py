@@ -90,6 +90,7 @@ class EngineRuns:
             cache_config(self.case).get("kv_cache_dtype"),
             device,
             self.prefill_backend,
+            kv_scale_block=cache_config(self.case).get("kv_scale_block"),
         )
         self.graphs = device.type == "cuda"
         self.drafting = f"{ATTENTION_DRAFTER} drafting{' under CUDA graphs' if self.graphs else ''}"
@@ -137,6 +138,7 @@ class EngineRuns:
                 self.device,
                 AUTO,
                 self.decompressed_prefill,
+                kv_scale_block=cache_config(self.case).get("kv_scale_block"),
             )
         except ValueError as error:
             return f"{REFERENCE} cannot run this model here: {error}"

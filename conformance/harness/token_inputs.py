@@ -22,7 +22,7 @@ class TokenInput:
     dtype: torch.dtype
     width: Callable[[AttentionSpec], int]
     has: Callable[[AttentionSpec], bool]  # whether a layer of this spec is handed it
-    draw: Callable[..., torch.Tensor]  # (case, generator) -> a case's rows, on the CPU, seeded by the case
+    draw: Callable[..., torch.Tensor]  # (case, generator) -> a case's rows, on the CPU, from the batch's generator
 
     def empty(self, spec: AttentionSpec, rows: int, device: torch.device | str) -> torch.Tensor:
         """``rows`` padding rows: a persistent buffer before any load."""

@@ -3,6 +3,8 @@ token inside the entry, the rope part unquantized. The grammar, the packed layou
 quantizer against the backend's, torch_naive, a packed pool negated for numerics' second layer,
 and a planted per-token scale."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -99,3 +101,28 @@ def test_backends_without_the_claim_say_why():
     # triton_mla claims it for sparse layers only (tests/backends/test_triton_mla_fp8_ds_mla.py).
     dense = parse_case("mla-h16-d512+64-fp8dsmla:100+1").needs
     assert "not supported without sparse_topk" in TritonMLABackend.capabilities.feature_reason(dense, H200)
+
+
+def test_the_engine_runs_the_case_over_deepseeks_packed_cache():
+    """The engine check's model for an fp8_ds_mla case keeps its attention cache in the format
+    (packed entries, their scales inside, no layer scales) and decodes speculatively (MTP) as it
+    does plainly."""
+    from conformance.harness.engine_model import cache_config, model_and_prompts
+    from reference_engine.batched_engine import BatchedEngine
+    from reference_engine.core import EngineConfig
+    from reference_engine.sampling import SamplingParams
+
+    case = parse_case("mla-h16-d512+64-bf16-fp8dsmla-p64-topk2048:4000+1,2049+1,3000+4")
+    model, prompts = model_and_prompts(case, torch.device("cpu"), (5, 40))
+    model = model.float()
+    config = EngineConfig(model=model.config, block_size=64, num_blocks=16, **cache_config(case))
+    engine = BatchedEngine(config, model)
+    assert engine.kv_scales is None
+    row = DsMlaLayout(engine.backend.groups[0].plan.spec).row_bytes  # 656 in bf16; its rope part fp32 here
+    assert all(
+        caches.attention.dtype == torch.uint8 and caches.attention.shape[-1] == row for caches in engine.kv_caches
+    )
+    params = SamplingParams(max_tokens=6)
+    plain = [out.tokens for out in engine.generate(prompts, params)]
+    spec = BatchedEngine(dataclasses.replace(config, num_spec_tokens=3, drafter="mtp"), model)
+    assert [out.tokens for out in spec.generate(prompts, params)] == plain
