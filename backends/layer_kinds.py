@@ -43,6 +43,30 @@ class LayerKind(abc.ABC):
     def output_dtype(self, spec: "AttentionSpec") -> torch.dtype:
         return spec.dtype
 
+    # What a step must at the least read and compute (the bench's roofline), per request.
+    def keys_read(self, spec: "AttentionSpec", seq_len: int) -> int:
+        """Cache entries a request's step reads at the least: every one, or a sparse layer's top-k
+        and window part (the most one token attends)."""
+        if spec.sparse_topk is None:
+            return seq_len
+        return min(seq_len, spec.sparse_topk + (spec.sparse_window or 0))
+
+    def scores(self, spec: "AttentionSpec", context_len: int, query_len: int) -> float:
+        """Query token × key pairs a request's step weighs: each token's causal prefix, or a
+        sparse layer's top-k and window part."""
+        per_token = context_len + (query_len + 1) / 2
+        if spec.sparse_topk is not None:
+            per_token = min(per_token, spec.sparse_topk + (spec.sparse_window or 0))
+        return query_len * per_token
+
+    def flops_per_score(self, spec: "AttentionSpec") -> int:
+        """FLOPs of one query token × key pair: its scores over every head and the values weighed."""
+        return 2 * spec.num_heads * (spec.head_dim + self.v_head_dim(spec))
+
+    def io_elements(self, spec: "AttentionSpec") -> int:
+        """Elements a query token moves besides the cache: its query in, its output out."""
+        return spec.num_heads * (spec.head_dim + self.v_head_dim(spec))
+
     def stored_entries(self, key: torch.Tensor, value: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What ``read_kv`` returned, as the kind's attention reads it: its keys and values as they
         are (an fp8 layer's scale is the layer's, applied by the reader)."""
@@ -196,6 +220,18 @@ class Indexer(OneEntry):
 
     def output_shape(self, spec: "AttentionSpec", rows: int) -> tuple[int, ...]:
         return (rows, spec.sparse_topk)  # each token's chosen positions
+
+    def keys_read(self, spec, seq_len):
+        return seq_len  # it scores every key it may see; its top-k is what it writes
+
+    def scores(self, spec, context_len, query_len):
+        return query_len * (context_len + (query_len + 1) / 2)
+
+    def flops_per_score(self, spec):
+        return 2 * spec.num_heads * spec.head_dim  # q_h · k for every head; no values weighed
+
+    def io_elements(self, spec):
+        return spec.num_heads * (spec.head_dim + 1) + spec.sparse_topk  # query and weights in, positions out
 
     def stored_entries(self, key, value):
         if value is None:  # keys in the compute dtype

@@ -19,7 +19,7 @@ import torch
 
 from backends.base import AttentionBackend, CGSupport
 from conformance.cases.grammar import Case
-from conformance.checks.base import Check
+from conformance.checks.base import EVERY_KIND, Check
 from conformance.harness.graph_batches import graph_class_reason
 from conformance.harness.step import poisoned_output, prepare_case
 from conformance.results import Outcome, Verdict
@@ -79,23 +79,22 @@ def measure_ceilings(device: torch.device) -> dict[str, float]:
 
 
 def traffic(case: Case) -> tuple[float, float]:
-    """(bytes, FLOPs) the step must move and compute at the least: KV read once (in the cache's
-    dtype: an fp8 cache moves half the bytes), Q read, O written."""
-    spec = case.spec
+    """(bytes, FLOPs) the step must move and compute at the least (the layer kind says how much:
+    ``LayerKind.keys_read``, ``scores``): the cache entries read once (in the cache's dtype: an fp8
+    cache moves half the bytes; a sparse layer's top-k and window part only), Q read, O written."""
+    spec, layout = case.spec, case.spec.layout
     element = torch.finfo(spec.dtype).bits // 8
     cache_element = torch.finfo(spec.effective_kv_cache_dtype).bits // 8
-    kv_bytes_per_token = spec.layout.cache_row(spec) * cache_element
-    kv_bytes = sum(context + query for context, query in case.batch) * kv_bytes_per_token
-    io_bytes = case.num_tokens * spec.num_heads * (spec.head_dim + spec.v_head_dim) * element
-    flops = sum(
-        2 * query * (context + (query + 1) / 2) * spec.num_heads * (spec.head_dim + spec.v_head_dim)
-        for context, query in case.batch
-    )
+    kv_bytes_per_token = layout.cache_row(spec) * cache_element
+    kv_bytes = sum(layout.keys_read(spec, context + query) for context, query in case.batch) * kv_bytes_per_token
+    io_bytes = case.num_tokens * layout.io_elements(spec) * element
+    flops = sum(layout.scores(spec, context, query) for context, query in case.batch) * layout.flops_per_score(spec)
     return kv_bytes + io_bytes, flops
 
 
 class BenchCheck(Check):
     name = "bench"
+    kinds = EVERY_KIND
     question = "build µs (CPU), forward µs (GPU), graph replay µs, achieved bandwidth vs measured peak"
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:

@@ -164,3 +164,18 @@ def test_an_opt_in_check_published_alone_gets_a_table_of_its_own():
     beside = split_by_backend([RunResult({}, [BackendResult("a", True, checks=[numerics, memory])], "standard", [])])
     assert table_checks(beside) == [*default_checks(), "memory"]
     assert verdict_table(alone)[2] == "| a | H100 | FAIL 0/1 |"
+
+
+def test_a_sparse_layer_reads_its_top_k_and_window_and_an_indexer_scores_every_key():
+    """The bench's roofline asks the layer kind: a sparse MLA decode reads (and weighs) at most
+    its top-k and window part, not its whole context; an indexer scores every key it may see."""
+    dense, dense_flops = traffic(parse_case("mla-h16-d512+64-bf16-p64:4000+1"))
+    sparse, sparse_flops = traffic(parse_case("mla-h16-d512+64-bf16-p64-topk2048-win128:4000+1"))
+    io = 16 * (576 + 512) * 2
+    assert (dense, sparse) == (4001 * 576 * 2 + io, (2048 + 128) * 576 * 2 + io)
+    assert sparse_flops == (2048 + 128) * 2 * 16 * (576 + 512) and dense_flops == 4001 * 2 * 16 * (576 + 512)
+    short, _ = traffic(parse_case("mla-h16-d512+64-bf16-p64-topk2048:100+1"))
+    assert short == 101 * 576 * 2 + io  # a context within its top-k: all of it
+    moved, flops = traffic(parse_case("indexer-h64-d128-bf16-fp8e4m3-p64-topk2048:4000+1"))
+    assert moved == 4001 * 128 * 1 + (64 * 129 + 2048) * 2
+    assert flops == 4001 * 2 * 64 * 128
