@@ -100,7 +100,7 @@ def test_planted_indexer_defects_fail(defect, words):
     assert result.metrics.get("tolerance_ratio", float("inf")) > 5
 
 
-STEP_CHECKS = {"indexer", "syncs", "graphs", "draft-loop", "steady", "determinism", "engine"}
+STEP_CHECKS = {"indexer", "syncs", "graphs", "draft-loop", "steady", "determinism", "engine", "bench"}
 
 
 def test_the_checks_that_drive_steps_judge_an_indexer_and_the_attention_checks_leave_it():
