@@ -70,7 +70,7 @@ def test_greedy_speculative_equals_plain_with_mla(drafter):
 
 @pytest.mark.parametrize("drafter", ["scripted:random:0.5", "layer-skip:1", "eagle", "mtp"])
 def test_greedy_speculative_equals_plain_with_sparse_mla(drafter):
-    """DeepSeek's sparse MLA (``tiny-dsa``: a top-32 of the stand-in indexer and a window part of 8)
+    """DeepSeek's sparse MLA (``tiny-dsa``: a top-32 of each layer's indexer and a window part of 8)
     over prompts longer than both: drafting through the sparse layers stays exact, and the layers
     are sparse (their logits differ from the dense model's)."""
     config = PRESETS["tiny-dsa"]
