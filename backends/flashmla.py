@@ -40,35 +40,46 @@ class FlashMLAMetadata:
     query_len: int
 
 
-class FlashMLABackend(AttentionBackend):
-    name = "flashmla"
-    capabilities = Capabilities(
-        kinds=frozenset({"mla"}),
-        dtypes=frozenset({torch.bfloat16}),
-        not_claimed=dict.fromkeys(
-            FP8_KV_CACHES,
-            "FlashMLA's fp8 decode on SM90 takes the query in fp8 too, with its own scale (descale_q), "
-            "which the contract does not hand a backend",
-        ),
-        head_dims=frozenset({576}),
-        block_sizes=frozenset({64}),
-        num_heads=frozenset({16, 32, 64, 128}),
-        max_query_len=8,
-        uniform_query_len=True,
-        cuda_graphs=CGSupport.UNIFORM_BATCH,
-        needs_cpu_seq_lens=False,
-        draft_step_update=False,
-        devices=frozenset({"cuda"}),
-        compute_capabilities=frozenset({(9, 0)}),
-        required_modules=("flash_mla",),
-        install_hint=INSTALL_HINT,
-    )
+# What both FlashMLA adapters (this one, dense, and ``flashmla_sparse``) serve and run on:
+# sgl-flash-mla's SM90 kernels, bf16 latents of 512 + 64 in pages of 64, 16 to 128 heads.
+FLASHMLA_CLAIMS: dict[str, Any] = dict(
+    kinds=frozenset({"mla"}),
+    dtypes=frozenset({torch.bfloat16}),
+    head_dims=frozenset({576}),
+    block_sizes=frozenset({64}),
+    num_heads=frozenset({16, 32, 64, 128}),
+    devices=frozenset({"cuda"}),
+    compute_capabilities=frozenset({(9, 0)}),
+    required_modules=("flash_mla",),
+    install_hint=INSTALL_HINT,
+)
+
+
+class FlashMLAModule(AttentionBackend):
+    """A FlashMLA adapter: ``flash_mla`` imported when one is made (an optional dependency)."""
 
     def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
         super().__init__(spec, limits, device)
         import flash_mla  # noqa: PLC0415 - optional dependency
 
         self.flash_mla = flash_mla
+
+
+class FlashMLABackend(FlashMLAModule):
+    name = "flashmla"
+    capabilities = Capabilities(
+        **FLASHMLA_CLAIMS,
+        not_claimed=dict.fromkeys(
+            FP8_KV_CACHES,
+            "FlashMLA's fp8 decode on SM90 takes the query in fp8 too, with its own scale (descale_q), "
+            "which the contract does not hand a backend",
+        ),
+        max_query_len=8,
+        uniform_query_len=True,
+        cuda_graphs=CGSupport.UNIFORM_BATCH,
+        needs_cpu_seq_lens=False,
+        draft_step_update=False,
+    )
 
     # [num_blocks, block_size, 1 latent head, kv_lora_rank + rope_dim]
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:

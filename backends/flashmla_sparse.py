@@ -24,7 +24,6 @@ import torch
 
 from backends.base import (
     PLAIN_LAYER,
-    AttentionBackend,
     AttentionSpec,
     BackendLimits,
     Capabilities,
@@ -33,7 +32,7 @@ from backends.base import (
     LayerParameters,
 )
 from backends.features import FP8_DS_MLA, FP8_KV_CACHES, LSE, SPARSE_TOPK, SPARSE_WINDOW
-from backends.flashmla import INSTALL_HINT
+from backends.flashmla import FLASHMLA_CLAIMS, FlashMLAModule
 from backends.paged_write import write_paged_rows
 
 HEAD_MULTIPLE = 64  # the SM90 kernel's query heads: 64 or 128
@@ -50,14 +49,10 @@ class SparseSlotsMetadata:
     num_tokens: torch.Tensor  # [1] int64: the step's real tokens, on the device
 
 
-class FlashMLASparseBackend(AttentionBackend):
+class FlashMLASparseBackend(FlashMLAModule):
     name = "flashmla_sparse"
     capabilities = Capabilities(
-        kinds=frozenset({"mla"}),
-        dtypes=frozenset({torch.bfloat16}),
-        head_dims=frozenset({576}),
-        block_sizes=frozenset({64}),
-        num_heads=frozenset({16, 32, 64, 128}),
+        **FLASHMLA_CLAIMS,
         features=frozenset({SPARSE_TOPK, SPARSE_WINDOW, LSE}),
         only_with=frozenset({SPARSE_TOPK}),  # dense MLA is flashmla's
         not_claimed={
@@ -69,17 +64,10 @@ class FlashMLASparseBackend(AttentionBackend):
         cuda_graphs=CGSupport.ALWAYS,
         needs_cpu_seq_lens=False,
         draft_step_update=True,
-        devices=frozenset({"cuda"}),
-        compute_capabilities=frozenset({(9, 0)}),
-        required_modules=("flash_mla",),
-        install_hint=INSTALL_HINT,
     )
 
     def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
         super().__init__(spec, limits, device)
-        import flash_mla  # noqa: PLC0415 - optional dependency
-
-        self.flash_mla = flash_mla
         self.padded_heads = -(-spec.num_heads // HEAD_MULTIPLE) * HEAD_MULTIPLE
         self.padded_query = torch.zeros(
             limits.max_num_tokens, self.padded_heads, spec.head_dim, dtype=spec.dtype, device=device
