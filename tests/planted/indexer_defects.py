@@ -133,3 +133,15 @@ class RequestsPlacedOncePerBatchSize(TritonIndexerBackend):
             token_position=read.token_position,
             num_tokens=read.num_tokens,
         )
+
+
+class TiesBrokenAtRandom(TorchIndexerBackend):
+    """Keeps its logits in e4m3 (a buffer of fp8 logits: many exact ties) and breaks ties in
+    whichever order its top-k's threads finish (random here), while claiming ``deterministic``:
+    two runs of one step choose other positions among the ties."""
+
+    def logits(self, query, keys, weights, context_len):
+        logits = super().logits(query, keys, weights, context_len)
+        coarse = logits.to(torch.float8_e4m3fn).float()
+        step = coarse.abs().clamp(min=1e-3) / 64  # far below e4m3's step: orders ties only
+        return torch.where(torch.isfinite(logits), coarse + torch.rand_like(coarse) * step, logits)

@@ -119,3 +119,25 @@ def test_the_checks_that_drive_steps_judge_an_indexer_and_the_attention_checks_l
 def test_the_standard_suite_has_deepseeks_indexer():
     indexer = [case for case in standard_suite() if case.spec.kind == "indexer"]
     assert {case.spec.sparse_topk for case in indexer} >= {2048} and any(case.spec.fp8_kv_cache for case in indexer)
+
+
+def test_an_indexer_that_breaks_ties_at_random_fails_determinism_and_torch_indexer_passes():
+    from conformance.checks.determinism import DeterminismCheck
+
+    case = parse_case(SMALL)
+    assert judge(DeterminismCheck(), TorchIndexerBackend, case, CPU).verdict == Verdict.PASS
+    result = judge(DeterminismCheck(), indexer_defects.TiesBrokenAtRandom, case, CPU)
+    assert result.verdict == Verdict.FAIL and "claims deterministic but two runs" in result.reason, result.reason
+
+
+def test_the_engine_runs_an_indexer_under_test_as_a_sparse_models_indexer():
+    """The engine check's model for an indexer case: a sparse MLA model whose indexer is the
+    backend under test (its attention a built-in's). torch_indexer decodes as the reference does;
+    one ranking positions past the token's own decodes other tokens (on the CPU a narrow margin:
+    0.10 of a logit past the near-tie tolerance of 0.10)."""
+    from conformance.checks.engine import EngineCheck
+
+    case = parse_case("indexer-h64-d128-fp8e4m3-p64-topk512:0+64,900+4,1500+1")
+    assert judge(EngineCheck(), TorchIndexerBackend, case, CPU).verdict == Verdict.PASS
+    result = judge(EngineCheck(), indexer_defects.TopKOverTheWholeSequence, case, CPU)
+    assert result.verdict == Verdict.FAIL and "plain vs torch_naive" in result.reason, result.reason
