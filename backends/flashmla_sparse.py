@@ -1,19 +1,21 @@
-"""``flashmla_sparse``: FlashMLA's sparse MLA kernel (DeepSeek's DSA, ``flash_mla_sparse_fwd`` of
-sgl-flash-mla) over a bf16 latent cache, for every query length: decode, MTP verify and prefill.
+"""``flashmla_sparse``: FlashMLA's sparse MLA kernels (DeepSeek's DSA, sgl-flash-mla) for every
+query length: decode, MTP verify and prefill. Over a bf16 latent cache the sparse prefill kernel
+(``flash_mla_sparse_fwd``); over DeepSeek's fp8_ds_mla cache (vLLM's 656-byte entries, FlashMLA's
+``V32`` format) the sparse decode kernel (``flash_mla_with_kvcache(indices=...)``), each query token
+a request of one token, so a batch's query lengths need not be equal.
 
-The kernel takes, per query token, a list of rows of one flat key/value tensor (``kv [s_kv, 1,
-576]``) to attend, -1 (or anything past ``s_kv``) for none: the pool viewed as its slots is that
-tensor, and the adapter translates each token's index row (positions in its request) into slots
-through the block table, on the device, masking -1 and every entry past the token's own position,
-and appends its window part's slots. Each token's request and position are metadata made on the
-device in ``build`` and remade in ``update_for_draft_step``. The kernel serves 64 or 128 query heads
-on SM90; fewer are padded with zero queries (as vLLM pads them) and their outputs dropped.
+Both take, per query token, a list of slots of the pool to attend, -1 for none (the prefill kernel
+also skips anything past ``s_kv``; the decode kernel checks no upper bound): the adapter translates
+each token's index row (positions in its request) into slots through the block table, on the
+device, masking -1 and every entry past the token's own position, and appends its window part's
+slots. Each token's request and position are metadata made on the device in ``build`` and remade
+in ``update_for_draft_step``. The kernels serve 64 or 128 query heads on SM90; fewer are padded
+with zero queries (as vLLM pads them) and their outputs dropped.
 
-On SM90 the kernel is FlashMLA's legacy one (``use_legacy=True``: the current kernels answer
-"only supported on SM100f architectures"); it returns the natural-log LSE. Not claimed: an fp8
-cache, per-tensor (FlashMLA's sparse fp8 kernels read DeepSeek's fp8_ds_mla layout) or fp8_ds_mla
-(its sparse decode over that layout, ``flash_mla_with_kvcache(is_fp8_kvcache=True, indices=...)``,
-is not adapted yet).
+On SM90 the kernels are FlashMLA's legacy ones (``use_legacy=True``: the current kernels answer
+"only supported on SM100f architectures"); both return the natural-log LSE. Not claimed: a
+per-tensor fp8 cache (FlashMLA's sparse fp8 kernels read DeepSeek's fp8_ds_mla layout, scales
+inside each entry).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from backends.base import (
 )
 from backends.features import FP8_DS_MLA, FP8_KV_CACHES, LSE, SPARSE_TOPK, SPARSE_WINDOW
 from backends.flashmla import FLASHMLA_CLAIMS, FlashMLAModule
+from backends.fp8_ds_mla import DsMlaLayout
 from backends.paged_write import write_paged_rows
 
 HEAD_MULTIPLE = 64  # the SM90 kernel's query heads: 64 or 128
@@ -53,14 +56,11 @@ class FlashMLASparseBackend(FlashMLAModule):
     name = "flashmla_sparse"
     capabilities = Capabilities(
         **FLASHMLA_CLAIMS,
-        features=frozenset({SPARSE_TOPK, SPARSE_WINDOW, LSE}),
+        features=frozenset({SPARSE_TOPK, SPARSE_WINDOW, LSE, FP8_DS_MLA}),
         only_with=frozenset({SPARSE_TOPK}),  # dense MLA is flashmla's
-        not_claimed={
-            **dict.fromkeys(
-                FP8_KV_CACHES, "FlashMLA's sparse fp8 kernels read DeepSeek's fp8_ds_mla layout, not a per-tensor scale"
-            ),
-            FP8_DS_MLA: "FlashMLA's sparse fp8 decode over fp8_ds_mla is not adapted yet (not measured on a GPU)",
-        },
+        not_claimed=dict.fromkeys(
+            FP8_KV_CACHES, "FlashMLA's sparse fp8 kernels read DeepSeek's fp8_ds_mla layout, not a per-tensor scale"
+        ),
         cuda_graphs=CGSupport.ALWAYS,
         needs_cpu_seq_lens=False,
         draft_step_update=True,
@@ -80,15 +80,30 @@ class FlashMLASparseBackend(FlashMLAModule):
         entries = (spec.sparse_topk or 0) + (spec.sparse_window or 0)
         self.row_entries = -(-entries // INDEX_MULTIPLE) * INDEX_MULTIPLE
         self.window_offsets = torch.arange(spec.sparse_window or 0, **int64)
+        # DeepSeek's fp8_ds_mla: a token's entry packed as vLLM packs it (FlashMLA's V32 format).
+        self.packed = None if spec.kv_scale_block is None else DsMlaLayout(spec)
 
-    # [num_blocks, block_size, latent + rope]: one bf16 entry a token, as flashmla's.
+    # [num_blocks, block_size, latent + rope]: one bf16 entry a token, as flashmla's (fp8_ds_mla:
+    # a token's 656 bytes).
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        if self.packed is not None:
+            return self.packed.cache_shape(num_blocks, self.spec.block_size)
         return (num_blocks, self.spec.block_size, self.spec.head_dim)
 
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        if self.packed is None:
+            return super().allocate_kv_cache(num_blocks)
+        return self.packed.allocate(num_blocks, self.spec.block_size, self.device)
+
     def write_kv(self, kv_cache, key, value, slot_mapping, layer: LayerParameters = PLAIN_LAYER) -> None:
+        if self.packed is not None:
+            self.packed.write(kv_cache, key, slot_mapping)
+            return
         write_paged_rows(kv_cache, key, slot_mapping, self.spec.block_size)
 
     def read_kv(self, kv_cache, slot_mapping):
+        if self.packed is not None:
+            return self.packed.read(kv_cache, slot_mapping), None
         return kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping], None
 
     def build(self, common: CommonAttentionMetadata) -> SparseSlotsMetadata:
@@ -153,16 +168,47 @@ class FlashMLASparseBackend(FlashMLAModule):
         tokens = query.shape[0]
         queries = self.padded_query[:tokens]
         queries[:, : spec.num_heads].copy_(query)
-        result, _, lse = self.flash_mla.flash_mla_sparse_fwd(
-            queries,
-            kv_cache.view(-1, 1, spec.head_dim),
-            self.slots(metadata, layer.topk_indices, tokens),
-            spec.softmax_scale,
-            spec.kv_lora_rank,
-            use_legacy=True,  # SM90's kernel (claimed: compute capability 9.0 only)
-        )
+        slots = self.slots(metadata, layer.topk_indices, tokens)
+        attend = self.attend_packed if self.packed is not None else self.attend_latent
+        result, lse = attend(queries, kv_cache, slots)
         # Only the step's real rows: rows past them (a graph's padding) keep what they held.
         real = self.rows[:tokens] < metadata.num_tokens
         out.copy_(torch.where(real.view(tokens, 1, 1), result[:, : spec.num_heads].to(out.dtype), out))
         if layer.lse is not None:
             layer.lse[:tokens].copy_(torch.where(real.view(tokens, 1), lse[:, : spec.num_heads], layer.lse[:tokens]))
+
+    def attend_latent(self, queries, kv_cache, slots):
+        """The sparse prefill kernel over the bf16 pool viewed as one flat ``kv``: ([tokens, heads,
+        latent], LSE [tokens, heads])."""
+        spec = self.spec
+        result, _, lse = self.flash_mla.flash_mla_sparse_fwd(
+            queries,
+            kv_cache.view(-1, 1, spec.head_dim),
+            slots,
+            spec.softmax_scale,
+            spec.kv_lora_rank,
+            use_legacy=True,  # SM90's kernel (claimed: compute capability 9.0 only)
+        )
+        return result, lse
+
+    def attend_packed(self, queries, kv_cache, slots):
+        """The sparse decode kernel over the fp8_ds_mla pool, each token a request of one query:
+        ([tokens, heads, latent], LSE [tokens, heads]). Its split schedule depends on the shapes
+        alone (no ``topk_length``: unused entries are -1), so a fresh one each call is made on the
+        device, inside a captured graph too."""
+        spec, tokens = self.spec, queries.shape[0]
+        schedule, _ = self.flash_mla.get_mla_metadata()
+        result, lse = self.flash_mla.flash_mla_with_kvcache(
+            queries.view(tokens, 1, self.padded_heads, spec.head_dim),
+            kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], 1, kv_cache.shape[2]),
+            None,
+            None,
+            spec.kv_lora_rank,
+            schedule,
+            softmax_scale=spec.softmax_scale,
+            is_fp8_kvcache=True,
+            indices=slots,
+            use_legacy=True,  # SM90's kernel (claimed: compute capability 9.0 only)
+            kv_format="V32",  # DeepSeek-V3.2's 656-byte entry
+        )
+        return result[:, 0], lse[:, :, 0]

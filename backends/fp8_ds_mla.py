@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import torch
 
+from backends.paged_write import write_paged_rows
+
 E4M3 = torch.float8_e4m3fn
 DS_MLA_SCALE_BLOCK = 128  # latent values one scale covers (vLLM's fp8_ds_mla: four a 512-value latent)
 
 
 class DsMlaLayout:
-    """One token's packed entry, and the two ways across it."""
+    """One token's packed entry, the two ways across it, and a paged pool of such entries (a
+    backend's cache over fp8_ds_mla: [num_blocks, block_size, row_bytes] of uint8)."""
 
     def __init__(self, spec) -> None:
         self.latent, self.rope, self.block = spec.kv_lora_rank, spec.rope_dim, spec.kv_scale_block
@@ -42,3 +45,18 @@ class DsMlaLayout:
         scales = scale_bytes.view(torch.float32).reshape(n, self.blocks)
         rope = rows[:, self.latent + 4 * self.blocks :].contiguous().view(self.rope_dtype).float()
         return torch.cat([(stored * scales[..., None]).reshape(n, self.latent), rope], dim=1)
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, self.row_bytes)
+
+    def allocate(self, num_blocks: int, block_size: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(self.cache_shape(num_blocks, block_size), dtype=torch.uint8, device=device)
+
+    def write(self, kv_cache: torch.Tensor, entry: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Each row of ``entry`` packed (vectorised on its device, no host read) into its slot
+        (slot -1: nothing)."""
+        write_paged_rows(kv_cache, self.pack(entry), slot_mapping, kv_cache.shape[1])
+
+    def read(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """The entries of ``slot_mapping``'s slots, dequantized (float32)."""
+        return self.unpack(kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping])

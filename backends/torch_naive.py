@@ -85,7 +85,7 @@ class TorchNaiveBackend(AttentionBackend):
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         spec = self.spec
         if self.packed is not None:
-            return (num_blocks, spec.block_size, self.packed.row_bytes)
+            return self.packed.cache_shape(num_blocks, spec.block_size)
         if spec.kind == "mla":
             return (num_blocks, spec.block_size, spec.head_dim)
         return (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim + spec.v_head_dim)
@@ -93,7 +93,7 @@ class TorchNaiveBackend(AttentionBackend):
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         if self.packed is None:
             return super().allocate_kv_cache(num_blocks)
-        return torch.zeros(self.kv_cache_shape(num_blocks), dtype=torch.uint8, device=self.device)
+        return self.packed.allocate(num_blocks, self.spec.block_size, self.device)
 
     def block_planes(self, kv_cache: torch.Tensor) -> list[torch.Tensor]:
         """The cache as [num_blocks, block_size, ...] views: [K, V] for MHA, [latent] for MLA."""

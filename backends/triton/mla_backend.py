@@ -25,7 +25,6 @@ from backends.base import (
 from backends.features import EMPTY_REQUESTS, FP8_DS_MLA, FP8_E4M3, FP8_E5M2, SPARSE_TOPK, SPARSE_WINDOW
 from backends.fp8 import to_cache
 from backends.fp8_ds_mla import DsMlaLayout
-from backends.paged_write import write_paged_rows
 from backends.triton import GATHER, GLUON, INSTALL_HINT, PAGE, TMA
 from backends.triton.backend import (
     DECODE_VARIANTS,
@@ -183,19 +182,17 @@ class TritonMLABackend(DeviceLengthsBackend):
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         if self.packed is not None:  # fp8_ds_mla: a token's bytes
-            return (num_blocks, self.spec.block_size, self.packed.row_bytes)
+            return self.packed.cache_shape(num_blocks, self.spec.block_size)
         return (num_blocks, self.spec.block_size, self.spec.head_dim)
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         if self.packed is None:
             return super().allocate_kv_cache(num_blocks)
-        return torch.zeros(self.kv_cache_shape(num_blocks), dtype=torch.uint8, device=self.device)
+        return self.packed.allocate(num_blocks, self.spec.block_size, self.device)
 
     def write_kv(self, kv_cache, key, value, slot_mapping, layer: LayerParameters = PLAIN_LAYER) -> None:
         if self.packed is not None:
-            # fp8_ds_mla: each row packed by torch_naive's packer (vectorised on the device, no
-            # host read), its bytes written by the paged writer (slot -1: nothing).
-            write_paged_rows(kv_cache, self.packed.pack(key), slot_mapping, self.spec.block_size)
+            self.packed.write(kv_cache, key, slot_mapping)  # fp8_ds_mla: torch_naive's packer
             return
         quantize = self.spec.fp8_kv_cache
         if quantize and interpreting():  # the interpreter flushes e4m3 subnormals (see TritonAttentionBackend)
@@ -227,10 +224,9 @@ class TritonMLABackend(DeviceLengthsBackend):
         )
 
     def read_kv(self, kv_cache, slot_mapping):
-        rows = kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping]
         if self.packed is not None:  # fp8_ds_mla: the entries dequantized, float32 (as torch_naive's)
-            return self.packed.unpack(rows), None
-        return rows, None
+            return self.packed.read(kv_cache, slot_mapping), None
+        return kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping], None
 
     def forward(self, query, kv_cache, metadata: TritonMetadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
         spec, limits = self.spec, self.limits

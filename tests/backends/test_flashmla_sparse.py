@@ -37,12 +37,50 @@ def documented_sparse_kernel(calls):
     return flash_mla_sparse_fwd
 
 
+def v32_entries(k_cache):
+    """FlashMLA's V32 entries as its documentation lays them out (per token: 512 e4m3 latent
+    values, four float32 scales, one per 128 of them, then 64 bf16 rope values), dequantized."""
+    rows = k_cache.reshape(-1, k_cache.shape[-1])
+    assert rows.shape[1] == 656 and k_cache.shape[2] == 1
+    latent = rows[:, :512].contiguous().view(torch.float8_e4m3fn).float().view(-1, 4, 128)
+    scales = rows[:, 512:528].contiguous().view(torch.float32)
+    rope = rows[:, 528:].contiguous().view(torch.bfloat16).float()
+    return torch.cat([(latent * scales[..., None]).view(-1, 512), rope], dim=1)
+
+
+def documented_sparse_decode(calls):
+    """``flash_mla_with_kvcache`` with ``indices``: only exactly -1 is skipped; any other index is
+    read (past the pool, an IndexError here, an illegal address on the GPU)."""
+
+    def flash_mla_with_kvcache(
+        q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits=None,
+        softmax_scale=None, causal=False, is_fp8_kvcache=None, indices=None, use_legacy=False, kv_format=None,
+    ):  # fmt: skip
+        batch, s_q, heads, dim = q.shape
+        assert is_fp8_kvcache and not causal and kv_format == "V32" and indices.shape[:2] == (batch, s_q)
+        calls.append((q.view(-1, heads, dim).shape, indices.view(batch * s_q, 1, -1).shape, use_legacy))
+        kv = v32_entries(k_cache)
+        rows = indices.view(batch * s_q, -1).long()
+        valid = rows != -1
+        keys = torch.where(valid[..., None], kv[torch.where(valid, rows, 0)], 0.0)
+        scores = torch.einsum("qhd,qkd->qhk", q.view(-1, heads, dim).float(), keys) * softmax_scale
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        out = torch.einsum("qhk,qkd->qhd", scores.softmax(dim=-1), keys[..., :head_dim_v]).to(q.dtype)
+        lse = torch.logsumexp(scores, -1)  # [tokens, heads]
+        return out.view(batch, s_q, heads, head_dim_v), lse.view(batch, s_q, heads).transpose(1, 2)
+
+    return flash_mla_with_kvcache
+
+
 @pytest.fixture
 def on_the_cpu(monkeypatch):
     calls = []
-    monkeypatch.setitem(
-        sys.modules, "flash_mla", types.SimpleNamespace(flash_mla_sparse_fwd=documented_sparse_kernel(calls))
+    kernels = types.SimpleNamespace(
+        flash_mla_sparse_fwd=documented_sparse_kernel(calls),
+        flash_mla_with_kvcache=documented_sparse_decode(calls),
+        get_mla_metadata=lambda: (object(), None),
     )
+    monkeypatch.setitem(sys.modules, "flash_mla", kernels)
 
     class OnTheCpu(FlashMLASparseBackend):
         capabilities = dataclasses.replace(
@@ -59,6 +97,8 @@ def on_the_cpu(monkeypatch):
         "mla-h16-d512+64-bf16-p64-topk128-edges:0+70,200+2,130+1",  # prefill, verify, decode; edge keys
         "mla-h16-d512+64-bf16-p64-topk64-strided:100+1,40+4",  # the query and output as views
         "mla-h16-d512+64-bf16-p64-topk64-win32-lse:0+40,90+4,3+1",  # the LSE
+        # fp8_ds_mla: the decode kernel, each token a request of its own; its LSE too
+        "mla-h16-d512+64-bf16-fp8dsmla-p64-topk128-win32-messyidx-lse:300+4,0+70,130+1",
     ],
 )
 def test_the_adapter_translates_positions_to_slots_as_the_contract_says(on_the_cpu, case_text):
