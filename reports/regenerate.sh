@@ -66,7 +66,7 @@ run_memory() {
 run_bench() {
   local i
   for ((i = 1; i <= ${REPEATS:-3}; i++)); do
-    python -m conformance bench --backend triton,flashinfer,trtllm,triton_mla,flashmla,torch_naive --quiet \
+    python -m conformance bench --backend triton,flashinfer,trtllm,triton_mla,flashmla,flashmla_sparse,triton_indexer,torch_naive,torch_indexer --quiet \
       --json "$runs/bench-$i.json" >"$runs/bench-$i.log" 2>&1
     # Its own process (see FLASH_ATTN_PATH), right after, on the same GPU; published in one table.
     env "$(with_path flash_attn)" python -m conformance bench --backend flash_attn --quiet \

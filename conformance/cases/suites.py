@@ -505,7 +505,8 @@ BENCH_MAX_KV_TOKENS = 2 * 1024 * 1024  # batch x context beyond this is left out
 def bench_suite() -> list[Case]:
     """Shapes that matter for speed: decode and spec-verify (query 1, 2, 4, 8) at batch 1 / 8 / 64 /
     256 and context 512 / 4k / 32k (up to 2M cached tokens), GQA 32/8x128 and MLA 128 heads,
-    plus a mixed prefill + decode batch."""
+    plus a mixed prefill + decode batch, an fp8 cache, and DeepSeek's sparse attention with its
+    indexer."""
     cases = []
     for layer in (LLAMA3_8B, "mla-h128-d512+64-bf16-p64"):
         batches = []
@@ -525,6 +526,32 @@ def bench_suite() -> list[Case]:
             for kind, query in (("decode", 1), ("verify q=4", 4))
             for context in (4096, 32768)
             if 64 * context <= BENCH_MAX_KV_TOKENS
+        ],
+    )
+    cases += _sparse_bench_cases()
+    return cases
+
+
+def _sparse_bench_cases() -> list[Case]:
+    """DeepSeek-V3.2's sparse attention at its top 2048: 128 heads (TP 1) over bf16 and
+    fp8_ds_mla, 16 heads (TP 8), and the lightning indexer that chooses the positions (64 heads
+    of 128, e4m3 keys), decode and MTP verify at batch 8 to 128 beyond the top-k."""
+    wide = [
+        (f"sparse {kind} b{batch} ctx{context}", f"{context}+{query}x{batch}")
+        for kind, query in (("decode", 1), ("verify q=2", 2))
+        for batch in (8, 64, 128)
+        for context in (4096, 32768)
+        if batch * context <= BENCH_MAX_KV_TOKENS and (query == 1 or batch == 64)
+    ]
+    cases = _cases("mla-h128-d512+64-bf16-p64-topk2048", wide)
+    cases += _cases("mla-h128-d512+64-bf16-fp8dsmla-p64-topk2048", [(f"fp8_ds_mla: {tag}", text) for tag, text in wide])
+    cases += _cases("mla-h16-d512+64-bf16-p64-topk2048", [("sparse TP8: decode b64 ctx32768", "32768+1x64")])
+    cases += _cases(
+        "indexer-h64-d128-bf16-fp8e4m3-p64-topk2048",
+        [
+            (f"indexer {kind} b64 ctx{context}", f"{context}+{query}x64")
+            for kind, query in (("decode", 1), ("verify q=2", 2))
+            for context in (4096, 32768)
         ],
     )
     return cases

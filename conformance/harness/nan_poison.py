@@ -11,7 +11,9 @@ After the step the pool must differ from before in exactly the step's own slots,
 outside the slot mapping that stays inside the pool is seen too (numerics cannot see one that
 lands where nothing reads this step).
 
-Both numerics (every case) and memory (its subset, in a child process) run this pass.
+Both numerics (every case) and memory (its subset, in a child process) run this pass. An
+indexer's answer is a choice of positions (``answers.CHOICE``): a NaN logit read from an unowned
+slot and not masked out is chosen (top-k puts NaN first) or pushes a right one out.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from __future__ import annotations
 import torch
 
 from conformance.harness.allocation_map import AllocationMap
+from conformance.harness.answers import answer_for
 from conformance.harness.batch import PagedBatch
-from conformance.harness.comparison import TOLERANCES, compare_with_oracle, how_far_off, worst_place
+from conformance.harness.comparison import TOLERANCES, how_far_off, worst_place
 from conformance.harness.step import (
     ChangedInput,
     PoolFill,
@@ -50,7 +53,9 @@ def nan_poison_pass(prepared: PreparedCase) -> tuple[list[dict], dict]:
         return [{"tool": TOOL, "stage": "step", "phase": phase, "what": str(error), "place": place}], {}
     atol, rtol = TOLERANCES[batch.spec.dtype]
     reference, allowance = oracle(prepared)
-    passed, errors, evidence = compare_with_oracle(out, reference, batch.query_start_loc, atol, rtol, allowance)
+    passed, errors, evidence = answer_for(batch.spec).compare(
+        out, reference, batch.query_start_loc, atol, rtol, allowance
+    )
     metrics = {"nan-poison non-finite outputs": errors["non_finite"], "nan-poison mismatched": errors["mismatched"]}
     findings = []
     if not passed:

@@ -25,6 +25,30 @@ class TopKOverTheWholeSequence(TorchIndexerBackend):
         return super().logits(query, keys, weights, context_len=keys.shape[0])  # every position "visible"
 
 
+class WholePagesMaskedByAddition(TorchIndexerBackend):
+    """Scores every slot of the request's pages, their unwritten tail too, and masks the positions
+    past each token's own by adding -inf (as a kernel adds a mask tile): a finite value read there
+    vanishes, a NaN stays NaN and pushes out a position that belongs in the top-k."""
+
+    def forward(self, query, kv_cache, metadata, out, layer=PLAIN_LAYER):
+        topk, block_size = self.spec.sparse_topk, self.spec.block_size
+        for request, seq_len in enumerate(metadata.seq_lens):
+            start, end = metadata.query_start_loc[request], metadata.query_start_loc[request + 1]
+            if end == start:
+                continue
+            pages = -(-seq_len // block_size) * block_size
+            keys = self.keys(kv_cache, metadata.block_table[request], pages)
+            logits = self.logits(query[start:end], keys, layer.index_weights[start:end], pages)  # no mask
+            positions = seq_len - (end - start) + torch.arange(end - start, device=query.device)
+            causal = torch.arange(pages, device=query.device)[None, :] <= positions[:, None]
+            logits = logits + torch.zeros_like(logits).masked_fill(~causal, float("-inf"))
+            count = min(topk, seq_len)
+            best, chosen = logits.topk(count, dim=1)
+            rows = torch.full((end - start, topk), -1, dtype=out.dtype, device=out.device)
+            rows[:, :count] = torch.where(best > float("-inf"), chosen, -1).to(out.dtype)
+            out[start:end] = rows
+
+
 class KeysWithoutTheirScales(TorchIndexerBackend):
     """Reads the stored e4m3 keys as they are, each token's scale left out."""
 

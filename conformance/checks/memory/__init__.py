@@ -21,8 +21,11 @@ Errors the tool counted but did not print or this parser did not read fail the c
 What none of them sees: a read of *another request's written* slot whose value is masked out
 (initialized, finite, inside the pool). Numerics sees it where the value is used.
 
-The passes run on a subset (decode, spec-verify, a small mixed batch, block boundaries, for the
-first layout of each kind); from the decode case also a draft loop of k = 4 under CUDA graphs
+Every layer kind runs them (an indexer's pool is its keys and their scales; its answer a choice
+of positions, judged as the other checks judge it, so a NaN read shows as a NaN logit chosen or a
+position left out). The passes run on a subset (decode, spec-verify, a small mixed batch, block
+boundaries, for the first layout of each kind; DeepSeek's sparse layers' decode, verify and messy
+index rows, and the indexer's decode and verify); from a decode case also a draft loop of k = 4 under CUDA graphs
 (memcheck and initcheck) and a few steps of the reference engine, async, drafting through the
 backend (memcheck: its pools are zeroed). A case given with ``--case`` always runs. A case's children run side by
 side: each is mostly compute-sanitizer's start-up and JIT compiles under it, CPU work.
@@ -47,7 +50,7 @@ import torch
 
 from backends.base import AttentionBackend
 from conformance.cases.grammar import Case, format_layer
-from conformance.checks.base import Check, Plan
+from conformance.checks.base import EVERY_KIND, Check, Plan
 from conformance.checks.engine import engine_skip_reason
 from conformance.checks.memory import sanitizer
 from conformance.harness.allocation_map import AllocationMap
@@ -63,6 +66,17 @@ from conformance.results import Outcome, Verdict
 # 256 a query token, 6,144 took 110 s on an H100), so with such a copy the suite's 282-token mixed
 # case did not finish.
 MEMORY_TAGS = ("decode", "spec-verify k=3", "mixed, small", "block boundaries decode", "block boundaries verify")
+# Tags each naming one case of the suite (a sparse layout or the indexer's): run wherever they are.
+# The messy rows hold -1 between entries and entries past each token's position: an index past
+# the slots a request owns reads what the poison and initcheck see.
+ONE_CASE_TAGS = (
+    "sparse: decode past top-k",
+    "sparse: spec-verify k=3 (MTP)",
+    "messy index rows: decode and verify",
+    "indexer: decode past top-k",
+    "indexer: MTP verify",
+)
+DECODE_TAGS = ("decode", "sparse: decode past top-k", "indexer: decode past top-k", "")  # "": a --case
 CHILD_TIMEOUT_S = 600.0
 
 
@@ -86,6 +100,7 @@ SANITIZED_STAGES = {
 
 class MemoryCheck(Check):
     name = "memory"
+    kinds = EVERY_KIND
     question = (
         "no access outside its allocations, no read of a KV slot no request owns, no write outside the slot mapping?"
     )
@@ -113,18 +128,18 @@ class MemoryCheck(Check):
 
     def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
         reason = super().case_skip_reason(backend_cls, case, device)
-        if not reason and case.tag and case.tag not in MEMORY_TAGS:  # a case given with --case always runs
-            return f"memory runs a subset: {', '.join(MEMORY_TAGS)}"
+        if not reason and case.tag and case.tag not in MEMORY_TAGS + ONE_CASE_TAGS:  # a --case always runs
+            return f"memory runs a subset: {', '.join(MEMORY_TAGS + ONE_CASE_TAGS)}"
         return reason
 
     def plan(self, backend_cls: type[AttentionBackend], cases: list[Case], device: torch.device) -> Plan:
-        """The subset: the suite's cases tagged ``MEMORY_TAGS`` of the first layout of each kind (a
-        case given with --case always runs)."""
+        """The subset: the suite's cases tagged ``MEMORY_TAGS`` of the first layout of each kind,
+        and those tagged ``ONE_CASE_TAGS`` (a case given with --case always runs)."""
         plan: Plan = {}
         first_layout: dict[str, str] = {}  # kind -> the layout the subset runs on
         for case in cases:
             reason = self.case_skip_reason(backend_cls, case, device)
-            if not reason and case.tag:
+            if not reason and case.tag in MEMORY_TAGS:
                 layer = format_layer(case.spec, case.layer_options)
                 first = first_layout.setdefault(case.spec.kind, layer)
                 if first != layer:
@@ -135,7 +150,7 @@ class MemoryCheck(Check):
     def details(self) -> dict[str, Any]:
         return {
             "passes": ["nan-poison", *sanitizer.TOOLS],
-            "subset": list(MEMORY_TAGS),
+            "subset": list(MEMORY_TAGS + ONE_CASE_TAGS),
             "draft_loop_steps": 4,
             "engine_stage_tools": list(SANITIZED_STAGES["engine"].tools),
             "sanitizer": sanitizer.find_tool(),
@@ -214,7 +229,7 @@ class MemoryCheck(Check):
     def stages(backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> list[str]:
         """The step always; from the decode case, the draft loop (k = 4, CUDA graphs) and the engine."""
         stages = ["step"]
-        if case.tag in ("decode", "") and all(query == 1 for _, query in case.batch):
+        if case.tag in DECODE_TAGS and all(query == 1 for _, query in case.batch):
             if cuda_graph_skip_reason(backend_cls, device) is None:
                 stages.append("draft-loop")
             if engine_skip_reason(backend_cls, case, device) is None:

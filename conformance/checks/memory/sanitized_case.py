@@ -126,17 +126,25 @@ def run_engine_stage(backend_cls, case, map_path: Path) -> None:
     where = AllocationMap(
         unmapped="an allocation outside the KV pools (the engine's inputs and state, or the backend's own)"
     )
-    for layer, (pool, prefill_pool) in enumerate(engine.kv_caches):
-        # A backend serving only some batches runs beside a companion: a pool for each; an MLA
-        # model whose prefill runs decompressed has that backend's pool too.
-        pools = pool if isinstance(pool, tuple) else (pool,)
-        for name, tensor in zip((f"layer {layer} KV pool", f"layer {layer} companion's KV pool"), pools):
-            where.add(name, tensor)
-        if prefill_pool is not None:
-            where.add(f"layer {layer} MLA prefill's KV pool", prefill_pool)
+    for name, tensor in engine_pools(engine):
+        where.add(name, tensor)
     where.save(map_path)
     with phase(f"engine: async, k=3 drafted through the backend, {ENGINE_TOKENS} tokens for {len(prompts)} prompts"):
         engine.generate(prompts, SamplingParams(max_tokens=ENGINE_TOKENS, ignore_eos=True))
+
+
+def engine_pools(engine) -> list[tuple[str, torch.Tensor]]:
+    """Every pool of the engine's layers, named: a layer's attention's (a backend serving only some
+    batches runs beside a companion: a pool for each), an MLA model's decompressed prefill's, and a
+    sparse layer's indexer's (its keys; a companion's too)."""
+    pools = []
+    for layer, caches in enumerate(engine.kv_caches):
+        for role, cache in zip(("KV pool", "MLA prefill's KV pool", "indexer's key pool"), caches):
+            for part, tensor in enumerate(cache if isinstance(cache, tuple) else (cache,)):
+                owner = "companion's " if part else ""
+                if tensor is not None:
+                    pools.append((f"layer {layer} {owner}{role}", tensor))
+    return pools
 
 
 def run_poison_stage(backend_cls, case, out_path: Path) -> None:

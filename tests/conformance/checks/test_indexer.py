@@ -100,10 +100,10 @@ def test_planted_indexer_defects_fail(defect, words):
     assert result.metrics.get("tolerance_ratio", float("inf")) > 5
 
 
-STEP_CHECKS = {"indexer", "syncs", "graphs", "draft-loop", "steady", "determinism", "engine", "bench"}
+STEP_CHECKS = {"indexer", "syncs", "graphs", "draft-loop", "steady", "determinism", "engine", "bench", "memory"}
 
 
-def test_the_checks_that_drive_steps_judge_an_indexer_and_the_attention_checks_leave_it():
+def test_the_checks_that_drive_steps_and_memory_judge_an_indexer_and_the_attention_checks_leave_it():
     case = parse_case(SMALL)
     for name in CHECKS:
         reason = make_check(name).kind_reason(case)
@@ -141,3 +141,20 @@ def test_the_engine_runs_an_indexer_under_test_as_a_sparse_models_indexer():
     assert judge(EngineCheck(), TorchIndexerBackend, case, CPU).verdict == Verdict.PASS
     result = judge(EngineCheck(), indexer_defects.TopKOverTheWholeSequence, case, CPU)
     assert result.verdict == Verdict.FAIL and "plain vs torch_naive" in result.reason, result.reason
+
+
+@pytest.mark.parametrize(
+    "backend,clean", [(TorchIndexerBackend, True), (indexer_defects.WholePagesMaskedByAddition, False)]
+)
+def test_the_memory_checks_nan_poison_pass_sees_an_indexer_read_past_its_requests_keys(backend, clean):
+    """The memory check runs over indexers: with NaN in every slot no request owns, an indexer that
+    scores whole pages and masks their tails by adding -inf chooses wrong (NaN + -inf is NaN);
+    with numerics' finite poison the same indexer passes (the indexer check)."""
+    from conformance.harness.nan_poison import nan_poison_pass
+    from conformance.harness.step import prepare_case
+
+    case = parse_case("indexer-h4-d32-bf16-fp8e4m3-p16-topk8:40+1,21+4,3+1")
+    findings, _ = nan_poison_pass(prepare_case(backend, case, CPU))
+    assert (not findings) == clean, findings
+    assert judge(IndexerCheck(), backend, case, CPU).verdict == Verdict.PASS
+    assert "indexer" in make_check("memory").kinds

@@ -129,10 +129,28 @@ def test_the_subset_is_the_first_layout_of_each_kind_and_a_given_case_always_run
     check = MemoryCheck()
     plan = check.plan(TorchNaiveBackend, standard_suite(), CPU)
     running = [case for case in standard_suite() if plan[case.id] is None]
-    assert sorted({case.spec.kind for case in running}) == ["mha", "mla"]
-    assert len({(case.spec.kind, case.spec.dtype, case.spec.block_size, case.strided) for case in running}) == 2
-    assert {case.tag for case in running} <= set(memory.MEMORY_TAGS) and len(running) >= 7
+    dense = [case for case in running if case.spec.sparse_topk is None]
+    assert sorted({case.spec.kind for case in dense}) == ["mha", "mla"]
+    assert len({(case.spec.kind, case.spec.dtype, case.spec.block_size, case.strided) for case in dense}) == 2
+    assert {case.tag for case in dense} <= set(memory.MEMORY_TAGS) and len(dense) >= 7
+    # DeepSeek's sparse layers: decode, MTP verify and the messy rows (indices past the causal edge).
+    sparse = {case.tag for case in running if case.spec.sparse_topk is not None}
+    assert sparse == {
+        "sparse: decode past top-k",
+        "sparse: spec-verify k=3 (MTP)",
+        "messy index rows: decode and verify",
+    }
     assert MemoryCheck().case_skip_reason(TorchNaiveBackend, parse_case("gqa-h4/2-d64-fp16:70+3"), CPU) is None
+
+
+def test_the_subset_holds_the_indexers_decode_and_verify_and_each_one_case_tag_names_one_case():
+    from backends.torch_indexer import TorchIndexerBackend
+
+    plan = MemoryCheck().plan(TorchIndexerBackend, standard_suite(), CPU)
+    running = {case.tag for case in standard_suite() if plan[case.id] is None}
+    assert running == {"indexer: decode past top-k", "indexer: MTP verify"}
+    for tag in memory.ONE_CASE_TAGS:
+        assert [case.tag for case in standard_suite()].count(tag) == 1, tag
 
 
 @pytest.fixture(autouse=True)
@@ -237,6 +255,20 @@ def test_the_engine_stage_drafts_through_the_backend_and_generates():
     outputs = engine.generate(prompts, SamplingParams(max_tokens=ENGINE_TOKENS, ignore_eos=True))
     assert [len(out.tokens) for out in outputs] == [ENGINE_TOKENS] * len(prompts)
     assert sum(out.drafted for out in outputs) > 0
+
+
+def test_the_engine_stage_names_every_pool_a_sparse_models_layers_have():
+    """A sparse model's layer has its attention's pool and its indexer's (the map names both, so a
+    report inside either is placed)."""
+    from backends.torch_indexer import TorchIndexerBackend
+    from conformance.checks.memory.sanitized_case import engine_pools, memory_engine
+
+    engine, _ = memory_engine(TorchIndexerBackend, parse_case("indexer-h4-d32-bf16-fp8e4m3-p16-topk8:40+1"), CPU)
+    names = [name for name, _ in engine_pools(engine)]
+    layers = len(engine.kv_caches)
+    assert layers and all(
+        f"layer {i} KV pool" in names and f"layer {i} indexer's key pool" in names for i in range(layers)
+    )
 
 
 def test_an_uninitialized_copy_inside_a_graph_replay_is_the_harness_s_and_passes(monkeypatch):
