@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from backends.base import DeviceInfo
+from backends.flashmla import FlashMLABackend
 from backends.flashmla_sparse import FlashMLASparseBackend
 from backends.fp8_ds_mla import DsMlaLayout
 from backends.torch_naive import TorchNaiveBackend
@@ -97,7 +98,8 @@ def test_one_scale_a_token_fails_the_stored_cache():
 
 def test_backends_without_the_claim_say_why():
     needs = parse_case("mla-h16-d512+64-fp8dsmla-topk64:100+1").needs
-    assert "not adapted yet" in FlashMLASparseBackend.capabilities.feature_reason(needs, H200)
+    assert FlashMLASparseBackend.capabilities.feature_reason(needs, H200) is None  # FlashMLA's sparse decode
+    assert "fp8_ds_mla KV cache" in FlashMLABackend.capabilities.feature_reason(needs, H200)  # its dense decode
     # triton_mla claims it for sparse layers only (tests/backends/test_triton_mla_fp8_ds_mla.py).
     dense = parse_case("mla-h16-d512+64-fp8dsmla:100+1").needs
     assert "not supported without sparse_topk" in TritonMLABackend.capabilities.feature_reason(dense, H200)
