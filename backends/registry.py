@@ -24,6 +24,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "trtllm_mla": "backends.flashinfer.trtllm_mla:TrtllmMLABackend",
     "flashmla": "backends.flashmla:FlashMLABackend",
     "flashmla_sparse": "backends.flashmla_sparse:FlashMLASparseBackend",
+    "deepgemm_indexer": "backends.deepgemm_indexer:DeepGEMMIndexerBackend",
     "flash_attn": "backends.flash_attn:FlashAttnBackend",
 }
 

@@ -39,8 +39,9 @@ class IndexerMetadata:
 class IndexerKeyCache:
     """An indexer's key cache (the module docstring's layout): its shape, ``write_kv`` and
     ``read_kv``, shared by every indexer backend that keeps this layout (``torch_indexer``,
-    ``triton_indexer``). Plain PyTorch, no host value read: ``write_kv`` is graph-safe (on CUDA the
-    rows go through our Triton write kernel, ``paged_write``)."""
+    ``triton_indexer``) and, through ``block_planes``, by one that lays a page out otherwise
+    (``deepgemm_indexer``). Plain PyTorch, no host value read: ``write_kv`` is graph-safe (on CUDA
+    the rows go through our Triton write kernel, ``paged_write``)."""
 
     spec: AttentionSpec
     device: torch.device
@@ -53,14 +54,21 @@ class IndexerKeyCache:
         dtype = torch.uint8 if self.spec.fp8_kv_cache else self.spec.dtype
         return torch.zeros(self.kv_cache_shape(num_blocks), dtype=dtype, device=self.device)
 
+    def block_planes(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp8 keys: the cache as two byte planes ``[num_blocks, block_size, ...]``, the keys' bytes
+        ``[..., head_dim]`` and their float32 scales' ``[..., 4]`` (here side by side in a token's row)."""
+        dim = self.spec.head_dim
+        return kv_cache[..., :dim], kv_cache[..., dim:]
+
     def planes(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The cache as per-slot views: keys ``[slots, head_dim]`` (fp8 or the compute dtype) and,
         for fp8 keys, their scales ``[slots]`` float32."""
-        rows = kv_cache.view(-1, kv_cache.shape[-1])
         if not self.spec.fp8_kv_cache:
-            return rows, None
-        dim = self.spec.head_dim
-        return rows[:, :dim].view(self.spec.kv_cache_dtype), rows[:, dim:].contiguous().view(torch.float32)[:, 0]
+            return kv_cache.view(-1, kv_cache.shape[-1]), None
+        keys, scales = self.block_planes(kv_cache)
+        slots = keys.shape[0] * keys.shape[1]
+        keys = keys.reshape(slots, keys.shape[-1]).view(self.spec.kv_cache_dtype)
+        return keys, scales.reshape(slots, SCALE_BYTES).contiguous().view(torch.float32)[:, 0]
 
     def write_kv(self, kv_cache, key, value, slot_mapping, layer: LayerParameters = PLAIN_LAYER) -> None:
         if not self.spec.fp8_kv_cache:
@@ -68,8 +76,9 @@ class IndexerKeyCache:
             return
         scales = token_scales(key, self.spec.kv_cache_dtype)
         stored = to_cache(key, scales[:, None], self.spec.kv_cache_dtype).view(torch.uint8)
-        row = torch.cat([stored, scales.view(-1, 1).view(torch.uint8).view(-1, SCALE_BYTES)], dim=1)
-        write_paged_rows(kv_cache, row, slot_mapping, self.spec.block_size)
+        keys, scale_bytes = self.block_planes(kv_cache)
+        write_paged_rows(keys, stored, slot_mapping, self.spec.block_size)
+        write_paged_rows(scale_bytes, scales.view(-1, 1).view(torch.uint8), slot_mapping, self.spec.block_size)
 
     def read_kv(self, kv_cache, slot_mapping):
         keys, scales = self.planes(kv_cache)

@@ -78,7 +78,6 @@ class TritonIndexerBackend(IndexerKeyCache, DeviceLengthsBackend):
         return self.positions.update_for_draft_step(metadata, common)  # every token's position moved on
 
     def forward(self, query, kv_cache, metadata: SparseMetadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
-        spec = self.spec
         weights = layer.index_weights
         if weights is None:
             raise ValueError("an indexer's forward needs its head weights (layer.index_weights)")
@@ -87,6 +86,12 @@ class TritonIndexerBackend(IndexerKeyCache, DeviceLengthsBackend):
             raise ValueError(f"{rows} query rows exceed the backend's limit of {self.limits.max_num_tokens} tokens")
         if rows == 0:
             return
+        self.choose(self.logits(query, kv_cache, metadata, weights), metadata, out)
+
+    def logits(self, query, kv_cache, metadata: SparseMetadata, weights) -> torch.Tensor:
+        """float32 ``[rows, width]`` over the block table's width (its columns × the page size, a
+        static shape): each row's logits, -inf past its token's own position."""
+        spec, rows = self.spec, query.shape[0]
         width = metadata.block_table.shape[1] * spec.block_size
         logits = torch.empty(rows, width, dtype=torch.float32, device=query.device)
         fp8 = spec.fp8_kv_cache
@@ -122,7 +127,13 @@ class TritonIndexerBackend(IndexerKeyCache, DeviceLengthsBackend):
                 UPCAST_DOT=self.upcast_dot,
                 num_warps=4,
             )
-        chosen = min(spec.sparse_topk, width)  # a top-k wider than the table: -1 past its width
+        return logits
+
+    def choose(self, logits: torch.Tensor, metadata: SparseMetadata, out: torch.Tensor) -> None:
+        """Each real token's row of ``out``: the top-k of its logits (a static width), -1 for a
+        -inf and past the width; the rows past the device's token count (padding) left as they are."""
+        spec, rows = self.spec, logits.shape[0]
+        chosen = min(spec.sparse_topk, logits.shape[1])  # a top-k wider than the table: -1 past its width
         values, indices = torch.topk(logits, chosen, dim=1, sorted=False)
         indexer_kernels.indexer_topk_write_kernel[(rows,)](
             values,
