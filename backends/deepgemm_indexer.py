@@ -83,7 +83,7 @@ class DeepGEMMIndexerBackend(TritonIndexerBackend):
         # (relu(s·x) = s·relu(x) for s > 0): the kernel applies only each key's scale.
         q_scales = token_scales(query.reshape(rows * spec.num_heads, spec.head_dim), spec.kv_cache_dtype)
         q_fp8 = to_cache(query.reshape(rows * spec.num_heads, spec.head_dim), q_scales[:, None], spec.kv_cache_dtype)
-        scaled = (weights.float() * q_scales.view(rows, spec.num_heads)).contiguous()
+        scaled = (weights[:rows].float() * q_scales.view(rows, spec.num_heads)).contiguous()  # a bank's: wider
         # Each row a request of one query: its context its position + 1, its request's block-table
         # row; a padding row (past the step's tokens) has context 0 and a row of zeros, so that it
         # reads nothing (an empty request's row may hold -1s).

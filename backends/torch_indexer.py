@@ -60,15 +60,14 @@ class IndexerKeyCache:
         dim = self.spec.head_dim
         return kv_cache[..., :dim], kv_cache[..., dim:]
 
-    def planes(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The cache as per-slot views: keys ``[slots, head_dim]`` (fp8 or the compute dtype) and,
-        for fp8 keys, their scales ``[slots]`` float32."""
+    def gather(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The keys of ``slots`` as stored: ``[n, head_dim]`` (fp8 or the compute dtype) and, for fp8
+        keys, their scales ``[n]`` float32. Only those slots are read (initcheck sees the rest)."""
         if not self.spec.fp8_kv_cache:
-            return kv_cache.view(-1, kv_cache.shape[-1]), None
+            return kv_cache.view(-1, kv_cache.shape[-1])[slots], None
         keys, scales = self.block_planes(kv_cache)
-        slots = keys.shape[0] * keys.shape[1]
-        keys = keys.reshape(slots, keys.shape[-1]).view(self.spec.kv_cache_dtype)
-        return keys, scales.reshape(slots, SCALE_BYTES).contiguous().view(torch.float32)[:, 0]
+        block, offset = slots // self.spec.block_size, slots % self.spec.block_size
+        return keys[block, offset].view(self.spec.kv_cache_dtype), scales[block, offset].view(torch.float32)[:, 0]
 
     def write_kv(self, kv_cache, key, value, slot_mapping, layer: LayerParameters = PLAIN_LAYER) -> None:
         if not self.spec.fp8_kv_cache:
@@ -81,8 +80,7 @@ class IndexerKeyCache:
         write_paged_rows(scale_bytes, scales.view(-1, 1).view(torch.uint8), slot_mapping, self.spec.block_size)
 
     def read_kv(self, kv_cache, slot_mapping):
-        keys, scales = self.planes(kv_cache)
-        return keys[slot_mapping], None if scales is None else scales[slot_mapping]
+        return self.gather(kv_cache, slot_mapping)
 
 
 class TorchIndexerBackend(IndexerKeyCache, AttentionBackend):
@@ -107,9 +105,8 @@ class TorchIndexerBackend(IndexerKeyCache, AttentionBackend):
         block_size = self.spec.block_size
         blocks = block_table_row[: -(-seq_len // block_size)].long()
         slots = (blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)).reshape(-1)[:seq_len]
-        keys, scales = self.planes(kv_cache)
-        stored = keys[slots].float()
-        return stored if scales is None else stored * scales[slots, None]
+        stored, scales = self.gather(kv_cache, slots)
+        return stored.float() if scales is None else stored.float() * scales[:, None]
 
     def logits(self, query, keys, weights, context_len: int) -> torch.Tensor:
         """[q, s] float32: Σ_h w_h · relu(q_h · k_s), -inf past each token's own position."""

@@ -96,7 +96,8 @@ def adapter_problems(backend_cls, text: str, device) -> list[str]:
     import torch
 
     from backends.fp8 import to_cache, token_scales
-    from conformance.cases.oracle import index_logits
+    from conformance.cases.oracle import index_logits, index_tolerance
+    from conformance.harness.answers import CHOICE
     from conformance.harness.step import prepare_case, run_step
 
     case = parse_case(text)
@@ -120,19 +121,21 @@ def adapter_problems(backend_cls, text: str, device) -> list[str]:
         )
         weights = batch.token_inputs["index_weights"][start : start + new].double().cpu()
         expected = index_logits(query, keys, weights, context_len=context)
+        tolerance = index_tolerance(query, keys, weights)[:, None]  # one bf16 rounding of a head's score
         got, finite = rows[start : start + new, :length], torch.isfinite(expected)
         if not torch.equal(finite, torch.isfinite(got)):
             problems.append(f"request {request}: -inf where the oracle has none, or a value where it has -inf")
-        elif not torch.allclose(got[finite], expected[finite], rtol=1e-4, atol=1e-4 * expected[finite].abs().max()):
-            problems.append(f"request {request}: logits off by {float((got - expected)[finite].abs().max()):.3g}")
+            continue
+        # The kernel's fp8 products are exact; Hopper's fp8 MMA accumulates with fewer bits than
+        # fp32 (about 2^-13 of a score): a tenth of the tolerance is room enough.
+        off = float(((got - expected).abs() / tolerance)[finite].max()) if bool(finite.any()) else 0.0
+        if off > 0.1:
+            problems.append(f"request {request}: logits off by {off:.3g} tolerances")
         if bool((rows[start : start + new, length:] > float("-inf")).any()):
             problems.append(f"request {request}: a column past its length is not -inf")
-        for token in range(new):
-            visible = int(finite[token].sum())
-            top = sorted(expected[token].topk(min(spec.sparse_topk, visible)).indices.tolist())
-            chosen = sorted(p for p in out[start + token].tolist() if p >= 0)
-            if chosen != top:
-                problems.append(f"request {request}, token {token}: chose {chosen} for {top}")
+        miss = CHOICE.misses(out[start : start + new], expected / tolerance)[0]
+        if not bool((miss <= 1.0).all()):
+            problems.append(f"request {request}: a choice {float(miss.max()):.3g} tolerances beyond the k-th logit")
     return problems
 
 

@@ -56,7 +56,7 @@ class KeysWithoutTheirScales(TorchIndexerBackend):
         block_size = self.spec.block_size
         blocks = block_table_row[: -(-seq_len // block_size)].long()
         slots = (blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)).reshape(-1)[:seq_len]
-        return self.planes(kv_cache)[0][slots].float()
+        return self.gather(kv_cache, slots)[0].float()
 
 
 class ReluOfTheSum(TorchIndexerBackend):
