@@ -99,8 +99,12 @@ run_kernels() {
   done
 }
 
+# Without bench runs in RUNS, the published bench section and files stay as they were.
 publish() {
-  python -m conformance.report.publish "$runs/$suite".json "$runs/$suite"-*.json --bench "$runs"/bench*.json --out reports
+  local parts bench
+  shopt -s nullglob
+  parts=("$runs/$suite"-*.json) bench=("$runs"/bench*.json)
+  python -m conformance.report.publish "$runs/$suite".json "${parts[@]}" ${bench[0]:+--bench "${bench[@]}"} --out reports
 }
 
 case "$phase" in

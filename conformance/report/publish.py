@@ -10,21 +10,25 @@ appears twice, and its wall time is the sum. All files must be of one suite. Sev
 (backends that cannot share one process, such as FlashAttention's and FlashInfer's CuTe DSL
 versions) publish as one table, under the first file's environment; a backend in several bench
 files was run that many times, and its median run is published with every run's times beside it
-(``bench_runs``). Nothing is computed here that a run did not measure.
+(``bench_runs``). Without ``--bench`` the earlier ``README.md``'s bench section and the bench files
+stay as they were (the checks and the bench run apart). Nothing is computed here that a run did
+not measure.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
+from conformance.cases.grammar import CaseSyntaxError, parse_case
 from conformance.checks import CHECKS, default_checks
 from conformance.report.bench_runs import BenchRunsError, fold_bench_runs
 from conformance.report.html import write_html
 from conformance.report.safe_text import markdown_inline
-from conformance.results import BackendResult, RunResult
+from conformance.results import BackendResult, CheckResult, RunResult
 
 HEADLINE_SHAPES = ("decode b64 ctx4096", "verify q=4 b64 ctx4096", "decode b256 ctx4096", "decode b1 ctx32768")
 
@@ -74,26 +78,51 @@ def table_checks(per_backend: dict[str, RunResult]) -> list[str]:
     return [name for name in CHECKS if name in defaults or name in ran]
 
 
+def own_kind_reason(backend: BackendResult, check: CheckResult) -> str:
+    """Why a check ran none of its cases, as the cases of the layer kinds the backend serves say it
+    (the most common reason among them; the rest say only that the kind is another)."""
+    kinds = set(backend.claims.get("kinds") or ())
+    reasons = Counter(case.reason for case in check.cases if case_kind(case.case) in kinds) or Counter(
+        case.reason for case in check.cases
+    )
+    return reasons.most_common(1)[0][0] if reasons else check.summary
+
+
+def case_kind(case_id: str) -> str | None:
+    try:
+        return parse_case(case_id).spec.kind
+    except CaseSyntaxError:
+        return None
+
+
 def verdict_table(per_backend: dict[str, RunResult]) -> list[str]:
     checks = table_checks(per_backend)
     lines = ["| backend | GPU | " + " | ".join(checks) + " |", "|---" * (len(checks) + 2) + "|"]
-    for name, result in per_backend.items():
+
+    def spanning(name: str, gpu: str, text: str) -> str:
+        """A row whose first check's cell says why no check has a verdict."""
+        cells = [markdown_inline(text)] + [""] * (len(checks) - 1)
+        return f"| {markdown_inline(name)} | {gpu} | " + " | ".join(cells) + " |"
+
+    for name, result in sorted(per_backend.items()):
         backend = result.backends[0]
         gpu = result.environment.get("gpu", result.environment.get("device", ""))
         if not backend.available:
-            lines.append(
-                f"| {markdown_inline(name)} | {gpu} | "
-                + " | ".join([f"not available: {markdown_inline(backend.reason)}"] + [""] * (len(checks) - 1))
-                + " |"
-            )
+            lines.append(spanning(name, gpu, f"not available: {backend.reason}"))
+            continue
+        ran = [backend.check(c) for c in checks if backend.check(c) is not None and backend.check(c).cases]
+        if ran and not any(check.ran for check in ran):  # a backend that claims none of the suite's cases
+            lines.append(spanning(name, gpu, f"every case SKIP: {own_kind_reason(backend, ran[0])}"))
             continue
         cells = []
         for check_name in checks:
             check = backend.check(check_name)
             if check is None:
                 cells.append("not run")
-            elif check.cases:
+            elif check.ran:
                 cells.append(f"{check.verdict.value} {check.passed}/{check.ran}")
+            elif check.cases:
+                cells.append(f"{check.verdict.value} ({markdown_inline(own_kind_reason(backend, check))})")
             else:
                 cells.append(f"{check.verdict.value} ({markdown_inline(check.summary)})")
         lines.append(f"| {markdown_inline(name)} | {gpu} | " + " | ".join(cells) + " |")
@@ -132,6 +161,23 @@ def kept_notebook(readme: Path) -> str:
     return text[start + 1 :] if start >= 0 else ""
 
 
+BENCH_HEADING = "## Bench numbers"
+
+
+def kept_bench(readme: Path) -> list[str]:
+    """A republish without bench results keeps the earlier ``README.md``'s bench section as it
+    was (``bench.json`` and ``bench.html`` stay too): checks and the bench run apart, and the
+    section names its own GPU and runs. Nothing where there was none."""
+    if not readme.exists():
+        return []
+    text = readme.read_text()
+    start = text.find("\n" + BENCH_HEADING)
+    if start < 0:
+        return []
+    end = text.find("\n## ", start + 1)
+    return ["", *text[start + 1 : end if end >= 0 else len(text)].rstrip("\n").split("\n")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="+")
@@ -158,12 +204,13 @@ def main() -> None:
         result.save(out / f"{stems[name]}.json")
         write_html(result, out / f"{stems[name]}.html")
     suite = next(iter(per_backend.values())).suite if per_backend else ""
+    has_bench = bool(kept_bench(out / "README.md"))
     lines = [
         "# Published results",
         "",
         "Real GPU runs of the built-in backends: per backend a JSON (with the environment block",
         "of its run) and a self-contained HTML report"
-        + ("; `bench.json` / `bench.html` for the benchmark run." if args.bench else "."),
+        + ("; `bench.json` / `bench.html` for the benchmark run." if args.bench or has_bench else "."),
         "Regenerate on a GPU machine with `bash reports/regenerate.sh`.",
         "",
         f"## Verdicts ({suite} suite)",
@@ -187,7 +234,7 @@ def main() -> None:
         )
         lines += [
             "",
-            f"## Bench numbers ({bench.environment.get('gpu', '')}, {runs})",
+            f"{BENCH_HEADING} ({bench.environment.get('gpu', '')}, {runs})",
             "",
             f"Forward time, CUDA events, L2 flushed, median. Ceilings measured in the same run: copy "
             f"{ceilings.get('copy_GBps', 0):.0f} GB/s (read + write), "
@@ -196,6 +243,8 @@ def main() -> None:
             *bench_table(bench),
         ]
     readme = out / "README.md"
+    if not args.bench:
+        lines += kept_bench(readme)
     kept = kept_notebook(readme)
     readme.write_text("\n".join(lines) + "\n" + (f"\n{kept}" if kept else ""))
     print(f"wrote {len(per_backend)} backend files and README.md to {out}")

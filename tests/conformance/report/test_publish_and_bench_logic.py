@@ -179,3 +179,55 @@ def test_a_sparse_layer_reads_its_top_k_and_window_and_an_indexer_scores_every_k
     moved, flops = traffic(parse_case("indexer-h64-d128-bf16-fp8e4m3-p64-topk2048:4000+1"))
     assert moved == 4001 * 128 * 1 + (64 * 129 + 2048) * 2
     assert flops == 4001 * 2 * 64 * 128
+
+
+def test_a_republish_of_the_checks_alone_keeps_the_bench_section(tmp_path):
+    """Checks and the bench run apart: publishing checks only leaves the earlier bench section (and
+    files) as they were, between the new verdict table and the kept notebook."""
+    from conformance.report.publish import kept_bench
+
+    run = RunResult(
+        {"gpu": "NVIDIA H200"},
+        [BackendResult("a", True, checks=[CheckResult("numerics", Verdict.PASS, "", [CaseResult("x", Verdict.PASS)])])],
+        "standard",
+        ["numerics"],
+    )
+    run.save(tmp_path / "all.json")
+    out = tmp_path / "reports"
+    out.mkdir()
+    bench = "## Bench numbers (NVIDIA H100, the median of 3 runs)\n\n| shape | a |\n|---|---|\n| s | 1 µs |"
+    notebook = "## How this publication was made\n\nby hand.\n"
+    (out / "README.md").write_text("# Published results\n\nold table\n\n" + bench + "\n\n" + notebook)
+    (out / "bench.json").write_text("{}")
+    assert kept_bench(out / "README.md")[1] == bench.split("\n")[0]
+    completed = subprocess.run(
+        [sys.executable, "-m", "conformance.report.publish", str(tmp_path / "all.json"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert completed.returncode == 0, completed.stderr
+    readme = (out / "README.md").read_text()
+    assert "old table" not in readme and "| a | NVIDIA H200 | PASS 1/1 |" in readme
+    assert readme.index("## Verdicts") < readme.index(bench) < readme.index(notebook) and readme.endswith(notebook)
+    assert (out / "bench.json").read_text() == "{}"
+
+
+def test_a_check_that_ran_nothing_says_why_as_the_backends_own_kind_of_case_does():
+    """A cell with no case run quotes the reason its backend's own layer kind got (an MHA case's
+    "judges indexer layers" says nothing of an indexer); a backend that ran no case at all gets one
+    row-wide reason."""
+    from conformance.report.publish import verdict_table
+
+    def backend(name, kinds, cases):
+        checks = [CheckResult("indexer", Verdict.SKIP, "", [CaseResult(c, Verdict.SKIP, r) for c, r in cases])]
+        return RunResult({"gpu": "H200"}, [BackendResult(name, True, claims={"kinds": kinds}, checks=checks)], "s", [])
+
+    other_kind = ("gqa-h4/2-d64:10+1@0", "the indexer check judges indexer layers, not mha")
+    own = ("indexer-h4-d32-fp8e4m3-topk8:10+1@0", "KV cache fp8e4m3 not supported: its query is e4m3")
+    table = "\n".join(
+        verdict_table(
+            {"x": backend("x", ["indexer"], [other_kind, other_kind, own]), "y": backend("y", ["mha"], [other_kind])}
+        )
+    )
+    assert "| x | H200 | every case SKIP: KV cache fp8e4m3 not supported: its query is e4m3 |" in table, table
+    assert "| y | H200 | every case SKIP: the indexer check judges indexer layers, not mha |" in table, table
