@@ -69,7 +69,7 @@ def nan_poison_pass(prepared: PreparedCase) -> tuple[list[dict], dict]:
                 "what": what,
                 "worst": worst,
                 "place": f"first at {worst_place(worst)} — a read of an unowned slot whose value was masked "
-                "by a zero weight, not skipped",
+                "(a zero weight, an added -inf), not skipped",
             }
         )
     stray, changed_slots = stray_writes(before, pool, batch)
