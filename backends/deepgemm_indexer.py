@@ -9,7 +9,8 @@ its context is its own position + 1, its block-table row its request's, gathered
 from ``triton_indexer``'s metadata (``build`` and ``update_for_draft_step`` place each token's
 request and position on the device); the kernel's schedule is made on the device every forward
 (``get_paged_mqa_logits_metadata``), so a captured graph remakes it on every replay. The kernel
-writes every column up to the table's width, past a token's own position too (masked to -inf here).
+writes the columns of every page a token's context touches, past its own position too, and leaves
+the rest of the row as ``torch.empty`` made it: every column past the token is masked to -inf here.
 
 The kernel takes the query in e4m3, as DeepSeek's reference indexer quantizes it (a power-of-two
 scale for each token and head, folded into the head weights): the contract hands an indexer its
@@ -61,14 +62,18 @@ class DeepGEMMIndexerBackend(TritonIndexerBackend):
 
     def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
         super().__init__(spec, limits, device)
-        import deep_gemm  # noqa: PLC0415 - optional dependency
-
+        try:
+            import deep_gemm  # noqa: PLC0415 - optional dependency
+        except (ImportError, OSError, AssertionError) as error:  # a wheel built for another torch; no CUDA_HOME
+            raise RuntimeError(f"deep_gemm did not load ({error}): {INSTALL_HINT}, built for this torch") from None
         self.deep_gemm = deep_gemm
         self.rows = torch.arange(limits.max_num_tokens, dtype=torch.int32, device=self.device)
 
-    # A page: the 64 keys' bytes, then their 64 float32 scales (DeepGEMM's and vLLM's layout).
+    # A page of bytes: the 64 keys, then their 64 float32 scales (DeepGEMM's and vLLM's layout). No
+    # dimension of it is a token's (the kernel's [blocks, 64, 1, head_dim + 4] is a view of the
+    # page's size only), so that no reader places a token's bytes by the shape.
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (num_blocks, self.spec.block_size, 1, self.spec.head_dim + SCALE_BYTES)
+        return (num_blocks, self.spec.block_size * (self.spec.head_dim + SCALE_BYTES))
 
     def block_planes(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pages = kv_cache.view(kv_cache.shape[0], -1)
@@ -95,13 +100,13 @@ class DeepGEMMIndexerBackend(TritonIndexerBackend):
         schedule = dg.get_paged_mqa_logits_metadata(context, spec.block_size, dg.get_num_sms())
         logits = dg.fp8_paged_mqa_logits(
             q_fp8.view(rows, 1, spec.num_heads, spec.head_dim),
-            kv_cache,
+            kv_cache.view(kv_cache.shape[0], spec.block_size, 1, spec.head_dim + SCALE_BYTES),
             scaled,
             context,
             table,
             schedule,
             width,
             clean_logits=False,  # it asserts with a 2-D context; the mask is below
-        )[:, :width]
+        )
         seen = torch.arange(width, device=query.device)[None, :] < context
         return torch.where(seen, logits, float("-inf"))

@@ -66,8 +66,9 @@ def test_the_checks_that_drive_steps_pass_over_queries_it_quantizes_exactly(back
 
 def test_the_contracts_queries_miss_by_a_measured_margin(backend, capsys):
     """Over the contract's own queries (bf16, off e4m3's grid), how far the e4m3 query moves a
-    choice, in units of the contract's tolerance: the reason the layers are not claimed."""
+    choice, in units of the contract's tolerance: the reason the layers are not claimed (1.25× on
+    an H200). A choice within the tolerance would take that reason away: this test says so."""
     result = judge(make_check("indexer"), backend, parse_case(DEEPSEEK), torch.device("cuda"))
     with capsys.disabled():
         print(f"\ndeepgemm_indexer, contract queries: {result.verdict.name} {result.reason} {result.metrics}")
-    assert result.verdict in (Verdict.PASS, Verdict.FAIL)
+    assert result.verdict == Verdict.FAIL and 1.0 < result.metrics["tolerance_ratio"] < 3.0, result.reason

@@ -61,6 +61,7 @@ def documented_sparse_decode(calls):
         calls.append((q.view(-1, heads, dim).shape, indices.view(batch * s_q, 1, -1).shape, use_legacy))
         kv = v32_entries(k_cache)
         rows = indices.view(batch * s_q, -1).long()
+        assert ((rows >= -1) & (rows < kv.shape[0])).all(), "an index it would read out of bounds"
         valid = rows != -1
         keys = torch.where(valid[..., None], kv[torch.where(valid, rows, 0)], 0.0)
         scores = torch.einsum("qhd,qkd->qhk", q.view(-1, heads, dim).float(), keys) * softmax_scale
