@@ -5,7 +5,8 @@ query length: decode, MTP verify and prefill. Over a bf16 latent cache the spars
 a request of one token, so a batch's query lengths need not be equal.
 
 Both take, per query token, a list of slots of the pool to attend, -1 for none (the prefill kernel
-also skips anything past ``s_kv``; the decode kernel checks no upper bound): the adapter translates
+also skips anything past ``s_kv``; the decode kernel checks no upper bound, and reads the entry
+an index of -1 lands on, the reserved block's slot 63, before masking it): the adapter translates
 each token's index row (positions in its request) into slots through the block table, on the
 device, masking -1 and every entry past the token's own position, and appends its window part's
 slots. Each token's request and position are metadata made on the device in ``build`` and remade
@@ -35,7 +36,7 @@ from backends.base import (
 )
 from backends.features import FP8_DS_MLA, FP8_KV_CACHES, LSE, SPARSE_TOPK, SPARSE_WINDOW
 from backends.flashmla import FLASHMLA_CLAIMS, FlashMLAModule
-from backends.fp8_ds_mla import DsMlaLayout
+from backends.fp8_ds_mla import DS_MLA_SCALE_BLOCK, DsMlaLayout
 from backends.paged_write import write_paged_rows
 
 HEAD_MULTIPLE = 64  # the SM90 kernel's query heads: 64 or 128
@@ -82,6 +83,10 @@ class FlashMLASparseBackend(FlashMLAModule):
         self.window_offsets = torch.arange(spec.sparse_window or 0, **int64)
         # DeepSeek's fp8_ds_mla: a token's entry packed as vLLM packs it (FlashMLA's V32 format).
         self.packed = None if spec.kv_scale_block is None else DsMlaLayout(spec)
+        if self.packed is not None and spec.kv_scale_block != DS_MLA_SCALE_BLOCK:
+            raise ValueError(
+                f"FlashMLA's V32 entry has a scale per {DS_MLA_SCALE_BLOCK} latent values, not {spec.kv_scale_block}"
+            )
 
     # [num_blocks, block_size, latent + rope]: one bf16 entry a token, as flashmla's (fp8_ds_mla:
     # a token's 656 bytes).
@@ -200,7 +205,7 @@ class FlashMLASparseBackend(FlashMLAModule):
         schedule, _ = self.flash_mla.get_mla_metadata()
         result, lse = self.flash_mla.flash_mla_with_kvcache(
             queries.view(tokens, 1, self.padded_heads, spec.head_dim),
-            kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], 1, kv_cache.shape[2]),
+            kv_cache.unsqueeze(2),  # [blocks, page, 1 kv head, 656 bytes]
             None,
             None,
             spec.kv_lora_rank,

@@ -42,12 +42,12 @@ run_checks() {
   for backend in "${backends[@]}"; do [[ $backend == flash_attn ]] || together+=("$backend"); done
   if ((${#together[@]})); then
     python -m conformance run --backend "$(IFS=,; echo "${together[*]}")" --suite "$suite" --gpus "$gpus" \
-      --workers "${JOBS:-$((8 * gpu_count))}" --quiet "${limit[@]}" --json "$runs/$suite.json" >"$runs/$suite.log" 2>&1
+      --workers "${JOBS:-$((8 * gpu_count))}" --quiet ${limit[@]+"${limit[@]}"} --json "$runs/$suite.json" >"$runs/$suite.log" 2>&1
   fi
   # Its own run (see FLASH_ATTN_PATH), after the others, on the same GPUs.
   if [[ " ${backends[*]} " == *" flash_attn "* ]]; then
     env "$(with_path flash_attn)" python -m conformance run --backend flash_attn --suite "$suite" --gpus "$gpus" \
-      --quiet "${limit[@]}" --json "$runs/$suite-flash_attn.json" >"$runs/$suite-flash_attn.log" 2>&1
+      --quiet ${limit[@]+"${limit[@]}"} --json "$runs/$suite-flash_attn.json" >"$runs/$suite-flash_attn.log" 2>&1
   fi
   return 0  # a run that found failures still wrote its results: publish shows them
 }
@@ -57,7 +57,7 @@ run_checks() {
 run_memory() {
   for backend in "${backends[@]}"; do
     env "$(with_path "$backend")" python -m conformance run --backend "$backend" --suite "$suite" --check memory --quiet \
-      "${limit[@]}" --json "$runs/memory-$backend.json" >"$runs/memory-$backend.log" 2>&1
+      ${limit[@]+"${limit[@]}"} --json "$runs/memory-$backend.json" >"$runs/memory-$backend.log" 2>&1
   done
   python -m conformance.report.publish "$runs"/memory-*.json --out reports/memory
 }
@@ -104,7 +104,10 @@ publish() {
   local parts bench
   shopt -s nullglob
   parts=("$runs/$suite"-*.json) bench=("$runs"/bench*.json)
-  python -m conformance.report.publish "$runs/$suite".json "${parts[@]}" ${bench[0]:+--bench "${bench[@]}"} --out reports
+  shopt -u nullglob
+  # ${a[@]+...}: an empty array under set -u on bash before 4.4
+  python -m conformance.report.publish "$runs/$suite".json ${parts[@]+"${parts[@]}"} \
+    ${bench[0]:+--bench "${bench[@]}"} --out reports
 }
 
 case "$phase" in

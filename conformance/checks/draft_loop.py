@@ -10,7 +10,8 @@ import torch
 from backends.base import AttentionBackend
 from conformance.cases.grammar import Case
 from conformance.checks.base import EVERY_KIND, Check
-from conformance.harness.comparison import TOLERANCES, worst_place
+from conformance.harness.answers import answer_for
+from conformance.harness.comparison import TOLERANCES
 from conformance.harness.draft_loop import (
     DRAFT_RUNS,
     DRAFT_STEPS,
@@ -45,6 +46,7 @@ class DraftLoopCheck(Check):
             else "one-step graph, metadata rebuilt on the host"
         )
         atol, rtol = TOLERANCES[case.spec.dtype]
+        answer = answer_for(case.spec)
         metrics: dict[str, Any] = {"mode": mode}
         for num_steps, padding_row, warm, fill in DRAFT_RUNS:
             padding = draft_padding(backend_cls, num_steps)
@@ -76,8 +78,7 @@ class DraftLoopCheck(Check):
                 layer = f" (layer {details['layer']}: its own pool, scales and sinks)" if details["layer"] else ""
                 reason = (
                     f"k={num_steps} ({layout}): draft step {failing + 1} of {num_steps}{layer} differs from the oracle "
-                    f"({details['mismatched']} elements, max abs error {details['max_abs_error']:.3g}, worst at "
-                    f"{worst_place(details['worst'])}) — {mode}"
+                    f"({answer.count(details)}, worst at {answer.worst_place(details['worst'])}) — {mode}"
                 )
                 return Outcome(
                     Verdict.FAIL,

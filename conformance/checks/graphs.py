@@ -51,7 +51,7 @@ from conformance.cases.grammar import Case
 from conformance.checks.base import EVERY_KIND, Check
 from conformance.harness.answers import answer_for
 from conformance.harness.batch import PagedBatch, materialize
-from conformance.harness.comparison import TOLERANCES, worst_place
+from conformance.harness.comparison import TOLERANCES
 from conformance.harness.graph_batches import (
     Replay,
     fits,
@@ -344,13 +344,14 @@ class GraphsCheck(Check):
         which = f"{what}, layer {layer.index} (its own pool, scales and sinks)" if layer.index else what
         prepared = buffers.prepared(loaded.batch, layer)
         reference, allowance = oracle(prepared, negated=layer.negated)
-        passed, errors, evidence = answer_for(prepared.batch.spec).compare(
+        answer = answer_for(prepared.batch.spec)
+        passed, errors, evidence = answer.compare(
             layer.out[:real], reference, loaded.batch.query_start_loc, atol, rtol, allowance
         )
         if not passed:
             return (
-                f"replay of {which} differs from the oracle: {errors['mismatched']} elements, max abs error "
-                f"{errors['max_abs_error']:.3g}, worst at {worst_place(evidence['worst'])}",
+                f"replay of {which} differs from the oracle: {answer.count(errors)}, worst at "
+                f"{answer.worst_place(evidence['worst'])}",
                 replay_case,
                 errors,
                 evidence,

@@ -61,7 +61,7 @@ from conformance.cases.grammar import Case
 from conformance.checks.base import EVERY_KIND, Check, Plan, first_of_each
 from conformance.harness.answers import answer_for
 from conformance.harness.batch import PagedBatch
-from conformance.harness.comparison import TOLERANCES, worst_place
+from conformance.harness.comparison import TOLERANCES
 from conformance.harness.continuous_batch import (
     MAX_REQUESTS,
     SPEC_TOKENS,
@@ -238,8 +238,8 @@ def steady_look(
         evidence["worst"] = found["worst"]
         return failed_at(
             failing,
-            f"step {failing} of {steps} differs from the oracle ({errors['mismatched']} elements, max abs "
-            f"error {errors['max_abs_error']:.3g}, worst at {worst_place(found['worst'])}; "
+            f"step {failing} of {steps} differs from the oracle ({answer.count(errors)}, worst at "
+            f"{answer.worst_place(found['worst'])}; "
             f"{_batch_text(schedule, failing)}); every step before it was right",
         )
     spill = loop.first_spill(steps)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from backends.base import AttentionSpec
-from conformance.harness.comparison import compare_with_oracle, mismatched_rows
+from conformance.harness.comparison import compare_with_oracle, how_far_off, mismatched_rows, worst_place
 
 UNWRITTEN_CHOICE = -2  # never a position, nor -1 (no entry)
 
@@ -68,6 +68,19 @@ class Answer(abc.ABC):
     ) -> torch.Tensor:
         """bool [rows]: the rows ``compare`` fails."""
 
+    # A failed comparison in words (``compare``'s metrics and its evidence's ``worst``).
+    @abc.abstractmethod
+    def how_far_off(self, errors: dict[str, Any]) -> str:
+        """How many answers are off: "3 NaN/Inf outputs", "12 of 4096 elements beyond tolerance"."""
+
+    @abc.abstractmethod
+    def count(self, errors: dict[str, Any]) -> str:
+        """How many are off and by how much: "12 elements, max abs error 0.5"."""
+
+    @abc.abstractmethod
+    def worst_place(self, worst: dict[str, Any]) -> str:
+        """Where the worst one is, and its values."""
+
 
 class Values(Answer):
     unwritten = float("nan")
@@ -83,6 +96,15 @@ class Values(Answer):
 
     def mismatched_rows(self, out, reference, allowance, atol, rtol):
         return mismatched_rows(out, reference, allowance, atol, rtol)
+
+    def how_far_off(self, errors):
+        return how_far_off(errors)
+
+    def count(self, errors):
+        return f"{errors['mismatched']} elements, max abs error {errors['max_abs_error']:.3g}"
+
+    def worst_place(self, worst):
+        return worst_place(worst)
 
 
 class Choice(Answer):
@@ -158,6 +180,20 @@ class Choice(Answer):
             rows = slice(start, start + chunk_rows)
             bad[rows] = ~(self.misses(out[rows], reference[rows])[0] <= 1.0)
         return bad
+
+    def how_far_off(self, errors):
+        invalid = f", {errors['non_finite']} of them no valid choice" if errors["non_finite"] else ""
+        return f"{errors['mismatched']} of {errors['elements']} tokens' choices beyond tolerance{invalid}"
+
+    def count(self, errors):
+        invalid = f", {errors['non_finite']} no valid choice" if errors["non_finite"] else ""
+        return f"{errors['mismatched']} tokens, up to {errors['max_abs_error']:.3g} tolerances off{invalid}"
+
+    def worst_place(self, worst):
+        return (
+            f"request {worst['request']} token {worst['token']}: position {worst['channel']}, logit "
+            f"{worst['got']:.4g} against the k-th largest {worst['expected']:.4g} (in tolerances)"
+        )
 
 
 VALUES, CHOICE = Values(), Choice()

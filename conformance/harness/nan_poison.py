@@ -23,7 +23,7 @@ import torch
 from conformance.harness.allocation_map import AllocationMap
 from conformance.harness.answers import answer_for
 from conformance.harness.batch import PagedBatch
-from conformance.harness.comparison import TOLERANCES, how_far_off, worst_place
+from conformance.harness.comparison import TOLERANCES
 from conformance.harness.step import (
     ChangedInput,
     PoolFill,
@@ -53,14 +53,13 @@ def nan_poison_pass(prepared: PreparedCase) -> tuple[list[dict], dict]:
         return [{"tool": TOOL, "stage": "step", "phase": phase, "what": str(error), "place": place}], {}
     atol, rtol = TOLERANCES[batch.spec.dtype]
     reference, allowance = oracle(prepared)
-    passed, errors, evidence = answer_for(batch.spec).compare(
-        out, reference, batch.query_start_loc, atol, rtol, allowance
-    )
+    answer = answer_for(batch.spec)
+    passed, errors, evidence = answer.compare(out, reference, batch.query_start_loc, atol, rtol, allowance)
     metrics = {"nan-poison non-finite outputs": errors["non_finite"], "nan-poison mismatched": errors["mismatched"]}
     findings = []
     if not passed:
         worst = evidence["worst"]
-        what = how_far_off(errors) + " with NaN in every slot no request owns"
+        what = answer.how_far_off(errors) + " with NaN in every slot no request owns"
         findings.append(
             {
                 "tool": TOOL,
@@ -68,7 +67,7 @@ def nan_poison_pass(prepared: PreparedCase) -> tuple[list[dict], dict]:
                 "phase": "forward",
                 "what": what,
                 "worst": worst,
-                "place": f"first at {worst_place(worst)} — a read of an unowned slot whose value was masked "
+                "place": f"first at {answer.worst_place(worst)} — a read of an unowned slot whose value was masked "
                 "(a zero weight, an added -inf), not skipped",
             }
         )

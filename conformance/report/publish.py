@@ -28,7 +28,7 @@ from conformance.checks import CHECKS, default_checks
 from conformance.report.bench_runs import BenchRunsError, fold_bench_runs
 from conformance.report.html import write_html
 from conformance.report.safe_text import markdown_inline
-from conformance.results import BackendResult, CheckResult, RunResult
+from conformance.results import BackendResult, CheckResult, RunResult, Verdict
 
 HEADLINE_SHAPES = ("decode b64 ctx4096", "verify q=4 b64 ctx4096", "decode b256 ctx4096", "decode b1 ctx32768")
 
@@ -110,9 +110,11 @@ def verdict_table(per_backend: dict[str, RunResult]) -> list[str]:
         if not backend.available:
             lines.append(spanning(name, gpu, f"not available: {backend.reason}"))
             continue
-        ran = [backend.check(c) for c in checks if backend.check(c) is not None and backend.check(c).cases]
-        if ran and not any(check.ran for check in ran):  # a backend that claims none of the suite's cases
-            lines.append(spanning(name, gpu, f"every case SKIP: {own_kind_reason(backend, ran[0])}"))
+        made = [check for check in map(backend.check, checks) if check is not None]
+        if any(check.cases for check in made) and all(check.verdict == Verdict.SKIP for check in made):
+            # A backend that claims none of the suite's cases: one reason for the row.
+            first = next(check for check in made if check.cases)
+            lines.append(spanning(name, gpu, f"every case SKIP: {own_kind_reason(backend, first)}"))
             continue
         cells = []
         for check_name in checks:

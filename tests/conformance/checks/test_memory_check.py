@@ -133,12 +133,13 @@ def test_the_subset_is_the_first_layout_of_each_kind_and_a_given_case_always_run
     assert sorted({case.spec.kind for case in dense}) == ["mha", "mla"]
     assert len({(case.spec.kind, case.spec.dtype, case.spec.block_size, case.strided) for case in dense}) == 2
     assert {case.tag for case in dense} <= set(memory.MEMORY_TAGS) and len(dense) >= 7
-    # DeepSeek's sparse layers: decode, MTP verify and the messy rows (indices past the causal edge).
+    # DeepSeek's sparse layers: decode, MTP verify, the messy rows (indices past the causal edge), fp8_ds_mla.
     sparse = {case.tag for case in running if case.spec.sparse_topk is not None}
     assert sparse == {
         "sparse: decode past top-k",
         "sparse: spec-verify k=3 (MTP)",
         "messy index rows: decode and verify",
+        "sparse, fp8_ds_mla: decode and MTP verify",
     }
     assert MemoryCheck().case_skip_reason(TorchNaiveBackend, parse_case("gqa-h4/2-d64-fp16:70+3"), CPU) is None
 

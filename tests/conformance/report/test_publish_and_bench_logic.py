@@ -231,3 +231,8 @@ def test_a_check_that_ran_nothing_says_why_as_the_backends_own_kind_of_case_does
     )
     assert "| x | H200 | every case SKIP: KV cache fp8e4m3 not supported: its query is e4m3 |" in table, table
     assert "| y | H200 | every case SKIP: the indexer check judges indexer layers, not mha |" in table, table
+    # A check's own verdict without cases (a worker that died) is never folded into such a row.
+    crashed = backend("z", ["indexer"], [own])
+    crashed.backends[0].checks.append(CheckResult("syncs", Verdict.ERROR, "worker crashed", []))
+    table = "\n".join(verdict_table({"z": crashed}))
+    assert "every case SKIP" not in table and "ERROR (worker crashed)" in table, table
