@@ -15,6 +15,18 @@ Conventions shared by every backend and the harness:
   ``query`` is ``[T, num_heads, kv_lora_rank + rope_dim]``; output ``[T, num_heads, kv_lora_rank]``.
 * Token ``i`` of request ``r`` sits at position ``seq_lens[r] - query_len[r] + i`` and attends
   causally to every earlier position of its own request (within the sliding window, if any).
+* Token trees (feature ``token_trees``; EAGLE's top-k > 1 drafting, verified in one step): a
+  step's metadata may carry ``tree_parents``, int32 ``[num_actual_tokens]`` on the device (and
+  ``tree_parents_cpu`` on the host, where the producer knew it), each token's parent as an index
+  among its own request's new tokens, -1 where its parent is the context's last token; a parent
+  always precedes its children. Without it (None) every request is a chain, ``[-1, 0, 1, ...]``.
+  Token ``i`` of a tree sits at position ``context_len + depth(i)`` (the root's depth 0: what rope
+  and the sliding window see) and has its own KV slot (``slot_mapping``, as every new token); it
+  sees every context key and, among its request's new tokens, its ancestors and itself, nothing
+  else (not its siblings, not a later token of another branch); with a sliding window W, only the
+  keys whose *position* is within W of its own (``backends.token_tree``). The tree belongs to the
+  step: every layer of it, and its graph replays, read the metadata's, and a captured graph must
+  read the parents of the step it replays.
 * Features (``backends.features``): what a case may ask beyond attention over a cache in the
   compute dtype; a backend claims each by name in ``Capabilities.features``. What a layer hands
   ``write_kv`` and ``forward`` for them is one ``LayerParameters`` (scales, sinks, the LSE buffer).
@@ -549,6 +561,10 @@ class CommonAttentionMetadata:
     max_seq_len: int
     host_seq_lens: torch.Tensor | None = None  # [num_reqs] int32, host, when the producer knew them
     device_to_host_copies: list[str] = field(default_factory=list)
+    # Token trees (the module docstring): each token's parent among its request's new tokens, -1
+    # for the context; None: every request a chain.
+    tree_parents: torch.Tensor | None = None  # [num_actual_tokens] int32, device
+    tree_parents_cpu: torch.Tensor | None = None  # the same on the host, when the producer knew it
 
     @classmethod
     def from_lengths(
@@ -562,12 +578,16 @@ class CommonAttentionMetadata:
         host_seq_lens: Sequence[int],
         lengths_known: bool = True,
         max_seq_len: int | None = None,
+        tree_parents: torch.Tensor | None = None,
+        host_tree_parents: Sequence[int] | None = None,
     ) -> "CommonAttentionMetadata":
         """The one way a step's metadata is made. The device tensors as given; the host values
         from the host's lists: ``query_starts`` (always known on the host) and ``host_seq_lens``,
         exact when ``lengths_known`` (then handed over as ``host_seq_lens``), else the host's upper
         bound (async scheduling: only ``max_seq_len`` is taken from it). ``max_seq_len``
-        overrides the bound (a graph replayed for every length passes max_model_len)."""
+        overrides the bound (a graph replayed for every length passes max_model_len). A step of
+        token trees passes ``tree_parents`` (device) and, where the host knows it, its
+        ``host_tree_parents``."""
         starts = list(query_starts)
         return cls(
             query_start_loc=query_start_loc,
@@ -580,6 +600,10 @@ class CommonAttentionMetadata:
             max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
             max_seq_len=max(host_seq_lens) if max_seq_len is None else max_seq_len,
             host_seq_lens=torch.tensor(list(host_seq_lens), dtype=torch.int32) if lengths_known else None,
+            tree_parents=tree_parents,
+            tree_parents_cpu=(
+                None if host_tree_parents is None else torch.tensor(list(host_tree_parents), dtype=torch.int32)
+            ),
         )
 
     @property
@@ -601,6 +625,15 @@ class CommonAttentionMetadata:
     @property
     def device(self) -> torch.device:
         return self.seq_lens.device
+
+    @property
+    def host_tree_parents(self) -> torch.Tensor | None:
+        """``tree_parents`` on the host (None: no tree); copied from the device, a recorded host
+        sync, where the producer did not know them."""
+        if self.tree_parents is not None and self.tree_parents_cpu is None:
+            self.device_to_host_copies.append("tree_parents")
+            self.tree_parents_cpu = self.tree_parents.to("cpu")
+        return self.tree_parents_cpu
 
 
 class AttentionBackend(abc.ABC):

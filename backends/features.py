@@ -28,6 +28,7 @@ class Needs:
     spec: "AttentionSpec"
     query_lens: tuple[int, ...] = ()
     lse: bool = False
+    trees: bool = False  # a spec-verify request's drafts as a tree (``backends.base``: "Token trees")
 
     @property
     def max_query_len(self) -> int:
@@ -105,4 +106,9 @@ EMPTY_REQUESTS = feature(
     "empty_requests",
     "empty requests (query length 0, vLLM's graph padding)",
     lambda needs: 0 in needs.query_lens,
+)
+TOKEN_TREES = feature(
+    "token_trees",
+    "token trees (a verify request's drafts as a tree: each token sees its ancestors, not its siblings)",
+    lambda needs: needs.trees,
 )

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from backends import token_tree
 from backends.base import (
     PLAIN_LAYER,
     AttentionBackend,
@@ -31,6 +32,7 @@ from backends.features import (
     SLIDING_WINDOW,
     SPARSE_TOPK,
     SPARSE_WINDOW,
+    TOKEN_TREES,
     VALUE_HEAD_DIM,
 )
 from backends.fp8 import from_cache, to_cache
@@ -43,6 +45,7 @@ class NaiveMetadata:
     query_start_loc: list[int]
     seq_lens: list[int]
     block_table: torch.Tensor
+    tree_parents: list[int] | None = None  # token trees: each token's parent (``backends.token_tree``)
 
 
 class TorchNaiveBackend(AttentionBackend):
@@ -64,6 +67,7 @@ class TorchNaiveBackend(AttentionBackend):
                 SPARSE_TOPK,
                 SPARSE_WINDOW,
                 FP8_DS_MLA,
+                TOKEN_TREES,
             }
         ),
         cuda_graphs=CGSupport.NEVER,
@@ -137,6 +141,7 @@ class TorchNaiveBackend(AttentionBackend):
             query_start_loc=common.query_start_loc_cpu.tolist(),
             seq_lens=common.seq_lens_cpu.tolist(),  # copies from the device when the host lacks them
             block_table=common.block_table,
+            tree_parents=None if common.host_tree_parents is None else common.host_tree_parents.tolist(),
         )
 
     def forward(
@@ -160,12 +165,12 @@ class TorchNaiveBackend(AttentionBackend):
             key, value = (kv[0], kv[0][..., : self.spec.v_head_dim]) if self.spec.kind == "mla" else kv
             context_len = seq_len - (end - start)
             request_sinks = self.request_sinks(layer.sinks, end - start)
-            indexed = None if layer.topk_indices is None else self.indexed(layer.topk_indices[start:end], context_len)
-            out[start:end] = self.attend(query[start:end], key, value, context_len, request_sinks, indexed).to(
-                out.dtype
-            )
+            rows = None if layer.topk_indices is None else layer.topk_indices[start:end]
+            tree = None if metadata.tree_parents is None else metadata.tree_parents[start:end]
+            seen = self.seen(context_len, end - start, key.shape[0], rows, tree)
+            out[start:end] = self.attend(query[start:end], key, value, context_len, request_sinks, seen).to(out.dtype)
             if layer.lse is not None:
-                layer.lse[start:end] = self.log_sum_exp(query[start:end], key, context_len, request_sinks, indexed)
+                layer.lse[start:end] = self.log_sum_exp(query[start:end], key, context_len, request_sinks, seen)
 
     def entries(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows of a plane as the attention reads them: as stored, or fp8_ds_mla's unpacked."""
@@ -190,6 +195,29 @@ class TorchNaiveBackend(AttentionBackend):
 
     def softmax_scale(self) -> float:
         return self.spec.softmax_scale
+
+    def seen(
+        self,
+        context_len: int,
+        num_queries: int,
+        num_keys: int,
+        rows: torch.Tensor | None = None,
+        tree: list[int] | None = None,
+    ) -> torch.Tensor:
+        """[q, num_keys] mask of the keys (in slot order) one request's new tokens see: causal by
+        position and within the window (``visible``); a token tree's tokens at their depths, and
+        among the new tokens their ancestors only; a sparse layer's index rows (``indexed``)."""
+        depth = token_tree.depths(tree) if tree is not None else range(num_queries)
+        query_positions = context_len + torch.tensor(list(depth), dtype=torch.long, device=self.device)
+        key_positions = torch.arange(num_keys, device=self.device)  # a chain's: its slot order
+        if tree is not None:
+            key_positions[context_len : context_len + num_queries] = query_positions
+        seen = self.visible(query_positions, key_positions)
+        if tree is not None:
+            seen[:, context_len : context_len + num_queries] &= token_tree.ancestors(tree, self.device)
+        if rows is not None:
+            seen &= self.indexed(rows, context_len)
+        return seen
 
     def visible(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
         """[q, k] mask: causal, and within the sliding window when there is one."""
@@ -238,9 +266,9 @@ class TorchNaiveBackend(AttentionBackend):
         group = self.spec.query_group_size
         return self.kv_head_of() == [head // group for head in range(self.spec.num_heads)]
 
-    def masked_scores(self, query, key, context_len: int, indexed: torch.Tensor | None = None) -> torch.Tensor:
-        """[H, q, s] float32 logits (soft-capped), -inf where a query may not look (``indexed``: a
-        sparse layer's mask, besides)."""
+    def masked_scores(self, query, key, context_len: int, seen: torch.Tensor | None = None) -> torch.Tensor:
+        """[H, q, s] float32 logits (soft-capped), -inf where a query may not look (``seen``, the
+        request's mask; None: a chain's, causal within the window)."""
         query, key = query.float(), key.float()
         if self.grouped():
             by_group = query.view(query.shape[0], key.shape[1], -1, query.shape[2])  # [q, Hkv, group, d]
@@ -253,11 +281,8 @@ class TorchNaiveBackend(AttentionBackend):
         if self.spec.logits_soft_cap is not None:
             cap = self.spec.logits_soft_cap
             scores = cap * torch.tanh(scores / cap)
-        query_positions = context_len + torch.arange(query.shape[0], device=query.device)
-        key_positions = torch.arange(key.shape[0], device=query.device)
-        seen = self.visible(query_positions, key_positions)
-        if indexed is not None:
-            seen = seen & indexed
+        if seen is None:
+            seen = self.seen(context_len, query.shape[0], key.shape[0])
         return scores.masked_fill(~seen, float("-inf"))
 
     def with_sinks(self, scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -266,15 +291,15 @@ class TorchNaiveBackend(AttentionBackend):
             return scores
         return torch.cat([scores, sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)], dim=-1)
 
-    def log_sum_exp(self, query, key, context_len: int, sinks=None, indexed=None) -> torch.Tensor:
+    def log_sum_exp(self, query, key, context_len: int, sinks=None, seen=None) -> torch.Tensor:
         """[q, H] float32: the natural log of each softmax's denominator, the sink's term included."""
-        return torch.logsumexp(self.with_sinks(self.masked_scores(query, key, context_len, indexed), sinks), dim=-1).T
+        return torch.logsumexp(self.with_sinks(self.masked_scores(query, key, context_len, seen), sinks), dim=-1).T
 
-    def attend(self, query, key, value, context_len: int, sinks=None, indexed=None) -> torch.Tensor:
+    def attend(self, query, key, value, context_len: int, sinks=None, seen=None) -> torch.Tensor:
         """query [q, H, Dk], key [s, Hkv, Dk], value [s, Hkv, Dv] → [q, H, Dv], in float32.
         ``sinks`` [H]: each head's learned sink joins its softmax as one more logit, whose weight
-        is then dropped (it has no value). ``indexed``: a sparse layer's [q, s] mask."""
-        scores = self.masked_scores(query, key, context_len, indexed)
+        is then dropped (it has no value). ``seen``: the request's [q, s] mask (``seen``)."""
+        scores = self.masked_scores(query, key, context_len, seen)
         probs = self.with_sinks(scores, sinks).softmax(dim=-1)[..., : scores.shape[-1]]
         value = value.float()
         if self.grouped():

@@ -48,6 +48,14 @@ A case's id is its whole definition, in the same compact grammar ``--case`` acce
                                            empty request (vLLM's graph padding: query and
                                            sequence length 0, its block-table row -1), run only
                                            by a backend that claims PaddingStyle.EMPTY_REQUESTS
+    Q      = N | TREE
+    TREE   = "tree(" K "x" D ")"           a spec-verify request's drafts as a token tree
+                                           (EAGLE's top-k > 1): the root (the token the last
+                                           step accepted) and K children of every token down to
+                                           depth D, 1 + K + ... + K^D new tokens, breadth first
+           | "tree[" P ("." P)* "]"        the tree by its parents: token i's parent among the
+                                           new tokens, -1 for the context (``backends.token_tree``;
+                                           tree[-1.0.1] is the chain 3)
 
 Examples:
     4k+1x64                                 64 decodes over 4096 cached tokens (default layer)
@@ -57,6 +65,7 @@ Examples:
     mla-h16-d512+64-topk64-win32:2000+2x4   sparse MLA verify: 64 indexed positions + a 32 window
     indexer-h64-d128-fp8e4m3-topk2048:5000+1x4  DeepSeek-V3.2's lightning indexer, fp8 index keys
     mla-h128-d512+64-bf16-p64:4096+1x64     DeepSeek-style absorbed MLA decode
+    gqa-h32/8-d128:3000+tree(4x2),500+1x3   a tree of 21 drafts (top-k 4, depth 2) beside decodes
 """
 
 from __future__ import annotations
@@ -68,6 +77,7 @@ from decimal import Decimal
 
 import torch
 
+from backends import token_tree
 from backends.base import DTYPE_NAMES, AttentionSpec, dtype_name, kv_dtype_name
 from backends.features import Needs
 from backends.fp8_ds_mla import DS_MLA_SCALE_BLOCK
@@ -101,6 +111,9 @@ class Case:
     v_scale: float | None = None
     lse: bool = False  # forward is also asked for the step's log-sum-exp (feature ``lse``)
     messy_indices: bool = False  # a sparse layer's index rows with -1 between entries and past-causal ones
+    # Token trees: per request its new tokens' parents (``backends.token_tree``), None for a
+    # chain; () when no request has a tree.
+    trees: tuple[tuple[int, ...] | None, ...] = ()
     tag: str = field(default="", compare=False)  # a human label ("decode"), not part of the id
 
     def __post_init__(self) -> None:
@@ -130,6 +143,7 @@ class Case:
             raise CaseSyntaxError("kscale and vscale are an fp8 cache's scales: give fp8e4m3 or fp8e5m2 too")
         if self.messy_indices and (self.spec.sparse_topk is None or not self.spec.layout.attends):
             raise CaseSyntaxError("messyidx is a sparse layer's index data: give topkN too")
+        self._check_trees()
         if (self.k_scale is not None or self.v_scale is not None) and self.kv_scales is None:
             raise CaseSyntaxError(
                 "this cache's fp8 scales are its own (write_kv computes them: an indexer's keys, fp8_ds_mla): "
@@ -144,6 +158,25 @@ class Case:
                     f"share{self.shared_prefix_blocks} needs every context >= {needed} tokens "
                     f"({self.shared_prefix_blocks} blocks of {self.spec.block_size})"
                 )
+
+    def _check_trees(self) -> None:
+        if not self.trees:
+            return
+        if len(self.trees) != len(self.batch):
+            raise CaseSyntaxError(f"{len(self.trees)} trees for {len(self.batch)} requests")
+        if any(tree is not None for tree in self.trees) and (
+            self.spec.sparse_topk is not None or not self.spec.layout.attends
+        ):
+            raise CaseSyntaxError("token trees are for dense attention layers (not sparse, not an indexer)")
+        for (context, query), tree in zip(self.batch, self.trees):
+            if tree is None:
+                continue
+            if len(tree) != query:
+                raise CaseSyntaxError(f"a tree of {len(tree)} tokens on a request of {query} new ones")
+            try:
+                token_tree.depths(tree)
+            except ValueError as error:
+                raise CaseSyntaxError(f"tree[{'.'.join(map(str, tree))}]: {error}") from None
 
     @property
     def id(self) -> str:
@@ -188,7 +221,8 @@ class Case:
     @property
     def needs(self) -> Needs:
         """What this case asks of a backend (``backends.features``: the features its attributes ask for)."""
-        return Needs(self.spec, tuple(query for _, query in self.batch), self.lse)
+        trees = any(tree is not None for tree in self.trees)
+        return Needs(self.spec, tuple(query for _, query in self.batch), self.lse, trees)
 
     @property
     def empty_requests(self) -> int:
@@ -238,17 +272,44 @@ FLOAT_RANGES = {
 }
 
 
-def parse_batch(text: str) -> tuple[tuple[int, int], ...]:
+MAX_TREE_TOKENS = 512  # a tree's new tokens (EAGLE's trees are tens)
+
+
+def parse_batch(text: str) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, ...] | None, ...]]:
+    """(requests, trees): each request's (context, query) and its tree's parents (None: a chain);
+    trees is () when no request has one."""
     requests: list[tuple[int, int]] = []
+    trees: list[tuple[int, ...] | None] = []
     for item in text.split(","):
-        match = re.fullmatch(r"\s*(\d+k?)\+(\d+k?)(?:x(\d+))?\s*", item)
+        match = re.fullmatch(r"\s*(\d+k?)\+(\d+k?|tree\(\d+x\d+\)|tree\[[-\d.]*\])(?:x(\d+))?\s*", item)
         if not match:
-            raise CaseSyntaxError(f"batch item {item!r} is not CTX+Q[xN]; {_GRAMMAR_HINT}")
+            raise CaseSyntaxError(f"batch item {item!r} is not CTX+Q[xN] (Q a count or a tree); {_GRAMMAR_HINT}")
         context = _number(match.group(1), "context length")
-        query = _number(match.group(2), "query length")
+        tree = _parse_tree(match.group(2))
+        query = _number(match.group(2), "query length") if tree is None else len(tree)
         count = _number(match.group(3), "repeat count") if match.group(3) else 1
         requests += [(context, query)] * count
-    return tuple(requests)
+        trees += [tree] * count
+    return tuple(requests), (tuple(trees) if any(tree is not None for tree in trees) else ())
+
+
+def _parse_tree(text: str) -> tuple[int, ...] | None:
+    """A TREE's parents; None for a plain query count."""
+    full = re.fullmatch(r"tree\((\d+)x(\d+)\)", text)
+    if full:
+        width, depth = int(full.group(1)), int(full.group(2))
+        if width < 1 or depth < 1 or sum(width**level for level in range(depth + 1)) > MAX_TREE_TOKENS:
+            raise CaseSyntaxError(f"{text}: K and D from 1, at most {MAX_TREE_TOKENS} tokens in a tree")
+        return token_tree.full(width, depth)
+    listed = re.fullmatch(r"tree\[(-?\d+(?:\.-?\d+)*)\]", text)
+    if listed:
+        parents = tuple(int(parent) for parent in listed.group(1).split("."))
+        if len(parents) > MAX_TREE_TOKENS:
+            raise CaseSyntaxError(f"{text}: at most {MAX_TREE_TOKENS} tokens in a tree")
+        return parents
+    if text.startswith("tree"):
+        raise CaseSyntaxError(f"{text!r} is not tree(KxD) or tree[P.P...] (parents, -1 for the context)")
+    return None
 
 
 @dataclass(frozen=True)
@@ -467,9 +528,10 @@ def parse_case(text: str, default_seed: int = 0) -> Case:
     seed = _number(seed_text, "seed") if seed_text else default_seed
     layer_text, _, batch_text = body.rpartition(":")
     spec, options = parse_layer(layer_text or "gqa")
+    batch, trees = parse_batch(batch_text)
     return Case(
         spec,
-        parse_batch(batch_text),
+        batch,
         seed,
         options.shared_prefix_blocks,
         options.permute_blocks,
@@ -481,6 +543,7 @@ def parse_case(text: str, default_seed: int = 0) -> Case:
         options.v_scale,
         options.lse,
         options.messy_indices,
+        trees,
     )
 
 
@@ -542,19 +605,29 @@ def format_layer(spec: AttentionSpec, options: LayerOptions = LayerOptions()) ->
     return "-".join(parts)
 
 
-def format_batch(batch: tuple[tuple[int, int], ...]) -> str:
+def format_batch(batch: tuple[tuple[int, int], ...], trees: tuple[tuple[int, ...] | None, ...] = ()) -> str:
     items: list[str] = []
+    requests = list(zip(batch, trees or (None,) * len(batch)))
     index = 0
-    while index < len(batch):
+    while index < len(requests):
         run = 1
-        while index + run < len(batch) and batch[index + run] == batch[index]:
+        while index + run < len(requests) and requests[index + run] == requests[index]:
             run += 1
-        context, query = batch[index]
-        items.append(f"{context}+{query}" + (f"x{run}" if run > 1 else ""))
+        (context, query), tree = requests[index]
+        items.append(f"{context}+{query if tree is None else _format_tree(tree)}" + (f"x{run}" if run > 1 else ""))
         index += run
     return ",".join(items)
 
 
+def _format_tree(parents: tuple[int, ...]) -> str:
+    """tree(KxD) where the parents are that full tree, else tree[P.P...]."""
+    width = sum(1 for parent in parents if parent == 0)
+    depth = max(token_tree.depths(parents), default=0)
+    if width and depth and parents == token_tree.full(width, depth):
+        return f"tree({width}x{depth})"
+    return "tree[" + ".".join(str(parent) for parent in parents) + "]"
+
+
 def format_case(case: Case) -> str:
     layer = format_layer(case.spec, case.layer_options)
-    return f"{layer}:{format_batch(case.batch)}@{case.seed}"
+    return f"{layer}:{format_batch(case.batch, case.trees)}@{case.seed}"

@@ -59,6 +59,9 @@ class Check(abc.ABC):
     # (data: no check branches on a kind's name). By default the attentions; a check that drives
     # steps and holds each answer against the oracle's (``harness.answers``) judges every kind.
     kinds: ClassVar[frozenset[str]] = ATTENTION_KINDS
+    # Whether this check's harness hands a step's token trees (``backends.base``: "Token trees") to
+    # the backend and the oracle; a tree case is SKIP saying which checks judge trees where not.
+    drives_trees: ClassVar[bool] = False
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         self.options = options or {}
@@ -67,6 +70,11 @@ class Check(abc.ABC):
         """Why this check does not judge ``case``'s layer kind (``kinds``); None when it does."""
         if case.spec.kind not in self.kinds:
             return f"the {self.name} check judges {', '.join(sorted(self.kinds))} layers, not {case.spec.kind}"
+        if case.needs.trees and not self.drives_trees:
+            from conformance.checks import CHECKS  # noqa: PLC0415 - the registry imports this module
+
+            judged = ", ".join(name for name, check in CHECKS.items() if check.drives_trees)
+            return f"the {self.name} check runs chains only: token trees are judged by {judged}"
         return None
 
     def skip_reason(self, backend_cls: type[AttentionBackend], device: torch.device) -> str | None:

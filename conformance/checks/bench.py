@@ -94,6 +94,7 @@ def traffic(case: Case) -> tuple[float, float]:
 
 class BenchCheck(Check):
     name = "bench"
+    drives_trees = True  # its step hands the case's trees to the backend and the oracle
     kinds = EVERY_KIND
     question = "build µs (CPU), forward µs (GPU), graph replay µs, achieved bandwidth vs measured peak"
 

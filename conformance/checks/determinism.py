@@ -59,6 +59,7 @@ def batch_variants(batch: tuple[tuple[int, int], ...]) -> list[tuple[str, list[i
 
 class DeterminismCheck(Check):
     name = "determinism"
+    drives_trees = True  # its step hands the case's trees to the backend and the oracle
     kinds = EVERY_KIND
     question = "bitwise-equal on identical inputs; a request's output independent of the rest of the batch?"
     evidence_labels = {"deterministic": "not deterministic", "batch_invariant": "not batch-invariant"}

@@ -83,6 +83,7 @@ def _scales(layer: PreparedCase) -> str:
 
 class NumericsCheck(Check):
     name = "numerics"
+    drives_trees = True  # its step hands the case's trees to the backend and the oracle
     question = (
         "equal to the float64 oracle on every supported case: unowned KV slots loud or NaN, as a second layer, "
         "and with the next step built while it is queued?"

@@ -94,6 +94,7 @@ def _labelled(detector, label: str):
 
 class SyncsCheck(Check):
     name = "syncs"
+    drives_trees = True  # its step hands the case's trees to the backend and the oracle
     kinds = EVERY_KIND
     question = "host↔device syncs in build + write_kv + forward, with and without host lengths?"
 

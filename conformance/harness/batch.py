@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from backends import token_tree
 from backends.base import BackendLimits, CommonAttentionMetadata
 from conformance.cases.case_data import apply_profile, shape_activations, sink_logits, use_fp8_range
 from conformance.cases.grammar import Case
@@ -77,7 +78,8 @@ class PagedBatch:
             name: torch.cat([rows[starts[r] : starts[r + 1]] for r in order])
             for name, rows in self.token_inputs.items()
         }
-        case = replace(self.case, batch=tuple(self.case.batch[r] for r in order), shared_prefix_blocks=0)
+        trees = tuple(self.case.trees[r] for r in order) if self.case.trees else ()
+        case = replace(self.case, batch=tuple(self.case.batch[r] for r in order), trees=trees, shared_prefix_blocks=0)
         return PagedBatch(
             case,
             self.device,
@@ -93,7 +95,8 @@ class PagedBatch:
     def with_empty_request(self) -> "PagedBatch":
         """This batch and one empty request after it (query and sequence length 0, block-table row
         -1: vLLM's padding request), as a step whose last request was replaced by padding has it."""
-        case = replace(self.case, batch=self.case.batch + ((0, 0),), shared_prefix_blocks=0)
+        trees = self.case.trees + (None,) if self.case.trees else ()
+        case = replace(self.case, batch=self.case.batch + ((0, 0),), trees=trees, shared_prefix_blocks=0)
         empty_row = torch.full((1, self.block_table.shape[1]), -1, dtype=self.block_table.dtype)
         value = self.values[-1]
         return PagedBatch(
@@ -138,7 +141,8 @@ class PagedBatch:
         sinks, and the per-token inputs of the request's tokens (a sparse layer's index rows, an
         indexer's head weights)."""
         start, end = self.query_start_loc[request], self.query_start_loc[request + 1]
-        return {"sinks": self.sinks, **{name: rows[start:end] for name, rows in self.token_inputs.items()}}
+        tree = {"tree": self.case.trees[request]} if self.case.trees else {}
+        return {"sinks": self.sinks, **tree, **{name: rows[start:end] for name, rows in self.token_inputs.items()}}
 
     @property
     def topk_indices(self) -> torch.Tensor | None:
@@ -205,6 +209,7 @@ class PagedBatch:
                 for request, (context_len, query_len) in enumerate(self.case.batch)
             ]
         ).to(self.device)
+        parents = self.tree_parents()
         return CommonAttentionMetadata.from_lengths(
             query_start_loc=query_start_loc.to(self.device),
             seq_lens=seq_lens.to(self.device),
@@ -213,7 +218,20 @@ class PagedBatch:
             query_starts=self.query_start_loc,
             host_seq_lens=self.seq_lens,
             lengths_known=with_host_lengths,
+            tree_parents=None if parents is None else torch.tensor(parents, dtype=torch.int32, device=self.device),
+            host_tree_parents=parents if with_host_lengths else None,
         )
+
+    def tree_parents(self) -> list[int] | None:
+        """Every new token's parent among its request's new tokens (a chain's request: its chain),
+        in batch order; None for a batch without a tree (``backends.base``: "Token trees")."""
+        if not self.case.trees:
+            return None
+        return [
+            parent
+            for (_, query), tree in zip(self.case.batch, self.case.trees)
+            for parent in (tree if tree is not None else token_tree.chain(query))
+        ]
 
 
 def guarded_block_table(num_rows: int, width: int, device: torch.device | str) -> torch.Tensor:

@@ -13,7 +13,8 @@ run through the backend under test, each as an ordinary step asking for the LSE:
 
 The merge must equal the oracle's answer for the whole step. It runs on MHA layers without
 learned sinks (a null key serves one query head only where every KV head has one query head; a
-sink would be counted once per piece) over a cache in the compute dtype.
+sink would be counted once per piece) over a cache in the compute dtype, for chains (a tree
+token's context piece would sit at the context's position, not its depth's).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def merge_applies(prepared: PreparedCase) -> bool:
         and not spec.attention_sinks
         and prepared.scales is None
         and any(context for context, _ in prepared.batch.case.batch)
+        and not prepared.batch.case.trees
     )
 
 

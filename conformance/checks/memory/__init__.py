@@ -103,6 +103,7 @@ SANITIZED_STAGES = {
 class MemoryCheck(Check):
     name = "memory"
     kinds = EVERY_KIND
+    drives_trees = True  # its step hands the case's trees to the backend and the oracle
     question = (
         "no access outside its allocations, no read of a KV slot no request owns, no write outside the slot mapping?"
     )

@@ -20,7 +20,7 @@ def test_every_suite_case_round_trips_through_its_id(name):
 
 def test_grammar_examples_in_the_docstring_parse():
     examples = [line.split()[0] for line in GRAMMAR.split("Examples:")[1].strip().splitlines()]
-    assert len(examples) == 7
+    assert len(examples) == 8
     for example in examples:
         parse_case(example)
 

@@ -1,0 +1,72 @@
+"""Token trees (``backends.base``: "Token trees"): a spec-verify request's new tokens as a tree of
+drafts, each token's parent among them, and what a token sees. Plain PyTorch, for the oracle, the
+harness and the backends that read a tree on the host (``torch_naive``); a kernel reads the same
+parents on the device.
+
+A request's new tokens come in an order where every parent precedes its children: ``parents[i]``
+is the index of token i's parent among the request's new tokens, -1 where its parent is the
+context's last token (the root: the token the last step accepted). A chain is ``[-1, 0, 1, ...]``.
+Token i sits at position ``context_len + depth(i)`` (the root's depth 0): what rope and a sliding
+window see. It sees every context key and, among the new tokens, its ancestors and itself; with a
+sliding window W only the keys whose position is within W of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def chain(length: int) -> tuple[int, ...]:
+    """The parents of a chain of ``length`` tokens: each the child of the one before."""
+    return tuple(range(-1, length - 1))
+
+
+def depths(parents: Sequence[int]) -> list[int]:
+    """Each token's depth: 0 for a child of the context, its parent's + 1 otherwise."""
+    depth: list[int] = []
+    for index, parent in enumerate(parents):
+        if not -1 <= parent < index:
+            raise ValueError(f"token {index}'s parent {parent}: a parent is -1 or an earlier token")
+        depth.append(0 if parent < 0 else depth[parent] + 1)
+    return depth
+
+
+def ancestors(parents: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """[q, q] bool: row i holds token i's ancestors among the new tokens, and i itself."""
+    count = len(parents)
+    seen = torch.eye(count, dtype=torch.bool)
+    for index, parent in enumerate(parents):
+        if parent >= 0:
+            seen[index] |= seen[parent]
+    return seen.to(device)
+
+
+def visible(
+    parents: Sequence[int], context_len: int, sliding_window: int | None = None, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """[q, context_len + q] bool: which keys of the request each new token sees (module docstring);
+    the keys in slot order, the context's then the new tokens'."""
+    count = len(parents)
+    seen = torch.ones(count, context_len + count, dtype=torch.bool, device=device)
+    seen[:, context_len:] = ancestors(parents, device)
+    if sliding_window is not None:
+        query_positions = context_len + torch.tensor(depths(parents), device=device)
+        key_positions = torch.cat([torch.arange(context_len, device=device), query_positions])
+        seen &= query_positions[:, None] - key_positions[None, :] < sliding_window
+    return seen
+
+
+def full(width: int, depth: int) -> tuple[int, ...]:
+    """The parents of the full tree of ``width`` children a token down to ``depth``, breadth
+    first: the root, its ``width`` children, theirs, ... (EAGLE's static top-k tree)."""
+    parents, level = [-1], [0]
+    for _ in range(depth):
+        following = []
+        for parent in level:
+            for _ in range(width):
+                following.append(len(parents))
+                parents.append(parent)
+        level = following
+    return tuple(parents)

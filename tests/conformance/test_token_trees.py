@@ -1,0 +1,144 @@
+"""Token trees (EAGLE's top-k > 1 drafts, ``backends.base``: "Token trees"): the grammar, the
+oracle's mask (a chain written as a tree is today's verify), torch_naive through the checks that
+drive trees, the planted tree defects failing numerics by a wide margin, and the checks that run
+chains only saying so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends import token_tree
+from backends.base import DeviceInfo
+from backends.features import TOKEN_TREES
+from backends.torch_naive import TorchNaiveBackend
+from backends.triton.backend import TritonAttentionBackend
+from conformance.cases.grammar import CaseSyntaxError, parse_case
+from conformance.checks import CHECKS, make_check
+from conformance.checks.numerics import NumericsCheck
+from conformance.harness.batch import materialize
+from conformance.results import Verdict
+from conformance.run.execution import judge
+from tests.planted import tree_defects
+
+CPU = torch.device("cpu")
+
+
+def test_the_tree_helpers():
+    assert token_tree.full(2, 2) == (-1, 0, 0, 1, 1, 2, 2)
+    assert token_tree.depths(token_tree.full(2, 2)) == [0, 1, 1, 2, 2, 2, 2]
+    assert token_tree.chain(4) == (-1, 0, 1, 2)
+    seen = token_tree.ancestors((-1, 0, 0, 1))
+    assert seen[3].tolist() == [True, True, False, True]  # its grandparent, parent and itself, not its uncle
+    assert seen[2].tolist() == [True, False, True, False]  # not its sibling
+    # A window of 2 positions: token 3 (depth 2, position 12) sees positions 11 and 12 only.
+    window = token_tree.visible((-1, 0, 0, 1), 10, sliding_window=2)
+    assert window[3].nonzero().flatten().tolist() == [10 + 1, 10 + 3]  # its parent's slot and its own
+    with pytest.raises(ValueError, match="parent"):
+        token_tree.depths((0,))
+
+
+@pytest.mark.parametrize(
+    "text,batch,trees",
+    [
+        (
+            "gqa-h8/2-d64:3000+tree(4x2),500+1x3",
+            ((3000, 21),) + ((500, 1),) * 3,
+            (token_tree.full(4, 2),) + (None,) * 3,
+        ),
+        ("gqa-h8/2-d64:100+tree[-1.0.0.1]x2,5+1", ((100, 4),) * 2 + ((5, 1),), ((-1, 0, 0, 1),) * 2 + (None,)),
+        ("gqa-h8/2-d64:100+tree[-1.-1.-1]", ((100, 3),), ((-1, -1, -1),)),
+    ],
+)
+def test_the_grammar_reads_and_writes_trees(text, batch, trees):
+    case = parse_case(text)
+    assert case.batch == batch and case.trees == trees and case.needs.trees
+    assert parse_case(case.id) == case
+    assert not parse_case("gqa-h8/2-d64:100+4").trees
+
+
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        ("gqa:100+tree[0.1]", "a parent is -1 or an earlier token"),
+        ("gqa:100+tree[-1.2]", "a parent is -1 or an earlier token"),
+        ("gqa:100+tree(0x2)", "K and D from 1"),
+        ("gqa:100+tree(9x9)", "at most 512 tokens"),
+        ("gqa:100+treex", r"is not CTX\+Q"),
+        ("mla-h16-d512+64-topk64:100+tree(2x1)", "dense attention layers"),
+        ("indexer-h4-d32-topk8:100+tree(2x1)", "dense attention layers"),
+    ],
+)
+def test_bad_trees_are_one_line_errors(text, words):
+    with pytest.raises(CaseSyntaxError, match=words):
+        parse_case(text)
+
+
+def test_a_chain_written_as_a_tree_is_todays_verify():
+    chain = materialize(parse_case("gqa-h8/2-d64-w16:100+4,30+3"), CPU).reference_output()
+    tree = materialize(parse_case("gqa-h8/2-d64-w16:100+tree[-1.0.1.2],30+3"), CPU)
+    tree_as_written = materialize(parse_case("gqa-h8/2-d64-w16:100+4,30+3"), CPU)
+    tree.query, tree.keys, tree.values = tree_as_written.query, tree_as_written.keys, tree_as_written.values
+    tree._reference = None
+    assert torch.equal(tree.reference_output(), chain)
+
+
+def test_the_oracle_hides_siblings_and_places_a_tree_by_depth():
+    """A branch's tokens do not see the other branch: changing one branch's keys leaves the other
+    branch's answers as they were."""
+    case = parse_case("gqa-h4/4-d32-fp32:20+tree[-1.0.0.1.2]")
+    batch = materialize(case, CPU)
+    before = batch.reference_output().clone()
+    batch.keys[0][20 + 2] += 5.0  # token 2 (the right branch) and its child 4 see it; tokens 1 and 3 do not
+    batch.values[0][20 + 2] += 5.0
+    batch._reference = None
+    after = batch.reference_output()
+    changed = (after != before).flatten(1).any(dim=1).tolist()
+    assert changed == [False, False, True, False, True]
+
+
+TREE_CASES = [
+    "gqa-h8/2-d64:100+tree(2x2),20+1,0+5",  # beside a decode and a prefill
+    "gqa-h16/1-d64-w16-edges:100+tree(3x2),40+tree[-1.0.1.0]",  # the window's edge inside the tree
+    "mha-h4/4-d64-fp8e4m3-attnsinks-lse:60+tree(2x3)",  # fp8, sinks, the LSE
+    "mla-h16-d512+64-bf16-p64:300+tree(4x1),70+1x2",  # MLA
+]
+
+
+@pytest.mark.parametrize("text", TREE_CASES)
+def test_torch_naive_passes_the_checks_that_drive_trees_on_a_cpu(text):
+    for name in ("numerics", "determinism"):  # syncs, memory and bench drive them too, on a GPU
+        result = judge(make_check(name), TorchNaiveBackend, parse_case(text), CPU)
+        assert result.verdict == Verdict.PASS, (name, result.reason)
+    assert {name for name, check in CHECKS.items() if check.drives_trees} == {
+        "numerics",
+        "syncs",
+        "determinism",
+        "memory",
+        "bench",
+    }
+
+
+@pytest.mark.parametrize(
+    "defect,text",
+    [
+        (tree_defects.TreeAsChain, "gqa-h8/2-d64:100+tree(3x2),20+1"),
+        (tree_defects.SiblingsVisible, "gqa-h8/2-d64:100+tree(3x2)"),
+        (tree_defects.ParentButNotGrandparent, "gqa-h8/2-d64:100+tree(2x3)"),
+        (tree_defects.PositionsByQueryIndex, "gqa-h8/2-d64-w16-edges:100+tree(4x2)"),
+        (tree_defects.FirstRequestsTree, "gqa-h8/2-d64:100+tree(2x1),60+tree[-1.0.1],30+tree[-1.-1.-1]"),
+    ],
+)
+def test_each_planted_tree_defect_fails_numerics_widely(defect, text):
+    result = judge(NumericsCheck(), defect, parse_case(text), CPU)
+    assert result.verdict == Verdict.FAIL and result.metrics["tolerance_ratio"] > 5, result.reason
+    assert judge(NumericsCheck(), defect, parse_case("gqa-h8/2-d64:100+4,20+1"), CPU).verdict == Verdict.PASS
+
+
+def test_a_backend_without_the_claim_and_the_checks_that_run_chains_say_why():
+    case = parse_case(TREE_CASES[0])
+    reason = TritonAttentionBackend.capabilities.skip_reason(case.needs, DeviceInfo("cuda", "H200", (9, 0)))
+    assert reason.startswith("token trees") and reason.endswith("not supported"), reason
+    assert TOKEN_TREES in TorchNaiveBackend.capabilities.features
+    for name in ("graphs", "draft-loop", "steady", "engine"):
+        assert make_check(name).kind_reason(case).startswith(f"the {name} check runs chains only"), name

@@ -1,0 +1,75 @@
+"""Planted token-tree defects: torch_naive with one bug each of the kinds a tree-attention kernel
+has (``backends.base``: "Token trees"): the tree treated as a chain, siblings seeing each other,
+the parent but not the grandparent, positions by query index (the window's edge moves), and one
+request's tree applied to every request."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from backends import token_tree
+from backends.torch_naive import TorchNaiveBackend
+
+
+class TreeAsChain(TorchNaiveBackend):
+    """Ignores the tree: query order is causality (every earlier token of the request visible)."""
+
+    def build(self, common):
+        return replace(super().build(common), tree_parents=None)
+
+
+class SiblingsVisible(TorchNaiveBackend):
+    """Masks by position alone: every new token at a depth up to its own is visible, its siblings
+    and its cousins too (causal by depth, no ancestor mask)."""
+
+    def seen(self, context_len, num_queries, num_keys, rows=None, tree=None):
+        seen = super().seen(context_len, num_queries, num_keys, rows, tree)
+        if tree is not None:
+            depth = torch.tensor(token_tree.depths(tree), device=self.device)
+            seen[:, context_len : context_len + num_queries] = depth[None, :] <= depth[:, None]
+        return seen
+
+
+class ParentButNotGrandparent(TorchNaiveBackend):
+    """Sees its parent and itself among the new tokens, not the ancestors above the parent (an
+    ancestor mask built one level deep)."""
+
+    def seen(self, context_len, num_queries, num_keys, rows=None, tree=None):
+        seen = super().seen(context_len, num_queries, num_keys, rows, tree)
+        if tree is not None:
+            one_level = torch.eye(num_queries, dtype=torch.bool, device=self.device)
+            for index, parent in enumerate(tree):
+                if parent >= 0:
+                    one_level[index, parent] = True
+            seen[:, context_len : context_len + num_queries] &= one_level
+        return seen
+
+
+class PositionsByQueryIndex(TorchNaiveBackend):
+    """Places each tree token at context + its query index, not its depth: the ancestor mask is
+    right, but a sliding window's edge falls where a chain's would (it hides context keys a deep
+    branch's tokens see)."""
+
+    def seen(self, context_len, num_queries, num_keys, rows=None, tree=None):
+        seen = super().seen(context_len, num_queries, num_keys, rows, None)  # positions by query index
+        if tree is not None:
+            seen[:, context_len : context_len + num_queries] &= token_tree.ancestors(tree, self.device)
+        return seen
+
+
+class FirstRequestsTree(TorchNaiveBackend):
+    """Reads the mask for request 0 only: every request with as many new tokens gets its tree."""
+
+    def build(self, common):
+        metadata = super().build(common)
+        if metadata.tree_parents is not None:
+            starts = metadata.query_start_loc
+            first = metadata.tree_parents[starts[0] : starts[1]]
+            parents = list(metadata.tree_parents)
+            for request in range(1, len(starts) - 1):
+                if starts[request + 1] - starts[request] == len(first):
+                    parents[starts[request] : starts[request + 1]] = first
+            metadata = replace(metadata, tree_parents=parents)
+        return metadata
