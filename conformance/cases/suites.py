@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 from conformance.cases.grammar import Case, CaseSyntaxError, format_layer, parse_case
@@ -408,6 +409,47 @@ def _sink_cases() -> list[Case]:
             ],
         )
     cases += _sparse_cases()
+    cases += _tree_cases()
+    return cases
+
+
+# Token trees beyond full ones: SGLang's EAGLE (5 steps, top-k 4, 8 drafts) keeps 8 of a top-4
+# expansion (a shape like this one), and trees drawn at random (``_random_tree``).
+EAGLE_8_OF_TOP4 = "tree[-1.0.0.0.1.1.2.4.5]"
+
+
+def _random_tree(seed: int, tokens: int) -> str:
+    """A tree of ``tokens`` drafts drawn from ``seed``: each token's parent any earlier token (the
+    root's the context), as a dynamic tree keeps the likeliest branches."""
+    draw = random.Random(seed)
+    parents = [-1] + [draw.randrange(index) for index in range(1, tokens)]
+    return "tree[" + ".".join(map(str, parents)) + "]"
+
+
+def _tree_cases() -> list[Case]:
+    """EAGLE's token trees verified in one step (top-k > 1): wide, deep, full and partial trees,
+    random ones, several different trees in one batch beside decodes, a prefill and an empty
+    request, a sliding window whose edge falls inside the tree (edges data: the key just outside
+    dominates), sinks, fp8, the LSE, MLA, and groups of 1 to 16 query heads a KV head."""
+    mixed = f"3000+tree(4x2),700+{EAGLE_8_OF_TOP4},2000+1x2,0+40,500+{_random_tree(1, 12)}"
+    cases = _cases(
+        LLAMA3_8B,
+        [
+            ("tree: top-k 4, depth 2", "3000+tree(4x2)x2,1000+tree(4x2)"),
+            ("tree: deep (top-k 2, depth 4)", "2000+tree(2x4),90+tree(2x4)"),
+            ("tree: wide (top-k 8, depth 1)", "1500+tree(8x1)x3"),
+            ("tree: random trees", f"800+{_random_tree(2, 20)},2500+{_random_tree(3, 9)},60+{_random_tree(4, 30)}"),
+            ("tree: with decodes, a prefill and a chain", f"{mixed},300+4"),
+            ("tree: beside an empty request", "900+tree(2x2),0+0,50+1"),
+        ],
+    )
+    cases += _cases(
+        "gqa-h32/8-d128-bf16-p16-w256-edges", [("tree: window edge inside the tree", "1000+tree(2x4),250+tree(3x2)")]
+    )
+    cases += _cases("gqa-h8/8-d128-bf16-p16-attnsinks-lse", [("tree: sinks and the LSE", "700+tree(3x2),40+1")])
+    cases += _cases("gqa-h32/8-d128-bf16-fp8e4m3-p16", [("tree: fp8 cache", f"2000+tree(4x2),900+{EAGLE_8_OF_TOP4}")])
+    cases += _cases("gqa-h64/4-d128-bf16-p16", [("tree: group of 16", "1200+tree(4x2),300+1")])
+    cases += _cases("mla-h16-d512+64-bf16-p64", [("tree: MLA", f"2000+tree(4x2),700+{EAGLE_8_OF_TOP4}")])
     return cases
 
 
