@@ -409,6 +409,7 @@ class Capabilities:
     block_sizes: frozenset[int] | None = field(default=None, metadata=SERVES)
     num_heads: frozenset[int] | None = field(default=None, metadata=SERVES)  # MLA kernels often fix a few
     max_query_len: int | None = field(default=None, metadata=SERVES)  # None: prefill too; 1: decode only
+    max_tree_tokens: int | None = field(default=None, metadata=SERVES)  # a token tree's tokens (None: any)
     uniform_query_len: bool = field(default=False, metadata=SERVES)  # every request of a batch the same length
     only_with: frozenset[Feature] = field(default=frozenset(), metadata=SERVES)  # features every case must ask
     # The contract's features (backends.features): claimed, or why not (said in the SKIP), and
@@ -468,7 +469,13 @@ class Capabilities:
             or self.layout_reason(needs.spec)
             or self.feature_reason(needs, device)
             or (self.query_len_reason(needs.max_query_len, list(needs.query_lens)) if needs.query_lens else None)
+            or self.tree_reason(needs.tree_tokens)
         )
+
+    def tree_reason(self, tree_tokens: int) -> str | None:
+        if self.max_tree_tokens is not None and tree_tokens > self.max_tree_tokens:
+            return f"a token tree of {tree_tokens} tokens exceeds the claimed maximum {self.max_tree_tokens}"
+        return None
 
     def unsupported_reason(self, spec: AttentionSpec, device: "torch.device | str | DeviceInfo") -> str | None:
         """Why this backend cannot run layer ``spec`` on ``device`` (any batch); None when it can."""

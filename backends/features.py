@@ -28,7 +28,11 @@ class Needs:
     spec: "AttentionSpec"
     query_lens: tuple[int, ...] = ()
     lse: bool = False
-    trees: bool = False  # a spec-verify request's drafts as a tree (``backends.base``: "Token trees")
+    tree_tokens: int = 0  # the largest token tree of the batch (``backends.base``: "Token trees"); 0: none
+
+    @property
+    def trees(self) -> bool:
+        return self.tree_tokens > 0
 
     @property
     def max_query_len(self) -> int:

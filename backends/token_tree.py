@@ -70,3 +70,30 @@ def full(width: int, depth: int) -> tuple[int, ...]:
                 parents.append(parent)
         level = following
     return tuple(parents)
+
+
+MAX_BIT_TOKENS = 64  # a tree's tokens an int64 ancestor bitmask holds
+_JUMPS = 6  # pointer jumps that reach every ancestor of a tree of MAX_BIT_TOKENS (depth < 2**6)
+
+
+def ancestor_bits(query_start_loc: torch.Tensor, parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """On the device, no host value read (graph-safe): each token's ancestors among its request's
+    new tokens as an int64 bitmask (bit j: new token j, itself included) and its depth (int32),
+    from ``parents`` (int32 [n], the metadata's ``tree_parents``) and the step's
+    ``query_start_loc``. By pointer jumping: each of ``_JUMPS`` rounds doubles the levels a
+    token's mask holds; a request's tree must have at most ``MAX_BIT_TOKENS`` tokens."""
+    rows = torch.arange(parents.shape[0], device=parents.device)
+    starts = query_start_loc.long()
+    first = starts[torch.searchsorted(starts[1:], rows, right=True).clamp_(max=starts.shape[0] - 2)]
+    bits = torch.bitwise_left_shift(torch.ones_like(rows), rows - first)
+    jump = torch.where(parents >= 0, first + parents.long(), -1)
+    depth = (parents >= 0).long()
+    for _ in range(_JUMPS):
+        has = jump >= 0
+        target = jump.clamp(min=0)
+        bits, depth, jump = (
+            bits | torch.where(has, bits[target], 0),
+            depth + torch.where(has, depth[target], 0),
+            torch.where(has, jump[target], -1),
+        )
+    return bits, depth.to(torch.int32)

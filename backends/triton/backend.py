@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backends import fp8
+from backends import fp8, token_tree
 from backends.base import (
     PLAIN_LAYER,
     AttentionBackend,
@@ -37,6 +37,7 @@ from backends.features import (
     LOGITS_SOFT_CAP,
     LSE,
     SLIDING_WINDOW,
+    TOKEN_TREES,
     VALUE_HEAD_DIM,
 )
 from backends.fp8 import to_cache
@@ -107,6 +108,7 @@ class TritonMetadata:
     num_reqs: int
     max_query_len: int
     decode_q: int
+    tree: bool  # the step carries token trees (their bits and depths in the backend's buffers)
 
 
 class DeviceLengthsBackend(AttentionBackend):
@@ -190,6 +192,7 @@ class DeviceLengthsBackend(AttentionBackend):
             num_reqs=common.num_reqs,
             max_query_len=common.max_query_len,
             decode_q=decode_variant(common.max_query_len),
+            tree=False,
         )
 
     def update_for_draft_step(self, metadata: TritonMetadata, common: CommonAttentionMetadata) -> TritonMetadata:
@@ -223,8 +226,19 @@ class TritonAttentionBackend(DeviceLengthsBackend):
         max_query_len=None,
         # An empty request's programs return before reading anything.
         features=frozenset(
-            {FP8_E4M3, FP8_E5M2, SLIDING_WINDOW, LOGITS_SOFT_CAP, ATTENTION_SINKS, VALUE_HEAD_DIM, LSE, EMPTY_REQUESTS}
+            {
+                FP8_E4M3,
+                FP8_E5M2,
+                SLIDING_WINDOW,
+                LOGITS_SOFT_CAP,
+                ATTENTION_SINKS,
+                VALUE_HEAD_DIM,
+                LSE,
+                EMPTY_REQUESTS,
+                TOKEN_TREES,
+            }
         ),
+        max_tree_tokens=token_tree.MAX_BIT_TOKENS,  # a token's ancestors are one int64's bits
         feature_gpus=FP8_GPUS,
         cuda_graphs=CGSupport.ALWAYS,
         needs_cpu_seq_lens=False,
@@ -260,6 +274,18 @@ class TritonAttentionBackend(DeviceLengthsBackend):
         self.prefill_block_m = 64
         self.prefill_block_q = max(1, self.prefill_block_m // self.group)
         self.allocate_split_buffers(spec.v_head_dim)
+        # Token trees: each token's ancestors (an int64 bitmask) and depth, made on the device in build.
+        self.tree_ancestors = torch.zeros(limits.max_num_tokens, dtype=torch.int64, device=self.device)
+        self.tree_depths = torch.zeros(limits.max_num_tokens, dtype=torch.int32, device=self.device)
+
+    def build(self, common: CommonAttentionMetadata) -> TritonMetadata:
+        metadata = super().build(common)
+        if common.tree_parents is not None:  # a host fact of the step: whether it has trees
+            bits, depths = token_tree.ancestor_bits(common.query_start_loc, common.tree_parents)
+            self.tree_ancestors[: bits.shape[0]].copy_(bits)
+            self.tree_depths[: depths.shape[0]].copy_(depths)
+            metadata.tree = True
+        return metadata
 
     # Layout [2, num_blocks, kv_heads, block_size, head_dim]: one head's page is contiguous. Where
     # the value head dim differs (d192/128), [num_blocks, kv_heads, block_size, head_dim +
@@ -355,6 +381,7 @@ class TritonAttentionBackend(DeviceLengthsBackend):
             HEAD_DIM_V=spec.v_head_dim,
             BLOCK_DV=self.block_dv,
             RETURN_LSE=lse is not None,
+            TREE=metadata.tree,
         )
         decode_q = metadata.decode_q
         block_m = max(16, triton.next_power_of_2(decode_q * self.group))
@@ -388,6 +415,8 @@ class TritonAttentionBackend(DeviceLengthsBackend):
             v_scale,
             sinks_ptr,
             *lse_args,
+            self.tree_ancestors,
+            self.tree_depths,
             NUM_HEADS=spec.num_heads,
             DECODE_Q=decode_q,
             BLOCK_M=block_m,
@@ -424,6 +453,8 @@ class TritonAttentionBackend(DeviceLengthsBackend):
                 v_scale,
                 sinks_ptr,
                 *lse_args,
+                self.tree_ancestors,
+                self.tree_depths,
                 DECODE_Q=decode_q,
                 BLOCK_Q=self.prefill_block_q,
                 BLOCK_M=self.prefill_block_m,

@@ -278,6 +278,10 @@ def _attend(
     window,
     k_scale_ptr,
     v_scale_ptr,
+    context_len,
+    query_start,
+    query_ancestors,
+    tree_depths_ptr,
     BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -289,12 +293,17 @@ def _attend(
     KV_FP8: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    TREE: tl.constexpr,
 ):
-    """Online softmax of the rows in ``q`` over KV positions [start, end) of one request:
-    (unnormalised output, row maximum, row sum).
+    """Online softmax of the rows in ``q`` over KV slots [start, end) of one request (in slot
+    order): (unnormalised output, row maximum, row sum).
 
     UPCAST_DOT (Triton's CPU interpreter only, whose bf16 tl.dot is wrong): products in fp32.
     KV_FP8: the cache holds fp8 numbers and their scales are at ``k_scale_ptr`` / ``v_scale_ptr``.
+    TREE (a token tree, ``backends.token_tree``): a new token's key sits at context_len + its depth
+    (``tree_depths_ptr``, the request's tokens from ``query_start``), and a row sees it only where
+    its bit is set in the row's ``query_ancestors`` (bit j: the request's new token j); the
+    context's keys at their slots' positions, as a chain's.
     """
     if KV_FP8:
         scale_log2 = scale_log2 * tl.load(k_scale_ptr)
@@ -335,9 +344,18 @@ def _attend(
             scores = _soft_cap(scores * (scale_log2 / LOG2E), soft_cap) * LOG2E
         else:
             scores = scores * scale_log2
-        visible = (positions[None, :] <= query_positions[:, None]) & in_range[None, :] & row_valid[:, None]
+        key_positions = positions
+        structural = in_range[None, :] & row_valid[:, None]
+        if TREE:
+            new = positions >= context_len
+            index = tl.where(new & in_range, positions - context_len, 0)
+            depth = tl.load(tree_depths_ptr + query_start + index, mask=new & in_range, other=0)
+            key_positions = tl.where(new, context_len + depth, positions)
+            bit = ((query_ancestors[:, None] >> index[None, :].to(tl.int64)) & 1) != 0
+            structural = structural & (bit | ~new[None, :])
+        visible = (key_positions[None, :] <= query_positions[:, None]) & structural
         if USE_WINDOW:
-            visible = visible & (query_positions[:, None] - positions[None, :] < window)
+            visible = visible & (query_positions[:, None] - key_positions[None, :] < window)
         acc, row_max, row_sum = online_softmax_step(
             tl.where(visible, scores, float("-inf")), value, acc, row_max, row_sum
         )
@@ -375,6 +393,8 @@ def decode_split_kernel(
     sinks_ptr,
     lse_ptr,
     lse_stride,
+    tree_ancestors_ptr,
+    tree_depths_ptr,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     DECODE_Q: tl.constexpr,
@@ -392,6 +412,7 @@ def decode_split_kernel(
     HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     RETURN_LSE: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     request, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # grid (requests, KV heads, splits)
     query_start, query_len, seq_len, token, head, row_valid, query_positions = decode_tile(
@@ -399,6 +420,11 @@ def decode_split_kernel(
     )
     if query_len == 0:
         return
+    context_len = seq_len - query_len
+    query_ancestors = tl.zeros([BLOCK_M], dtype=tl.int64)
+    if TREE:  # a token tree: each row at its depth, seeing its ancestors (``_attend``)
+        query_positions = context_len + tl.load(tree_depths_ptr + query_start + token, mask=row_valid, other=0)
+        query_ancestors = tl.load(tree_ancestors_ptr + query_start + token, mask=row_valid, other=0)
     dims = tl.arange(0, BLOCK_D)
     q = tl.load(
         query_ptr
@@ -434,6 +460,10 @@ def decode_split_kernel(
         window,
         k_scale_ptr,
         v_scale_ptr,
+        context_len,
+        query_start,
+        query_ancestors,
+        tree_depths_ptr,
         BLOCK_M,
         HEAD_DIM,
         BLOCK_D,
@@ -445,6 +475,7 @@ def decode_split_kernel(
         KV_FP8,
         HEAD_DIM_V,
         BLOCK_DV,
+        TREE,
     )
     if HAS_SINKS and ONE_SPLIT:  # with several splits, the merge adds the sink once
         acc, row_max, row_sum = fold_sink(acc, row_max, row_sum, sinks_ptr, head, row_valid)
@@ -570,6 +601,8 @@ def prefill_kernel(
     sinks_ptr,
     lse_ptr,
     lse_stride,
+    tree_ancestors_ptr,
+    tree_depths_ptr,
     GROUP: tl.constexpr,
     DECODE_Q: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -586,6 +619,7 @@ def prefill_kernel(
     HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     RETURN_LSE: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -613,6 +647,10 @@ def prefill_kernel(
     head = kv_head * GROUP + rows % GROUP
     row_valid = (token < query_len) & (rows < BLOCK_Q * GROUP)
     query_positions = context_len + token
+    query_ancestors = tl.zeros([BLOCK_M], dtype=tl.int64)
+    if TREE:  # a token tree: each row at its depth, seeing its ancestors (``_attend``)
+        query_positions = context_len + tl.load(tree_depths_ptr + query_start + token, mask=row_valid, other=0)
+        query_ancestors = tl.load(tree_ancestors_ptr + query_start + token, mask=row_valid, other=0)
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims[None, :] < HEAD_DIM
     q = tl.load(
@@ -627,7 +665,9 @@ def prefill_kernel(
     last_position = tl.minimum(first_position + BLOCK_Q, seq_len)  # exclusive: causal
     start = 0
     if USE_WINDOW:
-        start = tl.maximum(first_position - window + 1, 0)
+        # A tree's tile holds tokens as shallow as the root (position context_len).
+        earliest = context_len if TREE else first_position
+        start = tl.maximum(earliest - window + 1, 0)
     start = (start // BLOCK_N) * BLOCK_N
 
     acc, row_max, row_sum = _attend(
@@ -650,6 +690,10 @@ def prefill_kernel(
         window,
         k_scale_ptr,
         v_scale_ptr,
+        context_len,
+        query_start,
+        query_ancestors,
+        tree_depths_ptr,
         BLOCK_M,
         HEAD_DIM,
         BLOCK_D,
@@ -661,6 +705,7 @@ def prefill_kernel(
         KV_FP8,
         HEAD_DIM_V,
         BLOCK_DV,
+        TREE,
     )
     if HAS_SINKS:
         acc, row_max, row_sum = fold_sink(acc, row_max, row_sum, sinks_ptr, head, row_valid)

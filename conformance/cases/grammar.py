@@ -221,8 +221,8 @@ class Case:
     @property
     def needs(self) -> Needs:
         """What this case asks of a backend (``backends.features``: the features its attributes ask for)."""
-        trees = any(tree is not None for tree in self.trees)
-        return Needs(self.spec, tuple(query for _, query in self.batch), self.lse, trees)
+        tree_tokens = max((len(tree) for tree in self.trees if tree is not None), default=0)
+        return Needs(self.spec, tuple(query for _, query in self.batch), self.lse, tree_tokens)
 
     @property
     def empty_requests(self) -> int:

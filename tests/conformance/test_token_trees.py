@@ -136,9 +136,64 @@ def test_each_planted_tree_defect_fails_numerics_widely(defect, text):
 
 
 def test_a_backend_without_the_claim_and_the_checks_that_run_chains_say_why():
+    from backends.flashinfer.gqa import FlashInferBackend
+
     case = parse_case(TREE_CASES[0])
-    reason = TritonAttentionBackend.capabilities.skip_reason(case.needs, DeviceInfo("cuda", "H200", (9, 0)))
+    reason = FlashInferBackend.capabilities.feature_reason(case.needs, DeviceInfo("cuda", "H200", (9, 0)))
     assert reason.startswith("token trees") and reason.endswith("not supported"), reason
     assert TOKEN_TREES in TorchNaiveBackend.capabilities.features
     for name in ("graphs", "draft-loop", "steady", "engine"):
         assert make_check(name).kind_reason(case).startswith(f"the {name} check runs chains only"), name
+
+
+# triton's kernels under Triton's CPU interpreter (TRITON_INTERPRET=1, decided at import time: a
+# process of its own): trees through the split decode kernel (8 tokens or fewer) and the prefill
+# kernel (more), a window's edge, sinks and the LSE, fp8, a group of 16, an empty request; and
+# the same kernels with the step's tree dropped, FAIL.
+TRITON_SCRIPT = """
+import sys, torch
+from backends.triton.backend import TritonAttentionBackend
+from conformance.cases.grammar import parse_case
+from conformance.checks.numerics import NumericsCheck
+from conformance.run.execution import judge
+from tests.planted.tree_defects import triton_tree_as_chain
+backend = triton_tree_as_chain() if sys.argv[1] == "chain" else TritonAttentionBackend
+for text in sys.argv[2:]:
+    print(judge(NumericsCheck(), backend, parse_case(text), torch.device("cpu")).verdict.name)
+"""
+TRITON_TREES = [
+    "gqa-h4/2-d64-fp32:40+tree(2x2),10+1",
+    "gqa-h4/2-d64-fp32:40+tree(2x3),3+tree[-1.0.0.1]",
+    "gqa-h4/2-d64-fp32-w8-edges:40+tree(2x3)",
+    "gqa-h4/2-d64-bf16-lse-attnsinks:40+tree(2x2),0+5,7+1",
+    "gqa-h8/8-d64-fp16-fp8e4m3:30+tree(3x2),9+tree(1x3)",
+    "gqa-h16/1-d64-bf16:100+tree[-1.0.0.0.1.1.2.4.5],0+0,5+2",
+]
+
+
+@pytest.mark.parametrize("variant,verdict", [("triton", "PASS"), ("chain", "FAIL")])
+def test_tritons_kernels_attend_over_trees_under_the_interpreter(variant, verdict):
+    import os
+    import subprocess
+    import sys
+
+    cases = TRITON_TREES if variant == "triton" else TRITON_TREES[:2]
+    completed = subprocess.run(
+        [sys.executable, "-c", TRITON_SCRIPT, variant, *cases],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert completed.stdout.split() == [verdict] * len(cases), completed.stdout
+
+
+def test_triton_claims_trees_of_up_to_64_tokens():
+    claims = TritonAttentionBackend.capabilities
+    h200 = DeviceInfo("cuda", "H200", (9, 0))
+    assert TOKEN_TREES in claims.features
+    assert claims.skip_reason(parse_case("gqa:100+tree(2x5)").needs, h200) is None  # 63 tokens
+    assert claims.skip_reason(parse_case("gqa:100+tree(4x3)").needs, h200) == (
+        "a token tree of 85 tokens exceeds the claimed maximum 64"
+    )

@@ -73,3 +73,16 @@ class FirstRequestsTree(TorchNaiveBackend):
                     parents[starts[request] : starts[request + 1]] = first
             metadata = replace(metadata, tree_parents=parents)
         return metadata
+
+
+def triton_tree_as_chain():
+    """triton whose build drops the step's tree: its kernels mask by query order (a chain)."""
+    from backends.triton.backend import TritonAttentionBackend
+
+    class TritonTreeAsChain(TritonAttentionBackend):
+        def build(self, common):
+            metadata = super().build(common)
+            metadata.tree = False
+            return metadata
+
+    return TritonTreeAsChain
