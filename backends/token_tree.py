@@ -40,7 +40,16 @@ def ancestors(parents: Sequence[int], device: torch.device | str = "cpu") -> tor
     for index, parent in enumerate(parents):
         if parent >= 0:
             seen[index] |= seen[parent]
-    return seen.to(device)
+    return to_device(seen, device)
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device`` without a sync: through pinned memory, asynchronously, to a GPU
+    (a pageable copy would stall the host until the device has it)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def visible(

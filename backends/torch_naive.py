@@ -207,8 +207,11 @@ class TorchNaiveBackend(AttentionBackend):
         """[q, num_keys] mask of the keys (in slot order) one request's new tokens see: causal by
         position and within the window (``visible``); a token tree's tokens at their depths, and
         among the new tokens their ancestors only; a sparse layer's index rows (``indexed``)."""
-        depth = token_tree.depths(tree) if tree is not None else range(num_queries)
-        query_positions = context_len + torch.tensor(list(depth), dtype=torch.long, device=self.device)
+        if tree is None:
+            query_positions = context_len + torch.arange(num_queries, device=self.device)
+        else:
+            depths = torch.tensor(token_tree.depths(tree), dtype=torch.long)
+            query_positions = context_len + token_tree.to_device(depths, self.device)
         key_positions = torch.arange(num_keys, device=self.device)  # a chain's: its slot order
         if tree is not None:
             key_positions[context_len : context_len + num_queries] = query_positions
