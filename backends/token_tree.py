@@ -106,3 +106,8 @@ def ancestor_bits(query_start_loc: torch.Tensor, parents: torch.Tensor) -> tuple
             torch.where(has, jump[target], -1),
         )
     return bits, depth.to(torch.int32)
+
+
+def chains(query_lens: Sequence[int]) -> list[int]:
+    """The parents of requests that are chains, one after another (a batch's flat list)."""
+    return [parent for length in query_lens for parent in chain(length)]

@@ -124,6 +124,7 @@ def capture(buffers: GraphBuffers, metadata) -> torch.cuda.CUDAGraph:
 class GraphsCheck(Check):
     name = "graphs"
     kinds = EVERY_KIND
+    drives_trees = True  # the buffers hold the step's trees; one replay hands other trees (graph_batches)
     question = (
         "capture with batch A (also as the first call, and before a larger "
         "shape), replay with B1..Bn: equal to eager and to the oracle?"

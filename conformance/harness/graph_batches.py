@@ -4,13 +4,16 @@ A graph is captured for batch A at a padded shape (A's requests plus one padding
 replayed for batches B1..Bn of the same padded shape, each chosen to change a host-visible
 quantity a backend might have frozen at capture time: context lengths (so max_seq_len, block
 counts and split heuristics change), the number of real requests (more padding rows), the block
-table contents, and — where the backend claims any batch — the query lengths.
+table contents, and — where the backend claims any batch — the query lengths; a batch of token
+trees keeps each request's tree with it, and one replay hands other trees of the same sizes (a
+mask kept from the capture is then stale).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from backends import token_tree
 from backends.base import CGSupport
 from conformance.cases.grammar import Case
 
@@ -61,9 +64,27 @@ def _contexts(batch, new_context) -> tuple[tuple[int, int], ...]:
     return tuple((context, query) if query == 0 else (new_context(context), query) for context, query in batch)
 
 
+def _requests(case: Case, picked: list[int], extra: tuple[int, int] | None = None) -> Case:
+    """``case`` with the requests ``picked`` (by index, in that order), each with its tree, and
+    ``extra`` (a chain) after them."""
+    batch = tuple(case.batch[r] for r in picked) + ((extra,) if extra else ())
+    trees = tuple(case.trees[r] for r in picked) + ((None,) if extra else ()) if case.trees else ()
+    return replace(case, batch=batch, trees=trees, tag="")
+
+
+def other_tree(parents: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """A tree of as many tokens as ``parents`` but another shape: every token the root's child,
+    or, for that one, a chain (a request of one or two tokens has no other)."""
+    if parents is None:
+        return None
+    star = (-1,) + (0,) * (len(parents) - 1)
+    return star if parents != star else token_tree.chain(len(parents))
+
+
 def replay_batches(case: Case, support: CGSupport) -> list[Replay]:
     block = case.spec.block_size
     batch = case.batch
+    everyone = list(range(len(batch)))
     shared = case.shared_prefix_blocks * block  # a shared prefix must stay whole
     replays = [
         Replay(
@@ -79,25 +100,35 @@ def replay_batches(case: Case, support: CGSupport) -> list[Replay]:
     if len(batch) > 1:
         if any(query for _, query in batch[: len(batch) // 2]):  # not only empty requests
             replays.append(
-                Replay("fewer real requests, more padding rows", replace(case, batch=batch[: len(batch) // 2], tag=""))
+                Replay("fewer real requests, more padding rows", _requests(case, everyone[: len(batch) // 2]))
             )
-        replays.append(
-            Replay("requests in reverse order (another request is last)", replace(case, batch=batch[::-1], tag=""))
-        )
+        replays.append(Replay("requests in reverse order (another request is last)", _requests(case, everyone[::-1])))
     # One more real request than A: the padding row becomes real, so the last row is a request.
     # (In a mixed batch it has one token: A's padded shape has exactly one spare.)
     context, query = batch[-1]
     extra = (max(context * 2 + block + 3, shared), query if _uniform_query_len(case) else 1)
-    replays.append(Replay(NO_PADDING, replace(case, batch=batch + (extra,), tag="")))
+    replays.append(Replay(NO_PADDING, _requests(case, everyone, extra)))
     if support == CGSupport.ALWAYS and _uniform_query_len(case) is None and not case.empty_requests:
         query_lens = [query for _, query in batch][::-1]
         replays.append(
             Replay(
                 "query lengths moved between requests",
-                replace(case, batch=tuple((c, q) for (c, _), q in zip(batch, query_lens)), tag=""),
+                replace(
+                    case,
+                    batch=tuple((c, q) for (c, _), q in zip(batch, query_lens)),
+                    trees=case.trees[::-1],  # each tree goes with its length
+                    tag="",
+                ),
             )
         )
-    return [r for r in replays if r.case.batch != case.batch or r.case.seed != case.seed]
+    if case.trees:
+        replays.append(
+            Replay(
+                "other trees of the same sizes (a mask kept from the capture is stale)",
+                replace(case, trees=tuple(other_tree(tree) for tree in case.trees), tag=""),
+            )
+        )
+    return [r for r in replays if (r.case.batch, r.case.trees, r.case.seed) != (case.batch, case.trees, case.seed)]
 
 
 def larger_batch(case: Case) -> Case:
@@ -106,7 +137,7 @@ def larger_batch(case: Case) -> Case:
     the batch grow it, and the graph must still be right afterwards."""
     block = case.spec.block_size
     grown = _contexts(case.batch, lambda context: context * 2 + block + 1)
-    return replace(case, batch=grown + grown, tag="")
+    return replace(case, batch=grown + grown, trees=case.trees + case.trees, tag="")
 
 
 def graph_shape(case: Case, replays: list[Replay], extra: tuple[Case, ...] = ()) -> GraphShape:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from backends import token_tree
 from backends.base import (
     AttentionBackend,
     BackendLimits,
@@ -169,6 +170,8 @@ class GraphBuffers:
         self.seq_lens = torch.zeros(shape.num_reqs, **int32)
         self.block_table = guarded_block_table(shape.num_reqs, max_blocks, device)
         self.slot_mapping = torch.full((shape.num_tokens,), -1, dtype=torch.int64, device=device)
+        # Token trees: every token's parent, persistent as an engine's (None: chains only).
+        self.tree_parents = torch.full((shape.num_tokens,), -1, **int32) if cases[0].trees else None
         self.loads = 0
 
     # Layer 0's, by the names the single-layer checks use.
@@ -290,6 +293,13 @@ class GraphBuffers:
                 layer.value.fill_(-PADDING_KEY_VALUE - self.loads)
                 layer.value[:real].copy_(layer.rows(step_value))
             token_inputs.load(self.spec, layer.token_inputs, batch.token_inputs)
+        parents = None
+        if self.tree_parents is not None:  # the batch's trees, and chains for the padding rows
+            parents = (batch.tree_parents() or token_tree.chains(query_lens[: case.num_reqs])) + token_tree.chains(
+                padding
+            )
+            self.tree_parents.fill_(-1)
+            self.tree_parents[: len(parents)].copy_(torch.tensor(parents, dtype=torch.int32))
         common = CommonAttentionMetadata.from_lengths(
             query_start_loc=self.query_start_loc,
             seq_lens=self.seq_lens,
@@ -298,6 +308,8 @@ class GraphBuffers:
             query_starts=starts,
             host_seq_lens=seq_lens,
             lengths_known=with_host_lengths,
+            tree_parents=None if parents is None else self.tree_parents[: starts[-1]],
+            host_tree_parents=parents if with_host_lengths else None,
         )
         return LoadedBatch(batch, common, real, step_slots)
 
@@ -320,6 +332,7 @@ class GraphBuffers:
         """The persistent inputs a replay reads, as they are now (``input_watch``)."""
         tensors: dict[str, torch.Tensor | None] = {
             "slot_mapping": self.slot_mapping,
+            "tree_parents": self.tree_parents,
             "query_start_loc": self.query_start_loc,
             "seq_lens": self.seq_lens,
             "block_table": self.block_table,

@@ -107,12 +107,13 @@ TREE_CASES = [
 
 @pytest.mark.parametrize("text", TREE_CASES)
 def test_torch_naive_passes_the_checks_that_drive_trees_on_a_cpu(text):
-    for name in ("numerics", "determinism"):  # syncs, memory and bench drive them too, on a GPU
+    for name in ("numerics", "determinism"):  # syncs, graphs, memory and bench drive them too, on a GPU
         result = judge(make_check(name), TorchNaiveBackend, parse_case(text), CPU)
         assert result.verdict == Verdict.PASS, (name, result.reason)
     assert {name for name, check in CHECKS.items() if check.drives_trees} == {
         "numerics",
         "syncs",
+        "graphs",
         "determinism",
         "memory",
         "bench",
@@ -142,7 +143,7 @@ def test_a_backend_without_the_claim_and_the_checks_that_run_chains_say_why():
     reason = FlashInferBackend.capabilities.feature_reason(case.needs, DeviceInfo("cuda", "H200", (9, 0)))
     assert reason.startswith("token trees") and reason.endswith("not supported"), reason
     assert TOKEN_TREES in TorchNaiveBackend.capabilities.features
-    for name in ("graphs", "draft-loop", "steady", "engine"):
+    for name in ("draft-loop", "steady", "engine"):
         assert make_check(name).kind_reason(case).startswith(f"the {name} check runs chains only"), name
 
 
@@ -197,3 +198,20 @@ def test_triton_claims_trees_of_up_to_64_tokens():
     assert claims.skip_reason(parse_case("gqa:100+tree(4x3)").needs, h200) == (
         "a token tree of 85 tokens exceeds the claimed maximum 64"
     )
+
+
+def test_graph_replays_keep_each_requests_tree_and_one_hands_other_trees():
+    """The graphs check's replays of a tree batch: each request's tree moves with it (fewer
+    requests, reversed, query lengths moved, one more request), and one replay keeps every length
+    but hands other trees of the same sizes, so a mask kept from the capture is stale there."""
+    from backends.base import CGSupport
+    from conformance.harness.graph_batches import replay_batches
+
+    case = parse_case("gqa-h8/2-d64:300+tree(2x2),40+1,90+tree[-1.0.1]")
+    replays = {replay.description: replay.case for replay in replay_batches(case, CGSupport.ALWAYS)}
+    for replay in replays.values():  # every replay a valid case: each tree as long as its request
+        assert all(tree is None or len(tree) == query for (_, query), tree in zip(replay.batch, replay.trees))
+    reversed_ = replays["requests in reverse order (another request is last)"]
+    assert reversed_.trees == case.trees[::-1]
+    other = replays["other trees of the same sizes (a mask kept from the capture is stale)"]
+    assert other.batch == case.batch and other.trees == ((-1, 0, 0, 0, 0, 0, 0), None, (-1, 0, 0))

@@ -86,3 +86,22 @@ def triton_tree_as_chain():
             return metadata
 
     return TritonTreeAsChain
+
+
+def triton_tree_kept_from_first_build():
+    """triton that makes its ancestor masks in its first build only (as a mask baked into a
+    captured graph): later steps with other trees read the first step's."""
+    from backends.triton.backend import TritonAttentionBackend
+
+    class TritonTreeKeptFromFirstBuild(TritonAttentionBackend):
+        placed = False
+
+        def build(self, common):
+            if not self.placed:
+                self.placed = True
+                return super().build(common)
+            metadata = super(TritonAttentionBackend, self).build(common)  # the lengths, not the tree
+            metadata.tree = common.tree_parents is not None
+            return metadata
+
+    return TritonTreeKeptFromFirstBuild
