@@ -26,7 +26,9 @@ Conventions shared by every backend and the harness:
   else (not its siblings, not a later token of another branch); with a sliding window W, only the
   keys whose *position* is within W of its own (``backends.token_tree``). The tree belongs to the
   step: every layer of it, and its graph replays, read the metadata's, and a captured graph must
-  read the parents of the step it replays.
+  read the parents of the step it replays. An engine that verifies trees hands tree metadata to
+  every step of a graph it captures for them (a chain written as a tree, an idle capture's of no
+  token), so a backend may specialize a graph on a tree's presence, not on its shape.
 * Features (``backends.features``): what a case may ask beyond attention over a cache in the
   compute dtype; a backend claims each by name in ``Capabilities.features``. What a layer hands
   ``write_kv`` and ``forward`` for them is one ``LayerParameters`` (scales, sinks, the LSE buffer).

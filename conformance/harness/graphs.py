@@ -252,6 +252,7 @@ class GraphBuffers:
                 self.spec, layer.token_inputs, {name: rows[:0] for name, rows in layer.token_inputs.items()}
             )
         requests = self.shape.num_reqs
+        trees = self.tree_parents is not None  # a tree graph is captured over tree metadata, of no token
         return CommonAttentionMetadata.from_lengths(
             query_start_loc=self.query_start_loc,
             seq_lens=self.seq_lens,
@@ -260,6 +261,8 @@ class GraphBuffers:
             query_starts=[0] * (requests + 1),
             host_seq_lens=[0] * requests,
             lengths_known=with_host_lengths,
+            tree_parents=self.tree_parents[:0] if trees else None,
+            host_tree_parents=[] if trees and with_host_lengths else None,
         )
 
     def load(self, batch: PagedBatch, *, with_host_lengths: bool, fill: PoolFill | None = None) -> LoadedBatch:
