@@ -547,8 +547,8 @@ BENCH_MAX_KV_TOKENS = 2 * 1024 * 1024  # batch x context beyond this is left out
 def bench_suite() -> list[Case]:
     """Shapes that matter for speed: decode and spec-verify (query 1, 2, 4, 8) at batch 1 / 8 / 64 /
     256 and context 512 / 4k / 32k (up to 2M cached tokens), GQA 32/8x128 and MLA 128 heads,
-    plus a mixed prefill + decode batch, an fp8 cache, and DeepSeek's sparse attention with its
-    indexer."""
+    plus a mixed prefill + decode batch, an fp8 cache, DeepSeek's sparse attention with its
+    indexer, and a token tree's verify beside a chain's of as many tokens."""
     cases = []
     for layer in (LLAMA3_8B, "mla-h128-d512+64-bf16-p64"):
         batches = []
@@ -571,6 +571,15 @@ def bench_suite() -> list[Case]:
         ],
     )
     cases += _sparse_bench_cases()
+    # EAGLE's tree verify (top-k 4, depth 2: 21 tokens) beside a chain verify of as many tokens.
+    cases += _cases(
+        LLAMA3_8B,
+        [
+            (f"{kind} b{batch} ctx4096", f"4096+{query}x{batch}")
+            for batch in (8, 64)
+            for kind, query in (("tree verify (4x2)", "tree(4x2)"), ("chain verify q=21", "21"))
+        ],
+    )
     return cases
 
 
