@@ -33,9 +33,12 @@ def split_decodes_and_prefills(common: CommonAttentionMetadata, decode_threshold
 
 def sub_batch(common: CommonAttentionMetadata, first: int, last: int) -> CommonAttentionMetadata:
     """Requests [first, last) of ``common`` as a batch of their own (device views, no copies, no
-    sync): host lengths where ``common`` has them; else none, and the same upper bound."""
+    sync): host lengths where ``common`` has them; else none, and the same upper bound; their
+    token trees where ``common`` has trees."""
     token_start = int(common.query_start_loc_cpu[first])
+    token_end = int(common.query_start_loc_cpu[last])
     known = common.has_host_seq_lens
+    trees, host_trees = common.tree_parents, common.tree_parents_cpu
     return CommonAttentionMetadata.from_lengths(
         query_start_loc=common.query_start_loc[first : last + 1] - token_start,
         seq_lens=common.seq_lens[first:last],
@@ -45,4 +48,6 @@ def sub_batch(common: CommonAttentionMetadata, first: int, last: int) -> CommonA
         host_seq_lens=common.host_seq_lens[first:last].tolist() if known else [common.max_seq_len] * (last - first),
         lengths_known=known,
         max_seq_len=common.max_seq_len,
+        tree_parents=None if trees is None else trees[token_start:token_end],
+        host_tree_parents=None if host_trees is None else host_trees[token_start:token_end].tolist(),
     )

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from backends import fp8
+from backends import fp8, token_tree
 from backends.base import (
     PLAIN_LAYER,
     AttentionBackend,
@@ -52,7 +52,16 @@ from backends.base import (
     CommonAttentionMetadata,
     LayerParameters,
 )
-from backends.features import ATTENTION_SINKS, FP8_E4M3, FP8_E5M2, LOGITS_SOFT_CAP, LSE, SLIDING_WINDOW, VALUE_HEAD_DIM
+from backends.features import (
+    ATTENTION_SINKS,
+    FP8_E4M3,
+    FP8_E5M2,
+    LOGITS_SOFT_CAP,
+    LSE,
+    SLIDING_WINDOW,
+    TOKEN_TREES,
+    VALUE_HEAD_DIM,
+)
 from backends.flashinfer import FA2_COMPUTE_CAPABILITIES, new_workspace, runs_on
 from backends.flashinfer.paged_layout import paged_layout
 from backends.flashinfer.plan_staging import PlanStaging
@@ -76,6 +85,20 @@ class FlashInferMetadata:
 VALUE_DIM_PAIR = (192, 128)  # the (q/k, v) head dims measured through FA2 on an H200: DeepSeek-V3's prefill layer
 
 
+def tree_mask(common: CommonAttentionMetadata, sliding_window: int | None) -> torch.Tensor | None:
+    """A step's token trees as FlashInfer's custom mask: each request's [query, sequence] keys it
+    sees (``token_tree.visible``; a chain's its causal rule), flat, on the host; None without trees."""
+    parents = common.host_tree_parents
+    if parents is None:
+        return None
+    starts, lengths = common.query_start_loc_cpu.tolist(), common.seq_lens_cpu.tolist()
+    rows = []
+    for request, seq_len in enumerate(lengths):
+        tree = parents[starts[request] : starts[request + 1]].tolist()
+        rows.append(token_tree.visible(tree, seq_len - len(tree), sliding_window).flatten())
+    return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.bool)
+
+
 def window_left(spec: AttentionSpec) -> int:
     """FlashInfer counts the window without the token itself."""
     return -1 if spec.sliding_window is None else spec.sliding_window - 1
@@ -88,7 +111,8 @@ class FlashInferBackend(AttentionBackend):
         head_dims=frozenset({64, 128, 192, 256}),
         block_sizes=frozenset({16, 32, 64}),
         max_query_len=None,
-        features=frozenset({FP8_E4M3, FP8_E5M2, SLIDING_WINDOW, LOGITS_SOFT_CAP, VALUE_HEAD_DIM, LSE}),
+        # Token trees through the FA2 prefill wrappers' custom mask (a verify request of 2+ tokens).
+        features=frozenset({FP8_E4M3, FP8_E5M2, SLIDING_WINDOW, LOGITS_SOFT_CAP, VALUE_HEAD_DIM, LSE, TOKEN_TREES}),
         not_claimed={
             ATTENTION_SINKS: "FlashInfer 0.7.2's FA2 wrappers take `sinks`, but on SM90 their output misses them "
             "(H200: every learned-sinks case FAILed numerics, error 2.6 on outputs near 0.04)"
@@ -213,6 +237,10 @@ class FlashInferBackend(AttentionBackend):
     def _plan_prefill(self, common: CommonAttentionMetadata, wrapper=None) -> None:
         spec = self.spec
         layout = paged_layout(common, spec.block_size)
+        # Token trees: FlashInfer's custom mask, every request's [query, sequence] visibility flat
+        # (the window in it too), in place of the causal rule.
+        mask = tree_mask(common, spec.sliding_window)
+        masked = {} if mask is None else dict(custom_mask=mask, causal=False, window_left=-1)
         self.staging[id(wrapper or self.prefill)].plan(
             common.query_start_loc_cpu,
             layout.kv_indptr,
@@ -223,8 +251,7 @@ class FlashInferBackend(AttentionBackend):
             spec.head_dim,
             spec.block_size,
             head_dim_vo=spec.v_head_dim,
-            causal=True,
-            window_left=window_left(spec),
+            **{"causal": True, "window_left": window_left(spec), **masked},
             logits_soft_cap=spec.logits_soft_cap,
             sm_scale=spec.softmax_scale,
             q_data_type=spec.dtype,

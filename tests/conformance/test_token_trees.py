@@ -137,10 +137,10 @@ def test_each_planted_tree_defect_fails_numerics_widely(defect, text):
 
 
 def test_a_backend_without_the_claim_and_the_checks_that_run_chains_say_why():
-    from backends.flashinfer.gqa import FlashInferBackend
+    from backends.flashinfer.trtllm import TrtllmBackend
 
     case = parse_case(TREE_CASES[0])
-    reason = FlashInferBackend.capabilities.feature_reason(case.needs, DeviceInfo("cuda", "H200", (9, 0)))
+    reason = TrtllmBackend.capabilities.feature_reason(case.needs, DeviceInfo("cuda", "H200", (9, 0)))
     assert reason.startswith("token trees") and reason.endswith("not supported"), reason
     assert TOKEN_TREES in TorchNaiveBackend.capabilities.features
     for name in ("draft-loop", "steady", "engine"):
@@ -215,3 +215,28 @@ def test_graph_replays_keep_each_requests_tree_and_one_hands_other_trees():
     assert reversed_.trees == case.trees[::-1]
     other = replays["other trees of the same sizes (a mask kept from the capture is stale)"]
     assert other.batch == case.batch and other.trees == ((-1, 0, 0, 0, 0, 0, 0), None, (-1, 0, 0))
+
+
+def test_a_sub_batch_keeps_its_requests_trees_and_flashinfers_mask_is_each_requests_visibility():
+    """A backend that splits a step (decodes first, then the rest) hands each part its own
+    requests' trees; FlashInfer's custom mask is each request's [query, sequence] visibility."""
+    from backends.flashinfer.gqa import tree_mask
+    from backends.utils import sub_batch
+
+    batch = materialize(parse_case("gqa-h8/2-d64-w8:20+1,30+tree[-1.0.0.1],5+2"), CPU)
+    common = batch.common_metadata()
+    rest = sub_batch(common, 1, 3)
+    assert rest.host_tree_parents.tolist() == [-1, 0, 0, 1, -1, 0] and rest.tree_parents.tolist() == [
+        -1,
+        0,
+        0,
+        1,
+        -1,
+        0,
+    ]
+    mask = tree_mask(rest, 8)
+    expected = torch.cat(
+        [token_tree.visible((-1, 0, 0, 1), 30, 8).flatten(), token_tree.visible((-1, 0), 5, 8).flatten()]
+    )
+    assert torch.equal(mask, expected)
+    assert tree_mask(materialize(parse_case("gqa-h8/2-d64:20+1,30+4"), CPU).common_metadata(), None) is None
