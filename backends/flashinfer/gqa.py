@@ -87,7 +87,8 @@ VALUE_DIM_PAIR = (192, 128)  # the (q/k, v) head dims measured through FA2 on an
 
 def tree_mask(common: CommonAttentionMetadata, sliding_window: int | None) -> torch.Tensor | None:
     """A step's token trees as FlashInfer's custom mask: each request's [query, sequence] keys it
-    sees (``token_tree.visible``; a chain's its causal rule), flat, on the host; None without trees."""
+    sees (``token_tree.visible``; a chain's its causal rule), flat, made on the host (where plan
+    runs); None without trees."""
     parents = common.host_tree_parents
     if parents is None:
         return None
@@ -240,7 +241,9 @@ class FlashInferBackend(AttentionBackend):
         # Token trees: FlashInfer's custom mask, every request's [query, sequence] visibility flat
         # (the window in it too), in place of the causal rule.
         mask = tree_mask(common, spec.sliding_window)
-        masked = {} if mask is None else dict(custom_mask=mask, causal=False, window_left=-1)
+        masked = {}
+        if mask is not None:  # FlashInfer packs it on the mask's device, which must be the GPU
+            masked = dict(custom_mask=token_tree.to_device(mask, self.device), causal=False, window_left=-1)
         self.staging[id(wrapper or self.prefill)].plan(
             common.query_start_loc_cpu,
             layout.kv_indptr,
