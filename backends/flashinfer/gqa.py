@@ -112,11 +112,14 @@ class FlashInferBackend(AttentionBackend):
         head_dims=frozenset({64, 128, 192, 256}),
         block_sizes=frozenset({16, 32, 64}),
         max_query_len=None,
-        # Token trees through the FA2 prefill wrappers' custom mask (a verify request of 2+ tokens).
-        features=frozenset({FP8_E4M3, FP8_E5M2, SLIDING_WINDOW, LOGITS_SOFT_CAP, VALUE_HEAD_DIM, LSE, TOKEN_TREES}),
+        features=frozenset({FP8_E4M3, FP8_E5M2, SLIDING_WINDOW, LOGITS_SOFT_CAP, VALUE_HEAD_DIM, LSE}),
         not_claimed={
             ATTENTION_SINKS: "FlashInfer 0.7.2's FA2 wrappers take `sinks`, but on SM90 their output misses them "
-            "(H200: every learned-sinks case FAILed numerics, error 2.6 on outputs near 0.04)"
+            "(H200: every learned-sinks case FAILed numerics, error 2.6 on outputs near 0.04)",
+            # The adapter hands trees as FlashInfer's custom mask (``tree_mask``): right, but not free.
+            TOKEN_TREES: "FlashInfer 0.7.2's prefill plan with a custom mask copies its mask indptr from pageable "
+            "host memory, a host sync every step (H200: numerics and determinism PASS on 8 tree cases, syncs FAIL: "
+            "6 syncs a step at flashinfer/prefill.py's `mask_indptr.to(custom_mask.device)`)",
         },
         cuda_graphs=CGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
         needs_cpu_seq_lens=True,

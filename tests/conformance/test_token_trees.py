@@ -137,11 +137,14 @@ def test_each_planted_tree_defect_fails_numerics_widely(defect, text):
 
 
 def test_a_backend_without_the_claim_and_the_checks_that_run_chains_say_why():
+    from backends.flashinfer.gqa import FlashInferBackend
     from backends.flashinfer.trtllm import TrtllmBackend
 
     case = parse_case(TREE_CASES[0])
     reason = TrtllmBackend.capabilities.feature_reason(case.needs, DeviceInfo("cuda", "H200", (9, 0)))
     assert reason.startswith("token trees") and reason.endswith("not supported"), reason
+    reason = FlashInferBackend.capabilities.feature_reason(case.needs, DeviceInfo("cuda", "H200", (9, 0)))
+    assert "a host sync every step" in reason, reason
     assert TOKEN_TREES in TorchNaiveBackend.capabilities.features
     for name in ("draft-loop", "steady", "engine"):
         assert make_check(name).kind_reason(case).startswith(f"the {name} check runs chains only"), name
