@@ -25,11 +25,11 @@ Every layer kind runs them (an indexer's pool is its keys and their scales; its 
 of positions, judged as the other checks judge it, so a NaN read shows as a NaN logit chosen or a
 position left out). The passes run on a subset (decode, spec-verify, a small mixed batch, block
 boundaries, for the first layout of each kind; DeepSeek's sparse layers' decode, verify, messy
-index rows and fp8_ds_mla cache, and the indexer's decode and verify); from a decode case also a draft loop of k = 4
-under CUDA graphs (memcheck and initcheck) and a few steps of the reference engine, async,
-drafting through the backend (memcheck: its pools are zeroed). A case given with ``--case``
-always runs. A case's children run side by side: each is mostly compute-sanitizer's start-up and
-JIT compiles under it, CPU work.
+index rows and fp8_ds_mla cache, the indexer's decode and verify, and a batch of token trees);
+from a decode case also a draft loop of k = 4 under CUDA graphs (memcheck and initcheck) and a
+few steps of the reference engine, async, drafting through the backend (memcheck: its pools are
+zeroed). A case given with ``--case`` always runs. A case's children run side by side: each is
+mostly compute-sanitizer's start-up and JIT compiles under it, CPU work.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ ONE_CASE_TAGS = (
     "sparse: spec-verify k=3 (MTP)",
     "messy index rows: decode and verify",
     "sparse, fp8_ds_mla: decode and MTP verify",
+    "tree: with decodes, a prefill and a chain",
     "indexer: decode past top-k",
     "indexer: MTP verify",
 )

@@ -129,7 +129,7 @@ def test_the_subset_is_the_first_layout_of_each_kind_and_a_given_case_always_run
     check = MemoryCheck()
     plan = check.plan(TorchNaiveBackend, standard_suite(), CPU)
     running = [case for case in standard_suite() if plan[case.id] is None]
-    dense = [case for case in running if case.spec.sparse_topk is None]
+    dense = [case for case in running if case.spec.sparse_topk is None and not case.trees]
     assert sorted({case.spec.kind for case in dense}) == ["mha", "mla"]
     assert len({(case.spec.kind, case.spec.dtype, case.spec.block_size, case.strided) for case in dense}) == 2
     assert {case.tag for case in dense} <= set(memory.MEMORY_TAGS) and len(dense) >= 7
@@ -141,6 +141,7 @@ def test_the_subset_is_the_first_layout_of_each_kind_and_a_given_case_always_run
         "messy index rows: decode and verify",
         "sparse, fp8_ds_mla: decode and MTP verify",
     }
+    assert {case.tag for case in running if case.trees} == {"tree: with decodes, a prefill and a chain"}
     assert MemoryCheck().case_skip_reason(TorchNaiveBackend, parse_case("gqa-h4/2-d64-fp16:70+3"), CPU) is None
 
 
