@@ -411,7 +411,8 @@ class Capabilities:
     block_sizes: frozenset[int] | None = field(default=None, metadata=SERVES)
     num_heads: frozenset[int] | None = field(default=None, metadata=SERVES)  # MLA kernels often fix a few
     max_query_len: int | None = field(default=None, metadata=SERVES)  # None: prefill too; 1: decode only
-    max_tree_tokens: int | None = field(default=None, metadata=SERVES)  # a token tree's tokens (None: any)
+    # The longest request of a step with token trees (each request a tree then, chains too); None: any.
+    max_tree_tokens: int | None = field(default=None, metadata=SERVES)
     uniform_query_len: bool = field(default=False, metadata=SERVES)  # every request of a batch the same length
     only_with: frozenset[Feature] = field(default=frozenset(), metadata=SERVES)  # features every case must ask
     # The contract's features (backends.features): claimed, or why not (said in the SKIP), and
@@ -476,7 +477,10 @@ class Capabilities:
 
     def tree_reason(self, tree_tokens: int) -> str | None:
         if self.max_tree_tokens is not None and tree_tokens > self.max_tree_tokens:
-            return f"a token tree of {tree_tokens} tokens exceeds the claimed maximum {self.max_tree_tokens}"
+            return (
+                f"a step of token trees with a request of {tree_tokens} tokens exceeds the claimed maximum "
+                f"{self.max_tree_tokens} (every request of such a step is a tree to the backend)"
+            )
         return None
 
     def unsupported_reason(self, spec: AttentionSpec, device: "torch.device | str | DeviceInfo") -> str | None:

@@ -28,7 +28,9 @@ class Needs:
     spec: "AttentionSpec"
     query_lens: tuple[int, ...] = ()
     lse: bool = False
-    tree_tokens: int = 0  # the largest token tree of the batch (``backends.base``: "Token trees"); 0: none
+    # A step with token trees (``backends.base``: "Token trees"): its longest request, each of them
+    # a tree to a backend (a chain is one too), so the longest is what a tree kernel must hold; 0: no tree.
+    tree_tokens: int = 0
 
     @property
     def trees(self) -> bool:

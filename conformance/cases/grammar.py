@@ -160,6 +160,8 @@ class Case:
                 )
 
     def _check_trees(self) -> None:
+        if self.trees and all(tree is None for tree in self.trees):  # only chains: the id says so
+            object.__setattr__(self, "trees", ())
         if not self.trees:
             return
         if len(self.trees) != len(self.batch):
@@ -173,6 +175,8 @@ class Case:
                 continue
             if len(tree) != query:
                 raise CaseSyntaxError(f"a tree of {len(tree)} tokens on a request of {query} new ones")
+            if not 1 <= len(tree) <= MAX_TREE_TOKENS:
+                raise CaseSyntaxError(f"a tree of {len(tree)} tokens: from 1 to {MAX_TREE_TOKENS}")
             try:
                 token_tree.depths(tree)
             except ValueError as error:
@@ -221,8 +225,9 @@ class Case:
     @property
     def needs(self) -> Needs:
         """What this case asks of a backend (``backends.features``: the features its attributes ask for)."""
-        tree_tokens = max((len(tree) for tree in self.trees if tree is not None), default=0)
-        return Needs(self.spec, tuple(query for _, query in self.batch), self.lse, tree_tokens)
+        query_lens = tuple(query for _, query in self.batch)
+        tree_tokens = max(query_lens) if self.trees else 0  # every request of a tree step (``Needs``)
+        return Needs(self.spec, query_lens, self.lse, tree_tokens)
 
     @property
     def empty_requests(self) -> int:
@@ -298,7 +303,13 @@ def _parse_tree(text: str) -> tuple[int, ...] | None:
     full = re.fullmatch(r"tree\((\d+)x(\d+)\)", text)
     if full:
         width, depth = int(full.group(1)), int(full.group(2))
-        if width < 1 or depth < 1 or sum(width**level for level in range(depth + 1)) > MAX_TREE_TOKENS:
+        tokens, level = 1, 1
+        for _ in range(depth if width >= 1 else 0):  # level by level, stopping once past the limit
+            level *= width
+            tokens += level
+            if tokens > MAX_TREE_TOKENS:
+                break
+        if width < 1 or depth < 1 or tokens > MAX_TREE_TOKENS:
             raise CaseSyntaxError(f"{text}: K and D from 1, at most {MAX_TREE_TOKENS} tokens in a tree")
         return token_tree.full(width, depth)
     listed = re.fullmatch(r"tree\[(-?\d+(?:\.-?\d+)*)\]", text)

@@ -444,7 +444,12 @@ def _tree_cases() -> list[Case]:
         ],
     )
     cases += _cases(
-        "gqa-h32/8-d128-bf16-p16-w256-edges", [("tree: window edge inside the tree", "1000+tree(2x4),250+tree(3x2)")]
+        "gqa-h32/8-d128-bf16-p16-w256-edges", [("tree: a window's edge in the context", "1000+tree(2x4),250+tree(3x2)")]
+    )
+    # A window shorter than a branch: a deep token's window leaves out its own early ancestors.
+    cases += _cases(
+        "gqa-h32/8-d128-bf16-p16-w4-edges",
+        [("tree: a window shorter than the tree", "10+tree(1x12),5+tree[-1.0.1.2.3.4.5.2.7.8.9]")],
     )
     cases += _cases("gqa-h8/8-d128-bf16-p16-attnsinks-lse", [("tree: sinks and the LSE", "700+tree(3x2),40+1")])
     cases += _cases("gqa-h32/8-d128-bf16-fp8e4m3-p16", [("tree: fp8 cache", f"2000+tree(4x2),900+{EAGLE_8_OF_TOP4}")])

@@ -13,8 +13,9 @@ run through the backend under test, each as an ordinary step asking for the LSE:
 
 The merge must equal the oracle's answer for the whole step. It runs on MHA layers without
 learned sinks (a null key serves one query head only where every KV head has one query head; a
-sink would be counted once per piece) over a cache in the compute dtype, for chains (a tree
-token's context piece would sit at the context's position, not its depth's).
+sink would be counted once per piece) over a cache in the compute dtype, for chains (the pieces
+are cut as chains: a tree's new-token piece would lose its tree, its context piece sit at the
+context's position rather than at each token's depth).
 """
 
 from __future__ import annotations

@@ -432,6 +432,8 @@ def launch_step(
             "slot_mapping (metadata)": common.slot_mapping,
             "query_start_loc_cpu": common.query_start_loc_cpu,
             "host seq_lens": common.host_seq_lens,
+            "tree_parents": common.tree_parents,
+            "tree_parents_cpu": common.tree_parents_cpu,
         },
         layers={"": prepared.forward_layer},
         pools=pool_watch(prepared, step.slots),

@@ -198,8 +198,8 @@ def test_triton_claims_trees_of_up_to_64_tokens():
     h200 = DeviceInfo("cuda", "H200", (9, 0))
     assert TOKEN_TREES in claims.features
     assert claims.skip_reason(parse_case("gqa:100+tree(2x5)").needs, h200) is None  # 63 tokens
-    assert claims.skip_reason(parse_case("gqa:100+tree(4x3)").needs, h200) == (
-        "a token tree of 85 tokens exceeds the claimed maximum 64"
+    assert claims.skip_reason(parse_case("gqa:100+tree(4x3)").needs, h200).startswith(
+        "a step of token trees with a request of 85 tokens exceeds the claimed maximum 64"
     )
 
 
@@ -212,10 +212,11 @@ def test_graph_replays_keep_each_requests_tree_and_one_hands_other_trees():
 
     case = parse_case("gqa-h8/2-d64:300+tree(2x2),40+1,90+tree[-1.0.1]")
     replays = {replay.description: replay.case for replay in replay_batches(case, CGSupport.ALWAYS)}
-    for replay in replays.values():  # every replay a valid case: each tree as long as its request
-        assert all(tree is None or len(tree) == query for (_, query), tree in zip(replay.batch, replay.trees))
-    reversed_ = replays["requests in reverse order (another request is last)"]
-    assert reversed_.trees == case.trees[::-1]
+    full = token_tree.full(2, 2)
+    assert replays["fewer real requests, more padding rows"].trees == (full,)
+    assert replays["requests in reverse order (another request is last)"].trees == case.trees[::-1]
+    assert replays["no padding rows (every row a real request)"].trees == case.trees + (None,)
+    assert replays["query lengths moved between requests"].trees == ((-1, 0, 1), None, full)
     other = replays["other trees of the same sizes (a mask kept from the capture is stale)"]
     assert other.batch == case.batch and other.trees == ((-1, 0, 0, 0, 0, 0, 0), None, (-1, 0, 0))
 
@@ -243,3 +244,36 @@ def test_a_sub_batch_keeps_its_requests_trees_and_flashinfers_mask_is_each_reque
     )
     assert torch.equal(mask, expected)
     assert tree_mask(materialize(parse_case("gqa-h8/2-d64:20+1,30+4"), CPU).common_metadata(), None) is None
+
+
+def test_ancestor_bits_on_the_device_agree_with_the_host_rule():
+    """triton's masks (pointer jumping, int64 bits) against ``ancestors`` and ``depths``: an empty
+    request first, several roots, a chain, and a tree of 64 tokens (bit 63 is the sign bit)."""
+    trees = [(), (-1, -1, 0, 1, 1), token_tree.chain(5), token_tree.full(2, 5)[:64]]
+    starts = [0]
+    for tree in trees:
+        starts.append(starts[-1] + len(tree))
+    parents = torch.tensor([p for tree in trees for p in tree], dtype=torch.int32)
+    bits, depths = token_tree.ancestor_bits(torch.tensor(starts), parents)
+    for tree, start in zip(trees, starts):
+        mask = token_tree.ancestors(tree)
+        for index in range(len(tree)):
+            row = int(bits[start + index]) & (2**64 - 1)
+            assert [bool(row >> j & 1) for j in range(len(tree))] == mask[index].tolist()
+        assert depths[start : start + len(tree)].tolist() == token_tree.depths(tree)
+
+
+def test_a_tree_step_is_held_to_its_longest_request_and_ids_read_back():
+    """Every request of a tree step is a tree to a backend (a chain too): the step's longest
+    request is what ``max_tree_tokens`` limits; a case left with chains only is a case without
+    trees, its id read back the same."""
+    from dataclasses import replace
+
+    h200 = DeviceInfo("cuda", "H200", (9, 0))
+    reason = TritonAttentionBackend.capabilities.skip_reason(parse_case("gqa-h4/2-d64:10+tree(1x1),0+80").needs, h200)
+    assert reason.startswith("a step of token trees with a request of 80 tokens exceeds the claimed maximum 64")
+    case = parse_case("gqa-h8/2-d64:40+1,300+tree(2x2)")
+    chains_only = replace(case, batch=case.batch[:1], trees=(None,))
+    assert chains_only.trees == () and parse_case(chains_only.id) == chains_only
+    with pytest.raises(CaseSyntaxError, match="at most 512"):
+        parse_case("gqa:10+tree(999x40000)")
