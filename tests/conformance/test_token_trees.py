@@ -128,6 +128,7 @@ def test_torch_naive_passes_the_checks_that_drive_trees_on_a_cpu(text):
         (tree_defects.ParentButNotGrandparent, "gqa-h8/2-d64:100+tree(2x3)"),
         (tree_defects.PositionsByQueryIndex, "gqa-h8/2-d64-w16-edges:100+tree(4x2)"),
         (tree_defects.FirstRequestsTree, "gqa-h8/2-d64:100+tree(2x1),60+tree[-1.0.1],30+tree[-1.-1.-1]"),
+        (tree_defects.WindowOverTheContextOnly, "gqa-h8/2-d64-w4-edges:10+tree(1x12),5+tree[-1.0.1.2.3.4.5.2.7.8.9]"),
     ],
 )
 def test_each_planted_tree_defect_fails_numerics_widely(defect, text):

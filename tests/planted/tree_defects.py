@@ -1,7 +1,8 @@
 """Planted token-tree defects: torch_naive with one bug each of the kinds a tree-attention kernel
 has (``backends.base``: "Token trees"): the tree treated as a chain, siblings seeing each other,
-the parent but not the grandparent, positions by query index (the window's edge moves), and one
-request's tree applied to every request."""
+the parent but not the grandparent, positions by query index (the window's edge moves), one
+request's tree applied to every request, and the window kept off the tree's own keys; and triton
+with the step's tree dropped, or its masks kept from its first build."""
 
 from __future__ import annotations
 
@@ -105,3 +106,14 @@ def triton_tree_kept_from_first_build():
             return metadata
 
     return TritonTreeKeptFromFirstBuild
+
+
+class WindowOverTheContextOnly(TorchNaiveBackend):
+    """Applies the sliding window to the context's keys only: a tree token always sees all of its
+    ancestors, however far above it (a kernel that masks the window in its context loop alone)."""
+
+    def seen(self, context_len, num_queries, num_keys, rows=None, tree=None):
+        seen = super().seen(context_len, num_queries, num_keys, rows, tree)
+        if tree is not None:
+            seen[:, context_len : context_len + num_queries] = token_tree.ancestors(tree, self.device)
+        return seen
