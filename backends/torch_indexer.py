@@ -127,7 +127,10 @@ class TorchIndexerBackend(IndexerKeyCache, AttentionBackend):
             keys = self.keys(kv_cache, metadata.block_table[request], seq_len)
             logits = self.logits(query[start:end], keys, layer.index_weights[start:end], seq_len - (end - start))
             count = min(topk, seq_len)
-            best, chosen = logits.topk(count, dim=1)
+            # Ties (a ReLU leaves many logits exactly 0) broken by position, the earliest first,
+            # whatever the step's shape: a decode and a verify of one token choose alike.
+            best, chosen = logits.sort(dim=1, descending=True, stable=True)
+            best, chosen = best[:, :count], chosen[:, :count]
             rows = torch.full((end - start, topk), -1, dtype=out.dtype, device=out.device)
             rows[:, :count] = torch.where(best > float("-inf"), chosen, -1).to(out.dtype)
             out[start:end] = rows
