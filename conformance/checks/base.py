@@ -66,8 +66,9 @@ class Check(abc.ABC):
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         self.options = options or {}
 
-    def kind_reason(self, case: Case) -> str | None:
-        """Why this check does not judge ``case``'s layer kind (``kinds``); None when it does."""
+    def judged_reason(self, case: Case) -> str | None:
+        """Why this check does not judge ``case``: its layer kind (``kinds``), or its token trees
+        where the check's harness does not hand them (``drives_trees``); None when it does."""
         if case.spec.kind not in self.kinds:
             return f"the {self.name} check judges {', '.join(sorted(self.kinds))} layers, not {case.spec.kind}"
         if case.needs.trees and not self.drives_trees:
@@ -92,7 +93,7 @@ class Check(abc.ABC):
         table: ``Capabilities.skip_reason``), and a pool too big for this device."""
         return (
             backend_cls.capabilities.skip_reason(case.needs, device)
-            or self.kind_reason(case)
+            or self.judged_reason(case)
             or big_pool_skip_reason(case, device)
         )
 

@@ -166,7 +166,7 @@ class EngineCheck(Check):
     def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
         # The engine's own batches, not the case's: a decode-only backend runs beside a companion.
         prefill = self.options.get("prefill_backend", AUTO)
-        return self.kind_reason(case) or engine_skip_reason(
+        return self.judged_reason(case) or engine_skip_reason(
             backend_cls, engine_case(backend_cls, case, device), device, prefill
         )
 

@@ -148,7 +148,7 @@ def test_a_backend_without_the_claim_and_the_checks_that_run_chains_say_why():
     assert "a host sync every step" in reason, reason
     assert TOKEN_TREES in TorchNaiveBackend.capabilities.features
     for name in ("draft-loop", "steady", "engine"):
-        assert make_check(name).kind_reason(case).startswith(f"the {name} check runs chains only"), name
+        assert make_check(name).judged_reason(case).startswith(f"the {name} check runs chains only"), name
 
 
 # triton's kernels under Triton's CPU interpreter (TRITON_INTERPRET=1, decided at import time: a

@@ -106,7 +106,7 @@ STEP_CHECKS = {"indexer", "syncs", "graphs", "draft-loop", "steady", "determinis
 def test_the_checks_that_drive_steps_and_memory_judge_an_indexer_and_the_attention_checks_leave_it():
     case = parse_case(SMALL)
     for name in CHECKS:
-        reason = make_check(name).kind_reason(case)
+        reason = make_check(name).judged_reason(case)
         assert (reason is None) == (name in STEP_CHECKS), (name, reason)
     assert IndexerCheck().case_skip_reason(TorchNaiveBackend, case, CPU) == "INDEXER not supported (supports mha, mla)"
     assert (
