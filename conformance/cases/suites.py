@@ -441,6 +441,8 @@ def _tree_cases() -> list[Case]:
             ("tree: random trees", f"800+{_random_tree(2, 20)},2500+{_random_tree(3, 9)},60+{_random_tree(4, 30)}"),
             ("tree: with decodes, a prefill and a chain", f"{mixed},300+4"),
             ("tree: beside an empty request", "900+tree(2x2),0+0,50+1"),
+            # 63 tokens: past a 32-bit ancestor mask (a tree kernel's word), within triton's 64.
+            ("tree: 63 tokens", "700+tree(2x5),40+1"),
         ],
     )
     cases += _cases(

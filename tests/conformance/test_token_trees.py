@@ -128,6 +128,7 @@ def test_torch_naive_passes_the_checks_that_drive_trees_on_a_cpu(text):
         (tree_defects.ParentButNotGrandparent, "gqa-h8/2-d64:100+tree(2x3)"),
         (tree_defects.PositionsByQueryIndex, "gqa-h8/2-d64-w16-edges:100+tree(4x2)"),
         (tree_defects.FirstRequestsTree, "gqa-h8/2-d64:100+tree(2x1),60+tree[-1.0.1],30+tree[-1.-1.-1]"),
+        (tree_defects.AncestorsIn32Bits, "gqa-h8/2-d64:70+tree(2x5),40+1"),
         (tree_defects.WindowOverTheContextOnly, "gqa-h8/2-d64-w4-edges:10+tree(1x12),5+tree[-1.0.1.2.3.4.5.2.7.8.9]"),
     ],
 )
@@ -173,6 +174,7 @@ TRITON_TREES = [
     "gqa-h4/2-d64-bf16-lse-attnsinks:40+tree(2x2),0+5,7+1",
     "gqa-h8/8-d64-fp16-fp8e4m3:30+tree(3x2),9+tree(1x3)",
     "gqa-h16/1-d64-bf16:100+tree[-1.0.0.0.1.1.2.4.5],0+0,5+2",
+    "gqa-h4/2-d64-fp32:30+tree(2x5)",  # 63 tokens: the mask's high bits, bit 63 its sign
 ]
 
 

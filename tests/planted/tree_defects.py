@@ -117,3 +117,14 @@ class WindowOverTheContextOnly(TorchNaiveBackend):
         if tree is not None:
             seen[:, context_len : context_len + num_queries] = token_tree.ancestors(tree, self.device)
         return seen
+
+
+class AncestorsIn32Bits(TorchNaiveBackend):
+    """Keeps each token's ancestors in a 32-bit mask: a tree token past index 31 loses every
+    ancestor it has there (a kernel whose mask word is an int32)."""
+
+    def seen(self, context_len, num_queries, num_keys, rows=None, tree=None):
+        seen = super().seen(context_len, num_queries, num_keys, rows, tree)
+        if tree is not None and num_queries > 32:
+            seen[:, context_len + 32 : context_len + num_queries] = False
+        return seen
