@@ -38,21 +38,24 @@ from dataclasses import dataclass
 
 import torch
 
+from backends import token_tree
 from backends.base import CommonAttentionMetadata, PaddingStyle
 from reference_engine import nvtx
 from reference_engine.core import EngineConfig, EngineCore, GenerationOutput
 from reference_engine.device_state import DeviceState
-from reference_engine.drafters.base import DraftStep, Verified
+from reference_engine.drafters.base import DraftStep, TreeDraftStep, Verified
 from reference_engine.empty_padding import EmptyPadding
 from reference_engine.handoff import Download, Downloader, Uploader
 from reference_engine.metrics import StepTimer
 from reference_engine.rejection import PLACEHOLDER, greedy_rejection, rejection_with_noise
+from reference_engine.tree_rejection import tree_greedy_rejection, tree_rejection_with_noise
 from reference_engine.request import Request
 from reference_engine.sampling import SamplingParams, batched_filtered_probabilities, counter_uniform
 from reference_engine.scheduler import Scheduled
 from reference_engine.slot_sampling import ACCEPT_LANE, BONUS_LANE, RECOVER_LANE, SlotSampling
 from reference_engine.step_inputs import (
     VIOLATION_NAMES,
+    KVWrites,
     RowLayout,
     StepInputs,
     StepTensors,
@@ -156,6 +159,7 @@ class BatchedEngine(EngineCore):
         k, reqs = config.num_spec_tokens, config.max_num_reqs
         # One spare slot past max_num_reqs: graph padding rows decode from it and never commit.
         self.state = DeviceState(reqs + 1, self.device, k)
+        self.tree = config.draft_tree  # EAGLE top-k > 1: every step a token tree, run eagerly
         self.spare_slot = self.state.free_slots.pop()
         self.slot_sampling = SlotSampling(reqs + 1, self.device)
         self.drafter.allocate_slots(reqs + 1)
@@ -282,7 +286,10 @@ class BatchedEngine(EngineCore):
         bs, k = self.config.block_size, self.config.num_spec_tokens
         counts = {item.num_tokens for item in scheduled}
         uniform = len(counts) == 1 and all(not item.request.in_prefill for item in scheduled)
-        size = self.graphs.size_for(len(scheduled), next(iter(counts))) if self.graphs and uniform else None
+        # Token-tree steps run eagerly: graphs capture chains (the conformance graphs check judges
+        # a backend's trees under replay).
+        graphed = self.graphs and uniform and self.tree is None
+        size = self.graphs.size_for(len(scheduled), next(iter(counts))) if graphed else None
         width = self.max_blocks if size else max(len(item.request.block_ids) for item in scheduled)
         rows, launched, host = StepRows.empty(), [], HostLengths()
         for item in scheduled:
@@ -387,6 +394,9 @@ class BatchedEngine(EngineCore):
 
     def _draft(self, shape: StepShape, host: HostLengths, buffers: _Buffers) -> None:
         """The drafter fills ``state.drafts`` for the decoding rows (the first ``num_decodes``), on the device."""
+        if self.tree is not None:
+            self._draft_tree(shape, host, buffers)
+            return
         layout, decodes = buffers.draft_layout, shape.num_decodes
         query_start_loc = list(range(decodes + 1))
 
@@ -409,6 +419,21 @@ class BatchedEngine(EngineCore):
             DraftStep(layout, buffers.draft_starts, buffers.draft, shape.draft_steps, shape.sampling, common, segment)
         )
 
+    def _draft_tree(self, shape: StepShape, host: HostLengths, buffers: _Buffers) -> None:
+        """The decoding rows that draft (a tree is drafted whole or not at all) draft their trees."""
+        rows = [row for row in range(shape.num_decodes) if host.num_drafts[row]]
+        if not rows:
+            return
+        index = token_tree.to_device(torch.tensor(rows), self.device)
+        self.drafter.draft_tree(
+            TreeDraftStep(
+                buffers.layout.slots[index],
+                buffers.block_table[index],
+                [host.starts[row] for row in rows],
+                not self.config.async_scheduling,
+            )
+        )
+
     # --- verify: target forward and rejection, then commit, in one segment -----------------------------
 
     def _verify(
@@ -421,6 +446,10 @@ class BatchedEngine(EngineCore):
             step = prepare_step_inputs(
                 buffers.starts, self.state.last_token, self.state.drafts, layout, 0, config.block_size, buffers.verify
             )
+            parents = depths = None
+            if self.tree is not None:  # a tree's node sits at start + its depth
+                offsets, parents, depths = self._tree_of_tokens(layout)
+                step.positions.add_(depths - offsets)
             if config.check_inputs:
                 buffers.violations.copy_(
                     input_violations(
@@ -431,39 +460,91 @@ class BatchedEngine(EngineCore):
                         uploaded.capacity,
                         config.model.vocab_size,
                         config.block_size,
+                        depths=depths,
                     )
                 )
                 step.input_ids.clamp_(0, config.model.vocab_size - 1)  # keep running; report on landing
             common = self._common(
-                layout, step, shape, host.query_start_loc, host.seq_lens(), buffers.verify_padding, host.num_real
+                layout,
+                step,
+                shape,
+                host.query_start_loc,
+                host.seq_lens(),
+                buffers.verify_padding,
+                host.num_real,
+                *self._tree_metadata(parents, host),
             )
         with nvtx.range("target forward, rejection, commit"):
             return self._segment(
-                "verify", shape, common, lambda metadata: self._verify_segment(metadata, step, uploaded, buffers, shape)
+                "verify",
+                shape,
+                common,
+                lambda metadata: self._verify_segment(metadata, step, uploaded, buffers, shape),
             )
+
+    def _tree_of_tokens(self, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each token's offset in its row, its parent there and its depth: a tree engine's decode
+        rows read their slot's tree (``tree_parents``, ``tree_depths``), every other row is a chain."""
+        rows = layout.token_row
+        offsets = torch.arange(rows.numel(), device=rows.device) - layout.query_start_loc.long()[rows]
+        if self.tree is None:
+            return offsets, offsets - 1, offsets
+        slots, node = layout.slots[rows], offsets.clamp(max=self.config.num_spec_tokens)
+        decode = layout.is_decode.bool()[rows]
+        parents = torch.where(decode, self.state.tree_parents[slots, node], offsets - 1)
+        return offsets, parents, torch.where(decode, self.state.tree_depths[slots, node], offsets)
+
+    def _tree_metadata(self, parents: torch.Tensor, host: HostLengths) -> tuple:
+        """The verify step's trees for the backend: on the device, and on the host where the host
+        knows them (a static tree; a dynamic tree's shape is chosen on the device)."""
+        if self.tree is None:
+            return None, None
+        host_parents = None
+        if self.tree.is_static:
+            host_parents = []
+            for query_len, drafts in zip(host.query_lens, host.num_drafts):
+                host_parents += list(self.tree.parents[: 1 + drafts]) if drafts else list(token_tree.chain(query_len))
+        return parents.to(torch.int32), host_parents
 
     def _starts(self, uploaded: StepRows[torch.Tensor]) -> torch.Tensor:
         """Each row's committed length, read on the device (never the host's optimistic guess)."""
         return self.state.num_computed[uploaded.slots]
 
     def _verify_segment(
-        self, metadata, step: StepTensors, uploaded: StepRows[torch.Tensor], buffers: _Buffers, shape: StepShape
+        self,
+        metadata,
+        step: StepTensors,
+        uploaded: StepRows[torch.Tensor],
+        buffers: _Buffers,
+        shape: StepShape,
     ) -> torch.Tensor:
         """Target forward → rejection → commit → the drafter's catch-up; returns what the host downloads."""
         k = self.config.num_spec_tokens
         layout = buffers.layout
+        writes = KVWrites() if self.tree is not None else None
         hidden = self.model(
             step.input_ids,
             step.positions,
-            StepInputs(self.backend, metadata, self.kv_caches, step.slot_mapping, self.kv_scales),
+            StepInputs(self.backend, metadata, self.kv_caches, step.slot_mapping, self.kv_scales, writes),
         )
         if self.config.check_inputs:
             self.verified.add_(verified_digest_terms(step.slot_mapping, step.input_ids).sum())
         logits = self.model.logits(hidden[uploaded.logits_index]).view(shape.num_reqs, k + 1, -1)
-        tokens, emitted = self._reject(logits, uploaded, shape)
+        if self.tree is None:
+            tokens, emitted = self._reject(logits, uploaded, shape)
+            path, moved = None, None
+        else:
+            tokens, emitted, path = self._reject_tree(logits, uploaded, shape)
         emitted = emitted * uploaded.produces
+        if writes is not None:
+            moved = self._moved_slots(path, emitted, layout, buffers.starts)
+            writes.store_at(moved)  # the accepted path's KV where its positions lie
         self._commit(uploaded, layout, tokens, emitted)
-        self.drafter.after_commit(Verified(metadata, step, layout, uploaded.decode, hidden, tokens, emitted))
+        last_kept = self._last_kept(layout, uploaded.decode.bool(), emitted, path)
+        parents = self._tree_of_tokens(layout)[1]  # computed inside the segment: a graph replays it
+        self.drafter.after_commit(
+            Verified(metadata, step, layout, uploaded.decode, hidden, tokens, emitted, parents, last_kept, moved)
+        )
         results = torch.cat([emitted[:, None], tokens], dim=1).reshape(-1)
         return torch.cat([results, buffers.violations]) if self.config.check_inputs else results
 
@@ -494,6 +575,63 @@ class BatchedEngine(EngineCore):
         )
         greedy = (temperature == 0)[:, None]
         return torch.where(greedy, tokens, sampled), torch.where(greedy[:, 0], emitted, sampled_emitted)
+
+    def _reject_tree(self, logits: torch.Tensor, uploaded: StepRows[torch.Tensor], shape: StepShape):
+        """``_reject`` over each row's token tree (``tree_rejection``): also the accepted path."""
+        slots, depth = uploaded.slots, self.tree.depth
+        drafts, parents = self.state.drafts[slots], self.state.tree_parents[slots]
+        greedy = tree_greedy_rejection(drafts, parents, logits.argmax(dim=-1), uploaded.num_drafts, depth)
+        if not shape.sampling:
+            return greedy
+        sampling = self.slot_sampling
+        temperature = sampling.temperature[slots]
+        target = batched_filtered_probabilities(logits, temperature, sampling.top_k[slots], sampling.top_p[slots])
+        seed, position = sampling.seed[slots], self.state.num_output[slots].long()
+        nodes, vocab = logits.shape[1], logits.shape[2]
+        sampled = tree_rejection_with_noise(
+            drafts,
+            parents,
+            target,
+            uploaded.num_drafts,
+            counter_uniform(seed, position, ACCEPT_LANE, (nodes,)),
+            counter_uniform(seed, position, BONUS_LANE, (nodes, vocab)),
+            depth,
+        )
+        is_greedy = temperature == 0
+        return tuple(
+            torch.where(is_greedy.view(-1, *[1] * (a.dim() - 1)), a, b) for a, b in zip(greedy, sampled)
+        )
+
+    def _moved_slots(
+        self, path: torch.Tensor, emitted: torch.Tensor, layout: RowLayout, starts: torch.Tensor
+    ) -> torch.Tensor:
+        """Per token of a tree step: the slot of the position its node was accepted at, where that
+        is not the slot it was written to (node j of a row is written at start + j; the node kept
+        at position i belongs at start + i); else -1."""
+        batch, nodes = path.shape
+        kept = torch.arange(nodes, device=path.device)[None, :] < emitted[:, None]
+        kept_node = torch.where(kept & (path >= 0), path, nodes)  # column ``nodes``: nothing kept there
+        position_of = torch.full((batch, nodes + 1), -1, dtype=torch.long, device=path.device)
+        position_of.scatter_(1, kept_node, torch.arange(nodes, device=path.device).expand(batch, nodes))
+        rows = layout.token_row
+        offsets = torch.arange(rows.numel(), device=rows.device) - layout.query_start_loc.long()[rows]
+        index = position_of[rows, offsets.clamp(max=nodes - 1)]
+        move = layout.is_decode.bool()[rows] & (index >= 0) & (index != offsets)
+        position = starts.long()[rows] + index.clamp(min=0)
+        block_size = self.config.block_size
+        blocks = layout.block_table.long()[rows, (position // block_size).clamp(max=layout.block_table.shape[1] - 1)]
+        return torch.where(move, blocks * block_size + position % block_size, -1)
+
+    @staticmethod
+    def _last_kept(layout: RowLayout, decode: torch.Tensor, emitted: torch.Tensor, path: torch.Tensor | None):
+        """Each row's token whose KV is its last kept position (a tree's: the path's last node)."""
+        starts = layout.query_start_loc.long()
+        valid = torch.where(decode, emitted, starts[1:] - starts[:-1])
+        last = (valid - 1).clamp(min=0)
+        if path is not None:
+            node = path.gather(1, last.clamp(max=path.shape[1] - 1)[:, None]).squeeze(1)
+            last = torch.where(decode, node.clamp(min=0), last)
+        return starts[:-1] + last
 
     # --- commit ---------------------------------------------------------------------------------------
 
@@ -586,6 +724,8 @@ class BatchedEngine(EngineCore):
         host_seq_lens: list[int],
         padding: EmptyPadding | None = None,
         num_real: int = 0,
+        tree_parents: torch.Tensor | None = None,
+        host_tree_parents: list[int] | None = None,
     ) -> CommonAttentionMetadata:
         """The backend's view of a batch: host lengths only when the host knows them (sync); the
         padding rows past ``num_real`` as empty requests where ``padding`` is given."""
@@ -603,4 +743,6 @@ class BatchedEngine(EngineCore):
             # Async: the host's lengths assume every draft accepted, an upper bound. A graph serves every length.
             lengths_known=not self.config.async_scheduling,
             max_seq_len=self.config.model.max_model_len if shape.padded else None,
+            tree_parents=tree_parents,
+            host_tree_parents=host_tree_parents,
         )

@@ -29,7 +29,8 @@ from reference_engine.core import EngineConfig
 from reference_engine.device_flag import DeviceError, resolve_device
 from reference_engine.engine import Engine
 from reference_engine.metrics import count_host_syncs, measure, measure_in_step_idle, median_run
-from reference_engine.model import PRESETS, LlamaModel
+from reference_engine.draft_tree import DraftTree
+from reference_engine.model import PRESETS, EagleHead, LlamaModel
 from reference_engine.prompt_set import take
 from reference_engine.real_models import REAL_MODELS, ModelFetchError, fetch, load_real_model
 from reference_engine.sampling import SamplingParams
@@ -109,7 +110,27 @@ def add_engine_parser(commands) -> None:
             "3) | scripted:PATTERN (all, none, first:J, random:R); default none: no drafting"
         ),
     )
-    run.add_argument("--eagle", help="a local EAGLE head checkpoint directory (with --drafter eagle)")
+    run.add_argument(
+        "--eagle",
+        help="a local EAGLE head checkpoint directory (with --drafter eagle), or first-layer: a head made "
+        "of the target's first layer, untrained (default: a seeded random head)",
+    )
+    tree = run.add_mutually_exclusive_group()
+    tree.add_argument(
+        "--topk",
+        type=int,
+        default=1,
+        help="EAGLE top-k: above 1 the drafter proposes a token tree of --spec-tokens drafts (EAGLE-2's "
+        "dynamic tree: the top-k likeliest paths kept at each draft step) that each step verifies (default 1: a chain)",
+    )
+    tree.add_argument(
+        "--tree",
+        help="a static token tree for --drafter eagle, its parents with the root first, as a case's tree[...]: "
+        "--tree=-1.0.0.1 or --tree 'tree[-1.0.0.1]' (a node's children are its likeliest tokens)",
+    )
+    run.add_argument(
+        "--draft-depth", type=int, help="draft steps of a --topk tree (default: the most its drafts allow)"
+    )
     run.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     run.add_argument(
         "--loop",
@@ -175,6 +196,21 @@ KV_CACHE_FORMATS = {
 }
 
 
+def _draft_tree(args, usage_error) -> DraftTree | None:
+    """--topk / --tree / --draft-depth as the engine's draft tree (None: a chain)."""
+    topk, tree, depth = getattr(args, "topk", 1), getattr(args, "tree", None), getattr(args, "draft_depth", None)
+    if topk == 1 and tree is None:
+        if depth is not None:
+            raise usage_error("--draft-depth is for a --topk tree")
+        return None
+    if args.spec_tokens == 0:
+        raise usage_error("a token tree (--topk, --tree) drafts nothing without --spec-tokens K (K >= 1)")
+    try:
+        return DraftTree.parse(tree if tree is not None else f"topk={topk}", args.spec_tokens, depth)
+    except ValueError as error:
+        raise usage_error(f"--{'tree' if tree is not None else 'topk'}: {error}") from None
+
+
 def _make_engine(args, model, eagle, dtype, device, loop: str, drafter: str, usage_error):
     config = EngineConfig(
         model=model.config,
@@ -193,6 +229,7 @@ def _make_engine(args, model, eagle, dtype, device, loop: str, drafter: str, usa
         check_inputs=getattr(args, "check_inputs", False),
         kv_cache_dtype=KV_CACHE_FORMATS[args.kv_cache_dtype][0],
         kv_scale_block=KV_CACHE_FORMATS[args.kv_cache_dtype][1],
+        draft_tree=_draft_tree(args, usage_error),
     )
     try:
         return (Engine if loop == "simple" else BatchedEngine)(config, model, eagle)
@@ -303,7 +340,7 @@ def run_engine(args: argparse.Namespace, console: Console, usage_error) -> int:
     status.print(f"engine: loading {args.model} ({dtype_name}, {device})", highlight=False)
     model, tokenizer = _load_model(args, dtype, device, usage_error)
     try:
-        eagle = load_eagle_head(args.eagle, model.config, dtype, device) if args.eagle else None
+        eagle = _eagle_head(args.eagle, model, dtype, device)
     except CheckpointError as error:
         raise usage_error(str(error)) from None
     engine = _make_engine(args, model, eagle, dtype, device, args.loop, args.drafter, usage_error)
@@ -369,8 +406,18 @@ def run_engine(args: argparse.Namespace, console: Console, usage_error) -> int:
     return 0
 
 
+def _eagle_head(eagle: str | None, model: LlamaModel, dtype, device) -> EagleHead | None:
+    """--eagle: a checkpoint directory, first-layer (``EagleHead.from_target``), or None (random)."""
+    if eagle == "first-layer":
+        return EagleHead.from_target(model)
+    return load_eagle_head(eagle, model.config, dtype, device) if eagle else None
+
+
 def _speculation(args: argparse.Namespace) -> str:
-    return f"k={args.spec_tokens}, drafter {args.drafter}" if args.spec_tokens else "no speculation"
+    if not args.spec_tokens:
+        return "no speculation"
+    tree = _draft_tree(args, ValueError)
+    return f"k={args.spec_tokens}, drafter {args.drafter}" + (f", {tree.describe()}" if tree else "")
 
 
 def _sampling_words(args: argparse.Namespace) -> str:

@@ -17,6 +17,8 @@ import torch
 
 from backends import registry
 from backends.base import BackendLimits, KVScales
+from backends.features import Needs
+from reference_engine.draft_tree import DraftTree
 from reference_engine.drafters.base import Drafter
 from reference_engine.drafters.registry import drafter_names, parse_drafter
 from reference_engine.kv_cache import BlockManager
@@ -49,6 +51,9 @@ class EngineConfig:
     max_num_tokens: int = 256
     num_spec_tokens: int = 0
     drafter: str = "none"  # none | eagle | scripted:PATTERN | ngram[:N] | layer-skip[:N] (drafters.registry)
+    # EAGLE top-k > 1: the token tree the drafter proposes and each verify step hands the backend
+    # (``draft_tree``; its drafts are num_spec_tokens); None: a chain. The batched loop only.
+    draft_tree: DraftTree | None = None
     seed: int = 0
     check_device_state: bool = False  # compare the device state with the host mirror after every step
     # The batched engine only:
@@ -130,10 +135,31 @@ class EngineCore:
             max_num_tokens=config.max_num_tokens,
             num_spec_tokens=config.num_spec_tokens,
             max_model_len=config.model.max_model_len,
+            whole_drafts=config.draft_tree is not None,
         )
         self.eagle_head = eagle_head  # a loaded EAGLE head for the eagle drafter (None: seeded random)
+        self._check_tree()
         self._generators: dict[int, torch.Generator] = {}
         self.drafter.bind(self)
+
+    def _check_tree(self) -> None:
+        """A token tree: a drafter that drafts one, as many drafts as speculative tokens, dense
+        attention, and a backend that claims trees of its size (ValueError: why not)."""
+        config, tree = self.config, self.config.draft_tree
+        if tree is None:
+            return
+        if not self.drafter.drafts_trees:
+            raise ValueError(f"a token tree ({tree.describe()}) is drafted by eagle, not by {config.drafter!r}")
+        if tree.num_drafts != config.num_spec_tokens:
+            raise ValueError(f"a {tree.describe()} with {config.num_spec_tokens} speculative tokens")
+        if config.model.index_topk is not None:
+            raise ValueError("token trees are for dense attention; this model's attention is sparse (an indexer's)")
+        tokens = 1 + tree.num_drafts
+        for group in self.backend.groups:
+            needs = Needs(group.plan.spec, (tokens,), tree_tokens=tokens)
+            reason = group.backend.capabilities.skip_reason(needs, self.device)
+            if reason:
+                raise ValueError(f"backend {config.backend} cannot verify a {tree.describe()}: {reason}")
 
     def layer_scales(self, num_layers: int) -> list[KVScales] | None:
         """Each layer's fp8 scales (device tensors made once: graphs read them), or None."""

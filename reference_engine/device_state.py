@@ -17,6 +17,11 @@ class DeviceState:
         # drafts proposed for the next verify, so the host never needs to see either.
         self.num_output = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self.drafts = torch.zeros(max_num_reqs, max(num_spec_tokens, 1), dtype=torch.int64, device=device)
+        # A token-tree engine's verify tree per slot (``draft_tree``): each node's parent (the root,
+        # the last token, -1) and depth; a chain until a tree is drafted.
+        chain = torch.arange(-1, num_spec_tokens, device=device)
+        self.tree_parents = chain.repeat(max_num_reqs, 1)
+        self.tree_depths = (chain + 1).repeat(max_num_reqs, 1)
         self.free_slots = list(range(max_num_reqs))
         self.slot_of: dict[int, int] = {}
 

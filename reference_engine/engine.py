@@ -42,6 +42,8 @@ class Engine(EngineCore):
     def __init__(
         self, config: EngineConfig, model: LlamaModel | None = None, eagle_head: EagleHead | None = None
     ) -> None:
+        if config.draft_tree is not None:
+            raise ValueError("token trees are verified by the batched loops (async, sync), not the per-request loop")
         super().__init__(config, model, eagle_head)
         self.state = DeviceState(config.max_num_reqs, self.device)
         self.scheduler.on_preempt = lambda request: self.state.reset(request.request_id)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from backends import fp8
-from backends.base import AttentionSpec, KVScales
+from backends.base import PLAIN_LAYER, AttentionSpec, KVScales
 from backends.fp8_ds_mla import DsMlaLayout
 from reference_engine.lightning_indexer import LightningIndexer
 
@@ -219,7 +219,7 @@ class DecoderLayer(torch.nn.Module):
         query, key = apply_rope(query, positions, config.rope_theta), apply_rope(key, positions, config.rope_theta)
         view = step.attention(layer)
         parameters = step.layer(layer, self.sinks)
-        view.backend.write_kv(view.kv_cache, key, value, step.slot_mapping, layer=parameters)
+        step.write_kv(view.backend, view.kv_cache, key, value, parameters)
         out = torch.empty(tokens, config.num_heads, config.head_dim, dtype=normed.dtype, device=normed.device)
         view.backend.forward(query, view.kv_cache, view.metadata, out, layer=parameters)
         return self.o_proj(out.view(tokens, q_size))
@@ -269,13 +269,13 @@ class LatentAttention(torch.nn.Module):
         k_pe = apply_rope(down[:, None, rank:], positions, config.rope_theta)[:, 0]
         entry = torch.cat([latent, k_pe], dim=-1).contiguous()
         view, parameters = step.attention(layer), step.layer(layer)
-        view.backend.write_kv(view.kv_cache, entry, None, step.slot_mapping, layer=parameters)
+        step.write_kv(view.backend, view.kv_cache, entry, None, parameters)
         indices = (
             None if self.indexer is None else self.indexer(normed, positions, step.indexer(layer), step.slot_mapping)
         )
         if view.prefill is not None:
             key, value = self.decompress(entry, view.backend.spec, parameters.scales)
-            view.prefill.write_kv(view.prefill_cache, key, value, step.slot_mapping)
+            step.write_kv(view.prefill, view.prefill_cache, key, value, PLAIN_LAYER)
         out = torch.empty(tokens, heads, config.v_head_dim, dtype=normed.dtype, device=normed.device)
         absorbed = None
         for call in view.calls:  # decodes absorbed over the latents, prefills over the decompressed keys
@@ -380,6 +380,21 @@ class EagleHead(torch.nn.Module):
                     fan_in = parameter.shape[-2] if name.endswith(("w_uk", "w_uv")) else parameter.shape[-1]
                     parameter.copy_(torch.randn(parameter.shape, generator=generator) / math.sqrt(fan_in))
         return head.to(device=device, dtype=dtype).eval()
+
+    @staticmethod
+    def from_target(target: "LlamaModel") -> "EagleHead":
+        """A head made of the target's own first layer, without training: ``fc`` passes the token's
+        embedding through and drops the feature, so the head drafts what the target's first layer
+        and LM head predict (a stand-in for a trained head where none is at hand: its guesses
+        agree with the target's far more often than a random head's)."""
+        config = target.config
+        head = EagleHead(config)
+        with torch.no_grad():
+            head.fc.weight.zero_()
+            head.fc.weight[:, : config.hidden_size].copy_(torch.eye(config.hidden_size))
+            head.layer.load_state_dict(target.layers[0].state_dict())
+        parameter = next(target.parameters())
+        return head.to(device=parameter.device, dtype=parameter.dtype).eval()
 
     @torch.no_grad()
     def forward(

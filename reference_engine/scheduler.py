@@ -19,9 +19,18 @@ class Scheduled:
 
 class Scheduler:
     def __init__(
-        self, blocks: BlockManager, *, max_num_reqs: int, max_num_tokens: int, num_spec_tokens: int, max_model_len: int
+        self,
+        blocks: BlockManager,
+        *,
+        max_num_reqs: int,
+        max_num_tokens: int,
+        num_spec_tokens: int,
+        max_model_len: int,
+        whole_drafts: bool = False,
     ) -> None:
         self.blocks = blocks
+        # A token tree is drafted whole or not at all (its draft steps' queries need its every slot).
+        self.whole_drafts = whole_drafts
         self.max_num_reqs, self.max_num_tokens = max_num_reqs, max_num_tokens
         self.num_spec_tokens, self.max_model_len = num_spec_tokens, max_model_len
         self.waiting: deque[Request] = deque()
@@ -63,6 +72,8 @@ class Scheduler:
         # and capping by it would make async draft differently from sync, and, with sampling,
         # emit different tokens.
         room = self.max_model_len - len(request.tokens) - 1
+        if self.whole_drafts:
+            return self.num_spec_tokens if room >= self.num_spec_tokens else 0
         return max(0, min(self.num_spec_tokens, room))
 
     def reserved_tokens(self, request: Request) -> int:

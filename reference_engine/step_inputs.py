@@ -48,6 +48,15 @@ class StepInputs:
     kv_caches: list
     slot_mapping: torch.Tensor
     kv_scales: list[KVScales] | None = None  # an fp8 cache's scales, per layer (each layer its own)
+    # A token-tree verify keeps every KV write (``KVWrites``) to store the accepted path again
+    # where its positions lie; None: writes are not kept.
+    kept_writes: KVWrites | None = None
+
+    def write_kv(self, backend, kv_cache, key: torch.Tensor, value: torch.Tensor | None, layer: LayerParameters) -> None:
+        """A layer's keys and values into its cache at this step's slots (kept where asked)."""
+        backend.write_kv(kv_cache, key, value, self.slot_mapping, layer=layer)
+        if self.kept_writes is not None:
+            self.kept_writes.append((backend, kv_cache, key, value, layer))
 
     def layer(self, index: int, sinks: torch.Tensor | None = None) -> LayerParameters:
         """Layer ``index``'s parameters for write_kv and forward: its scales, for an fp8 cache, and
@@ -61,6 +70,18 @@ class StepInputs:
     def indexer(self, index: int) -> IndexerView:
         """Layer ``index``'s lightning indexer, its cache and metadata this step (a sparse model's)."""
         return self.backend.indexer_view(index, self.metadata, self.kv_caches[index])
+
+
+class KVWrites(list):
+    """The KV writes of one forward, (backend, cache, key, value, layer) each: a token tree's verify
+    writes node j at its row's slot j, and once the accepted path is known its nodes must sit at
+    their positions' slots (``store_path``)."""
+
+    def store_at(self, slot_mapping: torch.Tensor) -> None:
+        """Every kept write again, at ``slot_mapping`` (-1: that token not again); the backend's
+        own ``write_kv`` stores the same values, so the bytes equal a write at the right slot."""
+        for backend, kv_cache, key, value, layer in self:
+            backend.write_kv(kv_cache, key, value, slot_mapping, layer=layer)
 
 
 @dataclass
@@ -181,6 +202,7 @@ def input_violations(
     vocab_size: int,
     block_size: int,
     step_index: int = 0,
+    depths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The debug mode's device-side checks, counted without a host sync. [4] int64:
     0 placeholder or out-of-range input id; 1 a prefill row whose device start differs from the
@@ -194,7 +216,8 @@ def input_violations(
     bad_id = ((step.input_ids == PLACEHOLDER) | (step.input_ids < 0) | (step.input_ids >= vocab_size)).sum()
     committed = committed.long()
     bad_start = torch.where(decode, committed > host_start, committed != host_start).sum()
-    bad_position = (step.positions != committed[rows] + step_index + offsets).sum()
+    # A token tree's node sits at committed + its depth (``depths``: per token; a chain's is its offset).
+    bad_position = (step.positions != committed[rows] + step_index + (offsets if depths is None else depths)).sum()
     written = step.slot_mapping >= 0
     bad_slot = (written & ((step.positions >= capacity[rows]) | (step.slot_mapping // block_size == 0))).sum()
     return torch.stack([bad_id, bad_start, bad_position, bad_slot])

@@ -62,6 +62,17 @@ class DraftStep:
 
 
 @dataclass
+class TreeDraftStep:
+    """A batched step's rows that draft a token tree (``Drafter.draft_tree``); eager, as the
+    engine runs tree steps."""
+
+    slots: torch.Tensor  # [rows] each row's device-state slot
+    block_table: torch.Tensor  # [rows, width] int32
+    host_starts: list[int]  # the rows' committed lengths as the host knows them (async: an upper bound)
+    lengths_known: bool  # host_starts exact (the sync loop)
+
+
+@dataclass
 class Verified:
     """What a batched step's verify forward computed and committed, as ``Drafter.after_commit``
     gets it (the device state already holds the commit)."""
@@ -73,6 +84,12 @@ class Verified:
     hidden: torch.Tensor  # [tokens, hidden]: the target's final features
     tokens: torch.Tensor  # [rows, k + 1]: each row's emitted tokens, the first ``emitted`` of them
     emitted: torch.Tensor  # [rows]
+    # Each token's parent among its row's tokens (-1: the row's first), chains but for a tree's
+    # decode rows; the token whose KV holds each row's last kept position; and, for a tree step,
+    # the slot each accepted node's KV moves to (-1: stays or is dropped), else None.
+    parents: torch.Tensor  # [tokens] int64
+    last_kept: torch.Tensor  # [rows] int64, a token index
+    moved_slots: torch.Tensor | None = None  # [tokens] int64
 
 
 class Drafter(ABC):
@@ -80,6 +97,7 @@ class Drafter(ABC):
     usage: ClassVar[str]  # how a spec names it, for messages: "ngram[:N]"
     drafts: ClassVar[bool] = True  # False for "none": no speculation
     uses_attention: ClassVar[bool] = False  # drafts through the attention backend (draft steps, update_for_draft_step)
+    drafts_trees: ClassVar[bool] = False  # drafts a token tree (``draft_tree``) where the engine asks for one
 
     @classmethod
     @abstractmethod
@@ -125,6 +143,11 @@ class Drafter(ABC):
     def draft(self, step: DraftStep) -> None:
         """Fill ``state.drafts[slot, :num_drafts]`` of every row, on the device, without a host sync
         (and, when ``step.sampling``, the slot sampling's draft probabilities)."""
+
+    def draft_tree(self, step: TreeDraftStep) -> None:
+        """Fill every row's verify tree into the device state (``drafts``, ``tree_parents``,
+        ``tree_depths`` of its slot), on the device, without a host sync."""
+        raise NotImplementedError(f"{self.name} drafts no token tree")
 
     def after_commit(self, verified: Verified) -> None:
         """Catch up with the tokens the verify step committed."""

@@ -14,14 +14,16 @@ from __future__ import annotations
 import torch
 
 from reference_engine.drafters.attention import AttentionDrafter, HostRow
-from reference_engine.drafters.base import Computed, Verified
+from reference_engine.drafters.base import Computed, TreeDraftStep, Verified
+from reference_engine.drafters.eagle_tree import TreeDrafting
 from reference_engine.model import EagleHead
-from reference_engine.step_inputs import StepInputs, StepTensors
+from reference_engine.step_inputs import KVWrites, StepInputs, StepTensors
 
 
 class EagleDrafter(AttentionDrafter):
     name = "eagle"
     usage = "eagle"
+    drafts_trees = True
 
     @classmethod
     def parse(cls, argument: str | None, num_target_layers: int) -> EagleDrafter:
@@ -37,6 +39,8 @@ class EagleDrafter(AttentionDrafter):
         self.cache = engine.backend.allocate_kv_cache(config.num_blocks, 0)  # the head's own KV (one layer)
         self.scales = engine.layer_scales(1)
         self.last_features: dict[int, torch.Tensor] = {}  # host: the target feature before each request's last token
+        tree = config.draft_tree
+        self.tree_drafting = TreeDrafting(self, tree) if tree is not None else None
 
     def _head(self, features: torch.Tensor):
         """The head over ``features`` as ``forward_rows`` runs a model."""
@@ -93,20 +97,30 @@ class EagleDrafter(AttentionDrafter):
         self.draft_features[slots] = predicted
         return predicted
 
+    def draft_tree(self, step: TreeDraftStep) -> None:
+        self.tree_drafting.draft(step)
+
     def after_commit(self, verified: Verified) -> None:
         """The head's cache over the positions the step made valid; the target's feature at the
-        last of them carried to the next draft."""
+        last of them carried to the next draft. A token is fed the target's feature at its parent
+        (a tree's node: its parent node's); a tree step's accepted nodes then move as the
+        target's did."""
         rows, layout, tensors, hidden = verified.layout.token_row, verified.layout, verified.tensors, verified.hidden
         starts = layout.query_start_loc.long()
         offsets = torch.arange(rows.numel(), device=hidden.device) - starts[rows]
         slots = layout.slots
         carried = torch.where((tensors.positions > 0)[:, None], self.features[slots[rows]], 0.0)
-        previous = torch.cat([hidden[:1] * 0, hidden[:-1]])
-        features = torch.where((offsets == 0)[:, None], carried, previous)
+        parents = verified.parents
+        features = torch.where((parents >= 0)[:, None], hidden[(starts[rows] + parents).clamp(min=0)], carried)
         query_lens = starts[1:] - starts[:-1]
         valid_count = torch.where(verified.decode.bool(), verified.emitted, query_lens)
-        head_slots = torch.where(offsets < valid_count[rows], tensors.slot_mapping, -1)
-        inputs = StepInputs(self.engine.backend, verified.metadata, [self.cache], head_slots, self.scales)
+        moved = verified.moved_slots
+        # A tree's accepted nodes are known only as a path: every node is written, the path moved.
+        head_slots = tensors.slot_mapping if moved is not None else torch.where(offsets < valid_count[rows], tensors.slot_mapping, -1)
+        inputs = StepInputs(
+            self.engine.backend, verified.metadata, [self.cache], head_slots, self.scales, KVWrites() if moved is not None else None
+        )
         self.head(self.engine.model, tensors.input_ids, features, tensors.positions, inputs)
-        last = (starts[:-1] + valid_count - 1).clamp(min=0)
-        self.features[slots] = torch.where((valid_count > 0)[:, None], hidden[last], self.features[slots])
+        if moved is not None:
+            inputs.kept_writes.store_at(moved)
+        self.features[slots] = torch.where((valid_count > 0)[:, None], hidden[verified.last_kept], self.features[slots])

@@ -18,3 +18,12 @@ class HostLastTokenEngine(BatchedEngine):
 
     def _decode_inputs(self, request, count):
         return False, request.tokens[-count:]
+
+
+class TreeBranchesKVLeftEngine(BatchedEngine):
+    """A token-tree engine that commits the accepted path's length but leaves the KV where the
+    tree step wrote it: node j at slot start + j. Where the path leaves the first branch, the next
+    step reads a rejected sibling's keys at an accepted position."""
+
+    def _moved_slots(self, path, emitted, layout, starts):
+        return super()._moved_slots(path, emitted, layout, starts).fill_(-1)
