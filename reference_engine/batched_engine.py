@@ -168,6 +168,8 @@ class BatchedEngine(EngineCore):
         # check_inputs: a digest of every (KV slot, token) the target verified; two runs verified
         # the same drafts exactly when their digests are equal (read after generate: no sync).
         self.verified = torch.zeros((), dtype=torch.int64, device=self.device)
+        # A token-tree engine: accepted nodes whose KV moved to their position (read after generate).
+        self.moved = torch.zeros((), dtype=torch.int64, device=self.device)
         max_blocks = -(-config.model.max_model_len // config.block_size)
         self.max_blocks = max_blocks
         tokens = config.max_num_tokens
@@ -196,6 +198,10 @@ class BatchedEngine(EngineCore):
         """Draft steps after the first advance the backend's metadata with update_for_draft_step
         (eagerly, or all k in one graph), as engines do for a backend that claims it."""
         return self.backend.capabilities.draft_step_update and not self.config.rebuild_draft_metadata
+
+    def moved_nodes(self) -> int:
+        """A token-tree engine: accepted nodes so far whose KV moved (their path left the first branch)."""
+        return int(self.moved)
 
     def verified_digest(self) -> int:
         """check_inputs: the digest of everything verified so far (see ``verified``)."""
@@ -539,6 +545,7 @@ class BatchedEngine(EngineCore):
         if writes is not None:
             moved = self._moved_slots(path, emitted, layout, buffers.starts)
             writes.store_at(moved)  # the accepted path's KV where its positions lie
+            self.moved.add_((moved >= 0).sum())
         self._commit(uploaded, layout, tokens, emitted)
         last_kept = self._last_kept(layout, uploaded.decode.bool(), emitted, path)
         parents = self._tree_of_tokens(layout)[1]  # computed inside the segment: a graph replays it

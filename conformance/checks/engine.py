@@ -102,9 +102,10 @@ def layout_key(case: Case, device: torch.device, suite: str | None = None) -> tu
     spec = case.spec
     sparse = spec.sparse_topk is not None
     if suite == "quick":
-        return (spec.kind, sparse)
+        return (spec.kind, sparse, bool(case.trees))
     windowed = spec.sliding_window is not None or spec.sparse_window is not None
     key = spec.kind, sparse, spec.attention_sinks, windowed, is_mla_prefill_layer(spec), spec.kv_scale_block
+    key += (bool(case.trees),)  # a token-tree layout's engines draft trees
     if device.type == "cpu":
         return key + (spec.fp8_kv_cache,)
     return key + (spec.kv_cache_dtype if spec.fp8_kv_cache else None, spec.dtype)
@@ -161,7 +162,10 @@ class EngineCheck(Check):
         "accepted_drafts": "accepted drafts per prompt",
         "host_sync_sources": "host syncs in the async loop",
         "attention_routing": "batches and tokens each backend served (prefill/decode split)",
+        "token_trees": "token-tree runs: drafts accepted per prompt, accepted nodes whose KV moved",
     }
+
+    drives_trees = True  # a tree layout's engines draft and verify EAGLE token trees through the backend
 
     def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
         # The engine's own batches, not the case's: a decode-only backend runs beside a companion.
@@ -234,14 +238,21 @@ class EngineCheck(Check):
             same.append(
                 ("MLA prefill decompressed vs every request absorbed", lambda: runs.absorbed, lambda: runs.plain)
             )
-        same += [
-            ("spec (sync) vs plain", lambda: runs.sync, lambda: runs.plain),
-            ("async vs sync", lambda: runs.overlapped, lambda: runs.sync),
-            (f"{drafting}, sync vs plain", lambda: runs.drafted_sync, lambda: runs.plain),
-            (f"{drafting}, async vs plain", lambda: runs.drafted_async, lambda: runs.plain),
-        ]
+        if runs.trees:  # the chain layout of the same layer judges the chain runs
+            same += [
+                ("EAGLE top-k 4 token trees, sync vs plain", lambda: runs.tree_sync, lambda: runs.plain),
+                ("EAGLE top-k 4 token trees, async vs plain", lambda: runs.tree_async, lambda: runs.plain),
+                ("a static EAGLE token tree, async vs plain", lambda: runs.static_tree_async, lambda: runs.plain),
+            ]
+        else:
+            same += [
+                ("spec (sync) vs plain", lambda: runs.sync, lambda: runs.plain),
+                ("async vs sync", lambda: runs.overlapped, lambda: runs.sync),
+                (f"{drafting}, sync vs plain", lambda: runs.drafted_sync, lambda: runs.plain),
+                (f"{drafting}, async vs plain", lambda: runs.drafted_async, lambda: runs.plain),
+            ]
         table += [(label, self._same_tokens(runs, label, got, expected)) for label, got, expected in same]
-        if backend_cls.capabilities.draft_step_update:
+        if backend_cls.capabilities.draft_step_update and not runs.trees:  # tree draft steps are rebuilt
             table.append(("update_for_draft_step drafts what rebuilt metadata drafts", runs.draft_update_problem))
         if runs.graphs:
             table.append(("drafts accepted under CUDA graphs == eager", runs.graph_acceptance_problem))

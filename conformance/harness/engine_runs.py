@@ -39,6 +39,13 @@ STEADY_MAX_TOKENS = (60, 120, 180, 240, 300, 200, 100, 150)
 WARM_UP_MAX_TOKENS = (10, 20, 30, 40)  # finishing apart: every padded graph size, 4, 2 and 1, seen twice
 DRAFTER = "scripted:random:0.5"
 ATTENTION_DRAFTER = "layer-skip"  # drafts through the backend under test
+# A token-tree layout's runs: EAGLE with a head made of the target's first layer (its guesses
+# agree with the target often, so paths leave the first branch and accepted KV moves), drafting
+# a dynamic top-4 tree of 8 (EAGLE-2, SGLang's shape) and a static binary tree of depth 2, both
+# through the backend under test; tree steps run eagerly.
+TREE_DRAFTER = "eagle"
+TREE_SHAPES = ("topk=4", "-1.0.0.1.1.2.2")
+TREE_SPEC_TOKENS = (8, 6)
 
 
 class TooFewSteadySteps(Exception):
@@ -92,8 +99,13 @@ class EngineRuns:
             self.prefill_backend,
             kv_scale_block=cache_config(self.case).get("kv_scale_block"),
         )
-        self.graphs = device.type == "cuda"
-        self.drafting = f"{ATTENTION_DRAFTER} drafting{' under CUDA graphs' if self.graphs else ''}"
+        self.trees = bool(case.trees)  # a token-tree layout: its engines draft and verify trees
+        self.graphs = device.type == "cuda" and not self.trees
+        self.drafting = (
+            "EAGLE token trees (top-k 4 of 8, and static) drafted and verified through the backend"
+            if self.trees
+            else f"{ATTENTION_DRAFTER} drafting{' under CUDA graphs' if self.graphs else ''}"
+        )
         self.metrics: dict[str, Any] = {}
         self.evidence: dict[str, Any] = {}
 
@@ -148,9 +160,11 @@ class EngineRuns:
 
     def engine_for(self, **changes):
         from reference_engine.batched_engine import BatchedEngine
+        from reference_engine.model import EagleHead
 
+        head = EagleHead.from_target(self.model) if changes.get("draft_tree") else None
         engine = BatchedEngine(
-            dataclasses.replace(self.base, prefill_backend=self.prefill_backend, **changes), self.model
+            dataclasses.replace(self.base, prefill_backend=self.prefill_backend, **changes), self.model, head
         )
         self.routings.extend(engine.backend.routings())
         return engine
@@ -222,6 +236,40 @@ class EngineRuns:
         return self.tokens(
             num_spec_tokens=SPEC_TOKENS, drafter=ATTENTION_DRAFTER, cuda_graphs=self.graphs, check_inputs=True
         )
+
+    def tree_config(self, shape: int = 0) -> dict[str, Any]:
+        """An engine drafting token tree ``TREE_SHAPES[shape]`` through the backend."""
+        from reference_engine.draft_tree import DraftTree
+
+        spec_tokens = TREE_SPEC_TOKENS[shape]
+        return dict(
+            num_spec_tokens=spec_tokens,
+            drafter=TREE_DRAFTER,
+            draft_tree=DraftTree.parse(TREE_SHAPES[shape], spec_tokens),
+        )
+
+    def tree_tokens(self, label: str, shape: int, **changes) -> list[list[int]]:
+        """A tree run's tokens; its accepted drafts per prompt and how many accepted nodes' KV moved
+        (a path off the first branch: what only a tree engine does) go into the evidence."""
+        engine = self.engine_for(**self.tree_config(shape), **changes)
+        outputs = engine.generate(self.prompts, self.params)
+        self.evidence.setdefault("token_trees", {})[label] = {
+            "accepted_drafts": [out.accepted for out in outputs],
+            "accepted_nodes_moved": engine.moved_nodes(),
+        }
+        return [out.tokens for out in outputs]
+
+    @functools.cached_property
+    def tree_sync(self) -> list[list[int]]:
+        return self.tree_tokens("top-k 4, sync", 0, async_scheduling=False)
+
+    @functools.cached_property
+    def tree_async(self) -> list[list[int]]:
+        return self.tree_tokens("top-k 4, async", 0, check_inputs=True)
+
+    @functools.cached_property
+    def static_tree_async(self) -> list[list[int]]:
+        return self.tree_tokens(f"static {TREE_SHAPES[1]}, async", 1, check_inputs=True)
 
     # Claims over more than two runs' tokens -----------------------------------------------------
 
@@ -295,13 +343,16 @@ class EngineRuns:
     def steady_engine(self):
         """The measured engine: async, CUDA graphs, the scripted drafter (plain decoding for a
         backend that cannot verify k + 1 tokens), a pool no request can run out of."""
-        verifies = self.backend_cls.capabilities.query_len_reason(SPEC_TOKENS + 1) is None
         slots = self.base.max_num_reqs
+        blocks = slots * -(-self.model.config.max_model_len // self.case.spec.block_size) + 1
+        if self.trees:  # the dynamic tree: its shape is chosen on the device, the host never sees it
+            return self.engine_for(**self.tree_config(), cuda_graphs=True, num_blocks=blocks)
+        verifies = self.backend_cls.capabilities.query_len_reason(SPEC_TOKENS + 1) is None
         return self.engine_for(
             num_spec_tokens=SPEC_TOKENS if verifies else 0,
             drafter=DRAFTER if verifies else "none",
             cuda_graphs=True,
-            num_blocks=slots * -(-self.model.config.max_model_len // self.case.spec.block_size) + 1,
+            num_blocks=blocks,
         )
 
     def steady_workload(self) -> tuple[list[list[int]], list]:

@@ -41,6 +41,7 @@ class TreeDrafting:
         if tree.is_static:
             self.static_parents = torch.tensor(tree.parents, device=drafter.engine.device)
             self.static_ranks = torch.tensor(tree.child_ranks(), device=drafter.engine.device)
+            self.most_children = max(tree.child_ranks()) + 1  # on the host: no sync to size the top-k
 
     def draft(self, step: TreeDraftStep) -> None:
         engine, tree = self.drafter.engine, self.tree
@@ -110,7 +111,7 @@ class TreeDrafting:
         if self.tree.is_static:
             # Each node's children: its parent's likeliest tokens, by rank.
             ranks = self.static_ranks[following:end]
-            likeliest = logits.topk(int(ranks.max()) + 1, dim=-1).indices  # [rows, width, most children]
+            likeliest = logits.topk(self.most_children, dim=-1).indices  # [rows, width, most children]
             parent = self.static_parents[following:end] - first
             tokens[:, following:end] = likeliest[:, parent, ranks]
             return
