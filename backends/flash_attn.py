@@ -30,7 +30,15 @@ from backends.base import (
     CommonAttentionMetadata,
     LayerParameters,
 )
-from backends.features import ATTENTION_SINKS, FP8_KV_CACHES, LOGITS_SOFT_CAP, LSE, SLIDING_WINDOW, VALUE_HEAD_DIM
+from backends.features import (
+    ATTENTION_SINKS,
+    FP8_KV_CACHES,
+    LOGITS_SOFT_CAP,
+    LSE,
+    SLIDING_WINDOW,
+    TOKEN_TREES,
+    VALUE_HEAD_DIM,
+)
 from backends.paged_write import write_paged_rows
 
 INSTALL_HINT = "pip install 'specdec-conformance[flash-attn]'"
@@ -89,6 +97,8 @@ class FlashAttnBackend(AttentionBackend):
             "supported features); this adapter runs on SM90",
             LSE: "flash-attn-4 returns one, but it is not claimed until measured: flash-attn-4 was not installed on "
             "the GPU machines of the session that added the LSE",
+            TOKEN_TREES: "flash-attn-4's masks beyond causal and a window come as a CuTe DSL `mask_mod` (a compiled "
+            "function, FlexAttention's style); this adapter hands `causal` and builds none from a step's tree",
         },
         head_dims=frozenset({64, 128}),
         block_sizes=frozenset({16, 32, 64}),  # 256: fails on SM90

@@ -24,7 +24,7 @@ from backends.base import (
     CommonAttentionMetadata,
     LayerParameters,
 )
-from backends.features import FP8_KV_CACHES
+from backends.features import FP8_KV_CACHES, TOKEN_TREES
 from backends.paged_write import write_paged_rows
 from backends.vendor_layout import packed
 
@@ -69,11 +69,15 @@ class FlashMLABackend(FlashMLAModule):
     name = "flashmla"
     capabilities = Capabilities(
         **FLASHMLA_CLAIMS,
-        not_claimed=dict.fromkeys(
-            FP8_KV_CACHES,
-            "FlashMLA's fp8 decode on SM90 takes the query in fp8 too, with its own scale (descale_q), "
-            "which the contract does not hand a backend",
-        ),
+        not_claimed={
+            **dict.fromkeys(
+                FP8_KV_CACHES,
+                "FlashMLA's fp8 decode on SM90 takes the query in fp8 too, with its own scale (descale_q), "
+                "which the contract does not hand a backend",
+            ),
+            TOKEN_TREES: "FlashMLA's dense decode (flash_mla_with_kvcache) takes `causal` and no mask: a verify "
+            "request's tokens are causal to it",
+        },
         max_query_len=8,
         uniform_query_len=True,
         cuda_graphs=CGSupport.UNIFORM_BATCH,

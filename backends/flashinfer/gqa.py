@@ -100,6 +100,28 @@ def tree_mask(common: CommonAttentionMetadata, sliding_window: int | None) -> to
     return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.bool)
 
 
+def packed_tree_mask(common: CommonAttentionMetadata, sliding_window: int | None) -> torch.Tensor | None:
+    """``tree_mask`` packed as FlashInfer's prefill kernel reads it, on the host (uint8; None
+    without trees): request b's bits, little-endian, from byte ``mask_indptr[b]`` on. Handed a
+    packed mask, FlashInfer 0.7.2's plan computes ``mask_indptr`` as the mask *bits* before each
+    request (query length x sequence length, summed) and its kernel adds it as a *byte* offset, so
+    each request's bytes go at that offset and the bytes between stay unused. Its own packing
+    (``custom_mask`` → ``segment_packbits``) is what costs a host sync: the packed size is read
+    back and the indptr copied from pageable memory, every step."""
+    mask = tree_mask(common, sliding_window)
+    if mask is None:
+        return None
+    sizes = (common.query_lens_cpu * common.seq_lens_cpu).tolist()
+    packed = torch.zeros(max(sum(sizes), 1), dtype=torch.uint8)
+    weights = torch.tensor([1 << bit for bit in range(8)], dtype=torch.int32)
+    bit, offset = 0, 0
+    for size in sizes:
+        bits = torch.nn.functional.pad(mask[bit : bit + size].to(torch.int32), (0, -size % 8))
+        packed[offset : offset + bits.numel() // 8] = (bits.view(-1, 8) * weights).sum(dim=1).to(torch.uint8)
+        bit, offset = bit + size, offset + size
+    return packed
+
+
 def window_left(spec: AttentionSpec) -> int:
     """FlashInfer counts the window without the token itself."""
     return -1 if spec.sliding_window is None else spec.sliding_window - 1
@@ -112,14 +134,11 @@ class FlashInferBackend(AttentionBackend):
         head_dims=frozenset({64, 128, 192, 256}),
         block_sizes=frozenset({16, 32, 64}),
         max_query_len=None,
-        features=frozenset({FP8_E4M3, FP8_E5M2, SLIDING_WINDOW, LOGITS_SOFT_CAP, VALUE_HEAD_DIM, LSE}),
+        # Token trees as FlashInfer's packed custom mask, made on the host (``packed_tree_mask``).
+        features=frozenset({FP8_E4M3, FP8_E5M2, SLIDING_WINDOW, LOGITS_SOFT_CAP, VALUE_HEAD_DIM, LSE, TOKEN_TREES}),
         not_claimed={
             ATTENTION_SINKS: "FlashInfer 0.7.2's FA2 wrappers take `sinks`, but on SM90 their output misses them "
             "(H200: every learned-sinks case FAILed numerics, error 2.6 on outputs near 0.04)",
-            # The adapter hands trees as FlashInfer's custom mask (``tree_mask``): right, but not free.
-            TOKEN_TREES: "FlashInfer 0.7.2's prefill plan with a custom mask copies its mask indptr from pageable "
-            "host memory, a host sync every step (H200: numerics and determinism PASS on 8 tree cases, syncs FAIL: "
-            "6 syncs a step at flashinfer/prefill.py's `mask_indptr.to(custom_mask.device)`)",
         },
         cuda_graphs=CGSupport.UNIFORM_SINGLE_TOKEN_DECODE,
         needs_cpu_seq_lens=True,
@@ -243,10 +262,10 @@ class FlashInferBackend(AttentionBackend):
         layout = paged_layout(common, spec.block_size)
         # Token trees: FlashInfer's custom mask, every request's [query, sequence] visibility flat
         # (the window in it too), in place of the causal rule.
-        mask = tree_mask(common, spec.sliding_window)
+        mask = packed_tree_mask(common, spec.sliding_window)
         masked = {}
-        if mask is not None:  # FlashInfer packs it on the mask's device, which must be the GPU
-            masked = dict(custom_mask=token_tree.to_device(mask, self.device), causal=False, window_left=-1)
+        if mask is not None:  # packed here: FlashInfer's own packing syncs (``packed_tree_mask``)
+            masked = dict(packed_custom_mask=token_tree.to_device(mask, self.device), causal=False, window_left=-1)
         self.staging[id(wrapper or self.prefill)].plan(
             common.query_start_loc_cpu,
             layout.kv_indptr,

@@ -24,7 +24,7 @@ from backends.base import (
     KVScales,
     LayerParameters,
 )
-from backends.features import EMPTY_REQUESTS, FP8_KV_CACHES
+from backends.features import EMPTY_REQUESTS, FP8_KV_CACHES, TOKEN_TREES
 from backends.flashinfer import FA2_COMPUTE_CAPABILITIES, new_workspace, runs_on
 from backends.flashinfer.paged_layout import paged_layout
 from backends.paged_write import read_paged_rows, write_paged_rows
@@ -61,12 +61,16 @@ class FlashInferMLABackend(AttentionBackend):
         # Not claimed: measured, H100 (docs/findings.md). The fp8 path below stays, tested by a
         # subclass that claims it (tests/backends/test_flashinfer_mla_fp8_gpu.py), so that a fixed
         # FlashInfer shows as a passing test, to claim again.
-        not_claimed=dict.fromkeys(
-            FP8_KV_CACHES,
-            "FlashInfer 0.7.2's FA3 MLA kernel rounds the layer's scale to bf16 before it dequantizes "
-            "(k_scale 0.1 becomes 0.10009765625): outputs up to 1.65x past the tolerance where a few "
-            "large scores share the softmax, measured on an H100; its MLA kernels take e4m3 only",
-        ),
+        not_claimed={
+            **dict.fromkeys(
+                FP8_KV_CACHES,
+                "FlashInfer 0.7.2's FA3 MLA kernel rounds the layer's scale to bf16 before it dequantizes "
+                "(k_scale 0.1 becomes 0.10009765625): outputs up to 1.65x past the tolerance where a few "
+                "large scores share the softmax, measured on an H100; its MLA kernels take e4m3 only",
+            ),
+            TOKEN_TREES: "FlashInfer 0.7.2's BatchMLAPagedAttentionWrapper.plan takes `causal` and no mask: a "
+            "verify request's tokens are causal to it",
+        },
         feature_gpus=dict.fromkeys(
             FP8_KV_CACHES, GpuLimit(frozenset({(9, 0)}), "FlashInfer's fp8 MLA plan: its FA3 kernels")
         ),

@@ -11,7 +11,7 @@ import torch
 
 from backends import fp8
 from backends.base import PLAIN_LAYER, Capabilities, CGSupport, CommonAttentionMetadata, LayerParameters
-from backends.features import ATTENTION_SINKS, FP8_KV_CACHES
+from backends.features import ATTENTION_SINKS, FP8_KV_CACHES, TOKEN_TREES
 from backends.flashinfer import DeviceLengthsEntryPoint, packed_rows, runs_on
 from backends.paged_write import read_paged_rows, write_paged_rows
 from backends.vendor_layout import packed, packed_output
@@ -32,11 +32,16 @@ class TrtllmBackend(DeviceLengthsEntryPoint):
         # The fp8 path below runs, but XQA computes in fp8 ("xqa will run fp8 calculation"): on an
         # H200 its e4m3 decode missed the bf16 tolerance by up to 10.8x (error 74 on an output of
         # 342), so it is not the attention of the dequantized cache the contract asks for.
-        not_claimed=dict.fromkeys(
-            FP8_KV_CACHES,
-            "XQA's e4m3 path on SM90 computes in fp8 and missed the tolerance by up to 10.8x on an H200 "
-            "(max error 74 on an output of 342); e5m2 it does not take; trtllm-gen (SM100) is untested here",
-        ),
+        not_claimed={
+            **dict.fromkeys(
+                FP8_KV_CACHES,
+                "XQA's e4m3 path on SM90 computes in fp8 and missed the tolerance by up to 10.8x on an H200 "
+                "(max error 74 on an output of 342); e5m2 it does not take; trtllm-gen (SM100) is untested here",
+            ),
+            TOKEN_TREES: "FlashInfer 0.7.2's XQA takes a spec-decode draft mask (bit-packed rows, with q_seq_len > 1; "
+            "not with a sliding window), but this adapter serves decode only (max_query_len 1) and hands no mask: "
+            "XQA's spec-decode path is not built or measured here",
+        },
         head_dims=frozenset({64, 128}),
         block_sizes=frozenset({16, 32, 64}),
         features=frozenset({ATTENTION_SINKS}),

@@ -18,7 +18,7 @@ from backends.base import (
     CommonAttentionMetadata,
     LayerParameters,
 )
-from backends.features import FP8_KV_CACHES
+from backends.features import FP8_KV_CACHES, TOKEN_TREES
 from backends.flashinfer import DeviceLengthsEntryPoint, packed_rows, runs_on
 from backends.paged_write import write_paged_rows
 from backends.vendor_layout import packed, packed_output
@@ -61,11 +61,15 @@ class TrtllmMLABackend(DeviceLengthsEntryPoint):
     capabilities = Capabilities(
         kinds=frozenset({"mla"}),
         dtypes=frozenset({torch.bfloat16}),
-        not_claimed=dict.fromkeys(
-            FP8_KV_CACHES,
-            "trtllm-gen's e4m3 MLA path is not claimed until it passes on a Blackwell GPU, which this "
-            "project has not had",
-        ),
+        not_claimed={
+            **dict.fromkeys(
+                FP8_KV_CACHES,
+                "trtllm-gen's e4m3 MLA path is not claimed until it passes on a Blackwell GPU, which this "
+                "project has not had",
+            ),
+            TOKEN_TREES: "FlashInfer 0.7.2's trtllm_batch_decode_with_kv_cache_mla takes no mask: a verify "
+            "request's tokens are causal to it",
+        },
         head_dims=frozenset({576}),
         block_sizes=frozenset({32, 64}),
         max_query_len=8,

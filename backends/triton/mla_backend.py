@@ -22,7 +22,15 @@ from backends.base import (
     LayerParameters,
     OnlyWith,
 )
-from backends.features import EMPTY_REQUESTS, FP8_DS_MLA, FP8_E4M3, FP8_E5M2, SPARSE_TOPK, SPARSE_WINDOW
+from backends.features import (
+    EMPTY_REQUESTS,
+    FP8_DS_MLA,
+    FP8_E4M3,
+    FP8_E5M2,
+    SPARSE_TOPK,
+    SPARSE_WINDOW,
+    TOKEN_TREES,
+)
 from backends.fp8 import to_cache
 from backends.fp8_ds_mla import DsMlaLayout
 from backends.triton import GATHER, GLUON, INSTALL_HINT, PAGE, TMA
@@ -129,6 +137,10 @@ class TritonMLABackend(DeviceLengthsBackend):
         features=frozenset({FP8_E4M3, FP8_E5M2, EMPTY_REQUESTS, SPARSE_TOPK, SPARSE_WINDOW, FP8_DS_MLA}),
         feature_gpus={**FP8_GPUS, FP8_DS_MLA: FP8_GPUS[FP8_E4M3]},
         feature_only_with={FP8_DS_MLA: OnlyWith(frozenset({SPARSE_TOPK}), DS_MLA_DENSE)},
+        not_claimed={
+            TOKEN_TREES: "triton_mla's kernels (the split decode and the Gluon verify) mask a verify request's "
+            "tokens causally and read no tree: not built yet (triton's MHA kernels do)"
+        },
         # Uniform batches: the dense kernel's tiling follows the batch's query length (its decode
         # variant), so a graph serves the query length it was captured for; an H200 run showed a
         # graph captured over empty requests (variant 1) replaying a verify batch with no output.

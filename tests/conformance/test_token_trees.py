@@ -162,9 +162,8 @@ def test_a_backend_without_the_claim_and_the_checks_that_run_chains_say_why():
 
     case = parse_case(TREE_CASES[0])
     reason = TrtllmBackend.capabilities.feature_reason(case.needs, DeviceInfo("cuda", "H200", (9, 0)))
-    assert reason.startswith("token trees") and reason.endswith("not supported"), reason
-    reason = FlashInferBackend.capabilities.feature_reason(case.needs, DeviceInfo("cuda", "H200", (9, 0)))
-    assert "a host sync every step" in reason, reason
+    assert "XQA takes a spec-decode draft mask" in reason and "decode only" in reason, reason
+    assert FlashInferBackend.capabilities.feature_reason(case.needs, DeviceInfo("cuda", "H200", (9, 0))) is None
     assert TOKEN_TREES in TorchNaiveBackend.capabilities.features
     for name in ("draft-loop", "steady"):
         assert make_check(name).judged_reason(case).startswith(f"the {name} check runs chains only"), name
@@ -245,7 +244,7 @@ def test_graph_replays_keep_each_requests_tree_and_one_hands_other_trees():
 def test_a_sub_batch_keeps_its_requests_trees_and_flashinfers_mask_is_each_requests_visibility():
     """A backend that splits a step (decodes first, then the rest) hands each part its own
     requests' trees; FlashInfer's custom mask is each request's [query, sequence] visibility."""
-    from backends.flashinfer.gqa import tree_mask
+    from backends.flashinfer.gqa import packed_tree_mask, tree_mask
     from backends.utils import sub_batch
 
     batch = materialize(parse_case("gqa-h8/2-d64-w8:20+1,30+tree[-1.0.0.1],5+2"), CPU)
@@ -265,6 +264,14 @@ def test_a_sub_batch_keeps_its_requests_trees_and_flashinfers_mask_is_each_reque
     )
     assert torch.equal(mask, expected)
     assert tree_mask(materialize(parse_case("gqa-h8/2-d64:20+1,30+4"), CPU).common_metadata(), None) is None
+    # Packed for FlashInfer's kernel: request b's bits, little-endian, from the byte its plan's
+    # mask_indptr names (the mask bits before b: query x sequence lengths summed).
+    packed = packed_tree_mask(rest, 8)
+    unpacked = ((packed[:, None].int() >> torch.arange(8)) & 1).flatten().bool()
+    first, second = 4 * 34, 2 * 7  # each request's query x sequence bits
+    assert packed.numel() == first + second
+    assert torch.equal(unpacked[:first], expected[:first])
+    assert torch.equal(unpacked[8 * first : 8 * first + second], expected[first:])
 
 
 def test_ancestor_bits_on_the_device_agree_with_the_host_rule():
