@@ -57,14 +57,40 @@ def visible(
 ) -> torch.Tensor:
     """[q, context_len + q] bool: which keys of the request each new token sees (module docstring);
     the keys in slot order, the context's then the new tokens'."""
-    count = len(parents)
-    seen = torch.ones(count, context_len + count, dtype=torch.bool, device=device)
-    seen[:, context_len:] = ancestors(parents, device)
+    return visible_in_steps([parents], context_len, sliding_window, device)
+
+
+def visible_in_steps(
+    steps: Sequence[Sequence[int]],
+    context_len: int,
+    sliding_window: int | None = None,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """``visible`` for a request whose new tokens came in several steps, one after another, each
+    step's a tree by its parents (a decode step: [-1]): a token sees every key written before its
+    step, as the next step's context, at its slot's position, and in its own step its ancestors
+    and itself, at the step's start + depth. [q, context_len + q] bool, q every step's tokens."""
+    total = sum(len(parents) for parents in steps)
+    seen = torch.zeros(total, context_len + total, dtype=torch.bool)
+    positions = torch.zeros(total, dtype=torch.long)
+    start = 0
+    for parents in steps:
+        begin, end = context_len + start, context_len + start + len(parents)
+        rows = slice(start, start + len(parents))
+        seen[rows, :begin] = True
+        seen[rows, begin:end] = ancestors(parents)
+        positions[rows] = begin + torch.tensor(depths(parents), dtype=torch.long)
+        start += len(parents)
     if sliding_window is not None:
-        query_positions = context_len + torch.tensor(depths(parents), device=device)
-        key_positions = torch.cat([torch.arange(context_len, device=device), query_positions])
-        seen &= query_positions[:, None] - key_positions[None, :] < sliding_window
-    return seen
+        # A key before the token's step sits at its slot's position; one of its step, at its depth.
+        step_of = torch.repeat_interleave(
+            torch.arange(len(steps)), torch.tensor([len(parents) for parents in steps], dtype=torch.long)
+        )
+        key_positions = torch.arange(context_len + total).expand(total, -1).clone()
+        same_step = step_of[:, None] == step_of[None, :]
+        key_positions[:, context_len:] = torch.where(same_step, positions[None, :], key_positions[:, context_len:])
+        seen &= positions[:, None] - key_positions < sliding_window
+    return to_device(seen, device)
 
 
 def full(width: int, depth: int) -> tuple[int, ...]:

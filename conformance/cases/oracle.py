@@ -63,7 +63,7 @@ def attention_reference(
     sinks: torch.Tensor | None = None,
     topk_indices: torch.Tensor | None = None,
     sparse_window: int | None = None,
-    tree: tuple[int, ...] | None = None,
+    tree_steps: tuple[tuple[int, ...], ...] | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of one request's new tokens over its whole sequence, in float64.
@@ -74,9 +74,10 @@ def attention_reference(
     position and, with a sliding window W, when its position - j < W. ``sinks`` [H] (learned
     attention sinks): query head h's softmax denominator gains exp(sinks[h]), its numerator nothing.
     ``topk_indices`` [q, topk] (a sparse layer): each token sees only the keys ``indexed_keys``
-    says (its listed positions up to its own, and the ``sparse_window`` most recent). ``tree`` (a
-    token tree's parents, ``backends.token_tree``): the new tokens see the context and their
-    ancestors and themselves, at positions context_len + depth (a chain is today's causal rule).
+    says (its listed positions up to its own, and the ``sparse_window`` most recent). ``tree_steps``
+    (token trees, ``backends.token_tree.visible_in_steps``): the new tokens as steps, each a tree by
+    its parents; a token sees the keys before its step and its ancestors and itself, at positions
+    its step's start + depth (one step's tree: a verify's; a chain is today's causal rule).
     Returns [q, H, Dv] float64; with ``return_lse``, also [q, H] float64: the natural log of each
     softmax's denominator, log Σ_j exp(s_j) (+ exp(sink)), over the scaled, capped, masked logits.
     """
@@ -99,12 +100,13 @@ def attention_reference(
         else indexed_keys(topk_indices.to(query.device), context_len, seq_len, sparse_window)
     )
     chunk_len = max(1, _LOGITS_ELEMENTS // (num_heads * max(seq_len, 1)))  # seq_len 0: an empty request
+    trees = None if tree_steps is None else token_tree.visible_in_steps(tree_steps, context_len, sliding_window, query.device)
     for chunk_start in range(0, num_queries, chunk_len):
         chunk = slice(chunk_start, min(chunk_start + chunk_len, num_queries))
-        if tree is None:
+        if tree_steps is None:
             allowed = visible_keys(context_len, range(chunk.start, chunk.stop), seq_len, sliding_window, query.device)
         else:
-            allowed = token_tree.visible(tree, context_len, sliding_window, query.device)[chunk]
+            allowed = trees[chunk]
         if sparse is not None:
             allowed &= sparse[chunk]
         rows = query[:, :, chunk, :].reshape(num_kv_heads, -1, head_dim)  # [Hkv, group * q, Dk]
@@ -169,13 +171,13 @@ def layer_reference(
     sinks: torch.Tensor | None = None,
     topk_indices: torch.Tensor | None = None,
     index_weights: torch.Tensor | None = None,
-    tree: tuple[int, ...] | None = None,
+    tree_steps: tuple[tuple[int, ...], ...] | None = None,
     return_lse: bool = False,
     **options,
 ):
     """The oracle for one request of a layer of ``spec`` (an ``AttentionSpec``): absorbed MLA, or
     MHA/GQA with the layer's window, cap and ``sinks``; a sparse layer's tokens over the keys of
-    their ``topk_indices`` rows; a token tree's over their ancestors (``tree``). ``options``
+    their ``topk_indices`` rows; token trees' over their ancestors (``tree_steps``). ``options``
     (scale, sliding_window, logits_soft_cap, sparse_window) override the layer's: a parameter
     dropped or mis-applied."""
     options = {
@@ -198,7 +200,7 @@ def layer_reference(
         context_len=context_len,
         sinks=sinks,
         topk_indices=topk_indices,
-        tree=tree,
+        tree_steps=tree_steps,
         return_lse=return_lse,
         **options,
     )

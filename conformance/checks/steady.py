@@ -46,6 +46,14 @@ It runs once per attention kind and KV-cache format, on CUDA only (syncs and dev
 only there), from the first decode case (query length 1) of at most ``MAX_REQUESTS`` requests:
 its requests are the first step's batch, and the joining requests are of its layer, with
 contexts near its requests'.
+
+Token trees: once more from the first token-tree case, as an engine verifying EAGLE's trees runs:
+its requests start decoding, every step hands the backend trees (``tree_parents``; the host's copy
+only where the backend claims it needs host lengths), and each verify row is a tree drawn afresh
+(chains, stars and everything between), so a backend that keeps a step's masks for the next one,
+or keys them by the batch's shape, is wrong at the step the trees change. The oracle sees each
+request's tokens as its steps (``token_tree.visible_in_steps``): a token sees every key written
+before its step, and in its step its ancestors, at its step's start + depth.
 """
 
 from __future__ import annotations
@@ -125,7 +133,7 @@ def steady_look(
     evidence."""
     capabilities = backend_cls.capabilities
     if schedule is None:
-        schedule = continuous_batching(case, steps, capabilities)
+        schedule = continuous_batching(case, steps, capabilities, trees=bool(case.trees))
     steps = len(schedule.steps)
     loop = ContinuousBatch(backend_cls, case, schedule, device, shape_steps=ramp_newest_keys)
     buffers, backend = loop.buffers, loop.buffers.backend
@@ -398,10 +406,17 @@ class SteadyCheck(Check):
             "verify_query_len": SPEC_TOKENS + 1,
         }
 
+    drives_trees = True  # a tree case's look verifies a tree of its own in every verify row
+
     @staticmethod
     def _not_decode(case: Case) -> str | None:
-        if any(query != 1 for _, query in case.batch) or not 1 <= case.num_reqs <= MAX_REQUESTS:
-            return f"the steady look starts from decode batches (query length 1) of at most {MAX_REQUESTS} requests"
+        # A tree case's requests start decoding, as an engine's after their prefill.
+        decodes = case.trees or all(query == 1 for _, query in case.batch)
+        if not decodes or not 1 <= case.num_reqs <= MAX_REQUESTS:
+            return (
+                f"the steady look starts from decode batches (query length 1) of at most {MAX_REQUESTS} requests, "
+                "or from a token-tree case's requests"
+            )
         return None
 
     def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
@@ -416,6 +431,7 @@ class SteadyCheck(Check):
                 case.spec.kind,
                 case.spec.kv_cache_dtype if case.spec.fp8_kv_cache else None,
                 case.spec.sparse_topk is not None,  # a sparse layer is looked at apart from a dense one
+                bool(case.trees),  # and a token-tree engine's steps apart from a chain engine's
             ),
             lambda case: self.case_skip_reason(backend_cls, case, device),
             "steady look covered by {}",

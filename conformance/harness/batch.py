@@ -39,6 +39,9 @@ class PagedBatch:
     # The layer's per-token inputs (``token_inputs``), [num_tokens, ...] on the device: a sparse
     # layer's index rows, an indexer's head weights.
     token_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Per request, its new tokens as steps of token trees (``token_tree.visible_in_steps``), where a
+    # harness runs several steps over one batch (the steady look); None: the case's own trees.
+    tree_steps: list[tuple[tuple[int, ...], ...] | None] | None = None
     _reference: torch.Tensor | None = field(default=None, repr=False, compare=False)  # the oracle's, once computed
 
     @property
@@ -141,8 +144,11 @@ class PagedBatch:
         sinks, and the per-token inputs of the request's tokens (a sparse layer's index rows, an
         indexer's head weights)."""
         start, end = self.query_start_loc[request], self.query_start_loc[request + 1]
-        tree = {"tree": self.case.trees[request]} if self.case.trees else {}
-        return {"sinks": self.sinks, **tree, **{name: rows[start:end] for name, rows in self.token_inputs.items()}}
+        steps = self.tree_steps[request] if self.tree_steps else None
+        if steps is None and self.case.trees and self.case.trees[request] is not None:
+            steps = (self.case.trees[request],)  # one step: the case's verify
+        trees = {} if steps is None else {"tree_steps": steps}
+        return {"sinks": self.sinks, **trees, **{name: rows[start:end] for name, rows in self.token_inputs.items()}}
 
     @property
     def topk_indices(self) -> torch.Tensor | None:

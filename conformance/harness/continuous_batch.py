@@ -67,6 +67,9 @@ class Step:
     requests: tuple[int, ...]  # the request in each row
     query_lens: tuple[int, ...]
     seq_lens: tuple[int, ...]
+    # A run of token trees (``continuous_batching(trees=True)``): each row's tree by its parents,
+    # a chain's too (every step of such a run hands the backend trees, as a tree engine does); ().
+    trees: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +102,7 @@ class Schedule:
             "seq_lens": list(this.seq_lens),
             "joined": self.joined(step) if step else [],
             "left": self.left(step),
+            **({"trees": [list(tree) for tree in this.trees]} if this.trees else {}),
         }
 
     def summary(self) -> dict[str, Any]:
@@ -161,10 +165,12 @@ class _Planned:
 
 
 def continuous_batching(
-    case: Case, steps: int, capabilities: Capabilities, max_requests: int = MAX_REQUESTS
+    case: Case, steps: int, capabilities: Capabilities, max_requests: int = MAX_REQUESTS, trees: bool = False
 ) -> Schedule:
     """A serving engine's steps, starting from ``case``'s batch (module docstring). Planned from a
-    generator seeded by the case: the same case plans the same steps on every machine."""
+    generator seeded by the case: the same case plans the same steps on every machine. ``trees``:
+    an engine verifying token trees (EAGLE top-k > 1) — the requests start decoding, and each
+    verify row is a tree of its own, drawn afresh every step (``random_tree``)."""
     rng = random.Random(zlib.crc32(case.id.encode()))
     verify = verify_query_len(capabilities)
     mixed = takes_mixed(capabilities, verify)
@@ -176,8 +182,9 @@ def continuous_batching(
         planned.append(_Planned(context, step, max(rng.randint(MIN_BUDGET, MAX_BUDGET), query_len), []))
         return len(planned) - 1
 
-    rows = [new_request(context, 0, query) for context, query in case.batch if query]
-    first_lens = [query for _, query in case.batch if query]
+    starting = [(context, 1 if trees else query) for context, query in case.batch if query]
+    rows = [new_request(context, 0, query) for context, query in starting]
+    first_lens = [query for _, query in starting]
     plan: list[Step] = []
     for step in range(steps):
         if step:
@@ -188,8 +195,15 @@ def continuous_batching(
         for r, query_len in zip(rows, query_lens):
             planned[r].query_lens.append(query_len)
         seq_lens = tuple(planned[r].context + sum(planned[r].query_lens) for r in rows)
-        plan.append(Step(tuple(rows), tuple(query_lens), seq_lens))
+        drawn = tuple(random_tree(query_len, rng) for query_len in query_lens) if trees else ()
+        plan.append(Step(tuple(rows), tuple(query_lens), seq_lens, drawn))
     return Schedule(tuple(Request(p.context, p.first_step, tuple(p.query_lens)) for p in planned), tuple(plan))
+
+
+def random_tree(tokens: int, rng: random.Random) -> tuple[int, ...]:
+    """A verify's token tree of ``tokens`` (the root, the last accepted token, first; each later
+    token a child of any earlier one): chains, stars and everything between."""
+    return (-1,) + tuple(rng.randrange(index) for index in range(1, tokens))
 
 
 def _change(rows, planned, step, rng, max_requests, contexts, block, new_request) -> list[int]:
@@ -285,6 +299,7 @@ class ContinuousBatch:
             padding=0,
             lse=False,
             tag="",
+            trees=(),  # a run's trees are its steps' (``Step.trees``)
         )
         self.batch: PagedBatch = materialize(self.case, device)
         if shape_steps is not None:
@@ -372,9 +387,30 @@ class ContinuousBatch:
         self.step_of_row = torch.empty(self.total_tokens, dtype=torch.int64)
         for s, rows in enumerate(self.rows_of_step):
             self.step_of_row[rows] = s
+        self._bank_trees(shape.num_tokens)
         # Per step: whether forward wrote output or lse rows past the ones it was handed.
         self.spilled = torch.zeros(len(schedule.steps), 2, dtype=torch.bool, device=device)
         self.write_history(0)
+
+    def _bank_trees(self, num_tokens: int) -> None:
+        """A run of token trees: each token's parent in its step, in the banks' order, and each
+        request's steps as the oracle reads them (``PagedBatch.tree_steps``); a persistent buffer
+        the steps are handed in, as an engine's."""
+        self.tree_parents = self.parents_bank = None
+        if not self.schedule.steps[0].trees:
+            return
+        parents = [0] * self.total_tokens
+        steps_of: list[list[tuple[int, ...]]] = [[] for _ in self.schedule.requests]
+        for step, rows in zip(self.schedule.steps, self.rows_of_step):
+            at = 0
+            for request, tree in zip(step.requests, step.trees):
+                parents[rows[at] : rows[at] + len(tree)] = tree  # a request's rows in a step are consecutive
+                steps_of[request].append(tree)
+                at += len(tree)
+        self.host_parents = parents
+        self.parents_bank = torch.tensor(parents, dtype=torch.int32).to(self.device)
+        self.tree_parents = torch.full((num_tokens,), -1, dtype=torch.int32, device=self.device)
+        self.batch.tree_steps = [tuple(steps) for steps in steps_of]
 
     def write_history(self, step: int) -> None:
         """The context of every request that joins at ``step``, through the backend's write_kv
@@ -414,6 +450,11 @@ class ContinuousBatch:
         buffers.out.fill_(self.answer.unwritten)
         self.lse.fill_(float("nan"))
         this = self.schedule.steps[step]
+        trees = {}
+        if self.tree_parents is not None:  # the host's copy only where the host's lengths are handed too
+            self.tree_parents[:tokens].copy_(self.parents_bank.index_select(0, rows))
+            host = [parent for tree in this.trees for parent in tree] if lengths_known else None
+            trees = dict(tree_parents=self.tree_parents[:tokens], host_tree_parents=host)
         return CommonAttentionMetadata.from_lengths(
             query_start_loc=buffers.query_start_loc[: count + 1],
             seq_lens=buffers.seq_lens[:count],
@@ -422,6 +463,7 @@ class ContinuousBatch:
             query_starts=self.host_starts[step],
             host_seq_lens=this.seq_lens,
             lengths_known=lengths_known,
+            **trees,
         )
 
     def handed(self, step: int) -> dict[str, torch.Tensor | None]:

@@ -118,6 +118,7 @@ def test_torch_naive_passes_the_checks_that_drive_trees_on_a_cpu(text):
         "memory",
         "bench",
         "engine",
+        "steady",
     }
 
 
@@ -165,7 +166,7 @@ def test_a_backend_without_the_claim_and_the_checks_that_run_chains_say_why():
     assert "XQA takes a spec-decode draft mask" in reason and "decode only" in reason, reason
     assert FlashInferBackend.capabilities.feature_reason(case.needs, DeviceInfo("cuda", "H200", (9, 0))) is None
     assert TOKEN_TREES in TorchNaiveBackend.capabilities.features
-    for name in ("draft-loop", "steady"):
+    for name in ("draft-loop",):
         assert make_check(name).judged_reason(case).startswith(f"the {name} check runs chains only"), name
 
 
@@ -305,3 +306,50 @@ def test_a_tree_step_is_held_to_its_longest_request_and_ids_read_back():
     assert chains_only.trees == () and parse_case(chains_only.id) == chains_only
     with pytest.raises(CaseSyntaxError, match="at most 512"):
         parse_case("gqa:10+tree(999x40000)")
+
+
+# --- the steady look over token trees -----------------------------------------------------------------
+
+
+def test_visibility_over_steps_sees_earlier_steps_whole_and_its_own_by_ancestry():
+    seen = token_tree.visible_in_steps([(-1,), (-1, 0, 0), (-1, 0)], 10)
+    assert seen.shape == (6, 16)
+    assert seen[1, :12].all() and seen[1, 12:].tolist() == [False, False, False, False]  # step 2's root
+    assert seen[3, 10:14].tolist() == [True, True, False, True]  # its parent (11), not its sibling (12)
+    assert seen[4, :14].all() and seen[4, 14:].tolist() == [True, False]  # step 3 sees all of step 2
+    # A window of 2: step 2's third token (depth 1, position 12) sees its parent at 11, not 10.
+    windowed = token_tree.visible_in_steps([(-1,), (-1, 0, 0), (-1, 0)], 10, sliding_window=2)
+    assert windowed[3].nonzero().flatten().tolist() == [11, 13]
+
+
+def test_a_tree_runs_schedule_starts_decoding_and_draws_a_tree_per_verify_row():
+    from backends.triton.backend import TritonAttentionBackend
+    from conformance.harness.continuous_batch import continuous_batching
+
+    case = parse_case(TREE_CASES[0])
+    schedule = continuous_batching(case, 40, TritonAttentionBackend.capabilities, trees=True)
+    assert schedule.steps[0].query_lens == (1, 1, 1)  # the 0+5 request drops out: no query in the look
+    trees = [tree for step in schedule.steps for tree in step.trees]
+    assert len(trees) == sum(len(step.requests) for step in schedule.steps)
+    verifies = [tree for tree in trees if len(tree) > 1]
+    assert all(tree[0] == -1 and all(0 <= p < i for i, p in enumerate(tree) if i) for tree in verifies)
+    assert len(set(verifies)) > 3 and (-1,) in trees  # many shapes, decodes among them
+
+
+@pytest.mark.parametrize("text", [TREE_CASES[0], TREE_CASES[1], TREE_CASES[2]])
+def test_torch_naive_holds_steady_over_trees(text):
+    from conformance.checks.steady import steady_look
+
+    result = steady_look(TorchNaiveBackend, parse_case(text), CPU, steps=40)
+    assert result.verdict == Verdict.PASS, result.reason
+
+
+def test_trees_kept_for_their_shape_pass_one_step_and_fail_the_steady_look():
+    from conformance.checks.steady import steady_look
+
+    case = parse_case("gqa-h8/2-d64-fp32:100+tree(2x2),60+1,30+1")
+    assert judge(NumericsCheck(), tree_defects.TreesKeptForTheirShape, case, CPU).verdict == Verdict.PASS
+    result = steady_look(tree_defects.TreesKeptForTheirShape, case, CPU, steps=40)
+    assert result.verdict == Verdict.FAIL and "differs from the oracle" in result.reason, result.reason
+    assert "trees" in result.evidence["failing_step_batch"]
+    assert steady_look(tree_defects.TreeAsChain, case, CPU, steps=40).verdict == Verdict.FAIL

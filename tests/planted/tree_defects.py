@@ -128,3 +128,19 @@ class AncestorsIn32Bits(TorchNaiveBackend):
         if tree is not None and num_queries > 32:
             seen[:, context_len + 32 : context_len + num_queries] = False
         return seen
+
+
+class TreesKeptForTheirShape(TorchNaiveBackend):
+    """Keeps a step's trees for every later step of the same shape (its query lengths), as a backend
+    that caches its masks by the batch's shape: right while the trees stay, wrong once they change."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kept: dict[tuple[int, ...], list[int]] = {}
+
+    def build(self, common):
+        metadata = super().build(common)
+        if metadata.tree_parents is not None:
+            shape = tuple(common.query_lens_cpu.tolist())
+            metadata = replace(metadata, tree_parents=self.kept.setdefault(shape, metadata.tree_parents))
+        return metadata

@@ -136,10 +136,14 @@ def test_it_runs_by_default_once_per_kind_cache_format_and_sparsity_on_small_dec
         ("mla", False),
         ("mla", True),
     }
-    assert all(case.max_query_len == 1 and case.num_reqs <= 8 for case in chosen)
+    assert all((case.max_query_len == 1 or case.trees) and case.num_reqs <= 8 for case in chosen)
     assert any(case.spec.sparse_topk for case in chosen)  # a sparse layer apart from the dense ones
+    assert any(case.trees for case in chosen)  # a token-tree engine's steps apart from a chain engine's
     assert len(chosen) == len(
-        {(case.spec.kind, case.spec.kv_cache_dtype, case.spec.sparse_topk is not None) for case in chosen}
+        {
+            (case.spec.kind, case.spec.kv_cache_dtype, case.spec.sparse_topk is not None, bool(case.trees))
+            for case in chosen
+        }
     )
 
 
