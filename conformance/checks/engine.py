@@ -42,6 +42,12 @@ synchronous loop: must equal 1;
    draft steps (metadata rebuilt per step); and a backend claiming ``draft_step_update`` must
    draft exactly the tokens it drafts with its metadata built afresh for every draft step (on
    the CPU too: the engine uses the update path eagerly);
+   For a token-tree case's layout (``layout_key``) 2–4 are, instead: EAGLE drafting token trees
+   through the backend (a dynamic top-k 4 tree of 8 drafts, sync and async with the input checks,
+   and a static binary tree of depth 2, async; the head made of the model's first layer, so that
+   paths leave the first branch and the accepted nodes' KV moves), each equal to 1; the evidence
+   counts the drafts accepted and the accepted nodes moved. The chain layout of the same layer
+   judges the chain runs;
 5. on CUDA, the async loop again, measured over at least ``STEADY_STEPS`` steady-state steps: CUDA
    graphs where the backend claims them, host-blocking syncs per steady-state step (must be 0 for a
    backend claiming ``needs_cpu_seq_lens=False``), TPOT
