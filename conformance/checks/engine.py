@@ -82,6 +82,7 @@ from typing import Any, Callable
 import torch
 
 from backends.base import AttentionBackend
+from backends.features import Needs
 from conformance.cases.grammar import Case
 from conformance.checks.base import EVERY_KIND, Check, Plan, first_of_each
 from conformance.harness.engine_model import cache_config, is_mla_prefill_layer, model_for
@@ -90,6 +91,7 @@ from conformance.harness.engine_runs import (
     DRAFTER,
     REFERENCE,
     SPEC_TOKENS,
+    TREE_SPEC_TOKENS,
     EngineRuns,
     TooFewSteadySteps,
 )
@@ -134,6 +136,11 @@ def engine_skip_reason(
     reason = backend_cls.unsupported_reason(spec, device)
     if reason:
         return reason
+    if case.trees:  # a tree layout's engines verify EAGLE's trees through the backend itself
+        tokens = 1 + max(TREE_SPEC_TOKENS)
+        reason = backend_cls.capabilities.skip_reason(Needs(spec, (tokens,), tree_tokens=tokens), device)
+        if reason:
+            return f"the engine verifies token trees of {tokens} tokens through the backend: {reason}"
     if is_mla_prefill_layer(spec) and spec.num_kv_heads != spec.num_heads:
         return (
             "the engine runs a value head dim other than the key's as MLA prefill's layer, which has as many KV "

@@ -5,6 +5,8 @@ chains only saying so."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -353,3 +355,24 @@ def test_trees_kept_for_their_shape_pass_one_step_and_fail_the_steady_look():
     assert result.verdict == Verdict.FAIL and "differs from the oracle" in result.reason, result.reason
     assert "trees" in result.evidence["failing_step_batch"]
     assert steady_look(tree_defects.TreeAsChain, case, CPU, steps=40).verdict == Verdict.FAIL
+
+
+def test_the_engine_check_skips_a_tree_layout_for_a_backend_without_trees():
+    """Its engines verify trees through the backend itself (no companion takes them): a backend
+    that does not claim trees SKIPs the tree layout with its reason, before any engine is made."""
+    from conformance.checks.engine import engine_skip_reason
+
+    case = parse_case(TREE_CASES[0])
+    reason = engine_skip_reason(tree_defects.TreeAsChain, case, CPU)
+    assert reason is None
+    reason = engine_skip_reason(TorchNaiveWithoutTrees, case, CPU)
+    assert reason.startswith("the engine verifies token trees of 9 tokens through the backend: token trees"), reason
+    assert make_check("engine").case_skip_reason(TorchNaiveWithoutTrees, case, CPU) == reason
+
+
+class TorchNaiveWithoutTrees(TorchNaiveBackend):
+    """torch_naive claiming no token trees (what most vendor adapters claim)."""
+
+    capabilities = dataclasses.replace(
+        TorchNaiveBackend.capabilities, features=TorchNaiveBackend.capabilities.features - {TOKEN_TREES}
+    )
