@@ -48,7 +48,6 @@ from reference_engine.empty_padding import EmptyPadding
 from reference_engine.handoff import Download, Downloader, Uploader
 from reference_engine.metrics import StepTimer
 from reference_engine.rejection import PLACEHOLDER, greedy_rejection, rejection_with_noise
-from reference_engine.tree_rejection import tree_greedy_rejection, tree_rejection_with_noise
 from reference_engine.request import Request
 from reference_engine.sampling import SamplingParams, batched_filtered_probabilities, counter_uniform
 from reference_engine.scheduler import Scheduled
@@ -65,6 +64,7 @@ from reference_engine.step_inputs import (
     verified_digest_terms,
 )
 from reference_engine.step_plan import HostLengths, StepRows
+from reference_engine.tree_rejection import tree_greedy_rejection, tree_rejection_with_noise
 
 
 class InputCheckFailed(AssertionError):
@@ -605,9 +605,7 @@ class BatchedEngine(EngineCore):
             depth,
         )
         is_greedy = temperature == 0
-        return tuple(
-            torch.where(is_greedy.view(-1, *[1] * (a.dim() - 1)), a, b) for a, b in zip(greedy, sampled)
-        )
+        return tuple(torch.where(is_greedy.view(-1, *[1] * (a.dim() - 1)), a, b) for a, b in zip(greedy, sampled))
 
     def _moved_slots(
         self, path: torch.Tensor, emitted: torch.Tensor, layout: RowLayout, starts: torch.Tensor

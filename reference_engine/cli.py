@@ -27,9 +27,9 @@ from reference_engine.batched_engine import BatchedEngine
 from reference_engine.checkpoint import CheckpointError, load_eagle_head, load_model
 from reference_engine.core import EngineConfig
 from reference_engine.device_flag import DeviceError, resolve_device
+from reference_engine.draft_tree import DraftTree
 from reference_engine.engine import Engine
 from reference_engine.metrics import count_host_syncs, measure, measure_in_step_idle, median_run
-from reference_engine.draft_tree import DraftTree
 from reference_engine.model import PRESETS, EagleHead, LlamaModel
 from reference_engine.prompt_set import take
 from reference_engine.real_models import REAL_MODELS, ModelFetchError, fetch, load_real_model

@@ -52,7 +52,9 @@ class StepInputs:
     # where its positions lie; None: writes are not kept.
     kept_writes: KVWrites | None = None
 
-    def write_kv(self, backend, kv_cache, key: torch.Tensor, value: torch.Tensor | None, layer: LayerParameters) -> None:
+    def write_kv(
+        self, backend, kv_cache, key: torch.Tensor, value: torch.Tensor | None, layer: LayerParameters
+    ) -> None:
         """A layer's keys and values into its cache at this step's slots (kept where asked)."""
         backend.write_kv(kv_cache, key, value, self.slot_mapping, layer=layer)
         if self.kept_writes is not None:

@@ -64,7 +64,9 @@ def tree_rejection_with_noise(
     entry = parents.clamp(min=0) * vocab + tokens  # node j's token in its parent's distribution
     p_of = torch.where(is_child, flat.gather(1, entry), 0.0)
     index = torch.arange(nodes, device=drafts.device)
-    earlier_sibling = (parents[:, None, :] == parents[:, :, None]) & (index[None, :] < index[:, None]) & is_child[:, None, :]
+    earlier_sibling = (
+        (parents[:, None, :] == parents[:, :, None]) & (index[None, :] < index[:, None]) & is_child[:, None, :]
+    )
     tried_before = (earlier_sibling * p_of[:, None, :]).sum(dim=-1)  # mass of the siblings tried first
     accepted = is_child & accept_child(p_of, tried_before, accept_uniform)
     # What a node's final token is drawn from: p without its children.

@@ -100,7 +100,11 @@ def attention_reference(
         else indexed_keys(topk_indices.to(query.device), context_len, seq_len, sparse_window)
     )
     chunk_len = max(1, _LOGITS_ELEMENTS // (num_heads * max(seq_len, 1)))  # seq_len 0: an empty request
-    trees = None if tree_steps is None else token_tree.visible_in_steps(tree_steps, context_len, sliding_window, query.device)
+    trees = (
+        None
+        if tree_steps is None
+        else token_tree.visible_in_steps(tree_steps, context_len, sliding_window, query.device)
+    )
     for chunk_start in range(0, num_queries, chunk_len):
         chunk = slice(chunk_start, min(chunk_start + chunk_len, num_queries))
         if tree_steps is None:

@@ -53,8 +53,9 @@ synchronous loop: must equal 1;
    backend claiming ``needs_cpu_seq_lens=False``), TPOT
    and GPU idle fraction (reported); k = 0 for a backend that cannot verify k + 1 tokens, so that
    the steady steps are its own (a token-tree layout's: the dynamic tree engine, whose tree
-   steps run eagerly and whose trees the host never sees); not measured where a built-in decodes (MLA prefill's layer), nor for a
-   backend claiming ``needs_cpu_seq_lens=True`` (its syncs are allowed, so the count could not fail).
+   steps run eagerly and whose trees the host never sees); not measured where a built-in decodes
+   (MLA prefill's layer), nor for a backend claiming ``needs_cpu_seq_lens=True`` (its syncs are
+   allowed, so the count could not fail).
    The batch changes inside the measured window, as continuous batching changes it: twice as many
    requests as the engine's four slots, each with its own max_tokens (``STEADY_MAX_TOKENS``), so
    requests leave and waiting ones join; the decode steps right after a request left or joined

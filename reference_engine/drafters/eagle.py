@@ -116,9 +116,18 @@ class EagleDrafter(AttentionDrafter):
         valid_count = torch.where(verified.decode.bool(), verified.emitted, query_lens)
         moved = verified.moved_slots
         # A tree's accepted nodes are known only as a path: every node is written, the path moved.
-        head_slots = tensors.slot_mapping if moved is not None else torch.where(offsets < valid_count[rows], tensors.slot_mapping, -1)
+        head_slots = (
+            tensors.slot_mapping
+            if moved is not None
+            else torch.where(offsets < valid_count[rows], tensors.slot_mapping, -1)
+        )
         inputs = StepInputs(
-            self.engine.backend, verified.metadata, [self.cache], head_slots, self.scales, KVWrites() if moved is not None else None
+            self.engine.backend,
+            verified.metadata,
+            [self.cache],
+            head_slots,
+            self.scales,
+            KVWrites() if moved is not None else None,
         )
         self.head(self.engine.model, tensors.input_ids, features, tensors.positions, inputs)
         if moved is not None:

@@ -53,7 +53,9 @@ class TreeDrafting:
         tokens[:, 0] = state.last_token[step.slots]
         parents = torch.full((rows, nodes), -1, dtype=torch.long, device=device)
         scores = torch.zeros(rows, nodes, dtype=torch.float64, device=device)
-        outputs = torch.zeros(rows, nodes, self.drafter.features.shape[1], dtype=self.drafter.features.dtype, device=device)
+        outputs = torch.zeros(
+            rows, nodes, self.drafter.features.shape[1], dtype=self.drafter.features.dtype, device=device
+        )
         if tree.is_static:
             parents[:] = self.static_parents
         for level in range(tree.depth):
@@ -133,7 +135,9 @@ class TreeDrafting:
         key = scores[:, 1:] - 1e-3 * self.node_depth[1:].double()
         chosen = key.topk(self.tree.num_drafts, dim=-1).indices.sort(dim=-1).values + 1  # node indices, BFS
         chosen = torch.cat([torch.zeros_like(chosen[:, :1]), chosen], dim=1)
-        new_index = torch.full_like(tokens, -1).scatter_(1, chosen, torch.arange(chosen.shape[1], device=chosen.device).expand_as(chosen))
+        new_index = torch.full_like(tokens, -1).scatter_(
+            1, chosen, torch.arange(chosen.shape[1], device=chosen.device).expand_as(chosen)
+        )
         old_parents = parents.gather(1, chosen)
         new_parents = torch.where(old_parents >= 0, new_index.gather(1, old_parents.clamp(min=0)), -1)
         return tokens.gather(1, chosen), new_parents

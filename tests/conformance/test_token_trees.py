@@ -124,7 +124,11 @@ def test_torch_naive_passes_the_checks_that_drive_trees_on_a_cpu(text):
     }
 
 
-ENGINE_TREE_CASES = [TREE_CASES[0], "gqa-h8/2-d64-w4-edges:10+tree(1x12)", "mha-h4/4-d64-fp8e4m3-attnsinks:60+tree(2x3)"]
+ENGINE_TREE_CASES = [
+    TREE_CASES[0],
+    "gqa-h8/2-d64-w4-edges:10+tree(1x12)",
+    "mha-h4/4-d64-fp8e4m3-attnsinks:60+tree(2x3)",
+]
 
 
 @pytest.mark.parametrize("text", ENGINE_TREE_CASES)

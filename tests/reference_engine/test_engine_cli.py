@@ -39,6 +39,15 @@ def test_engine_run_prints_speed_and_acceptance():
         (["--model", "/no/such/dir"], "not one of tiny"),
         (["--spec-tokens", "-1"], "--spec-tokens must be >= 0"),
         (["--dtype", "int8"], "--dtype"),
+        (["--drafter", "eagle", "--topk", "4"], "drafts nothing without --spec-tokens"),
+        (["--drafter", "eagle", "--topk", "4", "--spec-tokens", "8", "--draft-depth", "5"], "a draft depth of 5"),
+        (["--drafter", "eagle", "--topk", "0", "--spec-tokens", "8"], "top-k >= 1"),
+        (["--drafter", "layer-skip", "--topk", "4", "--spec-tokens", "8"], "is drafted by eagle"),
+        (["--drafter", "eagle", "--topk", "4", "--spec-tokens", "8", "--loop", "simple"], "batched loops"),
+        (["--drafter", "eagle", "--tree=-1.0.0", "--spec-tokens", "3"], "a static tree of 2 drafts"),
+        (["--drafter", "eagle", "--tree", "wide", "--spec-tokens", "3"], "topk=K or the parents"),
+        (["--drafter", "eagle", "--spec-tokens", "3", "--draft-depth", "2"], "--draft-depth is for a --topk tree"),
+        (["--model", "tiny-dsa", "--drafter", "eagle", "--topk", "2", "--spec-tokens", "4"], "sparse"),
     ],
 )
 def test_engine_usage_errors(in_process, args, message):
@@ -228,3 +237,28 @@ def test_engine_bench_json_names_its_device_and_leaves_gpu_only_figures_empty_of
     assert written["device"] == "cpu"
     measured = written["results"][0]["async"]
     assert measured["gpu_drained_fraction"] is None and measured["gpu_ms_per_fed_step"] is None
+
+
+def test_engine_run_drafts_a_token_tree(in_process):
+    completed = in_process(
+        "engine",
+        "run",
+        "--device",
+        "cpu",
+        "--drafter",
+        "eagle",
+        "--eagle",
+        "first-layer",
+        "--topk",
+        "4",
+        "--spec-tokens",
+        "8",
+        "--num-prompts",
+        "2",
+        "--max-tokens",
+        "12",
+        "--prompt-len",
+        "16",
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert "top-k 4 tree of 8 drafts, depth 3" in completed.stdout

@@ -99,7 +99,10 @@ def sample_tree(accept=None):
     generator = torch.Generator().manual_seed(2)
     target = torch.softmax(torch.randn(len(PARENTS), VOCAB, generator=generator) * 1.5, dim=-1)
     drafts = torch.tensor([0, 1, 2, 3, 4, 0])  # siblings distinct
-    noise = torch.rand(ROWS, len(PARENTS), generator=generator), torch.rand(ROWS, len(PARENTS), VOCAB, generator=generator)
+    noise = (
+        torch.rand(ROWS, len(PARENTS), generator=generator),
+        torch.rand(ROWS, len(PARENTS), VOCAB, generator=generator),
+    )
     parents = torch.tensor(PARENTS).expand(ROWS, -1)
     tokens, emitted, _ = tree_rejection.tree_rejection_with_noise(
         drafts.expand(ROWS, -1), parents, target.expand(ROWS, -1, -1), torch.full((ROWS,), 6), *noise, 2
@@ -110,6 +113,7 @@ def sample_tree(accept=None):
 def follows_the_target(target, tokens) -> bool:
     """The first token follows the root's p; after the first token equals a child's, the second
     follows that child's p (a leaf's: its bonus)."""
+
     def close(sample, expected):
         frequency = torch.bincount(sample, minlength=VOCAB).double() / max(sample.numel(), 1)
         sigma = (expected.double() * (1 - expected.double()) / max(sample.numel(), 1)).sqrt()
@@ -138,6 +142,7 @@ def test_planted_siblings_tried_without_renormalizing_fail(monkeypatch):
 
 
 # --- what a token tree needs ----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "make, message",
