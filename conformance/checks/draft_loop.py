@@ -1,5 +1,7 @@
 """draft-loop: k EAGLE-style draft steps, each appending one token per request, under CUDA graphs,
-every step against the oracle (the loop itself: ``harness.draft_loop``)."""
+every step against the oracle (the loop itself: ``harness.draft_loop``). A token-tree case's
+loop drafts its trees level by level instead, each step extending every branch
+(``harness.tree_draft_loop``)."""
 
 from __future__ import annotations
 
@@ -20,25 +22,42 @@ from conformance.harness.draft_loop import (
     run_one_graph_loop,
     run_rebuilt_loop,
 )
+from conformance.harness.graph_batches import graph_class_reason
 from conformance.harness.graphs import cuda_graph_skip_reason, step_layers
 from conformance.harness.step import PoolFill
+from conformance.harness.tree_draft_loop import grown_case, max_depth, run_tree_draft_loop
 from conformance.results import Outcome, Verdict
 
 
 class DraftLoopCheck(Check):
     name = "draft-loop"
     kinds = EVERY_KIND
+    drives_trees = True  # a tree case's trees drafted level by level (``harness.tree_draft_loop``)
     question = "k draft steps under CUDA graphs, positions advanced on device: every step right?"
 
     def skip_reason(self, backend_cls: type[AttentionBackend], device: torch.device) -> str | None:
         return cuda_graph_skip_reason(backend_cls, device, "the draft loop runs under CUDA graphs")
 
     def case_skip_reason(self, backend_cls, case: Case, device) -> str | None:
+        if case.trees:  # every step's batch: the graphs the backend claims must hold it
+            return super().case_skip_reason(backend_cls, case, device) or self._tree_graph_reason(backend_cls, case)
         if any(query != 1 for _, query in case.batch):
-            return "the draft loop starts from decode batches (query length 1)"
+            return "the draft loop starts from decode batches (query length 1), or from a token-tree case's trees"
         return super().case_skip_reason(backend_cls, case, device)
 
+    @staticmethod
+    def _tree_graph_reason(backend_cls, case: Case) -> str | None:
+        """Why a tree draft step cannot be captured under the claimed graph level (query lengths
+        that differ within a step, for a backend claiming uniform batches only)."""
+        for level in range(max_depth(case) + 1):
+            reason = graph_class_reason(backend_cls.capabilities.cuda_graphs, grown_case(case, level))
+            if reason:
+                return f"tree draft step {level + 1}: {reason}"
+        return None
+
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> Outcome:
+        if case.trees:
+            return run_tree_draft_loop(backend_cls, case, device)
         one_graph = backend_cls.capabilities.draft_step_update
         mode = (
             "one graph for all k steps (draft_step_update)"

@@ -61,64 +61,24 @@ from conformance.harness.graph_batches import (
     replay_batches,
 )
 from conformance.harness.graphs import (
+    CaptureFailed,
     GraphBuffers,
     GraphLayer,
     LoadedBatch,
     canaries_written,
+    capture,
     count_different,
     cuda_graph_skip_reason,
     fill_freed_memory,
     graph_pool_bytes,
     step_layers,
+    step_with_fresh_metadata,
     warm_up,
 )
 from conformance.harness.lse_pass import judge_lse
 from conformance.harness.step import PoolFill, run_step
 from conformance.harness.stored_cache import oracle
 from conformance.results import Outcome, Verdict
-from host_syncs.detector import detect_host_syncs
-
-
-def capture_failure_cause(error: BaseException, detector) -> str:
-    """The error, led by the host sync that caused it when one was seen. Device allocations are
-    named only as context: PyTorch's caching allocator legitimately calls cudaMalloc to grow a
-    graph's private pool during capture, so an allocation alone proves nothing."""
-    message = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
-    blocking = detector.blocking_events if detector else []
-    if blocking:
-        return f"{blocking[0].describe()} during capture ({message[:200]})"
-    allocations = [e for e in (detector.events if detector else []) if e.kind == "device-alloc"]
-    if allocations:
-        return f"{message} (a device allocation during capture: {allocations[0].describe()})"
-    return message
-
-
-def _step_with_fresh_metadata(buffers: GraphBuffers, common) -> None:
-    """One eager step, its metadata built for it (the warm-up before a capture)."""
-    buffers.step(buffers.backend.build(common))
-
-
-class CaptureFailed(Exception):
-    def __init__(self, cause: str, events: list[dict]):
-        super().__init__(cause)
-        self.events = events
-
-
-def capture(buffers: GraphBuffers, metadata) -> torch.cuda.CUDAGraph:
-    """Capture write_kv + forward, watching the backend's calls for syncs and raw allocations."""
-    graph = torch.cuda.CUDAGraph()
-    detector = None
-    try:
-        # Only the backend's calls are watched: torch.cuda.graph synchronizes around a capture.
-        with detect_host_syncs("auto", only_in_phases=True) as detector:
-            with torch.cuda.graph(graph), detector.phase("capture"):
-                buffers.step(metadata)
-    except Exception as error:  # noqa: BLE001 - a capture failure is the finding
-        torch.cuda.synchronize()
-        raise CaptureFailed(
-            capture_failure_cause(error, detector), [e.to_dict() for e in (detector.events if detector else [])][:10]
-        ) from error
-    return graph
 
 
 class GraphsCheck(Check):
@@ -170,7 +130,7 @@ class GraphsCheck(Check):
         layers = dict(layers=step_layers(case), lse=case.lse)
         buffers = GraphBuffers(backend_cls, shape, all_cases, device, **layers)
         loaded = buffers.load(self._batch(case, device), with_host_lengths=self.host_lengths)
-        warm_up(functools.partial(_step_with_fresh_metadata, buffers, loaded.common))
+        warm_up(functools.partial(step_with_fresh_metadata, buffers, loaded.common))
         try:
             graph = capture(buffers, buffers.backend.build_for_capture(loaded.common))
         except CaptureFailed as failure:

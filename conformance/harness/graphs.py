@@ -47,6 +47,7 @@ from conformance.harness.step import (
     layer_batch,
     write_poison,
 )
+from host_syncs.detector import detect_host_syncs
 
 PADDING_KEY_VALUE = 7.0  # garbage that padding rows carry: it must land nowhere. Each load adds
 # its index, so a stray write of one replay differs from what an earlier one left behind.
@@ -462,3 +463,45 @@ def graph_pool_bytes(graph: torch.cuda.CUDAGraph) -> int | None:
     except (AttributeError, RuntimeError):
         return None
     return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == pool)
+
+
+def capture_failure_cause(error: BaseException, detector) -> str:
+    """The error, led by the host sync that caused it when one was seen. Device allocations are
+    named only as context: PyTorch's caching allocator legitimately calls cudaMalloc to grow a
+    graph's private pool during capture, so an allocation alone proves nothing."""
+    message = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+    blocking = detector.blocking_events if detector else []
+    if blocking:
+        return f"{blocking[0].describe()} during capture ({message[:200]})"
+    allocations = [e for e in (detector.events if detector else []) if e.kind == "device-alloc"]
+    if allocations:
+        return f"{message} (a device allocation during capture: {allocations[0].describe()})"
+    return message
+
+
+def step_with_fresh_metadata(buffers: GraphBuffers, common) -> None:
+    """One eager step, its metadata built for it (the warm-up before a capture)."""
+    buffers.step(buffers.backend.build(common))
+
+
+class CaptureFailed(Exception):
+    def __init__(self, cause: str, events: list[dict]):
+        super().__init__(cause)
+        self.events = events
+
+
+def capture(buffers: GraphBuffers, metadata) -> torch.cuda.CUDAGraph:
+    """Capture write_kv + forward, watching the backend's calls for syncs and raw allocations."""
+    graph = torch.cuda.CUDAGraph()
+    detector = None
+    try:
+        # Only the backend's calls are watched: torch.cuda.graph synchronizes around a capture.
+        with detect_host_syncs("auto", only_in_phases=True) as detector:
+            with torch.cuda.graph(graph), detector.phase("capture"):
+                buffers.step(metadata)
+    except Exception as error:  # noqa: BLE001 - a capture failure is the finding
+        torch.cuda.synchronize()
+        raise CaptureFailed(
+            capture_failure_cause(error, detector), [e.to_dict() for e in (detector.events if detector else [])][:10]
+        ) from error
+    return graph

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from backends import token_tree
-from backends.base import DeviceInfo
+from backends.base import CGSupport, DeviceInfo
 from backends.features import TOKEN_TREES
 from backends.torch_naive import TorchNaiveBackend
 from backends.triton.backend import TritonAttentionBackend
@@ -121,6 +121,7 @@ def test_torch_naive_passes_the_checks_that_drive_trees_on_a_cpu(text):
         "bench",
         "engine",
         "steady",
+        "draft-loop",
     }
 
 
@@ -172,8 +173,7 @@ def test_a_backend_without_the_claim_and_the_checks_that_run_chains_say_why():
     assert "XQA takes a spec-decode draft mask" in reason and "decode only" in reason, reason
     assert FlashInferBackend.capabilities.feature_reason(case.needs, DeviceInfo("cuda", "H200", (9, 0))) is None
     assert TOKEN_TREES in TorchNaiveBackend.capabilities.features
-    for name in ("draft-loop",):
-        assert make_check(name).judged_reason(case).startswith(f"the {name} check runs chains only"), name
+    assert all(check.drives_trees for name, check in CHECKS.items() if name not in ("indexer", "lse-merge"))
 
 
 # triton's kernels under Triton's CPU interpreter (TRITON_INTERPRET=1, decided at import time: a
@@ -380,3 +380,53 @@ class TorchNaiveWithoutTrees(TorchNaiveBackend):
     capabilities = dataclasses.replace(
         TorchNaiveBackend.capabilities, features=TorchNaiveBackend.capabilities.features - {TOKEN_TREES}
     )
+
+
+# --- the draft loop over token trees ------------------------------------------------------------------
+
+
+def test_a_tree_draft_step_hands_every_node_up_to_its_level():
+    from conformance.harness.tree_draft_loop import grown, grown_case, max_depth
+
+    case = parse_case("gqa-h8/2-d64:100+tree[-1.0.1.0.3],20+1,0+3")
+    assert max_depth(case) == 2
+    assert grown_case(case, 0).batch == ((100, 1), (20, 1), (0, 1))
+    step = grown_case(case, 1)
+    assert step.batch == ((100, 3), (20, 1), (0, 2)) and step.trees == ((-1, 0, 0), None, None)
+    full = materialize(case, CPU)
+    batch = grown(full, 1)  # nodes 0, 1, 3 of the tree: query rows and keys are the full batch's own
+    assert torch.equal(batch.query[:3], full.query[[0, 1, 3]])
+    assert torch.equal(batch.keys[0][100:], full.keys[0][[100, 101, 103]])
+    assert torch.equal(batch.keys[2], full.keys[2][:2])
+
+
+@pytest.mark.parametrize("text", TREE_CASES)
+def test_torch_naive_drafts_trees_right_step_by_step(text):
+    from conformance.harness.tree_draft_loop import run_tree_draft_loop
+
+    result = run_tree_draft_loop(TorchNaiveBackend, parse_case(text), CPU, graphs=False)
+    assert result.verdict == Verdict.PASS, result.reason
+
+
+def test_a_tree_taken_as_a_chain_fails_the_second_draft_step():
+    from conformance.harness.tree_draft_loop import run_tree_draft_loop
+
+    case = parse_case("gqa-h8/2-d64-w8-edges:100+tree(3x3),40+tree[-1.0.1.0]")
+    result = run_tree_draft_loop(tree_defects.TreeAsChain, case, CPU, graphs=False)
+    assert result.verdict == Verdict.FAIL and result.reason.startswith("tree draft step 2 of 4"), result.reason
+
+
+def test_the_draft_loop_runs_a_tree_case_where_every_step_is_a_batch_the_backend_captures():
+    from conformance.checks.draft_loop import DraftLoopCheck
+
+    check = DraftLoopCheck()
+    uniform = parse_case("gqa-h8/2-d64:100+tree(2x2)x2")
+    mixed = parse_case(TREE_CASES[0])
+    assert check._tree_graph_reason(TritonAttentionBackend, mixed) is None
+    graphs_of_uniform_batches = type(
+        "UniformOnly",
+        (),
+        {"capabilities": dataclasses.replace(TorchNaiveBackend.capabilities, cuda_graphs=CGSupport.UNIFORM_BATCH)},
+    )
+    assert check._tree_graph_reason(graphs_of_uniform_batches, uniform) is None
+    assert "query lengths differ" in check._tree_graph_reason(graphs_of_uniform_batches, mixed)
