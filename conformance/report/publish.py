@@ -54,7 +54,13 @@ def split_by_backend(results: list[RunResult]) -> dict[str, RunResult]:
     for result in results:
         for backend in result.backends:
             earlier = per_backend.get(backend.name)
-            if earlier is not None and earlier.backends[0].available and backend.available:
+            if earlier is not None:
+                if earlier.backends[0].available != backend.available:
+                    raise PublishError(
+                        f"backend {backend.name} is available in one results file and not in another: "
+                        "publish runs made where it is the same"
+                    )
+                # Merged either way: an unavailable backend's SKIP of each check is a result too.
                 backend = merged(earlier.backends[0], backend)
             checks = [check.name for check in backend.checks] or result.checks
             per_backend[backend.name] = RunResult(result.environment, [backend], result.suite, checks)

@@ -12,7 +12,7 @@ from conformance.cases.grammar import parse_case
 from conformance.cases.suites import suite
 from conformance.checks import default_checks
 from conformance.checks.bench import traffic
-from conformance.report.publish import split_by_backend, table_checks, verdict_table
+from conformance.report.publish import PublishError, split_by_backend, table_checks, verdict_table
 from conformance.report.terminal import bench_table
 from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
 from conformance.run.runner import annotate_bench_ratios
@@ -131,6 +131,18 @@ def test_publish_merges_one_backends_runs_split_by_check():
     assert [check.name for check in backend.checks] == ["numerics", "graphs", "draft-loop"]  # the run's order
     assert backend.check("graphs").verdict == Verdict.FAIL  # the later file wins
     assert backend.wall_s == 15.0 and merged.checks == ["numerics", "graphs", "draft-loop"]
+
+
+def test_publish_keeps_an_unavailable_backends_checks_from_every_run_and_refuses_mixed_availability():
+    def run(checks, available=False):
+        results = [CheckResult(name, Verdict.SKIP, "backend unavailable: needs SM100", []) for name in checks]
+        backend = BackendResult("b", available, "needs SM100", checks=results)
+        return RunResult({"gpu": "H200"}, [backend], "standard", checks)
+
+    merged = split_by_backend([run(["numerics", "syncs"]), run(["draft-loop"])])["b"].backends[0]
+    assert [check.name for check in merged.checks] == ["numerics", "syncs", "draft-loop"]
+    with pytest.raises(PublishError, match="available in one results file and not in another"):
+        split_by_backend([run(["numerics"]), run(["draft-loop"], available=True)])
 
 
 @pytest.mark.slow
