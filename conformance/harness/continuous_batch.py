@@ -407,7 +407,6 @@ class ContinuousBatch:
                 parents[rows[at] : rows[at] + len(tree)] = tree  # a request's rows in a step are consecutive
                 steps_of[request].append(tree)
                 at += len(tree)
-        self.host_parents = parents
         self.parents_bank = torch.tensor(parents, dtype=torch.int32).to(self.device)
         self.tree_parents = torch.full((num_tokens,), -1, dtype=torch.int32, device=self.device)
         self.batch.tree_steps = [tuple(steps) for steps in steps_of]
