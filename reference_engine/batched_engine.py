@@ -485,16 +485,14 @@ class BatchedEngine(EngineCore):
                 "verify",
                 shape,
                 common,
-                lambda metadata: self._verify_segment(metadata, step, uploaded, buffers, shape),
+                lambda metadata: self._verify_segment(metadata, step, uploaded, buffers, shape, parents),
             )
 
     def _tree_of_tokens(self, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each token's offset in its row, its parent there and its depth: a tree engine's decode
-        rows read their slot's tree (``tree_parents``, ``tree_depths``), every other row is a chain."""
+        """A tree engine's step: each token's offset in its row, its parent there and its depth (the
+        decode rows read their slot's tree, ``tree_parents`` and ``tree_depths``; the others are chains)."""
         rows = layout.token_row
         offsets = torch.arange(rows.numel(), device=rows.device) - layout.query_start_loc.long()[rows]
-        if self.tree is None:
-            return offsets, offsets - 1, offsets
         slots, node = layout.slots[rows], offsets.clamp(max=self.config.num_spec_tokens)
         decode = layout.is_decode.bool()[rows]
         parents = torch.where(decode, self.state.tree_parents[slots, node], offsets - 1)
@@ -523,8 +521,10 @@ class BatchedEngine(EngineCore):
         uploaded: StepRows[torch.Tensor],
         buffers: _Buffers,
         shape: StepShape,
+        tree_parents: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Target forward → rejection → commit → the drafter's catch-up; returns what the host downloads."""
+        """Target forward → rejection → commit → the drafter's catch-up; returns what the host
+        downloads. ``tree_parents``: a tree step's, per token (tree steps run eagerly)."""
         k = self.config.num_spec_tokens
         layout = buffers.layout
         writes = KVWrites() if self.tree is not None else None
@@ -547,10 +547,8 @@ class BatchedEngine(EngineCore):
             writes.store_at(moved)  # the accepted path's KV where its positions lie
             self.moved.add_((moved >= 0).sum())
         self._commit(uploaded, layout, tokens, emitted)
-        last_kept = self._last_kept(layout, uploaded.decode.bool(), emitted, path)
-        parents = self._tree_of_tokens(layout)[1]  # computed inside the segment: a graph replays it
         self.drafter.after_commit(
-            Verified(metadata, step, layout, uploaded.decode, hidden, tokens, emitted, parents, last_kept, moved)
+            Verified(metadata, step, layout, uploaded.decode, hidden, tokens, emitted, tree_parents, path, moved)
         )
         results = torch.cat([emitted[:, None], tokens], dim=1).reshape(-1)
         return torch.cat([results, buffers.violations]) if self.config.check_inputs else results
@@ -626,17 +624,6 @@ class BatchedEngine(EngineCore):
         block_size = self.config.block_size
         blocks = layout.block_table.long()[rows, (position // block_size).clamp(max=layout.block_table.shape[1] - 1)]
         return torch.where(move, blocks * block_size + position % block_size, -1)
-
-    @staticmethod
-    def _last_kept(layout: RowLayout, decode: torch.Tensor, emitted: torch.Tensor, path: torch.Tensor | None):
-        """Each row's token whose KV is its last kept position (a tree's: the path's last node)."""
-        starts = layout.query_start_loc.long()
-        valid = torch.where(decode, emitted, starts[1:] - starts[:-1])
-        last = (valid - 1).clamp(min=0)
-        if path is not None:
-            node = path.gather(1, last.clamp(max=path.shape[1] - 1)[:, None]).squeeze(1)
-            last = torch.where(decode, node.clamp(min=0), last)
-        return starts[:-1] + last
 
     # --- commit ---------------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ temperature, rejection sampling reads the distributions they were drawn from.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, ClassVar
@@ -84,12 +85,37 @@ class Verified:
     hidden: torch.Tensor  # [tokens, hidden]: the target's final features
     tokens: torch.Tensor  # [rows, k + 1]: each row's emitted tokens, the first ``emitted`` of them
     emitted: torch.Tensor  # [rows]
-    # Each token's parent among its row's tokens (-1: the row's first), chains but for a tree's
-    # decode rows; the token whose KV holds each row's last kept position; and, for a tree step,
-    # the slot each accepted node's KV moves to (-1: stays or is dropped), else None.
-    parents: torch.Tensor  # [tokens] int64
-    last_kept: torch.Tensor  # [rows] int64, a token index
+    # A token-tree step's (else None): each token's parent among its row's tokens, each row's
+    # accepted path (``tree_rejection``), and the slot each accepted node's KV moved to (-1: none).
+    tree_parents: torch.Tensor | None = None  # [tokens] int64
+    path: torch.Tensor | None = None  # [rows, k + 1]
     moved_slots: torch.Tensor | None = None  # [tokens] int64
+
+    # Computed where a drafter asks (inside the step's graph segment), never for one that does not.
+
+    @functools.cached_property
+    def offsets(self) -> torch.Tensor:
+        """[tokens]: each token's index in its row."""
+        rows = self.layout.token_row
+        return torch.arange(rows.numel(), device=rows.device) - self.layout.query_start_loc.long()[rows]
+
+    @property
+    def parents(self) -> torch.Tensor:
+        """[tokens]: each token's parent among its row's tokens (-1: the row's first); a chain's
+        is the token before it."""
+        return self.offsets - 1 if self.tree_parents is None else self.tree_parents
+
+    @property
+    def last_kept(self) -> torch.Tensor:
+        """[rows]: the token whose KV is each row's last kept position (a decode row's last emitted
+        position, a tree's: its path's last node; a prefill chunk's last token)."""
+        starts = self.layout.query_start_loc.long()
+        decode = self.decode.bool()
+        last = (torch.where(decode, self.emitted, starts[1:] - starts[:-1]) - 1).clamp(min=0)
+        if self.path is not None:
+            node = self.path.gather(1, last.clamp(max=self.path.shape[1] - 1)[:, None]).squeeze(1)
+            last = torch.where(decode, node.clamp(min=0), last)
+        return starts[:-1] + last
 
 
 class Drafter(ABC):

@@ -106,8 +106,7 @@ class EagleDrafter(AttentionDrafter):
         (a tree's node: its parent node's); a tree step's accepted nodes then move as the
         target's did."""
         rows, layout, tensors, hidden = verified.layout.token_row, verified.layout, verified.tensors, verified.hidden
-        starts = layout.query_start_loc.long()
-        offsets = torch.arange(rows.numel(), device=hidden.device) - starts[rows]
+        starts, offsets = layout.query_start_loc.long(), verified.offsets
         slots = layout.slots
         carried = torch.where((tensors.positions > 0)[:, None], self.features[slots[rows]], 0.0)
         parents = verified.parents
