@@ -20,7 +20,7 @@ from conformance.cases.grammar import Case
 from conformance.harness.answers import answer_for
 from conformance.harness.batch import PagedBatch, materialize
 from conformance.harness.comparison import TOLERANCES
-from conformance.harness.graph_batches import GraphShape
+from conformance.harness.graph_batches import GraphShape, other_tree
 from conformance.harness.graphs import CaptureFailed, GraphBuffers, capture, step_with_fresh_metadata
 from conformance.harness.step import PoolFill
 from conformance.harness.stored_cache import oracle
@@ -61,6 +61,13 @@ def grown(full: PagedBatch, level: int) -> PagedBatch:
         token_inputs={name: tensor.index_select(0, index) for name, tensor in full.token_inputs.items()},
         _reference=None,
     )
+
+
+def other_trees(batch: PagedBatch) -> PagedBatch:
+    """``batch`` with every tree of another shape of the same size (``graph_batches.other_tree``):
+    the same tokens, keys and slots."""
+    trees = tuple(other_tree(tree) for tree in batch.case.trees)
+    return replace(batch, case=replace(batch.case, trees=trees), _reference=None)
 
 
 def _grown(case: Case, level: int) -> tuple[Case, list[list[int]]]:
@@ -115,7 +122,11 @@ def run_tree_draft_loop(backend_cls, case, device: torch.device, graphs: bool = 
                 )
     atol, rtol = TOLERANCES[case.spec.dtype]
     answer = answer_for(case.spec)
-    for level, step in enumerate(steps):
+    # Every step with its own trees, then again with other trees of the same sizes: a graph that
+    # kept the trees it was captured with is right only for those.
+    judged = [(level, step, "") for level, step in enumerate(steps)]
+    judged += [(level, other_trees(step), ", replayed with other trees") for level, step in enumerate(steps)]
+    for level, step, how in judged:
         loaded = buffers.load(step, with_host_lengths=host)
         metadata = buffers.backend.build(loaded.common)
         buffers.clear_outputs()
@@ -131,7 +142,7 @@ def run_tree_draft_loop(backend_cls, case, device: torch.device, graphs: bool = 
         if not passed:
             return Outcome(
                 Verdict.FAIL,
-                f"tree draft step {level + 1} of {len(steps)} (nodes per request {sizes[level]}) differs from the "
+                f"tree draft step {level + 1} of {len(steps)}{how} (nodes per request {sizes[level]}) differs from the "
                 f"oracle ({answer.count(errors)}, worst at {answer.worst_place(evidence['worst'])}); every step "
                 f"before it was right — {'each step its own graph, build before each replay' if graphs else 'eager'}",
                 metrics={"tree_draft_steps": len(steps), "first_failing_step": level + 1, **errors},
@@ -141,7 +152,7 @@ def run_tree_draft_loop(backend_cls, case, device: torch.device, graphs: bool = 
         Verdict.PASS,
         f"{len(steps)} tree draft steps, each extending every branch (nodes per request "
         f"{' → '.join(','.join(map(str, size)) for size in sizes)}), "
-        f"{'each its own graph, build before each replay' if graphs else 'eager'}, NaN in every unowned slot: "
-        "every step equal to the oracle",
+        f"{'each its own graph, build before each replay' if graphs else 'eager'}, NaN in every unowned slot, "
+        "then each again with other trees of its sizes: every step equal to the oracle",
         metrics={"tree_draft_steps": len(steps)},
     )

@@ -408,12 +408,15 @@ def test_torch_naive_drafts_trees_right_step_by_step(text):
     assert result.verdict == Verdict.PASS, result.reason
 
 
-def test_a_tree_taken_as_a_chain_fails_the_second_draft_step():
+def test_a_tree_taken_as_a_chain_or_kept_for_its_shape_fails_the_tree_draft_loop():
     from conformance.harness.tree_draft_loop import run_tree_draft_loop
 
     case = parse_case("gqa-h8/2-d64-w8-edges:100+tree(3x3),40+tree[-1.0.1.0]")
     result = run_tree_draft_loop(tree_defects.TreeAsChain, case, CPU, graphs=False)
     assert result.verdict == Verdict.FAIL and result.reason.startswith("tree draft step 2 of 4"), result.reason
+    # Right for the trees it first saw at each size; the pass with other trees of those sizes fails it.
+    kept = run_tree_draft_loop(tree_defects.TreesKeptForTheirShape, case, CPU, graphs=False)
+    assert kept.verdict == Verdict.FAIL and "replayed with other trees" in kept.reason, kept.reason
 
 
 def test_the_draft_loop_runs_a_tree_case_where_every_step_is_a_batch_the_backend_captures():
