@@ -111,6 +111,20 @@ MAX_BIT_TOKENS = 64  # a tree's tokens an int64 ancestor bitmask holds
 _JUMPS = 6  # pointer jumps that reach every ancestor of a tree of MAX_BIT_TOKENS (depth < 2**6)
 
 
+def chain_parents(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """On the device, no host value read: the ``tree_parents`` of a step whose requests are all
+    chains (int32 [num_tokens]: each token's parent the token before it, -1 at a request's
+    first), for a kernel that reads every verify row as a tree (``ancestor_bits``)."""
+    rows = torch.arange(num_tokens, device=query_start_loc.device)
+    return (rows - _first_rows(query_start_loc, rows) - 1).to(torch.int32)
+
+
+def _first_rows(query_start_loc: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Each row's request's first row."""
+    starts = query_start_loc.long()
+    return starts[torch.searchsorted(starts[1:], rows, right=True).clamp_(max=starts.shape[0] - 2)]
+
+
 def ancestor_bits(query_start_loc: torch.Tensor, parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """On the device, no host value read (graph-safe): each token's ancestors among its request's
     new tokens as an int64 bitmask (bit j: new token j, itself included) and its depth (int32),
@@ -118,8 +132,7 @@ def ancestor_bits(query_start_loc: torch.Tensor, parents: torch.Tensor) -> tuple
     ``query_start_loc``. By pointer jumping: each of ``_JUMPS`` rounds doubles the levels a
     token's mask holds; a request's tree must have at most ``MAX_BIT_TOKENS`` tokens."""
     rows = torch.arange(parents.shape[0], device=parents.device)
-    starts = query_start_loc.long()
-    first = starts[torch.searchsorted(starts[1:], rows, right=True).clamp_(max=starts.shape[0] - 2)]
+    first = _first_rows(query_start_loc, rows)
     bits = torch.bitwise_left_shift(torch.ones_like(rows), rows - first)
     jump = torch.where(parents >= 0, first + parents.long(), -1)
     depth = (parents >= 0).long()

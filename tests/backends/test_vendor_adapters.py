@@ -327,7 +327,9 @@ def test_trtllm_backends_import_their_entry_point_and_re_point_draft_steps(monke
         return "mla"
 
     monkeypatch.setitem(
-        sys.modules, "flashinfer.decode", types.SimpleNamespace(trtllm_batch_decode_with_kv_cache=decode)
+        sys.modules,
+        "flashinfer.decode",
+        types.SimpleNamespace(trtllm_batch_decode_with_kv_cache=decode, xqa_batch_decode_with_kv_cache=decode),
     )
     monkeypatch.setitem(sys.modules, "flashinfer.mla", types.SimpleNamespace(trtllm_batch_decode_with_kv_cache_mla=mla))
     monkeypatch.setattr(flashinfer_adapters, "WORKSPACE_BYTES", 64)
@@ -357,3 +359,67 @@ def test_trtllm_backends_import_their_entry_point_and_re_point_draft_steps(monke
         )
         backend.forward(query, backend.allocate_kv_cache(8), sliced, out)
         assert handed["block_tables"].is_contiguous() and torch.equal(handed["block_tables"], strided.block_table)
+
+
+def test_trtllm_verify_steps_hand_xqa_ragged_requests_and_each_rows_draft_mask(monkeypatch):
+    """A step with a request longer than one token goes to XQA's speculative-decoding path: each
+    request its own length (``q_cu_seq_lens``: the step's query_start_loc), the longest draft
+    ``VERIFY_TOKENS`` (one compiled module), and row i's mask the bits of the request's new
+    tokens it sees (little-endian uint16 words: bit j, token j), the tree's or a chain's; a
+    decode step goes to the trtllm entry point with no mask."""
+    import types
+
+    import backends.flashinfer as flashinfer_adapters
+    from backends import token_tree
+    from backends.flashinfer.trtllm import VERIFY_TOKENS
+
+    calls = []
+    fake = types.SimpleNamespace(
+        trtllm_batch_decode_with_kv_cache=lambda **kwargs: calls.append(("decode", kwargs)),
+        xqa_batch_decode_with_kv_cache=lambda **kwargs: calls.append(("verify", kwargs)),
+    )
+    monkeypatch.setitem(sys.modules, "flashinfer.decode", fake)
+    monkeypatch.setattr(flashinfer_adapters, "WORKSPACE_BYTES", 64)
+
+    def handed(text):
+        parsed = parse_case(text)
+        backend = TrtllmBackend(parsed.spec, BackendLimits(8, 128, 4096), torch.device("cpu"))
+        batch = materialize(parsed, "cpu")
+        common = batch.common_metadata()
+        spec, tokens = parsed.spec, common.num_actual_tokens
+        calls.clear()
+        backend.forward(
+            torch.zeros(tokens, spec.num_heads, spec.head_dim),
+            backend.allocate_kv_cache(8),
+            backend.build(common),
+            torch.zeros(tokens, spec.num_heads, spec.head_dim),
+        )
+        (path, kwargs), = calls
+        return path, kwargs, common
+
+    def rows_seen(mask):  # [tokens, 4] uint16 words -> each row's visible new tokens
+        words = mask.view(torch.int64).flatten().tolist()
+        return [[j for j in range(VERIFY_TOKENS) if (word >> j) & 1] for word in words]
+
+    path, kwargs, common = handed("gqa-h8/2-d128-bf16-p16:30+1,50+1")
+    assert path == "decode" and "mask" not in kwargs
+    tree = "tree[-1.0.0.1.1.2.2]"  # EAGLE's static -1.0.0.1.1.2.2 (parent of each node)
+    path, kwargs, common = handed(f"gqa-h8/2-d128-bf16-p16:100+{tree},20+1,40+3,300+tree(2x5)")
+    assert path == "verify" and kwargs["q_len_per_req"] == VERIFY_TOKENS
+    assert kwargs["q_cu_seq_lens"] is common.query_start_loc and kwargs["mask"].dtype == torch.uint16
+    assert kwargs["mask"].shape == (common.num_actual_tokens, VERIFY_TOKENS // 16)
+    expected = []
+    starts = common.query_start_loc_cpu.tolist()
+    parents = common.host_tree_parents.tolist()
+    for start, end in zip(starts, starts[1:]):
+        seen = token_tree.ancestors(parents[start:end])
+        expected += [torch.nonzero(row).flatten().tolist() for row in seen]
+    assert rows_seen(kwargs["mask"]) == expected
+    assert rows_seen(kwargs["mask"])[:3] == [[0], [0, 1], [0, 2]]  # siblings unseen
+    assert expected[-1] == [0, 2, 6, 14, 30, 62]  # 63 tokens: the high word counts too
+    # Chains (no tree in the step): each row its request's earlier rows, a short prefill too.
+    path, kwargs, _ = handed("gqa-h8/2-d128-bf16-p16:100+4,0+40,7+1")
+    assert path == "verify"
+    assert rows_seen(kwargs["mask"]) == [list(range(i + 1)) for i in range(4)] + [
+        list(range(i + 1)) for i in range(40)
+    ] + [[0]]

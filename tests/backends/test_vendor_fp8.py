@@ -103,7 +103,10 @@ def test_trtllm_folds_the_scales_into_its_two_gemm_scales(monkeypatch):
     monkeypatch.setitem(
         sys.modules,
         "flashinfer.decode",
-        types.SimpleNamespace(trtllm_batch_decode_with_kv_cache=lambda **kwargs: handed.update(kwargs)),
+        types.SimpleNamespace(
+            trtllm_batch_decode_with_kv_cache=lambda **kwargs: handed.update(kwargs),
+            xqa_batch_decode_with_kv_cache=lambda **kwargs: handed.update(kwargs),
+        ),
     )
     monkeypatch.setattr(flashinfer_adapters, "WORKSPACE_BYTES", 64)
     backend, cache, (key, value, slots) = run_once(TrtllmBackend, f"{E4M3}:10+1,20+1", SCALES)

@@ -165,13 +165,16 @@ def test_each_planted_tree_defect_fails_numerics_widely(defect, text):
 
 
 def test_a_backend_without_the_claim_and_the_checks_that_run_chains_say_why():
+    from backends.flash_attn import FlashAttnBackend
     from backends.flashinfer.gqa import FlashInferBackend
     from backends.flashinfer.trtllm import TrtllmBackend
 
     case = parse_case(TREE_CASES[0])
-    reason = TrtllmBackend.capabilities.feature_reason(case.needs, DeviceInfo("cuda", "H200", (9, 0)))
-    assert "XQA takes a spec-decode draft mask" in reason and "decode only" in reason, reason
-    assert FlashInferBackend.capabilities.feature_reason(case.needs, DeviceInfo("cuda", "H200", (9, 0))) is None
+    h200 = DeviceInfo("cuda", "H200", (9, 0))
+    reason = FlashAttnBackend.capabilities.feature_reason(case.needs, h200)
+    assert "token trees" in reason and "mask_mod" in reason, reason
+    assert FlashInferBackend.capabilities.feature_reason(case.needs, h200) is None
+    assert TrtllmBackend.capabilities.feature_reason(case.needs, h200) is None
     assert TOKEN_TREES in TorchNaiveBackend.capabilities.features
     assert all(check.drives_trees for name, check in CHECKS.items() if name not in ("indexer", "lse-merge"))
 

@@ -1,6 +1,7 @@
-"""Token trees under CUDA graphs, on a GPU: triton's tree masks made in every build pass the
-graphs check (whose replays hand other trees of the same sizes) and the tree draft loop, and
-triton keeping the first build's masks fails both."""
+"""Token trees on a GPU: triton's tree masks made in every build pass the graphs check (whose
+replays hand other trees of the same sizes) and the tree draft loop, and triton keeping the
+first build's masks fails both; trtllm's XQA draft masks pass numerics over trees and chains,
+and fail with the tree dropped or the mask's bits reversed."""
 
 from __future__ import annotations
 
@@ -47,3 +48,32 @@ def test_the_tree_draft_loop_passes_triton_and_fails_its_planted_defects(text):
     for defect in (triton_tree_kept_from_first_build(), triton_tree_as_chain()):
         failed = judge(DraftLoopCheck(), defect, case, cuda)
         assert failed.verdict == Verdict.FAIL and failed.reason.startswith("tree draft step "), failed.reason
+
+
+TRTLLM = [
+    "gqa-h32/8-d128-bf16-p16:3000+tree(4x2)x2,1000+tree(4x2)",
+    "gqa-h32/8-d128-bf16-p16:3000+tree(4x2),700+tree[-1.0.0.0.1.1.2.4.5],2000+1x2,0+40,300+4",
+    "gqa-h32/8-d128-bf16-p16:700+tree(2x5),40+1",  # 63 tokens: the mask's high word
+    "gqa-h64/4-d128-fp16-p32-attnsinks:1200+tree(4x2),300+1",
+]
+
+
+def xqa_here() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flashinfer") is not None and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not xqa_here(), reason="needs flashinfer on an SM90 GPU")
+@pytest.mark.parametrize("text", TRTLLM)
+def test_trtllm_passes_trees_through_xqa_draft_masks_and_fails_them_dropped_or_reversed(text):
+    from backends.flashinfer.trtllm import TrtllmBackend
+    from conformance.checks.numerics import NumericsCheck
+    from tests.planted.tree_defects import trtllm_masks_bit_reversed, trtllm_tree_as_chain
+
+    cuda, case = torch.device("cuda"), parse_case(text)
+    result = judge(NumericsCheck(), TrtllmBackend, case, cuda)
+    assert result.verdict == Verdict.PASS, result.reason
+    for defect in (trtllm_tree_as_chain(), trtllm_masks_bit_reversed()):
+        failed = judge(NumericsCheck(), defect, case, cuda)
+        assert failed.verdict == Verdict.FAIL, failed.reason

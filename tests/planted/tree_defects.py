@@ -2,7 +2,8 @@
 has (``backends.base``: "Token trees"): the tree treated as a chain, siblings seeing each other,
 the parent but not the grandparent, positions by query index (the window's edge moves), one
 request's tree applied to every request, and the window kept off the tree's own keys; and triton
-with the step's tree dropped, or its masks kept from its first build."""
+with the step's tree dropped, or its masks kept from its first build; trtllm with the step's tree
+dropped, or its draft masks packed bit-reversed into XQA's words."""
 
 from __future__ import annotations
 
@@ -87,6 +88,37 @@ def triton_tree_as_chain():
             return metadata
 
     return TritonTreeAsChain
+
+
+def trtllm_masks_bit_reversed():
+    """trtllm that lays each row's draft mask in XQA's words the wrong way round (bit 63 - j for
+    the request's new token j, a big-endian packing): every verify row, chain or tree, sees
+    other drafts than its own ancestors."""
+    from backends.flashinfer.trtllm import TrtllmBackend
+
+    class TrtllmMasksBitReversed(TrtllmBackend):
+        def build(self, common):
+            metadata = super().build(common)
+            if metadata.verify:
+                bits = self.masks.clone()
+                reversed_ = torch.zeros_like(bits)
+                for j in range(64):
+                    reversed_ |= ((bits >> j) & 1) << (63 - j)
+                self.masks.copy_(reversed_)
+            return metadata
+
+    return TrtllmMasksBitReversed
+
+
+def trtllm_tree_as_chain():
+    """trtllm whose build drops the step's tree: XQA gets a chain's masks (query order)."""
+    from backends.flashinfer.trtllm import TrtllmBackend
+
+    class TrtllmTreeAsChain(TrtllmBackend):
+        def build(self, common):
+            return super().build(replace(common, tree_parents=None, tree_parents_cpu=None))
+
+    return TrtllmTreeAsChain
 
 
 def triton_tree_kept_from_first_build():

@@ -1,4 +1,4 @@
-"""The prefill/decode split on a CPU: a backend serving only some batches (decode-only as trtllm,
+"""The prefill/decode split on a CPU: a backend serving only some batches (decode-only as trtllm was,
 uniform-only as flashmla, verify-only as triton_mla) runs under both engine loops beside a
 companion; each sees only what it claims (the planted backends below refuse anything else, as
 their kernels would); tokens equal plain decoding through one backend; the engine check runs
