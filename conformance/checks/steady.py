@@ -20,9 +20,10 @@ changes, or reuses a plan when the batch's shape (requests, tokens) comes back w
 requests in it, or writes its log-sum-exp only on the steps it re-planned, is right there; in a
 serving engine the batch changes nearly every step. Here every step is watched:
 
-* host syncs: the detector records every call of every step but the first (whose module loads
-  and compiles the syncs check's warm-up step allows too; a phase each); any blocking sync is a
-  FAIL naming the step and the line;
+* host syncs: the detector records every call of every step but two, the first decode-only step
+  and the first with a longer row (``warm_up_steps``: their module loads and compiles, which the
+  syncs check's warm-up step allows too; a phase each); any blocking sync is a FAIL naming the
+  step and the line;
 * every input handed to ``build``, ``write_kv`` and ``forward`` comes back as it went in (the
   input watch, compared after each step: the harness's read, outside the watched calls);
 * every step's output against the float64 oracle (the first wrong step is named, with its batch:
@@ -86,7 +87,6 @@ from host_syncs.events import DEVICE_ALLOC
 
 STEPS = 256
 WARM_STEPS = 16  # lazy initialisation and JIT compiles happen here; memory is measured from here on
-UNWATCHED_SYNC_STEPS = 1  # the first call's module loads and compiles (see steady_look)
 GROWTH_BYTES = 1 << 20
 MAX_EVENTS_KEPT = 10
 
@@ -106,6 +106,22 @@ def ramp_newest_keys(batch: PagedBatch) -> None:
     for key, (context, steps) in zip(batch.keys, batch.case.batch):
         ramp = torch.arange(1, steps + 1, dtype=key.dtype, device=key.device)
         key[context : context + steps, ..., probe] = ramp.view(-1, *([1] * (key.dim() - 2)))
+
+
+def warm_up_steps(schedule: Schedule) -> frozenset[int]:
+    """The steps whose syncs are not counted: the first decode-only step and the first with a
+    longer row (verify, a tree, a prefill chunk). A backend's first call of a kernel loads its
+    module or JIT-compiles it (a sync each), as the syncs check's warm-up step allows, and a
+    backend may pick its kernel by that kind of batch (FlashInfer's trtllm entry point: XQA's
+    decode kernel, or its speculative-decoding one, loaded at its first verify step); an engine's
+    warm-up runs both kinds (vLLM captures uniform-decode and mixed batches). Without this the
+    verdict would depend on what the process had run before (a fresh process fails, one that had
+    run the numerics check first passes). Every other step's syncs count, so a sync that comes
+    back whenever the batch changes shows in the many changes after these two."""
+    first: dict[bool, int] = {}
+    for index, step in enumerate(schedule.steps):
+        first.setdefault(max(step.query_lens) > 1, index)
+    return frozenset(first.values())
 
 
 def memory_counters(device: torch.device) -> dict[str, int]:
@@ -144,13 +160,11 @@ def steady_look(
     changed: list[str] = []
     inside = {"allocations": 0, "segments": 0}  # the caching allocator's counts inside the backend's calls only
 
+    unwatched = warm_up_steps(schedule)
+
     def watched(step: int, name: str, watch, call):
         before = memory_counters(device)
-        # The first step's syncs are not counted: a backend's first call loads its modules and JIT
-        # kernels (a sync each), as the syncs check's warm-up step allows. Without this the verdict
-        # depended on what the process had run before (a fresh process failed, one that had run
-        # the numerics check first passed). From the second step on, every sync counts.
-        with _phase(detector if step >= UNWATCHED_SYNC_STEPS else None, f"step {step}: {name}"):
+        with _phase(detector if step not in unwatched else None, f"step {step}: {name}"):
             result = call()
         now = memory_counters(device)
         if step >= WARM_STEPS:
@@ -199,6 +213,7 @@ def steady_look(
     metrics, evidence = _memory_metrics(after, steps)
     metrics.update({key: summary[key] for key in SCHEDULE_METRICS})
     metrics["lse_checked"] = with_lse
+    evidence["sync_warm_up_steps"] = sorted(unwatched)
     steady = max(steps - WARM_STEPS, 1)
     metrics["steady_allocations_per_step"] = inside["allocations"] / steady
     metrics["steady_new_segments"] = inside["segments"]
@@ -388,6 +403,7 @@ class SteadyCheck(Check):
     )
     evidence_labels = {
         "new_segment_steps": "steady steps in which PyTorch's allocator made a new segment",
+        "sync_warm_up_steps": "the steps whose syncs are not counted (the first decode-only, the first with a longer row)",
         "failing_step_batch": "the failing step's batch (requests by row, query and sequence lengths, joined, left)",
     }
     sync_event_labels = {"syncs": "host syncs", "device_allocations": "device allocations in steady steps (reported)"}

@@ -357,9 +357,12 @@ class EngineRuns:
 
     def steady_workload(self) -> tuple[list[list[int]], list]:
         """The measured run's prompts (the check's, again and again) and their sampling, one
-        ``STEADY_MAX_TOKENS`` entry each."""
-        count = len(STEADY_MAX_TOKENS)
-        return [self.prompts[index % len(self.prompts)] for index in range(count)], steady_params(STEADY_MAX_TOKENS)
+        ``STEADY_MAX_TOKENS`` entry each; a tree engine's, the entries twice over: it accepts more
+        tokens a step (its path through top-4 of 8), and once over left as few as 125 steady
+        steps (trtllm's tree case with sinks, H200), short of ``STEADY_STEPS``."""
+        max_tokens = STEADY_MAX_TOKENS * (2 if self.trees else 1)
+        count = len(max_tokens)
+        return [self.prompts[index % len(self.prompts)] for index in range(count)], steady_params(max_tokens)
 
     def record_steady(self, measured, changes: list[str]) -> None:
         """The measured figures, and how many measured steps came right after the batch changed."""
