@@ -34,13 +34,19 @@ Conventions shared by every backend and the harness:
   ``write_kv`` and ``forward`` for them is one ``LayerParameters`` (scales, sinks, the LSE buffer).
 * fp8 KV cache (``AttentionSpec.kv_cache_dtype`` ``float8_e4m3fn`` or ``float8_e5m2``: features
   ``fp8_e4m3_kv_cache``, ``fp8_e5m2_kv_cache``): ``write_kv`` and ``forward`` get the layer's
-  ``KVScales`` (``layer.scales``). ``write_kv`` stores ``value / scale`` rounded to the nearest fp8 number,
+  ``Fp8Scales`` (``layer.scales``). ``write_kv`` stores ``value / scale`` rounded to the nearest fp8 number,
   ties to even, saturated to the format's largest finite magnitude (448 for e4m3, 57344 for
   e5m2), as vLLM's cache writers do; ``forward`` computes the attention of the dequantized cache
   (``stored × scale``). Keys use ``k_scale``, values ``v_scale``; MLA's latent entry uses
   ``k_scale`` alone (DeepSeek's one scale). Scales belong to a layer, not to the backend: every
   layer of a step may pass other scales with the same metadata. ``read_kv`` returns what
   ``write_kv`` stored, so the harness can check both halves separately.
+* fp8 query (``AttentionSpec.query_dtype`` ``float8_e4m3fn``, feature ``fp8_query``; vLLM's
+  ``supports_quant_query_input``): ``forward`` is handed the query in e4m3, quantized as a cache
+  is (``query / q_scale``, nearest, saturated at 448), and the layer's ``Fp8Scales`` with its
+  ``q_scale`` (host float and 1-element device tensor, as for k and v; k and v 1 without an fp8
+  cache); it computes the attention of the dequantized query (``stored × q_scale``) and writes its
+  output in the compute dtype. The q scale is the layer's, like k and v's.
 * Log-sum-exp (feature ``lse``): ``forward`` may be handed ``layer.lse``, a
   float32 ``[rows, num_heads]`` tensor; a backend that claims it writes, for each of the first
   ``num_actual_tokens`` rows and each head, the natural log of its softmax's denominator,
@@ -173,6 +179,7 @@ class AttentionSpec:
     sparse_topk: int | None = None  # MLA: attends to its layer.topk_indices row; an indexer: how many it chooses
     sparse_window: int | None = None  # a sparse layer's window part: the W most recent positions too
     kv_scale_block: int | None = None  # MLA fp8: a scale per this many latent values a token (fp8_ds_mla: 128)
+    query_dtype: torch.dtype | None = None  # None: the query in dtype; float8_e4m3fn: an fp8 query (q_scale)
 
     def __post_init__(self) -> None:
         if self.kind not in LAYER_KINDS:
@@ -194,6 +201,10 @@ class AttentionSpec:
             raise ValueError(
                 "kv_scale_block is an MLA layer's e4m3 cache (DeepSeek's fp8_ds_mla), its latent whole blocks"
             )
+        if self.query_dtype not in (None, self.dtype, torch.float8_e4m3fn) or (
+            self.fp8_query and self.kind == "indexer"
+        ):
+            raise ValueError("query_dtype: the compute dtype, or float8_e4m3fn for an attention layer (an fp8 query)")
         if self.kv_cache_dtype not in (None, self.dtype) and self.kv_cache_dtype not in FP8_KV_DTYPES:
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} is neither the compute dtype nor an fp8 format")
 
@@ -205,6 +216,15 @@ class AttentionSpec:
     @property
     def fp8_kv_cache(self) -> bool:
         return self.kv_cache_dtype in FP8_KV_DTYPES
+
+    @property
+    def fp8_query(self) -> bool:
+        return self.query_dtype == torch.float8_e4m3fn
+
+    @property
+    def handed_query_dtype(self) -> torch.dtype:
+        """The dtype of the query ``forward`` is handed: e4m3 for an fp8 query, else the compute dtype."""
+        return self.query_dtype or self.dtype
 
     @property
     def effective_kv_cache_dtype(self) -> torch.dtype:
@@ -224,23 +244,27 @@ class AttentionSpec:
 
 
 @dataclass(frozen=True)
-class KVScales:
-    """One layer's per-tensor fp8 KV-cache scales, in both forms vLLM hands a backend: host floats
-    (``layer._k_scale_float``) and 1-element float32 device tensors (``layer._k_scale``). A kernel
-    that reads the device tensor stays graph-safe; reading it on the host (``.item()``) is a host
-    sync. Stored = value / scale; dequantized = stored × scale."""
+class Fp8Scales:
+    """One layer's per-tensor fp8 scales, the KV cache's and the query's, in both forms vLLM hands
+    a backend: host floats (``layer._k_scale_float``, ``_q_scale_float``) and 1-element float32
+    device tensors (``layer._k_scale``, ``_q_scale``). A kernel that reads the device tensor stays
+    graph-safe; reading it on the host (``.item()``) is a host sync. Stored = value / scale;
+    dequantized = stored × scale. A layer without an fp8 cache has k and v scales 1; one without an
+    fp8 query, a q scale 1."""
 
     k_scale: float
     v_scale: float
     k_scale_tensor: torch.Tensor  # [1] float32, device
     v_scale_tensor: torch.Tensor  # [1] float32, device
+    q_scale: float = 1.0
+    q_scale_tensor: torch.Tensor | None = None  # [1] float32, device (``on`` always makes it)
 
     @classmethod
-    def on(cls, device: torch.device | str, k_scale: float, v_scale: float) -> "KVScales":
+    def on(cls, device: torch.device | str, k_scale: float, v_scale: float, q_scale: float = 1.0) -> "Fp8Scales":
         def tensor(value: float) -> torch.Tensor:
             return torch.full((1,), value, dtype=torch.float32, device=device)
 
-        return cls(k_scale, v_scale, tensor(k_scale), tensor(v_scale))
+        return cls(k_scale, v_scale, tensor(k_scale), tensor(v_scale), q_scale, tensor(q_scale))
 
 
 @dataclass(frozen=True)
@@ -250,7 +274,7 @@ class LayerParameters:
     keyword in every signature. A field is None where the layer has no such thing; a backend reads
     only the fields of the features it claims (``Capabilities.features``).
 
-    * ``scales``: an fp8 layer's ``KVScales`` (``write_kv`` stores ``value / scale``; ``forward``
+    * ``scales``: an fp8 layer's ``Fp8Scales`` (``write_kv`` stores ``value / scale``; ``forward``
       attends over ``stored × scale``).
     * ``sinks``: a layer's learned sink logits, float32 ``[num_heads]`` on the device (gpt-oss).
     * ``lse``: ``forward`` only: float32 ``[rows, num_heads]`` where a backend that claims the
@@ -263,7 +287,7 @@ class LayerParameters:
     Scales and sinks belong to a layer, like its weights: every layer of a step hands its own with
     the same metadata, and a backend keeps none of them between calls."""
 
-    scales: KVScales | None = None
+    scales: Fp8Scales | None = None
     sinks: torch.Tensor | None = None
     lse: torch.Tensor | None = None
     topk_indices: torch.Tensor | None = None

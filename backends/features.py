@@ -108,6 +108,11 @@ SPARSE_WINDOW = feature(
     lambda needs: f"a sparse layer's window part ({needs.spec.sparse_window} most recent positions, DeepSeek-V4's)",
     lambda needs: needs.spec.sparse_window is not None,
 )
+FP8_QUERY = feature(
+    "fp8_query",
+    "an fp8 query (e4m3, its per-tensor q_scale: vLLM's quantized query input)",
+    lambda needs: needs.spec.fp8_query,
+)
 EMPTY_REQUESTS = feature(
     "empty_requests",
     "empty requests (query length 0, vLLM's graph padding)",

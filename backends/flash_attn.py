@@ -33,6 +33,7 @@ from backends.base import (
 from backends.features import (
     ATTENTION_SINKS,
     FP8_KV_CACHES,
+    FP8_QUERY,
     LOGITS_SOFT_CAP,
     LSE,
     SLIDING_WINDOW,
@@ -97,6 +98,8 @@ class FlashAttnBackend(AttentionBackend):
             "supported features); this adapter runs on SM90",
             LSE: "flash-attn-4 returns one, but it is not claimed until measured: flash-attn-4 was not installed on "
             "the GPU machines of the session that added the LSE",
+            FP8_QUERY: "flash-attn-4 takes an fp8 query (q_descale) only in its fp8 attention, with an fp8 cache, "
+            "on SM100; this adapter runs on SM90 and hands the query in the compute dtype",
             TOKEN_TREES: "flash-attn-4's masks beyond causal and a window come as a CuTe DSL `mask_mod` (a compiled "
             "function, FlexAttention's style); this adapter hands `causal` and builds none from a step's tree",
         },

@@ -24,7 +24,7 @@ from backends.base import (
     CommonAttentionMetadata,
     LayerParameters,
 )
-from backends.features import FP8_KV_CACHES, TOKEN_TREES
+from backends.features import FP8_KV_CACHES, FP8_QUERY, TOKEN_TREES
 from backends.paged_write import write_paged_rows
 from backends.vendor_layout import packed
 
@@ -75,6 +75,8 @@ class FlashMLABackend(FlashMLAModule):
                 "FlashMLA's fp8 decode on SM90 takes the query in fp8 too, with its own scale (descale_q), "
                 "which the contract does not hand a backend",
             ),
+            FP8_QUERY: "FlashMLA's SM90 dense decode takes an fp8 query only with an fp8 cache (descale_q with "
+            'descale_k; sgl-flash-mla checks "query and key must have the same dtype"): not built or measured here',
             TOKEN_TREES: "FlashMLA's dense decode (flash_mla_with_kvcache) takes `causal` and no mask: a verify "
             "request's tokens are causal to it",
         },

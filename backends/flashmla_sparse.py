@@ -34,7 +34,7 @@ from backends.base import (
     CommonAttentionMetadata,
     LayerParameters,
 )
-from backends.features import FP8_DS_MLA, FP8_KV_CACHES, LSE, SPARSE_TOPK, SPARSE_WINDOW
+from backends.features import FP8_DS_MLA, FP8_KV_CACHES, FP8_QUERY, LSE, SPARSE_TOPK, SPARSE_WINDOW
 from backends.flashmla import FLASHMLA_CLAIMS, FlashMLAModule
 from backends.fp8_ds_mla import DS_MLA_SCALE_BLOCK, DsMlaLayout
 from backends.paged_write import write_paged_rows
@@ -59,9 +59,13 @@ class FlashMLASparseBackend(FlashMLAModule):
         **FLASHMLA_CLAIMS,
         features=frozenset({SPARSE_TOPK, SPARSE_WINDOW, LSE, FP8_DS_MLA}),
         only_with=frozenset({SPARSE_TOPK}),  # dense MLA is flashmla's
-        not_claimed=dict.fromkeys(
-            FP8_KV_CACHES, "FlashMLA's sparse fp8 kernels read DeepSeek's fp8_ds_mla layout, not a per-tensor scale"
-        ),
+        not_claimed={
+            **dict.fromkeys(
+                FP8_KV_CACHES, "FlashMLA's sparse fp8 kernels read DeepSeek's fp8_ds_mla layout, not a per-tensor scale"
+            ),
+            FP8_QUERY: "FlashMLA's sparse decode takes the query in bf16 (its fp8 is the fp8_ds_mla cache's); an "
+            "fp8 query is not built or measured here",
+        },
         cuda_graphs=CGSupport.ALWAYS,
         needs_cpu_seq_lens=False,
         draft_step_update=True,

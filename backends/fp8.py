@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from backends.base import KVScales
+    from backends.base import Fp8Scales
 
 
 def to_cache(rows: torch.Tensor, scale: float | torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
@@ -27,14 +27,14 @@ def from_cache(stored: torch.Tensor, scale: float) -> torch.Tensor:
     return stored.float() * scale
 
 
-def required(scales: "KVScales | None") -> "KVScales":
+def required(scales: "Fp8Scales | None") -> "Fp8Scales":
     """An fp8 layer's scales, or a clear error for a caller that left them out."""
     if scales is None:
-        raise ValueError("an fp8 KV cache needs the layer's scales (``layer.scales`` of write_kv and forward)")
+        raise ValueError("an fp8 KV cache or query needs the layer's scales (``layer.scales`` of write_kv and forward)")
     return scales
 
 
-def scale_tensors(spec, scales: "KVScales | None") -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def scale_tensors(spec, scales: "Fp8Scales | None") -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """A layer's (k, v) 1-element device scales for a kernel that reads them on the device;
     (None, None) for a cache in the compute dtype."""
     if not spec.fp8_kv_cache:
@@ -43,13 +43,21 @@ def scale_tensors(spec, scales: "KVScales | None") -> tuple[torch.Tensor | None,
     return scales.k_scale_tensor, scales.v_scale_tensor
 
 
-def scale_floats(spec, scales: "KVScales | None") -> tuple[float, float]:
+def scale_floats(spec, scales: "Fp8Scales | None") -> tuple[float, float]:
     """A layer's (k, v) host scales for a kernel that takes them as arguments (vLLM's
     ``_k_scale_float``: fixed per layer, so a graph may bake them); (1, 1) without fp8."""
     if not spec.fp8_kv_cache:
         return 1.0, 1.0
     scales = required(scales)
     return scales.k_scale, scales.v_scale
+
+
+def query_values(spec, query: torch.Tensor, scales: "Fp8Scales | None") -> torch.Tensor:
+    """The query ``forward`` attends with: an fp8 query dequantized (``stored × q_scale``, the
+    device scale: nothing read on the host) into the compute dtype's float32; else as handed."""
+    if not spec.fp8_query:
+        return query
+    return query.float() * required(scales).q_scale_tensor
 
 
 def token_scales(rows: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:

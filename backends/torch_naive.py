@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-from backends import token_tree
+from backends import fp8, token_tree
 from backends.base import (
     PLAIN_LAYER,
     AttentionBackend,
     Capabilities,
     CGSupport,
     CommonAttentionMetadata,
-    KVScales,
+    Fp8Scales,
     LayerParameters,
 )
 from backends.features import (
@@ -27,6 +27,7 @@ from backends.features import (
     FP8_DS_MLA,
     FP8_E4M3,
     FP8_E5M2,
+    FP8_QUERY,
     LOGITS_SOFT_CAP,
     LSE,
     SLIDING_WINDOW,
@@ -58,6 +59,7 @@ class TorchNaiveBackend(AttentionBackend):
             {
                 FP8_E4M3,
                 FP8_E5M2,
+                FP8_QUERY,
                 SLIDING_WINDOW,
                 LOGITS_SOFT_CAP,
                 ATTENTION_SINKS,
@@ -122,7 +124,7 @@ class TorchNaiveBackend(AttentionBackend):
         """What an fp8 cache stores for ``rows`` (the contract's rule, ``backends.fp8.to_cache``)."""
         return to_cache(rows, scale, cache_dtype)
 
-    def scale_floats(self, scales: KVScales | None) -> list[float | None]:
+    def scale_floats(self, scales: Fp8Scales | None) -> list[float | None]:
         """The key and value planes' scales (MLA: its one plane's), or None for a compute-dtype cache."""
         if not self.spec.fp8_kv_cache or self.packed is not None:  # fp8_ds_mla's scales are the cache's own
             return [None, None]
@@ -156,6 +158,7 @@ class TorchNaiveBackend(AttentionBackend):
             raise ValueError("a sparse layer's forward needs its index rows (layer.topk_indices)")
         planes = self.slot_planes(kv_cache)
         plane_scales = self.scale_floats(layer.scales)
+        query = self.query_values(query, layer.scales)
         for request, seq_len in enumerate(metadata.seq_lens):
             start, end = metadata.query_start_loc[request], metadata.query_start_loc[request + 1]
             if end == start:
@@ -171,6 +174,12 @@ class TorchNaiveBackend(AttentionBackend):
             out[start:end] = self.attend(query[start:end], key, value, context_len, request_sinks, seen).to(out.dtype)
             if layer.lse is not None:
                 layer.lse[start:end] = self.log_sum_exp(query[start:end], key, context_len, request_sinks, seen)
+
+    def query_values(self, query: torch.Tensor, scales: Fp8Scales | None) -> torch.Tensor:
+        """The query attended with: an fp8 query's numbers (``stored × q_scale``, float32), else as handed."""
+        if not self.spec.fp8_query:
+            return query
+        return from_cache(query, fp8.required(scales).q_scale)
 
     def entries(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows of a plane as the attention reads them: as stored, or fp8_ds_mla's unpacked."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from backends import registry
-from backends.base import BackendLimits, KVScales
+from backends.base import BackendLimits, Fp8Scales
 from backends.features import Needs
 from reference_engine.draft_tree import DraftTree
 from reference_engine.drafters.base import Drafter
@@ -45,6 +45,10 @@ class EngineConfig:
     # DeepSeek's fp8_ds_mla (an MLA model, kv_cache_dtype e4m3): a float32 scale per this many latent
     # values, inside each cache entry and computed by write_kv; the layers then have no scales.
     kv_scale_block: int | None = None
+    # An fp8 query (torch.float8_e4m3fn): each layer hands attention its query quantized with a
+    # per-tensor scale, layer l's q_scale times (1 + l / 2) (vLLM's quantized query input).
+    query_dtype: torch.dtype | None = None
+    q_scale: float = 0.05
     block_size: int = 16
     num_blocks: int = 256
     max_num_reqs: int = 16
@@ -117,6 +121,7 @@ class EngineCore:
                 config.prefill_backend,
                 config.decompressed_mla_prefill,
                 kv_scale_block=config.kv_scale_block,
+                query_dtype=config.query_dtype,
             )
         except ValueError as error:
             raise ValueError(f"backend {config.backend} cannot run this model here: {error}") from None
@@ -161,14 +166,27 @@ class EngineCore:
             if reason:
                 raise ValueError(f"backend {config.backend} cannot verify a {tree.describe()}: {reason}")
 
-    def layer_scales(self, num_layers: int) -> list[KVScales] | None:
-        """Each layer's fp8 scales (device tensors made once: graphs read them), or None."""
+    def layer_scales(self, num_layers: int) -> list[Fp8Scales] | None:
+        """Each layer's fp8 scales, its cache's (1 without an fp8 cache with per-tensor scales) and
+        its query's (1 without an fp8 query): device tensors made once, graphs read them; None for
+        a model with neither."""
         config = self.config
-        if config.kv_cache_dtype is None or config.kv_cache_dtype == config.dtype or config.kv_scale_block:
+        cache = config.kv_cache_dtype not in (None, config.dtype) and not config.kv_scale_block
+        if not cache and config.query_dtype is None:
             return None
-        k_scale, v_scale = config.kv_scales
+        k_scale, v_scale = config.kv_scales if cache else (1.0, 1.0)
+        q_scale = config.q_scale if config.query_dtype is not None else 1.0
+
+        def grown(scale: float, layer: int, applies: bool) -> float:
+            return scale * (1 + layer / 2) if applies else scale
+
         return [
-            KVScales.on(self.device, k_scale * (1 + layer / 2), v_scale * (1 + layer / 2))
+            Fp8Scales.on(
+                self.device,
+                grown(k_scale, layer, cache),
+                grown(v_scale, layer, cache),
+                grown(q_scale, layer, config.query_dtype is not None),
+            )
             for layer in range(num_layers)
         ]
 

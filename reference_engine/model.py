@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from backends import fp8
-from backends.base import PLAIN_LAYER, AttentionSpec, KVScales
+from backends.base import PLAIN_LAYER, AttentionSpec, Fp8Scales
 from backends.fp8_ds_mla import DsMlaLayout
 from reference_engine.lightning_indexer import LightningIndexer
 
@@ -63,9 +63,11 @@ class ModelConfig:
         block_size: int,
         kv_cache_dtype: torch.dtype | None = None,
         kv_scale_block: int | None = None,
+        query_dtype: torch.dtype | None = None,
     ) -> AttentionSpec:
         """Layer ``layer``'s attention (MLA: absorbed, over the latent cache; ``kv_scale_block``:
-        DeepSeek's fp8_ds_mla, an MLA layer's, ValueError for any other)."""
+        DeepSeek's fp8_ds_mla, an MLA layer's, ValueError for any other; ``query_dtype`` e4m3: the
+        query handed quantized, ``handed_query``)."""
         if self.attention == "mla":
             return AttentionSpec(
                 kind="mla",
@@ -81,6 +83,7 @@ class ModelConfig:
                 kv_scale_block=kv_scale_block,
                 sparse_topk=self.index_topk,
                 sparse_window=self.index_window,
+                query_dtype=query_dtype,
             )
         windowed = self.sliding_window is not None and not (self.alternating_window and layer % 2)
         return AttentionSpec(
@@ -94,6 +97,7 @@ class ModelConfig:
             attention_sinks=self.attention_sinks,
             sliding_window=self.sliding_window if windowed else None,
             kv_scale_block=kv_scale_block,
+            query_dtype=query_dtype,
         )
 
     def indexer_spec(self, layer: int, dtype: torch.dtype, block_size: int) -> AttentionSpec | None:
@@ -221,6 +225,7 @@ class DecoderLayer(torch.nn.Module):
         parameters = step.layer(layer, self.sinks)
         step.write_kv(view.backend, view.kv_cache, key, value, parameters)
         out = torch.empty(tokens, config.num_heads, config.head_dim, dtype=normed.dtype, device=normed.device)
+        query = handed_query(query, view.backend.spec, parameters.scales)
         view.backend.forward(query, view.kv_cache, view.metadata, out, layer=parameters)
         return self.o_proj(out.view(tokens, q_size))
 
@@ -231,6 +236,15 @@ class DecoderLayer(torch.nn.Module):
         hidden = hidden + attend(normed, positions, step, layer)
         gate, up = self.gate_up(rms_norm(hidden, self.post_norm, config.rms_norm_eps)).chunk(2, dim=-1)
         return hidden + self.down(torch.nn.functional.silu(gate) * up)
+
+
+def handed_query(query: torch.Tensor, spec: AttentionSpec, scales: Fp8Scales | None) -> torch.Tensor:
+    """The query as a layer hands it to attention: for an fp8 query (``spec.query_dtype``), quantized
+    with the layer's q scale (vLLM's quantized query input: ``query / q_scale`` to e4m3, saturated),
+    else as computed."""
+    if not spec.fp8_query:
+        return query
+    return fp8.to_cache(query, fp8.required(scales).q_scale, spec.query_dtype)
 
 
 def per_head_product(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -289,7 +303,7 @@ class LatentAttention(torch.nn.Module):
                 continue
             if absorbed is None:
                 absorbed = torch.cat([per_head_product("thn,hnr->thr", q_nope, self.w_uk), q_pe], dim=-1).contiguous()
-            rows = call.rows(absorbed)
+            rows = handed_query(call.rows(absorbed), call.backend.spec, parameters.scales)
             latent_out = torch.empty(rows.shape[0], heads, rank, dtype=normed.dtype, device=normed.device)
             called = parameters if indices is None else parameters.with_indices(call.rows(indices))
             call.backend.forward(rows, view.kv_cache, call.metadata, latent_out, layer=called)
@@ -297,7 +311,7 @@ class LatentAttention(torch.nn.Module):
         return self.o_proj(out.reshape(tokens, -1))
 
     def decompress(
-        self, entry: torch.Tensor, spec: AttentionSpec, scales: KVScales | None
+        self, entry: torch.Tensor, spec: AttentionSpec, scales: Fp8Scales | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head keys [T, heads, nope + rope] and values [T, heads, v] from latent entries, as
         a prefill reads them from the cache: an fp8 cache's entries dequantized first."""

@@ -93,12 +93,14 @@ def plan_attention(
     requested: str | None = AUTO,
     decompressed_prefill: bool = True,
     kv_scale_block: int | None = None,
+    query_dtype: torch.dtype | None = None,
 ) -> list[GroupPlan]:
     """Who serves what when ``model`` runs through ``backend_cls``; ValueError, one line, when it
     cannot. ``decompressed_prefill=False``: every MLA request absorbed (the engine check's reference
     for the prefill path), by a built-in where the backend claims only MLA's prefill."""
     specs = [
-        model.layer_spec(layer, dtype, block_size, kv_cache_dtype, kv_scale_block) for layer in range(model.num_layers)
+        model.layer_spec(layer, dtype, block_size, kv_cache_dtype, kv_scale_block, query_dtype)
+        for layer in range(model.num_layers)
     ]
     prefill_spec = model.prefill_spec(dtype, block_size)
     indexers = plan_indexers(backend_cls, model, dtype, block_size, device)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from backends.base import KVScales, LayerParameters
+from backends.base import Fp8Scales, LayerParameters
 from reference_engine.rejection import PLACEHOLDER
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ class StepInputs:
     metadata: object
     kv_caches: list
     slot_mapping: torch.Tensor
-    kv_scales: list[KVScales] | None = None  # an fp8 cache's scales, per layer (each layer its own)
+    kv_scales: list[Fp8Scales] | None = None  # fp8 scales (a cache's, a query's), per layer (each its own)
     # A token-tree verify keeps every KV write (``KVWrites``) to store the accepted path again
     # where its positions lie; None: writes are not kept.
     kept_writes: KVWrites | None = None
@@ -61,7 +61,7 @@ class StepInputs:
             self.kept_writes.append((backend, kv_cache, key, value, layer))
 
     def layer(self, index: int, sinks: torch.Tensor | None = None) -> LayerParameters:
-        """Layer ``index``'s parameters for write_kv and forward: its scales, for an fp8 cache, and
+        """Layer ``index``'s parameters for write_kv and forward: its scales, for an fp8 cache or query, and
         ``sinks``, the learned sinks of the layer's module where it has them."""
         return LayerParameters(scales=None if self.kv_scales is None else self.kv_scales[index], sinks=sinks)
 

@@ -56,6 +56,7 @@ from backends.features import (
     ATTENTION_SINKS,
     FP8_E4M3,
     FP8_E5M2,
+    FP8_QUERY,
     LOGITS_SOFT_CAP,
     LSE,
     SLIDING_WINDOW,
@@ -137,6 +138,8 @@ class FlashInferBackend(AttentionBackend):
         # Token trees as FlashInfer's packed custom mask, made on the host (``packed_tree_mask``).
         features=frozenset({FP8_E4M3, FP8_E5M2, SLIDING_WINDOW, LOGITS_SOFT_CAP, VALUE_HEAD_DIM, LSE, TOKEN_TREES}),
         not_claimed={
+            FP8_QUERY: "FlashInfer 0.7.2 takes an fp8 query (scale_q) on its FA3 prefill path with an fp8 "
+            "cache; this adapter plans FA2 wrappers with the query in the compute dtype",
             ATTENTION_SINKS: "FlashInfer 0.7.2's FA2 wrappers take `sinks`, but on SM90 their output misses them "
             "(H200: every learned-sinks case FAILed numerics, error 2.6 on outputs near 0.04)",
         },

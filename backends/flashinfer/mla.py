@@ -20,11 +20,11 @@ from backends.base import (
     Capabilities,
     CGSupport,
     CommonAttentionMetadata,
+    Fp8Scales,
     GpuLimit,
-    KVScales,
     LayerParameters,
 )
-from backends.features import EMPTY_REQUESTS, FP8_KV_CACHES, TOKEN_TREES
+from backends.features import EMPTY_REQUESTS, FP8_KV_CACHES, FP8_QUERY, TOKEN_TREES
 from backends.flashinfer import FA2_COMPUTE_CAPABILITIES, new_workspace, runs_on
 from backends.flashinfer.paged_layout import paged_layout
 from backends.paged_write import read_paged_rows, write_paged_rows
@@ -68,6 +68,8 @@ class FlashInferMLABackend(AttentionBackend):
                 "(k_scale 0.1 becomes 0.10009765625): outputs up to 1.65x past the tolerance where a few "
                 "large scores share the softmax, measured on an H100; its MLA kernels take e4m3 only",
             ),
+            FP8_QUERY: "this adapter hands FlashInfer 0.7.2's BatchMLAPagedAttentionWrapper the query in the "
+            "compute dtype; an fp8 query through it is not built or measured here",
             TOKEN_TREES: "FlashInfer 0.7.2's BatchMLAPagedAttentionWrapper.plan takes `causal` and no mask: a "
             "verify request's tokens are causal to it",
         },
@@ -113,7 +115,7 @@ class FlashInferMLABackend(AttentionBackend):
         self.wrapper.run(query=packed(query[:tokens]), kv_cache=kv_cache, out=target, **self._fp8_scales(layer.scales))
         land()
 
-    def _fp8_scales(self, scales: KVScales | None) -> dict:
+    def _fp8_scales(self, scales: Fp8Scales | None) -> dict:
         """An fp8 latent cache's one scale, for the 512 latent and the 64 rope channels alike, as
         host floats (FlashInfer's tensor form, ``ckv_scale_arr``, holds a scale per block and
         head, not one per layer)."""

@@ -25,11 +25,10 @@ from backends.base import (
     CommonAttentionMetadata,
     LayerParameters,
 )
-from backends.features import ATTENTION_SINKS, FP8_KV_CACHES, TOKEN_TREES
+from backends.features import ATTENTION_SINKS, FP8_KV_CACHES, FP8_QUERY, TOKEN_TREES
 from backends.flashinfer import DeviceLengthsEntryPoint, packed_rows, runs_on
 from backends.paged_write import read_paged_rows, write_paged_rows
 from backends.vendor_layout import packed, packed_output
-
 
 # XQA compiles a module per maximum draft length (``q_seq_len``): every verify step is handed the
 # longest a request may be, so one module per layer serves every step, and each row's draft mask
@@ -61,6 +60,8 @@ class TrtllmBackend(DeviceLengthsEntryPoint):
                 "XQA's e4m3 path on SM90 computes in fp8 and missed the tolerance by up to 10.8x on an H200 "
                 "(max error 74 on an output of 342); e5m2 it does not take; trtllm-gen (SM100) is untested here",
             ),
+            FP8_QUERY: "XQA takes the query in fp16 or bf16 only (FlashInfer 0.7.2's XQA module: \"only float16 "
+            "and bfloat16 input are supported\"); trtllm-gen's fp8-query kernels (SM100) are untested here",
         },
         head_dims=frozenset({64, 128}),
         block_sizes=frozenset({16, 32, 64}),

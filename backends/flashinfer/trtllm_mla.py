@@ -18,7 +18,7 @@ from backends.base import (
     CommonAttentionMetadata,
     LayerParameters,
 )
-from backends.features import FP8_KV_CACHES, TOKEN_TREES
+from backends.features import FP8_KV_CACHES, FP8_QUERY, TOKEN_TREES
 from backends.flashinfer import DeviceLengthsEntryPoint, packed_rows, runs_on
 from backends.paged_write import write_paged_rows
 from backends.vendor_layout import packed, packed_output
@@ -67,6 +67,8 @@ class TrtllmMLABackend(DeviceLengthsEntryPoint):
                 "trtllm-gen's e4m3 MLA path is not claimed until it passes on a Blackwell GPU, which this "
                 "project has not had",
             ),
+            FP8_QUERY: "trtllm-gen's fp8 MLA kernels (SM100) take the query in e4m3 with an e4m3 cache; not "
+            "claimed until it passes on a Blackwell GPU, which this project has not had",
             TOKEN_TREES: "FlashInfer 0.7.2's trtllm_batch_decode_with_kv_cache_mla takes no mask: a verify "
             "request's tokens are causal to it",
         },

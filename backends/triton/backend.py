@@ -24,8 +24,8 @@ from backends.base import (
     Capabilities,
     CGSupport,
     CommonAttentionMetadata,
+    Fp8Scales,
     GpuLimit,
-    KVScales,
     LayerParameters,
 )
 from backends.features import (
@@ -34,6 +34,7 @@ from backends.features import (
     FP8_E4M3,
     FP8_E5M2,
     FP8_KV_CACHES,
+    FP8_QUERY,
     LOGITS_SOFT_CAP,
     LSE,
     SLIDING_WINDOW,
@@ -120,7 +121,7 @@ class DeviceLengthsBackend(AttentionBackend):
     merge_columns: int | None = None  # output columns one merge program folds (None: the whole row)
 
     @staticmethod
-    def device_scales(scales: KVScales | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def device_scales(scales: Fp8Scales | None) -> tuple[torch.Tensor, torch.Tensor]:
         """An fp8 layer's (k, v) scale tensors, which the kernels read on the device."""
         scales = fp8.required(scales)
         return scales.k_scale_tensor, scales.v_scale_tensor
@@ -236,10 +237,11 @@ class TritonAttentionBackend(DeviceLengthsBackend):
                 LSE,
                 EMPTY_REQUESTS,
                 TOKEN_TREES,
+                FP8_QUERY,
             }
         ),
         max_tree_tokens=token_tree.MAX_BIT_TOKENS,  # a token's ancestors are one int64's bits
-        feature_gpus=FP8_GPUS,
+        feature_gpus={**FP8_GPUS, FP8_QUERY: FP8_GPUS[FP8_E4M3]},
         cuda_graphs=CGSupport.ALWAYS,
         needs_cpu_seq_lens=False,
         draft_step_update=True,
@@ -363,8 +365,10 @@ class TritonAttentionBackend(DeviceLengthsBackend):
         sinks_ptr = metadata.seq_lens if sinks is None else sinks  # read only with HAS_SINKS
         lse_args = (self.partial_lse, 0) if lse is None else (lse, lse.stride(0))  # written only with RETURN_LSE
         k_cache, v_cache = self.planes(kv_cache)
-        fp8 = spec.fp8_kv_cache
-        k_scale, v_scale = self.device_scales(scales) if fp8 else (metadata.seq_lens, metadata.seq_lens)
+        kv_fp8 = spec.fp8_kv_cache
+        k_scale, v_scale = self.device_scales(scales) if kv_fp8 else (metadata.seq_lens, metadata.seq_lens)
+        # An fp8 query's scale, read on the device (a placeholder pointer, never read, without one).
+        q_scale = fp8.required(scales).q_scale_tensor if spec.fp8_query else metadata.seq_lens
         scale_log2 = spec.softmax_scale * LOG2E  # the kernels' softmax runs in base 2
         soft_cap = spec.logits_soft_cap or 0.0
         window = spec.sliding_window or 0
@@ -376,7 +380,8 @@ class TritonAttentionBackend(DeviceLengthsBackend):
             USE_WINDOW=spec.sliding_window is not None,
             USE_SOFT_CAP=spec.logits_soft_cap is not None,
             UPCAST_DOT=self.upcast_dot,
-            KV_FP8=fp8,
+            KV_FP8=kv_fp8,
+            Q_FP8=spec.fp8_query,
             HAS_SINKS=sinks is not None,
             HEAD_DIM_V=spec.v_head_dim,
             BLOCK_DV=self.block_dv,
@@ -413,6 +418,7 @@ class TritonAttentionBackend(DeviceLengthsBackend):
             k_cache.stride(2),
             k_scale,
             v_scale,
+            q_scale,
             sinks_ptr,
             *lse_args,
             self.tree_ancestors,
@@ -451,6 +457,7 @@ class TritonAttentionBackend(DeviceLengthsBackend):
                 k_cache.stride(2),
                 k_scale,
                 v_scale,
+                q_scale,
                 sinks_ptr,
                 *lse_args,
                 self.tree_ancestors,

@@ -278,6 +278,7 @@ def _attend(
     window,
     k_scale_ptr,
     v_scale_ptr,
+    q_scale_ptr,
     context_len,
     query_start,
     query_ancestors,
@@ -291,6 +292,7 @@ def _attend(
     USE_SOFT_CAP: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
+    Q_FP8: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     TREE: tl.constexpr,
@@ -300,6 +302,8 @@ def _attend(
 
     UPCAST_DOT (Triton's CPU interpreter only, whose bf16 tl.dot is wrong): products in fp32.
     KV_FP8: the cache holds fp8 numbers and their scales are at ``k_scale_ptr`` / ``v_scale_ptr``.
+    Q_FP8: ``q`` holds an fp8 query's numbers (exact in the compute dtype), its scale at
+    ``q_scale_ptr``: folded, like k's, into the scores' scale on the device.
     TREE (a token tree, ``backends.token_tree``): a new token's key sits at context_len + its depth
     (``tree_depths_ptr``, the request's tokens from ``query_start``), and a row sees it only where
     its bit is set in the row's ``query_ancestors`` (bit j: the request's new token j); the
@@ -307,6 +311,8 @@ def _attend(
     """
     if KV_FP8:
         scale_log2 = scale_log2 * tl.load(k_scale_ptr)
+    if Q_FP8:
+        scale_log2 = scale_log2 * tl.load(q_scale_ptr)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -390,6 +396,7 @@ def decode_split_kernel(
     stride_cache_token,
     k_scale_ptr,
     v_scale_ptr,
+    q_scale_ptr,
     sinks_ptr,
     lse_ptr,
     lse_stride,
@@ -408,6 +415,7 @@ def decode_split_kernel(
     UPCAST_DOT: tl.constexpr,
     ONE_SPLIT: tl.constexpr,
     KV_FP8: tl.constexpr,
+    Q_FP8: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr,
@@ -434,6 +442,8 @@ def decode_split_kernel(
         mask=row_valid[:, None] & (dims[None, :] < HEAD_DIM),
         other=0.0,
     )
+    if Q_FP8:  # an fp8 query's numbers, exact in the compute dtype (its scale folded into the scores')
+        q = q.to(out_ptr.dtype.element_ty)
 
     low = 0
     if USE_WINDOW:
@@ -460,6 +470,7 @@ def decode_split_kernel(
         window,
         k_scale_ptr,
         v_scale_ptr,
+        q_scale_ptr,
         context_len,
         query_start,
         query_ancestors,
@@ -473,6 +484,7 @@ def decode_split_kernel(
         USE_SOFT_CAP,
         UPCAST_DOT,
         KV_FP8,
+        Q_FP8,
         HEAD_DIM_V,
         BLOCK_DV,
         TREE,
@@ -598,6 +610,7 @@ def prefill_kernel(
     stride_cache_token,
     k_scale_ptr,
     v_scale_ptr,
+    q_scale_ptr,
     sinks_ptr,
     lse_ptr,
     lse_stride,
@@ -615,6 +628,7 @@ def prefill_kernel(
     USE_SOFT_CAP: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
+    Q_FP8: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr,
@@ -661,6 +675,8 @@ def prefill_kernel(
         mask=row_valid[:, None] & dim_mask,
         other=0.0,
     )
+    if Q_FP8:
+        q = q.to(out_ptr.dtype.element_ty)
     first_position = context_len + query_block * BLOCK_Q
     last_position = tl.minimum(first_position + BLOCK_Q, seq_len)  # exclusive: causal
     start = 0
@@ -690,6 +706,7 @@ def prefill_kernel(
         window,
         k_scale_ptr,
         v_scale_ptr,
+        q_scale_ptr,
         context_len,
         query_start,
         query_ancestors,
@@ -703,6 +720,7 @@ def prefill_kernel(
         USE_SOFT_CAP,
         UPCAST_DOT,
         KV_FP8,
+        Q_FP8,
         HEAD_DIM_V,
         BLOCK_DV,
         TREE,

@@ -27,6 +27,7 @@ from backends.features import (
     FP8_DS_MLA,
     FP8_E4M3,
     FP8_E5M2,
+    FP8_QUERY,
     SPARSE_TOPK,
     SPARSE_WINDOW,
     TOKEN_TREES,
@@ -138,8 +139,10 @@ class TritonMLABackend(DeviceLengthsBackend):
         feature_gpus={**FP8_GPUS, FP8_DS_MLA: FP8_GPUS[FP8_E4M3]},
         feature_only_with={FP8_DS_MLA: OnlyWith(frozenset({SPARSE_TOPK}), DS_MLA_DENSE)},
         not_claimed={
+            FP8_QUERY: "triton_mla's kernels load the query in the compute dtype: an fp8 query (its scale folded "
+            "into the scores', as triton's MHA kernels do) is not built yet",
             TOKEN_TREES: "triton_mla's kernels (the split decode and the Gluon verify) mask a verify request's "
-            "tokens causally and read no tree: not built yet (triton's MHA kernels do)"
+            "tokens causally and read no tree: not built yet (triton's MHA kernels do)",
         },
         # Uniform batches: the dense kernel's tiling follows the batch's query length (its decode
         # variant), so a graph serves the query length it was captured for; an H200 run showed a

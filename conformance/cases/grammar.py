@@ -16,6 +16,8 @@ A case's id is its whole definition, in the same compact grammar ``--case`` acce
                     a token, written by write_kv, the rope part unquantized
       kscaleX vscaleX the fp8 cache's key and value scales (default 0.1 and 4; MLA: kscale only;
                     from 0.01 to 10000)
+      qfp8          an fp8 query: handed to forward in e4m3 with its per-tensor q_scale (0.05),
+                    the oracle attending with it dequantized (vLLM's quantized query input)
       pN            KV block (page) size   (default p16; MLA default p64)
       wN            sliding window         (a token sees itself and the N-1 before it)
       topkN         sparse attention (MLA; DeepSeek's DSA): each token attends only to the N
@@ -81,7 +83,7 @@ from backends import token_tree
 from backends.base import DTYPE_NAMES, AttentionSpec, dtype_name, kv_dtype_name
 from backends.features import Needs
 from backends.fp8_ds_mla import DS_MLA_SCALE_BLOCK
-from conformance.cases.kv_quantization import DEFAULT_K_SCALE, DEFAULT_V_SCALE, FP8_DTYPES
+from conformance.cases.kv_quantization import DEFAULT_K_SCALE, DEFAULT_Q_SCALE, DEFAULT_V_SCALE, FP8_DTYPES
 
 DATA_PROFILES = ("normal", "outliers", "edges")
 DEFAULT_PADDING_TOKENS = 3
@@ -209,6 +211,11 @@ class Case:
             return None  # no fp8 cache, or one whose scales are its own (an indexer's keys, fp8_ds_mla)
         k_scale = DEFAULT_K_SCALE if self.k_scale is None else self.k_scale
         return self.spec.layout.scales(k_scale, DEFAULT_V_SCALE if self.v_scale is None else self.v_scale)
+
+    @property
+    def q_scale(self) -> float | None:
+        """An fp8 query's per-tensor scale (the layer's first: ``step.case_scales``); None otherwise."""
+        return DEFAULT_Q_SCALE if self.spec.fp8_query else None
 
     @property
     def num_reqs(self) -> int:
@@ -342,6 +349,7 @@ class LayerOptions:
 _ATTRIBUTE_KINDS = (
     (r"fp16|bf16|fp32", "dtype"),
     (r"fp8e4m3|fp8e5m2|fp8dsmla", "KV-cache dtype"),
+    (r"qfp8", "query dtype"),
     (r"kscale.+", "key scale"),
     (r"vscale.+", "value scale"),
     (r"h\d+(/\d+)?", "heads"),
@@ -374,7 +382,7 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
     num_heads, num_kv_heads = {"mla": (16, 1), "indexer": (64, 1)}.get(kind_name, (32, 8))
     head_dim, kv_lora_rank, rope_dim = 128, 512, 64
     dtype, block_size = torch.bfloat16, 64 if is_mla or is_indexer else 16
-    window = cap = scale = kv_cache_dtype = k_scale = v_scale = None
+    window = cap = scale = kv_cache_dtype = k_scale = v_scale = query_dtype = None
     share, permute, strided, data, padding, big_pool = 0, True, False, "normal", DEFAULT_PADDING_TOKENS, False
     sinks = lse = messy = False
     topk = sparse_window = scale_block = None
@@ -394,6 +402,10 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
             kv_cache_dtype = FP8_DTYPES[attr[3:]]
         elif attr == "fp8dsmla":
             kv_cache_dtype, scale_block = FP8_DTYPES["e4m3"], DS_MLA_SCALE_BLOCK
+        elif attr == "qfp8":
+            if is_indexer:
+                raise CaseSyntaxError(f"qfp8 in {text!r}: an fp8 query is an attention layer's (mha, gqa, mla)")
+            query_dtype = FP8_DTYPES["e4m3"]
         elif match := re.fullmatch(r"kscale(.+)", attr):
             k_scale = _float(match.group(1), "key scale")
         elif match := re.fullmatch(r"vscale(.+)", attr):
@@ -525,6 +537,7 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
             attention_sinks=sinks,
             sparse_topk=topk,
             sparse_window=sparse_window,
+            query_dtype=query_dtype,
             **shape,
         )
     except ValueError as error:
@@ -584,6 +597,8 @@ def format_layer(spec: AttentionSpec, options: LayerOptions = LayerOptions()) ->
             for name, value in (("kscale", options.k_scale), ("vscale", options.v_scale))
             if value is not None
         ]
+    if spec.fp8_query:
+        parts.append("qfp8")
     parts.append(f"p{spec.block_size}")
     if spec.sliding_window is not None:
         parts.append(f"w{spec.sliding_window}")

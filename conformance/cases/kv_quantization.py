@@ -27,6 +27,7 @@ FP8_DTYPES: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch
 ONE_ULP_FRACTION = 0.01  # of the stored elements: rounding-boundary cases, not a rounding rule
 DEFAULT_K_SCALE = 0.1  # far from 1 and not a power of two: a dropped, swapped or doubled scale
 DEFAULT_V_SCALE = 4.0  # moves scores or outputs by an order of magnitude
+DEFAULT_Q_SCALE = 0.05  # an fp8 query's (``qfp8``): a dropped one moves every score 20-fold
 
 
 def is_fp8(dtype: torch.dtype | None) -> bool:

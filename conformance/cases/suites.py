@@ -410,6 +410,34 @@ def _sink_cases() -> list[Case]:
         )
     cases += _sparse_cases()
     cases += _tree_cases()
+    cases += _fp8_query_cases()
+    return cases
+
+
+def _fp8_query_cases() -> list[Case]:
+    """An fp8 query (vLLM's quantized query input: e4m3, a per-tensor q scale): every path (a
+    decode kernel may be handed the scale where a prefill one is not), with and without an fp8
+    cache, MLA, learned sinks with the LSE, a token tree, fp16 and a group of one."""
+    query = LLAMA3_8B.replace("-p16", "-qfp8-p16")
+    cases = _cases(
+        query,
+        [
+            ("fp8 query: decode", "1+1,100+1,1000+1,3000+1"),
+            ("fp8 query: spec-verify k=3", "30+4,300+4,1200+4"),
+            ("fp8 query: mixed prefill + decode", "0+200,700+64,3000+1x2,50+4"),
+            ("fp8 query: a token tree", "700+tree(3x2),40+1"),
+        ],
+    )
+    cases += _cases(
+        LLAMA3_8B.replace("-p16", "-fp8e4m3-qfp8-p16"),
+        [("fp8 query, fp8 cache: decode", "1+1,500+1,2000+1"), ("fp8 query, fp8 cache: mixed", "0+100,500+4,2000+1")],
+    )
+    cases += _cases("mla-h16-d512+64-bf16-qfp8-p64", [("fp8 query, MLA: decode and verify", "700+1,64+4,2500+1")])
+    cases += _cases(
+        GPT_OSS.replace("-p16", "-qfp8-p16") + "-attnsinks-lse",
+        [("fp8 query, learned sinks, log-sum-exp: mixed", "0+64,300+4,1000+1")],
+    )
+    cases += _cases("gqa-h16/16-d64-fp16-qfp8-p16", [("fp8 query, fp16, group of 1: mixed", "0+40,300+1,90+4")])
     return cases
 
 

@@ -76,9 +76,14 @@ def second_layer(prepared: PreparedCase) -> PreparedCase:
 
 
 def _scales(layer: PreparedCase) -> str:
-    """An fp8 layer's scales as a reason names them (MLA: its one scale)."""
-    k_scale, v_scale = layer.scales.k_scale, layer.scales.v_scale
-    return f"k {k_scale:g}, v {v_scale:g}" if layer.batch.spec.layout.separate_value else f"k {k_scale:g}"
+    """An fp8 layer's scales as a reason names them (MLA: its cache's one scale; an fp8 query's q)."""
+    scales, case = layer.scales, layer.batch.case
+    names = []
+    if case.kv_scales is not None:
+        names += [f"k {scales.k_scale:g}"] + ([f"v {scales.v_scale:g}"] if case.spec.layout.separate_value else [])
+    if case.q_scale is not None:
+        names.append(f"q {scales.q_scale:g}")
+    return ", ".join(names)
 
 
 class NumericsCheck(Check):

@@ -16,6 +16,7 @@ from backends import token_tree
 from backends.base import BackendLimits, CommonAttentionMetadata
 from conformance.cases.case_data import apply_profile, shape_activations, sink_logits, use_fp8_range
 from conformance.cases.grammar import Case
+from conformance.cases.kv_quantization import quantize
 from conformance.cases.oracle import layer_reference
 from conformance.cases.random_data import normal_tensors
 from conformance.harness import token_inputs
@@ -42,11 +43,22 @@ class PagedBatch:
     # Per request, its new tokens as steps of token trees (``token_tree.visible_in_steps``), where a
     # harness runs several steps over one batch (the steady look); None: the case's own trees.
     tree_steps: list[tuple[tuple[int, ...], ...] | None] | None = None
+    # An fp8 query's scale for this layer (``query`` is then e4m3, as forward is handed it): what
+    # the oracle dequantizes it with (``query_values``); None: the query in the compute dtype.
+    query_scale: float | None = None
     _reference: torch.Tensor | None = field(default=None, repr=False, compare=False)  # the oracle's, once computed
 
     @property
     def spec(self):
         return self.case.spec
+
+    def query_values(self, start: int = 0, end: int | None = None, scale: float | None = None) -> torch.Tensor:
+        """Rows ``start:end`` of the query as the oracle attends with them: an fp8 query
+        dequantized with this layer's scale (or ``scale``), float64 and exact; else as handed."""
+        rows = self.query[start:end]
+        if self.query_scale is None:
+            return rows
+        return rows.double() * (self.query_scale if scale is None else scale)
 
     @property
     def query_start_loc(self) -> list[int]:
@@ -93,6 +105,7 @@ class PagedBatch:
             self.num_blocks,
             self.sinks,
             inputs,
+            query_scale=self.query_scale,
         )
 
     def with_empty_request(self) -> "PagedBatch":
@@ -112,6 +125,7 @@ class PagedBatch:
             self.num_blocks,
             self.sinks,
             self.token_inputs,
+            query_scale=self.query_scale,
         )
 
     def reference_output(self) -> torch.Tensor:
@@ -130,7 +144,7 @@ class PagedBatch:
             outputs.append(
                 layer_reference(
                     spec,
-                    self.query[start:end],
+                    self.query_values(start, end),
                     self.keys[request],
                     self.values[request],
                     context_len=context_len,
@@ -391,14 +405,17 @@ def materialize(case: Case, device: torch.device | str) -> PagedBatch:
 
     sinks = sink_logits(spec).to(device) if spec.attention_sinks else None
     inputs = token_inputs.drawn(case, generator, device)
+    # An fp8 query is handed as the contract's quantization of the drawn one (as a cache stores it).
+    handed = cast(query) if case.q_scale is None else quantize(query, case.q_scale, spec.query_dtype)
     return PagedBatch(
         case,
         device,
-        cast(query),
+        handed,
         [cast(k) for k in keys],
         [cast(v) for v in values],
         block_table,
         num_blocks,
         sinks,
         inputs,
+        query_scale=case.q_scale,
     )

@@ -111,6 +111,7 @@ PARAMETERS: tuple[Parameter, ...] = (
         lambda case: case.kv_scales is not None and case.spec.kind != "mla",
         lambda case: {"v_scale": 1.0},
     ),
+    LayerParameter("fp8 q_scale", lambda case: case.q_scale is not None, lambda case: {"q_scale": 1.0}),
     LayerParameter("learned sinks", lambda case: case.spec.attention_sinks, lambda case: {"sinks": None}),
     LayerParameter(
         "sparse window part", lambda case: case.spec.sparse_window is not None, lambda case: {"sparse_window": None}
@@ -150,6 +151,7 @@ def oracle(batch: PagedBatch, **changes) -> tuple[torch.Tensor, torch.Tensor]:
     case, spec = batch.case, batch.spec
     k_scale, v_scale = case.kv_scales or (None, None)
     used_k, used_v = changes.pop("k_scale", k_scale), changes.pop("v_scale", v_scale)
+    used_q = changes.pop("q_scale", None)
     outputs, sums = [], []
     for request, (context_len, _) in enumerate(case.batch):
         options = {**batch.oracle_inputs(request), **changes}
@@ -159,7 +161,13 @@ def oracle(batch: PagedBatch, **changes) -> tuple[torch.Tensor, torch.Tensor]:
             key = dequantize(quantize(key, k_scale, spec.kv_cache_dtype), used_k)
             value = None if value is None else dequantize(quantize(value, v_scale, spec.kv_cache_dtype), used_v)
         out, lse = layer_reference(
-            spec, batch.query[start:end], key, value, context_len=context_len, return_lse=True, **options
+            spec,
+            batch.query_values(start, end, used_q),
+            key,
+            value,
+            context_len=context_len,
+            return_lse=True,
+            **options,
         )
         outputs.append(out)
         sums.append(lse)

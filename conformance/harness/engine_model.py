@@ -23,6 +23,11 @@ def cache_config(case: Case) -> dict[str, Any]:
     return dict(kv_cache_dtype=spec.kv_cache_dtype, kv_scales=case.kv_scales) if case.kv_scales else {}
 
 
+def query_config(case: Case) -> dict[str, Any]:
+    """The EngineConfig field of the case's query: an fp8 query (each layer's its own scale)."""
+    return dict(query_dtype=case.spec.query_dtype) if case.spec.fp8_query else {}
+
+
 def is_mla_prefill_layer(spec) -> bool:
     """An MHA layer whose value head dim is not its key's: MLA's prefill (DeepSeek-V3: 192 / 128)."""
     return spec.kind == "mha" and spec.v_head_dim != spec.head_dim

@@ -20,7 +20,7 @@ import torch
 
 from backends.base import AttentionBackend
 from conformance.cases.grammar import Case
-from conformance.harness.engine_model import cache_config, model_and_prompts
+from conformance.harness.engine_model import cache_config, model_and_prompts, query_config
 from reference_engine.attention_split import AUTO, Routing
 from reference_engine.model_attention import plan_attention
 
@@ -87,6 +87,7 @@ class EngineRuns:
             max_num_reqs=4,
             max_num_tokens=128,
             **cache_config(case),
+            **query_config(case),
         )
         self.prefill_backend = options.get("prefill_backend", AUTO)
         self.plans = plan_attention(
@@ -98,6 +99,7 @@ class EngineRuns:
             device,
             self.prefill_backend,
             kv_scale_block=cache_config(self.case).get("kv_scale_block"),
+            query_dtype=case.spec.query_dtype,
         )
         self.trees = bool(case.trees)  # a token-tree layout: its engines draft and verify trees
         self.graphs = device.type == "cuda" and not self.trees
@@ -151,6 +153,7 @@ class EngineRuns:
                 AUTO,
                 self.decompressed_prefill,
                 kv_scale_block=cache_config(self.case).get("kv_scale_block"),
+                query_dtype=spec.query_dtype,
             )
         except ValueError as error:
             return f"{REFERENCE} cannot run this model here: {error}"

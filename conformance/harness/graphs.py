@@ -26,7 +26,7 @@ from backends.base import (
     BackendLimits,
     CGSupport,
     CommonAttentionMetadata,
-    KVScales,
+    Fp8Scales,
     LayerParameters,
     PaddingStyle,
 )
@@ -88,7 +88,9 @@ class GraphLayer:
         self.scales = case_scales(case, device, layer=index)
         sinks = sink_logits(spec, index).to(device) if spec.attention_sinks else None
         self.handed = HandedLayer.copy_of(self.scales, sinks)
-        self.query = torch.zeros(shape.num_tokens, spec.num_heads, spec.head_dim, dtype=spec.dtype, device=device)
+        self.query = torch.zeros(
+            shape.num_tokens, spec.num_heads, spec.head_dim, dtype=spec.handed_query_dtype, device=device
+        )
         self.key = torch.zeros(spec.layout.key_shape(spec, shape.num_tokens), dtype=spec.dtype, device=device)
         value_shape = spec.layout.value_shape(spec, shape.num_tokens)
         self.value = None if value_shape is None else torch.zeros(value_shape, dtype=spec.dtype, device=device)
@@ -122,7 +124,7 @@ class GraphLayer:
 
     def rows(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         """``tensor`` (rows of the batch as drawn) as this layer holds them: a later layer's negated."""
-        return tensor if not self.negated or tensor is None else tensor.neg()
+        return tensor if not self.negated or tensor is None else negated(tensor)
 
     def batch_of(self, batch: PagedBatch) -> PagedBatch:
         """``batch`` with this layer's sinks (what its oracle reads)."""
@@ -201,7 +203,7 @@ class GraphBuffers:
         return self.first.out
 
     @property
-    def scales(self) -> KVScales | None:
+    def scales(self) -> Fp8Scales | None:
         return self.first.scales
 
     @property

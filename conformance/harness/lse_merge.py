@@ -39,7 +39,7 @@ def merge_applies(prepared: PreparedCase) -> bool:
         spec.kind == "mha"
         and spec.num_kv_heads == spec.num_heads
         and not spec.attention_sinks
-        and prepared.scales is None
+        and prepared.scales is None  # an fp8 cache or query: pieces of an fp32 oracle's, not the contract's
         and any(context for context, _ in prepared.batch.case.batch)
         and not prepared.batch.case.trees
     )

@@ -85,7 +85,7 @@ def lse_allowed(prepared: PreparedCase, expected: torch.Tensor, *, negated: bool
     oracle over its cache dequantized into the compute dtype lies from the exact one (as the
     output's allowance: ``stored_cache.oracle``). Every pass that judges an LSE uses it."""
     allowed = LSE_ATOL + LSE_RTOL * expected.abs() + query_rounding(prepared.batch)
-    if prepared.scales is not None:
+    if prepared.batch.case.kv_scales is not None:
         allowed = allowed + (expected - expected_lse(prepared, negated=negated, rounded=True)).abs()
     return allowed
 
@@ -105,7 +105,7 @@ def query_rounding(batch) -> torch.Tensor:
         start, end = batch.query_start_loc[request], batch.query_start_loc[request + 1]
         if end == start:
             continue
-        query, key = batch.query[start:end], batch.keys[request]
+        query, key = batch.query_values(start, end), batch.keys[request]
         key = spec.layout.key_heads(key)  # MLA's absorbed scores: one latent head
         mean_key = attention_reference(
             query,

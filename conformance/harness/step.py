@@ -24,7 +24,7 @@ from backends.base import (
     AttentionBackend,
     AttentionSpec,
     CommonAttentionMetadata,
-    KVScales,
+    Fp8Scales,
     LayerParameters,
 )
 from conformance.cases.case_data import poison_key_value, sink_logits
@@ -70,15 +70,18 @@ class HandedLayer:
     parameters: LayerParameters
 
     @classmethod
-    def copy_of(cls, scales: KVScales | None, sinks: torch.Tensor | None) -> "HandedLayer":
+    def copy_of(cls, scales: Fp8Scales | None, sinks: torch.Tensor | None) -> "HandedLayer":
         if scales is not None:
             scales = replace(
-                scales, k_scale_tensor=scales.k_scale_tensor.clone(), v_scale_tensor=scales.v_scale_tensor.clone()
+                scales,
+                k_scale_tensor=scales.k_scale_tensor.clone(),
+                v_scale_tensor=scales.v_scale_tensor.clone(),
+                q_scale_tensor=None if scales.q_scale_tensor is None else scales.q_scale_tensor.clone(),
             )
         return cls(LayerParameters(scales=scales, sinks=None if sinks is None else sinks.clone()))
 
     @property
-    def scales(self) -> KVScales | None:
+    def scales(self) -> Fp8Scales | None:
         return self.parameters.scales
 
 
@@ -88,7 +91,7 @@ class PreparedCase:
     backend: AttentionBackend
     kv_cache: torch.Tensor
     metadata: Any = None  # what the last step's ``build`` returned (a second layer's forward reuses it)
-    scales: KVScales | None = None  # an fp8 layer's scales (the harness's: the oracle reads these)
+    scales: Fp8Scales | None = None  # an fp8 layer's scales (the harness's: the oracle reads these)
     handed: HandedLayer | None = None  # the copies write_kv and forward are handed (made here when not given)
     fill: PoolFill = PoolFill.LOUD  # what the pool's unowned slots hold
 
@@ -116,15 +119,22 @@ class PreparedCase:
         return replace(self.handed.parameters, **self.token_inputs)
 
 
-def case_scales(case: Case, device: torch.device | str, layer: int = 0) -> KVScales | None:
+def case_scales(case: Case, device: torch.device | str, layer: int = 0) -> Fp8Scales | None:
     """The fp8 scales of the case's layer ``layer`` on ``device`` (layer 0: the case's; each later
     layer ``LAYER_SCALE_FACTOR`` times its predecessor's, as a model's layers have scales of their
-    own); None for a cache in the compute dtype."""
-    if case.kv_scales is None:
+    own): its cache's (1 for a cache in the compute dtype) and its query's (``layer_q_scale``); None
+    for a layer with neither an fp8 cache nor an fp8 query."""
+    if case.kv_scales is None and case.q_scale is None:
         return None
-    k_scale, v_scale = case.kv_scales
-    factor = LAYER_SCALE_FACTOR**layer
-    return KVScales.on(device, k_scale * factor, v_scale * factor)
+    k_scale, v_scale = case.kv_scales or (1.0, 1.0)
+    factor = LAYER_SCALE_FACTOR**layer if case.kv_scales else 1.0
+    return Fp8Scales.on(device, k_scale * factor, v_scale * factor, layer_q_scale(case, layer) or 1.0)
+
+
+def layer_q_scale(case: Case, layer: int) -> float | None:
+    """Layer ``layer``'s fp8 query scale (``LAYER_SCALE_FACTOR`` times its predecessor's); None
+    without an fp8 query."""
+    return None if case.q_scale is None else case.q_scale * LAYER_SCALE_FACTOR**layer
 
 
 LAYER_SCALE_FACTOR = 2.5  # a later layer's fp8 scales, of its predecessor's: a backend must not keep the first's
@@ -132,10 +142,12 @@ LAYER_SCALE_FACTOR = 2.5  # a later layer's fp8 scales, of its predecessor's: a 
 
 def layer_batch(batch: PagedBatch, layer: int) -> PagedBatch:
     """``batch`` as layer ``layer`` of the same step has it: its own learned sinks (``sink_logits``:
-    layer 0's rolled by ``layer`` heads), everything else shared."""
-    if layer == 0 or batch.sinks is None:
+    layer 0's rolled by ``layer`` heads) and fp8 query scale (``layer_q_scale``: the same query
+    bytes stand for other numbers), everything else shared."""
+    if layer == 0 or (batch.sinks is None and batch.query_scale is None):
         return batch
-    return replace(batch, sinks=sink_logits(batch.spec, layer).to(batch.device), _reference=None)
+    sinks = None if batch.sinks is None else sink_logits(batch.spec, layer).to(batch.device)
+    return replace(batch, sinks=sinks, query_scale=layer_q_scale(batch.case, layer), _reference=None)
 
 
 BUSY_STREAM_CYCLES = 50_000_000  # GPU clocks, ~30 ms: longer than a backend's host work for one layer
@@ -167,6 +179,13 @@ def negate_(tensor: torch.Tensor) -> None:
         tensor.view(torch.uint8).bitwise_xor_(0x80)
     else:
         tensor.neg_()
+
+
+def negated(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.neg()``, for fp8 too (``negate_``): a new tensor."""
+    copy = tensor.clone()
+    negate_(copy)
+    return copy
 
 
 def as_bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -258,7 +277,7 @@ def prepare_case(
 def prepare_layer(
     batch: PagedBatch,
     backend: AttentionBackend,
-    scales: KVScales | None,
+    scales: Fp8Scales | None,
     *,
     poison: bool = True,
     fill: PoolFill = PoolFill.LOUD,
@@ -296,7 +315,13 @@ def engine_kv_views(
 
 def fused_qkv_views(spec: AttentionSpec, query: torch.Tensor | None, key: torch.Tensor, value: torch.Tensor | None):
     """Copies of query/key/value laid out as slices of one [T, q | k | v | spare] buffer, the way a
-    fused QKV projection's output is split (MLA: the latent entry slice of a wider projection)."""
+    fused QKV projection's output is split (MLA: the latent entry slice of a wider projection). An
+    fp8 query is a quantizer's output, not the projection's: a slice of a wider buffer of its own."""
+    if query is not None and query.dtype != key.dtype:
+        wider = torch.zeros(query.shape[0], query[0].numel() + 16, dtype=query.dtype, device=query.device)
+        view = wider[:, : query[0].numel()].view(query.shape)
+        view.copy_(query)
+        return view, *fused_qkv_views(spec, None, key, value)[1:]
     tokens = key.shape[0]
     parts = [tensor for tensor in (query, key, value) if tensor is not None]
     widths = [tensor[0].numel() for tensor in parts]

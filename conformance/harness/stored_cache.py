@@ -120,7 +120,8 @@ def _solve(
     outputs, sums = [], []
     for request, (context_len, _) in enumerate(batch.case.batch):
         start, end = batch.query_start_loc[request], batch.query_start_loc[request + 1]
-        query = batch.query[start:end].neg() if negated else batch.query[start:end]
+        query = batch.query_values(start, end)
+        query = query.neg() if negated else query
         key, value = (
             spec.layout.stored_entries(*_stored(prepared, request))
             if stored
@@ -168,7 +169,7 @@ def write_findings(prepared: PreparedCase, *, negated: bool = False) -> dict[str
     batch, scales = prepared.batch, prepared.scales
     if batch.spec.kv_scale_block is not None:
         return _block_write_findings(prepared, negated=negated)
-    if scales is None:
+    if batch.case.kv_scales is None:  # a cache in the compute dtype (an fp8 query's layer too)
         return None
     dtype = batch.spec.kv_cache_dtype
     elements = one_step = 0

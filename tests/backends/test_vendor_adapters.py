@@ -394,7 +394,7 @@ def test_trtllm_verify_steps_hand_xqa_ragged_requests_and_each_rows_draft_mask(m
             backend.build(common),
             torch.zeros(tokens, spec.num_heads, spec.head_dim),
         )
-        (path, kwargs), = calls
+        ((path, kwargs),) = calls
         return path, kwargs, common
 
     def rows_seen(mask):  # [tokens, 4] uint16 words -> each row's visible new tokens

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import backends.flashinfer as flashinfer_adapters
-from backends.base import BackendLimits, DeviceInfo, KVScales, LayerParameters
+from backends.base import BackendLimits, DeviceInfo, Fp8Scales, LayerParameters
 from backends.flash_attn import FlashAttnBackend
 from backends.flashinfer.gqa import FlashInferBackend
 from backends.flashinfer.mla import FlashInferMLABackend
@@ -29,7 +29,7 @@ B200 = DeviceInfo("cuda", "NVIDIA B200", (10, 0))
 E4M3 = "gqa-h4/2-d128-bf16-fp8e4m3-kscale0.05-vscale4-p16"
 E5M2 = "gqa-h4/2-d128-fp16-fp8e5m2-p16"
 MLA_E4M3 = "mla-h16-d512+64-bf16-fp8e4m3-kscale0.05-p64"
-SCALES = KVScales.on("cpu", 0.05, 4.0)
+SCALES = Fp8Scales.on("cpu", 0.05, 4.0)
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def test_each_adapter_claims_the_fp8_formats_its_library_takes_and_says_why_not_
     assert "q_descale" in reason(FlashAttnBackend, E4M3)
 
 
-def run_once(backend_cls, case: str, scales: KVScales | None):
+def run_once(backend_cls, case: str, scales: Fp8Scales | None):
     """Build, write every row and forward one batch of ``case``; the backend and its cache."""
     parsed = parse_case(case)
     batch = materialize(parsed, "cpu")

@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from backends.base import PLAIN_LAYER, KVScales, LayerParameters
+from backends.base import PLAIN_LAYER, Fp8Scales, LayerParameters
 from backends.features import FP8_E4M3
 from backends.flashinfer.mla import FlashInferMLABackend
 from backends.fp8 import from_cache, to_cache
@@ -23,7 +23,7 @@ class DropsScaleOnDecode(TorchNaiveBackend):
     def forward(self, query, kv_cache, metadata: NaiveMetadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
         super().forward(query, kv_cache, metadata, out, layer)
         scales = layer.scales
-        raw = KVScales(1.0, 1.0, scales.k_scale_tensor, scales.v_scale_tensor)
+        raw = Fp8Scales(1.0, 1.0, scales.k_scale_tensor, scales.v_scale_tensor)
         for request in range(len(metadata.seq_lens)):
             start, end = metadata.query_start_loc[request], metadata.query_start_loc[request + 1]
             if end - start == 1:
@@ -36,7 +36,7 @@ class DropsScaleOnDecode(TorchNaiveBackend):
                 )
 
 
-class SwapsKVScales(TorchNaiveBackend):
+class SwapsFp8Scales(TorchNaiveBackend):
     """k_scale and v_scale passed to the kernel in each other's places (vLLM #34863)."""
 
     def scale_floats(self, scales):
@@ -49,7 +49,7 @@ class ScalesTwiceOnRead(TorchNaiveBackend):
 
     def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
         scales = layer.scales
-        squared = KVScales(scales.k_scale**2, scales.v_scale**2, scales.k_scale_tensor, scales.v_scale_tensor)
+        squared = Fp8Scales(scales.k_scale**2, scales.v_scale**2, scales.k_scale_tensor, scales.v_scale_tensor)
         super().forward(query, kv_cache, metadata, out, dataclasses.replace(layer, scales=squared))
 
 
@@ -95,7 +95,7 @@ class ReadsDeviceScaleOnHost(TorchNaiveBackend):
 
     def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
         scales = layer.scales
-        host = KVScales(
+        host = Fp8Scales(
             scales.k_scale_tensor.item(), scales.v_scale_tensor.item(), scales.k_scale_tensor, scales.v_scale_tensor
         )
         super().forward(query, kv_cache, metadata, out, dataclasses.replace(layer, scales=host))

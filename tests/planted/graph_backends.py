@@ -13,7 +13,7 @@ import torch
 
 from backends import fp8
 from backends.base import PLAIN_LAYER, Capabilities, CGSupport, LayerParameters
-from backends.features import EMPTY_REQUESTS, FP8_E4M3, FP8_E5M2, LOGITS_SOFT_CAP, SLIDING_WINDOW
+from backends.features import EMPTY_REQUESTS, FP8_E4M3, FP8_E5M2, FP8_QUERY, LOGITS_SOFT_CAP, SLIDING_WINDOW
 from backends.flashinfer.gqa import FlashInferBackend
 from backends.torch_naive import NaiveMetadata, TorchNaiveBackend
 
@@ -32,7 +32,7 @@ class TorchGraphSafe(TorchNaiveBackend):
     capabilities = Capabilities(
         kinds=frozenset({"mha"}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        features=frozenset({FP8_E4M3, FP8_E5M2, SLIDING_WINDOW, LOGITS_SOFT_CAP}),
+        features=frozenset({FP8_E4M3, FP8_E5M2, FP8_QUERY, SLIDING_WINDOW, LOGITS_SOFT_CAP}),
         cuda_graphs=CGSupport.ALWAYS,
         needs_cpu_seq_lens=False,
         draft_step_update=True,
@@ -69,6 +69,10 @@ class TorchGraphSafe(TorchNaiveBackend):
         k_scale, v_scale = fp8.scale_tensors(self.spec, scales)
         return (1.0, 1.0) if k_scale is None else (k_scale, v_scale)
 
+    def device_query(self, query: torch.Tensor, scales) -> torch.Tensor:
+        """The query's numbers in float32: an fp8 query times the layer's device q scale."""
+        return fp8.query_values(self.spec, query, scales).float()
+
     def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
         """Learned ``sinks`` and the ``lse`` are honoured here; only ``GraphSafeWithSinksAndLse``
         claims them (the others' cases stay as they were)."""
@@ -86,7 +90,8 @@ class TorchGraphSafe(TorchNaiveBackend):
         keys, values = planes[0][slots].float() * k_scale, planes[1][slots].float() * v_scale  # [T, S, Hkv, D]
         group = spec.query_group_size
         keys, values = keys.repeat_interleave(group, dim=2), values.repeat_interleave(group, dim=2)
-        scores = torch.einsum("thd,tshd->ths", query[: metadata.num_tokens].float(), keys) * self.softmax_scale()
+        query = self.device_query(query[: metadata.num_tokens], layer.scales)
+        scores = torch.einsum("thd,tshd->ths", query, keys) * self.softmax_scale()
         if spec.logits_soft_cap is not None:
             scores = spec.logits_soft_cap * torch.tanh(scores / spec.logits_soft_cap)
         visible = (key_positions[None, :] <= position[:, None]) & (key_positions[None, :] < seq_len[:, None])

@@ -418,7 +418,7 @@ class ClampsSinksInPlace(TorchNaiveBackend):
         super().forward(query, kv_cache, metadata, out, layer)
 
 
-class RescalesKVScalesInPlace(TorchNaiveBackend):
+class RescalesFp8ScalesInPlace(TorchNaiveBackend):
     """Folds a factor into the layer's fp8 key scale tensor in place and leaves NaN in the value
     scale tensor (a scale "prepared" for its kernel where it lies), then dequantizes with the
     layer's host floats: its own output is right, the layer's device scales are not."""

@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from backends.base import PLAIN_LAYER, KVScales, LayerParameters
+from backends.base import PLAIN_LAYER, Fp8Scales, LayerParameters
 from backends.features import ATTENTION_SINKS, LSE
 from backends.torch_naive import NaiveMetadata, TorchNaiveBackend
 from tests.planted.graph_backends import TorchGraphSafe
@@ -66,12 +66,12 @@ class KeepsFirstScalesInACopy(TorchNaiveBackend):
 
     def __init__(self, spec, limits, device):
         super().__init__(spec, limits, device)
-        self.kept_scales: KVScales | None = None
+        self.kept_scales: Fp8Scales | None = None
 
     def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
         if layer.scales is not None:
             if self.kept_scales is None:
-                self.kept_scales = KVScales.on(self.device, layer.scales.k_scale, layer.scales.v_scale)
+                self.kept_scales = Fp8Scales.on(self.device, layer.scales.k_scale, layer.scales.v_scale)
             layer = dataclasses.replace(layer, scales=self.kept_scales)
         super().forward(query, kv_cache, metadata, out, layer)
 

@@ -97,7 +97,7 @@ def test_the_data_use_the_fp8_range():
 # Each planted defect, the cases it must fail, and what its reason starts with or contains.
 DEFECTS = [
     (fp8_defects.DropsScaleOnDecode, FP8_CASES[:3], "elements beyond tolerance"),
-    (fp8_defects.SwapsKVScales, [FP8_CASES[0], FP8_CASES[2]], "elements beyond tolerance"),
+    (fp8_defects.SwapsFp8Scales, [FP8_CASES[0], FP8_CASES[2]], "elements beyond tolerance"),
     (fp8_defects.ScalesTwiceOnRead, FP8_CASES[:3], "elements beyond tolerance"),
     (fp8_defects.TruncatesOnWrite, FP8_CASES[:3], "write_kv rounded"),
     (fp8_defects.NoSaturation, FP8_CASES[:2], "write_kv stored NaN where the contract saturates"),

@@ -63,13 +63,13 @@ def test_the_write_kernel_quantizes_every_kind_of_number_as_the_contract_says(ca
     """Saturation at both ends, subnormals, signed zeros and NaN (kept NaN), against the
     harness's own quantizer, through the kernel that runs on a GPU (the CPU interpreter's path
     quantizes with torch)."""
-    from backends.base import BackendLimits, KVScales, LayerParameters
+    from backends.base import BackendLimits, Fp8Scales, LayerParameters
     from conformance.cases.kv_quantization import quantize, ulps_apart
 
     spec = parse_case(f"gqa-h1-d64-bf16-{cache}-p16:1+1").spec
     backend = TritonAttentionBackend(spec, BackendLimits(4, 64, 64), CUDA)
     pool = backend.allocate_kv_cache(8)
-    scales = KVScales.on(CUDA, 0.1, 4.0)
+    scales = Fp8Scales.on(CUDA, 0.1, 4.0)
     special = torch.tensor([0.0, -0.0, 1e-5, 3e-4, -3e-4, 44.8, -44.8, 50.0, -1e6, 1e6, float("nan"), 0.37])
     rows = torch.randn(64, 1, 64)
     rows.view(-1)[: special.numel()] = special

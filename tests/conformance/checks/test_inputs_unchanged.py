@@ -26,7 +26,7 @@ DEFECTS = [
 LAYER_DEFECTS = [
     (input_defects.ClampsSinksInPlace, "gqa-h4/2-d32-fp32-p16-attnsinks:10+4,0+6,30+1", "forward changed sinks"),
     (
-        input_defects.RescalesKVScalesInPlace,
+        input_defects.RescalesFp8ScalesInPlace,
         "gqa-h4/2-d32-bf16-fp8e4m3-p16:10+4,0+6,30+1",
         "forward changed scales.k_scale_tensor (first at [0]: 0.1 → 0.3); forward changed scales.v_scale_tensor",
     ),
@@ -66,10 +66,10 @@ def test_the_oracle_reads_the_harness_copies_of_sinks_and_scales():
 
 
 def test_the_watch_reads_host_numbers_inside_the_layer_parameters_and_the_pool_outside_the_written_blocks():
-    from backends.base import KVScales, LayerParameters
+    from backends.base import Fp8Scales, LayerParameters
     from conformance.harness.input_watch import PoolWatch
 
-    scales = KVScales(2.0, 4.0, torch.ones(1), torch.ones(1))
+    scales = Fp8Scales(2.0, 4.0, torch.ones(1), torch.ones(1))
     lse = torch.zeros(3, 2)
     layer = LayerParameters(scales=scales, sinks=torch.ones(3), lse=lse)
     watch = InputWatch.of({}, layers={"": layer, " (layer 1)": LayerParameters(sinks=torch.ones(3))})
