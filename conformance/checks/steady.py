@@ -403,7 +403,8 @@ class SteadyCheck(Check):
     )
     evidence_labels = {
         "new_segment_steps": "steady steps in which PyTorch's allocator made a new segment",
-        "sync_warm_up_steps": "the steps whose syncs are not counted (the first decode-only, the first with a longer row)",
+        "sync_warm_up_steps": "the steps whose syncs are not counted (the first decode-only, the first with longer "
+        "rows)",
         "failing_step_batch": "the failing step's batch (requests by row, query and sequence lengths, joined, left)",
     }
     sync_event_labels = {"syncs": "host syncs", "device_allocations": "device allocations in steady steps (reported)"}

@@ -45,6 +45,7 @@ from conformance.harness.step import (
     as_bits,
     case_scales,
     layer_batch,
+    negated,
     write_poison,
 )
 from host_syncs.detector import detect_host_syncs

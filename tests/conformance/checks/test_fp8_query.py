@@ -13,7 +13,7 @@ from backends.base import DeviceInfo
 from backends.features import FP8_QUERY
 from backends.torch_naive import TorchNaiveBackend
 from conformance.cases.grammar import CaseSyntaxError, parse_case
-from conformance.cases.kv_quantization import DEFAULT_Q_SCALE, quantize
+from conformance.cases.kv_quantization import DEFAULT_Q_SCALE
 from conformance.checks.numerics import NumericsCheck
 from conformance.harness.batch import materialize
 from conformance.harness.coverage import PARAMETERS
