@@ -35,7 +35,7 @@ INSTALL_HINT = "pip install 'specdec-conformance[deepgemm]'"
 QUERY_IN_FP8 = (
     "DeepGEMM's fp8_paged_mqa_logits takes the query in e4m3 too (DeepSeek's power-of-two scale a "
     "token and head); the contract hands an indexer its query in the compute dtype and judges a "
-    "choice within one bf16 rounding of each head's score (fp8 queries are not in the contract)"
+    "choice within one bf16 rounding of each head's score (the contract's fp8 query is an attention layer's)"
 )
 
 

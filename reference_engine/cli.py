@@ -84,6 +84,12 @@ def add_engine_parser(commands) -> None:
             "(k 0.1, v 4 times 1 + layer/2), or DeepSeek's fp8_ds_mla (an MLA model's: e4m3 latent, "
             "a scale per 128 values in each entry); the backend must claim it (default auto)",
         )
+        parser.add_argument(
+            "--fp8-query",
+            action="store_true",
+            help="hand each layer's attention its query in e4m3 with a per-layer scale (0.05 times 1 + "
+            "layer/2: vLLM's quantized query input); the backend must claim fp8_query",
+        )
         parser.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks (default 1024)")
         parser.add_argument("--max-num-tokens", type=int, default=512, help="token budget per step (default 512)")
         parser.add_argument(
@@ -229,6 +235,7 @@ def _make_engine(args, model, eagle, dtype, device, loop: str, drafter: str, usa
         check_inputs=getattr(args, "check_inputs", False),
         kv_cache_dtype=KV_CACHE_FORMATS[args.kv_cache_dtype][0],
         kv_scale_block=KV_CACHE_FORMATS[args.kv_cache_dtype][1],
+        query_dtype=torch.float8_e4m3fn if getattr(args, "fp8_query", False) else None,
         draft_tree=_draft_tree(args, usage_error),
     )
     try:

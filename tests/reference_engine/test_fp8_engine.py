@@ -43,3 +43,18 @@ def test_the_layers_scales_reach_the_backend():
     model = LlamaModel.random(CONFIG.model, 0, torch.float32, torch.device("cpu"))
     kept = dataclasses.replace(CONFIG, backend="tests.planted.fp8_defects:KeepsFirstLayerScales")
     assert tokens(kept, model) != tokens(CONFIG, model)
+
+
+def test_an_fp8_query_engine_quantizes_each_layers_query_and_spec_equals_plain():
+    """``--fp8-query``: each layer's q scale its own (k and v 1 without an fp8 cache), spec == plain,
+    and a backend that drops the scale emits other tokens."""
+    model = LlamaModel.random(CONFIG.model, 0, torch.float32, torch.device("cpu"))
+    query = dataclasses.replace(CONFIG, kv_cache_dtype=None, query_dtype=torch.float8_e4m3fn)
+    engine = BatchedEngine(query, model)
+    layers = range(CONFIG.model.num_layers)
+    assert [(s.q_scale, s.k_scale) for s in engine.kv_scales] == [(0.05 * (1 + layer / 2), 1.0) for layer in layers]
+    plain = tokens(query, model)
+    spec = dataclasses.replace(query, num_spec_tokens=3, drafter="layer-skip")
+    assert tokens(spec, model) == plain
+    dropped = dataclasses.replace(query, backend="tests.planted.fp8_query_defects:QScaleDropped")
+    assert tokens(dropped, model) != plain
