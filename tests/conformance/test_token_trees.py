@@ -21,6 +21,7 @@ from conformance.checks.numerics import NumericsCheck
 from conformance.harness.batch import materialize
 from conformance.results import Verdict
 from conformance.run.execution import judge
+from tests.interpreted import numerics_verdicts
 from tests.planted import tree_defects
 
 CPU = torch.device("cpu")
@@ -179,21 +180,9 @@ def test_a_backend_without_the_claim_and_the_checks_that_run_chains_say_why():
     assert all(check.drives_trees for name, check in CHECKS.items() if name not in ("indexer", "lse-merge"))
 
 
-# triton's kernels under Triton's CPU interpreter (TRITON_INTERPRET=1, decided at import time: a
-# process of its own): trees through the split decode kernel (8 tokens or fewer) and the prefill
-# kernel (more), a window's edge, sinks and the LSE, fp8, a group of 16, an empty request; and
-# the same kernels with the step's tree dropped, FAIL.
-TRITON_SCRIPT = """
-import sys, torch
-from backends.triton.backend import TritonAttentionBackend
-from conformance.cases.grammar import parse_case
-from conformance.checks.numerics import NumericsCheck
-from conformance.run.execution import judge
-from tests.planted.tree_defects import triton_tree_as_chain
-backend = triton_tree_as_chain() if sys.argv[1] == "chain" else TritonAttentionBackend
-for text in sys.argv[2:]:
-    print(judge(NumericsCheck(), backend, parse_case(text), torch.device("cpu")).verdict.name)
-"""
+# triton's kernels under Triton's CPU interpreter: trees through the split decode kernel (8 tokens
+# or fewer) and the prefill kernel (more), a window's edge, sinks and the LSE, fp8, a group of 16,
+# an empty request; and the same kernels with the step's tree dropped, FAIL.
 TRITON_TREES = [
     "gqa-h4/2-d64-fp32:40+tree(2x2),10+1",
     "gqa-h4/2-d64-fp32:40+tree(2x3),3+tree[-1.0.0.1]",
@@ -205,22 +194,17 @@ TRITON_TREES = [
 ]
 
 
-@pytest.mark.parametrize("variant,verdict", [("triton", "PASS"), ("chain", "FAIL")])
-def test_tritons_kernels_attend_over_trees_under_the_interpreter(variant, verdict):
-    import os
-    import subprocess
-    import sys
-
-    cases = TRITON_TREES if variant == "triton" else TRITON_TREES[:2]
-    completed = subprocess.run(
-        [sys.executable, "-c", TRITON_SCRIPT, variant, *cases],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    assert completed.stdout.split() == [verdict] * len(cases), completed.stdout
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "backend,verdict",
+    [
+        ("backends.triton.backend:TritonAttentionBackend", "PASS"),
+        ("tests.planted.tree_defects:triton_tree_as_chain", "FAIL"),
+    ],
+)
+def test_tritons_kernels_attend_over_trees_under_the_interpreter(backend, verdict):
+    cases = TRITON_TREES if verdict == "PASS" else TRITON_TREES[:2]
+    assert numerics_verdicts(backend, cases) == [verdict] * len(cases)
 
 
 def test_triton_claims_trees_of_up_to_64_tokens():

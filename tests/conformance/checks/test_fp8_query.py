@@ -3,9 +3,6 @@ contract's e4m3 quantization of the drawn query) and what the oracle attends wit
 by the layer's own q scale), torch_naive and triton passing, and each planted fp8-query defect
 failing by a wide margin."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -20,6 +17,7 @@ from conformance.harness.coverage import PARAMETERS
 from conformance.harness.step import case_scales, layer_batch
 from conformance.results import Verdict
 from conformance.run.execution import judge
+from tests.interpreted import numerics_verdicts
 from tests.planted import fp8_query_defects
 
 CPU = torch.device("cpu")
@@ -108,20 +106,9 @@ def test_a_backend_without_the_claim_says_exactly_why():
         assert reason.startswith("an fp8 query") and len(reason) > 60, (name, reason)
 
 
-# triton's kernels under Triton's CPU interpreter (a process of its own): an fp8 query through the
-# split decode kernel and the prefill kernel, with an fp8 cache, sinks and the LSE; and the same
-# kernels handed a query scale of 1, FAIL.
-TRITON_SCRIPT = """
-import sys, torch
-from backends.triton.backend import TritonAttentionBackend
-from conformance.cases.grammar import parse_case
-from conformance.checks.numerics import NumericsCheck
-from conformance.run.execution import judge
-from tests.planted.fp8_query_defects import triton_q_scale_dropped
-backend = triton_q_scale_dropped() if sys.argv[1] == "dropped" else TritonAttentionBackend
-for text in sys.argv[2:]:
-    print(judge(NumericsCheck(), backend, parse_case(text), torch.device("cpu")).verdict.name)
-"""
+# triton's kernels under Triton's CPU interpreter: an fp8 query through the split decode kernel
+# and the prefill kernel, with an fp8 cache, sinks and the LSE; and the same kernels handed a
+# query scale of 1, FAIL.
 TRITON_CASES = [
     "gqa-h4/2-d64-fp32-qfp8:40+1,10+3,0+12",
     "gqa-h4/2-d64-bf16-qfp8-fp8e4m3-attnsinks-lse:30+1,7+4",
@@ -129,20 +116,15 @@ TRITON_CASES = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant,verdict", [("right", "PASS"), ("dropped", "FAIL")])
-def test_triton_kernels_under_the_interpreter(variant, verdict):
-    env = {"TRITON_INTERPRET": "1", "PYTHONPATH": "."}
-    import os
-
-    completed = subprocess.run(
-        [sys.executable, "-c", TRITON_SCRIPT, variant, *TRITON_CASES],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **env},
-        timeout=600,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    assert completed.stdout.split() == [verdict] * len(TRITON_CASES), completed.stdout
+@pytest.mark.parametrize(
+    "backend,verdict",
+    [
+        ("backends.triton.backend:TritonAttentionBackend", "PASS"),
+        ("tests.planted.fp8_query_defects:triton_q_scale_dropped", "FAIL"),
+    ],
+)
+def test_triton_kernels_under_the_interpreter(backend, verdict):
+    assert numerics_verdicts(backend, TRITON_CASES) == [verdict] * len(TRITON_CASES)
 
 
 @pytest.mark.parametrize("text", ["gqa-h8/2-d64-qfp8:100+1,30+4", "mla-h16-d128+32-qfp8:50+1,20+4"])
