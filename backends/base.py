@@ -47,6 +47,15 @@ Conventions shared by every backend and the harness:
   ``q_scale`` (host float and 1-element device tensor, as for k and v; k and v 1 without an fp8
   cache); it computes the attention of the dequantized query (``stored × q_scale``) and writes its
   output in the compute dtype. The q scale is the layer's, like k and v's.
+* Decode context parallelism (feature ``dcp``; vLLM's ``decode_context_parallel_size``): each
+  request's KV is sharded over R ranks token by token (position ``p`` on rank ``p % R``, at local
+  position ``p // R``), and each rank's backend is handed a decode step over its shard: every
+  query head, each request's ``seq_lens`` the keys that rank holds (vLLM's ``dcp_local_seq_lens``),
+  its own block table, and the new token's key to write only where it owns it (``slot_mapping`` -1
+  elsewhere). A rank may hold no key of a request: its row has ``seq_lens`` 0 and must give output
+  0 and LSE ``-inf``, reading no block. The ranks' outputs are merged by their natural-log LSEs
+  (``layer.lse``, which a DCP step always hands; vLLM's ``cp_lse_ag_out_rs``). Decode rows only:
+  a verify row's per-token causal cut over a rank's keys is not handed to a backend yet.
 * Log-sum-exp (feature ``lse``): ``forward`` may be handed ``layer.lse``, a
   float32 ``[rows, num_heads]`` tensor; a backend that claims it writes, for each of the first
   ``num_actual_tokens`` rows and each head, the natural log of its softmax's denominator,

@@ -31,6 +31,7 @@ class Needs:
     # A step with token trees (``backends.base``: "Token trees"): its longest request, each of them
     # a tree to a backend (a chain is one too), so the longest is what a tree kernel must hold; 0: no tree.
     tree_tokens: int = 0
+    dcp: int = 1  # decode context parallelism: the ranks a step's KV is sharded over (1: none)
 
     @property
     def trees(self) -> bool:
@@ -107,6 +108,14 @@ SPARSE_WINDOW = feature(
     "sparse_window",
     lambda needs: f"a sparse layer's window part ({needs.spec.sparse_window} most recent positions, DeepSeek-V4's)",
     lambda needs: needs.spec.sparse_window is not None,
+)
+DCP = feature(
+    "dcp",
+    lambda needs: (
+        f"decode context parallelism over {needs.dcp} ranks (a rank's shard of each request's KV; a row with no "
+        "key on it gives output 0 and LSE -inf)"
+    ),
+    lambda needs: needs.dcp > 1,
 )
 FP8_QUERY = feature(
     "fp8_query",

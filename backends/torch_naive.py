@@ -23,6 +23,7 @@ from backends.base import (
 )
 from backends.features import (
     ATTENTION_SINKS,
+    DCP,
     EMPTY_REQUESTS,
     FP8_DS_MLA,
     FP8_E4M3,
@@ -60,6 +61,7 @@ class TorchNaiveBackend(AttentionBackend):
                 FP8_E4M3,
                 FP8_E5M2,
                 FP8_QUERY,
+                DCP,
                 SLIDING_WINDOW,
                 LOGITS_SOFT_CAP,
                 ATTENTION_SINKS,
@@ -162,6 +164,11 @@ class TorchNaiveBackend(AttentionBackend):
         for request, seq_len in enumerate(metadata.seq_lens):
             start, end = metadata.query_start_loc[request], metadata.query_start_loc[request + 1]
             if end == start:
+                continue
+            if seq_len == 0:  # a DCP rank holding no key of the request: output 0, LSE -inf
+                out[start:end] = 0
+                if layer.lse is not None:
+                    layer.lse[start:end] = float("-inf")
                 continue
             kv = [self.entries(self.gather(plane, metadata.block_table[request], seq_len)) for plane in planes]
             kv = [rows if scale is None else self.dequantize(rows, scale) for rows, scale in zip(kv, plane_scales)]

@@ -30,6 +30,7 @@ from backends.base import (
 )
 from backends.features import (
     ATTENTION_SINKS,
+    DCP,
     EMPTY_REQUESTS,
     FP8_E4M3,
     FP8_E5M2,
@@ -238,6 +239,7 @@ class TritonAttentionBackend(DeviceLengthsBackend):
                 EMPTY_REQUESTS,
                 TOKEN_TREES,
                 FP8_QUERY,
+                DCP,
             }
         ),
         max_tree_tokens=token_tree.MAX_BIT_TOKENS,  # a token's ancestors are one int64's bits

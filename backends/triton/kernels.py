@@ -569,7 +569,7 @@ def merge_splits_kernel(
     for first in range(0, num_splits, BLOCK_SPLITS):
         in_range = first + splits < num_splits
         lse = tl.load(partial_lse_ptr + partial_row * num_splits + first + splits, mask=in_range, other=float("-inf"))
-        weights = tl.exp2(lse - top)
+        weights = tl.where(lse > float("-inf"), tl.exp2(lse - top), 0.0)  # an empty split (or row): no weight
         total += tl.sum(weights, axis=0)
         partial = tl.load(
             partial_out_ptr + (partial_row * num_splits + first + splits)[:, None] * HEAD_DIM + dims[None, :],
@@ -577,7 +577,7 @@ def merge_splits_kernel(
             other=0.0,
         )
         out += tl.sum(partial * weights[:, None], axis=0)
-    out = out / total
+    out = out / tl.where(total > 0, total, 1.0)  # a row with no key at all (a DCP rank's): output 0, LSE -inf
     if RETURN_LSE and columns == 0:
         tl.store(lse_ptr + (query_start + token) * lse_stride + head, (top + tl.log2(total)) * LN2)
     tl.store(

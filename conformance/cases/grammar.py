@@ -36,6 +36,9 @@ A case's id is its whole definition, in the same compact grammar ``--case`` acce
       padN          N padding rows (slot -1) after the real tokens (default 3; pad0: none)
       lse           forward is also handed an ``lse`` buffer: the step's log-sum-exp is checked
                     (run by a backend that claims returns_lse)
+      dcpN          decode context parallelism over N simulated ranks (2 to 8): each request's KV
+                    interleaved token by token (position p on rank p % N), every rank's forward
+                    over its shard, the outputs merged by their log-sum-exps (decode batches)
       attnsinks     learned attention sinks (gpt-oss): one logit per query head joins every
                     softmax denominator, handed to forward as ``sinks`` (MHA/GQA only)
       outliers      large logits: an outlier channel shifts every logit by ~100+ and position 0
@@ -113,6 +116,7 @@ class Case:
     v_scale: float | None = None
     lse: bool = False  # forward is also asked for the step's log-sum-exp (feature ``lse``)
     messy_indices: bool = False  # a sparse layer's index rows with -1 between entries and past-causal ones
+    dcp: int = 1  # decode context parallelism: the ranks each request's KV is sharded over (1: none)
     # Token trees: per request its new tokens' parents (``backends.token_tree``), None for a
     # chain; () when no request has a tree.
     trees: tuple[tuple[int, ...] | None, ...] = ()
@@ -146,6 +150,7 @@ class Case:
         if self.messy_indices and (self.spec.sparse_topk is None or not self.spec.layout.attends):
             raise CaseSyntaxError("messyidx is a sparse layer's index data: give topkN too")
         self._check_trees()
+        self._check_dcp()
         if (self.k_scale is not None or self.v_scale is not None) and self.kv_scales is None:
             raise CaseSyntaxError(
                 "this cache's fp8 scales are its own (write_kv computes them: an indexer's keys, fp8_ds_mla): "
@@ -160,6 +165,24 @@ class Case:
                     f"share{self.shared_prefix_blocks} needs every context >= {needed} tokens "
                     f"({self.shared_prefix_blocks} blocks of {self.spec.block_size})"
                 )
+
+    def _check_dcp(self) -> None:
+        if self.dcp == 1:
+            return
+        spec = self.spec
+        if not 2 <= self.dcp <= MAX_DCP:
+            raise CaseSyntaxError(f"dcp{self.dcp}: from 2 to {MAX_DCP} ranks")
+        if any(query > 1 for _, query in self.batch) or self.trees:
+            raise CaseSyntaxError(
+                f"dcp{self.dcp}: decode batches only (query length 1; vLLM hands a backend without varlen DCP "
+                "single-token rows)"
+            )
+        position_bound = spec.sliding_window is not None or spec.sparse_topk is not None
+        if position_bound or spec.attention_sinks or not spec.layout.attends:
+            raise CaseSyntaxError(
+                f"dcp{self.dcp}: a dense attention layer without a window or learned sinks (a rank sees local "
+                "positions; a sink would join every rank's denominator)"
+            )
 
     def _check_trees(self) -> None:
         if self.trees and all(tree is None for tree in self.trees):  # only chains: the id says so
@@ -201,6 +224,7 @@ class Case:
             self.v_scale,
             self.lse,
             self.messy_indices,
+            self.dcp,
         )
 
     @property
@@ -234,7 +258,8 @@ class Case:
         """What this case asks of a backend (``backends.features``: the features its attributes ask for)."""
         query_lens = tuple(query for _, query in self.batch)
         tree_tokens = max(query_lens) if self.trees else 0  # every request of a tree step (``Needs``)
-        return Needs(self.spec, query_lens, self.lse, tree_tokens)
+        # DCP merges the ranks' outputs by their log-sum-exps: its steps ask for the LSE too.
+        return Needs(self.spec, query_lens, self.lse or self.dcp > 1, tree_tokens, self.dcp)
 
     @property
     def empty_requests(self) -> int:
@@ -285,6 +310,7 @@ FLOAT_RANGES = {
 
 
 MAX_TREE_TOKENS = 512  # a tree's new tokens (EAGLE's trees are tens)
+MAX_DCP = 8  # decode context parallel ranks (vLLM's DCP sizes: 2 to 8)
 
 
 def parse_batch(text: str) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, ...] | None, ...]]:
@@ -344,6 +370,7 @@ class LayerOptions:
     v_scale: float | None = None
     lse: bool = False
     messy_indices: bool = False
+    dcp: int = 1
 
 
 _ATTRIBUTE_KINDS = (
@@ -362,6 +389,7 @@ _ATTRIBUTE_KINDS = (
     (r"scale.+", "scale"),
     (r"share\d+", "shared prefix"),
     (r"pad\d+", "padding"),
+    (r"dcp\d+", "DCP ranks"),
     (r"outliers|edges", "data profile"),
 )
 
@@ -385,6 +413,7 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
     window = cap = scale = kv_cache_dtype = k_scale = v_scale = query_dtype = None
     share, permute, strided, data, padding, big_pool = 0, True, False, "normal", DEFAULT_PADDING_TOKENS, False
     sinks = lse = messy = False
+    dcp = 1
     topk = sparse_window = scale_block = None
     value_head_dim = None
     kv_heads_given = False
@@ -422,6 +451,10 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
             lse = True
         elif attr == "messyidx":
             messy = True
+        elif match := re.fullmatch(r"dcp(\d+)", attr):
+            dcp = int(match.group(1))
+            if not 2 <= dcp <= MAX_DCP:
+                raise CaseSyntaxError(f"dcp{dcp} in {text!r}: from 2 to {MAX_DCP} ranks (no DCP: leave it out)")
         elif match := re.fullmatch(r"topk(\d+)", attr):
             topk = int(match.group(1))
         elif match := re.fullmatch(r"win(\d+)", attr):
@@ -542,7 +575,7 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
         )
     except ValueError as error:
         raise CaseSyntaxError(str(error)) from None
-    return spec, LayerOptions(share, permute, strided, data, padding, big_pool, k_scale, v_scale, lse, messy)
+    return spec, LayerOptions(share, permute, strided, data, padding, big_pool, k_scale, v_scale, lse, messy, dcp)
 
 
 def parse_case(text: str, default_seed: int = 0) -> Case:
@@ -567,6 +600,7 @@ def parse_case(text: str, default_seed: int = 0) -> Case:
         options.v_scale,
         options.lse,
         options.messy_indices,
+        options.dcp,
         trees,
     )
 
@@ -624,6 +658,8 @@ def format_layer(spec: AttentionSpec, options: LayerOptions = LayerOptions()) ->
         parts.append(options.data)
     if options.lse:
         parts.append("lse")
+    if options.dcp > 1:
+        parts.append(f"dcp{options.dcp}")
     if options.messy_indices:
         parts.append("messyidx")
     if options.big_pool:

@@ -411,6 +411,23 @@ def _sink_cases() -> list[Case]:
     cases += _sparse_cases()
     cases += _tree_cases()
     cases += _fp8_query_cases()
+    cases += _dcp_cases()
+    return cases
+
+
+def _dcp_cases() -> list[Case]:
+    """Decode context parallelism over 2, 4 and 8 simulated ranks: long and short requests (one
+    shorter than the group: ranks holding none of its keys), MLA (DeepSeek's DCP), an fp8 cache,
+    an fp8 query, a group of 16 (Qwen3's 64/4), fp16."""
+    cases = _cases(
+        LLAMA3_8B + "-dcp2",
+        [("DCP 2: decode", "1000+1,100+1,3000+1"), ("DCP 2: a one-token request", "0+1,700+1")],
+    )
+    cases += _cases(LLAMA3_8B + "-dcp4", [("DCP 4: short requests", "1+1,2+1,4+1,500+1")])
+    cases += _cases("mla-h16-d512+64-bf16-p64-dcp8", [("DCP 8, MLA: decode", "2500+1,5+1,64+1")])
+    cases += _cases("mla-h16-d512+64-bf16-fp8e4m3-p64-dcp2", [("DCP 2, MLA, fp8 cache: decode", "1500+1,1+1")])
+    cases += _cases(LLAMA3_8B.replace("-p16", "-qfp8-p16") + "-dcp4", [("DCP 4, fp8 query: decode", "900+1,3+1")])
+    cases += _cases("gqa-h64/4-d128-fp16-p32-dcp4", [("DCP 4, group of 16, fp16: decode", "2000+1,6+1")])
     return cases
 
 

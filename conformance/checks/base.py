@@ -62,13 +62,17 @@ class Check(abc.ABC):
     # Whether this check's harness hands a step's token trees (``backends.base``: "Token trees") to
     # the backend and the oracle; a tree case is SKIP saying which checks judge trees where not.
     drives_trees: ClassVar[bool] = False
+    # Whether this check's harness shards a DCP case's step over its ranks (``harness.dcp``); a
+    # ``dcpN`` case is SKIP saying which checks judge DCP where not.
+    drives_dcp: ClassVar[bool] = False
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         self.options = options or {}
 
     def judged_reason(self, case: Case) -> str | None:
-        """Why this check does not judge ``case``: its layer kind (``kinds``), or its token trees
-        where the check's harness does not hand them (``drives_trees``); None when it does."""
+        """Why this check does not judge ``case``: its layer kind (``kinds``), its token trees where
+        the check's harness does not hand them (``drives_trees``), or its DCP ranks where it does
+        not shard a step over them (``drives_dcp``); None when it does."""
         if case.spec.kind not in self.kinds:
             return f"the {self.name} check judges {', '.join(sorted(self.kinds))} layers, not {case.spec.kind}"
         if case.needs.trees and not self.drives_trees:
@@ -76,6 +80,11 @@ class Check(abc.ABC):
 
             judged = ", ".join(name for name, check in CHECKS.items() if check.drives_trees)
             return f"the {self.name} check runs chains only: token trees are judged by {judged}"
+        if case.dcp > 1 and not self.drives_dcp:
+            from conformance.checks import CHECKS  # noqa: PLC0415 - the registry imports this module
+
+            judged = ", ".join(name for name, check in CHECKS.items() if check.drives_dcp)
+            return f"the {self.name} check does not shard a step over DCP ranks: DCP is judged by {judged}"
         return None
 
     def skip_reason(self, backend_cls: type[AttentionBackend], device: torch.device) -> str | None:

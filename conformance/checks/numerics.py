@@ -28,6 +28,10 @@ Each case is stepped four times over the same batch (``comparison`` says what "e
    the batch's shape (its number of requests and tokens) gives the second step the first one's
    lengths. Every other pass builds once per backend, so neither could show there.
 
+A ``dcpN`` case's step is also sharded over N simulated ranks, each rank's forward through a
+backend instance of its own over its shard of the KV, and the outputs merged by their LSEs as vLLM
+merges them (``dcp``): the merge must equal the oracle.
+
 An ``lse`` case (run by a backend claiming ``returns_lse``) gets, right after the first pass, one
 more forward of the same step handed an ``lse`` buffer (``lse_pass``): its log-sum-exp against the
 oracle's, and where the layer allows (MHA, no sinks, a cache in the compute dtype), the step cut
@@ -45,6 +49,7 @@ from backends.base import AttentionBackend, dtype_name
 from conformance.cases.grammar import Case
 from conformance.checks.base import Check
 from conformance.harness.comparison import TOLERANCES, compare_with_oracle, how_far_off, worst_place
+from conformance.harness.dcp import dcp_findings
 from conformance.harness.error_map import failure_maps
 from conformance.harness.lse_merge import merge_applies, merge_findings
 from conformance.harness.lse_pass import lse_findings
@@ -63,6 +68,7 @@ from conformance.harness.stored_cache import oracle, write_findings
 from conformance.results import Outcome, Verdict
 
 STORED_PASS = "the stored fp8 cache: write_kv's numbers against the contract's quantization"
+DCP_PASS = "decode context parallelism: every rank's forward over its shard of the KV, merged by the LSEs"
 
 
 def second_layer(prepared: PreparedCase) -> PreparedCase:
@@ -89,6 +95,7 @@ def _scales(layer: PreparedCase) -> str:
 class NumericsCheck(Check):
     name = "numerics"
     drives_trees = True  # its step hands the case's trees to the backend and the oracle
+    drives_dcp = True  # a dcpN case's step is sharded over its ranks and merged (``harness.dcp``)
     question = (
         "equal to the float64 oracle on every supported case: unowned KV slots loud or NaN, as a second layer, "
         "and with the next step built while it is queued?"
@@ -119,7 +126,7 @@ class NumericsCheck(Check):
             )
         if passed:
             # The later passes reuse this batch (its oracle answer too); each returns its failure or None.
-            for later_pass in (self._lse, self._nan_poison, self._second_layer, self._steps_in_flight):
+            for later_pass in (self._lse, self._dcp, self._nan_poison, self._second_layer, self._steps_in_flight):
                 failed = later_pass(prepared, metrics)
                 if failed:
                     return failed
@@ -153,6 +160,17 @@ class NumericsCheck(Check):
             metrics=metrics,
             evidence={"pass": "log-sum-exp: the same step, forward handed an lse buffer"},
         )
+
+    @staticmethod
+    def _dcp(prepared: PreparedCase, metrics: dict[str, Any]) -> Outcome | None:
+        """For a ``dcpN`` case: the step sharded over N simulated ranks, merged by their LSEs (``dcp``)."""
+        if prepared.batch.case.dcp == 1:
+            return None
+        problem, dcp_metrics = dcp_findings(prepared)
+        metrics.update(dcp_metrics)
+        if problem is None:
+            return None
+        return Outcome(Verdict.FAIL, problem, metrics=metrics, evidence={"pass": DCP_PASS})
 
     @staticmethod
     def _nan_poison(prepared: PreparedCase, metrics: dict[str, Any]) -> Outcome | None:

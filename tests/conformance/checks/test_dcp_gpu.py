@@ -1,0 +1,36 @@
+"""Decode context parallelism on a GPU: triton's kernels (a row with no key on its rank through
+the split kernel and the split merge: output 0, LSE -inf) pass the DCP pass of numerics, and the
+planted empty-rank defects fail it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.triton.backend import TritonAttentionBackend
+from conformance.cases.grammar import parse_case
+from conformance.checks.numerics import NumericsCheck
+from conformance.results import Verdict
+from conformance.run.execution import judge
+from tests.planted import dcp_defects
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+CASES = [
+    "gqa-h32/8-d128-bf16-p16-dcp4:1+1,2+1,4+1,500+1",
+    "gqa-h32/8-d128-bf16-p16-dcp8:3000+1,1+1",  # one long request: several splits, and empty rows merged
+    "gqa-h32/8-d128-bf16-fp8e4m3-qfp8-p16-dcp2:2000+1,0+1",
+]
+
+
+@pytest.mark.parametrize("text", CASES)
+def test_triton_passes_dcp(text):
+    result = judge(NumericsCheck(), TritonAttentionBackend, parse_case(text), torch.device("cuda"))
+    assert result.verdict == Verdict.PASS, result.reason
+    assert result.metrics["dcp_empty_rank_rows"] > 0
+
+
+@pytest.mark.parametrize("defect", [dcp_defects.EmptyRankLseZero, dcp_defects.ClampsEmptyRankRowToOneKey])
+def test_planted_empty_rank_defects_fail_on_a_gpu(defect):
+    result = judge(NumericsCheck(), defect, parse_case(CASES[0]), torch.device("cuda"))
+    assert result.verdict == Verdict.FAIL and "holds no key" in result.reason, result.reason

@@ -1,0 +1,64 @@
+"""Planted decode-context-parallel defects (``backends.base``: "Decode context parallelism"):
+torch_naive whose row with no key on its rank gives LSE 0 instead of -inf, whose empty row reads
+one key anyway, and whose LSE is in base 2."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from backends.torch_naive import TorchNaiveBackend
+
+
+class EmptyRankLseZero(TorchNaiveBackend):
+    """A row with no key on this rank: output 0 as asked, but LSE 0 (a log of 1) instead of -inf,
+    so the merge gives that rank weight."""
+
+    name = "planted_empty_rank_lse_zero"
+
+    def forward(self, query, kv_cache, metadata, out, layer=None, **kwargs):
+        super().forward(query, kv_cache, metadata, out, layer=layer)
+        if layer is not None and layer.lse is not None:
+            for request, seq_len in enumerate(metadata.seq_lens):
+                start, end = metadata.query_start_loc[request], metadata.query_start_loc[request + 1]
+                if seq_len == 0 and end > start:
+                    layer.lse[start:end] = 0.0
+
+
+class ClampsEmptyRankRowToOneKey(TorchNaiveBackend):
+    """Clamps every row's length to at least one key (a loop that must run once), so a row with no
+    key on its rank attends the first slot of its block-table row, a block no request owns here."""
+
+    name = "planted_clamps_empty_rank_row_to_one_key"
+
+    def build(self, common):
+        metadata = super().build(common)
+        return replace(metadata, seq_lens=[max(seq_len, 1) for seq_len in metadata.seq_lens])
+
+
+class LseInBaseTwo(TorchNaiveBackend):
+    """Writes its LSE in base 2 (the kernels' exp2 domain, not converted back): a merge in natural
+    log then weighs the ranks wrongly (vLLM's ``is_lse_base_on_e``)."""
+
+    name = "planted_lse_in_base_two"
+
+    def forward(self, query, kv_cache, metadata, out, layer=None, **kwargs):
+        super().forward(query, kv_cache, metadata, out, layer=layer)
+        if layer is not None and layer.lse is not None:
+            layer.lse.div_(math.log(2))
+
+
+class EmptyRankRowNaN(TorchNaiveBackend):
+    """A row with no key on its rank left as a 0/0 softmax: output and LSE NaN (vLLM's merge zeroes
+    such a rank; FlashInfer's ``merge_state`` and others would spread the NaN)."""
+
+    name = "planted_empty_rank_row_nan"
+
+    def forward(self, query, kv_cache, metadata, out, layer=None, **kwargs):
+        super().forward(query, kv_cache, metadata, out, layer=layer)
+        for request, seq_len in enumerate(metadata.seq_lens):
+            start, end = metadata.query_start_loc[request], metadata.query_start_loc[request + 1]
+            if seq_len == 0 and end > start:
+                out[start:end] = float("nan")
+                if layer is not None and layer.lse is not None:
+                    layer.lse[start:end] = float("nan")
