@@ -62,3 +62,21 @@ class EmptyRankRowNaN(TorchNaiveBackend):
                 out[start:end] = float("nan")
                 if layer is not None and layer.lse is not None:
                     layer.lse[start:end] = float("nan")
+
+
+def flashinfer_claiming_dcp():
+    """The real flashinfer adapter claiming DCP, unchanged otherwise: what measures whether
+    FlashInfer's decode gives a row with no key (sequence length 0) output 0 and LSE -inf."""
+    import dataclasses
+
+    from backends.features import DCP
+    from backends.flashinfer.gqa import FlashInferBackend
+
+    claims = FlashInferBackend.capabilities
+    not_claimed = {feature: why for feature, why in claims.not_claimed.items() if feature is not DCP}
+
+    class FlashInferClaimingDcp(FlashInferBackend):
+        name = "planted_flashinfer_claiming_dcp"
+        capabilities = dataclasses.replace(claims, features=claims.features | {DCP}, not_claimed=not_claimed)
+
+    return FlashInferClaimingDcp
