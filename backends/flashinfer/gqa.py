@@ -137,10 +137,11 @@ class FlashInferBackend(AttentionBackend):
         block_sizes=frozenset({16, 32, 64}),
         max_query_len=None,
         # Token trees as FlashInfer's packed custom mask, made on the host (``packed_tree_mask``).
-        features=frozenset({FP8_E4M3, FP8_E5M2, SLIDING_WINDOW, LOGITS_SOFT_CAP, VALUE_HEAD_DIM, LSE, TOKEN_TREES}),
+        # DCP: its decode wrapper gives a row with no key (sequence length 0) output 0 and LSE -inf (H200).
+        features=frozenset(
+            {FP8_E4M3, FP8_E5M2, SLIDING_WINDOW, LOGITS_SOFT_CAP, VALUE_HEAD_DIM, LSE, TOKEN_TREES, DCP}
+        ),
         not_claimed={
-            DCP: "not claimed until measured: FlashInfer's decode of a row with no key on its rank (sequence "
-            "length 0: output 0 and LSE -inf) has not run here",
             FP8_QUERY: "FlashInfer 0.7.2 takes an fp8 query (scale_q) on its FA3 prefill path with an fp8 "
             "cache; this adapter plans FA2 wrappers with the query in the compute dtype",
             ATTENTION_SINKS: "FlashInfer 0.7.2's FA2 wrappers take `sinks`, but on SM90 their output misses them "
