@@ -189,8 +189,9 @@ def how_far(case: Case, parameter: Parameter) -> dict[str, float]:
 
 def draft_case(case: Case) -> Case | None:
     """The draft loop's batch drawn from a decode case (each request gains DRAFT_STEPS tokens;
-    boundary data unless the case has a profile of its own), or None for other cases."""
-    if any(query != 1 for _, query in case.batch):
+    boundary data unless the case has a profile of its own), or None for other cases (and for a
+    DCP case: the draft loop does not shard its steps)."""
+    if any(query != 1 for _, query in case.batch) or case.dcp > 1:
         return None
     return replace(
         case,
