@@ -283,8 +283,8 @@ class LayerParameters:
     keyword in every signature. A field is None where the layer has no such thing; a backend reads
     only the fields of the features it claims (``Capabilities.features``).
 
-    * ``scales``: an fp8 layer's ``Fp8Scales`` (``write_kv`` stores ``value / scale``; ``forward``
-      attends over ``stored × scale``).
+    * ``scales``: an fp8 layer's ``Fp8Scales``, its cache's and its query's (``write_kv`` stores
+      ``value / scale``; ``forward`` attends over ``stored × scale``, with ``query × q_scale``).
     * ``sinks``: a layer's learned sink logits, float32 ``[num_heads]`` on the device (gpt-oss).
     * ``lse``: ``forward`` only: float32 ``[rows, num_heads]`` where a backend that claims the
       log-sum-exp writes it for the first ``num_actual_tokens`` rows.
