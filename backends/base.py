@@ -276,6 +276,9 @@ class Fp8Scales:
         return cls(k_scale, v_scale, tensor(k_scale), tensor(v_scale), q_scale, tensor(q_scale))
 
 
+KVScales = Fp8Scales  # its name before the query's scale joined it: a backend written against it still imports
+
+
 @dataclass(frozen=True)
 class LayerParameters:
     """What one layer hands ``write_kv`` and ``forward`` beyond the step's tensors: one typed object,

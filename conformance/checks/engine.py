@@ -112,10 +112,10 @@ def layout_key(case: Case, device: torch.device, suite: str | None = None) -> tu
     spec = case.spec
     sparse = spec.sparse_topk is not None
     if suite == "quick":
-        return (spec.kind, sparse, bool(case.trees))
+        return (spec.kind, sparse, bool(case.trees), spec.fp8_query)
     windowed = spec.sliding_window is not None or spec.sparse_window is not None
     key = spec.kind, sparse, spec.attention_sinks, windowed, is_mla_prefill_layer(spec), spec.kv_scale_block
-    key += (bool(case.trees),)  # a token-tree layout's engines draft trees
+    key += (bool(case.trees), spec.fp8_query)  # a token-tree layout's engines draft trees; an fp8 query's quantize it
     if device.type == "cpu":
         return key + (spec.fp8_kv_cache,)
     return key + (spec.kv_cache_dtype if spec.fp8_kv_cache else None, spec.dtype)
@@ -247,9 +247,11 @@ class EngineCheck(Check):
         # itself, so an error it makes the same way in every run passes them all.
         table = [(REFERENCE_LABEL, self._reference_claim(runs))]
         same: list[tuple[str, Callable[[], list], Callable[[], list]]] = []
-        if runs.decompressed_prefill:
+        if runs.decompressed_prefill and not runs.case.spec.fp8_query:
             # MLA's two paths must agree: prefills decompressed through this backend, and the same
-            # requests absorbed (by the MLA decode backend: this one, or a built-in beside it).
+            # requests absorbed (by the MLA decode backend: this one, or a built-in beside it). Not
+            # with an fp8 query: the absorbed path quantizes its latent-space query, the decompressed
+            # prefill (as vLLM's) takes its query unquantized, so the two attend with other numbers.
             same.append(
                 ("MLA prefill decompressed vs every request absorbed", lambda: runs.absorbed, lambda: runs.plain)
             )
@@ -343,6 +345,7 @@ class EngineCheck(Check):
                         device=str(device),
                         dtype=torch.float32,
                         block_size=base.block_size,
+                        query_dtype=base.query_dtype,  # an fp8 query's margins are its quantized query's
                     ),
                     copy.deepcopy(model).float(),
                 )

@@ -440,8 +440,8 @@ class SteadyCheck(Check):
         return self._not_decode(case) or super().case_skip_reason(backend_cls, case, device)
 
     def plan(self, backend_cls: type[AttentionBackend], cases: list[Case], device: torch.device) -> Plan:
-        """One steady look per attention kind, KV-cache format and sparse or dense layer: the first
-        decode batch of each that the backend runs."""
+        """One steady look per attention kind, KV-cache format, sparse or dense layer, tree or chain
+        engine and query format: the first decode batch of each that the backend runs."""
         return first_of_each(
             cases,
             lambda case: (
@@ -449,6 +449,7 @@ class SteadyCheck(Check):
                 case.spec.kv_cache_dtype if case.spec.fp8_kv_cache else None,
                 case.spec.sparse_topk is not None,  # a sparse layer is looked at apart from a dense one
                 bool(case.trees),  # and a token-tree engine's steps apart from a chain engine's
+                case.spec.fp8_query,  # and an fp8 query's (its scale read every step)
             ),
             lambda case: self.case_skip_reason(backend_cls, case, device),
             "steady look covered by {}",

@@ -139,7 +139,7 @@ def path_rows(case: Case) -> dict[str, list[int]]:
     everything = list(range(start))
     if rows["decode"] and rows["prefill"]:
         rows["mixed"] = everything
-    if len({query for _, query in case.batch}) == 1:
+    if len({query for _, query in case.batch}) == 1 and case.dcp == 1:  # the graphs check skips DCP cases
         rows["graphs"] = everything
     return {path: indices for path, indices in rows.items() if indices}
 

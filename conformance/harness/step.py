@@ -318,7 +318,7 @@ def fused_qkv_views(spec: AttentionSpec, query: torch.Tensor | None, key: torch.
     fused QKV projection's output is split (MLA: the latent entry slice of a wider projection). An
     fp8 query is a quantizer's output, not the projection's: a slice of a wider buffer of its own."""
     if query is not None and query.dtype != key.dtype:
-        wider = torch.zeros(query.shape[0], query[0].numel() + 16, dtype=query.dtype, device=query.device)
+        wider = torch.full((query.shape[0], query[0].numel() + 16), float("nan"), device=query.device).to(query.dtype)
         view = wider[:, : query[0].numel()].view(query.shape)
         view.copy_(query)
         return view, *fused_qkv_views(spec, None, key, value)[1:]

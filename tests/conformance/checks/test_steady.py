@@ -123,7 +123,7 @@ def test_torch_naive_holds_steady_over_mla_and_fp8_caches(case_id):
     assert result.verdict == Verdict.PASS, result.reason
 
 
-def test_it_runs_by_default_once_per_kind_cache_format_and_sparsity_on_small_decode_batches():
+def test_it_runs_by_default_once_per_kind_cache_format_sparsity_and_query_format_on_small_decode_batches():
     assert "steady" in default_checks()
     check = SteadyCheck()
     assert "CUDA" in check.skip_reason(TorchGraphSafe, CPU)
@@ -139,12 +139,18 @@ def test_it_runs_by_default_once_per_kind_cache_format_and_sparsity_on_small_dec
     assert all((case.max_query_len == 1 or case.trees) and case.num_reqs <= 8 for case in chosen)
     assert any(case.spec.sparse_topk for case in chosen)  # a sparse layer apart from the dense ones
     assert any(case.trees for case in chosen)  # a token-tree engine's steps apart from a chain engine's
-    assert len(chosen) == len(
-        {
-            (case.spec.kind, case.spec.kv_cache_dtype, case.spec.sparse_topk is not None, bool(case.trees))
-            for case in chosen
-        }
-    )
+    assert any(case.spec.fp8_query for case in chosen)  # an fp8 query's steps apart (its scale read every step)
+    keys = {
+        (
+            case.spec.kind,
+            case.spec.kv_cache_dtype,
+            case.spec.sparse_topk is not None,
+            bool(case.trees),
+            case.spec.fp8_query,
+        )
+        for case in chosen
+    }
+    assert len(chosen) == len(keys)
 
 
 @pytest.mark.gpu
