@@ -15,9 +15,9 @@ taken as 0 (so a NaN there does not spread).
 
 Each rank is handed a contiguous query and no padding rows, and a table and pool of its own (no
 shared prefix, no pool past 2**31): a case's ``strided``, ``padN``, ``shareN`` and ``bigpool``
-layouts are its main pass's. Decode rows only (``Case._check_dcp``): a verify row under DCP needs each token's causal cut over
-the rank's keys by global position (vLLM's ``supports_dcp_with_varlen``), which this contract does
-not hand a backend yet.
+layouts are its main pass's. Decode rows only (``Case._check_dcp``): a verify row under DCP needs
+each token's causal cut over the rank's keys by global position (vLLM's
+``supports_dcp_with_varlen``), which this contract does not hand a backend yet.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -35,11 +36,19 @@ def distributed_merge(prepared, rank: int, world: int) -> tuple[torch.Tensor, to
     return merge(outs, lses)
 
 
+def usage_error(message: str) -> None:
+    """One line on stderr, exit 2 (the project's usage error)."""
+    print(f"dcp_distributed: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--case", action="append", required=True)
     args = parser.parse_args()
+    if "RANK" not in os.environ or not torch.cuda.is_available():
+        usage_error("run it under torchrun, one process a GPU (the module docstring)")
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
@@ -48,7 +57,7 @@ def main() -> None:
     for text in args.case:
         case = parse_case(text)
         if case.dcp != world:
-            raise SystemExit(f"{text}: dcp{case.dcp} needs {case.dcp} processes, not {world}")
+            usage_error(f"{text}: dcp{case.dcp} needs {case.dcp} processes, not {world}")
         prepared = prepare_case(backend_cls, case, device)
         run_step(prepared, with_host_lengths=True)
         merged, merged_lse = distributed_merge(prepared, rank, world)
