@@ -1,7 +1,8 @@
 """draft-loop: k EAGLE-style draft steps, each appending one token per request, under CUDA graphs,
 every step against the oracle (the loop itself: ``harness.draft_loop``). A token-tree case's
 loop drafts its trees level by level instead, each step extending every branch
-(``harness.tree_draft_loop``)."""
+(``harness.tree_draft_loop``); a DCP case's steps are sharded over its ranks, a graph a rank
+(``harness.dcp_draft_loop``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from conformance.cases.grammar import Case
 from conformance.checks.base import EVERY_KIND, Check
 from conformance.harness.answers import answer_for
 from conformance.harness.comparison import TOLERANCES
+from conformance.harness.dcp_draft_loop import run_dcp_draft_loop
 from conformance.harness.draft_loop import (
     DRAFT_RUNS,
     DRAFT_STEPS,
@@ -33,6 +35,7 @@ class DraftLoopCheck(Check):
     name = "draft-loop"
     kinds = EVERY_KIND
     drives_trees = True  # a tree case's trees drafted level by level (``harness.tree_draft_loop``)
+    drives_dcp = True  # a dcpN case's steps sharded over its ranks, a graph each (``harness.dcp_draft_loop``)
     question = "k draft steps under CUDA graphs, positions advanced on device: every step right?"
 
     def skip_reason(self, backend_cls: type[AttentionBackend], device: torch.device) -> str | None:
@@ -43,6 +46,8 @@ class DraftLoopCheck(Check):
             return super().case_skip_reason(backend_cls, case, device) or self._tree_graph_reason(backend_cls, case)
         if any(query != 1 for _, query in case.batch):
             return "the draft loop starts from decode batches (query length 1), or from a token-tree case's trees"
+        if case.dcp > 1 and case.spec.fp8_kv_cache:
+            return "a DCP draft loop's oracle is over float keys: an fp8 cache's DCP steps are judged by numerics"
         return super().case_skip_reason(backend_cls, case, device)
 
     @staticmethod
@@ -58,6 +63,8 @@ class DraftLoopCheck(Check):
     def run_case(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> Outcome:
         if case.trees:
             return run_tree_draft_loop(backend_cls, case, device)
+        if case.dcp > 1:
+            return run_dcp_draft_loop(backend_cls, case, device)
         one_graph = backend_cls.capabilities.draft_step_update
         mode = (
             "one graph for all k steps (draft_step_update)"

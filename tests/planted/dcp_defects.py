@@ -80,3 +80,25 @@ def flashinfer_claiming_dcp():
         capabilities = dataclasses.replace(claims, features=claims.features | {DCP}, not_claimed=not_claimed)
 
     return FlashInferClaimingDcp
+
+
+class UpdatesLikeTorchNaive(TorchNaiveBackend):
+    """torch_naive with a draft-step update that takes the step's lengths (what DCP needs: each
+    rank's own). The control of ``AdvancesEveryRankEachDraftStep``."""
+
+    name = "planted_updates_like_torch_naive"
+    capabilities = replace(TorchNaiveBackend.capabilities, draft_step_update=True)
+
+    def update_for_draft_step(self, metadata, common):
+        return self.build(common)
+
+
+class AdvancesEveryRankEachDraftStep(UpdatesLikeTorchNaive):
+    """Advances its own copy of the lengths by one each draft step (every request one token
+    longer: right without DCP), where under DCP only the rank holding the new position gains a
+    key: the local length taken from the global step."""
+
+    name = "planted_advances_every_rank_each_draft_step"
+
+    def update_for_draft_step(self, metadata, common):
+        return replace(metadata, seq_lens=[length + 1 for length in metadata.seq_lens])

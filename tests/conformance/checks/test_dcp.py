@@ -88,11 +88,31 @@ def test_each_planted_dcp_defect_fails(defect, says):
     assert plain.verdict == Verdict.PASS, plain.reason
 
 
-def test_only_numerics_shards_a_step_and_the_others_say_so():
+def test_numerics_and_the_draft_loop_shard_a_step_and_the_others_say_so():
     case = parse_case(CASES[0])
-    assert [name for name, check in CHECKS.items() if check.drives_dcp] == ["numerics"]
+    assert [name for name, check in CHECKS.items() if check.drives_dcp] == ["numerics", "draft-loop"]
     reason = CHECKS["graphs"]().judged_reason(case)
-    assert reason == "the graphs check does not shard a step over DCP ranks: DCP is judged by numerics"
+    assert reason == "the graphs check does not shard a step over DCP ranks: DCP is judged by numerics, draft-loop"
+
+
+@pytest.mark.parametrize("text", ["gqa-h8/2-d64-dcp4:100+1,1+1,2+1", "mla-h16-d128+32-qfp8-dcp2:30+1,0+1"])
+def test_the_dcp_draft_loop_eagerly_passes_torch_naive_and_fails_each_rank_advanced_by_the_global_step(text):
+    """The loop's steps on a CPU (no graphs): each step's new position on its own rank. A draft
+    update that advances every rank's lengths (right without DCP: numerics passes it) reads a
+    key its rank does not hold."""
+    from conformance.harness.dcp_draft_loop import run_dcp_draft_loop
+
+    case = parse_case(text)
+    for backend in (TorchNaiveBackend, dcp_defects.UpdatesLikeTorchNaive):
+        result = run_dcp_draft_loop(backend, case, CPU, graphs=False)
+        assert result.verdict == Verdict.PASS and "every step's merge equal" in result.reason, result.reason
+    for defect, says in [
+        (dcp_defects.AdvancesEveryRankEachDraftStep, "DCP draft step 2 of 4 (update_for_draft_step, eager"),
+        (dcp_defects.EmptyRankLseZero, "DCP draft step 1 of 4"),
+    ]:
+        result = run_dcp_draft_loop(defect, case, CPU, graphs=False)
+        assert result.verdict == Verdict.FAIL and says in result.reason, result.reason
+    assert judge(NumericsCheck(), dcp_defects.AdvancesEveryRankEachDraftStep, case, CPU).verdict == Verdict.PASS
 
 
 def test_a_backend_without_the_claim_says_why():

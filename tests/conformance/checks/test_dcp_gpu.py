@@ -1,6 +1,6 @@
 """Decode context parallelism on a GPU: triton's kernels (a row with no key on its rank through
-the split kernel and the split merge: output 0, LSE -inf) pass the DCP pass of numerics, and the
-planted empty-rank defects fail it."""
+the split kernel and the split merge: output 0, LSE -inf) pass the DCP pass of numerics and the
+DCP draft loop under graphs, and the planted empty-rank defects fail numerics."""
 
 from __future__ import annotations
 
@@ -34,3 +34,13 @@ def test_triton_passes_dcp(text):
 def test_planted_empty_rank_defects_fail_on_a_gpu(defect):
     result = judge(NumericsCheck(), defect, parse_case(CASES[0]), torch.device("cuda"))
     assert result.verdict == Verdict.FAIL and "holds no key" in result.reason, result.reason
+
+
+@pytest.mark.parametrize("text", CASES[:2])
+def test_triton_passes_the_dcp_draft_loop_under_graphs(text):
+    """One graph a rank, replayed after update_for_draft_step with each rank's lengths advanced by
+    its own pattern."""
+    from conformance.checks.draft_loop import DraftLoopCheck
+
+    result = judge(DraftLoopCheck(), TritonAttentionBackend, parse_case(text), torch.device("cuda"))
+    assert result.verdict == Verdict.PASS and "one graph a rank" in result.reason, result.reason
