@@ -81,13 +81,16 @@ def measure_ceilings(device: torch.device) -> dict[str, float]:
 def traffic(case: Case) -> tuple[float, float]:
     """(bytes, FLOPs) the step must move and compute at the least (the layer kind says how much:
     ``LayerKind.keys_read``, ``scores``): the cache entries read once (in the cache's dtype: an fp8
-    cache moves half the bytes; a sparse layer's top-k and window part only), Q read, O written."""
+    cache moves half the bytes; a sparse layer's top-k and window part only), Q read (an fp8 query
+    in one byte an element), O written."""
     spec, layout = case.spec, case.spec.layout
     element = torch.finfo(spec.dtype).bits // 8
     cache_element = torch.finfo(spec.effective_kv_cache_dtype).bits // 8
     kv_bytes_per_token = layout.cache_row(spec) * cache_element
     kv_bytes = sum(layout.keys_read(spec, context + query) for context, query in case.batch) * kv_bytes_per_token
-    io_bytes = case.num_tokens * layout.io_elements(spec) * element
+    # An fp8 query is read in its own width (one byte), the rest of the token's I/O in the compute dtype.
+    query_narrowing = spec.num_heads * spec.head_dim * (element - torch.finfo(spec.handed_query_dtype).bits // 8)
+    io_bytes = case.num_tokens * (layout.io_elements(spec) * element - query_narrowing)
     flops = sum(layout.scores(spec, context, query) for context, query in case.batch) * layout.flops_per_score(spec)
     return kv_bytes + io_bytes, flops
 

@@ -41,6 +41,8 @@ def test_traffic_counts_kv_once_plus_queries_and_outputs():
     assert flops == 64 * 2 * 1 * (4096 + 1) * 32 * 256
     mla_moved, _ = traffic(parse_case("mla-h128-d512+64-bf16-p64:4096+1x64"))
     assert mla_moved == 64 * 4097 * 576 * 2 + 64 * 128 * (576 + 512) * 2
+    fp8_query_moved, _ = traffic(parse_case("gqa-h32/8-d128-bf16-qfp8-p16:4096+1x64"))
+    assert fp8_query_moved == kv + 64 * 32 * (128 * 1 + 128 * 2)  # the query one byte an element
 
 
 def test_bench_ratios_and_table():
