@@ -26,10 +26,11 @@ from typing import Any
 
 import torch
 
-from backends.base import BackendLimits, CommonAttentionMetadata
+from backends.base import AttentionBackend, BackendLimits, CommonAttentionMetadata, LayerParameters
+from conformance.harness.batch import PagedBatch
 from conformance.harness.comparison import TOLERANCES, compare_with_oracle, how_far_off
 from conformance.harness.lse_pass import lse_allowed
-from conformance.harness.step import PreparedCase, write_poison
+from conformance.harness.step import PoolFill, PreparedCase, write_poison
 from conformance.harness.stored_cache import expected_lse, oracle
 
 
@@ -43,60 +44,107 @@ def local_seq_len(seq_len: int, rank: int, world: int) -> int:
     return len(rank_positions(seq_len, rank, world))
 
 
+class RankShard:
+    """One DCP rank: a backend instance of its own and its pool, each request's keys at the
+    positions the rank holds (``rank_positions``) in blocks of its own table (room for ``capacity``
+    keys a request, global; an ``empty`` request's row -1, the contract's), every other slot
+    poisoned, and the keys before position ``written[request]`` written."""
+
+    def __init__(
+        self,
+        backend_cls: type[AttentionBackend],
+        batch: PagedBatch,
+        rank: int,
+        world: int,
+        capacity: list[int],
+        written: list[int],
+        layer: LayerParameters,
+        fill: PoolFill = PoolFill.LOUD,
+        empty: list[bool] | None = None,
+    ) -> None:
+        self.rank, self.world, self.block_size = rank, world, batch.spec.block_size
+        widths = [-(-local_seq_len(length, rank, world) // self.block_size) for length in capacity]
+        self.table = torch.zeros(len(capacity), max(1, *widths), dtype=torch.int32)
+        blocks = 1  # block 0 is reserved
+        for request, width in enumerate(widths):
+            self.table[request, :width] = torch.arange(blocks, blocks + width, dtype=torch.int32)
+            blocks += width
+        if empty is not None:
+            self.table[torch.tensor(empty, dtype=torch.bool)] = -1
+        requests = len(capacity)
+        limits = BackendLimits(requests, requests, self.table.shape[1] * self.block_size)
+        self.backend = backend_cls(batch.spec, limits, batch.device)
+        self.kv_cache = self.backend.allocate_kv_cache(blocks)
+        history = [
+            (request, position, self.slot(request, local))
+            for request, end in enumerate(written)
+            for local, position in enumerate(rank_positions(end, rank, world))
+        ]
+        slots = torch.tensor([slot for *_, slot in history], dtype=torch.int64)
+        write_poison(self.backend, self.kv_cache, batch, keep=slots, num_blocks=blocks, fill=fill, layer=layer)
+        if history:
+            key, value = rows(batch, history)
+            self.backend.write_kv(self.kv_cache, key, value, slots.to(batch.device), layer)
+
+    def slot(self, request: int, local: int) -> int:
+        """The slot of the request's local position ``local`` in this rank's pool."""
+        return int(self.table[request, local // self.block_size]) * self.block_size + local % self.block_size
+
+    def owned_slot(self, request: int, position: int) -> int:
+        """Where this rank writes the key at global ``position``: its slot, or -1 on another rank."""
+        return self.slot(request, position // self.world) if position % self.world == self.rank else -1
+
+
+def keyless_row_problem(out: torch.Tensor, lse: torch.Tensor, lengths: list[int], rank: int, world: int) -> str | None:
+    """What is wrong with the first row that holds no key on this rank (its local length 0) and
+    does not give output 0 and LSE -inf; None when every such row does."""
+    empty = torch.tensor(lengths, device=out.device) == 0
+    wrong = empty[:, None] & ~((lse == float("-inf")) & (out == 0).all(-1))
+    if not wrong.any():
+        return None
+    row, head = (int(index) for index in wrong.nonzero()[0])
+    return (
+        f"rank {rank} of {world} holds no key of row {row}'s request, and its row gave LSE "
+        f"{float(lse[row, head]):g} and output max |{float(out[row, head].double().abs().max()):g}| at head {head} "
+        "instead of -inf and 0 (the contract's, FlashInfer's DCP tests': a merge other than vLLM's, which zeroes "
+        "a rank whose LSE is -inf or NaN, spreads anything else)"
+    )
+
+
 def rank_step(prepared: PreparedCase, rank: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Rank ``rank``'s forward of ``prepared``'s decode step through a backend instance of its own:
     (output, natural-log LSE, each row's local sequence length). Its pool holds its keys of every
     request, the rest poisoned; the step writes the new tokens it owns."""
     batch, world = prepared.batch, prepared.batch.case.dcp
-    spec, device, block_size = batch.spec, batch.device, batch.spec.block_size
-    lengths = [local_seq_len(seq_len, rank, world) for seq_len in batch.seq_lens]
-    widths = [-(-length // block_size) for length in lengths]
-    table = torch.zeros(len(lengths), max(1, *widths), dtype=torch.int32)
-    first = 1  # block 0 is reserved
-    for request, width in enumerate(widths):
-        table[request, :width] = torch.arange(first, first + width, dtype=torch.int32)
-        first += width
+    spec, device = batch.spec, batch.device
     empty = [query == 0 for _, query in batch.case.batch]
-    table[torch.tensor(empty, dtype=torch.bool)] = -1  # an empty request's row (the contract's)
-    limits = BackendLimits(len(lengths), max(1, batch.case.num_tokens), max(1, table.shape[1]) * block_size)
-    backend = type(prepared.backend)(spec, limits, device)
-    kv_cache = backend.allocate_kv_cache(first)
-
-    def slot(request: int, local: int) -> int:
-        return int(table[request, local // block_size]) * block_size + local % block_size
-
-    history, own = [], []  # (request, global position, local slot)
-    for request, seq_len in enumerate(batch.seq_lens):
-        for local, position in enumerate(rank_positions(seq_len, rank, world)):
-            is_new = not empty[request] and position == seq_len - 1
-            (own if is_new else history).append((request, position, slot(request, local)))
-    kept = torch.tensor([entry[2] for entry in history + own], dtype=torch.int64)
-    write_poison(backend, kv_cache, batch, keep=kept, num_blocks=first, fill=prepared.fill, layer=prepared.layer)
-    if history:
-        key, value = rows(batch, history)
-        backend.write_kv(kv_cache, key, value, torch.tensor([s for *_, s in history], device=device), prepared.layer)
+    history = [0 if is_empty else seq_len - 1 for seq_len, is_empty in zip(batch.seq_lens, empty)]
+    shard = RankShard(
+        type(prepared.backend), batch, rank, world, batch.seq_lens, history, prepared.layer, prepared.fill, empty
+    )
     # The step: every decode row's query; its key written where this rank owns it, else slot -1.
-    new_slots = {request: s for request, _, s in own}
-    decoding = [request for request in range(len(lengths)) if not empty[request]]
+    decoding = [request for request in range(len(empty)) if not empty[request]]
     key, value = rows(batch, [(request, batch.seq_lens[request] - 1, 0) for request in decoding])
-    slots = torch.tensor([new_slots.get(request, -1) for request in decoding], dtype=torch.int64, device=device)
+    owned = [shard.owned_slot(request, batch.seq_lens[request] - 1) for request in decoding]
+    slots = torch.tensor(owned, dtype=torch.int64, device=device)
+    lengths = [local_seq_len(seq_len, rank, world) for seq_len in batch.seq_lens]
     starts = [0]
     for is_empty in empty:
         starts.append(starts[-1] + (0 if is_empty else 1))
     common = CommonAttentionMetadata.from_lengths(
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
-        block_table=table.to(device),
+        block_table=shard.table.to(device),
         slot_mapping=slots,
         query_starts=starts,
         host_seq_lens=lengths,
     )
-    metadata = backend.build(common)
-    backend.write_kv(kv_cache, key, value, slots, prepared.layer)
+    metadata = shard.backend.build(common)
+    shard.backend.write_kv(shard.kv_cache, key, value, slots, prepared.layer)
     tokens = batch.case.num_tokens
     out = torch.full((tokens, spec.num_heads, spec.v_head_dim), float("nan"), dtype=spec.dtype, device=device)
     lse = torch.full((tokens, spec.num_heads), float("nan"), dtype=torch.float32, device=device)
-    backend.forward(batch.query, kv_cache, metadata, out, layer=prepared.forward_layer.with_lse(lse))
+    shard.backend.forward(batch.query, shard.kv_cache, metadata, out, layer=prepared.forward_layer.with_lse(lse))
     return out, lse, [lengths[request] for request in decoding]
 
 
@@ -132,17 +180,8 @@ def dcp_findings(prepared: PreparedCase) -> tuple[str | None, dict[str, Any]]:
         out, lse, lengths = rank_step(prepared, rank)
         outputs.append(out)
         lses.append(lse)
-        empty = torch.tensor(lengths, device=out.device) == 0
-        empty_rows += int(empty.sum())
-        wrong = empty[:, None] & ~((lse == float("-inf")) & (out == 0).all(-1))
-        if unmerged is None and wrong.any():
-            token, head = (int(index) for index in wrong.nonzero()[0])
-            unmerged = (
-                f"rank {rank} of {world} holds no key of token {token}'s request, and its row gave LSE "
-                f"{float(lse[token, head]):g} and output max |{float(out[token, head].double().abs().max()):g}| at "
-                f"head {head} instead of -inf and 0 (the contract's, FlashInfer's DCP tests': a merge other than "
-                "vLLM's, which zeroes a rank whose LSE is -inf or NaN, spreads anything else)"
-            )
+        empty_rows += lengths.count(0)
+        unmerged = unmerged or keyless_row_problem(out, lse, lengths, rank, world)
     merged, merged_lse = merge(outputs, lses)
     reference, allowance = oracle(prepared)
     atol, rtol = TOLERANCES[batch.spec.dtype]

@@ -20,12 +20,12 @@ from dataclasses import replace
 
 import torch
 
-from backends.base import AttentionBackend, BackendLimits, CommonAttentionMetadata
+from backends.base import AttentionBackend, CommonAttentionMetadata
 from conformance.cases.grammar import Case
 from conformance.harness.batch import PagedBatch, materialize
 from conformance.harness.comparison import TOLERANCES, compare_with_oracle, how_far_off
-from conformance.harness.dcp import local_seq_len, merge, rank_positions, rows
-from conformance.harness.step import HandedLayer, case_scales, write_poison
+from conformance.harness.dcp import RankShard, keyless_row_problem, local_seq_len, merge, rows
+from conformance.harness.step import HandedLayer, case_scales
 from conformance.results import Outcome, Verdict
 
 DCP_DRAFT_STEPS = 4  # more than any group's first ranks hold of a one-token request
@@ -37,52 +37,31 @@ def drafted_batch(case: Case, steps: int, device: torch.device) -> PagedBatch:
 
 
 class RankLoop:
-    """One rank's backend instance, pool and persistent step buffers over ``drafted``'s steps."""
+    """One rank's shard (``dcp.RankShard``: its backend instance and pool, the contexts written)
+    and the persistent step buffers over ``drafted``'s steps."""
 
     def __init__(self, backend_cls: type[AttentionBackend], drafted: PagedBatch, rank: int, world: int) -> None:
         self.drafted, self.rank, self.world = drafted, rank, world
-        spec, device, block_size = drafted.spec, drafted.device, drafted.spec.block_size
+        spec, device = drafted.spec, drafted.device
         self.contexts = [context for context, _ in drafted.case.batch]
         self.steps = drafted.case.batch[0][1]
-        final = [local_seq_len(context + self.steps, rank, world) for context in self.contexts]
-        widths = [-(-length // block_size) for length in final]
-        self.table = torch.zeros(len(final), max(1, *widths), dtype=torch.int32)
-        first = 1
-        for request, width in enumerate(widths):
-            self.table[request, :width] = torch.arange(first, first + width, dtype=torch.int32)
-            first += width
-        requests = len(final)
-        limits = BackendLimits(requests, requests, self.table.shape[1] * block_size)
-        self.backend = backend_cls(spec, limits, device)
-        self.kv_cache = self.backend.allocate_kv_cache(first)
         handed = HandedLayer.copy_of(case_scales(drafted.case, device), drafted.sinks)
         self.layer = handed.parameters.for_write()
-        history = [
-            (request, position, self.slot(request, local))
-            for request, context in enumerate(self.contexts)
-            for local, position in enumerate(rank_positions(context, rank, world))
-        ]
-        kept = torch.tensor([slot for *_, slot in history], dtype=torch.int64)
-        write_poison(self.backend, self.kv_cache, drafted, keep=kept, num_blocks=first, layer=self.layer)
-        if history:
-            key, value = rows(drafted, history)
-            slots = torch.tensor([slot for *_, slot in history], device=device)
-            self.backend.write_kv(self.kv_cache, key, value, slots, self.layer)
+        capacity = [context + self.steps for context in self.contexts]
+        self.shard = RankShard(backend_cls, drafted, rank, world, capacity, self.contexts, self.layer)
+        self.backend, self.kv_cache = self.shard.backend, self.shard.kv_cache
         # Persistent buffers: what a captured graph reads.
+        requests = len(self.contexts)
         key, value = rows(drafted, [(request, context, 0) for request, context in enumerate(self.contexts)])
         self.query = torch.zeros(requests, spec.num_heads, spec.head_dim, dtype=spec.handed_query_dtype, device=device)
         self.key, self.value = torch.zeros_like(key), None if value is None else torch.zeros_like(value)
         self.slots = torch.full((requests,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(requests, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(requests + 1, dtype=torch.int32, device=device)
-        self.block_table = self.table.to(device)
+        self.block_table = self.shard.table.to(device)
         self.out = torch.zeros(requests, spec.num_heads, spec.v_head_dim, dtype=spec.dtype, device=device)
         self.lse = torch.zeros(requests, spec.num_heads, dtype=torch.float32, device=device)
         self.forward_layer = handed.parameters.with_lse(self.lse)
-
-    def slot(self, request: int, local: int) -> int:
-        block_size = self.drafted.spec.block_size
-        return int(self.table[request, local // block_size]) * block_size + local % block_size
 
     def lengths(self, step: int) -> list[int]:
         """Each request's keys on this rank once step ``step``'s token is written."""
@@ -97,10 +76,7 @@ class RankLoop:
         self.key.copy_(key)
         if value is not None:
             self.value.copy_(value)
-        owned = [
-            self.slot(request, position // self.world) if position % self.world == self.rank else -1
-            for request, position in enumerate(positions)
-        ]
+        owned = [self.shard.owned_slot(request, position) for request, position in enumerate(positions)]
         self.slots.copy_(torch.tensor(owned, dtype=torch.int64))
         lengths = self.lengths(step)
         self.seq_lens.copy_(torch.tensor(lengths, dtype=torch.int32))
@@ -169,15 +145,9 @@ def run_dcp_draft_loop(
     for step in range(steps):
         for rank, loop in enumerate(loops):
             out, lse = per_rank[rank][step]
-            empty = torch.tensor(loop.lengths(step), device=out.device) == 0
-            wrong = empty[:, None] & ~((lse == float("-inf")) & (out == 0).all(-1))
-            if wrong.any():
-                request, head = (int(index) for index in wrong.nonzero()[0])
-                return Outcome(
-                    Verdict.FAIL,
-                    f"DCP draft step {step + 1} of {steps} ({mode}): rank {rank} of {world} holds no key of request "
-                    f"{request}, and its row gave LSE {float(lse[request, head]):g} instead of -inf (output 0)",
-                )
+            problem = keyless_row_problem(out, lse, loop.lengths(step), rank, world)
+            if problem:
+                return Outcome(Verdict.FAIL, f"DCP draft step {step + 1} of {steps} ({mode}): {problem}")
         merged, _ = merge(
             [per_rank[rank][step][0] for rank in range(world)], [per_rank[rank][step][1] for rank in range(world)]
         )

@@ -76,7 +76,7 @@ def test_torch_naive_passes(text):
     [
         (dcp_defects.EmptyRankLseZero, "gave LSE 0 and output max |0|"),
         (dcp_defects.EmptyRankRowNaN, "gave LSE nan"),
-        (dcp_defects.ClampsEmptyRankRowToOneKey, "rank 2 of 4 holds no key of token 1's request"),
+        (dcp_defects.ClampsEmptyRankRowToOneKey, "rank 2 of 4 holds no key of row 1's request"),
         (dcp_defects.LseInBaseTwo, "differs from the oracle"),
     ],
 )
