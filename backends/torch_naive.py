@@ -183,10 +183,8 @@ class TorchNaiveBackend(AttentionBackend):
                 layer.lse[start:end] = self.log_sum_exp(query[start:end], key, context_len, request_sinks, seen)
 
     def query_values(self, query: torch.Tensor, scales: Fp8Scales | None) -> torch.Tensor:
-        """The query attended with: an fp8 query's numbers (``stored × q_scale``, float32), else as handed."""
-        if not self.spec.fp8_query:
-            return query
-        return from_cache(query, fp8.required(scales).q_scale)
+        """The query attended with: an fp8 query's numbers (``stored × q_scale``), else as handed."""
+        return fp8.query_values(self.spec, query, scales)
 
     def entries(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows of a plane as the attention reads them: as stored, or fp8_ds_mla's unpacked."""

@@ -172,21 +172,16 @@ class EngineCore:
         a model with neither."""
         config = self.config
         cache = config.kv_cache_dtype not in (None, config.dtype) and not config.kv_scale_block
-        if not cache and config.query_dtype is None:
+        query = config.query_dtype is not None
+        if not cache and not query:
             return None
-        k_scale, v_scale = config.kv_scales if cache else (1.0, 1.0)
-        q_scale = config.q_scale if config.query_dtype is not None else 1.0
 
-        def grown(scale: float, layer: int, applies: bool) -> float:
-            return scale * (1 + layer / 2) if applies else scale
+        def at(layer: int, scale: float, applies: bool) -> float:
+            return scale * (1 + layer / 2) if applies else 1.0
 
+        (k_scale, v_scale), q_scale = config.kv_scales, config.q_scale
         return [
-            Fp8Scales.on(
-                self.device,
-                grown(k_scale, layer, cache),
-                grown(v_scale, layer, cache),
-                grown(q_scale, layer, config.query_dtype is not None),
-            )
+            Fp8Scales.on(self.device, at(layer, k_scale, cache), at(layer, v_scale, cache), at(layer, q_scale, query))
             for layer in range(num_layers)
         ]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from backends.base import PLAIN_LAYER
 from backends.torch_naive import TorchNaiveBackend
 
 
@@ -16,9 +17,9 @@ class EmptyRankLseZero(TorchNaiveBackend):
 
     name = "planted_empty_rank_lse_zero"
 
-    def forward(self, query, kv_cache, metadata, out, layer=None, **kwargs):
+    def forward(self, query, kv_cache, metadata, out, layer=PLAIN_LAYER):
         super().forward(query, kv_cache, metadata, out, layer=layer)
-        if layer is not None and layer.lse is not None:
+        if layer.lse is not None:
             for request, seq_len in enumerate(metadata.seq_lens):
                 start, end = metadata.query_start_loc[request], metadata.query_start_loc[request + 1]
                 if seq_len == 0 and end > start:
@@ -42,9 +43,9 @@ class LseInBaseTwo(TorchNaiveBackend):
 
     name = "planted_lse_in_base_two"
 
-    def forward(self, query, kv_cache, metadata, out, layer=None, **kwargs):
+    def forward(self, query, kv_cache, metadata, out, layer=PLAIN_LAYER):
         super().forward(query, kv_cache, metadata, out, layer=layer)
-        if layer is not None and layer.lse is not None:
+        if layer.lse is not None:
             layer.lse.div_(math.log(2))
 
 
@@ -54,13 +55,13 @@ class EmptyRankRowNaN(TorchNaiveBackend):
 
     name = "planted_empty_rank_row_nan"
 
-    def forward(self, query, kv_cache, metadata, out, layer=None, **kwargs):
+    def forward(self, query, kv_cache, metadata, out, layer=PLAIN_LAYER):
         super().forward(query, kv_cache, metadata, out, layer=layer)
         for request, seq_len in enumerate(metadata.seq_lens):
             start, end = metadata.query_start_loc[request], metadata.query_start_loc[request + 1]
             if seq_len == 0 and end > start:
                 out[start:end] = float("nan")
-                if layer is not None and layer.lse is not None:
+                if layer.lse is not None:
                     layer.lse[start:end] = float("nan")
 
 

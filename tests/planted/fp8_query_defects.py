@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import torch
 
+from backends.base import PLAIN_LAYER
 from backends.fp8 import from_cache
 from backends.torch_naive import TorchNaiveBackend
 from tests.planted.graph_backends import TorchGraphSafe
@@ -30,13 +31,13 @@ class QScaleDroppedInDecodeRows(TorchNaiveBackend):
 
     name = "planted_q_scale_dropped_in_decode_rows"
 
-    def forward(self, query, kv_cache, metadata, out, layer=None, **kwargs):
+    def forward(self, query, kv_cache, metadata, out, layer=PLAIN_LAYER):
         self.decode_rows = torch.zeros(query.shape[0], dtype=torch.bool)
         starts = list(metadata.query_start_loc)
         for start, end in zip(starts, starts[1:]):
             if end - start == 1:
                 self.decode_rows[start] = True
-        return super().forward(query, kv_cache, metadata, out, **({} if layer is None else {"layer": layer}))
+        return super().forward(query, kv_cache, metadata, out, layer=layer)
 
     def query_values(self, query, scales):
         scaled = super().query_values(query, scales)
@@ -85,7 +86,7 @@ def triton_q_scale_dropped():
     from backends.triton.backend import TritonAttentionBackend
 
     class TritonQScaleDropped(TritonAttentionBackend):
-        def forward(self, query, kv_cache, metadata, out, layer=None, **kwargs):
+        def forward(self, query, kv_cache, metadata, out, layer=PLAIN_LAYER):
             ones = torch.ones_like(layer.scales.q_scale_tensor)
             layer = replace(layer, scales=replace(layer.scales, q_scale=1.0, q_scale_tensor=ones))
             return super().forward(query, kv_cache, metadata, out, layer=layer)
