@@ -103,3 +103,25 @@ class AdvancesEveryRankEachDraftStep(UpdatesLikeTorchNaive):
 
     def update_for_draft_step(self, metadata, common):
         return replace(metadata, seq_lens=[length + 1 for length in metadata.seq_lens])
+
+
+def triton_advances_every_rank_each_draft_step():
+    """triton keeping its own lengths, copied in ``build`` and advanced by one in every
+    ``update_for_draft_step`` (on the device: graph-safe, and right without DCP), where under DCP
+    only the rank holding the new position gains a key."""
+    from backends.triton.backend import TritonAttentionBackend
+
+    class TritonAdvancesEveryRank(TritonAttentionBackend):
+        def build(self, common):
+            metadata = super().build(common)
+            self.own_lens = common.seq_lens.clone()
+            metadata.seq_lens = self.own_lens
+            return metadata
+
+        def update_for_draft_step(self, metadata, common):
+            metadata = super().update_for_draft_step(metadata, common)
+            self.own_lens.add_(1)
+            metadata.seq_lens = self.own_lens
+            return metadata
+
+    return TritonAdvancesEveryRank

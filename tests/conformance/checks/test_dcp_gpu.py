@@ -44,3 +44,15 @@ def test_triton_passes_the_dcp_draft_loop_under_graphs(text):
 
     result = judge(DraftLoopCheck(), TritonAttentionBackend, parse_case(text), torch.device("cuda"))
     assert result.verdict == Verdict.PASS and "one graph a rank" in result.reason, result.reason
+
+
+def test_triton_advancing_every_ranks_lengths_fails_the_dcp_draft_loop_under_graphs():
+    from conformance.checks.draft_loop import DraftLoopCheck
+
+    result = judge(
+        DraftLoopCheck(),
+        dcp_defects.triton_advances_every_rank_each_draft_step(),
+        parse_case(CASES[0]),
+        torch.device("cuda"),
+    )
+    assert result.verdict == Verdict.FAIL and result.reason.startswith("DCP draft step 2 of 4"), result.reason
