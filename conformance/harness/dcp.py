@@ -64,7 +64,9 @@ class RankShard:
     ) -> None:
         self.rank, self.world, self.block_size = rank, world, batch.spec.block_size
         widths = [-(-local_seq_len(length, rank, world) // self.block_size) for length in capacity]
-        self.table = torch.zeros(len(capacity), max(1, *widths), dtype=torch.int32)
+        # One spare column of block 0 (reserved, poisoned), as an engine's table is wider than a
+        # request: a read one block past the rank's keys gets poison, not memory outside the table.
+        self.table = torch.zeros(len(capacity), max(widths, default=0) + 1, dtype=torch.int32)
         blocks = 1  # block 0 is reserved
         for request, width in enumerate(widths):
             self.table[request, :width] = torch.arange(blocks, blocks + width, dtype=torch.int32)
