@@ -170,7 +170,7 @@ class BatchedEngine(EngineCore):
         self.verified = torch.zeros((), dtype=torch.int64, device=self.device)
         # A token-tree engine: accepted nodes whose KV moved to their position (read after generate).
         self.moved = torch.zeros((), dtype=torch.int64, device=self.device)
-        max_blocks = -(-config.model.max_model_len // config.block_size)
+        max_blocks = -(-config.model.max_model_len // config.kv_block_size)
         self.max_blocks = max_blocks
         tokens = config.max_num_tokens
         self.uploads = Uploader(reqs * (max_blocks + 3 * k + 16) + 3 * tokens + 8, self.device)
@@ -289,7 +289,7 @@ class BatchedEngine(EngineCore):
     ) -> tuple[StepRows[list[int]], list[_LaunchedRow], StepShape, HostLengths]:
         """The step row by row as the host sees it, padded for a graph where one serves it; the
         host's optimistic bookkeeping (every draft accepted) applied."""
-        bs, k = self.config.block_size, self.config.num_spec_tokens
+        bs, k = self.config.kv_block_size, self.config.num_spec_tokens
         counts = {item.num_tokens for item in scheduled}
         uniform = len(counts) == 1 and all(not item.request.in_prefill for item in scheduled)
         # Token-tree steps run eagerly: graphs capture chains (the conformance graphs check judges
@@ -450,7 +450,7 @@ class BatchedEngine(EngineCore):
         with nvtx.range("build metadata"):
             buffers.starts.copy_(self._starts(uploaded))
             step = prepare_step_inputs(
-                buffers.starts, self.state.last_token, self.state.drafts, layout, 0, config.block_size, buffers.verify
+                buffers.starts, self.state.last_token, self.state.drafts, layout, 0, config.kv_block_size, buffers.verify
             )
             parents = depths = None
             if self.tree is not None:  # a tree's node sits at start + its depth
@@ -465,7 +465,7 @@ class BatchedEngine(EngineCore):
                         uploaded.host_start,
                         uploaded.capacity,
                         config.model.vocab_size,
-                        config.block_size,
+                        config.kv_block_size,
                         depths=depths,
                     )
                 )
@@ -621,7 +621,7 @@ class BatchedEngine(EngineCore):
         index = position_of[rows, offsets.clamp(max=nodes - 1)]
         move = layout.is_decode.bool()[rows] & (index >= 0) & (index != offsets)
         position = starts.long()[rows] + index.clamp(min=0)
-        block_size = self.config.block_size
+        block_size = self.config.kv_block_size
         blocks = layout.block_table.long()[rows, (position // block_size).clamp(max=layout.block_table.shape[1] - 1)]
         return torch.where(move, blocks * block_size + position % block_size, -1)
 

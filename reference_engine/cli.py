@@ -90,6 +90,14 @@ def add_engine_parser(commands) -> None:
             help="hand each layer's attention its query in e4m3 with a per-layer scale (0.05 times 1 + "
             "layer/2: vLLM's quantized query input); the backend must claim fp8_query",
         )
+        parser.add_argument(
+            "--dcp",
+            type=int,
+            default=1,
+            help="decode context parallelism over N ranks simulated on one device: each request's KV "
+            "interleaved token by token over N backend instances, merged by LSE; the backend must claim "
+            "dcp (default 1: none)",
+        )
         parser.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks (default 1024)")
         parser.add_argument("--max-num-tokens", type=int, default=512, help="token budget per step (default 512)")
         parser.add_argument(
@@ -236,6 +244,7 @@ def _make_engine(args, model, eagle, dtype, device, loop: str, drafter: str, usa
         kv_cache_dtype=KV_CACHE_FORMATS[args.kv_cache_dtype][0],
         kv_scale_block=KV_CACHE_FORMATS[args.kv_cache_dtype][1],
         query_dtype=torch.float8_e4m3fn if getattr(args, "fp8_query", False) else None,
+        dcp=getattr(args, "dcp", 1),
         draft_tree=_draft_tree(args, usage_error),
     )
     try:
@@ -376,7 +385,8 @@ def run_engine(args: argparse.Namespace, console: Console, usage_error) -> int:
         )
     status.print(f"engine: done in {time.monotonic() - started:.1f} s", highlight=False)
     table = Table(
-        title=f"reference engine — {args.model}, {args.backend}, {dtype_name}, {device.type}, {args.loop} loop",
+        title=f"reference engine — {args.model}, {args.backend}{f' (DCP {args.dcp})' if args.dcp > 1 else ''}, "
+        f"{dtype_name}, {device.type}, {args.loop} loop",
         title_justify="left",
     )
     for column in ("metric", "value"):

@@ -49,8 +49,12 @@ class EngineConfig:
     # per-tensor scale, layer l's q_scale times (1 + l / 2) (vLLM's quantized query input).
     query_dtype: torch.dtype | None = None
     q_scale: float = 0.05
-    block_size: int = 16
+    block_size: int = 16  # a backend's block: the tokens of one cache block (of one DCP rank's cache)
     num_blocks: int = 256
+    # Decode context parallelism over this many ranks, simulated on one device (``dcp_attention``):
+    # each request's KV interleaved token by token over the ranks, every layer's attention one
+    # backend instance a rank, merged by LSE. 1: none.
+    dcp: int = 1
     max_num_reqs: int = 16
     max_num_tokens: int = 256
     num_spec_tokens: int = 0
@@ -70,6 +74,13 @@ class EngineConfig:
     # Build the backend's metadata afresh for every draft step even when it claims
     # draft_step_update (the engine check's reference for the update path).
     rebuild_draft_metadata: bool = False
+
+    @property
+    def kv_block_size(self) -> int:
+        """The engine's block: its tables and slots count blocks of ``block_size`` tokens on each of
+        the ``dcp`` ranks (vLLM's virtual block under DCP: block b holds positions b·R·B … (b+1)·R·B - 1,
+        position p at slot ``b·R·B + p mod R·B``, whose rank is ``slot mod R`` and local slot ``slot // R``)."""
+        return self.block_size * self.dcp
 
 
 @dataclass
@@ -119,7 +130,7 @@ class EngineCore:
                 config.kv_cache_dtype,
                 self.device,
                 config.prefill_backend,
-                config.decompressed_mla_prefill,
+                config.decompressed_mla_prefill and config.dcp == 1,  # a DCP rank's rows are decodes
                 kv_scale_block=config.kv_scale_block,
                 query_dtype=config.query_dtype,
             )
@@ -128,12 +139,14 @@ class EngineCore:
         limits = BackendLimits(config.max_num_reqs, config.max_num_tokens, config.model.max_model_len)
         # A backend that serves only some batches runs beside a companion that serves the rest;
         # an MLA model's prefill runs decompressed where the backend claims that layer.
-        self.backend = ModelAttention(plans, limits, self.device, 1 + config.num_spec_tokens, config.prefill_backend)
+        self.backend = ModelAttention(
+            plans, limits, self.device, 1 + config.num_spec_tokens, config.prefill_backend, self._dcp_ranks(plans)
+        )
         self.kv_caches = [
             self.backend.allocate_kv_cache(config.num_blocks, layer) for layer in range(config.model.num_layers)
         ]
         self.kv_scales = self.layer_scales(config.model.num_layers)
-        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.blocks = BlockManager(config.num_blocks, config.kv_block_size)
         self.scheduler = Scheduler(
             self.blocks,
             max_num_reqs=config.max_num_reqs,
@@ -146,6 +159,32 @@ class EngineCore:
         self._check_tree()
         self._generators: dict[int, torch.Generator] = {}
         self.drafter.bind(self)
+
+    def _dcp_ranks(self, plans) -> int:
+        """The DCP ranks, once the model and every layer group's backend can run under them
+        (ValueError, one line, when not): dense attention without a window or learned sinks, chains,
+        and a backend that claims DCP over that many ranks."""
+        config, model = self.config, self.config.model
+        if config.dcp == 1:
+            return 1
+        if config.dcp < 1:
+            raise ValueError(f"--dcp {config.dcp}: the ranks must be at least 1")
+        refused = [
+            (model.index_topk is not None, "sparse attention (an indexer's)"),
+            (model.sliding_window is not None, "a sliding window"),
+            (model.attention_sinks, "learned sinks"),
+            (config.draft_tree is not None, "token trees"),
+        ]
+        for applies, what in refused:
+            if applies:  # a rank's keys are every R-th position: its local window and sink need their own rule
+                raise ValueError(f"decode context parallelism with {what} is not in the contract")
+        for plan in plans:
+            needs = Needs(plan.spec, (1,), lse=True, dcp=config.dcp)
+            reason = plan.backend_cls.capabilities.skip_reason(needs, self.device)
+            if reason:
+                name = plan.backend_cls.name or plan.backend_cls.__name__
+                raise ValueError(f"backend {name} cannot run under DCP {config.dcp}: {reason}")
+        return config.dcp
 
     def _check_tree(self) -> None:
         """A token tree: a drafter that drafts one, as many drafts as speculative tokens, dense

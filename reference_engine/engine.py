@@ -206,7 +206,7 @@ class Engine(EngineCore):
         built here from host lengths. rows: (request, token ids, first position). Returns the
         hidden states [T, hidden] and each row's first token index."""
         token_ids, positions, slots, host = [], [], [], HostLengths()
-        block_size = self.config.block_size
+        block_size = self.config.kv_block_size
         for request, ids, start in rows:
             token_ids.append(
                 ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long, device=self.device)

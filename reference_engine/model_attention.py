@@ -12,6 +12,9 @@
   to the absorbed backend. The prefill backend's cache is a mirror every write fills with the
   decompressed keys and values (the model's layer decompresses: it holds the weights), so a
   prefill chunk attends its context there.
+* **DCP.** Under decode context parallelism (``EngineConfig.dcp``) each group's attention is R
+  backend instances, one a rank, merged by LSE (``dcp_attention.DcpAttention``); every rank call
+  is a decode batch, so no companion serves beside it and MLA runs absorbed throughout.
 
 Which backend takes which role follows what the backend under test claims (``plan_attention``):
 every layer spec it claims, and MLA's prefill spec where it claims that; a role it does not claim
@@ -48,6 +51,7 @@ from reference_engine.attention_split import (
     runs,
     serves_every_batch,
 )
+from reference_engine.dcp_attention import DcpAttention
 from reference_engine.lightning_indexer import IndexerView
 
 
@@ -165,14 +169,16 @@ class ModelAttention:
         device: torch.device,
         decode_threshold: int,
         requested: str | None = AUTO,
+        dcp: int = 1,
     ) -> None:
+        def attention(plan: GroupPlan) -> AttentionBackend:
+            if dcp > 1:  # every rank's rows are decode rows: no companion (``dcp_attention``)
+                return DcpAttention(plan.backend_cls, plan.spec, limits, device, dcp)
+            # --prefill-backend names the attention's companion; an indexer's is a built-in's.
+            return attention_for(plan.backend_cls, plan.spec, limits, device, AUTO if plan.indexes else requested)
+
         self.groups = [
-            Group(
-                plan,
-                # --prefill-backend names the attention's companion; an indexer's is a built-in's.
-                attention_for(plan.backend_cls, plan.spec, limits, device, AUTO if plan.indexes else requested),
-                plan.prefill_cls(plan.prefill_spec, limits, device) if plan.prefill_cls else None,
-            )
+            Group(plan, attention(plan), plan.prefill_cls(plan.prefill_spec, limits, device) if plan.prefill_cls else None)
             for plan in plans
         ]
         self.group_of, self.indexer_of = {}, {}

@@ -63,6 +63,13 @@ synchronous loop: must equal 1;
    least one of each (else an ERROR, as for too few steps). The metrics report how many
    (``composition_changes_measured``, ``joins_measured``, ``leaves_measured``).
 
+A DCP case's layout (``dcpN``) runs every engine above with each layer's KV sharded over the
+case's N ranks (``reference_engine.dcp_attention``: one backend instance a rank, each query token
+a decode row on every rank, the ranks merged by LSE; graphs and ``update_for_draft_step`` over the
+ranks' own lengths), and its plain decoding is held to torch_naive *without* DCP, torch_naive's own
+DCP layout included: a keyless rank's LSE, a merge's base or a draft update that advances every
+rank shows there as other tokens or drafts.
+
 A backend that serves only some batches (decode-only, uniform-only) runs every engine beside a
 companion that serves the rest, prefill chunks above all (``reference_engine.attention_split``,
 ``--prefill-backend``); the evidence counts the batches and tokens each one served.
@@ -112,10 +119,11 @@ def layout_key(case: Case, device: torch.device, suite: str | None = None) -> tu
     spec = case.spec
     sparse = spec.sparse_topk is not None
     if suite == "quick":
-        return (spec.kind, sparse, bool(case.trees), spec.fp8_query)
+        return (spec.kind, sparse, bool(case.trees), spec.fp8_query, case.dcp > 1)
     windowed = spec.sliding_window is not None or spec.sparse_window is not None
     key = spec.kind, sparse, spec.attention_sinks, windowed, is_mla_prefill_layer(spec), spec.kv_scale_block
-    key += (bool(case.trees), spec.fp8_query)  # a token-tree layout's engines draft trees; an fp8 query's quantize it
+    # A token-tree layout's engines draft trees; an fp8 query's quantize it; a DCP layout's shard every layer.
+    key += (bool(case.trees), spec.fp8_query, case.dcp > 1)
     if device.type == "cpu":
         return key + (spec.fp8_kv_cache,)
     return key + (spec.kv_cache_dtype if spec.fp8_kv_cache else None, spec.dtype)
@@ -142,6 +150,10 @@ def engine_skip_reason(
         reason = backend_cls.capabilities.skip_reason(Needs(spec, (tokens,), tree_tokens=tokens), device)
         if reason:
             return f"the engine verifies token trees of {tokens} tokens through the backend: {reason}"
+    if case.dcp > 1:  # every layer of the engine's model sharded over the case's ranks (``dcp_attention``)
+        reason = backend_cls.capabilities.skip_reason(Needs(spec, (1,), lse=True, dcp=case.dcp), device)
+        if reason:
+            return f"the engine shards every layer over {case.dcp} DCP ranks through the backend: {reason}"
     if is_mla_prefill_layer(spec) and spec.num_kv_heads != spec.num_heads:
         return (
             "the engine runs a value head dim other than the key's as MLA prefill's layer, which has as many KV "
@@ -156,6 +168,7 @@ def engine_skip_reason(
             cache_config(case).get("kv_cache_dtype"),
             device,
             prefill_backend,
+            decompressed_prefill=case.dcp == 1,
             kv_scale_block=cache_config(case).get("kv_scale_block"),
         )
     except ValueError as error:
@@ -181,6 +194,7 @@ class EngineCheck(Check):
     }
 
     drives_trees = True  # a tree layout's engines draft and verify EAGLE token trees through the backend
+    drives_dcp = True  # a DCP layout's engines shard every layer's KV over the case's ranks
 
     def case_skip_reason(self, backend_cls: type[AttentionBackend], case: Case, device: torch.device) -> str | None:
         # The engine's own batches, not the case's: a decode-only backend runs beside a companion.
@@ -298,7 +312,8 @@ class EngineCheck(Check):
                 return None
             problem = same()
             if problem is None:
-                runs.evidence["independent_reference"] = f"plain decoding gave {REFERENCE}'s tokens"
+                without = " without DCP" if runs.case.dcp > 1 else ""
+                runs.evidence["independent_reference"] = f"plain decoding gave {REFERENCE}'s tokens{without}"
             return problem
 
         return claim
@@ -308,6 +323,8 @@ class EngineCheck(Check):
         evidence, metrics = runs.evidence, runs.metrics
         equal = "async == sync == plain" + ("" if runs.reference_missing else f" == {REFERENCE}")
         reason = f"{equal}, also with {runs.drafting}"
+        if runs.case.dcp > 1:
+            reason += f"; every layer's KV over {runs.case.dcp} DCP ranks, merged by LSE"
         if runs.reference_missing:
             reason += f"; not compared with {REFERENCE} ({runs.reference_missing})"
         if evidence.get("near_ties"):

@@ -32,6 +32,7 @@ from conformance.harness.comparison import TOLERANCES, compare_with_oracle, how_
 from conformance.harness.lse_pass import lse_allowed
 from conformance.harness.step import PoolFill, PreparedCase, write_poison
 from conformance.harness.stored_cache import expected_lse, oracle
+from reference_engine.dcp_attention import merge
 
 
 def rank_positions(seq_len: int, rank: int, world: int) -> list[int]:
@@ -158,21 +159,6 @@ def rows(batch, entries: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torc
     return keys, torch.stack([batch.values[request][position] for request, position, _ in entries])
 
 
-def merge(outputs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's ``cp_lse_ag_out_rs`` (natural log), float64: (merged output, merged LSE)."""
-    stacked = torch.stack([lse.double() for lse in lses])  # [R, T, H]
-    stacked = torch.where(stacked.isnan() | (stacked == float("inf")), float("-inf"), stacked)
-    top = stacked.max(0).values
-    top = torch.where(top == float("-inf"), 0.0, top)
-    total = torch.exp(stacked - top).sum(0)
-    merged_lse = top + torch.log(total)
-    merged = torch.zeros_like(outputs[0], dtype=torch.float64)
-    for out, lse in zip(outputs, stacked):
-        factor = torch.exp(lse - merged_lse)[..., None]
-        merged += torch.where(factor == 0, 0.0, out.double() * factor)
-    return merged, merged_lse
-
-
 def dcp_findings(prepared: PreparedCase) -> tuple[str | None, dict[str, Any]]:
     """The step sharded over ``case.dcp`` ranks and merged (module docstring): (what is wrong or
     None, metrics)."""
@@ -184,7 +170,7 @@ def dcp_findings(prepared: PreparedCase) -> tuple[str | None, dict[str, Any]]:
         lses.append(lse)
         empty_rows += lengths.count(0)
         unmerged = unmerged or keyless_row_problem(out, lse, lengths, rank, world)
-    merged, merged_lse = merge(outputs, lses)
+    merged, merged_lse = merge(outputs, lses, torch.float64)
     reference, allowance = oracle(prepared)
     atol, rtol = TOLERANCES[batch.spec.dtype]
     passed, metrics, _ = compare_with_oracle(merged, reference, batch.query_start_loc, atol, rtol, allowance)

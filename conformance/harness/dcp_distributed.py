@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from backends import registry
 from conformance.cases.grammar import parse_case
-from conformance.harness.dcp import dcp_findings, merge, rank_step
+from conformance.harness.dcp import dcp_findings, rank_step
+from reference_engine.dcp_attention import merge
 from conformance.harness.step import prepare_case, run_step
 
 
@@ -33,7 +34,7 @@ def distributed_merge(prepared, rank: int, world: int) -> tuple[torch.Tensor, to
     lses = [torch.empty_like(lse) for _ in range(world)]
     dist.all_gather(outs, out.contiguous())
     dist.all_gather(lses, lse.contiguous())
-    return merge(outs, lses)
+    return merge(outs, lses, torch.float64)
 
 
 def usage_error(message: str) -> None:
@@ -62,7 +63,7 @@ def main() -> None:
         run_step(prepared, with_host_lengths=True)
         merged, merged_lse = distributed_merge(prepared, rank, world)
         simulated = [rank_step(prepared, other)[:2] for other in range(world)]
-        expected, expected_lse = merge([out for out, _ in simulated], [lse for _, lse in simulated])
+        expected, expected_lse = merge([out for out, _ in simulated], [lse for _, lse in simulated], torch.float64)
         problem, metrics = dcp_findings(prepared)
         if rank == 0:
             line = {

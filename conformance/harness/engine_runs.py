@@ -88,6 +88,7 @@ class EngineRuns:
             max_num_tokens=128,
             **cache_config(case),
             **query_config(case),
+            dcp=case.dcp,
         )
         self.prefill_backend = options.get("prefill_backend", AUTO)
         self.plans = plan_attention(
@@ -98,6 +99,7 @@ class EngineRuns:
             cache_config(self.case).get("kv_cache_dtype"),
             device,
             self.prefill_backend,
+            decompressed_prefill=case.dcp == 1,  # a DCP rank's rows are decodes: MLA runs absorbed
             kv_scale_block=cache_config(self.case).get("kv_scale_block"),
             query_dtype=case.spec.query_dtype,
         )
@@ -139,7 +141,7 @@ class EngineRuns:
         from backends import registry
 
         reference_cls = registry.load(REFERENCE)
-        if self.backend_cls is reference_cls:
+        if self.backend_cls is reference_cls and self.case.dcp == 1:  # under DCP: torch_naive without it
             return f"the backend under test is {REFERENCE} itself"
         spec = self.case.spec
         try:
@@ -184,8 +186,9 @@ class EngineRuns:
     def reference(self) -> list[list[int]]:
         """``plain`` through torch_naive: the same model, prompts, dtype, block size, KV-cache format
         and scales, sampling, and MLA prefill path (decompressed where the backend's plan
-        decompresses it: torch_naive claims that layer too). Not in ``routings``: what torch_naive
-        served is not the backend's."""
+        decompresses it: torch_naive claims that layer too); without DCP, so that a DCP layout's
+        merged ranks are held to attention over whole requests. Not in ``routings``: what
+        torch_naive served is not the backend's."""
         from reference_engine.batched_engine import BatchedEngine
 
         config = dataclasses.replace(
@@ -196,6 +199,7 @@ class EngineRuns:
             drafter="none",
             async_scheduling=False,
             decompressed_mla_prefill=self.decompressed_prefill,
+            dcp=1,
         )
         return [out.tokens for out in BatchedEngine(config, self.model).generate(self.prompts, self.params)]
 

@@ -73,7 +73,7 @@ class AttentionDrafter(Drafter):
 
     def draft(self, step: DraftStep) -> None:
         engine = self.engine
-        state, block_size = engine.state, engine.config.block_size
+        state, block_size = engine.state, engine.config.kv_block_size
         step.starts.copy_(state.num_computed[step.slots])
         self.draft_step.zero_()
 

@@ -45,7 +45,7 @@ class TreeDrafting:
 
     def draft(self, step: TreeDraftStep) -> None:
         engine, tree = self.drafter.engine, self.tree
-        state, block_size = engine.state, engine.config.block_size
+        state, block_size = engine.state, engine.config.kv_block_size
         rows, device = step.slots.shape[0], step.slots.device
         starts = state.num_computed[step.slots].long()
         nodes = self.num_nodes

@@ -8,6 +8,7 @@ import math
 from dataclasses import replace
 
 from backends.base import PLAIN_LAYER
+from backends.features import DCP
 from backends.torch_naive import TorchNaiveBackend
 
 
@@ -70,7 +71,6 @@ def flashinfer_claiming_dcp():
     FlashInfer's decode gives a row with no key (sequence length 0) output 0 and LSE -inf."""
     import dataclasses
 
-    from backends.features import DCP
     from backends.flashinfer.gqa import FlashInferBackend
 
     claims = FlashInferBackend.capabilities
@@ -125,3 +125,10 @@ def triton_advances_every_rank_each_draft_step():
             return metadata
 
     return TritonAdvancesEveryRank
+
+
+class NotClaimingDcp(TorchNaiveBackend):
+    """torch_naive without the DCP claim: what the engine refuses under ``--dcp``."""
+
+    name = "planted_not_claiming_dcp"
+    capabilities = replace(TorchNaiveBackend.capabilities, features=TorchNaiveBackend.capabilities.features - {DCP})

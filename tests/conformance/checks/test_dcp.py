@@ -11,7 +11,8 @@ from backends.torch_naive import TorchNaiveBackend
 from conformance.cases.grammar import CaseSyntaxError, parse_case
 from conformance.checks import CHECKS
 from conformance.checks.numerics import NumericsCheck
-from conformance.harness.dcp import local_seq_len, merge, rank_positions
+from conformance.harness.dcp import local_seq_len, rank_positions
+from reference_engine.dcp_attention import local_lengths, merge
 from conformance.results import Verdict
 from conformance.run.execution import judge
 from tests.interpreted import numerics_verdicts
@@ -52,6 +53,7 @@ def test_local_lengths_are_vllms_and_every_position_lives_on_one_rank():
             base = seq_len // world
             vllm = [base + min(max(seq_len - base * world - rank, 0), 1) for rank in range(world)]
             assert [local_seq_len(seq_len, rank, world) for rank in range(world)] == vllm
+            assert [int(local_lengths(torch.tensor(seq_len), rank, world)) for rank in range(world)] == vllm
             held = sorted(p for rank in range(world) for p in rank_positions(seq_len, rank, world))
             assert held == list(range(seq_len))
 
@@ -59,7 +61,7 @@ def test_local_lengths_are_vllms_and_every_position_lives_on_one_rank():
 def test_the_merge_weighs_ranks_by_their_lse_and_drops_an_empty_one():
     outputs = [torch.tensor([[[1.0, 3.0]]]), torch.tensor([[[5.0, 7.0]]]), torch.full((1, 1, 2), float("nan"))]
     lses = [torch.tensor([[0.0]]), torch.tensor([[torch.log(torch.tensor(3.0))]]), torch.tensor([[float("-inf")]])]
-    merged, lse = merge(outputs, lses)  # weights 1/4 and 3/4; the empty rank none, its NaN dropped
+    merged, lse = merge(outputs, lses, torch.float64)  # weights 1/4 and 3/4; the empty rank none, its NaN dropped
     assert torch.allclose(merged, torch.tensor([[[4.0, 6.0]]], dtype=torch.float64))
     assert torch.allclose(lse, torch.log(torch.tensor([[4.0]], dtype=torch.float64)))
 
@@ -88,11 +90,44 @@ def test_each_planted_dcp_defect_fails(defect, says):
     assert plain.verdict == Verdict.PASS, plain.reason
 
 
-def test_numerics_and_the_draft_loop_shard_a_step_and_the_others_say_so():
+def test_numerics_the_draft_loop_and_the_engine_shard_a_step_and_the_others_say_so():
     case = parse_case(CASES[0])
-    assert [name for name, check in CHECKS.items() if check.drives_dcp] == ["numerics", "draft-loop"]
+    assert sorted(name for name, check in CHECKS.items() if check.drives_dcp) == ["draft-loop", "engine", "numerics"]
     reason = CHECKS["graphs"]().judged_reason(case)
-    assert reason == "the graphs check does not shard a step over DCP ranks: DCP is judged by numerics, draft-loop"
+    assert reason.startswith("the graphs check does not shard a step over DCP ranks: DCP is judged by ")
+
+
+@pytest.mark.parametrize(
+    "text,stale_drafts",
+    [("gqa-h8/2-d64-bf16-dcp2:1+1,5+1", False), ("mla-h16-d128+32-bf16-p64-dcp8:30+1,0+1", True)],
+)
+def test_the_engine_shards_every_layer_and_holds_the_merge_to_torch_naive_without_dcp(text, stale_drafts):
+    """torch_naive under DCP against itself without: PASS (the reference is compared, not missing);
+    a keyless rank's LSE as 0 and an LSE in base 2 decode other tokens. A draft update advancing
+    every rank's length (numerics passes it) drafts other tokens where it bites: over 8 ranks 7 read
+    a slot past their keys each draft step; over 2 ranks one does, and the engine's pool holds zeros
+    there (no poison), which moved no draft of this model: the DCP draft loop, over a poisoned pool,
+    is the check that judges it every time."""
+    from conformance.checks.engine import EngineCheck, layout_key
+
+    case = parse_case(text)
+    assert layout_key(case, CPU) != layout_key(parse_case(text.replace(f"-dcp{case.dcp}", "")), CPU)
+    result = judge(EngineCheck(), TorchNaiveBackend, case, CPU)
+    assert result.verdict == Verdict.PASS and f"over {case.dcp} DCP ranks" in result.reason, result.reason
+    assert result.evidence["independent_reference"] == "plain decoding gave torch_naive's tokens without DCP"
+    for defect, says in [
+        (dcp_defects.EmptyRankLseZero, "plain vs torch_naive"),
+        (dcp_defects.LseInBaseTwo, "plain vs torch_naive"),
+    ] + [(dcp_defects.AdvancesEveryRankEachDraftStep, "update_for_draft_step drafts other tokens")] * stale_drafts:
+        result = judge(EngineCheck(), defect, case, CPU)
+        assert result.verdict == Verdict.FAIL and says in result.reason, (defect, result.reason)
+
+
+def test_the_engine_skips_a_dcp_layout_the_backend_cannot_shard():
+    from conformance.checks.engine import EngineCheck
+
+    reason = EngineCheck().case_skip_reason(dcp_defects.NotClaimingDcp, parse_case(CASES[0]), CPU)
+    assert reason.startswith("the engine shards every layer over 2 DCP ranks through the backend: decode context")
 
 
 @pytest.mark.parametrize("text", ["gqa-h8/2-d64-dcp4:100+1,1+1,2+1", "mla-h16-d128+32-qfp8-dcp2:30+1,0+1"])
