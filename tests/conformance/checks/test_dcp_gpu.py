@@ -1,6 +1,7 @@
 """Decode context parallelism on a GPU: triton's kernels (a row with no key on its rank through
 the split kernel and the split merge: output 0, LSE -inf) pass the DCP pass of numerics and the
-DCP draft loop under graphs, and the planted empty-rank defects fail numerics."""
+DCP draft loop under graphs and the engine with every layer sharded, and the planted empty-rank
+and draft-update defects fail."""
 
 from __future__ import annotations
 
@@ -56,3 +57,24 @@ def test_triton_advancing_every_ranks_lengths_fails_the_dcp_draft_loop_under_gra
         torch.device("cuda"),
     )
     assert result.verdict == Verdict.FAIL and result.reason.startswith("DCP draft step 2 of 4"), result.reason
+
+
+ENGINE_CASE = "gqa-h32/8-d128-bf16-p16-dcp8:3000+1,1+1"
+
+
+def test_the_engine_runs_triton_under_dcp_with_graphs_and_no_sync():
+    """Every layer over 8 ranks: graphs replayed over the ranks' persistent batches, the draft loop
+    in one graph through each rank's update_for_draft_step, 0 syncs a steady step."""
+    from conformance.checks.engine import EngineCheck
+
+    result = judge(EngineCheck(), TritonAttentionBackend, parse_case(ENGINE_CASE), torch.device("cuda"))
+    assert result.verdict == Verdict.PASS and "over 8 DCP ranks" in result.reason, result.reason
+    assert result.metrics["host_syncs_per_steady_step"] == 0
+
+
+def test_triton_advancing_every_ranks_lengths_fails_the_engine_under_dcp():
+    from conformance.checks.engine import EngineCheck
+
+    defect = dcp_defects.triton_advances_every_rank_each_draft_step()
+    result = judge(EngineCheck(), defect, parse_case(ENGINE_CASE), torch.device("cuda"))
+    assert result.verdict == Verdict.FAIL, result.reason
