@@ -450,7 +450,13 @@ class BatchedEngine(EngineCore):
         with nvtx.range("build metadata"):
             buffers.starts.copy_(self._starts(uploaded))
             step = prepare_step_inputs(
-                buffers.starts, self.state.last_token, self.state.drafts, layout, 0, config.kv_block_size, buffers.verify
+                buffers.starts,
+                self.state.last_token,
+                self.state.drafts,
+                layout,
+                0,
+                config.kv_block_size,
+                buffers.verify,
             )
             parents = depths = None
             if self.tree is not None:  # a tree's node sits at start + its depth

@@ -178,7 +178,9 @@ class ModelAttention:
             return attention_for(plan.backend_cls, plan.spec, limits, device, AUTO if plan.indexes else requested)
 
         self.groups = [
-            Group(plan, attention(plan), plan.prefill_cls(plan.prefill_spec, limits, device) if plan.prefill_cls else None)
+            Group(
+                plan, attention(plan), plan.prefill_cls(plan.prefill_spec, limits, device) if plan.prefill_cls else None
+            )
             for plan in plans
         ]
         self.group_of, self.indexer_of = {}, {}

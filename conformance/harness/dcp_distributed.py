@@ -23,8 +23,8 @@ import torch.distributed as dist
 from backends import registry
 from conformance.cases.grammar import parse_case
 from conformance.harness.dcp import dcp_findings, rank_step
-from reference_engine.dcp_attention import merge
 from conformance.harness.step import prepare_case, run_step
+from reference_engine.dcp_attention import merge
 
 
 def distributed_merge(prepared, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,9 +25,9 @@ from conformance.cases.grammar import Case
 from conformance.harness.batch import PagedBatch, materialize
 from conformance.harness.comparison import TOLERANCES, compare_with_oracle, how_far_off
 from conformance.harness.dcp import RankShard, keyless_row_problem, local_seq_len, rows
-from reference_engine.dcp_attention import merge
 from conformance.harness.step import HandedLayer, case_scales
 from conformance.results import Outcome, Verdict
+from reference_engine.dcp_attention import merge
 
 DCP_DRAFT_STEPS = 4  # more than any group's first ranks hold of a one-token request
 
@@ -150,7 +150,8 @@ def run_dcp_draft_loop(
             if problem:
                 return Outcome(Verdict.FAIL, f"DCP draft step {step + 1} of {steps} ({mode}): {problem}")
         merged, _ = merge(
-            [per_rank[rank][step][0] for rank in range(world)], [per_rank[rank][step][1] for rank in range(world)],
+            [per_rank[rank][step][0] for rank in range(world)],
+            [per_rank[rank][step][1] for rank in range(world)],
             torch.float64,
         )
         expected = reference[[start + step for start in starts]]

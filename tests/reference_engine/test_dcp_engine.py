@@ -108,7 +108,10 @@ def test_the_merge_of_a_row_no_rank_holds_a_key_of_is_zero_and_minus_infinity():
     "changes,says",
     [
         (dict(dcp=0), "--dcp 0: the ranks must be at least 1"),
-        (dict(model=dataclasses.replace(PRESETS["tiny"], attention_sinks=True)), "decode context parallelism with learned sinks"),
+        (
+            dict(model=dataclasses.replace(PRESETS["tiny"], attention_sinks=True)),
+            "decode context parallelism with learned sinks",
+        ),
         (dict(model=dataclasses.replace(PRESETS["tiny"], sliding_window=8)), "with a sliding window"),
         (dict(num_spec_tokens=2, drafter="eagle", draft_tree=DraftTree.parse("topk=2", 2)), "with token trees"),
         (dict(backend="tests.planted.dcp_defects:NotClaimingDcp"), "cannot run under DCP 2: decode context"),

@@ -12,9 +12,9 @@ from conformance.cases.grammar import CaseSyntaxError, parse_case
 from conformance.checks import CHECKS
 from conformance.checks.numerics import NumericsCheck
 from conformance.harness.dcp import local_seq_len, rank_positions
-from reference_engine.dcp_attention import local_lengths, merge
 from conformance.results import Verdict
 from conformance.run.execution import judge
+from reference_engine.dcp_attention import local_lengths, merge
 from tests.interpreted import numerics_verdicts
 from tests.planted import dcp_defects
 
