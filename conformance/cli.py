@@ -35,6 +35,7 @@ from conformance.checks import CHECKS, default_checks
 from conformance.harness.batch import footprint_bytes
 from conformance.pytest_gpus import GpuChoiceError, choose_gpus
 from conformance.report.compare import ACCEPTABLE, CompareError, compare_runs
+from conformance.report.merge import MergeError, merge_parts
 from conformance.report.output_paths import OutputPathError, check_directory, check_files
 from conformance.report.outputs import UndrawableResults, Written, write_outputs
 from conformance.report.safe_text import visible
@@ -60,6 +61,7 @@ from conformance.run.runner import (
     run_device,
     run_suite,
 )
+from conformance.run.shard import ShardError, case_seconds, parse_shard, shard_cases
 from conformance.scaffold import ScaffoldError, camel, write_skeleton
 from conformance.sharded_run import ShardedRun, ShardFailed, ShardingUnavailable, require_xdist, run_sharded
 from reference_engine.cli import add_engine_parser, run_engine
@@ -202,15 +204,37 @@ def command_run(args: argparse.Namespace, console: Console) -> int:
     _check_case_sizes(cases, device)
     positive_seconds(("--timeout", args.timeout), ("--backend-timeout", args.backend_timeout))
     sharded = _sharded_run(args, names, checks, cases, device)
+    part = _shard_part(args, cases, sharded is not None)
     json_path = _output_paths(args)
     try:
         lock = ResultsLock(json_path).acquire()
     except ResultsInUse as error:
         raise UsageError(str(error)) from None
     try:
-        return _locked_run(args, console, names, checks, cases, device, json_path, sharded)
+        return _locked_run(args, console, names, checks, cases, device, json_path, sharded, part)
     finally:
         lock.release()
+
+
+def _shard_part(args, cases, over_workers: bool) -> tuple[list[str], dict[str, Any]] | None:
+    """``--shard I/N``: the ids of the part's cases and what its results record of the cut
+    (``run.shard``); None without it."""
+    if args.shard is None:
+        if args.shard_times is not None:
+            raise UsageError("--shard-times balances --shard's parts: give --shard I/N too")
+        return None
+    if over_workers:
+        raise UsageError("--shard runs one part through the serial runner: drop --gpus / --workers")
+    try:
+        shard = parse_shard(args.shard)
+    except ShardError as error:
+        raise UsageError(str(error)) from None
+    if shard.count > len(cases):
+        raise UsageError(f"--shard {shard}: the run has {len(cases)} case(s), fewer than its {shard.count} parts")
+    earlier = None if args.shard_times is None else case_seconds(_load_results(args.shard_times, True))
+    ids = [case.id for case in shard_cases(cases, shard, earlier)]
+    times = "attention work" if earlier is None else f"case seconds of {args.shard_times}"
+    return ids, {"index": shard.index, "count": shard.count, "cases": [case.id for case in cases], "times": times}
 
 
 def _sharded_run(args, names, checks, cases, device: torch.device) -> ShardedRun | None:
@@ -259,7 +283,15 @@ def _sharded_run(args, names, checks, cases, device: torch.device) -> ShardedRun
 
 
 def _locked_run(
-    args, console: Console, names, checks, cases, device: torch.device, json_path: Path, sharded: ShardedRun | None
+    args,
+    console: Console,
+    names,
+    checks,
+    cases,
+    device: torch.device,
+    json_path: Path,
+    sharded: ShardedRun | None,
+    part: tuple[list[str], dict[str, Any]] | None = None,
 ) -> int:
     journal = None
     suite = run_suite(args.case, args.suite)
@@ -273,6 +305,8 @@ def _locked_run(
         backend_timeout_s=args.backend_timeout,
         in_process=args.in_process,
         check_options=check_options(args.sync_detector, args.prefill_backend, suite),
+        only=part[0] if part else None,
+        shard=part[1] if part else None,
     )
     outputs = (json_path, json_path.with_name(json_path.name + ".journal"), args.html, args.junit, args.markdown)
 
@@ -463,6 +497,16 @@ def _add_run_arguments(parser: argparse.ArgumentParser, default_suite: str | Non
         help="pytest-xdist worker processes (default: one a GPU of --gpus); without --gpus they take "
         "every visible GPU in turn, or share the CPU's cores",
     )
+    parser.add_argument(
+        "--shard",
+        help="I/N: run part I of the run cut into N by case (a CI matrix job each; every part plans the "
+        "whole run), then join the parts' results with `conformance merge`",
+    )
+    parser.add_argument(
+        "--shard-times",
+        help="an earlier run's results JSON: balance the parts by its case seconds (default: by each "
+        "case's attention work)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -525,6 +569,25 @@ def command_report(args: argparse.Namespace, console: Console) -> int:
         print(f"conformance: error: {written.summary()}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def command_merge(args: argparse.Namespace, console: Console) -> int:
+    """The parts of a sharded run joined into one results file; exits as the whole run would have."""
+    check_files({"-o": args.output}, inputs={f"PART {index}": path for index, path in enumerate(args.parts, 1)})
+    parts = [(path, _load_results(path, args.allow_interrupted)) for path in args.parts]
+    try:
+        result = merge_parts(parts)
+    except MergeError as error:
+        raise UsageError(str(error)) from None
+    written = write_outputs(result, Path(args.output), {})
+    if written.failed:
+        print(f"conformance: error: {written.summary()}", file=sys.stderr)
+        return EXIT_FAILED
+    print_report(console, result)
+    console.print(f"\nresults: {args.output} ({len(parts)} parts)", highlight=False, soft_wrap=True)
+    if result.any_failure():
+        return EXIT_FAILED
+    return EXIT_OK if result.ran_anything() else EXIT_NOTHING_RAN
 
 
 def command_compare(args: argparse.Namespace, console: Console) -> int:
@@ -641,6 +704,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_engine_parser(commands)
 
+    merging = commands.add_parser(
+        "merge", help="join the results of a sharded run's parts (--shard I/N) into one results file"
+    )
+    merging.add_argument("parts", nargs="+", help="every part's results JSON, each once")
+    merging.add_argument("-o", "--output", required=True, help="the merged results JSON to write")
+    merging.add_argument(
+        "--allow-interrupted", action="store_true", help="accept an interrupted part's partial results"
+    )
+
     comparing = commands.add_parser("compare", help="the CI gate: exit 1 if NEW regressed against BASE")
     comparing.add_argument("base", help="baseline results JSON")
     comparing.add_argument("new", help="new results JSON")
@@ -690,6 +762,8 @@ def main(argv: list[str] | None = None) -> int:
             return command_report(args, console)
         if args.command == "compare":
             return command_compare(args, console)
+        if args.command == "merge":
+            return command_merge(args, console)
         if args.command == "new-backend":
             return command_new_backend(args, console)
         if args.command == "engine":

@@ -218,6 +218,9 @@ class RunResult:
     checks: list[str] = field(default_factory=list)
     interrupted: bool = False  # stopped by SIGINT/SIGTERM: only what finished is here
     schema_version: int = SCHEMA_VERSION
+    # One part of a sharded run (``--shard I/N``): {"index", "count", "cases": every case id of the
+    # whole run in order, "times": what balanced the cut}; ``conformance merge`` joins the parts.
+    shard: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return _to_json(self)

@@ -59,6 +59,9 @@ class Job:
     cases: list[dict[str, str]]  # [{"id", "tag"}]
     options: dict[str, Any] = field(default_factory=dict)  # check options (e.g. sync_detector)
     done: list[tuple[str, str]] = field(default_factory=list)  # (check, case id) already reported
+    # A part of a sharded run (``run.shard``): the case ids this job runs and reports; every case
+    # is still planned, so that each part plans as the whole run does. None: every case.
+    only: list[str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -68,7 +71,12 @@ class Job:
             "cases": self.cases,
             "options": self.options,
             "done": self.done,
+            "only": self.only,
         }
+
+    def reported(self) -> list[dict[str, str]]:
+        """The cases this job reports: its part's (``only``), or every one."""
+        return self.cases if self.only is None else [case for case in self.cases if case["id"] in set(self.only)]
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> "Job":
@@ -79,6 +87,7 @@ class Job:
             data["cases"],
             data.get("options", {}),
             [tuple(d) for d in data.get("done", [])],
+            data.get("only"),
         )
 
 
@@ -286,6 +295,8 @@ def execute(job: Job, emit: Emit) -> bool:
     items = list(plan(job, backend_cls, device))  # every case, reported ones too: the same skips as a fresh run
     emit(plan_event(items))
     done = set(job.done)
+    if job.only is not None:  # another part of a sharded run reports the other cases
+        done |= {(item.check_name, item.case.id) for item in items if item.case and item.case.id not in job.only}
     for item in items:
         check_name, check, case = item.check_name, item.check, item.case
         if case is None:

@@ -130,7 +130,7 @@ def not_run(job: Job, events: BackendEvents, verdict: Verdict, reason: str) -> l
         if whole_skip:
             out.append({"event": "check_skipped", "check": check, "reason": whole_skip})
             continue
-        for case in job.cases:
+        for case in job.reported():
             if (check, case["id"]) not in events.results:
                 result = events.unreported(check, case["id"], case.get("tag", ""), verdict, reason)
                 out.append({"event": "result", "check": check, "result": result.to_dict()})

@@ -131,6 +131,15 @@ class RunOptions:
     # Told every backend's probe once all are known, before any case result is passed on (the CLI
     # refuses a mistyped module:Class there, before it touches any file); raising stops the run.
     ready: Callable[[dict[str, Probe]], None] | None = None
+    # A part of a sharded run (``--shard``): the ids of the cases it runs (every case is still
+    # planned), and what its results record of the cut (``RunResult.shard``). None: the whole run.
+    only: list[str] | None = None
+    shard: dict[str, Any] | None = None
+
+    @property
+    def reported_cases(self) -> list[Case]:
+        """The cases this run reports: its part's, or every one."""
+        return self.cases if self.only is None else [case for case in self.cases if case.id in set(self.only)]
 
 
 class Progress:
@@ -217,10 +226,11 @@ def run_backend(
         checks=list(options.checks),
         cases=[{"id": case.id, "tag": case.tag} for case in options.cases],
         options=options.check_options,
+        only=options.only,
     )
     started = time.monotonic()
     if probe is not None:
-        progress.backend_started(name, len(options.checks), len(options.cases))
+        progress.backend_started(name, len(options.checks), len(options.reported_cases))
 
     def on_event(event: dict[str, Any]) -> None:
         nonlocal probe
@@ -228,7 +238,7 @@ def run_backend(
             probe = Probe.of(ref, event)
             asked(probe)
             if not _cannot_run(probe):
-                progress.backend_started(name, len(options.checks), len(options.cases))
+                progress.backend_started(name, len(options.checks), len(options.reported_cases))
         progress.event(name, event)
 
     def finished(events: BackendEvents, not_run: str) -> BackendResult:
@@ -241,7 +251,7 @@ def run_backend(
             "",
             ref.origin,
             said.claims if said is not None else {},
-            assemble_checks(options.checks, options.cases, events, options.check_options, not_run),
+            assemble_checks(options.checks, options.reported_cases, events, options.check_options, not_run),
             wall_s=time.monotonic() - started,
         )
 
@@ -322,11 +332,18 @@ def run(options: RunOptions, progress: Progress | None = None) -> RunResult:
         for ref in refs[len(backends) :]:
             backends.append(_not_started(ref, probes.get(ref.name), options, interrupted.not_run))
         interrupted.partial = RunResult(
-            collect_environment(options.device), backends, options.suite, list(options.checks), interrupted=True
+            collect_environment(options.device),
+            backends,
+            options.suite,
+            list(options.checks),
+            interrupted=True,
+            shard=options.shard,
         )
         raise
     annotate_bench_ratios(backends)
-    return RunResult(collect_environment(options.device), backends, options.suite, list(options.checks))
+    return RunResult(
+        collect_environment(options.device), backends, options.suite, list(options.checks), shard=options.shard
+    )
 
 
 def _not_started(ref: BackendRef, probe: Probe | None, options: RunOptions, not_run: str) -> BackendResult:
