@@ -55,7 +55,8 @@ Conventions shared by every backend and the harness:
   elsewhere). A rank may hold no key of a request: its row has ``seq_lens`` 0 and must give output
   0 and LSE ``-inf``, reading no block. The ranks' outputs are merged by their natural-log LSEs
   (``layer.lse``, which a DCP step always hands; vLLM's ``cp_lse_ag_out_rs``). Decode rows only:
-  a verify row's per-token causal cut over a rank's keys is not handed to a backend yet.
+  a verify row's per-token causal cut over a rank's keys is not handed to a backend yet. In a
+  draft loop each rank's lengths advance by their own pattern (``update_for_draft_step``).
 * Log-sum-exp (feature ``lse``): ``forward`` may be handed ``layer.lse``, a
   float32 ``[rows, num_heads]`` tensor; a backend that claims it writes, for each of the first
   ``num_actual_tokens`` rows and each head, the natural log of its softmax's denominator,
@@ -745,7 +746,10 @@ class AttentionBackend(abc.ABC):
         return self.build(common)
 
     def update_for_draft_step(self, metadata: Any, common: CommonAttentionMetadata) -> Any:
-        """Advance ``metadata`` in place, on device, after every request gained one token.
+        """Advance ``metadata`` in place, on device, to ``common``: the next draft step, after every
+        request gained one token. Take the new lengths from ``common.seq_lens`` (on the device), not
+        from a count of your own: under DCP a rank's row gains a key only where the new position
+        lands on that rank, and stays as it was on the others.
 
         Only backends claiming ``draft_step_update`` implement it.
         """

@@ -98,7 +98,13 @@ def add_engine_parser(commands) -> None:
             "interleaved token by token over N backend instances, merged by LSE; the backend must claim "
             "dcp (default 1: none)",
         )
-        parser.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks (default 1024)")
+        parser.add_argument(
+            "--num-blocks",
+            type=int,
+            default=1024,
+            help="KV cache blocks (default 1024; under --dcp N a block holds N x the block size, and every rank "
+            "allocates that many of its own)",
+        )
         parser.add_argument("--max-num-tokens", type=int, default=512, help="token budget per step (default 512)")
         parser.add_argument(
             "--cuda-graphs",
@@ -226,6 +232,11 @@ def _draft_tree(args, usage_error) -> DraftTree | None:
 
 
 def _make_engine(args, model, eagle, dtype, device, loop: str, drafter: str, usage_error):
+    if getattr(args, "dcp", 1) > 1 and args.prefill_backend != "auto":
+        raise usage_error(
+            f"--prefill-backend {args.prefill_backend} with --dcp: every rank call is a decode batch, "
+            "no prefill backend serves beside the backend"
+        )
     config = EngineConfig(
         model=model.config,
         backend=args.backend,

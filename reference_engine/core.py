@@ -18,6 +18,7 @@ import torch
 from backends import registry
 from backends.base import BackendLimits, Fp8Scales
 from backends.features import Needs
+from reference_engine.dcp_attention import dcp_refusal
 from reference_engine.draft_tree import DraftTree
 from reference_engine.drafters.base import Drafter
 from reference_engine.drafters.registry import drafter_names, parse_drafter
@@ -78,8 +79,9 @@ class EngineConfig:
     @property
     def kv_block_size(self) -> int:
         """The engine's block: its tables and slots count blocks of ``block_size`` tokens on each of
-        the ``dcp`` ranks (vLLM's virtual block under DCP: block b holds positions b·R·B … (b+1)·R·B - 1,
-        position p at slot ``b·R·B + p mod R·B``, whose rank is ``slot mod R`` and local slot ``slot // R``)."""
+        the ``dcp`` ranks (vLLM's virtual block under DCP: a request's i-th block holds its positions
+        i·R·B … (i+1)·R·B - 1, position p at slot ``id·R·B + p mod R·B`` for the block's id, whose rank
+        is ``slot mod R`` and local slot ``slot // R``)."""
         return self.block_size * self.dcp
 
 
@@ -162,28 +164,15 @@ class EngineCore:
 
     def _dcp_ranks(self, plans) -> int:
         """The DCP ranks, once the model and every layer group's backend can run under them
-        (ValueError, one line, when not): dense attention without a window or learned sinks, chains,
-        and a backend that claims DCP over that many ranks."""
-        config, model = self.config, self.config.model
-        if config.dcp == 1:
-            return 1
-        if config.dcp < 1:
-            raise ValueError(f"--dcp {config.dcp}: the ranks must be at least 1")
-        refused = [
-            (model.index_topk is not None, "sparse attention (an indexer's)"),
-            (model.sliding_window is not None, "a sliding window"),
-            (model.attention_sinks, "learned sinks"),
-            (config.draft_tree is not None, "token trees"),
-        ]
-        for applies, what in refused:
-            if applies:  # a rank's keys are every R-th position: its local window and sink need their own rule
-                raise ValueError(f"decode context parallelism with {what} is not in the contract")
-        for plan in plans:
-            needs = Needs(plan.spec, (1,), lse=True, dcp=config.dcp)
-            reason = plan.backend_cls.capabilities.skip_reason(needs, self.device)
-            if reason:
-                name = plan.backend_cls.name or plan.backend_cls.__name__
-                raise ValueError(f"backend {name} cannot run under DCP {config.dcp}: {reason}")
+        (ValueError, one line, when not: ``dcp_attention.dcp_refusal``)."""
+        config = self.config
+        reason = (
+            None
+            if config.dcp == 1
+            else dcp_refusal(config.model, plans, config.dcp, self.device, config.draft_tree is not None)
+        )
+        if reason:
+            raise ValueError(reason)
         return config.dcp
 
     def _check_tree(self) -> None:

@@ -40,7 +40,31 @@ from backends.base import (
     CommonAttentionMetadata,
     LayerParameters,
 )
-from backends.features import EMPTY_REQUESTS
+from backends.features import EMPTY_REQUESTS, Needs
+
+
+def dcp_refusal(model, plans, world: int, device: torch.device, token_trees: bool = False) -> str | None:
+    """Why ``model`` cannot run under DCP over ``world`` ranks with these layer groups' backends
+    (``model_attention.plan_attention``), or None: dense attention without a window or learned
+    sinks, chains, and every group's backend claiming DCP over that many ranks."""
+    if world < 1:
+        return f"--dcp {world}: the ranks must be at least 1"
+    refused = [
+        (model.index_topk is not None, "sparse attention (an indexer's)"),
+        (model.sliding_window is not None, "a sliding window"),
+        (model.attention_sinks, "learned sinks"),
+        (token_trees, "token trees"),
+    ]
+    for applies, what in refused:
+        if applies:  # a rank's keys are every R-th position: its local window and sink need their own rule
+            return f"decode context parallelism with {what} is not in the contract"
+    for plan in plans:
+        reason = plan.backend_cls.capabilities.skip_reason(Needs(plan.spec, (1,), lse=True, dcp=world), device)
+        if reason:
+            return (
+                f"backend {plan.backend_cls.name or plan.backend_cls.__name__} cannot run under DCP {world}: {reason}"
+            )
+    return None
 
 
 def local_lengths(keys: torch.Tensor, rank: int, world: int) -> torch.Tensor:

@@ -67,8 +67,13 @@ A DCP case's layout (``dcpN``) runs every engine above with each layer's KV shar
 case's N ranks (``reference_engine.dcp_attention``: one backend instance a rank, each query token
 a decode row on every rank, the ranks merged by LSE; graphs and ``update_for_draft_step`` over the
 ranks' own lengths), and its plain decoding is held to torch_naive *without* DCP, torch_naive's own
-DCP layout included: a keyless rank's LSE, a merge's base or a draft update that advances every
-rank shows there as other tokens or drafts.
+DCP layout included: a keyless rank's LSE or an LSE in another base shows there as other tokens. A
+draft update that advances every rank's lengths reads a slot its rank does not hold, which the
+engine's pool leaves zero (not poisoned): over 8 ranks it drafted other tokens, over 2 it moved no
+draft of the model tried; the DCP draft loop, over a poisoned pool, judges it every time. One DCP
+case of each layout stands for the others, whatever its ranks (``layout_key``). Every rank call is
+a decode batch, so no companion serves beside a DCP layout's backend, and an MLA model runs
+absorbed throughout (MLA prefill's layer SKIPs: the backend under test would serve no layer).
 
 A backend that serves only some batches (decode-only, uniform-only) runs every engine beside a
 companion that serves the rest, prefill chunks above all (``reference_engine.attention_split``,
@@ -105,6 +110,7 @@ from conformance.harness.engine_runs import (
 )
 from conformance.results import Outcome, Verdict
 from reference_engine.attention_split import AUTO, Routing
+from reference_engine.dcp_attention import dcp_refusal
 from reference_engine.equality import NEAR_TIE
 from reference_engine.model_attention import plan_attention
 
@@ -150,17 +156,13 @@ def engine_skip_reason(
         reason = backend_cls.capabilities.skip_reason(Needs(spec, (tokens,), tree_tokens=tokens), device)
         if reason:
             return f"the engine verifies token trees of {tokens} tokens through the backend: {reason}"
-    if case.dcp > 1:  # every layer of the engine's model sharded over the case's ranks (``dcp_attention``)
-        reason = backend_cls.capabilities.skip_reason(Needs(spec, (1,), lse=True, dcp=case.dcp), device)
-        if reason:
-            return f"the engine shards every layer over {case.dcp} DCP ranks through the backend: {reason}"
     if is_mla_prefill_layer(spec) and spec.num_kv_heads != spec.num_heads:
         return (
             "the engine runs a value head dim other than the key's as MLA prefill's layer, which has as many KV "
             f"heads as query heads (this layer: {spec.num_kv_heads} over {spec.num_heads})"
         )
     try:  # a backend serving only some batches (decode-only, uniform-only) needs a companion
-        plan_attention(
+        plans = plan_attention(
             backend_cls,
             model_for(case),
             spec.dtype,
@@ -173,7 +175,18 @@ def engine_skip_reason(
         )
     except ValueError as error:
         return str(error)
-    return None
+    return dcp_skip_reason(backend_cls, case, plans, device) if case.dcp > 1 else None
+
+
+def dcp_skip_reason(backend_cls: type[AttentionBackend], case: Case, plans, device: torch.device) -> str | None:
+    """Why the engine cannot shard ``model_for(case)`` over the case's DCP ranks through the
+    backend, or None: every layer group's backend must claim it (``dcp_refusal``), and the backend
+    under test must serve some layer (under DCP MLA runs absorbed: MLA prefill's layer has none)."""
+    where = f"the engine shards every layer over {case.dcp} DCP ranks"
+    if not any(plan.backend_cls is backend_cls for plan in plans):
+        return f"{where}, and runs an MLA model absorbed there: the backend under test (MLA prefill's) serves no layer"
+    reason = dcp_refusal(model_for(case), plans, case.dcp, device)
+    return f"{where} through the backend: {reason}" if reason else None
 
 
 class EngineCheck(Check):

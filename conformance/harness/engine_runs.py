@@ -351,7 +351,7 @@ class EngineRuns:
         """The measured engine: async, CUDA graphs, the scripted drafter (plain decoding for a
         backend that cannot verify k + 1 tokens), a pool no request can run out of."""
         slots = self.base.max_num_reqs
-        blocks = slots * -(-self.model.config.max_model_len // self.case.spec.block_size) + 1
+        blocks = slots * -(-self.model.config.max_model_len // self.base.kv_block_size) + 1
         if self.trees:  # the dynamic tree: its shape is chosen on the device, the host never sees it
             return self.engine_for(**self.tree_config(), cuda_graphs=True, num_blocks=blocks)
         verifies = self.backend_cls.capabilities.query_len_reason(SPEC_TOKENS + 1) is None

@@ -4,6 +4,7 @@ one key anyway, and whose LSE is in base 2."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 
@@ -105,6 +106,7 @@ class AdvancesEveryRankEachDraftStep(UpdatesLikeTorchNaive):
         return replace(metadata, seq_lens=[length + 1 for length in metadata.seq_lens])
 
 
+@functools.cache
 def triton_advances_every_rank_each_draft_step():
     """triton keeping its own lengths, copied in ``build`` and advanced by one in every
     ``update_for_draft_step`` (on the device: graph-safe, and right without DCP), where under DCP

@@ -44,7 +44,12 @@ def tokens(config: EngineConfig, model, loop=BatchedEngine) -> list[list[int]]:
     ],
 )
 def test_a_dcp_engine_emits_the_tokens_of_the_same_engine_without_dcp(model, changes):
-    assert tokens(dataclasses.replace(CONFIG, **changes), model) == tokens(CONFIG, model)
+    config = dataclasses.replace(CONFIG, **changes)
+    engine = BatchedEngine(config, model)
+    (group,) = engine.backend.groups  # every layer of the model sharded over the ranks
+    assert isinstance(group.backend, DcpAttention) and len(group.backend.ranks) == config.dcp
+    assert len(engine.kv_caches[0].attention) == config.dcp and engine.blocks.block_size == config.kv_block_size
+    assert tokens(config, model) == tokens(CONFIG, model)
 
 
 def test_the_sequential_engine_runs_dcp_too(model):

@@ -48,6 +48,9 @@ def test_engine_run_prints_speed_and_acceptance():
         (["--drafter", "eagle", "--tree", "wide", "--spec-tokens", "3"], "topk=K or the parents"),
         (["--drafter", "eagle", "--spec-tokens", "3", "--draft-depth", "2"], "--draft-depth is for a --topk tree"),
         (["--model", "tiny-dsa", "--drafter", "eagle", "--topk", "2", "--spec-tokens", "4"], "sparse"),
+        (["--dcp", "0"], "--dcp 0: the ranks must be at least 1"),
+        (["--dcp", "2", "--model", "tiny-dsa"], "decode context parallelism with sparse attention"),
+        (["--dcp", "2", "--prefill-backend", "torch_naive"], "--prefill-backend torch_naive with --dcp"),
     ],
 )
 def test_engine_usage_errors(in_process, args, message):

@@ -2,6 +2,8 @@
 lengths, the merge, torch_naive and triton passing, each planted DCP defect failing, and the
 checks that do not shard a step saying so."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -127,7 +129,18 @@ def test_the_engine_skips_a_dcp_layout_the_backend_cannot_shard():
     from conformance.checks.engine import EngineCheck
 
     reason = EngineCheck().case_skip_reason(dcp_defects.NotClaimingDcp, parse_case(CASES[0]), CPU)
-    assert reason.startswith("the engine shards every layer over 2 DCP ranks through the backend: decode context")
+    assert reason.startswith(
+        "the engine shards every layer over 2 DCP ranks through the backend: backend planted_not_claiming_dcp "
+        "cannot run under DCP 2: decode context parallelism over 2 ranks"
+    ), reason
+    # MLA prefill's layer: under DCP the model runs absorbed, so a backend of MHA layers only (the
+    # prefill's) would serve no layer while a built-in decodes every one.
+    class MhaOnly(TorchNaiveBackend):
+        capabilities = dataclasses.replace(TorchNaiveBackend.capabilities, kinds=frozenset({"mha"}))
+
+    prefill = parse_case("mha-h16/16-d192/128-bf16-p16-dcp2:100+1,5+1")
+    reason = EngineCheck().case_skip_reason(MhaOnly, prefill, CPU)
+    assert reason and "the backend under test (MLA prefill's) serves no layer" in reason, reason
 
 
 @pytest.mark.parametrize("text", ["gqa-h8/2-d64-dcp4:100+1,1+1,2+1", "mla-h16-d128+32-qfp8-dcp2:30+1,0+1"])
