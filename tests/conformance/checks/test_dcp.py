@@ -133,6 +133,7 @@ def test_the_engine_skips_a_dcp_layout_the_backend_cannot_shard():
         "the engine shards every layer over 2 DCP ranks through the backend: backend planted_not_claiming_dcp "
         "cannot run under DCP 2: decode context parallelism over 2 ranks"
     ), reason
+
     # MLA prefill's layer: under DCP the model runs absorbed, so a backend of MHA layers only (the
     # prefill's) would serve no layer while a built-in decodes every one.
     class MhaOnly(TorchNaiveBackend):
