@@ -77,6 +77,7 @@ def test_triton_advancing_every_ranks_lengths_fails_the_engine_under_dcp():
 
     defect = dcp_defects.triton_advances_every_rank_each_draft_step()
     result = judge(EngineCheck(), defect, parse_case(ENGINE_CASE), torch.device("cuda"))
-    # Its drafts go wrong (the engine's output stays right): the update path's claim, or the
-    # acceptance under graphs, which names update_for_draft_step too.
-    assert result.verdict == Verdict.FAIL and "update_for_draft_step" in result.reason, result.reason
+    # It fails in the runs that draft through the backend, where its update runs (on an H200: the
+    # drafting run under graphs emitted other tokens, its verify graph reading the lengths build
+    # replaced), not in the plain or scripted runs.
+    assert result.verdict == Verdict.FAIL and result.reason.startswith("layer-skip drafting"), result.reason
