@@ -111,19 +111,26 @@ def triton_advances_every_rank_each_draft_step():
     """triton keeping its own lengths, copied in ``build`` and advanced by one in every
     ``update_for_draft_step`` (on the device: graph-safe, and right without DCP), where under DCP
     only the rank holding the new position gains a key."""
+    import torch
+
     from backends.triton.backend import TritonAttentionBackend
 
     class TritonAdvancesEveryRank(TritonAttentionBackend):
+        def __init__(self, spec, limits, device):
+            super().__init__(spec, limits, device)
+            # Persistent, as a graph-safe backend's own copy is: a replay reads this very buffer.
+            self.own_lens = torch.zeros(limits.max_num_reqs, dtype=torch.int32, device=self.device)
+
         def build(self, common):
             metadata = super().build(common)
-            self.own_lens = common.seq_lens.clone()
-            metadata.seq_lens = self.own_lens
+            metadata.seq_lens = self.own_lens[: common.num_reqs]
+            metadata.seq_lens.copy_(common.seq_lens[: common.num_reqs])
             return metadata
 
         def update_for_draft_step(self, metadata, common):
             metadata = super().update_for_draft_step(metadata, common)
-            self.own_lens.add_(1)
-            metadata.seq_lens = self.own_lens
+            metadata.seq_lens = self.own_lens[: common.num_reqs]
+            metadata.seq_lens.add_(1)
             return metadata
 
     TritonAdvancesEveryRank.__qualname__ = TritonAdvancesEveryRank.__name__  # loadable by name (the engine's)
