@@ -15,7 +15,6 @@ import dataclasses
 import importlib.metadata
 import json
 import os
-import shlex
 import signal
 import sys
 from dataclasses import replace
@@ -33,7 +32,7 @@ from backends.base import Capabilities, DeviceInfo
 from conformance.cases.grammar import __doc__ as CASE_GRAMMAR
 from conformance.checks import CHECKS, default_checks
 from conformance.harness.batch import footprint_bytes
-from conformance.pytest_gpus import GpuChoiceError, choose_gpus
+from conformance.pytest_gpus import GpuChoiceError, choose_gpus, visible_gpus
 from conformance.report.compare import ACCEPTABLE, CompareError, compare_runs
 from conformance.report.merge import MergeError, merge_parts
 from conformance.report.output_paths import OutputPathError, check_directory, check_files
@@ -41,10 +40,10 @@ from conformance.report.outputs import UndrawableResults, Written, write_outputs
 from conformance.report.safe_text import visible
 from conformance.report.terminal import LineProgress, RichProgress, print_report
 from conformance.results import RunResult
-from conformance.run.environment import collect_environment
 from conformance.run.interrupts import Interrupted, release_signals, stopping_on_signals
 from conformance.run.isolation import Probe, probe_backends
 from conformance.run.journal import Journal
+from conformance.run.pool import Slot, run_pool, slots_for
 from conformance.run.results_lock import ResultsInUse, ResultsLock
 from conformance.run.runner import (
     SYNC_DETECTORS,
@@ -53,7 +52,6 @@ from conformance.run.runner import (
     backend_names,
     check_names,
     check_options,
-    failed_to_load,
     positive_seconds,
     probe,
     run,
@@ -63,7 +61,6 @@ from conformance.run.runner import (
 )
 from conformance.run.shard import ShardError, case_seconds, parse_shard, shard_cases
 from conformance.scaffold import ScaffoldError, camel, write_skeleton
-from conformance.sharded_run import ShardedRun, ShardFailed, ShardingUnavailable, require_xdist, run_sharded
 from reference_engine.cli import add_engine_parser, run_engine
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOTHING_RAN = 0, 1, 2, 3
@@ -203,15 +200,15 @@ def command_run(args: argparse.Namespace, console: Console) -> int:
     cases = run_cases(args.case, args.suite, args.seed, "--case")
     _check_case_sizes(cases, device)
     positive_seconds(("--timeout", args.timeout), ("--backend-timeout", args.backend_timeout))
-    sharded = _sharded_run(args, names, checks, cases, device)
-    part = _shard_part(args, cases, sharded is not None)
+    slots = _pool_slots(args, checks, device)
+    part = _shard_part(args, cases, slots is not None)
     json_path = _output_paths(args)
     try:
         lock = ResultsLock(json_path).acquire()
     except ResultsInUse as error:
         raise UsageError(str(error)) from None
     try:
-        return _locked_run(args, console, names, checks, cases, device, json_path, sharded, part)
+        return _locked_run(args, console, names, checks, cases, device, json_path, slots, part)
     finally:
         lock.release()
 
@@ -237,9 +234,9 @@ def _shard_part(args, cases, over_workers: bool) -> tuple[list[str], dict[str, A
     return ids, {"index": shard.index, "count": shard.count, "cases": [case.id for case in cases], "times": times}
 
 
-def _sharded_run(args, names, checks, cases, device: torch.device) -> ShardedRun | None:
-    """``--gpus`` / ``--workers``: the run over pytest-xdist workers (``sharded_run``), checked
-    before any work; None for a run of the usual kind."""
+def _pool_slots(args, checks, device: torch.device) -> list[Slot] | None:
+    """``--gpus`` / ``--workers``: the pool's slots (``run.pool``), checked before any work; None
+    for a serial run."""
     if args.gpus is None and args.workers is None:
         return None
     option = "--gpus" if args.gpus is not None else "--workers"
@@ -252,10 +249,6 @@ def _sharded_run(args, names, checks, cases, device: torch.device) -> ShardedRun
             raise UsageError(f"{option} cannot be combined with {conflict}")
     if args.workers is not None and args.workers < 1:
         raise UsageError(f"--workers {args.workers}: give at least 1")
-    try:
-        require_xdist()
-    except ShardingUnavailable as error:
-        raise UsageError(str(error)) from None
     gpus = None
     if args.gpus is not None:
         try:
@@ -264,22 +257,10 @@ def _sharded_run(args, names, checks, cases, device: torch.device) -> ShardedRun
             raise (NothingToRun if error.absent else UsageError)(str(error)) from None
         if device.type != "cuda" or (device.index or 0) != 0:
             raise UsageError(f"--gpus picks the GPUs itself: drop --device {args.device}")
-    gpus_option = args.gpus
-    if gpus_option is None and device.type == "cuda" and device.index is not None:
-        gpus_option = str(device.index)  # --workers on --device cuda:N: every worker on that GPU, no other
-    return ShardedRun(
-        backends=names,
-        checks=checks,
-        cases=cases,
-        suite=None if args.case else args.suite,
-        seed=args.seed,
-        device=device.type,
-        gpus=gpus_option,
-        workers=args.workers or len(gpus),
-        case_timeout_s=args.timeout,
-        sync_detector=args.sync_detector,
-        prefill_backend=args.prefill_backend,
-    )
+    elif device.type == "cuda":  # --workers alone: every visible GPU in turn, or --device cuda:N's alone
+        visible = visible_gpus()
+        gpus = [visible[device.index]] if device.index is not None and device.index < len(visible) else visible
+    return slots_for(gpus, args.workers or len(gpus))
 
 
 def _locked_run(
@@ -290,7 +271,7 @@ def _locked_run(
     cases,
     device: torch.device,
     json_path: Path,
-    sharded: ShardedRun | None,
+    slots: list[Slot] | None,
     part: tuple[list[str], dict[str, Any]] | None = None,
 ) -> int:
     journal = None
@@ -325,23 +306,20 @@ def _locked_run(
     if not progress_console.is_terminal:  # CI logs: one line per event, wide enough to stay whole
         progress_console = Console(stderr=True, quiet=args.quiet, width=160)
     reporter = RichProgress if progress_console.is_terminal else LineProgress
+    # A pool's children run with the device each slot gives them: cuda is the slot's GPU.
+    pooled = replace(options, device=torch.device(options.device.type)) if slots else options
     try:
         with stopping_on_signals():
-            if sharded is None:
-                with reporter(progress_console) as progress:
-                    journal = Journal(json_path, progress)
+            with reporter(progress_console) as progress:
+                journal = Journal(json_path, progress)
+                if slots is None:
                     result = run(options, journal)  # calls ready() once every backend has been asked
-            else:
-                probes = probe(options)
-                ready(probes)
+                else:
+                    probes = probe(pooled)
+                    ready(probes)
+                    result = run_pool(pooled, probes, journal, slots)
     except Interrupted as interrupted:
         return _stop_interrupted(interrupted, options, json_path, journal, console)
-    if sharded is not None:
-        signum, result = _run_sharded(sharded, options, probes, json_path, args.quiet)
-        if signum is not None:
-            interrupted = Interrupted(signum)
-            interrupted.partial = result
-            return _stop_interrupted(interrupted, options, json_path, None, console)
     written = write_outputs(result, json_path, {"html": args.html, "junit": args.junit, "markdown": args.markdown})
     _settle_journal(journal, json_path, written)
     if not any(backend.available for backend in result.backends) and not written.failed:
@@ -362,25 +340,6 @@ def _locked_run(
         print("conformance: nothing could run here: every case was skipped", file=sys.stderr)
         return EXIT_NOTHING_RAN
     return EXIT_OK
-
-
-def _run_sharded(
-    sharded: ShardedRun, options: RunOptions, probes: dict[str, Probe], json_path: Path, quiet: bool
-) -> tuple[int | None, RunResult]:
-    """The run over pytest-xdist workers, of the backends whose probe could load them; a backend
-    whose import raised, crashed or hung is its row from the probe, as in a serial run (in pytest
-    it would stop the whole session, or hang it). Returns the signal that stopped it, or None."""
-    loadable = [name for name in sharded.backends if not probes[name].failure]
-    signum = None
-    if loadable:
-        signum = run_sharded(replace(sharded, backends=loadable), json_path, quiet)
-        result = RunResult.load(json_path)
-    else:
-        result = RunResult(collect_environment(options.device), [], options.suite, list(options.checks))
-    rows = {backend.name: backend for backend in result.backends}
-    result.backends = [rows.get(name) or failed_to_load(name, probes[name], options) for name in sharded.backends]
-    result.environment["command"] = shlex.join(["conformance", *sys.argv[1:]])  # not pytest's (written with the rest)
-    return signum, result
 
 
 def _settle_journal(journal: Journal | None, json_path: Path, written: Written) -> None:
@@ -789,9 +748,6 @@ def main(argv: list[str] | None = None) -> int:
     except NothingToRun as error:
         print(f"conformance: {error}", file=sys.stderr)
         return EXIT_NOTHING_RAN
-    except ShardFailed as error:  # pytest itself failed under --gpus / --workers: its last line
-        print(f"conformance: {error}", file=sys.stderr)
-        return EXIT_FAILED
     except KeyboardInterrupt:
         print("conformance: interrupted", file=sys.stderr)
         return 130

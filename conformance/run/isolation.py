@@ -37,6 +37,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +77,16 @@ class BackendEvents:
             self.planned_checks, self.planned_cases = event["checks"], event["cases"]
         elif kind == "backend" and self.answer is None:
             self.answer = event
+
+    def absorb(self, other: "BackendEvents") -> None:
+        """What another child of the same backend reported (a pool's unit of other cases)."""
+        self.results.update(other.results)
+        for check, reason in other.skipped_checks.items():
+            self.skipped_checks.setdefault(check, reason)
+        if self.planned_checks is None and other.planned_checks is not None:
+            self.planned_checks, self.planned_cases = other.planned_checks, other.planned_cases
+        if self.answer is None:
+            self.answer = other.answer
 
     def whole_skip(self, check: str) -> str | None:
         """Why ``check`` skips as a whole on this device (reported, or planned), or None."""
@@ -137,13 +148,45 @@ def not_run(job: Job, events: BackendEvents, verdict: Verdict, reason: str) -> l
     return out
 
 
-def _start_worker(job_path: Path, events_path: Path, log, key: bytes) -> subprocess.Popen:
+MAX_CRASHES = 3  # a backend's crashes and hangs a run gets over; past them its other cases are not run
+
+
+class CrashBudget:
+    """How many times a backend's children may crash or hang before the rest of its cases are not
+    run: one budget for every child of the backend, however many run at once (a pool's units)."""
+
+    def __init__(self, limit: int = MAX_CRASHES) -> None:
+        self.limit, self.spent, self.lock = limit, 0, threading.Lock()
+
+    def spend(self) -> bool:
+        """One more crash or hang; False once past the limit."""
+        with self.lock:
+            self.spent += 1
+            return self.spent <= self.limit
+
+    @property
+    def exhausted(self) -> bool:
+        return self.spent > self.limit
+
+    @property
+    def given_up(self) -> str:
+        """The reason every case not run after the budget was spent carries."""
+        return f"not run: the backend process crashed or hung {self.spent} times"
+
+
+class Stopped(Exception):
+    """A pool's run was stopped (an interrupt in its main thread): the child is killed."""
+
+
+def _start_worker(
+    job_path: Path, events_path: Path, log, key: bytes, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     child = subprocess.Popen(
         [sys.executable, "-m", "conformance.run.isolation", str(job_path), str(events_path)],
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.PIPE,
-        env=child_env(),
+        env={**child_env(), **(env or {})},
         start_new_session=True,
         preexec_fn=DIE_WITH_PARENT,
     )
@@ -210,6 +253,8 @@ def _run_child(
     case_timeout_s: float,
     backend_timeout_s: float | None,
     deadline: float,
+    env: dict[str, str] | None = None,
+    stop: threading.Event | None = None,
 ) -> ChildRun:
     """One child over the cases not yet reported: started, its events read as they come, watched
     against both time limits, then it and its process group killed, however the watch ended."""
@@ -223,8 +268,7 @@ def _run_child(
     finished_at = None
     with open(log_path, "w") as log, open(events_path) as stream:
         reader = ChannelReader(stream, key)
-        child = _start_worker(job_path, events_path, log, key)
-        reaper.watch(child)
+        child = reaper.spawn(lambda: _start_worker(job_path, events_path, log, key, env))
         try:
             last_event = time.monotonic()  # the clock restarts at every event: a case's time (or the start-up's)
             while True:
@@ -243,6 +287,8 @@ def _run_child(
                     recorder.record(event)
                 if gone:
                     break
+                if stop is not None and stop.is_set():
+                    raise Stopped()
                 now = time.monotonic()
                 if finished_at is not None:
                     if now - finished_at > DONE_GRACE_S:
@@ -262,9 +308,6 @@ def _run_child(
     return run
 
 
-MAX_CRASHES = 3  # a backend's crashes and hangs a run gets over; past them its other cases are not run
-
-
 def run_isolated(
     job: Job,
     on_event: Emit,
@@ -273,22 +316,28 @@ def run_isolated(
     backend_timeout_s: float | None = None,
     max_crashes: int = MAX_CRASHES,
     events: BackendEvents | None = None,
+    env: dict[str, str] | None = None,
+    stop: threading.Event | None = None,
+    budget: CrashBudget | None = None,
 ) -> BackendEvents:
     """Run ``job`` in child processes; returns what they reported, CRASH rows included.
     ``events``: where to record (the caller keeps what arrived if this raises, an interrupt).
     One child at a time (``_run_child``); after a crash or a hang a fresh one resumes with the
-    cases not yet reported, unless nothing can be resumed or the limits say stop."""
+    cases not yet reported, unless nothing can be resumed or the limits say stop. ``env``: set in
+    each child's environment (a pool slot's GPU); ``stop``: when set, the child is killed and
+    ``Stopped`` raised (a pool's interrupt, from its main thread); ``budget``: the crashes the
+    backend may still have, shared by its jobs (default: ``max_crashes`` for this job)."""
+    budget = budget if budget is not None else CrashBudget(max_crashes)
     events = events if events is not None else BackendEvents()
     deadline = time.monotonic() + backend_timeout_s if backend_timeout_s else float("inf")
     recorder = _Recorder(job, events, on_event)
     key = new_key()
-    crashes = 0
     reaper = Reaper()
     try:
         with tempfile.TemporaryDirectory(prefix="conformance-") as workdir:
             for attempt in itertools.count():
                 run = _run_child(
-                    job, attempt, workdir, key, reaper, recorder, case_timeout_s, backend_timeout_s, deadline
+                    job, attempt, workdir, key, reaper, recorder, case_timeout_s, backend_timeout_s, deadline, env, stop
                 )
                 if events.answer is None:  # it died or hung importing the backend: that backend's row
                     recorder.record({"event": "backend", **_unloadable(job.backend, run, case_timeout_s)})
@@ -300,13 +349,11 @@ def run_isolated(
                     if recorder.forged:  # after the last case: charged to the last result reported
                         _charge_last(events, recorder.forged, on_event)
                     break
-                crashes += 1
+                within = budget.spend()
                 if not _blame_and_resume(run, recorder):
                     break
-                if crashes > max_crashes:
-                    recorder.mark_remaining(
-                        Verdict.ERROR, f"not run: the backend process crashed or hung {crashes} times"
-                    )
+                if not within:
+                    recorder.mark_remaining(Verdict.ERROR, budget.given_up)
                     break
     finally:
         reaper.close()

@@ -22,10 +22,23 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 PR_SET_CHILD_SUBREAPER = 36
+
+# Every worker and sentinel of every Reaper of this process: a pool runs several Reapers at once
+# (one a unit), and one's sweep must not take another's live worker or sentinel for an orphan.
+_LIVE: set[int] = set()
+_LIVE_LOCK = threading.RLock()  # held by a spawn and a sweep alike: no sweep sees a worker not yet listed
+_SUBREAPERS = [0]  # Reapers open: this process stays a subreaper while any is
+
+
+def _live(pid: int, alive: bool) -> None:
+    with _LIVE_LOCK:
+        (_LIVE.add if alive else _LIVE.discard)(pid)
+
 
 # Reads "watch PGID" / "forget PGID" lines; at end of input without "release", kills every group
 # still watched. -I -S: no site packages, no environment, so it starts in milliseconds.
@@ -99,8 +112,10 @@ class Reaper:
 
     def __init__(self) -> None:
         self.prctl = _prctl()
-        if self.prctl is not None:
-            self.prctl(PR_SET_CHILD_SUBREAPER, 1)
+        with _LIVE_LOCK:
+            _SUBREAPERS[0] += 1
+            if self.prctl is not None:
+                self.prctl(PR_SET_CHILD_SUBREAPER, 1)
         self.sentinel = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", _SENTINEL],
             stdin=subprocess.PIPE,
@@ -109,6 +124,7 @@ class Reaper:
             text=True,
             start_new_session=True,
         )  # out of reach of a Ctrl-C to the run's group
+        _live(self.sentinel.pid, True)
         self.before = children()  # the run's own children (the sentinel among them): never swept
 
     def _tell(self, line: str) -> None:
@@ -118,8 +134,13 @@ class Reaper:
         except (BrokenPipeError, OSError, ValueError):
             pass
 
-    def watch(self, child: subprocess.Popen) -> None:
+    def spawn(self, start: Callable[[], subprocess.Popen]) -> subprocess.Popen:
+        """``start()``'s worker, listed as live before any sweep can see it, and watched."""
+        with _LIVE_LOCK:
+            child = start()
+            _LIVE.add(child.pid)
         self._tell(f"watch {child.pid}")
+        return child
 
     def finish(self, child: subprocess.Popen) -> int:
         """Kill the worker's group (whatever it left running), reap the worker, then every orphan
@@ -129,12 +150,14 @@ class Reaper:
         except (ProcessLookupError, PermissionError):
             pass
         returncode = child.wait()
+        _live(child.pid, False)
         self._tell(f"forget {child.pid}")
         self.sweep()
         return returncode
 
     def sweep(self) -> None:
-        kill_children_but(self.before)
+        with _LIVE_LOCK:
+            kill_children_but(self.before | _LIVE)
 
     def close(self) -> None:
         self.sweep()
@@ -144,8 +167,11 @@ class Reaper:
         except OSError:
             pass
         self.sentinel.wait()
-        if self.prctl is not None:
-            self.prctl(PR_SET_CHILD_SUBREAPER, 0)
+        _live(self.sentinel.pid, False)
+        with _LIVE_LOCK:
+            _SUBREAPERS[0] -= 1
+            if self.prctl is not None and not _SUBREAPERS[0]:
+                self.prctl(PR_SET_CHILD_SUBREAPER, 0)
 
 
 class Spawned:

@@ -205,6 +205,25 @@ def _cannot_run(probe: Probe | None) -> bool:
     return probe is not None and bool(probe.failure or probe.unavailable)
 
 
+def backend_row(
+    ref: BackendRef, probe: Probe | None, options: RunOptions, events: BackendEvents, not_run: str, wall_s: float
+) -> BackendResult:
+    """A backend's row from what its children reported: what its own child said it is decides
+    (a child whose import failed after all included); a case no child reported is ``not_run``."""
+    said = Probe.of(ref, events.answer) if events.answer is not None else probe
+    if _cannot_run(said):
+        return not_run_here(said, options)
+    return BackendResult(
+        ref.name,
+        True,
+        "",
+        ref.origin,
+        said.claims if said is not None else {},
+        assemble_checks(options.checks, options.reported_cases, events, options.check_options, not_run),
+        wall_s=wall_s,
+    )
+
+
 def run_backend(
     ref: BackendRef,
     probe: Probe | None,
@@ -242,18 +261,7 @@ def run_backend(
         progress.event(name, event)
 
     def finished(events: BackendEvents, not_run: str) -> BackendResult:
-        said = Probe.of(ref, events.answer) if events.answer is not None else probe
-        if _cannot_run(said):
-            return not_run_here(said, options)
-        return BackendResult(
-            name,
-            True,
-            "",
-            ref.origin,
-            said.claims if said is not None else {},
-            assemble_checks(options.checks, options.reported_cases, events, options.check_options, not_run),
-            wall_s=time.monotonic() - started,
-        )
+        return backend_row(ref, probe, options, events, not_run, time.monotonic() - started)
 
     events = BackendEvents()
     try:

@@ -30,7 +30,6 @@ FLOORS = (
         "pytest_gpus",
         "pytest_results",
         "pytest_schedule",
-        "sharded_run",
         "scaffold",
         "tuning",
     },

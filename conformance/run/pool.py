@@ -1,0 +1,175 @@
+"""``conformance run --gpus all|0,1,... [--workers N]``: the run over a pool of isolated children,
+the same children a serial run has (``isolation.run_isolated``: crash and hang isolation, resume
+after a crash, tamper checks), several at once.
+
+The unit of work is a few cases of one backend (``units``): each backend's cases cut into parts
+balanced by attention work (``shard.assign``), as many parts as the pool has slots, so that no
+backend's long cases bound the run; the units go longest first to whichever slot is free. A unit's
+child plans every check over the whole run's cases and runs only its own (``Job.only``), so the
+run plans as a serial one does. A slot is a GPU (``CUDA_VISIBLE_DEVICES`` in its children's
+environment, round robin over ``--gpus``) or, without GPUs, one of ``--workers`` CPU slots. What
+each backend's units reported is joined into its row as a serial run's children's is
+(``runner.backend_row``). A signal stops every child; what finished is kept.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+from backends import registry
+from backends.registry import BackendRef
+from conformance.results import BackendResult, RunResult
+from conformance.run.environment import collect_environment
+from conformance.run.execution import Job
+from conformance.run.interrupts import Interrupted
+from conformance.run.isolation import BackendEvents, CrashBudget, Probe, Stopped, run_isolated
+from conformance.run.runner import Progress, RunOptions, _cannot_run, annotate_bench_ratios, backend_row, not_run_here
+from conformance.run.shard import assign, attention_work
+
+# Events every unit of a backend sends alike: the progress hears each once.
+ONCE_A_BACKEND = ("backend", "plan", "check_skipped")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one child at a time runs: its environment's changes (a GPU), and its name."""
+
+    name: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def slots_for(gpus: list[str] | None, workers: int) -> list[Slot]:
+    """``workers`` slots over ``gpus`` round robin (each child sees its GPU as cuda:0), or CPU slots."""
+    if gpus:
+        chosen = [gpus[index % len(gpus)] for index in range(workers)]
+        return [Slot(f"GPU {gpu}", {"CUDA_VISIBLE_DEVICES": gpu}) for gpu in chosen]
+    return [Slot(f"worker {index + 1}") for index in range(workers)]
+
+
+@dataclass
+class Unit:
+    ref: BackendRef
+    only: list[str]
+    work: float
+
+
+def units(options: RunOptions, refs: list[BackendRef], slots: int) -> list[Unit]:
+    """Each backend's cases in up to ``slots`` parts balanced by attention work, longest first."""
+    cases = options.reported_cases
+    parts = assign(cases, max(1, min(slots, len(cases)))) if cases else []
+    found = []
+    for ref in refs:
+        for part in sorted(set(parts)):
+            chosen = [case for case, at in zip(cases, parts) if at == part]
+            found.append(Unit(ref, [case.id for case in chosen], float(sum(attention_work(case) for case in chosen))))
+    return sorted(found, key=lambda unit: -unit.work)
+
+
+class _Told:
+    """The progress, told from every unit's thread in turn, each backend's shared events once."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress, self.lock, self.seen = progress, threading.Lock(), set()
+
+    def event(self, name: str, event: dict[str, Any]) -> None:
+        with self.lock:
+            key = (name, event["event"], event.get("check"))
+            if event["event"] in ONCE_A_BACKEND:
+                if key in self.seen:
+                    return
+                self.seen.add(key)
+            self.progress.event(name, event)
+
+
+def run_pool(options: RunOptions, probes: dict[str, Probe], progress: Progress, slots: list[Slot]) -> RunResult:
+    """Every backend through the checks over the pool (module docstring). On ``Interrupted`` (in
+    this, the main thread) every child is stopped and the exception leaves with ``partial``."""
+    refs = [registry.resolve(name) for name in options.backends]
+    runnable = [ref for ref in refs if not _cannot_run(probes[ref.name])]
+    work = units(options, runnable, len(slots))
+    told = _Told(progress)
+    unit_events = [BackendEvents() for _ in work]
+    free: queue.Queue[Slot] = queue.Queue()
+    for slot in slots:
+        free.put(slot)
+    stop = threading.Event()
+    budgets = {ref.name: CrashBudget() for ref in runnable}  # a backend's crashes, over all its units
+    started = time.monotonic()
+    for ref in runnable:
+        progress.backend_started(ref.name, len(options.checks), len(options.reported_cases))
+
+    def run_unit(index: int) -> None:
+        unit = work[index]
+        slot = free.get()
+        try:
+            if stop.is_set() or budgets[unit.ref.name].exhausted:  # its cases: not run (``rows``)
+                return
+            job = Job(
+                backend=unit.ref.name,
+                device=str(options.device),
+                checks=list(options.checks),
+                cases=[{"id": case.id, "tag": case.tag} for case in options.cases],
+                options=options.check_options,
+                only=unit.only,
+            )
+            run_isolated(
+                job,
+                lambda event: told.event(unit.ref.name, event),
+                case_timeout_s=options.case_timeout_s,
+                events=unit_events[index],
+                env=slot.env,
+                stop=stop,
+                budget=budgets[unit.ref.name],
+            )
+        except Stopped:
+            pass
+        finally:
+            free.put(slot)
+
+    def rows(not_run: str) -> list[BackendResult]:
+        found = []
+        for ref in refs:
+            probe = probes[ref.name]
+            if _cannot_run(probe):
+                found.append(not_run_here(probe, options))
+                continue
+            events = BackendEvents()
+            for unit, reported in zip(work, unit_events):
+                if unit.ref.name == ref.name:
+                    events.absorb(reported)
+            budget = budgets[ref.name]
+            why = budget.given_up if budget.exhausted and not stop.is_set() else not_run
+            found.append(backend_row(ref, probe, options, events, why, time.monotonic() - started))
+        return found
+
+    with ThreadPoolExecutor(max_workers=len(slots), thread_name_prefix="conformance-slot") as pool:
+        pending = {pool.submit(run_unit, index) for index in range(len(work))}
+        try:
+            while pending:
+                done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                for future in done:
+                    future.result()  # a bug in the pool itself is not a backend's verdict
+        except Interrupted as interrupted:
+            stop.set()
+            wait(pending)
+            interrupted.partial = RunResult(
+                collect_environment(options.device),
+                rows(interrupted.not_run),
+                options.suite,
+                list(options.checks),
+                interrupted=True,
+                shard=options.shard,
+            )
+            raise
+    backends = rows("not run: no worker reported this case")
+    for backend in backends:
+        progress.backend_finished(backend)
+    annotate_bench_ratios(backends)
+    environment = collect_environment(options.device)
+    environment["pool"] = [slot.name for slot in slots]
+    return RunResult(environment, backends, options.suite, list(options.checks), shard=options.shard)

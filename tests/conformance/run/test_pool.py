@@ -1,0 +1,274 @@
+"""``conformance run --workers/--gpus``: the run over a pool of isolated children
+(``conformance.run.pool``). Its results must equal a serial run's, case for case; a crash, a hang,
+a fault and an interrupt stay what they are in a serial run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from argparse import Namespace
+
+import pytest
+import torch
+
+from conformance.cases.suites import suite
+from conformance.pytest_gpus import GpuChoiceError, choose_gpus
+from conformance.results import RunResult
+from conformance.run.isolation import MAX_CRASHES
+from conformance.run.pool import slots_for, units
+from conformance.run.runner import RunOptions
+from tests.conformance.run.test_interrupts import FINISHES, HANGS, alive, children, start_run
+from tests.conformance.test_cli import conformance
+
+CRASHES = "tests.planted.defects:CrashesOnLargeBatch"
+
+
+def verdicts(result: RunResult) -> dict[tuple[str, str, str], str]:
+    """Every check's and case's verdict and reason, by backend, check and case."""
+    table = {}
+    for backend in result.backends:
+        for check in backend.checks:
+            table[(backend.name, check.name, "")] = f"{check.verdict.value}: {check.summary}"
+            for case in check.cases:
+                reason = case.reason if case.verdict.value != "CRASH" else ""  # how the process died differs
+                table[(backend.name, check.name, case.case)] = f"{case.verdict.value}: {reason}"
+    return table
+
+
+# A passing backend, a failing one, one that cannot run on a CPU (its reason as a serial run words
+# it), and one whose import raises (its row from the probe).
+FOUR = "torch_naive,tests.planted.defects:WrongScale,tests.planted.defects:NeedsBlackwell"
+FOUR += ",tests.planted.broken_module:Backend"
+SERIAL_RUN = pytest.mark.xdist_group("pool_serial_run")  # under pytest -n: the tests that share it on one worker
+
+
+@pytest.fixture(scope="module")
+def serial_run(tmp_path_factory):
+    """The serial run of FOUR over the smoke suite, every default check: what a pool's run must
+    equal, and torch_naive's engine check, what a crashing one must mirror."""
+    path = tmp_path_factory.mktemp("serial") / "serial.json"
+    completed = conformance(
+        "run", "--backend", FOUR, "--suite", "smoke", "--device", "cpu", "--quiet", "--json", str(path)
+    )
+    return completed, path
+
+
+def test_each_backends_cases_are_cut_for_the_slots_longest_first():
+    from backends.registry import resolve
+
+    cases = suite("standard")
+    options = RunOptions(
+        backends=["torch_naive", "triton"], checks=["numerics"], cases=cases, device=torch.device("cpu")
+    )
+    found = units(options, [resolve("torch_naive"), resolve("triton")], 4)
+    assert len(found) == 8 and [unit.work for unit in found] == sorted((unit.work for unit in found), reverse=True)
+    for name in ("torch_naive", "triton"):  # each backend's cases, each in one of its units
+        ids = sorted(case_id for unit in found if unit.ref.name == name for case_id in unit.only)
+        assert ids == sorted(case.id for case in cases)
+    assert [slot.env for slot in slots_for(["3", "5"], 3)] == [{"CUDA_VISIBLE_DEVICES": g} for g in ("3", "5", "3")]
+    assert [slot.name for slot in slots_for(None, 2)] == ["worker 1", "worker 2"]
+
+
+@SERIAL_RUN
+@pytest.mark.slow
+def test_workers_on_the_cpu_give_the_serial_runs_results_case_for_case(tmp_path, serial_run):
+    common = ["run", "--backend", FOUR, "--suite", "smoke", "--device", "cpu", "--quiet"]
+    serial, serial_path = serial_run
+    pooled = conformance(*common, "--workers", "3", "--json", str(tmp_path / "pool.json"))
+    assert serial.returncode == pooled.returncode == 1, pooled.stderr
+    serial_result, pool_result = RunResult.load(serial_path), RunResult.load(tmp_path / "pool.json")
+    assert verdicts(pool_result) == verdicts(serial_result)
+    assert [b.reason for b in pool_result.backends] == [b.reason for b in serial_result.backends]
+    assert [b.name for b in pool_result.backends] == [b.name for b in serial_result.backends]
+    assert pool_result.environment["pool"] == ["worker 1", "worker 2", "worker 3"]
+    assert pool_result.environment["command"].startswith("conformance run")
+    assert "FAIL" in pooled.stdout and "WrongScale" in pooled.stdout  # the usual report
+    assert not (tmp_path / "pool.json.journal").exists()
+
+
+@SERIAL_RUN
+@pytest.mark.slow
+def test_a_child_that_dies_in_a_case_makes_it_crash_and_a_fresh_one_decides_as_one_would(tmp_path, serial_run):
+    # CrashesOnLargeBatch is torch_naive but for killing its process on a batch of more than 3
+    # requests, which every engine run has. Each engine case torch_naive runs is then one CRASH;
+    # each it skips ("layout covered by" an earlier case) is skipped too, decided by the fresh
+    # child that took over, whichever unit it is in (every unit plans the whole run).
+    common = ["run", "--suite", "smoke", "--check", "engine", "--device", "cpu", "--quiet"]
+    crashing = conformance(*common, "--backend", CRASHES, "--workers", "2", "--json", str(tmp_path / "crash.json"))
+    naive = RunResult.load(serial_run[1]).backends[0]
+    assert naive.name == "torch_naive" and naive.check("engine").verdict.value == "PASS", naive.check("engine")
+    assert crashing.returncode == 1, crashing.stderr
+    expected = naive.check("engine").cases
+    engine = RunResult.load(tmp_path / "crash.json").backends[0].check("engine")
+    assert 0 < sum(case.verdict.value == "PASS" for case in expected) <= MAX_CRASHES
+    assert [case.verdict.value for case in engine.cases] == [
+        "CRASH" if case.verdict.value == "PASS" else case.verdict.value for case in expected
+    ]
+
+
+@pytest.mark.parametrize(
+    "args,status,message",
+    [
+        (["--workers", "0"], 2, "--workers 0: give at least 1"),
+        (["--workers", "2", "--in-process"], 2, "cannot be combined with --in-process"),
+        (["--workers", "2", "--backend-timeout", "60"], 2, "cannot be combined with --backend-timeout"),
+    ],
+)
+def test_bad_pool_options_are_one_line_errors(in_process, tmp_path, args, status, message):
+    completed = in_process("run", "--suite", "smoke", "--device", "cpu", "--out", str(tmp_path), *args)
+    assert completed.returncode == status, completed.stderr
+    assert message in completed.stderr and len(completed.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_bench_is_not_pooled(in_process, tmp_path):
+    completed = in_process("bench", "--workers", "2", "--out", str(tmp_path))
+    # Without a GPU bench stops first (exit 3); with one, --workers is refused (exit 2).
+    assert completed.returncode in (2, 3) and len(completed.stderr.strip().splitlines()) == 1
+    if completed.returncode == 2:
+        assert "bench times backends side by side on one GPU" in completed.stderr
+
+
+@pytest.mark.parametrize("hidden", ["", "-1"])
+@pytest.mark.slow
+def test_gpus_without_a_gpu_is_nothing_to_run(tmp_path, monkeypatch, hidden):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+    completed = conformance("run", "--suite", "smoke", "--gpus", "all", "--out", str(tmp_path))
+    assert completed.returncode == 3, completed.stderr
+    assert "no CUDA device is visible" in completed.stderr
+
+
+def test_gpu_choice_follows_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,GPU-abc,-1,4")
+    assert choose_gpus("all") == ["3", "5", "GPU-abc"]
+    assert choose_gpus("2,0") == ["GPU-abc", "3"]
+    for bad, message in (("3", "there is no GPU 3"), ("0,0", "more than once"), ("x", "give 'all' or GPU indices")):
+        with pytest.raises(GpuChoiceError, match=message):
+            choose_gpus(bad)
+
+
+@pytest.mark.gpu
+def test_two_workers_sharing_one_gpu_give_the_serial_runs_results(tmp_path):
+    common = ["run", "--backend", "triton,torch_naive", "--suite", "smoke", "--quiet"]
+    serial = conformance(*common, "--json", str(tmp_path / "serial.json"))
+    pooled = conformance(*common, "--gpus", "0", "--workers", "2", "--json", str(tmp_path / "pool.json"))
+    assert serial.returncode == pooled.returncode == 0, pooled.stdout + pooled.stderr
+    serial_result, pool_result = RunResult.load(tmp_path / "serial.json"), RunResult.load(tmp_path / "pool.json")
+    # Verdicts case for case; on a GPU some reasons carry measurements (memory, timings) that differ.
+    serial_verdicts = {key: value.split(":")[0] for key, value in verdicts(serial_result).items()}
+    pool_verdicts = {key: value.split(":")[0] for key, value in verdicts(pool_result).items()}
+    assert pool_verdicts == serial_verdicts
+    assert pool_result.environment["pool"] == ["GPU 0", "GPU 0"]
+
+
+@pytest.mark.slow
+def test_the_pool_module_has_no_gpu_or_pytest_work_at_import():
+    # The CLI imports it on every run: it must not touch CUDA or import pytest.
+    code = "import sys, conformance.run.pool; print('pytest' in sys.modules, 'xdist' in sys.modules)"
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert completed.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.slow
+def test_a_backend_that_hangs_is_given_up_after_its_fourth_hang_over_all_its_units(tmp_path):
+    # Every case but the shortest hangs: each hang ends its child at --timeout. After the fourth,
+    # over all the backend's units together, no more of its cases run (not one --timeout each);
+    # the other backend is untouched. Two slots: a hang already running in the other one at the
+    # give-up may end as a fifth.
+    completed = conformance(
+        "run",
+        "--backend",
+        "tests.planted.defects:HangsOnLongSequence,torch_naive",
+        "--suite",
+        "smoke",
+        "--check",
+        "numerics,determinism",
+        "--device",
+        "cpu",
+        "--workers",
+        "2",
+        "--timeout",
+        "2",  # a case that does not hang takes a small fraction of a second
+        "--quiet",
+        "--json",
+        str(tmp_path / "hangs.json"),
+    )
+    assert completed.returncode == 1, completed.stderr
+    hangs, naive = RunResult.load(tmp_path / "hangs.json").backends
+    cases = [case for check in hangs.checks for case in check.cases]
+    outcomes = [(case.verdict.value, case.reason) for case in cases]
+    crashes = [verdict for verdict, _ in outcomes if verdict == "CRASH"]
+    assert MAX_CRASHES + 1 <= len(crashes) <= MAX_CRASHES + 2, outcomes
+    assert all(
+        verdict in ("CRASH", "PASS") or reason.startswith("not run: the backend process crashed or hung")
+        for verdict, reason in outcomes
+    ), outcomes
+    assert all(check.verdict.value == "PASS" for check in naive.checks)
+
+
+def descendants(pid: int) -> list[int]:
+    found = children(pid)
+    return found + [grandchild for child in found for grandchild in descendants(child)]
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_pooled_run_and_keeps_what_finished(tmp_path):
+    run, results = start_run(tmp_path, ("--workers", "2"))
+    deadline = time.monotonic() + 60
+    while len(descendants(run.pid)) < 2 and time.monotonic() < deadline:  # both units' children
+        time.sleep(0.2)
+    processes = descendants(run.pid)
+    time.sleep(3)  # the short case finishes; the other hangs
+    os.killpg(run.pid, signal.SIGINT)
+    stdout, stderr = run.communicate(timeout=120)
+    assert run.returncode == 130, stdout + stderr
+    assert "interrupted by SIGINT" in stderr and "Traceback" not in stderr
+    data = json.loads(results.read_text())
+    assert data["interrupted"] is True
+    cases = {case["case"]: (case["verdict"], case["reason"]) for case in data["backends"][0]["checks"][0]["cases"]}
+    assert cases == {FINISHES: ("PASS", ""), HANGS: ("ERROR", "not run: the run was interrupted by SIGINT")}, cases
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in processes), "a child survived the run"
+    assert not results.with_name("results.json.journal").exists()
+
+
+FAULTS = "tests.planted.defects:FaultsOnLongSequence"
+FAULTING_CASE = "gqa-h4/1-d64-fp16-p16-w24-pad0-edges:50+4,3+1,100+1@0"  # the smoke suite's one sequence past 80
+IMPORT_CHANGES = "tests.planted.gate.import_changes_state:Backend"
+
+
+@pytest.mark.slow
+def test_one_backends_process_wide_harm_stays_its_own(tmp_path):
+    # The fault poisons every later forward of its process: its other cases run in a fresh child.
+    # The other backend's import changed a harness setting: that is its own first case's ERROR.
+    common = ["run", "--backend", f"{FAULTS},{IMPORT_CHANGES},torch_naive", "--suite", "smoke", "--check"]
+    common += ["numerics", "--device", "cpu", "--quiet"]
+    serial = conformance(*common, "--json", str(tmp_path / "serial.json"))
+    pooled = conformance(*common, "--workers", "1", "--json", str(tmp_path / "pool.json"))
+    assert serial.returncode == pooled.returncode == 1, pooled.stderr
+    serial_result, pool_result = RunResult.load(tmp_path / "serial.json"), RunResult.load(tmp_path / "pool.json")
+    assert verdicts(pool_result) == verdicts(serial_result)
+    faults, changes, naive = (backend.checks[0].cases for backend in pool_result.backends)
+    crashed = [case for case in faults if case.verdict.value == "CRASH"]
+    assert [case.case for case in crashed] == [FAULTING_CASE] and "illegal memory access" in crashed[0].reason
+    assert changes[0].verdict.value == "ERROR" and "float32 matmul precision" in changes[0].reason
+    assert all(case.verdict.value == "PASS" for case in [*changes[1:], *naive])
+
+
+def test_workers_on_one_named_gpu_stay_on_it(monkeypatch):
+    # `--device cuda:1 --workers 2` puts both workers on GPU 1, not on every GPU of the machine.
+    from conformance.cli import _pool_slots
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7")
+    args = Namespace(
+        gpus=None, workers=2, command="run", in_process=False, backend_timeout=None, device="cuda:1",
+    )  # fmt: skip
+    assert [slot.env for slot in _pool_slots(args, ["numerics"], torch.device("cuda:1"))] == [
+        {"CUDA_VISIBLE_DEVICES": "6"}
+    ] * 2
+    every = _pool_slots(args, ["numerics"], torch.device("cuda"))
+    assert [slot.env["CUDA_VISIBLE_DEVICES"] for slot in every] == ["4", "6"]
