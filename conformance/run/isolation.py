@@ -85,8 +85,8 @@ class BackendEvents:
             self.skipped_checks.setdefault(check, reason)
         if self.planned_checks is None and other.planned_checks is not None:
             self.planned_checks, self.planned_cases = other.planned_checks, other.planned_cases
-        if self.answer is None:
-            self.answer = other.answer
+        if self.answer is None or (self.answer.get("failure") and other.answer and not other.answer.get("failure")):
+            self.answer = other.answer  # a child that loaded the backend says what it is
 
     def whole_skip(self, check: str) -> str | None:
         """Why ``check`` skips as a whole on this device (reported, or planned), or None."""

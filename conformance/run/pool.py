@@ -143,7 +143,13 @@ def run_pool(options: RunOptions, probes: dict[str, Probe], progress: Progress, 
                 if unit.ref.name == ref.name:
                     events.absorb(reported)
             budget = budgets[ref.name]
-            why = budget.given_up if budget.exhausted and not stop.is_set() else not_run
+            failed = [e.answer["failure"] for u, e in zip(work, unit_events) if u.ref.name == ref.name and e.answer
+                      and e.answer.get("failure")]  # fmt: skip
+            why = not_run
+            if failed and not stop.is_set():  # a unit's child could not load what the probe loaded
+                why = f"not run: this part's process could not load the backend ({failed[0]})"
+            if budget.exhausted and not stop.is_set():
+                why = budget.given_up
             found.append(backend_row(ref, probe, options, events, why, time.monotonic() - started))
         return found
 

@@ -272,3 +272,21 @@ def test_workers_on_one_named_gpu_stay_on_it(monkeypatch):
     ] * 2
     every = _pool_slots(args, ["numerics"], torch.device("cuda"))
     assert [slot.env["CUDA_VISIBLE_DEVICES"] for slot in every] == ["4", "6"]
+
+
+@pytest.mark.slow
+def test_a_part_whose_process_cannot_load_the_backend_says_so_and_loses_no_other_case(tmp_path, monkeypatch):
+    # The probe loads it, then exactly one of three units' children cannot: that part's cases are
+    # ERROR saying why, every other case is the backend's own result, none is missing.
+    monkeypatch.setenv("FLAKY_IMPORT_DIR", str(tmp_path))
+    flaky = "tests.planted.gate.import_fails_second_time:Backend"
+    common = ["run", "--backend", flaky, "--suite", "smoke", "--check", "numerics", "--device", "cpu", "--quiet"]
+    completed = conformance(*common, "--workers", "3", "--json", str(tmp_path / "pool.json"))
+    assert completed.returncode == 1, completed.stderr
+    (backend,) = RunResult.load(tmp_path / "pool.json").backends
+    cases = backend.check("numerics").cases
+    assert backend.available and len(cases) == len(suite("smoke"))
+    lost = [case for case in cases if case.verdict.value != "PASS"]
+    assert 0 < len(lost) < len(cases), [(case.verdict.value, case.reason) for case in cases]
+    assert all(case.reason.startswith("not run: this part's process could not load the backend") for case in lost)
+    assert "the license server did not answer" in lost[0].reason
