@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,7 @@ from conformance.results import RunResult
 from conformance.run.interrupts import Interrupted, release_signals, stopping_on_signals
 from conformance.run.isolation import Probe, probe_backends
 from conformance.run.journal import Journal
-from conformance.run.pool import Slot, run_pool, slots_for
+from conformance.run.pool import Slot, slots_for
 from conformance.run.results_lock import ResultsInUse, ResultsLock
 from conformance.run.runner import (
     SYNC_DETECTORS,
@@ -53,7 +52,6 @@ from conformance.run.runner import (
     check_names,
     check_options,
     positive_seconds,
-    probe,
     run,
     run_cases,
     run_device,
@@ -301,23 +299,16 @@ def _locked_run(
                 Path(path).unlink(missing_ok=True)
 
     options.ready = ready
-    probes: dict[str, Probe] = {}
     progress_console = Console(stderr=True, quiet=args.quiet)
     if not progress_console.is_terminal:  # CI logs: one line per event, wide enough to stay whole
         progress_console = Console(stderr=True, quiet=args.quiet, width=160)
     reporter = RichProgress if progress_console.is_terminal else LineProgress
-    # A pool's children run with the device each slot gives them: cuda is the slot's GPU.
-    pooled = replace(options, device=torch.device(options.device.type)) if slots else options
+    options.slots = slots
     try:
         with stopping_on_signals():
             with reporter(progress_console) as progress:
                 journal = Journal(json_path, progress)
-                if slots is None:
-                    result = run(options, journal)  # calls ready() once every backend has been asked
-                else:
-                    probes = probe(pooled)
-                    ready(probes)
-                    result = run_pool(pooled, probes, journal, slots)
+                result = run(options, journal)  # calls ready() once every backend has been asked
     except Interrupted as interrupted:
         return _stop_interrupted(interrupted, options, json_path, journal, console)
     written = write_outputs(result, json_path, {"html": args.html, "junit": args.junit, "markdown": args.markdown})

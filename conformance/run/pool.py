@@ -18,8 +18,10 @@ import queue
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+import torch
 
 from backends import registry
 from backends.registry import BackendRef
@@ -28,7 +30,15 @@ from conformance.run.environment import collect_environment
 from conformance.run.execution import Job
 from conformance.run.interrupts import Interrupted
 from conformance.run.isolation import BackendEvents, CrashBudget, Probe, Stopped, run_isolated
-from conformance.run.runner import Progress, RunOptions, _cannot_run, annotate_bench_ratios, backend_row, not_run_here
+from conformance.run.runner import (
+    Progress,
+    RunOptions,
+    _cannot_run,
+    annotate_bench_ratios,
+    backend_row,
+    not_run_here,
+    probe,
+)
 from conformance.run.shard import assign, attention_work
 
 # Events every unit of a backend sends alike: the progress hears each once.
@@ -71,10 +81,13 @@ def units(options: RunOptions, refs: list[BackendRef], slots: int) -> list[Unit]
 
 
 class _Told:
-    """The progress, told from every unit's thread in turn, each backend's shared events once."""
+    """The progress, told from every unit's thread in turn, each backend's shared events once; and
+    a backend not asked ahead (None in ``probes``) is what its first child says it is: ``ready``
+    hears it, and the progress starts it where it can run."""
 
-    def __init__(self, progress: Progress) -> None:
-        self.progress, self.lock, self.seen = progress, threading.Lock(), set()
+    def __init__(self, progress: Progress, options: RunOptions, probes: dict[str, Probe | None]) -> None:
+        self.progress, self.options, self.probes = progress, options, probes
+        self.lock, self.seen = threading.Lock(), set()
 
     def event(self, name: str, event: dict[str, Any]) -> None:
         with self.lock:
@@ -83,31 +96,58 @@ class _Told:
                 if key in self.seen:
                     return
                 self.seen.add(key)
+            if event["event"] == "backend" and self.probes[name] is None:
+                self.probes[name] = said = Probe.of(registry.resolve(name), event)
+                if self.options.ready is not None and None not in self.probes.values():
+                    self.options.ready(self.probes)
+                if not _cannot_run(said):
+                    self.progress.backend_started(name, len(self.options.checks), len(self.options.reported_cases))
             self.progress.event(name, event)
 
 
-def run_pool(options: RunOptions, probes: dict[str, Probe], progress: Progress, slots: list[Slot]) -> RunResult:
-    """Every backend through the checks over the pool (module docstring). On ``Interrupted`` (in
-    this, the main thread) every child is stopped and the exception leaves with ``partial``."""
+def run_pooled(options: RunOptions, progress: Progress) -> RunResult:
+    """``runner.run`` for isolated children: every backend asked in one probe child (``ready``
+    hears them before anything else), then the pool over ``options.slots`` (one slot, the device
+    as given, by default). A GPU slot's children see their GPU as the device's type alone."""
+    slots = options.slots or [Slot(str(options.device))]
+    if len(options.backends) == 1:  # its first child says what it is: no probe child of its own
+        probes: dict[str, Probe | None] = {options.backends[0]: None}
+    else:
+        probes = dict(probe(options))
+        if options.ready is not None:
+            options.ready(probes)
+    if any("CUDA_VISIBLE_DEVICES" in slot.env for slot in slots):
+        options = replace(options, device=torch.device(options.device.type))
+    return run_pool(options, probes, progress, slots)
+
+
+def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Progress, slots: list[Slot]) -> RunResult:
+    """Every backend through the checks over the pool (module docstring); a backend whose probe
+    is None is asked by its first child. On ``Interrupted`` (in this, the main thread) every child
+    is stopped and the exception leaves with ``partial``; any other exception stops them too."""
     refs = [registry.resolve(name) for name in options.backends]
     runnable = [ref for ref in refs if not _cannot_run(probes[ref.name])]
     work = units(options, runnable, len(slots))
-    told = _Told(progress)
+    told = _Told(progress, options, probes)
     unit_events = [BackendEvents() for _ in work]
     free: queue.Queue[Slot] = queue.Queue()
     for slot in slots:
         free.put(slot)
     stop = threading.Event()
+    seconds = {ref.name: 0.0 for ref in runnable}  # each backend's process-seconds over its units
     budgets = {ref.name: CrashBudget() for ref in runnable}  # a backend's crashes, over all its units
-    started = time.monotonic()
+    lock = threading.Lock()
     for ref in runnable:
-        progress.backend_started(ref.name, len(options.checks), len(options.reported_cases))
+        if probes[ref.name] is not None:
+            progress.backend_started(ref.name, len(options.checks), len(options.reported_cases))
 
     def run_unit(index: int) -> None:
         unit = work[index]
         slot = free.get()
+        began = time.monotonic()
         try:
-            if stop.is_set() or budgets[unit.ref.name].exhausted:  # its cases: not run (``rows``)
+            said = probes[unit.ref.name]
+            if stop.is_set() or budgets[unit.ref.name].exhausted or _cannot_run(said):  # ``rows`` says why
                 return
             job = Job(
                 backend=unit.ref.name,
@@ -121,6 +161,8 @@ def run_pool(options: RunOptions, probes: dict[str, Probe], progress: Progress, 
                 job,
                 lambda event: told.event(unit.ref.name, event),
                 case_timeout_s=options.case_timeout_s,
+                # One slot: one unit a backend, whose limit --backend-timeout is (refused with more).
+                backend_timeout_s=options.backend_timeout_s if len(slots) == 1 else None,
                 events=unit_events[index],
                 env=slot.env,
                 stop=stop,
@@ -129,15 +171,17 @@ def run_pool(options: RunOptions, probes: dict[str, Probe], progress: Progress, 
         except Stopped:
             pass
         finally:
+            with lock:
+                seconds[unit.ref.name] += time.monotonic() - began
             free.put(slot)
 
     def rows(not_run: str) -> list[BackendResult]:
         found = []
         for ref in refs:
-            probe = probes[ref.name]
-            if _cannot_run(probe):
-                found.append(not_run_here(probe, options))
-                continue
+            said = probes[ref.name]
+            if _cannot_run(said):
+                found.append(not_run_here(said, options))
+                continue  # (asked by its first child: its row, whatever its other units said)
             events = BackendEvents()
             for unit, reported in zip(work, unit_events):
                 if unit.ref.name == ref.name:
@@ -150,7 +194,7 @@ def run_pool(options: RunOptions, probes: dict[str, Probe], progress: Progress, 
                 why = f"not run: this part's process could not load the backend ({failed[0]})"
             if budget.exhausted and not stop.is_set():
                 why = budget.given_up
-            found.append(backend_row(ref, probe, options, events, why, time.monotonic() - started))
+            found.append(backend_row(ref, said, options, events, why, seconds[ref.name]))
         return found
 
     with ThreadPoolExecutor(max_workers=len(slots), thread_name_prefix="conformance-slot") as pool:
@@ -159,9 +203,12 @@ def run_pool(options: RunOptions, probes: dict[str, Probe], progress: Progress, 
             while pending:
                 done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
                 for future in done:
-                    future.result()  # a bug in the pool itself is not a backend's verdict
-        except Interrupted as interrupted:
-            stop.set()
+                    future.result()  # a refusal from ``ready`` (a typo), or a bug in the pool itself
+        except BaseException as error:
+            stop.set()  # every other child ends before this leaves
+            if not isinstance(error, Interrupted):
+                raise
+            interrupted = error
             wait(pending)
             interrupted.partial = RunResult(
                 collect_environment(options.device),

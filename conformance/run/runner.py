@@ -26,7 +26,6 @@ from conformance.run.isolation import (
     probe_backends,
     probe_in_process,
     run_in_process,
-    run_isolated,
 )
 from reference_engine.device_flag import DeviceError, resolve_device
 
@@ -135,6 +134,9 @@ class RunOptions:
     # planned), and what its results record of the cut (``RunResult.shard``). None: the whole run.
     only: list[str] | None = None
     shard: dict[str, Any] | None = None
+    # Where the isolated children run (``pool.Slot``s: ``--gpus`` / ``--workers``); None: one
+    # slot, the device as given.
+    slots: list[Any] | None = None
 
     @property
     def reported_cases(self) -> list[Case]:
@@ -231,9 +233,8 @@ def run_backend(
     progress: Progress,
     asked: Callable[[Probe], None] = lambda probe: None,
 ) -> BackendResult:
-    """One backend through the checks in its child. ``probe``: what it is, asked already; or None:
-    the child that runs it says it first, and ``asked`` hears it before any other event is passed
-    on. What its own child said decides its row (a child whose import failed after all included)."""
+    """One backend through the checks in this process (``--in-process``; isolated runs go through
+    the pool). ``probe``: what it is, asked already."""
     name = ref.name
     if _cannot_run(probe):
         result = not_run_here(probe, options)
@@ -265,16 +266,7 @@ def run_backend(
 
     events = BackendEvents()
     try:
-        if options.in_process:
-            run_in_process(job, on_event, events=events)
-        else:
-            run_isolated(
-                job,
-                on_event,
-                case_timeout_s=options.case_timeout_s,
-                backend_timeout_s=options.backend_timeout_s,
-                events=events,
-            )
+        run_in_process(job, on_event, events=events)
     except Interrupted as interrupted:
         interrupted.partial = finished(events, interrupted.not_run)  # what this backend finished; the rest is "not run"
         raise
@@ -285,7 +277,7 @@ def run_backend(
 
 def probe(options: RunOptions) -> dict[str, Probe]:
     """Every backend's claims and availability, asked in one probe child (in this process with
-    ``--in-process``): for a sharded run, whose workers are pytest's."""
+    ``--in-process``), before the pool hands out any unit."""
     refs = [registry.resolve(name) for name in options.backends]
     if options.in_process:
         return probe_in_process(refs, str(options.device))
@@ -293,14 +285,8 @@ def probe(options: RunOptions) -> dict[str, Probe]:
 
 
 def _asked_ahead(options: RunOptions, refs: list[BackendRef]) -> dict[str, Probe | None]:
-    """What each backend is, asked before the run starts, but the first: the child that runs the
-    first backend says what it is (a run of one backend starts one child, not two). The others are
-    asked together in one probe child, so that a typo among them is refused before the first
-    backend's cases are reported."""
-    if options.in_process:
-        return dict(probe_in_process(refs, str(options.device)))
-    first, *others = refs
-    return {first.name: None, **probe_backends(others, str(options.device), options.case_timeout_s)}
+    """What each backend is, asked in this process before the in-process run starts."""
+    return dict(probe_in_process(refs, str(options.device)))
 
 
 def annotate_bench_ratios(backends: list[BackendResult]) -> None:
@@ -316,10 +302,15 @@ def annotate_bench_ratios(backends: list[BackendResult]) -> None:
 
 
 def run(options: RunOptions, progress: Progress | None = None) -> RunResult:
-    """Every backend in turn. On ``Interrupted`` the exception leaves with ``partial``: a
-    RunResult (marked interrupted) of every backend finished, what the current one finished, and
-    every case not run as ERROR "not run"."""
+    """Every backend through the checks: in isolated children over the pool's slots (``pool``,
+    one slot unless ``options.slots`` says more), or with ``--in-process`` in this process, every
+    backend in turn. On ``Interrupted`` the exception leaves with ``partial``: a RunResult (marked
+    interrupted) of what finished, and every case not run as ERROR "not run"."""
     progress = progress or Progress()
+    if not options.in_process:
+        from conformance.run.pool import run_pooled  # noqa: PLC0415 - the pool builds on this module
+
+        return run_pooled(options, progress)
     refs = [registry.resolve(name) for name in options.backends]
     probes: dict[str, Probe | None] = {}
     backends: list[BackendResult] = []

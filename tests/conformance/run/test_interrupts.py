@@ -18,8 +18,14 @@ HANGS = parse_case("gqa-h2/1-d16-fp32:9+2").id  # HangsOnLongSequence never retu
 
 
 def children(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(p) for p in path.read_text().split()] if path.exists() else []
+    """Every thread's children (the run's children are its pool's: started from worker threads)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
 
 
 def alive(pid: int) -> bool:
