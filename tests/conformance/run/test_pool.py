@@ -190,7 +190,7 @@ def test_a_backend_that_hangs_is_given_up_after_its_fourth_hang_over_all_its_uni
         "--workers",
         "2",
         "--timeout",
-        "2",  # a case that does not hang takes a small fraction of a second
+        "6",  # a case that does not hang takes a fraction of a second, on a loaded 2-core machine too
         "--quiet",
         "--json",
         str(tmp_path / "hangs.json"),
