@@ -199,7 +199,7 @@ def command_run(args: argparse.Namespace, console: Console) -> int:
     _check_case_sizes(cases, device)
     positive_seconds(("--timeout", args.timeout), ("--backend-timeout", args.backend_timeout))
     slots = _pool_slots(args, checks, device)
-    part = _shard_part(args, cases, slots is not None)
+    part = _shard_part(args, cases)
     json_path = _output_paths(args)
     try:
         lock = ResultsLock(json_path).acquire()
@@ -211,15 +211,13 @@ def command_run(args: argparse.Namespace, console: Console) -> int:
         lock.release()
 
 
-def _shard_part(args, cases, over_workers: bool) -> tuple[list[str], dict[str, Any]] | None:
+def _shard_part(args, cases) -> tuple[list[str], dict[str, Any]] | None:
     """``--shard I/N``: the ids of the part's cases and what its results record of the cut
     (``run.shard``); None without it."""
     if args.shard is None:
         if args.shard_times is not None:
             raise UsageError("--shard-times balances --shard's parts: give --shard I/N too")
         return None
-    if over_workers:
-        raise UsageError("--shard runs one part through the serial runner: drop --gpus / --workers")
     try:
         shard = parse_shard(args.shard)
     except ShardError as error:

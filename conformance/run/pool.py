@@ -1,15 +1,16 @@
-"""``conformance run --gpus all|0,1,... [--workers N]``: the run over a pool of isolated children,
-the same children a serial run has (``isolation.run_isolated``: crash and hang isolation, resume
-after a crash, tamper checks), several at once.
+"""Every isolated run: a pool of slots, each running one child at a time
+(``isolation.run_isolated``: crash and hang isolation, resume after a crash, tamper checks). One
+slot, the device as given, unless ``conformance run --gpus all|0,1,... [--workers N]`` asks for
+more: the same code path for the CPU, one GPU and many.
 
 The unit of work is a few cases of one backend (``units``): each backend's cases cut into parts
 balanced by attention work (``shard.assign``), as many parts as the pool has slots, so that no
 backend's long cases bound the run; the units go longest first to whichever slot is free. A unit's
 child plans every check over the whole run's cases and runs only its own (``Job.only``), so the
-run plans as a serial one does. A slot is a GPU (``CUDA_VISIBLE_DEVICES`` in its children's
+run plans as one child would. A slot is a GPU (``CUDA_VISIBLE_DEVICES`` in its children's
 environment, round robin over ``--gpus``) or, without GPUs, one of ``--workers`` CPU slots. What
-each backend's units reported is joined into its row as a serial run's children's is
-(``runner.backend_row``). A signal stops every child; what finished is kept.
+each backend's units reported is joined into its row (``runner.backend_row``). A signal stops
+every child; what finished is kept.
 """
 
 from __future__ import annotations

@@ -142,7 +142,8 @@ def test_what_is_not_one_sharded_run_is_refused(parts, says):
 def test_two_parts_merged_are_the_whole_run(tmp_path):
     """The CLI end to end on the smoke suite: each part plans the whole run (the engine check runs
     one case a layout, the same in every part), the merge equals one run (compare exit 0 both
-    ways, the same verdicts, summaries and case reasons), and merge's usage errors exit 2."""
+    ways, the same verdicts, summaries and case reasons), a part over two slots equals the part,
+    and merge's usage errors exit 2."""
     run = ["run", "--suite", "smoke", "--check", "numerics,engine", "--quiet"]
     for part in ("1/2", "2/2"):
         completed = conformance(*run, "--shard", part, "--json", f"p{part[0]}.json", cwd=tmp_path)
@@ -167,6 +168,9 @@ def test_two_parts_merged_are_the_whole_run(tmp_path):
         ]
 
     assert rows("all.json") == rows("whole.json")
+    # A part over a pool of two slots is the same part.
+    assert conformance(*run, "--shard", "1/2", "--workers", "2", "--json", "p1w.json", cwd=tmp_path).returncode == 0
+    assert rows("p1w.json") == rows("p1.json")
     parts = [RunResult.load(tmp_path / f"p{index}.json") for index in (1, 2)]
     assert all(len(part.backends[0].check("numerics").cases) < 9 for part in parts)
     refused = conformance("merge", "p1.json", "whole.json", "-o", "x.json", cwd=tmp_path)
