@@ -128,6 +128,9 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
     is stopped and the exception leaves with ``partial``; any other exception stops them too."""
     refs = [registry.resolve(name) for name in options.backends]
     runnable = [ref for ref in refs if not _cannot_run(probes[ref.name])]
+    # Asked by their first child instead: what every unit's children said decides (``rows``), so
+    # that one child that could not load it does not stand for the others.
+    asked_by_child = {name for name, said in probes.items() if said is None}
     work = units(options, runnable, len(slots))
     told = _Told(progress, options, probes)
     unit_events = [BackendEvents() for _ in work]
@@ -147,9 +150,9 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
         slot = free.get()
         began = time.monotonic()
         try:
-            said = probes[unit.ref.name]
-            if stop.is_set() or budgets[unit.ref.name].exhausted or _cannot_run(said):  # ``rows`` says why
-                return
+            said = probes[unit.ref.name]  # a first child's answer: unavailable here is no child's to change
+            if stop.is_set() or budgets[unit.ref.name].exhausted or (said is not None and said.unavailable):
+                return  # ``rows`` says why
             job = Job(
                 backend=unit.ref.name,
                 device=str(options.device),
@@ -179,10 +182,10 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
     def rows(not_run: str) -> list[BackendResult]:
         found = []
         for ref in refs:
-            said = probes[ref.name]
+            said = None if ref.name in asked_by_child else probes[ref.name]
             if _cannot_run(said):
                 found.append(not_run_here(said, options))
-                continue  # (asked by its first child: its row, whatever its other units said)
+                continue
             events = BackendEvents()
             for unit, reported in zip(work, unit_events):
                 if unit.ref.name == ref.name:

@@ -275,10 +275,13 @@ def test_workers_on_one_named_gpu_stay_on_it(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_part_whose_process_cannot_load_the_backend_says_so_and_loses_no_other_case(tmp_path, monkeypatch):
-    # The probe loads it, then exactly one of three units' children cannot: that part's cases are
-    # ERROR saying why, every other case is the backend's own result, none is missing.
+@pytest.mark.parametrize("fails_at", [1, 2])
+def test_a_part_whose_process_cannot_load_the_backend_says_so_and_loses_no_other_case(tmp_path, monkeypatch, fails_at):
+    # One backend: its units' children say what it is (no probe child). Exactly one of the three
+    # cannot load it (the first to import it, which likely answers first, or the second): that
+    # part's cases are ERROR saying why, every other case is the backend's own result.
     monkeypatch.setenv("FLAKY_IMPORT_DIR", str(tmp_path))
+    monkeypatch.setenv("FLAKY_IMPORT_FAILS_AT", str(fails_at))
     flaky = "tests.planted.gate.import_fails_second_time:Backend"
     common = ["run", "--backend", flaky, "--suite", "smoke", "--check", "numerics", "--device", "cpu", "--quiet"]
     completed = conformance(*common, "--workers", "3", "--json", str(tmp_path / "pool.json"))
