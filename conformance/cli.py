@@ -227,7 +227,8 @@ def _shard_part(args, cases) -> tuple[list[str], dict[str, Any]] | None:
     earlier = None if args.shard_times is None else case_seconds(_load_results(args.shard_times, True))
     ids = [case.id for case in shard_cases(cases, shard, earlier)]
     times = "attention work" if earlier is None else f"case seconds of {args.shard_times}"
-    return ids, {"index": shard.index, "count": shard.count, "cases": [case.id for case in cases], "times": times}
+    record = {"index": shard.index, "count": shard.count, "cases": [case.id for case in cases], "times": times}
+    return ids, {**record, "assigned": ids}
 
 
 def _pool_slots(args, checks, device: torch.device) -> list[Slot] | None:
@@ -436,14 +437,14 @@ def _add_run_arguments(parser: argparse.ArgumentParser, default_suite: str | Non
     )
     parser.add_argument(
         "--gpus",
-        help="all | 0,1,...: spread the run over these GPUs, one pytest-xdist worker each (more with "
-        "--workers), one merged report",
+        help="all | 0,1,...: spread the run over these GPUs, one slot of isolated children each (more with "
+        "--workers), one report",
     )
     parser.add_argument(
         "--workers",
         type=int,
-        help="pytest-xdist worker processes (default: one a GPU of --gpus); without --gpus they take "
-        "every visible GPU in turn, or share the CPU's cores",
+        help="slots, each running one isolated child at a time (default: one a GPU of --gpus); without "
+        "--gpus they take every visible GPU in turn, or share the CPU's cores",
     )
     parser.add_argument(
         "--shard",

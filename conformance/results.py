@@ -219,7 +219,8 @@ class RunResult:
     interrupted: bool = False  # stopped by SIGINT/SIGTERM: only what finished is here
     schema_version: int = SCHEMA_VERSION
     # One part of a sharded run (``--shard I/N``): {"index", "count", "cases": every case id of the
-    # whole run in order, "times": what balanced the cut}; ``conformance merge`` joins the parts.
+    # whole run in order, "times": what balanced the cut, "assigned": this part's case ids};
+    # ``conformance merge`` joins the parts.
     shard: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:

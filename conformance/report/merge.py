@@ -38,6 +38,7 @@ def merge_parts(parts: list[tuple[str, RunResult]]) -> RunResult:
     missing = [f"{index}/{count}" for index in range(1, count + 1) if index not in seen]
     if missing:
         raise MergeError(f"part {', '.join(missing)} missing: give every part of the run")
+    _covered(parts)
     ordered = [part for _, part in sorted(parts, key=lambda item: item[1].shard["index"])]
     order = {case_id: position for position, case_id in enumerate(first.shard["cases"])}
     backends = [_merge_backend([part.backends[at] for part in ordered], order) for at in range(len(first.backends))]
@@ -54,6 +55,23 @@ def merge_parts(parts: list[tuple[str, RunResult]]) -> RunResult:
     )
 
 
+def _covered(parts: list[tuple[str, RunResult]]) -> None:
+    """Every case of the run in exactly one part, by the cut each part recorded (a part cut other
+    ways, e.g. with other ``--shard-times``, would leave cases out or in twice)."""
+    owner: dict[str, str] = {}
+    for path, part in parts:
+        for case_id in part.shard.get("assigned", []):
+            if case_id in owner:
+                raise MergeError(f"{owner[case_id]} and {path} both ran case {case_id}: the parts were cut differently")
+            owner[case_id] = path
+    left_out = [case_id for case_id in parts[0][1].shard["cases"] if case_id not in owner]
+    if left_out:
+        raise MergeError(
+            f"no part ran case {left_out[0]} ({len(left_out)} case(s) left out): the parts were cut differently "
+            "(give every part the same --shard-times, or none)"
+        )
+
+
 def _same_run(first_path: str, first: RunResult, path: str, part: RunResult) -> None:
     """``part`` was cut from the run ``first`` was: MergeError naming what differs."""
     differences = [
@@ -62,17 +80,24 @@ def _same_run(first_path: str, first: RunResult, path: str, part: RunResult) -> 
         ("checks", first.checks, part.checks),
         ("backends", [b.name for b in first.backends], [b.name for b in part.backends]),
         ("cases", first.shard["cases"], part.shard["cases"]),
+        ("cuts", first.shard.get("times"), part.shard.get("times")),
     ]
     for what, mine, theirs in differences:
         if mine != theirs:
-            shown = (mine, theirs) if what in ("suites", "part counts") else ("one list", "another")
+            shown = (mine, theirs) if what in ("suites", "part counts", "cuts") else ("one list", "another")
             raise MergeError(
                 f"{first_path} and {path} are parts of other runs: their {what} differ ({shown[0]} and {shown[1]})"
             )
 
 
 def _merge_backend(rows: list[BackendResult], order: dict[str, int]) -> BackendResult:
-    ran = [row for row in rows if row.available] or rows
+    if len({row.available for row in rows}) > 1:  # its cases in the other parts would be lost
+        down = next(row for row in rows if not row.available)
+        raise MergeError(
+            f"backend {down.name} could run in some parts and not in others ({down.reason}): "
+            "run every part on machines of one kind"
+        )
+    ran = rows
     first = ran[0]
     checks = [_merge_check([row.checks[at] for row in ran], order) for at in range(len(first.checks))]
     return BackendResult(

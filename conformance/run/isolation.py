@@ -17,9 +17,9 @@ The parent never imports the backend: what a check or case would have been (SKIP
 or run) comes from the plan the first child announces.
 
 The probe child (``python -m conformance.run.isolation --ask DEVICE``) answers for many backends
-at once, importing each in turn: ``conformance list``, a sharded run, and the backends of a run
-after its first (so that a typo among them is refused before any file is touched); the run's first
-backend is answered by the child that then runs it.
+at once, importing each in turn: ``conformance list``, and a run of several backends, before the
+pool starts any (so that a typo among them is refused before any file is touched); a run of one
+backend is answered by the children that then run it (``pool``).
 
 The child runs in its own process group, which the parent kills whenever a child ends, early or
 not (``reaper.py``: also the processes that left the group, and the groups of a run that died);
@@ -85,8 +85,12 @@ class BackendEvents:
             self.skipped_checks.setdefault(check, reason)
         if self.planned_checks is None and other.planned_checks is not None:
             self.planned_checks, self.planned_cases = other.planned_checks, other.planned_cases
-        if self.answer is None or (self.answer.get("failure") and other.answer and not other.answer.get("failure")):
-            self.answer = other.answer  # a child that loaded the backend says what it is
+
+        def runs(answer: dict[str, Any] | None) -> bool:
+            return bool(answer) and not answer.get("failure") and not answer.get("unavailable")
+
+        if self.answer is None or (not runs(self.answer) and runs(other.answer)):
+            self.answer = other.answer  # a child that loaded and can run the backend says what it is
 
     def whole_skip(self, check: str) -> str | None:
         """Why ``check`` skips as a whole on this device (reported, or planned), or None."""

@@ -35,6 +35,7 @@ from conformance.run.runner import (
     Progress,
     RunOptions,
     _cannot_run,
+    _not_started,
     annotate_bench_ratios,
     backend_row,
     not_run_here,
@@ -89,6 +90,12 @@ class _Told:
     def __init__(self, progress: Progress, options: RunOptions, probes: dict[str, Probe | None]) -> None:
         self.progress, self.options, self.probes = progress, options, probes
         self.lock, self.seen = threading.Lock(), set()
+        self.started: set[str] = set()  # backends whose progress began
+
+    def start(self, name: str) -> None:
+        if name not in self.started:
+            self.started.add(name)
+            self.progress.backend_started(name, len(self.options.checks), len(self.options.reported_cases))
 
     def event(self, name: str, event: dict[str, Any]) -> None:
         with self.lock:
@@ -102,7 +109,11 @@ class _Told:
                 if self.options.ready is not None and None not in self.probes.values():
                     self.options.ready(self.probes)
                 if not _cannot_run(said):
-                    self.progress.backend_started(name, len(self.options.checks), len(self.options.reported_cases))
+                    self.start(name)
+            if name not in self.started:  # nothing of it drawn yet: a case result starts it
+                if event["event"] in ("backend", "plan", "done"):
+                    return
+                self.start(name)
             self.progress.event(name, event)
 
 
@@ -114,7 +125,21 @@ def run_pooled(options: RunOptions, progress: Progress) -> RunResult:
     if len(options.backends) == 1:  # its first child says what it is: no probe child of its own
         probes: dict[str, Probe | None] = {options.backends[0]: None}
     else:
-        probes = dict(probe(options))
+        try:
+            probes = dict(probe(options))
+        except Interrupted as interrupted:  # while the probe child imports: every backend not run
+            rows = [
+                _not_started(registry.resolve(name), None, options, interrupted.not_run) for name in options.backends
+            ]
+            interrupted.partial = RunResult(
+                collect_environment(options.device),
+                rows,
+                options.suite,
+                list(options.checks),
+                True,
+                shard=options.shard,
+            )
+            raise
         if options.ready is not None:
             options.ready(probes)
     if any("CUDA_VISIBLE_DEVICES" in slot.env for slot in slots):
@@ -143,16 +168,15 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
     lock = threading.Lock()
     for ref in runnable:
         if probes[ref.name] is not None:
-            progress.backend_started(ref.name, len(options.checks), len(options.reported_cases))
+            told.start(ref.name)
 
     def run_unit(index: int) -> None:
         unit = work[index]
         slot = free.get()
         began = time.monotonic()
         try:
-            said = probes[unit.ref.name]  # a first child's answer: unavailable here is no child's to change
-            if stop.is_set() or budgets[unit.ref.name].exhausted or (said is not None and said.unavailable):
-                return  # ``rows`` says why
+            if stop.is_set() or budgets[unit.ref.name].exhausted:  # ``rows`` says why
+                return
             job = Job(
                 backend=unit.ref.name,
                 device=str(options.device),
@@ -191,11 +215,14 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
                 if unit.ref.name == ref.name:
                     events.absorb(reported)
             budget = budgets[ref.name]
-            failed = [e.answer["failure"] for u, e in zip(work, unit_events) if u.ref.name == ref.name and e.answer
-                      and e.answer.get("failure")]  # fmt: skip
+            answers = [e.answer for u, e in zip(work, unit_events) if u.ref.name == ref.name and e.answer]
+            failed = [answer["failure"] for answer in answers if answer.get("failure")]
+            unavailable = [answer["unavailable"] for answer in answers if answer.get("unavailable")]
             why = not_run
             if failed and not stop.is_set():  # a unit's child could not load what the probe loaded
                 why = f"not run: this part's process could not load the backend ({failed[0]})"
+            elif unavailable and not stop.is_set():  # a slot's GPU of another kind than the others'
+                why = f"not run: this part's slot cannot run the backend ({unavailable[0]})"
             if budget.exhausted and not stop.is_set():
                 why = budget.given_up
             found.append(backend_row(ref, said, options, events, why, seconds[ref.name]))

@@ -31,13 +31,28 @@ PR_SET_CHILD_SUBREAPER = 36
 # Every worker and sentinel of every Reaper of this process: a pool runs several Reapers at once
 # (one a unit), and one's sweep must not take another's live worker or sentinel for an orphan.
 _LIVE: set[int] = set()
-_LIVE_LOCK = threading.RLock()  # held by a spawn and a sweep alike: no sweep sees a worker not yet listed
+_LIVE_LOCK = threading.RLock()
+_SPAWNING = [0]  # processes being started now: a sweep then waits for the next one (it cannot tell them apart)
 _SUBREAPERS = [0]  # Reapers open: this process stays a subreaper while any is
 
 
 def _live(pid: int, alive: bool) -> None:
     with _LIVE_LOCK:
         (_LIVE.add if alive else _LIVE.discard)(pid)
+
+
+def _started(start: Callable[[], subprocess.Popen]) -> subprocess.Popen:
+    """``start()``'s process, listed as live before any sweep may take it for an orphan. The lock
+    is not held while it starts (a child started from a thread must not stall every other slot)."""
+    with _LIVE_LOCK:
+        _SPAWNING[0] += 1
+    try:
+        child = start()
+        _live(child.pid, True)
+        return child
+    finally:
+        with _LIVE_LOCK:
+            _SPAWNING[0] -= 1
 
 
 # Reads "watch PGID" / "forget PGID" lines; at end of input without "release", kills every group
@@ -116,15 +131,16 @@ class Reaper:
             _SUBREAPERS[0] += 1
             if self.prctl is not None:
                 self.prctl(PR_SET_CHILD_SUBREAPER, 1)
-        self.sentinel = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _SENTINEL],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            start_new_session=True,
+        self.sentinel = _started(
+            lambda: subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _SENTINEL],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                start_new_session=True,
+            )
         )  # out of reach of a Ctrl-C to the run's group
-        _live(self.sentinel.pid, True)
         self.before = children()  # the run's own children (the sentinel among them): never swept
 
     def _tell(self, line: str) -> None:
@@ -136,9 +152,7 @@ class Reaper:
 
     def spawn(self, start: Callable[[], subprocess.Popen]) -> subprocess.Popen:
         """``start()``'s worker, listed as live before any sweep can see it, and watched."""
-        with _LIVE_LOCK:
-            child = start()
-            _LIVE.add(child.pid)
+        child = _started(start)
         self._tell(f"watch {child.pid}")
         return child
 
@@ -157,7 +171,8 @@ class Reaper:
 
     def sweep(self) -> None:
         with _LIVE_LOCK:
-            kill_children_but(self.before | _LIVE)
+            if not _SPAWNING[0]:  # else a later sweep takes it (the next worker's end, the last close)
+                kill_children_but(self.before | _LIVE)
 
     def close(self) -> None:
         self.sweep()

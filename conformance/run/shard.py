@@ -80,9 +80,12 @@ def assign(cases: list[Case], count: int, earlier: dict[str, float] | None = Non
     times = expected_times(cases, earlier)
     loads = [0.0] * count
     parts = [0] * len(cases)
+    sizes = [0] * count
     for position in sorted(range(len(cases)), key=lambda at: (-times[at], at)):
-        part = min(range(count), key=lambda index: (loads[index], index))
+        # Equal loads (cases an earlier run timed at 0 s): the part with fewer cases, so none is empty.
+        part = min(range(count), key=lambda index: (loads[index], sizes[index], index))
         loads[part] += times[position]
+        sizes[part] += 1
         parts[position] = part + 1
     return parts
 

@@ -293,3 +293,57 @@ def test_a_part_whose_process_cannot_load_the_backend_says_so_and_loses_no_other
     assert 0 < len(lost) < len(cases), [(case.verdict.value, case.reason) for case in cases]
     assert all(case.reason.startswith("not run: this part's process could not load the backend") for case in lost)
     assert "the license server did not answer" in lost[0].reason
+
+
+def test_a_backends_progress_starts_before_its_first_result_whatever_its_first_child_said():
+    """A backend asked by its children: the first answer may be a child that could not load it
+    while the others ran its cases. The progress (a terminal's bars look the backend up) starts
+    it before the first case result it hears, and hears its first answer only then."""
+    from conformance.run.pool import _Told
+    from conformance.run.runner import Progress
+
+    class Strict(Progress):
+        def __init__(self):
+            self.started, self.heard = [], []
+
+        def backend_started(self, name, num_checks, num_cases):
+            self.started.append(name)
+
+        def event(self, name, event):
+            assert name in self.started, event  # RichProgress.event raises KeyError here
+            self.heard.append(event["event"])
+
+    options = RunOptions(
+        backends=["torch_naive"], checks=["numerics"], cases=suite("smoke"), device=torch.device("cpu")
+    )
+    progress = Strict()
+    told = _Told(progress, options, {"torch_naive": None})
+    told.event("torch_naive", {"event": "backend", "failure": "cannot load backend: boom", "claims": {}})
+    told.event("torch_naive", {"event": "plan", "checks": {}, "cases": {}})
+    told.event("torch_naive", {"event": "start", "check": "numerics", "case": "x"})
+    assert progress.started == ["torch_naive"] and progress.heard == ["start"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_probe_imports_keeps_every_backends_row(tmp_path):
+    # Several backends: a probe child asks them all first; one import never returns. A SIGINT then
+    # writes every backend's row, each check ERROR "not run", with the environment: not an empty file.
+    results = tmp_path / "results.json"
+    command = [
+        sys.executable,
+        "-m",
+        "conformance",
+        "run",
+        "--backend",
+        "tests.planted.gate.import_hang:Backend,torch_naive",
+    ]
+    command += ["--suite", "smoke", "--check", "numerics", "--device", "cpu", "--json", str(results)]
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    time.sleep(8)  # the probe child is inside the import
+    os.killpg(run.pid, signal.SIGINT)
+    stdout, stderr = run.communicate(timeout=60)
+    assert run.returncode == 130, stdout + stderr
+    data = json.loads(results.read_text())
+    assert data["interrupted"] is True and data["environment"]["device"] == "cpu"
+    rows = {backend["name"]: [check["summary"] for check in backend["checks"]] for backend in data["backends"]}
+    assert rows == {name: ["not run: the run was interrupted by SIGINT"] for name in rows} and len(rows) == 2

@@ -50,17 +50,22 @@ def test_an_earlier_runs_seconds_balance_the_cut():
     slow = cases[0].id  # the smallest batch, but the slowest case of the earlier run
     earlier = {case.id: 1.0 for case in cases} | {slow: 100.0}
     parts = assign(cases, 2, earlier)
+    assert sorted(set(assign(cases, 3, dict.fromkeys(earlier, 0.0)))) == [1, 2, 3]  # 0 s each: no part empty
     alone = parts[0]
     assert parts.count(alone) == 1  # it fills its part by itself
     static = assign(cases, 2)
     assert static.count(static[0]) > 1  # by attention work the smallest batch shares its part
 
 
-def _run(case_ids, verdicts, index=None, count=2, suite_name="custom", whole=None):
-    """A results file of one backend and one check over these cases (a part where ``index``)."""
+def _run(
+    case_ids, verdicts, index=None, count=2, suite_name="custom", whole=None, assigned=None, times="attention work"
+):
+    """A results file of one backend and one check over these cases (a part where ``index``; its
+    cut: ``assigned``, by default the cases it holds)."""
     cases = [CaseResult(case_id, verdict, "r") for case_id, verdict in zip(case_ids, verdicts)]
     check = CheckResult("numerics", Verdict.PASS, "", cases)
-    shard = None if index is None else {"index": index, "count": count, "cases": whole, "times": "attention work"}
+    cut = list(case_ids) if assigned is None else assigned
+    shard = None if index is None else {"index": index, "count": count, "cases": whole, "times": times, "assigned": cut}
     return RunResult(
         {"host": "h"}, [BackendResult("torch_naive", True, checks=[check])], suite_name, ["numerics"], shard=shard
     )
@@ -83,7 +88,7 @@ def test_merge_puts_cases_back_in_the_runs_order_and_summarizes_again():
 
 def test_a_part_that_could_not_run_a_check_is_named_beside_the_others_cases():
     ran = _run(["a", "b"], [Verdict.PASS, Verdict.PASS], 1, whole=WHOLE)
-    failed = _run([], [], 2, whole=WHOLE)
+    failed = _run([], [], 2, whole=WHOLE, assigned=["c", "d"])
     failed.backends[0].checks[0] = CheckResult("numerics", Verdict.ERROR, "cannot load backend: boom")
     check = merge_parts([("p1", ran), ("p2", failed)]).backends[0].check("numerics")
     assert check.verdict == Verdict.ERROR and "1 part(s) did not run it: cannot load backend: boom" in check.summary
@@ -128,7 +133,21 @@ def test_a_part_that_could_not_run_a_check_is_named_beside_the_others_cases():
                 ("p1", _run(["a", "b"], [Verdict.PASS] * 2, 1, whole=WHOLE)),
                 ("p2", _run(["b"], [Verdict.PASS], 2, whole=WHOLE)),
             ],
-            "case b of check numerics is in more than one part",
+            "p1 and p2 both ran case b: the parts were cut differently",
+        ),
+        (
+            [
+                ("p1", _run(["a"], [Verdict.PASS], 1, whole=WHOLE)),
+                ("p2", _run(["b"], [Verdict.PASS], 2, whole=WHOLE)),
+            ],
+            "no part ran case c (2 case(s) left out)",
+        ),
+        (
+            [
+                ("p1", _run(["a", "b"], [Verdict.PASS] * 2, 1, whole=WHOLE)),
+                ("p2", _run(["c", "d"], [Verdict.PASS] * 2, 2, whole=WHOLE, times="case seconds of main.json")),
+            ],
+            "their cuts differ (attention work and case seconds of main.json)",
         ),
     ],
 )
@@ -136,6 +155,16 @@ def test_what_is_not_one_sharded_run_is_refused(parts, says):
     with pytest.raises(MergeError) as error:
         merge_parts(parts)
     assert says in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_backend_that_ran_in_one_part_and_not_in_another_is_refused():
+    ran = _run(["a", "b"], [Verdict.PASS] * 2, 1, whole=WHOLE)
+    down = _run([], [], 2, whole=WHOLE, assigned=["c", "d"])
+    down.backends[0] = BackendResult(
+        "torch_naive", False, "needs SM100", checks=[CheckResult("numerics", Verdict.SKIP, "x")]
+    )
+    with pytest.raises(MergeError, match="could run in some parts and not in others \\(needs SM100\\)"):
+        merge_parts([("p1", ran), ("p2", down)])
 
 
 @pytest.mark.slow
