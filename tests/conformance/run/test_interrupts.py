@@ -35,16 +35,17 @@ def alive(pid: int) -> bool:
         return False
 
 
+def run_command(*args: str) -> list[str]:
+    """``conformance run ARGS`` as its own process runs it."""
+    return [sys.executable, "-m", "conformance", "run", *args]
+
+
 def start_run(tmp_path: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
     results = tmp_path / "results.json"
     results.write_text("{}")  # an older run's file: must not survive looking current
     env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    command = [
-        sys.executable,
-        "-m",
-        "conformance",
-        "run",
+    command = run_command(
         "--backend",
         "tests.planted.defects:HangsOnLongSequence",
         "--case",
@@ -58,7 +59,7 @@ def start_run(tmp_path: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.P
         "--json",
         str(results),
         *extra,
-    ]
+    )
     run = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
     )  # its own group: killpg reaches it and no test runner

@@ -19,7 +19,7 @@ from conformance.results import RunResult
 from conformance.run.isolation import MAX_CRASHES
 from conformance.run.pool import slots_for, units
 from conformance.run.runner import RunOptions
-from tests.conformance.run.test_interrupts import FINISHES, HANGS, alive, children, start_run
+from tests.conformance.run.test_interrupts import FINISHES, HANGS, alive, children, run_command, start_run
 from tests.conformance.test_cli import conformance
 
 CRASHES = "tests.planted.defects:CrashesOnLargeBatch"
@@ -329,15 +329,8 @@ def test_ctrl_c_while_the_probe_imports_keeps_every_backends_row(tmp_path):
     # Several backends: a probe child asks them all first; one import never returns. A SIGINT then
     # writes every backend's row, each check ERROR "not run", with the environment: not an empty file.
     results = tmp_path / "results.json"
-    command = [
-        sys.executable,
-        "-m",
-        "conformance",
-        "run",
-        "--backend",
-        "tests.planted.gate.import_hang:Backend,torch_naive",
-    ]
-    command += ["--suite", "smoke", "--check", "numerics", "--device", "cpu", "--json", str(results)]
+    command = run_command("--backend", "tests.planted.gate.import_hang:Backend,torch_naive", "--suite", "smoke")
+    command += ["--check", "numerics", "--device", "cpu", "--json", str(results)]
     run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     time.sleep(8)  # the probe child is inside the import
     os.killpg(run.pid, signal.SIGINT)
