@@ -232,8 +232,8 @@ def _shard_part(args, cases) -> tuple[list[str], dict[str, Any]] | None:
 
 
 def _pool_slots(args, checks, device: torch.device) -> list[Slot] | None:
-    """``--gpus`` / ``--workers``: the pool's slots (``run.pool``), checked before any work; None
-    for a serial run."""
+    """``--gpus`` / ``--workers``: the pool's slots (``run.pool``), checked before any work; None:
+    the pool's one slot, the device as given."""
     if args.gpus is None and args.workers is None:
         return None
     option = "--gpus" if args.gpus is not None else "--workers"

@@ -76,7 +76,10 @@ class Job:
 
     def reported(self) -> list[dict[str, str]]:
         """The cases this job reports: its part's (``only``), or every one."""
-        return self.cases if self.only is None else [case for case in self.cases if case["id"] in set(self.only)]
+        if self.only is None:
+            return self.cases
+        only = set(self.only)
+        return [case for case in self.cases if case["id"] in only]
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> "Job":
@@ -296,7 +299,8 @@ def execute(job: Job, emit: Emit) -> bool:
     emit(plan_event(items))
     done = set(job.done)
     if job.only is not None:  # another part of a sharded run reports the other cases
-        done |= {(item.check_name, item.case.id) for item in items if item.case and item.case.id not in job.only}
+        only = set(job.only)
+        done |= {(item.check_name, item.case.id) for item in items if item.case and item.case.id not in only}
     for item in items:
         check_name, check, case = item.check_name, item.check, item.case
         if case is None:

@@ -141,7 +141,10 @@ class RunOptions:
     @property
     def reported_cases(self) -> list[Case]:
         """The cases this run reports: its part's, or every one."""
-        return self.cases if self.only is None else [case for case in self.cases if case.id in set(self.only)]
+        if self.only is None:
+            return self.cases
+        only = set(self.only)
+        return [case for case in self.cases if case.id in only]
 
 
 class Progress:
