@@ -81,10 +81,11 @@ def _same_run(first_path: str, first: RunResult, path: str, part: RunResult) -> 
         ("backends", [b.name for b in first.backends], [b.name for b in part.backends]),
         ("cases", first.shard["cases"], part.shard["cases"]),
         ("cuts", first.shard.get("times"), part.shard.get("times")),
+        ("trees", first.environment.get("git_sha"), part.environment.get("git_sha")),  # a job on another commit
     ]
     for what, mine, theirs in differences:
         if mine != theirs:
-            shown = (mine, theirs) if what in ("suites", "part counts", "cuts") else ("one list", "another")
+            shown = (mine, theirs) if what in ("suites", "part counts", "cuts", "trees") else ("one list", "another")
             raise MergeError(
                 f"{first_path} and {path} are parts of other runs: their {what} differ ({shown[0]} and {shown[1]})"
             )

@@ -157,6 +157,16 @@ def test_what_is_not_one_sharded_run_is_refused(parts, says):
     assert says in str(error.value) and "\n" not in str(error.value)
 
 
+def test_parts_run_at_other_commits_are_refused():
+    first, second = (
+        _run(["a", "b"], [Verdict.PASS] * 2, 1, whole=WHOLE),
+        _run(["c", "d"], [Verdict.PASS] * 2, 2, whole=WHOLE),
+    )
+    first.environment["git_sha"], second.environment["git_sha"] = "abc1234", "def5678"
+    with pytest.raises(MergeError, match=r"their trees differ \(abc1234 and def5678\)"):
+        merge_parts([("p1", first), ("p2", second)])
+
+
 def test_a_backend_that_ran_in_one_part_and_not_in_another_is_refused():
     ran = _run(["a", "b"], [Verdict.PASS] * 2, 1, whole=WHOLE)
     down = _run([], [], 2, whole=WHOLE, assigned=["c", "d"])
