@@ -31,7 +31,6 @@ from backends.base import Capabilities, DeviceInfo
 from conformance.cases.grammar import __doc__ as CASE_GRAMMAR
 from conformance.checks import CHECKS, default_checks
 from conformance.harness.batch import footprint_bytes
-from conformance.pytest_gpus import GpuChoiceError, choose_gpus, visible_gpus
 from conformance.report.compare import ACCEPTABLE, CompareError, compare_runs
 from conformance.report.merge import MergeError, merge_parts
 from conformance.report.output_paths import OutputPathError, check_directory, check_files
@@ -39,6 +38,7 @@ from conformance.report.outputs import UndrawableResults, Written, write_outputs
 from conformance.report.safe_text import visible
 from conformance.report.terminal import LineProgress, RichProgress, print_report
 from conformance.results import RunResult
+from conformance.run.gpus import GpuChoiceError, choose_gpus, visible_gpus
 from conformance.run.interrupts import Interrupted, release_signals, stopping_on_signals
 from conformance.run.isolation import Probe, probe_backends
 from conformance.run.journal import Journal

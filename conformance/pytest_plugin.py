@@ -12,12 +12,14 @@ item, not one per case. The checks default to the CLI's. Each case runs as a ``c
 child runs it (``execution.run_case``, the harness sealed), in the pytest process: no crash
 isolation there; use ``conformance run``, or pytest-xdist, for that.
 
-Over several GPUs (pytest-xdist): ``pytest -n 8 --dist loadgroup --conformance-backend a,b``.
-Each worker takes one GPU (``pytest_gpus``), a backend's check stays on one worker (its items
-share a check instance and compiled kernels), the results of every worker are merged into one
-results JSON and reports (``pytest_results``), a big-pool case still takes its GPU's turn, and a
-worker that dies under a case (or hangs past ``--conformance-timeout``) makes that case CRASH
-while a fresh worker goes on.
+On several workers (pytest-xdist): ``pytest -n K --conformance-backend a,b`` runs the items on K
+workers under xdist's ordinary scheduling (``--dist load``, the default for ``-n``). Each item
+stands alone (a check plans its skips over the whole suite in every process), so one check's
+items may run on different workers; each worker runs on the device it sees (a big-pool case
+still takes its GPU's turn), and the results of every worker are merged into one results JSON
+and reports (``pytest_results``). A worker that dies under an item (or hangs past
+``--conformance-timeout``) makes that case CRASH, and a fresh worker goes on with the rest. Over
+several GPUs, use ``conformance run --gpus``: its own pool of isolated children, one GPU each.
 
 A green run must mean something ran: when the requested device is absent (``cuda`` without a
 GPU), the backend is unavailable on it, or every conformance item skipped, the items fail (or
@@ -39,7 +41,6 @@ from typing import Any
 import pytest
 import torch
 
-from conformance.pytest_gpus import GpuChoiceError, assign_gpus, choose_gpus
 from conformance.pytest_results import PlannedCase, ResultCollector, event_property
 from conformance.report.output_paths import OutputPathError, check_files
 from conformance.run import exit_guard
@@ -101,23 +102,11 @@ def pytest_addoption(parser) -> None:
     group.addoption("--conformance-html", help="also write the HTML report here")
     group.addoption("--conformance-markdown", help="also write the Markdown summary here")
     group.addoption(
-        "--conformance-gpus",
-        default=None,
-        help="with pytest-xdist (-n N): 'all' or GPU indices (0,1); the K-th worker takes the K-th, round "
-        "robin (default under -n: all)",
-    )
-    group.addoption(
-        "--conformance-group",
-        default="check",
-        choices=("check", "backend"),
-        help="with --dist loadgroup: what stays on one worker, a backend's check (default) or the whole backend",
-    )
-    group.addoption(
         "--conformance-timeout",
         type=float,
         default=None,
-        help="with pytest-xdist: seconds a case may run before its worker is ended (the case is CRASH and a "
-        "fresh worker goes on)",
+        help="with pytest-xdist workers (-n K): seconds a case may run before its worker is ended (the case "
+        "is CRASH and a fresh worker goes on)",
     )
 
 
@@ -152,17 +141,6 @@ class Plan:
         parts = ([backend] if len(self.backends) > 1 else []) + [check] + ([case_id] if case_id else [])
         return f"conformance[{'-'.join(parts)}]"
 
-    def groups(self, by: str) -> dict[str, tuple[str, str]]:
-        """Every item's name (whole-check items too) -> (what stays on one xdist worker: a
-        backend's check, whose items share one check instance and its kernels, or the whole
-        backend; the backend)."""
-        return {
-            self.item_name(backend, check, case_id): (backend if by == "backend" else f"{backend}-{check}", backend)
-            for backend in self.backends
-            for check in self.checks
-            for case_id in [None, *(case.id for case in self.cases)]
-        }
-
     def case_items(self) -> dict[str, PlannedCase]:
         return {
             self.item_name(backend, check, case.id): PlannedCase(backend, check, case)
@@ -173,7 +151,6 @@ class Plan:
 
 
 _PLAN_KEY = pytest.StashKey[Plan]()
-_GPUS_KEY = pytest.StashKey[list]()
 _COLLECTOR_KEY = pytest.StashKey[ResultCollector]()
 _LOCK_KEY = pytest.StashKey[Any]()
 
@@ -244,19 +221,11 @@ def pytest_configure(config) -> None:
         # The workers share the cores: torch's default of one thread a core in each of them
         # oversubscribes the machine, and OpenMP's spinning threads then slow every worker many times.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workerinput["workercount"]))
-    gpus = config.getoption("conformance_gpus")
-    # Workers take GPUs only in a conformance run: an author's own `pytest -n 4`, with this plugin
-    # merely installed, keeps its GPUs as it had them.
-    if _distributed(config) and (config.getoption("conformance_backend") or gpus is not None):
-        if gpus is not None or torch.cuda.is_available():
-            try:
-                config.stash[_GPUS_KEY] = choose_gpus(gpus or "all", "--conformance-gpus")
-            except GpuChoiceError as error:
-                raise pytest.UsageError(str(error)) from None
-    elif gpus is not None and workerinput is None:
-        raise pytest.UsageError("--conformance-gpus spreads items over pytest-xdist workers: add -n N")
     if not config.getoption("conformance_backend"):
         return
+    if config.getoption("conformance_timeout") is not None and workerinput is None and not _distributed(config):
+        # Only a worker can be ended and replaced: in the only process, a limit would end the session.
+        raise pytest.UsageError("--conformance-timeout ends a pytest-xdist worker that runs past it: add -n N")
     plan = config.stash[_PLAN_KEY] = _plan(config)
     if workerinput is None:  # the process that reports: the controller, or the only one
         _claim_outputs(config)
@@ -298,11 +267,8 @@ def _claim_outputs(config) -> None:
         check_files(outputs, results=Path(json_path) if json_path else None)
         if json_path:
             config.stash[_LOCK_KEY] = ResultsLock(Path(json_path)).acquire()
-    except OutputPathError as error:
+    except (OutputPathError, ResultsInUse) as error:  # another run or session writing the same results too
         raise pytest.UsageError(str(error)) from None
-    except ResultsInUse as error:
-        if error.owner != os.getppid():  # `conformance run --workers` holds it for the pytest it started
-            raise pytest.UsageError(str(error)) from None
     for path in outputs.values():
         if path:
             Path(path).unlink(missing_ok=True)
@@ -312,26 +278,6 @@ def pytest_unconfigure(config) -> None:
     lock = config.stash.get(_LOCK_KEY, None)
     if lock is not None:
         lock.release()
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_setupnodes(config, specs) -> None:
-    """pytest-xdist's controller, before it starts the workers: the GPU each takes, in its
-    process's environment (``pytest_gpus``); the results name the GPUs used."""
-    gpus = config.stash.get(_GPUS_KEY, None)
-    if gpus:
-        config.stash[_GPUS_KEY] = assign_gpus(gpus, specs)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadgroup`` with conformance items: their groups from the plan (``pytest_schedule``)."""
-    plan = config.stash.get(_PLAN_KEY, None)
-    if plan is None or config.getoption("dist") != "loadgroup":
-        return None
-    from conformance.pytest_schedule import conformance_groups
-
-    return conformance_groups(plan.groups(config.getoption("conformance_group")))(config, log)
 
 
 class BackendCollector(pytest.Collector):
@@ -447,9 +393,9 @@ class ConformanceItem(pytest.Item):
 def pytest_runtest_protocol(item, nextitem):
     """After a case whose sticky CUDA error left the context unusable (its result reported), no
     case may run in this process, as no case runs after it in a ``conformance run`` child. A
-    pytest-xdist worker ends, so that a fresh one takes the rest (the controller counts the
-    item's crash once; its result is the CRASH already sent). Without xdist the session stops,
-    and the cases left are "not run", saying why."""
+    pytest-xdist worker ends, so that a fresh one takes the rest (xdist then reports this item
+    crashed too; ``ResultCollector`` keeps the CRASH it already sent). Without xdist the session
+    stops, and the cases left are "not run", saying why."""
     outcome = yield
     plan = item.config.stash.get(_PLAN_KEY, None)
     if plan is not None and plan.stopped:
@@ -495,9 +441,8 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     if collector is None:
         return
     interrupted = exitstatus == pytest.ExitCode.INTERRUPTED or bool(session.shouldstop)
-    gpus = config.stash.get(_GPUS_KEY, None)
     workers = config.getoption("numprocesses", None) if _distributed(config) else None
-    extra = {**({"pytest_workers": workers} if workers else {}), **({"gpus": gpus} if gpus else {})}
+    extra = {"pytest_workers": workers} if workers else {}
     result = collector.run_result(plan.device, interrupted, extra, plan.stopped)
     _write_outputs(session, result, collector)
     if result.ran_anything() or config.getoption("conformance_allow_skip") or exitstatus != pytest.ExitCode.OK:

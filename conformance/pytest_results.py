@@ -22,7 +22,7 @@ from typing import Any
 from conformance.cases.grammar import Case
 from conformance.results import BackendResult, CaseResult, RunResult, Verdict
 from conformance.run.environment import collect_environment
-from conformance.run.isolation import MAX_CRASHES, BackendEvents
+from conformance.run.isolation import BackendEvents
 from conformance.run.journal import Journal
 from conformance.run.runner import annotate_bench_ratios, assemble_checks, failed_backend, unavailable_checks
 
@@ -70,9 +70,13 @@ class ResultCollector:
         planned = self.case_items.get(item_name(report.nodeid))
         if planned is None:
             return
-        if report.when == "call" or (report.failed and not recorded):
+        # A failed report without a result, for an item that has none yet. One whose result came
+        # first is a worker that ended after reporting it (a sticky CUDA error): xdist then reports
+        # that item crashed too, and its result stands.
+        unreported = report.failed and not recorded and not self._reported(planned)
+        if report.when == "call" or unreported:
             self.seconds[planned.backend] = self.seconds.get(planned.backend, 0.0) + (report.duration or 0.0)
-        if report.failed and not recorded and not self._reported(planned):
+        if unreported:
             # The worker died under the item (xdist reports it "crashed"), or the plugin itself failed.
             lines = (report.longreprtext or "").strip().splitlines() or ["the item failed without a result"]
             crash = next((line for line in lines if "crashed while running" in line), None)
@@ -80,7 +84,7 @@ class ResultCollector:
             worker = crash.split("'")[1] if crash and crash.count("'") >= 2 else "?"
             reason = (
                 f"pytest worker {worker} died during the case: a crash, an exit from C code, or a hang past "
-                "--timeout (a fresh worker went on with the rest)"
+                "--conformance-timeout (a fresh worker went on with the rest)"
                 if crash
                 else lines[-1]
             )
@@ -122,11 +126,7 @@ class ResultCollector:
                 results.append(BackendResult(name, False, reason, ref.origin, claims, checks))
                 continue
             events = self.events.get(name, BackendEvents())
-            crashes = sum(1 for result in events.results.values() if result.verdict == Verdict.CRASH)
-            reason = not_run
-            if crashes > MAX_CRASHES and not interrupted:  # the scheduler gave the backend up
-                reason = f"not run: the backend's pytest workers crashed or hung {crashes} times"
-            checks = assemble_checks(self.checks, self.cases, events, self.check_options, reason)
+            checks = assemble_checks(self.checks, self.cases, events, self.check_options, not_run)
             # Process-seconds: the items' times summed over every worker that ran them.
             wall_s = round(self.seconds.get(name, 0.0), 3)
             results.append(BackendResult(name, True, "", ref.origin, claims, checks, wall_s=wall_s))
@@ -137,8 +137,8 @@ class ResultCollector:
 
 
 def item_name(nodeid: str) -> str:
-    """A conformance item's name from its node id: pytest-xdist's ``--dist loadgroup`` appends
-    ``@group`` to it, and a case id holds ``@seed`` itself, so the name ends at its last ``]``."""
+    """A conformance item's name from its node id: the name ends at the id's last ``]`` (a case id
+    holds ``@seed`` itself, and pytest-xdist may still append a suffix to a node id)."""
     start = nodeid.find("conformance[")
     end = nodeid.rfind("]")
     return nodeid[start : end + 1] if start >= 0 and end > start else nodeid

@@ -36,7 +36,7 @@ mkdir -p "$runs"
 
 run_checks() {
   local gpu_count together=()
-  gpu_count=$(python -c "import sys; from conformance.pytest_gpus import choose_gpus; print(len(choose_gpus(sys.argv[1])))" "$gpus") || exit 2
+  gpu_count=$(python -c "import sys; from conformance.run.gpus import choose_gpus; print(len(choose_gpus(sys.argv[1])))" "$gpus") || exit 2
   # Side by side, CPU work (drawing data, compiling kernels) must not oversubscribe the cores.
   export OMP_NUM_THREADS=1
   for backend in "${backends[@]}"; do [[ $backend == flash_attn ]] || together+=("$backend"); done

@@ -1,118 +1,98 @@
-"""The pytest plugin under pytest-xdist (``pytest -n``): each worker its GPU before any conftest,
-one merged results file, and the plugin's own errors. (``conformance run --gpus/--workers`` runs
-its own pool of isolated children: tests/conformance/run/test_pool.py.)"""
+"""The pytest plugin under pytest-xdist (``pytest -n``, xdist's ordinary scheduling): one merged
+results file, verdict for verdict a run without xdist's; a worker that dies under a case makes
+that case CRASH and the rest go on; a worker that ends after reporting a sticky CUDA error keeps
+that case's verdict. (``conformance run --gpus/--workers`` runs its own pool of isolated children:
+tests/conformance/run/test_pool.py.)"""
 
 import os
 from pathlib import Path
 
 import pytest
 
-from conformance.pytest_gpus import assign_gpus
+from conformance.cases.grammar import parse_case
 from conformance.results import RunResult
 from tests.conformance.test_pytest_plugin import plugin_args
 
 pytest.importorskip("xdist")
-execnet = pytest.importorskip("execnet")  # xdist's transport, installed with it
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS = "tests.planted.defects:FaultsOnLongSequence"
 FAULTING_CASE = "gqa-h4/1-d64-fp16-p16-w24-pad0-edges:50+4,3+1,100+1@0"  # the smoke suite's one sequence past 80
+CRASHES = "tests.planted.defects:CrashesOnLargeBatch"  # SIGSEGV on a batch of more than 3 requests
+SMOKE_CPU = ["--conformance-suite", "smoke", "--conformance-device", "cpu"]
 
 
-GPU_PROBE = """
-import os
-import time
-from pathlib import Path
-
-LOG = Path(os.environ["GPU_LOG"])
-
-
-def record(what):
-    with LOG.open("a") as log:
-        log.write(f"{os.environ['PYTEST_XDIST_WORKER']} {os.environ.get('CUDA_VISIBLE_DEVICES')} {what}\\n")
-
-
-def test_dies_once():
-    marker = LOG.with_suffix(".died")
-    if not marker.exists():
-        marker.touch()
-        record("died")
-        os._exit(1)
-
-
-@pytest.mark.parametrize("n", range(10))
-def test_sees(n):
-    time.sleep(0.1)
-    record(f"test {AT_IMPORT}")
-"""
-
-
-@pytest.mark.slow
-def test_each_worker_has_its_gpu_before_conftest_and_a_restarted_one_keeps_it(pytester, tmp_path, monkeypatch):
-    # The controller "sees" GPUs 7 and 9 (no CUDA is needed to hand them out); one worker takes
-    # the first. What a conftest reads at import is that GPU already; the worker started after it
-    # died (gw1) takes the dead one's GPU, not the next in turn.
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7,9")
-    monkeypatch.setenv("GPU_LOG", str(tmp_path / "gpus.log"))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    pytester.makeconftest("import os\nAT_IMPORT = os.environ.get('CUDA_VISIBLE_DEVICES')\n")
-    pytester.makepyfile("import pytest\nfrom conftest import AT_IMPORT\n" + GPU_PROBE)
-    result = pytester.runpytest_subprocess(*plugin_args(), "-n", "1", "--conformance-gpus", "all")
-    result.assert_outcomes(passed=10, failed=1)
-    lines = [line.split() for line in (tmp_path / "gpus.log").read_text().splitlines()]
-    assert {(worker, gpu) for worker, gpu, *_ in lines} == {("gw0", "7"), ("gw1", "7")}, lines
-    assert all(line[3] == "7" for line in lines if line[2] == "test"), lines
-
-
-def test_workers_take_the_gpus_round_robin():
-    specs = [execnet.XSpec("popen") for _ in range(5)]
-    assert assign_gpus(["3", "5"], specs) == ["3", "5"]
-    assert [spec.env["CUDA_VISIBLE_DEVICES"] for spec in specs] == ["3", "5", "3", "5", "3"]
-    assert assign_gpus(["3", "5", "6"], specs[:2]) == ["3", "5"]  # the results name only the GPUs used
+def verdicts(run: RunResult) -> dict[str, dict[str, tuple[str, dict[str, str]]]]:
+    """backend -> check -> (its verdict, case id -> the case's verdict)."""
+    return {
+        backend.name: {
+            check.name: (check.verdict.value, {case.case: case.verdict.value for case in check.cases})
+            for check in backend.checks
+        }
+        for backend in run.backends
+    }
 
 
 @pytest.mark.slow
 def test_the_plugin_under_pytest_xdist_writes_one_merged_results_file(pytester, tmp_path, monkeypatch):
+    # xdist's ordinary scheduling (no --dist): a check's items may run on either worker, and the
+    # merged results are the serial run's, case for case.
     pytester.makepyfile("def test_own():\n    pass\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    json_path = tmp_path / "merged.json"
+    args = [
+        *plugin_args(),
+        "--conformance-backend",
+        "torch_naive,tests.planted.defects:WrongScale",
+        "--conformance-check",
+        "numerics,determinism",
+        *SMOKE_CPU,
+    ]
+    merged_path, serial_path = tmp_path / "merged.json", tmp_path / "serial.json"
+    result = pytester.runpytest_subprocess(*args, "-n", "2", f"--conformance-json={merged_path}")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    serial = pytester.runpytest(*args, f"--conformance-json={serial_path}")  # in this process: no xdist
+    assert serial.ret == pytest.ExitCode.TESTS_FAILED
+    merged = RunResult.load(merged_path)
+    assert [backend.name for backend in merged.backends] == ["torch_naive", "tests.planted.defects:WrongScale"]
+    assert verdicts(merged) == verdicts(RunResult.load(serial_path))
+    assert [check.verdict.value for check in merged.backends[1].checks] == ["FAIL", "PASS"]
+    assert all(len(check.cases) == 9 for backend in merged.backends for check in backend.checks)
+    assert merged.environment["pytest_workers"] == 2 and not merged.interrupted
+
+
+@pytest.mark.slow
+def test_under_xdist_a_dead_workers_case_is_crash_and_the_rest_go_on(pytester, tmp_path, monkeypatch):
+    # CrashesOnLargeBatch kills its worker in each case of more than 3 requests: that case is
+    # CRASH, every other case has its verdict. FaultsOnLongSequence's worker ends after reporting
+    # its sticky error (CRASH, with the error as its reason): xdist then reports that item crashed
+    # too, and the case keeps the result it reported.
+    pytester.makepyfile("def test_own():\n    pass\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    json_path = tmp_path / "crashes.json"
     result = pytester.runpytest_subprocess(
         *plugin_args(),
         "-n",
         "2",
-        "--dist",
-        "loadgroup",
-        "-v",
         "--conformance-backend",
-        "torch_naive,tests.planted.defects:WrongScale",
-        "--conformance-suite",
-        "smoke",
+        f"{CRASHES},{FAULTS},torch_naive",
         "--conformance-check",
-        "numerics,determinism",
-        "--conformance-device",
-        "cpu",
+        "numerics",
+        *SMOKE_CPU,
         f"--conformance-json={json_path}",
     )
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    merged = RunResult.load(json_path)
-    assert [backend.name for backend in merged.backends] == ["torch_naive", "tests.planted.defects:WrongScale"]
-    assert [check.verdict.value for check in merged.backends[1].checks] == ["FAIL", "PASS"]
-    assert all(len(check.cases) == 9 for backend in merged.backends for check in backend.checks)
-    # Each backend's check ran on one worker: "[gwN] ... conformance[<backend>-<check>-..." lines.
-    workers: dict[str, set[str]] = {}
-    for line in result.stdout.lines:
-        if line.startswith("[gw") and "conformance[" in line:
-            group = line.split("conformance[")[1].split("-gqa")[0].split("-mla")[0]
-            workers.setdefault(group, set()).add(line.split("]")[0])
-    assert len(workers) == 4 and all(len(ran_on) == 1 for ran_on in workers.values()), workers
-
-
-def test_gpus_in_the_plugin_needs_xdist(pytester):
-    pytester.makepyfile("def test_own():\n    pass\n")
-    result = pytester.runpytest(
-        *plugin_args(), "--conformance-backend", "torch_naive", "--conformance-gpus", "all", "-p", "no:xdist"
-    )
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--conformance-gpus spreads items over pytest-xdist workers: add -n N*"])
+    run = RunResult.load(json_path)
+    crashes, faults, naive = (backend.checks[0].cases for backend in run.backends)
+    large = {case.case for case in crashes if parse_case(case.case).num_reqs > 3}
+    assert len(large) == 2 and len(crashes) == 9
+    assert {case.case: case.verdict.value for case in crashes} == {
+        case.case: "CRASH" if case.case in large else "PASS" for case in crashes
+    }
+    assert all(case.reason.startswith("pytest worker gw") for case in crashes if case.case in large)
+    faulted = {case.case: case for case in faults if case.verdict.value != "PASS"}
+    assert list(faulted) == [FAULTING_CASE] and faulted[FAULTING_CASE].verdict.value == "CRASH"
+    assert "illegal memory access" in faulted[FAULTING_CASE].reason, faulted[FAULTING_CASE].reason
+    assert [case.verdict.value for case in naive] == ["PASS"] * 9
+    assert not run.interrupted
 
 
 @pytest.mark.slow
@@ -137,3 +117,12 @@ def test_without_xdist_a_sticky_cuda_error_stops_the_session_saying_why(pytester
         f"not run: a sticky CUDA error in {FAULTS}'s case {FAULTING_CASE} left this process's CUDA context unusable"
     }
     assert not RunResult.load(json_path).interrupted
+
+
+def test_a_case_time_limit_without_workers_is_a_usage_error(pytester):
+    pytester.makepyfile("def test_own():\n    pass\n")
+    result = pytester.runpytest(
+        *plugin_args(), "--conformance-backend", "torch_naive", "--conformance-timeout", "5", "-p", "no:xdist"
+    )
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--conformance-timeout ends a pytest-xdist worker that runs past it: add -n N*"])

@@ -15,6 +15,7 @@ import pytest
 
 from conformance.report.compare import compare_runs
 from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
+from conformance.run.results_lock import ResultsLock
 from tests.conformance.report.test_gate_reports import _document
 from tests.conformance.run.test_interrupts import start_run
 from tests.conformance.test_pytest_plugin import plugin_args
@@ -236,7 +237,7 @@ def test_the_plugin_refuses_a_results_file_another_run_holds(tmp_path):
     results = tmp_path / "r.json"
     journal = tmp_path / "r.json.journal"
     journal.write_text('{"the other run": "its journal"}\n')
-    # Held by a process of its own (a run that is not this pytest's parent: that one is the CLI's --workers run).
+    # Held by a process of its own, then by the pytest's parent (this test): refused either way.
     holder = subprocess.Popen(
         [
             sys.executable,
@@ -256,6 +257,10 @@ def test_the_plugin_refuses_a_results_file_another_run_holds(tmp_path):
         holder.wait()
     assert completed.returncode == pytest.ExitCode.USAGE_ERROR, completed.stdout + completed.stderr
     assert "is being written by another conformance run" in completed.stderr
+    with ResultsLock(results):
+        by_parent = plugin(tmp_path, "--conformance-json", results)
+    assert by_parent.returncode == pytest.ExitCode.USAGE_ERROR, by_parent.stdout + by_parent.stderr
+    assert "is being written by another conformance run" in by_parent.stderr
     assert journal.read_text() == '{"the other run": "its journal"}\n' and not results.exists()
 
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conformance.cases.suites import suite
-from conformance.pytest_gpus import GpuChoiceError, choose_gpus
 from conformance.results import RunResult
+from conformance.run.gpus import GpuChoiceError, choose_gpus
 from conformance.run.isolation import MAX_CRASHES
 from conformance.run.pool import slots_for, units
 from conformance.run.runner import RunOptions

@@ -1,15 +1,7 @@
-"""Which GPU each pytest-xdist worker takes (``--conformance-gpus``).
-
-The controller resolves the option once against the GPUs it sees and writes each worker's one GPU
-into that worker's execnet spec as ``CUDA_VISIBLE_DEVICES`` (``pytest_xdist_setupnodes``): the
-N-th worker takes the N-th GPU, round robin, so ``-n 4`` over two GPUs puts two workers on each.
-execnet sets the variable in the worker's process before pytest starts there, so no conftest or
-plugin of the author's can initialize CUDA on another GPU first; and a worker that xdist starts in
-place of one that died reuses the dead one's spec, so it takes the same GPU (the workers stay
-spread as they were).
-
-A GPU is named as the controller's ``CUDA_VISIBLE_DEVICES`` names it (an index, a UUID or a MIG
-name), so a run restricted from outside (``CUDA_VISIBLE_DEVICES=2,3``) stays inside it.
+"""Which GPUs a run may use (``conformance run --gpus``), named as ``CUDA_VISIBLE_DEVICES`` names
+them: an index, a UUID or a MIG name. A GPU is named as this process's ``CUDA_VISIBLE_DEVICES``
+lists it, so a run restricted from outside (``CUDA_VISIBLE_DEVICES=2,3``) stays inside it, and a
+child given one of these names sees that one device.
 """
 
 from __future__ import annotations
@@ -19,8 +11,8 @@ import os
 
 
 class GpuChoiceError(ValueError):
-    """A ``--conformance-gpus`` value this machine cannot honour: one line for the user;
-    ``absent`` when the machine has no GPU at all."""
+    """A ``--gpus`` value this machine cannot honour: one line for the user; ``absent`` when the
+    machine has no GPU at all."""
 
     def __init__(self, message: str, absent: bool = False) -> None:
         super().__init__(message)
@@ -60,10 +52,3 @@ def choose_gpus(option: str, flag: str = "--gpus") -> list[str]:
     if len(set(indices)) != len(indices):
         raise GpuChoiceError(f"{flag} {option!r} names a GPU more than once")
     return [visible[index] for index in indices]
-
-
-def assign_gpus(gpus: list[str], specs) -> list[str]:
-    """Each worker's GPU written into its execnet spec, round robin; returns the GPUs used."""
-    for index, spec in enumerate(specs):
-        spec.env["CUDA_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
-    return gpus[: len(specs)]
