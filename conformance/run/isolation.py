@@ -48,7 +48,7 @@ from conformance.process_exit import describe_exit
 from conformance.results import CaseResult, Verdict
 from conformance.run import exit_guard
 from conformance.run.channel import TAMPERING, ChannelReader, ChannelWriter, new_key
-from conformance.run.execution import Emit, Job, answer, execute, load_backend, tampered
+from conformance.run.execution import Emit, Job, answer, execute, load_backend, plan, plan_event, tampered
 from conformance.run.reaper import Reaper, exited
 
 STDERR_TAIL_CHARS = 4000
@@ -462,6 +462,9 @@ class Probe:
     failure: str | None = None  # why it could not even be asked (import error, crash, hang)
     failure_verdict: Verdict = Verdict.ERROR  # ERROR for a raised import error, CRASH for a dead or hung child
     mistyped: bool = False  # a pkg.module:Class that names no module or class: the user's mistake, not the backend's
+    # Its ``plan`` event for the run's checks and cases, where the probe was asked to plan
+    # (``probe_backends``' ``plan``) and planning ended: which cases run, before any child runs them.
+    plan: dict[str, Any] | None = None
 
     @staticmethod
     def of(ref: BackendRef, said: dict[str, Any]) -> "Probe":
@@ -479,10 +482,16 @@ def probe_in_process(refs: list[BackendRef], device_text: str) -> dict[str, Prob
     return {ref.name: Probe.of(ref, answer(load_backend(ref), device_text)) for ref in refs}
 
 
-def probe_backends(refs: list[BackendRef], device_text: str, timeout_s: float) -> dict[str, Probe]:
+def probe_backends(
+    refs: list[BackendRef], device_text: str, timeout_s: float, to_plan: dict[str, Any] | None = None
+) -> dict[str, Probe]:
     """Each backend's claims and availability, asked in one probe child (``--ask``), which prints
     one JSON line as it starts each backend and one with the answer; a backend whose import crashes
-    or runs past ``timeout_s`` gets a ``failure``, and a fresh child goes on with the rest."""
+    or runs past ``timeout_s`` gets a ``failure``, and a fresh child goes on with the rest.
+    ``to_plan`` (a job's ``checks``, ``cases`` and ``options``): each backend that can run here is
+    also planned over them (``Probe.plan``). Planning runs backend code: a probe child that dies
+    or hangs while planning leaves that backend without a plan (its own children then meet the
+    same fault and say so), not without an answer."""
     probes: dict[str, Probe] = {}
     pending = list(refs)
     while pending:
@@ -498,13 +507,15 @@ def probe_backends(refs: list[BackendRef], device_text: str, timeout_s: float) -
             preexec_fn=DIE_WITH_PARENT,
         )
         try:
-            child.stdin.write("".join(json.dumps(ref.__dict__) + "\n" for ref in pending))
+            header = json.dumps({"plan": to_plan}) + "\n"
+            child.stdin.write(header + "".join(json.dumps(ref.__dict__) + "\n" for ref in pending))
             child.stdin.close()
         except OSError:
             pass
         current, buffer, deadline, hung, ended = None, b"", time.monotonic() + timeout_s, False, False
+        planning: str | None = None  # the backend answered and being planned
         try:
-            while pending:
+            while pending or planning:
                 if b"\n" not in buffer:
                     ready, _, _ = select.select([child.stdout], [], [], max(0.0, deadline - time.monotonic()))
                     if not ready:
@@ -521,8 +532,15 @@ def probe_backends(refs: list[BackendRef], device_text: str, timeout_s: float) -
                 if "start" in data:
                     current, deadline = pending[0], time.monotonic() + timeout_s
                     continue
+                if "planned" in data:  # the plan event, or None where planning raised
+                    if planning is not None:
+                        probes[planning].plan = data["planned"]
+                    planning = None
+                    continue
                 probes[data["name"]] = Probe.of(pending.pop(0), data)
                 current = None
+                if data.get("planning"):
+                    planning, deadline = data["name"], time.monotonic() + timeout_s
         finally:
             if ended:  # its output ended: let it finish dying, so its exit status says how
                 try:
@@ -530,7 +548,7 @@ def probe_backends(refs: list[BackendRef], device_text: str, timeout_s: float) -
                 except subprocess.TimeoutExpired:
                     hung = True
             _kill(child)
-        if pending:
+        if pending and planning is None:  # it died or hung importing a backend (not planning one)
             blamed = current or pending[0]
             stderr_file.seek(0)
             limit = f"the time limit of {timeout_s:g} s (--timeout)" if hung else None
@@ -556,15 +574,37 @@ def _ask_main(device_text: str) -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     start_dir = os.getcwd()
+    asked_plan = json.loads(sys.stdin.readline())["plan"]
     for line in sys.stdin:
         ref = BackendRef(**json.loads(line))
         answers.write(json.dumps({"start": ref.name}) + "\n")
         answers.flush()
-        said = answer(load_backend(ref), device_text)
+        loaded = load_backend(ref)
+        said = answer(loaded, device_text)
         os.chdir(start_dir)  # an import that moved the process must not move the next one
-        answers.write(json.dumps({"name": ref.name, **said}) + "\n")
+        planning = asked_plan is not None and not loaded.failure and not said.get("unavailable")
+        answers.write(json.dumps({"name": ref.name, **said, "planning": planning}) + "\n")
         answers.flush()
+        if planning:
+            answers.write(json.dumps({"planned": _plan_of(ref, loaded.backend_cls, asked_plan, device_text)}) + "\n")
+            answers.flush()
+            os.chdir(start_dir)
     return 0
+
+
+def _plan_of(ref: BackendRef, backend_cls, asked: dict[str, Any], device_text: str) -> dict[str, Any] | None:
+    """The ``plan`` event a run's child of this backend would announce; None where planning raised
+    (its children then report how)."""
+    job = Job(ref.name, device_text, asked["checks"], asked["cases"], asked.get("options", {}))
+    try:
+        with exit_guard.watching("the plan"):
+            import torch  # noqa: PLC0415 - the probe child's alone
+
+            return plan_event(list(plan(job, backend_cls, torch.device(device_text))))
+    except BaseException as error:  # noqa: BLE001 - the backend's planning fault is its children's to report
+        if exit_guard.is_interrupt(error):
+            raise
+        return None
 
 
 EXIT_FATAL = 70  # a run's child stopped on a fatal CUDA error (the parent starts a fresh one)

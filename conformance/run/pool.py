@@ -3,18 +3,23 @@
 slot, the device as given, unless ``conformance run --gpus all|0,1,... [--workers N]`` asks for
 more: the same code path for the CPU, one GPU and many.
 
-The unit of work is a few cases of one backend (``units``): each backend's cases cut into parts
-balanced by attention work (``shard.assign``), as many parts as the pool has slots, so that no
-backend's long cases bound the run; the units go longest first to whichever slot is free. A unit's
-child plans every check over the whole run's cases and runs only its own (``Job.only``), so the
-run plans as one child would. A slot is a GPU (``CUDA_VISIBLE_DEVICES`` in its children's
-environment, round robin over ``--gpus``) or, without GPUs, one of ``--workers`` CPU slots. What
-each backend's units reported is joined into its row (``runner.backend_row``). A signal stops
-every child; what finished is kept.
+With more than one slot, one probe child first asks every backend what it is and plans it over
+the run's checks and cases (``Probe.plan``). The unit of work is a few cases of one backend
+(``units``): the cases some check runs, cut into parts balanced by attention work
+(``shard.assign``), about two units a slot over all backends, each backend's in proportion to its
+work, so that no backend's long cases bound the run and no child starts for cases that only skip;
+the units go longest first to whichever slot is free. What a plan skips whole is reported from
+the plan (``planned_skips``), as the children would have reported it. A unit's child plans every
+check over the whole run's cases and runs only its own (``Job.only``), so the run plans as one
+child would. A slot is a GPU (``CUDA_VISIBLE_DEVICES`` in its children's environment, round
+robin over ``--gpus``) or, without GPUs, one of ``--workers`` CPU slots; its children take their
+share of the cores. What each backend's units reported is joined into its row
+(``runner.backend_row``). A signal stops every child; what finished is kept.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -26,7 +31,7 @@ import torch
 
 from backends import registry
 from backends.registry import BackendRef
-from conformance.results import BackendResult, RunResult
+from conformance.results import BackendResult, CaseResult, RunResult, Verdict
 from conformance.run.environment import collect_environment
 from conformance.run.execution import Job
 from conformance.run.interrupts import Interrupted
@@ -56,11 +61,21 @@ class Slot:
 
 
 def slots_for(gpus: list[str] | None, workers: int) -> list[Slot]:
-    """``workers`` slots over ``gpus`` round robin (each child sees its GPU as cuda:0), or CPU slots."""
+    """``workers`` slots over ``gpus`` round robin (each child sees its GPU as cuda:0), or CPU slots;
+    each child's CPU threads its share of the cores (``OMP_NUM_THREADS``, unless set already):
+    torch's default of one thread a core in every child oversubscribes the machine, and spinning
+    OpenMP threads then slow each child many times (measured on 2 cores, two CPU slots: the
+    smoke suite's cases 0.1 s at one thread a child, 8.7 s at the default)."""
+    threads = {} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(max(1, cpu_count() // workers))}
     if gpus:
         chosen = [gpus[index % len(gpus)] for index in range(workers)]
-        return [Slot(f"GPU {gpu}", {"CUDA_VISIBLE_DEVICES": gpu}) for gpu in chosen]
-    return [Slot(f"worker {index + 1}") for index in range(workers)]
+        return [Slot(f"GPU {gpu}", {"CUDA_VISIBLE_DEVICES": gpu, **threads}) for gpu in chosen]
+    return [Slot(f"worker {index + 1}", threads) for index in range(workers)]
+
+
+def cpu_count() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 @dataclass
@@ -70,16 +85,64 @@ class Unit:
     work: float
 
 
-def units(options: RunOptions, refs: list[BackendRef], slots: int) -> list[Unit]:
-    """Each backend's cases in up to ``slots`` parts balanced by attention work, longest first."""
+# A backend's share of the pool in units: twice as many units as slots, over all backends, lets
+# longest-first even out what the work estimate misjudges; more would pay each child's start-up
+# (importing torch and the backend, CUDA, planning: seconds) more often than it saves.
+UNITS_PER_SLOT = 2
+
+
+def running_checks(plan: dict[str, Any] | None, case_id: str) -> int | None:
+    """How many checks run ``case_id`` by a backend's plan event; None without a plan."""
+    if plan is None:
+        return None
+    return sum(1 for check, skip in plan["checks"].items() if not skip and not plan["cases"][check][case_id])
+
+
+def units(options: RunOptions, refs: list[BackendRef], slots: int, plans: dict[str, dict | None]) -> list[Unit]:
+    """Each backend's cases that run (by its plan; every case without one) in parts balanced by
+    attention work times the checks that run them (``shard.assign``): the backends' parts number
+    about ``UNITS_PER_SLOT`` a slot, each backend's in proportion to its work, at most one a slot;
+    longest first. A case no check runs takes no unit (``planned_skips`` reports it)."""
     cases = options.reported_cases
-    parts = assign(cases, max(1, min(slots, len(cases)))) if cases else []
+    weights: dict[str, dict[str, float]] = {}
+    for ref in refs:
+        plan = plans.get(ref.name)
+        runs = {case.id: running_checks(plan, case.id) for case in cases}
+        weights[ref.name] = {
+            case.id: float(attention_work(case)) * (runs[case.id] or 1)
+            for case in cases
+            if runs[case.id] is None or runs[case.id] > 0
+        }
+    total = sum(sum(weight.values()) for weight in weights.values()) or 1.0
     found = []
     for ref in refs:
+        weight = weights[ref.name]
+        chosen = [case for case in cases if case.id in weight]
+        if not chosen:
+            continue
+        share = round(UNITS_PER_SLOT * slots * sum(weight.values()) / total)
+        parts = assign(chosen, max(1, min(slots, len(chosen), share)), weight)
         for part in sorted(set(parts)):
-            chosen = [case for case, at in zip(cases, parts) if at == part]
-            found.append(Unit(ref, [case.id for case in chosen], float(sum(attention_work(case) for case in chosen))))
+            ids = [case.id for case, at in zip(chosen, parts) if at == part]
+            found.append(Unit(ref, ids, sum(weight[case_id] for case_id in ids)))
     return sorted(found, key=lambda unit: -unit.work)
+
+
+def planned_skips(options: RunOptions, plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """The events a backend's children would send for what its plan skips whole: each check that
+    skips as a whole, and each case that no check runs (a SKIP result with the check's reason)."""
+    events: list[dict[str, Any]] = [plan]
+    for check, whole in plan["checks"].items():
+        if whole:
+            events.append({"event": "check_skipped", "check": check, "reason": whole})
+    for case in options.reported_cases:
+        if running_checks(plan, case.id):
+            continue
+        for check, whole in plan["checks"].items():
+            if not whole:
+                result = CaseResult(case.id, Verdict.SKIP, plan["cases"][check][case.id], tag=case.tag)
+                events.append({"event": "result", "check": check, "result": result.to_dict()})
+    return events
 
 
 class _Told:
@@ -122,11 +185,11 @@ def run_pooled(options: RunOptions, progress: Progress) -> RunResult:
     hears them before anything else), then the pool over ``options.slots`` (one slot, the device
     as given, by default). A GPU slot's children see their GPU as the device's type alone."""
     slots = options.slots or [Slot(str(options.device))]
-    if len(options.backends) == 1:  # its first child says what it is: no probe child of its own
+    if len(options.backends) == 1 and len(slots) == 1:  # its one child says what it is: no probe child
         probes: dict[str, Probe | None] = {options.backends[0]: None}
-    else:
+    else:  # asked, and planned for the units (``units``)
         try:
-            probes = dict(probe(options))
+            probes = dict(probe(options, planned=len(slots) > 1))
         except Interrupted as interrupted:  # while the probe child imports: every backend not run
             rows = [
                 _not_started(registry.resolve(name), None, options, interrupted.not_run) for name in options.backends
@@ -156,9 +219,11 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
     # Asked by their first child instead: what every unit's children said decides (``rows``), so
     # that one child that could not load it does not stand for the others.
     asked_by_child = {name for name, said in probes.items() if said is None}
-    work = units(options, runnable, len(slots))
+    plans = {ref.name: probes[ref.name].plan if probes[ref.name] is not None else None for ref in runnable}
+    work = units(options, runnable, len(slots), plans)
     told = _Told(progress, options, probes)
     unit_events = [BackendEvents() for _ in work]
+    skipped = {ref.name: BackendEvents() for ref in runnable}  # what the plans skip whole: no child runs it
     free: queue.Queue[Slot] = queue.Queue()
     for slot in slots:
         free.put(slot)
@@ -169,6 +234,9 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
     for ref in runnable:
         if probes[ref.name] is not None:
             told.start(ref.name)
+        for event in planned_skips(options, plans[ref.name]) if plans[ref.name] else []:
+            skipped[ref.name].record(event)
+            told.event(ref.name, event)
 
     def run_unit(index: int) -> None:
         unit = work[index]
@@ -211,6 +279,7 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
                 found.append(not_run_here(said, options))
                 continue
             events = BackendEvents()
+            events.absorb(skipped.get(ref.name, BackendEvents()))
             for unit, reported in zip(work, unit_events):
                 if unit.ref.name == ref.name:
                     events.absorb(reported)

@@ -278,13 +278,18 @@ def run_backend(
     return result
 
 
-def probe(options: RunOptions) -> dict[str, Probe]:
+def probe(options: RunOptions, planned: bool = False) -> dict[str, Probe]:
     """Every backend's claims and availability, asked in one probe child (in this process with
-    ``--in-process``), before the pool hands out any unit."""
+    ``--in-process``), before the pool hands out any unit; ``planned``: with each one's plan of the
+    run's checks and cases (``Probe.plan``)."""
     refs = [registry.resolve(name) for name in options.backends]
     if options.in_process:
         return probe_in_process(refs, str(options.device))
-    return probe_backends(refs, str(options.device), options.case_timeout_s)
+    to_plan = None
+    if planned:
+        cases = [{"id": case.id, "tag": case.tag} for case in options.cases]
+        to_plan = {"checks": list(options.checks), "cases": cases, "options": options.check_options}
+    return probe_backends(refs, str(options.device), options.case_timeout_s, to_plan)
 
 
 def _asked_ahead(options: RunOptions, refs: list[BackendRef]) -> dict[str, Probe | None]:

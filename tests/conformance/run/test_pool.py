@@ -17,7 +17,7 @@ from conformance.cases.suites import suite
 from conformance.results import RunResult
 from conformance.run.gpus import GpuChoiceError, choose_gpus
 from conformance.run.isolation import MAX_CRASHES
-from conformance.run.pool import slots_for, units
+from conformance.run.pool import planned_skips, slots_for, units
 from conformance.run.runner import RunOptions
 from tests.conformance.run.test_interrupts import FINISHES, HANGS, alive, children, run_command, start_run
 from tests.conformance.test_cli import conformance
@@ -62,13 +62,63 @@ def test_each_backends_cases_are_cut_for_the_slots_longest_first():
     options = RunOptions(
         backends=["torch_naive", "triton"], checks=["numerics"], cases=cases, device=torch.device("cpu")
     )
-    found = units(options, [resolve("torch_naive"), resolve("triton")], 4)
+    found = units(options, [resolve("torch_naive"), resolve("triton")], 4, {})
     assert len(found) == 8 and [unit.work for unit in found] == sorted((unit.work for unit in found), reverse=True)
     for name in ("torch_naive", "triton"):  # each backend's cases, each in one of its units
         ids = sorted(case_id for unit in found if unit.ref.name == name for case_id in unit.only)
         assert ids == sorted(case.id for case in cases)
-    assert [slot.env for slot in slots_for(["3", "5"], 3)] == [{"CUDA_VISIBLE_DEVICES": g} for g in ("3", "5", "3")]
+    assert [slot.env["CUDA_VISIBLE_DEVICES"] for slot in slots_for(["3", "5"], 3)] == ["3", "5", "3"]
     assert [slot.name for slot in slots_for(None, 2)] == ["worker 1", "worker 2"]
+
+
+def test_each_slots_children_take_their_share_of_the_cores_unless_told(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("conformance.run.pool.cpu_count", lambda: 16)
+    assert [slot.env["OMP_NUM_THREADS"] for slot in slots_for(["0"], 3)] == ["5"] * 3
+    assert [slot.env["OMP_NUM_THREADS"] for slot in slots_for(None, 32)] == ["1"] * 32
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's own choice stands
+    assert all("OMP_NUM_THREADS" not in slot.env for slot in slots_for(None, 2))
+
+
+def test_a_case_no_check_runs_takes_no_unit_and_keeps_its_planned_skip():
+    """With the probe's plans, only what some check runs is cut into units; a backend whose plan
+    skips everything starts no child, and what the plans skip is reported as its children would."""
+    from backends.registry import resolve
+
+    cases = suite("smoke")
+    runs = cases[3].id
+    options = RunOptions(
+        backends=["torch_naive", "triton"], checks=["numerics", "graphs"], cases=cases, device=torch.device("cpu")
+    )
+    one_case = {
+        "event": "plan",
+        "checks": {"numerics": None, "graphs": "no CUDA graphs on a CPU"},
+        "cases": {"numerics": {case.id: None if case.id == runs else "too long" for case in cases}},
+    }
+    nothing = {**one_case, "cases": {"numerics": dict.fromkeys((case.id for case in cases), "needs fp8")}}
+    found = units(options, [resolve("torch_naive"), resolve("triton")], 4, {"torch_naive": one_case, "triton": nothing})
+    assert [(unit.ref.name, unit.only) for unit in found] == [("torch_naive", [runs])]
+    events = planned_skips(options, one_case)
+    assert events[:2] == [one_case, {"event": "check_skipped", "check": "graphs", "reason": "no CUDA graphs on a CPU"}]
+    skipped = [(event["check"], event["result"]["case"], event["result"]["reason"]) for event in events[2:]]
+    assert skipped == [("numerics", case.id, "too long") for case in cases if case.id != runs]
+    # Without a plan (a backend that could not be planned), every case is cut, as before.
+    assert sorted(i for unit in units(options, [resolve("triton")], 4, {}) for i in unit.only) == sorted(
+        case.id for case in cases
+    )
+
+
+@pytest.mark.slow
+def test_a_backend_whose_plan_runs_nothing_starts_no_child_and_reads_as_a_serial_run(tmp_path):
+    common = ["run", "--backend", "torch_naive,torch_indexer", "--check", "numerics,indexer", "--suite", "smoke"]
+    common += ["--device", "cpu", "--quiet"]
+    serial = conformance(*common, "--json", str(tmp_path / "serial.json"))
+    pooled = conformance(*common, "--workers", "2", "--json", str(tmp_path / "pool.json"))
+    assert serial.returncode == pooled.returncode == 0, pooled.stderr
+    serial_result, pooled_result = RunResult.load(tmp_path / "serial.json"), RunResult.load(tmp_path / "pool.json")
+    assert verdicts(pooled_result) == verdicts(serial_result)
+    indexer = next(backend for backend in pooled_result.backends if backend.name == "torch_indexer")
+    assert indexer.wall_s == 0.0  # no unit of its ran: its numerics cases are planned SKIPs
 
 
 @SERIAL_RUN
@@ -275,11 +325,11 @@ def test_workers_on_one_named_gpu_stay_on_it(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fails_at", [1, 2])
+@pytest.mark.parametrize("fails_at", [2, 3])
 def test_a_part_whose_process_cannot_load_the_backend_says_so_and_loses_no_other_case(tmp_path, monkeypatch, fails_at):
-    # One backend: its units' children say what it is (no probe child). Exactly one of the three
-    # cannot load it (the first to import it, which likely answers first, or the second): that
-    # part's cases are ERROR saying why, every other case is the backend's own result.
+    # The probe child imports it first (and plans it); then exactly one of the three units'
+    # children cannot load it (the first to import it, which likely answers first, or the
+    # second): that part's cases are ERROR saying why, every other case is the backend's own result.
     monkeypatch.setenv("FLAKY_IMPORT_DIR", str(tmp_path))
     monkeypatch.setenv("FLAKY_IMPORT_FAILS_AT", str(fails_at))
     flaky = "tests.planted.gate.import_fails_second_time:Backend"
@@ -340,3 +390,18 @@ def test_ctrl_c_while_the_probe_imports_keeps_every_backends_row(tmp_path):
     assert data["interrupted"] is True and data["environment"]["device"] == "cpu"
     rows = {backend["name"]: [check["summary"] for check in backend["checks"]] for backend in data["backends"]}
     assert rows == {name: ["not run: the run was interrupted by SIGINT"] for name in rows} and len(rows) == 2
+
+
+@pytest.mark.slow
+def test_a_backend_that_dies_while_the_probe_plans_it_is_answered_and_its_children_report_the_crash(tmp_path):
+    planted = "tests.planted.gate.backends:SegfaultsWhilePlanning"
+    # First: the probe child dies planning it with torch_naive still to ask; a fresh one asks that.
+    common = ["run", "--backend", f"{planted},torch_naive", "--check", "numerics", "--suite", "smoke"]
+    completed = conformance(*common, "--device", "cpu", "--quiet", "--workers", "2", "--json", str(tmp_path / "r.json"))
+    assert completed.returncode == 1, completed.stderr
+    dies, naive = RunResult.load(tmp_path / "r.json").backends
+    assert naive.check("numerics").verdict.value == "PASS"
+    assert dies.available and "cannot load" not in str(dies.to_dict())
+    reasons = {case.reason.split(":")[0] for case in dies.check("numerics").cases}
+    assert {case.verdict.value for case in dies.check("numerics").cases} == {"CRASH"}
+    assert reasons == {"backend process killed by signal SIGSEGV outside any case"}, reasons

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import fields
 
 from backends.base import PLAIN_LAYER, LayerParameters
 from backends.torch_naive import TorchNaiveBackend
@@ -159,3 +160,24 @@ class RaisesUndecodableText(TorchNaiveBackend):
     def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         name = os.fsdecode(b"/models/\xff.bin")
         raise RuntimeError(f"cannot open {name}: " + "\x1b[2J\x00\x07\x9b")
+
+
+class _DiesWhenAsked(type(TorchNaiveBackend.capabilities)):
+    """torch_naive's claims, but asking whether a case runs reads address 0 (SIGSEGV)."""
+
+    def skip_reason(self, needs, device):
+        ctypes.string_at(0)
+
+
+class SegfaultsWhilePlanning(TorchNaiveBackend):
+    """Imports cleanly, then dies in its own skip decisions (the claims every check's plan asks):
+    the probe that plans the pool's units must keep its answer, not call it an import failure; the
+    children that plan it again report the crash."""
+
+    name = "planted_segfaults_while_planning"
+    capabilities = _DiesWhenAsked(
+        **{
+            field.name: getattr(TorchNaiveBackend.capabilities, field.name)
+            for field in fields(TorchNaiveBackend.capabilities)
+        }
+    )
