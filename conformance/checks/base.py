@@ -55,6 +55,11 @@ class Check(abc.ABC):
     # The evidence keys that hold host-sync events (``SyncEventRecord`` lists), with their labels.
     sync_event_labels: ClassVar[dict[str, str]] = {}
 
+    # Roughly how long one case of this check takes beyond its attention work (seconds on an H200):
+    # what a pool weighs its units by (``run.pool``). A check that watches a backend over a fixed
+    # span (steady, engine) costs that span on a batch of any size.
+    case_seconds: ClassVar[float] = 1.0
+
     # The layer kinds whose output this check judges: a case of another kind is SKIP saying so
     # (data: no check branches on a kind's name). By default the attentions; a check that drives
     # steps and holds each answer against the oracle's (``harness.answers``) judges every kind.

@@ -191,6 +191,7 @@ def dcp_skip_reason(backend_cls: type[AttentionBackend], case: Case, plans, devi
 
 class EngineCheck(Check):
     name = "engine"
+    case_seconds = 15.0  # the mean case on one H200, six backends side by side on it
     kinds = EVERY_KIND  # an indexer runs as a sparse model's, beside a built-in attention
     question = (
         "Does the reference engine, async and sync, produce the same tokens through this backend as through "

@@ -396,6 +396,7 @@ def _phase(detector, name: str):
 
 class SteadyCheck(Check):
     name = "steady"
+    case_seconds = 24.0  # the mean case on one H200, six backends side by side on it
     kinds = EVERY_KIND
     question = (
         f"{STEPS} steps of continuous batching (requests joining and leaving, decode and spec-verify "

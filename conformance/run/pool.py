@@ -4,12 +4,12 @@ slot, the device as given, unless ``conformance run --gpus all|0,1,... [--worker
 more: the same code path for the CPU, one GPU and many.
 
 With more than one slot, one probe child first asks every backend what it is and plans it over
-the run's checks and cases (``Probe.plan``). The unit of work is a few cases of one backend
-(``units``): the cases some check runs, cut into parts balanced by attention work
-(``shard.assign``), about two units a slot over all backends, each backend's in proportion to its
-work, so that no backend's long cases bound the run and no child starts for cases that only skip;
-the units go longest first to whichever slot is free. What a plan skips whole is reported from
-the plan (``planned_skips``), as the children would have reported it. A unit's child plans every
+the run's checks and cases (``Probe.plan``). The unit of work is one check of one backend over a
+few cases (``units``): the cases the check runs, cut into parts balanced by expected seconds
+(``shard.assign``), about two units a slot over the whole run, each check's in proportion to its
+expected seconds, so that no backend's long cases bound the run and no child starts for cases
+that only skip; the units go longest first to whichever slot is free. What a plan skips whole is reported from
+the plan (``planned_skips``), as the children would have reported it. A unit's child plans its
 check over the whole run's cases and runs only its own (``Job.only``), so the run plans as one
 child would. A slot is a GPU (``CUDA_VISIBLE_DEVICES`` in its children's environment, round
 robin over ``--gpus``) or, without GPUs, one of ``--workers`` CPU slots; its children take their
@@ -31,6 +31,8 @@ import torch
 
 from backends import registry
 from backends.registry import BackendRef
+from conformance.cases.grammar import Case
+from conformance.checks import make_check
 from conformance.results import BackendResult, CaseResult, RunResult, Verdict
 from conformance.run.environment import collect_environment
 from conformance.run.execution import Job
@@ -83,64 +85,64 @@ class Unit:
     ref: BackendRef
     only: list[str]
     work: float
+    checks: list[str] | None = None  # the checks it runs (None: every check of the run)
 
 
-# A backend's share of the pool in units: twice as many units as slots, over all backends, lets
-# longest-first even out what the work estimate misjudges; more would pay each child's start-up
-# (importing torch and the backend, CUDA, planning: seconds) more often than it saves.
+# Units a slot, over all backends: twice as many as slots lets longest-first even out what the
+# estimates misjudge; more would pay each child's start-up (importing torch and the backend, CUDA,
+# planning: seconds) more often than it saves.
 UNITS_PER_SLOT = 2
+ATTENTION_SECONDS = 1e-5  # roughly what a unit of attention work (``shard.attention_work``) adds to a case
 
 
-def running_checks(plan: dict[str, Any] | None, case_id: str) -> int | None:
-    """How many checks run ``case_id`` by a backend's plan event; None without a plan."""
-    if plan is None:
-        return None
-    return sum(1 for check, skip in plan["checks"].items() if not skip and not plan["cases"][check][case_id])
+def case_weight(check_seconds: float, case: Case) -> float:
+    """A (check, case)'s expected seconds: the check's own span plus its attention work."""
+    return check_seconds + ATTENTION_SECONDS * attention_work(case)
 
 
 def units(options: RunOptions, refs: list[BackendRef], slots: int, plans: dict[str, dict | None]) -> list[Unit]:
-    """Each backend's cases that run (by its plan; every case without one) in parts balanced by
-    attention work times the checks that run them (``shard.assign``): the backends' parts number
-    about ``UNITS_PER_SLOT`` a slot, each backend's in proportion to its work, at most one a slot;
-    longest first. A case no check runs takes no unit (``planned_skips`` reports it)."""
+    """The pool's units, longest first. A backend with a plan: each check's cases that it runs,
+    cut into parts balanced by expected seconds (``case_weight``, ``shard.assign``); the parts
+    number about ``UNITS_PER_SLOT`` a slot over the whole run, each check's in proportion to its
+    expected seconds, at least one and at most one a slot; a case a check skips takes no unit
+    (``planned_skips`` reports it). A backend without one (its planning failed): every case, every
+    check, in parts by attention work."""
     cases = options.reported_cases
-    weights: dict[str, dict[str, float]] = {}
+    groups: list[tuple[BackendRef, list[str] | None, dict[str, float]]] = []
     for ref in refs:
         plan = plans.get(ref.name)
-        runs = {case.id: running_checks(plan, case.id) for case in cases}
-        weights[ref.name] = {
-            case.id: float(attention_work(case)) * (runs[case.id] or 1)
-            for case in cases
-            if runs[case.id] is None or runs[case.id] > 0
-        }
-    total = sum(sum(weight.values()) for weight in weights.values()) or 1.0
-    found = []
-    for ref in refs:
-        weight = weights[ref.name]
-        chosen = [case for case in cases if case.id in weight]
-        if not chosen:
+        if plan is None:
+            groups.append((ref, None, {case.id: float(attention_work(case)) for case in cases}))
             continue
+        for check, whole in plan["checks"].items():
+            runs = [case for case in cases if not whole and not plan["cases"][check][case.id]]
+            seconds = make_check(check, options.check_options).case_seconds
+            if runs:
+                groups.append((ref, [check], {case.id: case_weight(seconds, case) for case in runs}))
+    total = sum(sum(weight.values()) for _, _, weight in groups if weight) or 1.0
+    found = []
+    for ref, checks, weight in groups:
+        chosen = [case for case in cases if case.id in weight]
         share = round(UNITS_PER_SLOT * slots * sum(weight.values()) / total)
         parts = assign(chosen, max(1, min(slots, len(chosen), share)), weight)
         for part in sorted(set(parts)):
             ids = [case.id for case, at in zip(chosen, parts) if at == part]
-            found.append(Unit(ref, ids, sum(weight[case_id] for case_id in ids)))
+            found.append(Unit(ref, ids, sum(weight[case_id] for case_id in ids), checks))
     return sorted(found, key=lambda unit: -unit.work)
 
 
 def planned_skips(options: RunOptions, plan: dict[str, Any]) -> list[dict[str, Any]]:
-    """The events a backend's children would send for what its plan skips whole: each check that
-    skips as a whole, and each case that no check runs (a SKIP result with the check's reason)."""
+    """The events a backend's children would send for what its plan skips, which no unit runs
+    (``units``): the plan, each check that skips as a whole, and each case a check skips."""
     events: list[dict[str, Any]] = [plan]
     for check, whole in plan["checks"].items():
         if whole:
             events.append({"event": "check_skipped", "check": check, "reason": whole})
-    for case in options.reported_cases:
-        if running_checks(plan, case.id):
             continue
-        for check, whole in plan["checks"].items():
-            if not whole:
-                result = CaseResult(case.id, Verdict.SKIP, plan["cases"][check][case.id], tag=case.tag)
+        for case in options.reported_cases:
+            skip = plan["cases"][check][case.id]
+            if skip:
+                result = CaseResult(case.id, Verdict.SKIP, skip, tag=case.tag)
                 events.append({"event": "result", "check": check, "result": result.to_dict()})
     return events
 
@@ -248,7 +250,7 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
             job = Job(
                 backend=unit.ref.name,
                 device=str(options.device),
-                checks=list(options.checks),
+                checks=unit.checks or list(options.checks),
                 cases=[{"id": case.id, "tag": case.tag} for case in options.cases],
                 options=options.check_options,
                 only=unit.only,

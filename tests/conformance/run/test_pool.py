@@ -97,10 +97,11 @@ def test_a_case_no_check_runs_takes_no_unit_and_keeps_its_planned_skip():
     }
     nothing = {**one_case, "cases": {"numerics": dict.fromkeys((case.id for case in cases), "needs fp8")}}
     found = units(options, [resolve("torch_naive"), resolve("triton")], 4, {"torch_naive": one_case, "triton": nothing})
-    assert [(unit.ref.name, unit.only) for unit in found] == [("torch_naive", [runs])]
+    assert [(unit.ref.name, unit.checks, unit.only) for unit in found] == [("torch_naive", ["numerics"], [runs])]
     events = planned_skips(options, one_case)
-    assert events[:2] == [one_case, {"event": "check_skipped", "check": "graphs", "reason": "no CUDA graphs on a CPU"}]
-    skipped = [(event["check"], event["result"]["case"], event["result"]["reason"]) for event in events[2:]]
+    assert events[0] == one_case
+    assert events[-1] == {"event": "check_skipped", "check": "graphs", "reason": "no CUDA graphs on a CPU"}
+    skipped = [(event["check"], event["result"]["case"], event["result"]["reason"]) for event in events[1:-1]]
     assert skipped == [("numerics", case.id, "too long") for case in cases if case.id != runs]
     # Without a plan (a backend that could not be planned), every case is cut, as before.
     assert sorted(i for unit in units(options, [resolve("triton")], 4, {}) for i in unit.only) == sorted(
@@ -405,3 +406,23 @@ def test_a_backend_that_dies_while_the_probe_plans_it_is_answered_and_its_childr
     reasons = {case.reason.split(":")[0] for case in dies.check("numerics").cases}
     assert {case.verdict.value for case in dies.check("numerics").cases} == {"CRASH"}
     assert reasons == {"backend process killed by signal SIGSEGV outside any case"}, reasons
+
+
+def test_a_check_that_watches_over_a_span_gets_its_cases_cut_finer_than_a_quick_one():
+    from backends.registry import resolve
+
+    cases = suite("smoke")
+    options = RunOptions(
+        backends=["torch_naive"], checks=["numerics", "engine"], cases=cases, device=torch.device("cpu")
+    )
+    every = {case.id: None for case in cases}
+    plan = {
+        "event": "plan",
+        "checks": {"numerics": None, "engine": None},
+        "cases": {"numerics": every, "engine": every},
+    }
+    found = units(options, [resolve("torch_naive")], 4, {"torch_naive": plan})
+    per_check = {check: [unit for unit in found if unit.checks == [check]] for check in ("numerics", "engine")}
+    assert len(per_check["engine"]) == 4 > len(per_check["numerics"]) >= 1  # 15 s a case against 1 s
+    for check, found_units in per_check.items():  # each check's cases, each in one of its units
+        assert sorted(i for unit in found_units for i in unit.only) == sorted(case.id for case in cases), check
