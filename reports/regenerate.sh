@@ -11,9 +11,9 @@
 #   bash reports/regenerate.sh kernels RUNS  # docs/performance.md's kernel table: REPEATS (3) runs, into RUNS/
 #
 # One after another the backends take over 20 minutes on an H100, so `checks` runs them side by
-# side: one `conformance run --gpus` over pytest-xdist workers, a backend's check a unit of work,
-# spread over every GPU of the machine (GPUS: all, or indices such as 0,1), JOBS workers (default 8
-# a GPU) sharing them. The benchmark runs alone: its timings need the GPU to itself. SUITE=full runs
+# side: one `conformance run --gpus` over its pool of isolated children, a backend's check over a
+# few cases a unit of work, spread over every GPU of the machine (GPUS: all, or indices such as
+# 0,1), JOBS slots (default 8 a GPU) sharing them. The benchmark runs alone: its timings need the GPU to itself. SUITE=full runs
 # the full suite (reports/ publishes one suite: the standard one unless SUITE says otherwise);
 # TIMEOUT bounds each case's time in seconds (--timeout, default 900); BACKENDS (space-separated)
 # runs a subset.
