@@ -199,6 +199,10 @@ def command_run(args: argparse.Namespace, console: Console) -> int:
     _check_case_sizes(cases, device)
     positive_seconds(("--timeout", args.timeout), ("--backend-timeout", args.backend_timeout))
     slots = _pool_slots(args, checks, device)
+    if args.warm and args.in_process:
+        raise UsageError(
+            "--warm warms the isolated children before the checks: it cannot be combined with --in-process"
+        )
     part = _shard_part(args, cases)
     json_path = _output_paths(args)
     try:
@@ -285,6 +289,7 @@ def _locked_run(
         check_options=check_options(args.sync_detector, args.prefill_backend, suite),
         only=part[0] if part else None,
         shard=part[1] if part else None,
+        warm=args.warm,
     )
     outputs = (json_path, json_path.with_name(json_path.name + ".journal"), args.html, args.junit, args.markdown)
 
@@ -445,6 +450,12 @@ def _add_run_arguments(parser: argparse.ArgumentParser, default_suite: str | Non
         type=int,
         help="slots, each running one isolated child at a time (default: one a GPU of --gpus); without "
         "--gpus they take every visible GPU in turn, or share the CPU's cores",
+    )
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="before the checks, run each kernel layout's case once (compiles happen there, a layout a "
+        "process, over every slot); the results give its time apart (warm_s)",
     )
     parser.add_argument(
         "--shard",

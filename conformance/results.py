@@ -193,6 +193,7 @@ class BackendResult:
     claims: dict[str, Any] = field(default_factory=dict)
     checks: list[CheckResult] = field(default_factory=list)
     wall_s: float = 0.0
+    warm_s: float = 0.0  # ``--warm``: the process-seconds of its warm phase, apart from ``wall_s``
 
     def bench_cases(self) -> list["CaseResult"]:
         """The bench check's cases that have a forward time (those that ran)."""
@@ -200,7 +201,7 @@ class BackendResult:
         return [case for case in (bench.cases if bench else []) if case.metrics.get("forward_us")]
 
     def to_dict(self) -> dict[str, Any]:
-        return {**_to_json(self), "wall_s": round(self.wall_s, 3)}
+        return {**_to_json(self), "wall_s": round(self.wall_s, 3), "warm_s": round(self.warm_s, 3)}
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> "BackendResult":

@@ -43,10 +43,12 @@ def merge_parts(parts: list[tuple[str, RunResult]]) -> RunResult:
     order = {case_id: position for position, case_id in enumerate(first.shard["cases"])}
     backends = [_merge_backend([part.backends[at] for part in ordered], order) for at in range(len(first.backends))]
     environment = dict(ordered[0].environment)
+    environment.pop("warm_s", None)  # each part warmed on its own machine: under ``shards``
     environment["shards"] = [
         {
             "part": f"{part.shard['index']}/{count}",
             **{key: part.environment.get(key) for key in ("host", "gpu", "time")},
+            **({"warm_s": part.environment["warm_s"]} if "warm_s" in part.environment else {}),
         }
         for part in ordered
     ]
@@ -109,6 +111,7 @@ def _merge_backend(rows: list[BackendResult], order: dict[str, int]) -> BackendR
         first.claims,
         checks,
         wall_s=sum(row.wall_s or 0.0 for row in ran),
+        warm_s=sum(row.warm_s or 0.0 for row in ran),
     )
 
 

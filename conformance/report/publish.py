@@ -73,7 +73,7 @@ def merged(earlier: BackendResult, later: BackendResult) -> BackendResult:
     checks = [check for check in earlier.checks if check.name not in names] + later.checks
     order = {name: index for index, name in enumerate(CHECKS)}
     checks.sort(key=lambda check: order.get(check.name, len(order)))
-    return replace(later, checks=checks, wall_s=earlier.wall_s + later.wall_s)
+    return replace(later, checks=checks, wall_s=earlier.wall_s + later.wall_s, warm_s=earlier.warm_s + later.warm_s)
 
 
 def table_checks(per_backend: dict[str, RunResult]) -> list[str]:

@@ -80,6 +80,9 @@ class RichProgress(RunProgress):
             task = self.tasks[result.name]
             self.bar.update(task, completed=self.bar.tasks[task].total, current=f"done in {result.wall_s:.1f} s")
 
+    def warmed(self, units: int, seconds: float) -> None:
+        self.bar.console.print(warmed_line(units, seconds))
+
 
 class LineProgress(RunProgress):
     """Progress for CI logs (no terminal): one line per check as it finishes, per backend, and a
@@ -158,7 +161,15 @@ class LineProgress(RunProgress):
         if unloaded is not None:  # it could not even be loaded: say why, not "done"
             self._print(f"{visible(result.name)}: {unloaded.verdict.value} {visible(unloaded.summary, one_line=True)}")
         elif result.available:
-            self._print(f"{visible(result.name)}: done in {result.wall_s:.1f} s")
+            warm = f" (and {result.warm_s:.1f} s warming)" if result.warm_s else ""
+            self._print(f"{visible(result.name)}: done in {result.wall_s:.1f} s{warm}")
+
+    def warmed(self, units: int, seconds: float) -> None:
+        self._print(warmed_line(units, seconds))
+
+
+def warmed_line(units: int, seconds: float) -> str:
+    return f"warmed in {seconds:.1f} s: each kernel layout's case once, {units} process(es), before the checks"
 
 
 NAME_WIDTH = 40  # a backend's name stays on one line up to this many characters

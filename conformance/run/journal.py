@@ -51,6 +51,9 @@ class Journal(Progress):
     def backend_finished(self, result: BackendResult) -> None:
         self.inner.backend_finished(result)
 
+    def warmed(self, units: int, seconds: float) -> None:
+        self.inner.warmed(units, seconds)
+
     def close(self) -> None:
         if self.file is not None:
             try:

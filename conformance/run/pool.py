@@ -25,6 +25,7 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ from conformance.run.runner import (
     probe,
 )
 from conformance.run.shard import assign, attention_work
+from conformance.run.warm import warm_parts
 
 # Events every unit of a backend sends alike: the progress hears each once.
 ONCE_A_BACKEND = ("backend", "plan", "check_skipped")
@@ -187,11 +189,11 @@ def run_pooled(options: RunOptions, progress: Progress) -> RunResult:
     hears them before anything else), then the pool over ``options.slots`` (one slot, the device
     as given, by default). A GPU slot's children see their GPU as the device's type alone."""
     slots = options.slots or [Slot(str(options.device))]
-    if len(options.backends) == 1 and len(slots) == 1:  # its one child says what it is: no probe child
+    if len(options.backends) == 1 and len(slots) == 1 and not options.warm:  # its one child says what it is
         probes: dict[str, Probe | None] = {options.backends[0]: None}
-    else:  # asked, and planned for the units (``units``)
+    else:  # asked, and planned for the units (``units``) and the warm phase (``warm``)
         try:
-            probes = dict(probe(options, planned=len(slots) > 1))
+            probes = dict(probe(options, planned=len(slots) > 1 or options.warm))
         except Interrupted as interrupted:  # while the probe child imports: every backend not run
             rows = [
                 _not_started(registry.resolve(name), None, options, interrupted.not_run) for name in options.backends
@@ -240,6 +242,46 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
             skipped[ref.name].record(event)
             told.event(ref.name, event)
 
+    def job_for(unit: Unit) -> Job:
+        return Job(
+            backend=unit.ref.name,
+            device=str(options.device),
+            checks=unit.checks or list(options.checks),
+            cases=[{"id": case.id, "tag": case.tag} for case in options.cases],
+            options=options.check_options,
+            only=unit.only,
+        )
+
+    # The warm phase (``warm``): each layout's case once, its result thrown away, its time kept.
+    warmers = [
+        Unit(ref, ids, 0.0, [check])
+        for ref in runnable
+        if options.warm and plans[ref.name]
+        for check, ids in warm_parts(options, plans[ref.name], len(slots))
+    ]
+    warm_seconds = {ref.name: 0.0 for ref in runnable}
+
+    def warm_unit(unit: Unit) -> None:
+        slot = free.get()
+        began = time.monotonic()
+        try:
+            if not stop.is_set():  # a crash or a hang ends it (no resume): the checks then meet it
+                budget = CrashBudget(limit=0)
+                run_isolated(
+                    job_for(unit),
+                    lambda event: None,
+                    case_timeout_s=options.case_timeout_s,
+                    env=slot.env,
+                    stop=stop,
+                    budget=budget,
+                )
+        except Stopped:
+            pass
+        finally:
+            with lock:
+                warm_seconds[unit.ref.name] += time.monotonic() - began
+            free.put(slot)
+
     def run_unit(index: int) -> None:
         unit = work[index]
         slot = free.get()
@@ -247,16 +289,8 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
         try:
             if stop.is_set() or budgets[unit.ref.name].exhausted:  # ``rows`` says why
                 return
-            job = Job(
-                backend=unit.ref.name,
-                device=str(options.device),
-                checks=unit.checks or list(options.checks),
-                cases=[{"id": case.id, "tag": case.tag} for case in options.cases],
-                options=options.check_options,
-                only=unit.only,
-            )
             run_isolated(
-                job,
+                job_for(unit),
                 lambda event: told.event(unit.ref.name, event),
                 case_timeout_s=options.case_timeout_s,
                 # One slot: one unit a backend, whose limit --backend-timeout is (refused with more).
@@ -296,16 +330,25 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
                 why = f"not run: this part's slot cannot run the backend ({unavailable[0]})"
             if budget.exhausted and not stop.is_set():
                 why = budget.given_up
-            found.append(backend_row(ref, said, options, events, why, seconds[ref.name]))
+            row = backend_row(ref, said, options, events, why, seconds[ref.name])
+            found.append(replace(row, warm_s=round(warm_seconds.get(ref.name, 0.0), 3)))
         return found
 
+    phases = [[partial(warm_unit, unit) for unit in warmers], [partial(run_unit, index) for index in range(len(work))]]
+    warmed_s = None  # the warm phase's wall time
     with ThreadPoolExecutor(max_workers=len(slots), thread_name_prefix="conformance-slot") as pool:
-        pending = {pool.submit(run_unit, index) for index in range(len(work))}
+        pending: set = set()
         try:
-            while pending:
-                done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-                for future in done:
-                    future.result()  # a refusal from ``ready`` (a typo), or a bug in the pool itself
+            for phase in filter(None, phases):  # the warm phase ends before any check starts
+                began = time.monotonic()
+                pending = {pool.submit(task) for task in phase}
+                while pending:
+                    done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        future.result()  # a refusal from ``ready`` (a typo), or a bug in the pool itself
+                if phase is phases[0]:
+                    warmed_s = round(time.monotonic() - began, 3)
+                    progress.warmed(len(warmers), warmed_s)
         except BaseException as error:
             stop.set()  # every other child ends before this leaves
             if not isinstance(error, Interrupted):
@@ -327,4 +370,6 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
     annotate_bench_ratios(backends)
     environment = collect_environment(options.device)
     environment["pool"] = [slot.name for slot in slots]
+    if warmed_s is not None:
+        environment["warm_s"] = warmed_s
     return RunResult(environment, backends, options.suite, list(options.checks), shard=options.shard)

@@ -137,6 +137,7 @@ class RunOptions:
     # Where the isolated children run (``pool.Slot``s: ``--gpus`` / ``--workers``); None: one
     # slot, the device as given.
     slots: list[Any] | None = None
+    warm: bool = False  # ``--warm``: each layout's case once before the checks (``run.warm``)
 
     @property
     def reported_cases(self) -> list[Case]:
@@ -155,6 +156,9 @@ class Progress:
     def event(self, name: str, event: dict[str, Any]) -> None: ...
 
     def backend_finished(self, result: BackendResult) -> None: ...
+
+    def warmed(self, units: int, seconds: float) -> None:
+        """The warm phase (``--warm``) ended: ``units`` children ran each layout's case once."""
 
 
 def assemble_checks(
