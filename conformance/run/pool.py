@@ -282,6 +282,16 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
                 warm_seconds[unit.ref.name] += time.monotonic() - began
             free.put(slot)
 
+    # --backend-timeout: a backend's units share one deadline, from the start of its first unit.
+    deadlines: dict[str, float] = {}
+    late: set[str] = set()  # backends with a unit not started because their deadline had passed
+
+    def deadline_of(name: str) -> float:
+        with lock:
+            if options.backend_timeout_s and name not in deadlines:
+                deadlines[name] = time.monotonic() + options.backend_timeout_s
+            return deadlines.get(name, float("inf"))
+
     def run_unit(index: int) -> None:
         unit = work[index]
         slot = free.get()
@@ -289,12 +299,16 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
         try:
             if stop.is_set() or budgets[unit.ref.name].exhausted:  # ``rows`` says why
                 return
+            deadline = deadline_of(unit.ref.name)
+            if time.monotonic() > deadline:
+                late.add(unit.ref.name)
+                return
             run_isolated(
                 job_for(unit),
                 lambda event: told.event(unit.ref.name, event),
                 case_timeout_s=options.case_timeout_s,
-                # One slot: one unit a backend, whose limit --backend-timeout is (refused with more).
-                backend_timeout_s=options.backend_timeout_s if len(slots) == 1 else None,
+                backend_timeout_s=options.backend_timeout_s,
+                deadline=deadline,
                 events=unit_events[index],
                 env=slot.env,
                 stop=stop,
@@ -330,6 +344,10 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
                 why = f"not run: this part's slot cannot run the backend ({unavailable[0]})"
             if budget.exhausted and not stop.is_set():
                 why = budget.given_up
+            elif ref.name in late and not stop.is_set():  # as a unit that ran past it says (``run_isolated``)
+                why = (
+                    f"not run: the backend's time limit of {options.backend_timeout_s:g} s (--backend-timeout) reached"
+                )
             row = backend_row(ref, said, options, events, why, seconds[ref.name])
             found.append(replace(row, warm_s=round(warm_seconds.get(ref.name, 0.0), 3)))
         return found
