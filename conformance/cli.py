@@ -244,6 +244,7 @@ def _pool_slots(args, checks, device: torch.device) -> list[Slot] | None:
     for given, conflict in (
         (args.command == "bench" or "bench" in checks, "bench times backends side by side on one GPU"),
         (args.in_process, "--in-process"),
+        (args.backend_timeout is not None, "--backend-timeout"),
     ):
         if given:
             raise UsageError(f"{option} cannot be combined with {conflict}")

@@ -323,7 +323,6 @@ def run_isolated(
     env: dict[str, str] | None = None,
     stop: threading.Event | None = None,
     budget: CrashBudget | None = None,
-    deadline: float | None = None,
 ) -> BackendEvents:
     """Run ``job`` in child processes; returns what they reported, CRASH rows included.
     ``events``: where to record (the caller keeps what arrived if this raises, an interrupt).
@@ -331,13 +330,10 @@ def run_isolated(
     cases not yet reported, unless nothing can be resumed or the limits say stop. ``env``: set in
     each child's environment (a pool slot's GPU); ``stop``: when set, the child is killed and
     ``Stopped`` raised (a pool's interrupt, from its main thread); ``budget``: the crashes the
-    backend may still have, shared by its jobs (default: ``max_crashes`` for this job);
-    ``deadline``: when ``backend_timeout_s`` runs out (``time.monotonic``), shared by a backend's
-    jobs (default: that long from now)."""
+    backend may still have, shared by its jobs (default: ``max_crashes`` for this job)."""
     budget = budget if budget is not None else CrashBudget(max_crashes)
     events = events if events is not None else BackendEvents()
-    if deadline is None:
-        deadline = time.monotonic() + backend_timeout_s if backend_timeout_s else float("inf")
+    deadline = time.monotonic() + backend_timeout_s if backend_timeout_s else float("inf")
     recorder = _Recorder(job, events, on_event)
     key = new_key()
     reaper = Reaper()

@@ -24,9 +24,10 @@ import queue
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -261,65 +262,49 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
     ]
     warm_seconds = {ref.name: 0.0 for ref in runnable}
 
-    def warm_unit(unit: Unit) -> None:
+    @contextmanager
+    def on_a_slot(name: str, spent: dict[str, float]) -> Iterator[Slot]:
+        """A free slot for one of backend ``name``'s units, freed however the unit ends (a stop
+        too), its seconds added to ``spent``."""
         slot = free.get()
         began = time.monotonic()
         try:
+            yield slot
+        except Stopped:
+            pass
+        finally:
+            with lock:
+                spent[name] += time.monotonic() - began
+            free.put(slot)
+
+    def warm_unit(unit: Unit) -> None:
+        with on_a_slot(unit.ref.name, warm_seconds) as slot:
             if not stop.is_set():  # a crash or a hang ends it (no resume): the checks then meet it
-                budget = CrashBudget(limit=0)
                 run_isolated(
                     job_for(unit),
                     lambda event: None,
                     case_timeout_s=options.case_timeout_s,
                     env=slot.env,
                     stop=stop,
-                    budget=budget,
+                    budget=CrashBudget(limit=0),
                 )
-        except Stopped:
-            pass
-        finally:
-            with lock:
-                warm_seconds[unit.ref.name] += time.monotonic() - began
-            free.put(slot)
-
-    # --backend-timeout: a backend's units share one deadline, from the start of its first unit.
-    deadlines: dict[str, float] = {}
-    late: set[str] = set()  # backends with a unit not started because their deadline had passed
-
-    def deadline_of(name: str) -> float:
-        with lock:
-            if options.backend_timeout_s and name not in deadlines:
-                deadlines[name] = time.monotonic() + options.backend_timeout_s
-            return deadlines.get(name, float("inf"))
 
     def run_unit(index: int) -> None:
         unit = work[index]
-        slot = free.get()
-        began = time.monotonic()
-        try:
+        with on_a_slot(unit.ref.name, seconds) as slot:
             if stop.is_set() or budgets[unit.ref.name].exhausted:  # ``rows`` says why
-                return
-            deadline = deadline_of(unit.ref.name)
-            if time.monotonic() > deadline:
-                late.add(unit.ref.name)
                 return
             run_isolated(
                 job_for(unit),
                 lambda event: told.event(unit.ref.name, event),
                 case_timeout_s=options.case_timeout_s,
-                backend_timeout_s=options.backend_timeout_s,
-                deadline=deadline,
+                # One slot: one unit a backend, whose limit --backend-timeout is (refused with more).
+                backend_timeout_s=options.backend_timeout_s if len(slots) == 1 else None,
                 events=unit_events[index],
                 env=slot.env,
                 stop=stop,
                 budget=budgets[unit.ref.name],
             )
-        except Stopped:
-            pass
-        finally:
-            with lock:
-                seconds[unit.ref.name] += time.monotonic() - began
-            free.put(slot)
 
     def rows(not_run: str) -> list[BackendResult]:
         found = []
@@ -344,10 +329,6 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
                 why = f"not run: this part's slot cannot run the backend ({unavailable[0]})"
             if budget.exhausted and not stop.is_set():
                 why = budget.given_up
-            elif ref.name in late and not stop.is_set():  # as a unit that ran past it says (``run_isolated``)
-                why = (
-                    f"not run: the backend's time limit of {options.backend_timeout_s:g} s (--backend-timeout) reached"
-                )
             row = backend_row(ref, said, options, events, why, seconds[ref.name])
             found.append(replace(row, warm_s=round(warm_seconds.get(ref.name, 0.0), 3)))
         return found

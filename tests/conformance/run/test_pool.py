@@ -164,6 +164,7 @@ def test_a_child_that_dies_in_a_case_makes_it_crash_and_a_fresh_one_decides_as_o
     [
         (["--workers", "0"], 2, "--workers 0: give at least 1"),
         (["--workers", "2", "--in-process"], 2, "cannot be combined with --in-process"),
+        (["--workers", "2", "--backend-timeout", "60"], 2, "cannot be combined with --backend-timeout"),
     ],
 )
 def test_bad_pool_options_are_one_line_errors(in_process, tmp_path, args, status, message):
@@ -425,21 +426,3 @@ def test_a_check_that_watches_over_a_span_gets_its_cases_cut_finer_than_a_quick_
     assert len(per_check["engine"]) == 4 > len(per_check["numerics"]) >= 1  # 15 s a case against 1 s
     for check, found_units in per_check.items():  # each check's cases, each in one of its units
         assert sorted(i for unit in found_units for i in unit.only) == sorted(case.id for case in cases), check
-
-
-@pytest.mark.slow
-def test_a_backends_time_limit_is_one_deadline_over_all_its_units(tmp_path):
-    # Every case hangs: each of the two units' running case is CRASH at the shared deadline, the
-    # rest are not run, saying why; the run takes the limit once, not once a unit or a case.
-    started = time.monotonic()
-    completed = conformance(
-        "run", "--backend", "tests.planted.defects:Hangs", "--check", "numerics", "--suite", "smoke", "--device",
-        "cpu", "--quiet", "--workers", "2", "--backend-timeout", "8", "--json", str(tmp_path / "r.json"),
-    )  # fmt: skip
-    assert completed.returncode == 1, completed.stderr
-    assert time.monotonic() - started < 60
-    cases = RunResult.load(tmp_path / "r.json").backends[0].check("numerics").cases
-    crashed = [case for case in cases if case.verdict.value == "CRASH"]
-    assert len(crashed) == 2 and all("backend's time limit of 8 s (--backend-timeout)" in c.reason for c in crashed)
-    rest = {case.reason for case in cases if case not in crashed}
-    assert rest == {"not run: the backend's time limit of 8 s (--backend-timeout) reached"}, rest
