@@ -17,9 +17,10 @@ The parent never imports the backend: what a check or case would have been (SKIP
 or run) comes from the plan the first child announces.
 
 The probe child (``python -m conformance.run.isolation --ask DEVICE``) answers for many backends
-at once, importing each in turn: ``conformance list``, and a run of several backends, before the
-pool starts any (so that a typo among them is refused before any file is touched); a run of one
-backend is answered by the children that then run it (``pool``).
+at once, importing each in turn: ``conformance list``, and a run of several backends, several
+slots or ``--warm``, before the pool starts any (so that a typo among them is refused before any
+file is touched), then planning each for the pool's units; a run of one backend on one slot is
+answered by the child that then runs it (``pool``).
 
 The child runs in its own process group, which the parent kills whenever a child ends, early or
 not (``reaper.py``: also the processes that left the group, and the groups of a run that died);
@@ -50,6 +51,7 @@ from conformance.run import exit_guard
 from conformance.run.channel import TAMPERING, ChannelReader, ChannelWriter, new_key
 from conformance.run.execution import Emit, Job, answer, execute, load_backend, plan, plan_event, tampered
 from conformance.run.reaper import Reaper, exited
+from conformance.run.seal import Seal
 
 STDERR_TAIL_CHARS = 4000
 POLL_INTERVAL_S = 0.1
@@ -483,7 +485,11 @@ def probe_in_process(refs: list[BackendRef], device_text: str) -> dict[str, Prob
 
 
 def probe_backends(
-    refs: list[BackendRef], device_text: str, timeout_s: float, to_plan: dict[str, Any] | None = None
+    refs: list[BackendRef],
+    device_text: str,
+    timeout_s: float,
+    to_plan: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Probe]:
     """Each backend's claims and availability, asked in one probe child (``--ask``), which prints
     one JSON line as it starts each backend and one with the answer; a backend whose import crashes
@@ -491,7 +497,7 @@ def probe_backends(
     ``to_plan`` (a job's ``checks``, ``cases`` and ``options``): each backend that can run here is
     also planned over them (``Probe.plan``). Planning runs backend code: a probe child that dies
     or hangs while planning leaves that backend without a plan (its own children then meet the
-    same fault and say so), not without an answer."""
+    same fault and say so), not without an answer. ``env``: set in the child's environment."""
     probes: dict[str, Probe] = {}
     pending = list(refs)
     while pending:
@@ -502,7 +508,7 @@ def probe_backends(
             stdout=subprocess.PIPE,
             stderr=stderr_file,
             text=True,
-            env=child_env(),
+            env={**child_env(), **(env or {})},
             start_new_session=True,
             preexec_fn=DIE_WITH_PARENT,
         )
@@ -514,6 +520,7 @@ def probe_backends(
             pass
         current, buffer, deadline, hung, ended = None, b"", time.monotonic() + timeout_s, False, False
         planning: str | None = None  # the backend answered and being planned
+        between = False  # a backend planned, the next not yet started: a death then is none's import
         try:
             while pending or planning:
                 if b"\n" not in buffer:
@@ -530,12 +537,12 @@ def probe_backends(
                 line, buffer = buffer.split(b"\n", 1)
                 data = json.loads(line)
                 if "start" in data:
-                    current, deadline = pending[0], time.monotonic() + timeout_s
+                    current, deadline, between = pending[0], time.monotonic() + timeout_s, False
                     continue
                 if "planned" in data:  # the plan event, or None where planning raised
                     if planning is not None:
                         probes[planning].plan = data["planned"]
-                    planning = None
+                    planning, between = None, True
                     continue
                 probes[data["name"]] = Probe.of(pending.pop(0), data)
                 current = None
@@ -548,7 +555,7 @@ def probe_backends(
                 except subprocess.TimeoutExpired:
                     hung = True
             _kill(child)
-        if pending and planning is None:  # it died or hung importing a backend (not planning one)
+        if pending and planning is None and not between:  # it died or hung importing a backend
             blamed = current or pending[0]
             stderr_file.seek(0)
             limit = f"the time limit of {timeout_s:g} s (--timeout)" if hung else None
@@ -575,6 +582,7 @@ def _ask_main(device_text: str) -> int:
     sys.stdout = sys.stderr
     start_dir = os.getcwd()
     asked_plan = json.loads(sys.stdin.readline())["plan"]
+    seal = Seal.take()  # before any backend is imported, as a run's child takes it
     for line in sys.stdin:
         ref = BackendRef(**json.loads(line))
         answers.write(json.dumps({"start": ref.name}) + "\n")
@@ -586,9 +594,13 @@ def _ask_main(device_text: str) -> int:
         answers.write(json.dumps({"name": ref.name, **said, "planning": planning}) + "\n")
         answers.flush()
         if planning:
-            answers.write(json.dumps({"planned": _plan_of(ref, loaded.backend_cls, asked_plan, device_text)}) + "\n")
-            answers.flush()
+            planned = _plan_of(ref, loaded.backend_cls, asked_plan, device_text)
             os.chdir(start_dir)
+            # A backend whose import or plan changed the harness's state gets no plan: the parent
+            # reports nothing for it, and its children, which see the change, report each case.
+            answers.write(json.dumps({"planned": None if seal.changes() else planned}) + "\n")
+            answers.flush()
+        seal.changes()  # put back for the next backend
     return 0
 
 

@@ -3,18 +3,20 @@
 slot, the device as given, unless ``conformance run --gpus all|0,1,... [--workers N]`` asks for
 more: the same code path for the CPU, one GPU and many.
 
-With more than one slot, one probe child first asks every backend what it is and plans it over
-the run's checks and cases (``Probe.plan``). The unit of work is one check of one backend over a
-few cases (``units``): the cases the check runs, cut into parts balanced by expected seconds
+Unless the run is one backend on one slot without ``--warm``, one probe child first asks every
+backend what it is and, with several slots or ``--warm``, plans it over the run's checks and cases
+(``Probe.plan``), on the first slot's GPU. The unit of work is one check of one backend over a few
+cases (``units``): the cases the check runs, cut into parts balanced by expected seconds
 (``shard.assign``), about two units a slot over the whole run, each check's in proportion to its
 expected seconds, so that no backend's long cases bound the run and no child starts for cases
-that only skip; the units go longest first to whichever slot is free. What a plan skips whole is reported from
-the plan (``planned_skips``), as the children would have reported it. A unit's child plans its
-check over the whole run's cases and runs only its own (``Job.only``), so the run plans as one
-child would. A slot is a GPU (``CUDA_VISIBLE_DEVICES`` in its children's environment, round
-robin over ``--gpus``) or, without GPUs, one of ``--workers`` CPU slots; its children take their
-share of the cores. What each backend's units reported is joined into its row
-(``runner.backend_row``). A signal stops every child; what finished is kept.
+that only skip; the units go longest first to whichever slot is free. What a plan skips is
+reported from the plan (``planned_skips``), as the children would have reported it. A unit's
+child plans its check over the whole run's cases and runs only its own (``Job.only``), so the run
+plans as one child would. With ``--warm`` each backend's checks wait for its own warm units
+(``warm``). A slot is a GPU (``CUDA_VISIBLE_DEVICES`` in its children's environment, round robin
+over ``--gpus``) or, without GPUs, one of ``--workers`` CPU slots; its children take their share
+of the cores. What each backend's units reported is joined into its row (``runner.backend_row``).
+A signal stops every child; what finished is kept.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import queue
 import threading
 import time
+from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -109,13 +112,14 @@ def units(options: RunOptions, refs: list[BackendRef], slots: int, plans: dict[s
     number about ``UNITS_PER_SLOT`` a slot over the whole run, each check's in proportion to its
     expected seconds, at least one and at most one a slot; a case a check skips takes no unit
     (``planned_skips`` reports it). A backend without one (its planning failed): every case, every
-    check, in parts by attention work."""
+    check, in parts by the same expected seconds."""
     cases = options.reported_cases
     groups: list[tuple[BackendRef, list[str] | None, dict[str, float]]] = []
     for ref in refs:
         plan = plans.get(ref.name)
-        if plan is None:
-            groups.append((ref, None, {case.id: float(attention_work(case)) for case in cases}))
+        if plan is None:  # every check over each case: weighed in the same seconds as the planned
+            seconds = sum(make_check(check, options.check_options).case_seconds for check in options.checks)
+            groups.append((ref, None, {case.id: case_weight(seconds, case) for case in cases}))
             continue
         for check, whole in plan["checks"].items():
             runs = [case for case in cases if not whole and not plan["cases"][check][case.id]]
@@ -190,11 +194,14 @@ def run_pooled(options: RunOptions, progress: Progress) -> RunResult:
     hears them before anything else), then the pool over ``options.slots`` (one slot, the device
     as given, by default). A GPU slot's children see their GPU as the device's type alone."""
     slots = options.slots or [Slot(str(options.device))]
+    if any("CUDA_VISIBLE_DEVICES" in slot.env for slot in slots):
+        options = replace(options, device=torch.device(options.device.type))
     if len(options.backends) == 1 and len(slots) == 1 and not options.warm:  # its one child says what it is
         probes: dict[str, Probe | None] = {options.backends[0]: None}
     else:  # asked, and planned for the units (``units``) and the warm phase (``warm``)
         try:
-            probes = dict(probe(options, planned=len(slots) > 1 or options.warm))
+            # On the first slot's GPU: the plan's skips (a GPU's kind, its memory) are its slots'.
+            probes = dict(probe(options, planned=len(slots) > 1 or options.warm, env=slots[0].env))
         except Interrupted as interrupted:  # while the probe child imports: every backend not run
             rows = [
                 _not_started(registry.resolve(name), None, options, interrupted.not_run) for name in options.backends
@@ -210,8 +217,6 @@ def run_pooled(options: RunOptions, progress: Progress) -> RunResult:
             raise
         if options.ready is not None:
             options.ready(probes)
-    if any("CUDA_VISIBLE_DEVICES" in slot.env for slot in slots):
-        options = replace(options, device=torch.device(options.device.type))
     return run_pool(options, probes, progress, slots)
 
 
@@ -236,12 +241,6 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
     seconds = {ref.name: 0.0 for ref in runnable}  # each backend's process-seconds over its units
     budgets = {ref.name: CrashBudget() for ref in runnable}  # a backend's crashes, over all its units
     lock = threading.Lock()
-    for ref in runnable:
-        if probes[ref.name] is not None:
-            told.start(ref.name)
-        for event in planned_skips(options, plans[ref.name]) if plans[ref.name] else []:
-            skipped[ref.name].record(event)
-            told.event(ref.name, event)
 
     def job_for(unit: Unit) -> Job:
         return Job(
@@ -261,6 +260,15 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
         for check, ids in warm_parts(options, plans[ref.name], len(slots))
     ]
     warm_seconds = {ref.name: 0.0 for ref in runnable}
+    # Each backend's checks wait for its own warm units, not for every backend's.
+    warm_left = Counter(unit.ref.name for unit in warmers)
+    warmed = {ref.name: threading.Event() for ref in runnable}
+    for ref in runnable:
+        if not warm_left[ref.name]:
+            warmed[ref.name].set()
+    warm_failed: set[str] = set()  # a warm case crashed or hung: the backend's other warm units are not run
+    began = time.monotonic()
+    warmed_s: list[float] = []  # the warm phase's wall time, once its last unit ended
 
     @contextmanager
     def on_a_slot(name: str, spent: dict[str, float]) -> Iterator[Slot]:
@@ -278,19 +286,40 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
             free.put(slot)
 
     def warm_unit(unit: Unit) -> None:
-        with on_a_slot(unit.ref.name, warm_seconds) as slot:
-            if not stop.is_set():  # a crash or a hang ends it (no resume): the checks then meet it
+        name = unit.ref.name
+        try:
+            with on_a_slot(name, warm_seconds) as slot:
+                if stop.is_set() or name in warm_failed:
+                    return
+                # A crash or a hang ends it (no resume) and the backend's warming: its checks meet it.
+                events = BackendEvents()
                 run_isolated(
                     job_for(unit),
                     lambda event: None,
                     case_timeout_s=options.case_timeout_s,
+                    events=events,
                     env=slot.env,
                     stop=stop,
                     budget=CrashBudget(limit=0),
                 )
+                if events.answer is None or any(r.verdict == Verdict.CRASH for r in events.results.values()):
+                    warm_failed.add(name)
+        finally:
+            with lock:
+                warm_left[name] -= 1
+                if not warm_left[name]:
+                    warmed[name].set()
+                last = not any(warm_left.values())
+            if last:
+                warmed_s.append(round(time.monotonic() - began, 3))
+                with told.lock:
+                    progress.warmed(len(warmers), warmed_s[0])
 
     def run_unit(index: int) -> None:
         unit = work[index]
+        while not warmed[unit.ref.name].wait(0.2):  # its own warm units first (holding no slot)
+            if stop.is_set():
+                return
         with on_a_slot(unit.ref.name, seconds) as slot:
             if stop.is_set() or budgets[unit.ref.name].exhausted:  # ``rows`` says why
                 return
@@ -333,21 +362,24 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
             found.append(replace(row, warm_s=round(warm_seconds.get(ref.name, 0.0), 3)))
         return found
 
-    phases = [[partial(warm_unit, unit) for unit in warmers], [partial(run_unit, index) for index in range(len(work))]]
-    warmed_s = None  # the warm phase's wall time
-    with ThreadPoolExecutor(max_workers=len(slots), thread_name_prefix="conformance-slot") as pool:
+    # The warm units first (they take the slots first), then the checks' units, longest first; a
+    # thread each, so that a unit waiting for its backend's warming holds no slot.
+    tasks = [partial(warm_unit, unit) for unit in warmers] + [partial(run_unit, index) for index in range(len(work))]
+    with ThreadPoolExecutor(max_workers=max(1, len(tasks)), thread_name_prefix="conformance-slot") as pool:
         pending: set = set()
         try:
-            for phase in filter(None, phases):  # the warm phase ends before any check starts
-                began = time.monotonic()
-                pending = {pool.submit(task) for task in phase}
-                while pending:
-                    done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-                    for future in done:
-                        future.result()  # a refusal from ``ready`` (a typo), or a bug in the pool itself
-                if phase is phases[0]:
-                    warmed_s = round(time.monotonic() - began, 3)
-                    progress.warmed(len(warmers), warmed_s)
+            for ref in runnable:
+                if probes[ref.name] is not None:
+                    told.start(ref.name)
+                for event in planned_skips(options, plans[ref.name]) if plans[ref.name] else []:
+                    skipped[ref.name].record(event)
+                    told.event(ref.name, event)
+            for task in tasks:
+                pending.add(pool.submit(task))
+            while pending:
+                done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                for future in done:
+                    future.result()  # a refusal from ``ready`` (a typo), or a bug in the pool itself
         except BaseException as error:
             stop.set()  # every other child ends before this leaves
             if not isinstance(error, Interrupted):
@@ -369,6 +401,6 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
     annotate_bench_ratios(backends)
     environment = collect_environment(options.device)
     environment["pool"] = [slot.name for slot in slots]
-    if warmed_s is not None:
-        environment["warm_s"] = warmed_s
+    if warmed_s:
+        environment["warm_s"] = warmed_s[0]
     return RunResult(environment, backends, options.suite, list(options.checks), shard=options.shard)

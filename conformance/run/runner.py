@@ -282,10 +282,10 @@ def run_backend(
     return result
 
 
-def probe(options: RunOptions, planned: bool = False) -> dict[str, Probe]:
+def probe(options: RunOptions, planned: bool = False, env: dict[str, str] | None = None) -> dict[str, Probe]:
     """Every backend's claims and availability, asked in one probe child (in this process with
     ``--in-process``), before the pool hands out any unit; ``planned``: with each one's plan of the
-    run's checks and cases (``Probe.plan``)."""
+    run's checks and cases (``Probe.plan``); ``env``: set in the probe child's environment (a slot's GPU)."""
     refs = [registry.resolve(name) for name in options.backends]
     if options.in_process:
         return probe_in_process(refs, str(options.device))
@@ -293,7 +293,7 @@ def probe(options: RunOptions, planned: bool = False) -> dict[str, Probe]:
     if planned:
         cases = [{"id": case.id, "tag": case.tag} for case in options.cases]
         to_plan = {"checks": list(options.checks), "cases": cases, "options": options.check_options}
-    return probe_backends(refs, str(options.device), options.case_timeout_s, to_plan)
+    return probe_backends(refs, str(options.device), options.case_timeout_s, to_plan, env)
 
 
 def _asked_ahead(options: RunOptions, refs: list[BackendRef]) -> dict[str, Probe | None]:

@@ -426,3 +426,41 @@ def test_a_check_that_watches_over_a_span_gets_its_cases_cut_finer_than_a_quick_
     assert len(per_check["engine"]) == 4 > len(per_check["numerics"]) >= 1  # 15 s a case against 1 s
     for check, found_units in per_check.items():  # each check's cases, each in one of its units
         assert sorted(i for unit in found_units for i in unit.only) == sorted(case.id for case in cases), check
+
+
+def test_a_backend_without_a_plan_does_not_crowd_out_the_planned_ones():
+    """Weighed in the same expected seconds: a backend whose planning failed is cut by case, and a
+    planned backend's long check still gets units of its own."""
+    from backends.registry import resolve
+
+    cases = suite("smoke")
+    options = RunOptions(
+        backends=["torch_naive", "triton"], checks=["numerics", "engine"], cases=cases, device=torch.device("cpu")
+    )
+    every = {case.id: None for case in cases}
+    plan = {
+        "event": "plan",
+        "checks": {"numerics": None, "engine": None},
+        "cases": {"numerics": every, "engine": every},
+    }
+    found = units(options, [resolve("torch_naive"), resolve("triton")], 4, {"torch_naive": None, "triton": plan})
+    assert len([unit for unit in found if unit.ref.name == "triton" and unit.checks == ["engine"]]) > 1
+    unplanned = [unit for unit in found if unit.ref.name == "torch_naive"]
+    assert unplanned and all(unit.checks is None for unit in unplanned)
+
+
+@pytest.mark.slow
+def test_an_import_that_changes_the_harness_is_seen_when_the_plan_runs_nothing(tmp_path):
+    # Its plan skips every case of this check: the parent would report them all, and no child would
+    # see the change. The probe sees it, gives no plan, and the children report it as a serial run.
+    common = ["run", "--backend", "tests.planted.gate.import_changes_state:Backend", "--check", "indexer"]
+    common += ["--suite", "smoke", "--device", "cpu", "--quiet"]
+    serial = conformance(*common, "--json", str(tmp_path / "serial.json"))
+    pooled = conformance(*common, "--workers", "2", "--json", str(tmp_path / "pool.json"))
+    assert serial.returncode == pooled.returncode == 1, pooled.stderr
+    for path in ("serial.json", "pool.json"):  # each child that imported it reports it once: one or two
+        (backend,) = RunResult.load(tmp_path / path).backends
+        cases = backend.check("indexer").cases
+        changed = [case for case in cases if case.verdict.value == "ERROR"]
+        assert changed and all("the backend changed the harness's state" in case.reason for case in changed), path
+        assert all(case.verdict.value == "SKIP" for case in cases if case not in changed)

@@ -77,3 +77,21 @@ def test_warm_is_for_the_isolated_children():
     assert line.endswith(
         "--warm warms the isolated children before the checks: it cannot be combined with --in-process"
     )
+
+
+@pytest.mark.slow
+def test_a_warm_case_that_hangs_ends_that_backends_warming_and_the_checks_still_judge_it(tmp_path):
+    # Hangs never returns: one hang a warm process, then no more of its warm units; its checks then
+    # meet the hang and report it as a serial run does.
+    common = ["run", "--backend", "tests.planted.defects:Hangs,torch_naive", "--check", "numerics"]
+    common += ["--suite", "smoke", "--device", "cpu", "--quiet", "--timeout", "5"]
+    serial = conformance(*common, "--json", str(tmp_path / "serial.json"))
+    warm = conformance(*common, "--workers", "2", "--warm", "--json", str(tmp_path / "warm.json"))
+    assert serial.returncode == warm.returncode == 1, warm.stderr
+    serial_result, warm_result = RunResult.load(tmp_path / "serial.json"), RunResult.load(tmp_path / "warm.json")
+    hangs, naive = warm_result.backends
+    # Hangs: CRASH as in the serial run (two slots may each be hanging when the budget runs out).
+    assert hangs.check("numerics").verdict.value == serial_result.backends[0].check("numerics").verdict.value
+    assert verdicts(RunResult({}, [naive])) == verdicts(RunResult({}, [serial_result.backends[1]]))
+    assert hangs.warm_s < 2 * (5 + 10)  # at most one hang a slot, then no more of its warm units
+    assert naive.check("numerics").verdict.value == "PASS"
