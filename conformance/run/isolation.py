@@ -465,7 +465,7 @@ class Probe:
     failure_verdict: Verdict = Verdict.ERROR  # ERROR for a raised import error, CRASH for a dead or hung child
     mistyped: bool = False  # a pkg.module:Class that names no module or class: the user's mistake, not the backend's
     # Its ``plan`` event for the run's checks and cases, where the probe was asked to plan
-    # (``probe_backends``' ``plan``) and planning ended: which cases run, before any child runs them.
+    # (``probe_backends``' ``to_plan``) and planning ended: which cases run, before any child runs them.
     plan: dict[str, Any] | None = None
 
     @staticmethod

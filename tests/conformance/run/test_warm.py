@@ -57,8 +57,9 @@ def test_warming_a_suite_takes_one_case_a_layout():
 @pytest.mark.slow
 def test_a_warm_run_gives_the_serial_runs_verdicts_and_says_how_long_it_warmed(tmp_path):
     # torch_naive, and a backend that crashes on every batch of more than three requests: its warm
-    # case may crash too; that is thrown away, and its checks report each crash once.
-    common = ["run", "--backend", f"torch_naive,{CRASHES}", "--check", "numerics,determinism", "--suite", "smoke"]
+    # case may crash too; that is thrown away, and its checks report each crash once. (One check:
+    # its two crashes stay within the crash budget, so no case's verdict depends on the order.)
+    common = ["run", "--backend", f"torch_naive,{CRASHES}", "--check", "numerics", "--suite", "smoke"]
     common += ["--device", "cpu", "--quiet"]
     serial = conformance(*common, "--json", str(tmp_path / "serial.json"))
     warm = conformance(*common, "--workers", "2", "--warm", "--json", str(tmp_path / "warm.json"))
