@@ -196,12 +196,15 @@ def run_pooled(options: RunOptions, progress: Progress) -> RunResult:
     slots = options.slots or [Slot(str(options.device))]
     if any("CUDA_VISIBLE_DEVICES" in slot.env for slot in slots):
         options = replace(options, device=torch.device(options.device.type))
+    probe_s = None
     if len(options.backends) == 1 and len(slots) == 1 and not options.warm:  # its one child says what it is
         probes: dict[str, Probe | None] = {options.backends[0]: None}
     else:  # asked, and planned for the units (``units``) and the warm phase (``warm``)
         try:
             # On the first slot's GPU: the plan's skips (a GPU's kind, its memory) are its slots'.
+            asked = time.monotonic()
             probes = dict(probe(options, planned=len(slots) > 1 or options.warm, env=slots[0].env))
+            probe_s = round(time.monotonic() - asked, 3)
         except Interrupted as interrupted:  # while the probe child imports: every backend not run
             rows = [
                 _not_started(registry.resolve(name), None, options, interrupted.not_run) for name in options.backends
@@ -217,13 +220,20 @@ def run_pooled(options: RunOptions, progress: Progress) -> RunResult:
             raise
         if options.ready is not None:
             options.ready(probes)
-    return run_pool(options, probes, progress, slots)
+    return run_pool(options, probes, progress, slots, probe_s)
 
 
-def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Progress, slots: list[Slot]) -> RunResult:
+def run_pool(
+    options: RunOptions,
+    probes: dict[str, Probe | None],
+    progress: Progress,
+    slots: list[Slot],
+    probe_s: float | None = None,
+) -> RunResult:
     """Every backend through the checks over the pool (module docstring); a backend whose probe
-    is None is asked by its first child. On ``Interrupted`` (in this, the main thread) every child
-    is stopped and the exception leaves with ``partial``; any other exception stops them too."""
+    is None is asked by its first child; ``probe_s``: the probe child's seconds, where one ran. On
+    ``Interrupted`` (in this, the main thread) every child is stopped and the exception leaves
+    with ``partial``; any other exception stops them too."""
     refs = [registry.resolve(name) for name in options.backends]
     runnable = [ref for ref in refs if not _cannot_run(probes[ref.name])]
     # Asked by their first child instead: what every unit's children said decides (``rows``), so
@@ -401,6 +411,8 @@ def run_pool(options: RunOptions, probes: dict[str, Probe | None], progress: Pro
     annotate_bench_ratios(backends)
     environment = collect_environment(options.device)
     environment["pool"] = [slot.name for slot in slots]
+    if probe_s is not None:  # the probe child's asking and planning, before any unit started
+        environment["probe_s"] = probe_s
     if warmed_s:
         environment["warm_s"] = warmed_s[0]
     return RunResult(environment, backends, options.suite, list(options.checks), shard=options.shard)

@@ -120,6 +120,7 @@ def test_a_backend_whose_plan_runs_nothing_starts_no_child_and_reads_as_a_serial
     assert verdicts(pooled_result) == verdicts(serial_result)
     indexer = next(backend for backend in pooled_result.backends if backend.name == "torch_indexer")
     assert indexer.wall_s == 0.0  # no unit of its ran: its numerics cases are planned SKIPs
+    assert pooled_result.environment["probe_s"] > 0  # its asking and planning, apart from the units
 
 
 @SERIAL_RUN
