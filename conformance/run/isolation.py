@@ -119,22 +119,26 @@ def child_env() -> dict[str, str]:
     # The child must import what the parent can: the project and any module:Class backend.
     env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env[PARENT_ENV] = str(os.getpid())
     return env
 
 
-def _die_with_parent_hook():
-    """For the child, run between fork and exec: be killed when the parent dies, however it dies
-    (Linux ``PR_SET_PDEATHSIG``). Resolved here, in the parent, so the child imports nothing."""
-    if sys.platform != "linux":
-        return None
-    try:
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+PARENT_ENV = "CONFORMANCE_PARENT_PID"  # the process that started a child: it dies with it
 
 
-DIE_WITH_PARENT = _die_with_parent_hook()
+def die_with_parent() -> None:
+    """In a child, first thing: be killed when the parent dies, however it dies (Linux
+    ``PR_SET_PDEATHSIG``). The child sets it itself: a ``preexec_fn`` between fork and exec is not
+    safe in a parent with threads, as the pool's is (a lock held by another thread at the fork
+    would hang the child before it ever runs). A parent gone before this ends the child at once."""
+    if sys.platform == "linux":
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    parent = os.environ.get(PARENT_ENV)
+    if parent and parent.isdigit() and os.getppid() != int(parent):
+        os._exit(1)  # its parent is gone: nobody reads what it would report
 
 
 def not_run(job: Job, events: BackendEvents, verdict: Verdict, reason: str) -> list[dict[str, Any]]:
@@ -194,7 +198,6 @@ def _start_worker(
         stdin=subprocess.PIPE,
         env={**child_env(), **(env or {})},
         start_new_session=True,
-        preexec_fn=DIE_WITH_PARENT,
     )
     try:
         child.stdin.write(key.hex().encode() + b"\n")
@@ -510,7 +513,6 @@ def probe_backends(
             text=True,
             env={**child_env(), **(env or {})},
             start_new_session=True,
-            preexec_fn=DIE_WITH_PARENT,
         )
         try:
             header = json.dumps({"plan": to_plan}) + "\n"
@@ -657,4 +659,5 @@ def _child_main(job_path: str, events_path: str) -> int:
 
 
 if __name__ == "__main__":
+    die_with_parent()
     sys.exit(_ask_main(sys.argv[2]) if sys.argv[1] == "--ask" else _child_main(*sys.argv[1:]))

@@ -376,3 +376,14 @@ def test_the_runs_own_process_never_imports_backend_code(tmp_path):
     assert "RC 0" in completed.stdout, completed.stdout + completed.stderr
     assert "IMPORTED []" in completed.stdout
     assert "LISTED []" in completed.stdout, completed.stdout + completed.stderr
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_child_whose_parent_is_gone_before_it_starts_ends_at_once():
+    # The child sets its death signal itself (no preexec_fn in a parent with threads): one started
+    # for a parent that is no longer its parent ends before doing anything; its own parent's runs.
+    code = "from conformance.run.isolation import die_with_parent; die_with_parent(); print('ran')"
+    for parent, ran in ((os.getpid(), "ran"), (1, "")):
+        env = dict(os.environ, CONFORMANCE_PARENT_PID=str(parent))
+        completed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert completed.stdout.strip() == ran, (parent, completed.stderr)
