@@ -290,6 +290,7 @@ def _locked_run(
         only=part[0] if part else None,
         shard=part[1] if part else None,
         warm=args.warm,
+        slots=slots,
     )
     outputs = (json_path, json_path.with_name(json_path.name + ".journal"), args.html, args.junit, args.markdown)
 
@@ -307,7 +308,6 @@ def _locked_run(
     if not progress_console.is_terminal:  # CI logs: one line per event, wide enough to stay whole
         progress_console = Console(stderr=True, quiet=args.quiet, width=160)
     reporter = RichProgress if progress_console.is_terminal else LineProgress
-    options.slots = slots
     try:
         with stopping_on_signals():
             with reporter(progress_console) as progress:

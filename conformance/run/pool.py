@@ -277,6 +277,9 @@ def run_pool(
         if not warm_left[ref.name]:
             warmed[ref.name].set()
     warm_failed: set[str] = set()  # a warm case crashed or hung: the backend's other warm units are not run
+    # What failed on a warm (cold, first) run: a check's result for that case, since a fault on the
+    # first run of a layout (a compile, an autotune, a first load) is the backend's fault as much.
+    cold_failures: dict[str, dict[tuple[str, str], CaseResult]] = {ref.name: {} for ref in runnable}
     began = time.monotonic()
     warmed_s: list[float] = []  # the warm phase's wall time, once its last unit ended
 
@@ -314,6 +317,12 @@ def run_pool(
                 )
                 if events.answer is None or any(r.verdict == Verdict.CRASH for r in events.results.values()):
                     warm_failed.add(name)
+                with lock:  # cases the warm run did not reach are "not run", not the backend's failure
+                    cold_failures[name].update(
+                        (key, result)
+                        for key, result in events.results.items()
+                        if result.verdict.is_failure and not result.reason.startswith("not run")
+                    )
         finally:
             with lock:
                 warm_left[name] -= 1
@@ -354,11 +363,18 @@ def run_pool(
                 continue
             events = BackendEvents()
             events.absorb(skipped.get(ref.name, BackendEvents()))
-            for unit, reported in zip(work, unit_events):
-                if unit.ref.name == ref.name:
-                    events.absorb(reported)
+            mine = [reported for unit, reported in zip(work, unit_events) if unit.ref.name == ref.name]
+            for reported in mine:
+                events.absorb(reported)
+            for key, cold in cold_failures.get(ref.name, {}).items():
+                again = events.results.get(key)
+                if again is None or not again.verdict.is_failure:
+                    then = f"; run again by the check: {again.verdict.value}" if again else ""
+                    events.results[key] = replace(
+                        cold, reason=f"on the case's first, cold run (--warm): {cold.reason}{then}"
+                    )
             budget = budgets[ref.name]
-            answers = [e.answer for u, e in zip(work, unit_events) if u.ref.name == ref.name and e.answer]
+            answers = [reported.answer for reported in mine if reported.answer]
             failed = [answer["failure"] for answer in answers if answer.get("failure")]
             unavailable = [answer["unavailable"] for answer in answers if answer.get("unavailable")]
             why = not_run

@@ -8,8 +8,10 @@ A layout is what a kernel is built for: the case's attention spec (kind, heads, 
 cache format, block size, window, sinks, sparse top-k, fp8 query), and whether it drafts token
 trees or shards its KV over DCP ranks. Each layout's warm case is the lightest case of the first
 check (in the run's order) that runs one of its cases, run by that check: the same code path as the
-case the checks run later. Its result is thrown away (the check runs it again, and reports it);
-its seconds are the backend's ``warm_s``, and the phase's wall time the results' ``warm_s``.
+case the checks run later. Its PASS is thrown away (the check runs it again, and reports it); a
+failure there is the case's verdict (``pool``: a fault on a layout's first, cold run is the
+backend's). Its seconds are the backend's ``warm_s``, and the phase's wall time the results'
+``warm_s``.
 """
 
 from __future__ import annotations

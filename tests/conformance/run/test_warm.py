@@ -96,3 +96,21 @@ def test_a_warm_case_that_hangs_ends_that_backends_warming_and_the_checks_still_
     assert verdicts(RunResult({}, [naive])) == verdicts(RunResult({}, [serial_result.backends[1]]))
     assert hangs.warm_s < 2 * (5 + 10)  # at most one hang a slot, then no more of its warm units
     assert naive.check("numerics").verdict.value == "PASS"
+
+
+@pytest.mark.slow
+def test_a_failure_on_the_warm_cold_run_is_the_cases_verdict(tmp_path, monkeypatch):
+    # Wrong on the machine's first run only: the warm phase takes that run, so its checks would all
+    # PASS; the warm run's FAIL is that case's verdict, saying so, and the run exits 1.
+    monkeypatch.setenv("COLD_RUN_DIR", str(tmp_path))
+    planted = "tests.planted.gate.backends:WrongOnTheColdRun"
+    completed = conformance(
+        "run", "--backend", planted, "--check", "numerics", "--suite", "smoke", "--device", "cpu", "--quiet",
+        "--workers", "2", "--warm", "--json", str(tmp_path / "warm.json"),
+    )  # fmt: skip
+    assert completed.returncode == 1, completed.stderr
+    cases = RunResult.load(tmp_path / "warm.json").backends[0].check("numerics").cases
+    failed = [case for case in cases if case.verdict.value != "PASS"]
+    assert len(failed) == 1 and failed[0].verdict.value == "FAIL", [(c.verdict.value, c.reason) for c in cases]
+    assert failed[0].reason.startswith("on the case's first, cold run (--warm): ")
+    assert failed[0].reason.endswith("; run again by the check: PASS")

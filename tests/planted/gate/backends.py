@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from dataclasses import fields
+from pathlib import Path
 
 from backends.base import PLAIN_LAYER, LayerParameters
 from backends.torch_naive import TorchNaiveBackend
@@ -181,3 +182,18 @@ class SegfaultsWhilePlanning(TorchNaiveBackend):
             for field in fields(TorchNaiveBackend.capabilities)
         }
     )
+
+
+class WrongOnTheColdRun(TorchNaiveBackend):
+    """Wrong on the first run on this machine only (a kernel whose first, cold launch reads an
+    autotune or JIT cache not yet written): ``COLD_RUN_DIR`` holds the mark of that first run. A
+    warm phase that threw its results away would hide it from every check."""
+
+    name = "planted_wrong_on_the_cold_run"
+
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
+        super().forward(query, kv_cache, metadata, out, layer)
+        mark = Path(os.environ["COLD_RUN_DIR"]) / "ran"
+        if not mark.exists():
+            mark.touch()
+            out.mul_(2.0)
