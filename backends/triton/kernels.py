@@ -17,10 +17,15 @@ served by one of two kernels, decided on the device from each request's query le
 
 Softmax runs in fp32 with exp2; products are fp16/bf16 with fp32 accumulation.
 
-fp8 cache (``KV_FP8``): keys and values are loaded as fp8 and converted to the query's dtype
-(exact: every e4m3 and e5m2 number is a bf16 and an fp16 number); ``k_scale`` is folded into the
-score scale and ``v_scale`` into the output, both read from their 1-element device tensors, so
-nothing is read on the host.
+fp8 cache (``KV_FP8``): keys and values are loaded as fp8 and widened to fp16 (exact: every e4m3
+and e5m2 number is an fp16 number; one instruction a pair, where bf16 takes five), the query scaled
+by a power of two into fp16 (``_fp16_query``); ``k_scale`` is folded into the score scale and
+``v_scale`` into the output, both read from their 1-element device tensors, so nothing is read on
+the host.
+
+Every row sees every key before the request's first new token, so those whole tiles run unmasked
+(no window): only the tiles that hold new tokens' keys (causal, tree) or a window's edge compare
+positions.
 ``write_kv_kernel`` quantizes (``QUANTIZE``): value / scale, saturated, converted with round to
 nearest even.
 
@@ -258,6 +263,112 @@ def store_split_result(
 
 
 @triton.jit
+def _fp16_query(q):
+    """``q`` times a power of two, rounded to fp16, and that power's inverse.
+
+    For an fp8 cache the products run in fp16: e4m3 and e5m2 widen to fp16 in one instruction a
+    pair, where bf16 takes five (through fp16 and fp32), which made the fp8 kernel issue-bound. A
+    bf16 query can exceed fp16's range, so it is scaled first, its largest magnitude into
+    [2^11, 2^14) (log2's rounding at a power of two is the slack): every element down to 2^-25 of
+    the largest keeps all of its bits, a smaller one is off by at most 2^-36 of the largest. The
+    inverse, also a power of two, goes into the score scale, so the scores are bf16's."""
+    top = tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0)
+    exponent = tl.where(top > 0, 12.0 - tl.floor(tl.log2(tl.where(top > 0, top, 1.0))), 0.0)
+    exponent = tl.minimum(tl.maximum(exponent, -126.0), 126.0).to(tl.int32)
+    up = ((exponent + 127) << 23).to(tl.float32, bitcast=True)  # 2^exponent, built exactly
+    down = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
+    return (q.to(tl.float32) * up).to(tl.float16), down
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    acc,
+    row_max,
+    row_sum,
+    tile_start,
+    request,
+    kv_head,
+    end,
+    query_positions,
+    row_valid,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    stride_block_table,
+    stride_cache_block,
+    stride_cache_head,
+    stride_cache_token,
+    scale_log2,
+    soft_cap,
+    window,
+    context_len,
+    query_start,
+    query_ancestors,
+    tree_depths_ptr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    TREE: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Fold the KV tile at ``tile_start`` into (acc, row_max, row_sum). MASKED: the tile may hold
+    keys past ``end`` or keys some row must not see (causal, window, tree). Unmasked tiles are
+    whole context tiles every row sees, and skip every comparison and select."""
+    positions = tile_start + tl.arange(0, BLOCK_N)
+    in_range = positions < end
+    dims = tl.arange(0, BLOCK_D)
+    value_dims = tl.arange(0, BLOCK_DV)  # the value head dim may differ (DeepSeek-V3's prefill: 192 / 128)
+    if MASKED:
+        blocks = tl.load(
+            block_table_ptr + request * stride_block_table + positions // PAGE_SIZE, mask=in_range, other=0
+        )
+        key_mask = in_range[:, None] & (dims[None, :] < HEAD_DIM)
+        value_mask = in_range[:, None] & (value_dims[None, :] < HEAD_DIM_V)
+    else:
+        blocks = tl.load(block_table_ptr + request * stride_block_table + positions // PAGE_SIZE)
+        key_mask = (dims < HEAD_DIM)[None, :]
+        value_mask = (value_dims < HEAD_DIM_V)[None, :]
+    rows = (
+        blocks.to(tl.int64) * stride_cache_block
+        + kv_head * stride_cache_head
+        + (positions % PAGE_SIZE) * stride_cache_token
+    )
+    key = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=key_mask, other=0.0).to(q.dtype)
+    value = tl.load(v_cache_ptr + rows[:, None] + value_dims[None, :], mask=value_mask, other=0.0).to(q.dtype)
+    if UPCAST_DOT:
+        key = key.to(tl.float32)
+        value = value.to(tl.float32)
+    scores = tl.dot(q, tl.trans(key))
+    if USE_SOFT_CAP:  # the cap applies to natural-log scores; the softmax runs in base 2
+        scores = _soft_cap(scores * (scale_log2 / LOG2E), soft_cap) * LOG2E
+    else:
+        scores = scores * scale_log2
+    if MASKED:
+        key_positions = positions
+        structural = in_range[None, :] & row_valid[:, None]
+        if TREE:
+            new = positions >= context_len
+            index = tl.where(new & in_range, positions - context_len, 0)
+            depth = tl.load(tree_depths_ptr + query_start + index, mask=new & in_range, other=0)
+            key_positions = tl.where(new, context_len + depth, positions)
+            bit = ((query_ancestors[:, None] >> index[None, :].to(tl.int64)) & 1) != 0
+            structural = structural & (bit | ~new[None, :])
+        visible = (key_positions[None, :] <= query_positions[:, None]) & structural
+        if USE_WINDOW:
+            visible = visible & (query_positions[:, None] - key_positions[None, :] < window)
+        scores = tl.where(visible, scores, float("-inf"))
+    return online_softmax_step(scores, value, acc, row_max, row_sum)
+
+
+@triton.jit
 def _attend(
     q,
     request,
@@ -300,8 +411,11 @@ def _attend(
     """Online softmax of the rows in ``q`` over KV slots [start, end) of one request (in slot
     order): (unnormalised output, row maximum, row sum).
 
+    The whole tiles before the request's first new token (``context_len``) are seen by every row,
+    so without a window they run unmasked; the tiles from there on are masked.
     UPCAST_DOT (Triton's CPU interpreter only, whose bf16 tl.dot is wrong): products in fp32.
-    KV_FP8: the cache holds fp8 numbers and their scales are at ``k_scale_ptr`` / ``v_scale_ptr``.
+    KV_FP8: the cache holds fp8 numbers and their scales are at ``k_scale_ptr`` / ``v_scale_ptr``;
+    keys and values widen to fp16, the query is scaled into fp16 (``_fp16_query``).
     Q_FP8: ``q`` holds an fp8 query's numbers (exact in the compute dtype), its scale at
     ``q_scale_ptr``: folded, like k's, into the scores' scale on the device.
     TREE (a token tree, ``backends.token_tree``): a new token's key sits at context_len + its depth
@@ -311,6 +425,8 @@ def _attend(
     """
     if KV_FP8:
         scale_log2 = scale_log2 * tl.load(k_scale_ptr)
+        q, query_unscale = _fp16_query(q)
+        scale_log2 = scale_log2 * query_unscale
     if Q_FP8:
         scale_log2 = scale_log2 * tl.load(q_scale_ptr)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -318,53 +434,25 @@ def _attend(
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     if UPCAST_DOT:
         q = q.to(tl.float32)
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < HEAD_DIM
-    value_dims = tl.arange(0, BLOCK_DV)  # the value head dim may differ (DeepSeek-V3's prefill: 192 / 128)
-    for tile_start in range(start, end, BLOCK_N):
-        positions = tile_start + tl.arange(0, BLOCK_N)
-        in_range = positions < end
-        blocks = tl.load(
-            block_table_ptr + request * stride_block_table + positions // PAGE_SIZE, mask=in_range, other=0
-        )
-        rows = (
-            blocks.to(tl.int64) * stride_cache_block
-            + kv_head * stride_cache_head
-            + (positions % PAGE_SIZE) * stride_cache_token
-        )
-        kv_mask = in_range[:, None] & dim_mask[None, :]
-        key = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        value = tl.load(
-            v_cache_ptr + rows[:, None] + value_dims[None, :],
-            mask=in_range[:, None] & (value_dims[None, :] < HEAD_DIM_V),
-            other=0.0,
-        )
-        if KV_FP8:
-            key = key.to(q.dtype)
-            value = value.to(q.dtype)
-        if UPCAST_DOT:
-            key = key.to(tl.float32)
-            value = value.to(tl.float32)
-        scores = tl.dot(q, tl.trans(key))
-        if USE_SOFT_CAP:  # the cap applies to natural-log scores; the softmax runs in base 2
-            scores = _soft_cap(scores * (scale_log2 / LOG2E), soft_cap) * LOG2E
-        else:
-            scores = scores * scale_log2
-        key_positions = positions
-        structural = in_range[None, :] & row_valid[:, None]
-        if TREE:
-            new = positions >= context_len
-            index = tl.where(new & in_range, positions - context_len, 0)
-            depth = tl.load(tree_depths_ptr + query_start + index, mask=new & in_range, other=0)
-            key_positions = tl.where(new, context_len + depth, positions)
-            bit = ((query_ancestors[:, None] >> index[None, :].to(tl.int64)) & 1) != 0
-            structural = structural & (bit | ~new[None, :])
-        visible = (key_positions[None, :] <= query_positions[:, None]) & structural
-        if USE_WINDOW:
-            visible = visible & (query_positions[:, None] - key_positions[None, :] < window)
-        acc, row_max, row_sum = online_softmax_step(
-            tl.where(visible, scores, float("-inf")), value, acc, row_max, row_sum
-        )
+    unmasked_end = start
+    if not USE_WINDOW:
+        unmasked_end = start + tl.maximum(tl.minimum(end, context_len) - start, 0) // BLOCK_N * BLOCK_N
+    for tile_start in range(start, unmasked_end, BLOCK_N):
+        acc, row_max, row_sum = _attend_tile(
+            q, acc, row_max, row_sum, tile_start, request, kv_head, end, query_positions, row_valid,
+            k_cache_ptr, v_cache_ptr, block_table_ptr, stride_block_table, stride_cache_block,
+            stride_cache_head, stride_cache_token, scale_log2, soft_cap, window, context_len, query_start,
+            query_ancestors, tree_depths_ptr, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW,
+            USE_SOFT_CAP, UPCAST_DOT, HEAD_DIM_V, BLOCK_DV, TREE, False,
+        )  # fmt: skip
+    for tile_start in range(unmasked_end, end, BLOCK_N):
+        acc, row_max, row_sum = _attend_tile(
+            q, acc, row_max, row_sum, tile_start, request, kv_head, end, query_positions, row_valid,
+            k_cache_ptr, v_cache_ptr, block_table_ptr, stride_block_table, stride_cache_block,
+            stride_cache_head, stride_cache_token, scale_log2, soft_cap, window, context_len, query_start,
+            query_ancestors, tree_depths_ptr, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW,
+            USE_SOFT_CAP, UPCAST_DOT, HEAD_DIM_V, BLOCK_DV, TREE, True,
+        )  # fmt: skip
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)
     return acc, row_max, row_sum
