@@ -19,7 +19,7 @@ Softmax runs in fp32 with exp2; products are fp16/bf16 with fp32 accumulation.
 
 fp8 cache (``KV_FP8``): keys and values are loaded as fp8 and widened to fp16 (exact: every e4m3
 and e5m2 number is an fp16 number; one instruction a pair, where bf16 takes five), the query scaled
-by a power of two into fp16 (``_fp16_query``); ``k_scale`` is folded into the score scale and
+by a power of two into fp16 (``fp16_scaling``); ``k_scale`` is folded into the score scale and
 ``v_scale`` into the output, both read from their 1-element device tensors, so nothing is read on
 the host.
 
@@ -263,21 +263,27 @@ def store_split_result(
 
 
 @triton.jit
-def _fp16_query(q):
-    """``q`` times a power of two, rounded to fp16, and that power's inverse.
+def largest_magnitude(x):
+    """max |x| over a 2-D tile, in fp32."""
+    return tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0)
+
+
+@triton.jit
+def fp16_scaling(top):
+    """(2^e, 2^-e): the power of two that brings a query whose largest magnitude is ``top`` into
+    fp16's range, and its inverse, each built exactly from its bits.
 
     For an fp8 cache the products run in fp16: e4m3 and e5m2 widen to fp16 in one instruction a
-    pair, where bf16 takes five (through fp16 and fp32), which made the fp8 kernel issue-bound. A
+    pair, where bf16 takes five (through fp16 and fp32), which made the fp8 kernels issue-bound. A
     bf16 query can exceed fp16's range, so it is scaled first, its largest magnitude into
     [2^11, 2^14) (log2's rounding at a power of two is the slack): every element down to 2^-25 of
     the largest keeps all of its bits, a smaller one is off by at most 2^-36 of the largest. The
-    inverse, also a power of two, goes into the score scale, so the scores are bf16's."""
-    top = tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0)
+    inverse goes into the score scale, so the scores are bf16's."""
     exponent = tl.where(top > 0, 12.0 - tl.floor(tl.log2(tl.where(top > 0, top, 1.0))), 0.0)
     exponent = tl.minimum(tl.maximum(exponent, -126.0), 126.0).to(tl.int32)
-    up = ((exponent + 127) << 23).to(tl.float32, bitcast=True)  # 2^exponent, built exactly
+    up = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
     down = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
-    return (q.to(tl.float32) * up).to(tl.float16), down
+    return up, down
 
 
 @triton.jit
@@ -415,7 +421,7 @@ def _attend(
     so without a window they run unmasked; the tiles from there on are masked.
     UPCAST_DOT (Triton's CPU interpreter only, whose bf16 tl.dot is wrong): products in fp32.
     KV_FP8: the cache holds fp8 numbers and their scales are at ``k_scale_ptr`` / ``v_scale_ptr``;
-    keys and values widen to fp16, the query is scaled into fp16 (``_fp16_query``).
+    keys and values widen to fp16, the query is scaled into fp16 (``fp16_scaling``).
     Q_FP8: ``q`` holds an fp8 query's numbers (exact in the compute dtype), its scale at
     ``q_scale_ptr``: folded, like k's, into the scores' scale on the device.
     TREE (a token tree, ``backends.token_tree``): a new token's key sits at context_len + its depth
@@ -425,8 +431,9 @@ def _attend(
     """
     if KV_FP8:
         scale_log2 = scale_log2 * tl.load(k_scale_ptr)
-        q, query_unscale = _fp16_query(q)
-        scale_log2 = scale_log2 * query_unscale
+        up, down = fp16_scaling(largest_magnitude(q))
+        q = (q.to(tl.float32) * up).to(tl.float16)
+        scale_log2 = scale_log2 * down
     if Q_FP8:
         scale_log2 = scale_log2 * tl.load(q_scale_ptr)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)

@@ -23,7 +23,15 @@ import triton
 import triton.language as tl
 
 import backends.triton as tile_reads
-from backends.triton.kernels import batch_kernel, decode_tile, online_softmax_step, split_range, store_split_result
+from backends.triton.kernels import (
+    batch_kernel,
+    decode_tile,
+    fp16_scaling,
+    largest_magnitude,
+    online_softmax_step,
+    split_range,
+    store_split_result,
+)
 
 GATHER = tl.constexpr(tile_reads.GATHER)
 PAGE = tl.constexpr(tile_reads.PAGE)
@@ -84,9 +92,9 @@ def _attend_tile(
     UPCAST_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
-    if KV_FP8:  # exact: every fp8 number is a bf16 and an fp16 number; k_scale is in scale_log2 and the output
-        c_latent = c_latent.to(q_latent.dtype)
-        c_rope = c_rope.to(q_latent.dtype)
+    if KV_FP8:  # exact: every fp8 number is an fp16 number; k_scale is in scale_log2 and the output
+        c_latent = c_latent.to(tl.float16)
+        c_rope = c_rope.to(tl.float16)
     if UPCAST_DOT:
         c_latent = c_latent.to(tl.float32)
         c_rope = c_rope.to(tl.float32)
@@ -161,12 +169,16 @@ def mla_decode_split_kernel(
     q_rope = tl.load(
         query_rows + LATENT + rope_dims[None, :], mask=row_valid[:, None] & (rope_dims[None, :] < ROPE), other=0.0
     )
+    if KV_FP8:  # the latent's one scale: on the scores, and (the latent is the value too) on the output
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
+        # The products in fp16, the query scaled into its range (``kernels.fp16_scaling`` says why).
+        up, down = fp16_scaling(tl.maximum(largest_magnitude(q_latent), largest_magnitude(q_rope)))
+        q_latent = (q_latent.to(tl.float32) * up).to(tl.float16)
+        q_rope = (q_rope.to(tl.float32) * up).to(tl.float16)
+        scale_log2 = scale_log2 * down
     if UPCAST_DOT:
         q_latent = q_latent.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
-
-    if KV_FP8:  # the latent's one scale: on the scores, and (the latent is the value too) on the output
-        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     start, end = split_range(0, seq_len, split, num_splits, BLOCK_N, ONE_SPLIT)
     acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)

@@ -26,6 +26,8 @@ CASES = {
     "verify q8 b1 ctx512": "gqa-h32/8-d128-bf16-p16:512+8",
     "verify q4 b1 ctx32k": "gqa-h32/8-d128-bf16-p16:32768+4",
     "verify q4 b8 ctx32k": "gqa-h32/8-d128-bf16-p16:32768+4x8",
+    "decode b64 ctx32k": "gqa-h32/8-d128-bf16-p16:32768+1x64",
+    "verify q4 b64 ctx32k": "gqa-h32/8-d128-bf16-p16:32768+4x64",
     "fp8 decode b64 ctx4096": "gqa-h32/8-d128-bf16-fp8e4m3-p16:4096+1x64",
     "fp8 decode b64 ctx32k": "gqa-h32/8-d128-bf16-fp8e4m3-p16:32768+1x64",
     "fp8 verify q4 b64 ctx4096": "gqa-h32/8-d128-bf16-fp8e4m3-p16:4096+4x64",
