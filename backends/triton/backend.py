@@ -217,6 +217,11 @@ class DeviceLengthsBackend(AttentionBackend):
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
 DECODE_PROGRAMS_PER_MULTIPROCESSOR = {1: 8, 2: 4, 4: 4, 8: 4}
+# Over an fp8 cache a program reads half the bytes and is bound by latency, not bandwidth: on an
+# H200 (tune_triton --splits-only), spec-verify q = 4 at batch 64 split in two took 32k keys from
+# 1420 to 1338 µs and 4096 keys from 202 to 224 µs (FlashInfer's fp8: 1528 and 233). The split
+# count cannot follow the context (no host lengths), so fp8 verify takes 8 programs an SM.
+FP8_CACHE_PROGRAMS_PER_MULTIPROCESSOR = {**DECODE_PROGRAMS_PER_MULTIPROCESSOR, 4: 8}
 
 
 class TritonAttentionBackend(DeviceLengthsBackend):
@@ -393,7 +398,10 @@ class TritonAttentionBackend(DeviceLengthsBackend):
         decode_q = metadata.decode_q
         block_m = max(16, triton.next_power_of_2(decode_q * self.group))
         num_splits = self.splits_for(
-            metadata.num_reqs, decode_q, spec.num_kv_heads, DECODE_PROGRAMS_PER_MULTIPROCESSOR[decode_q]
+            metadata.num_reqs,
+            decode_q,
+            spec.num_kv_heads,
+            (FP8_CACHE_PROGRAMS_PER_MULTIPROCESSOR if kv_fp8 else DECODE_PROGRAMS_PER_MULTIPROCESSOR)[decode_q],
         )
         kernels.decode_split_kernel[(limits.max_num_reqs, spec.num_kv_heads, num_splits)](
             query,

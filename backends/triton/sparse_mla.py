@@ -25,6 +25,8 @@ except ModuleNotFoundError as missing:  # an extra: see backends.triton
 
 BLOCK_H = 16  # heads per program (tl.dot's smallest tile)
 BLOCK_N = 32  # index entries (or window positions) per tile
+NUM_WARPS = 4
+NUM_STAGES = 3  # Triton's default, named so that conformance/tuning/tune_sparse_mla.py can sweep it
 POSITIONS_BLOCK = 64
 
 
@@ -122,5 +124,6 @@ class SparseMLARead:
             SCALE_BLOCK=spec.kv_scale_block or 1,
             UPCAST_DOT=self.upcast_dot,
             RETURN_LSE=lse is not None,
-            num_warps=4,
+            num_warps=NUM_WARPS,
+            num_stages=NUM_STAGES,
         )

@@ -37,16 +37,18 @@ LAUNCHES = list(itertools.product((4, 8), (2, 3, 4), (32, 64, 128)))  # warps, s
 PROGRAMS_PER_SM = (1, 2, 4, 8, 16, 32)
 
 
-OWN_PROGRAMS_PER_SM = dict(triton_backend.DECODE_PROGRAMS_PER_MULTIPROCESSOR)
+OWN_TABLES = {  # programs wanted per SM, by decode variant: the bf16 table and the fp8 cache's
+    table: dict(getattr(triton_backend, table))
+    for table in ("DECODE_PROGRAMS_PER_MULTIPROCESSOR", "FP8_CACHE_PROGRAMS_PER_MULTIPROCESSOR")
+}
 
 
 def set_launch(timed: TimedCase, warps: int, stages: int, block_n: int, programs_per_sm: int | None) -> None:
     """None: the backend's own programs per SM."""
     triton_backend.DECODE_NUM_WARPS, triton_backend.DECODE_NUM_STAGES = warps, stages
     timed.backend.decode_block_n = block_n
-    triton_backend.DECODE_PROGRAMS_PER_MULTIPROCESSOR = (
-        OWN_PROGRAMS_PER_SM if programs_per_sm is None else dict.fromkeys(OWN_PROGRAMS_PER_SM, programs_per_sm)
-    )
+    for table, own in OWN_TABLES.items():
+        setattr(triton_backend, table, own if programs_per_sm is None else dict.fromkeys(own, programs_per_sm))
 
 
 def main(arguments: list[str]) -> None:
