@@ -23,11 +23,21 @@ except ModuleNotFoundError as missing:  # an extra: see backends.triton
     if missing.name != "triton":
         raise
 
-BLOCK_H = 16  # heads per program (tl.dot's smallest tile)
-BLOCK_N = 32  # index entries (or window positions) per tile
-NUM_WARPS = 4
-NUM_STAGES = 3  # Triton's default, named so that conformance/tuning/tune_sparse_mla.py can sweep it
+# Heads per program: a program reads its token's gathered keys once for all its heads, so 128
+# heads in programs of 64 read them twice where programs of 16 read them eight times, and a
+# 64-row tile feeds Hopper's warpgroup MMA. The launch for each count, (index entries or window
+# positions per tile, warps, stages), from conformance/tuning/tune_sparse_mla.py on an H200
+# (DeepSeek-V3.2's top 2048, 128 heads, batch 64, 4096 keys; FlashMLA's sparse decode 242 µs bf16,
+# 240 µs fp8_ds_mla): 64 heads (64, 8, 3) 196 and 229 µs; 32 heads (64, 4, 2) 286 µs bf16; 16
+# heads (32, 4, 3), the earlier launch, 459 and 709 µs.
+MAX_HEADS_PER_PROGRAM = 64
+LAUNCH = {16: (32, 4, 3), 32: (64, 4, 2), 64: (64, 8, 3)}
 POSITIONS_BLOCK = 64
+
+
+def heads_per_program(num_heads: int) -> int:
+    """A power of two from 16 (tl.dot's smallest tile) to MAX_HEADS_PER_PROGRAM."""
+    return min(MAX_HEADS_PER_PROGRAM, max(16, triton.next_power_of_2(num_heads)))
 
 
 @dataclass
@@ -87,7 +97,9 @@ class SparseMLARead:
         if layer.topk_indices is None:
             raise ValueError("a sparse layer's forward needs its index rows (layer.topk_indices)")
         indices, lse = layer.topk_indices, layer.lse
-        grid = (query.shape[0], triton.cdiv(spec.num_heads, BLOCK_H))
+        heads = heads_per_program(spec.num_heads)
+        block_n, num_warps, num_stages = LAUNCH[heads]
+        grid = (query.shape[0], triton.cdiv(spec.num_heads, heads))
         sparse_mla_kernels.sparse_mla_kernel[grid](
             query,
             kv_cache,
@@ -110,20 +122,20 @@ class SparseMLARead:
             kv_cache.stride(0),
             kv_cache.stride(1),
             NUM_HEADS=spec.num_heads,
-            BLOCK_H=BLOCK_H,
+            BLOCK_H=heads,
             LATENT=spec.kv_lora_rank,
             ROPE=spec.rope_dim,
             BLOCK_L=triton.next_power_of_2(spec.kv_lora_rank),
             BLOCK_R=max(16, triton.next_power_of_2(spec.rope_dim)),
             TOPK=spec.sparse_topk,
             WINDOW=spec.sparse_window or 0,
-            BLOCK_N=BLOCK_N,
+            BLOCK_N=block_n,
             PAGE_SIZE=spec.block_size,
             KV_FP8=k_scale is not None,
             DS_MLA=spec.kv_scale_block is not None,
             SCALE_BLOCK=spec.kv_scale_block or 1,
             UPCAST_DOT=self.upcast_dot,
             RETURN_LSE=lse is not None,
-            num_warps=NUM_WARPS,
-            num_stages=NUM_STAGES,
+            num_warps=num_warps,
+            num_stages=num_stages,
         )
