@@ -45,6 +45,7 @@ CASES = {
         # and dominant edge keys; an fp8 latent cache.
         "mla-h4-d64+16-bf16-p16-topk16-win8-messyidx:60+2,9+4,0+0",
         "mla-h20-d64+16-fp16-p32-topk40-edges:70+1,3+1,50+8",
+        "mla-h64-d64+16-bf16-p16-topk16-win8-messyidx:60+2,9+4,30+1",  # 64 heads a program: the widest launch
         "mla-h4-d64+16-bf16-fp8e4m3-p16-topk16:40+1,20+4",
         # Sparse over DeepSeek's fp8_ds_mla (a scale per 128 latent values inside each entry):
         # two blocks, a window part, messy rows, an empty request; four blocks, fp16 rope, two
