@@ -32,12 +32,23 @@ except ModuleNotFoundError as missing:  # an extra: see backends.triton
 # heads (32, 4, 3), the earlier launch, 459 and 709 µs.
 MAX_HEADS_PER_PROGRAM = 64
 LAUNCH = {16: (32, 4, 3), 32: (64, 4, 2), 64: (64, 8, 3)}
+# With a window part Triton pipelines the window loop's contiguous copies through shared memory:
+# at 64 heads and 64-entry tiles, top 64 with a window of 128 asked for 295 KB, over the 227 KB a
+# block may have on Hopper (an H200's OutOfResources; the compiled kernel's metadata on a CPU, as
+# tests/backends/test_sparse_mla_launch.py reads it for every launch). 32-entry tiles take 148 KB.
+WINDOW_LAUNCH = {**LAUNCH, 64: (32, 8, 3)}
 POSITIONS_BLOCK = 64
 
 
 def heads_per_program(num_heads: int) -> int:
     """A power of two from 16 (tl.dot's smallest tile) to MAX_HEADS_PER_PROGRAM."""
     return min(MAX_HEADS_PER_PROGRAM, max(16, triton.next_power_of_2(num_heads)))
+
+
+def launch(spec: AttentionSpec) -> tuple[int, int, int, int]:
+    """(heads per program, index entries or window positions per tile, warps, stages)."""
+    heads = heads_per_program(spec.num_heads)
+    return (heads, *(WINDOW_LAUNCH if spec.sparse_window else LAUNCH)[heads])
 
 
 @dataclass
@@ -97,8 +108,7 @@ class SparseMLARead:
         if layer.topk_indices is None:
             raise ValueError("a sparse layer's forward needs its index rows (layer.topk_indices)")
         indices, lse = layer.topk_indices, layer.lse
-        heads = heads_per_program(spec.num_heads)
-        block_n, num_warps, num_stages = LAUNCH[heads]
+        heads, block_n, num_warps, num_stages = launch(spec)
         grid = (query.shape[0], triton.cdiv(spec.num_heads, heads))
         sparse_mla_kernels.sparse_mla_kernel[grid](
             query,

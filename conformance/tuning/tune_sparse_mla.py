@@ -25,16 +25,16 @@ TILINGS = list(itertools.product((16, 32, 64), (32, 64), (4, 8), (2, 3)))  # hea
 
 def main(names: list[str]) -> None:
     device = torch.device("cuda")
-    shipped = (sparse_mla.MAX_HEADS_PER_PROGRAM, sparse_mla.LAUNCH)
+    shipped = (sparse_mla.MAX_HEADS_PER_PROGRAM, sparse_mla.LAUNCH, sparse_mla.WINDOW_LAUNCH)
     for name in names or CASES:
         sweep = Sweep(name, CASES[name], "flashmla_sparse", "triton_mla", device)
         for heads, block_n, warps, stages in TILINGS:
             sparse_mla.MAX_HEADS_PER_PROGRAM = heads
             if sparse_mla.heads_per_program(sweep.timed.case.spec.num_heads) != heads:
                 continue  # a layer of fewer heads
-            sparse_mla.LAUNCH = {heads: (block_n, warps, stages)}
+            sparse_mla.LAUNCH = sparse_mla.WINDOW_LAUNCH = {heads: (block_n, warps, stages)}
             print(sweep.line(f"heads={heads:2d} block_n={block_n:2d} warps={warps} stages={stages}"), flush=True)
-        sparse_mla.MAX_HEADS_PER_PROGRAM, sparse_mla.LAUNCH = shipped
+        sparse_mla.MAX_HEADS_PER_PROGRAM, sparse_mla.LAUNCH, sparse_mla.WINDOW_LAUNCH = shipped
         del sweep
         torch.cuda.empty_cache()
 
