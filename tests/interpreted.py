@@ -20,15 +20,20 @@ for text in sys.argv[2:]:
 """
 
 
-def numerics_verdicts(backend: str, cases: list[str]) -> list[str]:
-    """Each case's numerics verdict (``PASS``, ``FAIL``, ...) for ``backend``: ``module:Class``, or
-    ``module:function`` returning the class (a planted defect's factory)."""
+def interpreted(script: str, *args: str) -> str:
+    """``python -c script args…`` under the interpreter: its standard output (it must exit 0)."""
     completed = subprocess.run(
-        [sys.executable, "-c", SCRIPT, backend, *cases],
+        [sys.executable, "-c", script, *args],
         capture_output=True,
         text=True,
         timeout=600,
         env={**os.environ, "TRITON_INTERPRET": "1"},
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
-    return completed.stdout.split()
+    return completed.stdout
+
+
+def numerics_verdicts(backend: str, cases: list[str]) -> list[str]:
+    """Each case's numerics verdict (``PASS``, ``FAIL``, ...) for ``backend``: ``module:Class``, or
+    ``module:function`` returning the class (a planted defect's factory)."""
+    return interpreted(SCRIPT, backend, *cases).split()

@@ -3,11 +3,9 @@ fp8 cache's fp16 products. Run by Triton's CPU interpreter (a process of its own
 magnitude comes out finite, its largest element in [2^11, 2^14), and every element down to 2^-25
 of the largest exactly recovered by the inverse."""
 
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.interpreted import interpreted
 
 SCRIPT = r"""
 import math, sys, torch, triton, triton.language as tl
@@ -45,15 +43,7 @@ for top in (0.0, 1e-30, 3e-5, 1.0, 2.0**14, 65504.0, 7e4, 1e6, 3e38):
 
 @pytest.mark.slow
 def test_any_query_magnitude_scales_into_fp16_exactly():
-    completed = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    lines = completed.stdout.split("\n")[:-1]
+    lines = interpreted(SCRIPT).split("\n")[:-1]
     assert len(lines) == 9
     for line in lines:
         top, *properties = line.split()
