@@ -220,7 +220,8 @@ DECODE_PROGRAMS_PER_MULTIPROCESSOR = {1: 8, 2: 4, 4: 4, 8: 4}
 # Over an fp8 cache a program reads half the bytes and is bound by latency, not bandwidth: on an
 # H200 (tune_triton --splits-only), spec-verify q = 4 at batch 64 split in two took 32k keys from
 # 1420 to 1338 µs and 4096 keys from 202 to 224 µs (FlashInfer's fp8: 1528 and 233). The split
-# count cannot follow the context (no host lengths), so fp8 verify takes 8 programs an SM.
+# count cannot follow the context (no host lengths), so fp8 verify q = 4 takes 8 programs an SM
+# (q = 2 and 8 were not swept).
 FP8_CACHE_PROGRAMS_PER_MULTIPROCESSOR = {**DECODE_PROGRAMS_PER_MULTIPROCESSOR, 4: 8}
 
 
