@@ -13,11 +13,8 @@ from pathlib import Path
 
 
 class ResultsInUse(Exception):
-    """Another live process holds the lock; the message names it."""
-
-    def __init__(self, message: str, owner: int | None) -> None:
-        super().__init__(message)
-        self.owner = owner  # its pid, where the lock file says it
+    """Another live process holds the lock; the message names it (its pid, where the lock file
+    says it)."""
 
 
 class ResultsLock:
@@ -35,8 +32,7 @@ class ResultsLock:
                 os.close(fd)
                 raise ResultsInUse(
                     f"{self.path.with_suffix('')} is being written by another conformance run "
-                    f"(pid {owner}); wait for it or give another --json/--out",
-                    int(owner) if owner.isdigit() else None,
+                    f"(pid {owner}); wait for it or give another --json/--out"
                 ) from None
             # The file may have been removed by its last owner between our open and our lock: a
             # lock on a removed file guards nothing, so try again on the one now at the path.
