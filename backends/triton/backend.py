@@ -276,7 +276,8 @@ class TritonAttentionBackend(DeviceLengthsBackend):
     def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
         super().__init__(spec, limits, device)
         self.group = spec.query_group_size
-        self.upcast_dot = interpreting() and spec.dtype == torch.bfloat16
+        # Over an fp8 cache the products are fp16 (``kernels.fp16_scaling``), which the interpreter runs right.
+        self.upcast_dot = interpreting() and spec.dtype == torch.bfloat16 and not spec.fp8_kv_cache
         self.block_d = triton.next_power_of_2(spec.head_dim)
         self.block_dv = triton.next_power_of_2(spec.v_head_dim)
         self.block_n = 32 if spec.head_dim > 128 else 64  # the prefill kernel's key tile

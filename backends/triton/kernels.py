@@ -177,14 +177,17 @@ def split_range(low, seq_len, split, num_splits, BLOCK_N: tl.constexpr, ONE_SPLI
 
 
 @triton.jit
-def online_softmax_step(scores, value, acc, row_max, row_sum):
+def online_softmax_step(scores, value, acc, row_max, row_sum, PRODUCT_SCALE: tl.constexpr):
     """Fold one KV tile (base-2 scores, -inf where not visible; its value rows) into the running
-    output ``acc``, row maximum and row sum."""
+    output ``acc``, row maximum and row sum. The probabilities enter the product times
+    PRODUCT_SCALE, which ``acc`` then carries (1.0, or ``FP16_PRODUCT_SCALE``)."""
     new_max = tl.maximum(row_max, tl.max(scores, axis=1))
     safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with nothing visible yet
     probabilities = tl.exp2(scores - safe_max[:, None])
     rescale = tl.exp2(row_max - safe_max)
     row_sum = row_sum * rescale + tl.sum(probabilities, axis=1)
+    if PRODUCT_SCALE != 1.0:
+        probabilities = probabilities * PRODUCT_SCALE
     acc = acc * rescale[:, None] + tl.dot(probabilities.to(value.dtype), value)
     return acc, new_max, row_sum
 
@@ -262,23 +265,31 @@ def store_split_result(
         )
 
 
+# The probabilities (at most 1) enter an fp16 product times 2^15: fp16 would flush those under
+# 2^-24 to zero, keeping their weight in the row sum but not their values in the output (a sink
+# head over 128k keys: an error of 1.5e-3 where bf16's was 1e-9); times 2^15 only those under 2^-39.
+FP16_PRODUCT_SCALE = tl.constexpr(32768.0)
+
+
 @triton.jit
 def largest_magnitude(x):
-    """max |x| over a 2-D tile, in fp32."""
-    return tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0)
+    """Each row's max |x| of a 2-D tile, in fp32."""
+    return tl.max(tl.abs(x.to(tl.float32)), axis=1)
 
 
 @triton.jit
 def fp16_scaling(top):
-    """(2^e, 2^-e): the power of two that brings a query whose largest magnitude is ``top`` into
-    fp16's range, and its inverse, each built exactly from its bits.
+    """(2^e, 2^-e) for each row: the power of two that brings a query row whose largest magnitude
+    is ``top`` into fp16's range, and its inverse, each built exactly from its bits.
 
     For an fp8 cache the products run in fp16: e4m3 and e5m2 widen to fp16 in one instruction a
     pair, where bf16 takes five (through fp16 and fp32), which made the fp8 kernels issue-bound. A
-    bf16 query can exceed fp16's range, so it is scaled first, its largest magnitude into
+    bf16 query row can exceed fp16's range, so it is scaled first, its largest magnitude into
     [2^11, 2^14) (log2's rounding at a power of two is the slack): every element down to 2^-25 of
-    the largest keeps all of its bits, a smaller one is off by at most 2^-36 of the largest. The
-    inverse goes into the score scale, so the scores are bf16's."""
+    the row's largest keeps all of its bits, a smaller one is off by at most 2^-36 of it. Rows whose
+    largest is under 2^-114 are scaled by 2^126 only (fp32's limit), and keep fewer bits below it.
+    Each row's inverse goes into its score scale, so its scores are those of its unrounded query;
+    a row of inf or NaN scales only itself."""
     exponent = tl.where(top > 0, 12.0 - tl.floor(tl.log2(tl.where(top > 0, top, 1.0))), 0.0)
     exponent = tl.minimum(tl.maximum(exponent, -126.0), 126.0).to(tl.int32)
     up = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
@@ -324,6 +335,7 @@ def _attend_tile(
     BLOCK_DV: tl.constexpr,
     TREE: tl.constexpr,
     MASKED: tl.constexpr,
+    PRODUCT_SCALE: tl.constexpr,
 ):
     """Fold the KV tile at ``tile_start`` into (acc, row_max, row_sum). MASKED: the tile may hold
     keys past ``end`` or keys some row must not see (causal, window, tree). Unmasked tiles are
@@ -354,9 +366,9 @@ def _attend_tile(
         value = value.to(tl.float32)
     scores = tl.dot(q, tl.trans(key))
     if USE_SOFT_CAP:  # the cap applies to natural-log scores; the softmax runs in base 2
-        scores = _soft_cap(scores * (scale_log2 / LOG2E), soft_cap) * LOG2E
+        scores = _soft_cap(scores * (scale_log2[:, None] / LOG2E), soft_cap) * LOG2E
     else:
-        scores = scores * scale_log2
+        scores = scores * scale_log2[:, None]
     if MASKED:
         key_positions = positions
         structural = in_range[None, :] & row_valid[:, None]
@@ -371,7 +383,7 @@ def _attend_tile(
         if USE_WINDOW:
             visible = visible & (query_positions[:, None] - key_positions[None, :] < window)
         scores = tl.where(visible, scores, float("-inf"))
-    return online_softmax_step(scores, value, acc, row_max, row_sum)
+    return online_softmax_step(scores, value, acc, row_max, row_sum, PRODUCT_SCALE)
 
 
 @triton.jit
@@ -429,11 +441,13 @@ def _attend(
     its bit is set in the row's ``query_ancestors`` (bit j: the request's new token j); the
     context's keys at their slots' positions, as a chain's.
     """
+    scale_log2 = tl.full([BLOCK_M], 1.0, tl.float32) * scale_log2  # each row's: fp8's query scaling is a row's
     if KV_FP8:
         scale_log2 = scale_log2 * tl.load(k_scale_ptr)
-        up, down = fp16_scaling(largest_magnitude(q))
-        q = (q.to(tl.float32) * up).to(tl.float16)
-        scale_log2 = scale_log2 * down
+        if q.dtype != tl.float16:  # an fp16 query (an fp16 model's) is already in range
+            up, down = fp16_scaling(largest_magnitude(q))
+            q = (q.to(tl.float32) * up[:, None]).to(tl.float16)
+            scale_log2 = scale_log2 * down
     if Q_FP8:
         scale_log2 = scale_log2 * tl.load(q_scale_ptr)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -441,6 +455,7 @@ def _attend(
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     if UPCAST_DOT:
         q = q.to(tl.float32)
+    product_scale: tl.constexpr = FP16_PRODUCT_SCALE if KV_FP8 else 1.0
     unmasked_end = start
     if not USE_WINDOW:
         unmasked_end = start + tl.maximum(tl.minimum(end, context_len) - start, 0) // BLOCK_N * BLOCK_N
@@ -450,7 +465,7 @@ def _attend(
             k_cache_ptr, v_cache_ptr, block_table_ptr, stride_block_table, stride_cache_block,
             stride_cache_head, stride_cache_token, scale_log2, soft_cap, window, context_len, query_start,
             query_ancestors, tree_depths_ptr, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW,
-            USE_SOFT_CAP, UPCAST_DOT, HEAD_DIM_V, BLOCK_DV, TREE, False,
+            USE_SOFT_CAP, UPCAST_DOT, HEAD_DIM_V, BLOCK_DV, TREE, False, product_scale,
         )  # fmt: skip
     for tile_start in range(unmasked_end, end, BLOCK_N):
         acc, row_max, row_sum = _attend_tile(
@@ -458,10 +473,10 @@ def _attend(
             k_cache_ptr, v_cache_ptr, block_table_ptr, stride_block_table, stride_cache_block,
             stride_cache_head, stride_cache_token, scale_log2, soft_cap, window, context_len, query_start,
             query_ancestors, tree_depths_ptr, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, USE_WINDOW,
-            USE_SOFT_CAP, UPCAST_DOT, HEAD_DIM_V, BLOCK_DV, TREE, True,
+            USE_SOFT_CAP, UPCAST_DOT, HEAD_DIM_V, BLOCK_DV, TREE, True, product_scale,
         )  # fmt: skip
     if KV_FP8:
-        acc = acc * tl.load(v_scale_ptr)
+        acc = acc * (tl.load(v_scale_ptr) / FP16_PRODUCT_SCALE)
     return acc, row_max, row_sum
 
 
