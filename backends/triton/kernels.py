@@ -366,9 +366,9 @@ def _attend_tile(
         value = value.to(tl.float32)
     scores = tl.dot(q, tl.trans(key))
     if USE_SOFT_CAP:  # the cap applies to natural-log scores; the softmax runs in base 2
-        scores = _soft_cap(scores * (scale_log2[:, None] / LOG2E), soft_cap) * LOG2E
+        scores = _soft_cap(scores * (scale_log2 / LOG2E), soft_cap) * LOG2E
     else:
-        scores = scores * scale_log2[:, None]
+        scores = scores * scale_log2
     if MASKED:
         key_positions = positions
         structural = in_range[None, :] & row_valid[:, None]
@@ -441,13 +441,12 @@ def _attend(
     its bit is set in the row's ``query_ancestors`` (bit j: the request's new token j); the
     context's keys at their slots' positions, as a chain's.
     """
-    scale_log2 = tl.full([BLOCK_M], 1.0, tl.float32) * scale_log2  # each row's: fp8's query scaling is a row's
     if KV_FP8:
         scale_log2 = scale_log2 * tl.load(k_scale_ptr)
         if q.dtype != tl.float16:  # an fp16 query (an fp16 model's) is already in range
             up, down = fp16_scaling(largest_magnitude(q))
             q = (q.to(tl.float32) * up[:, None]).to(tl.float16)
-            scale_log2 = scale_log2 * down
+            scale_log2 = scale_log2 * down[:, None]  # a column: each row's scale (a scalar elsewhere)
     if Q_FP8:
         scale_log2 = scale_log2 * tl.load(q_scale_ptr)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)

@@ -100,7 +100,7 @@ def _attend_tile(
         c_latent = c_latent.to(tl.float32)
         c_rope = c_rope.to(tl.float32)
     positions = tile_start + tl.arange(0, BLOCK_N)
-    scores = (tl.dot(q_latent, tl.trans(c_latent)) + tl.dot(q_rope, tl.trans(c_rope))) * scale_log2[:, None]
+    scores = (tl.dot(q_latent, tl.trans(c_latent)) + tl.dot(q_rope, tl.trans(c_rope))) * scale_log2
     visible = (positions[None, :] <= query_positions[:, None]) & (positions < end)[None, :] & row_valid[:, None]
     product_scale: tl.constexpr = FP16_PRODUCT_SCALE if KV_FP8 else 1.0
     return online_softmax_step(tl.where(visible, scores, float("-inf")), c_latent, acc, row_max, row_sum, product_scale)
@@ -171,7 +171,6 @@ def mla_decode_split_kernel(
     q_rope = tl.load(
         query_rows + LATENT + rope_dims[None, :], mask=row_valid[:, None] & (rope_dims[None, :] < ROPE), other=0.0
     )
-    scale_log2 = tl.full([BLOCK_M], 1.0, tl.float32) * scale_log2  # each row's: fp8's query scaling is a row's
     if KV_FP8:  # the latent's one scale: on the scores, and (the latent is the value too) on the output
         scale_log2 = scale_log2 * tl.load(k_scale_ptr)
         # The products in fp16, each query row scaled into its range (``kernels.fp16_scaling``).
@@ -179,7 +178,7 @@ def mla_decode_split_kernel(
             up, down = fp16_scaling(tl.maximum(largest_magnitude(q_latent), largest_magnitude(q_rope)))
             q_latent = (q_latent.to(tl.float32) * up[:, None]).to(tl.float16)
             q_rope = (q_rope.to(tl.float32) * up[:, None]).to(tl.float16)
-            scale_log2 = scale_log2 * down
+            scale_log2 = scale_log2 * down[:, None]  # a column: each row's scale (a scalar elsewhere)
     if UPCAST_DOT:
         q_latent = q_latent.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
