@@ -14,6 +14,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from reference_engine.core import EngineConfig
 from reference_engine.device_flag import DeviceError, resolve_device
 from reference_engine.draft_tree import DraftTree
 from reference_engine.engine import Engine
+from reference_engine.equality import Divergence, explain_divergence, fp32_reference
 from reference_engine.metrics import count_host_syncs, measure, measure_in_step_idle, median_run
 from reference_engine.model import PRESETS, EagleHead, LlamaModel
 from reference_engine.prompt_set import take
@@ -509,6 +511,11 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
             for synced, _ in sync_runs[:1]
             for other, _ in sync_runs + async_runs
         )
+        parted = (
+            None
+            if same
+            else _where_tokens_part(model, prompts, params, [outputs for outputs, _ in sync_runs + async_runs])
+        )
         ratios = [a.tpot_ms / s.tpot_ms for (_, s), (_, a) in zip(sync_runs, async_runs) if s.tpot_ms]
         ratio = statistics.median(ratios) if ratios else None
         spread = f" ({min(ratios):.2f}–{max(ratios):.2f})" if len(ratios) > 1 else ""
@@ -530,14 +537,15 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
                 else f"{m.decode_step_ms:.2f} / "
                 + ("n/a" if m.gpu_ms_per_fed_step is None else f"{m.gpu_ms_per_fed_step:.2f}"),
                 "n/a" if m.host_syncs_per_steady_step is None else f"{m.host_syncs_per_steady_step:.2f}",
-                ""
-                if loop == "sync" or ratio is None
-                else f"{ratio:.2f}x{spread}" + ("" if same else " (TOKENS DIFFER)"),
+                "" if loop == "sync" or ratio is None else f"{ratio:.2f}x{spread}" + _tokens_note(parted),
             )
         results.append(
             {
                 "drafter": drafter,
                 "same_tokens": same,
+                # Where they part, each prompt's first difference and its fp32 margin; None: the same.
+                "tokens_part": None if parted is None else [asdict(found) if found else None for found in parted],
+                "tokens_part_explained": parted is None or _explained(parted),
                 "async_over_sync_tpot": ratio,
                 "async_over_sync_tpot_runs": ratios,
                 **{
@@ -555,4 +563,47 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
         Path(args.json).write_text(
             json.dumps({"args": vars(args), "device": _device_name(device), "results": results}, indent=1, default=str)
         )
-    return 0 if all(result["same_tokens"] for result in results) else 1
+    return 0 if all(result["tokens_part_explained"] for result in results) else 1
+
+
+def _where_tokens_part(model, prompts, params, outputs) -> list[Divergence | None]:
+    """Each prompt's first difference between the first run's tokens and any other run's, explained
+    by the fp32 margin there (``equality``); a greedy near tie is the only difference rounding
+    explains. The two loops need not batch a request's last steps alike (async schedules before it
+    knows which requests finished), and a kernel's or a GEMM's bits may follow the batch, so a near
+    tie can flip between them. None for a prompt whose tokens agree; a length difference is kept
+    as unexplained (``index`` -1)."""
+    dtype = next(model.parameters()).dtype
+    num_blocks = 64 + sum(len(prompt) + params.max_tokens + 32 for prompt in prompts) // 16
+    reference, parted = None, []
+    for index, (prompt, first) in enumerate(zip(prompts, outputs[0])):
+        found = None
+        for other in outputs[1:]:
+            a, b = first.tokens, other[index].tokens
+            if a == b:
+                continue
+            reference = reference or fp32_reference(model, num_blocks)
+            found = explain_divergence(reference, index, prompt, a, b, dtype)
+            if found is None:  # the same tokens up to the shorter: nothing to score
+                found = Divergence(index, -1, -1, -1, float("nan"), -1, -1, float("nan"), False)
+            if params.temperature:  # a sampled token follows its probabilities, not a near tie
+                found.near_tie = False
+            if not found.near_tie:
+                break
+        parted.append(found)
+    del reference
+    return parted
+
+
+def _explained(parted: list[Divergence | None]) -> bool:
+    return all(found is None or found.near_tie for found in parted)
+
+
+def _tokens_note(parted: list[Divergence | None] | None) -> str:
+    if parted is None:
+        return ""
+    found = [divergence for divergence in parted if divergence is not None]
+    if not _explained(parted):
+        return " (TOKENS DIFFER)"
+    margin = max(divergence.fp32_margin for divergence in found)
+    return f" (tokens part at {len(found)} near tie{'s' if len(found) > 1 else ''}: fp32 margin ≤ {margin:.2g})"

@@ -130,43 +130,48 @@ def compare_speculation_with_plain(
         max_num_tokens=1024,
     )
     plain = [out.tokens for out in Engine(config, model).generate(prompts, params)]
-    fp32_model = copy.deepcopy(model).float()
-    reference = Engine(
-        EngineConfig(
-            model=config.model,
-            backend="torch_naive",
-            device=str(device),
-            dtype=torch.float32,
-            num_blocks=num_blocks,
-            max_num_tokens=1024,
-        ),
-        fp32_model,
-    )
+    reference = fp32_reference(model, num_blocks)
     results = []
     for drafter in drafters:
         for k in ks:
             engine = Engine(dataclasses.replace(config, num_spec_tokens=k, drafter=drafter), model)
             spec = [out.tokens for out in engine.generate(prompts, params)]
-            divergences = []
-            for index, (a, b) in enumerate(zip(plain, spec)):
-                at = first_divergence(a, b)
-                if at is not None and at < min(len(a), len(b)):
-                    why = explain(reference, prompts[index], a[:at], a[at], b[at])
-                    divergences.append(
-                        Divergence(
-                            index,
-                            at,
-                            a[at],
-                            b[at],
-                            why.margin,
-                            why.rank_of_plain,
-                            why.rank_of_spec,
-                            why.behind_top,
-                            why.is_near_tie(dtype),
-                        )
-                    )
+            divergences = [
+                found
+                for index, (a, b) in enumerate(zip(plain, spec))
+                if (found := explain_divergence(reference, index, prompts[index], a, b, dtype)) is not None
+            ]
             results.append(Comparison(drafter, k, spec == plain, sum(map(len, plain)), divergences))
     return results
+
+
+def fp32_reference(model: LlamaModel, num_blocks: int) -> Engine:
+    """An fp32 copy of ``model`` on torch_naive, on the model's device: it re-scores a diverging
+    position (``explain``)."""
+    device = next(model.parameters()).device
+    config = EngineConfig(
+        model=model.config,
+        backend="torch_naive",
+        device=str(device),
+        dtype=torch.float32,
+        num_blocks=num_blocks,
+        max_num_tokens=1024,
+    )
+    return Engine(config, copy.deepcopy(model).float())
+
+
+def explain_divergence(
+    reference: Engine, index: int, prompt: list[int], a: list[int], b: list[int], dtype: torch.dtype
+) -> Divergence | None:
+    """Where two runs' tokens for prompt ``index`` first differ, explained by the fp32 margin there;
+    None where they agree up to the shorter one's end (a length difference has no token to score)."""
+    at = first_divergence(a, b)
+    if at is None or at >= min(len(a), len(b)):
+        return None
+    why = explain(reference, prompt, a[:at], a[at], b[at])
+    return Divergence(
+        index, at, a[at], b[at], why.margin, why.rank_of_plain, why.rank_of_spec, why.behind_top, why.is_near_tie(dtype)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,8 +42,17 @@ class Sweep:
     """One shape's sweep: the vendor's time and output first (printed), then ours, prepared once,
     timed per setting by ``line``."""
 
-    def __init__(self, name: str, case_text: str, vendor: str, ours: str, device: torch.device) -> None:
-        vendor_case = TimedCase(vendor, case_text, device)
+    def __init__(
+        self,
+        name: str,
+        case_text: str,
+        vendor: str,
+        ours: str,
+        device: torch.device,
+        vendor_case_text: str | None = None,
+    ) -> None:
+        # vendor_case_text: the vendor runs another case (e.g. ours over bf16, against our fp8 cache).
+        vendor_case = TimedCase(vendor, vendor_case_text or case_text, device)
         self.vendor_micros = vendor_case.micros()
         print(f"{name:24s} {vendor}: {self.vendor_micros:8.1f} µs", flush=True)
         self.reference = vendor_case.forward().float().clone()
