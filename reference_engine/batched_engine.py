@@ -121,9 +121,9 @@ class _Buffers:
 
     def __init__(self, shape: StepShape, uploaded: StepRows[torch.Tensor], device, empty_padding: bool = False) -> None:
         reqs, decodes = shape.num_reqs, shape.num_decodes
-        self.query_start_loc = torch.empty(reqs + 1, dtype=torch.int32, device=device)
-        self.block_table = torch.empty(reqs, shape.width, dtype=torch.int32, device=device)
-        self.starts = torch.empty(reqs, dtype=torch.int32, device=device)
+        # Read where the upload lands (int32, at offsets the shape fixes): no copy per step.
+        self.query_start_loc = uploaded.query_start_loc
+        self.block_table = uploaded.block_table.view(reqs, shape.width)
         self.verify = empty_step_tensors(shape.num_tokens, reqs, device)
         self.violations = torch.zeros(len(VIOLATION_NAMES), dtype=torch.int64, device=device)
         self.layout = RowLayout(
@@ -257,8 +257,6 @@ class BatchedEngine(EngineCore):
         with nvtx.range("prepare"):
             uploaded = self.uploads.upload(planned)
             buffers = self._step_buffers(shape, uploaded)
-            buffers.query_start_loc.copy_(uploaded.query_start_loc)
-            buffers.block_table.copy_(uploaded.block_table.view(shape.num_reqs, shape.width))
         if shape.num_decodes and shape.draft_steps:
             with nvtx.range("draft"):
                 self._draft(shape, host, buffers)
@@ -448,9 +446,9 @@ class BatchedEngine(EngineCore):
         config = self.config
         layout = buffers.layout
         with nvtx.range("build metadata"):
-            buffers.starts.copy_(self._starts(uploaded))
+            # Read by the step-input kernel only, eagerly: no graph needs it in a buffer of its own.
             step = prepare_step_inputs(
-                buffers.starts,
+                self._starts(uploaded),
                 self.state.last_token,
                 self.state.drafts,
                 layout,
@@ -549,7 +547,8 @@ class BatchedEngine(EngineCore):
             tokens, emitted, path = self._reject_tree(logits, uploaded, shape)
         emitted = emitted * uploaded.produces
         if writes is not None:
-            moved = self._moved_slots(path, emitted, layout, buffers.starts)
+            # Before the commit, the rows' starts are still those the step's inputs were made from.
+            moved = self._moved_slots(path, emitted, layout, self._starts(uploaded))
             writes.store_at(moved)  # the accepted path's KV where its positions lie
             self.moved.add_((moved >= 0).sum())
         self._commit(uploaded, layout, tokens, emitted)

@@ -24,14 +24,18 @@ class EmptyPadding:
         self.query_start_loc = torch.empty(rows + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.empty(rows, dtype=torch.int32, device=device)
         self.block_table = torch.empty(rows, width, dtype=torch.int32, device=device)
+        # -1 as a tensor: ``where`` with ``out=`` takes no number.
+        self.no_block = torch.full((), -1, dtype=torch.int32, device=device)
 
     def device_view(self, layout: RowLayout, step: StepTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(query_start_loc, seq_lens, block_table) with the padding rows empty."""
+        """(query_start_loc, seq_lens, block_table) with the padding rows empty. Each is written by
+        one device operation into its buffer (``out=``), in the int32 of its source: the verify step
+        runs this eagerly before every replay, so every operation here is a launch on the host."""
         real = self.num_valid > 0
-        real_end = (layout.query_start_loc[1:].long() * real).amax()
-        self.query_start_loc.copy_(torch.minimum(layout.query_start_loc.long(), real_end))
-        self.seq_lens.copy_(torch.where(real, step.seq_lens, 0))
-        self.block_table.copy_(torch.where(real[:, None], layout.block_table, -1))
+        real_end = (layout.query_start_loc[1:] * real).amax()  # the real rows come first
+        torch.minimum(layout.query_start_loc, real_end, out=self.query_start_loc)
+        torch.mul(step.seq_lens, real, out=self.seq_lens)  # 0 past the real rows
+        torch.where(real[:, None], layout.block_table, self.no_block, out=self.block_table)
         return self.query_start_loc, self.seq_lens, self.block_table
 
     @staticmethod

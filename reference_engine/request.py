@@ -25,7 +25,9 @@ class RequestStats:
         return float("nan") if stamp is None else stamp - self.arrival_time
 
 
-@dataclass
+# eq=False: a request is itself, not the value of its fields. The scheduler asks ``request in
+# running`` every pass; field-by-field equality made that a comparison of token lists.
+@dataclass(eq=False)
 class Request:
     request_id: int
     prompt: list[int]
@@ -42,9 +44,14 @@ class Request:
         return self.prompt + self.output
 
     @property
+    def num_tokens(self) -> int:
+        """``len(tokens)``, without building the list (asked of every request every step)."""
+        return len(self.prompt) + len(self.output)
+
+    @property
     def prefill_target(self) -> int:
         """Tokens whose KV must exist before decoding: all but the last sampled one."""
-        return len(self.tokens) - 1 if self.output else len(self.prompt)
+        return self.num_tokens - 1 if self.output else len(self.prompt)
 
     @property
     def in_prefill(self) -> bool:

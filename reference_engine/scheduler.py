@@ -64,14 +64,14 @@ class Scheduler:
 
     def _awaiting_results(self, request: Request) -> bool:
         """Optimistically done (async): nothing to schedule until the step in flight lands."""
-        return request.remaining <= 0 or len(request.tokens) >= self.max_model_len
+        return request.remaining <= 0 or request.num_tokens >= self.max_model_len
 
     def _drafts_for(self, request: Request) -> int:
         # Never draft past the model's length. Drafting past max_tokens is allowed (the extra
         # tokens are dropped at the stop): an async host only knows an optimistic remaining count,
         # and capping by it would make async draft differently from sync, and, with sampling,
         # emit different tokens.
-        room = self.max_model_len - len(request.tokens) - 1
+        room = self.max_model_len - request.num_tokens - 1
         if self.whole_drafts:
             return self.num_spec_tokens if room >= self.num_spec_tokens else 0
         return max(0, min(self.num_spec_tokens, room))

@@ -12,7 +12,7 @@ lengths the host believes a step and its draft steps have — exact in sync mode
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -20,7 +20,11 @@ T = TypeVar("T")
 @dataclass
 class StepRows(Generic[T]):
     """One value per row unless said otherwise; ``T`` is ``list[int]`` on the host and
-    ``torch.Tensor`` (int64 device views) once uploaded."""
+    ``torch.Tensor`` (device views, int64 but for the ``INT32`` fields) once uploaded."""
+
+    # The fields attention reads as they are (the metadata's int32 query starts and block table):
+    # uploaded as int32, so that no step converts them on the device.
+    INT32: ClassVar[frozenset[str]] = frozenset({"query_start_loc", "block_table"})
 
     slots: T  # the row's device-state slot
     query_start_loc: T  # [rows + 1]

@@ -74,7 +74,7 @@ class AttentionDrafter(Drafter):
     def draft(self, step: DraftStep) -> None:
         engine = self.engine
         state, block_size = engine.state, engine.config.kv_block_size
-        step.starts.copy_(state.num_computed[step.slots])
+        torch.index_select(state.num_computed, 0, step.slots, out=step.starts)  # one launch, into the graphs' buffer
         self.draft_step.zero_()
 
         def prepare(index: int) -> StepTensors:
