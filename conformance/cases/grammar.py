@@ -15,7 +15,8 @@ A case's id is its whole definition, in the same compact grammar ``--case`` acce
       fp8dsmla      DeepSeek's fp8_ds_mla cache (MLA): e4m3 latent, a float32 scale per 128 values
                     a token, written by write_kv, the rope part unquantized
       kscaleX vscaleX the fp8 cache's key and value scales (default 0.1 and 4; MLA: kscale only;
-                    from 0.01 to 10000)
+                    from 0.01 to 10000; kscale from 0.0001 in bf16 and fp32, where the
+                    queries then reach past fp16's range)
       qfp8          an fp8 query: handed to forward in e4m3 with its per-tensor q_scale (0.05),
                     the oracle attending with it dequantized (vLLM's quantized query input)
       pN            KV block (page) size   (default p16; MLA default p64)
@@ -298,15 +299,18 @@ def _float(text: str, what: str) -> float:
         raise CaseSyntaxError(f"{what} {text!r} is not a number{hint}") from None
 
 
-# What the harness can draw data for in every compute dtype, measured with torch_naive over every
-# dtype, both fp8 formats and each data profile: fp16's range runs out past these (the probe
-# query grows as 1 / key scale, the stored values × a large value scale overflow).
+# What the harness can draw data for, measured with torch_naive over every dtype, both fp8 formats
+# and each data profile: past these the range runs out (the probe query grows as 1 / key scale,
+# the stored values × a large value scale overflow). A key scale under 0.01 takes a compute dtype
+# with bf16's range: its queries are then past fp16's (the point of such a case: a backend that
+# rounds the query to fp16 for its fp8 products breaks).
 FLOAT_RANGES = {
     "scale": (1e-6, 1e6),
     "soft cap": (1e-6, 1e6),
-    "key scale": (0.01, 10000.0),
+    "key scale": (0.0001, 10000.0),
     "value scale": (0.01, 10000.0),
 }
+FP16_LEAST_KEY_SCALE = 0.01
 
 
 MAX_TREE_TOKENS = 512  # a tree's new tokens (EAGLE's trees are tens)
@@ -521,6 +525,12 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
                 f"{name} {_format_number(value) if math.isfinite(value) else value}: must be a finite number "
                 f"from {_format_number(low)} to {_format_number(high)}"
             )
+    if k_scale is not None and k_scale < FP16_LEAST_KEY_SCALE and dtype == torch.float16:
+        raise CaseSyntaxError(
+            f"key scale {_format_number(k_scale)} with fp16: its queries grow as 1 / key scale past fp16's range; "
+            f"from {_format_number(FP16_LEAST_KEY_SCALE)} in fp16 (bf16 and fp32 from "
+            f"{_format_number(FLOAT_RANGES['key scale'][0])})"
+        )
     if not is_mla and num_kv_heads >= 1 and num_heads % num_kv_heads:
         raise CaseSyntaxError(f"{num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
     if block_size < 1 or num_heads < 1 or num_kv_heads < 1:

@@ -231,6 +231,15 @@ def _fp8_cases() -> list[Case]:
         "gqa-h8/2-d128-bf16-fp8e4m3-kscale0.03-vscale7-p16",
         [("fp8, scales 0.03 and 7: decode", "100+1,2000+1"), ("fp8, scales 0.03 and 7: spec-verify k=3", "500+4,30+4")],
     )
+    # A key scale of 0.0001 takes the queries past fp16's range (the data keep every score): a
+    # backend that multiplies in fp16 over its fp8 cache must scale a bf16 query first.
+    cases += _cases(
+        "gqa-h8/2-d128-bf16-fp8e4m3-kscale0.0001-p16",
+        [("fp8, queries past fp16: decode", "100+1,2000+1"), ("fp8, queries past fp16: spec-verify k=3", "500+4,30+4")],
+    )
+    cases += _cases(
+        "mla-h16-d512+64-bf16-fp8e4m3-kscale0.0001-p64", [("fp8 latent, queries past fp16: decode", "1+1,700+1,2500+1")]
+    )
     cases += _cases(
         "mla-h16-d512+64-bf16-fp8e4m3-p64",
         [

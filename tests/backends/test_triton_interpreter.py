@@ -29,6 +29,7 @@ CASES = {
         "gqa-h4/2-d64-fp16-p16:0+0,30+4,0+0,0+20,50+1",  # empty requests (vLLM's padding) first and mid-batch
         "mha-h4-d192/128-bf16-p16:30+1,20+4,0+40",  # value head dim 128 under query/key 192 (DeepSeek-V3 prefill)
         "gqa-h4/2-d64/32-bf16-fp8e4m3-p16-attnsinks:200+1,0+20",  # a narrower value, fp8, sinks: one kernel path
+        "gqa-h4/2-d64-bf16-fp8e4m3-kscale0.0001-p16:40+1,20+4,0+9",  # queries past fp16's range, scaled into it
     ],
     "triton_mla": [
         "mla-h4-d64+16-bf16-p16:1+1,40+1,17+1",
@@ -40,6 +41,7 @@ CASES = {
         "mla-h16-d64+16-bf16-p64-edges:64+4,63+1,200+2",
         "mla-h4-d64+16-bf16-p64:1+1,40+1,130+1",
         "mla-h4-d64+16-bf16-fp8e4m3-p16:40+1,20+4,1+1",  # an fp8 latent cache, its one scale
+        "mla-h4-d64+16-bf16-fp8e4m3-kscale0.0001-p16:40+1,20+4",  # its queries past fp16's range
         "mla-h4-d64+16-bf16-p16:40+1,20+4,0+0x2",  # empty requests (vLLM's padding) at the end
         # Sparse (DeepSeek's DSA): messy index rows and a window part; 20 heads (two head blocks)
         # and dominant edge keys; an fp8 latent cache.

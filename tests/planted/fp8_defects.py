@@ -113,3 +113,14 @@ class FlashInferMLAClaimingE4M3(FlashInferMLABackend):
         features=FlashInferMLABackend.capabilities.features | {FP8_E4M3},
         not_claimed={},
     )
+
+
+class RoundsQueryToFp16(TorchNaiveBackend):
+    """Over an fp8 cache, multiplies in fp16 (fp8 widens to fp16 in one instruction a pair, to bf16
+    in five) and rounds a bf16 query to fp16 as it is: a query element past fp16's range becomes
+    inf, one far under it loses its bits. Right for every query within fp16's range."""
+
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
+        if self.spec.fp8_kv_cache and query.dtype == torch.bfloat16:
+            query = query.to(torch.float16).to(query.dtype)
+        super().forward(query, kv_cache, metadata, out, layer)

@@ -42,6 +42,8 @@ def test_ulps_count_fp8_numbers_between_two_stored_values():
         ("gqa-fp8e4m3-fp8e5m2:1+1", "both set the KV-cache dtype"),
         ("gqa-fp8e4m3-vscale0:1+1", "value scale 0: must be a finite number from 0.01 to 10000"),
         ("gqa-fp8e4m3-kscaleinf:1+1", "finite"),
+        ("gqa-fp8e4m3-kscale0.00001:1+1", "key scale 0.00001: must be a finite number from 0.0001 to 10000"),
+        ("gqa-fp16-fp8e4m3-kscale0.001:1+1", "its queries grow as 1 / key scale past fp16's range"),
     ],
 )
 def test_bad_fp8_cases_are_refused(text, message):
@@ -73,6 +75,9 @@ FP8_CASES = [
     "gqa-h4/1-d64-fp16-fp8e4m3-p16-w24-pad0-edges:50+4,3+1,100+1",
     "gqa-h4/2-d64-bf16-fp8e4m3-p16-outliers-strided:40+1,20+4",
     "gqa-h4/2-d32-fp32-fp8e4m3-kscale0.03-vscale7:30+2",
+    # Queries past fp16's range (the key scale's inverse), every score as usual.
+    "gqa-h4/2-d32-bf16-fp8e4m3-kscale0.0001-p16:40+1,20+4,0+9",
+    "mla-h4-d32+8-bf16-fp8e4m3-kscale0.0001-p16:40+1,20+4",
 ]
 
 
@@ -102,6 +107,7 @@ DEFECTS = [
     (fp8_defects.TruncatesOnWrite, FP8_CASES[:3], "write_kv rounded"),
     (fp8_defects.NoSaturation, FP8_CASES[:2], "write_kv stored NaN where the contract saturates"),
     (fp8_defects.KeepsFirstLayerScales, FP8_CASES[:3], "a second layer"),
+    (fp8_defects.RoundsQueryToFp16, FP8_CASES[6:], "NaN/Inf outputs"),
 ]
 
 
@@ -109,6 +115,14 @@ DEFECTS = [
 def test_each_planted_fp8_defect_fails_numerics(defect, case_text, reason):
     result = judge(NumericsCheck(), defect, parse_case(case_text), CPU)
     assert result.verdict == Verdict.FAIL and reason in result.reason, result.reason
+
+
+def test_a_query_rounded_to_fp16_passes_the_usual_scales():
+    """Why the suite holds cases with a key scale of 0.0001: at the usual scales every query is
+    within fp16's range and a backend that rounds it there passes."""
+    for case_text in FP8_CASES[:2]:
+        result = judge(NumericsCheck(), fp8_defects.RoundsQueryToFp16, parse_case(case_text), CPU)
+        assert result.verdict == Verdict.PASS, result.reason
 
 
 def test_a_scale_applied_twice_fails_by_orders_of_magnitude():
