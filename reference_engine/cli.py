@@ -571,20 +571,26 @@ def _where_tokens_part(model, prompts, params, outputs) -> list[Divergence | Non
     by the fp32 margin there (``equality``); a greedy near tie is the only difference rounding
     explains. The two loops need not batch a request's last steps alike (async schedules before it
     knows which requests finished), and a kernel's or a GEMM's bits may follow the batch, so a near
-    tie can flip between them. None for a prompt whose tokens agree; a length difference is kept
-    as unexplained (``index`` -1)."""
+    tie can flip between them. None for a prompt whose tokens agree; a length difference, or one
+    that could not be re-scored (the fp32 copy out of memory: the timings are kept, not lost), is
+    kept as unexplained (``index`` -1)."""
     dtype = next(model.parameters()).dtype
     num_blocks = 64 + sum(len(prompt) + params.max_tokens + 32 for prompt in prompts) // 16
-    reference, parted = None, []
+    reference, scorable, parted = None, True, []
     for index, (prompt, first) in enumerate(zip(prompts, outputs[0])):
         found = None
         for other in outputs[1:]:
             a, b = first.tokens, other[index].tokens
             if a == b:
                 continue
-            reference = reference or fp32_reference(model, num_blocks)
-            found = explain_divergence(reference, index, prompt, a, b, dtype)
-            if found is None:  # the same tokens up to the shorter: nothing to score
+            found = None
+            if scorable:
+                try:
+                    reference = reference or fp32_reference(model, num_blocks)
+                    found = explain_divergence(reference, index, prompt, a, b, dtype)
+                except torch.OutOfMemoryError:
+                    reference, scorable = None, False
+            if found is None:  # the same tokens up to the shorter, or not scored: unexplained
                 found = Divergence(index, -1, -1, -1, float("nan"), -1, -1, float("nan"), False)
             if params.temperature:  # a sampled token follows its probabilities, not a near tie
                 found.near_tie = False

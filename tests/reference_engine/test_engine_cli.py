@@ -291,3 +291,27 @@ def test_engine_bench_explains_where_the_loops_tokens_part(monkeypatch, tmp_path
     assert first is None and second["prompt"] == 1 and second["index"] == 3 and second["fp32_margin"] > 0
     table = "".join(capsys.readouterr().out.replace("│", " ").split())  # the note as the cell wraps it, joined
     assert "".join(note.split()) in table
+
+
+def test_engine_bench_keeps_its_results_when_the_fp32_rescore_does_not_fit(monkeypatch, tmp_path):
+    """An fp32 copy of a large model may not fit beside it: the parting is then unexplained (exit 1),
+    and every timing still reaches the JSON."""
+    import torch
+
+    from reference_engine import cli, metrics
+
+    def timed(engine, prompts, params, **kwargs):
+        outputs, measured = metrics.measure(engine, prompts, params, **kwargs)
+        if engine.config.async_scheduling:
+            outputs[0].tokens[2] = (outputs[0].tokens[2] + 1) % engine.model.config.vocab_size
+        return outputs, measured
+
+    def no_room(model, num_blocks):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(cli, "measure", timed)
+    monkeypatch.setattr(cli, "fp32_reference", no_room)
+    code, results = bench(tmp_path, "--dtype", "bf16")
+    (result,) = results
+    assert code == 1 and not result["tokens_part_explained"] and result["tokens_part"][0]["index"] == -1
+    assert result["async"]["tpot_ms"] > 0 and result["sync"]["tpot_ms"] > 0
