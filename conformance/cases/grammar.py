@@ -313,6 +313,13 @@ FLOAT_RANGES = {
 FP16_LEAST_KEY_SCALE = 0.01
 
 
+def float_range(name: str, dtype: torch.dtype) -> tuple[float, float]:
+    """The bounds of the number ``name`` in a layer of ``dtype``: FLOAT_RANGES', but for a key
+    scale in fp16, which starts at FP16_LEAST_KEY_SCALE."""
+    low, high = FLOAT_RANGES[name]
+    return (FP16_LEAST_KEY_SCALE, high) if name == "key scale" and dtype == torch.float16 else (low, high)
+
+
 MAX_TREE_TOKENS = 512  # a tree's new tokens (EAGLE's trees are tens)
 MAX_DCP = 8  # decode context parallel ranks (vLLM's DCP sizes: 2 to 8)
 
@@ -525,7 +532,7 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
                 f"{name} {_format_number(value) if math.isfinite(value) else value}: must be a finite number "
                 f"from {_format_number(low)} to {_format_number(high)}"
             )
-    if k_scale is not None and k_scale < FP16_LEAST_KEY_SCALE and dtype == torch.float16:
+    if k_scale is not None and k_scale < float_range("key scale", dtype)[0]:
         raise CaseSyntaxError(
             f"key scale {_format_number(k_scale)} with fp16: its queries grow as 1 / key scale past fp16's range; "
             f"from {_format_number(FP16_LEAST_KEY_SCALE)} in fp16 (bf16 and fp32 from "

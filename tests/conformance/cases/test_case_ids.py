@@ -9,8 +9,9 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from backends.base import DTYPE_NAMES
 from backends.torch_naive import TorchNaiveBackend
-from conformance.cases.grammar import FLOAT_RANGES, MAX_SEED, CaseSyntaxError, _format_number, parse_case
+from conformance.cases.grammar import FLOAT_RANGES, MAX_SEED, CaseSyntaxError, _format_number, float_range, parse_case
 from conformance.cases.suites import SUITES, chosen_cases
 from conformance.checks.numerics import NumericsCheck
 from conformance.run.execution import judge
@@ -107,7 +108,7 @@ def test_the_ends_of_every_range_run_and_pass_a_correct_backend(name, dtype):
     # fp16 is where the harness's data runs out of range first; every kind of layer the number reaches.
     layers = ["gqa-h4/2-d16", "mla-h2-d16+8"] if name != "value scale" else ["gqa-h4/2-d16"]
     prefix = "fp8e5m2-" if name in ("key scale", "value scale") else ""
-    for value in FLOAT_RANGES[name]:
+    for value in float_range(name, DTYPE_NAMES[dtype]):
         for layer in layers:
             case = parse_case(f"{layer}-{dtype}-{prefix}{ATTRIBUTE[name]}{_format_number(value)}-outliers:40+4,9+1")
             result = judge(NumericsCheck(), TorchNaiveBackend, case, torch.device("cpu"))
