@@ -392,7 +392,12 @@ class BatchedEngine(EngineCore):
             return _Buffers(shape, uploaded, self.device)
         if shape not in self._buffers:
             self._buffers[shape] = _Buffers(shape, uploaded, self.device, empty)
-        return self._buffers[shape]
+        buffers = self._buffers[shape]
+        # The buffers (and the graphs captured on them) read the upload where it lands: a step of
+        # this shape whose fields landed elsewhere would replay on another step's rows.
+        if buffers.query_start_loc.data_ptr() != uploaded.query_start_loc.data_ptr():
+            raise RuntimeError(f"a padded step's upload moved ({shape}): its field lengths are not the shape's")
+        return buffers
 
     # --- draft ----------------------------------------------------------------------------------------
 

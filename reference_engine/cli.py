@@ -14,7 +14,6 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -30,7 +29,8 @@ from reference_engine.core import EngineConfig
 from reference_engine.device_flag import DeviceError, resolve_device
 from reference_engine.draft_tree import DraftTree
 from reference_engine.engine import Engine
-from reference_engine.equality import Divergence, explain_divergence, fp32_reference
+from reference_engine.equality import explain_divergence, fp32_reference
+from reference_engine.loop_tokens import Rescore, compare_loops
 from reference_engine.metrics import count_host_syncs, measure, measure_in_step_idle, median_run
 from reference_engine.model import PRESETS, EagleHead, LlamaModel
 from reference_engine.prompt_set import take
@@ -488,13 +488,15 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
     # round by round (each engine once a round, warmed up in the first), so that drift in the
     # machine's state reaches sync and async alike.
     keys = [(drafter, loop) for drafter in drafters for loop in ("sync", "async")]
-    engines, runs = {}, {key: [] for key in keys}
+    engines, runs, batches = {}, {key: [] for key in keys}, {}
     for repeat in range(args.repeats):
         for key in keys:
             engine = engines.pop(key, None) or _make_engine(
                 args, model, None, dtype, device, key[1], key[0], usage_error
             )
             runs[key].append(_measure(engine, prompts, params, usage_error, detect_syncs=False, warm_up=repeat == 0))
+            if repeat == 0:  # each loop's steps as it batched them: where tokens part, did the loops batch apart?
+                batches[key] = _batches(engine)
             if repeat + 1 < args.repeats or args.detect_syncs or args.step_idle:
                 engines[key] = engine  # timed again, or measured by an untimed pass after every timed run
     shown = {key: median_run(runs[key]) for key in keys}
@@ -503,18 +505,19 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
             count_host_syncs(engine, prompts, params, shown[key][1])
         if args.step_idle:
             measure_in_step_idle(engine, prompts, params, shown[key][1])
+    engines.clear()  # their KV pools: an fp32 copy of the model may be made next (``_rescorer``)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    rescore = _rescorer(model, prompts, params, dtype)
     results = []
     for drafter in drafters:
         sync_runs, async_runs = runs[drafter, "sync"], runs[drafter, "async"]
-        same = all(
-            [o.tokens for o in synced] == [o.tokens for o in other]
-            for synced, _ in sync_runs[:1]
-            for other, _ in sync_runs + async_runs
-        )
-        parted = (
-            None
-            if same
-            else _where_tokens_part(model, prompts, params, [outputs for outputs, _ in sync_runs + async_runs])
+        tokens = compare_loops(
+            [[out.tokens for out in outputs] for outputs, _ in sync_runs],
+            [[out.tokens for out in outputs] for outputs, _ in async_runs],
+            batches[drafter, "sync"],
+            batches[drafter, "async"],
+            rescore,
         )
         ratios = [a.tpot_ms / s.tpot_ms for (_, s), (_, a) in zip(sync_runs, async_runs) if s.tpot_ms]
         ratio = statistics.median(ratios) if ratios else None
@@ -537,15 +540,12 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
                 else f"{m.decode_step_ms:.2f} / "
                 + ("n/a" if m.gpu_ms_per_fed_step is None else f"{m.gpu_ms_per_fed_step:.2f}"),
                 "n/a" if m.host_syncs_per_steady_step is None else f"{m.host_syncs_per_steady_step:.2f}",
-                "" if loop == "sync" or ratio is None else f"{ratio:.2f}x{spread}" + _tokens_note(parted),
+                "" if loop == "sync" or ratio is None else f"{ratio:.2f}x{spread}" + tokens.note(),
             )
         results.append(
             {
                 "drafter": drafter,
-                "same_tokens": same,
-                # Where they part, each prompt's first difference and its fp32 margin; None: the same.
-                "tokens_part": None if parted is None else [asdict(found) if found else None for found in parted],
-                "tokens_part_explained": parted is None or _explained(parted),
+                **tokens.to_json(),
                 "async_over_sync_tpot": ratio,
                 "async_over_sync_tpot_runs": ratios,
                 **{
@@ -566,50 +566,27 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
     return 0 if all(result["tokens_part_explained"] for result in results) else 1
 
 
-def _where_tokens_part(model, prompts, params, outputs) -> list[Divergence | None]:
-    """Each prompt's first difference between the first run's tokens and any other run's, explained
-    by the fp32 margin there (``equality``); a greedy near tie is the only difference rounding
-    explains. The two loops need not batch a request's last steps alike (async schedules before it
-    knows which requests finished), and a kernel's or a GEMM's bits may follow the batch, so a near
-    tie can flip between them. None for a prompt whose tokens agree; a length difference, or one
-    that could not be re-scored (the fp32 copy out of memory: the timings are kept, not lost), is
-    kept as unexplained (``index`` -1)."""
-    dtype = next(model.parameters()).dtype
-    num_blocks = 64 + sum(len(prompt) + params.max_tokens + 32 for prompt in prompts) // 16
-    reference, scorable, parted = None, True, []
-    for index, (prompt, first) in enumerate(zip(prompts, outputs[0])):
-        found = None
-        for other in outputs[1:]:
-            a, b = first.tokens, other[index].tokens
-            if a == b:
-                continue
-            found = None
-            if scorable:
-                try:
-                    reference = reference or fp32_reference(model, num_blocks)
-                    found = explain_divergence(reference, index, prompt, a, b, dtype)
-                except torch.OutOfMemoryError:
-                    reference, scorable = None, False
-            if found is None:  # the same tokens up to the shorter, or not scored: unexplained
-                found = Divergence(index, -1, -1, -1, float("nan"), -1, -1, float("nan"), False)
-            if params.temperature:  # a sampled token follows its probabilities, not a near tie
-                found.near_tie = False
-            if not found.near_tie:
-                break
-        parted.append(found)
-    del reference
-    return parted
+def _batches(engine) -> list[tuple[int, int]] | None:
+    """The last run's steps as (rows, tokens); None for an engine that keeps no step records."""
+    steps = getattr(engine, "steps", None)
+    return None if steps is None else [(step.num_reqs, step.num_tokens) for step in steps]
 
 
-def _explained(parted: list[Divergence | None]) -> bool:
-    return all(found is None or found.near_tie for found in parted)
+def _rescorer(model, prompts, params, dtype) -> Rescore:
+    """fp32 re-scores of a parting position (``equality.explain_divergence``) on one fp32 copy of
+    the model, made at the first call; None from then on where it does not fit beside the model
+    (the bench's timings are kept, the parting left unexplained)."""
+    longest = max(len(prompt) for prompt in prompts) + params.max_tokens + 32
+    made: dict = {"reference": None, "room": True}
 
+    def rescore(index: int, a: list[int], b: list[int]):
+        if not made["room"]:
+            return None
+        try:
+            made["reference"] = made["reference"] or fp32_reference(model, 64 + longest // 16)
+            return explain_divergence(made["reference"], index, prompts[index], a, b, dtype)
+        except torch.OutOfMemoryError:
+            made.update(reference=None, room=False)
+            return None
 
-def _tokens_note(parted: list[Divergence | None] | None) -> str:
-    if parted is None:
-        return ""
-    found = [divergence for divergence in parted if divergence is not None]
-    if not _explained(parted):
-        return " (TOKENS DIFFER)"
-    margin = max(divergence.fp32_margin for divergence in found)
-    return f" (tokens part at {len(found)} near tie{'s' if len(found) > 1 else ''}: fp32 margin ≤ {margin:.2g})"
+    return rescore

@@ -525,19 +525,20 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
     for name, value in (("topk", topk), ("win", sparse_window)):
         if value is not None and value < 1:
             raise CaseSyntaxError(f"{name}{value}: at least 1 position")
-    for name, value in (("soft cap", cap), ("scale", scale), ("key scale", k_scale), ("value scale", v_scale)):
-        low, high = FLOAT_RANGES[name]
+    numbers = [("soft cap", cap), ("scale", scale)]
+    if kv_cache_dtype is not None:  # without an fp8 cache the case refuses the scales themselves
+        numbers += [("key scale", k_scale), ("value scale", v_scale)]
+    for name, value in numbers:
+        low, high = float_range(name, dtype)
         if value is not None and not (math.isfinite(value) and low <= value <= high):
+            why = ""
+            if (low, high) != FLOAT_RANGES[name]:
+                least = _format_number(FLOAT_RANGES[name][0])
+                why = f" in fp16, whose range its queries pass under it (bf16 and fp32 from {least})"
             raise CaseSyntaxError(
                 f"{name} {_format_number(value) if math.isfinite(value) else value}: must be a finite number "
-                f"from {_format_number(low)} to {_format_number(high)}"
+                f"from {_format_number(low)} to {_format_number(high)}{why}"
             )
-    if k_scale is not None and k_scale < float_range("key scale", dtype)[0]:
-        raise CaseSyntaxError(
-            f"key scale {_format_number(k_scale)} with fp16: its queries grow as 1 / key scale past fp16's range; "
-            f"from {_format_number(FP16_LEAST_KEY_SCALE)} in fp16 (bf16 and fp32 from "
-            f"{_format_number(FLOAT_RANGES['key scale'][0])})"
-        )
     if not is_mla and num_kv_heads >= 1 and num_heads % num_kv_heads:
         raise CaseSyntaxError(f"{num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
     if block_size < 1 or num_heads < 1 or num_kv_heads < 1:

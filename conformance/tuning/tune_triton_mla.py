@@ -7,7 +7,7 @@ BLOCK_N, warps, stages) and split target (programs wanted per SM), then the Gluo
 events, L2 flushed) and the ratio to FlashMLA in the same run. ``--gluon`` sweeps the Gluon kernel
 only. ``--fp8`` sweeps the masked-load tilings over an fp8 e4m3 latent (``FP8_CASES``), against
 triton_mla's own time over the bf16 latent of the same shape (FlashMLA's SM90 fp8 decode takes an
-fp8 query only); its maxdiff is then the fp8 cache's rounding, not a defect."""
+fp8 query only); its maxdiff is then against triton_mla's output at the shipped tiling."""
 
 import sys
 

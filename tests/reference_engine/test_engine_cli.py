@@ -267,26 +267,39 @@ def test_engine_run_drafts_a_token_tree(in_process):
     assert "top-k 4 tree of 8 drafts, depth 3" in completed.stdout
 
 
-@pytest.mark.parametrize("near_tie, code, note", [(1e9, 0, "near tie: fp32 margin"), (-1.0, 1, "TOKENS DIFFER")])
-def test_engine_bench_explains_where_the_loops_tokens_part(monkeypatch, tmp_path, capsys, near_tie, code, note):
-    """Sync and async may batch a request's last steps differently, and batch-variant bits can flip
-    a near tie between them: the bench re-scores where the tokens part in fp32 and fails only where
-    rounding cannot explain the choice (here the rule's threshold is set to make any flip a near
-    tie, then none)."""
-    from reference_engine import cli, equality, metrics
+def _async_flips(prompt: int, position: int):
+    """``measure`` with one token of every async run changed, the same way in each run."""
+    from reference_engine import metrics
 
     def timed(engine, prompts, params, **kwargs):
         outputs, measured = metrics.measure(engine, prompts, params, **kwargs)
         if engine.config.async_scheduling:
-            outputs[1].tokens[3] = (outputs[1].tokens[3] + 1) % engine.model.config.vocab_size
+            tokens = outputs[prompt].tokens
+            tokens[position] = (tokens[position] + 1) % engine.model.config.vocab_size
         return outputs, measured
 
-    monkeypatch.setattr(cli, "measure", timed)
+    return timed
+
+
+def _batched_apart(engine):
+    """The loops' steps as different (as async's last steps are on a real workload)."""
+    return [(2, 6)] if engine.config.async_scheduling else [(1, 3)]
+
+
+@pytest.mark.parametrize("near_tie, code, note", [(1e9, 0, "near tie, within"), (-1.0, 1, "TOKENS DIFFER")])
+def test_engine_bench_explains_where_the_loops_tokens_part(monkeypatch, tmp_path, capsys, near_tie, code, note):
+    """Where sync's and async's tokens part, the bench re-scores the position in fp32 and exits 1
+    unless rounding explains it (here the near-tie threshold is set to make any flip one, then none)."""
+    from reference_engine import cli, equality
+
+    monkeypatch.setattr(cli, "measure", _async_flips(1, 3))
+    monkeypatch.setattr(cli, "_batches", _batched_apart)
     monkeypatch.setattr(equality, "NEAR_TIE", near_tie)
-    found, results = bench(tmp_path, "--dtype", "bf16")
+    found, results = bench(tmp_path, "--dtype", "bf16", "--repeats", "2")
     assert found == code
     (result,) = results
     assert not result["same_tokens"] and result["tokens_part_explained"] == (code == 0)
+    assert result["loops_repeat_themselves"] and result["steps_batched_apart"] == 1
     first, second = result["tokens_part"]
     assert first is None and second["prompt"] == 1 and second["index"] == 3 and second["fp32_margin"] > 0
     table = "".join(capsys.readouterr().out.replace("│", " ").split())  # the note as the cell wraps it, joined
@@ -298,20 +311,15 @@ def test_engine_bench_keeps_its_results_when_the_fp32_rescore_does_not_fit(monke
     and every timing still reaches the JSON."""
     import torch
 
-    from reference_engine import cli, metrics
-
-    def timed(engine, prompts, params, **kwargs):
-        outputs, measured = metrics.measure(engine, prompts, params, **kwargs)
-        if engine.config.async_scheduling:
-            outputs[0].tokens[2] = (outputs[0].tokens[2] + 1) % engine.model.config.vocab_size
-        return outputs, measured
+    from reference_engine import cli
 
     def no_room(model, num_blocks):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(cli, "measure", timed)
+    monkeypatch.setattr(cli, "measure", _async_flips(0, 2))
+    monkeypatch.setattr(cli, "_batches", _batched_apart)
     monkeypatch.setattr(cli, "fp32_reference", no_room)
     code, results = bench(tmp_path, "--dtype", "bf16")
     (result,) = results
-    assert code == 1 and not result["tokens_part_explained"] and result["tokens_part"][0]["index"] == -1
+    assert code == 1 and not result["tokens_part_explained"] and result["tokens_part_unscored"] == [0]
     assert result["async"]["tpot_ms"] > 0 and result["sync"]["tpot_ms"] > 0

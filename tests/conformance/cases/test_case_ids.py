@@ -102,7 +102,7 @@ def test_an_exponent_is_refused_with_the_form_to_write_instead():
         parse_case("gqa-h8/2-d128-bf16-scale1e-05:300+4")
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("name", sorted(FLOAT_RANGES))
 def test_the_ends_of_every_range_run_and_pass_a_correct_backend(name, dtype):
     # fp16 is where the harness's data runs out of range first; every kind of layer the number reaches.
