@@ -163,7 +163,10 @@ class TritonMLABackend(DeviceLengthsBackend):
         self.wgmma = has_wgmma(self.device)
         self._descriptors: tuple[tuple, TensorDescriptor, TensorDescriptor] | None = None
         # A sparse layer (DeepSeek's DSA) reads by index rows with a kernel of its own.
-        self.sparse = None if spec.sparse_topk is None else SparseMLARead(spec, limits, self.device, self.upcast_dot)
+        scratch = (self.partial_out, self.partial_lse, self.multiprocessors)
+        self.sparse = (
+            None if spec.sparse_topk is None else SparseMLARead(spec, limits, self.device, self.upcast_dot, scratch)
+        )
         # DeepSeek's fp8_ds_mla: a token's entry packed as vLLM packs it (its own scales inside).
         self.packed = None if spec.kv_scale_block is None else DsMlaLayout(spec)
         if self.packed is not None and self.sparse is None:

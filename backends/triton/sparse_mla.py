@@ -60,11 +60,27 @@ class SparseMetadata(TritonMetadata):
     num_tokens: torch.Tensor  # [1] int32: the step's real tokens (query_start_loc[num_reqs])
 
 
-class SparseMLARead:
-    """The persistent buffers of a sparse layer's metadata, and its kernels' launches."""
+def num_splits(num_tokens: int, head_blocks: int, tiles: int, multiprocessors: int, capacity: int) -> int:
+    """How many programs share a token's index row: as many as fill the GPU's SMs once (a program
+    holds an SM: ``sparse_mla_kernel`` compiled for SM90 needs 222 KB of shared memory), each with
+    a whole tile or more, and within the backend's split scratch (``capacity`` rows a head).
+    From host ints only (the step's padded token count), so a CUDA graph replays the same split."""
+    programs = max(1, num_tokens * head_blocks)
+    return max(1, min(multiprocessors // programs, tiles, capacity // max(1, num_tokens)))
 
-    def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device, upcast_dot: bool) -> None:
+
+class SparseMLARead:
+    """The persistent buffers of a sparse layer's metadata, and its kernels' launches. A step of
+    few tokens splits each token's index row over several programs (FlashMLA's sparse decode does
+    too) into the backend's split scratch, then merges."""
+
+    def __init__(
+        self, spec: AttentionSpec, limits: BackendLimits, device: torch.device, upcast_dot: bool, scratch
+    ) -> None:
         self.spec, self.upcast_dot = spec, upcast_dot
+        # (partial rows, their LSEs, the SMs): the backend's split-KV scratch, which a sparse layer
+        # does not otherwise use.
+        self.partial_out, self.partial_lse, self.multiprocessors = scratch
         int32 = dict(dtype=torch.int32, device=device)
         self.token_request = torch.zeros(limits.max_num_tokens, **int32)
         self.token_position = torch.zeros(limits.max_num_tokens, **int32)
@@ -111,8 +127,12 @@ class SparseMLARead:
             raise ValueError("a sparse layer's forward needs its index rows (layer.topk_indices)")
         indices, lse = layer.topk_indices, layer.lse
         heads, block_n, num_warps, num_stages = launch(spec)
-        grid = (query.shape[0], triton.cdiv(spec.num_heads, heads))
-        sparse_mla_kernels.sparse_mla_kernel[grid](
+        tokens, head_blocks = query.shape[0], triton.cdiv(spec.num_heads, heads)
+        capacity = self.partial_lse.numel() // spec.num_heads
+        splits = num_splits(tokens, head_blocks, triton.cdiv(spec.sparse_topk, block_n), self.multiprocessors, capacity)
+        if lse is not None:  # triton_mla claims no log-sum-exp: a row asked for one is not split
+            splits = 1
+        sparse_mla_kernels.sparse_mla_kernel[(tokens, head_blocks, splits)](
             query,
             kv_cache,
             metadata.block_table,
@@ -122,8 +142,11 @@ class SparseMLARead:
             indices,
             out,
             out if lse is None else lse,
+            self.partial_out,
+            self.partial_lse,
             metadata.seq_lens if k_scale is None else k_scale,
             spec.softmax_scale * LOG2E,
+            splits,
             query.stride(0),
             query.stride(1),
             out.stride(0),
@@ -148,6 +171,21 @@ class SparseMLARead:
             SCALE_BLOCK=spec.kv_scale_block or 1,
             UPCAST_DOT=self.upcast_dot,
             RETURN_LSE=lse is not None,
+            ONE_SPLIT=splits == 1,
             num_warps=num_warps,
             num_stages=num_stages,
         )
+        if splits > 1:
+            sparse_mla_kernels.sparse_merge_kernel[(tokens, head_blocks)](
+                self.partial_out,
+                self.partial_lse,
+                metadata.num_tokens,
+                out,
+                splits,
+                out.stride(0),
+                out.stride(1),
+                NUM_HEADS=spec.num_heads,
+                BLOCK_H=heads,
+                LATENT=spec.kv_lora_rank,
+                BLOCK_L=triton.next_power_of_2(spec.kv_lora_rank),
+            )

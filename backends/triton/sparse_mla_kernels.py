@@ -1,14 +1,16 @@
 """Triton kernel for DeepSeek's sparse MLA (DSA): each query token attends to the positions its
 indexer chose (``layer.topk_indices``) and, with a window part, to its most recent positions.
 
-One program per (token, block of heads). The token's request and position come from the step's
-metadata (``SparseMetadata``, built on the device and advanced by ``update_for_draft_step``); its
-index row is read in tiles of ``BLOCK_N`` entries, each entry masked unless ``0 <= i <= position``
-and translated to a cache slot through the request's block-table row (the position → slot
-translation is the backend's, as the contract says), then the window part's positions
-``position - WINDOW + 1 .. position`` in tiles. Both feed one base-2 online softmax; the output and
-the natural-log LSE are written by the program itself (no split-KV: a row attends to at most
-``TOPK + WINDOW`` keys).
+One program per (token, block of heads, split). The token's request and position come from the
+step's metadata (``SparseMetadata``, built on the device and advanced by ``update_for_draft_step``);
+its index row is read in tiles of ``BLOCK_N`` entries, each entry masked unless
+``0 <= i <= position`` and translated to a cache slot through the request's block-table row (the
+position → slot translation is the backend's, as the contract says), then the window part's
+positions ``position - WINDOW + 1 .. position`` in tiles. Both feed one base-2 online softmax. With
+one split the program writes the output and the natural-log LSE itself. A step of few tokens would
+leave most SMs idle (a program holds one), so there ``num_splits`` programs share a token's index
+row, whole tiles each, the last one the window part too; each writes its rows normalized, with
+their base-2 LSE, into the backend's split scratch, and ``sparse_merge_kernel`` folds them.
 
 The cache is the latent entry in the compute dtype, or in fp8 with the layer's one scale
 (``KV_FP8``), or DeepSeek's fp8_ds_mla (``DS_MLA``): each entry a row of bytes, its e4m3 latent
@@ -113,8 +115,11 @@ def sparse_mla_kernel(
     indices_ptr,
     out_ptr,
     lse_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
     k_scale_ptr,
     scale_log2,
+    num_splits,
     stride_q_token,
     stride_q_head,
     stride_out_token,
@@ -139,8 +144,10 @@ def sparse_mla_kernel(
     SCALE_BLOCK: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     RETURN_LSE: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
 ):
     token = tl.program_id(0)
+    split = tl.program_id(2)
     if token >= tl.load(num_tokens_ptr):  # a padding row, or a slot past this step's tokens
         return
     request = tl.load(token_request_ptr + token)
@@ -162,7 +169,11 @@ def sparse_mla_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
     offsets = tl.arange(0, BLOCK_N)
     row_ptr = indices_ptr + token.to(tl.int64) * stride_indices
-    for start in range(0, TOPK, BLOCK_N):
+    # A split takes whole tiles of the index row, the last one the window part too.
+    tiles_per_split = tl.cdiv(tl.cdiv(TOPK, BLOCK_N), num_splits)
+    first_entry = split * tiles_per_split * BLOCK_N
+    last_entry = tl.minimum(first_entry + tiles_per_split * BLOCK_N, TOPK)
+    for start in range(first_entry, last_entry, BLOCK_N):
         entries = tl.load(row_ptr + start + offsets, mask=start + offsets < TOPK, other=-1)
         valid = (entries >= 0) & (entries <= position)  # -1, and anything past the token: no key
         m_i, l_i, acc = _attend_tile(
@@ -170,7 +181,7 @@ def sparse_mla_kernel(
             stride_cache_block, stride_cache_token, LATENT, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, KV_FP8, DS_MLA,
             SCALE_BLOCK, BLOCK_N, UPCAST_DOT,
         )  # fmt: skip
-    if WINDOW > 0:
+    if (WINDOW > 0) & (split == num_splits - 1):
         first = tl.maximum(position - WINDOW + 1, 0)
         for start in range(0, WINDOW, BLOCK_N):
             positions = first + start + offsets
@@ -180,16 +191,72 @@ def sparse_mla_kernel(
                 stride_cache_block, stride_cache_token, LATENT, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, KV_FP8, DS_MLA,
                 SCALE_BLOCK, BLOCK_N, UPCAST_DOT,
             )  # fmt: skip
-    out = acc / l_i[:, None]
+    if ONE_SPLIT:
+        out = acc / l_i[:, None]
+        out_rows = out_ptr + token.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head
+        tl.store(
+            out_rows + latent_dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=head_ok[:, None] & (latent_dims < LATENT)[None, :],
+        )
+        if RETURN_LSE:
+            lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # base 2 to natural
+            tl.store(lse_ptr + token.to(tl.int64) * stride_lse + heads, lse, mask=head_ok)
+    else:
+        # This split's normalized rows and base-2 LSE (-inf and zeros where it saw no key), folded
+        # by ``sparse_merge_kernel``: row (token, head, split).
+        seen = l_i > 0
+        out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+        rows = (token.to(tl.int64) * NUM_HEADS + heads) * num_splits + split
+        tl.store(
+            partial_out_ptr + rows[:, None] * LATENT + latent_dims[None, :],
+            out,
+            mask=head_ok[:, None] & (latent_dims < LATENT)[None, :],
+        )
+        tl.store(
+            partial_lse_ptr + rows, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=head_ok
+        )
+
+
+@triton.jit
+def sparse_merge_kernel(
+    partial_out_ptr,
+    partial_lse_ptr,
+    num_tokens_ptr,
+    out_ptr,
+    num_splits,
+    stride_out_token,
+    stride_out_head,
+    NUM_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    LATENT: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    """A token's rows from its splits (``sparse_mla_kernel`` with more than one): each split's
+    output weighted by 2^(its LSE - the largest). (A row asked for its LSE is never split.)"""
+    token = tl.program_id(0)
+    if token >= tl.load(num_tokens_ptr):
+        return
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < NUM_HEADS
+    latent_dims = tl.arange(0, BLOCK_L)
+    first_row = (token.to(tl.int64) * NUM_HEADS + heads) * num_splits
+    top = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    for split in range(0, num_splits):
+        top = tl.maximum(top, tl.load(partial_lse_ptr + first_row + split, mask=head_ok, other=float("-inf")))
+    safe_top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
+    mask = head_ok[:, None] & (latent_dims < LATENT)[None, :]
+    for split in range(0, num_splits):
+        weight = tl.exp2(tl.load(partial_lse_ptr + first_row + split, mask=head_ok, other=float("-inf")) - safe_top)
+        part = tl.load(
+            partial_out_ptr + (first_row + split)[:, None] * LATENT + latent_dims[None, :], mask=mask, other=0.0
+        )
+        acc += weight[:, None] * part
+        total += weight
     out_rows = out_ptr + token.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head
-    tl.store(
-        out_rows + latent_dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=head_ok[:, None] & (latent_dims < LATENT)[None, :],
-    )
-    if RETURN_LSE:
-        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # base 2 to natural
-        tl.store(lse_ptr + token.to(tl.int64) * stride_lse + heads, lse, mask=head_ok)
+    tl.store(out_rows + latent_dims[None, :], (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

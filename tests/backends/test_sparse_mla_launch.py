@@ -2,7 +2,8 @@
 kernel compiled for SM90 on the CPU (Triton's ptxas; no GPU). Triton pipelines a loop's copies
 through shared memory as it sees fit: at 64 heads and 64-entry tiles, top 64 with a window of 128
 asked for 295 KB, an OutOfResources on an H200 that no CPU test had seen. The compile is given
-what the JIT sees on a GPU: pointers and integer arguments divisible by 16."""
+what the JIT sees on a GPU: pointers and integer arguments divisible by 16. Each launch compiles
+unsplit and split (a step of few tokens shares a token's index row among programs)."""
 
 import itertools
 
@@ -26,6 +27,8 @@ POINTERS = {
     "indices_ptr": "*i32",
     "out_ptr": "*bf16",
     "lse_ptr": "*fp32",
+    "partial_out_ptr": "*fp32",
+    "partial_lse_ptr": "*fp32",
     "k_scale_ptr": "*fp32",
 }
 CACHES = {"bf16": "*bf16", "fp8": "*fp8e4nv", "fp8_ds_mla": "*u8"}
@@ -33,7 +36,7 @@ CACHES = {"bf16": "*bf16", "fp8": "*fp8e4nv", "fp8_ds_mla": "*u8"}
 SPARSITY = [(64, None), (2048, None), (64, 128), (2048, 1024), (16, 8)]
 
 
-def shared_bytes(heads: int, topk: int, window: int | None, cache: str) -> int:
+def shared_bytes(heads: int, topk: int, window: int | None, cache: str, one_split: bool = True) -> int:
     spec = AttentionSpec(
         kind="mla", num_heads=heads, num_kv_heads=1, head_dim=576, dtype=torch.bfloat16, block_size=64,
         kv_lora_rank=512, rope_dim=64, sparse_topk=topk, sparse_window=window,
@@ -42,7 +45,7 @@ def shared_bytes(heads: int, topk: int, window: int | None, cache: str) -> int:
     constants = dict(
         NUM_HEADS=heads, BLOCK_H=block_h, LATENT=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, TOPK=topk,
         WINDOW=window or 0, BLOCK_N=block_n, PAGE_SIZE=64, KV_FP8=cache == "fp8", DS_MLA=cache == "fp8_ds_mla",
-        SCALE_BLOCK=128 if cache == "fp8_ds_mla" else 1, UPCAST_DOT=False, RETURN_LSE=False,
+        SCALE_BLOCK=128 if cache == "fp8_ds_mla" else 1, UPCAST_DOT=False, RETURN_LSE=False, ONE_SPLIT=one_split,
     )  # fmt: skip
     kernel = sparse_mla_kernels.sparse_mla_kernel
     names = kernel.arg_names
@@ -54,8 +57,10 @@ def shared_bytes(heads: int, topk: int, window: int | None, cache: str) -> int:
         else POINTERS.get(name, "fp32" if name == "scale_log2" else "i32")
         for name in names
     }
-    divisible = {
-        (i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if signature[name] not in ("constexpr", "fp32")
+    divisible = {  # the split count is a small number, not a multiple of 16
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(names)
+        if signature[name] not in ("constexpr", "fp32") and name != "num_splits"
     }
     source = ASTSource(
         kernel,
@@ -73,8 +78,21 @@ def shared_bytes(heads: int, topk: int, window: int | None, cache: str) -> int:
 @pytest.mark.parametrize("heads", [16, 32, 128])
 def test_every_sparse_launch_fits_a_hopper_block(heads):
     too_large = []
-    for (topk, window), cache in itertools.product(SPARSITY, CACHES):
-        used = shared_bytes(heads, topk, window, cache)
+    for (topk, window), cache, one_split in itertools.product(SPARSITY, CACHES, (True, False)):
+        used = shared_bytes(heads, topk, window, cache, one_split)
         if used > HOPPER_SHARED_BYTES:
-            too_large.append(f"top {topk}, window {window}, {cache}: {used} bytes")
+            too_large.append(f"top {topk}, window {window}, {cache}, one split {one_split}: {used} bytes")
     assert not too_large, f"{heads} heads: " + "; ".join(too_large)
+
+
+@pytest.mark.parametrize(
+    "tokens, head_blocks, tiles, capacity, splits",
+    [
+        (8, 2, 32, 10_000, 8),  # DeepSeek-V3.2 at batch 8 on 132 SMs: 16 programs, 8 splits each
+        (64, 2, 32, 10_000, 1),  # 128 programs fill the SMs: unsplit
+        (1, 2, 32, 10_000, 32),  # at most a tile a split
+        (8, 2, 32, 16, 2),  # within the scratch: 16 rows a head for 8 tokens
+    ],
+)
+def test_a_step_of_few_tokens_splits_their_index_rows_to_fill_the_sms(tokens, head_blocks, tiles, capacity, splits):
+    assert sparse_mla.num_splits(tokens, head_blocks, tiles, 132, capacity) == splits

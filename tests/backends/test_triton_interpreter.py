@@ -49,11 +49,16 @@ CASES = {
         "mla-h20-d64+16-fp16-p32-topk40-edges:70+1,3+1,50+8",
         "mla-h64-d64+16-bf16-p16-topk16-win8-messyidx:60+2,9+4,30+1",  # 64 heads a program: the widest launch
         "mla-h4-d64+16-bf16-fp8e4m3-p16-topk16:40+1,20+4",
+        # One token, no padding rows: its index row split over the interpreter's 4 "SMs", merged;
+        # with a window part (the last split's), messy rows, edge keys.
+        "mla-h4-d64+16-bf16-p16-topk128-win8-messyidx-pad0:300+1,0+0",
+        "mla-h4-d64+16-bf16-p16-topk128-edges-pad0:300+1",
         # Sparse over DeepSeek's fp8_ds_mla (a scale per 128 latent values inside each entry):
         # two blocks, a window part, messy rows, an empty request; four blocks, fp16 rope, two
         # head blocks, edge keys.
         "mla-h4-d256+16-bf16-fp8dsmla-p16-topk16-win8-messyidx:60+2,9+4,0+0",
         "mla-h20-d512+16-fp16-fp8dsmla-p32-topk24-edges:70+1,3+1,50+8",
+        "mla-h4-d256+16-bf16-fp8dsmla-p16-topk128-win8-pad0:300+1",  # split, over fp8_ds_mla
     ],
 }
 

@@ -152,12 +152,13 @@ def test_the_sparse_kernel_compiles_for_hopper_over_fp8_ds_mla(window):
     kernel = sparse_mla_kernels.sparse_mla_kernel
     signature = dict.fromkeys(kernel.arg_names, "i32")
     signature.update({name: "*bf16" for name in ("query_ptr", "out_ptr")}, cache_ptr="*u8", scale_log2="fp32")
-    signature.update({name: "*fp32" for name in ("lse_ptr", "k_scale_ptr")})
+    signature.update({name: "*fp32" for name in ("lse_ptr", "k_scale_ptr", "partial_out_ptr", "partial_lse_ptr")})
     pointers = ("block_table_ptr", "token_request_ptr", "token_position_ptr", "num_tokens_ptr", "indices_ptr")
     signature.update(dict.fromkeys(pointers, "*i32"))
     constants = dict(
         NUM_HEADS=128, BLOCK_H=16, LATENT=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, TOPK=2048, WINDOW=window,
         BLOCK_N=32, PAGE_SIZE=64, KV_FP8=False, DS_MLA=True, SCALE_BLOCK=128, UPCAST_DOT=False, RETURN_LSE=True,
+        ONE_SPLIT=True,
     )  # fmt: skip
     signature.update(dict.fromkeys(constants, "constexpr"))
     compiled = triton.compile(
