@@ -6,7 +6,7 @@ keys in the compute dtype, or e4m3 bytes with each token's float32 scale after i
 
 ``build`` reads no device value: the metadata references the step's device tensors, and each
 token's request and position are made on the device into persistent buffers sized by the limits
-(``sparse_mla``'s ``SparseMLARead``, the same metadata ``triton_mla``'s sparse read uses), remade
+(``sparse_mla``'s ``SparsePositions``, the same metadata ``triton_mla``'s sparse read uses), remade
 from the advanced ``seq_lens`` by ``update_for_draft_step``. ``forward`` launches
 ``indexer_kernels.indexer_logits_kernel`` over every (query row, tile of positions) of the block
 table's width (its columns × the page size, a static shape), a ``torch.topk`` over that width, and
@@ -32,7 +32,7 @@ from backends.features import EMPTY_REQUESTS, FP8_E4M3
 from backends.torch_indexer import IndexerKeyCache
 from backends.triton import INSTALL_HINT
 from backends.triton.backend import FP8_GPUS, DeviceLengthsBackend, interpreter_devices, interpreting
-from backends.triton.sparse_mla import SparseMetadata, SparseMLARead
+from backends.triton.sparse_mla import SparseMetadata, SparsePositions
 
 try:
     import triton
@@ -67,7 +67,7 @@ class TritonIndexerBackend(IndexerKeyCache, DeviceLengthsBackend):
         super().__init__(spec, limits, device)
         # fp32 queries take an fp32 product (exact); the interpreter's numpy has no bf16 matmul.
         self.upcast_dot = interpreting() or spec.dtype == torch.float32
-        self.positions = SparseMLARead(spec, limits, self.device, self.upcast_dot)  # its metadata only
+        self.positions = SparsePositions(spec, limits, self.device)
         self.block_h = max(16, triton.next_power_of_2(spec.num_heads))
         self.block_d = max(16, triton.next_power_of_2(spec.head_dim))
 

@@ -40,6 +40,9 @@ LAUNCH = {16: (32, 4, 3), 32: (64, 4, 2), 64: (64, 8, 3)}
 # loop unpipelined, ``tl.range(..., num_stages=1)``, would keep 64-entry tiles at 147 KB: not tried.)
 WINDOW_LAUNCH = {**LAUNCH, 64: (32, 8, 3)}
 POSITIONS_BLOCK = 64
+# Heads a merge program folds: [16, 512] fp32 rows need 161 registers at 4 warps on SM90 and no
+# spills, where 64 heads spilled 8 KB (compiled on a CPU); more programs, too, at batch 8.
+MERGE_HEADS = 16
 
 
 def heads_per_program(num_heads: int) -> int:
@@ -61,26 +64,22 @@ class SparseMetadata(TritonMetadata):
 
 
 def num_splits(num_tokens: int, head_blocks: int, tiles: int, multiprocessors: int, capacity: int) -> int:
-    """How many programs share a token's index row: as many as fill the GPU's SMs once (a program
-    holds an SM: ``sparse_mla_kernel`` compiled for SM90 needs 222 KB of shared memory), each with
-    a whole tile or more, and within the backend's split scratch (``capacity`` rows a head).
-    From host ints only (the step's padded token count), so a CUDA graph replays the same split."""
-    programs = max(1, num_tokens * head_blocks)
-    return max(1, min(multiprocessors // programs, tiles, capacity // max(1, num_tokens)))
+    """How many programs share a token's ``tiles`` (its index row's and its window's): as many as
+    fill the GPU's SMs once, one program an SM (DeepSeek-V3.2's 128-head launch takes 222 KB of
+    shared memory on SM90; smaller launches would fit two or more, not counted here), every split
+    with a whole tile or more, and within the backend's split scratch (``capacity`` rows a head).
+    From host ints only (the step's padded token count), so a CUDA graph replays the same split;
+    a sparse row's bits therefore follow the number of tokens in its step."""
+    wanted = max(1, min(multiprocessors // max(1, num_tokens * head_blocks), tiles, capacity // max(1, num_tokens)))
+    return triton.cdiv(tiles, triton.cdiv(tiles, wanted)) if tiles else 1  # no split left without a tile
 
 
-class SparseMLARead:
-    """The persistent buffers of a sparse layer's metadata, and its kernels' launches. A step of
-    few tokens splits each token's index row over several programs (FlashMLA's sparse decode does
-    too) into the backend's split scratch, then merges."""
+class SparsePositions:
+    """The persistent buffers of a sparse layer's metadata (each token's request and position),
+    made on the device in ``build`` and remade in ``update_for_draft_step``; the indexer's too."""
 
-    def __init__(
-        self, spec: AttentionSpec, limits: BackendLimits, device: torch.device, upcast_dot: bool, scratch
-    ) -> None:
-        self.spec, self.upcast_dot = spec, upcast_dot
-        # (partial rows, their LSEs, the SMs): the backend's split-KV scratch, which a sparse layer
-        # does not otherwise use.
-        self.partial_out, self.partial_lse, self.multiprocessors = scratch
+    def __init__(self, spec: AttentionSpec, limits: BackendLimits, device: torch.device) -> None:
+        self.spec = spec
         int32 = dict(dtype=torch.int32, device=device)
         self.token_request = torch.zeros(limits.max_num_tokens, **int32)
         self.token_position = torch.zeros(limits.max_num_tokens, **int32)
@@ -119,6 +118,21 @@ class SparseMLARead:
         self.place_tokens(metadata)  # every position moved on by one
         return metadata
 
+
+class SparseMLARead(SparsePositions):
+    """``triton_mla``'s sparse read: the metadata, and its kernels' launches. A step of few tokens
+    splits each token's tiles over several programs (FlashMLA's sparse decode does too) into the
+    backend's split scratch, then merges."""
+
+    def __init__(
+        self, spec: AttentionSpec, limits: BackendLimits, device: torch.device, upcast_dot: bool, scratch: tuple
+    ) -> None:
+        super().__init__(spec, limits, device)
+        self.upcast_dot = upcast_dot
+        # (partial rows, their LSEs, the SMs): the backend's split-KV scratch, which a sparse layer
+        # does not otherwise use.
+        self.partial_out, self.partial_lse, self.multiprocessors = scratch
+
     def forward(self, query, kv_cache, metadata: SparseMetadata, out, layer: LayerParameters, k_scale) -> None:
         """``k_scale``: an fp8 cache's one scale (device tensor), None otherwise; DeepSeek's
         fp8_ds_mla (``spec.kv_scale_block``) has its scales inside each entry, a pool of bytes."""
@@ -128,8 +142,9 @@ class SparseMLARead:
         indices, lse = layer.topk_indices, layer.lse
         heads, block_n, num_warps, num_stages = launch(spec)
         tokens, head_blocks = query.shape[0], triton.cdiv(spec.num_heads, heads)
-        capacity = self.partial_lse.numel() // spec.num_heads
-        splits = num_splits(tokens, head_blocks, triton.cdiv(spec.sparse_topk, block_n), self.multiprocessors, capacity)
+        rows = min(self.partial_lse.numel(), self.partial_out.numel() // spec.kv_lora_rank)
+        tiles = triton.cdiv(spec.sparse_topk, block_n) + triton.cdiv(spec.sparse_window or 0, block_n)
+        splits = num_splits(tokens, head_blocks, tiles, self.multiprocessors, rows // spec.num_heads)
         if lse is not None:  # triton_mla claims no log-sum-exp: a row asked for one is not split
             splits = 1
         sparse_mla_kernels.sparse_mla_kernel[(tokens, head_blocks, splits)](
@@ -176,7 +191,7 @@ class SparseMLARead:
             num_stages=num_stages,
         )
         if splits > 1:
-            sparse_mla_kernels.sparse_merge_kernel[(tokens, head_blocks)](
+            sparse_mla_kernels.sparse_merge_kernel[(tokens, triton.cdiv(spec.num_heads, MERGE_HEADS))](
                 self.partial_out,
                 self.partial_lse,
                 metadata.num_tokens,
@@ -185,7 +200,7 @@ class SparseMLARead:
                 out.stride(0),
                 out.stride(1),
                 NUM_HEADS=spec.num_heads,
-                BLOCK_H=heads,
+                BLOCK_H=MERGE_HEADS,
                 LATENT=spec.kv_lora_rank,
                 BLOCK_L=triton.next_power_of_2(spec.kv_lora_rank),
             )

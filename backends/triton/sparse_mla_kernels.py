@@ -8,9 +8,9 @@ its index row is read in tiles of ``BLOCK_N`` entries, each entry masked unless
 position → slot translation is the backend's, as the contract says), then the window part's
 positions ``position - WINDOW + 1 .. position`` in tiles. Both feed one base-2 online softmax. With
 one split the program writes the output and the natural-log LSE itself. A step of few tokens would
-leave most SMs idle (a program holds one), so there ``num_splits`` programs share a token's index
-row, whole tiles each, the last one the window part too; each writes its rows normalized, with
-their base-2 LSE, into the backend's split scratch, and ``sparse_merge_kernel`` folds them.
+leave most SMs idle, so there ``num_splits`` programs share a token's tiles (the index row's, then
+the window's, cut into equal runs of whole tiles); each writes its rows normalized, with their
+base-2 LSE, into the backend's split scratch, and ``sparse_merge_kernel`` folds them.
 
 The cache is the latent entry in the compute dtype, or in fp8 with the layer's one scale
 (``KV_FP8``), or DeepSeek's fp8_ds_mla (``DS_MLA``): each entry a row of bytes, its e4m3 latent
@@ -105,6 +105,42 @@ def _attend_tile(
 
 
 @triton.jit
+def _attend_entries(
+    q_latent, q_rope, cache_ptr, block_row_ptr, row_ptr, start, offsets, position, k_scale_ptr, m_i, l_i, acc,
+    scale_log2, stride_cache_block, stride_cache_token, LATENT: tl.constexpr, ROPE: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
+    DS_MLA: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    TOPK: tl.constexpr,
+):  # fmt: skip
+    """The index row's tile from entry ``start``: each entry a key unless -1 or past the token."""
+    entries = tl.load(row_ptr + start + offsets, mask=start + offsets < TOPK, other=-1)
+    valid = (entries >= 0) & (entries <= position)  # -1, and anything past the token: no key
+    return _attend_tile(
+        q_latent, q_rope, cache_ptr, block_row_ptr, entries, valid, k_scale_ptr, m_i, l_i, acc, scale_log2,
+        stride_cache_block, stride_cache_token, LATENT, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, KV_FP8, DS_MLA,
+        SCALE_BLOCK, BLOCK_N, UPCAST_DOT,
+    )  # fmt: skip
+
+
+@triton.jit
+def _attend_window(
+    q_latent, q_rope, cache_ptr, block_row_ptr, start, offsets, position, k_scale_ptr, m_i, l_i, acc,
+    scale_log2, stride_cache_block, stride_cache_token, LATENT: tl.constexpr, ROPE: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
+    DS_MLA: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    WINDOW: tl.constexpr,
+):  # fmt: skip
+    """The window part's tile ``start`` entries in: positions ``position - WINDOW + 1 ..``."""
+    positions = tl.maximum(position - WINDOW + 1, 0) + start + offsets
+    valid = (positions <= position) & (start + offsets < WINDOW)
+    return _attend_tile(
+        q_latent, q_rope, cache_ptr, block_row_ptr, positions, valid, k_scale_ptr, m_i, l_i, acc, scale_log2,
+        stride_cache_block, stride_cache_token, LATENT, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, KV_FP8, DS_MLA,
+        SCALE_BLOCK, BLOCK_N, UPCAST_DOT,
+    )  # fmt: skip
+
+
+@triton.jit
 def sparse_mla_kernel(
     query_ptr,
     cache_ptr,
@@ -169,28 +205,40 @@ def sparse_mla_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_L], dtype=tl.float32)
     offsets = tl.arange(0, BLOCK_N)
     row_ptr = indices_ptr + token.to(tl.int64) * stride_indices
-    # A split takes whole tiles of the index row, the last one the window part too.
-    tiles_per_split = tl.cdiv(tl.cdiv(TOPK, BLOCK_N), num_splits)
-    first_entry = split * tiles_per_split * BLOCK_N
-    last_entry = tl.minimum(first_entry + tiles_per_split * BLOCK_N, TOPK)
-    for start in range(first_entry, last_entry, BLOCK_N):
-        entries = tl.load(row_ptr + start + offsets, mask=start + offsets < TOPK, other=-1)
-        valid = (entries >= 0) & (entries <= position)  # -1, and anything past the token: no key
-        m_i, l_i, acc = _attend_tile(
-            q_latent, q_rope, cache_ptr, block_row_ptr, entries, valid, k_scale_ptr, m_i, l_i, acc, scale_log2,
-            stride_cache_block, stride_cache_token, LATENT, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, KV_FP8, DS_MLA,
-            SCALE_BLOCK, BLOCK_N, UPCAST_DOT,
-        )  # fmt: skip
-    if (WINDOW > 0) & (split == num_splits - 1):
-        first = tl.maximum(position - WINDOW + 1, 0)
-        for start in range(0, WINDOW, BLOCK_N):
-            positions = first + start + offsets
-            valid = (positions <= position) & (start + offsets < WINDOW)
-            m_i, l_i, acc = _attend_tile(
-                q_latent, q_rope, cache_ptr, block_row_ptr, positions, valid, k_scale_ptr, m_i, l_i, acc, scale_log2,
-                stride_cache_block, stride_cache_token, LATENT, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, KV_FP8, DS_MLA,
-                SCALE_BLOCK, BLOCK_N, UPCAST_DOT,
+    if ONE_SPLIT:
+        for start in range(0, TOPK, BLOCK_N):
+            m_i, l_i, acc = _attend_entries(
+                q_latent, q_rope, cache_ptr, block_row_ptr, row_ptr, start, offsets, position, k_scale_ptr, m_i,
+                l_i, acc, scale_log2, stride_cache_block, stride_cache_token, LATENT, ROPE, BLOCK_L, BLOCK_R,
+                PAGE_SIZE, KV_FP8, DS_MLA, SCALE_BLOCK, BLOCK_N, UPCAST_DOT, TOPK,
             )  # fmt: skip
+        if WINDOW > 0:
+            for start in range(0, WINDOW, BLOCK_N):
+                m_i, l_i, acc = _attend_window(
+                    q_latent, q_rope, cache_ptr, block_row_ptr, start, offsets, position, k_scale_ptr, m_i, l_i,
+                    acc, scale_log2, stride_cache_block, stride_cache_token, LATENT, ROPE, BLOCK_L, BLOCK_R,
+                    PAGE_SIZE, KV_FP8, DS_MLA, SCALE_BLOCK, BLOCK_N, UPCAST_DOT, WINDOW,
+                )  # fmt: skip
+    else:
+        # The index row's tiles, then the window's, as one run of tiles cut into equal parts.
+        index_tiles = tl.cdiv(TOPK, BLOCK_N)
+        tiles_per_split = tl.cdiv(index_tiles + tl.cdiv(WINDOW, BLOCK_N), num_splits)
+        first_tile = split * tiles_per_split
+        end_tile = first_tile + tiles_per_split
+        for tile in range(first_tile, tl.minimum(end_tile, index_tiles)):
+            m_i, l_i, acc = _attend_entries(
+                q_latent, q_rope, cache_ptr, block_row_ptr, row_ptr, tile * BLOCK_N, offsets, position,
+                k_scale_ptr, m_i, l_i, acc, scale_log2, stride_cache_block, stride_cache_token, LATENT, ROPE,
+                BLOCK_L, BLOCK_R, PAGE_SIZE, KV_FP8, DS_MLA, SCALE_BLOCK, BLOCK_N, UPCAST_DOT, TOPK,
+            )  # fmt: skip
+        if WINDOW > 0:
+            last_tile = tl.minimum(end_tile, index_tiles + tl.cdiv(WINDOW, BLOCK_N))
+            for tile in range(tl.maximum(first_tile, index_tiles), last_tile):
+                m_i, l_i, acc = _attend_window(
+                    q_latent, q_rope, cache_ptr, block_row_ptr, (tile - index_tiles) * BLOCK_N, offsets, position,
+                    k_scale_ptr, m_i, l_i, acc, scale_log2, stride_cache_block, stride_cache_token, LATENT, ROPE,
+                    BLOCK_L, BLOCK_R, PAGE_SIZE, KV_FP8, DS_MLA, SCALE_BLOCK, BLOCK_N, UPCAST_DOT, WINDOW,
+                )  # fmt: skip
     if ONE_SPLIT:
         out = acc / l_i[:, None]
         out_rows = out_ptr + token.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head

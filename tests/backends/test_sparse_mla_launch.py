@@ -92,7 +92,35 @@ def test_every_sparse_launch_fits_a_hopper_block(heads):
         (64, 2, 32, 10_000, 1),  # 128 programs fill the SMs: unsplit
         (1, 2, 32, 10_000, 32),  # at most a tile a split
         (8, 2, 32, 16, 2),  # within the scratch: 16 rows a head for 8 tokens
+        (3, 2, 32, 10_000, 16),  # 22 wanted, but 2 tiles a split leave 16 with any: no split without a tile
     ],
 )
 def test_a_step_of_few_tokens_splits_their_index_rows_to_fill_the_sms(tokens, head_blocks, tiles, capacity, splits):
     assert sparse_mla.num_splits(tokens, head_blocks, tiles, 132, capacity) == splits
+
+
+@pytest.mark.slow
+def test_the_merge_fits_its_registers_on_hopper():
+    """The split rows' merge at DeepSeek-V3.2's latent, compiled for SM90: no register spills
+    (64 heads a program spilled 8 KB; ``sparse_mla.MERGE_HEADS`` heads do not)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    kernel = sparse_mla_kernels.sparse_merge_kernel
+    constants = dict(NUM_HEADS=128, BLOCK_H=sparse_mla.MERGE_HEADS, LATENT=512, BLOCK_L=512)
+    pointers = {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32", "num_tokens_ptr": "*i32", "out_ptr": "*bf16"}
+    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in kernel.arg_names}
+    source = ASTSource(
+        kernel, signature, constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()}
+    )
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(compiled.asm["ptx"])
+        ptx.flush()
+        command = [ptxas, "-arch=sm_90a", "-v", ptx.name, "-o", os.devnull]
+        report = subprocess.run(command, capture_output=True, text=True)
+    spills = re.search(r"(\d+) bytes spill stores", report.stderr)
+    assert spills is not None and spills.group(1) == "0", report.stderr

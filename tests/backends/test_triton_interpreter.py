@@ -43,16 +43,24 @@ CASES = {
         "mla-h4-d64+16-bf16-fp8e4m3-p16:40+1,20+4,1+1",  # an fp8 latent cache, its one scale
         "mla-h4-d64+16-bf16-fp8e4m3-kscale0.0001-p16:40+1,20+4",  # its queries past fp16's range
         "mla-h4-d64+16-bf16-p16:40+1,20+4,0+0x2",  # empty requests (vLLM's padding) at the end
-        # Sparse (DeepSeek's DSA): messy index rows and a window part; 20 heads (two head blocks)
+        # Sparse (DeepSeek's DSA): messy index rows and a window part; 20 heads (one block of 32)
         # and dominant edge keys; an fp8 latent cache.
         "mla-h4-d64+16-bf16-p16-topk16-win8-messyidx:60+2,9+4,0+0",
         "mla-h20-d64+16-fp16-p32-topk40-edges:70+1,3+1,50+8",
         "mla-h64-d64+16-bf16-p16-topk16-win8-messyidx:60+2,9+4,30+1",  # 64 heads a program: the widest launch
         "mla-h4-d64+16-bf16-fp8e4m3-p16-topk16:40+1,20+4",
-        # One token, no padding rows: its index row split over the interpreter's 4 "SMs", merged;
-        # with a window part (the last split's), messy rows, edge keys.
+        # Few tokens, no padding rows: each token's tiles split over the interpreter's 4 "SMs" and
+        # merged. One token with a window part, messy rows, edge keys; two tokens (two splits
+        # each); splits that see no key (entries past a short context); 5 tiles over 4 SMs with a
+        # window; 80 heads (two head blocks); a padding row; a window of 4 tiles spread over splits.
         "mla-h4-d64+16-bf16-p16-topk128-win8-messyidx-pad0:300+1,0+0",
         "mla-h4-d64+16-bf16-p16-topk128-edges-pad0:300+1",
+        "mla-h4-d64+16-bf16-p16-topk128-win8-messyidx-pad0:300+1,200+1",
+        "mla-h4-d64+16-bf16-p16-topk128-pad0:40+1",
+        "mla-h4-d64+16-bf16-p16-topk160-win8-messyidx-pad0:300+1",
+        "mla-h80-d64+16-bf16-p16-topk128-pad0:300+1",
+        "mla-h4-d64+16-bf16-p16-topk128-pad1:300+1",
+        "mla-h4-d64+16-bf16-p16-topk32-win100-edges-pad0:300+1",
         # Sparse over DeepSeek's fp8_ds_mla (a scale per 128 latent values inside each entry):
         # two blocks, a window part, messy rows, an empty request; four blocks, fp16 rope, two
         # head blocks, edge keys.
