@@ -583,7 +583,9 @@ def _rescorer(model, prompts, params, dtype) -> Rescore:
         if not made["room"]:
             return None
         try:
-            made["reference"] = made["reference"] or fp32_reference(model, 64 + longest // 16)
+            made["reference"] = made["reference"] or fp32_reference(
+                model, num_blocks=64 + longest // 16, max_num_tokens=1024
+            )
             return explain_divergence(made["reference"], index, prompts[index], a, b, dtype)
         except torch.OutOfMemoryError:
             made.update(reference=None, room=False)

@@ -130,7 +130,7 @@ def compare_speculation_with_plain(
         max_num_tokens=1024,
     )
     plain = [out.tokens for out in Engine(config, model).generate(prompts, params)]
-    reference = fp32_reference(model, num_blocks)
+    reference = fp32_reference(model, num_blocks=num_blocks, max_num_tokens=1024)
     results = []
     for drafter in drafters:
         for k in ks:
@@ -145,18 +145,12 @@ def compare_speculation_with_plain(
     return results
 
 
-def fp32_reference(model: LlamaModel, num_blocks: int) -> Engine:
+def fp32_reference(model: LlamaModel, **options) -> Engine:
     """An fp32 copy of ``model`` on torch_naive, on the model's device: it re-scores a diverging
-    position (``explain``)."""
+    position (``explain``). ``options``: the rest of its ``EngineConfig`` (pool size, block size,
+    an fp8 query's dtype)."""
     device = next(model.parameters()).device
-    config = EngineConfig(
-        model=model.config,
-        backend="torch_naive",
-        device=str(device),
-        dtype=torch.float32,
-        num_blocks=num_blocks,
-        max_num_tokens=1024,
-    )
+    config = EngineConfig(model=model.config, backend="torch_naive", device=str(device), dtype=torch.float32, **options)
     return Engine(config, copy.deepcopy(model).float())
 
 

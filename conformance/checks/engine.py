@@ -88,7 +88,6 @@ the report names it.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Any, Callable
 
@@ -309,9 +308,7 @@ class EngineCheck(Check):
         self, runs: EngineRuns, label: str, got: Callable[[], list], expected: Callable[[], list]
     ) -> Callable[[], str | None]:
         def claim() -> str | None:
-            return self._difference(
-                label, got(), expected(), runs.prompts, runs.model, runs.base, runs.device, runs.evidence
-            )
+            return self._difference(label, got(), expected(), runs.prompts, runs.model, runs.base, runs.evidence)
 
         return claim
 
@@ -355,11 +352,9 @@ class EngineCheck(Check):
             )
         return reason
 
-    def _difference(self, label, got, expected, prompts, model, base, device, evidence) -> str | None:
+    def _difference(self, label, got, expected, prompts, model, base, evidence) -> str | None:
         """None when equal or every difference is an explained near-tie; else the failure reason."""
-        from reference_engine.core import EngineConfig
-        from reference_engine.engine import Engine
-        from reference_engine.equality import explain, first_divergence
+        from reference_engine.equality import explain, first_divergence, fp32_reference
 
         reference = None
         for index, (a, b) in enumerate(zip(expected, got)):
@@ -368,18 +363,8 @@ class EngineCheck(Check):
                 continue
             if at >= min(len(a), len(b)):
                 return f"{label}: prompt {index} has {len(b)} tokens, expected {len(a)}"
-            if reference is None:
-                reference = Engine(
-                    EngineConfig(
-                        model=base.model,
-                        backend="torch_naive",
-                        device=str(device),
-                        dtype=torch.float32,
-                        block_size=base.block_size,
-                        query_dtype=base.query_dtype,  # an fp8 query's margins are its quantized query's
-                    ),
-                    copy.deepcopy(model).float(),
-                )
+            if reference is None:  # an fp8 query's margins are its quantized query's
+                reference = fp32_reference(model, block_size=base.block_size, query_dtype=base.query_dtype)
             why = explain(reference, prompts[index], a[:at], a[at], b[at])
             where = (
                 f"{label}: prompt {index}, output token {at}: {b[at]} "

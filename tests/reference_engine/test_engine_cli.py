@@ -313,7 +313,7 @@ def test_engine_bench_keeps_its_results_when_the_fp32_rescore_does_not_fit(monke
 
     from reference_engine import cli
 
-    def no_room(model, num_blocks):
+    def no_room(model, **options):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(cli, "measure", _async_flips(0, 2))
