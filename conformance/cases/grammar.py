@@ -310,14 +310,14 @@ FLOAT_RANGES = {
     "key scale": (0.0001, 10000.0),
     "value scale": (0.01, 10000.0),
 }
-FP16_LEAST_KEY_SCALE = 0.01
+# Where a compute dtype narrows a range: the queries grow as 1 / key scale, past fp16's range
+# under 0.01.
+DTYPE_RANGES = {torch.float16: {"key scale": (0.01, 10000.0)}}
 
 
 def float_range(name: str, dtype: torch.dtype) -> tuple[float, float]:
-    """The bounds of the number ``name`` in a layer of ``dtype``: FLOAT_RANGES', but for a key
-    scale in fp16, which starts at FP16_LEAST_KEY_SCALE."""
-    low, high = FLOAT_RANGES[name]
-    return (FP16_LEAST_KEY_SCALE, high) if name == "key scale" and dtype == torch.float16 else (low, high)
+    """The bounds of the number ``name`` in a layer of ``dtype`` (FLOAT_RANGES, narrowed by DTYPE_RANGES)."""
+    return DTYPE_RANGES.get(dtype, {}).get(name, FLOAT_RANGES[name])
 
 
 MAX_TREE_TOKENS = 512  # a tree's new tokens (EAGLE's trees are tens)
@@ -533,8 +533,9 @@ def parse_layer(text: str) -> tuple[AttentionSpec, LayerOptions]:
         if value is not None and not (math.isfinite(value) and low <= value <= high):
             why = ""
             if (low, high) != FLOAT_RANGES[name]:
-                least = _format_number(FLOAT_RANGES[name][0])
-                why = f" in fp16, whose range its queries pass under it (bf16 and fp32 from {least})"
+                dtype_name = next(key for key, value in DTYPE_NAMES.items() if value == dtype)
+                widest = f"{_format_number(FLOAT_RANGES[name][0])} to {_format_number(FLOAT_RANGES[name][1])}"
+                why = f" in {dtype_name}, whose range the data would run past (other dtypes: {widest})"
             raise CaseSyntaxError(
                 f"{name} {_format_number(value) if math.isfinite(value) else value}: must be a finite number "
                 f"from {_format_number(low)} to {_format_number(high)}{why}"

@@ -43,7 +43,7 @@ def test_ulps_count_fp8_numbers_between_two_stored_values():
         ("gqa-fp8e4m3-vscale0:1+1", "value scale 0: must be a finite number from 0.01 to 10000"),
         ("gqa-fp8e4m3-kscaleinf:1+1", "finite"),
         ("gqa-fp8e4m3-kscale0.00001:1+1", "key scale 0.00001: must be a finite number from 0.0001 to 10000"),
-        ("gqa-fp16-fp8e4m3-kscale0.001:1+1", "from 0.01 to 10000 in fp16, whose range its queries pass under it"),
+        ("gqa-fp16-fp8e4m3-kscale0.001:1+1", "from 0.01 to 10000 in fp16, whose range the data would run past"),
         ("gqa-fp16-kscale0.005:1+1", "fp8 cache's scales"),
     ],
 )
