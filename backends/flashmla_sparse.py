@@ -38,6 +38,7 @@ from backends.features import FP8_DS_MLA, FP8_KV_CACHES, FP8_QUERY, LSE, SPARSE_
 from backends.flashmla import FLASHMLA_CLAIMS, FlashMLAModule
 from backends.fp8_ds_mla import DS_MLA_SCALE_BLOCK, DsMlaLayout
 from backends.paged_write import write_paged_rows
+from backends.sparse_slots import slot_translation
 
 HEAD_MULTIPLE = 64  # the SM90 kernel's query heads: 64 or 128
 INDEX_MULTIPLE = 128  # entries a row: SM90's kernel takes two tiles of 64 indices at a time
@@ -84,7 +85,8 @@ class FlashMLASparseBackend(FlashMLAModule):
         self.rows = torch.arange(limits.max_num_tokens, **int64)
         entries = (spec.sparse_topk or 0) + (spec.sparse_window or 0)
         self.row_entries = -(-entries // INDEX_MULTIPLE) * INDEX_MULTIPLE
-        self.window_offsets = torch.arange(spec.sparse_window or 0, **int64)
+        self.slot_rows = torch.empty(limits.max_num_tokens, self.row_entries, dtype=torch.int32, device=device)
+        self.translate = slot_translation(device)
         # DeepSeek's fp8_ds_mla: a token's entry packed as vLLM packs it (FlashMLA's V32 format).
         self.packed = None if spec.kv_scale_block is None else DsMlaLayout(spec)
         if self.packed is not None and spec.kv_scale_block != DS_MLA_SCALE_BLOCK:
@@ -147,28 +149,22 @@ class FlashMLASparseBackend(FlashMLAModule):
         metadata.num_tokens.copy_(starts[-1:])
 
     def slots(self, metadata: SparseSlotsMetadata, topk_indices: torch.Tensor, tokens: int) -> torch.Tensor:
-        """[tokens, 1, row_entries] int32: each token's attended slots, -1 for none."""
-        block_size = self.spec.block_size
-        request = metadata.token_request[:tokens, None]
-        position = metadata.token_position[:tokens, None]
-        entries = topk_indices[:tokens].long()
-        if self.spec.sparse_window:
-            recent = position - (self.spec.sparse_window - 1) + self.window_offsets[None, :]
-            entries = torch.cat([entries, recent], dim=1)
-        real = self.rows[:tokens, None] < metadata.num_tokens
-        usable = (entries >= 0) & (entries <= position) & real
-        entries = torch.where(usable, entries, 0)
-        blocks = metadata.block_table.long()[request, entries // block_size]
-        slots = torch.where(usable, blocks * block_size + entries % block_size, -1)
-        # A padding row (past the step's tokens) attends to the first token's own slot, which this
-        # step wrote: the kernel leaves a row with no entry unwritten, and the output's rows are
-        # all read below (the real ones kept); nothing else of the pool is read for it.
-        own = metadata.block_table.long()[request[:1, 0], position[:1, 0] // block_size] * block_size
-        own = own + position[:1, 0] % block_size
-        slots[:, :1] = torch.where(real, slots[:, :1], own)
-        padded = torch.full((tokens, self.row_entries), -1, dtype=torch.int32, device=slots.device)
-        padded[:, : slots.shape[1]] = slots
-        return padded.view(tokens, 1, -1)
+        """[tokens, 1, row_entries] int32: each token's attended slots, -1 for none
+        (``backends.sparse_slots``). A padding row (past the step's tokens) lists the first token's
+        own slot, which this step wrote: the kernel leaves a row with no entry unwritten, and the
+        output's rows are all read below (the real ones kept); nothing else of the pool is read for it."""
+        out = self.slot_rows[:tokens]
+        self.translate(
+            topk_indices,
+            metadata.token_request,
+            metadata.token_position,
+            metadata.num_tokens,
+            metadata.block_table,
+            out,
+            window=self.spec.sparse_window or 0,
+            block_size=self.spec.block_size,
+        )
+        return out.view(tokens, 1, -1)
 
     def forward(self, query, kv_cache, metadata: SparseSlotsMetadata, out, layer: LayerParameters = PLAIN_LAYER):
         spec = self.spec
