@@ -57,7 +57,7 @@ class SparseSlotsMetadata:
 class FlashMLASparseBackend(FlashMLAModule):
     name = "flashmla_sparse"
     capabilities = Capabilities(
-        **FLASHMLA_CLAIMS,
+        **{**FLASHMLA_CLAIMS, "required_modules": ("flash_mla", "triton")},  # triton: backends.sparse_slots
         features=frozenset({SPARSE_TOPK, SPARSE_WINDOW, LSE, FP8_DS_MLA}),
         only_with=frozenset({SPARSE_TOPK}),  # dense MLA is flashmla's
         not_claimed={
