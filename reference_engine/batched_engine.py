@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -114,6 +114,11 @@ class StepRecord:
     host_launch_s: float
     host_wait_s: float = 0.0  # polling for the results to land
     host_land_s: float = 0.0  # applying them
+    # What the step computed and emitted, for telling where two loops' tokens part whether the
+    # request's steps were batched alike (``loop_tokens``): (request id, tokens) per row, and the
+    # output tokens each request kept from it (its stop condition cuts the rest).
+    rows: tuple[tuple[int, int], ...] = ()
+    emitted: dict[int, int] = field(default_factory=dict)
 
 
 class _Buffers:
@@ -276,6 +281,7 @@ class BatchedEngine(EngineCore):
                 captured,
                 prepared - started,
                 time.perf_counter() - prepared,
+                rows=tuple((row.request.request_id, row.num_tokens) for row in rows),
             )
         )
         return launched
@@ -694,6 +700,7 @@ class BatchedEngine(EngineCore):
                     request.stats.accepted += emitted - 1
                     self._decode_steps[request.request_id] += 1
                 self._confirm(request, emitted)
+                self.steps[launched.index].emitted[request.request_id] = request.num_confirmed - begin  # kept
                 if not request.finished:  # keeping what a scheduling pass under way allocated for it
                     self.blocks.trim(request.block_ids, request.num_computed + self.scheduler.reserved_tokens(request))
 

@@ -30,7 +30,7 @@ from reference_engine.device_flag import DeviceError, resolve_device
 from reference_engine.draft_tree import DraftTree
 from reference_engine.engine import Engine
 from reference_engine.equality import explain_divergence, fp32_reference
-from reference_engine.loop_tokens import Rescore, compare_loops
+from reference_engine.loop_tokens import Rescore, compare_loops, steps_of
 from reference_engine.metrics import count_host_syncs, measure, measure_in_step_idle, median_run
 from reference_engine.model import PRESETS, EagleHead, LlamaModel
 from reference_engine.prompt_set import take
@@ -496,7 +496,7 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
             )
             runs[key].append(_measure(engine, prompts, params, usage_error, detect_syncs=False, warm_up=repeat == 0))
             if repeat == 0:  # each loop's steps as it batched them: where tokens part, did the loops batch apart?
-                batches[key] = _batches(engine)
+                batches[key] = steps_of(engine)
             if repeat + 1 < args.repeats or args.detect_syncs or args.step_idle:
                 engines[key] = engine  # timed again, or measured by an untimed pass after every timed run
     shown = {key: median_run(runs[key]) for key in keys}
@@ -564,12 +564,6 @@ def bench_engine(args: argparse.Namespace, console: Console, usage_error) -> int
             json.dumps({"args": vars(args), "device": _device_name(device), "results": results}, indent=1, default=str)
         )
     return 0 if all(result["tokens_part_explained"] for result in results) else 1
-
-
-def _batches(engine) -> list[tuple[int, int]] | None:
-    """The last run's steps as (rows, tokens); None for an engine that keeps no step records."""
-    steps = getattr(engine, "steps", None)
-    return None if steps is None else [(step.num_reqs, step.num_tokens) for step in steps]
 
 
 def _rescorer(model, prompts, params, dtype) -> Rescore:

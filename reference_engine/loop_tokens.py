@@ -6,8 +6,11 @@ schedules a step before it knows which requests the step in flight finished, so 
 steps can share the GPU with more or fewer others than in sync, and a kernel's split count or a
 GEMM's tiles, and with them a logit's last bits, follow the batch. There a greedy near tie can
 flip (``equality``'s rule: both tokens within rounding of the fp32 top). So a parting between the
-loops is explained only when both loops repeat themselves, their step compositions differ, and
-every prompt's first difference is such a near tie; anything else is a difference to look at.
+loops is explained only when both loops repeat themselves, every prompt's first difference is such
+a near tie, and that prompt's own steps, up to the one that emitted the token, were batched apart:
+a flip after steps both loops batched alike (the same requests with the same tokens in every step
+that wrote the prompt's KV or scored it) is a difference to look at, however many other steps
+differ.
 """
 
 from __future__ import annotations
@@ -22,21 +25,62 @@ from reference_engine.equality import Divergence, first_divergence
 Rescore = Callable[[int, list[int], list[int]], Divergence | None]
 
 
+@dataclass(frozen=True)
+class StepBatch:
+    """One step of a run as the comparison needs it: (request id, tokens) per row, and the output
+    tokens each request landed from it (``BatchedEngine``'s ``StepRecord``)."""
+
+    rows: tuple[tuple[int, int], ...]
+    emitted: dict[int, int]
+
+
+def steps_of(engine) -> list[StepBatch] | None:
+    """The engine's last run, step by step; None for an engine that keeps no step records."""
+    steps = getattr(engine, "steps", None)
+    return None if steps is None else [StepBatch(step.rows, dict(step.emitted)) for step in steps]
+
+
+def steps_before(steps: list[StepBatch], request: int, index: int) -> tuple | None:
+    """The rows of every step ``request`` took part in, up to the one that emitted its output token
+    ``index``: everything that wrote its KV or scored that token. None where no step emitted it."""
+    seen, landed = [], 0
+    for step in steps:
+        if any(row[0] == request for row in step.rows):
+            seen.append(step.rows)
+        landed += step.emitted.get(request, 0)
+        if landed > index:
+            return tuple(seen)
+    return None
+
+
+def batched_apart(a: list[StepBatch] | None, b: list[StepBatch] | None, request: int, index: int) -> bool | None:
+    """Whether two runs batched ``request``'s steps up to its output token ``index`` differently;
+    None where either run's steps are unknown."""
+    if a is None or b is None:
+        return None
+    before_a, before_b = steps_before(a, request, index), steps_before(b, request, index)
+    return None if before_a is None or before_b is None else before_a != before_b
+
+
 @dataclass
 class LoopTokens:
     same: bool  # every run of both loops emitted the same tokens
     repeatable: bool  # each loop's runs agree among themselves
-    batched_alike: bool | None  # the loops' first runs had the same steps (rows, tokens); None: unknown
     steps_batched_apart: int  # steps of the two first runs, by index, with other rows or tokens
     parted: list[Divergence | None]  # per prompt, the loops' first difference; None where they agree
     unscored: list[int]  # prompts whose first difference has no fp32 re-score (a length, or no room)
+    # per prompt that parts: whether its own steps up to the parting were batched apart (None: unknown)
+    parted_apart: list[bool | None]
 
     @property
     def explained(self) -> bool:
         if self.same:
             return True
         near_ties = all(found is None or found.near_tie for found in self.parted) and not self.unscored
-        return self.repeatable and self.batched_alike is False and near_ties
+        own_steps_apart = all(
+            apart is True for found, apart in zip(self.parted, self.parted_apart) if found is not None
+        )
+        return self.repeatable and near_ties and own_steps_apart
 
     def note(self) -> str:
         """What the bench's table says after the async/sync ratio."""
@@ -56,6 +100,7 @@ class LoopTokens:
             "loops_repeat_themselves": self.repeatable,
             "steps_batched_apart": self.steps_batched_apart,
             "tokens_part": [asdict(found) if found else None for found in self.parted],
+            "tokens_part_batched_apart": self.parted_apart,
             "tokens_part_unscored": self.unscored,
         }
 
@@ -63,26 +108,29 @@ class LoopTokens:
 def compare_loops(
     sync_runs: list[list[list[int]]],
     async_runs: list[list[list[int]]],
-    sync_steps: list[tuple[int, int]] | None,
-    async_steps: list[tuple[int, int]] | None,
+    sync_steps: list[StepBatch] | None,
+    async_steps: list[StepBatch] | None,
     rescore: Rescore,
 ) -> LoopTokens:
-    """``*_runs``: each run's tokens per prompt; ``*_steps``: the first run's (rows, tokens) per step."""
+    """``*_runs``: each run's tokens per prompt (prompt i is request i); ``*_steps``: the first run's
+    steps."""
     first_sync, first_async = sync_runs[0], async_runs[0]
     repeatable = all(run == first_sync for run in sync_runs) and all(run == first_async for run in async_runs)
     same = repeatable and first_sync == first_async
-    if sync_steps is None or async_steps is None:
-        batched_alike, apart = None, 0
-    else:
-        apart = sum(a != b for a, b in zip(sync_steps, async_steps)) + abs(len(sync_steps) - len(async_steps))
-        batched_alike = apart == 0
-    parted, unscored = [], []
+    apart = 0
+    if sync_steps is not None and async_steps is not None:
+        apart = sum(a.rows != b.rows for a, b in zip(sync_steps, async_steps)) + abs(len(sync_steps) - len(async_steps))
+    parted, unscored, parted_apart = [], [], []
     for index, (a, b) in enumerate(zip(first_sync, first_async)):
-        found = None
+        found, own = None, None
         if a != b:
             at = first_divergence(a, b)
-            found = rescore(index, a, b) if at is not None and at < min(len(a), len(b)) else None
+            scorable = at is not None and at < min(len(a), len(b))
+            found = rescore(index, a, b) if scorable else None
             if found is None:
                 unscored.append(index)
+            else:
+                own = batched_apart(sync_steps, async_steps, index, at)
         parted.append(found)
-    return LoopTokens(same, repeatable, batched_alike, apart, parted, unscored)
+        parted_apart.append(own)
+    return LoopTokens(same, repeatable, apart, parted, unscored, parted_apart)

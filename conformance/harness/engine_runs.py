@@ -22,6 +22,7 @@ from backends.base import AttentionBackend
 from conformance.cases.grammar import Case
 from conformance.harness.engine_model import cache_config, model_and_prompts, query_config
 from reference_engine.attention_split import AUTO, Routing
+from reference_engine.loop_tokens import StepBatch, batched_apart, steps_of
 from reference_engine.model_attention import plan_attention
 
 SPEC_TOKENS = 3
@@ -174,8 +175,14 @@ class EngineRuns:
         self.routings.extend(engine.backend.routings())
         return engine
 
+    def run(self, **changes) -> tuple[list[list[int]], list[StepBatch] | None]:
+        """A run's tokens per prompt, and its steps as recorded (``loop_tokens.steps_of``)."""
+        engine = self.engine_for(**changes)
+        outputs = engine.generate(self.prompts, self.params)
+        return [out.tokens for out in outputs], steps_of(engine)
+
     def tokens(self, **changes) -> list[list[int]]:
-        return [out.tokens for out in self.engine_for(**changes).generate(self.prompts, self.params)]
+        return self.run(**changes)[0]
 
     @functools.cached_property
     def plain(self) -> list[list[int]]:
@@ -209,13 +216,26 @@ class EngineRuns:
         return self.tokens(num_spec_tokens=0, drafter="none", async_scheduling=False, decompressed_mla_prefill=False)
 
     @functools.cached_property
+    def sync_run(self) -> tuple[list[list[int]], list[StepBatch] | None]:
+        return self.run(num_spec_tokens=SPEC_TOKENS, drafter=DRAFTER, async_scheduling=False)
+
+    @property
     def sync(self) -> list[list[int]]:
-        return self.tokens(num_spec_tokens=SPEC_TOKENS, drafter=DRAFTER, async_scheduling=False)
+        return self.sync_run[0]
 
     @functools.cached_property
-    def overlapped(self) -> list[list[int]]:
+    def overlapped_run(self) -> tuple[list[list[int]], list[StepBatch] | None]:
         """The async loop with the debug input checks on (InputCheckFailed propagates)."""
-        return self.tokens(num_spec_tokens=SPEC_TOKENS, drafter=DRAFTER, check_inputs=True)
+        return self.run(num_spec_tokens=SPEC_TOKENS, drafter=DRAFTER, check_inputs=True)
+
+    @property
+    def overlapped(self) -> list[list[int]]:
+        return self.overlapped_run[0]
+
+    def loops_batched_apart(self, prompt: int, index: int) -> bool | None:
+        """Whether the sync and the async loop batched ``prompt``'s steps up to its output token
+        ``index`` differently (``loop_tokens.batched_apart``): only then may a near tie flip between them."""
+        return batched_apart(self.sync_run[1], self.overlapped_run[1], prompt, index)
 
     def drafting_run(self, rebuild: bool = False):
         """A synchronous run drafting through the backend: its outputs, and the digest of every

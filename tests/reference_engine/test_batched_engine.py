@@ -56,6 +56,21 @@ def test_chunked_prefill_and_preemption(plain_tokens, scheduling):
     engine.blocks.assert_all_free()
 
 
+@pytest.mark.parametrize("scheduling", [False, True])
+def test_step_records_say_which_rows_each_step_held_and_what_it_emitted(scheduling):
+    """What ``loop_tokens`` reads to tell whether a prompt's steps were batched alike: each step's
+    (request, tokens) rows, and the output tokens it landed per request, which add up to each
+    output; a request emits only from steps it took part in."""
+    engine, outputs = run(
+        max_num_tokens=8, num_spec_tokens=3, drafter="scripted:random:0.5", async_scheduling=scheduling
+    )
+    for request, out in enumerate(outputs):
+        assert sum(step.emitted.get(request, 0) for step in engine.steps) == len(out.tokens)
+    for step in engine.steps:
+        assert step.rows and sum(tokens for _, tokens in step.rows) == step.num_tokens
+        assert set(step.emitted) <= {request for request, _ in step.rows}
+
+
 @pytest.mark.parametrize("max_tokens", [14, 40])
 def test_a_step_landing_while_scheduling_keeps_the_blocks_just_allocated(max_tokens):
     """Async, tight KV pool: a preemption lands the step in flight in the middle of a scheduling

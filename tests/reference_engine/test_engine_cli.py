@@ -282,8 +282,14 @@ def _async_flips(prompt: int, position: int):
 
 
 def _batched_apart(engine):
-    """The loops' steps as different (as async's last steps are on a real workload)."""
-    return [(2, 6)] if engine.config.async_scheduling else [(1, 3)]
+    """Each loop's steps as recorded, async's with one more row in every step (as async's last
+    steps are on a real workload), so that every request's steps differ."""
+    from reference_engine.loop_tokens import StepBatch, steps_of
+
+    steps = steps_of(engine)
+    if not engine.config.async_scheduling:
+        return steps
+    return [StepBatch(step.rows + ((-1, 1),), step.emitted) for step in steps]
 
 
 @pytest.mark.parametrize("near_tie, code, note", [(1e9, 0, "near tie, within"), (-1.0, 1, "TOKENS DIFFER")])
@@ -293,17 +299,40 @@ def test_engine_bench_explains_where_the_loops_tokens_part(monkeypatch, tmp_path
     from reference_engine import cli, equality
 
     monkeypatch.setattr(cli, "measure", _async_flips(1, 3))
-    monkeypatch.setattr(cli, "_batches", _batched_apart)
+    monkeypatch.setattr(cli, "steps_of", _batched_apart)
     monkeypatch.setattr(equality, "NEAR_TIE", near_tie)
     found, results = bench(tmp_path, "--dtype", "bf16", "--repeats", "2")
     assert found == code
     (result,) = results
     assert not result["same_tokens"] and result["tokens_part_explained"] == (code == 0)
-    assert result["loops_repeat_themselves"] and result["steps_batched_apart"] == 1
+    assert result["loops_repeat_themselves"] and result["steps_batched_apart"] > 0
+    assert result["tokens_part_batched_apart"] == [None, True]
     first, second = result["tokens_part"]
     assert first is None and second["prompt"] == 1 and second["index"] == 3 and second["fp32_margin"] > 0
     table = "".join(capsys.readouterr().out.replace("│", " ").split())  # the note as the cell wraps it, joined
     assert "".join(note.split()) in table
+
+
+def test_engine_bench_does_not_explain_a_near_tie_after_steps_batched_alike(monkeypatch, tmp_path):
+    """A flip is a near tie, and other steps of the run differ, but every step that wrote the
+    prompt's KV or scored the token held the same rows in both loops: the same inputs should give
+    the same bits, so the parting is a difference (exit 1)."""
+    from reference_engine import cli, equality
+    from reference_engine.loop_tokens import StepBatch
+
+    def alike_for_prompt_1(engine):
+        shared = [StepBatch(((0, 17), (1, 17)), {0: 1, 1: 1}), StepBatch(((0, 4), (1, 4)), {0: 4, 1: 4})]
+        tail = [StepBatch(((0, 4),) * (2 if engine.config.async_scheduling else 1), {0: 64})]
+        return shared + tail
+
+    monkeypatch.setattr(cli, "measure", _async_flips(1, 3))
+    monkeypatch.setattr(cli, "steps_of", alike_for_prompt_1)
+    monkeypatch.setattr(equality, "NEAR_TIE", 1e9)  # any flip a near tie
+    code, results = bench(tmp_path, "--dtype", "bf16")
+    (result,) = results
+    assert code == 1 and not result["tokens_part_explained"]
+    assert result["steps_batched_apart"] == 1 and result["tokens_part_batched_apart"] == [None, False]
+    assert result["tokens_part"][1]["near_tie"]
 
 
 def test_engine_bench_keeps_its_results_when_the_fp32_rescore_does_not_fit(monkeypatch, tmp_path):
@@ -317,7 +346,7 @@ def test_engine_bench_keeps_its_results_when_the_fp32_rescore_does_not_fit(monke
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(cli, "measure", _async_flips(0, 2))
-    monkeypatch.setattr(cli, "_batches", _batched_apart)
+    monkeypatch.setattr(cli, "steps_of", _batched_apart)
     monkeypatch.setattr(cli, "fp32_reference", no_room)
     code, results = bench(tmp_path, "--dtype", "bf16")
     (result,) = results

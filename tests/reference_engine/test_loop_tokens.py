@@ -1,14 +1,23 @@
 """The bench's rule for the two loops' tokens (``loop_tokens``): a parting is explained only by
-greedy near ties between loops that repeat themselves and batched their steps apart."""
+greedy near ties between loops that repeat themselves, where the parting prompt's own steps were
+batched apart."""
 
 import pytest
 
 from reference_engine.equality import Divergence
-from reference_engine.loop_tokens import compare_loops
+from reference_engine.loop_tokens import StepBatch, compare_loops, steps_before
 
 SYNC = [[1, 2, 3, 4], [5, 6, 7, 8]]
-FLIPPED = [[1, 2, 3, 4], [5, 6, 9, 8]]  # prompt 1 parts at position 2
-APART, ALIKE = ([(2, 8), (2, 6)], [(2, 8), (1, 3)]), ([(2, 8)], [(2, 8)])
+FLIPPED = [[1, 2, 3, 4], [5, 6, 9, 8]]  # prompt 1 parts at position 2 (emitted by the second step)
+PREFILL = StepBatch(((0, 8), (1, 8)), {0: 1, 1: 1})
+BOTH = StepBatch(((0, 4), (1, 4)), {0: 2, 1: 2})
+LAST_0, LAST_1 = StepBatch(((0, 4),), {0: 1}), StepBatch(((1, 4),), {1: 1})
+SYNC_STEPS = [PREFILL, BOTH, LAST_0, LAST_1]
+# prompt 1's second step shared with nobody in async: its token 2 scored in another batch
+APART = (SYNC_STEPS, [PREFILL, StepBatch(((1, 4),), {1: 2}), StepBatch(((0, 4),), {0: 2}), LAST_0, LAST_1])
+ALIKE = (SYNC_STEPS, SYNC_STEPS)
+# steps differ only after prompt 1's token 2 was emitted: nothing that scored it was batched apart
+APART_ELSEWHERE = (SYNC_STEPS, [PREFILL, BOTH, StepBatch(((0, 4), (1, 4)), {0: 1, 1: 1})])
 
 
 def rescore_as(near_tie: bool, behind: float = 0.05):
@@ -30,15 +39,24 @@ def test_the_same_tokens_need_no_rescore():
 def test_a_near_tie_between_loops_that_batched_apart_is_explained():
     rescore, calls = rescore_as(True)
     tokens = compare_loops([SYNC, SYNC], [FLIPPED, FLIPPED], *APART, rescore)
-    assert tokens.explained and tokens.steps_batched_apart == 1 and calls == [(1, SYNC[1], FLIPPED[1])]
+    assert tokens.explained and tokens.steps_batched_apart == 3 and calls == [(1, SYNC[1], FLIPPED[1])]
     assert tokens.note() == " (tokens part at 1 near tie, within 0.05 of fp32's top)"
     assert tokens.to_json()["tokens_part"][1]["index"] == 2
+    assert tokens.to_json()["tokens_part_batched_apart"] == [None, True]
+
+
+def test_a_prompts_steps_are_those_up_to_the_one_that_emitted_the_token():
+    assert steps_before(SYNC_STEPS, 1, 0) == (PREFILL.rows,)
+    assert steps_before(SYNC_STEPS, 1, 2) == (PREFILL.rows, BOTH.rows)
+    assert steps_before(SYNC_STEPS, 1, 3) == (PREFILL.rows, BOTH.rows, LAST_1.rows)
+    assert steps_before(SYNC_STEPS, 1, 4) is None  # never emitted
 
 
 @pytest.mark.parametrize(
     "sync_runs, async_runs, batches, near_tie",
     [
         ([SYNC], [FLIPPED], ALIKE, True),  # the same steps in both loops: nothing to flip a tie
+        ([SYNC], [FLIPPED], APART_ELSEWHERE, True),  # other steps differ, not the parting prompt's
         ([SYNC], [FLIPPED], (None, None), True),  # steps unknown
         ([SYNC, FLIPPED], [FLIPPED], APART, True),  # a loop that does not repeat itself
         ([SYNC], [FLIPPED, SYNC], APART, True),

@@ -155,3 +155,33 @@ def test_engine_check_fails_a_backend_that_syncs_when_the_batch_changes():
     assert "host syncs per steady-state async step while claiming needs_cpu_seq_lens=False" in result.reason
     assert "steady_defects.py" in result.reason, result.reason
     assert judge(EngineCheck(), registry.load("torch_naive"), case, cuda).verdict == Verdict.PASS
+
+
+@pytest.mark.parametrize(
+    "apart, accepted, reason",
+    [
+        (None, True, ""),  # runs that differ in more than batching (plain against spec): a near tie is enough
+        (lambda prompt, index: True, True, ""),
+        (lambda prompt, index: False, False, "held the same rows in both loops"),
+        (lambda prompt, index: None, False, "no step records"),
+    ],
+)
+def test_a_near_tie_between_the_loops_needs_the_prompts_steps_batched_apart(monkeypatch, apart, accepted, reason):
+    """async vs sync: a near-tie flip is accepted only where the prompt's own steps up to the token
+    were batched apart; after steps batched alike the loops had the same inputs."""
+    from types import SimpleNamespace
+
+    from reference_engine import equality
+
+    near_tie = SimpleNamespace(
+        margin=0.01, behind_top=0.01, tolerance=lambda dtype: 0.2, is_near_tie=lambda dtype: True
+    )
+    monkeypatch.setattr(equality, "fp32_reference", lambda model, **options: object())
+    monkeypatch.setattr(equality, "explain", lambda *args: near_tie)
+    base = SimpleNamespace(block_size=16, query_dtype=None, dtype=torch.bfloat16)
+    evidence = {}
+    problem = EngineCheck()._difference(
+        "async vs sync", [[1, 2, 9]], [[1, 2, 3]], [[5, 6]], None, base, evidence, apart
+    )
+    assert (problem is None) == accepted and reason in (problem or "")
+    assert len(evidence.get("near_ties", [])) == (1 if accepted else 0)
