@@ -53,13 +53,25 @@ def steps_before(steps: list[StepBatch], request: int, index: int) -> tuple | No
     return None
 
 
-def batched_apart(a: list[StepBatch] | None, b: list[StepBatch] | None, request: int, index: int) -> bool | None:
+def batched_apart(
+    a: list[StepBatch] | None,
+    b: list[StepBatch] | None,
+    request: int,
+    index: int,
+    parted: frozenset[int] = frozenset(),
+) -> bool | None:
     """Whether two runs batched ``request``'s steps up to its output token ``index`` differently;
-    None where either run's steps are unknown."""
+    None where either run's steps are unknown. A step shared with another request of ``parted``
+    (whose tokens differ between the runs) counts as apart: that request's lengths, which a
+    backend's plan may split the batch's work by, need not be the same in both."""
     if a is None or b is None:
         return None
     before_a, before_b = steps_before(a, request, index), steps_before(b, request, index)
-    return None if before_a is None or before_b is None else before_a != before_b
+    if before_a is None or before_b is None:
+        return None
+    others = parted - {request}
+    shared = any(row[0] in others for rows in before_a + before_b for row in rows)
+    return shared or before_a != before_b
 
 
 @dataclass
@@ -121,6 +133,7 @@ def compare_loops(
     if sync_steps is not None and async_steps is not None:
         apart = sum(a.rows != b.rows for a, b in zip(sync_steps, async_steps)) + abs(len(sync_steps) - len(async_steps))
     parted, unscored, parted_apart = [], [], []
+    differ = frozenset(index for index, (a, b) in enumerate(zip(first_sync, first_async)) if a != b)
     for index, (a, b) in enumerate(zip(first_sync, first_async)):
         found, own = None, None
         if a != b:
@@ -130,7 +143,7 @@ def compare_loops(
             if found is None:
                 unscored.append(index)
             else:
-                own = batched_apart(sync_steps, async_steps, index, at)
+                own = batched_apart(sync_steps, async_steps, index, at, differ)
         parted.append(found)
         parted_apart.append(own)
     return LoopTokens(same, repeatable, apart, parted, unscored, parted_apart)

@@ -235,7 +235,9 @@ class EngineRuns:
     def loops_batched_apart(self, prompt: int, index: int) -> bool | None:
         """Whether the sync and the async loop batched ``prompt``'s steps up to its output token
         ``index`` differently (``loop_tokens.batched_apart``): only then may a near tie flip between them."""
-        return batched_apart(self.sync_run[1], self.overlapped_run[1], prompt, index)
+        (sync, sync_steps), (overlapped, overlapped_steps) = self.sync_run, self.overlapped_run
+        parted = frozenset(at for at, (a, b) in enumerate(zip(sync, overlapped)) if a != b)
+        return batched_apart(sync_steps, overlapped_steps, prompt, index, parted)
 
     def drafting_run(self, rebuild: bool = False):
         """A synchronous run drafting through the backend: its outputs, and the digest of every

@@ -45,6 +45,17 @@ def test_a_near_tie_between_loops_that_batched_apart_is_explained():
     assert tokens.to_json()["tokens_part_batched_apart"] == [None, True]
 
 
+def test_a_step_shared_with_another_parting_prompt_counts_as_apart():
+    """Prompt 0 parts too (its tokens may change the batch's lengths, which a backend's plan can
+    split the work by), and shares prompt 1's steps: prompt 1's flip is explained."""
+    rescore, _ = rescore_as(True)
+    both_flipped = [[1, 2, 3, 7], FLIPPED[1]]
+    tokens = compare_loops([SYNC], [both_flipped], *ALIKE, rescore)
+    assert tokens.parted_apart == [True, True] and tokens.explained
+    alone = compare_loops([SYNC], [FLIPPED], *ALIKE, rescore)
+    assert alone.parted_apart == [None, False] and not alone.explained
+
+
 def test_a_prompts_steps_are_those_up_to_the_one_that_emitted_the_token():
     assert steps_before(SYNC_STEPS, 1, 0) == (PREFILL.rows,)
     assert steps_before(SYNC_STEPS, 1, 2) == (PREFILL.rows, BOTH.rows)
