@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata
 from dataclasses import dataclass
@@ -31,6 +32,10 @@ BUILTIN_BACKENDS: dict[str, str] = {
 
 class BackendLookupError(LookupError):
     """A backend name that names nothing loadable; the message is one line for the user."""
+
+
+class NoSuchBackendClass(BackendLookupError):
+    """The module imports but has no such backend class: a typo on the command line."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,21 @@ def load(ref: BackendRef | str) -> type[AttentionBackend]:
             f"cannot import {module_name} for {where}: {type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
         ) from error
     backend_cls = getattr(module, class_name, None)
+    if backend_cls is None:
+        raise NoSuchBackendClass(f"{module_name} has no {class_name}{_what_it_has(module, class_name)}")
     if not (isinstance(backend_cls, type) and issubclass(backend_cls, AttentionBackend)):
-        raise BackendLookupError(f"{ref.target} is not an AttentionBackend subclass")
+        raise NoSuchBackendClass(f"{ref.target} is not an AttentionBackend subclass")
     return backend_cls
+
+
+def _what_it_has(module, class_name: str) -> str:
+    """The backend classes ``module`` does have, the closest first where one is close."""
+    found = sorted(
+        name
+        for name, value in vars(module).items()
+        if isinstance(value, type) and issubclass(value, AttentionBackend) and value is not AttentionBackend
+    )
+    close = difflib.get_close_matches(class_name, found, n=1)
+    if close:
+        return f" (did you mean {module.__name__}:{close[0]}?)"
+    return f" (its backend classes: {', '.join(found)})" if found else " (nor any AttentionBackend subclass)"

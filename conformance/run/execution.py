@@ -31,7 +31,7 @@ import torch
 
 from backends import registry
 from backends.base import DeviceInfo
-from backends.registry import BackendLookupError, BackendRef
+from backends.registry import BackendLookupError, BackendRef, NoSuchBackendClass
 from conformance.cases.grammar import Case, parse_case
 from conformance.checks import Check, make_check
 from conformance.harness.step import WroteOutsideOutput
@@ -131,7 +131,7 @@ def _names_nothing(ref: BackendRef, error: BackendLookupError) -> bool:
     cause = error.__cause__
     if isinstance(cause, ModuleNotFoundError):
         return cause.name is not None and (module_name == cause.name or module_name.startswith(cause.name + "."))
-    return cause is None and "is not an AttentionBackend subclass" in str(error)
+    return cause is None and isinstance(error, NoSuchBackendClass)
 
 
 def answer(loaded: Loaded, device_text: str) -> dict[str, Any]:

@@ -22,7 +22,8 @@ def test_module_colon_class():
     [
         ("no_such", "unknown backend 'no_such'"),
         ("tests.planted.no_module:X", "cannot import"),
-        ("tests.planted.defects:Missing", "not an AttentionBackend"),
+        ("tests.planted.defects:Missing", "tests.planted.defects has no Missing \\(its backend classes: "),
+        ("tests.planted.defects:WrongScal", "did you mean tests.planted.defects:WrongScale\\?"),
         ("tests.planted.defects:NotABackend", "not an AttentionBackend"),
         ("tests.planted.defects:", "not of the form"),
     ],

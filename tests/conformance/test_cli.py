@@ -36,6 +36,10 @@ def test_smoke_run_passes_and_writes_json(smoke_run):
     "args,message",
     [
         (["run", "--backend", "no_such"], "unknown backend 'no_such'"),
+        (
+            ["run", "--backend", "torch_naive,backends.torch_naive:TorchNaiveBakend"],
+            "backends.torch_naive has no TorchNaiveBakend (did you mean backends.torch_naive:TorchNaiveBackend?)",
+        ),
         (["run", "--backend", "torch_naive", "--case", "gqa:12"], "batch item '12' is not CTX+Q"),
         (["run", "--backend", "torch_naive", "--suite", "huge"], "unknown suite 'huge'"),
         (["run", "--backend", "torch_naive", "--check", "speed"], "unknown check 'speed'"),
