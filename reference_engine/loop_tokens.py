@@ -28,7 +28,7 @@ Rescore = Callable[[int, list[int], list[int]], Divergence | None]
 @dataclass(frozen=True)
 class StepBatch:
     """One step of a run as the comparison needs it: (request id, tokens) per row, and the output
-    tokens each request landed from it (``BatchedEngine``'s ``StepRecord``)."""
+    tokens each request kept from it (``BatchedEngine``'s ``StepRecord``)."""
 
     rows: tuple[tuple[int, int], ...]
     emitted: dict[int, int]
