@@ -99,16 +99,30 @@ class LoopTokens:
         if self.same:
             return ""
         if not self.explained:
-            return " (TOKENS DIFFER)"
+            return f" (TOKENS DIFFER: {self.why_not()})"
         found = [divergence for divergence in self.parted if divergence is not None]
         behind = max(divergence.fp32_behind_top for divergence in found)
         plural = "s" if len(found) > 1 else ""
         return f" (tokens part at {len(found)} near tie{plural}, within {behind:.2g} of fp32's top)"
 
+    def why_not(self) -> str:
+        """The first reason a parting is not explained, for the table's note."""
+        if not self.repeatable:
+            return "a loop does not repeat itself"
+        if self.unscored:
+            return f"prompt {self.unscored[0]} not re-scored"
+        for prompt, (found, apart) in enumerate(zip(self.parted, self.parted_apart)):
+            if found is not None and not found.near_tie:
+                return f"prompt {prompt} is not a near tie"
+            if found is not None and apart is not True:
+                return f"prompt {prompt}'s steps " + ("batched alike" if apart is False else "not recorded")
+        return "unexplained"
+
     def to_json(self) -> dict:
         return {
             "same_tokens": self.same,
             "tokens_part_explained": self.explained,
+            "tokens_differ_because": None if self.explained else self.why_not(),
             "loops_repeat_themselves": self.repeatable,
             "steps_batched_apart": self.steps_batched_apart,
             "tokens_part": [asdict(found) if found else None for found in self.parted],

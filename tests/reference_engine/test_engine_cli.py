@@ -332,6 +332,7 @@ def test_engine_bench_does_not_explain_a_near_tie_after_steps_batched_alike(monk
     (result,) = results
     assert code == 1 and not result["tokens_part_explained"]
     assert result["steps_batched_apart"] == 1 and result["tokens_part_batched_apart"] == [None, False]
+    assert result["tokens_differ_because"] == "prompt 1's steps batched alike"
     assert result["tokens_part"][1]["near_tie"]
 
 

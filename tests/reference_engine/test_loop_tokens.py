@@ -64,20 +64,20 @@ def test_a_prompts_steps_are_those_up_to_the_one_that_emitted_the_token():
 
 
 @pytest.mark.parametrize(
-    "sync_runs, async_runs, batches, near_tie",
+    "sync_runs, async_runs, batches, near_tie, why",
     [
-        ([SYNC], [FLIPPED], ALIKE, True),  # the same steps in both loops: nothing to flip a tie
-        ([SYNC], [FLIPPED], APART_ELSEWHERE, True),  # other steps differ, not the parting prompt's
-        ([SYNC], [FLIPPED], (None, None), True),  # steps unknown
-        ([SYNC, FLIPPED], [FLIPPED], APART, True),  # a loop that does not repeat itself
-        ([SYNC], [FLIPPED, SYNC], APART, True),
-        ([SYNC], [FLIPPED], APART, False),  # not a near tie
+        ([SYNC], [FLIPPED], ALIKE, True, "prompt 1's steps batched alike"),  # nothing to flip a tie
+        ([SYNC], [FLIPPED], APART_ELSEWHERE, True, "prompt 1's steps batched alike"),  # others differ
+        ([SYNC], [FLIPPED], (None, None), True, "prompt 1's steps not recorded"),
+        ([SYNC, FLIPPED], [FLIPPED], APART, True, "a loop does not repeat itself"),
+        ([SYNC], [FLIPPED, SYNC], APART, True, "a loop does not repeat itself"),
+        ([SYNC], [FLIPPED], APART, False, "prompt 1 is not a near tie"),
     ],
 )
-def test_anything_else_is_a_difference(sync_runs, async_runs, batches, near_tie):
+def test_anything_else_is_a_difference(sync_runs, async_runs, batches, near_tie, why):
     rescore, _ = rescore_as(near_tie)
     tokens = compare_loops(sync_runs, async_runs, *batches, rescore)
-    assert not tokens.same and not tokens.explained and tokens.note() == " (TOKENS DIFFER)"
+    assert not tokens.same and not tokens.explained and tokens.note() == f" (TOKENS DIFFER: {why})"
 
 
 @pytest.mark.parametrize("async_tokens", [[[1, 2, 3, 4], [5, 6, 7]], FLIPPED])
@@ -85,3 +85,4 @@ def test_a_parting_without_a_rescore_is_unexplained(async_tokens):
     """A length difference has no token to score; a re-score that could not be made returns None."""
     tokens = compare_loops([SYNC], [async_tokens], *APART, lambda index, a, b: None)
     assert tokens.unscored == [1] and not tokens.explained and tokens.to_json()["tokens_part"] == [None, None]
+    assert tokens.note() == " (TOKENS DIFFER: prompt 1 not re-scored)"
