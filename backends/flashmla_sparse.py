@@ -86,7 +86,7 @@ class FlashMLASparseBackend(FlashMLAModule):
         entries = (spec.sparse_topk or 0) + (spec.sparse_window or 0)
         self.row_entries = -(-entries // INDEX_MULTIPLE) * INDEX_MULTIPLE
         self.slot_rows = torch.empty(limits.max_num_tokens, self.row_entries, dtype=torch.int32, device=device)
-        self.translate = slot_translation(device)
+        self.translate = slot_translation(self.device)
         # DeepSeek's fp8_ds_mla: a token's entry packed as vLLM packs it (FlashMLA's V32 format).
         self.packed = None if spec.kv_scale_block is None else DsMlaLayout(spec)
         if self.packed is not None and spec.kv_scale_block != DS_MLA_SCALE_BLOCK:

@@ -93,6 +93,8 @@ def slots_with_triton(rows, request, position, num_tokens, block_table, out, *, 
     """The formula in one launch (a program a token and 512 columns); the grid from host ints, so
     that a captured graph replays it."""
     tokens, entries = out.shape
+    if out.stride(1) != 1 or rows.shape[1] + window > entries:
+        raise ValueError(f"slots: out {tuple(out.shape)} must be row-major and hold {rows.shape[1]} + {window} entries")
     if tokens == 0:
         return
     grid = (tokens, triton.cdiv(entries, COLUMNS_PER_PROGRAM))

@@ -119,6 +119,10 @@ class StepRecord:
     # output tokens each request kept from it (its stop condition cuts the rest).
     rows: tuple[tuple[int, int], ...] = ()
     emitted: dict[int, int] = field(default_factory=dict)
+    # What the backend was handed beyond the rows that the two loops may set differently: the
+    # host's max_seq_len (exact in sync, an upper bound in async; a graph's is max_model_len) and
+    # whether the step captured its graph.
+    handed: tuple = ()
 
 
 class _Buffers:
@@ -282,6 +286,7 @@ class BatchedEngine(EngineCore):
                 prepared - started,
                 time.perf_counter() - prepared,
                 rows=tuple((row.request.request_id, row.num_tokens) for row in rows),
+                handed=(self.config.model.max_model_len if shape.padded else max(host.seq_lens()), captured),
             )
         )
         return launched

@@ -8,9 +8,9 @@ GEMM's tiles, and with them a logit's last bits, follow the batch. There a greed
 flip (``equality``'s rule: both tokens within rounding of the fp32 top). So a parting between the
 loops is explained only when both loops repeat themselves, every prompt's first difference is such
 a near tie, and that prompt's own steps, up to the one that emitted the token, were batched apart:
-a flip after steps both loops batched alike (the same requests with the same tokens in every step
-that wrote the prompt's KV or scored it) is a difference to look at, however many other steps
-differ.
+a flip after steps both loops batched alike (the same requests with the same tokens, the same
+max_seq_len and graph mode handed, in every step that wrote the prompt's KV or scored it, and no
+prompt there that had already parted) is a difference to look at, however many other steps differ.
 """
 
 from __future__ import annotations
@@ -27,30 +27,42 @@ Rescore = Callable[[int, list[int], list[int]], Divergence | None]
 
 @dataclass(frozen=True)
 class StepBatch:
-    """One step of a run as the comparison needs it: (request id, tokens) per row, and the output
-    tokens each request kept from it (``BatchedEngine``'s ``StepRecord``)."""
+    """One step of a run as the comparison needs it (``BatchedEngine``'s ``StepRecord``): its
+    (request id, tokens) rows; what the backend was handed beyond its rows that a loop may set
+    differently (``handed``: the host's max_seq_len, exact in sync and an upper bound in async,
+    and whether the step captured a graph rather than replaying one); the output tokens each
+    request kept from it."""
 
     rows: tuple[tuple[int, int], ...]
     emitted: dict[int, int]
+    handed: tuple = ()
 
 
 def steps_of(engine) -> list[StepBatch] | None:
     """The engine's last run, step by step; None for an engine that keeps no step records."""
     steps = getattr(engine, "steps", None)
-    return None if steps is None else [StepBatch(step.rows, dict(step.emitted)) for step in steps]
+    if steps is None:
+        return None
+    return [StepBatch(step.rows, dict(step.emitted), step.handed) for step in steps]
 
 
-def steps_before(steps: list[StepBatch], request: int, index: int) -> tuple | None:
-    """The rows of every step ``request`` took part in, up to the one that emitted its output token
-    ``index``: everything that wrote its KV or scored that token. None where no step emitted it."""
-    seen, landed = [], 0
-    for step in steps:
-        if any(row[0] == request for row in step.rows):
-            seen.append(step.rows)
+def emitting_step(steps: list[StepBatch], request: int, index: int) -> int | None:
+    """The position of the step that emitted ``request``'s output token ``index``; None if none did."""
+    landed = 0
+    for position, step in enumerate(steps):
         landed += step.emitted.get(request, 0)
         if landed > index:
-            return tuple(seen)
+            return position
     return None
+
+
+def steps_before(steps: list[StepBatch], request: int, index: int) -> list[int] | None:
+    """The positions of every step ``request`` took part in, up to the one that emitted its output
+    token ``index``: everything that wrote its KV or scored that token. None where no step emitted it."""
+    last = emitting_step(steps, request, index)
+    if last is None:
+        return None
+    return [position for position in range(last + 1) if any(row[0] == request for row in steps[position].rows)]
 
 
 def batched_apart(
@@ -58,20 +70,27 @@ def batched_apart(
     b: list[StepBatch] | None,
     request: int,
     index: int,
-    parted: frozenset[int] = frozenset(),
+    parted: dict[int, int] | None = None,
 ) -> bool | None:
-    """Whether two runs batched ``request``'s steps up to its output token ``index`` differently;
-    None where either run's steps are unknown. A step shared with another request of ``parted``
-    (whose tokens differ between the runs) counts as apart: that request's lengths, which a
-    backend's plan may split the batch's work by, need not be the same in both."""
+    """Whether two runs batched ``request``'s steps up to its output token ``index`` differently
+    (other rows, or another ``handed``); None where either run's steps are unknown. ``parted``:
+    every prompt whose tokens differ between the runs, with its first differing output token. A step
+    shared with such a prompt after it parted counts as apart: from there its lengths, by which a
+    backend's plan may split the batch's work, need not match."""
     if a is None or b is None:
         return None
     before_a, before_b = steps_before(a, request, index), steps_before(b, request, index)
     if before_a is None or before_b is None:
         return None
-    others = parted - {request}
-    shared = any(row[0] in others for rows in before_a + before_b for row in rows)
-    return shared or before_a != before_b
+    if [(a[i].rows, a[i].handed) for i in before_a] != [(b[i].rows, b[i].handed) for i in before_b]:
+        return True
+    for steps, before in ((a, before_a), (b, before_b)):
+        for other, at in (parted or {}).items():
+            parted_at = emitting_step(steps, other, at) if other != request else None
+            shared = [i for i in before if parted_at is not None and i > parted_at]
+            if any(row[0] == other for i in shared for row in steps[i].rows):
+                return True
+    return False
 
 
 @dataclass
@@ -147,7 +166,7 @@ def compare_loops(
     if sync_steps is not None and async_steps is not None:
         apart = sum(a.rows != b.rows for a, b in zip(sync_steps, async_steps)) + abs(len(sync_steps) - len(async_steps))
     parted, unscored, parted_apart = [], [], []
-    differ = frozenset(index for index, (a, b) in enumerate(zip(first_sync, first_async)) if a != b)
+    differ = {index: first_divergence(a, b) for index, (a, b) in enumerate(zip(first_sync, first_async)) if a != b}
     for index, (a, b) in enumerate(zip(first_sync, first_async)):
         found, own = None, None
         if a != b:

@@ -85,7 +85,9 @@ plus two rounding steps of the run's dtype at their magnitude (the LM head round
 bf16 at 8-16 logits, 0.0625 a step) of the top logit (``equality.Explanation.is_near_tie``), and
 the report names it. Between the async and the sync loop a near tie is accepted only where the
 prompt's own steps, up to the one that emitted the token, were batched apart
-(``loop_tokens.batched_apart``): steps batched alike had the same inputs in both loops.
+(``loop_tokens.batched_apart``: other rows, another max_seq_len handed, a graph captured in
+one loop and replayed in the other, or a step shared with a prompt that had already parted): steps
+batched alike had the same inputs in both loops.
 """
 
 from __future__ import annotations
@@ -391,7 +393,7 @@ class EngineCheck(Check):
             if own_steps_apart is False:
                 return (
                     f"{where}: a near tie, but every step that wrote this prompt's KV or scored the token held "
-                    "the same rows in both loops, so the same bits should have come out"
+                    "the same rows and host lengths in both loops, so the same bits should have come out"
                 )
             if own_steps_apart is None:
                 return f"{where}: a near tie, but no step records show the loops batched this prompt apart"

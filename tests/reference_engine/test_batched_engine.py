@@ -69,6 +69,8 @@ def test_step_records_say_which_rows_each_step_held_and_what_it_emitted(scheduli
     for step in engine.steps:
         assert step.rows and sum(tokens for _, tokens in step.rows) == step.num_tokens
         assert set(step.emitted) <= {request for request, _ in step.rows}
+        max_seq_len, captured = step.handed
+        assert max_seq_len >= max(tokens for _, tokens in step.rows) and captured is False  # no graphs on a CPU
 
 
 @pytest.mark.parametrize("max_tokens", [14, 40])

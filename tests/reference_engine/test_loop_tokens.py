@@ -45,21 +45,35 @@ def test_a_near_tie_between_loops_that_batched_apart_is_explained():
     assert tokens.to_json()["tokens_part_batched_apart"] == [None, True]
 
 
-def test_a_step_shared_with_another_parting_prompt_counts_as_apart():
-    """Prompt 0 parts too (its tokens may change the batch's lengths, which a backend's plan can
-    split the work by), and shares prompt 1's steps: prompt 1's flip is explained."""
+def test_a_step_shared_with_a_prompt_after_it_parted_counts_as_apart():
+    """Prompt 0 parts at its token 1 (step 1); prompt 1 shares step 2 with it after that, when
+    prompt 0's tokens, and so its lengths, may differ between the loops (a backend's plan may split
+    the batch's work by them): prompt 1's flip at token 3 is explained. Prompt 0's own steps up to
+    its token 1 shared nothing with a parted prompt and were batched alike: not explained."""
     rescore, _ = rescore_as(True)
-    both_flipped = [[1, 2, 3, 7], FLIPPED[1]]
-    tokens = compare_loops([SYNC], [both_flipped], *ALIKE, rescore)
-    assert tokens.parted_apart == [True, True] and tokens.explained
-    alone = compare_loops([SYNC], [FLIPPED], *ALIKE, rescore)
-    assert alone.parted_apart == [None, False] and not alone.explained
+    steps = [PREFILL, BOTH, StepBatch(((0, 4), (1, 4)), {0: 1, 1: 1})]
+    tokens = compare_loops([SYNC], [[[1, 9, 3, 4], [5, 6, 7, 9]]], steps, steps, rescore)
+    assert tokens.parted_apart == [False, True] and not tokens.explained
+    later = compare_loops([SYNC], [[[1, 2, 3, 9], [5, 6, 9, 8]]], steps, steps, rescore)
+    # the other way round: prompt 1 parts at step 1 and shares step 2 with prompt 0, whose token 3
+    # comes from step 2; prompt 1's own steps end before prompt 0 parts
+    assert later.parted_apart == [True, False]
+
+
+def test_a_step_handed_another_max_seq_len_counts_as_apart():
+    """Async hands an eager step the host's upper bound of the lengths, sync the exact ones: a
+    backend that reads max_seq_len may split differently, so the steps differ."""
+    rescore, _ = rescore_as(True)
+    sync = [StepBatch(step.rows, step.emitted, (40, False)) for step in SYNC_STEPS]
+    upper = [StepBatch(step.rows, step.emitted, (43 if i == 1 else 40, False)) for i, step in enumerate(SYNC_STEPS)]
+    assert compare_loops([SYNC], [FLIPPED], sync, upper, rescore).explained
+    assert not compare_loops([SYNC], [FLIPPED], sync, sync, rescore).explained
 
 
 def test_a_prompts_steps_are_those_up_to_the_one_that_emitted_the_token():
-    assert steps_before(SYNC_STEPS, 1, 0) == (PREFILL.rows,)
-    assert steps_before(SYNC_STEPS, 1, 2) == (PREFILL.rows, BOTH.rows)
-    assert steps_before(SYNC_STEPS, 1, 3) == (PREFILL.rows, BOTH.rows, LAST_1.rows)
+    assert steps_before(SYNC_STEPS, 1, 0) == [0]
+    assert steps_before(SYNC_STEPS, 1, 2) == [0, 1]
+    assert steps_before(SYNC_STEPS, 1, 3) == [0, 1, 3]
     assert steps_before(SYNC_STEPS, 1, 4) is None  # never emitted
 
 

@@ -162,7 +162,7 @@ def test_engine_check_fails_a_backend_that_syncs_when_the_batch_changes():
     [
         (None, True, ""),  # runs that differ in more than batching (plain against spec): a near tie is enough
         (lambda prompt, index: True, True, ""),
-        (lambda prompt, index: False, False, "held the same rows in both loops"),
+        (lambda prompt, index: False, False, "held the same rows and host lengths in both loops"),
         (lambda prompt, index: None, False, "no step records"),
     ],
 )
