@@ -59,6 +59,15 @@ def test_the_plugin_under_pytest_xdist_writes_one_merged_results_file(pytester, 
     assert merged.environment["pytest_workers"] == 2 and not merged.interrupted
 
 
+def both_workers_died_at_once(result) -> bool:
+    """xdist's own race (pytest-xdist issue 204): when the two workers die together, the controller
+    hands the first one's cases to the second as it goes down, and the session ends in an
+    INTERNALERROR (a broken pipe in ``worker_errordown``). Seen once under a loaded CI machine,
+    where the two large-batch cases crashed at the same moment; not the plugin's to catch."""
+    output = "\n".join(result.outlines + result.errlines)
+    return result.ret == pytest.ExitCode.INTERNAL_ERROR and "worker_errordown" in output and "BrokenPipeError" in output
+
+
 @pytest.mark.slow
 def test_under_xdist_a_dead_workers_case_is_crash_and_the_rest_go_on(pytester, tmp_path, monkeypatch):
     # CrashesOnLargeBatch kills its worker in each case of more than 3 requests: that case is
@@ -68,17 +77,20 @@ def test_under_xdist_a_dead_workers_case_is_crash_and_the_rest_go_on(pytester, t
     pytester.makepyfile("def test_own():\n    pass\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     json_path = tmp_path / "crashes.json"
-    result = pytester.runpytest_subprocess(
-        *plugin_args(),
-        "-n",
-        "2",
-        "--conformance-backend",
-        f"{CRASHES},{FAULTS},torch_naive",
-        "--conformance-check",
-        "numerics",
-        *SMOKE_CPU,
-        f"--conformance-json={json_path}",
-    )
+    for _ in range(2):
+        result = pytester.runpytest_subprocess(
+            *plugin_args(),
+            "-n",
+            "2",
+            "--conformance-backend",
+            f"{CRASHES},{FAULTS},torch_naive",
+            "--conformance-check",
+            "numerics",
+            *SMOKE_CPU,
+            f"--conformance-json={json_path}",
+        )
+        if not both_workers_died_at_once(result):
+            break
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     run = RunResult.load(json_path)
     crashes, faults, naive = (backend.checks[0].cases for backend in run.backends)
