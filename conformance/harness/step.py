@@ -401,7 +401,11 @@ def stage_step(
     batch, case = prepared.batch, prepared.batch.case
     common = batch.common_metadata(with_host_lengths=with_host_lengths)
     key, value, slots = batch.step_rows()
-    query = torch.cat([batch.query, batch.query.new_zeros(case.padding, *batch.query.shape[1:])])
+    # Padding rows past the real tokens hold NaN, not zeros: the contract neither reads nor writes
+    # them, so a backend whose real rows take anything from them (a scale over the whole query it
+    # was handed, a tile's largest row shared by its other rows) shows it.
+    padding = batch.query.new_full((case.padding, *batch.query.shape[1:]), float("nan"))
+    query = torch.cat([batch.query, padding])
     if case.strided:
         query, key, value = fused_qkv_views(batch.spec, query, key, value)
     out, whole = output_buffer(batch, case.padding)

@@ -1,5 +1,5 @@
 """Planted defects that hide behind a property the harness once held fixed: contiguous tensors,
-small logits, soft boundaries, identical runs, one batch composition. Each is torch_naive (or the
+small logits, soft boundaries, identical runs, one batch composition, padding rows of zeros. Each is torch_naive (or the
 graph-safe test backend) with one realistic bug, and each must fail its check by a wide margin.
 """
 
@@ -441,3 +441,17 @@ class WritesOutsideItsBlocks(TorchNaiveBackend):
     def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
         kv_cache[-1].zero_()
         super().forward(query, kv_cache, metadata, out, layer)
+
+
+class ScalesQueryByTheWholeTensor(TorchNaiveBackend):
+    """Brings the query into range by one power of two taken over the whole tensor it was handed,
+    the padding rows past the step's tokens included (a dynamic per-tensor quantizer's amax, or a
+    tile's largest row shared by its other rows), and takes it back out: exact for finite rows, so
+    it hid while padding rows held zeros; whatever a padding row holds now reaches every real row."""
+
+    name = "planted_scales_query_by_the_whole_tensor"
+
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
+        largest = query.float().abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
+        scale = torch.exp2(torch.ceil(torch.log2(largest)))
+        super().forward((query.float() / scale * scale).to(query.dtype), kv_cache, metadata, out, layer)

@@ -94,6 +94,17 @@ def test_input_property_defects_fail_only_where_the_property_varies(defect, case
         assert result.metrics.get("tolerance_ratio", float("inf")) >= margin, result.metrics
 
 
+def test_a_backend_that_takes_a_scale_from_the_padding_rows_fails():
+    """Padding rows past the real tokens hold NaN: a scale over the whole handed query (padding
+    included) spoils every real row; a case without padding rows hides it."""
+    case_id = "gqa-h4/2-d32-bf16-p16:30+1,20+4,0+9"
+    assert numerics(input_defects.ScalesQueryByTheWholeTensor, case_id.replace(":", "-pad0:")).verdict == Verdict.PASS
+    for seed in SEEDS[:3]:
+        assert numerics(TorchNaiveBackend, f"{case_id}@{seed}").verdict == Verdict.PASS
+        result = numerics(input_defects.ScalesQueryByTheWholeTensor, f"{case_id}@{seed}")
+        assert result.verdict == Verdict.FAIL and "NaN" in result.reason, result.reason
+
+
 def test_the_smoke_and_standard_suites_vary_every_input_property():
     for name in ("smoke", "standard"):
         cases = suite(name)
