@@ -237,7 +237,7 @@ class EngineRuns:
         """Whether the sync and the async loop batched ``prompt``'s steps up to its output token
         ``index`` differently (``loop_tokens.batched_apart``): only then may a near tie flip between them."""
         (sync, sync_steps), (overlapped, overlapped_steps) = self.sync_run, self.overlapped_run
-        parted = {at: first_divergence(a, b) for at, (a, b) in enumerate(zip(sync, overlapped)) if a != b}
+        parted = {other: first_divergence(a, b) for other, (a, b) in enumerate(zip(sync, overlapped)) if a != b}
         return batched_apart(sync_steps, overlapped_steps, prompt, index, parted)
 
     def drafting_run(self, rebuild: bool = False):
