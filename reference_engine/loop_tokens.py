@@ -65,6 +65,11 @@ def steps_before(steps: list[StepBatch], request: int, index: int) -> list[int] 
     return [position for position in range(last + 1) if any(row[0] == request for row in steps[position].rows)]
 
 
+def parted_at(first: list[list[int]], second: list[list[int]]) -> dict[int, int]:
+    """Each prompt whose tokens differ between two runs, with its first differing output token."""
+    return {index: first_divergence(a, b) for index, (a, b) in enumerate(zip(first, second)) if a != b}
+
+
 def batched_apart(
     a: list[StepBatch] | None,
     b: list[StepBatch] | None,
@@ -164,15 +169,14 @@ def compare_loops(
     same = repeatable and first_sync == first_async
     apart = 0
     if sync_steps is not None and async_steps is not None:
-        apart = sum(a.rows != b.rows for a, b in zip(sync_steps, async_steps)) + abs(len(sync_steps) - len(async_steps))
+        apart = sum((a.rows, a.handed) != (b.rows, b.handed) for a, b in zip(sync_steps, async_steps))
+        apart += abs(len(sync_steps) - len(async_steps))
     parted, unscored, parted_apart = [], [], []
-    differ = {index: first_divergence(a, b) for index, (a, b) in enumerate(zip(first_sync, first_async)) if a != b}
+    differ = parted_at(first_sync, first_async)
     for index, (a, b) in enumerate(zip(first_sync, first_async)):
-        found, own = None, None
-        if a != b:
-            at = first_divergence(a, b)
-            scorable = at is not None and at < min(len(a), len(b))
-            found = rescore(index, a, b) if scorable else None
+        found, own, at = None, None, differ.get(index)
+        if at is not None:
+            found = rescore(index, a, b) if at < min(len(a), len(b)) else None
             if found is None:
                 unscored.append(index)
             else:

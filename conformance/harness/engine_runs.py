@@ -22,8 +22,7 @@ from backends.base import AttentionBackend
 from conformance.cases.grammar import Case
 from conformance.harness.engine_model import cache_config, model_and_prompts, query_config
 from reference_engine.attention_split import AUTO, Routing
-from reference_engine.equality import first_divergence
-from reference_engine.loop_tokens import StepBatch, batched_apart, steps_of
+from reference_engine.loop_tokens import StepBatch, batched_apart, parted_at, steps_of
 from reference_engine.model_attention import plan_attention
 
 SPEC_TOKENS = 3
@@ -237,8 +236,7 @@ class EngineRuns:
         """Whether the sync and the async loop batched ``prompt``'s steps up to its output token
         ``index`` differently (``loop_tokens.batched_apart``): only then may a near tie flip between them."""
         (sync, sync_steps), (overlapped, overlapped_steps) = self.sync_run, self.overlapped_run
-        parted = {other: first_divergence(a, b) for other, (a, b) in enumerate(zip(sync, overlapped)) if a != b}
-        return batched_apart(sync_steps, overlapped_steps, prompt, index, parted)
+        return batched_apart(sync_steps, overlapped_steps, prompt, index, parted_at(sync, overlapped))
 
     def drafting_run(self, rebuild: bool = False):
         """A synchronous run drafting through the backend: its outputs, and the digest of every
