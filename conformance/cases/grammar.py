@@ -34,7 +34,7 @@ A case's id is its whole definition, in the same compact grammar ``--case`` acce
       strided       query, key and value are views into one fused QKV projection, the output a
                     view into a wider buffer, the block table a column slice of a wider table
                     (non-contiguous rows, as engines hand them over)
-      padN          N padding rows (slot -1, query NaN) after the real tokens (default 3; pad0: none)
+      padN          N padding rows (slot -1, query NaN or huge) after the real tokens (default 3; pad0: none)
       lse           forward is also handed an ``lse`` buffer: the step's log-sum-exp is checked
                     (run by a backend that claims returns_lse)
       dcpN          decode context parallelism over N simulated ranks (2 to 8): each request's KV

@@ -391,6 +391,17 @@ class StagedStep:
     watch: InputWatch | None = None  # the inputs as the backend was handed them (set by launch_step)
 
 
+def padding_queries(query: torch.Tensor, rows: int) -> torch.Tensor:
+    """The query rows of the padding past the real tokens: NaN, then a huge value of either sign
+    (1/16 of the dtype's largest), in turn. The contract neither reads nor writes them, so a backend
+    whose real rows take anything from them (a scale over the whole query it was handed, a tile's
+    largest row shared by the others) shows it: a NaN through a reduction that carries it, the huge
+    rows through one that skips NaN, as CUDA's fmax does."""
+    huge = torch.finfo(query.dtype).max / 16
+    values = torch.tensor([float("nan"), huge, -huge])[torch.arange(rows) % 3]
+    return values.view(rows, *[1] * (query.dim() - 1)).expand(rows, *query.shape[1:]).to(query.dtype).to(query.device)
+
+
 def stage_step(
     prepared: PreparedCase,
     *,
@@ -401,11 +412,7 @@ def stage_step(
     batch, case = prepared.batch, prepared.batch.case
     common = batch.common_metadata(with_host_lengths=with_host_lengths)
     key, value, slots = batch.step_rows()
-    # Padding rows past the real tokens hold NaN, not zeros: the contract neither reads nor writes
-    # them, so a backend whose real rows take anything from them (a scale over the whole query it
-    # was handed, a tile's largest row shared by its other rows) shows it.
-    padding = batch.query.new_full((case.padding, *batch.query.shape[1:]), float("nan"))
-    query = torch.cat([batch.query, padding])
+    query = torch.cat([batch.query, padding_queries(batch.query, case.padding)])
     if case.strided:
         query, key, value = fused_qkv_views(batch.spec, query, key, value)
     out, whole = output_buffer(batch, case.padding)

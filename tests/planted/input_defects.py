@@ -455,3 +455,18 @@ class ScalesQueryByTheWholeTensor(TorchNaiveBackend):
         largest = query.float().abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
         scale = torch.exp2(torch.ceil(torch.log2(largest)))
         super().forward((query.float() / scale * scale).to(query.dtype), kv_cache, metadata, out, layer)
+
+
+class ScalesQueryIntoFp16SkippingNaN(TorchNaiveBackend):
+    """Scales the whole handed query into fp16 by its largest magnitude, found by a reduction that
+    skips NaN (CUDA's fmax), multiplies in fp16 and scales back: exact enough while the largest row
+    is a real one, so NaN padding rows alone would not show it; a huge padding row flushes the real
+    rows to zero."""
+
+    name = "planted_scales_query_into_fp16_skipping_nan"
+
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
+        values = query.float()
+        largest = values.nan_to_num(nan=0.0).abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
+        halves = (values / largest * 2.0**15).to(torch.float16)
+        super().forward((halves.float() * largest / 2.0**15).to(query.dtype), kv_cache, metadata, out, layer)

@@ -94,15 +94,29 @@ def test_input_property_defects_fail_only_where_the_property_varies(defect, case
         assert result.metrics.get("tolerance_ratio", float("inf")) >= margin, result.metrics
 
 
-def test_a_backend_that_takes_a_scale_from_the_padding_rows_fails():
-    """Padding rows past the real tokens hold NaN: a scale over the whole handed query (padding
-    included) spoils every real row; a case without padding rows hides it."""
+@pytest.mark.parametrize(
+    "defect", [input_defects.ScalesQueryByTheWholeTensor, input_defects.ScalesQueryIntoFp16SkippingNaN]
+)
+def test_a_backend_that_takes_a_scale_from_the_padding_rows_fails(defect):
+    """Padding rows past the real tokens hold NaN and huge values: a scale over the whole handed
+    query (padding included) spoils every real row, whether its reduction carries NaN or skips it;
+    a case without padding rows hides it."""
     case_id = "gqa-h4/2-d32-bf16-p16:30+1,20+4,0+9"
-    assert numerics(input_defects.ScalesQueryByTheWholeTensor, case_id.replace(":", "-pad0:")).verdict == Verdict.PASS
+    assert numerics(defect, case_id.replace(":", "-pad0:")).verdict == Verdict.PASS
     for seed in SEEDS[:3]:
         assert numerics(TorchNaiveBackend, f"{case_id}@{seed}").verdict == Verdict.PASS
-        result = numerics(input_defects.ScalesQueryByTheWholeTensor, f"{case_id}@{seed}")
-        assert result.verdict == Verdict.FAIL and "NaN" in result.reason, result.reason
+        result = numerics(defect, f"{case_id}@{seed}")
+        assert result.verdict == Verdict.FAIL, result.reason
+
+
+def test_padding_rows_hand_nan_and_huge_queries_of_the_querys_dtype():
+    from conformance.harness.step import padding_queries
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn):
+        rows = padding_queries(torch.zeros(2, 4, 8, dtype=dtype), 4).float()
+        huge = torch.finfo(dtype).max / 16
+        assert rows.shape == (4, 4, 8) and rows[0].isnan().all() and rows[3].isnan().all()
+        assert (rows[1] == huge).all() and (rows[2] == -huge).all()
 
 
 def test_the_smoke_and_standard_suites_vary_every_input_property():
