@@ -25,33 +25,43 @@ except ModuleNotFoundError as missing:  # an extra: see backends.triton
 
 # Heads per program: a program reads its token's gathered keys once for all its heads, so 128
 # heads in programs of 64 read them twice where programs of 16 read them eight times, and a
-# 64-row tile feeds Hopper's warpgroup MMA. A layer of fewer heads pads its program to 64 rows
-# (masked), as FlashMLA's sparse decode pads its heads to 64: decode gathers keys at the memory's
-# pace, so the empty rows cost next to nothing, and the launch is the one tuned for 64. The
-# launch, (index entries or window positions per tile, warps, stages), from
-# conformance/tuning/tune_sparse_mla.py on an H200 (DeepSeek-V3.2's top 2048, 128 heads, batch
-# 64, 4096 keys; FlashMLA's kernel alone 138 µs bf16, 131 µs fp8_ds_mla): 64 heads (64, 8, 3) 196
-# and 229 µs; 32 heads (64, 4, 2) 286 µs bf16; 16 heads (32, 4, 3), the earlier launch, 459 and
-# 709 µs. At 16 heads (TP 8, batch 64, 32768 keys) programs of 16 took 205 µs where FlashMLA's
-# forward took 88 (the notebook, "sparse kernel").
-HEADS_PER_PROGRAM = 64
-LAUNCH = (64, 8, 3)
+# 64-row tile feeds Hopper's warpgroup MMA. The launch for each count, (index entries or window
+# positions per tile, warps, stages), from conformance/tuning/tune_sparse_mla.py on an H200 (the
+# notebook, "sparse kernel"; FlashMLA's forward for comparison):
+# - 64 heads (64, 8, 3): DeepSeek-V3.2's top 2048, 128 heads, batch 64, 4096 keys, 196 µs bf16
+#   and 229 µs fp8_ds_mla (FlashMLA's kernel alone 138 and 131); 32 heads a program (64, 4, 2)
+#   took 286 µs there, 16 heads (32, 4, 3) 459 and 709.
+# - 16 heads (64, 8, 3): TP 8's 16 heads, batch 64, 32768 keys, 141 µs against 205 for the
+#   earlier (32, 4, 3) and FlashMLA's 92. Padding those 16 heads to a program of 32 or 64 rows,
+#   as FlashMLA does to 64, took 172 and 192 µs at their best launches: MIN_HEADS_PER_PROGRAM.
+# - 32 heads: not timed on a 32-head layer; (64, 8, 3) was also the best launch for the 16-head
+#   layer padded to 32.
+MIN_HEADS_PER_PROGRAM = 16  # tl.dot's smallest tile
+MAX_HEADS_PER_PROGRAM = 64
+LAUNCH = {16: (64, 8, 3), 32: (64, 8, 3), 64: (64, 8, 3)}
 # With a window part Triton pipelines the window loop's contiguous copies through shared memory:
 # at 64 heads and 64-entry tiles, top 64 with a window of 128 asked for 295 KB, over the 227 KB a
 # block may have on Hopper (an H200's OutOfResources; the compiled kernel's metadata on a CPU, as
 # tests/backends/test_sparse_mla_launch.py reads it for every launch). 32-entry tiles take 148 KB
 # and pass every check on an H200 (64 and 128 heads, bf16 and fp8_ds_mla; not timed). (The window
 # loop unpipelined, ``tl.range(..., num_stages=1)``, would keep 64-entry tiles at 147 KB: not tried.)
-WINDOW_LAUNCH = (32, 8, 3)
+WINDOW_LAUNCH = {heads: (32, 8, 3) for heads in LAUNCH}
 POSITIONS_BLOCK = 64
 # Heads a merge program folds: [16, 512] fp32 rows need 161 registers at 4 warps on SM90 and no
 # spills, where 64 heads spilled 8 KB (compiled on a CPU); more programs, too, at batch 8.
 MERGE_HEADS = 16
 
 
+def heads_per_program(num_heads: int) -> int:
+    """A power of two from MIN_HEADS_PER_PROGRAM to MAX_HEADS_PER_PROGRAM (a layer of fewer heads
+    pads its programs' rows, masked)."""
+    return min(MAX_HEADS_PER_PROGRAM, max(MIN_HEADS_PER_PROGRAM, triton.next_power_of_2(num_heads)))
+
+
 def launch(spec: AttentionSpec) -> tuple[int, int, int, int]:
     """(heads per program, index entries or window positions per tile, warps, stages)."""
-    return (HEADS_PER_PROGRAM, *(WINDOW_LAUNCH if spec.sparse_window else LAUNCH))
+    heads = heads_per_program(spec.num_heads)
+    return (heads, *(WINDOW_LAUNCH if spec.sparse_window else LAUNCH)[heads])
 
 
 @dataclass

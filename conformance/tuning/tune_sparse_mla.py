@@ -4,8 +4,9 @@
 For each of DeepSeek-V3.2's sparse shapes (top 2048): FlashMLA's sparse decode time, then ours for
 every (heads per program, index entries per tile, warps, stages). Heads per program decide how
 often a token's gathered keys are read (128 heads in programs of 16 read them eight times) and
-whether a tile is large enough for Hopper's warpgroup MMA; a layer of fewer heads pads them. Prints forward µs (CUDA events, L2
-flushed), the ratio to FlashMLA's and the largest difference from its output, one run."""
+whether a tile is large enough for Hopper's warpgroup MMA; a layer of fewer heads pads them.
+Prints forward µs (CUDA events, L2 flushed), the ratio to FlashMLA's and the largest difference
+from its output, one run."""
 
 import itertools
 import sys
@@ -25,14 +26,25 @@ TILINGS = list(itertools.product((16, 32, 64), (32, 64), (4, 8), (2, 3)))  # hea
 
 def main(names: list[str]) -> None:
     device = torch.device("cuda")
-    shipped = (sparse_mla.HEADS_PER_PROGRAM, sparse_mla.LAUNCH, sparse_mla.WINDOW_LAUNCH)
+    shipped = (
+        sparse_mla.MIN_HEADS_PER_PROGRAM,
+        sparse_mla.MAX_HEADS_PER_PROGRAM,
+        sparse_mla.LAUNCH,
+        sparse_mla.WINDOW_LAUNCH,
+    )
     for name in names or CASES:
         sweep = Sweep(name, CASES[name], "flashmla_sparse", "triton_mla", device)
         for heads, block_n, warps, stages in TILINGS:
-            sparse_mla.HEADS_PER_PROGRAM = heads
-            sparse_mla.LAUNCH = sparse_mla.WINDOW_LAUNCH = (block_n, warps, stages)
+            sparse_mla.MAX_HEADS_PER_PROGRAM = heads
+            sparse_mla.MIN_HEADS_PER_PROGRAM = heads  # a layer of fewer heads pads its programs
+            sparse_mla.LAUNCH = sparse_mla.WINDOW_LAUNCH = {heads: (block_n, warps, stages)}
             print(sweep.line(f"heads={heads:2d} block_n={block_n:2d} warps={warps} stages={stages}"), flush=True)
-        sparse_mla.HEADS_PER_PROGRAM, sparse_mla.LAUNCH, sparse_mla.WINDOW_LAUNCH = shipped
+        (
+            sparse_mla.MIN_HEADS_PER_PROGRAM,
+            sparse_mla.MAX_HEADS_PER_PROGRAM,
+            sparse_mla.LAUNCH,
+            sparse_mla.WINDOW_LAUNCH,
+        ) = shipped
         del sweep
         torch.cuda.empty_cache()
 

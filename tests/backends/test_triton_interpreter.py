@@ -43,7 +43,7 @@ CASES = {
         "mla-h4-d64+16-bf16-fp8e4m3-p16:40+1,20+4,1+1",  # an fp8 latent cache, its one scale
         "mla-h4-d64+16-bf16-fp8e4m3-kscale0.0001-p16:40+1,20+4",  # its queries past fp16's range
         "mla-h4-d64+16-bf16-p16:40+1,20+4,0+0x2",  # empty requests (vLLM's padding) at the end
-        # Sparse (DeepSeek's DSA): messy index rows and a window part; 20 heads (one block of 64, padded)
+        # Sparse (DeepSeek's DSA): messy index rows and a window part; 20 heads (one block of 32)
         # and dominant edge keys; an fp8 latent cache.
         "mla-h4-d64+16-bf16-p16-topk16-win8-messyidx:60+2,9+4,0+0",
         "mla-h20-d64+16-fp16-p32-topk40-edges:70+1,3+1,50+8",
