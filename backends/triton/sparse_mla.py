@@ -48,10 +48,6 @@ LAUNCH = {16: (64, 8, 3), 32: (64, 8, 3), 64: (64, 8, 3)}
 # At 16 and 32 heads the window keeps the launches that every check passed with on an H200 before
 # the launches above changed (not timed).
 WINDOW_LAUNCH = {16: (32, 4, 3), 32: (64, 4, 2), 64: (32, 8, 3)}
-# Programs wanted per SM when picking the split count. The 64-head block takes 222 KB of shared
-# memory, so one runs on an SM; the 16-head launch's block takes 95 KB (both compiled for SM90), so
-# two could, but only one an SM has been timed (the tuner's ``--splits`` sweeps more).
-PROGRAMS_PER_MULTIPROCESSOR = dict.fromkeys(LAUNCH, 1)
 POSITIONS_BLOCK = 64
 # Heads a merge program folds: [16, 512] fp32 rows need 161 registers at 4 warps on SM90 and no
 # spills, where 64 heads spilled 8 KB (compiled on a CPU); more programs, too, at batch 8.
@@ -79,21 +75,13 @@ class SparseMetadata(TritonMetadata):
 
 def num_splits(num_tokens: int, head_blocks: int, tiles: int, multiprocessors: int, capacity: int) -> int:
     """How many programs share a token's ``tiles`` (its index row's and its window's): as many as
-    fill the GPU's SMs once (``multiprocessors`` counts program slots: SMs times the programs wanted
-    on each), every split with a whole tile or more, and within the backend's split scratch
-    (``capacity`` rows a head). From host ints only (the step's padded token count), so a CUDA
-    graph replays the same split; a sparse row's bits therefore follow the number of tokens in its
-    step."""
+    fill the GPU's SMs once, one program an SM (DeepSeek-V3.2's 128-head launch takes 222 KB of
+    shared memory on SM90; smaller launches would fit two or more, not counted here), every split
+    with a whole tile or more, and within the backend's split scratch (``capacity`` rows a head).
+    From host ints only (the step's padded token count), so a CUDA graph replays the same split;
+    a sparse row's bits therefore follow the number of tokens in its step."""
     wanted = max(1, min(multiprocessors // max(1, num_tokens * head_blocks), tiles, capacity // max(1, num_tokens)))
     return triton.cdiv(tiles, triton.cdiv(tiles, wanted)) if tiles else 1  # no split left without a tile
-
-
-def split_count(spec: AttentionSpec, num_tokens: int, multiprocessors: int, scratch_rows: int) -> int:
-    """``num_splits`` for a step of ``num_tokens`` of this layer, at its launch's programs per SM."""
-    heads, block_n, _, _ = launch(spec)
-    tiles = triton.cdiv(spec.sparse_topk, block_n) + triton.cdiv(spec.sparse_window or 0, block_n)
-    slots = multiprocessors * PROGRAMS_PER_MULTIPROCESSOR[heads]
-    return num_splits(num_tokens, triton.cdiv(spec.num_heads, heads), tiles, slots, scratch_rows // spec.num_heads)
 
 
 class SparsePositions:
@@ -165,7 +153,8 @@ class SparseMLARead(SparsePositions):
         heads, block_n, num_warps, num_stages = launch(spec)
         tokens, head_blocks = query.shape[0], triton.cdiv(spec.num_heads, heads)
         rows = min(self.partial_lse.numel(), self.partial_out.numel() // spec.kv_lora_rank)
-        splits = split_count(spec, tokens, self.multiprocessors, rows)
+        tiles = triton.cdiv(spec.sparse_topk, block_n) + triton.cdiv(spec.sparse_window or 0, block_n)
+        splits = num_splits(tokens, head_blocks, tiles, self.multiprocessors, rows // spec.num_heads)
         if lse is not None:  # triton_mla claims no log-sum-exp: a row asked for one is not split
             splits = 1
         sparse_mla_kernels.sparse_mla_kernel[(tokens, head_blocks, splits)](

@@ -1,13 +1,12 @@
 """Sweep triton_mla's sparse (DSA) kernel tiling on the GPU:
-``python -m conformance.tuning.tune_sparse_mla [--splits] [CASE NAME ...]``.
+``python -m conformance.tuning.tune_sparse_mla [CASE NAME ...]``.
 
 For each of DeepSeek-V3.2's sparse shapes (top 2048): FlashMLA's sparse decode time, then ours for
 every (heads per program, index entries per tile, warps, stages). Heads per program decide how
 often a token's gathered keys are read (128 heads in programs of 16 read them eight times) and
 whether a tile is large enough for Hopper's warpgroup MMA; a layer of fewer heads pads them.
 Prints forward µs (CUDA events, L2 flushed), the ratio to FlashMLA's and the largest difference
-from its output, one run. ``--splits``: the shipped launch only, with 1 to 4 programs wanted per SM
-when the split count is picked (``sparse_mla.PROGRAMS_PER_MULTIPROCESSOR``)."""
+from its output, one run."""
 
 import itertools
 import sys
@@ -23,25 +22,10 @@ CASES = {
     "sparse TP8 decode b64 ctx32768": "mla-h16-d512+64-bf16-p64-topk2048:32768+1x64",
 }
 TILINGS = list(itertools.product((16, 32, 64), (32, 64), (4, 8), (2, 3)))  # heads, BLOCK_N, warps, stages
-PROGRAMS_PER_SM = (1, 2, 3, 4)
-
-
-def sweep_splits(names: list[str], device: torch.device) -> None:
-    shipped = sparse_mla.PROGRAMS_PER_MULTIPROCESSOR
-    for name in names or CASES:
-        sweep = Sweep(name, CASES[name], "flashmla_sparse", "triton_mla", device)
-        for per_sm in PROGRAMS_PER_SM:
-            sparse_mla.PROGRAMS_PER_MULTIPROCESSOR = dict.fromkeys(shipped, per_sm)
-            print(sweep.line(f"programs per SM={per_sm}"), flush=True)
-        sparse_mla.PROGRAMS_PER_MULTIPROCESSOR = shipped
-        del sweep
-        torch.cuda.empty_cache()
 
 
 def main(names: list[str]) -> None:
     device = torch.device("cuda")
-    if names[:1] == ["--splits"]:
-        return sweep_splits(names[1:], device)
     shipped = (
         sparse_mla.MIN_HEADS_PER_PROGRAM,
         sparse_mla.MAX_HEADS_PER_PROGRAM,

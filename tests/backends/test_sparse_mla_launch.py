@@ -99,21 +99,6 @@ def test_a_step_of_few_tokens_splits_their_index_rows_to_fill_the_sms(tokens, he
     assert sparse_mla.num_splits(tokens, head_blocks, tiles, 132, capacity) == splits
 
 
-def test_the_split_wants_each_launchs_programs_per_sm(monkeypatch):
-    """DeepSeek-V3.2 at TP 8 (16 heads, one program a token) and at 128 heads (two), batch 64 on
-    132 SMs: one program an SM gives 2 splits and 1; two an SM, for the 16-head launch only, 4 and 1."""
-
-    def spec(heads):
-        return AttentionSpec(
-            kind="mla", num_heads=heads, num_kv_heads=1, head_dim=576, dtype=torch.bfloat16, block_size=64,
-            kv_lora_rank=512, rope_dim=64, sparse_topk=2048,
-        )  # fmt: skip
-
-    assert [sparse_mla.split_count(spec(h), 64, 132, 10**6) for h in (16, 128)] == [2, 1]
-    monkeypatch.setitem(sparse_mla.PROGRAMS_PER_MULTIPROCESSOR, 16, 2)
-    assert [sparse_mla.split_count(spec(h), 64, 132, 10**6) for h in (16, 128)] == [4, 1]
-
-
 @pytest.mark.slow
 def test_the_merge_fits_its_registers_on_hopper():
     """The split rows' merge at DeepSeek-V3.2's latent, compiled for SM90: no register spills
