@@ -13,7 +13,12 @@ engines really meet a backend:
    real), query lengths moved — load it into the same buffers, ``build`` (as engines do before each
    replay), replay, and compare with the oracle and with an eager run. Every other replay (B1,
    B3, …) runs with NaN in every slot no request owns: a captured kernel that reads such a slot
-   and weights it by zero (a tile count or bound frozen at capture) turns its output NaN. After
+   and weights it by zero (a tile count or bound frozen at capture) turns its output NaN. The
+   padding's query rows hold NaN and huge values of either sign (``step.padding_queries``), as an
+   engine's persistent query buffer holds whatever earlier steps left there: a backend whose real
+   rows take something from every request's tokens (a dynamic query scale over the step) takes it
+   from the padding requests' rows too, which the numerics check's padding (rows past every
+   request) never shows. After
    each replay the cache must equal the cache before it plus the batch's own rows, bit for bit
    (padding rows write nothing). Two replays of one state must be bitwise equal when the backend claims
    ``deterministic`` (otherwise that is reported).

@@ -46,6 +46,7 @@ from conformance.harness.step import (
     case_scales,
     layer_batch,
     negated,
+    padding_queries,
     write_poison,
 )
 from host_syncs.detector import detect_host_syncs
@@ -292,7 +293,9 @@ class GraphBuffers:
         self.slot_mapping[:real].copy_(step_slots)
         self.loads += 1
         for layer in self.layers:
-            layer.query.zero_()
+            # Past the real tokens, the rows of the padding (its requests, or none): NaN and huge
+            # values, as an engine's persistent buffer holds whatever an earlier step left there.
+            layer.query[real:].copy_(padding_queries(layer.query, layer.query.shape[0] - real))
             layer.query[:real].copy_(layer.rows(batch.query))
             layer.key.fill_(PADDING_KEY_VALUE + self.loads)
             layer.key[:real].copy_(layer.rows(step_key))

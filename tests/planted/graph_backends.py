@@ -217,6 +217,22 @@ class WritesPaddingIntoBlockZero(TorchGraphSafe):
             plane.index_copy_(0, slots, rows.to(plane.dtype))
 
 
+class ScalesQueryOverTheStepsTokens(TorchGraphSafe):
+    """Brings the query into range by one power of two taken over every request's tokens (a
+    dynamic per-step query scale), and takes it back out: exact for finite rows. Eager, the step's
+    tokens are the real ones; in a padded graph batch they include the padding requests' rows,
+    which hold what earlier steps left in the buffer (zeros, in the harness before it filled them
+    with NaN and huge values)."""
+
+    def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
+        values = query[: metadata.num_tokens].float()
+        largest = values.abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
+        scale = torch.exp2(torch.ceil(torch.log2(largest)))
+        scaled = query.clone()
+        scaled[: metadata.num_tokens] = (values / scale * scale).to(query.dtype)
+        super().forward(scaled, kv_cache, metadata, out, layer)
+
+
 class FlashInferOneGraphWrapper(FlashInferBackend):
     """The flashinfer adapter as it was: a ``use_cuda_graph`` decode wrapper only at
     ``max_num_reqs``, so a graph captured at a smaller batch holds the eager wrapper, whose replays

@@ -90,6 +90,15 @@ def test_padding_written_into_block_zero_is_caught_by_cache_isolation():
     assert "the replay changed the KV pool outside the blocks the step writes (1 block(s): 0)" in result.reason
 
 
+def test_a_query_scale_over_the_steps_tokens_fails_over_the_padding_requests_rows():
+    from conformance.checks.numerics import NumericsCheck
+
+    defect = planted.ScalesQueryOverTheStepsTokens
+    assert judge(NumericsCheck(), defect, DECODE, CUDA).verdict == Verdict.PASS  # eager: its rows are the real ones
+    result = judge(GraphsCheck(), defect, DECODE, CUDA)
+    assert result.verdict == Verdict.FAIL, result.reason
+
+
 def test_torch_naive_is_skipped():
     for check in (GraphsCheck(), DraftLoopCheck()):
         assert check.skip_reason(TorchNaiveBackend, CUDA) == "claims cuda_graphs=NEVER" or "NEVER" in check.skip_reason(

@@ -1,5 +1,6 @@
 """The graph harness's memory-frugal comparisons (CPU-runnable)."""
 
+import pytest
 import torch
 
 from conformance.harness.graphs import FREED_MEMORY_FILL, canaries_written, count_different
@@ -44,3 +45,31 @@ def test_the_persistent_block_table_is_a_column_slice_of_a_wider_table():
         (shape.num_reqs, TABLE_GUARD_COLUMNS), (width + TABLE_GUARD_COLUMNS, 1), width
     )
     assert torch.count_nonzero(guards) == 0  # the guard columns name block 0
+
+
+@pytest.mark.parametrize("style", ["ROWS", "EMPTY_REQUESTS"])
+def test_the_paddings_rows_hold_nan_and_huge_queries_in_every_layer(style):
+    """An engine's persistent query buffer holds whatever earlier steps left in the padding's rows;
+    zeros there hid a backend whose real rows take a statistic over every request's tokens, the
+    padding requests' included (ROWS: they are requests; vLLM's empty requests have no rows)."""
+    from backends.base import CGSupport, PaddingStyle
+    from backends.torch_naive import TorchNaiveBackend
+    from conformance.cases.grammar import parse_case
+    from conformance.harness.batch import materialize
+    from conformance.harness.graph_batches import graph_shape, replay_batches
+    from conformance.harness.graphs import GraphBuffers
+
+    captured = parse_case("gqa-h4/2-d64-bf16-p16:40+1,20+1,30+1,10+1")
+    case = parse_case("gqa-h4/2-d64-bf16-p16:40+1")  # a replay of fewer requests: four padding rows
+    shape = graph_shape(captured, replay_batches(captured, CGSupport.ALWAYS))
+    buffers = GraphBuffers(TorchNaiveBackend, shape, [captured, case], torch.device("cpu"), padding=PaddingStyle[style])
+    batch = materialize(case, "cpu")
+    loaded = buffers.load(batch, with_host_lengths=True)
+    real = loaded.real_tokens
+    assert shape.num_tokens > real
+    assert loaded.common.num_actual_tokens == (shape.num_tokens if style == "ROWS" else real)
+    for layer in buffers.layers:
+        padding = layer.query[real:].float()
+        assert padding[0].isnan().all() and (padding[1:3].abs() > 1e30).all() and padding[1].min() > 0
+        assert not layer.query[:real].isnan().any()
+        assert torch.equal(layer.query[:real], layer.rows(batch.query))
