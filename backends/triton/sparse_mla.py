@@ -75,10 +75,11 @@ class SparseMetadata(TritonMetadata):
 
 def num_splits(num_tokens: int, head_blocks: int, tiles: int, multiprocessors: int, capacity: int) -> int:
     """How many programs share a token's ``tiles`` (its index row's and its window's): as many as
-    fill the GPU's SMs once, one program an SM (compiled for SM90, DeepSeek-V3.2's 128-head block
-    takes 222 KB of shared memory and 255 registers a thread, the 16-head one 95 KB and 177: either
-    way one block of 8 warps an SM), every split
-    with a whole tile or more, and within the backend's split scratch (``capacity`` rows a head).
+    fill the GPU's SMs once, one program an SM (compiled for SM90 without a window, DeepSeek-V3.2's
+    128-head block takes 222 KB of shared memory and 255 registers a thread, the 16-head one 95 KB
+    and 177: either way one block of 8 warps an SM; the window launches of 4 warps were not
+    compiled for this), every split with a whole tile or more, and within the backend's split
+    scratch (``capacity`` rows a head).
     From host ints only (the step's padded token count), so a CUDA graph replays the same split;
     a sparse row's bits therefore follow the number of tokens in its step."""
     wanted = max(1, min(multiprocessors // max(1, num_tokens * head_blocks), tiles, capacity // max(1, num_tokens)))

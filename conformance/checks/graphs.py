@@ -18,10 +18,9 @@ engines really meet a backend:
    engine's persistent query buffer holds whatever earlier steps left there: a backend whose real
    rows take something from every request's tokens (a dynamic query scale over the step) takes it
    from the padding requests' rows too, which the numerics check's padding (rows past every
-   request) never shows. After
-   each replay the cache must equal the cache before it plus the batch's own rows, bit for bit
-   (padding rows write nothing). Two replays of one state must be bitwise equal when the backend claims
-   ``deterministic`` (otherwise that is reported).
+   request) never shows. After each replay the cache must equal the cache before it plus the
+   batch's own rows, bit for bit (padding rows write nothing). Two replays of one state must be
+   bitwise equal when the backend claims ``deterministic`` (otherwise that is reported).
 2. **A new, larger shape after the capture.** An eager step at twice the requests and longer
    contexts, never seen before; then every free block of the caching allocator is filled with NaN
    bytes (whatever the backend freed is now someone else's) and the graph replays again: a

@@ -25,7 +25,7 @@ from conformance.harness.batch import PagedBatch, materialize
 from conformance.harness.graph_batches import GraphShape
 from conformance.harness.graphs import GraphBuffers, GraphLayer, warm_up
 from conformance.harness.lse_pass import judge_lse
-from conformance.harness.step import PoolFill
+from conformance.harness.step import PoolFill, padding_queries
 from conformance.harness.stored_cache import oracle
 
 # (k, a padding row after the real requests, warm-up before the capture, what unowned slots hold).
@@ -164,8 +164,8 @@ class DraftLoop:
         buffers.block_table.fill_(-1 if empty else 0)
         buffers.block_table[:n, : drafted.block_table.shape[1]].copy_(drafted.block_table)
         buffers.slot_mapping.fill_(-1)
-        for layer in buffers.layers:
-            layer.query.zero_()
+        for layer in buffers.layers:  # each draft step copies its real rows in; the padding's stay
+            layer.query.copy_(padding_queries(layer.query, layer.query.shape[0]))
             layer.key.fill_(7.0)
             if layer.value is not None:
                 layer.value.fill_(-7.0)

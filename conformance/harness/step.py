@@ -398,8 +398,9 @@ def padding_queries(query: torch.Tensor, rows: int) -> torch.Tensor:
     largest row shared by the others) shows it: a NaN through a reduction that carries it, the huge
     rows through one that skips NaN, as CUDA's fmax does."""
     huge = torch.finfo(query.dtype).max / 16
-    values = torch.tensor([float("nan"), huge, -huge])[torch.arange(rows) % 3]
-    return values.view(rows, *[1] * (query.dim() - 1)).expand(rows, *query.shape[1:]).to(query.dtype).to(query.device)
+    values = torch.tensor([float("nan"), huge, -huge], device=query.device).to(query.dtype)
+    rows_of = values[torch.arange(rows, device=query.device) % 3]  # three numbers, expanded as a view
+    return rows_of.view(rows, *[1] * (query.dim() - 1)).expand(rows, *query.shape[1:])
 
 
 def stage_step(

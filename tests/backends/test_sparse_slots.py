@@ -34,7 +34,7 @@ for translate in (slots_with_torch, slots_with_triton):
     outputs.append(out)
 mismatch = (outputs[0] != outputs[1]).nonzero()
 below = sum(int((out < -1).sum()) for out in outputs)  # a slot made from block -1
-print(len(mismatch) + below, (outputs[1] >= 0).sum().item(), mismatch[:5].tolist())
+print(len(mismatch) + below, (outputs[1] >= 0).sum().item(), f"{below} below -1; differ at", mismatch[:5].tolist())
 """
 
 

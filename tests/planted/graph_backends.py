@@ -224,6 +224,8 @@ class ScalesQueryOverTheStepsTokens(TorchGraphSafe):
     which hold what earlier steps left in the buffer (zeros, in the harness before it filled them
     with NaN and huge values)."""
 
+    name = "planted_scales_query_over_the_steps_tokens"
+
     def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
         values = query[: metadata.num_tokens].float()
         largest = values.abs().amax().clamp(min=torch.finfo(torch.float32).tiny)

@@ -74,6 +74,15 @@ def test_the_draft_loop_runs_two_layers_each_its_own():
     assert failing == 0 and details["layer"] == 1
 
 
+def test_the_draft_loops_padding_row_holds_nan_and_huge_queries_in_every_layer():
+    """The padding row an engine's draft graph carries holds whatever earlier steps left there."""
+    loop = eager_loop(TorchNaiveBackend, DECODE_SINKS)
+    for layer in loop.buffers.layers:
+        rows = layer.query[loop.num_real :].float()
+        assert len(rows) and (rows.isnan() | (rows.abs() > 1e30)).all()
+    assert not loop.buffers.layers[0].query[: loop.num_real].isnan().any()
+
+
 def test_the_draft_loop_judges_every_layers_lse():
     decode_lse = "gqa-h8/2-d32-bf16-p16-attnsinks-lse:30+1,20+1"
     assert eager_loop(TorchNaiveBackend, decode_lse).lse_problem() is None

@@ -62,14 +62,16 @@ def test_the_paddings_rows_hold_nan_and_huge_queries_in_every_layer(style):
     captured = parse_case("gqa-h4/2-d64-bf16-p16:40+1,20+1,30+1,10+1")
     case = parse_case("gqa-h4/2-d64-bf16-p16:40+1")  # a replay of fewer requests: four padding rows
     shape = graph_shape(captured, replay_batches(captured, CGSupport.ALWAYS))
-    buffers = GraphBuffers(TorchNaiveBackend, shape, [captured, case], torch.device("cpu"), padding=PaddingStyle[style])
+    cpu, padding = torch.device("cpu"), PaddingStyle[style]
+    buffers = GraphBuffers(TorchNaiveBackend, shape, [captured, case], cpu, padding=padding, layers=2)
     batch = materialize(case, "cpu")
     loaded = buffers.load(batch, with_host_lengths=True)
     real = loaded.real_tokens
     assert shape.num_tokens > real
     assert loaded.common.num_actual_tokens == (shape.num_tokens if style == "ROWS" else real)
+    assert len(buffers.layers) == 2  # the second holds the batch negated
     for layer in buffers.layers:
-        padding = layer.query[real:].float()
-        assert padding[0].isnan().all() and (padding[1:3].abs() > 1e30).all() and padding[1].min() > 0
+        rows = layer.query[real:].float()
+        assert rows[0].isnan().all() and (rows[1:3].abs() > 1e30).all() and rows[1].min() > 0
         assert not layer.query[:real].isnan().any()
         assert torch.equal(layer.query[:real], layer.rows(batch.query))
