@@ -105,36 +105,24 @@ def _attend_tile(
 
 
 @triton.jit
-def _attend_entries(
+def _attend_part(
     q_latent, q_rope, cache_ptr, block_row_ptr, row_ptr, start, offsets, position, k_scale_ptr, m_i, l_i, acc,
     scale_log2, stride_cache_block, stride_cache_token, LATENT: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
     DS_MLA: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    TOPK: tl.constexpr,
+    LENGTH: tl.constexpr, WINDOW_PART: tl.constexpr,
 ):  # fmt: skip
-    """The index row's tile from entry ``start``: each entry a key unless -1 or past the token."""
-    entries = tl.load(row_ptr + start + offsets, mask=start + offsets < TOPK, other=-1)
-    valid = (entries >= 0) & (entries <= position)  # -1, and anything past the token: no key
+    """The tile ``start`` entries into a token's part of LENGTH keys: its index row (each entry a
+    key unless -1 or past the token) or, WINDOW_PART, its window (positions ``position - LENGTH + 1``
+    on)."""
+    if WINDOW_PART:
+        keys = tl.maximum(position - LENGTH + 1, 0) + start + offsets
+        valid = (keys <= position) & (start + offsets < LENGTH)
+    else:
+        keys = tl.load(row_ptr + start + offsets, mask=start + offsets < LENGTH, other=-1)
+        valid = (keys >= 0) & (keys <= position)  # -1, and anything past the token: no key
     return _attend_tile(
-        q_latent, q_rope, cache_ptr, block_row_ptr, entries, valid, k_scale_ptr, m_i, l_i, acc, scale_log2,
-        stride_cache_block, stride_cache_token, LATENT, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, KV_FP8, DS_MLA,
-        SCALE_BLOCK, BLOCK_N, UPCAST_DOT,
-    )  # fmt: skip
-
-
-@triton.jit
-def _attend_window(
-    q_latent, q_rope, cache_ptr, block_row_ptr, start, offsets, position, k_scale_ptr, m_i, l_i, acc,
-    scale_log2, stride_cache_block, stride_cache_token, LATENT: tl.constexpr, ROPE: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
-    DS_MLA: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    WINDOW: tl.constexpr,
-):  # fmt: skip
-    """The window part's tile ``start`` entries in: positions ``position - WINDOW + 1 ..``."""
-    positions = tl.maximum(position - WINDOW + 1, 0) + start + offsets
-    valid = (positions <= position) & (start + offsets < WINDOW)
-    return _attend_tile(
-        q_latent, q_rope, cache_ptr, block_row_ptr, positions, valid, k_scale_ptr, m_i, l_i, acc, scale_log2,
+        q_latent, q_rope, cache_ptr, block_row_ptr, keys, valid, k_scale_ptr, m_i, l_i, acc, scale_log2,
         stride_cache_block, stride_cache_token, LATENT, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, KV_FP8, DS_MLA,
         SCALE_BLOCK, BLOCK_N, UPCAST_DOT,
     )  # fmt: skip
@@ -207,17 +195,17 @@ def sparse_mla_kernel(
     row_ptr = indices_ptr + token.to(tl.int64) * stride_indices
     if ONE_SPLIT:
         for start in range(0, TOPK, BLOCK_N):
-            m_i, l_i, acc = _attend_entries(
+            m_i, l_i, acc = _attend_part(
                 q_latent, q_rope, cache_ptr, block_row_ptr, row_ptr, start, offsets, position, k_scale_ptr, m_i,
                 l_i, acc, scale_log2, stride_cache_block, stride_cache_token, LATENT, ROPE, BLOCK_L, BLOCK_R,
-                PAGE_SIZE, KV_FP8, DS_MLA, SCALE_BLOCK, BLOCK_N, UPCAST_DOT, TOPK,
+                PAGE_SIZE, KV_FP8, DS_MLA, SCALE_BLOCK, BLOCK_N, UPCAST_DOT, TOPK, False,
             )  # fmt: skip
         if WINDOW > 0:
             for start in range(0, WINDOW, BLOCK_N):
-                m_i, l_i, acc = _attend_window(
-                    q_latent, q_rope, cache_ptr, block_row_ptr, start, offsets, position, k_scale_ptr, m_i, l_i,
-                    acc, scale_log2, stride_cache_block, stride_cache_token, LATENT, ROPE, BLOCK_L, BLOCK_R,
-                    PAGE_SIZE, KV_FP8, DS_MLA, SCALE_BLOCK, BLOCK_N, UPCAST_DOT, WINDOW,
+                m_i, l_i, acc = _attend_part(
+                    q_latent, q_rope, cache_ptr, block_row_ptr, row_ptr, start, offsets, position, k_scale_ptr, m_i,
+                    l_i, acc, scale_log2, stride_cache_block, stride_cache_token, LATENT, ROPE, BLOCK_L, BLOCK_R,
+                    PAGE_SIZE, KV_FP8, DS_MLA, SCALE_BLOCK, BLOCK_N, UPCAST_DOT, WINDOW, True,
                 )  # fmt: skip
     else:
         # The index row's tiles, then the window's, as one run of tiles cut into equal parts.
@@ -226,18 +214,18 @@ def sparse_mla_kernel(
         first_tile = split * tiles_per_split
         end_tile = first_tile + tiles_per_split
         for tile in range(first_tile, tl.minimum(end_tile, index_tiles)):
-            m_i, l_i, acc = _attend_entries(
+            m_i, l_i, acc = _attend_part(
                 q_latent, q_rope, cache_ptr, block_row_ptr, row_ptr, tile * BLOCK_N, offsets, position,
                 k_scale_ptr, m_i, l_i, acc, scale_log2, stride_cache_block, stride_cache_token, LATENT, ROPE,
-                BLOCK_L, BLOCK_R, PAGE_SIZE, KV_FP8, DS_MLA, SCALE_BLOCK, BLOCK_N, UPCAST_DOT, TOPK,
+                BLOCK_L, BLOCK_R, PAGE_SIZE, KV_FP8, DS_MLA, SCALE_BLOCK, BLOCK_N, UPCAST_DOT, TOPK, False,
             )  # fmt: skip
         if WINDOW > 0:
             last_tile = tl.minimum(end_tile, index_tiles + tl.cdiv(WINDOW, BLOCK_N))
             for tile in range(tl.maximum(first_tile, index_tiles), last_tile):
-                m_i, l_i, acc = _attend_window(
-                    q_latent, q_rope, cache_ptr, block_row_ptr, (tile - index_tiles) * BLOCK_N, offsets, position,
-                    k_scale_ptr, m_i, l_i, acc, scale_log2, stride_cache_block, stride_cache_token, LATENT, ROPE,
-                    BLOCK_L, BLOCK_R, PAGE_SIZE, KV_FP8, DS_MLA, SCALE_BLOCK, BLOCK_N, UPCAST_DOT, WINDOW,
+                m_i, l_i, acc = _attend_part(
+                    q_latent, q_rope, cache_ptr, block_row_ptr, row_ptr, (tile - index_tiles) * BLOCK_N, offsets,
+                    position, k_scale_ptr, m_i, l_i, acc, scale_log2, stride_cache_block, stride_cache_token, LATENT,
+                    ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, KV_FP8, DS_MLA, SCALE_BLOCK, BLOCK_N, UPCAST_DOT, WINDOW, True,
                 )  # fmt: skip
     if ONE_SPLIT:
         out = acc / l_i[:, None]
