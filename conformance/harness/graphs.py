@@ -294,8 +294,9 @@ class GraphBuffers:
         self.loads += 1
         for layer in self.layers:
             # Past the real tokens, the rows of the padding (its requests, or none): NaN and huge
-            # values, as an engine's persistent buffer holds whatever an earlier step left there.
-            layer.query[real:].copy_(padding_queries(layer.query, layer.query.shape[0] - real))
+            # values, as an engine's persistent buffer holds whatever an earlier step left there;
+            # from another of the three each load, so a single padding row is not NaN every replay.
+            layer.query[real:].copy_(padding_queries(layer.query, layer.query.shape[0] - real, first=self.loads))
             layer.query[:real].copy_(layer.rows(batch.query))
             layer.key.fill_(PADDING_KEY_VALUE + self.loads)
             layer.key[:real].copy_(layer.rows(step_key))

@@ -391,15 +391,17 @@ class StagedStep:
     watch: InputWatch | None = None  # the inputs as the backend was handed them (set by launch_step)
 
 
-def padding_queries(query: torch.Tensor, rows: int) -> torch.Tensor:
+def padding_queries(query: torch.Tensor, rows: int, first: int = 0) -> torch.Tensor:
     """The query rows of the padding past the real tokens: NaN, then a huge value of either sign
-    (1/16 of the dtype's largest), in turn. The contract neither reads nor writes them, so a backend
-    whose real rows take anything from them (a scale over the whole query it was handed, a tile's
-    largest row shared by the others) shows it: a NaN through a reduction that carries it, the huge
-    rows through one that skips NaN, as CUDA's fmax does."""
+    (1/16 of the dtype's largest), in turn, from the ``first``-th of the three on. The contract
+    neither reads nor writes them, so a backend whose real rows take anything from them (a scale
+    over the whole query it was handed, a tile's largest row shared by the others) shows it: a NaN
+    through a reduction that carries it, the huge rows through one that skips NaN, as CUDA's fmax
+    does. A caller with a single padding row moves ``first`` from step to step, so that the row is
+    not NaN every time."""
     huge = torch.finfo(query.dtype).max / 16
     values = torch.tensor([float("nan"), huge, -huge], device=query.device).to(query.dtype)
-    rows_of = values[torch.arange(rows, device=query.device) % 3]  # three numbers, expanded as a view
+    rows_of = values[(torch.arange(rows, device=query.device) + first) % 3]  # three numbers, expanded
     return rows_of.view(rows, *[1] * (query.dim() - 1)).expand(rows, *query.shape[1:])
 
 
