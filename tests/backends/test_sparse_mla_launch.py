@@ -93,6 +93,9 @@ def test_every_sparse_launch_fits_a_hopper_block(heads):
         (1, 2, 32, 10_000, 32),  # at most a tile a split
         (8, 2, 32, 16, 2),  # within the scratch: 16 rows a head for 8 tokens
         (3, 2, 32, 10_000, 16),  # 22 wanted, but 2 tiles a split leave 16 with any: no split without a tile
+        (67, 1, 32, 10_000, 2),  # 16 heads, 64 tokens and 3 padding rows: 132 / 67 rounds to 2, not down to 1
+        (35, 1, 32, 10_000, 4),  # 32 tokens and 3 padding rows: 3.77 rounds to 4 (140 programs, 128 of them real)
+        (134, 1, 32, 10_000, 1),  # one program a token fills the SMs: unsplit
     ],
 )
 def test_a_step_of_few_tokens_splits_their_index_rows_to_fill_the_sms(tokens, head_blocks, tiles, capacity, splits):
