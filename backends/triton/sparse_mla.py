@@ -32,8 +32,11 @@ except ModuleNotFoundError as missing:  # an extra: see backends.triton
 #   and 229 µs fp8_ds_mla (FlashMLA's kernel alone 138 and 131); 32 heads a program (64, 4, 2)
 #   took 286 µs there, 16 heads (32, 4, 3) 459 and 709.
 # - 16 heads (64, 8, 3): TP 8's 16 heads, batch 64, 32768 keys, 141 µs against 205 for the
-#   earlier (32, 4, 3) and FlashMLA's 92. Padding those 16 heads to a program of 32 or 64 rows,
-#   as FlashMLA does to 64, took 172 and 192 µs at their best launches: MIN_HEADS_PER_PROGRAM.
+#   earlier (32, 4, 3) and FlashMLA's 92, both one split a token; two (``num_splits`` rounding to
+#   the nearest) 90 µs against FlashMLA's 90. Padding those 16 heads to a program of 32 or 64 rows,
+#   as FlashMLA does to 64, took 172 and 192 µs at their best launches (one split): see
+#   MIN_HEADS_PER_PROGRAM. 4 warps (64, 4, 2) at four splits took 82 µs in one sweep and 347
+#   unsplit: not shipped, as a step of enough tokens not to split would run it unsplit.
 # - 32 heads: not timed on a 32-head layer; (64, 8, 3) was also the best launch for the 16-head
 #   layer padded to 32.
 MIN_HEADS_PER_PROGRAM = 16  # tl.dot's smallest tile

@@ -101,7 +101,11 @@ class Values(Answer):
         return how_far_off(errors)
 
     def count(self, errors):
-        return f"{errors['mismatched']} elements, max abs error {errors['max_abs_error']:.3g}"
+        # The largest error is of the finite outputs only: said of NaN rows alone it would read 0.
+        non_finite = f" ({errors['non_finite']} NaN/Inf)" if errors["non_finite"] else ""
+        if errors["mismatched"] == errors["non_finite"]:
+            return f"{errors['mismatched']} elements{non_finite}"
+        return f"{errors['mismatched']} elements{non_finite}, max abs error {errors['max_abs_error']:.3g}"
 
     def worst_place(self, worst):
         return worst_place(worst)

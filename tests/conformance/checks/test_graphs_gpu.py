@@ -96,7 +96,9 @@ def test_a_query_scale_over_the_steps_tokens_fails_over_the_padding_requests_row
     defect = planted.ScalesQueryOverTheStepsTokens
     assert judge(NumericsCheck(), defect, DECODE, CUDA).verdict == Verdict.PASS  # eager: its rows are the real ones
     result = judge(GraphsCheck(), defect, DECODE, CUDA)
-    assert result.verdict == Verdict.FAIL, result.reason
+    assert result.verdict == Verdict.FAIL and "differs from the oracle" in result.reason, result.reason
+    result = judge(DraftLoopCheck(), defect, DECODE, CUDA)  # its padding row is a request too
+    assert result.verdict == Verdict.FAIL and "differs from the oracle" in result.reason, result.reason
 
 
 def test_torch_naive_is_skipped():

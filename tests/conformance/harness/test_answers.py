@@ -117,3 +117,22 @@ def test_the_choice_judge_on_ties_minus_ones_and_short_rows():
     near = reference.clone()
     near[0, 3] = 4.5  # within one tolerance of the k-th (5.0): either may be chosen
     assert CHOICE.misses(torch.tensor([[0, 1, 3], [0, 1, -1]], dtype=torch.int32), near)[0].tolist() == [0.5, 0.0]
+
+
+def test_values_count_says_nan_outputs_and_no_max_error_of_them_alone():
+    """A replay whose every wrong element is NaN read "1536 elements, max abs error 0" (the largest
+    error is taken over finite outputs): the count says they are NaN and gives a maximum only where
+    a finite element is wrong too."""
+    reference = torch.ones(2, 2, 4, dtype=torch.float64)
+    nan_only = torch.ones(2, 2, 4)
+    nan_only[0] = float("nan")
+    _, metrics, _ = VALUES.compare(nan_only, reference, [0, 1, 2], 1e-3, 1e-3)
+    assert VALUES.count(metrics) == "8 elements (8 NaN/Inf)"
+    both = nan_only.clone()
+    both[1, 0, 0] = 3.0
+    _, metrics, _ = VALUES.compare(both, reference, [0, 1, 2], 1e-3, 1e-3)
+    assert VALUES.count(metrics) == "9 elements (8 NaN/Inf), max abs error 2"
+    finite = torch.ones(2, 2, 4)
+    finite[1, 1, 1] = 1.5
+    _, metrics, _ = VALUES.compare(finite, reference, [0, 1, 2], 1e-3, 1e-3)
+    assert VALUES.count(metrics) == "1 elements, max abs error 0.5"
