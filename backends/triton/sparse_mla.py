@@ -83,7 +83,7 @@ def num_splits(num_tokens: int, head_blocks: int, tiles: int, multiprocessors: i
     and 177: either way one block of 8 warps an SM; the window launches of 4 warps were not
     compiled for this), every split with a whole tile or more, and within the backend's split
     scratch (``capacity`` rows a head).
-    The SMs over the programs is rounded to the nearest, not down: ``num_tokens`` counts the rows
+    The SMs a program are rounded to the nearest, not down: ``num_tokens`` counts the rows
     an engine pads its batch with, whose programs return at once. Rounded down, 64 tokens padded
     by 3 on 132 SMs were one split, 67 programs with 65 SMs idle (16 heads, 32768 keys on an
     H200: 141 µs, two splits 91). A step whose rows past one wave are real loses at most a third

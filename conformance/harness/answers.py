@@ -102,10 +102,13 @@ class Values(Answer):
 
     def count(self, errors):
         # The largest error is of the finite outputs only: said of NaN rows alone it would read 0.
-        non_finite = f" ({errors['non_finite']} NaN/Inf)" if errors["non_finite"] else ""
-        if errors["mismatched"] == errors["non_finite"]:
-            return f"{errors['mismatched']} elements{non_finite}"
-        return f"{errors['mismatched']} elements{non_finite}, max abs error {errors['max_abs_error']:.3g}"
+        mismatched = errors["mismatched"]
+        text = f"{mismatched} element{'' if mismatched == 1 else 's'}"
+        if errors["non_finite"]:
+            text += f" ({errors['non_finite']} NaN/Inf)"
+        if mismatched == errors["non_finite"]:
+            return text
+        return f"{text}, max abs error {errors['max_abs_error']:.3g}"
 
     def worst_place(self, worst):
         return worst_place(worst)

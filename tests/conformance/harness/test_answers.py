@@ -135,4 +135,4 @@ def test_values_count_says_nan_outputs_and_no_max_error_of_them_alone():
     finite = torch.ones(2, 2, 4)
     finite[1, 1, 1] = 1.5
     _, metrics, _ = VALUES.compare(finite, reference, [0, 1, 2], 1e-3, 1e-3)
-    assert VALUES.count(metrics) == "1 elements, max abs error 0.5"
+    assert VALUES.count(metrics) == "1 element, max abs error 0.5"
