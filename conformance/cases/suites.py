@@ -645,19 +645,21 @@ def bench_suite() -> list[Case]:
 
 
 def _sparse_bench_cases() -> list[Case]:
-    """DeepSeek-V3.2's sparse attention at its top 2048: 128 heads (TP 1) over bf16 and
-    fp8_ds_mla, 16 heads (TP 8), and the lightning indexer that chooses the positions (64 heads
-    of 128, e4m3 keys), decode and MTP verify at batch 8 to 128 beyond the top-k."""
+    """DeepSeek-V3.2's sparse attention at its top 2048: 128 heads (TP 1) and 16 (TP 8) over bf16
+    and fp8_ds_mla, and the lightning indexer that chooses the positions (64 heads of 128, e4m3
+    keys), decode at batch 1 to 128 and MTP verify beyond the top-k."""
     wide = [
         (f"sparse {kind} b{batch} ctx{context}", f"{context}+{query}x{batch}")
         for kind, query in (("decode", 1), ("verify q=2", 2))
-        for batch in (8, 64, 128)
+        for batch in (1, 8, 64, 128)
         for context in (4096, 32768)
         if batch * context <= BENCH_MAX_KV_TOKENS and (query == 1 or batch == 64)
     ]
+    tp8 = [(f"sparse TP8: decode b{batch} ctx32768", f"32768+1x{batch}") for batch in (1, 64)]
     cases = _cases("mla-h128-d512+64-bf16-p64-topk2048", wide)
     cases += _cases("mla-h128-d512+64-bf16-fp8dsmla-p64-topk2048", [(f"fp8_ds_mla: {tag}", text) for tag, text in wide])
-    cases += _cases("mla-h16-d512+64-bf16-p64-topk2048", [("sparse TP8: decode b64 ctx32768", "32768+1x64")])
+    cases += _cases("mla-h16-d512+64-bf16-p64-topk2048", tp8)
+    cases += _cases("mla-h16-d512+64-bf16-fp8dsmla-p64-topk2048", [(f"fp8_ds_mla: {tag}", text) for tag, text in tp8])
     cases += _cases(
         "indexer-h64-d128-bf16-fp8e4m3-p64-topk2048",
         [

@@ -62,6 +62,14 @@ def test_bench_suite_shapes():
     assert {q for case in cases for _, q in case.batch} == {1, 2, 4, 8, 21, 512}  # 21: a tree's and a chain's
     assert all(case.num_reqs * max(context for context, _ in case.batch) <= 2 * 1024 * 1024 for case in cases)
     assert {case.num_reqs for case in cases} >= {1, 8, 64, 256}
+    # DeepSeek-V3.2's sparse decode, as its target names it: 128 heads over TP 1 and 8, both caches, batch 1-128.
+    sparse = {
+        (case.spec.num_heads, case.spec.kv_scale_block is not None, case.num_reqs)
+        for case in cases
+        if case.spec.sparse_topk and case.spec.kind == "mla"
+    }
+    assert {(heads, fp8, batch) for heads in (128, 16) for fp8 in (False, True) for batch in (1, 64)} <= sparse
+    assert {(128, fp8, batch) for fp8 in (False, True) for batch in (8, 128)} <= sparse
 
 
 @pytest.mark.slow
