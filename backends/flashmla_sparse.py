@@ -21,7 +21,7 @@ inside each entry).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,6 +52,10 @@ class SparseSlotsMetadata:
     token_request: torch.Tensor  # [max_num_tokens] int64
     token_position: torch.Tensor  # [max_num_tokens] int64
     num_tokens: torch.Tensor  # [1] int64: the step's real tokens, on the device
+    # fp8_ds_mla: FlashMLA's split schedule a query row count, made by the step's first forward of
+    # that count and reused by every later one (every layer of the step), as vLLM's metadata
+    # builder makes one FlashMLASchedMeta a step: its schedule follows the shapes alone.
+    schedules: dict[int, object] = field(default_factory=dict)
 
 
 class FlashMLASparseBackend(FlashMLAModule):
@@ -175,16 +179,16 @@ class FlashMLASparseBackend(FlashMLAModule):
         queries[:, : spec.num_heads].copy_(query)
         slots = self.slots(metadata, layer.topk_indices, tokens)
         attend = self.attend_packed if self.packed is not None else self.attend_latent
-        result, lse = attend(queries, kv_cache, slots)
+        result, lse = attend(queries, kv_cache, slots, metadata)
         # Only the step's real rows: rows past them (a graph's padding) keep what they held.
         real = self.rows[:tokens] < metadata.num_tokens
         out.copy_(torch.where(real.view(tokens, 1, 1), result[:, : spec.num_heads].to(out.dtype), out))
         if layer.lse is not None:
             layer.lse[:tokens].copy_(torch.where(real.view(tokens, 1), lse[:, : spec.num_heads], layer.lse[:tokens]))
 
-    def attend_latent(self, queries, kv_cache, slots):
+    def attend_latent(self, queries, kv_cache, slots, metadata: SparseSlotsMetadata):
         """The sparse prefill kernel over the bf16 pool viewed as one flat ``kv``: ([tokens, heads,
-        latent], LSE [tokens, heads])."""
+        latent], LSE [tokens, heads]). It has no split schedule."""
         spec = self.spec
         result, _, lse = self.flash_mla.flash_mla_sparse_fwd(
             queries,
@@ -196,13 +200,16 @@ class FlashMLASparseBackend(FlashMLAModule):
         )
         return result, lse
 
-    def attend_packed(self, queries, kv_cache, slots):
+    def attend_packed(self, queries, kv_cache, slots, metadata: SparseSlotsMetadata):
         """The sparse decode kernel over the fp8_ds_mla pool, each token a request of one query:
         ([tokens, heads, latent], LSE [tokens, heads]). Its split schedule depends on the shapes
-        alone (no ``topk_length``: unused entries are -1), so a fresh one each call is made on the
-        device, inside a captured graph too."""
+        alone (no ``topk_length``: unused entries are -1), so the step's metadata keeps one a row
+        count: FlashMLA fills it on the device in its first call (inside a captured graph too,
+        whose replays refill it) and every later call of the step reads it."""
         spec, tokens = self.spec, queries.shape[0]
-        schedule, _ = self.flash_mla.get_mla_metadata()
+        if tokens not in metadata.schedules:
+            metadata.schedules[tokens] = self.flash_mla.get_mla_metadata()[0]
+        schedule = metadata.schedules[tokens]
         result, lse = self.flash_mla.flash_mla_with_kvcache(
             queries.view(tokens, 1, self.padded_heads, spec.head_dim),
             kv_cache.unsqueeze(2),  # [blocks, page, 1 kv head, 656 bytes]

@@ -56,6 +56,7 @@ def documented_sparse_decode(calls):
         q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits=None,
         softmax_scale=None, causal=False, is_fp8_kvcache=None, indices=None, use_legacy=False, kv_format=None,
     ):  # fmt: skip
+        tile_scheduler_metadata.fill(q.shape[0])
         batch, s_q, heads, dim = q.shape
         assert is_fp8_kvcache and not causal and kv_format == "V32" and indices.shape[:2] == (batch, s_q)
         calls.append((q.view(-1, heads, dim).shape, indices.view(batch * s_q, 1, -1).shape, use_legacy))
@@ -73,13 +74,29 @@ def documented_sparse_decode(calls):
     return flash_mla_with_kvcache
 
 
+class Schedule:
+    """FlashMLA's ``FlashMLASchedMeta`` as documented: filled by the first decode call (its
+    scheduler, one kernel launch), after which every call must bring the same batch."""
+
+    made: list["Schedule"] = []
+
+    def __init__(self):
+        self.batch = None
+        Schedule.made.append(self)
+
+    def fill(self, batch: int) -> None:
+        assert self.batch in (None, batch), "sched_meta.config.b must be equal to batch_size"
+        self.batch = batch
+
+
 @pytest.fixture
 def on_the_cpu(monkeypatch):
     calls = []
+    Schedule.made.clear()
     kernels = types.SimpleNamespace(
         flash_mla_sparse_fwd=documented_sparse_kernel(calls),
         flash_mla_with_kvcache=documented_sparse_decode(calls),
-        get_mla_metadata=lambda: (object(), None),
+        get_mla_metadata=lambda: (Schedule(), None),
     )
     monkeypatch.setitem(sys.modules, "flash_mla", kernels)
 
@@ -143,3 +160,23 @@ def test_padding_rows_read_only_the_first_tokens_own_slot(on_the_cpu):
     assert slots[0, 0] == 3 * 64 and sorted(slots[0, 64:68].tolist()) == [3 * 64 + p for p in range(5, 9)]
     for padding in slots[3:]:
         assert padding[0] == own and (padding[1:] == -1).all()
+
+
+def test_a_steps_layers_share_one_decode_schedule_as_vllms_metadata_does(on_the_cpu):
+    """fp8_ds_mla's decode kernel: FlashMLA's schedule is made once a step (vLLM's metadata
+    builder makes one ``FlashMLASchedMeta`` a step, the first layer's call fills it), not in every
+    forward, where its scheduler kernel would be timed in every layer's forward."""
+    from conformance.harness.step import poisoned_output, prepare_case
+
+    backend_cls, _ = on_the_cpu
+    prepared = prepare_case(backend_cls, parse_case("mla-h16-d512+64-bf16-fp8dsmla-p64-topk128:300+1,40+1"), CPU)
+    batch, backend, cache, layer = prepared.batch, prepared.backend, prepared.kv_cache, prepared.forward_layer
+    out = poisoned_output(batch)
+    query = torch.cat([batch.query, batch.query.new_zeros(out.shape[0] - batch.query.shape[0], *batch.query.shape[1:])])
+    metadata = backend.build(batch.common_metadata())
+    for _ in range(3):  # three layers of one step
+        backend.forward(query, cache, metadata, out, layer=layer)
+    assert len(Schedule.made) == 1 and Schedule.made[0].batch == query.shape[0]
+    backend.forward(query[:2], cache, metadata, out[:2], layer=layer)
+    backend.forward(query, cache, backend.build(batch.common_metadata()), out, layer=layer)
+    assert len(Schedule.made) == 3  # another row count, and the next step: schedules of their own
