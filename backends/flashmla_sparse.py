@@ -54,8 +54,11 @@ class SparseSlotsMetadata:
     num_tokens: torch.Tensor  # [1] int64: the step's real tokens, on the device
     # fp8_ds_mla: FlashMLA's split schedule a query row count, made by the step's first forward of
     # that count and reused by every later one (every layer of the step), as vLLM's metadata
-    # builder makes one FlashMLASchedMeta a step: its schedule follows the shapes alone.
-    schedules: dict[int, object] = field(default_factory=dict)
+    # builder makes one FlashMLASchedMeta a step: its schedule follows the shapes alone. Keyed by
+    # (rows, capturing) too: one first filled inside a capture holds a recorded scheduler launch,
+    # not its result, until a replay runs it, and one filled eagerly would tie a graph to tensors
+    # this metadata owns.
+    schedules: dict[tuple[int, bool], object] = field(default_factory=dict)
 
 
 class FlashMLASparseBackend(FlashMLAModule):
@@ -204,12 +207,14 @@ class FlashMLASparseBackend(FlashMLAModule):
         """The sparse decode kernel over the fp8_ds_mla pool, each token a request of one query:
         ([tokens, heads, latent], LSE [tokens, heads]). Its split schedule depends on the shapes
         alone (no ``topk_length``: unused entries are -1), so the step's metadata keeps one a row
-        count: FlashMLA fills it on the device in its first call (inside a captured graph too,
-        whose replays refill it) and every later call of the step reads it."""
+        count: FlashMLA fills it on the device in its first call and every later call of the step
+        reads it. A capture makes its own (``SparseSlotsMetadata.schedules``), which every replay
+        refills."""
         spec, tokens = self.spec, queries.shape[0]
-        if tokens not in metadata.schedules:
-            metadata.schedules[tokens] = self.flash_mla.get_mla_metadata()[0]
-        schedule = metadata.schedules[tokens]
+        key = (tokens, queries.is_cuda and torch.cuda.is_current_stream_capturing())
+        if key not in metadata.schedules:
+            metadata.schedules[key] = self.flash_mla.get_mla_metadata()[0]
+        schedule = metadata.schedules[key]
         result, lse = self.flash_mla.flash_mla_with_kvcache(
             queries.view(tokens, 1, self.padded_heads, spec.head_dim),
             kv_cache.unsqueeze(2),  # [blocks, page, 1 kv head, 656 bytes]

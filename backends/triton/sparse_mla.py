@@ -81,13 +81,16 @@ def num_splits(num_tokens: int, head_blocks: int, tiles: int, multiprocessors: i
     fill the GPU's SMs once, one program an SM (compiled for SM90 without a window, DeepSeek-V3.2's
     128-head block takes 222 KB of shared memory and 255 registers a thread, the 16-head one 95 KB
     and 177: either way one block of 8 warps an SM; the window launches of 4 warps were not
-    compiled for this), every split with a whole tile or more, and within the backend's split
-    scratch (``capacity`` rows a head).
+    compiled for this; Nsight Compute's run of the GPU's compile counted 183 at 16 heads), every
+    split with a whole tile or more, and within the backend's split scratch (``capacity`` rows a
+    head).
     The SMs a program are rounded to the nearest, not down: ``num_tokens`` counts the rows
     an engine pads its batch with, whose programs return at once. Rounded down, 64 tokens padded
     by 3 on 132 SMs were one split, 67 programs with 65 SMs idle (16 heads, 32768 keys on an
-    H200: 141 µs, two splits 91). A step whose rows past one wave are real loses at most a third
-    to the tail instead (45 tokens split 3 ways, 135 programs, against 2 ways' 90).
+    H200: 141 µs, two splits 91). The price falls on a step whose rows past one wave are all
+    real: by the waves' arithmetic (not measured), 35 such tokens at 16 heads split 4 ways make two
+    waves of 8 tiles where 3 ways made one of 11, about 1.45× the time, and 17 tokens split 8 ways
+    against 7 about 1.6×.
     From host ints only (the step's padded token count), so a CUDA graph replays the same split;
     a sparse row's bits therefore follow the number of tokens in its step."""
     programs = max(1, num_tokens * head_blocks)

@@ -62,7 +62,7 @@ def test_bench_suite_shapes():
     assert {q for case in cases for _, q in case.batch} == {1, 2, 4, 8, 21, 512}  # 21: a tree's and a chain's
     assert all(case.num_reqs * max(context for context, _ in case.batch) <= 2 * 1024 * 1024 for case in cases)
     assert {case.num_reqs for case in cases} >= {1, 8, 64, 256}
-    # DeepSeek-V3.2's sparse decode, as its target names it: 128 heads over TP 1 and 8, both caches, batch 1-128.
+    # DeepSeek-V3.2's sparse decode over its target's range: 128 heads over TP 1 and 8, both caches, batch 1-128.
     sparse = {
         (case.spec.num_heads, case.spec.kv_scale_block is not None, case.num_reqs)
         for case in cases
