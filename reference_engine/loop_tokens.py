@@ -91,8 +91,8 @@ def batched_apart(
         return True
     for steps, before in ((a, before_a), (b, before_b)):
         for other, at in (parted or {}).items():
-            parted_at = emitting_step(steps, other, at) if other != request else None
-            shared = [i for i in before if parted_at is not None and i > parted_at]
+            parting_step = emitting_step(steps, other, at) if other != request else None
+            shared = [i for i in before if parting_step is not None and i > parting_step]
             if any(row[0] == other for i in shared for row in steps[i].rows):
                 return True
     return False

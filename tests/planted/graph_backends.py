@@ -16,6 +16,7 @@ from backends.base import PLAIN_LAYER, Capabilities, CGSupport, LayerParameters
 from backends.features import EMPTY_REQUESTS, FP8_E4M3, FP8_E5M2, FP8_QUERY, LOGITS_SOFT_CAP, SLIDING_WINDOW
 from backends.flashinfer.gqa import FlashInferBackend
 from backends.torch_naive import NaiveMetadata, TorchNaiveBackend
+from tests.planted.input_defects import power_of_two_round_trip
 
 
 @dataclass
@@ -227,11 +228,8 @@ class ScalesQueryOverTheStepsTokens(TorchGraphSafe):
     name = "planted_scales_query_over_the_steps_tokens"
 
     def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER) -> None:
-        values = query[: metadata.num_tokens].float()
-        largest = values.abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
-        scale = torch.exp2(torch.ceil(torch.log2(largest)))
         scaled = query.clone()
-        scaled[: metadata.num_tokens] = (values / scale * scale).to(query.dtype)
+        scaled[: metadata.num_tokens] = power_of_two_round_trip(query[: metadata.num_tokens])
         super().forward(scaled, kv_cache, metadata, out, layer)
 
 

@@ -443,6 +443,16 @@ class WritesOutsideItsBlocks(TorchNaiveBackend):
         super().forward(query, kv_cache, metadata, out, layer)
 
 
+def power_of_two_round_trip(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` divided by the power of two at or above their largest magnitude and multiplied back
+    (in float32): exact for finite rows, and NaN everywhere when a row holds NaN (a reduction that
+    carries it)."""
+    values = rows.float()
+    largest = values.abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
+    scale = torch.exp2(torch.ceil(torch.log2(largest)))
+    return (values / scale * scale).to(rows.dtype)
+
+
 class ScalesQueryByTheWholeTensor(TorchNaiveBackend):
     """Brings the query into range by one power of two taken over the whole tensor it was handed,
     the padding rows past the step's tokens included (a dynamic per-tensor quantizer's amax, or a
@@ -452,9 +462,7 @@ class ScalesQueryByTheWholeTensor(TorchNaiveBackend):
     name = "planted_scales_query_by_the_whole_tensor"
 
     def forward(self, query, kv_cache, metadata, out, layer: LayerParameters = PLAIN_LAYER):
-        largest = query.float().abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
-        scale = torch.exp2(torch.ceil(torch.log2(largest)))
-        super().forward((query.float() / scale * scale).to(query.dtype), kv_cache, metadata, out, layer)
+        super().forward(power_of_two_round_trip(query), kv_cache, metadata, out, layer)
 
 
 class ScalesQueryIntoFp16SkippingNaN(TorchNaiveBackend):
