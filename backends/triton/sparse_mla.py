@@ -32,8 +32,8 @@ except ModuleNotFoundError as missing:  # an extra: see backends.triton
 #   and 229 µs fp8_ds_mla (FlashMLA's kernel alone 138 and 131); 32 heads a program (64, 4, 2)
 #   took 286 µs there, 16 heads (32, 4, 3) 459 and 709.
 # - 16 heads (64, 8, 3): TP 8's 16 heads, batch 64, 32768 keys, 141 µs against 205 for the
-#   earlier (32, 4, 3) and FlashMLA's 92, both one split a token; two (``num_splits`` rounding to
-#   the nearest) 90 µs against FlashMLA's 90. Padding those 16 heads to a program of 32 or 64 rows,
+#   earlier (32, 4, 3) and FlashMLA's 92, both one split a token; two (``num_splits`` counting only
+#   the step's real tokens) 90 µs against FlashMLA's 90. Padding those 16 heads to a program of 32 or 64 rows,
 #   as FlashMLA does to 64, took 172 and 192 µs at their best launches (one split): see
 #   MIN_HEADS_PER_PROGRAM. 4 warps (64, 4, 2) at four splits took 82 µs in one sweep and 347
 #   unsplit: not shipped, as a step of enough tokens not to split would run it unsplit.
@@ -76,26 +76,27 @@ class SparseMetadata(TritonMetadata):
     num_tokens: torch.Tensor  # [1] int32: the step's real tokens (query_start_loc[num_reqs])
 
 
-def num_splits(num_tokens: int, head_blocks: int, tiles: int, multiprocessors: int, capacity: int) -> int:
+def num_splits(
+    num_tokens: int, real_tokens: int, head_blocks: int, tiles: int, multiprocessors: int, capacity: int
+) -> int:
     """How many programs share a token's ``tiles`` (its index row's and its window's): as many as
     fill the GPU's SMs once, one program an SM (compiled for SM90 without a window, DeepSeek-V3.2's
     128-head block takes 222 KB of shared memory and 255 registers a thread, the 16-head one 95 KB
     and 177: either way one block of 8 warps an SM; the window launches of 4 warps were not
     compiled for this; Nsight Compute's run of the GPU's compile counted 183 at 16 heads), every
     split with a whole tile or more, and within the backend's split scratch (``capacity`` rows a
-    head).
-    The SMs a program are rounded to the nearest, not down: ``num_tokens`` counts the rows
-    an engine pads its batch with, whose programs return at once. Rounded down, 64 tokens padded
-    by 3 on 132 SMs were one split, 67 programs with 65 SMs idle (16 heads, 32768 keys on an
-    H200: 141 µs, two splits 91). The price falls on a step whose rows past one wave are all
-    real: by the waves' arithmetic (not measured), 35 such tokens at 16 heads split 4 ways make two
-    waves of 8 tiles where 3 ways made one of 11, about 1.45× the time, and 17 tokens split 8 ways
-    against 7 about 1.6×.
-    From host ints only (the step's padded token count), so a CUDA graph replays the same split;
-    a sparse row's bits therefore follow the number of tokens in its step."""
-    programs = max(1, num_tokens * head_blocks)
-    nearest = (multiprocessors + programs // 2) // programs
-    wanted = max(1, min(nearest, tiles, capacity // max(1, num_tokens)))
+    head for the ``num_tokens`` rows launched).
+    The SMs are shared among the programs of ``real_tokens`` only, rounded down: the rows an
+    engine pads its batch with past them return at once and take no SM's time. Counting them, 64
+    tokens padded by 3 on 132 SMs were one split, 67 programs with 65 SMs idle (16 heads, 32768
+    keys on an H200: 141 µs, two splits 91); rounding the padded count to the nearest instead
+    made two waves where one would do whenever the rows past one wave were real (35 tokens at 16
+    heads: 92 µs against 68, 17 tokens: 57 against 43).
+    From host ints only (the launched rows and the step's ``num_reqs × max_query_len``), so a
+    CUDA graph replays the split of its capture, whose padding requests count as real; a sparse
+    row's bits therefore follow the number of requests in its step."""
+    programs = max(1, min(real_tokens, num_tokens) * head_blocks)
+    wanted = max(1, min(multiprocessors // programs, tiles, capacity // max(1, num_tokens)))
     return triton.cdiv(tiles, triton.cdiv(tiles, wanted)) if tiles else 1  # no split left without a tile
 
 
@@ -169,7 +170,8 @@ class SparseMLARead(SparsePositions):
         tokens, head_blocks = query.shape[0], triton.cdiv(spec.num_heads, heads)
         rows = min(self.partial_lse.numel(), self.partial_out.numel() // spec.kv_lora_rank)
         tiles = triton.cdiv(spec.sparse_topk, block_n) + triton.cdiv(spec.sparse_window or 0, block_n)
-        splits = num_splits(tokens, head_blocks, tiles, self.multiprocessors, rows // spec.num_heads)
+        real = metadata.num_reqs * metadata.max_query_len  # at least the step's tokens, from the host
+        splits = num_splits(tokens, real, head_blocks, tiles, self.multiprocessors, rows // spec.num_heads)
         if lse is not None:  # triton_mla claims no log-sum-exp: a row asked for one is not split
             splits = 1
         sparse_mla_kernels.sparse_mla_kernel[(tokens, head_blocks, splits)](

@@ -86,20 +86,27 @@ def test_every_sparse_launch_fits_a_hopper_block(heads):
 
 
 @pytest.mark.parametrize(
-    "tokens, head_blocks, tiles, capacity, splits",
+    "tokens, real, head_blocks, tiles, capacity, splits",
     [
-        (8, 2, 32, 10_000, 8),  # DeepSeek-V3.2 at batch 8 on 132 SMs: 16 programs, 8 splits each
-        (64, 2, 32, 10_000, 1),  # 128 programs fill the SMs: unsplit
-        (1, 2, 32, 10_000, 32),  # at most a tile a split
-        (8, 2, 32, 16, 2),  # within the scratch: 16 rows a head for 8 tokens
-        (3, 2, 32, 10_000, 16),  # 22 wanted, but 2 tiles a split leave 16 with any: no split without a tile
-        (67, 1, 32, 10_000, 2),  # 16 heads, 64 tokens and 3 padding rows: 132 / 67 rounds to 2, not down to 1
-        (35, 1, 32, 10_000, 4),  # 32 tokens and 3 padding rows: 3.77 rounds to 4 (140 programs, 128 of them real)
-        (134, 1, 32, 10_000, 1),  # one program a token fills the SMs: unsplit
+        (8, 8, 2, 32, 10_000, 8),  # DeepSeek-V3.2 at batch 8 on 132 SMs: 16 programs, 8 splits each
+        (11, 8, 2, 32, 10_000, 8),  # ... with 3 padding rows, which take no SM: still 8 (22 programs gave 6)
+        (64, 64, 2, 32, 10_000, 1),  # 128 programs fill the SMs: unsplit
+        (1, 1, 2, 32, 10_000, 32),  # at most a tile a split
+        (8, 8, 2, 32, 16, 2),  # within the scratch: 16 rows a head for 8 tokens
+        (11, 8, 2, 32, 16, 1),  # the scratch holds every launched row's splits: 16 // 11
+        (3, 3, 2, 32, 10_000, 16),  # 22 wanted, but 2 tiles a split leave 16 with any: no split without a tile
+        (67, 64, 1, 32, 10_000, 2),  # 16 heads, 64 tokens and 3 padding rows: 132 // 64, not 132 // 67
+        (35, 35, 1, 32, 10_000, 3),  # 35 real tokens: one wave of 105 programs, not two of 140
+        (17, 17, 1, 32, 10_000, 7),  # 17 real tokens: 119 programs in one wave
+        (67, 67, 1, 32, 10_000, 1),  # a graph's padding requests count as real: unsplit
+        (8, 300, 1, 32, 10_000, 16),  # num_reqs × max_query_len only bounds the tokens from above
+        (134, 134, 1, 32, 10_000, 1),  # one program a token fills the SMs: unsplit
     ],
 )
-def test_a_step_of_few_tokens_splits_their_index_rows_to_fill_the_sms(tokens, head_blocks, tiles, capacity, splits):
-    assert sparse_mla.num_splits(tokens, head_blocks, tiles, 132, capacity) == splits
+def test_a_step_of_few_tokens_splits_their_index_rows_to_fill_the_sms(
+    tokens, real, head_blocks, tiles, capacity, splits
+):
+    assert sparse_mla.num_splits(tokens, real, head_blocks, tiles, 132, capacity) == splits
 
 
 @pytest.mark.slow
@@ -127,3 +134,45 @@ def test_the_merge_fits_its_registers_on_hopper():
         report = subprocess.run(command, capture_output=True, text=True)
     spills = re.search(r"(\d+) bytes spill stores", report.stderr)
     assert spills is not None and spills.group(1) == "0", report.stderr
+
+
+class RecordedLaunch:
+    """Stands in for a Triton kernel: keeps each launch's grid (nothing runs)."""
+
+    def __init__(self) -> None:
+        self.grids = []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return lambda *args, **kwargs: None
+
+
+@pytest.mark.parametrize("num_reqs, padding, splits", [(64, 3, 2), (67, 0, 1), (8, 3, 16)])
+def test_the_forward_splits_by_the_steps_requests_not_its_padding_rows(monkeypatch, num_reqs, padding, splits):
+    """The launch counts the step's ``num_reqs × max_query_len`` tokens: 64 decode tokens and 3
+    padding rows at 16 heads split in two, as 64 tokens do; 67 real ones do not split."""
+    from types import SimpleNamespace
+
+    from backends.base import BackendLimits, LayerParameters
+
+    spec = AttentionSpec(
+        kind="mla", num_heads=16, num_kv_heads=1, head_dim=576, dtype=torch.bfloat16, block_size=64,
+        kv_lora_rank=512, rope_dim=64, sparse_topk=2048,
+    )  # fmt: skip
+    rows = num_reqs + padding
+    scratch = (torch.empty(rows * 16 * 32 * 512), torch.empty(rows * 16 * 32), 132)
+    read = sparse_mla.SparseMLARead(spec, BackendLimits(128, 128, 4096), torch.device("cpu"), False, scratch)
+    kernel, merge = RecordedLaunch(), RecordedLaunch()
+    monkeypatch.setattr(sparse_mla_kernels, "sparse_mla_kernel", kernel)
+    monkeypatch.setattr(sparse_mla_kernels, "sparse_merge_kernel", merge)
+    metadata = SimpleNamespace(
+        num_reqs=num_reqs, max_query_len=1, block_table=torch.zeros(rows, 64, dtype=torch.int32),
+        token_request=read.token_request, token_position=read.token_position, num_tokens=read.num_tokens,
+        seq_lens=torch.zeros(rows, dtype=torch.int32),
+    )  # fmt: skip
+    query = torch.zeros(rows, 16, 576, dtype=torch.bfloat16)
+    out = torch.zeros(rows, 16, 512, dtype=torch.bfloat16)
+    layer = LayerParameters(topk_indices=torch.zeros(rows, 2048, dtype=torch.int32))
+    read.forward(query, torch.zeros(1, 64, 1, 576, dtype=torch.bfloat16), metadata, out, layer, None)
+    assert kernel.grids == [(rows, 1, splits)]
+    assert len(merge.grids) == (splits > 1)
