@@ -91,7 +91,7 @@ def num_splits(
     tokens padded by 3 on 132 SMs were one split, 67 programs with 65 SMs idle (16 heads, 32768
     keys on an H200: 141 µs, two splits 91); rounding the padded count to the nearest instead
     made two waves where one would do whenever the rows past one wave were real (35 tokens at 16
-    heads: 92 µs against 68, 17 tokens: 57 against 43).
+    heads: 91 µs against 68, 17 tokens: 56 against 43).
     From host ints only (the launched rows and the step's ``num_reqs × max_query_len``), so a
     CUDA graph replays the split of its capture, whose padding requests count as real; a sparse
     row's bits therefore follow the number of requests in its step."""
@@ -170,7 +170,8 @@ class SparseMLARead(SparsePositions):
         tokens, head_blocks = query.shape[0], triton.cdiv(spec.num_heads, heads)
         rows = min(self.partial_lse.numel(), self.partial_out.numel() // spec.kv_lora_rank)
         tiles = triton.cdiv(spec.sparse_topk, block_n) + triton.cdiv(spec.sparse_window or 0, block_n)
-        real = metadata.num_reqs * metadata.max_query_len  # at least the step's tokens, from the host
+        # At least the step's tokens, from the host; a batch of empty requests (no query) counts every row.
+        real = metadata.num_reqs * metadata.max_query_len or tokens
         splits = num_splits(tokens, real, head_blocks, tiles, self.multiprocessors, rows // spec.num_heads)
         if lse is not None:  # triton_mla claims no log-sum-exp: a row asked for one is not split
             splits = 1

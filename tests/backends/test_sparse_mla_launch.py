@@ -147,10 +147,16 @@ class RecordedLaunch:
         return lambda *args, **kwargs: None
 
 
-@pytest.mark.parametrize("num_reqs, padding, splits", [(64, 3, 2), (67, 0, 1), (8, 3, 16)])
-def test_the_forward_splits_by_the_steps_requests_not_its_padding_rows(monkeypatch, num_reqs, padding, splits):
+@pytest.mark.parametrize(
+    "num_reqs, query_len, padding, splits",
+    [(64, 1, 3, 2), (67, 1, 0, 1), (8, 1, 3, 16), (32, 2, 3, 2), (0, 0, 8, 16)],
+)
+def test_the_forward_splits_by_the_steps_requests_not_its_padding_rows(
+    monkeypatch, num_reqs, query_len, padding, splits
+):
     """The launch counts the step's ``num_reqs × max_query_len`` tokens: 64 decode tokens and 3
-    padding rows at 16 heads split in two, as 64 tokens do; 67 real ones do not split."""
+    padding rows at 16 heads split in two, as 64 tokens do; 67 real ones do not split; 32
+    requests of 2 tokens are 64 (32 would give 4); a step with no query counts every row."""
     from types import SimpleNamespace
 
     from backends.base import BackendLimits, LayerParameters
@@ -159,14 +165,14 @@ def test_the_forward_splits_by_the_steps_requests_not_its_padding_rows(monkeypat
         kind="mla", num_heads=16, num_kv_heads=1, head_dim=576, dtype=torch.bfloat16, block_size=64,
         kv_lora_rank=512, rope_dim=64, sparse_topk=2048,
     )  # fmt: skip
-    rows = num_reqs + padding
+    rows = num_reqs * query_len + padding
     scratch = (torch.empty(rows * 16 * 32 * 512), torch.empty(rows * 16 * 32), 132)
     read = sparse_mla.SparseMLARead(spec, BackendLimits(128, 128, 4096), torch.device("cpu"), False, scratch)
     kernel, merge = RecordedLaunch(), RecordedLaunch()
     monkeypatch.setattr(sparse_mla_kernels, "sparse_mla_kernel", kernel)
     monkeypatch.setattr(sparse_mla_kernels, "sparse_merge_kernel", merge)
     metadata = SimpleNamespace(
-        num_reqs=num_reqs, max_query_len=1, block_table=torch.zeros(rows, 64, dtype=torch.int32),
+        num_reqs=num_reqs, max_query_len=query_len, block_table=torch.zeros(rows, 64, dtype=torch.int32),
         token_request=read.token_request, token_position=read.token_position, num_tokens=read.num_tokens,
         seq_lens=torch.zeros(rows, dtype=torch.int32),
     )  # fmt: skip
