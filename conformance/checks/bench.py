@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from backends.base import AttentionBackend, CGSupport
+from backends.base import AttentionBackend, CGSupport, CommonAttentionMetadata
 from conformance.cases.grammar import Case
 from conformance.checks.base import EVERY_KIND, Check
 from conformance.harness.graph_batches import graph_class_reason
-from conformance.harness.step import poisoned_output, prepare_case
+from conformance.harness.step import PreparedCase, poisoned_output, prepare_case
 from conformance.results import Outcome, Verdict
 
 BUILD_CALLS = 200
@@ -95,6 +96,28 @@ def traffic(case: Case) -> tuple[float, float]:
     return kv_bytes + io_bytes, flops
 
 
+@dataclass
+class TimedInputs:
+    """What a timed forward is handed: the step's rows already written, its metadata built from
+    host lengths (``common`` kept to time ``build`` and to capture), the query with the case's
+    padding rows (zeros: the bench times, the checks judge what padding holds), and an output."""
+
+    common: CommonAttentionMetadata
+    metadata: Any
+    query: torch.Tensor
+    out: torch.Tensor
+
+
+def timed_inputs(prepared: PreparedCase) -> TimedInputs:
+    """One case's step made ready to time, as ``conformance bench`` and the tuning sweeps time it."""
+    batch, backend = prepared.batch, prepared.backend
+    common = batch.common_metadata(with_host_lengths=True)
+    key, value, slots = batch.step_rows()
+    backend.write_kv(prepared.kv_cache, key, value, slots, layer=prepared.layer)
+    query = torch.cat([batch.query, batch.query.new_zeros(batch.case.padding, *batch.query.shape[1:])])
+    return TimedInputs(common, backend.build(common), query, poisoned_output(batch))
+
+
 class BenchCheck(Check):
     name = "bench"
     drives_trees = True  # its step hands the case's trees to the backend and the oracle
@@ -114,14 +137,9 @@ class BenchCheck(Check):
             self._ceilings = measure_ceilings(device)
             self._flush = _l2_flusher(device)
         prepared = prepare_case(backend_cls, case, device, poison=False)
-        batch, backend = prepared.batch, prepared.backend
-        common = batch.common_metadata(with_host_lengths=True)
-        key, value, slots = batch.step_rows()
-        query = torch.cat([batch.query, batch.query.new_zeros(case.padding, *batch.query.shape[1:])])
-        out = poisoned_output(batch)
-        layer = prepared.forward_layer
-        backend.write_kv(prepared.kv_cache, key, value, slots, layer=prepared.layer)
-        metadata = backend.build(common)
+        backend, layer = prepared.backend, prepared.forward_layer
+        inputs = timed_inputs(prepared)
+        common, query, out = inputs.common, inputs.query, inputs.out
 
         build_us = time_cpu(lambda: backend.build(common))
         metadata = backend.build(common)

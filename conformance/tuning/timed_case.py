@@ -8,22 +8,17 @@ import torch
 
 from backends import registry
 from conformance.cases.grammar import parse_case
-from conformance.checks.bench import _l2_flusher, time_gpu, traffic
-from conformance.harness.step import poisoned_output, prepare_case
+from conformance.checks.bench import _l2_flusher, time_gpu, timed_inputs, traffic
+from conformance.harness.step import prepare_case
 
 
 class TimedCase:
     def __init__(self, backend_name: str, case_text: str, device: torch.device) -> None:
         self.case = parse_case(case_text)
         self.prepared = prepare_case(registry.load(backend_name), self.case, device)
-        batch = self.prepared.batch
-        key, value, slots = batch.step_rows()
         self.backend = self.prepared.backend
-        self.backend.write_kv(self.prepared.kv_cache, key, value, slots, layer=self.prepared.layer)
-        self.metadata = self.backend.build(batch.common_metadata(with_host_lengths=True))
-        # The case's padding rows, as ``conformance bench`` hands them (3 unless the case says padN).
-        self.query = torch.cat([batch.query, batch.query.new_zeros(self.case.padding, *batch.query.shape[1:])])
-        self.out = poisoned_output(batch)
+        inputs = timed_inputs(self.prepared)  # as ``conformance bench`` hands them, padding rows too
+        self.metadata, self.query, self.out = inputs.metadata, inputs.query, inputs.out
         self.flush = _l2_flusher(device)
 
     def forward(self) -> torch.Tensor:

@@ -1,17 +1,21 @@
 """CPU coverage for code whose real inputs come from GPU runs: publishing results, the bench
-check's traffic model, the bench ratio annotation and the terminal bench table."""
+check's traffic model and its timed step, the bench ratio annotation and the terminal bench table."""
 
 import json
 import subprocess
 import sys
 
 import pytest
+import torch
 from rich.console import Console
 
+from backends import registry
 from conformance.cases.grammar import parse_case
 from conformance.cases.suites import suite
 from conformance.checks import default_checks
-from conformance.checks.bench import traffic
+from conformance.checks.bench import timed_inputs, traffic
+from conformance.harness.step import prepare_case
+from conformance.harness.stored_cache import expected_output
 from conformance.report.publish import PublishError, split_by_backend, table_checks, verdict_table
 from conformance.report.terminal import bench_table
 from conformance.results import BackendResult, CaseResult, CheckResult, RunResult, Verdict
@@ -258,3 +262,20 @@ def test_a_check_that_ran_nothing_says_why_as_the_backends_own_kind_of_case_does
     crashed.backends[0].checks.append(CheckResult("syncs", Verdict.ERROR, "worker crashed", []))
     table = "\n".join(verdict_table({"z": crashed}))
     assert "every case SKIP" not in table and "ERROR (worker crashed)" in table, table
+
+
+@pytest.mark.parametrize("padding", ["", "-pad5", "-pad0"])
+def test_a_timed_step_is_written_built_and_padded_as_the_case_says(padding):
+    """``timed_inputs`` (the bench's and the tuning sweeps' one preparation): the step's rows are
+    in the cache and its metadata built, so the forward answers the oracle; the query carries the
+    case's padding rows (3 by default), zeros."""
+    case = parse_case(f"gqa-h4/2-d64-bf16-p16{padding}:30+1,7+2@0")
+    prepared = prepare_case(registry.load("torch_naive"), case, torch.device("cpu"))
+    inputs = timed_inputs(prepared)
+    rows = case.num_tokens
+    assert inputs.query.shape[0] == rows + {"": 3, "-pad5": 5, "-pad0": 0}[padding]
+    assert torch.equal(inputs.query[:rows], prepared.batch.query)
+    assert not inputs.query[rows:].any()
+    prepared.backend.forward(inputs.query, prepared.kv_cache, inputs.metadata, inputs.out, layer=prepared.forward_layer)
+    expected = expected_output(prepared).to(inputs.out.dtype)
+    torch.testing.assert_close(inputs.out[:rows], expected, atol=2e-2, rtol=2e-2)
